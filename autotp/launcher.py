@@ -1,0 +1,205 @@
+"""Start one process per rank, like torchrun, and surface failures and hangs.
+
+`spawn_ranks` is the single implementation of spawning, result collection and
+timeouts; `launch` (used by `autotp run`) and the tests' `run_on_ranks` wrap it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+T = TypeVar("T")
+
+_POLL_S = 0.1
+
+
+class RankError(RuntimeError):
+    """A worker raised; carries the rank and the worker-side traceback."""
+
+    def __init__(self, rank: int, world_size: int, worker_traceback: str) -> None:
+        super().__init__(f"rank {rank} of {world_size} failed:\n{worker_traceback}")
+        self.rank = rank
+        self.worker_traceback = worker_traceback
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 300) -> None:
+    """Initialize the default process group from torchrun-style env vars.
+
+    `backend=None` picks nccl when every local rank can have its own CUDA device,
+    else gloo. Does nothing if a process group already exists.
+    """
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(
+            f"environment variables {missing} are not set; start the program with torchrun "
+            "or through autotp.launcher.launch"
+        )
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+    if backend is None:
+        backend = "nccl" if enough_gpus else "gloo"
+    device_id = None
+    if backend == "nccl":
+        if not enough_gpus:
+            raise ValueError(
+                f"backend 'nccl' needs {local_world_size} CUDA devices on this host but "
+                f"{torch.cuda.device_count()} are visible; use backend='gloo' or fewer ranks"
+            )
+        device_id = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(
+        backend,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device_id,
+    )
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str | None,
+    timeout_s: float,
+    num_threads: int,
+    results: Any,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(num_threads)
+    try:
+        init_distributed(backend, timeout_s)
+        # Pickled here, not by the queue: torch.multiprocessing would share tensor
+        # storage with this process, which exits right after.
+        payload = pickle.dumps(_to_cpu(fn(rank, world_size, *args)))
+        results.put((rank, True, payload))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_ranks(
+    fn: Callable[..., T],
+    world_size: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout_s: float = 300,
+    num_threads: int | None = None,
+) -> list[T]:
+    """Run `fn(rank, world_size, *args)` in `world_size` fresh processes; return results by rank.
+
+    Each process gets torchrun env vars and a process group (`init_distributed`).
+    `fn` must be a module-level function and its result picklable; tensors come back
+    on CPU. If any rank raises, all ranks are killed and `RankError` carries its
+    traceback; if the ranks do not finish in `timeout_s`, all are killed and
+    `TimeoutError` is raised. `num_threads` defaults to the CPU cores split across ranks.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if num_threads is None:
+        num_threads = max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, backend, timeout_s, num_threads, results, fn, args),
+            name=f"autotp-rank{rank}",
+        )
+        for rank in range(world_size)
+    ]
+    outputs: dict[int, T] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.start()
+        while len(outputs) < world_size:
+            if time.monotonic() > deadline:
+                pending = sorted(set(range(world_size)) - outputs.keys())
+                raise TimeoutError(
+                    f"ranks {pending} of {world_size} did not finish within {timeout_s} s; all ranks were killed"
+                )
+            try:
+                rank, ok, payload = results.get(timeout=_POLL_S)
+            except queue.Empty:
+                _check_silent_deaths(procs, outputs, results)
+                continue
+            if not ok:
+                raise RankError(rank, world_size, payload)
+            outputs[rank] = pickle.loads(payload)
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join()
+        results.close()
+    return [outputs[rank] for rank in range(world_size)]
+
+
+def _check_silent_deaths(procs: list[Any], outputs: dict[int, Any], results: Any) -> None:
+    """Raise if a rank exited without reporting (killed by a signal, os._exit, ...)."""
+    dead = [rank for rank, p in enumerate(procs) if p.exitcode is not None and rank not in outputs]
+    if not dead:
+        return
+    # Its report may have been flushed to the queue between our get() and the exitcode check.
+    while True:
+        try:
+            rank, ok, payload = results.get(timeout=_POLL_S)
+        except queue.Empty:
+            break
+        if not ok:
+            raise RankError(rank, len(procs), payload)
+        outputs[rank] = pickle.loads(payload)
+    for rank in dead:
+        if rank not in outputs:
+            raise RankError(rank, len(procs), f"process exited with code {procs[rank].exitcode} without reporting\n")
+
+
+def launch(worker: Callable[[int, int], None], world_size: int, backend: str, timeout_s: float) -> None:
+    """Run `worker(rank, world_size)` on `world_size` local processes with a `backend` process group."""
+    spawn_ranks(worker, world_size, backend=backend, timeout_s=timeout_s)

@@ -1,0 +1,84 @@
+"""``ParallelPlan``: everything the passes need to know, decided by the cost model.
+
+A plan is plain data: frozen dataclasses that round-trip through JSON. Passes only read
+it; ``autotp.cost_model`` produces it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from autotp.layouts import DimSharding
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How one parameter is split over the tp ranks.
+
+    ``kind`` says why, for people reading the plan: ``column``/``row`` (linear
+    out/in features), ``vocab`` (embedding rows), ``bias`` (follows its linear),
+    ``expert_column``/``expert_row`` (fused MoE experts).
+    """
+
+    name: str
+    kind: str
+    dim: int
+    sharding: DimSharding
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "dim": self.dim, "sharding": self.sharding.to_json()}
+
+    @staticmethod
+    def from_json(d: dict) -> ParamLayout:
+        return ParamLayout(d["name"], d["kind"], d["dim"], DimSharding.from_json(d["sharding"]))
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Degrees of parallelism and the layout of every sharded parameter.
+
+    Parameters not listed in ``params`` are replicated on every tp rank.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    params: tuple[ParamLayout, ...] = ()
+    gather_outputs: bool = True
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def layout_of(self, name: str) -> ParamLayout | None:
+        for p in self.params:
+            if p.name == name:
+                return p
+        return None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "tp": self.tp,
+                "pp": self.pp,
+                "dp": self.dp,
+                "gather_outputs": self.gather_outputs,
+                "params": [p.to_json() for p in self.params],
+                "notes": list(self.notes),
+            },
+            indent=1,
+        )
+
+    @staticmethod
+    def from_json(text: str) -> ParallelPlan:
+        d = json.loads(text)
+        return ParallelPlan(
+            tp=d["tp"],
+            pp=d.get("pp", 1),
+            dp=d.get("dp", 1),
+            params=tuple(ParamLayout.from_json(p) for p in d["params"]),
+            gather_outputs=d.get("gather_outputs", True),
+            notes=tuple(d.get("notes", ())),
+        )

@@ -1,0 +1,142 @@
+"""Built-in model presets and local config folders, built without downloading anything."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MixtralConfig,
+    PretrainedConfig,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+
+def _llama_tiny() -> PretrainedConfig:
+    return LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
+
+
+def _gpt2_tiny() -> PretrainedConfig:
+    return GPT2Config(
+        vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=255, eos_token_id=255
+    )
+
+
+def _mixtral_tiny() -> PretrainedConfig:
+    return MixtralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    )
+
+
+def _gpt2_small() -> PretrainedConfig:
+    return GPT2Config(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024)
+
+
+def _llama3(hidden: int, intermediate: int, layers: int, heads: int) -> PretrainedConfig:
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    )
+
+
+def _mixtral_8x7b() -> PretrainedConfig:
+    return MixtralConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+
+
+_PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama-tiny": _llama_tiny,
+    "gpt2-tiny": _gpt2_tiny,
+    "mixtral-tiny": _mixtral_tiny,
+    "gpt2-small": _gpt2_small,
+    "llama3-8b": lambda: _llama3(hidden=4096, intermediate=14336, layers=32, heads=32),
+    "llama3-70b": lambda: _llama3(hidden=8192, intermediate=28672, layers=80, heads=64),
+    "mixtral-8x7b": _mixtral_8x7b,
+}
+
+
+def preset_names() -> list[str]:
+    return list(_PRESETS)
+
+
+def _config_for(name_or_path: str) -> PretrainedConfig:
+    if name_or_path in _PRESETS:
+        return _PRESETS[name_or_path]()
+    path = Path(name_or_path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"folder {path} has no config.json; point at the folder that holds the model's config.json")
+        return AutoConfig.from_pretrained(path)
+    raise ValueError(
+        f"unknown model {name_or_path!r}; use one of the presets {', '.join(_PRESETS)} "
+        "or a local folder holding a config.json"
+    )
+
+
+def build_model(
+    name_or_path: str,
+    device: str | torch.device = "meta",
+    dtype: torch.dtype | None = None,
+) -> torch.nn.Module:
+    """Build a preset or a local config folder's model in eval mode, with random weights on `device`.
+
+    On the default `meta` device nothing is allocated, so any size builds in seconds.
+    """
+    config = _config_for(name_or_path)
+    config.use_cache = False
+    auto_class = AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else AutoModel
+    with torch.device(device):
+        model = auto_class.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def example_inputs(model: torch.nn.Module, batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random `input_ids` below the model's vocabulary, identical for equal `seed` on every rank.
+
+    They live on the model's CUDA device if it has one, else on CPU (also for meta models).
+    """
+    vocab_size = model.config.get_text_config().vocab_size
+    param = next(model.parameters())
+    device = param.device if param.device.type == "cuda" else torch.device("cpu")
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (batch, seq), generator=generator)
+    return {"input_ids": input_ids.to(device)}

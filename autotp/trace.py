@@ -1,0 +1,115 @@
+"""Trace an unmodified model into an aten-level ``GraphModule``.
+
+Tracing uses non-strict ``torch.export`` on a *fake* copy of the model: its parameters
+are fake tensors on the device the graph will run on. The copy shares no storage with
+the original and allocates nothing, so a model on the CPU, a GPU or the meta device
+traces the same way. The device matters: HF code branches on it (Mixtral's ``histc``
+casts to float on CPU only), so a graph must be traced for the device that runs it.
+Parameters keep their original dotted names as ``get_attr`` targets.
+
+Shapes are concrete: every new input signature (names, shapes, dtypes) is traced once
+and cached by ``ParallelModel``.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule
+
+_DROPPED_TARGETS = {torch.ops.aten._assert_tensor_metadata.default}
+
+
+def _fake_copy(model: nn.Module, kwargs: dict[str, Any], device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
+    """``model`` and ``kwargs`` with every tensor replaced by a fake one on ``device``."""
+    mode = FakeTensorMode()
+    memo: dict[int, Any] = {}
+    with mode:
+        for t in list(model.parameters()) + list(model.buffers()):
+            if id(t) in memo:
+                continue
+            fake = torch.empty(t.shape, dtype=t.dtype, device=device)
+            memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+        fake_kwargs = torch.utils._pytree.tree_map(
+            lambda x: torch.empty(x.shape, dtype=x.dtype, device=device) if isinstance(x, torch.Tensor) else x, kwargs
+        )
+    return copy.deepcopy(model, memo), fake_kwargs
+
+
+def structure_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with parameters and buffers on ``meta``, kept for retracing."""
+    memo: dict[int, Any] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in memo:
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+@contextmanager
+def _module_stack(model: nn.Module) -> Iterator[list[str]]:
+    """Track which submodule is executing, to name it when tracing fails."""
+    stack: list[str] = []
+    handles = []
+    for name, mod in model.named_modules():
+        label = f"{name or '<root>'} ({type(mod).__name__})"
+        handles.append(mod.register_forward_pre_hook(lambda m, a, label=label: stack.append(label)))
+        handles.append(mod.register_forward_hook(lambda m, a, o: _pop(stack)))
+    try:
+        yield stack
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _pop(stack: list[str]) -> None:
+    # A forward hook that returns a value would replace the module's output.
+    if stack:
+        stack.pop()
+
+
+def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str = "cpu") -> GraphModule:
+    """Export ``model(**kwargs)`` (non-strict) on a fake copy living on ``device``.
+
+    Raises ``ValueError`` naming the submodule and source line that could not trace.
+    """
+    fake_model, fake_kwargs = _fake_copy(model, kwargs, torch.device(device))
+    with _module_stack(fake_model) as stack:
+        try:
+            ep = torch.export.export(fake_model, (), fake_kwargs, strict=False)
+        except Exception as e:  # noqa: BLE001 - re-raised with location
+            frames = traceback.extract_tb(e.__traceback__)
+            model_frames = [f for f in frames if "site-packages/torch" not in f.filename and "autotp" not in f.filename]
+            where = f"{model_frames[-1].filename}:{model_frames[-1].lineno} ({model_frames[-1].line})" if model_frames else "unknown line"
+            module = stack[-1] if stack else f"<root> ({type(model).__name__})"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(
+                f"autotp could not trace {type(model).__name__}: an operation in module {module} at {where} "
+                f"failed under torch.export: {type(e).__name__}: {first}. Fix: make that module traceable "
+                f"(no data-dependent Python control flow or .item() on tensors), or pass example inputs "
+                f"that take a traceable path."
+            ) from e
+    gm = ep.module()
+    _clean(gm)
+    return gm
+
+
+def _clean(gm: GraphModule) -> None:
+    """Drop export's runtime guards and metadata asserts; they check global shapes."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if (node.op == "call_function" and node.target in _DROPPED_TARGETS) or (
+            node.op == "call_module" and str(node.target) == "_guards_fn"
+        ):
+            graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    graph.lint()
+    gm.recompile()

@@ -1,0 +1,24 @@
+"""Write every node's tensor-parallel layout into its metadata (reads the plan)."""
+
+from __future__ import annotations
+
+from torch.fx import GraphModule
+
+from autotp import meta_keys
+from autotp.layout_propagation import check_divisible, propagate
+from autotp.passes.runner import PassContext
+
+
+def annotate_layouts(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    prop = propagate(gm, ctx.plan.tp, plan=ctx.plan)
+    check_divisible(prop, gm)
+    for node in gm.graph.nodes:
+        node.meta[meta_keys.LAYOUT] = prop.layouts.get(node)
+        node.meta[meta_keys.NEEDS_GRAD] = prop.needs_grad.get(node, False)
+        if node in prop.reduce_inputs:
+            node.meta[meta_keys.REDUCE_INPUTS] = list(prop.reduce_inputs[node])
+        if node in prop.roles:
+            node.meta[meta_keys.ROLE] = prop.roles[node]
+        if node in prop.expand_fixups:
+            node.meta[meta_keys.EXPAND_FIXUPS] = prop.expand_fixups[node]
+    return gm

@@ -1,0 +1,135 @@
+"""Insert Megatron's f and g (and the output gathers) as graph nodes.
+
+Each collective is placed where the layouts say it is needed, one per use, without
+looking for sharing; ``cancel_collectives`` merges the duplicates afterwards.
+
+* g (``reduce_from_tp``): before every use of a partial tensor by an op that needs the
+  full value (recorded by the layout pass), and between a row-parallel matmul and its
+  bias.
+* f (``copy_to_tp``): on every use of a replicated, trainable tensor by an op whose
+  output is not replicated; backward, the grads that the ranks compute from their
+  shards are partial and f sums them.
+* f over the replica group: on parameters that several ranks hold whole (KV heads
+  replicated when tp > num_key_value_heads), so their partial grads are summed.
+* ``gather_from_tp``: on sharded graph outputs, so the user sees full tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from autotp import meta_keys
+from autotp.collectives import copy_to_tp, gather_from_tp, reduce_from_tp
+from autotp.layout_propagation import NodeRole, shape_of
+from autotp.layouts import REPLICATE, Layout, resolve
+from autotp.passes.runner import PassContext
+
+aten = torch.ops.aten
+
+
+def replica_group_key(group: str, replicas: int) -> str:
+    """Key of the subgroup of ``replicas`` consecutive tp ranks that hold the same slice."""
+    return f"{group}_replicas{replicas}"
+
+
+def _annotate(new: Node, like: Node, layout: Any, kind: str) -> None:
+    if "val" in like.meta:
+        new.meta["val"] = like.meta["val"]
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in like.meta:
+            new.meta[key] = like.meta[key]
+    new.meta[meta_keys.LAYOUT] = layout
+    new.meta[meta_keys.COLLECTIVE] = kind
+
+
+def _not_replicated(node: Node) -> bool:
+    lay = node.meta.get(meta_keys.LAYOUT)
+    lays = lay if isinstance(lay, tuple) else (lay,)
+    return any(isinstance(l, Layout) and not l.replicated for l in lays)
+
+
+def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    if ctx.plan.tp == 1:
+        return gm
+    graph, key = gm.graph, ctx.group
+    for node in list(graph.nodes):
+        for partial in node.meta.get(meta_keys.REDUCE_INPUTS, []):
+            with graph.inserting_before(node):
+                g = graph.call_function(reduce_from_tp, (partial, key))
+            _annotate(g, partial, REPLICATE, "all_reduce")
+            node.replace_input_with(partial, g)
+        if node.meta.get(meta_keys.ROLE) is NodeRole.ROW_WITH_BIAS:
+            _split_row_bias(gm, node, key)
+    for node in list(graph.nodes):
+        lay = node.meta.get(meta_keys.LAYOUT)
+        if not (isinstance(lay, Layout) and lay.replicated and node.meta.get(meta_keys.NEEDS_GRAD)):
+            continue
+        for user in list(node.users):
+            if user.op == "call_function" and _not_replicated(user):
+                with graph.inserting_before(user):
+                    f = graph.call_function(copy_to_tp, (node, key))
+                _annotate(f, node, lay, "all_reduce_backward")
+                user.replace_input_with(node, f)
+    _sync_replicated_blocks(gm, ctx)
+    if ctx.plan.gather_outputs:
+        _gather_outputs(gm, key, ctx.plan.tp)
+    return gm
+
+
+def _split_row_bias(gm: GraphModule, node: Node, key: str) -> None:
+    """``linear(x, W, b)`` / ``addmm(b, x, W)`` with partial product -> ``g(x @ W) + b``."""
+    graph = gm.graph
+    if node.target is aten.linear.default:
+        x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs["bias"]
+        target, args = aten.linear.default, (x, w)
+    else:
+        bias, x, w = node.args[0], node.args[1], node.args[2]
+        target, args = aten.mm.default, (x, w)
+    with graph.inserting_before(node):
+        product = graph.call_function(target, args)
+        g = graph.call_function(reduce_from_tp, (product, key))
+        out = graph.call_function(aten.add.Tensor, (g, bias))
+    product.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.ROLE})
+    product.meta[meta_keys.LAYOUT] = Layout(partial=True)
+    _annotate(g, node, REPLICATE, "all_reduce")
+    out.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.ROLE})
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+
+
+def _sync_replicated_blocks(gm: GraphModule, ctx: PassContext) -> None:
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        layout = ctx.plan.layout_of(str(node.target))
+        if layout is None or layout.sharding.replicas(ctx.plan.tp) == 1 or not node.meta.get(meta_keys.NEEDS_GRAD):
+            continue
+        sub = replica_group_key(ctx.group, layout.sharding.replicas(ctx.plan.tp))
+        with graph.inserting_after(node):
+            f = graph.call_function(copy_to_tp, (node, sub))
+        _annotate(f, node, node.meta.get(meta_keys.LAYOUT), "all_reduce_backward")
+        node.replace_all_uses_with(f, delete_user_cb=lambda u: u is not f)
+
+
+def _gather_outputs(gm: GraphModule, key: str, tp: int) -> None:
+    graph = gm.graph
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    for arg in list(out_node.all_input_nodes):
+        lay = arg.meta.get(meta_keys.LAYOUT)
+        if not isinstance(lay, Layout) or not lay.dims:
+            continue
+        shape = shape_of(arg)
+        assert shape is not None
+        value = arg
+        for d, var in lay.dims:
+            if resolve(var, tp).replicas(tp) != 1:
+                raise ValueError(f"graph output '{arg.name}' holds replicated blocks; it cannot be gathered")
+            with graph.inserting_before(out_node):
+                value = graph.call_function(gather_from_tp, (value, d, shape[d], key))
+            _annotate(value, arg, REPLICATE, "all_gather")
+        out_node.replace_input_with(arg, value)

@@ -1,0 +1,96 @@
+"""Small models for numerical tests: HF models from tiny configs and a plain PyTorch one."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+
+class PlainTransformer(nn.Module):
+    """A decoder written with nn.Linear/LayerNorm and explicit matmul attention (not HF)."""
+
+    def __init__(self, vocab: int = 96, hidden: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList()
+        for _ in range(layers):
+            block = nn.ModuleDict(
+                {
+                    "norm1": nn.LayerNorm(hidden),
+                    "qkv": nn.Linear(hidden, 3 * hidden),
+                    "proj": nn.Linear(hidden, hidden),
+                    "norm2": nn.LayerNorm(hidden),
+                    "up": nn.Linear(hidden, 4 * hidden),
+                    "down": nn.Linear(4 * hidden, hidden),
+                }
+            )
+            self.blocks.append(block)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        x = self.embed(input_ids)
+        b, s, h = x.shape
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["norm1"](x)).split(h, dim=-1)
+            q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+            scores = (q @ k.transpose(-1, -2)) / (h // self.heads) ** 0.5
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            att = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+            x = x + blk["proj"](att.transpose(1, 2).reshape(b, s, h))
+            x = x + blk["down"](F.gelu(blk["up"](blk["norm2"](x))))
+        logits = self.head(self.norm(x))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        return out
+
+
+def build(name: str) -> nn.Module:
+    """A freshly initialized small model (seeded, eval mode, no dropout)."""
+    torch.manual_seed(0)
+    if name == "gpt2":  # vocab 130: padded at tp=4; tied lm_head; fused QKV (Conv1D)
+        cfg = GPT2Config(vocab_size=130, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        model: nn.Module = GPT2LMHeadModel(cfg)
+    elif name == "llama":  # GQA: 8 query heads, 2 KV heads (replicated at tp=4)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2))
+    elif name == "llama_kv4":  # for tp=8: 4 KV heads, each held by two ranks
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4))
+    elif name == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                                                 num_local_experts=4, num_experts_per_tok=2))
+    elif name == "bert":
+        model = BertForMaskedLM(BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=2, num_attention_heads=4,
+                                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    elif name == "qwen2":  # an architecture with no autotp-specific code: q/k/v biases, GQA
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    elif name == "plain":
+        model = PlainTransformer()
+    else:
+        raise KeyError(name)
+    return model.eval()
+
+
+def vocab_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    return config.vocab_size if config is not None else model.head.out_features  # type: ignore[union-attr]
