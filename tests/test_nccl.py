@@ -1,0 +1,64 @@
+"""The same equivalence on GPUs through NCCL, in bf16 (skipped without enough GPUs)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from autotp.launcher import spawn_ranks
+from small_models import build, vocab_size
+
+# bf16 keeps 8 bits of mantissa: compare by relative norm, the way bf16 kernels are judged.
+BF16_REL_TOL = 2e-2
+
+
+def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.float(), expected.float()
+    return ((a - e).norm() / (e.norm() + 1e-12)).item()
+
+
+def _compare_on_gpu(rank: int, world: int, name: str) -> dict[str, float]:
+    import autotp
+
+    torch.cuda.set_device(rank)
+    model = build(name).to(device="cuda", dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    vocab = vocab_size(model)
+    ids = torch.randint(0, vocab, (4, 64), generator=gen).cuda()
+    labels = torch.randint(0, vocab, (4, 64), generator=gen).cuda()
+    pm = autotp.parallelize(model, tp=world, example_inputs={"input_ids": ids, "labels": labels})
+    out = pm(input_ids=ids, labels=labels)
+    expected = reference(input_ids=ids, labels=labels)
+    out.loss.backward()
+    expected.loss.backward()
+    grads = pm.unshard_grads()
+    # Grads that are analytically zero (BERT's key bias: softmax ignores a shift) are
+    # bf16 rounding noise on both sides; relative error means nothing there.
+    largest = max(p.grad.float().norm().item() for p in reference.parameters())
+    worst_grad = max(
+        _rel_err(grads[n], p.grad) for n, p in reference.named_parameters() if p.grad.float().norm() > 1e-4 * largest
+    )
+    return {
+        "loss": _rel_err(out.loss, expected.loss),
+        "logits": _rel_err(out.logits, expected.logits),
+        "grad": worst_grad,
+        "backend": torch.distributed.get_backend(),
+    }
+
+
+CASES = [(m, tp) for m in ("llama", "gpt2", "mixtral", "bert") for tp in (2, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("name", "tp"), CASES, ids=[f"{m}-tp{tp}" for m, tp in CASES])
+def test_nccl_bf16_matches_single_gpu(name: str, tp: int) -> None:
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPUs, found {torch.cuda.device_count()}")
+    results = spawn_ranks(_compare_on_gpu, tp, name, backend="nccl", timeout_s=300)
+    for r in results:
+        print(name, tp, r)
+        assert r["backend"] == "nccl"
+        assert r["loss"] < BF16_REL_TOL and r["logits"] < BF16_REL_TOL and r["grad"] < BF16_REL_TOL, r
