@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import time
 from dataclasses import dataclass
@@ -94,6 +95,7 @@ class ParallelModel(nn.Module):
         self._graphs: dict[tuple, GraphModule] = {}
         self.pass_timings: dict[str, float] = {}
         self._bind_parameters(model)
+        self.train(model.training)
         self._graphs[_signature_key(first_kwargs, model.training)] = self._compile(first_graph)
 
     # ---- parameters ----------------------------------------------------------------
@@ -271,17 +273,18 @@ def _default_inputs(model: nn.Module) -> dict[str, Any]:
     return {"input_ids": torch.randint(0, vocab, (_DEFAULT_BATCH, _DEFAULT_SEQ))}
 
 
-def _tp_groups(tp: int, world: int, rank: int, group_key: str, replica_sizes: set[int]) -> None:
+def _tp_groups(tp: int, world: int, rank: int, group_key: str, replica_sizes: set[int], timeout_s: float) -> None:
     """Create the tp group (consecutive ranks, Megatron's innermost dim) and replica subgroups."""
+    timeout = datetime.timedelta(seconds=timeout_s)
     for start in range(0, world, tp):
         ranks = list(range(start, start + tp))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             collectives.register_group(group_key, group)
         for size in sorted(replica_sizes):
             for sub in range(start, start + tp, size):
                 sub_ranks = list(range(sub, sub + size))
-                sub_group = dist.new_group(sub_ranks)
+                sub_group = dist.new_group(sub_ranks, timeout=timeout)
                 if rank in sub_ranks:
                     collectives.register_group(replica_group_key(group_key, size), sub_group)
 
@@ -353,13 +356,16 @@ def parallelize(
     device: torch.device | str | None = None,
     seed: int = 0,
     gather_outputs: bool = True,
+    timeout_s: float = 300.0,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's tensor-parallel ``ParallelModel``.
 
     ``example_inputs`` (keyword arguments of ``model.forward``) fix the first traced
     signature; HF models default to random ``input_ids`` of shape [2, 16]. ``plan`` is
     a ``ParallelPlan`` to follow, or None / ``"auto"`` to let the cost model decide.
-    ``device`` defaults to the rank's CUDA device under NCCL, else the CPU.
+    ``device`` defaults to the rank's CUDA device under NCCL, else the CPU. A collective
+    that waits longer than ``timeout_s`` (a rank crashed or diverged) raises instead of
+    hanging.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -393,7 +399,7 @@ def parallelize(
     group_key = f"tp{tp}"
     if tp > 1:
         replica_sizes = {p.sharding.replicas(tp) for p in chosen.params} - {1}
-        _tp_groups(tp, world, rank, group_key, replica_sizes)
+        _tp_groups(tp, world, rank, group_key, replica_sizes, timeout_s)
     tp_rank = rank % tp
     rng.seed_tp_rng(seed, tp_rank)
     return ParallelModel(

@@ -28,10 +28,14 @@ _POLL_S = 0.1
 class RankError(RuntimeError):
     """A worker raised; carries the rank and the worker-side traceback."""
 
-    def __init__(self, rank: int, world_size: int, worker_traceback: str) -> None:
+    def __init__(
+        self, rank: int, world_size: int, worker_traceback: str, exc_type: str = "", message: str = ""
+    ) -> None:
         super().__init__(f"rank {rank} of {world_size} failed:\n{worker_traceback}")
         self.rank = rank
         self.worker_traceback = worker_traceback
+        self.exc_type = exc_type
+        self.message = message
 
 
 def free_port() -> int:
@@ -112,8 +116,8 @@ def _rank_main(
         # storage with this process, which exits right after.
         payload = pickle.dumps(_to_cpu(fn(rank, world_size, *args)))
         results.put((rank, True, payload))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as e:
+        results.put((rank, False, (traceback.format_exc(), type(e).__name__, str(e))))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -167,7 +171,7 @@ def spawn_ranks(
                 _check_silent_deaths(procs, outputs, results)
                 continue
             if not ok:
-                raise RankError(rank, world_size, payload)
+                raise RankError(rank, world_size, *payload)
             outputs[rank] = pickle.loads(payload)
         for p in procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -193,7 +197,7 @@ def _check_silent_deaths(procs: list[Any], outputs: dict[int, Any], results: Any
         except queue.Empty:
             break
         if not ok:
-            raise RankError(rank, len(procs), payload)
+            raise RankError(rank, len(procs), *payload)
         outputs[rank] = pickle.loads(payload)
     for rank in dead:
         if rank not in outputs:

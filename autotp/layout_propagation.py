@@ -18,7 +18,8 @@ so the walk goes on and finds every conflict in one sweep. The planner then stop
 sharding those parameters and walks again.
 
 Partial tensors stay partial through ops that are linear in them (add of two partials,
-mul/div by a replicated tensor, views, sums, row gathers); any other consumer gets the
+mul/div by a replicated tensor, views, sums, row gathers) as long as each partial value
+has one user; any other consumer, and every user of a shared partial value, gets the
 partial input listed in ``reduce_inputs`` (an all-reduce goes there).
 """
 
@@ -211,7 +212,9 @@ class _Walker:
         if not isinstance(arg, Node):
             return REPLICATE
         lay = self.out.layouts.get(arg, REPLICATE)
-        if lay == PARTIAL and arg in self.reduced and self.current is not None:
+        if lay == PARTIAL and self.current is not None and (arg in self.reduced or len(arg.users) > 1):
+            # One all-reduce where a shared partial value is made, rather than one on
+            # each value derived from it (a hand-written norm reads x twice).
             self.reduce_first(self.current, [arg])
             return REPLICATE
         if isinstance(lay, ParamView):
@@ -641,9 +644,11 @@ class _Walker:
         return shard({(i if i < d else i - 1): v for i, v in lay.dims if i != d})
 
     def cat(self, node: Node) -> Any:
+        """``cat`` and ``stack``: inputs sharded alike, along another dim."""
         tensors = node.args[0]
         nd = len(shape_of(node) or ())
         d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
+        stacking = node.target is aten.stack.default
         lays = [self.concrete(t, node) for t in tensors]
         if all(l.replicated for l in lays):
             return REPLICATE
@@ -656,6 +661,8 @@ class _Walker:
                 raise ShardingConflict(f"{describe(node)}: concatenates differently sharded tensors", first.origins() | l.origins())
             for (_, v1), (_, v2) in zip(first.dims, l.dims):
                 unify(v1, v2, describe(node))
+        if stacking:
+            return shard({(i if i < d else i + 1): v for i, v in first.dims})
         if first.var_at(d) is not None:
             raise ShardingConflict(f"{describe(node)}: concatenates along a sharded dim", first.origins())
         return first
@@ -785,9 +792,9 @@ class _Walker:
                 self.reduce_first(node, [mask])
             return REPLICATE
         heads = [l.var_at(1) for l in lays]
-        for l in lays:
-            if len(l.dims) != 1 or l.var_at(1) is None:
-                raise ShardingConflict(f"{describe(node)}: attention needs q, k and v sharded on heads", l.origins() | lays[0].origins())
+        if any(len(l.dims) != 1 or l.var_at(1) is None for l in lays):
+            blame = lays[0].origins() | lays[1].origins() | lays[2].origins()
+            raise ShardingConflict(f"{describe(node)}: attention needs q, k and v sharded on heads", blame)
         unify(heads[1], heads[2], describe(node))
         if heads[0].find().size == heads[1].find().size:
             unify(heads[0], heads[1], describe(node))
@@ -868,6 +875,8 @@ _RULES: dict[Any, Callable[[_Walker, Node], Any]] = {
     aten.view.default: _Walker.reshape,
     aten.reshape.default: _Walker.reshape,
     aten._unsafe_view.default: _Walker.reshape,
+    aten.flatten.using_ints: _Walker.reshape,
+    aten.unflatten.int: _Walker.reshape,
     aten.expand.default: _Walker.expand,
     aten.unsqueeze.default: _Walker.unsqueeze,
     aten.squeeze.dim: _Walker.squeeze,
@@ -883,6 +892,7 @@ _RULES: dict[Any, Callable[[_Walker, Node], Any]] = {
     aten.chunk.default: _Walker.split,
     aten.unbind.int: _Walker.split,
     aten.cat.default: _Walker.cat,
+    aten.stack.default: _Walker.cat,
     aten.index.Tensor: _Walker.index,
     aten.layer_norm.default: _Walker.norm,
     aten.native_layer_norm.default: _Walker.norm,

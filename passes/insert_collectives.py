@@ -24,7 +24,7 @@ from torch.fx import GraphModule, Node
 from autotp import meta_keys
 from autotp.collectives import copy_to_tp, gather_from_tp, reduce_from_tp
 from autotp.layout_propagation import NodeRole, shape_of
-from autotp.layouts import REPLICATE, Layout, resolve
+from autotp.layouts import PARTIAL, REPLICATE, Layout, resolve
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten
@@ -35,14 +35,27 @@ def replica_group_key(group: str, replicas: int) -> str:
     return f"{group}_replicas{replicas}"
 
 
-def _annotate(new: Node, like: Node, layout: Any, kind: str) -> None:
-    if "val" in like.meta:
-        new.meta["val"] = like.meta["val"]
+def _annotate(new: Node, value: Node, layout: Any, kind: str, located_at: Node | None = None) -> None:
+    """Metadata of a collective applied to ``value``; ``located_at`` names its source location."""
+    where = located_at or value
+    if "val" in value.meta:
+        new.meta["val"] = value.meta["val"]
     for key in ("nn_module_stack", "stack_trace"):
-        if key in like.meta:
-            new.meta[key] = like.meta[key]
+        if key in where.meta:
+            new.meta[key] = where.meta[key]
     new.meta[meta_keys.LAYOUT] = layout
+    new.meta[meta_keys.NEEDS_GRAD] = value.meta.get(meta_keys.NEEDS_GRAD, False)
     new.meta[meta_keys.COLLECTIVE] = kind
+
+
+def _partial_source(node: Node) -> Node:
+    """The op that made a partial value (a row matmul, a vocab lookup), through the
+    linear ops that kept it partial; dumps and counts attribute the all-reduce to it."""
+    while True:
+        partial_inputs = [a for a in node.all_input_nodes if a.meta.get(meta_keys.LAYOUT) == PARTIAL]
+        if not partial_inputs:
+            return node
+        node = partial_inputs[0]
 
 
 def _not_replicated(node: Node) -> bool:
@@ -59,7 +72,7 @@ def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
         for partial in node.meta.get(meta_keys.REDUCE_INPUTS, []):
             with graph.inserting_before(node):
                 g = graph.call_function(reduce_from_tp, (partial, key))
-            _annotate(g, partial, REPLICATE, "all_reduce")
+            _annotate(g, partial, REPLICATE, "all_reduce", located_at=_partial_source(partial))
             node.replace_input_with(partial, g)
         if node.meta.get(meta_keys.ROLE) is NodeRole.ROW_WITH_BIAS:
             _split_row_bias(gm, node, key)
@@ -95,7 +108,7 @@ def _split_row_bias(gm: GraphModule, node: Node, key: str) -> None:
         out = graph.call_function(aten.add.Tensor, (g, bias))
     product.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.ROLE})
     product.meta[meta_keys.LAYOUT] = Layout(partial=True)
-    _annotate(g, node, REPLICATE, "all_reduce")
+    _annotate(g, product, REPLICATE, "all_reduce")
     out.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.ROLE})
     node.replace_all_uses_with(out)
     graph.erase_node(node)

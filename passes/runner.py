@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+import time
 from pathlib import Path
 
 import torch
@@ -32,8 +33,6 @@ class PassContext:
 
 
 def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> GraphModule:
-    import time
-
     done: list[str] = []
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -46,8 +45,8 @@ def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> Gra
             gm.graph.lint()
             gm.recompile()
         except Exception as e:
-            before = ", ".join(done) or "none"
-            raise type(e)(f"pass '{name}' failed (passes run before it: {before}): {e}") from e
+            e.add_note(f"in autotp pass '{name}' (passes run before it: {', '.join(done) or 'none'})")
+            raise
         ctx.timings[name] = ctx.timings.get(name, 0.0) + time.perf_counter() - start
         done.append(name)
         if ctx.dump_dir is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+import transformers
 from transformers import (
     BertConfig,
     BertForMaskedLM,
@@ -22,9 +23,10 @@ from transformers import (
 class PlainTransformer(nn.Module):
     """A decoder written with nn.Linear/LayerNorm and explicit matmul attention (not HF)."""
 
-    def __init__(self, vocab: int = 96, hidden: int = 32, heads: int = 4, layers: int = 2) -> None:
+    def __init__(self, vocab: int = 96, hidden: int = 32, heads: int = 4, layers: int = 2, dropout: float = 0.0) -> None:
         super().__init__()
         self.heads = heads
+        self.dropout = nn.Dropout(dropout)
         self.embed = nn.Embedding(vocab, hidden)
         self.blocks = nn.ModuleList()
         for _ in range(layers):
@@ -51,13 +53,45 @@ class PlainTransformer(nn.Module):
             scores = (q @ k.transpose(-1, -2)) / (h // self.heads) ** 0.5
             mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
             att = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
-            x = x + blk["proj"](att.transpose(1, 2).reshape(b, s, h))
-            x = x + blk["down"](F.gelu(blk["up"](blk["norm2"](x))))
+            x = x + self.dropout(blk["proj"](att.transpose(1, 2).reshape(b, s, h)))
+            x = x + blk["down"](self.dropout(F.gelu(blk["up"](blk["norm2"](x)))))
         logits = self.head(self.norm(x))
         out = {"logits": logits}
         if labels is not None:
             out["loss"] = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
         return out
+
+
+_DECODER = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)
+
+# Decoder architectures that autotp has no specific code for (config class, model class, kwargs).
+MORE_ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", _DECODER),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_DECODER, head_dim=16)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(_DECODER, moe_intermediate_size=64,
+                  shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(_DECODER, head_dim=16)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_DECODER, head_dim=16)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(vocab_size=128, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+            num_attention_heads=4, word_embed_proj_dim=64, dropout=0.0)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(vocab_size=128, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, resid_pdrop=0.0, embd_pdrop=0.0)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_DECODER, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0)),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(_DECODER, hidden_dropout=0.0)),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(_DECODER, residual_dropout=0.0,
+                   embedding_dropout=0.0)),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", _DECODER),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+             resid_pdrop=0.0, embd_pdrop=0.0)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=128, hidden_size=64, n_layer=2, n_head=4)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", _DECODER),
+    "cohere": ("CohereConfig", "CohereForCausalLM", _DECODER),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+               num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2)),
+}
 
 
 def build(name: str) -> nn.Module:
@@ -86,6 +120,9 @@ def build(name: str) -> nn.Module:
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
     elif name == "plain":
         model = PlainTransformer()
+    elif name in MORE_ARCHITECTURES:
+        config_cls, model_cls, kwargs = MORE_ARCHITECTURES[name]
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
     else:
         raise KeyError(name)
     return model.eval()

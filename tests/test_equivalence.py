@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distributed import run_on_ranks
-from small_models import build, vocab_size
+from small_models import MORE_ARCHITECTURES, build, vocab_size
 
 RTOL, ATOL = 1e-4, 1e-6
 
@@ -74,3 +74,28 @@ def test_matches_unmodified_model(name: str, tp: int) -> None:
     assert len({round(r["loss"], 6) for r in results}) == 1, f"ranks disagree on the loss: {results}"
     # every rank holds a real shard, not the whole model
     assert results[0]["local_fraction"] < 0.8
+
+
+def _grads_on_rank(rank: int, world: int, name: str) -> float:
+    import autotp
+
+    model = build(name)
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, vocab_size(model), (2, 16), generator=gen) for _ in range(2))
+    pm = autotp.parallelize(model, tp=world, example_inputs={"input_ids": ids, "labels": labels})
+    out, expected = pm(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+    _close(out.loss, expected.loss, "loss")
+    _close(out.logits, expected.logits, "logits")
+    out.loss.backward()
+    expected.loss.backward()
+    grads = pm.unshard_grads()
+    for pname, p in reference.named_parameters():
+        _close(grads[pname], p.grad, f"grad of {pname}")
+    return sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())
+
+
+@pytest.mark.parametrize("name", list(MORE_ARCHITECTURES))
+def test_other_architectures_match_without_specific_code(name: str) -> None:
+    local_fraction = run_on_ranks(_grads_on_rank, 2, name, timeout_s=400)[0]
+    assert local_fraction < 1.0

@@ -38,13 +38,14 @@ def _compare_on_gpu(rank: int, world: int, name: str) -> dict[str, float]:
     # Grads that are analytically zero (BERT's key bias: softmax ignores a shift) are
     # bf16 rounding noise on both sides; relative error means nothing there.
     largest = max(p.grad.float().norm().item() for p in reference.parameters())
-    worst_grad = max(
-        _rel_err(grads[n], p.grad) for n, p in reference.named_parameters() if p.grad.float().norm() > 1e-4 * largest
+    worst_grad, worst_name = max(
+        (_rel_err(grads[n], p.grad), n) for n, p in reference.named_parameters() if p.grad.float().norm() > 1e-4 * largest
     )
     return {
         "loss": _rel_err(out.loss, expected.loss),
         "logits": _rel_err(out.logits, expected.logits),
         "grad": worst_grad,
+        "worst_grad_param": worst_name,
         "backend": torch.distributed.get_backend(),
     }
 

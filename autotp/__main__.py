@@ -1,0 +1,7 @@
+"""``python -m autotp``."""
+
+import sys
+
+from autotp.cli import main
+
+sys.exit(main())

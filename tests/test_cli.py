@@ -1,0 +1,39 @@
+import re
+import subprocess
+import sys
+
+import pytest
+
+from autotp.cli import main
+
+
+def _autotp(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "autotp", *args], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_run_trains_and_matches_the_unparallelized_loss() -> None:
+    result = _autotp("run", "--tp", "2", "--steps", "2")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^step 1  loss \d+\.\d{4}$", result.stdout, re.MULTILINE), result.stdout
+    assert re.search(r"^step 2  loss \d+\.\d{4}$", result.stdout, re.MULTILINE), result.stdout
+    diff = re.search(r"step-1 loss vs unparallelized model: .* \(\|diff\| (\S+)\)", result.stdout)
+    assert diff is not None, result.stdout
+    assert float(diff.group(1)) < 1e-4
+    assert re.search(r"all-reduces per rank graph: \d+ forward, \d+ backward", result.stdout)
+
+
+def test_unknown_model_exits_2_with_one_line() -> None:
+    result = _autotp("run", "--model", "no-such-model")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "unknown model 'no-such-model'" in lines[0] and "llama-tiny" in lines[0]
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert "run" in capsys.readouterr().out
