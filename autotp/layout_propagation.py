@@ -590,6 +590,16 @@ class _Walker:
         perm[d0], perm[d1] = perm[d1], perm[d0]
         return self.permute_like(node, perm)
 
+    def reverse_dims(self, node: Node) -> Any:
+        """``x.T`` (``numpy_T``) reverses every dim; ``x.mT`` swaps the last two."""
+        nd = len(shape_of(node) or ())
+        perm = list(range(nd))
+        if node.target is aten.numpy_T.default:
+            perm.reverse()
+        else:
+            perm[-2], perm[-1] = perm[-1], perm[-2]
+        return self.permute_like(node, perm)
+
     def permute(self, node: Node) -> Any:
         nd = len(shape_of(node) or ())
         return self.permute_like(node, [_norm_dim(d, nd) for d in node.args[1]])
@@ -885,6 +895,8 @@ _RULES: dict[Any, Callable[[_Walker, Node], Any]] = {
     aten.transpose.int: _Walker.transpose,
     aten.t.default: _Walker.transpose,
     aten.permute.default: _Walker.permute,
+    aten.numpy_T.default: _Walker.reverse_dims,
+    aten.mT.default: _Walker.reverse_dims,
     aten.slice.Tensor: _Walker.slice_,
     aten.select.int: _Walker.select,
     aten.split.Tensor: _Walker.split,

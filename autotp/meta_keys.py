@@ -14,7 +14,7 @@ ROLE = "autotp_role"
 """What the sharding rewrite must do with the node (a ``NodeRole`` value)."""
 
 COLLECTIVE = "autotp_collective"
-"""Set on inserted collective nodes: a ``CollectiveInfo``."""
+"""Set on inserted collective nodes: ``all_reduce``, ``all_reduce_backward`` or ``all_gather``."""
 
 NEEDS_GRAD = "autotp_needs_grad"
 """Whether the node's value depends on a trainable tensor."""
