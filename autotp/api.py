@@ -1,11 +1,12 @@
-"""``autotp.parallelize`` and the ``ParallelModel`` it returns."""
+"""``autotp.parallelize``, ``autotp.compile_rank`` and the ``ParallelModel``."""
 
 from __future__ import annotations
 
 import datetime
 import inspect
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,23 +15,28 @@ import torch.distributed as dist
 from torch import nn
 from torch.fx import GraphModule
 
-from autotp import collectives, rng
+from autotp import collectives, rng, schedules
+from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
-from autotp.passes import TENSOR_PARALLEL_PASSES
+from autotp.layers import num_layers
+from autotp.passes import PASSES
 from autotp.passes.insert_collectives import replica_group_key
 from autotp.passes.runner import PassContext, run_passes
+from autotp.pipeline import ChunkGraph, PipelineGroups, PipelineRunner, extract_chunks
 from autotp.plan import ParallelPlan, ParamLayout
+from autotp.rank_groups import groups_of, rank_groups
 from autotp.sharding import shard_tensor, unshard_tensor
 from autotp.trace import structure_copy, trace
 
 _DEFAULT_BATCH, _DEFAULT_SEQ = 2, 16
+_DP_BUCKET_BYTES = 25 * 2**20
 
 
 def _set_nested(root: nn.Module, dotted: str, value: torch.Tensor, *, buffer: bool) -> None:
     *path, leaf = dotted.split(".")
     mod = root
     for part in path:
-        child = getattr(mod, part, None) if part in mod._modules else None
+        child = mod._modules.get(part)
         if child is None:
             child = nn.Module()
             mod.add_module(part, child)
@@ -48,24 +54,53 @@ def _get_nested(root: nn.Module, dotted: str) -> Any:
     return obj
 
 
+def _set_graph_attr(gm: GraphModule, dotted: str, value: torch.Tensor) -> None:
+    *path, leaf = dotted.split(".")
+    mod: Any = gm
+    for part in path:
+        mod = getattr(mod, part)
+    if isinstance(value, nn.Parameter):
+        mod._parameters[leaf] = value
+    else:
+        mod._buffers[leaf] = value
+
+
 def _signature_key(kwargs: dict[str, Any], training: bool) -> tuple:
     items = []
     for k in sorted(kwargs):
         v = kwargs[k]
-        if isinstance(v, torch.Tensor):
-            items.append((k, tuple(v.shape), v.dtype))
-        else:
-            items.append((k, repr(v)))
+        items.append((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v)))
     return (training, tuple(items))
 
 
-class ParallelModel(nn.Module):
-    """This rank's part of a tensor-parallel model.
+@dataclass(frozen=True)
+class _Coords:
+    """Where this process sits in the tp x dp x pp grid, and its groups' keys."""
 
-    Its parameters are this rank's shards, registered under the original names, so
-    ``torch.optim.AdamW(pm.parameters())`` trains it. Calling it like the original model
-    returns the same output type; the loss is the same on every tp rank, and sharded
-    outputs (logits) are gathered unless the plan says otherwise. Each new input
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    tp_key: str
+    dp_group: dist.ProcessGroup | None
+    pipeline: PipelineGroups | None
+
+
+@dataclass
+class _Compiled:
+    """One input signature, compiled: the full per-rank graph and this rank's chunks."""
+
+    graph: GraphModule
+    chunks: dict[int, ChunkGraph]
+    param_chunks: dict[str, set[int]]  # every parameter -> chunks that read it
+
+
+class ParallelModel(nn.Module):
+    """This rank's part of a tensor-, pipeline- and data-parallel model.
+
+    Its parameters are this rank's shards (only the layers of its pipeline stage),
+    registered under the original names, so ``torch.optim.AdamW(pm.parameters())``
+    trains it. Calling it like the original model returns the same output type on every
+    rank (loss identical on every rank, sharded outputs gathered). Each new input
     signature (names, shapes, dtypes, train/eval) is traced and compiled once.
     """
 
@@ -75,15 +110,12 @@ class ParallelModel(nn.Module):
         plan: ParallelPlan,
         first_graph: GraphModule,
         first_kwargs: dict[str, Any],
-        *,
-        tp_rank: int,
-        group_key: str,
+        coords: _Coords,
         device: torch.device,
     ) -> None:
         super().__init__()
         self.plan = plan
-        self._tp_rank = tp_rank
-        self._group_key = group_key
+        self._coords = coords
         self._device = device
         self._source = _StructureOnly(model)
         self._forward_params = list(inspect.signature(model.forward).parameters)
@@ -92,26 +124,38 @@ class ParallelModel(nn.Module):
         self._layouts: dict[str, ParamLayout | None] = {}
         self._local_names: list[str] = []
         self._buffer_names: list[str] = []
-        self._graphs: dict[tuple, GraphModule] = {}
+        self._graphs: dict[tuple, _Compiled] = {}
+        self._shared_param_groups: dict[str, dist.ProcessGroup] = {}
         self.pass_timings: dict[str, float] = {}
-        self._bind_parameters(model)
+        compiled = self._compile(first_graph)
+        self._bind_parameters(model, compiled)
+        self._make_shared_param_groups(compiled)
+        self._attach(compiled)
         self.train(model.training)
-        self._graphs[_signature_key(first_kwargs, model.training)] = self._compile(first_graph)
+        self._graphs[_signature_key(first_kwargs, model.training)] = compiled
 
     # ---- parameters ----------------------------------------------------------------
 
-    def _bind_parameters(self, model: nn.Module) -> None:
+    @property
+    def my_chunks(self) -> list[int]:
+        return [c for c in range(self.plan.num_chunks) if self.plan.pp_rank_of_chunk(c) == self._coords.pp_rank]
+
+    def _bind_parameters(self, model: nn.Module, compiled: _Compiled) -> None:
+        """Keep the shard of every parameter that this rank's chunks read."""
         by_id: dict[int, str] = {}
         tensors: dict[str, nn.Parameter] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             canonical = by_id.setdefault(id(p), name)
             self._aliases.setdefault(canonical, []).append(name)
             tensors.setdefault(canonical, p)
+        mine = set(self.my_chunks)
         for name, p in tensors.items():
             layouts = [self.plan.layout_of(alias) for alias in self._aliases[name]]
             layout = self._layouts[name] = next((l for l in layouts if l is not None), None)
+            if not self._param_chunks(compiled, name) & mine:
+                continue
             data = p.detach()
-            local = shard_tensor(data, layout, self._tp_rank, self.plan.tp) if layout else data.clone()
+            local = shard_tensor(data, layout, self._coords.tp_rank, self.plan.tp) if layout else data.clone()
             if local.device.type != "meta":
                 local = local.to(self._device)
             _set_nested(self, name, nn.Parameter(local, requires_grad=p.requires_grad), buffer=False)
@@ -123,6 +167,34 @@ class ParallelModel(nn.Module):
             _set_nested(self, name, value, buffer=True)
             self._buffer_names.append(name)
 
+    def _param_chunks(self, compiled: _Compiled, canonical: str) -> set[int]:
+        chunks: set[int] = set()
+        for alias in self._aliases[canonical]:
+            chunks |= compiled.param_chunks.get(alias, set())
+        return chunks
+
+    def _owners(self, compiled: _Compiled, canonical: str) -> list[int]:
+        """Pipeline ranks that hold ``canonical`` (sorted)."""
+        return sorted({self.plan.pp_rank_of_chunk(c) for c in self._param_chunks(compiled, canonical)})
+
+    def _make_shared_param_groups(self, compiled: _Compiled) -> None:
+        """Groups of pipeline stages sharing a parameter (tied embedding and lm_head)."""
+        if self.plan.pp == 1:
+            return
+        assert self._coords.pipeline is not None
+        for name in self._aliases:
+            owners = self._owners(compiled, name)
+            if len(owners) < 2:
+                continue
+            # new_group is collective: every rank creates every group, in the same order.
+            for stage_ranks in self._all_pipelines():
+                group = dist.new_group([stage_ranks[o] for o in owners])
+                if stage_ranks == self._coords.pipeline.pp_ranks:
+                    self._shared_param_groups[name] = group
+
+    def _all_pipelines(self) -> list[list[int]]:
+        return rank_groups(dist.get_world_size(), tp=self.plan.tp, pp=self.plan.pp)["pp"]
+
     def _canonical(self, name: str) -> str:
         for canonical, names in self._aliases.items():
             if name in names:
@@ -131,30 +203,44 @@ class ParallelModel(nn.Module):
 
     # ---- compilation ---------------------------------------------------------------
 
-    def _compile(self, traced: GraphModule) -> GraphModule:
-        ctx = PassContext(plan=self.plan, tp_rank=self._tp_rank, device=self._device, group=self._group_key)
-        gm = run_passes(traced, ctx, TENSOR_PARALLEL_PASSES)
+    def _compile(self, traced: GraphModule) -> _Compiled:
+        ctx = PassContext(plan=self.plan, tp_rank=self._coords.tp_rank, device=self._device, group=self._coords.tp_key)
+        gm = run_passes(traced, ctx, PASSES)
         for k, v in ctx.timings.items():
             self.pass_timings[k] = self.pass_timings.get(k, 0.0) + v
+        param_chunks: dict[str, set[int]] = {}
+        params = dict(gm.named_parameters(remove_duplicate=False))
         for node in gm.graph.nodes:
-            if node.op != "get_attr":
-                continue
-            target = str(node.target)
-            source = self._canonical(target)
-            if source in self._local_names or source in self._buffer_names:
-                _set_nested_attr(gm, target, _get_nested(self, source))
-        return gm
+            if node.op == "get_attr" and str(node.target) in params:
+                chunks = {u.meta.get("autotp_chunk") or 0 for u in node.users}
+                param_chunks.setdefault(str(node.target), set()).update(chunks)
+        chunks = extract_chunks(gm, self.plan.num_chunks, self.plan.tp, only=self.my_chunks) if self.plan.num_chunks > 1 else {}
+        return _Compiled(gm, chunks, param_chunks)
+
+    def _attach(self, compiled: _Compiled) -> None:
+        """Point the compiled graphs' parameters and buffers at this model's tensors."""
+        graphs = [c.graph for c in compiled.chunks.values()] or [compiled.graph]
+        for gm in graphs:
+            for node in gm.graph.nodes:
+                if node.op != "get_attr":
+                    continue
+                source = self._canonical(str(node.target))
+                if source in self._local_names or source in self._buffer_names:
+                    _set_graph_attr(gm, str(node.target), _get_nested(self, source))
 
     def graph_for(self, *args: Any, **kwargs: Any) -> GraphModule:
-        """The compiled per-rank graph that a call with these inputs runs."""
-        call = self._as_kwargs(args, kwargs)
+        """The compiled per-rank graph (all chunks, stage boundaries marked) for these inputs."""
+        return self._compiled_for(self._as_kwargs(args, kwargs)).graph
+
+    def _compiled_for(self, call: dict[str, Any]) -> _Compiled:
         key = _signature_key(call, self.training)
-        gm = self._graphs.get(key)
-        if gm is None:
+        compiled = self._graphs.get(key)
+        if compiled is None:
             self._source.model.train(self.training)
-            gm = self._compile(trace(self._source.model, call, self._device))
-            self._graphs[key] = gm
-        return gm
+            compiled = self._compile(trace(self._source.model, call, self._device))
+            self._attach(compiled)
+            self._graphs[key] = compiled
+        return compiled
 
     def _as_kwargs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         call = dict(zip(self._forward_params, args))
@@ -166,67 +252,186 @@ class ParallelModel(nn.Module):
     # ---- running -------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model on this rank's inputs. With pp > 1 this is forward-only (no
+        autograd across stages: use ``train_step``), and every rank gets the outputs."""
         call = self._as_kwargs(args, kwargs)
-        gm = self.graph_for(**call)
+        compiled = self._compiled_for(call)
         try:
-            return gm(**call)
+            if self.plan.num_chunks == 1:
+                return compiled.graph(**call)
+            return self._pipeline_forward(compiled, call)
         except RuntimeError as e:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise RuntimeError(
-                    f"a tensor-parallel collective timed out on tp rank {self._tp_rank}: another rank did not "
-                    f"reach the same collective (it crashed, or was called with other input shapes). {e}"
+                    f"a collective timed out on rank {dist.get_rank()}: another rank did not reach the same "
+                    f"collective (it crashed, or was called with other input shapes). {e}"
                 ) from e
             raise
+
+    def _pipeline_forward(self, compiled: _Compiled, call: dict[str, Any]) -> Any:
+        runner = self._runner(compiled)
+        leaves: Any = None
+        with torch.no_grad():
+            for chunk in sorted(self.my_chunks):
+                flight = runner.forward(chunk, 0, call, grad=False)
+                if compiled.chunks[chunk].is_last:
+                    leaves = list(flight.outputs)
+            runner.finish()
+        return self._broadcast_outputs(compiled, leaves)
+
+    def _broadcast_outputs(self, compiled: _Compiled, leaves: list[torch.Tensor] | None) -> Any:
+        """The last stage's outputs on every pipeline rank."""
+        pipe = self._coords.pipeline
+        assert pipe is not None
+        out_node = next(n for n in compiled.graph.graph.nodes if n.op == "output")
+        specs = [a.meta["val"] for a in torch.utils._pytree.tree_leaves(out_node.args[0])]
+        last = pipe.pp_ranks[self.plan.pp_rank_of_chunk(self.plan.num_chunks - 1)]
+        if leaves is None:
+            leaves = [torch.empty(v.shape, dtype=v.dtype, device=self._device) for v in specs]
+        for t in leaves:
+            dist.broadcast(t, src=last, group=pipe.pp_group)
+        return torch.utils._pytree.tree_unflatten(leaves, compiled.graph._out_spec)
+
+    def _runner(self, compiled: _Compiled) -> PipelineRunner:
+        assert self._coords.pipeline is not None
+        return PipelineRunner(compiled.chunks, self._coords.pipeline, self._device)
 
     def train_step(
         self,
         input_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         num_microbatches: int = 1,
-        loss_fn: Any = None,
+        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        schedule: str | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """Forward and backward over ``num_microbatches`` slices of the batch.
+        """Forward and backward of the global batch, split over dp ranks and microbatches.
 
-        Returns the mean loss (detached), identical on every rank. Without ``labels``,
-        ``loss_fn(outputs) -> scalar`` supplies the loss. Gradients accumulate into
-        ``.grad``; the caller steps and zeroes the optimizer.
+        Every rank passes the same global batch. Returns the mean loss over the global
+        batch (detached), identical on every rank. Without ``labels``,
+        ``loss_fn(outputs) -> scalar`` supplies the loss (on the last pipeline stage).
+        Gradients are accumulated into ``.grad`` and averaged over dp ranks; the caller
+        steps and zeroes the optimizer. ``schedule``: ``1f1b`` (default), ``gpipe`` or
+        ``interleaved`` (default when vpp > 1).
         """
         if labels is None and loss_fn is None:
             raise ValueError("train_step needs labels= or loss_fn=")
         batch = {k: v for k, v in dict(kwargs, input_ids=input_ids, labels=labels).items() if v is not None}
         size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
-        if size % num_microbatches:
+        dp, m = self.plan.dp, num_microbatches
+        if m < 1 or size % (dp * m):
             raise ValueError(
-                f"batch size {size} is not divisible by num_microbatches={num_microbatches}; "
-                f"use a divisor of {size}"
+                f"the global batch of {size} does not split into dp={dp} x {m} microbatches; "
+                f"use a batch size that is a multiple of {dp * max(m, 1)}"
             )
-        step = size // num_microbatches
+        step = size // (dp * m)
+        first = self._coords.dp_rank * step * m
+        micro = [
+            {k: (v[first + i * step : first + (i + 1) * step] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+            for i in range(m)
+        ]
+        loss_of = loss_fn if loss_fn is not None else (lambda out: out.loss)
+        if self.plan.num_chunks == 1:
+            total = torch.zeros((), device=self._device)
+            for mb in micro:
+                loss = loss_of(self(**mb))
+                (loss / m).backward()
+                total += loss.detach().float()
+        else:
+            total = self._pipeline_step(micro, loss_of, schedule)
+        self._sync_grads()
+        return self._mean_loss(total / m)
+
+    def _pipeline_step(self, micro: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str | None) -> torch.Tensor:
+        pp, vpp = self.plan.pp, self.plan.vpp
+        name = name or schedules.default_schedule(vpp)
+        calls = [self._as_kwargs((), mb) for mb in micro]
+        compiled = self._compiled_for(calls[0])
+        runner = self._runner(compiled)
         total = torch.zeros((), device=self._device)
-        for i in range(num_microbatches):
-            micro = {k: (v[i * step : (i + 1) * step] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-            out = self(**micro)
-            loss = loss_fn(out) if loss_fn is not None else out.loss
-            (loss / num_microbatches).backward()
-            total += loss.detach().float()
-        return total / num_microbatches
+        flights: dict[tuple[int, int], Any] = {}
+        losses: dict[int, torch.Tensor] = {}
+        for action in schedules.schedule(name, pp, vpp, len(micro), self._coords.pp_rank):
+            chunk = action.chunk * pp + self._coords.pp_rank
+            key = (chunk, action.microbatch)
+            if action.kind == "F":
+                flights[key] = runner.forward(chunk, action.microbatch, calls[action.microbatch], grad=True)
+                if compiled.chunks[chunk].is_last:
+                    out = torch.utils._pytree.tree_unflatten(list(flights[key].outputs), compiled.graph._out_spec)
+                    loss = loss_of(out)
+                    losses[action.microbatch] = loss / len(micro)
+                    total += loss.detach().float()
+            else:
+                runner.backward(chunk, action.microbatch, flights.pop(key), losses.pop(action.microbatch, None))
+        runner.finish()
+        return total
+
+    def _sync_grads(self) -> None:
+        """Sum grads of parameters shared by pipeline stages; average over dp ranks."""
+        for name, group in self._shared_param_groups.items():
+            if name in self._local_names:
+                grad = _get_nested(self, name).grad
+                if grad is not None:
+                    dist.all_reduce(grad, group=group)
+        if self.plan.dp > 1:
+            _all_reduce_buckets([p.grad for p in self.parameters() if p.grad is not None], self._coords.dp_group, self.plan.dp)
+
+    def _mean_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """This dp rank's loss (known on the last stage) -> the global mean on every rank."""
+        pipe = self._coords.pipeline
+        if pipe is not None and self.plan.pp > 1:
+            is_last = self._coords.pp_rank == self.plan.pp_rank_of_chunk(self.plan.num_chunks - 1)
+            local = local if is_last else torch.zeros_like(local)
+            dist.all_reduce(local, group=pipe.pp_group)
+        if self.plan.dp > 1:
+            dist.all_reduce(local, group=self._coords.dp_group)
+            local = local / self.plan.dp
+        return local
 
     # ---- checking and checkpoints --------------------------------------------------
 
-    def _gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
+    def _gather(self, name: str, local: torch.Tensor | None, compiled: _Compiled) -> torch.Tensor | None:
+        """The full tensor of parameter ``name`` (or its grad) on every rank."""
         layout = self._layouts[name]
-        if layout is None or self.plan.tp == 1:
-            return local.detach().clone()
-        group = collectives.get_group(self._group_key)
-        parts = [torch.empty_like(local) for _ in range(self.plan.tp)]
-        dist.all_gather(parts, local.detach().contiguous(), group=group)
-        return unshard_tensor(parts, layout, self.plan.tp)
+        full = None
+        if local is not None:
+            full = local.detach().clone()
+            if layout is not None and self.plan.tp > 1:
+                parts = [torch.empty_like(local) for _ in range(self.plan.tp)]
+                dist.all_gather(parts, local.detach().contiguous(), group=collectives.get_group(self._coords.tp_key))
+                full = unshard_tensor(parts, layout, self.plan.tp)
+        if self.plan.pp == 1:
+            return full
+        pipe = self._coords.pipeline
+        assert pipe is not None
+        owner = self._owners(compiled, name)[0]
+        has = torch.tensor([1 if full is not None else 0], device=self._device)
+        dist.broadcast(has, src=pipe.pp_ranks[owner], group=pipe.pp_group)
+        if not has.item():
+            return None
+        if full is None:
+            shape = self._full_shape(name)
+            full = torch.empty(shape, dtype=self._source_dtype(name), device=self._device)
+        dist.broadcast(full, src=pipe.pp_ranks[owner], group=pipe.pp_group)
+        return full
+
+    def _full_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(_get_nested(self._source.model, name).shape)
+
+    def _source_dtype(self, name: str) -> torch.dtype:
+        return _get_nested(self._source.model, name).dtype
+
+    def _first_compiled(self) -> _Compiled:
+        return next(iter(self._graphs.values()))
 
     def unshard_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and buffers under every original name (tied names included)."""
+        compiled = self._first_compiled()
         out: dict[str, torch.Tensor] = {}
-        for name in self._local_names:
-            full = self._gather(name, _get_nested(self, name))
+        for name in self._aliases:
+            local = _get_nested(self, name).detach() if name in self._local_names else None
+            full = self._gather(name, local, compiled)
+            assert full is not None
             for alias in self._aliases[name]:
                 out[alias] = full
         for name in self._buffer_names:
@@ -235,13 +440,34 @@ class ParallelModel(nn.Module):
 
     def unshard_grads(self) -> dict[str, torch.Tensor | None]:
         """Full gradients under every original parameter name (None where no grad)."""
+        compiled = self._first_compiled()
         out: dict[str, torch.Tensor | None] = {}
-        for name in self._local_names:
-            grad = _get_nested(self, name).grad
-            full = None if grad is None else self._gather(name, grad)
+        for name in self._aliases:
+            grad = _get_nested(self, name).grad if name in self._local_names else None
+            full = self._gather(name, grad, compiled)
             for alias in self._aliases[name]:
                 out[alias] = full
         return out
+
+
+def _all_reduce_buckets(grads: list[torch.Tensor], group: dist.ProcessGroup | None, dp: int) -> None:
+    """Average ``grads`` over the dp group, ~25 MB per all-reduce."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in grads + [None]:  # type: ignore[list-item]
+        if g is not None and (not bucket or (size + g.numel() * g.element_size() <= _DP_BUCKET_BYTES and g.dtype == bucket[0].dtype)):
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            continue
+        if bucket:
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            dist.all_reduce(flat, group=group)
+            flat /= dp
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+        bucket, size = ([g], g.numel() * g.element_size()) if g is not None else ([], 0)
 
 
 class _StructureOnly:
@@ -249,17 +475,6 @@ class _StructureOnly:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = structure_copy(model)
-
-
-def _set_nested_attr(root: nn.Module, dotted: str, value: Any) -> None:
-    *path, leaf = dotted.split(".")
-    mod: Any = root
-    for part in path:
-        mod = getattr(mod, part)
-    if isinstance(value, nn.Parameter):
-        mod._parameters[leaf] = value
-    else:
-        mod._buffers[leaf] = value
 
 
 def _default_inputs(model: nn.Module) -> dict[str, Any]:
@@ -271,22 +486,6 @@ def _default_inputs(model: nn.Module) -> dict[str, Any]:
             "pass example_inputs={'input_ids': ...} (or whatever its forward takes)"
         )
     return {"input_ids": torch.randint(0, vocab, (_DEFAULT_BATCH, _DEFAULT_SEQ))}
-
-
-def _tp_groups(tp: int, world: int, rank: int, group_key: str, replica_sizes: set[int], timeout_s: float) -> None:
-    """Create the tp group (consecutive ranks, Megatron's innermost dim) and replica subgroups."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    for start in range(0, world, tp):
-        ranks = list(range(start, start + tp))
-        group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            collectives.register_group(group_key, group)
-        for size in sorted(replica_sizes):
-            for sub in range(start, start + tp, size):
-                sub_ranks = list(range(sub, sub + size))
-                sub_group = dist.new_group(sub_ranks, timeout=timeout)
-                if rank in sub_ranks:
-                    collectives.register_group(replica_group_key(group_key, size), sub_group)
 
 
 @dataclass(frozen=True)
@@ -307,14 +506,26 @@ def _example_kwargs(model: nn.Module, example_inputs: dict[str, Any] | None) -> 
     return kwargs
 
 
-def _choose_plan(traced: GraphModule, tp: int, plan: ParallelPlan | str | None) -> ParallelPlan:
+def _choose_plan(traced: GraphModule, tp: int, pp: int, dp: int, vpp: int, plan: ParallelPlan | str | None) -> ParallelPlan:
     if isinstance(plan, ParallelPlan):
-        if plan.tp != tp:
-            raise ValueError(f"the plan is for tp={plan.tp} but tp={tp} was asked; pass matching degrees")
+        if (plan.tp, plan.pp, plan.dp, plan.vpp) != (tp, pp, dp, vpp):
+            raise ValueError(
+                f"the plan is for tp={plan.tp}, pp={plan.pp}, dp={plan.dp}, vpp={plan.vpp} but "
+                f"tp={tp}, pp={pp}, dp={dp}, vpp={vpp} was asked; pass matching degrees"
+            )
         return plan
-    if plan in (None, "auto"):
-        return plan_tensor_parallel(traced, tp)
-    raise ValueError(f"plan must be a ParallelPlan, 'auto' or None, got {plan!r}")
+    if plan not in (None, "auto"):
+        raise ValueError(f"plan must be a ParallelPlan, 'auto' or None, got {plan!r}")
+    layers = num_layers(traced)
+    if pp * vpp > 1 and pp * vpp > layers:
+        raise ValueError(
+            f"pp*vpp = {pp}*{vpp} = {pp * vpp} pipeline chunks but the model has {layers} layers; "
+            f"use pp*vpp <= {layers}"
+        )
+    chosen = plan_tensor_parallel(traced, tp)
+    layer_chunks, embedding_chunk, head_chunk = plan_pipeline(traced, pp, vpp)
+    return replace(chosen, pp=pp, dp=dp, vpp=vpp, layer_chunks=layer_chunks,
+                   embedding_chunk=embedding_chunk, head_chunk=head_chunk)
 
 
 def compile_rank(
@@ -322,6 +533,8 @@ def compile_rank(
     *,
     tp: int,
     rank: int = 0,
+    pp: int = 1,
+    vpp: int = 1,
     example_inputs: dict[str, Any] | None = None,
     plan: ParallelPlan | str | None = None,
     device: torch.device | str = "meta",
@@ -330,7 +543,7 @@ def compile_rank(
     """Trace, plan and rewrite the graph of tp rank ``rank`` without any process group.
 
     For inspection, dumps and compile-time benchmarks; a model on ``meta`` never
-    allocates its weights.
+    allocates its weights. With pp > 1 the graph carries the stage boundaries.
     """
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} is outside tp={tp}; pick 0..{tp - 1}")
@@ -338,11 +551,53 @@ def compile_rank(
     start = time.perf_counter()
     traced = trace(model, kwargs, device)
     traced_at = time.perf_counter()
-    chosen = _choose_plan(traced, tp, plan)
+    chosen = _choose_plan(traced, tp, pp, 1, vpp, plan)
     planned_at = time.perf_counter()
     ctx = PassContext(plan=chosen, tp_rank=rank, device=torch.device(device), group=f"tp{tp}", dump_dir=dump_dir)
-    gm = run_passes(traced, ctx, TENSOR_PARALLEL_PASSES)
+    gm = run_passes(traced, ctx, PASSES)
     return CompiledRank(gm, chosen, traced_at - start, planned_at - traced_at, dict(ctx.timings))
+
+
+def _make_groups(plan: ParallelPlan, timeout_s: float) -> _Coords:
+    """Create every process group (collective: every rank runs this identically)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tp_key = f"tp{plan.tp}"
+    if world == 1:
+        return _Coords(0, 0, 0, tp_key, None, None)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    groups = rank_groups(world, tp=plan.tp, pp=plan.pp)
+    mine = groups_of(rank, groups)
+    replica_sizes = sorted({p.sharding.replicas(plan.tp) for p in plan.params} - {1})
+    for tp_ranks in groups["tp"]:
+        group = dist.new_group(tp_ranks, timeout=timeout)
+        if rank in tp_ranks:
+            collectives.register_group(tp_key, group)
+        for size in replica_sizes:
+            for start in range(0, plan.tp, size):
+                sub = tp_ranks[start : start + size]
+                sub_group = dist.new_group(sub, timeout=timeout)
+                if rank in sub:
+                    collectives.register_group(replica_group_key(tp_key, size), sub_group)
+    dp_group = None
+    for dp_ranks in groups["dp"]:
+        group = dist.new_group(dp_ranks, timeout=timeout)
+        if rank in dp_ranks:
+            dp_group = group
+    pipeline = None
+    for pp_ranks in groups["pp"]:
+        made = [dist.new_group(pp_ranks, timeout=timeout) for _ in range(3)]
+        if rank in pp_ranks:
+            pipeline = PipelineGroups(pp_ranks.index(rank), plan.pp, made[0], made[1], made[2], pp_ranks)
+    assert pipeline is not None
+    return _Coords(
+        tp_rank=mine["tp"].index(rank),
+        dp_rank=mine["dp"].index(rank),
+        pp_rank=mine["pp"].index(rank),
+        tp_key=tp_key,
+        dp_group=dp_group,
+        pipeline=pipeline,
+    )
 
 
 def parallelize(
@@ -351,6 +606,7 @@ def parallelize(
     tp: int = 1,
     pp: int = 1,
     dp: int | None = None,
+    vpp: int = 1,
     example_inputs: dict[str, Any] | None = None,
     plan: ParallelPlan | str | None = None,
     device: torch.device | str | None = None,
@@ -358,19 +614,20 @@ def parallelize(
     gather_outputs: bool = True,
     timeout_s: float = 300.0,
 ) -> ParallelModel:
-    """Compile ``model`` into this rank's tensor-parallel ``ParallelModel``.
+    """Compile ``model`` into this rank's ``ParallelModel``; tp·pp·dp must be the world size.
 
+    Ranks are laid out in Megatron's order (tp fastest, then dp, then pp).
     ``example_inputs`` (keyword arguments of ``model.forward``) fix the first traced
-    signature; HF models default to random ``input_ids`` of shape [2, 16]. ``plan`` is
-    a ``ParallelPlan`` to follow, or None / ``"auto"`` to let the cost model decide.
-    ``device`` defaults to the rank's CUDA device under NCCL, else the CPU. A collective
-    that waits longer than ``timeout_s`` (a rank crashed or diverged) raises instead of
-    hanging.
+    signature; HF models default to random ``input_ids`` of shape [2, 16]. ``plan`` is a
+    ``ParallelPlan`` to follow, or None / ``"auto"`` to let the cost model decide; ``vpp``
+    model chunks per pipeline rank select the interleaved schedule. ``device`` defaults
+    to the rank's CUDA device under NCCL, else the CPU. A collective that waits longer
+    than ``timeout_s`` (a rank crashed or diverged) raises instead of hanging.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if tp < 1 or pp < 1:
-        raise ValueError(f"tp and pp must be >= 1, got tp={tp}, pp={pp}")
+    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     if tp > world:
         raise ValueError(
             f"tp={tp} is larger than the world size {world}; start {tp} processes (torchrun --nproc-per-node {tp} "
@@ -383,25 +640,15 @@ def parallelize(
             f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} does not match the world size {world}; "
             f"choose degrees whose product is {world}"
         )
-    if pp != 1 or dp != 1:
-        raise ValueError(
-            f"pipeline and data parallelism (pp={pp}, dp={dp}) are not available yet; use tp equal to the world size"
-        )
     if device is None:
         on_nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else torch.device("cpu")
     device = torch.device(device)
     kwargs = _example_kwargs(model, example_inputs)
     traced = trace(model, kwargs, device)
-    chosen = _choose_plan(traced, tp, plan)
+    chosen = _choose_plan(traced, tp, pp, dp, vpp, plan)
     if not gather_outputs:
-        chosen = ParallelPlan(**{**chosen.__dict__, "gather_outputs": False})
-    group_key = f"tp{tp}"
-    if tp > 1:
-        replica_sizes = {p.sharding.replicas(tp) for p in chosen.params} - {1}
-        _tp_groups(tp, world, rank, group_key, replica_sizes, timeout_s)
-    tp_rank = rank % tp
-    rng.seed_tp_rng(seed, tp_rank)
-    return ParallelModel(
-        model, chosen, traced, kwargs, tp_rank=tp_rank, group_key=group_key, device=device
-    )
+        chosen = replace(chosen, gather_outputs=False)
+    coords = _make_groups(chosen, timeout_s)
+    rng.seed_tp_rng(seed + 1009 * (coords.dp_rank + chosen.dp * coords.pp_rank), coords.tp_rank)
+    return ParallelModel(model, chosen, traced, kwargs, coords, device)

@@ -22,3 +22,10 @@ NEEDS_GRAD = "autotp_needs_grad"
 EXPAND_FIXUPS = "autotp_expand_fixups"
 """On an ``expand`` whose broadcast dim is later merged into a sharded dim (``repeat_kv``):
 ``[(dim, merged DimVar, outer DimVar)]``; that dim's local size is local(merged)/local(outer)."""
+
+CHUNK = "autotp_chunk"
+"""Pipeline chunk that computes the node; None for cheap input-derived values (masks,
+positions, rotary tables) and parameter reads, which every chunk that needs them repeats."""
+
+LAYER = "autotp_layer"
+"""Index of the decoder layer the node belongs to (from its module path), or None."""

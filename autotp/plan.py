@@ -47,10 +47,24 @@ class ParallelPlan:
     params: tuple[ParamLayout, ...] = ()
     gather_outputs: bool = True
     notes: tuple[str, ...] = field(default=())
+    vpp: int = 1
+    # Pipeline chunk (0 .. pp*vpp-1) of every decoder layer, and of the nodes before the
+    # first layer (embedding) and after the last one (final norm, lm_head, loss).
+    layer_chunks: tuple[int, ...] = ()
+    embedding_chunk: int = 0
+    head_chunk: int = 0
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def num_chunks(self) -> int:
+        return self.pp * self.vpp
+
+    def pp_rank_of_chunk(self, chunk: int) -> int:
+        """Megatron's interleaving: pipeline rank r holds chunks r, r+pp, r+2pp, ..."""
+        return chunk % self.pp
 
     def layout_of(self, name: str) -> ParamLayout | None:
         for p in self.params:
@@ -67,6 +81,10 @@ class ParallelPlan:
                 "gather_outputs": self.gather_outputs,
                 "params": [p.to_json() for p in self.params],
                 "notes": list(self.notes),
+                "vpp": self.vpp,
+                "layer_chunks": list(self.layer_chunks),
+                "embedding_chunk": self.embedding_chunk,
+                "head_chunk": self.head_chunk,
             },
             indent=1,
         )
@@ -81,4 +99,8 @@ class ParallelPlan:
             params=tuple(ParamLayout.from_json(p) for p in d["params"]),
             gather_outputs=d.get("gather_outputs", True),
             notes=tuple(d.get("notes", ())),
+            vpp=d.get("vpp", 1),
+            layer_chunks=tuple(d.get("layer_chunks", ())),
+            embedding_chunk=d.get("embedding_chunk", 0),
+            head_chunk=d.get("head_chunk", 0),
         )

@@ -4,12 +4,13 @@ from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.cancel_collectives import cancel_collectives
 from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.rewrite_shapes import rewrite_shapes
+from autotp.passes.split_stages import split_stages
 from autotp.passes.runner import Pass
 from autotp.passes.tp_dropout import tp_dropout
 from autotp.passes.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
 from autotp.passes.vocab_parallel_embedding import vocab_parallel_embedding
 
-TENSOR_PARALLEL_PASSES: list[Pass] = [
+PASSES: list[Pass] = [
     annotate_layouts,
     rewrite_shapes,
     vocab_parallel_embedding,
@@ -17,4 +18,5 @@ TENSOR_PARALLEL_PASSES: list[Pass] = [
     tp_dropout,
     insert_collectives,
     cancel_collectives,
+    split_stages,
 ]

@@ -94,22 +94,22 @@ MORE_ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
 }
 
 
-def build(name: str) -> nn.Module:
-    """A freshly initialized small model (seeded, eval mode, no dropout)."""
+def build(name: str, layers: int = 2) -> nn.Module:
+    """A freshly initialized small model (seeded, eval mode, no dropout) with ``layers`` layers."""
     torch.manual_seed(0)
     if name == "gpt2":  # vocab 130: padded at tp=4; tied lm_head; fused QKV (Conv1D)
-        cfg = GPT2Config(vocab_size=130, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+        cfg = GPT2Config(vocab_size=130, n_embd=64, n_layer=layers, n_head=4, n_positions=64,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         model: nn.Module = GPT2LMHeadModel(cfg)
     elif name == "llama":  # GQA: 8 query heads, 2 KV heads (replicated at tp=4)
         model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2))
+                                             num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2))
     elif name == "llama_kv4":  # for tp=8: 4 KV heads, each held by two ranks
         model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4))
     elif name == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                                 num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                                                 num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
                                                  num_local_experts=4, num_experts_per_tok=2))
     elif name == "bert":
         model = BertForMaskedLM(BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128,

@@ -1,0 +1,247 @@
+"""Pipeline schedules as data: the order in which each rank runs forwards and backwards.
+
+A rank (pipeline stage) ``r`` of ``pp`` holds ``vpp`` model chunks; chunk ``c`` is
+virtual stage ``c*pp + r`` of the ``pp*vpp`` the model is cut into. An ``Action``
+is one forward (``F``) or backward (``B``) of one chunk on one microbatch.
+
+Text forms:
+- actions: ``F0.3`` is the forward of chunk 0 on microbatch 3, ``B1.0`` the
+  backward of chunk 1 on microbatch 0; tokens are separated by spaces and
+  ``parse`` reads them back.
+- Megatron's: one integer per action, ``c+1`` for a forward of chunk ``c`` and
+  ``-(c+1)`` for its backward; microbatches are implicit.
+
+Schedules, with ``m`` microbatches:
+- ``gpipe``: every forward in microbatch order, then every backward in microbatch order.
+- ``one_f_one_b`` (1F1B): rank ``r`` runs ``w = min(pp - r - 1, m)`` warmup forwards,
+  then alternates forward ``w+i`` and backward ``i``, then runs the ``w`` backwards left.
+- ``interleaved_one_f_one_b`` (Megatron's interleaved 1F1B): ``m*vpp`` forwards and
+  as many backwards. Forward step ``k`` runs chunk ``(k // pp) % vpp`` and backward
+  step ``k`` chunk ``vpp - 1 - (k // pp) % vpp``, both on microbatch
+  ``(k // (pp*vpp))*pp + k % pp`` (microbatches go in groups of ``pp`` per chunk).
+  Rank ``r`` runs ``w = min((pp - r - 1)*2 + (vpp - 1)*pp, m*vpp)`` warmup forwards,
+  then alternates forward ``w+i`` and backward ``i``, then the ``w`` backwards left.
+
+``simulate`` runs all ranks' orders against each other with unit-time actions;
+its step count gives the bubble: ``steps / (2*vpp*m) - 1`` of the busy time,
+which is ``(pp-1)/m`` for 1F1B and ``(pp-1)/(m*vpp)`` for interleaved 1F1B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+_ACTION = re.compile(r"([FB])(\d+)\.(\d+)")
+
+
+@dataclass(frozen=True)
+class Action:
+    """The forward (``F``) or backward (``B``) of local model ``chunk`` on ``microbatch``."""
+
+    kind: Literal["F", "B"]
+    chunk: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.chunk}.{self.microbatch}"
+
+    @property
+    def megatron(self) -> int:
+        """Megatron's integer: ``chunk + 1`` for a forward, ``-(chunk + 1)`` for a backward."""
+        return self.chunk + 1 if self.kind == "F" else -(self.chunk + 1)
+
+
+def format_actions(actions: Sequence[Action]) -> str:
+    """Space-separated ``F0.3`` tokens; ``parse`` reads them back."""
+    return " ".join(map(str, actions))
+
+
+def format_megatron(actions: Sequence[Action]) -> str:
+    """Space-separated Megatron integers (``1 2 -2 -1`` ...)."""
+    return " ".join(str(a.megatron) for a in actions)
+
+
+def parse(text: str) -> list[Action]:
+    """The actions of ``format_actions`` text."""
+    actions = []
+    for token in text.split():
+        match = _ACTION.fullmatch(token)
+        if match is None:
+            raise ValueError(f"cannot parse schedule action {token!r}: expected F<chunk>.<microbatch> or B<...>")
+        kind, chunk, microbatch = match.groups()
+        actions.append(Action("F" if kind == "F" else "B", int(chunk), int(microbatch)))
+    return actions
+
+
+def default_schedule(vpp: int) -> str:
+    """``interleaved`` when a rank holds several chunks, else ``1f1b``."""
+    return "interleaved" if vpp > 1 else "1f1b"
+
+
+def check_schedule(pp: int, vpp: int, microbatches: int, schedule: str | None = None) -> None:
+    """Raise ValueError unless the pipeline runtime can run ``schedule`` (default: ``default_schedule``).
+
+    Rules: degrees and microbatches are at least 1; gpipe and 1f1b hold one chunk per
+    rank (vpp = 1); 1f1b needs microbatches >= pp; interleaved needs pp >= 2, vpp >= 2
+    and microbatches a multiple of pp.
+    """
+    schedule = default_schedule(vpp) if schedule is None else schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    for name, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if schedule != "interleaved" and vpp != 1:
+        raise ValueError(f"the {schedule} schedule runs one chunk per rank, got vpp={vpp}: use vpp=1 or interleaved")
+    if schedule == "1f1b" and microbatches < pp:
+        raise ValueError(
+            f"1F1B needs at least as many microbatches as pipeline stages: got {microbatches} for pp={pp}; "
+            f"use {pp} or more microbatches, or the gpipe schedule"
+        )
+    if schedule == "interleaved":
+        if pp < 2 or vpp < 2:
+            raise ValueError(f"interleaved 1F1B needs pp >= 2 and vpp >= 2, got pp={pp}, vpp={vpp}: use 1f1b")
+        if microbatches % pp:
+            raise ValueError(
+                f"interleaved 1F1B needs the microbatches to be a multiple of pp={pp}, got {microbatches}: "
+                f"use {', '.join(str(pp * k) for k in range(1, 4))}, ..."
+            )
+
+
+def _check_rank(pp: int, microbatches: int, rank: int) -> None:
+    if pp < 1 or microbatches < 1:
+        raise ValueError(f"pp and microbatches must be at least 1, got pp={pp}, microbatches={microbatches}")
+    if not 0 <= rank < pp:
+        raise ValueError(f"rank {rank} is not a pipeline stage of pp={pp} (0..{pp - 1})")
+
+
+def gpipe(pp: int, microbatches: int, rank: int) -> list[Action]:
+    """All forwards, then all backwards, each in microbatch order."""
+    _check_rank(pp, microbatches, rank)
+    return [Action("F", 0, i) for i in range(microbatches)] + [Action("B", 0, i) for i in range(microbatches)]
+
+
+def _one_f_one_b_order(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
+    order = forwards[:warmup]
+    for forward, backward in zip(forwards[warmup:], backwards):
+        order += [forward, backward]
+    return order + backwards[len(forwards) - warmup :]
+
+
+def one_f_one_b(pp: int, microbatches: int, rank: int) -> list[Action]:
+    """1F1B: ``min(pp - rank - 1, microbatches)`` warmup forwards, then alternate, then drain."""
+    _check_rank(pp, microbatches, rank)
+    forwards = [Action("F", 0, i) for i in range(microbatches)]
+    backwards = [Action("B", 0, i) for i in range(microbatches)]
+    return _one_f_one_b_order(forwards, backwards, min(pp - rank - 1, microbatches))
+
+
+def interleaved_one_f_one_b(pp: int, vpp: int, microbatches: int, rank: int) -> list[Action]:
+    """Megatron's interleaved 1F1B (rules in the module docstring)."""
+    _check_rank(pp, microbatches, rank)
+    check_schedule(pp, vpp, microbatches, "interleaved")
+    total = microbatches * vpp
+    steps = [((k // pp) % vpp, (k // (pp * vpp)) * pp + k % pp) for k in range(total)]
+    forwards = [Action("F", chunk, mb) for chunk, mb in steps]
+    backwards = [Action("B", vpp - 1 - chunk, mb) for chunk, mb in steps]
+    return _one_f_one_b_order(forwards, backwards, min((pp - rank - 1) * 2 + (vpp - 1) * pp, total))
+
+
+def schedule(name: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[Action]:
+    """The order of ``rank`` under schedule ``name`` (one of ``SCHEDULES``), after ``check_schedule``."""
+    check_schedule(pp, vpp, microbatches, name)
+    if name == "interleaved":
+        return interleaved_one_f_one_b(pp, vpp, microbatches, rank)
+    return (gpipe if name == "gpipe" else one_f_one_b)(pp, microbatches, rank)
+
+
+def _dependencies(pp: int, vpp: int, rank: int, action: Action) -> list[tuple[int, Action]]:
+    """The (rank, action) pairs that must finish before ``action`` can start on ``rank``."""
+    stage = action.chunk * pp + rank
+    mb = action.microbatch
+    if action.kind == "F":
+        return [] if stage == 0 else [((stage - 1) % pp, Action("F", (stage - 1) // pp, mb))]
+    deps = [(rank, Action("F", action.chunk, mb))]
+    if stage + 1 < pp * vpp:
+        deps.append(((stage + 1) % pp, Action("B", (stage + 1) // pp, mb)))
+    return deps
+
+
+def simulate(pp: int, vpp: int, microbatches: int, schedule_fn: Callable[[int], Sequence[Action]]) -> int:
+    """Run every rank's order (``schedule_fn(rank)``) in lockstep and return the number of time steps.
+
+    Every action takes one step. In a step each rank runs its next action if the
+    actions it depends on finished in earlier steps: a forward needs the previous
+    virtual stage's forward of the microbatch; a backward needs its own forward and
+    the next virtual stage's backward. Sends never block. Raises ValueError when an
+    order does not run each (kind, chunk, microbatch) exactly once, or deadlocks.
+    """
+    orders = [list(schedule_fn(rank)) for rank in range(pp)]
+    expected = {Action(kind, c, mb) for kind in ("F", "B") for c in range(vpp) for mb in range(microbatches)}
+    for rank, order in enumerate(orders):
+        if len(order) != len(expected) or set(order) != expected:
+            missing = sorted(map(str, expected - set(order)))
+            extra = sorted({str(a) for a in order if a not in expected or order.count(a) > 1})
+            raise ValueError(f"rank {rank} must run each action once: missing {missing}, extra or repeated {extra}")
+    done: set[tuple[int, Action]] = set()
+    position = [0] * pp
+    steps = 0
+    while any(position[rank] < len(orders[rank]) for rank in range(pp)):
+        ready = [
+            rank
+            for rank in range(pp)
+            if position[rank] < len(orders[rank])
+            and all(dep in done for dep in _dependencies(pp, vpp, rank, orders[rank][position[rank]]))
+        ]
+        if not ready:
+            waits = [
+                f"rank {rank} at {orders[rank][position[rank]]} waits for "
+                + ", ".join(
+                    f"{dep} on rank {dep_rank}"
+                    for dep_rank, dep in _dependencies(pp, vpp, rank, orders[rank][position[rank]])
+                    if (dep_rank, dep) not in done
+                )
+                for rank in range(pp)
+                if position[rank] < len(orders[rank])
+            ]
+            raise ValueError(f"schedule deadlocks after {steps} steps: " + "; ".join(waits))
+        for rank in ready:
+            done.add((rank, orders[rank][position[rank]]))
+            position[rank] += 1
+        steps += 1
+    return steps
+
+
+def _schedule_command(args: argparse.Namespace) -> int:
+    name = args.schedule or default_schedule(args.vpp)
+    ranks = range(args.pp) if args.rank is None else [args.rank]
+    fmt = format_megatron if args.format == "megatron" else format_actions
+    for rank in ranks:
+        order = fmt(schedule(name, args.pp, args.vpp, args.microbatches, rank))
+        print(order if args.rank is not None else f"rank {rank}: {order}")
+    return 0
+
+
+def add_schedule_command(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``schedule``; its handler (``args.handler``) prints the order(s) and returns 0."""
+    command = subparsers.add_parser(
+        "schedule",
+        help="print a rank's pipeline order of forwards and backwards",
+        description="Print the order in which a pipeline rank runs forwards and backwards, in Megatron's "
+        "notation (k = forward of local chunk k-1, -k = its backward) or as F<chunk>.<microbatch> actions.",
+    )
+    command.add_argument("--pp", type=int, required=True, help="pipeline stages")
+    command.add_argument("--vpp", type=int, default=1, help="model chunks per rank (default: 1)")
+    command.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
+    command.add_argument("--rank", type=int, help="pipeline rank to print (default: every rank, one per line)")
+    command.add_argument(
+        "--schedule", choices=SCHEDULES, help="default: interleaved when --vpp > 1, else 1f1b"
+    )
+    command.add_argument("--format", choices=("megatron", "actions"), default="megatron", help="default: megatron")
+    command.set_defaults(handler=_schedule_command)

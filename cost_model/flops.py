@@ -1,0 +1,176 @@
+"""Per-node FLOPs, memory bytes and estimated time, from the shapes in ``node.meta["val"]``.
+
+Shapes come through a callback ``tensors(node) -> list[TensorInfo]``: ``global_tensors``
+reads ``node.meta["val"]`` (whole-model shapes); ``autotp.graph_report`` passes one
+rank's local shapes. FLOPs are forward only and count a multiply-add as 2.
+
+``node_cost`` applies, by op:
+
+* **matmuls**: ``aten.linear``, ``addmm``, ``mm``, ``bmm``, ``matmul`` and every target
+  whose name contains ``grouped_mm`` (``aten._grouped_mm``, ``transformers::grouped_mm_fallback``):
+  FLOPs = 2 · numel(out) · K, with K the last dim of the first matrix operand (linear's
+  ``x``, addmm's ``mat1``); a bias (linear's third argument, addmm's first) adds
+  numel(out). For grouped_mm each token row meets exactly one expert, so this is 2·T·K·N.
+* **attention**, ``scaled_dot_product_attention(q [..., L, D], k [..., S, D], v [..., S, Dv])``:
+  FLOPs = 2·BH·L·S·D + 2·BH·L·S·Dv with BH = prod(q.shape[:-2]); the softmax is not
+  counted. With ``is_causal=True`` only the lower triangle is computed: half of that.
+  An explicit ``attn_mask`` (what HF passes, causal models included) counts the full
+  L·S product. Bytes: q, k, v, the mask and the output, each once (as fused attention
+  kernels do: the L×S scores never reach memory).
+* **embedding** (``aten.embedding``, autotp's vocab-parallel lookup): 0 FLOPs; bytes =
+  ids + 2 · output (the rows read, the output written).
+* **views** (``view``, ``transpose``, ``expand``, ``getitem``..., and Megatron's *f*, an
+  identity forward): 0 FLOPs, 0 bytes.
+* **data movement** (``to``, ``contiguous``, ``cat``, ``index``, ``pad``, factories...):
+  0 FLOPs; bytes = inputs + outputs.
+* **collectives** (*g*, the all-gather): 0 FLOPs, 0 bytes here; ``collective_time_s``
+  times their communication.
+* **everything else** (elementwise ops, norms, reductions, softmax, the vocab-parallel
+  loss): 1 FLOP per element of the largest input or output; bytes = inputs + outputs.
+  Transcendentals are not weighted: such ops are memory-bound, and their time comes
+  from their bytes.
+
+Time, with a ``HardwareProfile``:
+
+* ``compute_time_s``: roofline, max(FLOPs / matmul FLOP/s, bytes / memory bytes/s).
+* ``collective_time_s``: alpha-beta with ring algorithms over t ranks; all-reduce
+  alpha + 2(t-1)/t · n / B, all-gather alpha + (t-1)/t · n / B, where n is the size of
+  the full (all-reduced or gathered) tensor, B the all-reduce bus bandwidth and alpha
+  the per-call latency; 0 when t = 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from autotp.cost_model.hardware import HardwareProfile
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    flops: int
+    bytes: int
+
+
+Tensors = Callable[[Node], list[TensorInfo]]
+
+_MATMULS = {"linear", "addmm", "mm", "bmm", "matmul"}
+_VIEWS = {
+    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "unsqueeze", "squeeze",
+    "expand", "expand_as", "slice", "select", "alias", "split", "split_with_sizes", "chunk",
+    "unbind", "getitem", "as_strided", "detach", "narrow", "numpy_T", "mT", "view_as",
+    "unflatten", "flatten", "copy_to_tp",
+}  # fmt: skip
+_DATA_MOVEMENT = {
+    "to", "_to_copy", "contiguous", "clone", "copy", "copy_", "cat", "stack", "pad",
+    "constant_pad_nd", "index", "index_select", "gather", "scatter", "index_put", "index_put_",
+    "repeat", "repeat_interleave", "arange", "zeros", "ones", "full", "empty", "empty_like",
+    "zeros_like", "ones_like", "full_like", "new_ones", "new_zeros", "new_full", "new_empty",
+    "scalar_tensor",
+}  # fmt: skip
+_EMBEDDINGS = {"embedding", "vocab_parallel_embedding"}
+_COLLECTIVES = {"reduce_from_tp", "gather_from_tp"}
+_ATTENTION = "scaled_dot_product_attention"
+_SDPA_IS_CAUSAL_ARG = 5
+
+
+def op_name(target: Any) -> str:
+    """Short name of a call target: ``linear`` for ``aten.linear.default``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def global_tensors(node: Node) -> list[TensorInfo]:
+    """The tensors a node produces, with the whole-model shapes of ``node.meta["val"]``."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return [TensorInfo(tuple(int(s) for s in v.shape), v.dtype) for v in vals if isinstance(v, torch.Tensor)]
+
+
+def _input_nodes(node: Node) -> list[Node]:
+    out: list[Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: out.append(n))
+    return out
+
+
+def _arg(node: Node, index: int, name: str) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
+
+
+def _bytes(nodes: list[Node], tensors: Tensors) -> int:
+    return sum(t.nbytes for n in nodes for t in tensors(n))
+
+
+def _largest(nodes: list[Node], tensors: Tensors) -> int:
+    return max((t.numel for n in nodes for t in tensors(n)), default=0)
+
+
+def _matmul_flops(node: Node, name: str, out: int, tensors: Tensors) -> int:
+    first = node.args[1] if name == "addmm" else node.args[0]
+    k = tensors(first)[0].shape[-1]
+    bias = name == "addmm" or (name == "linear" and _arg(node, 2, "bias") is not None)
+    return 2 * out * k + (out if bias else 0)
+
+
+def _attention_flops(node: Node, tensors: Tensors) -> int:
+    q, k, v = (tensors(a)[0].shape for a in node.args[:3])
+    bh, length, source = math.prod(q[:-2]), q[-2], k[-2]
+    flops = 2 * bh * length * source * q[-1] + 2 * bh * length * source * v[-1]
+    return flops // 2 if _arg(node, _SDPA_IS_CAUSAL_ARG, "is_causal") else flops
+
+
+def node_cost(node: Node, tensors: Tensors = global_tensors) -> NodeCost:
+    """Forward FLOPs and memory bytes of one node (formulas in the module docstring)."""
+    if node.op != "call_function":
+        return NodeCost(0, 0)
+    name = op_name(node.target)
+    if name in _VIEWS or name in _COLLECTIVES:
+        return NodeCost(0, 0)
+    inputs = _input_nodes(node)
+    outputs = tensors(node)
+    in_bytes, out_bytes = _bytes(inputs, tensors), sum(t.nbytes for t in outputs)
+    out_numel = sum(t.numel for t in outputs)
+    if name in _MATMULS or "grouped_mm" in str(node.target):
+        return NodeCost(_matmul_flops(node, name, out_numel, tensors), in_bytes + out_bytes)
+    if name == _ATTENTION:
+        return NodeCost(_attention_flops(node, tensors), in_bytes + out_bytes)
+    if name in _EMBEDDINGS:
+        ids = tensors(node.args[1])[0].nbytes
+        return NodeCost(0, ids + 2 * out_bytes)
+    if name in _DATA_MOVEMENT:
+        return NodeCost(0, in_bytes + out_bytes)
+    return NodeCost(max(_largest(inputs, tensors), out_numel), in_bytes + out_bytes)
+
+
+def compute_time_s(cost: NodeCost, hw: HardwareProfile) -> float:
+    """Roofline time of one node."""
+    return max(cost.flops / hw.matmul_flops_per_s, cost.bytes / hw.memory_bytes_per_s)
+
+
+def collective_time_s(kind: str, nbytes: int, ranks: int, hw: HardwareProfile) -> float:
+    """Alpha-beta time of a ring ``all_reduce`` or ``all_gather`` of ``nbytes`` over ``ranks``."""
+    if ranks == 1:
+        return 0.0
+    factor = {"all_reduce": 2 * (ranks - 1) / ranks, "all_gather": (ranks - 1) / ranks}[kind]
+    return hw.collective_latency_s + factor * nbytes / hw.allreduce_bus_bytes_per_s
