@@ -92,6 +92,7 @@ class _Compiled:
     graph: GraphModule
     chunks: dict[int, ChunkGraph]
     param_chunks: dict[str, set[int]]  # every parameter -> chunks that read it
+    run: Callable[..., Any]  # ``graph``, or its torch.compile'd form
 
 
 class ParallelModel(nn.Module):
@@ -112,9 +113,11 @@ class ParallelModel(nn.Module):
         first_kwargs: dict[str, Any],
         coords: _Coords,
         device: torch.device,
+        compile_graphs: bool,
     ) -> None:
         super().__init__()
         self.plan = plan
+        self._compile_graphs = compile_graphs
         self._coords = coords
         self._device = device
         self._source = _StructureOnly(model)
@@ -127,6 +130,8 @@ class ParallelModel(nn.Module):
         self._graphs: dict[tuple, _Compiled] = {}
         self._shared_param_groups: dict[str, dist.ProcessGroup] = {}
         self.pass_timings: dict[str, float] = {}
+        self.measure_busy = False
+        self.last_busy_s = 0.0  # with measure_busy: this rank's compute time in the last pipeline step
         compiled = self._compile(first_graph)
         self._bind_parameters(model, compiled)
         self._make_shared_param_groups(compiled)
@@ -215,7 +220,12 @@ class ParallelModel(nn.Module):
                 chunks = {u.meta.get("autotp_chunk") or 0 for u in node.users}
                 param_chunks.setdefault(str(node.target), set()).update(chunks)
         chunks = extract_chunks(gm, self.plan.num_chunks, self.plan.tp, only=self.my_chunks) if self.plan.num_chunks > 1 else {}
-        return _Compiled(gm, chunks, param_chunks)
+        run: Callable[..., Any] = gm
+        if self._compile_graphs:
+            run = torch.compile(gm)
+            for cg in chunks.values():
+                cg.run = torch.compile(cg.graph)
+        return _Compiled(gm, chunks, param_chunks, run)
 
     def _attach(self, compiled: _Compiled) -> None:
         """Point the compiled graphs' parameters and buffers at this model's tensors."""
@@ -258,7 +268,7 @@ class ParallelModel(nn.Module):
         compiled = self._compiled_for(call)
         try:
             if self.plan.num_chunks == 1:
-                return compiled.graph(**call)
+                return compiled.run(**call)
             return self._pipeline_forward(compiled, call)
         except RuntimeError as e:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
@@ -348,6 +358,7 @@ class ParallelModel(nn.Module):
         calls = [self._as_kwargs((), mb) for mb in micro]
         compiled = self._compiled_for(calls[0])
         runner = self._runner(compiled)
+        runner.measure_busy = self.measure_busy
         total = torch.zeros((), device=self._device)
         flights: dict[tuple[int, int], Any] = {}
         losses: dict[int, torch.Tensor] = {}
@@ -364,6 +375,7 @@ class ParallelModel(nn.Module):
             else:
                 runner.backward(chunk, action.microbatch, flights.pop(key), losses.pop(action.microbatch, None))
         runner.finish()
+        self.last_busy_s = runner.busy_s
         return total
 
     def _sync_grads(self) -> None:
@@ -613,6 +625,7 @@ def parallelize(
     seed: int = 0,
     gather_outputs: bool = True,
     timeout_s: float = 300.0,
+    compile: bool = False,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's ``ParallelModel``; tp·pp·dp must be the world size.
 
@@ -622,7 +635,9 @@ def parallelize(
     ``ParallelPlan`` to follow, or None / ``"auto"`` to let the cost model decide; ``vpp``
     model chunks per pipeline rank select the interleaved schedule. ``device`` defaults
     to the rank's CUDA device under NCCL, else the CPU. A collective that waits longer
-    than ``timeout_s`` (a rank crashed or diverged) raises instead of hanging.
+    than ``timeout_s`` (a rank crashed or diverged) raises instead of hanging. With
+    ``compile``, each per-rank graph (or pipeline chunk) also runs through
+    ``torch.compile``, which fuses the elementwise work between the collectives.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp)):
@@ -651,4 +666,4 @@ def parallelize(
         chosen = replace(chosen, gather_outputs=False)
     coords = _make_groups(chosen, timeout_s)
     rng.seed_tp_rng(seed + 1009 * (coords.dp_rank + chosen.dp * coords.pp_rank), coords.tp_rank)
-    return ParallelModel(model, chosen, traced, kwargs, coords, device)
+    return ParallelModel(model, chosen, traced, kwargs, coords, device, compile)

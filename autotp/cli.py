@@ -4,20 +4,33 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
+import json
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.fx import GraphModule
 from transformers.utils import logging as hf_logging
 
-from autotp import collectives, presets
-from autotp.api import parallelize
+from autotp import collectives, dump, presets
+from autotp.api import CompiledRank, compile_rank, parallelize
+from autotp.cost_model.hardware import PROFILES
+from autotp.graph_report import build_report, explain_json, explain_table, stage_view
 from autotp.launcher import RankError, launch
+from autotp.passes import PASSES
 
 _LR = 1e-3
+_INSPECT_SEQ = 2048
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The pass runner's dump files: 00_traced.py, then NN_<pass>.py.
+_AFTER = ["traced", *(p.__name__ for p in PASSES)]
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,105 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_stage(pp: int, stage: int | None) -> None:
+    if stage is not None and not 0 <= stage < pp:
+        raise ValueError(f"--stage {stage} does not exist with --pp {pp}; pick 0..{pp - 1}")
+
+
+def _inspection_inputs(model: torch.nn.Module, batch: int, seq: int | None, labels: bool) -> dict[str, Any]:
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if seq is None:
+        seq = min(_INSPECT_SEQ, limit) if limit else _INSPECT_SEQ
+    elif limit is not None and seq > limit:
+        raise ValueError(f"--seq {seq} exceeds the model's max_position_embeddings ({limit}); pass --seq {limit} or less")
+    ids = torch.zeros((batch, seq), dtype=torch.long)
+    inputs = {"input_ids": ids}
+    if labels and "labels" in inspect.signature(model.forward).parameters:
+        inputs["labels"] = ids
+    return inputs
+
+
+def _compile_for_inspection(args: argparse.Namespace, rank: int, dump_dir: Path | None) -> CompiledRank:
+    for name in ("tp", "pp", "batch"):
+        _positive(f"--{name}", getattr(args, name))
+    if args.seq is not None:
+        _positive("--seq", args.seq)
+    _check_stage(args.pp, args.stage)
+    hf_logging.set_verbosity_error()
+    model = presets.build_model(args.model, device="meta", dtype=_DTYPES[args.dtype])
+    inputs = _inspection_inputs(model, args.batch, args.seq, not args.no_labels)
+    return compile_rank(model, tp=args.tp, rank=rank, pp=args.pp, example_inputs=inputs, dump_dir=dump_dir)
+
+
+def _dump(args: argparse.Namespace) -> int:
+    if args.after is not None and args.format != "code":
+        raise ValueError(
+            f"--after writes the code that the pass runner saves after each pass; use --format code "
+            f"(--format {args.format} shows the final graph, without --after)"
+        )
+    if args.after is not None and args.stage is not None:
+        raise ValueError("--after writes the whole rank graph as the pass runner saved it; drop --stage")
+    stem = f"{Path(args.model).name}_tp{args.tp}_rank{args.rank}"
+    if args.pp > 1:
+        stem += f"_pp{args.pp}" + ("" if args.stage is None else f"_stage{args.stage}")
+    with tempfile.TemporaryDirectory() as tmp:
+        dump_dir = args.dump_dir or (Path(tmp) if args.after else None)
+        compiled = _compile_for_inspection(args, args.rank, dump_dir)
+        if args.after is not None:
+            assert dump_dir is not None
+            index = _AFTER.index(args.after)
+            path = args.out / f"{stem}_after_{index:02d}_{args.after}.py"
+            args.out.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(dump_dir / f"{index:02d}_{args.after}.py", path)
+        else:
+            report = build_report(compiled.graph, compiled.plan, args.rank, PROFILES[args.hardware])
+            if args.stage is not None:
+                report = stage_view(report, args.stage)
+            path, warning = dump.write(report, args.model, args.format, args.out, stem)
+            if warning is not None:
+                print(f"autotp: {warning}", file=sys.stderr)
+    print(f"wrote {path}")
+    if args.dump_dir is not None:
+        print(f"wrote the code after each pass to {args.dump_dir}")
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    compiled = _compile_for_inspection(args, 0, None)
+    report = build_report(compiled.graph, compiled.plan, 0)
+    if args.format == "json":
+        print(json.dumps(explain_json(report, args.model), indent=2))
+    else:
+        print(explain_table(report, args.model))
+    return 0
+
+
+def _add_inspection_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help=f"a preset ({', '.join(presets.preset_names())}) or a local folder holding config.json; "
+        "built on the meta device, nothing is allocated or downloaded",
+    )
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default: 2)")
+    parser.add_argument(
+        "--pp", type=int, default=1, help="pipeline stages; the planner cuts the layers between them (default: 1)"
+    )
+    parser.add_argument("--batch", type=int, default=1, help="batch size of the example input_ids (default: 1)")
+    parser.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help=f"sequence length (default: {_INSPECT_SEQ}, or the model's max_position_embeddings if smaller)",
+    )
+    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16", help="parameter dtype (default: bfloat16)")
+    parser.add_argument(
+        "--no-labels",
+        action="store_true",
+        help="trace without labels= (by default labels are passed, so the vocab-parallel loss shows)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autotp", description="Compile HuggingFace models into tensor-parallel per-rank graphs."
@@ -133,6 +245,54 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=300, help="seconds before hung workers are killed (default: 300)")
     run.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default: 0)")
     run.set_defaults(handler=_run)
+
+    dump_cmd = commands.add_parser(
+        "dump",
+        help="write one rank's rewritten graph as annotated code, DOT, SVG or JSON",
+        description="Compile one tp rank offline and write its graph. Every node is annotated with its "
+        "layout (Replicate, Partial, Shard(dim:local/global)), its collectives with bytes and estimated time, "
+        "its pipeline stage (stage boundaries are nodes, shown with their point-to-point bytes), and its "
+        "forward FLOPs and estimated time. CUDA-graph regions are not implemented yet, so no node carries one. "
+        "DOT and SVG expand layer 0 and collapse the other decoder layers into one summary node each.",
+    )
+    _add_inspection_options(dump_cmd)
+    dump_cmd.add_argument("--rank", type=int, default=0, help="tp rank to compile (default: 0)")
+    dump_cmd.add_argument(
+        "--stage",
+        type=int,
+        help="with --pp > 1: only this pipeline stage (its nodes, the repeated ones they read, its boundaries); "
+        "default: the whole rank graph with every node's stage",
+    )
+    dump_cmd.add_argument(
+        "--format",
+        choices=dump.FORMATS,
+        default="code",
+        help="code: annotated listing; dot; svg: rendered by Graphviz's dot (DOT only, with a message, "
+        "when it is missing); json: every node and the per-layer summary (default: code)",
+    )
+    dump_cmd.add_argument("--out", type=Path, default=Path("autotp-dump"), help="output folder (default: autotp-dump)")
+    dump_cmd.add_argument(
+        "--after",
+        choices=_AFTER,
+        help="write the graph as it was after this pass instead of the final one: the plain code the pass "
+        "runner saves (only with --format code)",
+    )
+    dump_cmd.add_argument("--dump-dir", type=Path, help="also write the code after every pass here (NN_<pass>.py)")
+    dump_cmd.add_argument(
+        "--hardware", choices=tuple(PROFILES), default="h200", help="profile for estimated times (default: h200)"
+    )
+    dump_cmd.set_defaults(handler=_dump)
+
+    explain = commands.add_parser(
+        "explain",
+        help="collectives, bytes, parameters and FLOPs per layer, against Megatron's minimum",
+        description="Compile tp rank 0 offline and tabulate per layer: all-reduces and all-gathers by "
+        "direction with their bytes, parameter bytes per rank and forward FLOPs per rank; then totals and "
+        "Megatron's minimum of 2 forward + 2 backward all-reduces per decoder layer.",
+    )
+    _add_inspection_options(explain)
+    explain.add_argument("--format", choices=("table", "json"), default="table", help="default: table")
+    explain.set_defaults(handler=_explain, stage=None)
     return parser
 
 

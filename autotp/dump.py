@@ -27,12 +27,13 @@ from autotp.graph_report import (
     NodeReport,
     explain_json,
     explain_table,
+    layer_order,
 )
 
 FORMATS = ("code", "dot", "svg", "json")
 GRAPHVIZ_MISSING = "SVG needs Graphviz's `dot` program (apt-get install graphviz)"
 
-_DTYPES = {
+_DTYPE_NAMES = {
     torch.bfloat16: "bf16",
     torch.float16: "f16",
     torch.float32: "f32",
@@ -45,6 +46,7 @@ _FILL = {
     "all_reduce forward": "#f4a6a6",
     "all_reduce backward": "#f9d29d",
     "all_gather forward": "#a6c8f4",
+    "p2p forward": "#d7bde2",
     "Partial": "#fff3b0",
     "Shard": "#c8e6c9",
     "Replicate": "white",
@@ -53,6 +55,7 @@ _LEGEND = [
     ("all-reduce forward (g, vocab-parallel loss)", _FILL["all_reduce forward"]),
     ("all-reduce backward (f: identity forward)", _FILL["all_reduce backward"]),
     ("all-gather forward", _FILL["all_gather forward"]),
+    ("stage boundary (p2p send/recv)", _FILL["p2p forward"]),
     ("sharded", _FILL["Shard"]),
     ("partial (a summand)", _FILL["Partial"]),
     ("replicated", _FILL["Replicate"]),
@@ -72,11 +75,13 @@ def _si(value: float, unit: str) -> str:
 def _seconds(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} µs"
+    if s >= 1e-6:
+        return f"{s * 1e6:.1f} µs"
+    return f"{s * 1e9:.0f} ns"
 
 
 def _tensors(r: NodeReport) -> str:
-    return ", ".join(f"{_DTYPES.get(t.dtype, str(t.dtype))}{list(t.shape)}" for t in r.tensors)
+    return ", ".join(f"{_DTYPE_NAMES.get(t.dtype, str(t.dtype))}{list(t.shape)}" for t in r.tensors)
 
 
 def _target(r: NodeReport) -> str:
@@ -101,13 +106,22 @@ def _arg(a: Any) -> str:
 
 def _collective_text(r: NodeReport) -> list[str]:
     return [
-        f"{c.kind} {c.direction} {_si(c.bytes, 'B')} over {c.ranks} ranks, {_seconds(c.time_s)}"
+        f"{c.kind} {c.direction} {_si(c.bytes, 'B')}{'' if c.kind == 'p2p' else f' over {c.ranks} ranks'}, "
+        f"{_seconds(c.time_s)}"
         for c in r.collectives
     ]
 
 
-def _annotation(r: NodeReport) -> str:
+def _stage_text(r: NodeReport) -> str:
+    if r.stage is None:
+        return "repeated by each chunk that reads it"
+    return f"stage {r.stage} (chunk {r.chunk})"
+
+
+def _annotation(r: NodeReport, pipelined: bool) -> str:
     parts = [r.layout] if r.layout else []
+    if pipelined:
+        parts.append(_stage_text(r))
     parts += _collective_text(r)
     if r.param_bytes:
         parts.append(f"param {_si(r.param_bytes, 'B')}")
@@ -122,13 +136,19 @@ def _layer_title(key: LayerKey) -> str:
 
 def _header(report: GraphReport, model: str) -> list[str]:
     inputs = ", ".join(f"{k} {v}" for k, v in report.inputs().items())
+    pp = report.plan.pp
+    if report.stage is None:
+        stages = f"all {pp} pipeline stages" if pp > 1 else "pipeline stage 0 of 1 (pp=1)"
+    else:
+        stages = f"pipeline stage {report.stage} of {pp} (its nodes, the repeated ones they read, its boundaries)"
     return [
-        f"autotp dump: {model}, tp={report.tp}, rank {report.rank}, pipeline stage 0 of 1 (pp=1)",
+        f"autotp dump: {model}, tp={report.tp}, tp rank {report.rank}, {stages}",
         f"inputs: {inputs}",
         "shapes are this rank's; layouts: Replicate, Partial (a summand an all-reduce completes), "
         "Shard(dim:local/global)",
         "collectives: all_reduce forward (Megatron g, the vocab-parallel loss), all_reduce backward "
-        "(Megatron f: identity forward), all_gather forward",
+        "(Megatron f: identity forward), all_gather forward, p2p (stage boundary: activation forward, "
+        "gradient backward)",
         f"FLOPs are forward; times are estimates for {report.hardware.name} (autotp.cost_model.flops)",
         "CUDA-graph regions: not implemented yet, so no node carries one",
     ]
@@ -138,11 +158,12 @@ def _header(report: GraphReport, model: str) -> list[str]:
 
 
 def to_code(report: GraphReport, model: str) -> str:
-    """Every node as one annotated line, grouped by layer, after a summary table."""
+    """Every node as one annotated line, grouped by layer (graph order within a layer),
+    after a summary table."""
     lines = [f"# {line}" for line in _header(report, model)]
     lines += ["#"] + [f"# {line}".rstrip() for line in explain_table(report, model).splitlines()]
     layer: LayerKey | None = None
-    for r in report.nodes:
+    for r in sorted(report.nodes, key=lambda r: layer_order(r.layer)):
         if r.layer != layer:
             layer = r.layer
             lines += ["", f"# ---- {_layer_title(layer)} ----"]
@@ -156,7 +177,7 @@ def to_code(report: GraphReport, model: str) -> str:
                 call = f"({', '.join(args)})"
             shapes = _tensors(r)
             code = f"{node.name}{': ' + shapes if shapes else ''} = {_target(r)}{call}"
-        note = _annotation(r)
+        note = _annotation(r, report.plan.pp > 1)
         lines.append(f"{code}  # {note}" if note else code)
     return "\n".join(lines) + "\n"
 
@@ -180,17 +201,20 @@ def _fill(r: NodeReport) -> str:
     return next((color for prefix, color in _FILL.items() if layout.startswith(prefix)), "white")
 
 
-def _node_line(r: NodeReport) -> str:
-    label = [f"{r.node.name} = {_target(r)}"]
+def _node_line(r: NodeReport, pipelined: bool) -> str:
+    node = r.node
+    label = [f"{node.name} = {_target(r)}" if node.op == "call_function" else str(node.target)]
     if r.tensors:
         label.append(_tensors(r) + (f" {r.layout}" if r.layout else ""))
+    if pipelined:
+        label.append(_stage_text(r))
     label += _collective_text(r)
     if r.param_bytes:
         label.append(f"param {_si(r.param_bytes, 'B')}")
     if r.flops:
         label.append(f"{_si(r.flops, 'FLOP')}, {_seconds(r.time_s)}")
-    shape = "ellipse" if r.node.op in ("get_attr", "placeholder", "output") else "box"
-    return f"  n_{r.node.name} {_attrs(label=chr(10).join(label), fillcolor=_fill(r), shape=shape)};"
+    shape = "ellipse" if node.op in ("get_attr", "placeholder", "output") else "box"
+    return f"  n_{node.name} {_attrs(label=chr(10).join(label), fillcolor=_fill(r), shape=shape)};"
 
 
 def _summary_label(layer: LayerReport) -> str:
@@ -219,8 +243,8 @@ def _edges(report: GraphReport, box: dict[Node, str], previous: dict[LayerKey, L
     for r in report.nodes:
         dst = box[r.node]
         for source in r.node.all_input_nodes:
-            src = box[source]
-            if src == dst:
+            src = box.get(source)  # a stage's view lacks what other stages send it
+            if src is None or src == dst:
                 continue
             if dst.startswith("layer_") and layer_of[source] != previous[r.layer]:
                 continue
@@ -237,7 +261,9 @@ def to_dot(report: GraphReport, model: str) -> str:
     for r in report.nodes:
         by_layer.setdefault(r.layer, []).append(r)
 
-    title = "\n".join(_header(report, model)[:1] + ["(layer 0 expanded as the example; other decoder layers collapsed)"])
+    first = next((l.layer for l in report.layers if isinstance(l.layer, int)), None)
+    note = [] if first is None else [f"(layer {first} expanded as the example; other decoder layers collapsed)"]
+    title = "\n".join(_header(report, model)[:1] + note)
     lines = [
         "digraph autotp {",
         f"  graph {_attrs(label=title, labelloc='t', fontname='Helvetica', newrank='true', rankdir='TB')};",
@@ -251,7 +277,7 @@ def to_dot(report: GraphReport, model: str) -> str:
             label = f"{_layer_title(key)}: {layer.ops} ops, {_si(layer.flops_per_rank, 'FLOP')}, comm {_si(comm, 'B')}"
             lines.append(f"  subgraph cluster_{key} {{")
             lines.append(f"    graph {_attrs(label=label, style='rounded', color='gray50')};")
-            lines += ["  " + _node_line(r) for r in by_layer[key]]
+            lines += ["  " + _node_line(r, report.plan.pp > 1) for r in by_layer[key]]
             lines.append("  }")
         else:
             lines.append(f"  layer_{key} {_attrs(label=_summary_label(layer), shape='box3d', fillcolor='#e0e0e0')};")
@@ -281,10 +307,11 @@ def _node_json(r: NodeReport) -> dict[str, Any]:
         "op": r.node.op,
         "target": _target(r),
         "layer": r.layer,
+        "chunk": r.chunk,
         "stage": r.stage,
         "cudagraph_region": None,
         "shapes": [list(t.shape) for t in r.tensors],
-        "dtypes": [_DTYPES.get(t.dtype, str(t.dtype)) for t in r.tensors],
+        "dtypes": [_DTYPE_NAMES.get(t.dtype, str(t.dtype)) for t in r.tensors],
         "layout": r.layout,
         "inputs": [n.name for n in r.node.all_input_nodes],
         "collectives": [
@@ -301,7 +328,7 @@ def _node_json(r: NodeReport) -> dict[str, Any]:
 def to_json(report: GraphReport, model: str) -> dict[str, Any]:
     """The explain summary plus every node; times are estimates for ``report.hardware``."""
     out = explain_json(report, model)
-    out["stage"] = 0
+    out["stage"] = report.stage
     out["hardware"] = dataclasses.asdict(report.hardware)
     for entry, layer in zip(out["layers"], report.layers):
         entry["est_compute_s"], entry["est_comm_s"] = layer.compute_time_s, layer.comm_time_s

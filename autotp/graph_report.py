@@ -4,12 +4,14 @@ Shared by ``autotp dump`` (which draws it) and ``autotp explain`` (which tabulat
 
 * **Shapes** are this rank's: the global ``node.meta["val"]`` shape with every sharded
   dim of the node's layout replaced by its local size.
-* **Layer** of a node: the first integer in its innermost ``nn_module_stack`` path
-  (``model.layers.3.mlp`` -> 3, ``transformer.h.3`` -> 3), or in a parameter's name.
-  Other nodes belong to ``"embedding"`` before the first layer, ``"head"`` after the
-  last one, and to the layer in progress in between. A collective without a module
-  path (the gradient all-reduce of a replicated KV weight) takes its input's layer; a
-  parameter without an index takes its first user's.
+* **Layer** of a node: ``autotp.layers.layer_of``, the first integer in its innermost
+  ``nn_module_stack`` path (``model.layers.3.mlp`` -> 3, ``transformer.h.3`` -> 3).
+  Nodes after the last layer's last node belong to ``"head"``. Before, nodes of a module
+  outside the layers (``model.embed_tokens``, ``model.rotary_emb``) belong to
+  ``"embedding"``, and nodes without a module path to the layer in progress.
+  Inputs, parameter reads, and inserted nodes without a module path (the gradient
+  all-reduce of a replicated KV weight, stage boundaries) take the layer of their
+  first user (``labels`` belong to the head).
 * **Collectives**: *g* (``reduce_from_tp``) is a forward all-reduce, *f* (``copy_to_tp``)
   a backward all-reduce of the gradient, ``gather_from_tp`` a forward all-gather. The
   vocab-parallel cross-entropy all-reduces twice forward: the row max [N] and the
@@ -17,8 +19,12 @@ Shared by ``autotp dump`` (which draws it) and ``autotp explain`` (which tabulat
   (an all-reduced tensor is whole on every rank; an all-gather's is its output).
 * **FLOPs** are forward only (``autotp.cost_model.flops``); times are estimates for a
   ``HardwareProfile``.
-* Pipeline stages are not implemented yet: every node is in stage 0. CUDA-graph
-  regions are not implemented yet either: nodes carry none.
+* **Stages**: a node's pipeline stage is the pp rank of its chunk (``split_stages``
+  writes the chunk; chunk c runs on pp rank ``plan.pp_rank_of_chunk(c)``). Nodes that
+  every chunk repeats (masks, positions, parameter reads) have none. A
+  ``stage_boundary`` is a point-to-point transfer of this rank's shard: the activation
+  forward, its gradient backward. With pp = 1 every node is in stage 0.
+* CUDA-graph regions are not implemented yet: nodes carry none.
 """
 
 from __future__ import annotations
@@ -39,14 +45,16 @@ from autotp.cost_model.flops import (
     op_name,
 )
 from autotp.cost_model.hardware import H200, HardwareProfile
+from autotp.layers import layer_of
 from autotp.layouts import Layout, local_size
+from autotp.pipeline import stage_boundary
+from autotp.plan import ParallelPlan
 
 EMBEDDING, HEAD = "embedding", "head"
 LayerKey = int | str
-KINDS = ("all_reduce", "all_gather")
+KINDS = ("all_reduce", "all_gather", "p2p")
 DIRECTIONS = ("forward", "backward")
 
-_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 # Mirrors ``replica_group_key``: f over the ranks that hold the same KV-head slice.
 _REPLICA_GROUP = re.compile(r"_replicas(\d+)$")
 _FLOAT32_BYTES = 4
@@ -73,16 +81,14 @@ class NodeReport:
     bytes: int
     time_s: float
     param_bytes: int
-    stage: int = 0
-
-    @property
-    def is_param(self) -> bool:
-        return self.param_bytes > 0
+    chunk: int | None
+    stage: int | None
 
 
 @dataclass(frozen=True)
 class LayerReport:
     layer: LayerKey
+    stage: int | None
     ops: int
     collectives: dict[str, dict[str, int]]
     collective_bytes: dict[str, dict[str, int]]
@@ -95,6 +101,7 @@ class LayerReport:
         """The deterministic part (no time estimates)."""
         return {
             "layer": self.layer,
+            "stage": self.stage,
             "ops": self.ops,
             "collectives": self.collectives,
             "collective_bytes": self.collective_bytes,
@@ -105,12 +112,19 @@ class LayerReport:
 
 @dataclass(frozen=True)
 class GraphReport:
+    """A rank's graph, or the part of it that one pipeline stage runs (``stage_view``)."""
+
     graph: GraphModule
-    tp: int
+    plan: ParallelPlan
     rank: int
     hardware: HardwareProfile
     nodes: tuple[NodeReport, ...]
     layers: tuple[LayerReport, ...]
+    stage: int | None = None
+
+    @property
+    def tp(self) -> int:
+        return self.plan.tp
 
     def inputs(self) -> dict[str, list[int]]:
         """Shapes of the graph's tensor inputs (``input_ids``, ``labels``...)."""
@@ -153,51 +167,44 @@ def describe_layout(node: Node, tp: int) -> str | None:
 # ---- layers -------------------------------------------------------------------------
 
 
-def _index_in(path: str) -> int | None:
-    m = _INDEX.search(path)
-    return int(m.group(1)) if m else None
-
-
-def _stack_layer(node: Node) -> int | None:
-    for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
-        index = _index_in(path)
-        if index is not None:
-            return index
-    return None
-
-
-def _explicit_layer(node: Node) -> int | None:
-    if node.op == "get_attr":
-        return _index_in(str(node.target))
-    return _stack_layer(node)
+def _inserted(node: Node) -> bool:
+    return meta_keys.COLLECTIVE in node.meta or node.target is stage_boundary
 
 
 def assign_layers(gm: GraphModule) -> dict[Node, LayerKey]:
     """Layer of every node (rules in the module docstring)."""
     nodes = list(gm.graph.nodes)
-    stack = {n: _stack_layer(n) for n in nodes if n.op == "call_function"}
-    last = max((i for i, n in enumerate(nodes) if stack.get(n) is not None), default=-1)
+    position = {n: i for i, n in enumerate(nodes)}
+    from_path = {n: layer_of(n) for n in nodes if n.op == "call_function"}
+    last = max((i for i, n in enumerate(nodes) if from_path.get(n) is not None), default=-1)
     layers: dict[Node, LayerKey] = {}
+    by_first_user: list[Node] = []
     current: LayerKey = EMBEDDING
     for i, n in enumerate(nodes):
-        if n.op == "placeholder":
-            layers[n] = EMBEDDING
-        elif n.op == "output":
+        if n.op == "output":
             layers[n] = HEAD
-        elif n.op == "call_function":
-            if stack[n] is not None:
-                current = layers[n] = stack[n]
-            elif meta_keys.COLLECTIVE in n.meta and n.all_input_nodes and _explicit_layer(n.all_input_nodes[0]) is not None:
-                layers[n] = _explicit_layer(n.all_input_nodes[0])  # type: ignore[assignment]
-            else:
-                layers[n] = HEAD if i > last else current
-    position = {n: i for i, n in enumerate(nodes)}
-    for n in nodes:
-        if n.op == "get_attr":
-            explicit = _explicit_layer(n)
-            first_user = min(n.users, key=position.__getitem__, default=None)
-            layers[n] = explicit if explicit is not None else (layers[first_user] if first_user else EMBEDDING)
+        elif n.op in ("placeholder", "get_attr") or (_inserted(n) and not n.meta.get("nn_module_stack")):
+            by_first_user.append(n)
+        elif from_path[n] is not None:
+            current = layers[n] = from_path[n]
+        elif i > last:
+            layers[n] = HEAD
+        else:
+            layers[n] = EMBEDDING if n.meta.get("nn_module_stack") else current
+    for n in reversed(by_first_user):  # users come later in the graph, so they have a layer by now
+        first = min(n.users, key=position.__getitem__, default=None)
+        layers[n] = layers[first] if first is not None else EMBEDDING
     return layers
+
+
+def layer_stage(key: LayerKey, plan: ParallelPlan) -> int:
+    if key == EMBEDDING:
+        chunk = plan.embedding_chunk
+    elif key == HEAD:
+        chunk = plan.head_chunk
+    else:
+        chunk = plan.layer_chunks[int(key)] if plan.layer_chunks else 0
+    return plan.pp_rank_of_chunk(chunk)
 
 
 def layer_order(key: LayerKey) -> tuple[int, int]:
@@ -211,7 +218,7 @@ def layer_order(key: LayerKey) -> tuple[int, int]:
 # ---- collectives --------------------------------------------------------------------
 
 
-def _collectives(node: Node, tp: int, hw: HardwareProfile) -> tuple[CollectiveCost, ...]:
+def _collectives(node: Node, tp: int, hw: HardwareProfile, local: list[TensorInfo]) -> tuple[CollectiveCost, ...]:
     def cost(kind: str, direction: str, nbytes: int, ranks: int = tp) -> CollectiveCost:
         return CollectiveCost(kind, direction, nbytes, ranks, collective_time_s(kind, nbytes, ranks, hw))
 
@@ -225,6 +232,9 @@ def _collectives(node: Node, tp: int, hw: HardwareProfile) -> tuple[CollectiveCo
         assert tag == "all_reduce_backward", f"unknown collective tag {tag!r} on {node.name}"
         replicas = _REPLICA_GROUP.search(str(node.args[1]))
         return (cost("all_reduce", "backward", nbytes, int(replicas.group(1)) if replicas else tp),)
+    if node.op == "call_function" and node.target is stage_boundary:
+        nbytes = sum(t.nbytes for t in local)
+        return (cost("p2p", "forward", nbytes, 2), cost("p2p", "backward", nbytes, 2))
     if node.op == "call_function" and op_name(node.target) == "vocab_parallel_cross_entropy":
         tokens = global_tensors(node.args[1])[0].numel
         return (
@@ -241,7 +251,7 @@ def _zero_counts() -> dict[str, dict[str, int]]:
     return {kind: {d: 0 for d in DIRECTIONS} for kind in KINDS}
 
 
-def _layer_report(key: LayerKey, members: list[NodeReport]) -> LayerReport:
+def _layer_report(key: LayerKey, stage: int | None, members: list[NodeReport]) -> LayerReport:
     counts, nbytes = _zero_counts(), _zero_counts()
     for r in members:
         for c in r.collectives:
@@ -249,6 +259,7 @@ def _layer_report(key: LayerKey, members: list[NodeReport]) -> LayerReport:
             nbytes[c.kind][c.direction] += c.bytes
     return LayerReport(
         layer=key,
+        stage=stage,
         ops=sum(1 for r in members if r.node.op == "call_function"),
         collectives=counts,
         collective_bytes=nbytes,
@@ -259,8 +270,20 @@ def _layer_report(key: LayerKey, members: list[NodeReport]) -> LayerReport:
     )
 
 
-def build_report(gm: GraphModule, tp: int, rank: int, hardware: HardwareProfile = H200) -> GraphReport:
+def _by_layer(plan: ParallelPlan, nodes: list[NodeReport], stage: int | None = None) -> tuple[LayerReport, ...]:
+    """Per-layer sums; a stage's view runs all its nodes on that stage, so its rows say so."""
+    grouped: dict[LayerKey, list[NodeReport]] = {}
+    for r in nodes:
+        grouped.setdefault(r.layer, []).append(r)
+    return tuple(
+        _layer_report(k, layer_stage(k, plan) if stage is None else stage, grouped[k])
+        for k in sorted(grouped, key=layer_order)
+    )
+
+
+def build_report(gm: GraphModule, plan: ParallelPlan, rank: int, hardware: HardwareProfile = H200) -> GraphReport:
     """Annotate every node of a compiled rank graph and sum them per layer."""
+    tp = plan.tp
     layers = assign_layers(gm)
     params = {name: id(p) for name, p in gm.named_parameters(remove_duplicate=False)}
     cache: dict[Node, list[TensorInfo]] = {}
@@ -280,6 +303,7 @@ def build_report(gm: GraphModule, tp: int, rank: int, hardware: HardwareProfile 
         if param is not None and param not in seen_params:
             seen_params.add(param)
             param_bytes = sum(t.nbytes for t in tensors(n))
+        chunk = n.meta.get(meta_keys.CHUNK) if plan.num_chunks > 1 else 0
         reports.append(
             NodeReport(
                 node=n,
@@ -287,25 +311,55 @@ def build_report(gm: GraphModule, tp: int, rank: int, hardware: HardwareProfile 
                 op=op_name(n.target) if n.op == "call_function" else n.op,
                 tensors=tuple(tensors(n)),
                 layout=describe_layout(n, tp),
-                collectives=_collectives(n, tp, hardware),
+                collectives=_collectives(n, tp, hardware, tensors(n)),
                 flops=cost.flops,
                 bytes=cost.bytes,
                 time_s=compute_time_s(cost, hardware),
                 param_bytes=param_bytes,
+                chunk=chunk,
+                stage=None if chunk is None else plan.pp_rank_of_chunk(chunk),
             )
         )
-    grouped: dict[LayerKey, list[NodeReport]] = {}
-    for r in reports:
-        grouped.setdefault(r.layer, []).append(r)
-    layer_reports = tuple(_layer_report(k, grouped[k]) for k in sorted(grouped, key=layer_order))
-    return GraphReport(gm, tp, rank, hardware, tuple(reports), layer_reports)
+    return GraphReport(gm, plan, rank, hardware, tuple(reports), _by_layer(plan, reports))
+
+
+def stage_view(report: GraphReport, stage: int) -> GraphReport:
+    """What pipeline stage ``stage`` runs: its nodes, the repeated nodes they read, and the
+    boundaries it sends across."""
+    assert report.stage is None, "stage_view takes the whole rank's report"
+    plan = report.plan
+    if not 0 <= stage < plan.pp:
+        raise ValueError(f"stage {stage} is outside pp={plan.pp}; pick 0..{plan.pp - 1}")
+    by_node = {r.node: r for r in report.nodes}
+    keep: set[Node] = set()
+    pending = [
+        r.node
+        for r in report.nodes
+        if r.stage == stage
+        or (r.node.op == "call_function" and r.node.target is stage_boundary and plan.pp_rank_of_chunk(r.node.args[1] - 1) == stage)
+    ]
+    while pending:
+        node = pending.pop()
+        if node in keep:
+            continue
+        keep.add(node)
+        pending += [a for a in node.all_input_nodes if by_node[a].stage is None]
+    nodes = [r for r in report.nodes if r.node in keep]
+    return GraphReport(report.graph, plan, report.rank, report.hardware, tuple(nodes), _by_layer(plan, nodes, stage), stage)
 
 
 # ---- explain: totals, the Megatron comparison, JSON and table ------------------------
 
 
 def totals(report: GraphReport) -> LayerReport:
-    return _layer_report("total", list(report.nodes))
+    return _layer_report("total", report.stage, list(report.nodes))
+
+
+def stage_totals(report: GraphReport) -> list[LayerReport]:
+    """Totals of every pipeline stage in the report (one, for a stage's view)."""
+    if report.stage is not None:
+        return [totals(report)]
+    return [totals(stage_view(report, s)) for s in range(report.plan.pp)]
 
 
 def megatron_minimum(report: GraphReport) -> dict[str, Any]:
@@ -321,18 +375,22 @@ def megatron_minimum(report: GraphReport) -> dict[str, Any]:
     }
 
 
+def _without(entry: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if k not in keys}
+
+
 def explain_json(report: GraphReport, model: str) -> dict[str, Any]:
-    total = totals(report).to_json()
-    del total["layer"]
+    """Per layer, per pipeline stage (what each stage's ranks hold and run) and in total."""
     return {
         "model": model,
         "tp": report.tp,
-        "pp": 1,
+        "pp": report.plan.pp,
         "rank": report.rank,
         "inputs": report.inputs(),
         "flops": "forward, per rank",
         "layers": [l.to_json() for l in report.layers],
-        "totals": total,
+        "stages": [_without(t.to_json(), "layer") for t in stage_totals(report)],
+        "totals": _without(totals(report).to_json(), "layer", "stage"),
         "megatron_minimum": megatron_minimum(report),
     }
 
@@ -369,38 +427,60 @@ def _runs(layers: tuple[LayerReport, ...]) -> list[tuple[str, LayerReport]]:
 
 def explain_table(report: GraphReport, model: str) -> str:
     mb = 1e6
-    header = ("layer", "fwd AR", "bwd AR", "fwd AG", "comm MB", "params MB/rank", "GFLOPs/rank")
-    rows = [
-        (
+    pipelined = report.plan.pp > 1
+
+    def cells(name: str, l: LayerReport) -> tuple[str, ...]:
+        stage = ("" if l.stage is None else str(l.stage),) if pipelined else ()
+        p2p = (str(l.collectives["p2p"]["forward"]),) if pipelined else ()
+        return (
             name,
+            *stage,
             str(l.collectives["all_reduce"]["forward"]),
             str(l.collectives["all_reduce"]["backward"]),
             str(l.collectives["all_gather"]["forward"]),
+            *p2p,
             f"{sum(sum(d.values()) for d in l.collective_bytes.values()) / mb:.1f}",
             f"{l.param_bytes_per_rank / mb:.1f}",
             f"{l.flops_per_rank / 1e9:.2f}",
         )
-        for name, l in [*_runs(report.layers), ("total", totals(report))]
-    ]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
-    def line(cells: tuple[str, ...]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    header = (
+        "layer",
+        *(("stage",) if pipelined else ()),
+        "fwd AR",
+        "bwd AR",
+        "fwd AG",
+        *(("p2p",) if pipelined else ()),
+        "comm MB",
+        "params MB/rank",
+        "GFLOPs/rank",
+    )
+    body = [cells(name, l) for name, l in _runs(report.layers)]
+    whole = report.stage is None
+    stages = [cells(f"stage {t.stage} total", t) for t in stage_totals(report)] if pipelined and whole else []
+    total = cells("total", totals(report))
+    widths = [max(len(r[i]) for r in [header, *body, *stages, total]) for i in range(len(header))]
+
+    def line(row: tuple[str, ...]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
 
     inputs = ", ".join(f"{k} {v}" for k, v in report.inputs().items())
+    legend = "AR all-reduce, AG all-gather" + (", p2p stage-boundary sends" if pipelined else "")
     m = megatron_minimum(report)
     verdict = "meets it" if m["meets"] else "exceeds it"
+    rule = "-" * len(line(header))
     return "\n".join(
         [
-            f"{model}, tp={report.tp}, rank {report.rank}; inputs {inputs}",
-            "AR all-reduce, AG all-gather; MB = 1e6 bytes; FLOPs are forward, per rank",
+            f"{model}, tp={report.tp}, pp={report.plan.pp}, rank {report.rank}; inputs {inputs}",
+            f"{legend}; MB = 1e6 bytes; FLOPs are forward, per rank",
             "",
             line(header),
-            *(line(r) for r in rows[:-1]),
-            "-" * len(line(header)),
-            line(rows[-1]),
+            *(line(r) for r in body),
+            rule,
+            *(line(r) for r in stages),
+            line(total),
             "",
-            f"Megatron minimum for {m['decoder_layers']} decoder layers: {m['all_reduce']['forward']} forward + "
+            f"Megatron minimum for {m['decoder_layers']} decoder layer{'' if m['decoder_layers'] == 1 else 's'}: {m['all_reduce']['forward']} forward + "
             f"{m['all_reduce']['backward']} backward all-reduces; this plan: {m['plan_all_reduce']['forward']} + "
             f"{m['plan_all_reduce']['backward']} ({verdict})",
         ]

@@ -10,7 +10,8 @@ activations forward and gradients backward between neighbouring pipeline ranks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,10 @@ class ChunkGraph:
     recv_shapes: list[tuple[tuple[int, ...], torch.dtype]]  # per-rank shapes, in order
     num_sends: int
     is_last: bool
+    run: Callable[..., Any] | None = None  # torch.compile'd ``graph``, if asked for
+
+    def __call__(self, *args: Any) -> Any:
+        return (self.run or self.graph)(*args)
 
 
 def _local_shape(node: Node, tp: int) -> tuple[int, ...]:
@@ -124,6 +129,15 @@ class PipelineRunner:
         self.groups = groups
         self.device = device
         self._pending: list[dist.Work] = []
+        # With ``measure_busy``, each chunk's compute is timed between device syncs
+        # (waits for peers excluded), so a step's idle share can be measured.
+        self.measure_busy = False
+        self.busy_s = 0.0
+
+    def _sync(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _peer(self, chunk: int) -> int:
         return self.groups.pp_ranks[chunk % self.groups.pp]
@@ -148,8 +162,11 @@ class PipelineRunner:
         cg = self.chunks[chunk]
         received = self._recv(cg.recv_shapes, chunk - 1, microbatch, self.groups.forward, grad) if chunk > 0 else []
         args = [inputs[name] for name in cg.input_names] + received
+        start = self._sync() if self.measure_busy else 0.0
         with torch.set_grad_enabled(grad):
-            outputs = cg.graph(*args)
+            outputs = cg(*args)
+        if self.measure_busy:
+            self.busy_s += self._sync() - start
         flight = _InFlight(received, outputs)
         if not cg.is_last:
             flight.sends = list(outputs)
@@ -160,13 +177,17 @@ class PipelineRunner:
         cg = self.chunks[chunk]
         if cg.is_last:
             assert loss is not None
+            start = self._sync() if self.measure_busy else 0.0
             loss.backward()
         else:
             shapes = [(tuple(t.shape), t.dtype) for t in flight.sends]
             grads = self._recv(shapes, chunk + 1, microbatch, self.groups.backward, grad=False)
             pairs = [(t, g) for t, g in zip(flight.sends, grads) if t.requires_grad]
+            start = self._sync() if self.measure_busy else 0.0
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if self.measure_busy:
+            self.busy_s += self._sync() - start
         if chunk > 0:
             in_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flight.inputs]
             self._send(in_grads, chunk - 1, chunk, microbatch, self.groups.backward)

@@ -19,8 +19,8 @@ rank's local shapes. FLOPs are forward only and count a multiply-add as 2.
   kernels do: the L×S scores never reach memory).
 * **embedding** (``aten.embedding``, autotp's vocab-parallel lookup): 0 FLOPs; bytes =
   ids + 2 · output (the rows read, the output written).
-* **views** (``view``, ``transpose``, ``expand``, ``getitem``..., and Megatron's *f*, an
-  identity forward): 0 FLOPs, 0 bytes.
+* **views** (``view``, ``transpose``, ``expand``, ``getitem``..., and the identities
+  Megatron's *f* and ``stage_boundary``): 0 FLOPs, 0 bytes.
 * **data movement** (``to``, ``contiguous``, ``cat``, ``index``, ``pad``, factories...):
   0 FLOPs; bytes = inputs + outputs.
 * **collectives** (*g*, the all-gather): 0 FLOPs, 0 bytes here; ``collective_time_s``
@@ -36,7 +36,8 @@ Time, with a ``HardwareProfile``:
 * ``collective_time_s``: alpha-beta with ring algorithms over t ranks; all-reduce
   alpha + 2(t-1)/t · n / B, all-gather alpha + (t-1)/t · n / B, where n is the size of
   the full (all-reduced or gathered) tensor, B the all-reduce bus bandwidth and alpha
-  the per-call latency; 0 when t = 1.
+  the per-call latency; a point-to-point send (``p2p``, t = 2) alpha + n / B; 0 when
+  t = 1.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ _VIEWS = {
     "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "unsqueeze", "squeeze",
     "expand", "expand_as", "slice", "select", "alias", "split", "split_with_sizes", "chunk",
     "unbind", "getitem", "as_strided", "detach", "narrow", "numpy_T", "mT", "view_as",
-    "unflatten", "flatten", "copy_to_tp",
+    "unflatten", "flatten", "copy_to_tp", "stage_boundary",
 }  # fmt: skip
 _DATA_MOVEMENT = {
     "to", "_to_copy", "contiguous", "clone", "copy", "copy_", "cat", "stack", "pad",
@@ -169,8 +170,9 @@ def compute_time_s(cost: NodeCost, hw: HardwareProfile) -> float:
 
 
 def collective_time_s(kind: str, nbytes: int, ranks: int, hw: HardwareProfile) -> float:
-    """Alpha-beta time of a ring ``all_reduce`` or ``all_gather`` of ``nbytes`` over ``ranks``."""
+    """Alpha-beta time of a ring ``all_reduce`` or ``all_gather`` of ``nbytes`` over ``ranks``,
+    or of a ``p2p`` send."""
     if ranks == 1:
         return 0.0
-    factor = {"all_reduce": 2 * (ranks - 1) / ranks, "all_gather": (ranks - 1) / ranks}[kind]
+    factor = {"all_reduce": 2 * (ranks - 1) / ranks, "all_gather": (ranks - 1) / ranks, "p2p": 1.0}[kind]
     return hw.collective_latency_s + factor * nbytes / hw.allreduce_bus_bytes_per_s
