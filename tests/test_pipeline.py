@@ -59,3 +59,28 @@ def test_pipeline_matches_unmodified_model(name: str, world: int, tp: int, pp: i
     assert len({round(r["loss"], 6) for r in results}) == 1, results
     assert results[0]["dp"] == world // (tp * pp)
     assert max(r["local_fraction"] for r in results) < 0.8  # no rank holds the whole model
+
+
+def _pipeline_errors(rank: int, world: int) -> list[str]:
+    import autotp
+
+    messages = []
+    try:
+        autotp.parallelize(build("llama", layers=2), pp=2, vpp=2)
+    except ValueError as e:
+        messages.append(str(e))
+    pm = autotp.parallelize(build("llama", layers=2), pp=2)
+    for batch, microbatches in ((6, 4), (4, 1)):
+        ids = torch.zeros(batch, 8, dtype=torch.long)
+        try:
+            pm.train_step(input_ids=ids, labels=ids, num_microbatches=microbatches)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_pipeline_errors_say_what_is_allowed() -> None:
+    too_many_chunks, batch, too_few = run_on_ranks(_pipeline_errors, 2)[0]
+    assert "pp*vpp = 2*2 = 4 pipeline chunks but the model has 2 layers" in too_many_chunks
+    assert "global batch of 6 does not split into dp=1 x 4 microbatches" in batch
+    assert "1F1B needs at least as many microbatches as pipeline stages" in too_few
