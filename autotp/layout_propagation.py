@@ -338,7 +338,6 @@ class _Walker:
 
     def pointwise(self, node: Node, tensor_args: list[Any] | None = None) -> Layout:
         """Elementwise op with broadcasting."""
-        target = node.target
         args = tensor_args if tensor_args is not None else [a for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, Node)]
         out_shape = shape_of(node)
         if out_shape is None:

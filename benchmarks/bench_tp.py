@@ -20,6 +20,7 @@ one-GPU loss, and writes JSON:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -103,7 +104,7 @@ def _worker(rank: int, world: int, tps: list[int]) -> list[dict]:
         for compiled in (False, True):
             single = _model()
             run = torch.compile(single) if compiled else single
-            step_s, loss, mem = _time(lambda: _fwd_bwd(run, ids, labels), alone)
+            step_s, loss, mem = _time(functools.partial(_fwd_bwd, run, ids, labels), alone)
             setup = "1 GPU" + (" +compile" if compiled else "")
             rows.append({"setup": setup, "tp": 1, "step_ms": step_s * 1e3, "loss": loss, "mem_gib": mem})
             del single, run
@@ -111,7 +112,7 @@ def _worker(rank: int, world: int, tps: list[int]) -> list[dict]:
     dist.barrier()
     for tp in tps:
         model = _dtensor_tp(tp, world)
-        step_s, loss, mem = _time(lambda: _fwd_bwd(model, ids, labels), None)
+        step_s, loss, mem = _time(functools.partial(_fwd_bwd, model, ids, labels), None)
         rows.append({"setup": f"DTensor TP={tp}", "tp": tp, "step_ms": step_s * 1e3, "loss": loss, "mem_gib": mem})
         del model
         torch.cuda.empty_cache()
@@ -121,7 +122,7 @@ def _worker(rank: int, world: int, tps: list[int]) -> list[dict]:
                                     gather_outputs=False, compile=compiled)  # a training step needs no full logits
             del model
             torch.cuda.empty_cache()
-            step_s, loss, mem = _time(lambda: _fwd_bwd(pm, ids, labels), None)
+            step_s, loss, mem = _time(functools.partial(_fwd_bwd, pm, ids, labels), None)
             setup = f"autotp TP={tp}" + (" +compile" if compiled else "")
             rows.append({"setup": setup, "tp": tp, "step_ms": step_s * 1e3, "loss": loss, "mem_gib": mem})
             del pm

@@ -7,7 +7,6 @@ added before that point share the same single all-reduce.
 
 from __future__ import annotations
 
-import torch
 from torch.fx import GraphModule
 
 from autotp import meta_keys

@@ -5,10 +5,8 @@ from __future__ import annotations
 import copy
 import time
 
-import pytest
 import torch
 
-from autotp.launcher import RankError
 from distributed import run_on_ranks
 from small_models import PlainTransformer, build
 
