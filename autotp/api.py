@@ -17,6 +17,7 @@ from torch.fx import GraphModule
 
 from autotp import collectives, rng, schedules
 from autotp.cost_model.pipeline import plan_pipeline
+from autotp.cost_model.planner import auto_plan
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.layers import num_layers
 from autotp.passes import PASSES
@@ -528,6 +529,10 @@ def _choose_plan(traced: GraphModule, tp: int, pp: int, dp: int, vpp: int, plan:
         return plan
     if plan not in (None, "auto"):
         raise ValueError(f"plan must be a ParallelPlan, 'auto' or None, got {plan!r}")
+    if plan == "auto":  # the cost model plans what the caller left at 1: all of tp/pp, else vpp
+        fixed = tp > 1 or pp > 1
+        return auto_plan(traced, tp * pp * dp, tp=tp if fixed else None, pp=pp if fixed else None,
+                         vpp=vpp if vpp > 1 else None)
     layers = num_layers(traced)
     if pp * vpp > 1 and pp * vpp > layers:
         raise ValueError(

@@ -24,6 +24,8 @@ from autotp.api import CompiledRank, compile_rank, parallelize
 from autotp.cost_model.hardware import PROFILES
 from autotp.graph_report import build_report, explain_json, explain_table, stage_view
 from autotp.launcher import RankError, launch
+from autotp.rank_groups import add_ranks_command
+from autotp.schedules import add_schedule_command
 from autotp.passes import PASSES
 
 _LR = 1e-3
@@ -293,6 +295,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_inspection_options(explain)
     explain.add_argument("--format", choices=("table", "json"), default="table", help="default: table")
     explain.set_defaults(handler=_explain, stage=None)
+    add_ranks_command(commands)
+    add_schedule_command(commands)
     return parser
 
 

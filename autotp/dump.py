@@ -144,11 +144,15 @@ def _header(report: GraphReport, model: str) -> list[str]:
     return [
         f"autotp dump: {model}, tp={report.tp}, tp rank {report.rank}, {stages}",
         f"inputs: {inputs}",
-        "shapes are this rank's; layouts: Replicate, Partial (a summand an all-reduce completes), "
-        "Shard(dim:local/global)",
-        "collectives: all_reduce forward (Megatron g, the vocab-parallel loss), all_reduce backward "
-        "(Megatron f: identity forward), all_gather forward, p2p (stage boundary: activation forward, "
-        "gradient backward)",
+        (
+            "shapes are this rank's; layouts: Replicate, Partial (a summand an all-reduce completes), "
+            "Shard(dim:local/global)"
+        ),
+        (
+            "collectives: all_reduce forward (Megatron g, the vocab-parallel loss), all_reduce backward "
+            "(Megatron f: identity forward), all_gather forward, p2p (stage boundary: activation forward, "
+            "gradient backward)"
+        ),
         f"FLOPs are forward; times are estimates for {report.hardware.name} (autotp.cost_model.flops)",
         "CUDA-graph regions: not implemented yet, so no node carries one",
     ]
@@ -217,17 +221,24 @@ def _node_line(r: NodeReport, pipelined: bool) -> str:
     return f"  n_{node.name} {_attrs(label=chr(10).join(label), fillcolor=_fill(r), shape=shape)};"
 
 
-def _summary_label(layer: LayerReport) -> str:
-    ar, ag = layer.collectives["all_reduce"], layer.collectives["all_gather"]
+def _group_title(layer: LayerReport, pipelined: bool) -> str:
+    return _layer_title(layer.layer) + (f" (stage {layer.stage})" if pipelined else "")
+
+
+def _summary_label(layer: LayerReport, pipelined: bool) -> str:
+    ar, ag, p2p = (layer.collectives[kind] for kind in ("all_reduce", "all_gather", "p2p"))
     comm = sum(sum(d.values()) for d in layer.collective_bytes.values())
     lines = [
-        f"{_layer_title(layer.layer)} (collapsed)",
+        f"{_group_title(layer, pipelined)}, collapsed",
         f"{layer.ops} ops, params {_si(layer.param_bytes_per_rank, 'B')}",
         f"all-reduce {ar['forward']} fwd + {ar['backward']} bwd"
         + (f", all-gather {ag['forward']}" if ag["forward"] else "")
+        + (f", stage boundary {p2p['forward']}" if p2p["forward"] else "")
         + f", {_si(comm, 'B')}",
-        f"{_si(layer.flops_per_rank, 'FLOP')}, compute {_seconds(layer.compute_time_s)}, "
-        f"comm {_seconds(layer.comm_time_s)}",
+        (
+            f"{_si(layer.flops_per_rank, 'FLOP')}, compute {_seconds(layer.compute_time_s)}, "
+            f"comm {_seconds(layer.comm_time_s)}"
+        ),
     ]
     return "\n".join(lines)
 
@@ -270,17 +281,22 @@ def to_dot(report: GraphReport, model: str) -> str:
         f"  node {_attrs(shape='box', style='rounded,filled', fontname='Helvetica', fontsize='10')};",
         f"  edge {_attrs(color='gray40', arrowsize='0.6')};",
     ]
+    pipelined = report.plan.pp > 1
     for layer in report.layers:
         key = layer.layer
         if key in expanded:
             comm = sum(sum(d.values()) for d in layer.collective_bytes.values())
-            label = f"{_layer_title(key)}: {layer.ops} ops, {_si(layer.flops_per_rank, 'FLOP')}, comm {_si(comm, 'B')}"
+            label = (
+                f"{_group_title(layer, pipelined)}: {layer.ops} ops, {_si(layer.flops_per_rank, 'FLOP')}, "
+                f"comm {_si(comm, 'B')}"
+            )
             lines.append(f"  subgraph cluster_{key} {{")
             lines.append(f"    graph {_attrs(label=label, style='rounded', color='gray50')};")
-            lines += ["  " + _node_line(r, report.plan.pp > 1) for r in by_layer[key]]
+            lines += ["  " + _node_line(r, pipelined) for r in by_layer[key]]
             lines.append("  }")
         else:
-            lines.append(f"  layer_{key} {_attrs(label=_summary_label(layer), shape='box3d', fillcolor='#e0e0e0')};")
+            summary = _summary_label(layer, pipelined)
+            lines.append(f"  layer_{key} {_attrs(label=summary, shape='box3d', fillcolor='#e0e0e0')};")
     lines += list(_edges(report, box, previous))
     lines.append(f"  subgraph cluster_legend {{\n    graph {_attrs(label='legend', color='gray50')};")
     for i, (text, color) in enumerate(_LEGEND):

@@ -9,9 +9,10 @@ Shared by ``autotp dump`` (which draws it) and ``autotp explain`` (which tabulat
   Nodes after the last layer's last node belong to ``"head"``. Before, nodes of a module
   outside the layers (``model.embed_tokens``, ``model.rotary_emb``) belong to
   ``"embedding"``, and nodes without a module path to the layer in progress.
-  Inputs, parameter reads, and inserted nodes without a module path (the gradient
-  all-reduce of a replicated KV weight, stage boundaries) take the layer of their
-  first user (``labels`` belong to the head).
+  Inputs, parameter reads, *f* (it opens the block its value enters: in a post-norm
+  model that value comes from the previous layer's norm) and inserted nodes without a
+  module path (stage boundaries) take the layer of their first user (``labels``
+  belong to the head).
 * **Collectives**: *g* (``reduce_from_tp``) is a forward all-reduce, *f* (``copy_to_tp``)
   a backward all-reduce of the gradient, ``gather_from_tp`` a forward all-gather. The
   vocab-parallel cross-entropy all-reduces twice forward: the row max [N] and the
@@ -29,7 +30,6 @@ Shared by ``autotp dump`` (which draws it) and ``autotp explain`` (which tabulat
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +56,6 @@ KINDS = ("all_reduce", "all_gather", "p2p")
 DIRECTIONS = ("forward", "backward")
 
 # Mirrors ``replica_group_key``: f over the ranks that hold the same KV-head slice.
-_REPLICA_GROUP = re.compile(r"_replicas(\d+)$")
 _FLOAT32_BYTES = 4
 
 
@@ -167,8 +166,11 @@ def describe_layout(node: Node, tp: int) -> str | None:
 # ---- layers -------------------------------------------------------------------------
 
 
-def _inserted(node: Node) -> bool:
-    return meta_keys.COLLECTIVE in node.meta or node.target is stage_boundary
+def _joins_its_user(node: Node) -> bool:
+    if node.meta.get(meta_keys.COLLECTIVE) == "all_reduce_backward":
+        return True
+    inserted = meta_keys.COLLECTIVE in node.meta or node.target is stage_boundary
+    return inserted and not node.meta.get("nn_module_stack")
 
 
 def assign_layers(gm: GraphModule) -> dict[Node, LayerKey]:
@@ -183,7 +185,7 @@ def assign_layers(gm: GraphModule) -> dict[Node, LayerKey]:
     for i, n in enumerate(nodes):
         if n.op == "output":
             layers[n] = HEAD
-        elif n.op in ("placeholder", "get_attr") or (_inserted(n) and not n.meta.get("nn_module_stack")):
+        elif n.op in ("placeholder", "get_attr") or _joins_its_user(n):
             by_first_user.append(n)
         elif from_path[n] is not None:
             current = layers[n] = from_path[n]
@@ -225,13 +227,13 @@ def _collectives(node: Node, tp: int, hw: HardwareProfile, local: list[TensorInf
     tag = node.meta.get(meta_keys.COLLECTIVE)
     if tag is not None:
         nbytes = sum(t.nbytes for t in global_tensors(node))
+        ranks = node.meta[meta_keys.COLLECTIVE_RANKS]
         if tag == "all_reduce":
-            return (cost("all_reduce", "forward", nbytes),)
+            return (cost("all_reduce", "forward", nbytes, ranks),)
         if tag == "all_gather":
-            return (cost("all_gather", "forward", nbytes),)
+            return (cost("all_gather", "forward", nbytes, ranks),)
         assert tag == "all_reduce_backward", f"unknown collective tag {tag!r} on {node.name}"
-        replicas = _REPLICA_GROUP.search(str(node.args[1]))
-        return (cost("all_reduce", "backward", nbytes, int(replicas.group(1)) if replicas else tp),)
+        return (cost("all_reduce", "backward", nbytes, ranks),)
     if node.op == "call_function" and node.target is stage_boundary:
         nbytes = sum(t.nbytes for t in local)
         return (cost("p2p", "forward", nbytes, 2), cost("p2p", "backward", nbytes, 2))
@@ -363,15 +365,16 @@ def stage_totals(report: GraphReport) -> list[LayerReport]:
 
 
 def megatron_minimum(report: GraphReport) -> dict[str, Any]:
-    """Megatron's 2 forward + 2 backward all-reduces per decoder layer, against the plan's."""
+    """Megatron's 2 forward + 2 backward all-reduces per decoder layer (none at tp=1),
+    against the plan's."""
     decoder = [l for l in report.layers if isinstance(l.layer, int)]
-    n = len(decoder)
+    minimum = 2 * len(decoder) if report.tp > 1 else 0
     plan = {d: sum(l.collectives["all_reduce"][d] for l in decoder) for d in DIRECTIONS}
     return {
-        "decoder_layers": n,
-        "all_reduce": {"forward": 2 * n, "backward": 2 * n},
+        "decoder_layers": len(decoder),
+        "all_reduce": {"forward": minimum, "backward": minimum},
         "plan_all_reduce": plan,
-        "meets": plan["forward"] <= 2 * n and plan["backward"] <= 2 * n,
+        "meets": plan["forward"] <= minimum and plan["backward"] <= minimum,
     }
 
 
@@ -469,6 +472,12 @@ def explain_table(report: GraphReport, model: str) -> str:
     m = megatron_minimum(report)
     verdict = "meets it" if m["meets"] else "exceeds it"
     rule = "-" * len(line(header))
+    layers = f"{m['decoder_layers']} decoder layer{'' if m['decoder_layers'] == 1 else 's'}"
+    megatron = (
+        f"Megatron minimum for {layers}: {m['all_reduce']['forward']} forward + {m['all_reduce']['backward']} "
+        f"backward all-reduces; this plan: {m['plan_all_reduce']['forward']} + {m['plan_all_reduce']['backward']} "
+        f"({verdict})"
+    )
     return "\n".join(
         [
             f"{model}, tp={report.tp}, pp={report.plan.pp}, rank {report.rank}; inputs {inputs}",
@@ -480,8 +489,6 @@ def explain_table(report: GraphReport, model: str) -> str:
             *(line(r) for r in stages),
             line(total),
             "",
-            f"Megatron minimum for {m['decoder_layers']} decoder layer{'' if m['decoder_layers'] == 1 else 's'}: {m['all_reduce']['forward']} forward + "
-            f"{m['all_reduce']['backward']} backward all-reduces; this plan: {m['plan_all_reduce']['forward']} + "
-            f"{m['plan_all_reduce']['backward']} ({verdict})",
+            megatron,
         ]
     )

@@ -16,6 +16,9 @@ ROLE = "autotp_role"
 COLLECTIVE = "autotp_collective"
 """Set on inserted collective nodes: ``all_reduce``, ``all_reduce_backward`` or ``all_gather``."""
 
+COLLECTIVE_RANKS = "autotp_collective_ranks"
+"""On inserted collective nodes: how many ranks the collective spans."""
+
 NEEDS_GRAD = "autotp_needs_grad"
 """Whether the node's value depends on a trainable tensor."""
 
@@ -29,3 +32,13 @@ positions, rotary tables) and parameter reads, which every chunk that needs them
 
 LAYER = "autotp_layer"
 """Index of the decoder layer the node belongs to (from its module path), or None."""
+
+CUDAGRAPH_BLOCKER = "autotp_cudagraph_blocker"
+"""Why a CUDA graph cannot capture the node (a ``mark_cudagraph_regions.Blocker``)."""
+
+CUDAGRAPH_CANDIDATE = "autotp_cudagraph_candidate"
+"""Index of the maximal run of capturable nodes (one pipeline chunk, no blocker) holding the node."""
+
+CUDAGRAPH_REGION = "autotp_cudagraph_region"
+"""Id of the CUDA-graph region that captures the node: its candidate's index, set only where
+the cost model found capturing worth it."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from autotp.cost_model.cudagraphs import CudaGraphPolicy
 from autotp.layouts import DimSharding
 
 
@@ -53,6 +54,12 @@ class ParallelPlan:
     layer_chunks: tuple[int, ...] = ()
     embedding_chunk: int = 0
     head_chunk: int = 0
+    # CUDA graphs: whether to capture regions on GPU, which ``make_graphed_callables``
+    # captures them (``torch`` or ``transformer_engine``), and the cost model's rule for
+    # which regions are worth it.
+    cudagraphs: bool = False
+    cudagraph_impl: str = ""
+    cudagraph_policy: CudaGraphPolicy = field(default_factory=CudaGraphPolicy)
 
     @property
     def world_size(self) -> int:
@@ -85,6 +92,9 @@ class ParallelPlan:
                 "layer_chunks": list(self.layer_chunks),
                 "embedding_chunk": self.embedding_chunk,
                 "head_chunk": self.head_chunk,
+                "cudagraphs": self.cudagraphs,
+                "cudagraph_impl": self.cudagraph_impl,
+                "cudagraph_policy": self.cudagraph_policy.to_json(),
             },
             indent=1,
         )
@@ -103,4 +113,7 @@ class ParallelPlan:
             layer_chunks=tuple(d.get("layer_chunks", ())),
             embedding_chunk=d.get("embedding_chunk", 0),
             head_chunk=d.get("head_chunk", 0),
+            cudagraphs=d.get("cudagraphs", False),
+            cudagraph_impl=d.get("cudagraph_impl", ""),
+            cudagraph_policy=CudaGraphPolicy.from_json(d["cudagraph_policy"]) if "cudagraph_policy" in d else CudaGraphPolicy(),
         )

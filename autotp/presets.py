@@ -112,6 +112,11 @@ def _config_for(name_or_path: str) -> PretrainedConfig:
     )
 
 
+def model_config(name_or_path: str) -> PretrainedConfig:
+    """The config of a preset or a local folder holding config.json; nothing is built."""
+    return _config_for(name_or_path)
+
+
 def build_model(
     name_or_path: str,
     device: str | torch.device = "meta",
@@ -121,7 +126,15 @@ def build_model(
 
     On the default `meta` device nothing is allocated, so any size builds in seconds.
     """
-    config = _config_for(name_or_path)
+    return build_from_config(_config_for(name_or_path), device, dtype)
+
+
+def build_from_config(
+    config: PretrainedConfig,
+    device: str | torch.device = "meta",
+    dtype: torch.dtype | None = None,
+) -> torch.nn.Module:
+    """``build_model`` for a config object."""
     config.use_cache = False
     auto_class = AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else AutoModel
     with torch.device(device):

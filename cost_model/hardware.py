@@ -1,33 +1,109 @@
 """Hardware profiles: the constants that turn FLOPs and bytes into estimated seconds.
 
-Sources (DESIGN.md §5, measured on 4×H200 NVLink, torch 2.11, NCCL, ``NCCL_NVLS_ENABLE=0``):
+A ``HardwareProfile`` is one GPU (or CPU rank) and the links between ranks:
 
-* a bf16 8192³ GEMM runs at 805 TFLOP/s;
-* all-reduce bus bandwidth reaches 353 GB/s at 1 GB; small calls floor at about
-  21–29 µs. An alpha-beta fit with alpha = 25 µs and bus bandwidth 353 GB/s reproduces
-  the measured bus bandwidths from 1 MB to 1 GB within 6% (4 ranks).
+* compute: ``matmul_flops_per_s`` (achieved bf16 GEMM rate), ``matmul_latency_s`` (the
+  fixed cost of one GEMM kernel: a GEMM of F FLOPs takes ``matmul_latency_s + F / rate``),
+  ``attention_flops_per_s`` (fused attention kernels), ``memory_bytes_per_s`` (achieved
+  HBM bandwidth) and ``peak_flops_per_s`` (the datasheet dense bf16 peak, the MFU
+  denominator);
+* host: ``op_overhead_s`` and ``backward_op_overhead_s``, the CPU time eager PyTorch
+  spends dispatching one graph node forward and one autograd node backward;
+* memory: ``memory_capacity_bytes`` and ``reserved_bytes`` (CUDA context, NCCL buffers,
+  allocator slack: never available to tensors);
+* links (``Link``, alpha-beta): ``intra_node`` (built from the original
+  ``collective_latency_s`` and ``allreduce_bus_bytes_per_s`` fields), ``p2p`` (intra-node
+  point-to-point) and ``inter_node`` (per GPU: a node's NIC bandwidth divided by its GPUs).
 
-Memory bandwidth is not in §5: it is NVIDIA's datasheet figure (H200 SXM 4.8 TB/s,
-H100 SXM 3.35 TB/s). H100 has no measurement of its own here; it is the same GH100
-chip and NVLink generation as H200, so it takes H200's measured GEMM rate and
-all-reduce constants (uncalibrated).
+Sources. **H200 SXM** (DESIGN.md §5, measured on 4×H200 NVLink NV18, torch 2.11, NCCL,
+``NCCL_NVLS_ENABLE=0``): bf16 8192³ GEMM 805 TFLOP/s; all-reduce bus bandwidth 54 GB/s
+at 1 MB, 212 at 8 MB, 306 at 64 MB, 338 at 256 MB, 353 at 1 GB, small calls floor at
+21–29 µs. alpha = 25 µs with bus bandwidth 353 GB/s reproduces that curve within 6%
+(``H200_ALLREDUCE_CURVE``; ``fit_link`` on it gives 24 µs, 346 GB/s, within 4%).
+Everything else is a datasheet figure or a stated assumption, marked in each profile's
+``source``: run ``autotp calibrate`` on the machine for measured values
+(``load_profile`` reads its JSON).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Link:
+    """An interconnect in the alpha-beta model (formulas in ``autotp.cost_model.communication``).
+
+    ``latency_s``: fixed cost of one call (alpha); ``hop_latency_s``: extra latency per
+    algorithm step (a ring all-reduce has 2(t-1) steps, a tree 2⌈log2 t⌉);
+    ``bus_bytes_per_s``: NCCL's bus bandwidth (algorithm bandwidth times 2(t-1)/t for an
+    all-reduce), reached by large messages.
+    """
+
+    latency_s: float
+    bus_bytes_per_s: float
+    hop_latency_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """One GPU and its tensor-parallel interconnect."""
+    """One GPU and its links; the first five fields are the tensor-parallel (intra-node) view."""
 
     name: str
     matmul_flops_per_s: float
     memory_bytes_per_s: float
     allreduce_bus_bytes_per_s: float
     collective_latency_s: float
+    peak_flops_per_s: float = 0.0
+    memory_capacity_bytes: float = 80e9
+    reserved_bytes: float = 3 * GiB
+    matmul_latency_s: float = 0.0
+    attention_flops_per_s: float = 0.0
+    op_overhead_s: float = 0.0
+    backward_op_overhead_s: float = 0.0
+    p2p: Link | None = None
+    inter_node: Link = Link(latency_s=30e-6, bus_bytes_per_s=45e9, hop_latency_s=5e-6)
+    source: str = ""
 
+    @property
+    def intra_node(self) -> Link:
+        return Link(self.collective_latency_s, self.allreduce_bus_bytes_per_s)
+
+    @property
+    def p2p_link(self) -> Link:
+        return self.p2p if self.p2p is not None else self.intra_node
+
+    @property
+    def mfu_flops_per_s(self) -> float:
+        return self.peak_flops_per_s or self.matmul_flops_per_s
+
+    @property
+    def attention_rate(self) -> float:
+        return self.attention_flops_per_s or self.matmul_flops_per_s
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_capacity_bytes - self.reserved_bytes
+
+
+# (message bytes, all-reduce bus bytes/s) on 4×H200, DESIGN.md §5.
+H200_ALLREDUCE_CURVE: tuple[tuple[int, float], ...] = (
+    (2**20, 54e9),
+    (8 * 2**20, 212e9),
+    (64 * 2**20, 306e9),
+    (256 * 2**20, 338e9),
+    (2**30, 353e9),
+)
+
+_EAGER_OVERHEAD = dict(op_overhead_s=6e-6, backward_op_overhead_s=8e-6)
+_NDR_RAIL = Link(latency_s=30e-6, bus_bytes_per_s=45e9, hop_latency_s=5e-6)
 
 H200 = HardwareProfile(
     name="H200",
@@ -35,6 +111,14 @@ H200 = HardwareProfile(
     memory_bytes_per_s=4.8e12,
     allreduce_bus_bytes_per_s=353e9,
     collective_latency_s=25e-6,
+    peak_flops_per_s=989.4e12,
+    memory_capacity_bytes=141e9,
+    attention_flops_per_s=400e12,
+    inter_node=_NDR_RAIL,
+    **_EAGER_OVERHEAD,
+    source="GEMM rate and NVLink all-reduce measured (DESIGN.md §5); memory bandwidth, capacity and "
+    "peak from NVIDIA's H200 SXM datasheet; attention rate, eager overheads and the inter-node link "
+    "(8x ConnectX-7 400 Gb/s NDR per node, 45 GB/s per GPU) assumed",
 )
 
 H100 = HardwareProfile(
@@ -43,6 +127,133 @@ H100 = HardwareProfile(
     memory_bytes_per_s=3.35e12,
     allreduce_bus_bytes_per_s=353e9,
     collective_latency_s=25e-6,
+    peak_flops_per_s=989.4e12,
+    memory_capacity_bytes=80e9,
+    attention_flops_per_s=400e12,
+    inter_node=_NDR_RAIL,
+    **_EAGER_OVERHEAD,
+    source="same GH100 chip and NVLink 4 as H200, so H200's measured GEMM and all-reduce constants "
+    "(uncalibrated); memory bandwidth, capacity and peak from NVIDIA's H100 SXM datasheet; inter-node "
+    "8x 400 Gb/s NDR (45 GB/s per GPU) assumed",
 )
 
-PROFILES: dict[str, HardwareProfile] = {"h200": H200, "h100": H100}
+A100 = HardwareProfile(
+    name="A100",
+    matmul_flops_per_s=250e12,
+    memory_bytes_per_s=2.039e12,
+    allreduce_bus_bytes_per_s=230e9,
+    collective_latency_s=25e-6,
+    peak_flops_per_s=312e12,
+    memory_capacity_bytes=80e9,
+    attention_flops_per_s=150e12,
+    inter_node=Link(latency_s=30e-6, bus_bytes_per_s=22e9, hop_latency_s=5e-6),
+    **_EAGER_OVERHEAD,
+    source="A100 SXM 80GB datasheet (312 TFLOP/s bf16, 2.039 TB/s, NVLink 3 600 GB/s); assumed: GEMM at "
+    "80% of peak, all-reduce bus bandwidth 230 GB/s, inter-node 8x 200 Gb/s HDR (22 GB/s per GPU)",
+)
+
+PCIE = HardwareProfile(
+    name="H100-PCIe",
+    matmul_flops_per_s=600e12,
+    memory_bytes_per_s=2.0e12,
+    allreduce_bus_bytes_per_s=22e9,
+    collective_latency_s=30e-6,
+    peak_flops_per_s=756e12,
+    memory_capacity_bytes=80e9,
+    attention_flops_per_s=300e12,
+    inter_node=Link(latency_s=40e-6, bus_bytes_per_s=5.5e9, hop_latency_s=8e-6),
+    **_EAGER_OVERHEAD,
+    source="8x H100 PCIe 80GB per host without NVLink bridges: datasheet 756 TFLOP/s bf16, 2.0 TB/s; "
+    "assumed: GEMM at 80% of peak, all-reduce through the PCIe Gen5 switches at 22 GB/s bus bandwidth, "
+    "2x 200 Gb/s NICs per node (5.5 GB/s per GPU)",
+)
+
+CPU = HardwareProfile(
+    name="CPU",
+    matmul_flops_per_s=50e9,
+    memory_bytes_per_s=10e9,
+    allreduce_bus_bytes_per_s=1e9,
+    collective_latency_s=100e-6,
+    memory_capacity_bytes=16 * GiB,
+    reserved_bytes=1 * GiB,
+    op_overhead_s=10e-6,
+    backward_op_overhead_s=15e-6,
+    inter_node=Link(latency_s=200e-6, bus_bytes_per_s=1e9),
+    source="a few-core CPU host, fp32, gloo over TCP loopback: assumed round numbers; run autotp "
+    "calibrate for this machine's",
+)
+
+PROFILES: dict[str, HardwareProfile] = {"h200": H200, "h100": H100, "a100": A100, "pcie": PCIE, "cpu": CPU}
+
+
+def profile_for_gpu(device_name: str) -> HardwareProfile | None:
+    """The built-in profile of a GPU named as ``torch.cuda.get_device_name`` names it, if any."""
+    for key, profile in (("H200", H200), ("H100 PCIe", PCIE), ("H100", H100), ("A100", A100)):
+        if key in device_name:
+            return profile
+    return None
+
+
+def get_profile(name_or_path: str) -> HardwareProfile:
+    """A built-in profile by name, or a JSON profile written by ``autotp calibrate``."""
+    if name_or_path.lower() in PROFILES:
+        return PROFILES[name_or_path.lower()]
+    if name_or_path.endswith(".json") or Path(name_or_path).is_file():
+        return load_profile(Path(name_or_path))
+    raise ValueError(
+        f"unknown hardware {name_or_path!r}; use one of {', '.join(PROFILES)} or the path of a JSON "
+        "profile written by autotp calibrate"
+    )
+
+
+def profile_to_json(profile: HardwareProfile) -> dict:
+    return dataclasses.asdict(profile)
+
+
+def profile_from_json(data: dict) -> HardwareProfile:
+    fields = {f.name for f in dataclasses.fields(HardwareProfile)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ValueError(f"unknown hardware profile keys {unknown}; expected some of {sorted(fields)}")
+    values = dict(data)
+    for key in ("p2p", "inter_node"):
+        if isinstance(values.get(key), dict):
+            values[key] = Link(**values[key])
+    return HardwareProfile(**values)
+
+
+def load_profile(path: Path) -> HardwareProfile:
+    if not path.is_file():
+        raise ValueError(f"hardware profile {path} does not exist; write one with autotp calibrate --out {path}")
+    return profile_from_json(json.loads(path.read_text()))
+
+
+def save_profile(profile: HardwareProfile, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile_to_json(profile), indent=1) + "\n")
+
+
+def fit_alpha_beta(traffic: list[float], times: list[float]) -> tuple[float, float]:
+    """Least-squares (alpha, bandwidth) of ``time = alpha + traffic / bandwidth``.
+
+    ``traffic`` is what the operation moves (bytes, or FLOPs for a GEMM). Residuals are
+    relative (weighted by 1/time), so the 20 µs small calls count as much as the
+    milliseconds-long large ones; alpha is clamped at 0.
+    """
+    t = np.asarray(times, dtype=float)
+    x = np.stack([np.ones_like(t), np.asarray(traffic, dtype=float)], axis=1)
+    (alpha, inv_bw), *_ = np.linalg.lstsq(x / t[:, None], np.ones_like(t), rcond=None)
+    if alpha < 0:
+        alpha = 0.0
+        inv_bw = float(np.sum(x[:, 1] / t) / np.sum((x[:, 1] / t) ** 2))
+    if inv_bw <= 0:
+        raise ValueError("the measured times do not grow with the message size; measure larger messages")
+    return float(alpha), float(1.0 / inv_bw)
+
+
+def fit_link(curve: tuple[tuple[int, float], ...], ranks: int) -> Link:
+    """The ``Link`` whose ring all-reduce reproduces a measured (bytes, bus bytes/s) curve over ``ranks``."""
+    traffic = [2 * (ranks - 1) / ranks * n for n, _ in curve]
+    times = [sent / bus for sent, (_, bus) in zip(traffic, curve)]
+    alpha, bandwidth = fit_alpha_beta(traffic, times)
+    return Link(alpha, bandwidth)

@@ -4,7 +4,7 @@ The cost of a layer is its matmul work, proportional to the weight elements its
 matmuls read (2·tokens·weights FLOPs; tokens is the same for every layer, so it drops
 out). The embedding lookup costs nothing; the lm_head and loss cost their weights like a
 layer. ``balanced_cuts`` finds the contiguous partition of the layer sequence into
-``pp·vpp`` chunks that minimizes the largest chunk cost (dynamic programming, O(L²·C)),
+``pp·vpp`` chunks that minimizes the largest chunk cost (dynamic programming, O(L²·C), vectorized over L²),
 with the embedding on the first chunk and the head on the last. Every cut lies on a
 layer boundary, where only the hidden state [b, s, h] crosses, the fewest bytes any cut
 of a decoder stack moves.
@@ -12,6 +12,7 @@ of a decoder stack moves.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.fx import GraphModule
 
@@ -58,23 +59,18 @@ def balanced_cuts(costs: list[float], head: float, chunks: int) -> tuple[int, ..
         raise ValueError(
             f"cannot cut {layers} layers into {chunks} pipeline chunks (pp*vpp); use pp*vpp <= {layers}"
         )
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def span(i: int, j: int) -> float:  # cost of layers i..j-1, plus the head on the last chunk
-        return prefix[j] - prefix[i] + (head if j == layers else 0.0)
-
-    inf = float("inf")
-    best = [[inf] * (layers + 1) for _ in range(chunks + 1)]
-    cut = [[0] * (layers + 1) for _ in range(chunks + 1)]
-    best[0][0] = 0.0
+    prefix = np.concatenate([[0.0], np.cumsum(costs, dtype=float)])
+    # span[i, j]: cost of layers i..j-1, plus the head on the last chunk
+    span = prefix[None, :] - prefix[:, None]
+    span[:, layers] += head
+    later = np.triu(np.ones((layers + 1, layers + 1), dtype=bool), k=1)  # i < j
+    best = np.full((chunks + 1, layers + 1), np.inf)
+    cut = np.zeros((chunks + 1, layers + 1), dtype=int)
+    best[0, 0] = 0.0
     for c in range(1, chunks + 1):
-        for j in range(c, layers + 1):
-            for i in range(c - 1, j):
-                value = max(best[c - 1][i], span(i, j))
-                if value < best[c][j]:
-                    best[c][j], cut[c][j] = value, i
+        values = np.where(later, np.maximum(best[c - 1][:, None], span), np.inf)
+        cut[c] = np.argmin(values, axis=0)  # the first minimum, as a left-to-right scan keeps
+        best[c] = values[cut[c], np.arange(layers + 1)]
     assignment = [0] * layers
     j = layers
     for c in range(chunks, 0, -1):

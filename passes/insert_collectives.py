@@ -35,8 +35,9 @@ def replica_group_key(group: str, replicas: int) -> str:
     return f"{group}_replicas{replicas}"
 
 
-def _annotate(new: Node, value: Node, layout: Any, kind: str, located_at: Node | None = None) -> None:
-    """Metadata of a collective applied to ``value``; ``located_at`` names its source location."""
+def _annotate(new: Node, value: Node, layout: Any, kind: str, ranks: int, located_at: Node | None = None) -> None:
+    """Metadata of a collective over ``ranks`` ranks applied to ``value``; ``located_at``
+    names its source location."""
     where = located_at or value
     if "val" in value.meta:
         new.meta["val"] = value.meta["val"]
@@ -46,6 +47,7 @@ def _annotate(new: Node, value: Node, layout: Any, kind: str, located_at: Node |
     new.meta[meta_keys.LAYOUT] = layout
     new.meta[meta_keys.NEEDS_GRAD] = value.meta.get(meta_keys.NEEDS_GRAD, False)
     new.meta[meta_keys.COLLECTIVE] = kind
+    new.meta[meta_keys.COLLECTIVE_RANKS] = ranks
 
 
 def _partial_source(node: Node) -> Node:
@@ -72,10 +74,10 @@ def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
         for partial in node.meta.get(meta_keys.REDUCE_INPUTS, []):
             with graph.inserting_before(node):
                 g = graph.call_function(reduce_from_tp, (partial, key))
-            _annotate(g, partial, REPLICATE, "all_reduce", located_at=_partial_source(partial))
+            _annotate(g, partial, REPLICATE, "all_reduce", ctx.plan.tp, located_at=_partial_source(partial))
             node.replace_input_with(partial, g)
         if node.meta.get(meta_keys.ROLE) is NodeRole.ROW_WITH_BIAS:
-            _split_row_bias(gm, node, key)
+            _split_row_bias(gm, node, key, ctx.plan.tp)
     for node in list(graph.nodes):
         lay = node.meta.get(meta_keys.LAYOUT)
         if not (isinstance(lay, Layout) and lay.replicated and node.meta.get(meta_keys.NEEDS_GRAD)):
@@ -84,7 +86,7 @@ def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
             if user.op == "call_function" and _not_replicated(user):
                 with graph.inserting_before(user):
                     f = graph.call_function(copy_to_tp, (node, key))
-                _annotate(f, node, lay, "all_reduce_backward")
+                _annotate(f, node, lay, "all_reduce_backward", ctx.plan.tp)
                 user.replace_input_with(node, f)
     _sync_replicated_blocks(gm, ctx)
     if ctx.plan.gather_outputs:
@@ -92,7 +94,7 @@ def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
     return gm
 
 
-def _split_row_bias(gm: GraphModule, node: Node, key: str) -> None:
+def _split_row_bias(gm: GraphModule, node: Node, key: str, tp: int) -> None:
     """``linear(x, W, b)`` / ``addmm(b, x, W)`` with partial product -> ``g(x @ W) + b``."""
     graph = gm.graph
     if node.target is aten.linear.default:
@@ -108,7 +110,7 @@ def _split_row_bias(gm: GraphModule, node: Node, key: str) -> None:
         out = graph.call_function(aten.add.Tensor, (g, bias))
     product.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.ROLE})
     product.meta[meta_keys.LAYOUT] = Layout(partial=True)
-    _annotate(g, product, REPLICATE, "all_reduce")
+    _annotate(g, product, REPLICATE, "all_reduce", tp)
     out.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.ROLE})
     node.replace_all_uses_with(out)
     graph.erase_node(node)
@@ -122,10 +124,10 @@ def _sync_replicated_blocks(gm: GraphModule, ctx: PassContext) -> None:
         layout = ctx.plan.layout_of(str(node.target))
         if layout is None or layout.sharding.replicas(ctx.plan.tp) == 1 or not node.meta.get(meta_keys.NEEDS_GRAD):
             continue
-        sub = replica_group_key(ctx.group, layout.sharding.replicas(ctx.plan.tp))
+        replicas = layout.sharding.replicas(ctx.plan.tp)
         with graph.inserting_after(node):
-            f = graph.call_function(copy_to_tp, (node, sub))
-        _annotate(f, node, node.meta.get(meta_keys.LAYOUT), "all_reduce_backward")
+            f = graph.call_function(copy_to_tp, (node, replica_group_key(ctx.group, replicas)))
+        _annotate(f, node, node.meta.get(meta_keys.LAYOUT), "all_reduce_backward", replicas)
         node.replace_all_uses_with(f, delete_user_cb=lambda u: u is not f)
 
 
@@ -144,5 +146,5 @@ def _gather_outputs(gm: GraphModule, key: str, tp: int) -> None:
                 raise ValueError(f"graph output '{arg.name}' holds replicated blocks; it cannot be gathered")
             with graph.inserting_before(out_node):
                 value = graph.call_function(gather_from_tp, (value, d, shape[d], key))
-            _annotate(value, arg, REPLICATE, "all_gather")
+            _annotate(value, arg, REPLICATE, "all_gather", tp)
         out_node.replace_input_with(arg, value)

@@ -22,7 +22,11 @@ Pass = Callable[[GraphModule, "PassContext"], GraphModule]
 
 @dataclass
 class PassContext:
-    """What the passes read: the plan, which rank they compile for, and where to dump."""
+    """What the passes read: the plan, which rank they compile for, and where to dump.
+
+    ``backend`` is the process-group backend the graph's collectives will run on
+    (``nccl``, ``gloo``...); offline compiles assume ``nccl``.
+    """
 
     plan: ParallelPlan
     tp_rank: int = 0
@@ -30,6 +34,7 @@ class PassContext:
     group: str = "tp"
     dump_dir: Path | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    backend: str = "nccl"
 
 
 def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> GraphModule:

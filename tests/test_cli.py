@@ -1,3 +1,4 @@
+import json
 import re
 import subprocess
 import sys
@@ -37,3 +38,13 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert exit_info.value.code == 0
     assert "run" in capsys.readouterr().out
+
+
+def test_ranks_and_schedule_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ranks", "--world-size", "16", "--tp", "4", "--pp", "2", "--format", "json"]) == 0
+    groups = json.loads(capsys.readouterr().out)
+    assert groups["pp"][0] == [0, 8] and groups["dp"][0] == [0, 4]
+    assert main(["schedule", "--pp", "4", "--vpp", "2", "--microbatches", "8", "--rank", "0"]) == 0
+    assert capsys.readouterr().out.split()[:11] == "1 1 1 1 2 2 2 2 1 1 1".split()
+    assert main(["schedule", "--pp", "4", "--microbatches", "2", "--rank", "0"]) == 2
+    assert "1F1B needs at least as many microbatches" in capsys.readouterr().err

@@ -1,0 +1,42 @@
+"""Pipeline bubbles: idle time of the schedules in ``autotp.schedules``.
+
+With p stages, m microbatches and v model chunks per rank, the bubble relative to the
+busy time is (``bubble_fraction``):
+
+* GPipe and 1F1B: (p-1)/m. Both fill and drain the pipeline once; 1F1B only changes the
+  order (and so the memory, see ``autotp.cost_model.memory``).
+* interleaved 1F1B: (p-1)/(m·v). The fill and drain are made of chunks, v times shorter.
+
+With unequal stages (``pipeline_time_s``): let ``c_k`` be the forward+backward time of
+one microbatch on virtual stage k (k = 0 .. p·v-1, chunk k on rank k mod p) and
+``S_r`` the sum of rank r's chunks. Then
+
+    T = m · max_r S_r  +  (p-1) · mean_r(S_r) / v
+
+the busiest rank's work plus the fill and drain, each (p-1) chunk-steps long. Equal
+stages give T = m·S·(1 + (p-1)/(m·v)), the fractions above; ``autotp.schedules.simulate``
+counts the same steps with unit costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autotp.schedules import SCHEDULES
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> float:
+    """Bubble time over busy time (formulas in the module docstring)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if schedule == "interleaved":
+        return (pp - 1) / (microbatches * vpp)
+    return (pp - 1) / microbatches
+
+
+def pipeline_time_s(chunk_s: Sequence[float], pp: int, vpp: int, microbatches: int) -> tuple[float, float]:
+    """(step time, bubble time) from the per-microbatch time of each of the pp·vpp chunks."""
+    assert len(chunk_s) == pp * vpp, f"{len(chunk_s)} chunk times for pp={pp}, vpp={vpp}"
+    loads = [sum(chunk_s[r::pp]) for r in range(pp)]
+    bubble = (pp - 1) * sum(loads) / pp / vpp
+    return microbatches * max(loads) + bubble, bubble

@@ -1,0 +1,226 @@
+"""``autotp calibrate``: measure this machine and write a ``HardwareProfile`` as JSON.
+
+One process per GPU (NCCL; on a machine without GPUs, ranks on the CPU with gloo)
+measures, each time as the median of repeated calls between device syncs:
+
+* all-reduce of 64 KB .. 256 MB (4 KB .. 16 MB on CPU) over the first 2 ranks and over all of them, fitted
+  jointly to ``time = alpha + 2(t-1)/t · n / B`` (``fit_alpha_beta``): ``intra_node``;
+* point-to-point send/receive between ranks 0 and 1 (half a round trip), fitted to
+  ``alpha + n / B``: ``p2p``;
+* on rank 0: square GEMMs (bf16 on GPU, fp32 on CPU) fitted to
+  ``matmul_latency + FLOPs / rate``; an elementwise add of large tensors (3 bytes moved
+  per element byte) for the memory bandwidth; ``scaled_dot_product_attention`` forward
+  with an explicit mask, as HF calls it, for the attention rate; and a chain of tiny
+  aten ops, forward and backward, for the per-op host overheads of eager execution.
+
+The peak FLOP/s (for MFU) and the inter-node link cannot be measured on one node: they
+come from the built-in profile of the same GPU, and the profile's ``source`` says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from autotp.cost_model.communication import p2p_s, ring_all_reduce_s
+from autotp.cost_model.hardware import CPU, H100, HardwareProfile, Link, fit_alpha_beta, profile_for_gpu, save_profile
+from autotp.launcher import spawn_ranks
+
+MESSAGE_BYTES = {"cuda": tuple(2**k for k in range(16, 29, 2)), "cpu": tuple(2**k for k in range(12, 25, 2))}
+GEMM_SIZES = {"cuda": (1024, 2048, 4096, 8192), "cpu": (128, 256, 512)}
+TINY_OPS = 300
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_s(fn: Callable[[], object], device: torch.device, repeats: int = 5, inner: int = 5) -> float:
+    """Median over ``repeats`` of the mean time of ``inner`` back-to-back calls (after one warm-up)."""
+    fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def _collectives(rank: int, world: int, device: torch.device, dtype: torch.dtype) -> dict[str, list]:
+    out: dict[str, list] = {"all_reduce": [], "p2p": []}
+    for ranks in sorted({2, world}):
+        group = dist.new_group(list(range(ranks)))
+        for nbytes in MESSAGE_BYTES[device.type]:
+            x = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
+            dist.barrier()
+            if rank < ranks:
+                t = _median_s(lambda: dist.all_reduce(x, group=group), device)
+                out["all_reduce"].append((ranks, nbytes, t))
+    for nbytes in MESSAGE_BYTES[device.type]:
+        x = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
+        dist.barrier()
+        if rank == 0:
+            out["p2p"].append((nbytes, _median_s(lambda: (dist.send(x, 1), dist.recv(x, 1)), device) / 2))
+        elif rank == 1:
+            _median_s(lambda: (dist.recv(x, 0), dist.send(x, 0)), device)
+    return out
+
+
+def _compute(device: torch.device, dtype: torch.dtype) -> dict[str, object]:
+    gemms = []
+    for n in GEMM_SIZES[device.type]:
+        a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+        gemms.append((2 * n**3, _median_s(lambda: a @ b, device)))
+    elements = (256 if device.type == "cuda" else 16) * 2**20 // dtype.itemsize
+    x, y, z = (torch.ones(elements, dtype=dtype, device=device) for _ in range(3))
+    add_s = _median_s(lambda: torch.add(x, y, out=z), device)
+    batch, heads, seq, dim = (4, 16, 2048, 128) if device.type == "cuda" else (1, 4, 256, 64)
+    q, k, v = (torch.randn(batch, heads, seq, dim, dtype=dtype, device=device) for _ in range(3))
+    mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril().expand(batch, 1, seq, seq)
+    attention_s = _median_s(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask), device)
+    aten = torch.ops.aten
+    w = torch.ones(16, device=device, requires_grad=True)
+
+    def chain() -> torch.Tensor:
+        h = w
+        for _ in range(TINY_OPS // 3):
+            h = aten.view.default(aten.add.Tensor(aten.mul.Tensor(h, w), 1.0), [16])
+        return h.sum()
+
+    forward_s = _median_s(chain, device) / TINY_OPS
+    backward_s = _median_s(lambda: chain().backward(), device) / TINY_OPS - forward_s
+    memory = (
+        torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cuda"
+        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    )
+    return {
+        "gemm": gemms,
+        "memory_bytes_per_s": 3 * elements * dtype.itemsize / add_s,
+        "attention_flops_per_s": 4 * batch * heads * seq * seq * dim / attention_s,
+        "op_overhead_s": forward_s,
+        "backward_op_overhead_s": max(backward_s, 0.0),
+        "memory_capacity_bytes": memory,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+    }
+
+
+def _worker(rank: int, world: int) -> dict[str, object]:
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    measured: dict[str, object] = dict(_collectives(rank, world, device, dtype))
+    if rank == 0:
+        measured.update(_compute(device, dtype))
+    dist.barrier()
+    return measured
+
+
+def base_profile(device_name: str) -> HardwareProfile:
+    """The built-in profile that supplies what one node cannot measure (H100's for an unknown GPU)."""
+    if device_name == "CPU":
+        return CPU
+    return profile_for_gpu(device_name) or H100
+
+
+def calibrate(ranks: int | None = None, timeout_s: float = 600) -> tuple[HardwareProfile, dict[str, object]]:
+    """Measure ``ranks`` local ranks (default: every GPU, else 2 CPU ranks): the fitted profile and the raw measurements."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ranks = ranks or (gpus if gpus >= 2 else 2)
+    if ranks < 2:
+        raise ValueError(f"calibration measures collectives between ranks; use --ranks 2 or more, got {ranks}")
+    if gpus and ranks > gpus:
+        raise ValueError(f"{ranks} ranks asked but {gpus} GPUs are visible; use --ranks {gpus} or less")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    measured = spawn_ranks(_worker, ranks, backend="nccl" if gpus else "gloo", timeout_s=timeout_s)[0]
+    return fit_profile(measured, ranks), measured
+
+
+def fit_profile(measured: dict[str, object], ranks: int) -> HardwareProfile:
+    """The profile of ``calibrate``'s measurements (see the module docstring)."""
+    reduces = measured["all_reduce"]
+    alpha, bus = fit_alpha_beta([2 * (t - 1) / t * n for t, n, _ in reduces], [s for _, _, s in reduces])
+    p2p_alpha, p2p_bw = fit_alpha_beta([n for n, _ in measured["p2p"]], [s for _, s in measured["p2p"]])
+    gemm_latency, gemm_rate = fit_alpha_beta([f for f, _ in measured["gemm"]], [s for _, s in measured["gemm"]])
+    name = str(measured["device_name"])
+    base = base_profile(name)
+    stamp = datetime.date.today().isoformat()
+    return replace(
+        base,
+        name=f"{name} (calibrated)",
+        matmul_flops_per_s=gemm_rate,
+        matmul_latency_s=gemm_latency,
+        memory_bytes_per_s=float(measured["memory_bytes_per_s"]),
+        attention_flops_per_s=float(measured["attention_flops_per_s"]),
+        allreduce_bus_bytes_per_s=bus,
+        collective_latency_s=alpha,
+        p2p=Link(p2p_alpha, p2p_bw),
+        op_overhead_s=float(measured["op_overhead_s"]),
+        backward_op_overhead_s=float(measured["backward_op_overhead_s"]),
+        memory_capacity_bytes=float(measured["memory_capacity_bytes"]),
+        source=f"autotp calibrate on {ranks} x {name}, torch {torch.__version__}, {stamp}; peak FLOP/s, reserved "
+        f"memory and the inter-node link from the built-in {base.name} profile",
+    )
+
+
+def fit_errors(profile: HardwareProfile, measured: dict[str, object]) -> dict[str, float]:
+    """Largest relative error of the fitted alpha-beta models against the measurements."""
+    def worst(pairs: list[tuple[float, float]]) -> float:
+        return max(abs(model / real - 1) for model, real in pairs)
+
+    return {
+        "all_reduce": worst([(ring_all_reduce_s(n, t, profile.intra_node), s) for t, n, s in measured["all_reduce"]]),
+        "p2p": worst([(p2p_s(n, profile.p2p_link), s) for n, s in measured["p2p"]]),
+        "gemm": worst([(profile.matmul_latency_s + f / profile.matmul_flops_per_s, s) for f, s in measured["gemm"]]),
+    }
+
+
+def describe(profile: HardwareProfile, measured: dict[str, object]) -> str:
+    errors = fit_errors(profile, measured)
+    return "\n".join(
+        [
+            f"{profile.name}",
+            f"  all-reduce  alpha {profile.collective_latency_s * 1e6:.1f} us, bus {profile.allreduce_bus_bytes_per_s / 1e9:.0f} GB/s (worst fit error {errors['all_reduce']:.0%})",
+            f"  p2p         alpha {profile.p2p_link.latency_s * 1e6:.1f} us, {profile.p2p_link.bus_bytes_per_s / 1e9:.0f} GB/s (worst fit error {errors['p2p']:.0%})",
+            f"  GEMM        {profile.matmul_flops_per_s / 1e12:.0f} TFLOP/s + {profile.matmul_latency_s * 1e6:.1f} us (worst fit error {errors['gemm']:.0%})",
+            f"  attention   {profile.attention_flops_per_s / 1e12:.0f} TFLOP/s forward",
+            f"  memory      {profile.memory_bytes_per_s / 1e12:.2f} TB/s, {profile.memory_capacity_bytes / 2**30:.0f} GiB",
+            f"  host        {profile.op_overhead_s * 1e6:.1f} us per op forward, {profile.backward_op_overhead_s * 1e6:.1f} us backward",
+        ]
+    )
+
+
+def _calibrate_command(args: argparse.Namespace) -> int:
+    profile, measured = calibrate(args.ranks, args.timeout)
+    save_profile(profile, args.out)
+    print(describe(profile, measured))
+    print(f"wrote {args.out}; use it with autotp plan --hardware {args.out}")
+    return 0
+
+
+def add_calibrate_command(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``calibrate``; its handler (``args.handler``) measures, writes the profile and returns 0."""
+    command = subparsers.add_parser(
+        "calibrate",
+        help="measure all-reduce, P2P, GEMM, memory and launch costs here and write a hardware profile",
+        description="Spawn one rank per GPU (NCCL; gloo ranks on the CPU without GPUs), measure collective "
+        "alpha/beta, GEMM throughput, memory bandwidth and eager per-op overheads, and write a JSON profile "
+        "that autotp plan --hardware PATH reads.",
+    )
+    command.add_argument("--ranks", type=int, help="ranks to measure (default: every GPU, or 2 CPU ranks)")
+    command.add_argument("--out", type=Path, default=Path("autotp-profile.json"), help="default: autotp-profile.json")
+    command.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are killed (default: 600)")
+    command.set_defaults(handler=_calibrate_command)

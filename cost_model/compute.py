@@ -1,0 +1,371 @@
+"""One rank's compute, tensor-parallel communication and activations, from a traced graph.
+
+``ModelCosts`` holds a graph traced once (``autotp.cost_model.planner.trace_for_planning``
+traces one decoder layer on the meta device). For each tp it plans the graph
+(``plan_tensor_parallel``) and runs the passes, as compiling rank 0 does;
+``autotp.graph_report`` then gives every node its local shapes, its layer (``embedding``,
+decoder layer i, ``head``) and its collectives. Those are summed into one ``Segment``
+per layer. A model with more layers than were traced repeats them: layer i costs what
+traced layer i mod k does.
+
+**Microbatch size.** A tensor computed from the inputs (reachable from a placeholder)
+has b times the elements at microbatch size b; weights, rotary tables and masks built
+from constant shapes do not grow. Scaling dim 0 of the first kind by 2 and evaluating
+``autotp.cost_model.flops.node_cost`` again gives every node's FLOPs and bytes as
+``const + per_sample·b`` (``Affine``), exactly, since no node is quadratic in b.
+
+**Time of a segment at microbatch size b** (``segment_time``):
+
+* GPU time of a node, forward: matmuls ``max(matmul_latency + F/matmul_rate, bytes/mem_bw)``;
+  fused attention ``max(F/attention_rate, bytes/mem_bw)``; everything else
+  ``max(F/matmul_rate, bytes/mem_bw)`` (the roofline of ``flops.compute_time_s``).
+* Backward: 2× forward (a GEMM's input and weight gradients are two GEMMs of the same
+  size; a memory-bound op reads its saved inputs and the output gradient and writes the
+  input gradients), 2.5× for attention (FlashAttention-2: 5 GEMMs against 2).
+* Collectives (forward all-reduce *g*, backward all-reduce *f*, all-gathers) cost
+  ``communication.group_collective_s``; eager execution waits for them, so they add.
+* Host time: ``op_overhead_s`` per graph node forward and ``backward_op_overhead_s`` per
+  node backward. Eager PyTorch runs ahead of the GPU, so a segment takes
+  ``max(GPU time, host time)``: small models are launch-bound.
+
+**Activations** kept for backward (``saved_inputs``): what eager autograd saves, per op:
+a matmul its activation operands; a mul or div each operand whose partner needs a
+gradient; attention q, k, v and its output; nonlinear elementwise ops, norms, softmax and
+the losses their input; adds, casts, views, concatenations, reductions and collectives
+nothing; any other op its inputs. A tensor saved by several ops counts once per segment;
+only tensors that depend on the inputs count (they scale with b).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from torch.fx import GraphModule, Node
+
+from autotp.cost_model.communication import group_collective_s
+from autotp.cost_model.flops import TensorInfo, global_tensors, node_cost, op_name
+from autotp.cost_model.hardware import HardwareProfile
+from autotp.cost_model.pipeline import balanced_cuts, layer_costs
+from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from autotp.graph_report import EMBEDDING, HEAD, GraphReport, LayerKey, assign_layers, build_report
+from autotp.layers import num_layers
+from autotp.passes import PASSES
+from autotp.passes.runner import PassContext, run_passes
+from autotp.plan import ParallelPlan
+
+BACKWARD_FACTOR = 2.0
+ATTENTION_BACKWARD_FACTOR = 2.5
+_MATMUL, _ATTENTION, _OTHER = 1, 2, 0
+_MATMULS = {"linear", "addmm", "mm", "bmm", "matmul"}
+_SAVE_NOTHING = {
+    "add", "sub", "neg", "to", "_to_copy", "clone", "contiguous", "cat", "stack", "mean", "sum", "where",
+    "embedding", "vocab_parallel_embedding", "arange", "full", "zeros", "ones", "empty", "scalar_tensor",
+}  # fmt: skip
+_SAVE_FIRST_INPUT = {
+    "pow", "rsqrt", "sqrt", "exp", "log", "silu", "gelu", "relu", "tanh", "sigmoid", "erf", "sin", "cos",
+    "softmax", "_softmax", "log_softmax", "_log_softmax", "layer_norm", "native_layer_norm", "rms_norm",
+    "group_norm", "dropout", "native_dropout", "cross_entropy_loss", "vocab_parallel_cross_entropy",
+    "nll_loss", "nll_loss_forward",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``const + per_sample·b``: a cost at microbatch size b."""
+
+    const: float
+    per_sample: float
+
+    def at(self, batch: float) -> float:
+        return self.const + self.per_sample * batch
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    direction: str
+    bytes: Affine
+    ranks: int
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """One rank's share of the embedding, a decoder layer, or the head.
+
+    ``flops`` and ``bytes`` are [nodes, 2] arrays of (const, per_sample); ``kinds`` tells
+    matmuls and attention from the rest.
+    """
+
+    flops: np.ndarray
+    bytes: np.ndarray
+    kinds: np.ndarray
+    ops: int
+    collectives: tuple[Collective, ...]
+    params: dict[str, int]
+    activation_bytes: Affine
+
+    @property
+    def param_numel(self) -> int:
+        return sum(self.params.values())
+
+
+@dataclass(frozen=True)
+class SegmentTime:
+    """Forward + backward of one microbatch through a segment."""
+
+    compute_s: float
+    comm_s: float
+    host_s: float
+
+    @property
+    def total_s(self) -> float:
+        return max(self.compute_s + self.comm_s, self.host_s)
+
+
+@dataclass(frozen=True)
+class RankCosts:
+    """A model compiled for one tp: the plan and rank 0's segments (every tp rank does the same)."""
+
+    plan: ParallelPlan
+    embedding: Segment
+    layers: tuple[Segment, ...]
+    head: Segment
+
+
+def batch_dependent(gm: GraphModule) -> set[Node]:
+    """Nodes whose values are computed from the graph's inputs."""
+    out: set[Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def needs_grad(gm: GraphModule) -> set[Node]:
+    """Nodes computed from a floating-point parameter (their values need gradients)."""
+    params = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.is_floating_point()}
+    out: set[Node] = set()
+    for node in gm.graph.nodes:
+        if (node.op == "get_attr" and str(node.target) in params) or (
+            node.op == "call_function" and any(a in out for a in node.all_input_nodes)
+        ):
+            out.add(node)
+    return out
+
+
+def saved_inputs(node: Node, grad: set[Node]) -> list[Node]:
+    """The tensors eager autograd keeps for ``node``'s backward (rules in the module docstring)."""
+    if node not in grad:
+        return []
+    name = op_name(node.target)
+    inputs = node.all_input_nodes
+    if name in _SAVE_NOTHING or node_cost(node).bytes == 0:
+        return []
+    if name in _MATMULS or "grouped_mm" in str(node.target):
+        return inputs
+    if name in ("mul", "div"):
+        return [x for x in inputs if any(y in grad for y in inputs if y is not x)]
+    if name == "scaled_dot_product_attention":
+        return [*inputs[:3], node]
+    if name in _SAVE_FIRST_INPUT:
+        return inputs[:1]
+    return inputs
+
+
+def _doubled(infos: list[TensorInfo]) -> list[TensorInfo]:
+    return [TensorInfo((t.shape[0] * 2, *t.shape[1:]), t.dtype) if t.shape else t for t in infos]
+
+
+def affine_costs(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], dependent: set[Node], batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(flops, bytes) of ``nodes`` as [n, 2] arrays of (const, per_sample), from shapes at ``batch``."""
+
+    def at(scale: bool):
+        def get(n: Node) -> list[TensorInfo]:
+            infos = tensors[n] if n in tensors else global_tensors(n)
+            return _doubled(infos) if scale and n in dependent else infos
+
+        return get
+
+    one, two = at(False), at(True)
+    flops, nbytes = np.zeros((len(nodes), 2)), np.zeros((len(nodes), 2))
+    for i, n in enumerate(nodes):
+        c1, c2 = node_cost(n, one), node_cost(n, two)
+        slope_f, slope_b = (c2.flops - c1.flops) / batch, (c2.bytes - c1.bytes) / batch
+        flops[i] = (c1.flops - slope_f * batch, slope_f)
+        nbytes[i] = (c1.bytes - slope_b * batch, slope_b)
+    return flops, nbytes
+
+
+def _kind(node: Node) -> int:
+    name = op_name(node.target)
+    if name in _MATMULS or "grouped_mm" in str(node.target):
+        return _MATMUL
+    return _ATTENTION if name == "scaled_dot_product_attention" else _OTHER
+
+
+def fresh_copy(gm: GraphModule) -> GraphModule:
+    """A copy the passes can rewrite (they edit nodes in place); parameters are shared."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deepcopy of the graph's pytree specs
+        return GraphModule(gm, copy.deepcopy(gm.graph))
+
+
+class ModelCosts:
+    """A traced model's costs per rank at any tp and microbatch size (sequence length fixed)."""
+
+    def __init__(self, gm: GraphModule, num_layers_total: int | None = None) -> None:
+        inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+        if not inputs:
+            raise ValueError("the traced graph has no tensor inputs; trace it with example inputs such as input_ids")
+        shape = tuple(inputs[0].meta["val"].shape)
+        self.gm = gm
+        self.batch = shape[0]
+        self.seq = shape[1] if len(shape) > 1 else 1
+        self.traced_layers = num_layers(gm)
+        self.num_layers = num_layers_total if num_layers_total is not None else self.traced_layers
+        dependent = batch_dependent(gm)
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        flops, _ = affine_costs(calls, {}, dependent, self.batch)
+        self._segment_flops = self._per_segment_flops(calls, flops)
+        self.layer_weights, self.head_weight = layer_costs(gm)
+        self.hidden_bytes = self._hidden_bytes(calls)
+        self.linears = self._linears(calls, dependent)
+        self._plans: dict[tuple[int, frozenset[str]], ParallelPlan] = {}
+        self._ranks: dict[tuple[int, tuple, bool], RankCosts] = {}
+        self._cuts: dict[int, tuple[int, ...]] = {}
+
+    def _per_segment_flops(self, calls: list[Node], flops: np.ndarray) -> dict[LayerKey, Affine]:
+        layers = assign_layers(self.gm)
+        sums: dict[LayerKey, np.ndarray] = {}
+        for n, row in zip(calls, flops):
+            sums[layers[n]] = sums.get(layers[n], np.zeros(2)) + row
+        return {k: Affine(*v) for k, v in sums.items()}
+
+    def forward_flops(self, batch: int) -> float:
+        """Whole-model forward FLOPs of ``batch`` samples (every layer, not one rank's share)."""
+        zero = Affine(0, 0)
+        layers = sum(self._segment_flops.get(self.traced_index(i), zero).at(batch) for i in range(self.num_layers))
+        return layers + sum(v.at(batch) for k, v in self._segment_flops.items() if not isinstance(k, int))
+
+    def traced_index(self, layer: int) -> int:
+        """The traced layer that stands for model layer ``layer``."""
+        return layer % self.traced_layers
+
+    def layer_chunks(self, chunks: int) -> tuple[int, ...]:
+        """The chunk of every model layer, cut as ``plan_pipeline`` cuts them (cached)."""
+        if chunks == 1:
+            return (0,) * self.num_layers
+        if chunks not in self._cuts:
+            weights = [self.layer_weights[self.traced_index(i)] for i in range(self.num_layers)]
+            self._cuts[chunks] = balanced_cuts(weights, self.head_weight, chunks)
+        return self._cuts[chunks]
+
+    def total_params(self) -> int:
+        """Parameter elements of the whole model."""
+        whole = self.rank(1)
+        layers = sum(whole.layers[self.traced_index(i)].param_numel for i in range(self.num_layers))
+        return layers + sum({**whole.embedding.params, **whole.head.params}.values())
+
+    def _hidden_bytes(self, calls: list[Node]) -> float:
+        """Bytes per sample of the hidden state, what a pipeline stage sends to the next."""
+        for n in calls:
+            if op_name(n.target) == "embedding":
+                return sum(t.nbytes for t in global_tensors(n)) / self.batch
+        return 0.0
+
+    def _linears(self, calls: list[Node], dependent: set[Node]) -> tuple[tuple[str, float], ...]:
+        """(weight name, forward FLOPs per sample) of every linear reading a parameter."""
+        params = dict(self.gm.named_parameters(remove_duplicate=False))
+        out = []
+        for n in calls:
+            name = op_name(n.target)
+            weight = n.args[1] if name == "linear" else n.args[2] if name == "addmm" else None
+            if isinstance(weight, Node) and weight.op == "get_attr" and str(weight.target) in params:
+                flops, _ = affine_costs([n], {}, dependent, self.batch)
+                out.append((str(weight.target), float(flops[0, 1])))
+        return tuple(out)
+
+    def rank(self, tp: int, replicate: frozenset[str] = frozenset(), gather_outputs: bool = True) -> RankCosts:
+        """Rank 0's segments at ``tp`` with the linears in ``replicate`` kept whole (cached);
+        ``gather_outputs`` as in ``ParallelPlan``.
+
+        Raises plan_tensor_parallel's ValueError when tp does not divide the model.
+        """
+        if (tp, replicate) not in self._plans:
+            self._plans[(tp, replicate)] = plan_tensor_parallel(self.gm, tp, replicate=replicate)
+        plan = replace(self._plans[(tp, replicate)], gather_outputs=gather_outputs)
+        key = (tp, plan.params, gather_outputs)
+        if key not in self._ranks:
+            self._ranks[key] = self._compile(plan)
+        return self._ranks[key]
+
+    def _compile(self, plan: ParallelPlan) -> RankCosts:
+        ctx = PassContext(plan=plan, tp_rank=0, device=torch.device("meta"), group=f"tp{plan.tp}")
+        gm = run_passes(fresh_copy(self.gm), ctx, PASSES)
+        report = build_report(gm, plan, 0)
+        dependent = batch_dependent(gm)
+        grad = needs_grad(gm)
+        tensors = {r.node: list(r.tensors) for r in report.nodes}
+        groups: dict[LayerKey, list] = {}
+        for r in report.nodes:
+            groups.setdefault(r.layer, []).append(r)
+        owned = _params_by_segment(gm, report)
+
+        def segment(key: LayerKey) -> Segment:
+            members = groups.get(key, [])
+            calls = [r.node for r in members if r.node.op == "call_function"]
+            flops, nbytes = affine_costs(calls, tensors, dependent, self.batch)
+            collectives = tuple(
+                Collective(c.kind, c.direction, Affine(0, c.bytes / self.batch) if r.node in dependent else Affine(c.bytes, 0), c.ranks)
+                for r in members
+                for c in r.collectives
+            )
+            kept = {x for n in calls for x in saved_inputs(n, grad) if x in dependent}
+            saved = sum(t.nbytes for x in kept for t in tensors[x] if t.dtype.is_floating_point)
+            kinds = np.array([_kind(n) for n in calls])
+            return Segment(flops, nbytes, kinds, len(calls), collectives, owned.get(key, {}), Affine(0, saved / self.batch))
+
+        return RankCosts(plan, segment(EMBEDDING), tuple(segment(i) for i in range(self.traced_layers)), segment(HEAD))
+
+
+def _params_by_segment(gm: GraphModule, report: GraphReport) -> dict[LayerKey, dict[str, int]]:
+    """Local parameter elements read by each segment, tied parameters under one name.
+
+    A parameter read by two segments (an embedding tied to the lm_head) is listed in both:
+    a pipeline stage holds every parameter its segments read.
+    """
+    named = dict(gm.named_parameters(remove_duplicate=False))
+    canonical: dict[int, str] = {}
+    for name, p in named.items():
+        canonical.setdefault(id(p), name)
+    layer_of = {r.node: r.layer for r in report.nodes}
+    owned: dict[LayerKey, dict[str, int]] = {}
+    for r in report.nodes:
+        if r.node.op == "get_attr" and str(r.node.target) in named:
+            name = canonical[id(named[str(r.node.target)])]
+            for user in r.node.users:
+                owned.setdefault(layer_of[user], {})[name] = r.tensors[0].numel
+    return owned
+
+
+def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_node: int) -> SegmentTime:
+    """Forward + backward of ``batch`` samples through ``seg`` (formulas in the module docstring)."""
+    flops = seg.flops[:, 0] + seg.flops[:, 1] * batch
+    nbytes = seg.bytes[:, 0] + seg.bytes[:, 1] * batch
+    memory = nbytes / hw.memory_bytes_per_s
+    matmul = seg.kinds == _MATMUL
+    attention = seg.kinds == _ATTENTION
+    forward = np.maximum(flops / hw.matmul_flops_per_s, memory)
+    forward[matmul] = np.maximum(hw.matmul_latency_s + flops[matmul] / hw.matmul_flops_per_s, memory[matmul])
+    forward[attention] = np.maximum(flops[attention] / hw.attention_rate, memory[attention])
+    factor = np.where(attention, ATTENTION_BACKWARD_FACTOR, BACKWARD_FACTOR)
+    compute = float(np.sum(forward * (1 + factor)))
+    comm = sum(
+        group_collective_s(c.kind, c.bytes.at(batch), c.ranks, min(c.ranks, tp_ranks_per_node), hw) for c in seg.collectives
+    )
+    host = seg.ops * (hw.op_overhead_s + hw.backward_op_overhead_s)
+    return SegmentTime(compute, comm, host)

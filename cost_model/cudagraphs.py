@@ -1,0 +1,182 @@
+"""Is a CUDA-graph region worth capturing? Host time saved against static memory.
+
+Eager PyTorch spends host time on every op of a per-rank graph: the generated Python,
+the dispatcher, autograd bookkeeping and the kernel launch, ``launch_s`` per forward
+op and again per backward op. The GPU runs asynchronously, so a region costs about
+max(host time, GPU time): when the ops are small the GPU waits for the host
+(launch-bound). A captured region replays with one graph launch forward and one
+backward (``replay_s`` each, the Python of the graphed autograd function included)
+and first copies its non-parameter inputs into static buffers (and, backward, the
+incoming gradients).
+
+For a region (``region_stats``), with this rank's local shapes:
+
+* ``launches`` = Σ over kernel nodes of 1 + ``BACKWARD_LAUNCHES`` if the node needs
+  grad (training is assumed). Kernel nodes launch GPU work: ``flops.node_cost`` gives
+  them FLOPs or bytes, or they are collectives; views, ``getitem``, Megatron's *f*
+  forward and stage boundaries launch nothing.
+* ``gpu_s`` = Σ roofline time (``flops.compute_time_s``) forward, times
+  (1 + ``BACKWARD_GPU_FACTOR``) for nodes that need grad, plus the alpha-beta time of
+  the all-reduces and all-gathers (``flops.collective_time_s``).
+* ``copy_bytes`` = the region's non-parameter inputs (copied before the forward replay)
+  + its outputs that need grad (their gradients are copied before the backward replay).
+* ``static_bytes`` = inputs + every tensor made by a kernel node (outputs and
+  intermediates): what the graph pins, an upper bound since intermediates of regions
+  captured in order share one memory pool.
+
+``saved_s`` (``estimate``) = max(launches · launch_s, gpu_s)
+                              − max(replays · replay_s, gpu_s + 2 · copy_bytes / memory bandwidth)
+with replays = 2 when the region needs grad, else 1.
+
+``decide`` captures, in order of ``saved_s`` per static byte, every region with
+``saved_s > policy.min_saved_s`` whose static bytes still fit ``policy.max_static_bytes``.
+Compute-bound regions save nothing (GPU time dominates both sides) and are declined.
+
+Constants (``CudaGraphPolicy`` defaults): ``launch_s`` 6 µs is the host cost per op
+of eager PyTorch on a fast x86 host (dispatch + autograd record + ``cudaLaunchKernel``;
+PyTorch's own profiling puts an aten op at 4–10 µs), ``replay_s`` 20 µs a
+``cudaGraphLaunch`` plus the graphed autograd function's Python. Both are
+uncalibrated estimates until ``benchmarks/bench_cudagraphs.py`` measures them
+(it prints the eager host time per launch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch.fx import Node
+
+from autotp import meta_keys
+from autotp.cost_model.flops import TensorInfo, collective_time_s, compute_time_s, node_cost
+from autotp.cost_model.hardware import PROFILES
+
+BACKWARD_LAUNCHES = 2
+BACKWARD_GPU_FACTOR = 2.0
+_COLLECTIVE_KIND = {"all_reduce": "all_reduce", "all_reduce_backward": "all_reduce", "all_gather": "all_gather"}
+
+
+@dataclass(frozen=True)
+class CudaGraphPolicy:
+    """The cost model's constants for choosing regions (rule in the module docstring)."""
+
+    launch_s: float = 6e-6
+    replay_s: float = 20e-6
+    max_static_bytes: int = 16 * 2**30
+    min_saved_s: float = 0.0
+    hardware: str = "h200"
+
+    def to_json(self) -> dict:
+        return {
+            "launch_s": self.launch_s,
+            "replay_s": self.replay_s,
+            "max_static_bytes": self.max_static_bytes,
+            "min_saved_s": self.min_saved_s,
+            "hardware": self.hardware,
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> CudaGraphPolicy:
+        return CudaGraphPolicy(**d)
+
+
+ALWAYS = CudaGraphPolicy(min_saved_s=-1.0, max_static_bytes=2**62)
+"""Captures every capturable region (benchmarks that measure capture itself)."""
+
+
+@dataclass(frozen=True)
+class RegionStats:
+    """One candidate region's sizes, for ``estimate`` and the report."""
+
+    nodes: int
+    launches: int
+    gpu_s: float
+    needs_grad: bool
+    copy_bytes: int
+    static_bytes: int
+
+
+@dataclass(frozen=True)
+class Estimate:
+    eager_s: float
+    graph_s: float
+
+    @property
+    def saved_s(self) -> float:
+        return self.eager_s - self.graph_s
+
+
+Tensors = Callable[[Node], list[TensorInfo]]
+
+
+def _bytes(node: Node, tensors: Tensors) -> int:
+    return sum(t.nbytes for t in tensors(node))
+
+
+def _is_parameter(node: Node) -> bool:
+    return node.op == "get_attr"
+
+
+def region_stats(nodes: Sequence[Node], tensors: Tensors, tp: int, hardware: str) -> RegionStats:
+    """Sizes of the region made of ``nodes`` (``tensors``: this rank's tensors of a node)."""
+    hw = PROFILES[hardware]
+    inside = set(nodes)
+    launches = 0
+    gpu_s = 0.0
+    static = 0
+    needs_grad = False
+    inputs: set[Node] = set()
+    grad_out = 0
+    for n in nodes:
+        grad = bool(n.meta.get(meta_keys.NEEDS_GRAD))
+        needs_grad |= grad
+        inputs.update(a for a in n.all_input_nodes if a not in inside and not _is_parameter(a))
+        cost = node_cost(n, tensors)
+        kind = _COLLECTIVE_KIND.get(n.meta.get(meta_keys.COLLECTIVE, ""))
+        if kind is not None:
+            gpu_s += collective_time_s(kind, _bytes(n, tensors), tp, hw)
+        elif cost.flops or cost.bytes:
+            gpu_s += compute_time_s(cost, hw) * (1 + (BACKWARD_GPU_FACTOR if grad else 0))
+        if kind is not None or cost.flops or cost.bytes:
+            launches += 1 + (BACKWARD_LAUNCHES if grad else 0)
+            static += _bytes(n, tensors)
+        if grad and any(u not in inside for u in n.users):
+            grad_out += _bytes(n, tensors)
+    in_bytes = sum(_bytes(a, tensors) for a in inputs)
+    return RegionStats(
+        nodes=len(nodes),
+        launches=launches,
+        gpu_s=gpu_s,
+        needs_grad=needs_grad,
+        copy_bytes=in_bytes + grad_out,
+        static_bytes=in_bytes + static,
+    )
+
+
+def estimate(stats: RegionStats, policy: CudaGraphPolicy) -> Estimate:
+    """Eager and captured time of one region (formula in the module docstring)."""
+    memory_bytes_per_s = PROFILES[policy.hardware].memory_bytes_per_s
+    replays = 2 if stats.needs_grad else 1
+    eager = max(stats.launches * policy.launch_s, stats.gpu_s)
+    graph = max(replays * policy.replay_s, stats.gpu_s + 2 * stats.copy_bytes / memory_bytes_per_s)
+    return Estimate(eager, graph)
+
+
+def decide(candidates: Sequence[RegionStats], policy: CudaGraphPolicy) -> list[str | None]:
+    """Per candidate: None to capture it, else why not (the rule in the module docstring)."""
+    estimates = [estimate(s, policy) for s in candidates]
+    verdicts: list[str | None] = [None] * len(candidates)
+    order = sorted(range(len(candidates)), key=lambda i: -estimates[i].saved_s / max(candidates[i].static_bytes, 1))
+    budget = policy.max_static_bytes
+    for i in order:
+        saved = estimates[i].saved_s
+        if saved <= policy.min_saved_s:
+            verdicts[i] = (
+                f"saves {saved * 1e6:.1f} µs, not more than {policy.min_saved_s * 1e6:.1f} µs "
+                f"(eager {estimates[i].eager_s * 1e6:.1f} µs, graph {estimates[i].graph_s * 1e6:.1f} µs)"
+            )
+        elif candidates[i].static_bytes > budget:
+            verdicts[i] = f"needs {candidates[i].static_bytes} static bytes, {budget} left of the budget"
+        else:
+            budget -= candidates[i].static_bytes
+    return verdicts

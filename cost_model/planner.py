@@ -1,0 +1,595 @@
+"""The planner: tp, pp, dp, vpp and microbatch size for a model on a cluster, best first.
+
+**Input.** ``ModelCosts`` of a graph traced once (``trace_for_planning``: one decoder
+layer on the meta device at the planned sequence length; later layers repeat it), a
+``Cluster`` (GPUs, GPUs per node, ``HardwareProfile``) and a ``Training`` setup (global
+batch B, precision, distributed optimizer, whether outputs are gathered).
+
+**Candidates** (``candidates``):
+
+* tp divides the GPUs per node, so a tp group never spans nodes (its 4 all-reduces per
+  layer need NVLink), and the model (``plan_tensor_parallel`` raises otherwise);
+* pp divides gpus/tp and is at most the number of layers; dp = gpus/(tp·pp) divides B;
+* microbatch size b divides B/dp; m = B/(dp·b) microbatches, m >= pp when pp > 1 (1F1B);
+* vpp = 1, or v >= 2 when pp >= 2, the layers divide into pp·v equal chunks and pp
+  divides m (interleaved 1F1B).
+
+Degrees passed as ``tp=``, ``pp=``, ``vpp=``, ``microbatch_size=`` are kept.
+
+**Estimate** of one candidate (``estimate``), ranks in Megatron's order (tp fastest,
+then dp, then pp):
+
+* stage cuts as ``plan_pipeline`` makes them (``balanced_cuts`` of the layer weights);
+* chunk time = its segments' ``compute.segment_time`` (forward + backward, tp
+  collectives, launch overhead) + the receives of the hidden state b·s·h (forward from
+  the previous chunk, gradient from the next) over NVLink when a model replica fits in
+  a node (tp·dp·pp <= G), else over the inter-node link;
+* pipeline time and bubble: ``bubble.pipeline_time_s``;
+* gradient sync, as autotp's runtime does it (after the backward, not overlapped):
+  an all-reduce per 25 MB bucket over the dp group (``communication.group_all_reduce_s``,
+  min(dp, G/tp) of its ranks per node) plus 6 bytes moved per gradient byte (concatenate,
+  divide, copy back); tied embeddings with pp > 1 all-reduce their gradient between the
+  first and last stages;
+* optimizer step: 2 · bytes_per_param · params / memory bandwidth (each state read and
+  written once); ``train_step`` does not run it, the step time includes it;
+* step = pipeline + gradient sync + optimizer; tokens/s = B·s/step;
+  MFU = 3 · forward FLOPs of B samples / (step · gpus · peak FLOP/s);
+* memory per GPU: the fullest rank's ``memory.rank_memory_bytes``;
+* small linears: a linear whose sharding saves less compute per microbatch,
+  (1 - 1/t) · 3 · its forward FLOPs / GEMM rate, than one tp all-reduce's latency costs
+  is replicated (``plan_tensor_parallel(replicate=...)``) when that estimate is faster.
+
+Candidates that need more memory than ``HardwareProfile.usable_memory_bytes`` are
+dropped; the rest are ranked by step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import torch
+from torch.fx import GraphModule
+from transformers import PretrainedConfig
+
+from autotp import presets
+from autotp.cost_model import closed_forms
+from autotp.cost_model.bubble import pipeline_time_s
+from autotp.cost_model.communication import all_reduce_s, group_all_reduce_s, p2p_s
+from autotp.cost_model.compute import ModelCosts, RankCosts, SegmentTime, segment_time
+from autotp.cost_model.hardware import CPU, GiB, HardwareProfile, get_profile, profile_for_gpu
+from autotp.cost_model.memory import PRECISIONS, bytes_per_param, grad_bytes_per_param, in_flight, rank_memory_bytes
+from autotp.plan import ParallelPlan
+from autotp.trace import trace
+
+PLANNING_BATCH = 2
+DP_BUCKET_BYTES = 25 * 2**20  # autotp.api's gradient buckets
+GRAD_SYNC_BYTES_MOVED = 6
+_LAYER_INDEX = re.compile(r"\.(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int
+    hardware: HardwareProfile
+
+
+@dataclass(frozen=True)
+class Training:
+    """What is trained: ``global_batch`` samples per step of the traced sequence length."""
+
+    global_batch: int
+    precision: str = "bf16"
+    distributed_optimizer: bool = False
+    gather_outputs: bool = False
+    cuda_graph_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class Config:
+    tp: int
+    pp: int
+    dp: int
+    vpp: int
+    microbatch_size: int
+    microbatches: int
+
+    @property
+    def schedule(self) -> str | None:
+        if self.pp == 1:
+            return None
+        return "interleaved" if self.vpp > 1 else "1f1b"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted step of one candidate, before it is turned into a ``ParallelPlan``."""
+
+    config: Config
+    replicate: frozenset[str]
+    step_s: float
+    bubble_s: float
+    comm_s: float
+    optimizer_s: float
+    mem_bytes_per_gpu: float
+    tokens_per_s: float
+    mfu: float
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    """A plan and its predicted metrics; ``step_s`` includes ``optimizer_s``, which ``train_step`` does not run."""
+
+    plan: ParallelPlan
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    mem_bytes_per_gpu: float
+    bubble_share: float
+    comm_share: float
+    microbatch_size: int
+    microbatches: int
+    schedule: str | None
+    optimizer_s: float
+
+    def to_json(self) -> dict:
+        return {
+            "tp": self.plan.tp,
+            "pp": self.plan.pp,
+            "dp": self.plan.dp,
+            "vpp": self.plan.vpp,
+            "microbatch_size": self.microbatch_size,
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+            "step_s": self.step_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "mem_bytes_per_gpu": self.mem_bytes_per_gpu,
+            "bubble_share": self.bubble_share,
+            "comm_share": self.comm_share,
+            "optimizer_s": self.optimizer_s,
+            "plan": json.loads(self.plan.to_json()),
+        }
+
+
+# ---- tracing ---------------------------------------------------------------------------
+
+
+def trace_for_planning(config: PretrainedConfig, seq: int, *, dtype: torch.dtype = torch.bfloat16, traced_layers: int = 1) -> ModelCosts:
+    """``ModelCosts`` of a HF config: ``traced_layers`` decoder layers traced on meta at [2, seq]."""
+    text = config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None)
+    if limit is not None and seq > limit:
+        raise ValueError(f"--seq {seq} exceeds the model's max_position_embeddings ({limit}); plan for {limit} or less")
+    total = getattr(text, "num_hidden_layers", None)
+    small = copy.deepcopy(config)
+    if total is not None:
+        small_text = small.get_text_config()
+        small_text.num_hidden_layers = min(total, traced_layers)
+        if isinstance(getattr(small_text, "layer_types", None), list):
+            small_text.layer_types = small_text.layer_types[: small_text.num_hidden_layers]
+    model = presets.build_from_config(small, device="meta", dtype=dtype)
+    ids = torch.zeros((PLANNING_BATCH, seq), dtype=torch.long)
+    gm = trace(model, {"input_ids": ids, "labels": ids, "use_cache": False}, "meta")
+    return ModelCosts(gm, total)
+
+
+# ---- candidates ------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def check_cluster(cluster: Cluster) -> int:
+    """GPUs per node actually used (all of them on one partial node); ValueError when the world cannot be laid out."""
+    if cluster.gpus < 1 or cluster.gpus_per_node < 1:
+        raise ValueError(f"--gpus and --gpus-per-node must be at least 1, got {cluster.gpus} and {cluster.gpus_per_node}")
+    if cluster.gpus <= cluster.gpus_per_node:
+        return cluster.gpus
+    if cluster.gpus % cluster.gpus_per_node:
+        raise ValueError(
+            f"{cluster.gpus} GPUs do not make whole nodes of {cluster.gpus_per_node}; use a multiple of "
+            f"{cluster.gpus_per_node} GPUs (e.g. {cluster.gpus - cluster.gpus % cluster.gpus_per_node}) or fewer than one node"
+        )
+    return cluster.gpus_per_node
+
+
+def candidates(
+    num_layers: int,
+    cluster: Cluster,
+    global_batch: int,
+    *,
+    tp: int | None = None,
+    pp: int | None = None,
+    vpp: int | None = None,
+    microbatch_size: int | None = None,
+) -> list[Config]:
+    """Every configuration the rules of the module docstring allow; ValueError when fixed degrees cannot be."""
+    per_node = check_cluster(cluster)
+    world = cluster.gpus
+    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("microbatch size", microbatch_size), ("global batch", global_batch)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if tp is not None and world % tp:
+        raise ValueError(f"tp={tp} does not divide {world} GPUs; use one of {_divisors(world)}")
+    if pp is not None and (world // (tp or 1)) % pp:
+        raise ValueError(f"pp={pp} does not divide {world} GPUs / tp={tp or 1}; use one of {_divisors(world // (tp or 1))}")
+    if pp is not None and pp > num_layers:
+        raise ValueError(f"pp={pp} is more pipeline stages than the model's {num_layers} layers; use pp <= {num_layers}")
+    tps = [tp] if tp is not None else [k for k in _divisors(per_node) if world % k == 0]
+    out = []
+    for t in tps:
+        pps = [pp] if pp is not None else [k for k in _divisors(world // t) if k <= num_layers]
+        for p in pps:
+            dp = world // (t * p)
+            if global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            sizes = [microbatch_size] if microbatch_size is not None else _divisors(per_replica)
+            for mbs in sizes:
+                if per_replica % mbs:
+                    continue
+                m = per_replica // mbs
+                if p > 1 and m < p:
+                    continue
+                vpps = [1] + [v for v in range(2, num_layers // p + 1) if p > 1 and num_layers % (p * v) == 0 and m % p == 0]
+                for v in [vpp] if vpp is not None else vpps:
+                    if v == 1 or v in vpps:
+                        out.append(Config(t, p, dp, v, mbs, m))
+    if not out:
+        raise ValueError(
+            f"no way to split a global batch of {global_batch} over {world} GPUs with "
+            f"tp={tp or 'any'}, pp={pp or 'any'}, vpp={vpp or 'any'}, microbatch size={microbatch_size or 'any'}: "
+            f"dp = GPUs/(tp*pp) must divide the batch, 1F1B needs at least pp microbatches and interleaving "
+            f"layers divisible by pp*vpp; use a global batch that is a multiple of {world} or fix fewer degrees"
+        )
+    return out
+
+
+# ---- estimate --------------------------------------------------------------------------
+
+
+def small_linears(costs: ModelCosts, tp: int, batch: int, hw: HardwareProfile) -> frozenset[str]:
+    """Linears whose sharding saves less compute per microbatch than one tp all-reduce's latency."""
+    if tp == 1:
+        return frozenset()
+    return frozenset(
+        name
+        for name, flops in costs.linears
+        if (1 - 1 / tp) * 3 * flops * batch / hw.matmul_flops_per_s < hw.collective_latency_s
+    )
+
+
+def _chunk_layers(costs: ModelCosts, chunks: int) -> tuple[Counter, ...]:
+    """For each chunk, how many model layers of each traced layer it holds."""
+    out: list[Counter] = [Counter() for _ in range(chunks)]
+    for layer, chunk in enumerate(costs.layer_chunks(chunks)):
+        out[chunk][costs.traced_index(layer)] += 1
+    return tuple(out)
+
+
+def _grad_sync_s(params: int, tensors: int, dp: int, dp_per_node: int, training: Training, hw: HardwareProfile) -> float:
+    if dp == 1:
+        return 0.0
+    total = params * grad_bytes_per_param(training.precision)
+    full, rest = divmod(total, DP_BUCKET_BYTES)
+    buckets = int(full) + (rest > 0)
+    comm = full * group_all_reduce_s(DP_BUCKET_BYTES, dp, dp_per_node, hw) + group_all_reduce_s(rest, dp, dp_per_node, hw) * (rest > 0)
+    host = (2 * buckets + 2 * tensors) * hw.op_overhead_s
+    return comm + GRAD_SYNC_BYTES_MOVED * total / hw.memory_bytes_per_s + host
+
+
+def estimate(
+    costs: ModelCosts, cluster: Cluster, training: Training, config: Config, replicate: frozenset[str] = frozenset()
+) -> Estimate:
+    """Predicted step time and memory of ``config`` (formulas in the module docstring)."""
+    hw = cluster.hardware
+    per_node = min(cluster.gpus, cluster.gpus_per_node)
+    rc = costs.rank(config.tp, replicate, training.gather_outputs)
+    b, m, pp, vpp = config.microbatch_size, config.microbatches, config.pp, config.vpp
+    chunks = pp * vpp
+
+    def timed(seg) -> SegmentTime:
+        return segment_time(seg, b, hw, min(config.tp, per_node))
+
+    layers = [timed(seg) for seg in rc.layers]
+    ends = {0: [(rc.embedding, timed(rc.embedding))], chunks - 1: [(rc.head, timed(rc.head))]}
+    if chunks == 1:
+        ends = {0: ends[0] + ends[chunks - 1]}
+    in_node = config.tp * config.dp * pp <= per_node
+    hop = p2p_s(costs.hidden_bytes * b, hw.p2p_link if in_node else hw.inter_node)
+    chunk_s, chunk_comm, chunk_act, chunk_params = [], [], [], []
+    for c, counts in enumerate(_chunk_layers(costs, chunks)):
+        parts = [(rc.layers[j], layers[j], n) for j, n in counts.items()] + [(seg, st, 1) for seg, st in ends.get(c, [])]
+        recv = hop * ((c > 0) + (c < chunks - 1))
+        chunk_s.append(sum(n * st.total_s for _, st, n in parts) + recv)
+        chunk_comm.append(sum(n * st.comm_s for _, st, n in parts) + recv)
+        chunk_act.append(sum(n * seg.activation_bytes.at(b) for seg, _, n in parts))
+        chunk_params.append([(seg.params, n) for seg, _, n in parts])
+    pipeline, bubble = pipeline_time_s(chunk_s, pp, vpp, m)
+
+    dp_per_node = max(1, min(config.dp, per_node // config.tp))
+    memories, syncs, optimizers = [], [], []
+    for r in range(pp):
+        params, tensors = _rank_params(chunk_params[r::pp])
+        act = in_flight(config.schedule, pp, vpp, m, r) * max(chunk_act[r::pp])
+        memories.append(rank_memory_bytes(params, training.precision, training.distributed_optimizer, config.dp, act, training.cuda_graph_bytes))
+        syncs.append(_grad_sync_s(params, tensors, config.dp, dp_per_node, training, hw))
+        traffic = 2 * bytes_per_param(training.precision, training.distributed_optimizer, config.dp) * params
+        optimizers.append(traffic / hw.memory_bytes_per_s)
+    tied = set(rc.embedding.params) & set(rc.head.params)
+    tied_s = 0.0
+    if tied and pp > 1:
+        nbytes = sum(rc.embedding.params[name] for name in tied) * grad_bytes_per_param(training.precision)
+        tied_s = all_reduce_s(nbytes, 2, hw.p2p_link if in_node else hw.inter_node)
+    busiest = max(range(pp), key=lambda r: sum(chunk_s[r::pp]))
+    sync = max(syncs) + tied_s
+    step = pipeline + sync + max(optimizers)
+    tokens = training.global_batch * costs.seq
+    return Estimate(
+        config=config,
+        replicate=replicate,
+        step_s=step,
+        bubble_s=bubble,
+        comm_s=m * sum(chunk_comm[busiest::pp]) + sync,
+        optimizer_s=max(optimizers),
+        mem_bytes_per_gpu=max(memories),
+        tokens_per_s=tokens / step,
+        mfu=3 * costs.forward_flops(training.global_batch) / (step * cluster.gpus * hw.mfu_flops_per_s),
+    )
+
+
+def _rank_params(chunks: list[list[tuple[dict[str, int], int]]]) -> tuple[int, int]:
+    """(elements, tensors) of the parameters one rank holds: layers counted per copy, shared names once."""
+    names: dict[str, int] = {}
+    numel = tensors = 0
+    for parts in chunks:
+        for params, copies in parts:
+            if copies == 1:
+                names.update(params)
+            else:
+                numel += copies * sum(params.values())
+                tensors += copies * len(params)
+    return numel + sum(names.values()), tensors + len(names)
+
+
+def best_estimate(costs: ModelCosts, cluster: Cluster, training: Training, config: Config) -> Estimate:
+    """``estimate`` with every linear sharded, or with the small ones replicated if that is faster."""
+    plain = estimate(costs, cluster, training, config)
+    small = small_linears(costs, config.tp, config.microbatch_size, cluster.hardware)
+    if not small:
+        return plain
+    trimmed = estimate(costs, cluster, training, config, small)
+    return trimmed if trimmed.step_s < plain.step_s else plain
+
+
+# ---- plans -----------------------------------------------------------------------------
+
+
+def _expand_layers(costs: ModelCosts, names: tuple) -> tuple:
+    """Parameter layouts of the traced layers, repeated under every model layer's names."""
+    if costs.num_layers == costs.traced_layers:
+        return names
+    out = []
+    for layout in names:
+        match = _LAYER_INDEX.search(layout.name)
+        if match is None:
+            out.append(layout)
+            continue
+        j = int(match.group(1))
+        for i in range(costs.num_layers):
+            if costs.traced_index(i) == j:
+                name = layout.name[: match.start(1)] + str(i) + layout.name[match.end(1) :]
+                out.append(replace(layout, name=name))
+    return tuple(out)
+
+
+def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwareProfile) -> PlanEstimate:
+    """The ``ParallelPlan`` of an estimate, with its metrics."""
+    cfg = est.config
+    rc: RankCosts = costs.rank(cfg.tp, est.replicate, training.gather_outputs)
+    chunks = cfg.pp * cfg.vpp
+    schedule = f", schedule {cfg.schedule}" if cfg.schedule else ""
+    note = (
+        f"planned for {hw.name}: microbatch size {cfg.microbatch_size}, {cfg.microbatches} microbatches "
+        f"(train_step(..., num_microbatches={cfg.microbatches})){schedule}; predicted {est.step_s:.4g} s per step, "
+        f"{est.mem_bytes_per_gpu / GiB:.1f} GiB per GPU"
+    )
+    replicated = tuple(f"replicated (comm outweighs compute): {n}" for n in sorted(est.replicate))
+    plan = replace(
+        rc.plan,
+        pp=cfg.pp,
+        dp=cfg.dp,
+        vpp=cfg.vpp,
+        params=_expand_layers(costs, rc.plan.params),
+        layer_chunks=costs.layer_chunks(chunks) if chunks > 1 else (),
+        embedding_chunk=0,
+        head_chunk=chunks - 1,
+        notes=rc.plan.notes + replicated + (note,),
+    )
+    return PlanEstimate(
+        plan=plan,
+        step_s=est.step_s,
+        tokens_per_s=est.tokens_per_s,
+        mfu=est.mfu,
+        mem_bytes_per_gpu=est.mem_bytes_per_gpu,
+        bubble_share=est.bubble_s / est.step_s,
+        comm_share=est.comm_s / est.step_s,
+        microbatch_size=cfg.microbatch_size,
+        microbatches=cfg.microbatches,
+        schedule=cfg.schedule,
+        optimizer_s=est.optimizer_s,
+    )
+
+
+def plan(
+    costs: ModelCosts,
+    cluster: Cluster,
+    training: Training,
+    *,
+    tp: int | None = None,
+    pp: int | None = None,
+    vpp: int | None = None,
+    microbatch_size: int | None = None,
+    top: int = 10,
+) -> list[PlanEstimate]:
+    """The ``top`` fastest plans that fit in memory, best first (rules in the module docstring).
+
+    Raises ValueError when no plan fits (saying by how much the smallest misses) or the
+    degrees cannot be laid out.
+    """
+    if training.precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {training.precision!r}: choose one of {', '.join(PRECISIONS)}")
+    configs = candidates(costs.num_layers, cluster, training.global_batch, tp=tp, pp=pp, vpp=vpp, microbatch_size=microbatch_size)
+    usable: set[int] = set()
+    refused: dict[int, str] = {}
+    for t in sorted({c.tp for c in configs}):
+        try:
+            costs.rank(t, frozenset(), training.gather_outputs)
+            usable.add(t)
+        except ValueError as e:
+            if tp is not None:
+                raise
+            refused[t] = str(e)
+    estimates = [best_estimate(costs, cluster, training, c) for c in configs if c.tp in usable]
+    if not estimates:
+        raise ValueError("no tp degree splits this model: " + "; ".join(f"tp={t}: {why}" for t, why in refused.items()))
+    capacity = cluster.hardware.usable_memory_bytes
+    fitting = sorted((e for e in estimates if e.mem_bytes_per_gpu <= capacity), key=lambda e: (e.step_s, e.mem_bytes_per_gpu))
+    if not fitting:
+        least = min(estimates, key=lambda e: e.mem_bytes_per_gpu)
+        c = least.config
+        raise ValueError(
+            f"the model does not fit on {cluster.gpus} x {cluster.hardware.name} at any degree: the leanest plan "
+            f"(tp={c.tp}, pp={c.pp}, dp={c.dp}, microbatch size {c.microbatch_size}) needs "
+            f"{least.mem_bytes_per_gpu / GiB:.1f} GiB per GPU, {(least.mem_bytes_per_gpu - capacity) / GiB:.1f} GiB more "
+            f"than the {capacity / GiB:.1f} GiB usable; use more GPUs, the distributed optimizer, or a shorter sequence"
+        )
+    return [to_plan(costs, training, e, cluster.hardware) for e in fitting[:top]]
+
+
+# ---- parallelize(plan="auto") ----------------------------------------------------------
+
+
+def detect_hardware(device: torch.device) -> HardwareProfile:
+    """``AUTOTP_HARDWARE`` (a profile name or JSON path) if set, else the profile of ``device``'s GPU."""
+    chosen = os.environ.get("AUTOTP_HARDWARE")
+    if chosen:
+        return get_profile(chosen)
+    if device.type != "cuda":
+        return CPU
+    name = torch.cuda.get_device_name(device)
+    profile = profile_for_gpu(name)
+    if profile is not None:
+        return profile
+    raise ValueError(
+        f"no hardware profile for {name!r}; run autotp calibrate --out profile.json and set AUTOTP_HARDWARE=profile.json"
+    )
+
+
+def auto_plan(gm: GraphModule, world: int, *, tp: int | None = None, pp: int | None = None, vpp: int | None = None) -> ParallelPlan:
+    """The planner's best plan for ``gm`` (traced at the example inputs) on ``world`` local ranks.
+
+    The example batch is the global batch and its sequence length the planned one.
+    ``LOCAL_WORLD_SIZE`` ranks share a node; precision follows the parameters (fp32, or
+    16-bit weights with a 16-bit AdamW).
+    """
+    tensor = next(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor))
+    hw = detect_hardware(tensor.device)
+    per_node = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    costs = ModelCosts(gm)
+    dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
+    training = Training(costs.batch, "fp32" if dtype == torch.float32 else "bf16-pure", gather_outputs=True)
+    return plan(costs, Cluster(world, per_node, hw), training, tp=tp, pp=pp, vpp=vpp, top=1)[0].plan
+
+
+# ---- the plan command ------------------------------------------------------------------
+
+
+def format_table(estimates: list[PlanEstimate]) -> str:
+    header = f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'vpp':>3} {'mbs':>4} {'m':>5} {'step s':>9} {'tokens/s':>10} {'MFU':>6} {'GiB/GPU':>8} {'bubble':>7} {'comm':>6}"
+    rows = [header]
+    for i, e in enumerate(estimates, start=1):
+        p = e.plan
+        rows.append(
+            f"{i:>3} {p.tp:>3} {p.pp:>3} {p.dp:>5} {p.vpp:>3} {e.microbatch_size:>4} {e.microbatches:>5} {e.step_s:>9.4g} "
+            f"{e.tokens_per_s:>10.4g} {e.mfu:>6.1%} {e.mem_bytes_per_gpu / GiB:>8.1f} {e.bubble_share:>7.1%} {e.comm_share:>6.1%}"
+        )
+    return "\n".join(rows)
+
+
+def explain_values(costs: ModelCosts, best: PlanEstimate, hidden: int, heads: int) -> dict:
+    """Numbers for ``closed_forms``: the model's and the top plan's."""
+    cf = closed_forms
+    p = best.plan
+    return {
+        cf.b: best.microbatch_size, cf.s: costs.seq, cf.h: hidden, cf.a: heads, cf.e: 2, cf.t: p.tp, cf.p: p.pp,
+        cf.v: p.vpp, cf.m: best.microbatches, cf.d: p.dp, cf.r: 0, cf.Psi: costs.total_params(),
+    }  # fmt: skip
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    hw = get_profile(args.hardware)
+    for name in ("gpus", "gpus_per_node", "global_batch", "seq", "top"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    start = time.perf_counter()
+    config = presets.model_config(args.model)
+    costs = trace_for_planning(config, args.seq)
+    cluster = Cluster(args.gpus, args.gpus_per_node, hw)
+    training = Training(args.global_batch, args.precision, args.distributed_optimizer)
+    estimates = plan(costs, cluster, training, tp=args.tp, pp=args.pp, top=args.top)
+    elapsed = time.perf_counter() - start
+    if args.format == "json":
+        print(json.dumps([e.to_json() for e in estimates], indent=1))
+        return 0
+    nodes = math.ceil(args.gpus / args.gpus_per_node)
+    optimizer = ", distributed optimizer" if args.distributed_optimizer else ""
+    print(
+        f"{args.model} on {args.gpus} x {hw.name} ({nodes} node{'s' * (nodes > 1)} of {min(args.gpus, args.gpus_per_node)}), "
+        f"global batch {args.global_batch} x {args.seq} tokens, {args.precision}{optimizer}; planned in {elapsed:.2f} s"
+    )
+    print(format_table(estimates))
+    if args.explain:
+        text = config.get_text_config()
+        values = explain_values(costs, estimates[0], text.hidden_size, text.num_attention_heads)
+        print(f"\nclosed forms (values for plan #1, {hw.name}: alpha = {hw.collective_latency_s * 1e6:.0f} us, "
+              f"B = {hw.allreduce_bus_bytes_per_s / 1e9:.0f} GB/s):")
+        print(closed_forms.explain({**values, closed_forms.alpha: hw.collective_latency_s, closed_forms.B: hw.allreduce_bus_bytes_per_s}))
+        print(f"\nhardware: {hw.source}", file=sys.stdout)
+    return 0
+
+
+def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``plan``; its handler (``args.handler``) prints the ranked plans and returns 0."""
+    command = subparsers.add_parser(
+        "plan",
+        help="rank tp/pp/dp/vpp/microbatch plans by predicted step time and memory",
+        description="Trace one decoder layer of MODEL on the meta device, estimate every tp/pp/dp/vpp/microbatch "
+        "split of the cluster with the cost model (autotp.cost_model), drop those that do not fit in memory "
+        "and print the fastest. Times include the optimizer step.",
+    )
+    command.add_argument("model", metavar="MODEL", help=f"a preset ({', '.join(presets.preset_names())}) or a folder holding config.json")
+    command.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
+    command.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default: 8)")
+    command.add_argument("--hardware", default="h100", help="a profile name (h200, h100, a100, pcie, cpu) or a JSON profile from autotp calibrate (default: h100)")
+    command.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    command.add_argument("--seq", type=int, default=4096, help="sequence length (default: 4096)")
+    command.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16", help="params/grads/optimizer precision (default: bf16)")
+    command.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer states over dp (ZeRO-1)")
+    command.add_argument("--tp", type=int, help="keep this tensor-parallel degree")
+    command.add_argument("--pp", type=int, help="keep this pipeline-parallel degree")
+    command.add_argument("--top", type=int, default=10, help="plans to show (default: 10)")
+    command.add_argument("--format", choices=("table", "json"), default="table", help="default: table")
+    command.add_argument("--explain", action="store_true", help="also print the closed forms with the top plan's numbers")
+    command.set_defaults(handler=_plan_command)
