@@ -23,6 +23,8 @@ from autotp import collectives, dump, presets
 from autotp.api import CompiledRank, compile_rank, parallelize
 from autotp.cost_model.hardware import PROFILES
 from autotp.graph_report import build_report, explain_json, explain_table, stage_view
+from autotp.cost_model.calibrate import add_calibrate_command
+from autotp.cost_model.planner import add_plan_command
 from autotp.launcher import RankError, launch
 from autotp.rank_groups import add_ranks_command
 from autotp.schedules import add_schedule_command
@@ -297,6 +299,8 @@ def _parser() -> argparse.ArgumentParser:
     explain.set_defaults(handler=_explain, stage=None)
     add_ranks_command(commands)
     add_schedule_command(commands)
+    add_plan_command(commands)
+    add_calibrate_command(commands)
     return parser
 
 

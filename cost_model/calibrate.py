@@ -3,15 +3,23 @@
 One process per GPU (NCCL; on a machine without GPUs, ranks on the CPU with gloo)
 measures, each time as the median of repeated calls between device syncs:
 
-* all-reduce of 64 KB .. 256 MB (4 KB .. 16 MB on CPU) over the first 2 ranks and over all of them, fitted
-  jointly to ``time = alpha + 2(t-1)/t · n / B`` (``fit_alpha_beta``): ``intra_node``;
+* all-reduce of 64 KB .. 256 MB (4 KB .. 16 MB on CPU) over the first 2 ranks and over
+  all of them, fitted jointly to ``time = alpha + 2(t-1)/t · n / B``
+  (``fit_alpha_beta``): ``intra_node``;
 * point-to-point send/receive between ranks 0 and 1 (half a round trip), fitted to
   ``alpha + n / B``: ``p2p``;
-* on rank 0: square GEMMs (bf16 on GPU, fp32 on CPU) fitted to
-  ``matmul_latency + FLOPs / rate``; an elementwise add of large tensors (3 bytes moved
-  per element byte) for the memory bandwidth; ``scaled_dot_product_attention`` forward
-  with an explicit mask, as HF calls it, for the attention rate; and a chain of tiny
-  aten ops, forward and backward, for the per-op host overheads of eager execution.
+* on rank 0: GEMMs of transformer shapes (tokens x k @ k x n; bf16 on GPU, fp32 on CPU),
+  kept as ``matmul_curve`` and fitted to ``matmul_latency + FLOPs / rate``; an
+  elementwise add of large tensors (3 bytes moved per element byte) for the memory
+  bandwidth; an HF-style RMSNorm and SwiGLU product, forward and backward, for the
+  backward/forward ratio of eager memory-bound ops; ``scaled_dot_product_attention``
+  with an explicit mask, as HF calls it, forward and backward, for the attention rate
+  and backward factor; and a small Llama traced by autotp and run with real weights on
+  one 16-token sequence, forward and backward, for the host time per graph node and per
+  autograd node of eager execution (its GPU work is negligible). The last includes the
+  fixed costs of a call (output structures, starting the autograd engine) spread over
+  that small graph's nodes, so it overstates large graphs' per-node cost (README,
+  Planner: accuracy).
 
 The peak FLOP/s (for MFU) and the inter-node link cannot be measured on one node: they
 come from the built-in profile of the same GPU, and the profile's ``source`` says so.
@@ -30,14 +38,28 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from autotp.cost_model.communication import p2p_s, ring_all_reduce_s
-from autotp.cost_model.hardware import CPU, H100, HardwareProfile, Link, fit_alpha_beta, profile_for_gpu, save_profile
+from autotp.cost_model.compute import needs_grad
+from autotp.cost_model.hardware import (
+    CPU,
+    H100,
+    HardwareProfile,
+    Link,
+    fit_alpha_beta,
+    profile_for_gpu,
+    save_profile,
+)
+
+from autotp import presets
 from autotp.launcher import spawn_ranks
+from autotp.trace import trace
 
 MESSAGE_BYTES = {"cuda": tuple(2**k for k in range(16, 29, 2)), "cpu": tuple(2**k for k in range(12, 25, 2))}
-GEMM_SIZES = {"cuda": (1024, 2048, 4096, 8192), "cpu": (128, 256, 512)}
-TINY_OPS = 300
+GEMM_SHAPES = {  # (tokens, k, n)
+    "cuda": tuple((m, k, n) for m in (1024, 4096, 16384) for k, n in ((1024, 1024), (2048, 2048), (4096, 4096), (2048, 8192), (8192, 2048))),
+    "cpu": tuple((m, k, n) for m in (64, 256) for k, n in ((64, 64), (256, 256), (256, 1024))),
+}
+ELEMENTWISE_SHAPE = {"cuda": (16384, 4096), "cpu": (1024, 256)}
 
 
 def _sync(device: torch.device) -> None:
@@ -67,52 +89,93 @@ def _collectives(rank: int, world: int, device: torch.device, dtype: torch.dtype
             x = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
             dist.barrier()
             if rank < ranks:
-                t = _median_s(lambda: dist.all_reduce(x, group=group), device)
+                t = _median_s(lambda x=x, group=group: dist.all_reduce(x, group=group), device)
                 out["all_reduce"].append((ranks, nbytes, t))
     for nbytes in MESSAGE_BYTES[device.type]:
         x = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
         dist.barrier()
         if rank == 0:
-            out["p2p"].append((nbytes, _median_s(lambda: (dist.send(x, 1), dist.recv(x, 1)), device) / 2))
+            out["p2p"].append((nbytes, _median_s(lambda x=x: (dist.send(x, 1), dist.recv(x, 1)), device) / 2))
         elif rank == 1:
-            _median_s(lambda: (dist.recv(x, 0), dist.send(x, 0)), device)
+            _median_s(lambda x=x: (dist.recv(x, 0), dist.send(x, 0)), device)
     return out
 
 
+def _gemm_curve(device: torch.device, dtype: torch.dtype) -> list[tuple[float, float]]:
+    """(FLOPs, seconds) of GEMMs, sorted by FLOPs; shapes with equal FLOPs averaged."""
+    times: dict[float, list[float]] = {}
+    for m, k, n in GEMM_SHAPES[device.type]:
+        a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
+        times.setdefault(2.0 * m * k * n, []).append(_median_s(lambda a=a, b=b: a @ b, device))
+    return [(flops, statistics.mean(ts)) for flops, ts in sorted(times.items())]
+
+
+def _elementwise_backward_factor(device: torch.device, dtype: torch.dtype) -> float:
+    rows, cols = ELEMENTWISE_SHAPE[device.type]
+    x = torch.randn(rows, cols, dtype=dtype, device=device, requires_grad=True)
+    w = torch.ones(cols, dtype=dtype, device=device, requires_grad=True)
+    up = torch.randn(rows, cols, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.ones(rows, cols, dtype=dtype, device=device)
+
+    def norm_and_swiglu() -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        y = w * h.to(dtype)
+        return torch.nn.functional.silu(y) * up
+
+    forward_s = _median_s(norm_and_swiglu, device)
+    both_s = _median_s(lambda: torch.autograd.grad(norm_and_swiglu(), (x, w, up), grad), device)
+    return (both_s - forward_s) / forward_s
+
+
+def _host_overheads(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(host s per graph node forward, per autograd node backward) of a traced HF graph."""
+    model = presets.build_model("llama-tiny", device=device, dtype=dtype)
+    ids = torch.zeros((1, 16), dtype=torch.long, device=device)
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    gm = trace(model, inputs, device)
+    weights = dict(model.named_parameters()) | dict(model.named_buffers())
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and str(node.target) in weights:
+            *path, leaf = str(node.target).split(".")
+            owner = gm.get_submodule(".".join(path))
+            value = weights[str(node.target)]
+            (owner._parameters if isinstance(value, torch.nn.Parameter) else owner._buffers)[leaf] = value
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    grads = needs_grad(gm)
+    forward_s = _median_s(lambda: gm(**inputs).loss, device)
+    both_s = _median_s(lambda: gm(**inputs).loss.backward(), device)
+    return forward_s / len(calls), max(both_s - forward_s, 0.0) / sum(n in grads for n in calls)
+
+
 def _compute(device: torch.device, dtype: torch.dtype) -> dict[str, object]:
-    gemms = []
-    for n in GEMM_SIZES[device.type]:
-        a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
-        gemms.append((2 * n**3, _median_s(lambda: a @ b, device)))
     elements = (256 if device.type == "cuda" else 16) * 2**20 // dtype.itemsize
     x, y, z = (torch.ones(elements, dtype=dtype, device=device) for _ in range(3))
     add_s = _median_s(lambda: torch.add(x, y, out=z), device)
     batch, heads, seq, dim = (4, 16, 2048, 128) if device.type == "cuda" else (1, 4, 256, 64)
-    q, k, v = (torch.randn(batch, heads, seq, dim, dtype=dtype, device=device) for _ in range(3))
+    q, k, v = (torch.randn(batch, heads, seq, dim, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
     mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril().expand(batch, 1, seq, seq)
-    attention_s = _median_s(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask), device)
-    aten = torch.ops.aten
-    w = torch.ones(16, device=device, requires_grad=True)
 
-    def chain() -> torch.Tensor:
-        h = w
-        for _ in range(TINY_OPS // 3):
-            h = aten.view.default(aten.add.Tensor(aten.mul.Tensor(h, w), 1.0), [16])
-        return h.sum()
+    def attention() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    forward_s = _median_s(chain, device) / TINY_OPS
-    backward_s = _median_s(lambda: chain().backward(), device) / TINY_OPS - forward_s
+    attention_s = _median_s(attention, device)
+    grad = torch.ones(batch, heads, seq, dim, dtype=dtype, device=device)
+    attention_backward_s = _median_s(lambda: torch.autograd.grad(attention(), (q, k, v), grad), device) - attention_s
+    forward_op_s, backward_op_s = _host_overheads(device, dtype)
     memory = (
         torch.cuda.get_device_properties(device).total_memory
         if device.type == "cuda"
         else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     )
     return {
-        "gemm": gemms,
+        "gemm": _gemm_curve(device, dtype),
         "memory_bytes_per_s": 3 * elements * dtype.itemsize / add_s,
+        "elementwise_backward_factor": _elementwise_backward_factor(device, dtype),
         "attention_flops_per_s": 4 * batch * heads * seq * seq * dim / attention_s,
-        "op_overhead_s": forward_s,
-        "backward_op_overhead_s": max(backward_s, 0.0),
+        "attention_backward_factor": attention_backward_s / attention_s,
+        "op_overhead_s": forward_op_s,
+        "backward_op_overhead_s": backward_op_s,
         "memory_capacity_bytes": memory,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
     }
@@ -139,7 +202,7 @@ def base_profile(device_name: str) -> HardwareProfile:
 def calibrate(ranks: int | None = None, timeout_s: float = 600) -> tuple[HardwareProfile, dict[str, object]]:
     """Measure ``ranks`` local ranks (default: every GPU, else 2 CPU ranks): the fitted profile and the raw measurements."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    ranks = ranks or (gpus if gpus >= 2 else 2)
+    ranks = ranks or max(gpus, 2)
     if ranks < 2:
         raise ValueError(f"calibration measures collectives between ranks; use --ranks 2 or more, got {ranks}")
     if gpus and ranks > gpus:
@@ -165,6 +228,9 @@ def fit_profile(measured: dict[str, object], ranks: int) -> HardwareProfile:
         matmul_latency_s=gemm_latency,
         memory_bytes_per_s=float(measured["memory_bytes_per_s"]),
         attention_flops_per_s=float(measured["attention_flops_per_s"]),
+        attention_backward_factor=float(measured["attention_backward_factor"]),
+        elementwise_backward_factor=float(measured["elementwise_backward_factor"]),
+        matmul_curve=tuple((float(f), float(t)) for f, t in measured["gemm"]),
         allreduce_bus_bytes_per_s=bus,
         collective_latency_s=alpha,
         p2p=Link(p2p_alpha, p2p_bw),
@@ -195,8 +261,12 @@ def describe(profile: HardwareProfile, measured: dict[str, object]) -> str:
             f"{profile.name}",
             f"  all-reduce  alpha {profile.collective_latency_s * 1e6:.1f} us, bus {profile.allreduce_bus_bytes_per_s / 1e9:.0f} GB/s (worst fit error {errors['all_reduce']:.0%})",
             f"  p2p         alpha {profile.p2p_link.latency_s * 1e6:.1f} us, {profile.p2p_link.bus_bytes_per_s / 1e9:.0f} GB/s (worst fit error {errors['p2p']:.0%})",
-            f"  GEMM        {profile.matmul_flops_per_s / 1e12:.0f} TFLOP/s + {profile.matmul_latency_s * 1e6:.1f} us (worst fit error {errors['gemm']:.0%})",
-            f"  attention   {profile.attention_flops_per_s / 1e12:.0f} TFLOP/s forward",
+            (
+                f"  GEMM        {profile.matmul_flops_per_s / 1e12:.3g} TFLOP/s + {profile.matmul_latency_s * 1e6:.1f} us "
+                f"(worst fit error {errors['gemm']:.0%}; estimates interpolate the {len(profile.matmul_curve)} measured GEMMs)"
+            ),
+            f"  attention   {profile.attention_flops_per_s / 1e12:.3g} TFLOP/s forward, backward {profile.attention_backward_factor:.2f}x",
+            f"  elementwise backward {profile.elementwise_backward_factor:.2f}x forward",
             f"  memory      {profile.memory_bytes_per_s / 1e12:.2f} TB/s, {profile.memory_capacity_bytes / 2**30:.0f} GiB",
             f"  host        {profile.op_overhead_s * 1e6:.1f} us per op forward, {profile.backward_op_overhead_s * 1e6:.1f} us backward",
         ]

@@ -26,7 +26,6 @@ import sympy
 b, s, h, a, e, t, p, v, m, d, r, n, alpha, B, Psi = sympy.symbols("b s h a e t p v m d r n alpha B Psi", positive=True)
 
 RING_ALL_REDUCE_S = alpha + 2 * (t - 1) / t * n / B
-TP_ALL_REDUCES_PER_LAYER = {"forward": 2, "backward": 2}
 TP_ALL_REDUCE_BYTES_PER_LAYER = 4 * b * s * h * e
 TP_COMM_S_PER_LAYER = 4 * RING_ALL_REDUCE_S.subs(n, b * s * h * e)
 PP_P2P_BYTES_PER_MICROBATCH = 2 * b * s * h * e

@@ -8,25 +8,35 @@ decoder layer i, ``head``) and its collectives. Those are summed into one ``Segm
 per layer. A model with more layers than were traced repeats them: layer i costs what
 traced layer i mod k does.
 
-**Microbatch size.** A tensor computed from the inputs (reachable from a placeholder)
-has b times the elements at microbatch size b; weights, rotary tables and masks built
-from constant shapes do not grow. Scaling dim 0 of the first kind by 2 and evaluating
+**Microbatch size.** A tensor computed from the inputs (reachable from a placeholder),
+or from a broadcast or factory that creates a dim 0 of the traced batch size (HF's
+masks), has b times the elements at microbatch size b; weights and rotary tables do not
+grow. Scaling dim 0 of the first kind by 2 and evaluating
 ``autotp.cost_model.flops.node_cost`` again gives every node's FLOPs and bytes as
 ``const + per_sample·b`` (``Affine``), exactly, since no node is quadratic in b.
 
 **Time of a segment at microbatch size b** (``segment_time``):
 
-* GPU time of a node, forward: matmuls ``max(matmul_latency + F/matmul_rate, bytes/mem_bw)``;
+* GPU time of a node, forward: matmuls ``max(HardwareProfile.matmul_time_s(F), bytes/mem_bw)``;
   fused attention ``max(F/attention_rate, bytes/mem_bw)``; everything else
   ``max(F/matmul_rate, bytes/mem_bw)`` (the roofline of ``flops.compute_time_s``).
-* Backward: 2× forward (a GEMM's input and weight gradients are two GEMMs of the same
-  size; a memory-bound op reads its saved inputs and the output gradient and writes the
-  input gradients), 2.5× for attention (FlashAttention-2: 5 GEMMs against 2).
+* Backward: a GEMM's input and weight gradients are two GEMMs of its size (2×);
+  memory-bound ops ``elementwise_backward_factor`` × forward; attention
+  ``attention_backward_factor`` × forward (both of the ``HardwareProfile``).
 * Collectives (forward all-reduce *g*, backward all-reduce *f*, all-gathers) cost
-  ``communication.group_collective_s``; eager execution waits for them, so they add.
-* Host time: ``op_overhead_s`` per graph node forward and ``backward_op_overhead_s`` per
-  node backward. Eager PyTorch runs ahead of the GPU, so a segment takes
-  ``max(GPU time, host time)``: small models are launch-bound.
+  ``communication.group_collective_s`` at their node, plus one copy of their tensor
+  (autotp's collectives clone before an all-reduce and concatenate after an
+  all-gather: 2 bytes moved per byte); the next op waits for them.
+* Host time: ``op_overhead_s`` to issue each graph node forward and
+  ``backward_op_overhead_s`` for each node that needs a gradient (an autograd node)
+  backward.
+* Eager execution is a queue (``queue_s``): the host issues nodes one after another, and
+  the GPU starts node i when it is done with node i-1 and the host has issued node i.
+  With H_k the host time to issue nodes 1..k and g_j the GPU time of node j, the GPU
+  finishes at ``max_k (H_k + Σ_{j>=k} g_j)``: long GEMMs hide the issue of the small ops
+  after them, and runs of small ops leave the GPU waiting for the host. The forward runs
+  in graph order, the backward in reverse over the autograd nodes, each from an empty
+  queue.
 
 **Activations** kept for backward (``saved_inputs``): what eager autograd saves, per op:
 a matmul its activation operands; a mul or div each operand whose partner needs a
@@ -44,23 +54,31 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from torch.fx import GraphModule, Node
-
 from autotp.cost_model.communication import group_collective_s
 from autotp.cost_model.flops import TensorInfo, global_tensors, node_cost, op_name
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.pipeline import balanced_cuts, layer_costs
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
-from autotp.graph_report import EMBEDDING, HEAD, GraphReport, LayerKey, assign_layers, build_report
-from autotp.layers import num_layers
 from autotp.passes import PASSES
 from autotp.passes.runner import PassContext, run_passes
+from torch.fx import GraphModule, Node
+
+from autotp.graph_report import (
+    EMBEDDING,
+    HEAD,
+    GraphReport,
+    LayerKey,
+    assign_layers,
+    build_report,
+)
+from autotp.layers import num_layers
 from autotp.plan import ParallelPlan
 
-BACKWARD_FACTOR = 2.0
-ATTENTION_BACKWARD_FACTOR = 2.5
+MATMUL_BACKWARD_FACTOR = 2.0
+COLLECTIVE_COPY_BYTES = 2
 _MATMUL, _ATTENTION, _OTHER = 1, 2, 0
 _MATMULS = {"linear", "addmm", "mm", "bmm", "matmul"}
+_BATCH_MAKERS = {"expand", "new_ones", "new_zeros", "new_full", "new_empty", "ones", "zeros", "full", "empty"}
 _SAVE_NOTHING = {
     "add", "sub", "neg", "to", "_to_copy", "clone", "contiguous", "cat", "stack", "mean", "sum", "where",
     "embedding", "vocab_parallel_embedding", "arange", "full", "zeros", "ones", "empty", "scalar_tensor",
@@ -86,27 +104,39 @@ class Affine:
 
 @dataclass(frozen=True)
 class Collective:
+    """A collective of the node at position ``node`` of its segment (forward, or in its backward)."""
+
     kind: str
     direction: str
     bytes: Affine
     ranks: int
+    node: int
 
 
 @dataclass(frozen=True, eq=False)
 class Segment:
     """One rank's share of the embedding, a decoder layer, or the head.
 
-    ``flops`` and ``bytes`` are [nodes, 2] arrays of (const, per_sample); ``kinds`` tells
-    matmuls and attention from the rest.
+    Arrays run over the segment's call nodes in graph order: ``flops`` and ``bytes`` are
+    [nodes, 2] of (const, per_sample); ``kinds`` tells matmuls and attention from the
+    rest; ``grad`` marks the nodes that have a backward.
     """
 
     flops: np.ndarray
     bytes: np.ndarray
     kinds: np.ndarray
-    ops: int
+    grad: np.ndarray
     collectives: tuple[Collective, ...]
     params: dict[str, int]
     activation_bytes: Affine
+
+    @property
+    def ops(self) -> int:
+        return len(self.kinds)
+
+    @property
+    def grad_ops(self) -> int:
+        return int(self.grad.sum())
 
     @property
     def param_numel(self) -> int:
@@ -115,15 +145,13 @@ class Segment:
 
 @dataclass(frozen=True)
 class SegmentTime:
-    """Forward + backward of one microbatch through a segment."""
+    """Forward + backward of one microbatch through a segment: the queue's time, and the
+    GPU's compute, communication and the host's issue time within it."""
 
+    total_s: float
     compute_s: float
     comm_s: float
     host_s: float
-
-    @property
-    def total_s(self) -> float:
-        return max(self.compute_s + self.comm_s, self.host_s)
 
 
 @dataclass(frozen=True)
@@ -136,13 +164,25 @@ class RankCosts:
     head: Segment
 
 
-def batch_dependent(gm: GraphModule) -> set[Node]:
-    """Nodes whose values are computed from the graph's inputs."""
+def batch_dependent(gm: GraphModule, batch: int) -> set[Node]:
+    """Nodes whose values have one row per sample: computed from the graph's inputs, or
+    from a broadcast or factory that creates dim 0 of size ``batch`` (HF builds masks and
+    positions from shapes, not from the inputs' values)."""
     out: set[Node] = set()
     for node in gm.graph.nodes:
-        if node.op == "placeholder" or any(a in out for a in node.all_input_nodes):
+        if node.op == "placeholder" or any(a in out for a in node.all_input_nodes) or _makes_batch_dim(node, batch):
             out.add(node)
     return out
+
+
+def _makes_batch_dim(node: Node, batch: int) -> bool:
+    if node.op != "call_function" or op_name(node.target) not in _BATCH_MAKERS:
+        return False
+    outputs = global_tensors(node)
+    inputs = [t for a in node.all_input_nodes for t in global_tensors(a)]
+    return bool(outputs and outputs[0].shape) and outputs[0].shape[0] == batch and all(
+        not t.shape or t.shape[0] == 1 for t in inputs
+    )
 
 
 def needs_grad(gm: GraphModule) -> set[Node]:
@@ -227,7 +267,7 @@ class ModelCosts:
         self.seq = shape[1] if len(shape) > 1 else 1
         self.traced_layers = num_layers(gm)
         self.num_layers = num_layers_total if num_layers_total is not None else self.traced_layers
-        dependent = batch_dependent(gm)
+        dependent = batch_dependent(gm, self.batch)
         calls = [n for n in gm.graph.nodes if n.op == "call_function"]
         flops, _ = affine_costs(calls, {}, dependent, self.batch)
         self._segment_flops = self._per_segment_flops(calls, flops)
@@ -307,7 +347,7 @@ class ModelCosts:
         ctx = PassContext(plan=plan, tp_rank=0, device=torch.device("meta"), group=f"tp{plan.tp}")
         gm = run_passes(fresh_copy(self.gm), ctx, PASSES)
         report = build_report(gm, plan, 0)
-        dependent = batch_dependent(gm)
+        dependent = batch_dependent(gm, self.batch)
         grad = needs_grad(gm)
         tensors = {r.node: list(r.tensors) for r in report.nodes}
         groups: dict[LayerKey, list] = {}
@@ -318,16 +358,21 @@ class ModelCosts:
         def segment(key: LayerKey) -> Segment:
             members = groups.get(key, [])
             calls = [r.node for r in members if r.node.op == "call_function"]
+            position = {n: i for i, n in enumerate(calls)}
             flops, nbytes = affine_costs(calls, tensors, dependent, self.batch)
             collectives = tuple(
-                Collective(c.kind, c.direction, Affine(0, c.bytes / self.batch) if r.node in dependent else Affine(c.bytes, 0), c.ranks)
+                Collective(
+                    c.kind, c.direction, Affine(0, c.bytes / self.batch) if r.node in dependent else Affine(c.bytes, 0),
+                    c.ranks, position[r.node],
+                )
                 for r in members
                 for c in r.collectives
             )
             kept = {x for n in calls for x in saved_inputs(n, grad) if x in dependent}
             saved = sum(t.nbytes for x in kept for t in tensors[x] if t.dtype.is_floating_point)
-            kinds = np.array([_kind(n) for n in calls])
-            return Segment(flops, nbytes, kinds, len(calls), collectives, owned.get(key, {}), Affine(0, saved / self.batch))
+            kinds = np.array([_kind(n) for n in calls], dtype=int)
+            needs = np.array([n in grad for n in calls], dtype=bool)
+            return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), Affine(0, saved / self.batch))
 
         return RankCosts(plan, segment(EMBEDDING), tuple(segment(i) for i in range(self.traced_layers)), segment(HEAD))
 
@@ -360,12 +405,32 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
     matmul = seg.kinds == _MATMUL
     attention = seg.kinds == _ATTENTION
     forward = np.maximum(flops / hw.matmul_flops_per_s, memory)
-    forward[matmul] = np.maximum(hw.matmul_latency_s + flops[matmul] / hw.matmul_flops_per_s, memory[matmul])
+    forward[matmul] = np.maximum(hw.matmul_time_s(flops[matmul]), memory[matmul])
     forward[attention] = np.maximum(flops[attention] / hw.attention_rate, memory[attention])
-    factor = np.where(attention, ATTENTION_BACKWARD_FACTOR, BACKWARD_FACTOR)
-    compute = float(np.sum(forward * (1 + factor)))
-    comm = sum(
-        group_collective_s(c.kind, c.bytes.at(batch), c.ranks, min(c.ranks, tp_ranks_per_node), hw) for c in seg.collectives
+    factor = np.where(attention, hw.attention_backward_factor, np.where(matmul, MATMUL_BACKWARD_FACTOR, hw.elementwise_backward_factor))
+    backward = forward * factor
+    comm = {"forward": np.zeros(seg.ops), "backward": np.zeros(seg.ops)}
+    for c in seg.collectives:
+        nbytes = c.bytes.at(batch)
+        comm[c.direction][c.node] += group_collective_s(c.kind, nbytes, c.ranks, min(c.ranks, tp_ranks_per_node), hw)
+        (forward if c.direction == "forward" else backward)[c.node] += COLLECTIVE_COPY_BYTES * nbytes / hw.memory_bytes_per_s
+    backs = seg.grad | (comm["backward"] > 0)
+    gpu_forward = forward + comm["forward"]
+    gpu_backward = (backward + comm["backward"])[backs][::-1]
+    host_forward = np.full(seg.ops, hw.op_overhead_s)
+    host_backward = np.full(int(backs.sum()), hw.backward_op_overhead_s)
+    return SegmentTime(
+        total_s=queue_s(host_forward, gpu_forward) + queue_s(host_backward, gpu_backward),
+        compute_s=float(forward.sum() + backward[backs].sum()),
+        comm_s=float(comm["forward"].sum() + comm["backward"].sum()),
+        host_s=float(host_forward.sum() + host_backward.sum()),
     )
-    host = seg.ops * (hw.op_overhead_s + hw.backward_op_overhead_s)
-    return SegmentTime(compute, comm, host)
+
+
+def queue_s(host: np.ndarray, gpu: np.ndarray) -> float:
+    """When the GPU finishes a queue of nodes: ``max_k (H_k + Σ_{j>=k} g_j)`` (module docstring)."""
+    if not len(gpu):
+        return 0.0
+    issued = np.cumsum(host)
+    remaining = np.cumsum(gpu[::-1])[::-1]
+    return float(np.max(issued + remaining))

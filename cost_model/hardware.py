@@ -4,7 +4,13 @@ A ``HardwareProfile`` is one GPU (or CPU rank) and the links between ranks:
 
 * compute: ``matmul_flops_per_s`` (achieved bf16 GEMM rate), ``matmul_latency_s`` (the
   fixed cost of one GEMM kernel: a GEMM of F FLOPs takes ``matmul_latency_s + F / rate``),
-  ``attention_flops_per_s`` (fused attention kernels), ``memory_bytes_per_s`` (achieved
+  or, when calibrated, ``matmul_curve``: measured (FLOPs, seconds) of GEMMs of
+  transformer shapes, interpolated in log-log space (``matmul_time_s``);
+  ``attention_flops_per_s`` (fused attention kernels, forward) and
+  ``attention_backward_factor`` (their backward time over forward; 2.5 by default:
+  FlashAttention-2's backward runs 5 GEMMs against 2), ``elementwise_backward_factor``
+  (backward time over forward of eager memory-bound ops; 2 by default: read the saved
+  inputs and the output gradient, write the input gradients), ``memory_bytes_per_s`` (achieved
   HBM bandwidth) and ``peak_flops_per_s`` (the datasheet dense bf16 peak, the MFU
   denominator);
 * host: ``op_overhead_s`` and ``backward_op_overhead_s``, the CPU time eager PyTorch
@@ -66,6 +72,9 @@ class HardwareProfile:
     reserved_bytes: float = 3 * GiB
     matmul_latency_s: float = 0.0
     attention_flops_per_s: float = 0.0
+    attention_backward_factor: float = 2.5
+    elementwise_backward_factor: float = 2.0
+    matmul_curve: tuple[tuple[float, float], ...] = ()
     op_overhead_s: float = 0.0
     backward_op_overhead_s: float = 0.0
     p2p: Link | None = None
@@ -92,6 +101,18 @@ class HardwareProfile:
     def usable_memory_bytes(self) -> float:
         return self.memory_capacity_bytes - self.reserved_bytes
 
+    def matmul_time_s(self, flops: np.ndarray) -> np.ndarray:
+        """GEMM time of each element of ``flops``: the curve if measured, else latency + F/rate.
+
+        Beyond the curve's largest GEMM the time grows at that GEMM's rate; below its
+        smallest it stays at the smallest one's time (the launch floor).
+        """
+        if not self.matmul_curve:
+            return self.matmul_latency_s + flops / self.matmul_flops_per_s
+        points, seconds = np.array([f for f, _ in self.matmul_curve]), np.array([t for _, t in self.matmul_curve])
+        inside = np.exp(np.interp(np.log(np.maximum(flops, 1.0)), np.log(points), np.log(seconds)))
+        return np.where(flops > points[-1], seconds[-1] * flops / points[-1], inside)
+
 
 # (message bytes, all-reduce bus bytes/s) on 4×H200, DESIGN.md §5.
 H200_ALLREDUCE_CURVE: tuple[tuple[int, float], ...] = (
@@ -102,7 +123,7 @@ H200_ALLREDUCE_CURVE: tuple[tuple[int, float], ...] = (
     (2**30, 353e9),
 )
 
-_EAGER_OVERHEAD = dict(op_overhead_s=6e-6, backward_op_overhead_s=8e-6)
+_EAGER_OVERHEAD = {"op_overhead_s": 6e-6, "backward_op_overhead_s": 8e-6}
 _NDR_RAIL = Link(latency_s=30e-6, bus_bytes_per_s=45e9, hop_latency_s=5e-6)
 
 H200 = HardwareProfile(
@@ -219,6 +240,7 @@ def profile_from_json(data: dict) -> HardwareProfile:
     for key in ("p2p", "inter_node"):
         if isinstance(values.get(key), dict):
             values[key] = Link(**values[key])
+    values["matmul_curve"] = tuple(tuple(point) for point in values.get("matmul_curve", ()))
     return HardwareProfile(**values)
 
 

@@ -20,10 +20,12 @@ Degrees passed as ``tp=``, ``pp=``, ``vpp=``, ``microbatch_size=`` are kept.
 then dp, then pp):
 
 * stage cuts as ``plan_pipeline`` makes them (``balanced_cuts`` of the layer weights);
-* chunk time = its segments' ``compute.segment_time`` (forward + backward, tp
-  collectives, launch overhead) + the receives of the hidden state b·s·h (forward from
-  the previous chunk, gradient from the next) over NVLink when a model replica fits in
-  a node (tp·dp·pp <= G), else over the inter-node link;
+* chunk time, per microbatch = its segments' ``compute.segment_time`` (forward +
+  backward, tp collectives, host issue) + the receives of the hidden state b·s·h
+  (forward from the previous chunk, gradient from the next) over NVLink when a model
+  replica fits in a node (tp·dp·pp <= G), else over the inter-node link + gradient
+  accumulation (every microbatch after the first adds its gradients to ``.grad``, 3
+  gradient bytes moved per parameter: (m-1)/m of that per microbatch);
 * pipeline time and bubble: ``bubble.pipeline_time_s``;
 * gradient sync, as autotp's runtime does it (after the backward, not overlapped):
   an all-reduce per 25 MB bucket over the dp group (``communication.group_all_reduce_s``,
@@ -51,22 +53,33 @@ import json
 import math
 import os
 import re
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
-from torch.fx import GraphModule
-from transformers import PretrainedConfig
-
-from autotp import presets
 from autotp.cost_model import closed_forms
 from autotp.cost_model.bubble import pipeline_time_s
 from autotp.cost_model.communication import all_reduce_s, group_all_reduce_s, p2p_s
 from autotp.cost_model.compute import ModelCosts, RankCosts, SegmentTime, segment_time
-from autotp.cost_model.hardware import CPU, GiB, HardwareProfile, get_profile, profile_for_gpu
-from autotp.cost_model.memory import PRECISIONS, bytes_per_param, grad_bytes_per_param, in_flight, rank_memory_bytes
+from autotp.cost_model.hardware import (
+    CPU,
+    GiB,
+    HardwareProfile,
+    get_profile,
+    profile_for_gpu,
+)
+from autotp.cost_model.memory import (
+    PRECISIONS,
+    bytes_per_param,
+    grad_bytes_per_param,
+    in_flight,
+    rank_memory_bytes,
+)
+from torch.fx import GraphModule
+from transformers import PretrainedConfig
+
+from autotp import presets
 from autotp.plan import ParallelPlan
 from autotp.trace import trace
 
@@ -220,8 +233,11 @@ def candidates(
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("microbatch size", microbatch_size), ("global batch", global_batch)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    if tp is not None and world % tp:
-        raise ValueError(f"tp={tp} does not divide {world} GPUs; use one of {_divisors(world)}")
+    if tp is not None and (per_node % tp or world % tp):
+        raise ValueError(
+            f"tp={tp} does not divide the {per_node} GPUs of a node (a tp group must not span nodes); "
+            f"use one of {_divisors(per_node)}"
+        )
     if pp is not None and (world // (tp or 1)) % pp:
         raise ValueError(f"pp={pp} does not divide {world} GPUs / tp={tp or 1}; use one of {_divisors(world // (tp or 1))}")
     if pp is not None and pp > num_layers:
@@ -312,7 +328,9 @@ def estimate(
     for c, counts in enumerate(_chunk_layers(costs, chunks)):
         parts = [(rc.layers[j], layers[j], n) for j, n in counts.items()] + [(seg, st, 1) for seg, st in ends.get(c, [])]
         recv = hop * ((c > 0) + (c < chunks - 1))
-        chunk_s.append(sum(n * st.total_s for _, st, n in parts) + recv)
+        grads = sum(n * seg.param_numel for seg, _, n in parts) * grad_bytes_per_param(training.precision)
+        accumulate = (m - 1) / m * 3 * grads / hw.memory_bytes_per_s
+        chunk_s.append(sum(n * st.total_s for _, st, n in parts) + recv + accumulate)
         chunk_comm.append(sum(n * st.comm_s for _, st, n in parts) + recv)
         chunk_act.append(sum(n * seg.activation_bytes.at(b) for seg, _, n in parts))
         chunk_params.append([(seg.params, n) for seg, _, n in parts])
@@ -529,12 +547,13 @@ def format_table(estimates: list[PlanEstimate]) -> str:
 
 
 def explain_values(costs: ModelCosts, best: PlanEstimate, hidden: int, heads: int) -> dict:
-    """Numbers for ``closed_forms``: the model's and the top plan's."""
+    """Numbers for ``closed_forms``: the model's and the top plan's (n: one tp all-reduce, b·s·h bf16)."""
     cf = closed_forms
     p = best.plan
     return {
         cf.b: best.microbatch_size, cf.s: costs.seq, cf.h: hidden, cf.a: heads, cf.e: 2, cf.t: p.tp, cf.p: p.pp,
         cf.v: p.vpp, cf.m: best.microbatches, cf.d: p.dp, cf.r: 0, cf.Psi: costs.total_params(),
+        cf.n: best.microbatch_size * costs.seq * hidden * 2,
     }  # fmt: skip
 
 
@@ -566,7 +585,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         print(f"\nclosed forms (values for plan #1, {hw.name}: alpha = {hw.collective_latency_s * 1e6:.0f} us, "
               f"B = {hw.allreduce_bus_bytes_per_s / 1e9:.0f} GB/s):")
         print(closed_forms.explain({**values, closed_forms.alpha: hw.collective_latency_s, closed_forms.B: hw.allreduce_bus_bytes_per_s}))
-        print(f"\nhardware: {hw.source}", file=sys.stdout)
+        print(f"\nhardware: {hw.source}")
     return 0
 
 

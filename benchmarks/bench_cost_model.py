@@ -1,0 +1,249 @@
+"""Cost-model accuracy: predicted against measured ``train_step`` time, after calibration.
+
+One run calibrates the GPUs (``autotp.cost_model.calibrate``), measures
+``autotp.parallelize(...).train_step(...)`` for every configuration in ``RUNS`` (1, 2
+and 4 GPUs, tp/pp/dp/interleaved mixes, two Llama-shaped models, two global batches;
+bf16, NCCL, median of timed steps after warm-up), then predicts each with the planner's
+``estimate`` on the calibrated profile and prints predicted, measured, the error, the
+MAPE, and per group of alternatives (same model, batch and GPUs) whether the plan the
+planner ranks first is within 5% of the fastest measured one:
+
+    python benchmarks/bench_cost_model.py [--json out.json]       # on a 4-GPU machine
+    python benchmarks/bench_cost_model.py --cpu                    # smoke run: gloo, tiny models
+    python benchmarks/bench_cost_model.py --measured out.json      # re-predict saved measurements
+
+``train_step`` does not step the optimizer, so the prediction is the estimate's step
+time minus its optimizer time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from autotp.cost_model.calibrate import calibrate, describe, fit_profile
+from autotp.cost_model.hardware import HardwareProfile
+from autotp.cost_model.planner import (
+    Cluster,
+    Config,
+    Training,
+    estimate,
+    trace_for_planning,
+)
+from transformers import LlamaConfig
+
+from autotp.launcher import spawn_ranks
+
+GPUS_PER_NODE = 4
+WARMUP, STEPS = 3, 3
+MODELS = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab, seq)
+    "llama-0.2b": (1024, 2816, 8, 16, 8, 32000, 1024),
+    "llama-1b": (2048, 5632, 16, 16, 8, 32000, 1024),
+}
+CPU_MODELS = {
+    "tiny-a": (64, 128, 2, 4, 2, 512, 64),
+    "tiny-b": (128, 256, 4, 4, 2, 512, 64),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    model: str
+    gpus: int
+    tp: int
+    pp: int
+    vpp: int
+    microbatches: int
+    global_batch: int
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def name(self) -> str:
+        parts = [f"tp{self.tp}" * (self.tp > 1), f"pp{self.pp}" * (self.pp > 1), f"vpp{self.vpp}" * (self.vpp > 1), f"dp{self.dp}" * (self.dp > 1)]
+        return "-".join(p for p in parts if p) or "1gpu"
+
+
+RUNS = [
+    Run("llama-0.2b", 1, 1, 1, 1, 1, 8),
+    Run("llama-1b", 1, 1, 1, 1, 1, 8),
+    Run("llama-1b", 1, 1, 1, 1, 2, 16),
+    Run("llama-0.2b", 2, 2, 1, 1, 1, 8),
+    Run("llama-1b", 2, 2, 1, 1, 1, 16),
+    Run("llama-1b", 2, 1, 2, 1, 4, 16),
+    Run("llama-1b", 2, 1, 1, 1, 1, 16),
+    Run("llama-0.2b", 4, 4, 1, 1, 1, 8),
+    Run("llama-1b", 4, 4, 1, 1, 1, 16),
+    Run("llama-1b", 4, 2, 2, 1, 4, 16),
+    Run("llama-1b", 4, 1, 4, 1, 8, 16),
+    Run("llama-1b", 4, 1, 4, 2, 8, 16),
+    Run("llama-1b", 4, 2, 1, 1, 1, 16),
+    Run("llama-1b", 4, 1, 1, 1, 1, 16),
+]
+CPU_RUNS = [
+    Run("tiny-a", 1, 1, 1, 1, 1, 4),
+    Run("tiny-b", 1, 1, 1, 1, 2, 8),
+    Run("tiny-b", 2, 2, 1, 1, 1, 8),
+    Run("tiny-b", 2, 1, 2, 1, 2, 8),
+    Run("tiny-b", 2, 1, 1, 1, 1, 8),
+    Run("tiny-a", 2, 2, 1, 1, 1, 4),
+]
+
+
+def model_config(dims: tuple[int, ...]) -> LlamaConfig:
+    hidden, intermediate, layers, heads, kv, vocab, seq = dims
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=seq)
+
+
+def _worker(rank: int, world: int, runs: list[Run], models: dict[str, tuple[int, ...]]) -> list[dict]:
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging
+
+    import autotp
+
+    logging.set_verbosity_error()
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    results = []
+    for run in runs:
+        dims = models[run.model]
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(model_config(dims)).to(dtype).eval()
+        ids = torch.randint(0, dims[5], (run.global_batch, dims[6]), generator=torch.Generator().manual_seed(0)).to(device)
+        micro = ids[: run.global_batch // (run.dp * run.microbatches)]
+        pm = autotp.parallelize(model, tp=run.tp, pp=run.pp, vpp=run.vpp, example_inputs={"input_ids": micro, "labels": micro})
+        del model
+        times = []
+        for step in range(WARMUP + STEPS):
+            dist.barrier()
+            if on_gpu:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss = pm.train_step(input_ids=ids, labels=ids, num_microbatches=run.microbatches)
+            if on_gpu:
+                torch.cuda.synchronize()
+            if step >= WARMUP:
+                times.append(time.perf_counter() - start)
+            for p in pm.parameters():
+                p.grad = None
+        peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else 0.0
+        results.append({**asdict(run), "measured_s": statistics.median(times), "peak_gib": peak, "loss": loss.item()})
+        del pm
+        if on_gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    return results
+
+
+def measure(runs: list[Run], models: dict[str, tuple[int, ...]], backend: str, save: Callable[[list[dict]], None]) -> list[dict]:
+    """Measure every run, the largest world first; ``save`` gets the rows so far after each world."""
+    rows: list[dict] = []
+    for world in sorted({r.gpus for r in runs}, reverse=True):
+        mine = [r for r in runs if r.gpus == world]
+        per_rank = spawn_ranks(_worker, world, mine, models, backend=backend, timeout_s=900)
+        for i, row in enumerate(per_rank[0]):
+            rows.append({**row, "measured_s": max(r[i]["measured_s"] for r in per_rank), "peak_gib": max(r[i]["peak_gib"] for r in per_rank)})
+            print(f"measured {row['model']} on {world}: {Run(**{k: row[k] for k in Run.__dataclass_fields__}).name}, "
+                  f"{rows[-1]['measured_s'] * 1e3:.1f} ms", flush=True)
+        save(rows)
+    return rows
+
+
+def predict(rows: list[dict], models: dict[str, tuple[int, ...]], profile: HardwareProfile, cpu: bool) -> list[dict]:
+    dtype = torch.float32 if cpu else torch.bfloat16
+    costs = {name: trace_for_planning(model_config(dims), dims[6], dtype=dtype) for name, dims in models.items()}
+    out = []
+    for row in rows:
+        run = Run(**{k: row[k] for k in Run.__dataclass_fields__})
+        config = Config(run.tp, run.pp, run.dp, run.vpp, run.global_batch // (run.dp * run.microbatches), run.microbatches)
+        training = Training(run.global_batch, "fp32" if cpu else "bf16-pure", gather_outputs=True)
+        est = estimate(costs[run.model], Cluster(run.gpus, min(run.gpus, GPUS_PER_NODE), profile), training, config)
+        predicted = est.step_s - est.optimizer_s
+        out.append({**row, "name": run.name, "predicted_s": predicted, "error": predicted / row["measured_s"] - 1,
+                    "predicted_gib": est.mem_bytes_per_gpu / 2**30})
+    return out
+
+
+def report(rows: list[dict]) -> str:
+    lines = [
+        (
+            f"{'model':11s} {'gpus':>4s} {'config':14s} {'B':>3s} {'m':>2s} {'predicted ms':>12s} {'measured ms':>11s} "
+            f"{'error':>7s} {'peak GiB':>8s} {'pred GiB*':>9s}"
+        )
+    ]
+    for r in rows:
+        lines.append(f"{r['model']:11s} {r['gpus']:>4d} {r['name']:14s} {r['global_batch']:>3d} {r['microbatches']:>2d} "
+                     f"{r['predicted_s'] * 1e3:>12.1f} {r['measured_s'] * 1e3:>11.1f} {r['error']:>+7.1%} "
+                     f"{r['peak_gib']:>8.1f} {r['predicted_gib']:>9.1f}")
+    mape = statistics.mean(abs(r["error"]) for r in rows)
+    lines.append(f"MAPE {mape:.1%} over {len(rows)} configurations (* predicted memory includes AdamW states, which train_step does not allocate)")
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["gpus"], r["global_batch"]), []).append(r)
+    for (model, gpus, batch), members in groups.items():
+        if len(members) < 2:
+            continue
+        chosen = min(members, key=lambda r: r["predicted_s"])
+        fastest = min(members, key=lambda r: r["measured_s"])
+        gap = chosen["measured_s"] / fastest["measured_s"] - 1
+        lines.append(f"top plan, {model} on {gpus} GPUs, batch {batch}: predicted best {chosen['name']} measures "
+                     f"{gap:+.1%} against the fastest ({fastest['name']}): {'within' if gap <= 0.05 else 'NOT within'} 5%")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="write calibration, measurements and predictions here")
+    parser.add_argument("--cpu", action="store_true", help="gloo ranks and tiny models (a smoke run of this script)")
+    parser.add_argument("--measured", type=Path, help="re-predict the measurements of an earlier --json instead of measuring")
+    args = parser.parse_args()
+    if args.measured:
+        saved = json.loads(args.measured.read_text())
+        cpu, calibration, rows = saved["cpu"], saved["calibration"], saved["runs"]
+        calibrated_on, setup = saved["calibrated_ranks"], saved["setup"]
+    else:
+        cpu = args.cpu or not torch.cuda.is_available()
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        start = time.perf_counter()
+        calibrated_on = 2 if cpu else torch.cuda.device_count()
+        _, calibration = calibrate(calibrated_on)
+        calibrated_at = time.perf_counter()
+        print(f"calibration {calibrated_at - start:.0f} s", flush=True)
+        setup = f"torch {torch.__version__}, {datetime.date.today().isoformat()}"
+
+        def save(rows: list[dict]) -> None:
+            if args.json:
+                _write(args.json, {"cpu": cpu, "calibrated_ranks": calibrated_on, "setup": setup, "calibration": calibration, "runs": rows})
+
+        rows = measure(CPU_RUNS if cpu else RUNS, CPU_MODELS if cpu else MODELS, "gloo" if cpu else "nccl", save)
+        print(f"measurements {time.perf_counter() - calibrated_at:.0f} s")
+    profile = fit_profile(calibration, calibrated_on)
+    print(describe(profile, calibration))
+    rows = predict(rows, CPU_MODELS if cpu else MODELS, profile, cpu)
+    print(f"{calibrated_on} x {calibration['device_name']}, {setup}")
+    print(report(rows))
+    if args.json:
+        _write(args.json, {"cpu": cpu, "calibrated_ranks": calibrated_on, "setup": setup, "calibration": calibration, "runs": rows})
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The planner: its choices on small worlds, its errors, the plan and calibrate commands, plan="auto"."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from autotp.cost_model import planner
+from autotp.cost_model.calibrate import add_calibrate_command
+from autotp.cost_model.compute import ModelCosts
+from autotp.cost_model.hardware import CPU, H100, PCIE
+from autotp.cost_model.planner import (
+    Cluster,
+    Training,
+    add_plan_command,
+    candidates,
+    plan,
+    trace_for_planning,
+)
+from distributed import run_on_ranks
+
+import autotp
+from autotp import presets
+
+
+@pytest.fixture(scope="module")
+def llama8b() -> ModelCosts:
+    return trace_for_planning(presets.model_config("llama3-8b"), 2048)
+
+
+@pytest.fixture(scope="module")
+def llama70b() -> ModelCosts:
+    return trace_for_planning(presets.model_config("llama3-70b"), 4096)
+
+
+def _model_parallel(e: planner.PlanEstimate) -> int:
+    return e.plan.tp * e.plan.pp
+
+
+def test_tp_never_spans_nodes(llama8b: ModelCosts) -> None:
+    for per_node in (2, 4, 8):
+        plans = plan(llama8b, Cluster(16, per_node, H100), Training(64), top=100)
+        assert plans and all(per_node % e.plan.tp == 0 for e in plans)
+    with pytest.raises(ValueError, match="must not span nodes"):
+        plan(llama8b, Cluster(16, 4, H100), Training(64), tp=8)
+
+
+def test_plans_are_ranked_by_step_time_and_fit(llama8b: ModelCosts) -> None:
+    plans = plan(llama8b, Cluster(16, 8, H100), Training(64), top=20)
+    assert [e.step_s for e in plans] == sorted(e.step_s for e in plans)
+    for e in plans:
+        p = e.plan
+        assert p.tp * p.pp * p.dp == 16
+        assert e.mem_bytes_per_gpu <= H100.usable_memory_bytes
+        assert e.microbatch_size * e.microbatches * p.dp == 64
+        assert e.tokens_per_s == pytest.approx(64 * 2048 / e.step_s)
+        assert 0 < e.mfu < 1 and 0 <= e.bubble_share < 1 and 0 <= e.comm_share < 1
+        assert e.optimizer_s < e.step_s
+
+
+def test_memory_pressure_asks_for_more_model_parallelism(llama8b: ModelCosts) -> None:
+    roomy = plan(llama8b, Cluster(8, 8, H100), Training(64), top=1)[0]
+    tight = plan(llama8b, Cluster(8, 8, replace(H100, memory_capacity_bytes=40e9)), Training(64), top=1)[0]
+    assert _model_parallel(tight) > _model_parallel(roomy)
+    sharded = plan(llama8b, Cluster(8, 8, replace(H100, memory_capacity_bytes=40e9)), Training(64, distributed_optimizer=True), top=1)[0]
+    assert _model_parallel(sharded) <= _model_parallel(tight)
+    assert sharded.mem_bytes_per_gpu <= 40e9 - H100.reserved_bytes
+
+
+def test_slow_links_discourage_tensor_parallelism(llama8b: ModelCosts) -> None:
+    fast = plan(llama8b, Cluster(8, 8, replace(H100, memory_capacity_bytes=40e9)), Training(64), top=1)[0]
+    slow = plan(llama8b, Cluster(8, 8, replace(PCIE, memory_capacity_bytes=40e9)), Training(64), top=1)[0]
+    assert slow.plan.tp <= fast.plan.tp
+    assert slow.comm_share > 0
+
+
+def test_fixed_degrees_are_kept(llama8b: ModelCosts) -> None:
+    plans = plan(llama8b, Cluster(16, 8, H100), Training(64), tp=2, pp=2, top=50)
+    assert plans and all((e.plan.tp, e.plan.pp, e.plan.dp) == (2, 2, 4) for e in plans)
+    interleaved = [e for e in plans if e.plan.vpp > 1]
+    assert interleaved and all(e.schedule == "interleaved" and e.microbatches % 2 == 0 for e in interleaved)
+    assert all(e.schedule == "1f1b" for e in plans if e.plan.vpp == 1)
+
+
+def test_plans_cover_every_layer_of_the_model(llama8b: ModelCosts) -> None:
+    best = plan(llama8b, Cluster(8, 8, H100), Training(64), tp=2, pp=4, top=1)[0]
+    names = {p.name for p in best.plan.params}
+    assert {f"model.layers.{i}.self_attn.q_proj.weight" for i in range(32)} <= names
+    assert len(best.plan.layer_chunks) == 32 and best.plan.head_chunk == best.plan.num_chunks - 1
+    assert autotp.plan.ParallelPlan.from_json(best.plan.to_json()) == best.plan
+    assert any("num_microbatches=" in note for note in best.plan.notes)
+
+
+def test_small_linears_are_replicated_when_comm_outweighs_compute() -> None:
+    tiny = trace_for_planning(presets.model_config("llama-tiny"), 32)
+    assert planner.small_linears(tiny, 2, 1, CPU) >= {"model.layers.0.self_attn.q_proj.weight"}
+    best = plan(tiny, Cluster(2, 2, CPU), Training(4, "fp32"), tp=2, top=1)[0]
+    linears = {name for name, _ in tiny.linears} - {"lm_head.weight"}
+    assert not linears & {p.name for p in best.plan.params}
+    assert any("comm outweighs compute" in n for n in best.plan.notes)
+
+
+def test_large_linears_stay_sharded_and_the_router_replicated() -> None:
+    mixtral = trace_for_planning(presets.model_config("mixtral-8x7b"), 4096)
+    assert planner.small_linears(mixtral, 8, 1, H100) == {"model.layers.0.mlp.gate.weight"}
+    best = plan(mixtral, Cluster(64, 8, H100), Training(64), tp=8, top=1)[0]
+    names = {p.name for p in best.plan.params}
+    assert "model.layers.31.self_attn.q_proj.weight" in names
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    assert not any(n.endswith("mlp.gate.weight") for n in names)
+
+
+def test_llama70b_on_1024_gpus(llama70b: ModelCosts) -> None:
+    plans = plan(llama70b, Cluster(1024, 8, H100), Training(1024), top=5)
+    assert plans and all(e.plan.tp <= 8 and e.plan.pp > 1 for e in plans)
+    assert all(e.mem_bytes_per_gpu <= H100.usable_memory_bytes for e in plans)
+
+
+# ---- errors -----------------------------------------------------------------------------
+
+
+def test_a_model_that_cannot_fit_says_by_how_much(llama70b: ModelCosts) -> None:
+    with pytest.raises(ValueError, match=r"does not fit on 8 x H100 at any degree.*needs [\d.]+ GiB per GPU, [\d.]+ GiB more"):
+        plan(llama70b, Cluster(8, 8, H100), Training(8))
+
+
+def test_world_sizes_that_cannot_be_laid_out(llama8b: ModelCosts) -> None:
+    with pytest.raises(ValueError, match="12 GPUs do not make whole nodes of 8"):
+        plan(llama8b, Cluster(12, 8, H100), Training(24))
+    with pytest.raises(ValueError, match="pp=3 does not divide"):
+        plan(llama8b, Cluster(8, 8, H100), Training(24), pp=3)
+    with pytest.raises(ValueError, match="no way to split a global batch of 3 over 8 GPUs"):
+        plan(llama8b, Cluster(8, 8, H100), Training(3), tp=1, pp=1)
+    with pytest.raises(ValueError, match="more pipeline stages than the model's 32 layers"):
+        candidates(32, Cluster(64, 8, H100), 64, pp=64)
+
+
+def test_tp_that_does_not_divide_the_heads_is_skipped_or_refused() -> None:
+    gpt2 = trace_for_planning(presets.model_config("gpt2-small"), 128)  # 12 heads
+    plans = plan(gpt2, Cluster(8, 8, H100), Training(64), top=100)
+    assert {e.plan.tp for e in plans} <= {1, 2, 4}
+    with pytest.raises(ValueError, match="tp=8"):
+        plan(gpt2, Cluster(8, 8, H100), Training(64), tp=8)
+
+
+# ---- commands ---------------------------------------------------------------------------
+
+
+def _run(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="autotp")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_plan_command(commands)
+    add_calibrate_command(commands)
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+def test_plan_command_table(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("plan", "llama3-8b", "--gpus", "16", "--gpus-per-node", "8", "--hardware", "h100", "--global-batch", "64", "--seq", "2048")
+    assert _run(*args, "--top", "3", "--explain") == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("llama3-8b on 16 x H100 (2 nodes of 8), global batch 64 x 2048 tokens")
+    assert lines[1].split() == ["#", "tp", "pp", "dp", "vpp", "mbs", "m", "step", "s", "tokens/s", "MFU", "GiB/GPU", "bubble", "comm"]
+    assert [l.split()[0] for l in lines[2:5]] == ["1", "2", "3"]
+    assert "tp all-reduce time per layer" in out and "bubble, interleaved 1f1b" in out
+
+
+def test_plan_command_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run("plan", "llama-tiny", "--gpus", "4", "--gpus-per-node", "4", "--global-batch", "8", "--seq", "32", "--format", "json") == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert plans and all({"tp", "pp", "dp", "step_s", "mem_bytes_per_gpu", "plan"} <= set(p) for p in plans)
+    assert [p["step_s"] for p in plans] == sorted(p["step_s"] for p in plans)
+    assert all(p["tp"] * p["pp"] * p["dp"] == 4 for p in plans)
+
+
+def test_plan_command_errors() -> None:
+    with pytest.raises(ValueError, match="unknown hardware 'b200'; use one of h200, h100, a100, pcie, cpu"):
+        _run("plan", "llama-tiny", "--gpus", "4", "--global-batch", "8", "--seq", "32", "--hardware", "b200")
+    with pytest.raises(ValueError, match="--seq 99999 exceeds"):
+        _run("plan", "llama-tiny", "--gpus", "4", "--global-batch", "8", "--seq", "99999")
+    with pytest.raises(ValueError, match="--gpus must be at least 1"):
+        _run("plan", "llama-tiny", "--gpus", "0", "--global-batch", "8")
+
+
+def test_plan_command_reads_a_calibrated_profile(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from autotp.cost_model.hardware import save_profile
+
+    path = tmp_path / "profile.json"
+    save_profile(replace(H100, name="H100 (calibrated)"), path)
+    assert _run("plan", "llama-tiny", "--gpus", "2", "--global-batch", "4", "--seq", "32", "--hardware", str(path)) == 0
+    assert "2 x H100 (calibrated)" in capsys.readouterr().out
+
+
+# ---- parallelize(plan="auto") -----------------------------------------------------------
+
+
+def test_auto_plan_keeps_given_degrees_and_plans_the_rest() -> None:
+    model = presets.build_model("llama-tiny")
+    ids = torch.zeros((4, 32), dtype=torch.long)
+    inputs = {"input_ids": ids, "labels": ids}
+    tp2 = autotp.compile_rank(model, tp=2, example_inputs=inputs, plan="auto")
+    assert (tp2.plan.tp, tp2.plan.pp) == (2, 1)
+    assert any("planned for CPU" in n for n in tp2.plan.notes)
+    pp2 = autotp.compile_rank(model, tp=1, pp=2, example_inputs=inputs, plan="auto")
+    assert (pp2.plan.tp, pp2.plan.pp, pp2.plan.layer_chunks) == (1, 2, (0, 1))
+
+
+def _auto_worker(rank: int, world: int) -> tuple[float, float, tuple[int, int, int]]:
+    torch.manual_seed(0)
+    model = presets.build_model("llama-tiny", device="cpu", dtype=torch.float32)
+    ids = presets.example_inputs(model, batch=4, seq=16)["input_ids"]
+    reference = model(input_ids=ids, labels=ids).loss.item()
+    pm = autotp.parallelize(model, plan="auto", example_inputs={"input_ids": ids, "labels": ids})
+    m = int(next(n for n in pm.plan.notes if "num_microbatches=" in n).split("num_microbatches=")[1].split(")")[0])
+    loss = pm.train_step(input_ids=ids, labels=ids, num_microbatches=m).item()
+    return loss, reference, (pm.plan.tp, pm.plan.pp, pm.plan.dp)
+
+
+def test_parallelize_auto_trains_with_the_planned_degrees() -> None:
+    results = run_on_ranks(_auto_worker, 2)
+    for loss, reference, degrees in results:
+        assert loss == pytest.approx(reference, abs=1e-4)
+        assert degrees[0] * degrees[1] * degrees[2] == 2
+    assert len({r[2] for r in results}) == 1
