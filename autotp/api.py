@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.fx import GraphModule
 
-from autotp import collectives, rng, schedules
+from autotp import collectives, cudagraphs, rng, schedules
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.planner import auto_plan
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
@@ -93,7 +93,7 @@ class _Compiled:
     graph: GraphModule
     chunks: dict[int, ChunkGraph]
     param_chunks: dict[str, set[int]]  # every parameter -> chunks that read it
-    run: Callable[..., Any]  # ``graph``, or its torch.compile'd form
+    run: Callable[..., Any]  # ``graph``, its torch.compile'd form, or its CUDA-graph capture
 
 
 class ParallelModel(nn.Module):
@@ -210,7 +210,8 @@ class ParallelModel(nn.Module):
     # ---- compilation ---------------------------------------------------------------
 
     def _compile(self, traced: GraphModule) -> _Compiled:
-        ctx = PassContext(plan=self.plan, tp_rank=self._coords.tp_rank, device=self._device, group=self._coords.tp_key)
+        backend = dist.get_backend() if dist.is_initialized() else "nccl"
+        ctx = PassContext(plan=self.plan, tp_rank=self._coords.tp_rank, device=self._device, group=self._coords.tp_key, backend=backend)
         gm = run_passes(traced, ctx, PASSES)
         for k, v in ctx.timings.items():
             self.pass_timings[k] = self.pass_timings.get(k, 0.0) + v
@@ -226,6 +227,8 @@ class ParallelModel(nn.Module):
             run = torch.compile(gm)
             for cg in chunks.values():
                 cg.run = torch.compile(cg.graph)
+        if self.plan.cudagraphs:
+            run = cudagraphs.CapturedGraph(gm, self.plan.cudagraph_impl)
         return _Compiled(gm, chunks, param_chunks, run)
 
     def _attach(self, compiled: _Compiled) -> None:
@@ -545,6 +548,30 @@ def _choose_plan(traced: GraphModule, tp: int, pp: int, dp: int, vpp: int, plan:
                    embedding_chunk=embedding_chunk, head_chunk=head_chunk)
 
 
+def _with_cudagraphs(plan: ParallelPlan) -> ParallelPlan:
+    return replace(plan, cudagraphs=True, cudagraph_impl=plan.cudagraph_impl or cudagraphs.implementation())
+
+
+def _check_cuda_graphs(device: torch.device, pp: int, compile: bool) -> None:
+    backend = dist.get_backend() if dist.is_initialized() else None
+    if device.type != "cuda" or backend not in (None, "nccl"):
+        raise ValueError(
+            f"cuda_graphs=True captures CUDA graphs, but this rank runs on {device}"
+            f"{f' with {backend} collectives' if backend else ''}; run on GPUs with NCCL, or drop cuda_graphs "
+            "(autotp.cudagraph_report shows the regions and blockers without a GPU)"
+        )
+    if pp > 1:
+        raise ValueError(
+            f"cuda_graphs=True with pp={pp}: capture under pipeline parallelism is not implemented (each in-flight "
+            "microbatch needs its own static buffers, reused in 1F1B order); use pp=1, or cuda_graphs=False"
+        )
+    if compile:
+        raise ValueError(
+            "compile=True and cuda_graphs=True both replace how the graph runs; pick one "
+            "(torch.compile(mode='reduce-overhead') is torch's own CUDA-graph path)"
+        )
+
+
 def compile_rank(
     model: nn.Module,
     *,
@@ -556,11 +583,14 @@ def compile_rank(
     plan: ParallelPlan | str | None = None,
     device: torch.device | str = "meta",
     dump_dir: Path | None = None,
+    cuda_graphs: bool = False,
 ) -> CompiledRank:
     """Trace, plan and rewrite the graph of tp rank ``rank`` without any process group.
 
     For inspection, dumps and compile-time benchmarks; a model on ``meta`` never
-    allocates its weights. With pp > 1 the graph carries the stage boundaries.
+    allocates its weights. With pp > 1 the graph carries the stage boundaries. With
+    ``cuda_graphs`` the plan asks for CUDA graphs and the nodes carry their regions and
+    blockers, as a GPU rank on NCCL would capture them.
     """
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} is outside tp={tp}; pick 0..{tp - 1}")
@@ -569,6 +599,8 @@ def compile_rank(
     traced = trace(model, kwargs, device)
     traced_at = time.perf_counter()
     chosen = _choose_plan(traced, tp, pp, 1, vpp, plan)
+    if cuda_graphs:
+        chosen = _with_cudagraphs(chosen)
     planned_at = time.perf_counter()
     ctx = PassContext(plan=chosen, tp_rank=rank, device=torch.device(device), group=f"tp{tp}", dump_dir=dump_dir)
     gm = run_passes(traced, ctx, PASSES)
@@ -631,6 +663,7 @@ def parallelize(
     gather_outputs: bool = True,
     timeout_s: float = 300.0,
     compile: bool = False,
+    cuda_graphs: bool = False,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's ``ParallelModel``; tp·pp·dp must be the world size.
 
@@ -642,7 +675,9 @@ def parallelize(
     to the rank's CUDA device under NCCL, else the CPU. A collective that waits longer
     than ``timeout_s`` (a rank crashed or diverged) raises instead of hanging. With
     ``compile``, each per-rank graph (or pipeline chunk) also runs through
-    ``torch.compile``, which fuses the elementwise work between the collectives.
+    ``torch.compile``, which fuses the elementwise work between the collectives. With
+    ``cuda_graphs`` (CUDA and NCCL, pp = 1), the regions that the cost model picks are
+    captured as CUDA graphs on the first call and replayed after (``autotp.cudagraphs``).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp)):
@@ -664,9 +699,15 @@ def parallelize(
         on_nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else torch.device("cpu")
     device = torch.device(device)
+    cuda_graphs = cuda_graphs or (isinstance(plan, ParallelPlan) and plan.cudagraphs)
+    if cuda_graphs:
+        _check_cuda_graphs(device, pp, compile)
     kwargs = _example_kwargs(model, example_inputs)
     traced = trace(model, kwargs, device)
     chosen = _choose_plan(traced, tp, pp, dp, vpp, plan)
+    if cuda_graphs:
+        _check_cuda_graphs(device, chosen.pp, compile)  # the planner may have chosen pp > 1
+        chosen = _with_cudagraphs(chosen)
     if not gather_outputs:
         chosen = replace(chosen, gather_outputs=False)
     coords = _make_groups(chosen, timeout_s)

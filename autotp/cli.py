@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import json
 import shutil
 import sys
@@ -12,7 +11,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,13 +23,14 @@ from autotp.cost_model.hardware import PROFILES
 from autotp.graph_report import build_report, explain_json, explain_table, stage_view
 from autotp.cost_model.calibrate import add_calibrate_command
 from autotp.cost_model.planner import add_plan_command
+from autotp.cudagraph_report import explain_cudagraphs
 from autotp.launcher import RankError, launch
 from autotp.rank_groups import add_ranks_command
 from autotp.schedules import add_schedule_command
 from autotp.passes import PASSES
 
 _LR = 1e-3
-_INSPECT_SEQ = 2048
+
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The pass runner's dump files: 00_traced.py, then NN_<pass>.py.
 _AFTER = ["traced", *(p.__name__ for p in PASSES)]
@@ -130,19 +129,6 @@ def _check_stage(pp: int, stage: int | None) -> None:
         raise ValueError(f"--stage {stage} does not exist with --pp {pp}; pick 0..{pp - 1}")
 
 
-def _inspection_inputs(model: torch.nn.Module, batch: int, seq: int | None, labels: bool) -> dict[str, Any]:
-    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if seq is None:
-        seq = min(_INSPECT_SEQ, limit) if limit else _INSPECT_SEQ
-    elif limit is not None and seq > limit:
-        raise ValueError(f"--seq {seq} exceeds the model's max_position_embeddings ({limit}); pass --seq {limit} or less")
-    ids = torch.zeros((batch, seq), dtype=torch.long)
-    inputs = {"input_ids": ids}
-    if labels and "labels" in inspect.signature(model.forward).parameters:
-        inputs["labels"] = ids
-    return inputs
-
-
 def _compile_for_inspection(args: argparse.Namespace, rank: int, dump_dir: Path | None) -> CompiledRank:
     for name in ("tp", "pp", "batch"):
         _positive(f"--{name}", getattr(args, name))
@@ -151,7 +137,7 @@ def _compile_for_inspection(args: argparse.Namespace, rank: int, dump_dir: Path 
     _check_stage(args.pp, args.stage)
     hf_logging.set_verbosity_error()
     model = presets.build_model(args.model, device="meta", dtype=_DTYPES[args.dtype])
-    inputs = _inspection_inputs(model, args.batch, args.seq, not args.no_labels)
+    inputs = presets.inspection_inputs(model, args.batch, args.seq, not args.no_labels)
     return compile_rank(model, tp=args.tp, rank=rank, pp=args.pp, example_inputs=inputs, dump_dir=dump_dir)
 
 
@@ -189,6 +175,10 @@ def _dump(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
+    if args.cudagraphs:
+        print(explain_cudagraphs(args.model, args.tp, args.pp, 0, args.format, batch=args.batch, seq=args.seq,
+                                 dtype=args.dtype, labels=not args.no_labels))
+        return 0
     compiled = _compile_for_inspection(args, 0, None)
     report = build_report(compiled.graph, compiled.plan, 0)
     if args.format == "json":
@@ -214,7 +204,7 @@ def _add_inspection_options(parser: argparse.ArgumentParser) -> None:
         "--seq",
         type=int,
         default=None,
-        help=f"sequence length (default: {_INSPECT_SEQ}, or the model's max_position_embeddings if smaller)",
+        help=f"sequence length (default: {presets.INSPECTION_SEQ}, or the model's max_position_embeddings if smaller)",
     )
     parser.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16", help="parameter dtype (default: bfloat16)")
     parser.add_argument(
@@ -256,7 +246,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Compile one tp rank offline and write its graph. Every node is annotated with its "
         "layout (Replicate, Partial, Shard(dim:local/global)), its collectives with bytes and estimated time, "
         "its pipeline stage (stage boundaries are nodes, shown with their point-to-point bytes), and its "
-        "forward FLOPs and estimated time. CUDA-graph regions are not implemented yet, so no node carries one. "
+        "forward FLOPs and estimated time, and its CUDA-graph region when the plan asks for CUDA graphs. "
         "DOT and SVG expand layer 0 and collapse the other decoder layers into one summary node each.",
     )
     _add_inspection_options(dump_cmd)
@@ -296,6 +286,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_inspection_options(explain)
     explain.add_argument("--format", choices=("table", "json"), default="table", help="default: table")
+    explain.add_argument(
+        "--cudagraphs", action="store_true", help="list CUDA-graph regions and blockers (JSON key cudagraph_regions)"
+    )
     explain.set_defaults(handler=_explain, stage=None)
     add_ranks_command(commands)
     add_schedule_command(commands)

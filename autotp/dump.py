@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from autotp import meta_keys
 from autotp.graph_report import (
     GraphReport,
     LayerKey,
@@ -154,7 +155,7 @@ def _header(report: GraphReport, model: str) -> list[str]:
             "gradient backward)"
         ),
         f"FLOPs are forward; times are estimates for {report.hardware.name} (autotp.cost_model.flops)",
-        "CUDA-graph regions: not implemented yet, so no node carries one",
+        "CUDA-graph regions: set when the plan asks for CUDA graphs (autotp explain --cudagraphs lists them)",
     ]
 
 
@@ -325,7 +326,7 @@ def _node_json(r: NodeReport) -> dict[str, Any]:
         "layer": r.layer,
         "chunk": r.chunk,
         "stage": r.stage,
-        "cudagraph_region": None,
+        "cudagraph_region": r.node.meta.get(meta_keys.CUDAGRAPH_REGION),
         "shapes": [list(t.shape) for t in r.tensors],
         "dtypes": [_DTYPE_NAMES.get(t.dtype, str(t.dtype)) for t in r.tensors],
         "layout": r.layout,

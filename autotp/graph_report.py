@@ -25,7 +25,7 @@ Shared by ``autotp dump`` (which draws it) and ``autotp explain`` (which tabulat
   every chunk repeats (masks, positions, parameter reads) have none. A
   ``stage_boundary`` is a point-to-point transfer of this rank's shard: the activation
   forward, its gradient backward. With pp = 1 every node is in stage 0.
-* CUDA-graph regions are not implemented yet: nodes carry none.
+* CUDA-graph regions come from the ``mark_cudagraph_regions`` pass, when the plan asks for CUDA graphs.
 """
 
 from __future__ import annotations

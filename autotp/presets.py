@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from collections.abc import Callable
 from pathlib import Path
 
@@ -153,3 +155,21 @@ def example_inputs(model: torch.nn.Module, batch: int = 2, seq: int = 16, seed: 
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab_size, (batch, seq), generator=generator)
     return {"input_ids": input_ids.to(device)}
+
+
+INSPECTION_SEQ = 2048
+
+
+def inspection_inputs(model: torch.nn.Module, batch: int = 1, seq: int | None = None, labels: bool = True) -> dict[str, torch.Tensor]:
+    """Zero ``input_ids`` [batch, seq] (and the same as ``labels``, so the loss shows) for
+    compiling a model offline; ``seq`` defaults to 2048 or the model's position limit."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if seq is None:
+        seq = min(INSPECTION_SEQ, limit) if limit else INSPECTION_SEQ
+    elif limit is not None and seq > limit:
+        raise ValueError(f"--seq {seq} exceeds the model's max_position_embeddings ({limit}); pass --seq {limit} or less")
+    ids = torch.zeros((batch, seq), dtype=torch.long)
+    inputs = {"input_ids": ids}
+    if labels and "labels" in inspect.signature(model.forward).parameters:
+        inputs["labels"] = ids
+    return inputs

@@ -3,6 +3,7 @@
 from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.cancel_collectives import cancel_collectives
 from autotp.passes.insert_collectives import insert_collectives
+from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.rewrite_shapes import rewrite_shapes
 from autotp.passes.split_stages import split_stages
 from autotp.passes.runner import Pass
@@ -19,4 +20,5 @@ PASSES: list[Pass] = [
     insert_collectives,
     cancel_collectives,
     split_stages,
+    mark_cudagraph_regions,
 ]

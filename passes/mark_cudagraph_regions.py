@@ -5,7 +5,7 @@ Runs when ``plan.cudagraphs`` is set. Every op node either gets a ``Blocker`` (n
 
 * **host syncs**: ``.item()`` (``aten.item``, ``aten._local_scalar_dense``), ``nonzero``
   and the other ops whose output size is read back (``masked_select``, ``unique``,
-  ``repeat_interleave`` without ``output_size``, ``bincount``, one-argument ``where``,
+  ``repeat_interleave`` of a tensor without ``output_size``, ``bincount``, one-argument ``where``,
   boolean-mask indexing), ops that return a Python bool (``equal``, ``is_nonzero``),
   copies between the host and the device (``.cpu()``, ``.to("cpu")``), and opaque
   custom ops known to sync (``transformers::grouped_mm_fallback`` reads the expert
@@ -37,7 +37,6 @@ with ``plan.cudagraph_policy``) decides which candidates become regions: their n
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +50,7 @@ from autotp.errors import source_line
 from autotp.graph_report import local_tensors
 from autotp.passes.runner import PassContext
 from autotp.pipeline import stage_boundary
+from autotp.plan import ParallelPlan
 
 aten = torch.ops.aten
 
@@ -125,7 +125,7 @@ def _host_sync_reason(node: Node, opaque: dict[Any, str]) -> str | None:
     target = node.target
     if target in _SCALAR_READS:
         return ".item() copies a scalar to the host"
-    if target in _SIZE_READS:
+    if target in _SIZE_READS and node.kwargs.get("output_size") is None:
         return f"{target.__name__.split('.')[0]} reads its output size on the host"
     if target in _BOOL_READS:
         return f"{target.__name__.split('.')[0]} returns a Python bool"
@@ -191,22 +191,34 @@ def _mutated_base(node: Node) -> Node | None:
     if schema is None or not schema.is_mutable or not node.args or not isinstance(node.args[0], Node):
         return None
     base = node.args[0]
-    while base.op == "call_function" and isinstance(getattr(base.target, "_schema", None), torch._C.FunctionSchema) and base.args:
-        aliases = base.target._schema.returns and base.target._schema.returns[0].alias_info is not None
-        if not (aliases and not base.target._schema.is_mutable and isinstance(base.args[0], Node)):
+    while base.op == "call_function" and base.args and isinstance(base.args[0], Node):
+        view = getattr(base.target, "_schema", None)
+        if view is None or view.is_mutable or not view.returns or view.returns[0].alias_info is None:
             break
         base = base.args[0]
     return base
 
 
 def _runs(gm: GraphModule, ctx: PassContext) -> list[list[Node]]:
-    """Tag blockers and return the maximal runs of capturable nodes."""
+    """Tag blockers and return the maximal runs of capturable nodes.
+
+    With pp > 1, the input-derived nodes that every chunk repeats (``autotp_chunk`` None)
+    stay out of runs without ending them: they read no node of a run, so they can run
+    eagerly before it.
+    """
     opaque = _opaque_syncs()
     blocked: set[Node] = set()
     runs: list[list[Node]] = []
     current: list[Node] = []
     current_set: set[Node] = set()
     current_chunk: int | None = None
+    in_runs: set[Node] = set()
+    evict: set[Node] = set()
+
+    def block(node: Node, blocker: Blocker) -> None:
+        node.meta[meta_keys.CUDAGRAPH_BLOCKER] = blocker
+        blocked.add(node)
+
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -214,38 +226,49 @@ def _runs(gm: GraphModule, ctx: PassContext) -> list[list[Node]]:
         base = _mutated_base(node)
         if blocker is None and base is not None and base.op != "get_attr" and base not in current_set:
             blocker = Blocker(MUTATION, f"writes in place to '{base.name}', made outside its region", node.name, source_line(node))
-        chunk = 0 if ctx.plan.num_chunks == 1 else node.meta.get(meta_keys.CHUNK)
+            if base in in_runs:
+                # The write runs eagerly, so the tensor it writes must not be a region's static output.
+                block(base, Blocker(MUTATION, f"written in place by '{node.name}' outside its region", base.name, source_line(base)))
+                evict.add(base)
         if blocker is not None:
-            node.meta[meta_keys.CUDAGRAPH_BLOCKER] = blocker
-            blocked.add(node)
-        joins = blocker is None and node.target is not stage_boundary and chunk is not None
+            block(node, blocker)
+        chunk = 0 if ctx.plan.num_chunks == 1 else node.meta.get(meta_keys.CHUNK)
+        if chunk is None and blocker is None:
+            continue
+        joins = blocker is None and node.target is not stage_boundary
         if current and (not joins or chunk != current_chunk):
             runs.append(current)
             current, current_set = [], set()
         if joins:
             current.append(node)
             current_set.add(node)
+            in_runs.add(node)
             current_chunk = chunk
     if current:
         runs.append(current)
-    return _tensor_edges(runs)
+    return _tensor_edges(runs, evict)
 
 
-def _crosses_as_non_tensor(node: Node, inside: set[Node]) -> bool:
-    """``node`` is in a run and its non-tensor value is used outside, or it reads one from outside."""
+def _breaks_edge(node: Node, inside: set[Node]) -> bool:
+    """``node`` would pass a non-tensor across its run's edge (either way), or write in
+    place to a tensor made outside the run."""
     if not isinstance(node.meta.get("val"), torch.Tensor) and any(u not in inside for u in node.users):
+        return True
+    base = _mutated_base(node)
+    if base is not None and base.op != "get_attr" and base not in inside:
         return True
     return any(a not in inside and a.op == "call_function" and not isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)
 
 
-def _tensor_edges(runs: list[list[Node]]) -> list[list[Node]]:
-    """Split runs until only tensors cross their edges (nodes left out run eagerly)."""
+def _tensor_edges(runs: list[list[Node]], evict: set[Node]) -> list[list[Node]]:
+    """Split runs at ``evict`` and until only tensors cross their edges (nodes left out
+    run eagerly)."""
     done: list[list[Node]] = []
     pending = list(reversed(runs))
     while pending:
         run = pending.pop()
         inside = set(run)
-        bad = next((i for i, n in enumerate(run) if _crosses_as_non_tensor(n, inside)), None)
+        bad = next((i for i, n in enumerate(run) if n in evict or _breaks_edge(n, inside)), None)
         if bad is None:
             done.append(run)
             continue
@@ -265,7 +288,7 @@ def candidate_regions(gm: GraphModule) -> list[list[Node]]:
     return [by_index[i] for i in sorted(by_index)]
 
 
-def region_verdicts(gm: GraphModule, plan: Any) -> list[str | None]:
+def region_verdicts(gm: GraphModule, plan: ParallelPlan) -> list[str | None]:
     """The cost model's verdict on every candidate: None (captured) or why not."""
     stats = [region_stats(run, lambda n: local_tensors(n, plan.tp), plan.tp, plan.cudagraph_policy.hardware)
              for run in candidate_regions(gm)]  # fmt: skip
@@ -273,9 +296,11 @@ def region_verdicts(gm: GraphModule, plan: Any) -> list[str | None]:
 
 
 def mark_cudagraph_regions(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Tag blockers, candidates and the regions the plan's cost model keeps (module docstring)."""
     if not ctx.plan.cudagraphs:
         return gm
-    runs = sorted(_runs(gm, ctx), key=lambda run: _position(gm)[run[0]])
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    runs = sorted(_runs(gm, ctx), key=lambda run: position[run[0]])
     for index, run in enumerate(runs):
         for node in run:
             node.meta[meta_keys.CUDAGRAPH_CANDIDATE] = index
@@ -284,7 +309,3 @@ def mark_cudagraph_regions(gm: GraphModule, ctx: PassContext) -> GraphModule:
             for node in run:
                 node.meta[meta_keys.CUDAGRAPH_REGION] = index
     return gm
-
-
-def _position(gm: GraphModule) -> dict[Node, int]:
-    return {n: i for i, n in enumerate(gm.graph.nodes)}

@@ -26,7 +26,7 @@ def test_code_annotates_layouts_collectives_and_flops(tmp_path: Path) -> None:
     assert re.search(r"^reduce_from_tp_\d+: .* # Replicate \| all_reduce forward 4\.1 kB over 2 ranks, \d+\.\d µs$", code, re.MULTILINE)
     assert re.search(r"^copy_to_tp: .* \| all_reduce backward 4\.1 kB over 2 ranks", code, re.MULTILINE)
     assert re.search(r"^cross_entropy_loss: .*all_reduce forward 128 B .*all_reduce forward 256 B", code, re.MULTILINE)
-    assert "CUDA-graph regions: not implemented yet" in code
+    assert "CUDA-graph regions: set when the plan asks for CUDA graphs" in code
 
 
 def test_json_lists_every_node_with_its_annotations(tmp_path: Path) -> None:

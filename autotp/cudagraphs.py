@@ -1,0 +1,207 @@
+"""Capture a per-rank graph's CUDA-graph regions and replay them (CUDA only).
+
+``mark_cudagraph_regions`` tags the regions. ``split_regions`` turns each into a
+submodule ``cudagraph_region_<id>`` of a copy of the graph; the nodes between regions
+stay in the copy and run eagerly (partial capture). ``CapturedGraph`` runs that copy:
+
+* **Capture** happens on the first call, which first runs eagerly without grad to record
+  every region's inputs; those values become the regions' static input buffers, every region is
+  captured forward and backward by one call of ``make_graphed_callables``, so all of
+  them share one memory pool. Transformer Engine's is used when ``transformer_engine``
+  imports, else torch's (``implementation()``, recorded as ``plan.cudagraph_impl``).
+  Every tp rank makes its first call at the same point of the program, so the
+  collectives inside the regions line up during warmup and capture. Capture runs with
+  grad enabled, so a first call under ``torch.no_grad()`` still captures the backward.
+  The call itself then replays the new graphs.
+* **Replay** copies each region's inputs into its static buffers and launches the
+  forward graph; backward launches the backward graph. Activations live in the pool and
+  are overwritten by the next replay, so one forward may be in flight: call backward
+  (``train_step`` does) before the next forward that needs grad. Outputs returned to
+  the caller are cloned, so they survive later calls.
+* **Gradients.** A graphed region returns its parameter gradients in static buffers.
+  Autograd would store the first one as ``.grad`` itself (a later replay would
+  overwrite it, and accumulation over microbatches would double the last one), so a
+  hook on every captured parameter clones the gradient when ``.grad`` is still empty.
+
+Pipeline parallelism is not captured: several microbatches are in flight per stage,
+which needs one set of static buffers per in-flight microbatch, reused in 1F1B order
+(``autotp.api`` refuses ``cuda_graphs`` with pp > 1).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import operator
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.fx import Graph, GraphModule, Node
+
+from autotp import meta_keys
+
+PREFIX = "cudagraph_region_"
+TORCH, TRANSFORMER_ENGINE = "torch", "transformer_engine"
+_WARMUP_ITERS = 3
+
+_hooked: dict[int, weakref.ref[Tensor]] = {}  # by id: tensors compare elementwise
+
+
+def implementation() -> str:
+    """Which ``make_graphed_callables`` captures: Transformer Engine's if it imports."""
+    return TRANSFORMER_ENGINE if importlib.util.find_spec("transformer_engine") is not None else TORCH
+
+
+def _copy(gm: GraphModule) -> GraphModule:
+    """A copy of ``gm`` with its own graph, sharing parameters, buffers and submodules."""
+    graph = Graph()
+    graph._codegen = gm.graph._codegen
+    env: dict[Node, Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    copy = GraphModule(gm, graph)
+    for spec in ("_in_spec", "_out_spec"):
+        if hasattr(gm, spec):
+            setattr(copy, spec, getattr(gm, spec))
+    return copy
+
+
+def _extract(parent: GraphModule, nodes: list[Node], name: str) -> None:
+    """Replace ``nodes`` (a region, in graph order) with a call of submodule ``name``."""
+    inside = set(nodes)
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    inputs: list[Node] = []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in inside or a in env:
+                continue
+            if a.op == "get_attr":
+                env[a] = graph.get_attr(str(a.target))
+            else:
+                env[a] = graph.placeholder(a.name)
+                env[a].meta.update(a.meta)
+                inputs.append(a)
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    graph.output(tuple(env[o] for o in outputs))
+    parent.add_submodule(name, GraphModule(parent, graph, class_name=name))
+    # After the last node: with pp > 1 a region may skip input-derived nodes, which it can read.
+    with parent.graph.inserting_before(nodes[-1].next):
+        call = parent.graph.call_module(name, tuple(inputs))
+        for i, o in enumerate(outputs):
+            got = parent.graph.call_function(operator.getitem, (call, i))
+            got.meta.update(o.meta)
+            o.replace_all_uses_with(got)
+    for n in reversed(nodes):
+        parent.graph.erase_node(n)
+
+
+def split_regions(gm: GraphModule) -> GraphModule:
+    """A copy of ``gm`` whose tagged regions are submodules ``cudagraph_region_<id>``."""
+    copy = _copy(gm)
+    regions: dict[int, list[Node]] = {}
+    for node in copy.graph.nodes:
+        region = node.meta.get(meta_keys.CUDAGRAPH_REGION)
+        if region is not None:
+            regions.setdefault(region, []).append(node)
+    for region, nodes in regions.items():
+        _extract(copy, nodes, f"{PREFIX}{region}")
+    for node in list(copy.graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            copy.graph.erase_node(node)
+    copy.graph.lint()
+    copy.recompile()
+    return copy
+
+
+def regions_of(split: GraphModule) -> list[tuple[str, GraphModule]]:
+    """The region submodules of ``split_regions``' result, in the order they run."""
+    order = [str(n.target) for n in split.graph.nodes if n.op == "call_module" and str(n.target).startswith(PREFIX)]
+    return [(name, getattr(split, name)) for name in order]
+
+
+def _static_input(value: Tensor, placeholder: Node) -> Tensor:
+    """A static buffer holding ``value``; it requires grad where the graph says the input
+    can (autograd state at the first call may differ from later calls')."""
+    needs_grad = bool(placeholder.meta.get(meta_keys.NEEDS_GRAD)) and value.is_floating_point()
+    return value.detach().clone().requires_grad_(needs_grad)
+
+
+def _clone_first_grad(param: Tensor) -> None:
+    """Make the first gradient stored in ``param.grad`` a copy, not a static buffer."""
+    known = _hooked.get(id(param))
+    if known is not None and known() is param:
+        return
+    ref = _hooked[id(param)] = weakref.ref(param)
+
+    def hook(grad: Tensor) -> Tensor:
+        p = ref()
+        return grad.clone() if p is not None and p.grad is None else grad
+
+    param.register_hook(hook)
+
+
+def _make_graphed(impl: str) -> Callable[..., Any]:
+    if impl == TRANSFORMER_ENGINE:
+        from transformer_engine.pytorch import make_graphed_callables
+
+        return make_graphed_callables
+    return torch.cuda.make_graphed_callables
+
+
+def _own(value: Any) -> Any:
+    """``value`` with every tensor copied out of the static buffers it may live in."""
+    return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, value)
+
+
+class CapturedGraph:
+    """Calls a per-rank graph with its regions replayed from CUDA graphs (module docstring)."""
+
+    def __init__(self, gm: GraphModule, impl: str) -> None:
+        self._gm = gm
+        self._impl = impl
+        self._split: GraphModule | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._split is None:
+            return self._first_call(args, kwargs)
+        return _own(self._split(*args, **kwargs))
+
+    def _first_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        split = split_regions(self._gm)
+        regions = regions_of(split)
+        samples: dict[str, tuple[Tensor, ...]] = {}
+        handles = []
+        for name, module in regions:
+            placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+
+            def record(mod: nn.Module, inputs: tuple[Any, ...], name: str = name, placeholders: list[Node] = placeholders) -> None:
+                samples[name] = tuple(_static_input(t, p) for t, p in zip(inputs, placeholders))
+
+            handles.append(module.register_forward_pre_hook(record))
+        # Without grad: no autograd node of this run, tied to the default stream, may be
+        # alive during capture, where autograd would make that stream wait on the
+        # capturing one (an invalid capture; pytorch#180090).
+        with torch.no_grad():
+            split(*args, **kwargs)
+        for handle in handles:
+            handle.remove()
+        if regions:
+            modules = tuple(module for _, module in regions)
+            with torch.enable_grad():
+                _make_graphed(self._impl)(
+                    modules,
+                    tuple(samples[name] for name, _ in regions),
+                    num_warmup_iters=_WARMUP_ITERS,
+                    allow_unused_input=True,
+                    pool=torch.cuda.graph_pool_handle(),
+                )
+            for module in modules:
+                for p in module.parameters():
+                    if p.requires_grad:
+                        _clone_first_grad(p)
+        self._split = split
+        return _own(split(*args, **kwargs))
