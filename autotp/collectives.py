@@ -166,6 +166,3 @@ def vocab_parallel_cross_entropy(
     """
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, ignore_index, reduction, key)
 
-
-ALL_REDUCE_FORWARD = (reduce_from_tp,)
-ALL_REDUCE_BACKWARD = (copy_to_tp,)

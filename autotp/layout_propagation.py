@@ -43,8 +43,8 @@ from autotp.layouts import (
     Layout,
     ShardingConflict,
     fixed_var,
-    local_size,
     resolve,
+    select_range,
     set_groups,
     set_segments,
     shard,
@@ -99,6 +99,8 @@ class Propagation:
     # expand node -> [(dim, merged var, outer var)]: the broadcast dim that a later
     # reshape merges into a sharded dim gets local size local(merged) / local(outer).
     expand_fixups: dict[Node, list[tuple[int, DimVar, DimVar]]] = field(default_factory=dict)
+    # slice node -> (sliced var, selected segment): its bounds become local offsets.
+    slice_fixups: dict[Node, tuple[DimVar, DimVar]] = field(default_factory=dict)
 
     def layout(self, node: Node) -> Layout:
         lay = self.layouts.get(node, REPLICATE)
@@ -168,7 +170,6 @@ _VIEW_LIKE = {
     aten.lift_fresh_copy.default,
 }
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_MATMULS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.bmm.default, aten.matmul.default}
 _SUM_LIKE = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}
 _DIM_OPS = {  # ops that need the given dim whole; (position of dim arg, default)
     aten.softmax.int: (1, None),
@@ -608,13 +609,18 @@ class _Walker:
         src = shape_of(node.args[0]) or ()
         d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(src))
         var = lay.var_at(d)
-        if var is not None:
-            start = node.args[2] if len(node.args) > 2 else 0
-            end = node.args[3] if len(node.args) > 3 else None
-            step = node.args[4] if len(node.args) > 4 else 1
-            if not ((start in (0, None)) and (end is None or end >= src[d]) and step == 1):
-                raise ShardingConflict(f"{describe(node)}: slices a sharded dim", lay.origins())
-        return lay
+        if var is None:
+            return lay
+        start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+        end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else src[d]
+        step = node.args[4] if len(node.args) > 4 else 1
+        start, end = _norm_dim(start, src[d]), min(_norm_dim(end, src[d]) if end < 0 else end, src[d])
+        if step != 1:
+            raise ShardingConflict(f"{describe(node)}: strided slice of a sharded dim", lay.origins())
+        part = select_range(var, start, end, describe(node))
+        if part is not var.find():
+            self.out.slice_fixups[node] = (var, part)
+        return shard({**dict(lay.dims), d: part})
 
     def select(self, node: Node) -> Any:
         lay = self.concrete(node.args[0], node)
@@ -946,18 +952,6 @@ def check_divisible(prop: Propagation, gm: GraphModule) -> None:
                         f"It comes from parameter(s) {origins}. Choose a tp that divides it "
                         f"(or whose multiple it is), or keep those parameters replicated."
                     )
-
-
-def local_shape(prop: Propagation, node: Node) -> tuple[int, ...] | None:
-    """The per-rank shape of a node's (single) output."""
-    shp = shape_of(node)
-    lay = prop.layouts.get(node)
-    if shp is None or not isinstance(lay, Layout):
-        return shp
-    out = list(shp)
-    for d, var in lay.dims:
-        out[d] = local_size(var, prop.tp)
-    return tuple(out)
 
 
 def param_sharding(prop: Propagation, name: str) -> tuple[str, int, DimSharding] | None:

@@ -191,14 +191,58 @@ def resolve(var: DimVar, tp: int) -> DimSharding:
         return DimSharding(r.size, (r.size,), (r.size,), padded=True)
     if r.segments is None:
         return DimSharding(r.size, (r.size,), (r.groups or r.size,))
-    sizes, groups = [], []
-    for seg in r.segments:
+    sizes: list[int] = []
+    groups: list[int] = []
+    for seg in r.segments:  # a segment cut again (a slice of a slice) flattens into its parts
         s = resolve(seg, tp)
-        if len(s.segments) != 1:
-            raise ShardingConflict("nested segments are not supported", r.origins)
-        sizes.append(s.size)
-        groups.append(s.groups[0])
+        if s.padded:
+            raise ShardingConflict("a padded dim cannot be a segment", r.origins)
+        sizes.extend(s.segments)
+        groups.extend(s.groups)
     return DimSharding(r.size, tuple(sizes), tuple(groups))
+
+
+def select_range(var: DimVar, start: int, end: int, where: str) -> DimVar:
+    """The variable of elements ``[start, end)`` of ``var``, cutting segments as needed
+    (Phi-3 slices q, k and v out of its fused projection)."""
+    r = var.find()
+    if start == 0 and end == r.size:
+        return r
+    if r.padded:
+        raise ShardingConflict(f"{where}: slices a padded (vocabulary) dim", r.origins)
+    if r.segments is None:
+        set_segments(r, [n for n in (start, end - start, r.size - end) if n > 0], where)
+    assert r.segments is not None
+    offset = 0
+    for seg in r.segments:
+        size = seg.find().size
+        if offset <= start and end <= offset + size:
+            return select_range(seg, start - offset, end - offset, where)
+        offset += size
+    raise ShardingConflict(f"{where}: the slice [{start}, {end}) crosses a segment boundary", r.origins)
+
+
+def local_offset(var: DimVar, part: DimVar, tp: int) -> int:
+    """Where ``part`` (a segment of ``var``, at any depth) starts in ``var``'s local shard."""
+    target = part.find()
+
+    def walk(v: DimVar) -> tuple[int, bool]:
+        r = v.find()
+        if r is target:
+            return 0, True
+        if r.segments is None:
+            return local_size(r, tp), False
+        total = 0
+        for seg in r.segments:
+            inside, found = walk(seg)
+            if found:
+                return total + inside, True
+            total += inside
+        return total, False
+
+    offset, found = walk(var)
+    assert found, "part is not a segment of var"
+    return offset
 
 
 def local_size(var: DimVar, tp: int) -> int:

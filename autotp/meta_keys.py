@@ -22,6 +22,10 @@ COLLECTIVE_RANKS = "autotp_collective_ranks"
 NEEDS_GRAD = "autotp_needs_grad"
 """Whether the node's value depends on a trainable tensor."""
 
+SLICE_FIXUP = "autotp_slice_fixup"
+"""On a ``slice`` of a sharded dim: ``(sliced DimVar, selected segment DimVar)``; its
+bounds become the segment's local offset and size."""
+
 EXPAND_FIXUPS = "autotp_expand_fixups"
 """On an ``expand`` whose broadcast dim is later merged into a sharded dim (``repeat_kv``):
 ``[(dim, merged DimVar, outer DimVar)]``; that dim's local size is local(merged)/local(outer)."""

@@ -21,4 +21,6 @@ def annotate_layouts(gm: GraphModule, ctx: PassContext) -> GraphModule:
             node.meta[meta_keys.ROLE] = prop.roles[node]
         if node in prop.expand_fixups:
             node.meta[meta_keys.EXPAND_FIXUPS] = prop.expand_fixups[node]
+        if node in prop.slice_fixups:
+            node.meta[meta_keys.SLICE_FIXUP] = prop.slice_fixups[node]
     return gm

@@ -1,4 +1,5 @@
-"""Rewrite the shape constants that sharding changes (views, expands, split sizes).
+"""Rewrite the shape constants that sharding changes (views, expands, split sizes,
+slice bounds).
 
 ``torch.export`` bakes concrete sizes into ``view``/``reshape``/``expand`` arguments,
 some of which count heads or hidden features. Every dim that the layout pass marked as
@@ -11,7 +12,7 @@ import torch
 from torch.fx import GraphModule
 
 from autotp import meta_keys
-from autotp.layouts import Layout, local_size
+from autotp.layouts import Layout, local_offset, local_size
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten
@@ -34,6 +35,10 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
             for d, merged, outer in fixups:
                 shape[d] = local_size(merged, tp) // local_size(outer, tp)
             node.args = (node.args[0], shape, *node.args[2:])
+        elif meta_keys.SLICE_FIXUP in node.meta:
+            whole, part = node.meta[meta_keys.SLICE_FIXUP]
+            start = local_offset(whole, part, tp)
+            node.args = (node.args[0], node.args[1], start, start + local_size(part, tp), *node.args[4:])
         elif node.target in _SPLIT_OPS and isinstance(lay, tuple):
             src = node.args[0].meta.get(meta_keys.LAYOUT)
             ndim = node.args[0].meta["val"].dim()
