@@ -8,14 +8,19 @@ busy time is (``bubble_fraction``):
 * interleaved 1F1B: (p-1)/(m·v). The fill and drain are made of chunks, v times shorter.
 
 With unequal stages (``pipeline_time_s``): let ``c_k`` be the forward+backward time of
-one microbatch on virtual stage k (k = 0 .. p·v-1, chunk k on rank k mod p) and
-``S_r`` the sum of rank r's chunks. Then
+one microbatch on virtual stage k (k = 0 .. p·v-1, chunk k on rank k mod p), host issue
+included (``compute.segment_time``), ``g_k`` the GPU's busy part of it, and ``S_r``,
+``G_r`` the sums over rank r's chunks. Then
 
-    T = m · max_r S_r  +  (p-1) · mean_r(S_r) / v
+    T = m · max_r S_r  +  (p-1) · mean_r(G_r) / v
 
-the busiest rank's work plus the fill and drain, each (p-1) chunk-steps long. Equal
-stages give T = m·S·(1 + (p-1)/(m·v)), the fractions above; ``autotp.schedules.simulate``
-counts the same steps with unit costs.
+the busiest rank's work plus the fill and drain, each (p-1) chunk-steps long. The fill
+and drain are GPU time only: the host never waits for a peer (NCCL sends and receives
+are stream-ordered, nothing in a step synchronizes the host), so while a rank's GPU
+waits for its first input the host issues the actions after it, and a chunk-step of
+the fill costs the GPU's time, not the host's. A GPU-bound pipeline (S = G) gives
+T = m·S·(1 + (p-1)/(m·v)), the fractions above; ``autotp.schedules.simulate`` counts
+the same steps with unit costs. A host-bound one (G << S) is m·S, its host's work.
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> 
     return (pp - 1) / microbatches
 
 
-def pipeline_time_s(chunk_s: Sequence[float], pp: int, vpp: int, microbatches: int) -> tuple[float, float]:
-    """(step time, bubble time) from the per-microbatch time of each of the pp·vpp chunks."""
-    assert len(chunk_s) == pp * vpp, f"{len(chunk_s)} chunk times for pp={pp}, vpp={vpp}"
+def pipeline_time_s(chunk_s: Sequence[float], chunk_gpu_s: Sequence[float], pp: int, vpp: int, microbatches: int) -> tuple[float, float]:
+    """(step time, bubble time) from each of the pp·vpp chunks' time per microbatch and its GPU part."""
+    assert len(chunk_s) == len(chunk_gpu_s) == pp * vpp, f"{len(chunk_s)} chunk times for pp={pp}, vpp={vpp}"
     loads = [sum(chunk_s[r::pp]) for r in range(pp)]
-    bubble = (pp - 1) * sum(loads) / pp / vpp
+    bubble = (pp - 1) * sum(chunk_gpu_s) / pp / vpp
     return microbatches * max(loads) + bubble, bubble

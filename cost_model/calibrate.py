@@ -14,12 +14,18 @@ measures, each time as the median of repeated calls between device syncs:
   bandwidth; an HF-style RMSNorm and SwiGLU product, forward and backward, for the
   backward/forward ratio of eager memory-bound ops; ``scaled_dot_product_attention``
   with an explicit mask, as HF calls it, forward and backward, for the attention rate
-  and backward factor; and a small Llama traced by autotp and run with real weights on
-  one 16-token sequence, forward and backward, for the host time per graph node and per
-  autograd node of eager execution (its GPU work is negligible). The last includes the
-  fixed costs of a call (output structures, starting the autograd engine) spread over
-  that small graph's nodes, so it overstates large graphs' per-node cost (README,
-  Planner: accuracy).
+  and backward factor;
+* on every rank at once (ranks share the host, as in training): host costs of eager
+  execution, from ``llama-tiny`` parallelized by autotp with L1 = 2 and L2 = 6 layers,
+  at tp 1 and tp = all ranks, forward and forward + backward on one 16-token sequence
+  (its GPU work is negligible, so the wall time is the host's). Differences between
+  the two layer counts cancel the fixed costs of a call (embedding, loss, output
+  structures, starting the autograd engine) and leave what a layer's nodes cost
+  (``fit_host``): with ΔT the time difference and ΔN the node-count difference,
+  ``op_overhead_s = ΔT_fwd / ΔN_calls`` and ``backward_op_overhead_s =
+  (ΔT_both - ΔT_fwd) / ΔN_grad`` at tp 1; at tp t the layers also hold ΔN_g forward
+  and ΔN_f backward collectives, and ``collective_host_s = (ΔT_both - (ΔN_calls -
+  ΔN_g)·op_overhead_s - (ΔN_grad - ΔN_f)·backward_op_overhead_s) / (ΔN_g + ΔN_f)``.
 
 The peak FLOP/s (for MFU) and the inter-node link cannot be measured on one node: they
 come from the built-in profile of the same GPU, and the profile's ``source`` says so.
@@ -50,9 +56,9 @@ from autotp.cost_model.hardware import (
     save_profile,
 )
 
-from autotp import presets
+from autotp import collectives, presets
+from autotp.api import parallelize
 from autotp.launcher import spawn_ranks
-from autotp.trace import trace
 
 MESSAGE_BYTES = {"cuda": tuple(2**k for k in range(16, 29, 2)), "cpu": tuple(2**k for k in range(12, 25, 2))}
 GEMM_SHAPES = {  # (tokens, k, n)
@@ -60,6 +66,7 @@ GEMM_SHAPES = {  # (tokens, k, n)
     "cpu": tuple((m, k, n) for m in (64, 256) for k, n in ((64, 64), (256, 256), (256, 1024))),
 }
 ELEMENTWISE_SHAPE = {"cuda": (16384, 4096), "cpu": (1024, 256)}
+HOST_LAYERS, HOST_TOKENS = (2, 6), 16
 
 
 def _sync(device: torch.device) -> None:
@@ -128,24 +135,73 @@ def _elementwise_backward_factor(device: torch.device, dtype: torch.dtype) -> fl
     return (both_s - forward_s) / forward_s
 
 
-def _host_overheads(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
-    """(host s per graph node forward, per autograd node backward) of a traced HF graph."""
-    model = presets.build_model("llama-tiny", device=device, dtype=dtype)
-    ids = torch.zeros((1, 16), dtype=torch.long, device=device)
-    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
-    gm = trace(model, inputs, device)
-    weights = dict(model.named_parameters()) | dict(model.named_buffers())
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and str(node.target) in weights:
-            *path, leaf = str(node.target).split(".")
-            owner = gm.get_submodule(".".join(path))
-            value = weights[str(node.target)]
-            (owner._parameters if isinstance(value, torch.nn.Parameter) else owner._buffers)[leaf] = value
+def _tiny_llama(layers: int, tp: int, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """Host-bound timings of ``llama-tiny`` with ``layers`` layers, parallelized at ``tp``.
+
+    Seconds of a forward and of a forward + backward (grads reset to None first, as a
+    step of one microbatch finds them), and the counts of the compiled rank graph's call
+    nodes, of those that need a gradient, and of its forward (*g*, all-gather) and
+    backward (*f*) tp collectives.
+    """
+    config = presets.model_config("llama-tiny")
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    model = presets.build_from_config(config, device=device, dtype=dtype)
+    ids = torch.zeros((1, HOST_TOKENS), dtype=torch.long, device=device)
+    pm = parallelize(model, tp=tp, example_inputs={"input_ids": ids, "labels": ids})
+    params = list(pm.parameters())
+
+    def both() -> None:
+        for p in params:
+            p.grad = None
+        pm(input_ids=ids, labels=ids).loss.backward()
+
+    gm = pm.graph_for(input_ids=ids, labels=ids)
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     grads = needs_grad(gm)
-    forward_s = _median_s(lambda: gm(**inputs).loss, device)
-    both_s = _median_s(lambda: gm(**inputs).loss.backward(), device)
-    return forward_s / len(calls), max(both_s - forward_s, 0.0) / sum(n in grads for n in calls)
+    dist.barrier()
+    forward_s = _median_s(lambda: pm(input_ids=ids, labels=ids).loss, device, repeats=7)
+    dist.barrier()
+    both_s = _median_s(both, device, repeats=7)
+    return {
+        "forward_s": forward_s,
+        "both_s": both_s,
+        "calls": len(calls),
+        "grad_calls": sum(n in grads for n in calls),
+        "forward_collectives": sum(n.target in (collectives.reduce_from_tp, collectives.gather_from_tp) for n in calls),
+        "backward_collectives": sum(n.target is collectives.copy_to_tp for n in calls),
+    }
+
+
+def _host_runs(world: int, device: torch.device, dtype: torch.dtype) -> list[dict[str, float]]:
+    """``_tiny_llama`` at each of ``HOST_LAYERS`` layer counts, at tp 1 and tp ``world``,
+    every rank running at once (as in training, ranks share the host)."""
+    return [{"tp": tp, "layers": layers, **_tiny_llama(layers, tp, device, dtype)} for tp in (1, world) for layers in HOST_LAYERS]
+
+
+def fit_host(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Host seconds per forward node, per backward node and per tp collective, from the
+    differences between ``_host_runs``' layer counts (module docstring)."""
+    def delta(tp: int) -> dict[str, float]:
+        small, large = sorted((r for r in runs if r["tp"] == tp), key=lambda r: r["layers"])
+        return {k: large[k] - small[k] for k in large if k not in ("tp", "layers")}
+
+    d = delta(1)
+    forward = d["forward_s"] / d["calls"]
+    backward = max(d["both_s"] - d["forward_s"], 0.0) / d["grad_calls"]
+    t = delta(max(r["tp"] for r in runs))
+    ordinary = (t["calls"] - t["forward_collectives"]) * forward + (t["grad_calls"] - t["backward_collectives"]) * backward
+    collectives_ = t["forward_collectives"] + t["backward_collectives"]
+    collective = max(t["both_s"] - ordinary, 0.0) / collectives_ if collectives_ else 0.0
+    return {"op_overhead_s": forward, "backward_op_overhead_s": backward, "collective_host_s": collective}
+
+
+def _host_fields(measured: dict[str, object]) -> dict[str, float]:
+    """``fit_host`` of the runs; measurements saved before it existed hold the forward and
+    backward constants themselves (then ``collective_host_s`` stays the base profile's)."""
+    if "host" in measured:
+        return fit_host(measured["host"])
+    return {k: float(measured[k]) for k in ("op_overhead_s", "backward_op_overhead_s")}
 
 
 def _compute(device: torch.device, dtype: torch.dtype) -> dict[str, object]:
@@ -162,7 +218,6 @@ def _compute(device: torch.device, dtype: torch.dtype) -> dict[str, object]:
     attention_s = _median_s(attention, device)
     grad = torch.ones(batch, heads, seq, dim, dtype=dtype, device=device)
     attention_backward_s = _median_s(lambda: torch.autograd.grad(attention(), (q, k, v), grad), device) - attention_s
-    forward_op_s, backward_op_s = _host_overheads(device, dtype)
     memory = (
         torch.cuda.get_device_properties(device).total_memory
         if device.type == "cuda"
@@ -174,8 +229,6 @@ def _compute(device: torch.device, dtype: torch.dtype) -> dict[str, object]:
         "elementwise_backward_factor": _elementwise_backward_factor(device, dtype),
         "attention_flops_per_s": 4 * batch * heads * seq * seq * dim / attention_s,
         "attention_backward_factor": attention_backward_s / attention_s,
-        "op_overhead_s": forward_op_s,
-        "backward_op_overhead_s": backward_op_s,
         "memory_capacity_bytes": memory,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
     }
@@ -186,6 +239,7 @@ def _worker(rank: int, world: int) -> dict[str, object]:
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
     measured: dict[str, object] = dict(_collectives(rank, world, device, dtype))
+    measured["host"] = _host_runs(world, device, dtype)
     if rank == 0:
         measured.update(_compute(device, dtype))
     dist.barrier()
@@ -234,8 +288,7 @@ def fit_profile(measured: dict[str, object], ranks: int) -> HardwareProfile:
         allreduce_bus_bytes_per_s=bus,
         collective_latency_s=alpha,
         p2p=Link(p2p_alpha, p2p_bw),
-        op_overhead_s=float(measured["op_overhead_s"]),
-        backward_op_overhead_s=float(measured["backward_op_overhead_s"]),
+        **_host_fields(measured),
         memory_capacity_bytes=float(measured["memory_capacity_bytes"]),
         source=f"autotp calibrate on {ranks} x {name}, torch {torch.__version__}, {stamp}; peak FLOP/s, reserved "
         f"memory and the inter-node link from the built-in {base.name} profile",
@@ -268,7 +321,10 @@ def describe(profile: HardwareProfile, measured: dict[str, object]) -> str:
             f"  attention   {profile.attention_flops_per_s / 1e12:.3g} TFLOP/s forward, backward {profile.attention_backward_factor:.2f}x",
             f"  elementwise backward {profile.elementwise_backward_factor:.2f}x forward",
             f"  memory      {profile.memory_bytes_per_s / 1e12:.2f} TB/s, {profile.memory_capacity_bytes / 2**30:.0f} GiB",
-            f"  host        {profile.op_overhead_s * 1e6:.1f} us per op forward, {profile.backward_op_overhead_s * 1e6:.1f} us backward",
+            (
+                f"  host        {profile.op_overhead_s * 1e6:.1f} us per op forward, {profile.backward_op_overhead_s * 1e6:.1f} us "
+                f"backward, {profile.collective_host_s * 1e6:.1f} us per tp collective"
+            ),
         ]
     )
 

@@ -29,7 +29,8 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
   all-gather: 2 bytes moved per byte); the next op waits for them.
 * Host time: ``op_overhead_s`` to issue each graph node forward and
   ``backward_op_overhead_s`` for each node that needs a gradient (an autograd node)
-  backward.
+  backward; a node with a tp collective costs ``collective_host_s`` instead, in the
+  direction of its collective (``autograd.Function`` in Python and a c10d call).
 * Eager execution is a queue (``queue_s``): the host issues nodes one after another, and
   the GPU starts node i when it is done with node i-1 and the host has issued node i.
   With H_k the host time to issue nodes 1..k and g_j the GPU time of node j, the GPU
@@ -37,6 +38,12 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
   after them, and runs of small ops leave the GPU waiting for the host. The forward runs
   in graph order, the backward in reverse over the autograd nodes, each from an empty
   queue.
+
+**Preamble.** Nodes computed from the inputs and buffers alone (masks, positions,
+rotary tables: what ``autotp.passes.split_stages`` leaves unassigned) form their own
+segment, forward only. The runtime repeats them in every pipeline chunk (each chunk's
+graph recomputes what it reads), so the planner counts them once per chunk and
+microbatch, not once per model.
 
 **Activations** kept for backward (``saved_inputs``): what eager autograd saves, per op:
 a matmul its activation operands; a mul or div each operand whose partner needs a
@@ -61,6 +68,7 @@ from autotp.cost_model.pipeline import balanced_cuts, layer_costs
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.passes import PASSES
 from autotp.passes.runner import PassContext, run_passes
+from autotp.passes.split_stages import _repeatable
 from torch.fx import GraphModule, Node
 
 from autotp.graph_report import (
@@ -74,6 +82,7 @@ from autotp.graph_report import (
 from autotp.layers import num_layers
 from autotp.plan import ParallelPlan
 
+PREAMBLE = "preamble"
 MATMUL_BACKWARD_FACTOR = 2.0
 COLLECTIVE_COPY_BYTES = 2
 _MATMUL, _ATTENTION, _OTHER = 1, 2, 0
@@ -153,15 +162,25 @@ class SegmentTime:
     comm_s: float
     host_s: float
 
+    @property
+    def gpu_s(self) -> float:
+        """The GPU's busy time: compute and communication."""
+        return self.compute_s + self.comm_s
+
 
 @dataclass(frozen=True)
 class RankCosts:
-    """A model compiled for one tp: the plan and rank 0's segments (every tp rank does the same)."""
+    """A model compiled for one tp: the plan and rank 0's segments (every tp rank does the same).
+
+    ``preamble`` holds the nodes every pipeline chunk repeats (module docstring); they
+    are in no other segment.
+    """
 
     plan: ParallelPlan
     embedding: Segment
     layers: tuple[Segment, ...]
     head: Segment
+    preamble: Segment
 
 
 def batch_dependent(gm: GraphModule, batch: int) -> set[Node]:
@@ -350,9 +369,13 @@ class ModelCosts:
         dependent = batch_dependent(gm, self.batch)
         grad = needs_grad(gm)
         tensors = {r.node: list(r.tensors) for r in report.nodes}
+        repeated: set[Node] = set()
+        for n in gm.graph.nodes:
+            if _repeatable(n, repeated):
+                repeated.add(n)
         groups: dict[LayerKey, list] = {}
         for r in report.nodes:
-            groups.setdefault(r.layer, []).append(r)
+            groups.setdefault(PREAMBLE if r.node in repeated else r.layer, []).append(r)
         owned = _params_by_segment(gm, report)
 
         def segment(key: LayerKey) -> Segment:
@@ -374,7 +397,8 @@ class ModelCosts:
             needs = np.array([n in grad for n in calls], dtype=bool)
             return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), Affine(0, saved / self.batch))
 
-        return RankCosts(plan, segment(EMBEDDING), tuple(segment(i) for i in range(self.traced_layers)), segment(HEAD))
+        layers = tuple(segment(i) for i in range(self.traced_layers))
+        return RankCosts(plan, segment(EMBEDDING), layers, segment(HEAD), segment(PREAMBLE))
 
 
 def _params_by_segment(gm: GraphModule, report: GraphReport) -> dict[LayerKey, dict[str, int]]:
@@ -410,20 +434,21 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
     factor = np.where(attention, hw.attention_backward_factor, np.where(matmul, MATMUL_BACKWARD_FACTOR, hw.elementwise_backward_factor))
     backward = forward * factor
     comm = {"forward": np.zeros(seg.ops), "backward": np.zeros(seg.ops)}
+    host = {"forward": np.full(seg.ops, hw.op_overhead_s), "backward": np.full(seg.ops, hw.backward_op_overhead_s)}
     for c in seg.collectives:
         nbytes = c.bytes.at(batch)
         comm[c.direction][c.node] += group_collective_s(c.kind, nbytes, c.ranks, min(c.ranks, tp_ranks_per_node), hw)
+        host[c.direction][c.node] = hw.collective_host_s
         (forward if c.direction == "forward" else backward)[c.node] += COLLECTIVE_COPY_BYTES * nbytes / hw.memory_bytes_per_s
     backs = seg.grad | (comm["backward"] > 0)
     gpu_forward = forward + comm["forward"]
     gpu_backward = (backward + comm["backward"])[backs][::-1]
-    host_forward = np.full(seg.ops, hw.op_overhead_s)
-    host_backward = np.full(int(backs.sum()), hw.backward_op_overhead_s)
+    host_backward = host["backward"][backs][::-1]
     return SegmentTime(
-        total_s=queue_s(host_forward, gpu_forward) + queue_s(host_backward, gpu_backward),
+        total_s=queue_s(host["forward"], gpu_forward) + queue_s(host_backward, gpu_backward),
         compute_s=float(forward.sum() + backward[backs].sum()),
         comm_s=float(comm["forward"].sum() + comm["backward"].sum()),
-        host_s=float(host_forward.sum() + host_backward.sum()),
+        host_s=float(host["forward"].sum() + host_backward.sum()),
     )
 
 

@@ -14,7 +14,9 @@ A ``HardwareProfile`` is one GPU (or CPU rank) and the links between ranks:
   HBM bandwidth) and ``peak_flops_per_s`` (the datasheet dense bf16 peak, the MFU
   denominator);
 * host: ``op_overhead_s`` and ``backward_op_overhead_s``, the CPU time eager PyTorch
-  spends dispatching one graph node forward and one autograd node backward;
+  spends dispatching one graph node forward and one autograd node backward, and
+  ``collective_host_s``, what one tp collective node (autotp's ``autograd.Function``
+  around a c10d call) costs the host instead;
 * memory: ``memory_capacity_bytes`` and ``reserved_bytes`` (CUDA context, NCCL buffers,
   allocator slack: never available to tensors);
 * links (``Link``, alpha-beta): ``intra_node`` (built from the original
@@ -77,6 +79,7 @@ class HardwareProfile:
     matmul_curve: tuple[tuple[float, float], ...] = ()
     op_overhead_s: float = 0.0
     backward_op_overhead_s: float = 0.0
+    collective_host_s: float = 0.0
     p2p: Link | None = None
     inter_node: Link = Link(latency_s=30e-6, bus_bytes_per_s=45e9, hop_latency_s=5e-6)
     source: str = ""
@@ -123,7 +126,7 @@ H200_ALLREDUCE_CURVE: tuple[tuple[int, float], ...] = (
     (2**30, 353e9),
 )
 
-_EAGER_OVERHEAD = {"op_overhead_s": 6e-6, "backward_op_overhead_s": 8e-6}
+_EAGER_OVERHEAD = {"op_overhead_s": 6e-6, "backward_op_overhead_s": 8e-6, "collective_host_s": 30e-6}
 _NDR_RAIL = Link(latency_s=30e-6, bus_bytes_per_s=45e9, hop_latency_s=5e-6)
 
 H200 = HardwareProfile(
@@ -199,6 +202,7 @@ CPU = HardwareProfile(
     reserved_bytes=1 * GiB,
     op_overhead_s=10e-6,
     backward_op_overhead_s=15e-6,
+    collective_host_s=50e-6,
     inter_node=Link(latency_s=200e-6, bus_bytes_per_s=1e9),
     source="a few-core CPU host, fp32, gloo over TCP loopback: assumed round numbers; run autotp "
     "calibrate for this machine's",

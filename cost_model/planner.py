@@ -21,16 +21,22 @@ then dp, then pp):
 
 * stage cuts as ``plan_pipeline`` makes them (``balanced_cuts`` of the layer weights);
 * chunk time, per microbatch = its segments' ``compute.segment_time`` (forward +
-  backward, tp collectives, host issue) + the receives of the hidden state b·s·h
+  backward, tp collectives, host issue), the preamble's included (every chunk repeats
+  it) + the receives of the hidden state b·s·h
   (forward from the previous chunk, gradient from the next) over NVLink when a model
   replica fits in a node (tp·dp·pp <= G), else over the inter-node link + gradient
   accumulation (every microbatch after the first adds its gradients to ``.grad``, 3
   gradient bytes moved per parameter: (m-1)/m of that per microbatch);
-* pipeline time and bubble: ``bubble.pipeline_time_s``;
-* gradient sync, as autotp's runtime does it (after the backward, not overlapped):
-  an all-reduce per 25 MB bucket over the dp group (``communication.group_all_reduce_s``,
-  min(dp, G/tp) of its ranks per node) plus 6 bytes moved per gradient byte (concatenate,
-  divide, copy back); tied embeddings with pp > 1 all-reduce their gradient between the
+* pipeline time and bubble: ``bubble.pipeline_time_s`` (the fill and drain from the
+  chunks' GPU time);
+* gradient sync, as autotp's runtime does it (after the backward, not overlapped with
+  it): per 25 MB bucket of n_k tensors, GPU time = an all-reduce over the dp group
+  (``communication.group_all_reduce_s``, min(dp, G/tp) of its ranks per node) + 6 bytes
+  moved per gradient byte (concatenate, divide, copy back); host time = (3 + 4·n_k) ops
+  (cat, all-reduce, divide; per tensor a reshape, a slice, a view and a copy) at
+  ``op_overhead_s``. The buckets run as a ``compute.queue_s`` queue: the host issues
+  bucket k+1 while the GPU reduces bucket k, so the sync costs max-like, not the sum of
+  host and GPU time; tied embeddings with pp > 1 all-reduce their gradient between the
   first and last stages;
 * optimizer step: 2 · bytes_per_param · params / memory bandwidth (each state read and
   written once); ``train_step`` does not run it, the step time includes it;
@@ -57,11 +63,18 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from autotp.cost_model import closed_forms
 from autotp.cost_model.bubble import pipeline_time_s
 from autotp.cost_model.communication import all_reduce_s, group_all_reduce_s, p2p_s
-from autotp.cost_model.compute import ModelCosts, RankCosts, SegmentTime, segment_time
+from autotp.cost_model.compute import (
+    ModelCosts,
+    RankCosts,
+    SegmentTime,
+    queue_s,
+    segment_time,
+)
 from autotp.cost_model.hardware import (
     CPU,
     GiB,
@@ -86,6 +99,7 @@ from autotp.trace import trace
 PLANNING_BATCH = 2
 DP_BUCKET_BYTES = 25 * 2**20  # autotp.api's gradient buckets
 GRAD_SYNC_BYTES_MOVED = 6
+GRAD_SYNC_BUCKET_OPS, GRAD_SYNC_TENSOR_OPS = 3, 4
 _LAYER_INDEX = re.compile(r"\.(\d+)(?:\.|$)")
 
 
@@ -294,15 +308,20 @@ def _chunk_layers(costs: ModelCosts, chunks: int) -> tuple[Counter, ...]:
     return tuple(out)
 
 
-def _grad_sync_s(params: int, tensors: int, dp: int, dp_per_node: int, training: Training, hw: HardwareProfile) -> float:
+def grad_sync_s(params: int, tensors: int, dp: int, dp_per_node: int, training: Training, hw: HardwareProfile) -> float:
+    """``autotp.api._all_reduce_buckets`` of one rank's gradients, as a host/GPU queue (module docstring)."""
     if dp == 1:
         return 0.0
     total = params * grad_bytes_per_param(training.precision)
-    full, rest = divmod(total, DP_BUCKET_BYTES)
-    buckets = int(full) + (rest > 0)
-    comm = full * group_all_reduce_s(DP_BUCKET_BYTES, dp, dp_per_node, hw) + group_all_reduce_s(rest, dp, dp_per_node, hw) * (rest > 0)
-    host = (2 * buckets + 2 * tensors) * hw.op_overhead_s
-    return comm + GRAD_SYNC_BYTES_MOVED * total / hw.memory_bytes_per_s + host
+    buckets = max(1, math.ceil(total / DP_BUCKET_BYTES))
+    sizes = np.full(buckets, float(DP_BUCKET_BYTES))
+    sizes[-1] = total - (buckets - 1) * DP_BUCKET_BYTES
+    full, last = (group_all_reduce_s(n, dp, dp_per_node, hw) for n in (DP_BUCKET_BYTES, sizes[-1]))
+    reduce = np.full(buckets, full)
+    reduce[-1] = last
+    gpu = reduce + GRAD_SYNC_BYTES_MOVED * sizes / hw.memory_bytes_per_s
+    host = (GRAD_SYNC_BUCKET_OPS + GRAD_SYNC_TENSOR_OPS * tensors * sizes / total) * hw.op_overhead_s
+    return queue_s(host, gpu)
 
 
 def estimate(
@@ -319,22 +338,25 @@ def estimate(
         return segment_time(seg, b, hw, min(config.tp, per_node))
 
     layers = [timed(seg) for seg in rc.layers]
+    preamble = timed(rc.preamble)
     ends = {0: [(rc.embedding, timed(rc.embedding))], chunks - 1: [(rc.head, timed(rc.head))]}
     if chunks == 1:
         ends = {0: ends[0] + ends[chunks - 1]}
     in_node = config.tp * config.dp * pp <= per_node
     hop = p2p_s(costs.hidden_bytes * b, hw.p2p_link if in_node else hw.inter_node)
-    chunk_s, chunk_comm, chunk_act, chunk_params = [], [], [], []
+    chunk_s, chunk_gpu, chunk_comm, chunk_act, chunk_params = [], [], [], [], []
     for c, counts in enumerate(_chunk_layers(costs, chunks)):
         parts = [(rc.layers[j], layers[j], n) for j, n in counts.items()] + [(seg, st, 1) for seg, st in ends.get(c, [])]
+        parts.append((rc.preamble, preamble, 1))
         recv = hop * ((c > 0) + (c < chunks - 1))
         grads = sum(n * seg.param_numel for seg, _, n in parts) * grad_bytes_per_param(training.precision)
         accumulate = (m - 1) / m * 3 * grads / hw.memory_bytes_per_s
         chunk_s.append(sum(n * st.total_s for _, st, n in parts) + recv + accumulate)
+        chunk_gpu.append(sum(n * st.gpu_s for _, st, n in parts) + recv + accumulate)
         chunk_comm.append(sum(n * st.comm_s for _, st, n in parts) + recv)
         chunk_act.append(sum(n * seg.activation_bytes.at(b) for seg, _, n in parts))
         chunk_params.append([(seg.params, n) for seg, _, n in parts])
-    pipeline, bubble = pipeline_time_s(chunk_s, pp, vpp, m)
+    pipeline, bubble = pipeline_time_s(chunk_s, chunk_gpu, pp, vpp, m)
 
     dp_per_node = max(1, min(config.dp, per_node // config.tp))
     memories, syncs, optimizers = [], [], []
@@ -342,7 +364,7 @@ def estimate(
         params, tensors = _rank_params(chunk_params[r::pp])
         act = in_flight(config.schedule, pp, vpp, m, r) * max(chunk_act[r::pp])
         memories.append(rank_memory_bytes(params, training.precision, training.distributed_optimizer, config.dp, act, training.cuda_graph_bytes))
-        syncs.append(_grad_sync_s(params, tensors, config.dp, dp_per_node, training, hw))
+        syncs.append(grad_sync_s(params, tensors, config.dp, dp_per_node, training, hw))
         traffic = 2 * bytes_per_param(training.precision, training.distributed_optimizer, config.dp) * params
         optimizers.append(traffic / hw.memory_bytes_per_s)
     tied = set(rc.embedding.params) & set(rc.head.params)

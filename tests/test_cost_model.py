@@ -183,15 +183,22 @@ def test_pipeline_time_matches_the_simulated_schedule(pp: int, vpp: int, m: int)
     """Unit forward and backward: the step count of ``simulate`` and the closed form agree."""
     name = schedules.default_schedule(vpp)
     steps = schedules.simulate(pp, vpp, m, lambda r: schedules.schedule(name, pp, vpp, m, r))
-    step, bubble = pipeline_time_s([2.0] * (pp * vpp), pp, vpp, m)
+    step, bubble = pipeline_time_s([2.0] * (pp * vpp), [2.0] * (pp * vpp), pp, vpp, m)
     assert step == steps
     assert bubble / (step - bubble) == pytest.approx(bubble_fraction(name, pp, m, vpp))
 
 
 def test_unequal_stages_are_paced_by_the_slowest() -> None:
-    step, bubble = pipeline_time_s([1.0, 3.0], 2, 1, 4)
+    step, bubble = pipeline_time_s([1.0, 3.0], [1.0, 3.0], 2, 1, 4)
     assert step == pytest.approx(4 * 3.0 + 1 * 2.0)
     assert bubble == pytest.approx(2.0)
+
+
+def test_fill_and_drain_cost_gpu_time_only() -> None:
+    """Host-bound chunks (GPU busy 0.5 of each 3 s): the bubble is (p-1)·mean(G)/v, not of S."""
+    step, bubble = pipeline_time_s([3.0, 3.0, 3.0, 3.0], [0.5, 0.5, 0.5, 0.5], 2, 2, 4)
+    assert bubble == pytest.approx(1 * (1.0 + 1.0) / 2 / 2)
+    assert step == pytest.approx(4 * 6.0 + 0.5)
 
 
 # ---- closed forms ----------------------------------------------------------------------
@@ -265,7 +272,7 @@ def test_segment_time_is_host_bound_when_launches_dominate(llama_tiny: ModelCost
     t = segment_time(layer, 2, slow_host, 1)
     assert t.host_s == pytest.approx(layer.ops * 1e-3 + layer.grad_ops * 2e-3)
     assert t.total_s == pytest.approx(t.host_s, rel=1e-3)
-    assert 0 < layer.grad_ops < layer.ops
+    assert 0 < layer.grad_ops <= layer.ops
     fast_host = replace(H100, op_overhead_s=0.0, backward_op_overhead_s=0.0)
     assert segment_time(layer, 2, fast_host, 1).total_s == pytest.approx(segment_time(layer, 2, fast_host, 1).compute_s)
 
@@ -305,3 +312,21 @@ def test_roofline_with_backward_twice_forward(llama_tiny: ModelCosts) -> None:
     forward = sum(max(f / rate, b / hw.memory_bytes_per_s) for f, b, rate in zip(flops, nbytes, rates))
     assert segment_time(layer, 4, hw, 1).compute_s == pytest.approx(3 * forward)
     assert math.isfinite(forward) and forward > 0
+
+
+def test_collective_nodes_cost_the_collective_host_time(llama_tiny: ModelCosts) -> None:
+    layer = llama_tiny.rank(2).layers[0]
+    forward = sum(c.direction == "forward" for c in layer.collectives)
+    backward = len(layer.collectives) - forward
+    assert forward == backward == 2  # g after attention and MLP; f before them
+    hw = replace(H100, op_overhead_s=1e-6, backward_op_overhead_s=2e-6, collective_host_s=1e-3)
+    host = (layer.ops - forward) * 1e-6 + (layer.grad_ops - backward) * 2e-6 + 4 * 1e-3
+    assert segment_time(layer, 2, hw, 2).host_s == pytest.approx(host)
+
+
+def test_preamble_holds_the_repeated_nodes_once(llama_tiny: ModelCosts) -> None:
+    """Masks, positions and rotary tables: forward only, in no other segment."""
+    rc = llama_tiny.rank(1)
+    assert rc.preamble.ops > 10 and rc.preamble.grad_ops == 0
+    segments = (rc.embedding, *rc.layers, rc.head, rc.preamble)
+    assert sum(seg.ops for seg in segments) == sum(n.op == "call_function" for n in llama_tiny.gm.graph.nodes)

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 from autotp.cost_model import planner
-from autotp.cost_model.calibrate import add_calibrate_command
+from autotp.cost_model.calibrate import add_calibrate_command, fit_host
+from autotp.cost_model.communication import all_reduce_s
 from autotp.cost_model.compute import ModelCosts
 from autotp.cost_model.hardware import CPU, H100, PCIE
 from autotp.cost_model.planner import (
@@ -226,3 +227,33 @@ def test_parallelize_auto_trains_with_the_planned_degrees() -> None:
         assert loss == pytest.approx(reference, abs=1e-4)
         assert degrees[0] * degrees[1] * degrees[2] == 2
     assert len({r[2] for r in results}) == 1
+
+
+def test_grad_sync_is_a_queue_of_buckets() -> None:
+    """2.5 buckets of bf16 grads over dp=2 in a node: GPU-bound, the GPU times add; host-bound, the host's."""
+    bucket = planner.DP_BUCKET_BYTES
+    params, tensors = int(2.5 * bucket / 2), 10
+    training = Training(global_batch=8)
+    gpu_only = replace(H100, op_overhead_s=0.0)
+    link = gpu_only.intra_node
+    moved = planner.GRAD_SYNC_BYTES_MOVED / gpu_only.memory_bytes_per_s
+    expected = 2 * (all_reduce_s(bucket, 2, link) + bucket * moved) + all_reduce_s(bucket / 2, 2, link) + bucket / 2 * moved
+    assert planner.grad_sync_s(params, tensors, 2, 2, training, gpu_only) == pytest.approx(expected)
+    host_bound = replace(H100, op_overhead_s=1.0)
+    ops = 3 * planner.GRAD_SYNC_BUCKET_OPS + planner.GRAD_SYNC_TENSOR_OPS * tensors
+    assert planner.grad_sync_s(params, tensors, 2, 2, training, host_bound) == pytest.approx(ops, rel=1e-3)
+    assert planner.grad_sync_s(params, tensors, 1, 1, training, host_bound) == 0.0
+
+
+def test_fit_host_recovers_per_node_costs_from_layer_differences() -> None:
+    """Fixed per-call costs (5 ms) cancel; per node 10/20 us, per tp collective 100 us."""
+    def run(tp: int, layers: int) -> dict:
+        calls, grads, g, f = 30 + 60 * layers, 20 + 58 * layers, 2 * layers * (tp > 1), 2 * layers * (tp > 1)
+        forward = 5e-3 + (calls - g) * 10e-6 + g * 100e-6
+        return {"tp": tp, "layers": layers, "forward_s": forward, "both_s": forward + 5e-3 + (grads - f) * 20e-6 + f * 100e-6,
+                "calls": calls, "grad_calls": grads, "forward_collectives": g, "backward_collectives": f}
+
+    fitted = fit_host([run(tp, layers) for tp in (1, 4) for layers in (2, 6)])
+    assert fitted["op_overhead_s"] == pytest.approx(10e-6)
+    assert fitted["backward_op_overhead_s"] == pytest.approx(20e-6)
+    assert fitted["collective_host_s"] == pytest.approx(100e-6)
