@@ -229,6 +229,8 @@ class ParallelModel(nn.Module):
                 cg.run = torch.compile(cg.graph)
         if self.plan.cudagraphs:
             run = cudagraphs.CapturedGraph(gm, self.plan.cudagraph_impl)
+            for cg in chunks.values():
+                cg.captured = cudagraphs.CapturedGraph(cg.graph, self.plan.cudagraph_impl)
         return _Compiled(gm, chunks, param_chunks, run)
 
     def _attach(self, compiled: _Compiled) -> None:
@@ -366,11 +368,14 @@ class ParallelModel(nn.Module):
         total = torch.zeros((), device=self._device)
         flights: dict[tuple[int, int], Any] = {}
         losses: dict[int, torch.Tensor] = {}
-        for action in schedules.schedule(name, pp, vpp, len(micro), self._coords.pp_rank):
+        actions = schedules.schedule(name, pp, vpp, len(micro), self._coords.pp_rank)
+        slots = schedules.buffer_slots(actions)
+        for action in actions:
             chunk = action.chunk * pp + self._coords.pp_rank
             key = (chunk, action.microbatch)
             if action.kind == "F":
-                flights[key] = runner.forward(chunk, action.microbatch, calls[action.microbatch], grad=True)
+                slot = slots[action.chunk, action.microbatch]
+                flights[key] = runner.forward(chunk, action.microbatch, calls[action.microbatch], grad=True, slot=slot)
                 if compiled.chunks[chunk].is_last:
                     out = torch.utils._pytree.tree_unflatten(list(flights[key].outputs), compiled.graph._out_spec)
                     loss = loss_of(out)
@@ -381,6 +386,18 @@ class ParallelModel(nn.Module):
         runner.finish()
         self.last_busy_s = runner.busy_s
         return total
+
+    @property
+    def cudagraph_slots(self) -> dict[int, int]:
+        """Per chunk of this rank: the CUDA-graph captures made so far, one per microbatch
+        the schedule held in flight (``autotp.cudagraphs``), summed over input signatures."""
+        slots: dict[int, int] = {}
+        for compiled in self._graphs.values():
+            captures = {c: cg.captured for c, cg in compiled.chunks.items()} or {0: compiled.run}
+            for chunk, captured in captures.items():
+                if isinstance(captured, cudagraphs.CapturedGraph):
+                    slots[chunk] = slots.get(chunk, 0) + captured.slots
+        return slots
 
     def _sync_grads(self) -> None:
         """Sum grads of parameters shared by pipeline stages; average over dp ranks."""
@@ -552,18 +569,13 @@ def _with_cudagraphs(plan: ParallelPlan) -> ParallelPlan:
     return replace(plan, cudagraphs=True, cudagraph_impl=plan.cudagraph_impl or cudagraphs.implementation())
 
 
-def _check_cuda_graphs(device: torch.device, pp: int, compile: bool) -> None:
+def _check_cuda_graphs(device: torch.device, compile: bool) -> None:
     backend = dist.get_backend() if dist.is_initialized() else None
     if device.type != "cuda" or backend not in (None, "nccl"):
         raise ValueError(
             f"cuda_graphs=True captures CUDA graphs, but this rank runs on {device}"
             f"{f' with {backend} collectives' if backend else ''}; run on GPUs with NCCL, or drop cuda_graphs "
             "(autotp.cudagraph_report shows the regions and blockers without a GPU)"
-        )
-    if pp > 1:
-        raise ValueError(
-            f"cuda_graphs=True with pp={pp}: capture under pipeline parallelism is not implemented (each in-flight "
-            "microbatch needs its own static buffers, reused in 1F1B order); use pp=1, or cuda_graphs=False"
         )
     if compile:
         raise ValueError(
@@ -676,8 +688,9 @@ def parallelize(
     than ``timeout_s`` (a rank crashed or diverged) raises instead of hanging. With
     ``compile``, each per-rank graph (or pipeline chunk) also runs through
     ``torch.compile``, which fuses the elementwise work between the collectives. With
-    ``cuda_graphs`` (CUDA and NCCL, pp = 1), the regions that the cost model picks are
-    captured as CUDA graphs on the first call and replayed after (``autotp.cudagraphs``).
+    ``cuda_graphs`` (CUDA and NCCL), the regions that the cost model picks are captured
+    as CUDA graphs on the first call and replayed after (``autotp.cudagraphs``); with
+    pp > 1, once per microbatch a stage holds in flight.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp)):
@@ -701,12 +714,11 @@ def parallelize(
     device = torch.device(device)
     cuda_graphs = cuda_graphs or (isinstance(plan, ParallelPlan) and plan.cudagraphs)
     if cuda_graphs:
-        _check_cuda_graphs(device, pp, compile)
+        _check_cuda_graphs(device, compile)
     kwargs = _example_kwargs(model, example_inputs)
     traced = trace(model, kwargs, device)
     chosen = _choose_plan(traced, tp, pp, dp, vpp, plan)
     if cuda_graphs:
-        _check_cuda_graphs(device, chosen.pp, compile)  # the planner may have chosen pp > 1
         chosen = _with_cudagraphs(chosen)
     if not gather_outputs:
         chosen = replace(chosen, gather_outputs=False)

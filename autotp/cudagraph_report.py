@@ -7,7 +7,8 @@ Reads the tags of ``mark_cudagraph_regions`` (compile with ``cuda_graphs=True``)
   ``nodes`` (op nodes in it), ``first``/``last`` node, ``layers`` (first and last
   layer it touches: a decoder layer index, ``embedding`` or ``head``), ``launches``
   (kernel launches per forward+backward that one replay replaces, the cost model's
-  estimate) and ``static_bytes`` (inputs, outputs and intermediates the graph pins);
+  estimate), ``static_bytes`` (inputs, outputs and intermediates one capture pins) and
+  ``slots`` (captures its pipeline stage holds, one per microbatch in flight);
 * ``declined_regions``: candidates the cost model did not take, with its ``reason``;
 * ``blockers``: every node a CUDA graph cannot capture, with ``kind``, ``reason``,
   ``node`` and ``source`` (the model's source line; library paths are shortened to
@@ -28,7 +29,7 @@ from autotp import meta_keys, presets
 from autotp.api import compile_rank
 from autotp.cost_model.cudagraphs import region_stats
 from autotp.graph_report import assign_layers, layer_order, local_tensors
-from autotp.passes.mark_cudagraph_regions import Blocker, candidate_regions, region_verdicts
+from autotp.passes.mark_cudagraph_regions import Blocker, candidate_regions, region_slots, region_verdicts
 from autotp.plan import ParallelPlan
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -42,7 +43,7 @@ def _short(source: str) -> str:
 
 
 def _region(nodes: list[Node], layers: dict[Node, Any], plan: ParallelPlan) -> dict[str, Any]:
-    stats = region_stats(nodes, lambda n: local_tensors(n, plan.tp), plan.tp, plan.cudagraph_policy.hardware)
+    stats = region_stats(nodes, lambda n: local_tensors(n, plan.tp), plan.tp, plan.cudagraph_policy.hardware, region_slots(nodes, plan))
     keys = sorted({layers[n] for n in nodes}, key=layer_order)
     return {
         "id": nodes[0].meta[meta_keys.CUDAGRAPH_CANDIDATE],
@@ -53,6 +54,7 @@ def _region(nodes: list[Node], layers: dict[Node, Any], plan: ParallelPlan) -> d
         "layers": [keys[0], keys[-1]],
         "launches": stats.launches,
         "static_bytes": stats.static_bytes,
+        "slots": stats.slots,
     }
 
 
@@ -79,11 +81,11 @@ def cudagraph_report(gm: GraphModule, plan: ParallelPlan) -> dict[str, Any]:
 def _table(report: dict[str, Any], title: str) -> str:
     mb = 1e6
     lines = [title, f"captured by {_IMPL_NAMES.get(report['cudagraph_impl'], report['cudagraph_impl'])}", ""]
-    header = ("region", "chunk", "nodes", "first .. last", "layers", "launches", "static MB")
+    header = ("region", "chunk", "nodes", "first .. last", "layers", "launches", "static MB", "slots")
     rows = [
         (str(r["id"]), str(r["chunk"]), str(r["nodes"]), f"{r['first']} .. {r['last']}",
          f"{r['layers'][0]}-{r['layers'][1]}" if r["layers"][0] != r["layers"][1] else str(r["layers"][0]),
-         str(r["launches"]), f"{r['static_bytes'] / mb:.1f}")
+         str(r["launches"]), f"{r['static_bytes'] / mb:.1f}", str(r["slots"]))
         for r in report["cudagraph_regions"]
     ]  # fmt: skip
     if rows:

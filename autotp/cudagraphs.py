@@ -4,28 +4,32 @@
 submodule ``cudagraph_region_<id>`` of a copy of the graph; the nodes between regions
 stay in the copy and run eagerly (partial capture). ``CapturedGraph`` runs that copy:
 
-* **Capture** happens on the first call, which first runs eagerly without grad to record
+* **Capture** happens on a slot's first call, which first runs eagerly without grad to record
   every region's inputs; those values become the regions' static input buffers, every region is
   captured forward and backward by one call of ``make_graphed_callables``, so all of
   them share one memory pool. Transformer Engine's is used when ``transformer_engine``
   imports, else torch's (``implementation()``, recorded as ``plan.cudagraph_impl``).
-  Every tp rank makes its first call at the same point of the program, so the
+  Every tp rank makes that call at the same point of the program, so the
   collectives inside the regions line up during warmup and capture. Capture runs with
   grad enabled, so a first call under ``torch.no_grad()`` still captures the backward.
   The call itself then replays the new graphs.
 * **Replay** copies each region's inputs into its static buffers and launches the
   forward graph; backward launches the backward graph. Activations live in the pool and
-  are overwritten by the next replay, so one forward may be in flight: call backward
-  (``train_step`` does) before the next forward that needs grad. Outputs returned to
-  the caller are cloned, so they survive later calls.
+  are overwritten by the slot's next replay, so one forward per slot may be in flight:
+  call its backward (``train_step`` does) before the slot's next forward that needs
+  grad. Outputs returned to the caller are cloned, so they survive later calls.
 * **Gradients.** A graphed region returns its parameter gradients in static buffers.
   Autograd would store the first one as ``.grad`` itself (a later replay would
   overwrite it, and accumulation over microbatches would double the last one), so a
   hook on every captured parameter clones the gradient when ``.grad`` is still empty.
-
-Pipeline parallelism is not captured: several microbatches are in flight per stage,
-which needs one set of static buffers per in-flight microbatch, reused in 1F1B order
-(``autotp.api`` refuses ``cuda_graphs`` with pp > 1).
+* **Slots** (pipeline parallelism). A stage holds several microbatches between their
+  forward and backward, and each needs its own static buffers and activations. Every
+  call names a ``slot`` (``autotp.schedules.buffer_slots``: the lowest free one at the
+  forward, freed by the backward); each slot is its own capture, made the first time the
+  slot is used, with its own memory pool. Inside a slot forwards and backwards
+  alternate, which is the order one pool's captures assume; across slots the schedule
+  interleaves them, which separate pools allow. Memory grows with the microbatches in
+  flight (``pp - stage`` under 1F1B), not with the microbatches per step.
 """
 
 from __future__ import annotations
@@ -163,14 +167,21 @@ class CapturedGraph:
     def __init__(self, gm: GraphModule, impl: str) -> None:
         self._gm = gm
         self._impl = impl
-        self._split: GraphModule | None = None
+        self._slots: list[GraphModule] = []  # per slot: the split graph with its regions graphed
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._split is None:
-            return self._first_call(args, kwargs)
-        return _own(self._split(*args, **kwargs))
+    @property
+    def slots(self) -> int:
+        """Slots captured so far."""
+        return len(self._slots)
 
-    def _first_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def __call__(self, *args: Any, slot: int = 0, **kwargs: Any) -> Any:
+        if slot < len(self._slots):
+            return _own(self._slots[slot](*args, **kwargs))
+        if slot > len(self._slots):
+            raise ValueError(f"slot {slot} used before slot {len(self._slots)}: slots are taken lowest free first")
+        return self._capture(args, kwargs)
+
+    def _capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         split = split_regions(self._gm)
         regions = regions_of(split)
         samples: dict[str, tuple[Tensor, ...]] = {}
@@ -203,5 +214,5 @@ class CapturedGraph:
                 for p in module.parameters():
                     if p.requires_grad:
                         _clone_first_grad(p)
-        self._split = split
+        self._slots.append(split)
         return _own(split(*args, **kwargs))

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.fx import Graph, GraphModule, Node
 
 from autotp import meta_keys
+from autotp.cudagraphs import CapturedGraph
 from autotp.layouts import Layout, local_size
 
 
@@ -40,8 +41,12 @@ class ChunkGraph:
     num_sends: int
     is_last: bool
     run: Callable[..., Any] | None = None  # torch.compile'd ``graph``, if asked for
+    captured: CapturedGraph | None = None  # ``graph`` with CUDA-graph regions, if asked for
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, slot: int = 0) -> Any:
+        """``slot``: the CUDA-graph static buffers this microbatch uses (``schedules.buffer_slots``)."""
+        if self.captured is not None:
+            return self.captured(*args, slot=slot)
         return (self.run or self.graph)(*args)
 
 
@@ -158,13 +163,13 @@ class PipelineRunner:
             work = dist.isend(t.detach().contiguous(), dst=self._peer(dst_chunk), group=group, tag=self._tag(src_chunk, microbatch))
             self._pending.append(work)
 
-    def forward(self, chunk: int, microbatch: int, inputs: dict[str, Any], grad: bool) -> _InFlight:
+    def forward(self, chunk: int, microbatch: int, inputs: dict[str, Any], grad: bool, slot: int = 0) -> _InFlight:
         cg = self.chunks[chunk]
         received = self._recv(cg.recv_shapes, chunk - 1, microbatch, self.groups.forward, grad) if chunk > 0 else []
         args = [inputs[name] for name in cg.input_names] + received
         start = self._sync() if self.measure_busy else 0.0
         with torch.set_grad_enabled(grad):
-            outputs = cg(*args)
+            outputs = cg(*args, slot=slot)
         if self.measure_busy:
             self.busy_s += self._sync() - start
         flight = _InFlight(received, outputs)
@@ -189,7 +194,9 @@ class PipelineRunner:
         if self.measure_busy:
             self.busy_s += self._sync() - start
         if chunk > 0:
-            in_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flight.inputs]
+            # A copy: the gradient may be a CUDA graph's static buffer, which a later replay
+            # would overwrite while the send is still in flight.
+            in_grads = [t.grad.clone() if t.grad is not None else torch.zeros_like(t) for t in flight.inputs]
             self._send(in_grads, chunk - 1, chunk, microbatch, self.groups.backward)
 
     def finish(self) -> None:

@@ -218,6 +218,41 @@ def simulate(pp: int, vpp: int, microbatches: int, schedule_fn: Callable[[int], 
     return steps
 
 
+def buffer_slots(actions: Sequence[Action]) -> dict[tuple[int, int], int]:
+    """The static-buffer slot of every (chunk, microbatch) of one rank's order.
+
+    A CUDA-graph capture of a chunk holds one microbatch's activations in its static
+    buffers from the forward until the backward. Each forward takes the chunk's lowest
+    free slot and its backward frees it, so a chunk needs one slot per microbatch in
+    flight: ``pp - rank`` under 1F1B however many microbatches run, ``microbatches``
+    under GPipe.
+    """
+    free: dict[int, list[int]] = {}
+    taken: dict[int, int] = {}
+    slots: dict[tuple[int, int], int] = {}
+    for action in actions:
+        key = (action.chunk, action.microbatch)
+        if action.kind == "F":
+            pool = free.setdefault(action.chunk, [])
+            slot = min(pool) if pool else taken.get(action.chunk, 0)
+            if pool:
+                pool.remove(slot)
+            else:
+                taken[action.chunk] = slot + 1
+            slots[key] = slot
+        else:
+            free.setdefault(action.chunk, []).append(slots[key])
+    return slots
+
+
+def slots_per_chunk(name: str, pp: int, vpp: int, rank: int) -> dict[int, int]:
+    """Static-buffer slots each local chunk of ``rank`` needs under ``name`` in the
+    steady state (enough microbatches that the warmup is full; GPipe's grows with them)."""
+    microbatches = 4 * pp * vpp
+    slots = buffer_slots(schedule(name, pp, vpp, microbatches, rank))
+    return {c: 1 + max(s for (chunk, _), s in slots.items() if chunk == c) for c in range(vpp)}
+
+
 def _schedule_command(args: argparse.Namespace) -> int:
     name = args.schedule or default_schedule(args.vpp)
     ranks = range(args.pp) if args.rank is None else [args.rank]

@@ -1,6 +1,6 @@
 """CUDA graphs against eager autotp on GPUs: numerics, launch-bound, compute-bound, MoE.
 
-In one launch of ``--tp`` ranks (NCCL), for each case it builds the same model twice,
+In one launch of ``--tp`` × ``--pp`` ranks (NCCL), for each case it builds the same model twice,
 ``parallelize``s one copy eagerly and one with ``cuda_graphs=True``, and runs
 ``train_step`` (forward + backward, no optimizer) on both:
 
@@ -17,15 +17,21 @@ In one launch of ``--tp`` ranks (NCCL), for each case it builds the same model t
   reports the step-time ratio eager/graph (target >= 0.98) and the memory overhead;
 * ``moe``: Mixtral (8 layers, h=512, 8 experts, top-2, batch 1, seq 128) in bf16 (the
   experts run ``aten._grouped_mm`` after a sort/histc dispatch: the whole model is one
-  region) and in fp32 (partial capture around the syncing expert matmuls).
+  region) and in fp32 (partial capture around the syncing expert matmuls);
+* ``pipeline`` (``--pp`` > 1 only): the launch-bound Llama under 1F1B with microbatches
+  of 1 sequence, 4 and then 8 per step: step times, peak memory and the captures per
+  stage (``ParallelModel.cudagraph_slots``), which follow the microbatches in flight
+  (``pp - stage``), not the microbatches per step. ``numerics`` also runs under ``--pp``.
 
     python benchmarks/bench_cudagraphs.py --tp 1 --cases numerics launch compute moe --json out/cg_tp1.json
+    python benchmarks/bench_cudagraphs.py --tp 1 --pp 2 --cases numerics pipeline --json out/cg_pp2.json
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import statistics
 import time
@@ -40,7 +46,8 @@ import torch.distributed as dist
 from autotp.launcher import spawn_ranks
 
 WARMUP, STEPS = 3, 15
-CASES = ("numerics", "launch", "compute", "moe")
+CASES = ("numerics", "launch", "compute", "moe", "pipeline")
+PIPELINE_MICROBATCHES = (4, 8)
 
 
 def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, seq: int) -> torch.nn.Module:
@@ -74,13 +81,13 @@ def _batch(model: torch.nn.Module, batch: int, seq: int) -> dict[str, torch.Tens
     return {"input_ids": ids, "labels": ids}
 
 
-def _pair(model: torch.nn.Module, tp: int, batch: dict[str, torch.Tensor], policy: Any = None) -> tuple[Any, Any]:
+def _pair(model: torch.nn.Module, tp: int, batch: dict[str, torch.Tensor], policy: Any = None, pp: int = 1) -> tuple[Any, Any]:
     """(eager, captured) ParallelModels of two copies of ``model``."""
     import autotp
 
-    eager = autotp.parallelize(copy.deepcopy(model), tp=tp, example_inputs=batch)
+    eager = autotp.parallelize(copy.deepcopy(model), tp=tp, pp=pp, example_inputs=batch)
     plan = replace(eager.plan, cudagraph_policy=policy) if policy is not None else None
-    graphed = autotp.parallelize(model, tp=tp, example_inputs=batch, plan=plan, cuda_graphs=True)
+    graphed = autotp.parallelize(model, tp=tp, pp=pp, example_inputs=batch, plan=plan, cuda_graphs=True)
     return eager, graphed
 
 
@@ -114,10 +121,11 @@ def _time(step: Callable[[], Any], zero: Callable[[], None]) -> tuple[float, flo
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
 
 
-def _perf(eager: Any, graphed: Any, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+def _perf(eager: Any, graphed: Any, batch: dict[str, torch.Tensor], microbatches: int = 1) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, pm in (("eager", eager), ("graph", graphed)):
-        seconds, peak = _time(lambda pm=pm: pm.train_step(**batch), lambda pm=pm: pm.zero_grad(set_to_none=True))
+        step = functools.partial(pm.train_step, **batch, num_microbatches=microbatches)
+        seconds, peak = _time(step, lambda pm=pm: pm.zero_grad(set_to_none=True))
         out[f"{name}_ms"] = seconds * 1e3
         out[f"{name}_peak_gib"] = peak
     out["speedup"] = out["eager_ms"] / out["graph_ms"]
@@ -129,9 +137,9 @@ def _max_diff(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | Non
     return max((x - y).abs().max().item() for k, x in a.items() if x is not None for y in [b[k]] if y is not None)
 
 
-def _numerics(model: torch.nn.Module, tp: int) -> dict[str, Any]:
+def _numerics(model: torch.nn.Module, tp: int, pp: int) -> dict[str, Any]:
     batch = _batch(model, 4, 128)
-    eager, graphed = _pair(model, tp, batch)
+    eager, graphed = _pair(model, tp, batch, pp=pp)
     optimizers = [torch.optim.SGD(pm.parameters(), lr=0.1) for pm in (eager, graphed)]
     worst = {"loss": 0.0, "grads": 0.0, "logits": 0.0}
     for _ in range(3):
@@ -145,14 +153,28 @@ def _numerics(model: torch.nn.Module, tp: int) -> dict[str, Any]:
     with torch.no_grad():
         logits = [pm(**micro).logits for pm in (eager, graphed)]
     worst["logits"] = (logits[0] - logits[1]).abs().max().item()
-    return {**worst, **_regions(graphed, micro)}
+    return {**worst, **_regions(graphed, micro), "slots": graphed.cudagraph_slots}
 
 
-def _case(name: str, tp: int) -> dict[str, Any]:
+def _pipeline(tp: int, pp: int) -> dict[str, Any]:
+    model = _launch_model().to(torch.bfloat16)
+    eager, graphed = _pair(model, tp, _batch(model, 1, 128), pp=pp)
+    out: dict[str, Any] = {}
+    for m in PIPELINE_MICROBATCHES:
+        batch = _batch(model, m, 128)
+        out[f"m{m}"] = {**_perf(eager, graphed, batch, m), "slots": graphed.cudagraph_slots}
+    return {**out, **_regions(graphed, _batch(model, 1, 128))}
+
+
+def _case(name: str, tp: int, pp: int) -> dict[str, Any]:
     from autotp.cost_model.cudagraphs import ALWAYS, CudaGraphPolicy
 
     if name == "numerics":
-        return {"llama24_fp32": _numerics(_launch_model().float(), tp), "mixtral_fp32": _numerics(_mixtral(128).float(), tp)}
+        return {"llama24_fp32": _numerics(_launch_model().float(), tp, pp), "mixtral_fp32": _numerics(_mixtral(128).float(), tp, pp)}
+    if name == "pipeline":
+        return _pipeline(tp, pp) if pp > 1 else {"skipped": "the pipeline case needs --pp > 1"}
+    if pp > 1:
+        return {"skipped": f"the {name} case runs without a pipeline"}
     if name == "launch":
         model = _launch_model().to(torch.bfloat16)
         batch = _batch(model, 1, 128)
@@ -180,33 +202,35 @@ def _case(name: str, tp: int) -> dict[str, Any]:
     return out
 
 
-def _rank(rank: int, world: int, cases: list[str]) -> dict[str, Any]:
+def _rank(rank: int, world: int, cases: list[str], pp: int) -> dict[str, Any]:
     torch.cuda.set_device(rank)
-    results: dict[str, Any] = {"tp": world, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    tp = world // pp
+    results: dict[str, Any] = {"tp": tp, "pp": pp, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name in cases:
         start = time.perf_counter()
         try:
-            results[name] = _case(name, world)
+            results[name] = _case(name, tp, pp)
         except Exception:  # noqa: BLE001 - recorded, so that the other cases still run
             results[name] = {"error": traceback.format_exc()[-3000:]}
         results[name + "_wall_s"] = time.perf_counter() - start
         torch.cuda.empty_cache()
-        if rank == 0:
-            print(json.dumps({name: results[name]}, indent=1), flush=True)
+        if rank in (0, world - 1):
+            print(json.dumps({f"rank {rank}": {name: results[name]}}, indent=1), flush=True)
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    parser.add_argument("--json", help="write rank 0's results here")
+    parser.add_argument("--json", help="write every rank's results here")
     parser.add_argument("--timeout", type=float, default=540)
     args = parser.parse_args()
-    results = spawn_ranks(_rank, args.tp, args.cases, backend="nccl", timeout_s=args.timeout)
+    results = spawn_ranks(_rank, args.tp * args.pp, args.cases, args.pp, backend="nccl", timeout_s=args.timeout)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results[0], f, indent=1)
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,17 @@ For a region (``region_stats``), with this rank's local shapes:
 * ``static_bytes`` = inputs + every tensor made by a kernel node (outputs and
   intermediates): what the graph pins, an upper bound since intermediates of regions
   captured in order share one memory pool.
+* ``slots``: with pp > 1 a stage holds several microbatches in flight, each in its own
+  capture (``autotp.cudagraphs``): ``schedules.slots_per_chunk`` under the default
+  schedule, ``pp - stage`` for 1F1B. The region pins ``slots · static_bytes``.
 
 ``saved_s`` (``estimate``) = max(launches · launch_s, gpu_s)
                               − max(replays · replay_s, gpu_s + 2 · copy_bytes / memory bandwidth)
 with replays = 2 when the region needs grad, else 1.
 
-``decide`` captures, in order of ``saved_s`` per static byte, every region with
-``saved_s > policy.min_saved_s`` whose static bytes still fit ``policy.max_static_bytes``.
+``decide`` captures, in order of ``saved_s`` per pinned byte, every region with
+``saved_s > policy.min_saved_s`` whose pinned bytes still fit ``policy.max_static_bytes``
+(a budget per GPU: call it once per pipeline stage).
 Compute-bound regions save nothing (GPU time dominates both sides) and are declined.
 
 Constants (``CudaGraphPolicy`` defaults). ``launch_s`` = 26 µs is measured: on an H200
@@ -95,6 +99,11 @@ class RegionStats:
     needs_grad: bool
     copy_bytes: int
     static_bytes: int
+    slots: int = 1
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.slots * self.static_bytes
 
 
 @dataclass(frozen=True)
@@ -118,8 +127,9 @@ def _is_parameter(node: Node) -> bool:
     return node.op == "get_attr"
 
 
-def region_stats(nodes: Sequence[Node], tensors: Tensors, tp: int, hardware: str) -> RegionStats:
-    """Sizes of the region made of ``nodes`` (``tensors``: this rank's tensors of a node)."""
+def region_stats(nodes: Sequence[Node], tensors: Tensors, tp: int, hardware: str, slots: int = 1) -> RegionStats:
+    """Sizes of the region made of ``nodes`` (``tensors``: this rank's tensors of a node),
+    captured ``slots`` times."""
     hw = PROFILES[hardware]
     inside = set(nodes)
     launches = 0
@@ -151,6 +161,7 @@ def region_stats(nodes: Sequence[Node], tensors: Tensors, tp: int, hardware: str
         needs_grad=needs_grad,
         copy_bytes=in_bytes + grad_out,
         static_bytes=in_bytes + static,
+        slots=slots,
     )
 
 
@@ -167,7 +178,7 @@ def decide(candidates: Sequence[RegionStats], policy: CudaGraphPolicy) -> list[s
     """Per candidate: None to capture it, else why not (the rule in the module docstring)."""
     estimates = [estimate(s, policy) for s in candidates]
     verdicts: list[str | None] = [None] * len(candidates)
-    order = sorted(range(len(candidates)), key=lambda i: -estimates[i].saved_s / max(candidates[i].static_bytes, 1))
+    order = sorted(range(len(candidates)), key=lambda i: -estimates[i].saved_s / max(candidates[i].pinned_bytes, 1))
     budget = policy.max_static_bytes
     for i in order:
         saved = estimates[i].saved_s
@@ -176,8 +187,11 @@ def decide(candidates: Sequence[RegionStats], policy: CudaGraphPolicy) -> list[s
                 f"saves {saved * 1e6:.1f} µs, not more than {policy.min_saved_s * 1e6:.1f} µs "
                 f"(eager {estimates[i].eager_s * 1e6:.1f} µs, graph {estimates[i].graph_s * 1e6:.1f} µs)"
             )
-        elif candidates[i].static_bytes > budget:
-            verdicts[i] = f"needs {candidates[i].static_bytes} static bytes, {budget} left of the budget"
+        elif candidates[i].pinned_bytes > budget:
+            verdicts[i] = (
+                f"needs {candidates[i].pinned_bytes} static bytes ({candidates[i].slots} slot(s) of "
+                f"{candidates[i].static_bytes}), {budget} left of the budget"
+            )
         else:
-            budget -= candidates[i].static_bytes
+            budget -= candidates[i].pinned_bytes
     return verdicts

@@ -44,7 +44,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from autotp import collectives, meta_keys, rng
+from autotp import collectives, meta_keys, rng, schedules
 from autotp.cost_model.cudagraphs import decide, region_stats
 from autotp.errors import source_line
 from autotp.graph_report import local_tensors
@@ -288,11 +288,29 @@ def candidate_regions(gm: GraphModule) -> list[list[Node]]:
     return [by_index[i] for i in sorted(by_index)]
 
 
+def region_slots(run: list[Node], plan: ParallelPlan) -> int:
+    """Captures of ``run`` its pipeline stage holds under the default schedule (1 without pp)."""
+    if plan.pp == 1:
+        return 1
+    chunk = run[0].meta[meta_keys.CHUNK]
+    per_chunk = schedules.slots_per_chunk(schedules.default_schedule(plan.vpp), plan.pp, plan.vpp, plan.pp_rank_of_chunk(chunk))
+    return per_chunk[chunk // plan.pp]
+
+
 def region_verdicts(gm: GraphModule, plan: ParallelPlan) -> list[str | None]:
-    """The cost model's verdict on every candidate: None (captured) or why not."""
-    stats = [region_stats(run, lambda n: local_tensors(n, plan.tp), plan.tp, plan.cudagraph_policy.hardware)
-             for run in candidate_regions(gm)]  # fmt: skip
-    return decide(stats, plan.cudagraph_policy)
+    """The cost model's verdict on every candidate: None (captured) or why not. Each
+    pipeline stage has its own memory budget."""
+    runs = candidate_regions(gm)
+    stages: dict[int, list[int]] = {}
+    for i, run in enumerate(runs):
+        stages.setdefault(plan.pp_rank_of_chunk(run[0].meta.get(meta_keys.CHUNK) or 0), []).append(i)
+    verdicts: list[str | None] = [None] * len(runs)
+    for indices in stages.values():
+        stats = [region_stats(runs[i], lambda n: local_tensors(n, plan.tp), plan.tp, plan.cudagraph_policy.hardware,
+                              region_slots(runs[i], plan)) for i in indices]  # fmt: skip
+        for i, verdict in zip(indices, decide(stats, plan.cudagraph_policy)):
+            verdicts[i] = verdict
+    return verdicts
 
 
 def mark_cudagraph_regions(gm: GraphModule, ctx: PassContext) -> GraphModule:

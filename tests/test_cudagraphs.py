@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import autotp
-from autotp import cudagraphs, meta_keys
+from autotp import cudagraphs, meta_keys, schedules
 from autotp.collectives import copy_to_tp, reduce_from_tp
 from autotp.cost_model.cudagraphs import CudaGraphPolicy, RegionStats, decide
 from autotp.cudagraph_report import cudagraph_report, explain_cudagraphs
@@ -165,6 +165,8 @@ def test_cost_model_weighs_launches_against_gpu_time_and_memory() -> None:
     # Two launch-bound regions, budget for one: the second is declined for memory.
     verdicts = decide([small, small], policy)
     assert verdicts.count(None) == 1 and "budget" in next(v for v in verdicts if v)
+    # A pipeline stage holding two microbatches in flight pins two captures: over budget.
+    assert "2 slot(s) of 8000" in (decide([replace(small, slots=2)], policy)[0] or "")
 
 
 def test_plan_round_trips_with_cudagraphs() -> None:
@@ -325,3 +327,44 @@ def test_first_call_records_static_inputs_and_later_outputs_are_copies(monkeypat
     second.loss.backward()
     weight = pm.get_parameter("model.layers.0.mlp.up_proj.weight")
     assert weight.grad is not None and weight._backward_hooks
+
+
+def _pipeline_captured_and_eager(rank: int, world: int, name: str, schedule: str, vpp: int) -> dict[str, Any]:
+    import autotp.api
+
+    torch.cuda.make_graphed_callables = _emulated_make_graphed_callables  # type: ignore[assignment]
+    torch.cuda.graph_pool_handle = lambda: None  # type: ignore[assignment]
+    autotp.api._check_cuda_graphs = lambda *args: None  # type: ignore[assignment]
+    model = build(name, layers=4)
+    ids = torch.randint(0, vocab_size(model), (16, 12), generator=torch.Generator().manual_seed(2))
+    micro = {"input_ids": ids[:2], "labels": ids[:2]}
+    eager = autotp.parallelize(copy.deepcopy(model), pp=world, vpp=vpp, example_inputs=micro)
+    graphed = autotp.parallelize(model, pp=world, vpp=vpp, example_inputs=micro, cuda_graphs=True)
+    optimizers = [torch.optim.SGD(pm.parameters(), lr=0.1) for pm in (eager, graphed)]
+    worst = 0.0
+    slots = []
+    for microbatches in (4, 4, 8):  # microbatches of 2 sequences: one input signature
+        batch = {"input_ids": ids[: 2 * microbatches], "labels": ids[: 2 * microbatches]}
+        losses = [pm.train_step(**batch, num_microbatches=microbatches, schedule=schedule) for pm in (eager, graphed)]
+        grads = [pm.unshard_grads() for pm in (eager, graphed)]
+        worst = max([worst, (losses[0] - losses[1]).abs().item()] + [(g - grads[1][k]).abs().max().item() for k, g in grads[0].items() if g is not None])
+        slots.append(graphed.cudagraph_slots)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return {"worst": worst, "slots": slots, "chunks": graphed.my_chunks}
+
+
+@pytest.mark.parametrize("schedule,vpp", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+def test_pipeline_capture_uses_a_slot_per_microbatch_in_flight(schedule: str, vpp: int) -> None:
+    # With the emulation, a slot reused while its microbatch is still in flight would
+    # backpropagate through another microbatch's activations and break the match.
+    pp = 2
+    for rank, result in enumerate(run_on_ranks(_pipeline_captured_and_eager, pp, "llama", schedule, vpp)):
+        assert result["worst"] <= 1e-6, (schedule, rank, result)
+        steady = schedules.slots_per_chunk(schedule, pp, vpp, rank)
+        expected = {chunk * pp + rank: steady[chunk] for chunk in range(vpp)}
+        if schedule == "gpipe":  # every microbatch is in flight: 4, then 8
+            assert result["slots"] == [{rank: 4}, {rank: 4}, {rank: 8}], result
+        else:  # as many as in flight, whatever the number of microbatches
+            assert result["slots"] == [expected] * 3, (schedule, rank, result)

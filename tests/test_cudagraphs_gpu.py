@@ -1,12 +1,14 @@
 """CUDA-graph capture on GPUs through NCCL, fp32: identical to eager autotp (skipped without GPUs).
 
 Three training steps of two microbatches each, with an SGD update in between, so that
-most forwards and backwards are replays that read updated parameters in place.
+most forwards and backwards are replays that read updated parameters in place. With
+pp = 2 the first stage holds both microbatches in flight, so it captures twice.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from small_models import build, vocab_size
 TOLERANCE = 1e-6
 
 
-def _compare(rank: int, world: int) -> dict[str, dict[str, float]]:
+def _compare(rank: int, world: int, pp: int) -> dict[str, dict[str, Any]]:
     import autotp
     from autotp.cudagraph_report import cudagraph_report
 
@@ -28,10 +30,10 @@ def _compare(rank: int, world: int) -> dict[str, dict[str, float]]:
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, vocab_size(model), (4, 32), generator=gen).cuda()
         batch = {"input_ids": ids, "labels": ids}
-        eager = autotp.parallelize(copy.deepcopy(model), tp=world, example_inputs=batch)
-        graphed = autotp.parallelize(model, tp=world, example_inputs=batch, cuda_graphs=True)
+        eager = autotp.parallelize(copy.deepcopy(model), tp=world // pp, pp=pp, example_inputs=batch)
+        graphed = autotp.parallelize(model, tp=world // pp, pp=pp, example_inputs=batch, cuda_graphs=True)
         optimizers = [torch.optim.SGD(pm.parameters(), lr=0.1) for pm in (eager, graphed)]
-        worst = {"loss": 0.0, "grad": 0.0}
+        worst: dict[str, Any] = {"loss": 0.0, "grad": 0.0}
         for _ in range(3):
             losses = [pm.train_step(**batch, num_microbatches=2) for pm in (eager, graphed)]
             worst["loss"] = max(worst["loss"], (losses[0] - losses[1]).abs().item())
@@ -45,17 +47,20 @@ def _compare(rank: int, world: int) -> dict[str, dict[str, float]]:
             logits = [pm(**micro).logits for pm in (eager, graphed)]
         worst["logits"] = (logits[0] - logits[1]).abs().max().item()
         worst["regions"] = len(cudagraph_report(graphed.graph_for(**micro), graphed.plan)["cudagraph_regions"])
+        worst["slots"] = graphed.cudagraph_slots
         results[name] = worst
     return results
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tp", [1, 2])
-def test_captured_training_matches_eager(tp: int) -> None:
-    if torch.cuda.device_count() < tp:
-        pytest.skip(f"needs {tp} CUDA GPUs, found {torch.cuda.device_count()}")
-    for rank_results in spawn_ranks(_compare, tp, backend="nccl", timeout_s=300):
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_captured_training_matches_eager(tp: int, pp: int) -> None:
+    if torch.cuda.device_count() < tp * pp:
+        pytest.skip(f"needs {tp * pp} CUDA GPUs, found {torch.cuda.device_count()}")
+    for rank, rank_results in enumerate(spawn_ranks(_compare, tp * pp, pp, backend="nccl", timeout_s=300)):
+        stage = rank // tp
         for name, r in rank_results.items():
-            print(tp, name, r)
+            print(f"tp={tp} pp={pp} rank {rank}", name, r)
             assert r["regions"] >= 1, (name, r)
             assert r["loss"] <= TOLERANCE and r["grad"] <= TOLERANCE and r["logits"] <= TOLERANCE, (name, r)
+            assert list(r["slots"].values()) == [pp - stage], (name, r)  # one capture per microbatch in flight

@@ -8,6 +8,7 @@ import pytest
 from autotp.schedules import (
     Action,
     add_schedule_command,
+    buffer_slots,
     check_schedule,
     format_actions,
     format_megatron,
@@ -17,6 +18,7 @@ from autotp.schedules import (
     parse,
     schedule,
     simulate,
+    slots_per_chunk,
 )
 
 # Seed 002, interleaved 1F1B with microbatches=8, PP=4, VPP=2, PP rank 0, as Megatron's
@@ -186,3 +188,27 @@ def test_schedule_dispatch_matches_the_functions(pp: int) -> None:
         assert schedule("1f1b", pp, 1, m, rank) == one_f_one_b(pp, m, rank)
         assert schedule("gpipe", pp, 1, m, rank) == gpipe(pp, m, rank)
         assert schedule("interleaved", pp, 2, m, rank) == interleaved_one_f_one_b(pp, 2, m, rank)
+
+
+@pytest.mark.parametrize("name,pp,vpp,microbatches", [("1f1b", 4, 1, 4), ("1f1b", 4, 1, 12), ("gpipe", 3, 1, 5), ("interleaved", 2, 3, 6)])
+def test_buffer_slots_never_share_a_slot_between_microbatches_in_flight(name: str, pp: int, vpp: int, microbatches: int) -> None:
+    for rank in range(pp):
+        actions = schedule(name, pp, vpp, microbatches, rank)
+        slots = buffer_slots(actions)
+        in_flight: dict[tuple[int, int], int] = {}
+        for a in actions:
+            key = (a.chunk, a.microbatch)
+            if a.kind == "F":
+                assert (a.chunk, slots[key]) not in in_flight.values(), (rank, str(a))
+                in_flight[key] = (a.chunk, slots[key])
+            else:
+                del in_flight[key]
+        assert not in_flight
+
+
+def test_1f1b_needs_pp_minus_rank_slots_whatever_the_microbatches() -> None:
+    for microbatches in (4, 8, 32):
+        per_rank = [max(buffer_slots(one_f_one_b(4, microbatches, r)).values()) + 1 for r in range(4)]
+        assert per_rank == [4, 3, 2, 1]
+    assert max(buffer_slots(gpipe(4, 8, 0)).values()) + 1 == 8
+    assert slots_per_chunk("1f1b", 4, 1, 1) == {0: 3}
