@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 T = TypeVar("T")
 
+_EXIT_GRACE_S = 30.0
 _POLL_S = 0.1
 
 
@@ -173,8 +174,11 @@ def spawn_ranks(
             if not ok:
                 raise RankError(rank, world_size, *payload)
             outputs[rank] = pickle.loads(payload)
+        # Every rank has reported. One stuck in its teardown (NCCL's destroy_process_group
+        # can hang after CUDA graphs captured collectives) is killed after a grace period.
+        exit_by = min(deadline, time.monotonic() + _EXIT_GRACE_S)
         for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            p.join(timeout=max(0.0, exit_by - time.monotonic()))
     finally:
         for p in procs:
             if p.is_alive():

@@ -44,7 +44,7 @@ from transformers import LlamaConfig
 from autotp.launcher import spawn_ranks
 
 GPUS_PER_NODE = 4
-WARMUP, STEPS = 3, 3
+WARMUP, STEPS = 3, 10
 MODELS = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab, seq)
     "llama-0.2b": (1024, 2816, 8, 16, 8, 32000, 1024),
     "llama-1b": (2048, 5632, 16, 16, 8, 32000, 1024),

@@ -26,6 +26,16 @@ measures, each time as the median of repeated calls between device syncs:
   (ΔT_both - ΔT_fwd) / ΔN_grad`` at tp 1; at tp t the layers also hold ΔN_g forward
   and ΔN_f backward collectives, and ``collective_host_s = (ΔT_both - (ΔN_calls -
   ΔN_g)·op_overhead_s - (ΔN_grad - ΔN_f)·backward_op_overhead_s) / (ΔN_g + ΔN_f)``.
+  What the nodes do not explain is the fixed cost of a call: ``call_host_s = T_both -
+  N_calls·op_overhead_s - N_grad·backward_op_overhead_s`` of the smaller model at tp 1.
+
+* on every GPU at once (not on CPU ranks, where it stays 1): ``compute_time_scale``,
+  from a GPU-bound Llama of a shape no benchmark uses (``SCALE_MODEL``: h=2560, 8 x 2048
+  tokens), parallelized by autotp at tp 1 with 2 and 4 layers, forward + backward. The
+  time difference over the layer difference is what one decoder layer takes;
+  ``fit_compute_time_scale`` finds the scale of the roofline GPU times at which
+  ``compute.segment_time`` of that traced layer, host queue included, predicts it
+  (bisection: the prediction grows with the scale).
 
 The peak FLOP/s (for MFU) and the inter-node link cannot be measured on one node: they
 come from the built-in profile of the same GPU, and the profile's ``source`` says so.
@@ -45,7 +55,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from autotp.cost_model.communication import p2p_s, ring_all_reduce_s
-from autotp.cost_model.compute import needs_grad
+from autotp.cost_model.compute import needs_grad, segment_time
 from autotp.cost_model.hardware import (
     CPU,
     H100,
@@ -55,6 +65,8 @@ from autotp.cost_model.hardware import (
     profile_for_gpu,
     save_profile,
 )
+from autotp.cost_model.planner import trace_for_planning
+from transformers import LlamaConfig
 
 from autotp import collectives, presets
 from autotp.api import parallelize
@@ -67,6 +79,8 @@ GEMM_SHAPES = {  # (tokens, k, n)
 }
 ELEMENTWISE_SHAPE = {"cuda": (16384, 4096), "cpu": (1024, 256)}
 HOST_LAYERS, HOST_TOKENS = (2, 6), 16
+SCALE_MODEL = {"hidden": 2560, "ffn": 6912, "heads": 20, "kv_heads": 4, "vocab": 8192, "batch": 8, "seq": 2048}
+SCALE_LAYERS = (2, 4)
 
 
 def _sync(device: torch.device) -> None:
@@ -189,11 +203,58 @@ def fit_host(runs: list[dict[str, float]]) -> dict[str, float]:
     d = delta(1)
     forward = d["forward_s"] / d["calls"]
     backward = max(d["both_s"] - d["forward_s"], 0.0) / d["grad_calls"]
+    small = min((r for r in runs if r["tp"] == 1), key=lambda r: r["layers"])
+    call = max(small["both_s"] - small["calls"] * forward - small["grad_calls"] * backward, 0.0)
     t = delta(max(r["tp"] for r in runs))
     ordinary = (t["calls"] - t["forward_collectives"]) * forward + (t["grad_calls"] - t["backward_collectives"]) * backward
     collectives_ = t["forward_collectives"] + t["backward_collectives"]
     collective = max(t["both_s"] - ordinary, 0.0) / collectives_ if collectives_ else 0.0
-    return {"op_overhead_s": forward, "backward_op_overhead_s": backward, "collective_host_s": collective}
+    return {"op_overhead_s": forward, "backward_op_overhead_s": backward, "collective_host_s": collective, "call_host_s": call}
+
+
+def _scale_config(layers: int) -> LlamaConfig:
+    m = SCALE_MODEL
+    return LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["ffn"], num_hidden_layers=layers,
+                       num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"], max_position_embeddings=m["seq"])  # fmt: skip
+
+
+def _layer_runs(device: torch.device, dtype: torch.dtype) -> list[dict[str, float]]:
+    """Seconds of forward + backward of ``SCALE_MODEL`` at each of ``SCALE_LAYERS`` layer counts (tp 1)."""
+    runs = []
+    for layers in SCALE_LAYERS:
+        torch.manual_seed(0)
+        model = presets.build_from_config(_scale_config(layers), device=device, dtype=dtype)
+        ids = torch.zeros((SCALE_MODEL["batch"], SCALE_MODEL["seq"]), dtype=torch.long, device=device)
+        pm = parallelize(model, tp=1, example_inputs={"input_ids": ids, "labels": ids})
+        params = list(pm.parameters())
+
+        def both(pm: torch.nn.Module = pm, params: list[torch.Tensor] = params) -> None:
+            for p in params:
+                p.grad = None
+            pm(input_ids=ids, labels=ids).loss.backward()
+
+        dist.barrier()
+        runs.append({"layers": layers, "both_s": _median_s(both, device, repeats=5, inner=3)})
+        del pm, model, params
+        torch.cuda.empty_cache()
+    return runs
+
+
+def fit_compute_time_scale(profile: HardwareProfile, runs: list[dict[str, float]]) -> float:
+    """The ``compute_time_scale`` at which the cost model predicts ``_layer_runs``' time
+    per layer (module docstring); kept within [1/4, 4]."""
+    small, large = sorted(runs, key=lambda r: r["layers"])
+    per_layer = (large["both_s"] - small["both_s"]) / (large["layers"] - small["layers"])
+    layer = trace_for_planning(_scale_config(1), SCALE_MODEL["seq"]).rank(1).layers[0]
+
+    def predicted(scale: float) -> float:
+        return segment_time(layer, SCALE_MODEL["batch"], replace(profile, compute_time_scale=scale), 1).total_s
+
+    low, high = 0.25, 4.0
+    for _ in range(40):
+        mid = (low * high) ** 0.5
+        low, high = (mid, high) if predicted(mid) < per_layer else (low, mid)
+    return (low * high) ** 0.5
 
 
 def _host_fields(measured: dict[str, object]) -> dict[str, float]:
@@ -240,6 +301,8 @@ def _worker(rank: int, world: int) -> dict[str, object]:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     measured: dict[str, object] = dict(_collectives(rank, world, device, dtype))
     measured["host"] = _host_runs(world, device, dtype)
+    if on_gpu:
+        measured["layers"] = _layer_runs(device, dtype)
     if rank == 0:
         measured.update(_compute(device, dtype))
     dist.barrier()
@@ -275,7 +338,7 @@ def fit_profile(measured: dict[str, object], ranks: int) -> HardwareProfile:
     name = str(measured["device_name"])
     base = base_profile(name)
     stamp = datetime.date.today().isoformat()
-    return replace(
+    profile = replace(
         base,
         name=f"{name} (calibrated)",
         matmul_flops_per_s=gemm_rate,
@@ -293,6 +356,9 @@ def fit_profile(measured: dict[str, object], ranks: int) -> HardwareProfile:
         source=f"autotp calibrate on {ranks} x {name}, torch {torch.__version__}, {stamp}; peak FLOP/s, reserved "
         f"memory and the inter-node link from the built-in {base.name} profile",
     )
+    if "layers" in measured:
+        profile = replace(profile, compute_time_scale=fit_compute_time_scale(profile, measured["layers"]))
+    return profile
 
 
 def fit_errors(profile: HardwareProfile, measured: dict[str, object]) -> dict[str, float]:
@@ -321,9 +387,11 @@ def describe(profile: HardwareProfile, measured: dict[str, object]) -> str:
             f"  attention   {profile.attention_flops_per_s / 1e12:.3g} TFLOP/s forward, backward {profile.attention_backward_factor:.2f}x",
             f"  elementwise backward {profile.elementwise_backward_factor:.2f}x forward",
             f"  memory      {profile.memory_bytes_per_s / 1e12:.2f} TB/s, {profile.memory_capacity_bytes / 2**30:.0f} GiB",
+            f"  layer       eager kernels take {profile.compute_time_scale:.3f}x the roofline's time",
             (
                 f"  host        {profile.op_overhead_s * 1e6:.1f} us per op forward, {profile.backward_op_overhead_s * 1e6:.1f} us "
-                f"backward, {profile.collective_host_s * 1e6:.1f} us per tp collective"
+                f"backward, {profile.collective_host_s * 1e6:.1f} us per tp collective, "
+                f"{profile.call_host_s * 1e3:.2f} ms per call"
             ),
         ]
     )

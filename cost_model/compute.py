@@ -19,7 +19,8 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
 
 * GPU time of a node, forward: matmuls ``max(HardwareProfile.matmul_time_s(F), bytes/mem_bw)``;
   fused attention ``max(F/attention_rate, bytes/mem_bw)``; everything else
-  ``max(F/matmul_rate, bytes/mem_bw)`` (the roofline of ``flops.compute_time_s``).
+  ``max(F/matmul_rate, bytes/mem_bw)`` (the roofline of ``flops.compute_time_s``);
+  all of it times ``compute_time_scale``, which calibration measures on a whole layer.
 * Backward: a GEMM's input and weight gradients are two GEMMs of its size (2×);
   memory-bound ops ``elementwise_backward_factor`` × forward; attention
   ``attention_backward_factor`` × forward (both of the ``HardwareProfile``).
@@ -431,6 +432,7 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
     forward = np.maximum(flops / hw.matmul_flops_per_s, memory)
     forward[matmul] = np.maximum(hw.matmul_time_s(flops[matmul]), memory[matmul])
     forward[attention] = np.maximum(flops[attention] / hw.attention_rate, memory[attention])
+    forward *= hw.compute_time_scale
     factor = np.where(attention, hw.attention_backward_factor, np.where(matmul, MATMUL_BACKWARD_FACTOR, hw.elementwise_backward_factor))
     backward = forward * factor
     comm = {"forward": np.zeros(seg.ops), "backward": np.zeros(seg.ops)}

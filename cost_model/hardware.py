@@ -11,12 +11,18 @@ A ``HardwareProfile`` is one GPU (or CPU rank) and the links between ranks:
   FlashAttention-2's backward runs 5 GEMMs against 2), ``elementwise_backward_factor``
   (backward time over forward of eager memory-bound ops; 2 by default: read the saved
   inputs and the output gradient, write the input gradients), ``memory_bytes_per_s`` (achieved
-  HBM bandwidth) and ``peak_flops_per_s`` (the datasheet dense bf16 peak, the MFU
-  denominator);
+  HBM bandwidth), ``peak_flops_per_s`` (the datasheet dense bf16 peak, the MFU
+  denominator) and ``compute_time_scale`` (eager kernels' time over what the roofline
+  above gives them, for a whole decoder layer: GEMMs of a layer's shapes and its many
+  small memory-bound kernels run below the rates of large isolated kernels; 1 unless
+  ``autotp calibrate`` measured it);
 * host: ``op_overhead_s`` and ``backward_op_overhead_s``, the CPU time eager PyTorch
   spends dispatching one graph node forward and one autograd node backward, and
   ``collective_host_s``, what one tp collective node (autotp's ``autograd.Function``
-  around a c10d call) costs the host instead;
+  around a c10d call) costs the host instead, and ``call_host_s``, the fixed host cost
+  of one forward + backward call of a rank's graph or pipeline chunk beyond its nodes
+  (inputs and output structures, starting the autograd engine, the runtime's Python);
+  built-in profiles leave it at 0, ``autotp calibrate`` measures it;
 * memory: ``memory_capacity_bytes`` and ``reserved_bytes`` (CUDA context, NCCL buffers,
   allocator slack: never available to tensors);
 * links (``Link``, alpha-beta): ``intra_node`` (built from the original
@@ -80,6 +86,8 @@ class HardwareProfile:
     op_overhead_s: float = 0.0
     backward_op_overhead_s: float = 0.0
     collective_host_s: float = 0.0
+    call_host_s: float = 0.0
+    compute_time_scale: float = 1.0
     p2p: Link | None = None
     inter_node: Link = Link(latency_s=30e-6, bus_bytes_per_s=45e9, hop_latency_s=5e-6)
     source: str = ""

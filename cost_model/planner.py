@@ -24,7 +24,8 @@ then dp, then pp):
   backward, tp collectives, host issue), the preamble's included (every chunk repeats
   it) + the receives of the hidden state b·s·h
   (forward from the previous chunk, gradient from the next) over NVLink when a model
-  replica fits in a node (tp·dp·pp <= G), else over the inter-node link + gradient
+  replica fits in a node (tp·dp·pp <= G), else over the inter-node link + the host's
+  fixed cost of calling the chunk forward and backward (``call_host_s``) + gradient
   accumulation (every microbatch after the first adds its gradients to ``.grad``, 3
   gradient bytes moved per parameter: (m-1)/m of that per microbatch);
 * pipeline time and bubble: ``bubble.pipeline_time_s`` (the fill and drain from the
@@ -118,7 +119,7 @@ class Training:
     precision: str = "bf16"
     distributed_optimizer: bool = False
     gather_outputs: bool = False
-    cuda_graph_bytes: float = 0.0
+    cuda_graph_bytes: float = 0.0  # static buffers of one capture (one microbatch in flight)
 
 
 @dataclass(frozen=True)
@@ -351,7 +352,7 @@ def estimate(
         recv = hop * ((c > 0) + (c < chunks - 1))
         grads = sum(n * seg.param_numel for seg, _, n in parts) * grad_bytes_per_param(training.precision)
         accumulate = (m - 1) / m * 3 * grads / hw.memory_bytes_per_s
-        chunk_s.append(sum(n * st.total_s for _, st, n in parts) + recv + accumulate)
+        chunk_s.append(sum(n * st.total_s for _, st, n in parts) + recv + accumulate + hw.call_host_s)
         chunk_gpu.append(sum(n * st.gpu_s for _, st, n in parts) + recv + accumulate)
         chunk_comm.append(sum(n * st.comm_s for _, st, n in parts) + recv)
         chunk_act.append(sum(n * seg.activation_bytes.at(b) for seg, _, n in parts))
@@ -362,8 +363,9 @@ def estimate(
     memories, syncs, optimizers = [], [], []
     for r in range(pp):
         params, tensors = _rank_params(chunk_params[r::pp])
-        act = in_flight(config.schedule, pp, vpp, m, r) * max(chunk_act[r::pp])
-        memories.append(rank_memory_bytes(params, training.precision, training.distributed_optimizer, config.dp, act, training.cuda_graph_bytes))
+        held = in_flight(config.schedule, pp, vpp, m, r)
+        graphs = held * training.cuda_graph_bytes
+        memories.append(rank_memory_bytes(params, training.precision, training.distributed_optimizer, config.dp, held * max(chunk_act[r::pp]), graphs))
         syncs.append(grad_sync_s(params, tensors, config.dp, dp_per_node, training, hw))
         traffic = 2 * bytes_per_param(training.precision, training.distributed_optimizer, config.dp) * params
         optimizers.append(traffic / hw.memory_bytes_per_s)

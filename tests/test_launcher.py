@@ -1,8 +1,11 @@
 import os
+import threading
+import time
 
 import pytest
 import torch.distributed as dist
 
+from autotp import launcher
 from autotp.launcher import init_distributed, launch
 
 
@@ -22,3 +25,16 @@ def test_init_distributed_without_env_names_the_fix(monkeypatch: pytest.MonkeyPa
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(ValueError, match="torchrun"):
         init_distributed()
+
+
+def _report_then_never_exit(rank: int, world_size: int) -> int:
+    # A non-daemon thread keeps the process alive after it reported, as a teardown that hangs would.
+    threading.Thread(target=time.sleep, args=(3600,)).start()
+    return rank
+
+
+def test_ranks_that_reported_but_do_not_exit_are_killed_after_a_grace_period(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launcher, "_EXIT_GRACE_S", 2.0)
+    start = time.monotonic()
+    assert launcher.spawn_ranks(_report_then_never_exit, 2, backend="gloo", timeout_s=120) == [0, 1]
+    assert time.monotonic() - start < 60

@@ -9,10 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 from autotp.cost_model import planner
+from autotp.cost_model import calibrate
 from autotp.cost_model.calibrate import add_calibrate_command, fit_host
 from autotp.cost_model.communication import all_reduce_s
-from autotp.cost_model.compute import ModelCosts
-from autotp.cost_model.hardware import CPU, H100, PCIE
+from autotp.cost_model.compute import ModelCosts, segment_time
+from autotp.cost_model.hardware import CPU, H100, PCIE, PROFILES
 from autotp.cost_model.planner import (
     Cluster,
     Training,
@@ -257,3 +258,24 @@ def test_fit_host_recovers_per_node_costs_from_layer_differences() -> None:
     assert fitted["op_overhead_s"] == pytest.approx(10e-6)
     assert fitted["backward_op_overhead_s"] == pytest.approx(20e-6)
     assert fitted["collective_host_s"] == pytest.approx(100e-6)
+    assert fitted["call_host_s"] == pytest.approx(10e-3)  # 5 ms forward + 5 ms backward
+
+
+def test_fit_compute_time_scale_recovers_the_scale_of_a_layer() -> None:
+    """A layer that runs 1.3x the roofline (plus 50 ms of fixed cost per call) gives back 1.3."""
+    profile = replace(PROFILES["h200"], op_overhead_s=10e-6, backward_op_overhead_s=20e-6)
+    model = calibrate.SCALE_MODEL
+    layer = planner.trace_for_planning(calibrate._scale_config(1), model["seq"]).rank(1).layers[0]
+    per_layer = segment_time(layer, model["batch"], replace(profile, compute_time_scale=1.3), 1).total_s
+    runs = [{"layers": n, "both_s": 0.05 + n * per_layer} for n in calibrate.SCALE_LAYERS]
+    assert calibrate.fit_compute_time_scale(profile, runs) == pytest.approx(1.3, rel=1e-6)
+    # The scale multiplies GPU compute only.
+    base, scaled = (segment_time(layer, 2, replace(profile, compute_time_scale=k), 1) for k in (1.0, 2.0))
+    assert scaled.compute_s == pytest.approx(2 * base.compute_s) and scaled.host_s == base.host_s
+
+
+def test_cuda_graph_buffers_count_once_per_microbatch_in_flight(llama8b: ModelCosts) -> None:
+    cluster, config = Cluster(8, 8, H100), planner.Config(tp=4, pp=2, dp=1, vpp=1, microbatch_size=1, microbatches=8)
+    plain = planner.estimate(llama8b, cluster, Training(8), config)
+    graphed = planner.estimate(llama8b, cluster, Training(8, cuda_graph_bytes=1e9), config)
+    assert graphed.mem_bytes_per_gpu - plain.mem_bytes_per_gpu == pytest.approx(2e9)  # 1F1B: rank 0 holds 2
