@@ -28,7 +28,6 @@ measures, each time as the median of repeated calls between device syncs:
   ΔN_g)·op_overhead_s - (ΔN_grad - ΔN_f)·backward_op_overhead_s) / (ΔN_g + ΔN_f)``.
   What the nodes do not explain is the fixed cost of a call: ``call_host_s = T_both -
   N_calls·op_overhead_s - N_grad·backward_op_overhead_s`` of the smaller model at tp 1.
-
 * on every GPU at once (not on CPU ranks, where it stays 1): ``compute_time_scale``,
   from a GPU-bound Llama of a shape no benchmark uses (``SCALE_MODEL``: h=2560, 8 x 2048
   tokens), parallelized by autotp at tp 1 with 2 and 4 layers, forward + backward. The

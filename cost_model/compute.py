@@ -69,7 +69,7 @@ from autotp.cost_model.pipeline import balanced_cuts, layer_costs
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.passes import PASSES
 from autotp.passes.runner import PassContext, run_passes
-from autotp.passes.split_stages import _repeatable
+from autotp.passes.split_stages import repeatable
 from torch.fx import GraphModule, Node
 
 from autotp.graph_report import (
@@ -372,7 +372,7 @@ class ModelCosts:
         tensors = {r.node: list(r.tensors) for r in report.nodes}
         repeated: set[Node] = set()
         for n in gm.graph.nodes:
-            if _repeatable(n, repeated):
+            if repeatable(n, repeated):
                 repeated.add(n)
         groups: dict[LayerKey, list] = {}
         for r in report.nodes:

@@ -19,7 +19,9 @@ from autotp.pipeline import stage_boundary
 _NEVER_REPEATED = {collectives.copy_to_tp, collectives.reduce_from_tp, collectives.gather_from_tp, rng.tp_dropout}
 
 
-def _repeatable(node: Node, repeat: set[Node]) -> bool:
+def repeatable(node: Node, repeat: set[Node]) -> bool:
+    """Whether every chunk may recompute ``node``: it reads only nodes in ``repeat`` (the
+    repeatable ones before it), needs no gradient, and is no collective or tp dropout."""
     if node.op in ("placeholder", "get_attr"):
         return True
     if node.op != "call_function" or node.target in _NEVER_REPEATED or node.meta.get(meta_keys.NEEDS_GRAD):
@@ -41,7 +43,7 @@ def split_stages(gm: GraphModule, ctx: PassContext) -> GraphModule:
     repeat: set[Node] = set()
     chunk_of: dict[Node, int] = {}
     for i, node in enumerate(nodes):
-        if _repeatable(node, repeat):
+        if repeatable(node, repeat):
             repeat.add(node)
             node.meta[meta_keys.CHUNK] = None
             continue
