@@ -1,6 +1,6 @@
 """autotp: compile unmodified PyTorch/HuggingFace models into tensor-parallel per-rank graphs."""
 
 from autotp.api import CompiledRank, ParallelModel, compile_rank, parallelize
-from autotp.plan import ParallelPlan, ParamLayout
+from autotp.ir.plan import ParallelPlan, ParamLayout
 
 __all__ = ["CompiledRank", "ParallelModel", "compile_rank", "ParallelPlan", "ParamLayout", "parallelize"]

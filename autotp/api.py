@@ -15,19 +15,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.fx import GraphModule
 
-from autotp import collectives, cudagraphs, rng, schedules
+from autotp.runtime import collectives
+from autotp.runtime import cudagraphs
+from autotp.runtime import rng
+from autotp.ir import schedules
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.planner import auto_plan
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
-from autotp.layers import num_layers
+from autotp.analysis.layers import num_layers
 from autotp.passes import PASSES
 from autotp.passes.insert_collectives import replica_group_key
 from autotp.passes.runner import PassContext, run_passes
-from autotp.pipeline import ChunkGraph, PipelineGroups, PipelineRunner, extract_chunks
-from autotp.plan import ParallelPlan, ParamLayout
-from autotp.rank_groups import groups_of, rank_groups
-from autotp.sharding import shard_tensor, unshard_tensor
-from autotp.trace import structure_copy, trace
+from autotp.runtime.pipeline import ChunkGraph, PipelineGroups, PipelineRunner, extract_chunks
+from autotp.ir.plan import ParallelPlan, ParamLayout
+from autotp.ir.rank_groups import groups_of, rank_groups
+from autotp.runtime.sharding import shard_tensor, unshard_tensor
+from autotp.analysis.trace import structure_copy, trace
 
 _DEFAULT_BATCH, _DEFAULT_SEQ = 2, 16
 _DP_BUCKET_BYTES = 25 * 2**20
@@ -390,7 +393,7 @@ class ParallelModel(nn.Module):
     @property
     def cudagraph_slots(self) -> dict[int, int]:
         """Per chunk of this rank: the CUDA-graph captures made so far, one per microbatch
-        the schedule held in flight (``autotp.cudagraphs``), summed over input signatures."""
+        the schedule held in flight (``autotp.runtime.cudagraphs``), summed over input signatures."""
         slots: dict[int, int] = {}
         for compiled in self._graphs.values():
             captures = {c: cg.captured for c, cg in compiled.chunks.items()} or {0: compiled.run}
@@ -575,7 +578,7 @@ def _check_cuda_graphs(device: torch.device, compile: bool) -> None:
         raise ValueError(
             f"cuda_graphs=True captures CUDA graphs, but this rank runs on {device}"
             f"{f' with {backend} collectives' if backend else ''}; run on GPUs with NCCL, or drop cuda_graphs "
-            "(autotp.cudagraph_report shows the regions and blockers without a GPU)"
+            "(autotp.report.cudagraphs shows the regions and blockers without a GPU)"
         )
     if compile:
         raise ValueError(
@@ -689,7 +692,7 @@ def parallelize(
     ``compile``, each per-rank graph (or pipeline chunk) also runs through
     ``torch.compile``, which fuses the elementwise work between the collectives. With
     ``cuda_graphs`` (CUDA and NCCL), the regions that the cost model picks are captured
-    as CUDA graphs on the first call and replayed after (``autotp.cudagraphs``); with
+    as CUDA graphs on the first call and replayed after (``autotp.runtime.cudagraphs``); with
     pp > 1, once per microbatch a stage holds in flight.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -41,7 +41,7 @@ from autotp.cost_model.planner import (
 )
 from transformers import LlamaConfig
 
-from autotp.launcher import spawn_ranks
+from autotp.runtime.launcher import spawn_ranks
 
 GPUS_PER_NODE = 4
 WARMUP, STEPS = 3, 10

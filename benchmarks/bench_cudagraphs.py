@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autotp.launcher import spawn_ranks
+from autotp.runtime.launcher import spawn_ranks
 
 WARMUP, STEPS = 3, 15
 CASES = ("numerics", "launch", "compute", "moe", "pipeline")
@@ -92,7 +92,7 @@ def _pair(model: torch.nn.Module, tp: int, batch: dict[str, torch.Tensor], polic
 
 
 def _regions(pm: Any, batch: dict[str, torch.Tensor], policy: Any = None) -> dict[str, Any]:
-    from autotp.cudagraph_report import cudagraph_report
+    from autotp.report.cudagraphs import cudagraph_report
 
     plan = replace(pm.plan, cudagraph_policy=policy) if policy is not None else pm.plan
     report = cudagraph_report(pm.graph_for(**batch), plan)

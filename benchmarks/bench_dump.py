@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from autotp import compile_rank, dump, presets
-from autotp.graph_report import build_report
+from autotp import compile_rank, presets
+from autotp.report import dump
+from autotp.report.graph_report import build_report
 
 TARGET_S = 20.0
 MODEL, TP, SEQ = "llama3-8b", 8, 2048

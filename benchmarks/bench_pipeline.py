@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from autotp.launcher import spawn_ranks
+from autotp.runtime.launcher import spawn_ranks
 
 CONFIGS = [  # (name, tp, pp, vpp, microbatches, schedule)
     ("tp4", 4, 1, 1, 8, None),

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from autotp.launcher import spawn_ranks
+from autotp.runtime.launcher import spawn_ranks
 
 BATCH, SEQ, LAYERS, WARMUP, STEPS = 4, 2048, 4, 3, 10
 

@@ -1,4 +1,4 @@
-"""Pipeline bubbles: idle time of the schedules in ``autotp.schedules``.
+"""Pipeline bubbles: idle time of the schedules in ``autotp.ir.schedules``.
 
 With p stages, m microbatches and v model chunks per rank, the bubble relative to the
 busy time is (``bubble_fraction``):
@@ -19,7 +19,7 @@ and drain are GPU time only: the host never waits for a peer (NCCL sends and rec
 are stream-ordered, nothing in a step synchronizes the host), so while a rank's GPU
 waits for its first input the host issues the actions after it, and a chunk-step of
 the fill costs the GPU's time, not the host's. A GPU-bound pipeline (S = G) gives
-T = m·S·(1 + (p-1)/(m·v)), the fractions above; ``autotp.schedules.simulate`` counts
+T = m·S·(1 + (p-1)/(m·v)), the fractions above; ``autotp.ir.schedules.simulate`` counts
 the same steps with unit costs. A host-bound one (G << S) is m·S, its host's work.
 """
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autotp.schedules import SCHEDULES
+from autotp.ir.schedules import SCHEDULES
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> float:

@@ -67,9 +67,10 @@ from autotp.cost_model.hardware import (
 from autotp.cost_model.planner import trace_for_planning
 from transformers import LlamaConfig
 
-from autotp import collectives, presets
+from autotp import presets
+from autotp.runtime import collectives
 from autotp.api import parallelize
-from autotp.launcher import spawn_ranks
+from autotp.runtime.launcher import spawn_ranks
 
 MESSAGE_BYTES = {"cuda": tuple(2**k for k in range(16, 29, 2)), "cpu": tuple(2**k for k in range(12, 25, 2))}
 GEMM_SHAPES = {  # (tokens, k, n)

@@ -1,4 +1,4 @@
-"""Alpha-beta costs of collectives (the ops themselves live in ``autotp.collectives``).
+"""Alpha-beta costs of collectives (the ops themselves live in ``autotp.runtime.collectives``).
 
 A collective over t ranks of a ``Link`` (alpha = ``latency_s``, h = ``hop_latency_s``,
 B = ``bus_bytes_per_s``) moving a tensor of n bytes costs

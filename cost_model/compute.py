@@ -3,7 +3,7 @@
 ``ModelCosts`` holds a graph traced once (``autotp.cost_model.planner.trace_for_planning``
 traces one decoder layer on the meta device). For each tp it plans the graph
 (``plan_tensor_parallel``) and runs the passes, as compiling rank 0 does;
-``autotp.graph_report`` then gives every node its local shapes, its layer (``embedding``,
+``autotp.report.graph_report`` then gives every node its local shapes, its layer (``embedding``,
 decoder layer i, ``head``) and its collectives. Those are summed into one ``Segment``
 per layer. A model with more layers than were traced repeats them: layer i costs what
 traced layer i mod k does.
@@ -72,7 +72,7 @@ from autotp.passes.runner import PassContext, run_passes
 from autotp.passes.split_stages import repeatable
 from torch.fx import GraphModule, Node
 
-from autotp.graph_report import (
+from autotp.report.graph_report import (
     EMBEDDING,
     HEAD,
     GraphReport,
@@ -80,8 +80,8 @@ from autotp.graph_report import (
     assign_layers,
     build_report,
 )
-from autotp.layers import num_layers
-from autotp.plan import ParallelPlan
+from autotp.analysis.layers import num_layers
+from autotp.ir.plan import ParallelPlan
 
 PREAMBLE = "preamble"
 MATMUL_BACKWARD_FACTOR = 2.0

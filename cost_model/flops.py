@@ -1,7 +1,7 @@
 """Per-node FLOPs, memory bytes and estimated time, from the shapes in ``node.meta["val"]``.
 
 Shapes come through a callback ``tensors(node) -> list[TensorInfo]``: ``global_tensors``
-reads ``node.meta["val"]`` (whole-model shapes); ``autotp.graph_report`` passes one
+reads ``node.meta["val"]`` (whole-model shapes); ``autotp.report.graph_report`` passes one
 rank's local shapes. FLOPs are forward only and count a multiply-add as 2.
 
 ``node_cost`` applies, by op:

@@ -30,7 +30,7 @@ Rank 0 holds the most. A rank's memory (``rank_memory_bytes``) is its parameters
 ``bytes_per_param``, plus ``in_flight`` times the activation bytes of one of its chunks,
 plus the CUDA-graph buffers (static inputs and outputs of captured regions; 0 until
 regions are planned), also ``in_flight`` times: each microbatch in flight has its own
-capture (``autotp.cudagraphs``).
+capture (``autotp.runtime.cudagraphs``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.fx import GraphModule
 
-from autotp.layers import layer_of, num_layers
+from autotp.analysis.layers import layer_of, num_layers
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.default,
             torch.ops.aten.matmul.default, torch.ops.aten.bmm.default}

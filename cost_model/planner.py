@@ -94,8 +94,8 @@ from torch.fx import GraphModule
 from transformers import PretrainedConfig
 
 from autotp import presets
-from autotp.plan import ParallelPlan
-from autotp.trace import trace
+from autotp.ir.plan import ParallelPlan
+from autotp.analysis.trace import trace
 
 PLANNING_BATCH = 2
 DP_BUCKET_BYTES = 25 * 2**20  # autotp.api's gradient buckets

@@ -1,6 +1,6 @@
 """Tensor-parallel layout planning: which parameters to shard, and how.
 
-The layout walk (``autotp.layout_propagation``) proposes Megatron's column/row pairs,
+The layout walk (``autotp.analysis.propagation``) proposes Megatron's column/row pairs,
 vocab-parallel embeddings and the vocab-parallel loss straight from the graph. This
 module decides what to keep:
 
@@ -18,8 +18,8 @@ from collections.abc import Iterable
 
 from torch.fx import GraphModule
 
-from autotp.layout_propagation import Propagation, check_divisible, param_sharding, propagate
-from autotp.plan import ParallelPlan, ParamLayout
+from autotp.analysis.propagation import Propagation, check_divisible, param_sharding, propagate
+from autotp.ir.plan import ParallelPlan, ParamLayout
 
 MIN_EMBEDDING_ROWS_PER_RANK = 16
 MAX_PLANNING_ROUNDS = 16

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from autotp import parallelize, presets
-from autotp.launcher import init_distributed
+from autotp.runtime.launcher import init_distributed
 
 STEPS = 5
 

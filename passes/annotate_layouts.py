@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from autotp import meta_keys
-from autotp.layout_propagation import check_divisible, propagate
+from autotp.ir import meta_keys
+from autotp.analysis.propagation import check_divisible, propagate
 from autotp.passes.runner import PassContext
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from autotp import meta_keys
+from autotp.ir import meta_keys
 from autotp.passes.runner import PassContext
 
 

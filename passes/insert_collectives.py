@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from autotp import meta_keys
-from autotp.collectives import copy_to_tp, gather_from_tp, reduce_from_tp
-from autotp.layout_propagation import NodeRole, shape_of
-from autotp.layouts import PARTIAL, REPLICATE, Layout, resolve
+from autotp.ir import meta_keys
+from autotp.runtime.collectives import copy_to_tp, gather_from_tp, reduce_from_tp
+from autotp.analysis.propagation import NodeRole, shape_of
+from autotp.ir.layouts import PARTIAL, REPLICATE, Layout, resolve
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten

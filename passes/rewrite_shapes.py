@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
-from autotp import meta_keys
-from autotp.layouts import Layout, local_offset, local_size
+from autotp.ir import meta_keys
+from autotp.ir.layouts import Layout, local_offset, local_size
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten

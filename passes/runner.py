@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule
 
-from autotp.plan import ParallelPlan
+from autotp.ir.plan import ParallelPlan
 
 Pass = Callable[[GraphModule, "PassContext"], GraphModule]
 

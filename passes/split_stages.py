@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from autotp import collectives, meta_keys, rng
-from autotp.layers import layer_of, num_layers
+from autotp.runtime import collectives
+from autotp.ir import meta_keys
+from autotp.runtime import rng
+from autotp.analysis.layers import layer_of, num_layers
 from autotp.passes.runner import PassContext
-from autotp.pipeline import stage_boundary
+from autotp.runtime.pipeline import stage_boundary
 
 _NEVER_REPEATED = {collectives.copy_to_tp, collectives.reduce_from_tp, collectives.gather_from_tp, rng.tp_dropout}
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
-from autotp import meta_keys
-from autotp.layouts import Layout
+from autotp.ir import meta_keys
+from autotp.ir.layouts import Layout
 from autotp.passes.runner import PassContext
-from autotp.rng import REPLICATED, SHARDED, tp_dropout as dropout_from_stream
+from autotp.runtime.rng import REPLICATED, SHARDED, tp_dropout as dropout_from_stream
 
 
 def tp_dropout(gm: GraphModule, ctx: PassContext) -> GraphModule:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from autotp import meta_keys
-from autotp.collectives import vocab_parallel_cross_entropy as parallel_loss
-from autotp.layout_propagation import NodeRole
-from autotp.layouts import Layout, resolve
+from autotp.ir import meta_keys
+from autotp.runtime.collectives import vocab_parallel_cross_entropy as parallel_loss
+from autotp.analysis.propagation import NodeRole
+from autotp.ir.layouts import Layout, resolve
 from autotp.passes.runner import PassContext
 
 _REDUCTION_MEAN = 1

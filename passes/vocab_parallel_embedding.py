@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from autotp import meta_keys
-from autotp.collectives import vocab_parallel_embedding as vocab_parallel_lookup
-from autotp.layout_propagation import NodeRole
+from autotp.ir import meta_keys
+from autotp.runtime.collectives import vocab_parallel_embedding as vocab_parallel_lookup
+from autotp.analysis.propagation import NodeRole
 from autotp.passes.runner import PassContext
 
 

@@ -10,8 +10,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import autotp
-from autotp.collectives import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
-from autotp.plan import ParallelPlan
+from autotp.runtime.collectives import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
+from autotp.ir.plan import ParallelPlan
 from autotp.presets import build_model
 
 _LAYER = re.compile(r"\.(\d+)(?:\.|$)")  # model.layers.3..., transformer.h.3...

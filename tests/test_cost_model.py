@@ -38,8 +38,9 @@ from autotp.cost_model.hardware import (
 )
 from autotp.cost_model.memory import bytes_per_param, in_flight
 
-from autotp import presets, schedules
-from autotp.trace import trace
+from autotp import presets
+from autotp.ir import schedules
+from autotp.analysis.trace import trace
 
 MB = 2**20
 

@@ -21,14 +21,16 @@ import torch
 from torch import nn
 
 import autotp
-from autotp import cudagraphs, meta_keys, schedules
-from autotp.collectives import copy_to_tp, reduce_from_tp
+from autotp.runtime import cudagraphs
+from autotp.ir import meta_keys
+from autotp.ir import schedules
+from autotp.runtime.collectives import copy_to_tp, reduce_from_tp
 from autotp.cost_model.cudagraphs import CudaGraphPolicy, RegionStats, decide
-from autotp.cudagraph_report import cudagraph_report, explain_cudagraphs
+from autotp.report.cudagraphs import cudagraph_report, explain_cudagraphs
 from autotp.passes.mark_cudagraph_regions import COLLECTIVE, HOST_SYNC, HOST_VALUE, mark_cudagraph_regions
 from autotp.passes.runner import PassContext
-from autotp.pipeline import stage_boundary
-from autotp.plan import ParallelPlan
+from autotp.runtime.pipeline import stage_boundary
+from autotp.ir.plan import ParallelPlan
 from distributed import run_on_ranks
 from small_models import build, vocab_size
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from autotp.launcher import spawn_ranks
+from autotp.runtime.launcher import spawn_ranks
 from small_models import build, vocab_size
 
 TOLERANCE = 1e-6
@@ -21,7 +21,7 @@ TOLERANCE = 1e-6
 
 def _compare(rank: int, world: int, pp: int) -> dict[str, dict[str, Any]]:
     import autotp
-    from autotp.cudagraph_report import cudagraph_report
+    from autotp.report.cudagraphs import cudagraph_report
 
     torch.cuda.set_device(rank)
     results = {}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import autotp.dump
+import autotp.report.dump
 from autotp.cli import main
 
 
@@ -79,7 +79,7 @@ def test_svg_renders_with_graphviz(tmp_path: Path) -> None:
 def test_svg_falls_back_to_dot_without_graphviz(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(autotp.dump.shutil, "which", lambda name: None)
+    monkeypatch.setattr(autotp.report.dump.shutil, "which", lambda name: None)
     out = _dump(tmp_path, "--format", "svg")
     assert (out / "llama-tiny_tp2_rank0.dot").is_file() and not (out / "llama-tiny_tp2_rank0.svg").exists()
     assert "SVG needs Graphviz's `dot` program (apt-get install graphviz); wrote DOT instead" in capsys.readouterr().err

@@ -92,7 +92,7 @@ def test_plans_cover_every_layer_of_the_model(llama8b: ModelCosts) -> None:
     names = {p.name for p in best.plan.params}
     assert {f"model.layers.{i}.self_attn.q_proj.weight" for i in range(32)} <= names
     assert len(best.plan.layer_chunks) == 32 and best.plan.head_chunk == best.plan.num_chunks - 1
-    assert autotp.plan.ParallelPlan.from_json(best.plan.to_json()) == best.plan
+    assert autotp.ir.plan.ParallelPlan.from_json(best.plan.to_json()) == best.plan
     assert any("num_microbatches=" in note for note in best.plan.notes)
 
 

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from autotp.schedules import (
+from autotp.ir.schedules import (
     Action,
     add_schedule_command,
     buffer_slots,

@@ -4,7 +4,7 @@ Shared by ``autotp dump`` (which draws it) and ``autotp explain`` (which tabulat
 
 * **Shapes** are this rank's: the global ``node.meta["val"]`` shape with every sharded
   dim of the node's layout replaced by its local size.
-* **Layer** of a node: ``autotp.layers.layer_of``, the first integer in its innermost
+* **Layer** of a node: ``autotp.analysis.layers.layer_of``, the first integer in its innermost
   ``nn_module_stack`` path (``model.layers.3.mlp`` -> 3, ``transformer.h.3`` -> 3).
   Nodes after the last layer's last node belong to ``"head"``. Before, nodes of a module
   outside the layers (``model.embed_tokens``, ``model.rotary_emb``) belong to
@@ -35,7 +35,7 @@ from typing import Any
 
 from torch.fx import GraphModule, Node
 
-from autotp import meta_keys
+from autotp.ir import meta_keys
 from autotp.cost_model.flops import (
     TensorInfo,
     collective_time_s,
@@ -45,10 +45,10 @@ from autotp.cost_model.flops import (
     op_name,
 )
 from autotp.cost_model.hardware import H200, HardwareProfile
-from autotp.layers import layer_of
-from autotp.layouts import Layout, local_size
-from autotp.pipeline import stage_boundary
-from autotp.plan import ParallelPlan
+from autotp.analysis.layers import layer_of
+from autotp.ir.layouts import Layout, local_size
+from autotp.runtime.pipeline import stage_boundary
+from autotp.ir.plan import ParallelPlan
 
 EMBEDDING, HEAD = "embedding", "head"
 LayerKey = int | str

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from autotp.cost_model.cudagraphs import CudaGraphPolicy
-from autotp.layouts import DimSharding
+from autotp.ir.layouts import DimSharding
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300) -> None
     if missing:
         raise ValueError(
             f"environment variables {missing} are not set; start the program with torchrun "
-            "or through autotp.launcher.launch"
+            "or through autotp.runtime.launcher.launch"
         )
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from autotp.errors import describe
-from autotp.layouts import (
+from autotp.ir.errors import describe
+from autotp.ir.layouts import (
     PARTIAL,
     REPLICATE,
     DimSharding,
@@ -50,7 +50,7 @@ from autotp.layouts import (
     shard,
     unify,
 )
-from autotp.plan import ParallelPlan
+from autotp.ir.plan import ParallelPlan
 
 aten = torch.ops.aten
 

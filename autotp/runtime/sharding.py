@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from autotp.plan import ParamLayout
+from autotp.ir.plan import ParamLayout
 
 
 def shard_tensor(full: Tensor, layout: ParamLayout, rank: int, tp: int) -> Tensor:

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from autotp import meta_keys
-from autotp.graph_report import (
+from autotp.ir import meta_keys
+from autotp.report.graph_report import (
     GraphReport,
     LayerKey,
     LayerReport,

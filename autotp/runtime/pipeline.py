@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.fx import Graph, GraphModule, Node
 
-from autotp import meta_keys
-from autotp.cudagraphs import CapturedGraph
-from autotp.layouts import Layout, local_size
+from autotp.ir import meta_keys
+from autotp.runtime.cudagraphs import CapturedGraph
+from autotp.ir.layouts import Layout, local_size
 
 
 def stage_boundary(x: Tensor, chunk: int) -> Tensor:

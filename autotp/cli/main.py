@@ -17,16 +17,18 @@ import torch.distributed as dist
 from torch.fx import GraphModule
 from transformers.utils import logging as hf_logging
 
-from autotp import collectives, dump, presets
+from autotp import presets
+from autotp.runtime import collectives
+from autotp.report import dump
 from autotp.api import CompiledRank, compile_rank, parallelize
 from autotp.cost_model.hardware import PROFILES
-from autotp.graph_report import build_report, explain_json, explain_table, stage_view
+from autotp.report.graph_report import build_report, explain_json, explain_table, stage_view
 from autotp.cost_model.calibrate import add_calibrate_command
 from autotp.cost_model.planner import add_plan_command
-from autotp.cudagraph_report import explain_cudagraphs
-from autotp.launcher import RankError, launch
-from autotp.rank_groups import add_ranks_command
-from autotp.schedules import add_schedule_command
+from autotp.report.cudagraphs import explain_cudagraphs
+from autotp.runtime.launcher import RankError, launch
+from autotp.ir.rank_groups import add_ranks_command
+from autotp.ir.schedules import add_schedule_command
 from autotp.passes import PASSES
 
 _LR = 1e-3

@@ -25,12 +25,13 @@ import torch
 from torch.fx import GraphModule, Node
 from transformers.utils import logging as hf_logging
 
-from autotp import meta_keys, presets
+from autotp import presets
+from autotp.ir import meta_keys
 from autotp.api import compile_rank
 from autotp.cost_model.cudagraphs import region_stats
-from autotp.graph_report import assign_layers, layer_order, local_tensors
+from autotp.report.graph_report import assign_layers, layer_order, local_tensors
 from autotp.passes.mark_cudagraph_regions import Blocker, candidate_regions, region_slots, region_verdicts
-from autotp.plan import ParallelPlan
+from autotp.ir.plan import ParallelPlan
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

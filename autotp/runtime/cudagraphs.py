@@ -24,7 +24,7 @@ stay in the copy and run eagerly (partial capture). ``CapturedGraph`` runs that 
   hook on every captured parameter clones the gradient when ``.grad`` is still empty.
 * **Slots** (pipeline parallelism). A stage holds several microbatches between their
   forward and backward, and each needs its own static buffers and activations. Every
-  call names a ``slot`` (``autotp.schedules.buffer_slots``: the lowest free one at the
+  call names a ``slot`` (``autotp.ir.schedules.buffer_slots``: the lowest free one at the
   forward, freed by the backward); each slot is its own capture, made the first time the
   slot is used, with its own memory pool. Inside a slot forwards and backwards
   alternate, which is the order one pool's captures assume; across slots the schedule
@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 from torch.fx import Graph, GraphModule, Node
 
-from autotp import meta_keys
+from autotp.ir import meta_keys
 
 PREFIX = "cudagraph_region_"
 TORCH, TRANSFORMER_ENGINE = "torch", "transformer_engine"

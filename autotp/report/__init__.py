@@ -1,0 +1,1 @@
+"""Reports on compiled graphs: per-node and per-layer tables, dumps, CUDA-graph regions."""
