@@ -1,12 +1,16 @@
 """Run passes in order, checking the graph after each one.
 
 A pass is a plain function ``pass_fn(gm, ctx) -> gm``. After each pass the runner lints
-the graph, recompiles it, and (with ``ctx.dump_dir``) writes ``NN_<pass>.py``. A failure
-names the pass that broke the graph and the ones that ran before it.
+the graph, recompiles it, checks the invariants of ``autotp.passes.invariants``, logs the
+change in op counts (``logging`` at DEBUG) and, with ``ctx.dump_dir``, writes
+``NN_<pass>.py``. A failure names the pass that broke the graph and the ones that ran
+before it.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 import time
@@ -16,8 +20,15 @@ import torch
 from torch.fx import GraphModule
 
 from autotp.ir.plan import ParallelPlan
+from autotp.passes.invariants import INVARIANTS
+
+log = logging.getLogger(__name__)
 
 Pass = Callable[[GraphModule, "PassContext"], GraphModule]
+
+
+class PassInvariantError(AssertionError):
+    """A pass left the graph in a state the later passes and the runtime cannot trust."""
 
 
 @dataclass
@@ -37,11 +48,29 @@ class PassContext:
     backend: str = "nccl"
 
 
+def _op_counts(gm: GraphModule) -> Counter[str]:
+    return Counter(_op_name(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _op_name(target: object) -> str:
+    name = getattr(target, "__name__", str(target))
+    return name.removesuffix(".default")
+
+
+def _diff(before: Counter[str], after: Counter[str]) -> str:
+    changes = [(op, after[op] - before[op]) for op in sorted(before | after) if after[op] != before[op]]
+    return ", ".join(f"{n:+d} {op}" for op, n in changes) or "no op-count change"
+
+
 def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> GraphModule:
+    """Run ``passes`` in order on ``gm``, which the caller hands over: passes may rewrite
+    it in place. After each pass: lint, recompile, check ``INVARIANTS``, log the op-count
+    change; a failure names the pass and the passes that ran before it."""
     done: list[str] = []
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)
         (ctx.dump_dir / "00_traced.py").write_text(gm.code)
+    counts = _op_counts(gm)
     for i, p in enumerate(passes, start=1):
         name = p.__name__
         start = time.perf_counter()
@@ -49,11 +78,20 @@ def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> Gra
             gm = p(gm, ctx)
             gm.graph.lint()
             gm.recompile()
+            problems = [problem for check in INVARIANTS for problem in check(gm)]
+            if problems:
+                shown = "\n  ".join(problems[:10])
+                more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+                raise PassInvariantError(f"the graph breaks {len(problems)} invariant(s):\n  {shown}{more}")
         except Exception as e:
             e.add_note(f"in autotp pass '{name}' (passes run before it: {', '.join(done) or 'none'})")
             raise
-        ctx.timings[name] = ctx.timings.get(name, 0.0) + time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        ctx.timings[name] = ctx.timings.get(name, 0.0) + elapsed
         done.append(name)
+        after = _op_counts(gm)
+        log.debug("pass %s (%.3f s): %s", name, elapsed, _diff(counts, after))
+        counts = after
         if ctx.dump_dir is not None:
             (ctx.dump_dir / f"{i:02d}_{name}.py").write_text(gm.code)
     return gm
