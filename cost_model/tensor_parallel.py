@@ -18,7 +18,8 @@ from collections.abc import Iterable
 
 from torch.fx import GraphModule
 
-from autotp.analysis.propagation import Propagation, check_divisible, param_sharding, propagate
+from autotp.analysis.propagation import propagate
+from autotp.analysis.propagation_result import Propagation, check_divisible, param_sharding
 from autotp.ir.plan import ParallelPlan, ParamLayout
 
 MIN_EMBEDDING_ROWS_PER_RANK = 16

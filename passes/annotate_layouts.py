@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch.fx import GraphModule
 
 from autotp.ir import meta_keys
-from autotp.analysis.propagation import check_divisible, propagate
+from autotp.analysis.propagation import propagate
+from autotp.analysis.propagation_result import check_divisible
 from autotp.passes.runner import PassContext
 
 

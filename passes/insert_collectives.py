@@ -23,7 +23,8 @@ from torch.fx import GraphModule, Node
 
 from autotp.ir import meta_keys
 from autotp.runtime.collectives import copy_to_tp, gather_from_tp, reduce_from_tp
-from autotp.analysis.propagation import NodeRole, shape_of
+from autotp.analysis.propagation_result import NodeRole
+from autotp.analysis.shapes import shape_of
 from autotp.ir.layouts import PARTIAL, REPLICATE, Layout, resolve
 from autotp.passes.runner import PassContext
 

@@ -10,7 +10,7 @@ from torch.fx import GraphModule
 
 from autotp.ir import meta_keys
 from autotp.runtime.collectives import vocab_parallel_cross_entropy as parallel_loss
-from autotp.analysis.propagation import NodeRole
+from autotp.analysis.propagation_result import NodeRole
 from autotp.ir.layouts import Layout, resolve
 from autotp.passes.runner import PassContext
 

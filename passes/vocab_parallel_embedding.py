@@ -11,7 +11,7 @@ from torch.fx import GraphModule
 
 from autotp.ir import meta_keys
 from autotp.runtime.collectives import vocab_parallel_embedding as vocab_parallel_lookup
-from autotp.analysis.propagation import NodeRole
+from autotp.analysis.propagation_result import NodeRole
 from autotp.passes.runner import PassContext
 
 

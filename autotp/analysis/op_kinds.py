@@ -1,0 +1,58 @@
+"""What kind of computation a graph node is: a matmul, a grouped (MoE expert) matmul,
+attention, an embedding lookup, or anything else.
+
+Names are matched, not overloads, so that every overload of ``aten.mm`` and custom ops
+registered by libraries that may not be loaded (``transformers::grouped_mm_fallback``)
+are recognized: a target is a *grouped matmul* if its name contains ``grouped_mm``
+(``aten._grouped_mm`` too).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+MATMUL_NAMES = frozenset({"linear", "addmm", "mm", "bmm", "matmul"})
+ATTENTION_NAME = "scaled_dot_product_attention"
+EMBEDDING_NAMES = frozenset({"embedding", "vocab_parallel_embedding"})
+
+
+class OpKind(Enum):
+    MATMUL = "matmul"
+    GROUPED_MATMUL = "grouped_matmul"
+    ATTENTION = "attention"
+    EMBEDDING = "embedding"
+    OTHER = "other"
+
+
+def op_name(target: Any) -> str:
+    """Short name of a call target: ``linear`` for ``aten.linear.default``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def is_grouped_matmul(target: Any) -> bool:
+    return "grouped_mm" in str(target)
+
+
+def op_kind(target: Any) -> OpKind:
+    """The kind of a call target (a node's ``target``)."""
+    name = op_name(target)
+    if name in MATMUL_NAMES:
+        return OpKind.MATMUL
+    if is_grouped_matmul(target):
+        return OpKind.GROUPED_MATMUL
+    if name == ATTENTION_NAME:
+        return OpKind.ATTENTION
+    if name in EMBEDDING_NAMES:
+        return OpKind.EMBEDDING
+    return OpKind.OTHER
+
+
+def is_matmul(node: Node) -> bool:
+    """A matmul of either kind (dense or grouped) in a ``call_function`` node."""
+    return node.op == "call_function" and op_kind(node.target) in (OpKind.MATMUL, OpKind.GROUPED_MATMUL)

@@ -1,0 +1,125 @@
+"""The layout rule of every aten op the walk knows, in one table.
+
+A rule is ``rule(walker, node) -> layout`` (a tuple of layouts for multi-output ops).
+``rule_for`` looks a target up in ``RULES`` by overload; an op missing there is
+elementwise if it carries ``torch.Tag.pointwise``, a grouped (expert) matmul if
+``op_kinds`` says so, and otherwise opaque (``Walker.opaque``: replicated inputs only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.fx import Node
+
+from autotp.analysis import shape_rules as shapes
+from autotp.analysis import sharding_policy as params
+from autotp.analysis import value_rules as values
+from autotp.analysis.op_kinds import is_grouped_matmul
+from autotp.analysis.propagation_result import ParamView
+
+if TYPE_CHECKING:
+    from autotp.analysis.propagation import Walker
+
+aten = torch.ops.aten
+
+Rule = Callable[["Walker", Node], Any]
+
+
+def _linear(w: Walker, n: Node) -> Any:
+    bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+    return params.matmul(w, n, n.args[0], n.args[1], b_t=True, bias=bias)
+
+
+def _addmm(w: Walker, n: Node) -> Any:
+    if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+        return w.opaque(n)
+    return params.matmul(w, n, n.args[1], n.args[2], b_t=False, bias=n.args[0])
+
+
+def _mm(w: Walker, n: Node) -> Any:
+    return params.matmul(w, n, n.args[0], n.args[1], b_t=False, bias=None)
+
+
+def _view_like(w: Walker, n: Node) -> Any:
+    """Dtype casts, copies, detach: the layout of the input (an undecided parameter stays so)."""
+    src = w.get(n.args[0])
+    return src if isinstance(src, ParamView) else values.pointwise(w, n, [n.args[0]])
+
+
+_VIEW_LIKE = (
+    aten.alias.default,
+    aten.detach.default,
+    aten.contiguous.default,
+    aten.clone.default,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten.to.device,
+    aten._to_copy.default,
+    aten.type_as.default,
+    aten.lift_fresh_copy.default,
+)
+_SUM_LIKE = (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default)
+_FACTORIES_LIKE = (aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
+
+RULES: dict[Any, Rule] = {
+    # matmuls and the parameters they shard
+    aten.linear.default: _linear,
+    aten.addmm.default: _addmm,
+    aten.mm.default: _mm,
+    aten.bmm.default: _mm,
+    aten.matmul.default: _mm,
+    aten.embedding.default: params.embedding,
+    aten.cross_entropy_loss.default: params.cross_entropy,
+    # shape ops
+    aten.view.default: shapes.reshape,
+    aten.reshape.default: shapes.reshape,
+    aten._unsafe_view.default: shapes.reshape,
+    aten.flatten.using_ints: shapes.reshape,
+    aten.unflatten.int: shapes.reshape,
+    aten.expand.default: shapes.expand,
+    aten.unsqueeze.default: shapes.unsqueeze,
+    aten.squeeze.dim: shapes.squeeze,
+    aten.squeeze.dims: shapes.squeeze,
+    aten.squeeze.default: shapes.squeeze,
+    aten.transpose.int: shapes.transpose,
+    aten.t.default: shapes.transpose,
+    aten.permute.default: shapes.permute,
+    aten.numpy_T.default: shapes.reverse_dims,
+    aten.mT.default: shapes.reverse_dims,
+    aten.slice.Tensor: shapes.slice_,
+    aten.select.int: shapes.select,
+    aten.split.Tensor: shapes.split,
+    aten.split_with_sizes.default: shapes.split,
+    aten.chunk.default: shapes.split,
+    aten.unbind.int: shapes.split,
+    aten.cat.default: shapes.cat,
+    aten.stack.default: shapes.cat,
+    aten.index.Tensor: shapes.index,
+    # values
+    aten.scaled_dot_product_attention.default: values.sdpa,
+    aten.layer_norm.default: values.norm,
+    aten.native_layer_norm.default: values.norm,
+    aten.rms_norm.default: values.norm,
+    aten.dropout.default: values.dropout,
+    aten.where.self: values.pointwise,
+    **{op: values.reduction for op in _SUM_LIKE},
+    **{op: values.needs_whole_dim for op in values.DIM_OPS},
+    **{op: values.like_factory for op in _FACTORIES_LIKE},
+}
+for _op in _VIEW_LIKE:
+    RULES.setdefault(_op, _view_like)
+
+
+def rule_for(target: Any) -> Rule | None:
+    """The rule of a ``call_function`` target (None: treat the op as opaque)."""
+    rule = RULES.get(target)
+    if rule is not None:
+        return rule
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        return values.pointwise
+    if is_grouped_matmul(target):
+        return params.grouped_matmul
+    return None

@@ -1,0 +1,103 @@
+"""What a layout walk produces: node layouts, parameter decisions, roles, the partial
+inputs to all-reduce, and the shape fix-ups that sharding needs.
+
+``check_divisible`` and ``param_sharding`` read a finished ``Propagation``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from torch.fx import GraphModule, Node
+
+from autotp.ir.errors import describe
+from autotp.ir.layouts import REPLICATE, DimSharding, DimVar, Layout, ShardingConflict, resolve
+
+
+class NodeRole(str, Enum):
+    """What the rewrite passes must do with a node beyond sharding its inputs."""
+
+    VOCAB_EMBEDDING = "vocab_embedding"
+    VOCAB_CROSS_ENTROPY = "vocab_cross_entropy"
+    ROW_WITH_BIAS = "row_with_bias"
+
+
+@dataclass(frozen=True)
+class ParamView:
+    """An undecided parameter seen through views: ``dim_map[i]`` is the parameter dim
+    behind view dim ``i`` (None for inserted dims)."""
+
+    name: str
+    dim_map: tuple[int | None, ...]
+
+
+@dataclass
+class ParamDecision:
+    """Planning-mode decision for one parameter (``dim`` None: replicated)."""
+
+    kind: str
+    dim: int | None = None
+    var: DimVar | None = None
+
+
+ShardPolicy = Callable[[str, str, tuple[int, ...]], bool]
+"""``policy(param_name, kind, shape) -> allowed``; kind is ``column`` or ``vocab``."""
+
+
+@dataclass
+class Propagation:
+    """Result of one walk over the graph."""
+
+    tp: int
+    layouts: dict[Node, Any] = field(default_factory=dict)
+    reduce_inputs: dict[Node, list[Node]] = field(default_factory=dict)
+    roles: dict[Node, NodeRole] = field(default_factory=dict)
+    decisions: dict[str, ParamDecision] = field(default_factory=dict)
+    needs_grad: dict[Node, bool] = field(default_factory=dict)
+    conflicts: list[ShardingConflict] = field(default_factory=list)
+    # expand node -> [(dim, merged var, outer var)]: the broadcast dim that a later
+    # reshape merges into a sharded dim gets local size local(merged) / local(outer).
+    expand_fixups: dict[Node, list[tuple[int, DimVar, DimVar]]] = field(default_factory=dict)
+    # slice node -> (sliced var, selected segment): its bounds become local offsets.
+    slice_fixups: dict[Node, tuple[DimVar, DimVar]] = field(default_factory=dict)
+
+    def layout(self, node: Node) -> Layout:
+        lay = self.layouts.get(node, REPLICATE)
+        assert isinstance(lay, Layout), f"{node.name} has layout {lay}"
+        return lay
+
+
+
+def check_divisible(prop: Propagation, gm: GraphModule) -> None:
+    """Raise a ValueError naming the node when a sharded dim cannot be split over tp."""
+    seen: set[int] = set()
+    for node, lay in prop.layouts.items():
+        lays = lay if isinstance(lay, tuple) else (lay,)
+        for l in lays:
+            if not isinstance(l, Layout):
+                continue
+            for d, var in l.dims:
+                r = var.find()
+                if r.uid in seen:
+                    continue
+                seen.add(r.uid)
+                why = resolve(r, prop.tp).check(prop.tp)
+                if why:
+                    origins = ", ".join(sorted(r.origins))
+                    raise ValueError(
+                        f"cannot split dim {d} of {describe(node)} over tp={prop.tp}: {why}. "
+                        f"It comes from parameter(s) {origins}. Choose a tp that divides it "
+                        f"(or whose multiple it is), or keep those parameters replicated."
+                    )
+
+
+def param_sharding(prop: Propagation, name: str) -> tuple[str, int, DimSharding] | None:
+    """Planning result for one parameter: (kind, dim, sharding), or None if replicated."""
+    dec = prop.decisions.get(name)
+    if dec is None or dec.dim is None or dec.var is None:
+        return None
+    return dec.kind, dec.dim, resolve(dec.var, prop.tp)
+

@@ -1,0 +1,252 @@
+"""Layout rules of ops that move dims around: views, reshapes, expands, transposes,
+slices, splits, concatenation and row gathers (``index``).
+
+A reshape that splits a sharded dim puts the sharding on the outer block dim; one that
+merges a sharded dim with inner dims keeps it on the merged dim. When the inner dims
+come from an expand (``repeat_kv``), the expand is recorded in ``expand_fixups``; a
+slice within a sharded dim is recorded in ``slice_fixups``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.fx import Node
+
+from autotp.analysis.propagation_result import ParamView
+from autotp.analysis.shapes import norm_dim, reshape_chunks, shape_of
+from autotp.ir.errors import describe
+from autotp.ir.layouts import (
+    PARTIAL,
+    REPLICATE,
+    DimVar,
+    Layout,
+    ShardingConflict,
+    select_range,
+    set_groups,
+    set_segments,
+    shard,
+    unify,
+)
+
+if TYPE_CHECKING:
+    from autotp.analysis.propagation import Walker
+
+aten = torch.ops.aten
+
+
+def permute_like(w: Walker, node: Node, perm: list[int]) -> Any:
+    """Output dim i comes from input dim perm[i] (None: new dim)."""
+    lay = w.get(node.args[0])
+    if isinstance(lay, ParamView):
+        return ParamView(lay.name, tuple(None if p is None else lay.dim_map[p] for p in perm))
+    if lay.partial or not lay.dims:
+        return lay
+    return shard({i: lay.var_at(p) for i, p in enumerate(perm) if p is not None and lay.var_at(p) is not None})
+
+
+def reshape(w: Walker, node: Node) -> Layout:
+    lay = w.concrete(node.args[0], node)
+    if lay.partial or not lay.dims:
+        return lay
+    src, dst = shape_of(node.args[0]), shape_of(node)
+    assert src is not None and dst is not None
+    chunks = reshape_chunks(src, dst)
+    if chunks is None:
+        raise ShardingConflict(f"{describe(node)}: cannot map the reshape", lay.origins())
+    dims: dict[int, DimVar] = {}
+    for ca, cb in chunks:
+        vars_in = [(d, lay.var_at(d)) for d in ca if lay.var_at(d) is not None]
+        if not vars_in:
+            continue
+        if len(vars_in) > 1:
+            raise ShardingConflict(f"{describe(node)}: reshape merges two sharded dims", lay.origins())
+        d, var = vars_in[0]
+        if len(ca) == 1 and len(cb) == 1:
+            dims[cb[0]] = var
+        elif len(ca) == 1:
+            # split: the sharded dim becomes [blocks, rest...]; blocks carry the split
+            blocks = dst[cb[0]]
+            set_groups(var, blocks, describe(node))
+            out_var = DimVar(blocks, var.find().origins)
+            set_groups(out_var, blocks, describe(node))
+            dims[cb[0]] = out_var
+        elif len(cb) == 1:
+            if d != ca[0]:
+                raise ShardingConflict(f"{describe(node)}: the sharded dim is not the outer one of a merge", lay.origins())
+            merged = DimVar(dst[cb[0]], var.find().origins)
+            merged.outer = var
+            set_groups(merged, var.find().size, describe(node))
+            dims[cb[0]] = merged
+            note_broadcast_merge(w, node.args[0], ca[1:], merged, var)
+        else:
+            raise ShardingConflict(f"{describe(node)}: reshape regroups a sharded dim", lay.origins())
+    return shard(dims)
+
+
+def note_broadcast_merge(w: Walker, src: Node, inner_dims: list[int], merged: DimVar, outer: DimVar) -> None:
+    """``repeat_kv``: an expand whose broadcast dims are merged into a sharded dim."""
+    producer = src
+    while producer.target in (aten.clone.default, aten.contiguous.default) and isinstance(producer.args[0], Node):
+        producer = producer.args[0]
+    if producer.target is aten.expand.default and len(inner_dims) == 1:
+        w.out.expand_fixups.setdefault(producer, []).append((inner_dims[0], merged, outer))
+
+
+def expand(w: Walker, node: Node) -> Any:
+    lay = w.get(node.args[0])
+    src, dst = shape_of(node.args[0]), shape_of(node)
+    assert src is not None and dst is not None
+    off = len(dst) - len(src)
+    if isinstance(lay, ParamView):
+        return ParamView(lay.name, (None,) * off + lay.dim_map)
+    if lay.partial or not lay.dims:
+        return lay
+    return shard({d + off: v for d, v in lay.dims})
+
+
+def unsqueeze(w: Walker, node: Node) -> Any:
+    nd = len(shape_of(node) or ())
+    d = norm_dim(node.args[1], nd)
+    perm: list[int | None] = list(range(nd - 1))
+    perm.insert(d, None)
+    return permute_like(w, node, perm)  # type: ignore[arg-type]
+
+
+def squeeze(w: Walker, node: Node) -> Any:
+    src = shape_of(node.args[0]) or ()
+    if len(node.args) > 1:
+        ds = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        drop = {norm_dim(d, len(src)) for d in ds if src[norm_dim(d, len(src))] == 1}
+    else:
+        drop = {i for i, s in enumerate(src) if s == 1}
+    return permute_like(w, node, [i for i in range(len(src)) if i not in drop])
+
+
+def transpose(w: Walker, node: Node) -> Any:
+    nd = len(shape_of(node) or ())
+    if node.target is aten.t.default:
+        d0, d1 = 0, nd - 1
+    else:
+        d0, d1 = norm_dim(node.args[1], nd), norm_dim(node.args[2], nd)
+    perm = list(range(nd))
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return permute_like(w, node, perm)
+
+
+def reverse_dims(w: Walker, node: Node) -> Any:
+    """``x.T`` (``numpy_T``) reverses every dim; ``x.mT`` swaps the last two."""
+    nd = len(shape_of(node) or ())
+    perm = list(range(nd))
+    if node.target is aten.numpy_T.default:
+        perm.reverse()
+    else:
+        perm[-2], perm[-1] = perm[-1], perm[-2]
+    return permute_like(w, node, perm)
+
+
+def permute(w: Walker, node: Node) -> Any:
+    nd = len(shape_of(node) or ())
+    return permute_like(w, node, [norm_dim(d, nd) for d in node.args[1]])
+
+
+def slice_(w: Walker, node: Node) -> Any:
+    lay = w.concrete(node.args[0], node)
+    src = shape_of(node.args[0]) or ()
+    d = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(src))
+    var = lay.var_at(d)
+    if var is None:
+        return lay
+    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else src[d]
+    step = node.args[4] if len(node.args) > 4 else 1
+    start, end = norm_dim(start, src[d]), min(norm_dim(end, src[d]) if end < 0 else end, src[d])
+    if step != 1:
+        raise ShardingConflict(f"{describe(node)}: strided slice of a sharded dim", lay.origins())
+    part = select_range(var, start, end, describe(node))
+    if part is not var.find():
+        w.out.slice_fixups[node] = (var, part)
+    return shard({**dict(lay.dims), d: part})
+
+
+def select(w: Walker, node: Node) -> Any:
+    lay = w.concrete(node.args[0], node)
+    src = shape_of(node.args[0]) or ()
+    d = norm_dim(node.args[1], len(src))
+    if lay.var_at(d) is not None:
+        raise ShardingConflict(f"{describe(node)}: selects along a sharded dim", lay.origins())
+    return permute_like(w, node, [i for i in range(len(src)) if i != d])
+
+
+def split(w: Walker, node: Node) -> Any:
+    lay = w.concrete(node.args[0], node)
+    src = shape_of(node.args[0]) or ()
+    outs = node.meta.get("val")
+    n_out = len(outs) if isinstance(outs, (list, tuple)) else 1
+    target = node.target
+    if target is aten.chunk.default:
+        d = norm_dim(node.args[2] if len(node.args) > 2 else 0, len(src))
+    elif target is aten.unbind.int:
+        d = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(src))
+    else:
+        d = norm_dim(node.args[2] if len(node.args) > 2 else 0, len(src))
+    if lay.partial:
+        return tuple(PARTIAL for _ in range(n_out))
+    var = lay.var_at(d)
+    if var is None:
+        if target is aten.unbind.int:
+            return tuple(drop_dim(lay, d) for _ in range(n_out))
+        return tuple(lay for _ in range(n_out))
+    if target is aten.unbind.int:
+        raise ShardingConflict(f"{describe(node)}: unbinds a sharded dim", lay.origins())
+    sizes = [int(o.shape[d]) for o in outs]
+    segs = set_segments(var, sizes, describe(node))
+    return tuple(shard({**dict(lay.dims), d: seg}) for seg in segs)
+
+
+def drop_dim(lay: Layout, d: int) -> Layout:
+    return shard({(i if i < d else i - 1): v for i, v in lay.dims if i != d})
+
+
+def cat(w: Walker, node: Node) -> Any:
+    """``cat`` and ``stack``: inputs sharded alike, along another dim."""
+    tensors = node.args[0]
+    nd = len(shape_of(node) or ())
+    d = norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
+    stacking = node.target is aten.stack.default
+    lays = [w.concrete(t, node) for t in tensors]
+    if all(l.replicated for l in lays):
+        return REPLICATE
+    if any(l.partial for l in lays):
+        w.reduce_first(node, list(tensors))
+        lays = [REPLICATE if l.partial else l for l in lays]
+    first = lays[0]
+    for l in lays[1:]:
+        if [x for x, _ in l.dims] != [x for x, _ in first.dims]:
+            raise ShardingConflict(f"{describe(node)}: concatenates differently sharded tensors", first.origins() | l.origins())
+        for (_, v1), (_, v2) in zip(first.dims, l.dims):
+            unify(v1, v2, describe(node))
+    if stacking:
+        return shard({(i if i < d else i + 1): v for i, v in first.dims})
+    if first.var_at(d) is not None:
+        raise ShardingConflict(f"{describe(node)}: concatenates along a sharded dim", first.origins())
+    return first
+
+
+def index(w: Walker, node: Node) -> Any:
+    x, indices = node.args[0], node.args[1]
+    lay = w.concrete(x, node)
+    for i in indices:
+        if isinstance(i, Node) and not w.concrete(i, node).replicated:
+            raise ShardingConflict(f"{describe(node)}: sharded index tensor", w.get(i).origins())
+    if lay.replicated or lay.partial:
+        return lay
+    k = len(indices)
+    if any(i is None for i in indices) or any(lay.var_at(d) is not None for d in range(k)):
+        raise ShardingConflict(f"{describe(node)}: indexes a sharded dim", lay.origins())
+    src, dst = shape_of(x) or (), shape_of(node) or ()
+    shift = len(dst) - len(src)
+    return shard({d + shift: v for d, v in lay.dims})
+
+

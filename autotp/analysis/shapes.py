@@ -1,0 +1,70 @@
+"""Shape helpers shared by the analysis modules: a node's traced shape, dim arithmetic,
+and how a reshape pairs input dims with output dims."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from autotp.ir.layouts import REPLICATE
+
+
+def shape_of(node: Any) -> tuple[int, ...] | None:
+    """The traced shape of a tensor-valued node (None for anything else)."""
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    if isinstance(val, torch.Tensor):
+        return tuple(int(s) for s in val.shape)
+    return None
+
+
+def is_float(node: Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    """``d`` as a non-negative dim of an ``ndim``-dim tensor."""
+    return d + ndim if d < 0 else d
+
+
+def replicated_like(node: Node) -> Any:
+    """``REPLICATE``, or a tuple of them for a node with several outputs."""
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return tuple(REPLICATE for _ in val)
+    return REPLICATE
+
+
+def reshape_chunks(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]] | None:
+    """Pair runs of ``src`` dims with runs of ``dst`` dims of equal product.
+
+    Size-1 dims are left out (they carry nothing). Returns None if the shapes do not
+    describe the same number of elements.
+    """
+    a = [i for i, s in enumerate(src) if s != 1]
+    b = [j for j, s in enumerate(dst) if s != 1]
+    chunks: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        ca, cb = [a[i]], [b[j]]
+        pa, pb = src[a[i]], dst[b[j]]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                if i >= len(a):
+                    return None
+                ca.append(a[i])
+                pa *= src[a[i]]
+                i += 1
+            else:
+                if j >= len(b):
+                    return None
+                cb.append(b[j])
+                pb *= dst[b[j]]
+                j += 1
+        chunks.append((ca, cb))
+    if i != len(a) or j != len(b):
+        return None
+    return chunks

@@ -1,0 +1,168 @@
+"""Which use of a parameter makes it column-, row- or vocab-parallel.
+
+* ``matmul``: a weight met by a replicated activation becomes column-parallel (a fresh
+  ``DimVar`` on its out features); met by an activation sharded on the contracted dim
+  it becomes row-parallel, and the output is partial. A bias follows its weight's out
+  features, or, under a row-parallel matmul, stays replicated and is added after the
+  all-reduce (``NodeRole.ROW_WITH_BIAS``). Expert weights (``grouped_mm``) take the
+  ``expert_column``/``expert_row`` kinds.
+* ``embedding``: a 2-D table becomes vocab-parallel (padded rows allowed); the lookup
+  is partial (``NodeRole.VOCAB_EMBEDDING``).
+* ``cross_entropy``: logits sharded on the classes give a vocab-parallel loss
+  (``NodeRole.VOCAB_CROSS_ENTROPY``).
+
+``policy`` (``Walker.allowed``) may forbid the column and vocab kinds; the row kind
+follows from an already sharded activation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch.fx import Node
+
+from autotp.analysis.propagation_result import NodeRole, ParamDecision, ParamView
+from autotp.analysis.shapes import shape_of
+from autotp.ir.errors import describe
+from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
+
+if TYPE_CHECKING:
+    from autotp.analysis.propagation import Walker
+
+
+def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch_free: bool = False) -> Layout:
+    """``a @ op(b) (+ bias)``: ``b_t`` means b is stored [N, K] (``aten.linear``).
+
+    ``b_batch_free``: b has leading dims that a does not (MoE experts).
+    """
+    la = w.get(a)
+    if isinstance(la, ParamView):
+        la = w.concrete(a, node)
+    if la == PARTIAL:
+        w.reduce_first(node, [a])
+        la = REPLICATE
+    a_shape = shape_of(a)
+    b_shape = shape_of(b) if isinstance(b, Node) else None
+    if a_shape is None or b_shape is None:
+        return w.opaque(node)
+    a_nd, b_nd = len(a_shape), len(b_shape)
+    b_k, b_n = (b_nd - 1, b_nd - 2) if b_t else (b_nd - 2, b_nd - 1)
+    if b_nd == 1:
+        return w.opaque(node)
+    ak = la.var_at(a_nd - 1)
+    lb = w.get(b)
+    kind_col = "expert_column" if b_batch_free else "column"
+    kind_row = "expert_row" if b_batch_free else "row"
+    if isinstance(lb, ParamView):
+        if ak is not None:
+            w.param_view_shard(lb, b_k, ak, kind_row, node)
+        elif w.allowed(lb.name, "column"):
+            var = DimVar(b_shape[b_n], frozenset({lb.name}))
+            w.param_view_shard(lb, b_n, var, kind_col, node)
+        else:
+            w.decide(lb.name, ParamDecision("replicate"), node)
+        lb = w.get(b)
+    if lb == PARTIAL:
+        w.reduce_first(node, [b])
+        lb = REPLICATE
+    assert isinstance(lb, Layout)
+    bk, bn = lb.var_at(b_k), lb.var_at(b_n)
+    out_nd = len(shape_of(node) or ())
+    if (ak is None) != (bk is None):
+        raise ShardingConflict(
+            f"{describe(node)}: only one side of the contraction is sharded", (la.origins() | lb.origins())
+        )
+    dims: dict[int, DimVar] = {}
+    for d, v in la.dims:
+        if d != a_nd - 1:
+            dims[d + out_nd - a_nd] = v
+    if not b_batch_free:
+        for d, v in lb.dims:
+            if d not in (b_k, b_n):
+                od = d + out_nd - b_nd
+                dims[od] = unify(dims[od], v, describe(node)) if od in dims else v
+    elif any(d not in (b_k, b_n) for d, _ in lb.dims):
+        raise ShardingConflict(f"{describe(node)}: expert dim cannot be sharded here", lb.origins())
+    if bn is not None:
+        dims[out_nd - 1] = bn
+    if ak is not None:
+        unify(ak, bk, describe(node))
+        if dims:
+            raise ShardingConflict(f"{describe(node)}: contraction and output both sharded", la.origins())
+        out: Layout = PARTIAL
+    else:
+        out = shard(dims)
+    if bias is not None and isinstance(bias, Node):
+        lbias = w.get(bias)
+        if out == PARTIAL:
+            w.concrete(bias, node)
+            if w.get(bias) != REPLICATE:
+                raise ShardingConflict(f"{describe(node)}: bias of a row-parallel matmul is sharded", lb.origins())
+            w.out.roles[node] = NodeRole.ROW_WITH_BIAS
+            return REPLICATE
+        if isinstance(lbias, ParamView):
+            if bn is not None:
+                w.param_view_shard(lbias, len(lbias.dim_map) - 1, bn, "bias", node)
+            else:
+                w.concrete(bias, node)
+        elif lbias == PARTIAL:
+            w.reduce_first(node, [bias])
+        elif (lbias.var_at(len(shape_of(bias) or ()) - 1) is None) != (bn is None):
+            raise ShardingConflict(f"{describe(node)}: bias and weight disagree", lb.origins() | lbias.origins())
+        elif bn is not None:
+            unify(lbias.dims[0][1], bn, describe(node))
+    return out
+
+
+def grouped_matmul(w: Walker, node: Node) -> Layout:
+    """``aten._grouped_mm`` and its fallbacks: tokens [T, K] against expert weights [E, K, N]."""
+    a, b = node.args[0], node.args[1]
+    return matmul(w, node, a, b, b_t=False, bias=None, b_batch_free=True)
+
+
+def embedding(w: Walker, node: Node) -> Layout:
+    weight, ids = node.args[0], node.args[1]
+    if not w.concrete(ids, node).replicated:
+        raise ShardingConflict(f"{describe(node)}: sharded embedding indices", w.get(ids).origins())
+    lw = w.get(weight)
+    if isinstance(lw, ParamView):
+        shape = tuple(w.params[lw.name].shape)
+        if lw.dim_map == (0, 1) and w.allowed(lw.name, "vocab"):
+            var = DimVar(shape[0], frozenset({lw.name}), padded=True)
+            w.decide(lw.name, ParamDecision("vocab", 0, var), node)
+        else:
+            w.decide(lw.name, ParamDecision("replicate"), node)
+        lw = w.get(weight)
+    assert isinstance(lw, Layout)
+    if lw.replicated:
+        return REPLICATE
+    if lw.partial or lw.var_at(0) is None:
+        w.reduce_first(node, [weight])
+        if lw.dims:
+            raise ShardingConflict(f"{describe(node)}: embedding table sharded on its features", lw.origins())
+        return REPLICATE
+    w.out.roles[node] = NodeRole.VOCAB_EMBEDDING
+    return PARTIAL
+
+
+def cross_entropy(w: Walker, node: Node) -> Layout:
+    logits, target = node.args[0], node.args[1]
+    lay = w.concrete(logits, node)
+    w.concrete(target, node)
+    if lay.partial:
+        w.reduce_first(node, [logits])
+        return REPLICATE
+    if lay.replicated:
+        return REPLICATE
+    nd = len(shape_of(logits) or ())
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+    if nd != 2 or lay.var_at(1) is None or len(lay.dims) != 1 or weight is not None or smoothing:
+        raise ShardingConflict(f"{describe(node)}: only plain 2-D cross-entropy is vocab-parallel", lay.origins())
+    vocab = lay.var_at(1).find()
+    if vocab.groups is None and vocab.segments is None and vocab.fixed is None:
+        vocab.padded = True  # the loss masks padded classes, so V % tp may be nonzero
+    w.out.roles[node] = NodeRole.VOCAB_CROSS_ENTROPY
+    return REPLICATE
+
+

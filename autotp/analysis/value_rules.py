@@ -1,0 +1,213 @@
+"""Layout rules of ops that compute values: elementwise ops with broadcasting,
+reductions, ops that need a dim whole (softmax, topk...), norms, attention, dropout.
+
+``pointwise`` is also where a bias or norm weight follows the sharding of the operand
+it meets (kind ``bias``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.fx import Node
+
+from autotp.analysis.partials import linear_in_partial
+from autotp.analysis.propagation_result import ParamView
+from autotp.analysis.shapes import norm_dim, shape_of
+from autotp.ir.errors import describe
+from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
+
+if TYPE_CHECKING:
+    from autotp.analysis.propagation import Walker
+
+aten = torch.ops.aten
+
+DIM_OPS = {  # ops that need the given dim whole; (position of dim arg, default)
+    aten.softmax.int: (1, None),
+    aten._softmax.default: (1, None),
+    aten.log_softmax.int: (1, None),
+    aten._log_softmax.default: (1, None),
+    aten.cumsum.default: (1, None),
+    aten.topk.default: (2, -1),
+    aten.sort.default: (1, -1),
+    aten.argmax.default: (1, None),
+    aten.amax.default: (1, None),
+    aten.max.dim: (1, None),
+    aten.logsumexp.default: (1, None),
+}
+
+
+def pointwise(w: Walker, node: Node, tensor_args: list[Any] | None = None) -> Layout:
+    """Elementwise op with broadcasting."""
+    args = tensor_args if tensor_args is not None else [a for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, Node)]
+    out_shape = shape_of(node)
+    if out_shape is None:
+        return w.opaque(node)
+    lays = [w.get(a) for a in args]
+    partial = [a for a, l in zip(args, lays) if l == PARTIAL]
+    sharded = [l for l in lays if isinstance(l, Layout) and l.dims]
+    if partial:
+        if not sharded and linear_in_partial(node, args, lays):
+            for a, l in zip(args, lays):
+                if isinstance(l, ParamView):
+                    w.concrete(a, node)
+            return PARTIAL
+        w.reduce_first(node, args)
+        lays = [REPLICATE if l == PARTIAL else l for l in lays]
+    if not sharded:
+        for a in args:
+            w.concrete(a, node)
+        return REPLICATE
+    nd = len(out_shape)
+    dims: dict[int, DimVar] = {}
+    for lay in sharded:
+        for d, v in lay.dims:
+            # align from the right
+            arg_ndim = None
+            for a, l in zip(args, lays):
+                if l is lay:
+                    arg_ndim = len(shape_of(a) or ())
+            od = d + nd - (arg_ndim or nd)
+            dims[od] = unify(dims[od], v, describe(node)) if od in dims else v
+    for a, lay in zip(args, lays):
+        shp = shape_of(a) or ()
+        off = nd - len(shp)
+        for od, var in dims.items():
+            d = od - off
+            if d < 0 or shp[d] == 1:
+                continue
+            if isinstance(lay, ParamView):
+                if lay.name in w.out.decisions:
+                    continue
+                if len([x for x in range(len(shp)) if x + off in dims and shp[x] != 1]) > 1:
+                    raise ShardingConflict(f"{describe(node)}: {lay.name} meets two sharded dims", var.find().origins)
+                w.param_view_shard(lay, d, var, "bias", node)
+            elif lay.var_at(d) is None:
+                raise ShardingConflict(
+                    f"{describe(node)}: a replicated operand of full size meets a sharded dim", var.find().origins
+                )
+    for a in args:
+        lay = w.get(a)
+        if isinstance(lay, ParamView):
+            w.concrete(a, node)
+    return shard(dims)
+
+
+def reduction(w: Walker, node: Node) -> Any:
+    x = node.args[0]
+    lay = w.concrete(x, node)
+    src = shape_of(x) or ()
+    nd = len(src)
+    target = node.target
+    if target in (aten.sum.default, aten.mean.default):
+        dims_r, keep = list(range(nd)), False
+    else:
+        dims_r = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(nd))
+        dims_r = [dims_r] if isinstance(dims_r, int) else list(dims_r)
+        dims_r = [norm_dim(d, nd) for d in dims_r] or list(range(nd))
+        keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    if lay.partial:
+        return PARTIAL
+    reduced_vars = [lay.var_at(d) for d in dims_r if lay.var_at(d) is not None]
+    if reduced_vars:
+        if target in (aten.sum.dim_IntList, aten.sum.default) and len(lay.dims) == len(reduced_vars):
+            return PARTIAL
+        raise ShardingConflict(f"{describe(node)}: reduces over a sharded dim", lay.origins())
+    if keep:
+        return lay
+    kept = [d for d in range(nd) if d not in dims_r]
+    return shard({kept.index(d): v for d, v in lay.dims})
+
+
+def needs_whole_dim(w: Walker, node: Node) -> Any:
+    pos, default = DIM_OPS[node.target]
+    x = node.args[0]
+    lay = w.concrete(x, node)
+    w.reduce_first(node, [x])
+    if lay.partial:
+        lay = REPLICATE
+    nd = len(shape_of(x) or ())
+    d = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", default)
+    if d is None:
+        if lay.dims:
+            raise ShardingConflict(f"{describe(node)}: reduces a sharded tensor", lay.origins())
+    else:
+        dl = [d] if isinstance(d, int) else list(d)
+        for dd in dl:
+            if lay.var_at(norm_dim(dd, nd)) is not None:
+                raise ShardingConflict(f"{describe(node)}: needs a sharded dim whole", lay.origins())
+    val = node.meta.get("val")
+    keep_shape = isinstance(val, torch.Tensor) and tuple(val.shape) == tuple(shape_of(x) or ())
+    if isinstance(val, (tuple, list)):
+        if all(tuple(v.shape) == shape_of(x) for v in val):
+            return tuple(lay for _ in val)
+        if lay.dims:
+            raise ShardingConflict(f"{describe(node)}: unsupported sharded reduction", lay.origins())
+        return tuple(REPLICATE for _ in val)
+    if keep_shape or not lay.dims:
+        return lay
+    raise ShardingConflict(f"{describe(node)}: unsupported sharded reduction", lay.origins())
+
+
+def norm(w: Walker, node: Node) -> Any:
+    """layer_norm / rms_norm: the normalized (last) dims must be whole."""
+    x = node.args[0]
+    lay = w.concrete(x, node)
+    w.reduce_first(node, [x])
+    if lay.partial:
+        lay = REPLICATE
+    nd = len(shape_of(x) or ())
+    n_norm = len(node.args[1])
+    for d, _ in lay.dims:
+        if d >= nd - n_norm:
+            raise ShardingConflict(f"{describe(node)}: normalizes over a sharded dim", lay.origins())
+    for a in node.all_input_nodes[1:]:
+        w.concrete(a, node)
+        w.reduce_first(node, [a])
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return (lay,) + tuple(REPLICATE if not lay.dims else lay for _ in val[1:])
+    return lay
+
+
+def sdpa(w: Walker, node: Node) -> Layout:
+    q, k, v = node.args[0], node.args[1], node.args[2]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    lays = [w.concrete(t, node) for t in (q, k, v)]
+    w.reduce_first(node, [q, k, v])
+    lays = [REPLICATE if l.partial else l for l in lays]
+    if all(l.replicated for l in lays):
+        if isinstance(mask, Node):
+            w.concrete(mask, node)
+            w.reduce_first(node, [mask])
+        return REPLICATE
+    heads = [l.var_at(1) for l in lays]
+    if any(len(l.dims) != 1 or l.var_at(1) is None for l in lays):
+        blame = lays[0].origins() | lays[1].origins() | lays[2].origins()
+        raise ShardingConflict(f"{describe(node)}: attention needs q, k and v sharded on heads", blame)
+    unify(heads[1], heads[2], describe(node))
+    if heads[0].find().size == heads[1].find().size:
+        unify(heads[0], heads[1], describe(node))
+    if isinstance(mask, Node):
+        lm = w.concrete(mask, node)
+        mshape = shape_of(mask) or ()
+        if not lm.replicated or (len(mshape) == 4 and mshape[1] != 1):
+            raise ShardingConflict(f"{describe(node)}: per-head attention mask", lays[0].origins())
+    return shard({1: heads[0]})
+
+
+def like_factory(w: Walker, node: Node) -> Layout:
+    lay = w.concrete(node.args[0], node)
+    return REPLICATE if lay.partial else lay
+
+
+def dropout(w: Walker, node: Node) -> Layout:
+    x = node.args[0]
+    lay = w.concrete(x, node)
+    if lay.partial:
+        w.reduce_first(node, [x])
+        return REPLICATE
+    return lay
+
+
