@@ -81,13 +81,13 @@ from autotp.report.graph_report import (
     build_report,
 )
 from autotp.analysis.layers import num_layers
+from autotp.analysis.op_kinds import OpKind, is_matmul, op_kind
 from autotp.ir.plan import ParallelPlan
 
 PREAMBLE = "preamble"
 MATMUL_BACKWARD_FACTOR = 2.0
 COLLECTIVE_COPY_BYTES = 2
 _MATMUL, _ATTENTION, _OTHER = 1, 2, 0
-_MATMULS = {"linear", "addmm", "mm", "bmm", "matmul"}
 _BATCH_MAKERS = {"expand", "new_ones", "new_zeros", "new_full", "new_empty", "ones", "zeros", "full", "empty"}
 _SAVE_NOTHING = {
     "add", "sub", "neg", "to", "_to_copy", "clone", "contiguous", "cat", "stack", "mean", "sum", "where",
@@ -225,7 +225,7 @@ def saved_inputs(node: Node, grad: set[Node]) -> list[Node]:
     inputs = node.all_input_nodes
     if name in _SAVE_NOTHING or node_cost(node).bytes == 0:
         return []
-    if name in _MATMULS or "grouped_mm" in str(node.target):
+    if is_matmul(node):
         return inputs
     if name in ("mul", "div"):
         return [x for x in inputs if any(y in grad for y in inputs if y is not x)]
@@ -261,10 +261,10 @@ def affine_costs(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], depen
 
 
 def _kind(node: Node) -> int:
-    name = op_name(node.target)
-    if name in _MATMULS or "grouped_mm" in str(node.target):
+    kind = op_kind(node.target)
+    if kind.is_matmul:
         return _MATMUL
-    return _ATTENTION if name == "scaled_dot_product_attention" else _OTHER
+    return _ATTENTION if kind is OpKind.ATTENTION else _OTHER
 
 
 def fresh_copy(gm: GraphModule) -> GraphModule:

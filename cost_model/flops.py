@@ -1,13 +1,14 @@
 """Per-node FLOPs, memory bytes and estimated time, from the shapes in ``node.meta["val"]``.
 
 Shapes come through a callback ``tensors(node) -> list[TensorInfo]``: ``global_tensors``
-reads ``node.meta["val"]`` (whole-model shapes); ``autotp.report.graph_report`` passes one
-rank's local shapes. FLOPs are forward only and count a multiply-add as 2.
+reads ``node.meta["val"]`` (whole-model shapes); ``autotp.analysis.local_shapes.local_tensors``
+gives one rank's. FLOPs are forward only and count a multiply-add as 2.
 
 ``node_cost`` applies, by op:
 
-* **matmuls**: ``aten.linear``, ``addmm``, ``mm``, ``bmm``, ``matmul`` and every target
-  whose name contains ``grouped_mm`` (``aten._grouped_mm``, ``transformers::grouped_mm_fallback``):
+* **matmuls** (``autotp.analysis.op_kinds``): ``aten.linear``, ``addmm``, ``mm``, ``bmm``,
+  ``matmul`` and every target whose name contains ``grouped_mm`` (``aten._grouped_mm``,
+  ``transformers::grouped_mm_fallback``):
   FLOPs = 2 · numel(out) · K, with K the last dim of the first matrix operand (linear's
   ``x``, addmm's ``mat1``); a bias (linear's third argument, addmm's first) adds
   numel(out). For grouped_mm each token row meets exactly one expert, so this is 2·T·K·N.
@@ -50,21 +51,9 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from autotp.analysis.local_shapes import TensorInfo, global_tensors
+from autotp.analysis.op_kinds import OpKind, op_kind, op_name
 from autotp.cost_model.hardware import HardwareProfile
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -75,7 +64,6 @@ class NodeCost:
 
 Tensors = Callable[[Node], list[TensorInfo]]
 
-_MATMULS = {"linear", "addmm", "mm", "bmm", "matmul"}
 _VIEWS = {
     "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "unsqueeze", "squeeze",
     "expand", "expand_as", "slice", "select", "alias", "split", "split_with_sizes", "chunk",
@@ -89,24 +77,8 @@ _DATA_MOVEMENT = {
     "zeros_like", "ones_like", "full_like", "new_ones", "new_zeros", "new_full", "new_empty",
     "scalar_tensor",
 }  # fmt: skip
-_EMBEDDINGS = {"embedding", "vocab_parallel_embedding"}
 _COLLECTIVES = {"reduce_from_tp", "gather_from_tp"}
-_ATTENTION = "scaled_dot_product_attention"
 _SDPA_IS_CAUSAL_ARG = 5
-
-
-def op_name(target: Any) -> str:
-    """Short name of a call target: ``linear`` for ``aten.linear.default``."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.split("::")[-1]
-    return getattr(target, "__name__", str(target))
-
-
-def global_tensors(node: Node) -> list[TensorInfo]:
-    """The tensors a node produces, with the whole-model shapes of ``node.meta["val"]``."""
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else (val,)
-    return [TensorInfo(tuple(int(s) for s in v.shape), v.dtype) for v in vals if isinstance(v, torch.Tensor)]
 
 
 def _input_nodes(node: Node) -> list[Node]:
@@ -152,11 +124,12 @@ def node_cost(node: Node, tensors: Tensors = global_tensors) -> NodeCost:
     outputs = tensors(node)
     in_bytes, out_bytes = _bytes(inputs, tensors), sum(t.nbytes for t in outputs)
     out_numel = sum(t.numel for t in outputs)
-    if name in _MATMULS or "grouped_mm" in str(node.target):
+    kind = op_kind(node.target)
+    if kind.is_matmul:
         return NodeCost(_matmul_flops(node, name, out_numel, tensors), in_bytes + out_bytes)
-    if name == _ATTENTION:
+    if kind is OpKind.ATTENTION:
         return NodeCost(_attention_flops(node, tensors), in_bytes + out_bytes)
-    if name in _EMBEDDINGS:
+    if kind is OpKind.EMBEDDING:
         ids = tensors(node.args[1])[0].nbytes
         return NodeCost(0, ids + 2 * out_bytes)
     if name in _DATA_MOVEMENT:

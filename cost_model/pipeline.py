@@ -17,9 +17,8 @@ import torch
 from torch.fx import GraphModule
 
 from autotp.analysis.layers import layer_of, num_layers
+from autotp.analysis.op_kinds import is_matmul
 
-_MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.default,
-            torch.ops.aten.matmul.default, torch.ops.aten.bmm.default}
 
 
 def layer_costs(gm: GraphModule) -> tuple[list[float], float]:
@@ -29,8 +28,7 @@ def layer_costs(gm: GraphModule) -> tuple[list[float], float]:
     head = 0.0
     params = dict(gm.named_parameters(remove_duplicate=False))
     for node in gm.graph.nodes:
-        is_matmul = node.target in _MATMULS or "grouped_mm" in str(node.target)
-        if not is_matmul:
+        if not is_matmul(node):
             continue
         weight_elems = sum(params[str(a.target)].numel() for a in _param_inputs(node) if str(a.target) in params)
         layer = layer_of(node)

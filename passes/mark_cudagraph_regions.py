@@ -45,12 +45,12 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autotp.runtime import collectives
+from autotp.analysis.local_shapes import local_tensors
 from autotp.ir import meta_keys
 from autotp.runtime import rng
 from autotp.ir import schedules
 from autotp.cost_model.cudagraphs import decide, region_stats
 from autotp.ir.errors import source_line
-from autotp.report.graph_report import local_tensors
 from autotp.passes.runner import PassContext
 from autotp.runtime.pipeline import stage_boundary
 from autotp.ir.plan import ParallelPlan

@@ -3,7 +3,8 @@ slice bounds).
 
 ``torch.export`` bakes concrete sizes into ``view``/``reshape``/``expand`` arguments,
 some of which count heads or hidden features. Every dim that the layout pass marked as
-sharded gets its per-rank size; ``-1`` entries are left to be inferred.
+sharded gets its per-rank size (``autotp.analysis.local_shapes``); ``-1`` entries are
+left to be inferred.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
+from autotp.analysis.local_shapes import local_sizes, local_slice_bounds, local_tensors
 from autotp.ir import meta_keys
-from autotp.ir.layouts import Layout, local_offset, local_size
+from autotp.ir.layouts import Layout
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten
@@ -25,20 +27,14 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for node in gm.graph.nodes:
         lay = node.meta.get(meta_keys.LAYOUT)
         if node.target in _SHAPE_OPS:
-            fixups = node.meta.get(meta_keys.EXPAND_FIXUPS, [])
-            if not (isinstance(lay, Layout) and lay.dims) and not fixups:
+            local = local_sizes(node, tp, lay if isinstance(lay, Layout) else None)
+            if not local:
                 continue
-            shape = list(node.args[1])
-            for d, var in lay.dims if isinstance(lay, Layout) else ():
-                if shape[d] != -1:
-                    shape[d] = local_size(var, tp)
-            for d, merged, outer in fixups:
-                shape[d] = local_size(merged, tp) // local_size(outer, tp)
+            shape = [local[d] if d in local and s != -1 else s for d, s in enumerate(node.args[1])]
             node.args = (node.args[0], shape, *node.args[2:])
         elif meta_keys.SLICE_FIXUP in node.meta:
-            whole, part = node.meta[meta_keys.SLICE_FIXUP]
-            start = local_offset(whole, part, tp)
-            node.args = (node.args[0], node.args[1], start, start + local_size(part, tp), *node.args[4:])
+            start, end = local_slice_bounds(node, tp)
+            node.args = (node.args[0], node.args[1], start, end, *node.args[4:])
         elif node.target in _SPLIT_OPS and isinstance(lay, tuple):
             src = node.args[0].meta.get(meta_keys.LAYOUT)
             ndim = node.args[0].meta["val"].dim()
@@ -46,7 +42,7 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
             d = d + ndim if d < 0 else d
             if not isinstance(src, Layout) or src.var_at(d) is None:
                 continue
-            sizes = [local_size(out.var_at(d), tp) for out in lay]
+            sizes = [t.shape[d] for t in local_tensors(node, tp)]
             if len(set(sizes)) == 1 and node.target is aten.split.Tensor:
                 node.args = (node.args[0], sizes[0], d)
             elif len(set(sizes)) == 1 and node.target is aten.chunk.default:

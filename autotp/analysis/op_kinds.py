@@ -27,6 +27,11 @@ class OpKind(Enum):
     EMBEDDING = "embedding"
     OTHER = "other"
 
+    @property
+    def is_matmul(self) -> bool:
+        """Dense or grouped."""
+        return self in (OpKind.MATMUL, OpKind.GROUPED_MATMUL)
+
 
 def op_name(target: Any) -> str:
     """Short name of a call target: ``linear`` for ``aten.linear.default``."""
@@ -55,4 +60,4 @@ def op_kind(target: Any) -> OpKind:
 
 def is_matmul(node: Node) -> bool:
     """A matmul of either kind (dense or grouped) in a ``call_function`` node."""
-    return node.op == "call_function" and op_kind(node.target) in (OpKind.MATMUL, OpKind.GROUPED_MATMUL)
+    return node.op == "call_function" and op_kind(node.target).is_matmul

@@ -36,17 +36,11 @@ from typing import Any
 from torch.fx import GraphModule, Node
 
 from autotp.ir import meta_keys
-from autotp.cost_model.flops import (
-    TensorInfo,
-    collective_time_s,
-    compute_time_s,
-    global_tensors,
-    node_cost,
-    op_name,
-)
+from autotp.analysis.local_shapes import TensorInfo, global_tensors, local_tensors
+from autotp.cost_model.flops import collective_time_s, compute_time_s, node_cost, op_name
 from autotp.cost_model.hardware import H200, HardwareProfile
 from autotp.analysis.layers import layer_of
-from autotp.ir.layouts import Layout, local_size
+from autotp.ir.layouts import Layout
 from autotp.runtime.pipeline import stage_boundary
 from autotp.ir.plan import ParallelPlan
 
@@ -131,27 +125,6 @@ class GraphReport:
 
 
 # ---- shapes and layouts -------------------------------------------------------------
-
-
-def _layouts_for(node: Node, count: int) -> tuple[Layout | None, ...]:
-    lay = node.meta.get(meta_keys.LAYOUT)
-    if isinstance(lay, tuple) and len(lay) == count:
-        return tuple(l if isinstance(l, Layout) else None for l in lay)
-    return (lay if isinstance(lay, Layout) else None,) * count
-
-
-def local_tensors(node: Node, tp: int) -> list[TensorInfo]:
-    """The tensors a node produces on one rank."""
-    global_infos = global_tensors(node)
-    out = []
-    for info, lay in zip(global_infos, _layouts_for(node, len(global_infos))):
-        shape = list(info.shape)
-        for d, var in lay.dims if lay is not None else ():
-            shape[d] = local_size(var, tp)
-        for d, merged, outer in node.meta.get(meta_keys.EXPAND_FIXUPS, []):
-            shape[d] = local_size(merged, tp) // local_size(outer, tp)
-        out.append(TensorInfo(tuple(shape), info.dtype))
-    return out
 
 
 def describe_layout(node: Node, tp: int) -> str | None:

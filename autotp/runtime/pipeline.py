@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.fx import Graph, GraphModule, Node
 
+from autotp.analysis.local_shapes import local_shape
 from autotp.ir import meta_keys
 from autotp.runtime.cudagraphs import CapturedGraph
-from autotp.ir.layouts import Layout, local_size
 
 
 def stage_boundary(x: Tensor, chunk: int) -> Tensor:
@@ -48,15 +48,6 @@ class ChunkGraph:
         if self.captured is not None:
             return self.captured(*args, slot=slot)
         return (self.run or self.graph)(*args)
-
-
-def _local_shape(node: Node, tp: int) -> tuple[int, ...]:
-    shape = list(node.meta["val"].shape)
-    lay = node.meta.get(meta_keys.LAYOUT)
-    if isinstance(lay, Layout):
-        for d, var in lay.dims:
-            shape[d] = local_size(var, tp)
-    return tuple(int(s) for s in shape)
 
 
 def extract_chunks(gm: GraphModule, num_chunks: int, tp: int, only: Sequence[int] | None = None) -> dict[int, ChunkGraph]:
@@ -99,7 +90,7 @@ def extract_chunks(gm: GraphModule, num_chunks: int, tp: int, only: Sequence[int
             chunk=c,
             graph=GraphModule(gm, graph),
             input_names=[p.name for p in inputs],
-            recv_shapes=[(_local_shape(b, tp), b.meta["val"].dtype) for b in boundaries[c]],
+            recv_shapes=[(local_shape(b, tp), b.meta["val"].dtype) for b in boundaries[c]],
             num_sends=len(sends),
             is_last=is_last,
         )
