@@ -59,7 +59,6 @@ import copy
 import json
 import math
 import os
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -95,13 +94,13 @@ from transformers import PretrainedConfig
 
 from autotp import presets
 from autotp.ir.plan import ParallelPlan
+from autotp.analysis.layers import layer_index, with_layer_index
 from autotp.analysis.trace import trace
 
 PLANNING_BATCH = 2
 DP_BUCKET_BYTES = 25 * 2**20  # autotp.api's gradient buckets
 GRAD_SYNC_BYTES_MOVED = 6
 GRAD_SYNC_BUCKET_OPS, GRAD_SYNC_TENSOR_OPS = 3, 4
-_LAYER_INDEX = re.compile(r"\.(\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)
@@ -424,15 +423,13 @@ def _expand_layers(costs: ModelCosts, names: tuple) -> tuple:
         return names
     out = []
     for layout in names:
-        match = _LAYER_INDEX.search(layout.name)
-        if match is None:
+        j = layer_index(layout.name)
+        if j is None:
             out.append(layout)
             continue
-        j = int(match.group(1))
         for i in range(costs.num_layers):
             if costs.traced_index(i) == j:
-                name = layout.name[: match.start(1)] + str(i) + layout.name[match.end(1) :]
-                out.append(replace(layout, name=name))
+                out.append(replace(layout, name=with_layer_index(layout.name, i)))
     return tuple(out)
 
 

@@ -14,7 +14,7 @@ from torch.fx import GraphModule, Node
 from autotp.runtime import collectives
 from autotp.ir import meta_keys
 from autotp.runtime import rng
-from autotp.analysis.layers import layer_of, num_layers
+from autotp.analysis.layers import HEAD, last_layer_position, layer_of, num_layers, outside_layers
 from autotp.passes.runner import PassContext
 from autotp.runtime.pipeline import stage_boundary
 
@@ -41,7 +41,7 @@ def split_stages(gm: GraphModule, ctx: PassContext) -> GraphModule:
             f"the plan places {len(plan.layer_chunks)} layers but the graph has {layers}; plan for this model"
         )
     nodes = list(gm.graph.nodes)
-    last_layer_at = max(i for i, n in enumerate(nodes) if layer_of(n) == layers - 1)
+    last_layer_at = last_layer_position(nodes)
     repeat: set[Node] = set()
     chunk_of: dict[Node, int] = {}
     for i, node in enumerate(nodes):
@@ -53,7 +53,7 @@ def split_stages(gm: GraphModule, ctx: PassContext) -> GraphModule:
         node.meta[meta_keys.LAYER] = layer
         if layer is not None:
             base = plan.layer_chunks[layer]
-        elif i > last_layer_at:
+        elif outside_layers(i, last_layer_at) == HEAD:
             base = plan.head_chunk
         else:
             base = plan.embedding_chunk

@@ -4,7 +4,7 @@ Shared by ``autotp dump`` (which draws it) and ``autotp explain`` (which tabulat
 
 * **Shapes** are this rank's: the global ``node.meta["val"]`` shape with every sharded
   dim of the node's layout replaced by its local size.
-* **Layer** of a node: ``autotp.analysis.layers.layer_of``, the first integer in its innermost
+* **Layer** of a node: ``autotp.analysis.layers``, the first integer in its innermost
   ``nn_module_stack`` path (``model.layers.3.mlp`` -> 3, ``transformer.h.3`` -> 3).
   Nodes after the last layer's last node belong to ``"head"``. Before, nodes of a module
   outside the layers (``model.embed_tokens``, ``model.rotary_emb``) belong to
@@ -39,13 +39,11 @@ from autotp.ir import meta_keys
 from autotp.analysis.local_shapes import TensorInfo, global_tensors, local_tensors
 from autotp.cost_model.flops import collective_time_s, compute_time_s, node_cost, op_name
 from autotp.cost_model.hardware import H200, HardwareProfile
-from autotp.analysis.layers import layer_of
+from autotp.analysis.layers import EMBEDDING, HEAD, LayerKey, last_layer_position, layer_of, outside_layers
 from autotp.ir.layouts import Layout
 from autotp.runtime.pipeline import stage_boundary
 from autotp.ir.plan import ParallelPlan
 
-EMBEDDING, HEAD = "embedding", "head"
-LayerKey = int | str
 KINDS = ("all_reduce", "all_gather", "p2p")
 DIRECTIONS = ("forward", "backward")
 
@@ -151,7 +149,7 @@ def assign_layers(gm: GraphModule) -> dict[Node, LayerKey]:
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     from_path = {n: layer_of(n) for n in nodes if n.op == "call_function"}
-    last = max((i for i, n in enumerate(nodes) if from_path.get(n) is not None), default=-1)
+    last = last_layer_position(nodes)
     layers: dict[Node, LayerKey] = {}
     by_first_user: list[Node] = []
     current: LayerKey = EMBEDDING
@@ -162,7 +160,7 @@ def assign_layers(gm: GraphModule) -> dict[Node, LayerKey]:
             by_first_user.append(n)
         elif from_path[n] is not None:
             current = layers[n] = from_path[n]
-        elif i > last:
+        elif outside_layers(i, last) == HEAD:
             layers[n] = HEAD
         else:
             layers[n] = EMBEDDING if n.meta.get("nn_module_stack") else current
