@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 aten = torch.ops.aten
 
 
-def permute_like(w: Walker, node: Node, perm: list[int]) -> Any:
+def _permute_like(w: Walker, node: Node, perm: list[int]) -> Any:
     """Output dim i comes from input dim perm[i] (None: new dim)."""
     lay = w.get(node.args[0])
     if isinstance(lay, ParamView):
@@ -79,13 +79,13 @@ def reshape(w: Walker, node: Node) -> Layout:
             merged.outer = var
             set_groups(merged, var.find().size, describe(node))
             dims[cb[0]] = merged
-            note_broadcast_merge(w, node.args[0], ca[1:], merged, var)
+            _note_broadcast_merge(w, node.args[0], ca[1:], merged, var)
         else:
             raise ShardingConflict(f"{describe(node)}: reshape regroups a sharded dim", lay.origins())
     return shard(dims)
 
 
-def note_broadcast_merge(w: Walker, src: Node, inner_dims: list[int], merged: DimVar, outer: DimVar) -> None:
+def _note_broadcast_merge(w: Walker, src: Node, inner_dims: list[int], merged: DimVar, outer: DimVar) -> None:
     """``repeat_kv``: an expand whose broadcast dims are merged into a sharded dim."""
     producer = src
     while producer.target in (aten.clone.default, aten.contiguous.default) and isinstance(producer.args[0], Node):
@@ -111,7 +111,7 @@ def unsqueeze(w: Walker, node: Node) -> Any:
     d = norm_dim(node.args[1], nd)
     perm: list[int | None] = list(range(nd - 1))
     perm.insert(d, None)
-    return permute_like(w, node, perm)  # type: ignore[arg-type]
+    return _permute_like(w, node, perm)  # type: ignore[arg-type]
 
 
 def squeeze(w: Walker, node: Node) -> Any:
@@ -121,7 +121,7 @@ def squeeze(w: Walker, node: Node) -> Any:
         drop = {norm_dim(d, len(src)) for d in ds if src[norm_dim(d, len(src))] == 1}
     else:
         drop = {i for i, s in enumerate(src) if s == 1}
-    return permute_like(w, node, [i for i in range(len(src)) if i not in drop])
+    return _permute_like(w, node, [i for i in range(len(src)) if i not in drop])
 
 
 def transpose(w: Walker, node: Node) -> Any:
@@ -132,7 +132,7 @@ def transpose(w: Walker, node: Node) -> Any:
         d0, d1 = norm_dim(node.args[1], nd), norm_dim(node.args[2], nd)
     perm = list(range(nd))
     perm[d0], perm[d1] = perm[d1], perm[d0]
-    return permute_like(w, node, perm)
+    return _permute_like(w, node, perm)
 
 
 def reverse_dims(w: Walker, node: Node) -> Any:
@@ -143,12 +143,12 @@ def reverse_dims(w: Walker, node: Node) -> Any:
         perm.reverse()
     else:
         perm[-2], perm[-1] = perm[-1], perm[-2]
-    return permute_like(w, node, perm)
+    return _permute_like(w, node, perm)
 
 
 def permute(w: Walker, node: Node) -> Any:
     nd = len(shape_of(node) or ())
-    return permute_like(w, node, [norm_dim(d, nd) for d in node.args[1]])
+    return _permute_like(w, node, [norm_dim(d, nd) for d in node.args[1]])
 
 
 def slice_(w: Walker, node: Node) -> Any:
@@ -176,7 +176,7 @@ def select(w: Walker, node: Node) -> Any:
     d = norm_dim(node.args[1], len(src))
     if lay.var_at(d) is not None:
         raise ShardingConflict(f"{describe(node)}: selects along a sharded dim", lay.origins())
-    return permute_like(w, node, [i for i in range(len(src)) if i != d])
+    return _permute_like(w, node, [i for i in range(len(src)) if i != d])
 
 
 def split(w: Walker, node: Node) -> Any:
@@ -196,7 +196,7 @@ def split(w: Walker, node: Node) -> Any:
     var = lay.var_at(d)
     if var is None:
         if target is aten.unbind.int:
-            return tuple(drop_dim(lay, d) for _ in range(n_out))
+            return tuple(_drop_dim(lay, d) for _ in range(n_out))
         return tuple(lay for _ in range(n_out))
     if target is aten.unbind.int:
         raise ShardingConflict(f"{describe(node)}: unbinds a sharded dim", lay.origins())
@@ -205,7 +205,7 @@ def split(w: Walker, node: Node) -> Any:
     return tuple(shard({**dict(lay.dims), d: seg}) for seg in segs)
 
 
-def drop_dim(lay: Layout, d: int) -> Layout:
+def _drop_dim(lay: Layout, d: int) -> Layout:
     return shard({(i if i < d else i - 1): v for i, v in lay.dims if i != d})
 
 
