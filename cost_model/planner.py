@@ -1,6 +1,6 @@
 """The planner: tp, pp, dp, vpp and microbatch size for a model on a cluster, best first.
 
-**Input.** ``ModelCosts`` of a graph traced once (``trace_for_planning``: one decoder
+**Input.** ``ModelCosts`` of a graph traced once (``autotp.compiler.trace_for_planning``: one decoder
 layer on the meta device at the planned sequence length; later layers repeat it), a
 ``Cluster`` (GPUs, GPUs per node, ``HardwareProfile``) and a ``Training`` setup (global
 batch B, precision, distributed optimizer, whether outputs are gathered).
@@ -54,13 +54,10 @@ dropped; the rest are ranked by step time.
 
 from __future__ import annotations
 
-import argparse
-import copy
 import json
 import math
 import os
 import re
-import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -90,15 +87,10 @@ from autotp.cost_model.memory import (
     in_flight,
     rank_memory_bytes,
 )
-from torch.fx import GraphModule
-from transformers import PretrainedConfig
 
-from autotp import presets
-from autotp.ir.plan import ParallelPlan
-from autotp.analysis.trace import trace
+from autotp.ir.plan import DP_BUCKET_BYTES, ParallelPlan
+from autotp.ir.schedules import default_schedule
 
-PLANNING_BATCH = 2
-DP_BUCKET_BYTES = 25 * 2**20  # autotp.api's gradient buckets
 GRAD_SYNC_BYTES_MOVED = 6
 GRAD_SYNC_BUCKET_OPS, GRAD_SYNC_TENSOR_OPS = 3, 4
 _LAYER_INDEX = re.compile(r"\.(\d+)(?:\.|$)")
@@ -133,9 +125,7 @@ class Config:
 
     @property
     def schedule(self) -> str | None:
-        if self.pp == 1:
-            return None
-        return "interleaved" if self.vpp > 1 else "1f1b"
+        return None if self.pp == 1 else default_schedule(self.vpp)
 
 
 @dataclass(frozen=True)
@@ -187,28 +177,6 @@ class PlanEstimate:
             "optimizer_s": self.optimizer_s,
             "plan": json.loads(self.plan.to_json()),
         }
-
-
-# ---- tracing ---------------------------------------------------------------------------
-
-
-def trace_for_planning(config: PretrainedConfig, seq: int, *, dtype: torch.dtype = torch.bfloat16, traced_layers: int = 1) -> ModelCosts:
-    """``ModelCosts`` of a HF config: ``traced_layers`` decoder layers traced on meta at [2, seq]."""
-    text = config.get_text_config()
-    limit = getattr(text, "max_position_embeddings", None)
-    if limit is not None and seq > limit:
-        raise ValueError(f"--seq {seq} exceeds the model's max_position_embeddings ({limit}); plan for {limit} or less")
-    total = getattr(text, "num_hidden_layers", None)
-    small = copy.deepcopy(config)
-    if total is not None:
-        small_text = small.get_text_config()
-        small_text.num_hidden_layers = min(total, traced_layers)
-        if isinstance(getattr(small_text, "layer_types", None), list):
-            small_text.layer_types = small_text.layer_types[: small_text.num_hidden_layers]
-    model = presets.build_from_config(small, device="meta", dtype=dtype)
-    ids = torch.zeros((PLANNING_BATCH, seq), dtype=torch.long)
-    gm = trace(model, {"input_ids": ids, "labels": ids, "use_cache": False}, "meta")
-    return ModelCosts(gm, total)
 
 
 # ---- candidates ------------------------------------------------------------------------
@@ -443,9 +411,8 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
     chunks = cfg.pp * cfg.vpp
     schedule = f", schedule {cfg.schedule}" if cfg.schedule else ""
     note = (
-        f"planned for {hw.name}: microbatch size {cfg.microbatch_size}, {cfg.microbatches} microbatches "
-        f"(train_step(..., num_microbatches={cfg.microbatches})){schedule}; predicted {est.step_s:.4g} s per step, "
-        f"{est.mem_bytes_per_gpu / GiB:.1f} GiB per GPU"
+        f"planned for {hw.name}: microbatch size {cfg.microbatch_size}, {cfg.microbatches} microbatches{schedule}; "
+        f"predicted {est.step_s:.4g} s per step, {est.mem_bytes_per_gpu / GiB:.1f} GiB per GPU"
     )
     replicated = tuple(f"replicated (comm outweighs compute): {n}" for n in sorted(est.replicate))
     plan = replace(
@@ -458,6 +425,10 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
         embedding_chunk=0,
         head_chunk=chunks - 1,
         notes=rc.plan.notes + replicated + (note,),
+        microbatches=cfg.microbatches,
+        microbatch_size=cfg.microbatch_size,
+        schedule=cfg.schedule or "",
+        dp_bucket_bytes=DP_BUCKET_BYTES,
     )
     return PlanEstimate(
         plan=plan,
@@ -539,23 +510,23 @@ def detect_hardware(device: torch.device) -> HardwareProfile:
     )
 
 
-def auto_plan(gm: GraphModule, world: int, *, tp: int | None = None, pp: int | None = None, vpp: int | None = None) -> ParallelPlan:
-    """The planner's best plan for ``gm`` (traced at the example inputs) on ``world`` local ranks.
+def auto_plan(costs: ModelCosts, world: int, *, tp: int | None = None, pp: int | None = None, vpp: int | None = None) -> ParallelPlan:
+    """The planner's best plan for ``costs.gm`` (traced at the example inputs) on ``world`` local ranks.
 
     The example batch is the global batch and its sequence length the planned one.
     ``LOCAL_WORLD_SIZE`` ranks share a node; precision follows the parameters (fp32, or
     16-bit weights with a 16-bit AdamW).
     """
+    gm = costs.gm
     tensor = next(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor))
     hw = detect_hardware(tensor.device)
     per_node = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    costs = ModelCosts(gm)
     dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
     training = Training(costs.batch, "fp32" if dtype == torch.float32 else "bf16-pure", gather_outputs=True)
     return plan(costs, Cluster(world, per_node, hw), training, tp=tp, pp=pp, vpp=vpp, top=1)[0].plan
 
 
-# ---- the plan command ------------------------------------------------------------------
+# ---- presenting plans --------------------------------------------------------------------
 
 
 def format_table(estimates: list[PlanEstimate]) -> str:
@@ -579,60 +550,3 @@ def explain_values(costs: ModelCosts, best: PlanEstimate, hidden: int, heads: in
         cf.v: p.vpp, cf.m: best.microbatches, cf.d: p.dp, cf.r: 0, cf.Psi: costs.total_params(),
         cf.n: best.microbatch_size * costs.seq * hidden * 2,
     }  # fmt: skip
-
-
-def _plan_command(args: argparse.Namespace) -> int:
-    hw = get_profile(args.hardware)
-    for name in ("gpus", "gpus_per_node", "global_batch", "seq", "top"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    start = time.perf_counter()
-    config = presets.model_config(args.model)
-    costs = trace_for_planning(config, args.seq)
-    cluster = Cluster(args.gpus, args.gpus_per_node, hw)
-    training = Training(args.global_batch, args.precision, args.distributed_optimizer)
-    estimates = plan(costs, cluster, training, tp=args.tp, pp=args.pp, top=args.top)
-    elapsed = time.perf_counter() - start
-    if args.format == "json":
-        print(json.dumps([e.to_json() for e in estimates], indent=1))
-        return 0
-    nodes = math.ceil(args.gpus / args.gpus_per_node)
-    optimizer = ", distributed optimizer" if args.distributed_optimizer else ""
-    print(
-        f"{args.model} on {args.gpus} x {hw.name} ({nodes} node{'s' * (nodes > 1)} of {min(args.gpus, args.gpus_per_node)}), "
-        f"global batch {args.global_batch} x {args.seq} tokens, {args.precision}{optimizer}; planned in {elapsed:.2f} s"
-    )
-    print(format_table(estimates))
-    if args.explain:
-        text = config.get_text_config()
-        values = explain_values(costs, estimates[0], text.hidden_size, text.num_attention_heads)
-        print(f"\nclosed forms (values for plan #1, {hw.name}: alpha = {hw.collective_latency_s * 1e6:.0f} us, "
-              f"B = {hw.allreduce_bus_bytes_per_s / 1e9:.0f} GB/s):")
-        print(closed_forms.explain({**values, closed_forms.alpha: hw.collective_latency_s, closed_forms.B: hw.allreduce_bus_bytes_per_s}))
-        print(f"\nhardware: {hw.source}")
-    return 0
-
-
-def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``plan``; its handler (``args.handler``) prints the ranked plans and returns 0."""
-    command = subparsers.add_parser(
-        "plan",
-        help="rank tp/pp/dp/vpp/microbatch plans by predicted step time and memory",
-        description="Trace one decoder layer of MODEL on the meta device, estimate every tp/pp/dp/vpp/microbatch "
-        "split of the cluster with the cost model (autotp.cost_model), drop those that do not fit in memory "
-        "and print the fastest. Times include the optimizer step.",
-    )
-    command.add_argument("model", metavar="MODEL", help=f"a preset ({', '.join(presets.preset_names())}) or a folder holding config.json")
-    command.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
-    command.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default: 8)")
-    command.add_argument("--hardware", default="h100", help="a profile name (h200, h100, a100, pcie, cpu) or a JSON profile from autotp calibrate (default: h100)")
-    command.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
-    command.add_argument("--seq", type=int, default=4096, help="sequence length (default: 4096)")
-    command.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16", help="params/grads/optimizer precision (default: bf16)")
-    command.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer states over dp (ZeRO-1)")
-    command.add_argument("--tp", type=int, help="keep this tensor-parallel degree")
-    command.add_argument("--pp", type=int, help="keep this pipeline-parallel degree")
-    command.add_argument("--top", type=int, default=10, help="plans to show (default: 10)")
-    command.add_argument("--format", choices=("table", "json"), default="table", help="default: table")
-    command.add_argument("--explain", action="store_true", help="also print the closed forms with the top plan's numbers")
-    command.set_defaults(handler=_plan_command)

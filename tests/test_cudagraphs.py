@@ -25,7 +25,8 @@ from autotp.runtime import cudagraphs
 from autotp.ir import meta_keys
 from autotp.ir import schedules
 from autotp.runtime.collectives import copy_to_tp, reduce_from_tp
-from autotp.cost_model.cudagraphs import CudaGraphPolicy, RegionStats, decide
+from autotp.cost_model.cudagraphs import RegionStats, choose_regions, decide
+from autotp.ir.plan import CudaGraphPolicy
 from autotp.report.cudagraphs import cudagraph_report, explain_cudagraphs
 from autotp.passes.mark_cudagraph_regions import COLLECTIVE, HOST_SYNC, HOST_VALUE, mark_cudagraph_regions
 from autotp.passes.runner import PassContext
@@ -142,7 +143,8 @@ def test_regions_never_span_stage_boundaries() -> None:
 
 
 def _mark(gm: torch.fx.GraphModule, plan: ParallelPlan, backend: str, device: str = "meta") -> torch.fx.GraphModule:
-    ctx = PassContext(plan=replace(plan, cudagraphs=True), device=torch.device(device), backend=backend)
+    ctx = PassContext(plan=replace(plan, cudagraphs=True), device=torch.device(device), backend=backend,
+                      choose_cudagraph_regions=choose_regions)
     return mark_cudagraph_regions(gm, ctx)
 
 
