@@ -17,7 +17,7 @@ For a region (``region_stats``), with this rank's local shapes:
   forward and stage boundaries launch nothing.
 * ``gpu_s`` = Σ roofline time (``flops.compute_time_s``) forward, times
   (1 + ``BACKWARD_GPU_FACTOR``) for nodes that need grad, plus the alpha-beta time of
-  the all-reduces and all-gathers (``flops.collective_time_s``).
+  the all-reduces and all-gathers (``communication.group_collective_s``, inside a node).
 * ``copy_bytes`` = the region's non-parameter inputs (copied before the forward replay)
   + its outputs that need grad (their gradients are copied before the backward replay).
 * ``static_bytes`` = inputs + every tensor made by a kernel node (outputs and
@@ -54,7 +54,8 @@ from torch.fx import Node
 
 from autotp.ir import meta_keys
 from autotp.ir.plan import CudaGraphPolicy, ParallelPlan
-from autotp.cost_model.flops import TensorInfo, collective_time_s, compute_time_s, node_cost
+from autotp.cost_model.communication import group_collective_s
+from autotp.cost_model.flops import TensorInfo, compute_time_s, node_cost
 from autotp.cost_model.hardware import PROFILES
 from autotp.passes.mark_cudagraph_regions import region_slots
 from autotp.report.graph_report import local_tensors
@@ -124,7 +125,7 @@ def region_stats(nodes: Sequence[Node], tensors: Tensors, tp: int, hardware: str
         cost = node_cost(n, tensors)
         kind = _COLLECTIVE_KIND.get(n.meta.get(meta_keys.COLLECTIVE, ""))
         if kind is not None:
-            gpu_s += collective_time_s(kind, _bytes(n, tensors), tp, hw)
+            gpu_s += group_collective_s(kind, _bytes(n, tensors), tp, tp, hw)
         elif cost.flops or cost.bytes:
             gpu_s += compute_time_s(cost, hw) * (1 + (BACKWARD_GPU_FACTOR if grad else 0))
         if kind is not None or cost.flops or cost.bytes:

@@ -38,12 +38,12 @@ from torch.fx import GraphModule, Node
 from autotp.ir import meta_keys
 from autotp.cost_model.flops import (
     TensorInfo,
-    collective_time_s,
     compute_time_s,
     global_tensors,
     node_cost,
     op_name,
 )
+from autotp.cost_model.communication import group_collective_s
 from autotp.cost_model.hardware import H200, HardwareProfile
 from autotp.analysis.layers import layer_of
 from autotp.ir.layouts import Layout, local_size
@@ -222,7 +222,7 @@ def layer_order(key: LayerKey) -> tuple[int, int]:
 
 def _collectives(node: Node, tp: int, hw: HardwareProfile, local: list[TensorInfo]) -> tuple[CollectiveCost, ...]:
     def cost(kind: str, direction: str, nbytes: int, ranks: int = tp) -> CollectiveCost:
-        return CollectiveCost(kind, direction, nbytes, ranks, collective_time_s(kind, nbytes, ranks, hw))
+        return CollectiveCost(kind, direction, nbytes, ranks, group_collective_s(kind, nbytes, ranks, ranks, hw))
 
     tag = node.meta.get(meta_keys.COLLECTIVE)
     if tag is not None:
