@@ -183,6 +183,14 @@ def test_plan_round_trips_with_cudagraphs() -> None:
     assert ParallelPlan.from_json(json.dumps(old)) == ParallelPlan(tp=2)
 
 
+def test_the_compiled_plan_records_the_chosen_regions() -> None:
+    compiled = autotp.compile_rank(autotp.presets.build_model("llama-tiny"), tp=2, cuda_graphs=True)
+    tagged = {n.meta[meta_keys.CUDAGRAPH_REGION] for n in compiled.graph.graph.nodes if meta_keys.CUDAGRAPH_REGION in n.meta}
+    assert tagged and compiled.plan.cudagraph_regions == tuple(sorted(tagged))
+    report = cudagraph_report(compiled.graph, compiled.plan)
+    assert [r["id"] for r in report["cudagraph_regions"]] == list(compiled.plan.cudagraph_regions)
+
+
 def test_cuda_graphs_on_cpu_is_a_value_error() -> None:
     model = build("llama")
     with pytest.raises(ValueError, match="cuda_graphs=True captures CUDA graphs, but this rank runs on cpu"):

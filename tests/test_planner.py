@@ -98,6 +98,19 @@ def test_plans_cover_every_layer_of_the_model(llama8b: ModelCosts) -> None:
     assert best.plan.schedule == best.schedule
 
 
+def test_plan_fields_round_trip_and_old_json_loads() -> None:
+    full = autotp.ParallelPlan(tp=2, pp=2, microbatches=8, microbatch_size=2, schedule="gpipe", cudagraph_regions=(0, 3),
+                               dp_bucket_bytes=2**20, sequence_parallel=True, distributed_optimizer=True, ep=2)  # fmt: skip
+    assert autotp.ParallelPlan.from_json(full.to_json()) == full
+    old = json.loads(autotp.ParallelPlan(tp=2).to_json())
+    for key in ("microbatches", "microbatch_size", "schedule", "cudagraph_regions", "dp_bucket_bytes",
+                "sequence_parallel", "distributed_optimizer", "ep"):  # fmt: skip
+        del old[key]
+    loaded = autotp.ParallelPlan.from_json(json.dumps(old))
+    assert loaded == autotp.ParallelPlan(tp=2)
+    assert (loaded.microbatches, loaded.schedule_name, loaded.sequence_parallel, loaded.ep) == (1, "1f1b", False, 1)
+
+
 def test_small_linears_are_replicated_when_comm_outweighs_compute() -> None:
     tiny = trace_for_planning(presets.model_config("llama-tiny"), 32)
     assert planner.small_linears(tiny, 2, 1, CPU) >= {"model.layers.0.self_attn.q_proj.weight"}
