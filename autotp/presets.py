@@ -19,6 +19,9 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+"""The parameter dtypes the commands accept, by name."""
+
 
 def _llama_tiny() -> PretrainedConfig:
     return LlamaConfig(

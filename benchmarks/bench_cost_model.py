@@ -1,6 +1,6 @@
 """Cost-model accuracy: predicted against measured ``train_step`` time, after calibration.
 
-One run calibrates the GPUs (``autotp.cost_model.calibrate``), measures
+One run calibrates the GPUs (``autotp.cli.calibrate``), measures
 ``autotp.parallelize(...).train_step(...)`` for every configuration in ``RUNS`` (1, 2
 and 4 GPUs, tp/pp/dp/interleaved mixes, two Llama-shaped models, two global batches;
 bf16, NCCL, median of timed steps after warm-up), then predicts each with the planner's
@@ -30,14 +30,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from autotp.cost_model.calibrate import calibrate, describe, fit_profile
+from autotp.cli.calibrate import calibrate, fitted_profile
+from autotp.compiler import trace_for_planning
+from autotp.cost_model.calibrate import describe
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.planner import (
     Cluster,
     Config,
     Training,
     estimate,
-    trace_for_planning,
 )
 from transformers import LlamaConfig
 
@@ -231,7 +232,7 @@ def main() -> None:
 
         rows = measure(CPU_RUNS if cpu else RUNS, CPU_MODELS if cpu else MODELS, "gloo" if cpu else "nccl", save)
         print(f"measurements {time.perf_counter() - calibrated_at:.0f} s")
-    profile = fit_profile(calibration, calibrated_on)
+    profile = fitted_profile(calibration, calibrated_on)
     print(describe(profile, calibration))
     rows = predict(rows, CPU_MODELS if cpu else MODELS, profile, cpu)
     print(f"{calibrated_on} x {calibration['device_name']}, {setup}")

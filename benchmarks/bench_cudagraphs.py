@@ -167,7 +167,8 @@ def _pipeline(tp: int, pp: int) -> dict[str, Any]:
 
 
 def _case(name: str, tp: int, pp: int) -> dict[str, Any]:
-    from autotp.cost_model.cudagraphs import ALWAYS, CudaGraphPolicy
+    from autotp.cost_model.cudagraphs import ALWAYS
+    from autotp.ir.plan import CudaGraphPolicy
 
     if name == "numerics":
         return {"llama24_fp32": _numerics(_launch_model().float(), tp, pp), "mixtral_fp32": _numerics(_mixtral(128).float(), tp, pp)}

@@ -23,8 +23,8 @@ from autotp.cost_model.planner import (
     candidates,
     format_table,
     plan,
-    trace_for_planning,
 )
+from autotp.compiler import trace_for_planning
 
 from autotp import presets
 

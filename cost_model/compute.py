@@ -1,8 +1,8 @@
 """One rank's compute, tensor-parallel communication and activations, from a traced graph.
 
-``ModelCosts`` holds a graph traced once (``autotp.cost_model.planner.trace_for_planning``
+``ModelCosts`` holds a graph traced once (``autotp.compiler.trace_for_planning``
 traces one decoder layer on the meta device). For each tp it plans the graph
-(``plan_tensor_parallel``) and runs the passes, as compiling rank 0 does;
+(``plan_tensor_parallel``) and compiles it through its ``compile_fn``, as compiling rank 0 does;
 ``autotp.report.graph_report`` then gives every node its local shapes, its layer (``embedding``,
 decoder layer i, ``head``) and its collectives. Those are summed into one ``Segment``
 per layer. A model with more layers than were traced repeats them: layer i costs what
@@ -56,8 +56,7 @@ only tensors that depend on the inputs count (they scale with b).
 
 from __future__ import annotations
 
-import copy
-import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -67,8 +66,6 @@ from autotp.cost_model.flops import TensorInfo, global_tensors, node_cost, op_na
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.pipeline import balanced_cuts, layer_costs
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
-from autotp.passes import PASSES
-from autotp.passes.runner import PassContext, run_passes
 from autotp.passes.split_stages import repeatable
 from torch.fx import GraphModule, Node
 
@@ -83,6 +80,9 @@ from autotp.report.graph_report import (
 from autotp.analysis.layers import num_layers
 from autotp.analysis.op_kinds import OpKind, is_matmul, op_kind
 from autotp.ir.plan import ParallelPlan
+
+CompileFn = Callable[[ParallelPlan], GraphModule]
+"""A plan -> tp rank 0's graph compiled under it, on meta (``autotp.compiler.model_costs`` binds it)."""
 
 PREAMBLE = "preamble"
 MATMUL_BACKWARD_FACTOR = 2.0
@@ -267,22 +267,16 @@ def _kind(node: Node) -> int:
     return _ATTENTION if kind is OpKind.ATTENTION else _OTHER
 
 
-def fresh_copy(gm: GraphModule) -> GraphModule:
-    """A copy the passes can rewrite (they edit nodes in place); parameters are shared."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # deepcopy of the graph's pytree specs
-        return GraphModule(gm, copy.deepcopy(gm.graph))
-
-
 class ModelCosts:
     """A traced model's costs per rank at any tp and microbatch size (sequence length fixed)."""
 
-    def __init__(self, gm: GraphModule, num_layers_total: int | None = None) -> None:
+    def __init__(self, gm: GraphModule, num_layers_total: int | None = None, *, compile_fn: CompileFn) -> None:
         inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
         if not inputs:
             raise ValueError("the traced graph has no tensor inputs; trace it with example inputs such as input_ids")
         shape = tuple(inputs[0].meta["val"].shape)
         self.gm = gm
+        self._compile_fn = compile_fn
         self.batch = shape[0]
         self.seq = shape[1] if len(shape) > 1 else 1
         self.traced_layers = num_layers(gm)
@@ -364,8 +358,7 @@ class ModelCosts:
         return self._ranks[key]
 
     def _compile(self, plan: ParallelPlan) -> RankCosts:
-        ctx = PassContext(plan=plan, tp_rank=0, device=torch.device("meta"), group=f"tp{plan.tp}")
-        gm = run_passes(fresh_copy(self.gm), ctx, PASSES)
+        gm = self._compile_fn(plan)
         report = build_report(gm, plan, 0)
         dependent = batch_dependent(gm, self.batch)
         grad = needs_grad(gm)

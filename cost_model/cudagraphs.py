@@ -17,7 +17,7 @@ For a region (``region_stats``), with this rank's local shapes:
   forward and stage boundaries launch nothing.
 * ``gpu_s`` = Σ roofline time (``flops.compute_time_s``) forward, times
   (1 + ``BACKWARD_GPU_FACTOR``) for nodes that need grad, plus the alpha-beta time of
-  the all-reduces and all-gathers (``flops.collective_time_s``).
+  the all-reduces and all-gathers (``communication.group_collective_s``, inside a node).
 * ``copy_bytes`` = the region's non-parameter inputs (copied before the forward replay)
   + its outputs that need grad (their gradients are copied before the backward replay).
 * ``static_bytes`` = inputs + every tensor made by a kernel node (outputs and
@@ -33,10 +33,10 @@ with replays = 2 when the region needs grad, else 1.
 
 ``decide`` captures, in order of ``saved_s`` per pinned byte, every region with
 ``saved_s > policy.min_saved_s`` whose pinned bytes still fit ``policy.max_static_bytes``
-(a budget per GPU: call it once per pipeline stage).
+(a budget per GPU: ``choose_regions`` calls it once per pipeline stage).
 Compute-bound regions save nothing (GPU time dominates both sides) and are declined.
 
-Constants (``CudaGraphPolicy`` defaults). ``launch_s`` = 26 µs is measured: on an H200
+Constants (``autotp.ir.plan.CudaGraphPolicy`` defaults). ``launch_s`` = 26 µs is measured: on an H200
 host (torch 2.11, ``benchmarks/bench_cudagraphs.py``, launch case: Llama 24 layers,
 h=512, batch 1, seq 128, bf16) an eager autotp training step takes 74.4 ms for the cost
 model's 2,796 launches at tp=1 (26.6 µs each; 29.9 µs at tp=2), while the captured step
@@ -53,36 +53,16 @@ from dataclasses import dataclass
 from torch.fx import Node
 
 from autotp.ir import meta_keys
-from autotp.cost_model.flops import TensorInfo, collective_time_s, compute_time_s, node_cost
+from autotp.ir.plan import CudaGraphPolicy, ParallelPlan
+from autotp.cost_model.communication import group_collective_s
+from autotp.cost_model.flops import TensorInfo, compute_time_s, node_cost
 from autotp.cost_model.hardware import PROFILES
+from autotp.passes.mark_cudagraph_regions import region_slots
+from autotp.report.graph_report import local_tensors
 
 BACKWARD_LAUNCHES = 2
 BACKWARD_GPU_FACTOR = 2.0
 _COLLECTIVE_KIND = {"all_reduce": "all_reduce", "all_reduce_backward": "all_reduce", "all_gather": "all_gather"}
-
-
-@dataclass(frozen=True)
-class CudaGraphPolicy:
-    """The cost model's constants for choosing regions (rule in the module docstring)."""
-
-    launch_s: float = 26e-6
-    replay_s: float = 20e-6
-    max_static_bytes: int = 16 * 2**30
-    min_saved_s: float = 0.0
-    hardware: str = "h200"
-
-    def to_json(self) -> dict:
-        return {
-            "launch_s": self.launch_s,
-            "replay_s": self.replay_s,
-            "max_static_bytes": self.max_static_bytes,
-            "min_saved_s": self.min_saved_s,
-            "hardware": self.hardware,
-        }
-
-    @staticmethod
-    def from_json(d: dict) -> CudaGraphPolicy:
-        return CudaGraphPolicy(**d)
 
 
 ALWAYS = CudaGraphPolicy(min_saved_s=-1.0, max_static_bytes=2**62)
@@ -145,7 +125,7 @@ def region_stats(nodes: Sequence[Node], tensors: Tensors, tp: int, hardware: str
         cost = node_cost(n, tensors)
         kind = _COLLECTIVE_KIND.get(n.meta.get(meta_keys.COLLECTIVE, ""))
         if kind is not None:
-            gpu_s += collective_time_s(kind, _bytes(n, tensors), tp, hw)
+            gpu_s += group_collective_s(kind, _bytes(n, tensors), tp, tp, hw)
         elif cost.flops or cost.bytes:
             gpu_s += compute_time_s(cost, hw) * (1 + (BACKWARD_GPU_FACTOR if grad else 0))
         if kind is not None or cost.flops or cost.bytes:
@@ -194,4 +174,20 @@ def decide(candidates: Sequence[RegionStats], policy: CudaGraphPolicy) -> list[s
             )
         else:
             budget -= candidates[i].pinned_bytes
+    return verdicts
+
+
+def choose_regions(runs: Sequence[Sequence[Node]], plan: ParallelPlan) -> list[str | None]:
+    """The verdict on every candidate run (this rank's nodes, in graph order): None
+    (capture) or why not, under ``plan.cudagraph_policy``. Each pipeline stage has its own
+    memory budget. The compiler binds this as ``PassContext.choose_cudagraph_regions``."""
+    stages: dict[int, list[int]] = {}
+    for i, run in enumerate(runs):
+        stages.setdefault(plan.pp_rank_of_chunk(run[0].meta.get(meta_keys.CHUNK) or 0), []).append(i)
+    verdicts: list[str | None] = [None] * len(runs)
+    for indices in stages.values():
+        stats = [region_stats(runs[i], lambda n: local_tensors(n, plan.tp), plan.tp, plan.cudagraph_policy.hardware,
+                              region_slots(list(runs[i]), plan)) for i in indices]  # fmt: skip
+        for i, verdict in zip(indices, decide(stats, plan.cudagraph_policy)):
+            verdicts[i] = verdict
     return verdicts

@@ -24,8 +24,8 @@ gives one rank's. FLOPs are forward only and count a multiply-add as 2.
   Megatron's *f* and ``stage_boundary``): 0 FLOPs, 0 bytes.
 * **data movement** (``to``, ``contiguous``, ``cat``, ``index``, ``pad``, factories...):
   0 FLOPs; bytes = inputs + outputs.
-* **collectives** (*g*, the all-gather): 0 FLOPs, 0 bytes here; ``collective_time_s``
-  times their communication.
+* **collectives** (*g*, the all-gather): 0 FLOPs, 0 bytes here;
+  ``autotp.cost_model.communication.group_collective_s`` times their communication.
 * **everything else** (elementwise ops, norms, reductions, softmax, the vocab-parallel
   loss): 1 FLOP per element of the largest input or output; bytes = inputs + outputs.
   Transcendentals are not weighted: such ops are memory-bound, and their time comes
@@ -34,11 +34,6 @@ gives one rank's. FLOPs are forward only and count a multiply-add as 2.
 Time, with a ``HardwareProfile``:
 
 * ``compute_time_s``: roofline, max(FLOPs / matmul FLOP/s, bytes / memory bytes/s).
-* ``collective_time_s``: alpha-beta with ring algorithms over t ranks; all-reduce
-  alpha + 2(t-1)/t · n / B, all-gather alpha + (t-1)/t · n / B, where n is the size of
-  the full (all-reduced or gathered) tensor, B the all-reduce bus bandwidth and alpha
-  the per-call latency; a point-to-point send (``p2p``, t = 2) alpha + n / B; 0 when
-  t = 1.
 """
 
 from __future__ import annotations
@@ -140,12 +135,3 @@ def node_cost(node: Node, tensors: Tensors = global_tensors) -> NodeCost:
 def compute_time_s(cost: NodeCost, hw: HardwareProfile) -> float:
     """Roofline time of one node."""
     return max(cost.flops / hw.matmul_flops_per_s, cost.bytes / hw.memory_bytes_per_s)
-
-
-def collective_time_s(kind: str, nbytes: int, ranks: int, hw: HardwareProfile) -> float:
-    """Alpha-beta time of a ring ``all_reduce`` or ``all_gather`` of ``nbytes`` over ``ranks``,
-    or of a ``p2p`` send."""
-    if ranks == 1:
-        return 0.0
-    factor = {"all_reduce": 2 * (ranks - 1) / ranks, "all_gather": (ranks - 1) / ranks, "p2p": 1.0}[kind]
-    return hw.collective_latency_s + factor * nbytes / hw.allreduce_bus_bytes_per_s

@@ -1,11 +1,11 @@
 """The planner: tp, pp, dp, vpp and microbatch size for a model on a cluster, best first.
 
-**Input.** ``ModelCosts`` of a graph traced once (``trace_for_planning``: one decoder
+**Input.** ``ModelCosts`` of a graph traced once (``autotp.compiler.trace_for_planning``: one decoder
 layer on the meta device at the planned sequence length; later layers repeat it), a
 ``Cluster`` (GPUs, GPUs per node, ``HardwareProfile``) and a ``Training`` setup (global
 batch B, precision, distributed optimizer, whether outputs are gathered).
 
-**Candidates** (``candidates``):
+**Candidates** (``autotp.cost_model.candidates``):
 
 * tp divides the GPUs per node, so a tp group never spans nodes (its 4 all-reduces per
   layer need NVLink), and the model (``plan_tensor_parallel`` raises otherwise);
@@ -54,12 +54,9 @@ dropped; the rest are ranked by step time.
 
 from __future__ import annotations
 
-import argparse
-import copy
 import json
 import math
 import os
-import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -67,6 +64,7 @@ import numpy as np
 import torch
 from autotp.cost_model import closed_forms
 from autotp.cost_model.bubble import pipeline_time_s
+from autotp.cost_model.candidates import Cluster, Config, candidates
 from autotp.cost_model.communication import all_reduce_s, group_all_reduce_s, p2p_s
 from autotp.cost_model.compute import (
     ModelCosts,
@@ -89,25 +87,12 @@ from autotp.cost_model.memory import (
     in_flight,
     rank_memory_bytes,
 )
-from torch.fx import GraphModule
-from transformers import PretrainedConfig
 
-from autotp import presets
-from autotp.ir.plan import ParallelPlan
+from autotp.ir.plan import DP_BUCKET_BYTES, ParallelPlan
 from autotp.analysis.layers import layer_index, with_layer_index
-from autotp.analysis.trace import trace
 
-PLANNING_BATCH = 2
-DP_BUCKET_BYTES = 25 * 2**20  # autotp.api's gradient buckets
 GRAD_SYNC_BYTES_MOVED = 6
 GRAD_SYNC_BUCKET_OPS, GRAD_SYNC_TENSOR_OPS = 3, 4
-
-
-@dataclass(frozen=True)
-class Cluster:
-    gpus: int
-    gpus_per_node: int
-    hardware: HardwareProfile
 
 
 @dataclass(frozen=True)
@@ -119,22 +104,6 @@ class Training:
     distributed_optimizer: bool = False
     gather_outputs: bool = False
     cuda_graph_bytes: float = 0.0  # static buffers of one capture (one microbatch in flight)
-
-
-@dataclass(frozen=True)
-class Config:
-    tp: int
-    pp: int
-    dp: int
-    vpp: int
-    microbatch_size: int
-    microbatches: int
-
-    @property
-    def schedule(self) -> str | None:
-        if self.pp == 1:
-            return None
-        return "interleaved" if self.vpp > 1 else "1f1b"
 
 
 @dataclass(frozen=True)
@@ -186,104 +155,6 @@ class PlanEstimate:
             "optimizer_s": self.optimizer_s,
             "plan": json.loads(self.plan.to_json()),
         }
-
-
-# ---- tracing ---------------------------------------------------------------------------
-
-
-def trace_for_planning(config: PretrainedConfig, seq: int, *, dtype: torch.dtype = torch.bfloat16, traced_layers: int = 1) -> ModelCosts:
-    """``ModelCosts`` of a HF config: ``traced_layers`` decoder layers traced on meta at [2, seq]."""
-    text = config.get_text_config()
-    limit = getattr(text, "max_position_embeddings", None)
-    if limit is not None and seq > limit:
-        raise ValueError(f"--seq {seq} exceeds the model's max_position_embeddings ({limit}); plan for {limit} or less")
-    total = getattr(text, "num_hidden_layers", None)
-    small = copy.deepcopy(config)
-    if total is not None:
-        small_text = small.get_text_config()
-        small_text.num_hidden_layers = min(total, traced_layers)
-        if isinstance(getattr(small_text, "layer_types", None), list):
-            small_text.layer_types = small_text.layer_types[: small_text.num_hidden_layers]
-    model = presets.build_from_config(small, device="meta", dtype=dtype)
-    ids = torch.zeros((PLANNING_BATCH, seq), dtype=torch.long)
-    gm = trace(model, {"input_ids": ids, "labels": ids, "use_cache": False}, "meta")
-    return ModelCosts(gm, total)
-
-
-# ---- candidates ------------------------------------------------------------------------
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def check_cluster(cluster: Cluster) -> int:
-    """GPUs per node actually used (all of them on one partial node); ValueError when the world cannot be laid out."""
-    if cluster.gpus < 1 or cluster.gpus_per_node < 1:
-        raise ValueError(f"--gpus and --gpus-per-node must be at least 1, got {cluster.gpus} and {cluster.gpus_per_node}")
-    if cluster.gpus <= cluster.gpus_per_node:
-        return cluster.gpus
-    if cluster.gpus % cluster.gpus_per_node:
-        raise ValueError(
-            f"{cluster.gpus} GPUs do not make whole nodes of {cluster.gpus_per_node}; use a multiple of "
-            f"{cluster.gpus_per_node} GPUs (e.g. {cluster.gpus - cluster.gpus % cluster.gpus_per_node}) or fewer than one node"
-        )
-    return cluster.gpus_per_node
-
-
-def candidates(
-    num_layers: int,
-    cluster: Cluster,
-    global_batch: int,
-    *,
-    tp: int | None = None,
-    pp: int | None = None,
-    vpp: int | None = None,
-    microbatch_size: int | None = None,
-) -> list[Config]:
-    """Every configuration the rules of the module docstring allow; ValueError when fixed degrees cannot be."""
-    per_node = check_cluster(cluster)
-    world = cluster.gpus
-    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("microbatch size", microbatch_size), ("global batch", global_batch)):
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
-    if tp is not None and (per_node % tp or world % tp):
-        raise ValueError(
-            f"tp={tp} does not divide the {per_node} GPUs of a node (a tp group must not span nodes); "
-            f"use one of {_divisors(per_node)}"
-        )
-    if pp is not None and (world // (tp or 1)) % pp:
-        raise ValueError(f"pp={pp} does not divide {world} GPUs / tp={tp or 1}; use one of {_divisors(world // (tp or 1))}")
-    if pp is not None and pp > num_layers:
-        raise ValueError(f"pp={pp} is more pipeline stages than the model's {num_layers} layers; use pp <= {num_layers}")
-    tps = [tp] if tp is not None else [k for k in _divisors(per_node) if world % k == 0]
-    out = []
-    for t in tps:
-        pps = [pp] if pp is not None else [k for k in _divisors(world // t) if k <= num_layers]
-        for p in pps:
-            dp = world // (t * p)
-            if global_batch % dp:
-                continue
-            per_replica = global_batch // dp
-            sizes = [microbatch_size] if microbatch_size is not None else _divisors(per_replica)
-            for mbs in sizes:
-                if per_replica % mbs:
-                    continue
-                m = per_replica // mbs
-                if p > 1 and m < p:
-                    continue
-                vpps = [1] + [v for v in range(2, num_layers // p + 1) if p > 1 and num_layers % (p * v) == 0 and m % p == 0]
-                for v in [vpp] if vpp is not None else vpps:
-                    if v == 1 or v in vpps:
-                        out.append(Config(t, p, dp, v, mbs, m))
-    if not out:
-        raise ValueError(
-            f"no way to split a global batch of {global_batch} over {world} GPUs with "
-            f"tp={tp or 'any'}, pp={pp or 'any'}, vpp={vpp or 'any'}, microbatch size={microbatch_size or 'any'}: "
-            f"dp = GPUs/(tp*pp) must divide the batch, 1F1B needs at least pp microbatches and interleaving "
-            f"layers divisible by pp*vpp; use a global batch that is a multiple of {world} or fix fewer degrees"
-        )
-    return out
 
 
 # ---- estimate --------------------------------------------------------------------------
@@ -440,9 +311,8 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
     chunks = cfg.pp * cfg.vpp
     schedule = f", schedule {cfg.schedule}" if cfg.schedule else ""
     note = (
-        f"planned for {hw.name}: microbatch size {cfg.microbatch_size}, {cfg.microbatches} microbatches "
-        f"(train_step(..., num_microbatches={cfg.microbatches})){schedule}; predicted {est.step_s:.4g} s per step, "
-        f"{est.mem_bytes_per_gpu / GiB:.1f} GiB per GPU"
+        f"planned for {hw.name}: microbatch size {cfg.microbatch_size}, {cfg.microbatches} microbatches{schedule}; "
+        f"predicted {est.step_s:.4g} s per step, {est.mem_bytes_per_gpu / GiB:.1f} GiB per GPU"
     )
     replicated = tuple(f"replicated (comm outweighs compute): {n}" for n in sorted(est.replicate))
     plan = replace(
@@ -455,6 +325,10 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
         embedding_chunk=0,
         head_chunk=chunks - 1,
         notes=rc.plan.notes + replicated + (note,),
+        microbatches=cfg.microbatches,
+        microbatch_size=cfg.microbatch_size,
+        schedule=cfg.schedule or "",
+        dp_bucket_bytes=DP_BUCKET_BYTES,
     )
     return PlanEstimate(
         plan=plan,
@@ -536,23 +410,23 @@ def detect_hardware(device: torch.device) -> HardwareProfile:
     )
 
 
-def auto_plan(gm: GraphModule, world: int, *, tp: int | None = None, pp: int | None = None, vpp: int | None = None) -> ParallelPlan:
-    """The planner's best plan for ``gm`` (traced at the example inputs) on ``world`` local ranks.
+def auto_plan(costs: ModelCosts, world: int, *, tp: int | None = None, pp: int | None = None, vpp: int | None = None) -> ParallelPlan:
+    """The planner's best plan for ``costs.gm`` (traced at the example inputs) on ``world`` local ranks.
 
     The example batch is the global batch and its sequence length the planned one.
     ``LOCAL_WORLD_SIZE`` ranks share a node; precision follows the parameters (fp32, or
     16-bit weights with a 16-bit AdamW).
     """
+    gm = costs.gm
     tensor = next(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor))
     hw = detect_hardware(tensor.device)
     per_node = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    costs = ModelCosts(gm)
     dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
     training = Training(costs.batch, "fp32" if dtype == torch.float32 else "bf16-pure", gather_outputs=True)
     return plan(costs, Cluster(world, per_node, hw), training, tp=tp, pp=pp, vpp=vpp, top=1)[0].plan
 
 
-# ---- the plan command ------------------------------------------------------------------
+# ---- presenting plans --------------------------------------------------------------------
 
 
 def format_table(estimates: list[PlanEstimate]) -> str:
@@ -576,60 +450,3 @@ def explain_values(costs: ModelCosts, best: PlanEstimate, hidden: int, heads: in
         cf.v: p.vpp, cf.m: best.microbatches, cf.d: p.dp, cf.r: 0, cf.Psi: costs.total_params(),
         cf.n: best.microbatch_size * costs.seq * hidden * 2,
     }  # fmt: skip
-
-
-def _plan_command(args: argparse.Namespace) -> int:
-    hw = get_profile(args.hardware)
-    for name in ("gpus", "gpus_per_node", "global_batch", "seq", "top"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    start = time.perf_counter()
-    config = presets.model_config(args.model)
-    costs = trace_for_planning(config, args.seq)
-    cluster = Cluster(args.gpus, args.gpus_per_node, hw)
-    training = Training(args.global_batch, args.precision, args.distributed_optimizer)
-    estimates = plan(costs, cluster, training, tp=args.tp, pp=args.pp, top=args.top)
-    elapsed = time.perf_counter() - start
-    if args.format == "json":
-        print(json.dumps([e.to_json() for e in estimates], indent=1))
-        return 0
-    nodes = math.ceil(args.gpus / args.gpus_per_node)
-    optimizer = ", distributed optimizer" if args.distributed_optimizer else ""
-    print(
-        f"{args.model} on {args.gpus} x {hw.name} ({nodes} node{'s' * (nodes > 1)} of {min(args.gpus, args.gpus_per_node)}), "
-        f"global batch {args.global_batch} x {args.seq} tokens, {args.precision}{optimizer}; planned in {elapsed:.2f} s"
-    )
-    print(format_table(estimates))
-    if args.explain:
-        text = config.get_text_config()
-        values = explain_values(costs, estimates[0], text.hidden_size, text.num_attention_heads)
-        print(f"\nclosed forms (values for plan #1, {hw.name}: alpha = {hw.collective_latency_s * 1e6:.0f} us, "
-              f"B = {hw.allreduce_bus_bytes_per_s / 1e9:.0f} GB/s):")
-        print(closed_forms.explain({**values, closed_forms.alpha: hw.collective_latency_s, closed_forms.B: hw.allreduce_bus_bytes_per_s}))
-        print(f"\nhardware: {hw.source}")
-    return 0
-
-
-def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``plan``; its handler (``args.handler``) prints the ranked plans and returns 0."""
-    command = subparsers.add_parser(
-        "plan",
-        help="rank tp/pp/dp/vpp/microbatch plans by predicted step time and memory",
-        description="Trace one decoder layer of MODEL on the meta device, estimate every tp/pp/dp/vpp/microbatch "
-        "split of the cluster with the cost model (autotp.cost_model), drop those that do not fit in memory "
-        "and print the fastest. Times include the optimizer step.",
-    )
-    command.add_argument("model", metavar="MODEL", help=f"a preset ({', '.join(presets.preset_names())}) or a folder holding config.json")
-    command.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
-    command.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default: 8)")
-    command.add_argument("--hardware", default="h100", help="a profile name (h200, h100, a100, pcie, cpu) or a JSON profile from autotp calibrate (default: h100)")
-    command.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
-    command.add_argument("--seq", type=int, default=4096, help="sequence length (default: 4096)")
-    command.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16", help="params/grads/optimizer precision (default: bf16)")
-    command.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer states over dp (ZeRO-1)")
-    command.add_argument("--tp", type=int, help="keep this tensor-parallel degree")
-    command.add_argument("--pp", type=int, help="keep this pipeline-parallel degree")
-    command.add_argument("--top", type=int, default=10, help="plans to show (default: 10)")
-    command.add_argument("--format", choices=("table", "json"), default="table", help="default: table")
-    command.add_argument("--explain", action="store_true", help="also print the closed forms with the top plan's numbers")
-    command.set_defaults(handler=_plan_command)

@@ -30,8 +30,9 @@ A *candidate* is a maximal run of capturable op nodes in graph order that stays 
 pipeline chunk: stage boundaries, a change of ``autotp_chunk``, and (with pp > 1) the
 input-derived nodes that every chunk repeats end a run. Values crossing a region's edge
 must be tensors (capture takes only tensors), so tuple-valued nodes whose ``getitem``\\ s
-fall on the other side are left out. The cost model (``autotp.cost_model.cudagraphs``,
-with ``plan.cudagraph_policy``) decides which candidates become regions: their nodes get
+fall on the other side are left out. The region policy that the compiler binds
+(``ctx.choose_cudagraph_regions``: the cost model's ``choose_regions`` with
+``plan.cudagraph_policy``) decides which candidates become regions: their nodes get
 ``autotp_cudagraph_region``.
 """
 
@@ -49,7 +50,6 @@ from autotp.analysis.local_shapes import local_tensors
 from autotp.ir import meta_keys
 from autotp.runtime import rng
 from autotp.ir import schedules
-from autotp.cost_model.cudagraphs import decide, region_stats
 from autotp.ir.errors import source_line
 from autotp.passes.runner import PassContext
 from autotp.runtime.pipeline import stage_boundary
@@ -292,40 +292,25 @@ def candidate_regions(gm: GraphModule) -> list[list[Node]]:
 
 
 def region_slots(run: list[Node], plan: ParallelPlan) -> int:
-    """Captures of ``run`` its pipeline stage holds under the default schedule (1 without pp)."""
+    """Captures of ``run`` its pipeline stage holds under the plan's schedule (1 without pp)."""
     if plan.pp == 1:
         return 1
     chunk = run[0].meta[meta_keys.CHUNK]
-    per_chunk = schedules.slots_per_chunk(schedules.default_schedule(plan.vpp), plan.pp, plan.vpp, plan.pp_rank_of_chunk(chunk))
+    per_chunk = schedules.slots_per_chunk(plan.schedule_name, plan.pp, plan.vpp, plan.pp_rank_of_chunk(chunk))
     return per_chunk[chunk // plan.pp]
 
 
-def region_verdicts(gm: GraphModule, plan: ParallelPlan) -> list[str | None]:
-    """The cost model's verdict on every candidate: None (captured) or why not. Each
-    pipeline stage has its own memory budget."""
-    runs = candidate_regions(gm)
-    stages: dict[int, list[int]] = {}
-    for i, run in enumerate(runs):
-        stages.setdefault(plan.pp_rank_of_chunk(run[0].meta.get(meta_keys.CHUNK) or 0), []).append(i)
-    verdicts: list[str | None] = [None] * len(runs)
-    for indices in stages.values():
-        stats = [region_stats(runs[i], lambda n: local_tensors(n, plan.tp), plan.tp, plan.cudagraph_policy.hardware,
-                              region_slots(runs[i], plan)) for i in indices]  # fmt: skip
-        for i, verdict in zip(indices, decide(stats, plan.cudagraph_policy)):
-            verdicts[i] = verdict
-    return verdicts
-
-
 def mark_cudagraph_regions(gm: GraphModule, ctx: PassContext) -> GraphModule:
-    """Tag blockers, candidates and the regions the plan's cost model keeps (module docstring)."""
+    """Tag blockers, candidates and the regions ``ctx.choose_cudagraph_regions`` keeps (module docstring)."""
     if not ctx.plan.cudagraphs:
         return gm
+    assert ctx.choose_cudagraph_regions is not None, "the plan asks for CUDA graphs but the PassContext has no region policy"
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     runs = sorted(_runs(gm, ctx), key=lambda run: position[run[0]])
     for index, run in enumerate(runs):
         for node in run:
             node.meta[meta_keys.CUDAGRAPH_CANDIDATE] = index
-    for index, (run, verdict) in enumerate(zip(runs, region_verdicts(gm, ctx.plan))):
+    for index, (run, verdict) in enumerate(zip(runs, ctx.choose_cudagraph_regions(runs, ctx.plan))):
         if verdict is None:
             for node in run:
                 node.meta[meta_keys.CUDAGRAPH_REGION] = index

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from autotp.ir.plan import ParallelPlan
 from autotp.passes.invariants import INVARIANTS
@@ -25,6 +25,8 @@ from autotp.passes.invariants import INVARIANTS
 log = logging.getLogger(__name__)
 
 Pass = Callable[[GraphModule, "PassContext"], GraphModule]
+RegionChooser = Callable[[list[list[Node]], ParallelPlan], list["str | None"]]
+"""Candidate CUDA-graph runs and the plan -> per run None (capture it) or why not."""
 
 
 class PassInvariantError(AssertionError):
@@ -36,7 +38,9 @@ class PassContext:
     """What the passes read: the plan, which rank they compile for, and where to dump.
 
     ``backend`` is the process-group backend the graph's collectives will run on
-    (``nccl``, ``gloo``...); offline compiles assume ``nccl``.
+    (``nccl``, ``gloo``...); offline compiles assume ``nccl``. ``choose_cudagraph_regions``
+    is the region policy that ``mark_cudagraph_regions`` applies when the plan asks for
+    CUDA graphs; the compiler binds the cost model's.
     """
 
     plan: ParallelPlan
@@ -46,6 +50,7 @@ class PassContext:
     dump_dir: Path | None = None
     timings: dict[str, float] = field(default_factory=dict)
     backend: str = "nccl"
+    choose_cudagraph_regions: RegionChooser | None = None
 
 
 def _op_counts(gm: GraphModule) -> Counter[str]:

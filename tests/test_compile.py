@@ -120,3 +120,14 @@ def test_untraceable_op_names_module_and_line() -> None:
     message = str(info.value)
     assert "block (_DataDependent)" in message
     assert "test_compile.py" in message and ".item()" in message
+
+
+def test_lowering_leaves_the_traced_graph_alone() -> None:
+    from autotp import compiler
+
+    model = build_model("llama-tiny")
+    planned = compiler.plan_model(model, None, "meta", tp=2, pp=1, dp=1, vpp=1, plan=None)
+    before = planned.traced.code
+    lowered = compiler.lower(planned.traced, planned.plan, tp_rank=1)
+    assert planned.traced.code == before and lowered.graph.code != before
+    assert compiler.lower(planned.traced, planned.plan, tp_rank=1).graph.code == lowered.graph.code

@@ -41,6 +41,7 @@ from autotp.cost_model.memory import bytes_per_param, in_flight
 from autotp import presets
 from autotp.ir import schedules
 from autotp.analysis.trace import trace
+from autotp.compiler import model_costs
 
 MB = 2**20
 
@@ -227,7 +228,7 @@ def test_closed_forms_agree_with_the_functions() -> None:
 def llama_tiny() -> ModelCosts:
     model = presets.build_model("llama-tiny", dtype=torch.bfloat16)
     ids = torch.zeros((2, 32), dtype=torch.long)
-    return ModelCosts(trace(model, {"input_ids": ids, "labels": ids, "use_cache": False}, "meta"))
+    return model_costs(trace(model, {"input_ids": ids, "labels": ids, "use_cache": False}, "meta"))
 
 
 def test_tp_comm_per_layer_is_megatrons_closed_form(llama_tiny: ModelCosts) -> None:
@@ -249,7 +250,7 @@ def test_costs_scale_exactly_with_the_microbatch_size(llama_tiny: ModelCosts) ->
     direct = trace(model, {"input_ids": ids, "labels": ids, "use_cache": False}, "meta")
     calls = [n for n in direct.graph.nodes if n.op == "call_function"]
     assert llama_tiny.forward_flops(6) == pytest.approx(sum(node_cost(n).flops for n in calls))
-    six = ModelCosts(direct)
+    six = model_costs(direct)
     for tp in (1, 2):
         for scaled, exact in zip(llama_tiny.rank(tp).layers + (llama_tiny.rank(tp).head,), six.rank(tp).layers + (six.rank(tp).head,)):
             assert (scaled.flops[:, 0] + 6 * scaled.flops[:, 1]).sum() == pytest.approx((exact.flops[:, 0] + 6 * exact.flops[:, 1]).sum())

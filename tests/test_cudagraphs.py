@@ -25,7 +25,8 @@ from autotp.runtime import cudagraphs
 from autotp.ir import meta_keys
 from autotp.ir import schedules
 from autotp.runtime.collectives import copy_to_tp, reduce_from_tp
-from autotp.cost_model.cudagraphs import CudaGraphPolicy, RegionStats, decide
+from autotp.cost_model.cudagraphs import RegionStats, choose_regions, decide
+from autotp.ir.plan import CudaGraphPolicy
 from autotp.report.cudagraphs import cudagraph_report, explain_cudagraphs
 from autotp.passes.mark_cudagraph_regions import COLLECTIVE, HOST_SYNC, HOST_VALUE, mark_cudagraph_regions
 from autotp.passes.runner import PassContext
@@ -142,7 +143,8 @@ def test_regions_never_span_stage_boundaries() -> None:
 
 
 def _mark(gm: torch.fx.GraphModule, plan: ParallelPlan, backend: str, device: str = "meta") -> torch.fx.GraphModule:
-    ctx = PassContext(plan=replace(plan, cudagraphs=True), device=torch.device(device), backend=backend)
+    ctx = PassContext(plan=replace(plan, cudagraphs=True), device=torch.device(device), backend=backend,
+                      choose_cudagraph_regions=choose_regions)
     return mark_cudagraph_regions(gm, ctx)
 
 
@@ -179,6 +181,14 @@ def test_plan_round_trips_with_cudagraphs() -> None:
     for key in ("cudagraphs", "cudagraph_impl", "cudagraph_policy"):
         del old[key]
     assert ParallelPlan.from_json(json.dumps(old)) == ParallelPlan(tp=2)
+
+
+def test_the_compiled_plan_records_the_chosen_regions() -> None:
+    compiled = autotp.compile_rank(autotp.presets.build_model("llama-tiny"), tp=2, cuda_graphs=True)
+    tagged = {n.meta[meta_keys.CUDAGRAPH_REGION] for n in compiled.graph.graph.nodes if meta_keys.CUDAGRAPH_REGION in n.meta}
+    assert tagged and compiled.plan.cudagraph_regions == tuple(sorted(tagged))
+    report = cudagraph_report(compiled.graph, compiled.plan)
+    assert [r["id"] for r in report["cudagraph_regions"]] == list(compiled.plan.cudagraph_regions)
 
 
 def test_cuda_graphs_on_cpu_is_a_value_error() -> None:

@@ -10,17 +10,18 @@ import pytest
 import torch
 from autotp.cost_model import planner
 from autotp.cost_model import calibrate
-from autotp.cost_model.calibrate import add_calibrate_command, fit_host
+from autotp.cli.calibrate import add_calibrate_command, scale_layer
+from autotp.cli.plan import add_plan_command
+from autotp.compiler import trace_for_planning
+from autotp.cost_model.calibrate import fit_host
 from autotp.cost_model.communication import all_reduce_s
 from autotp.cost_model.compute import ModelCosts, segment_time
 from autotp.cost_model.hardware import CPU, H100, PCIE, PROFILES
 from autotp.cost_model.planner import (
     Cluster,
     Training,
-    add_plan_command,
     candidates,
     plan,
-    trace_for_planning,
 )
 from distributed import run_on_ranks
 
@@ -93,7 +94,21 @@ def test_plans_cover_every_layer_of_the_model(llama8b: ModelCosts) -> None:
     assert {f"model.layers.{i}.self_attn.q_proj.weight" for i in range(32)} <= names
     assert len(best.plan.layer_chunks) == 32 and best.plan.head_chunk == best.plan.num_chunks - 1
     assert autotp.ir.plan.ParallelPlan.from_json(best.plan.to_json()) == best.plan
-    assert any("num_microbatches=" in note for note in best.plan.notes)
+    assert (best.plan.microbatches, best.plan.microbatch_size) == (best.microbatches, best.microbatch_size)
+    assert best.plan.schedule == best.schedule
+
+
+def test_plan_fields_round_trip_and_old_json_loads() -> None:
+    full = autotp.ParallelPlan(tp=2, pp=2, microbatches=8, microbatch_size=2, schedule="gpipe", cudagraph_regions=(0, 3),
+                               dp_bucket_bytes=2**20, sequence_parallel=True, distributed_optimizer=True, ep=2)  # fmt: skip
+    assert autotp.ParallelPlan.from_json(full.to_json()) == full
+    old = json.loads(autotp.ParallelPlan(tp=2).to_json())
+    for key in ("microbatches", "microbatch_size", "schedule", "cudagraph_regions", "dp_bucket_bytes",
+                "sequence_parallel", "distributed_optimizer", "ep"):  # fmt: skip
+        del old[key]
+    loaded = autotp.ParallelPlan.from_json(json.dumps(old))
+    assert loaded == autotp.ParallelPlan(tp=2)
+    assert (loaded.microbatches, loaded.schedule_name, loaded.sequence_parallel, loaded.ep) == (1, "1f1b", False, 1)
 
 
 def test_small_linears_are_replicated_when_comm_outweighs_compute() -> None:
@@ -217,8 +232,7 @@ def _auto_worker(rank: int, world: int) -> tuple[float, float, tuple[int, int, i
     ids = presets.example_inputs(model, batch=4, seq=16)["input_ids"]
     reference = model(input_ids=ids, labels=ids).loss.item()
     pm = autotp.parallelize(model, plan="auto", example_inputs={"input_ids": ids, "labels": ids})
-    m = int(next(n for n in pm.plan.notes if "num_microbatches=" in n).split("num_microbatches=")[1].split(")")[0])
-    loss = pm.train_step(input_ids=ids, labels=ids, num_microbatches=m).item()
+    loss = pm.train_step(input_ids=ids, labels=ids).item()  # the plan's microbatches and schedule
     return loss, reference, (pm.plan.tp, pm.plan.pp, pm.plan.dp)
 
 
@@ -265,10 +279,10 @@ def test_fit_compute_time_scale_recovers_the_scale_of_a_layer() -> None:
     """A layer that runs 1.3x the roofline (plus 50 ms of fixed cost per call) gives back 1.3."""
     profile = replace(PROFILES["h200"], op_overhead_s=10e-6, backward_op_overhead_s=20e-6)
     model = calibrate.SCALE_MODEL
-    layer = planner.trace_for_planning(calibrate._scale_config(1), model["seq"]).rank(1).layers[0]
+    layer = scale_layer()
     per_layer = segment_time(layer, model["batch"], replace(profile, compute_time_scale=1.3), 1).total_s
     runs = [{"layers": n, "both_s": 0.05 + n * per_layer} for n in calibrate.SCALE_LAYERS]
-    assert calibrate.fit_compute_time_scale(profile, runs) == pytest.approx(1.3, rel=1e-6)
+    assert calibrate.fit_compute_time_scale(profile, runs, layer) == pytest.approx(1.3, rel=1e-6)
     # The scale multiplies GPU compute only.
     base, scaled = (segment_time(layer, 2, replace(profile, compute_time_scale=k), 1) for k in (1.0, 2.0))
     assert scaled.compute_s == pytest.approx(2 * base.compute_s) and scaled.host_s == base.host_s

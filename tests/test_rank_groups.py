@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from autotp.ir.rank_groups import add_ranks_command, format_groups, groups_of, rank_groups
+from autotp.cli.ranks import add_ranks_command
+from autotp.ir.rank_groups import format_groups, groups_of, rank_groups
 
 # The 16-GPU examples of seed 001 (Megatron-LM rank generator, order tp-cp-ep-dp-pp), typed from its text.
 SEED_TP4_PP2_DP2 = {

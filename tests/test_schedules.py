@@ -5,9 +5,9 @@ from collections import Counter
 
 import pytest
 
+from autotp.cli.schedule import add_schedule_command
 from autotp.ir.schedules import (
     Action,
-    add_schedule_command,
     buffer_slots,
     check_schedule,
     format_actions,

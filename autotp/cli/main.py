@@ -23,17 +23,16 @@ from autotp.report import dump
 from autotp.api import CompiledRank, compile_rank, parallelize
 from autotp.cost_model.hardware import PROFILES
 from autotp.report.graph_report import build_report, explain_json, explain_table, stage_view
-from autotp.cost_model.calibrate import add_calibrate_command
-from autotp.cost_model.planner import add_plan_command
+from autotp.cli.calibrate import add_calibrate_command
+from autotp.cli.plan import add_plan_command
+from autotp.cli.ranks import add_ranks_command
+from autotp.cli.schedule import add_schedule_command
 from autotp.report.cudagraphs import explain_cudagraphs
 from autotp.runtime.launcher import RankError, launch
-from autotp.ir.rank_groups import add_ranks_command
-from autotp.ir.schedules import add_schedule_command
 from autotp.passes import PASSES
 
 _LR = 1e-3
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The pass runner's dump files: 00_traced.py, then NN_<pass>.py.
 _AFTER = ["traced", *(p.__name__ for p in PASSES)]
 
@@ -138,7 +137,7 @@ def _compile_for_inspection(args: argparse.Namespace, rank: int, dump_dir: Path 
         _positive("--seq", args.seq)
     _check_stage(args.pp, args.stage)
     hf_logging.set_verbosity_error()
-    model = presets.build_model(args.model, device="meta", dtype=_DTYPES[args.dtype])
+    model = presets.build_model(args.model, device="meta", dtype=presets.DTYPES[args.dtype])
     inputs = presets.inspection_inputs(model, args.batch, args.seq, not args.no_labels)
     return compile_rank(model, tp=args.tp, rank=rank, pp=args.pp, example_inputs=inputs, dump_dir=dump_dir)
 
@@ -208,7 +207,7 @@ def _add_inspection_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"sequence length (default: {presets.INSPECTION_SEQ}, or the model's max_position_embeddings if smaller)",
     )
-    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16", help="parameter dtype (default: bfloat16)")
+    parser.add_argument("--dtype", choices=tuple(presets.DTYPES), default="bfloat16", help="parameter dtype (default: bfloat16)")
     parser.add_argument(
         "--no-labels",
         action="store_true",

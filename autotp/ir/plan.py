@@ -1,7 +1,9 @@
-"""``ParallelPlan``: everything the passes need to know, decided by the cost model.
+"""``ParallelPlan``: every decision the passes and the runtime read, made by the cost model
+and the compiler.
 
-A plan is plain data: frozen dataclasses that round-trip through JSON. Passes only read
-it; ``autotp.cost_model`` produces it.
+A plan is plain data: frozen dataclasses that round-trip through JSON (JSON written
+before a field existed loads with that field's default). Passes and the runtime only
+read it; ``autotp.cost_model`` and ``autotp.compiler`` produce it.
 """
 
 from __future__ import annotations
@@ -9,8 +11,36 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from autotp.cost_model.cudagraphs import CudaGraphPolicy
 from autotp.ir.layouts import DimSharding
+from autotp.ir.schedules import default_schedule
+
+DP_BUCKET_BYTES = 25 * 2**20
+"""Default size of the dp gradient all-reduce buckets."""
+
+
+@dataclass(frozen=True)
+class CudaGraphPolicy:
+    """The cost model's constants for choosing CUDA-graph regions
+    (the rule is in ``autotp.cost_model.cudagraphs``)."""
+
+    launch_s: float = 26e-6
+    replay_s: float = 20e-6
+    max_static_bytes: int = 16 * 2**30
+    min_saved_s: float = 0.0
+    hardware: str = "h200"
+
+    def to_json(self) -> dict:
+        return {
+            "launch_s": self.launch_s,
+            "replay_s": self.replay_s,
+            "max_static_bytes": self.max_static_bytes,
+            "min_saved_s": self.min_saved_s,
+            "hardware": self.hardware,
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> CudaGraphPolicy:
+        return CudaGraphPolicy(**d)
 
 
 @dataclass(frozen=True)
@@ -60,6 +90,19 @@ class ParallelPlan:
     cudagraphs: bool = False
     cudagraph_impl: str = ""
     cudagraph_policy: CudaGraphPolicy = field(default_factory=CudaGraphPolicy)
+    # The candidate regions (``meta_keys.CUDAGRAPH_CANDIDATE`` ids) that the policy chose,
+    # recorded by the compiler for the signature it compiled.
+    cudagraph_regions: tuple[int, ...] = ()
+    # ``train_step``'s defaults: microbatches per step, their size (0: not planned, the
+    # global batch / (dp * microbatches)) and the pipeline schedule ("": ``schedule_name``'s default).
+    microbatches: int = 1
+    microbatch_size: int = 0
+    schedule: str = ""
+    dp_bucket_bytes: int = DP_BUCKET_BYTES
+    # Not implemented yet; the defaults mean off.
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -72,6 +115,11 @@ class ParallelPlan:
     def pp_rank_of_chunk(self, chunk: int) -> int:
         """Megatron's interleaving: pipeline rank r holds chunks r, r+pp, r+2pp, ..."""
         return chunk % self.pp
+
+    @property
+    def schedule_name(self) -> str:
+        """The pipeline schedule to run: ``schedule``, else ``schedules.default_schedule``."""
+        return self.schedule or default_schedule(self.vpp)
 
     def layout_of(self, name: str) -> ParamLayout | None:
         for p in self.params:
@@ -95,6 +143,14 @@ class ParallelPlan:
                 "cudagraphs": self.cudagraphs,
                 "cudagraph_impl": self.cudagraph_impl,
                 "cudagraph_policy": self.cudagraph_policy.to_json(),
+                "cudagraph_regions": list(self.cudagraph_regions),
+                "microbatches": self.microbatches,
+                "microbatch_size": self.microbatch_size,
+                "schedule": self.schedule,
+                "dp_bucket_bytes": self.dp_bucket_bytes,
+                "sequence_parallel": self.sequence_parallel,
+                "distributed_optimizer": self.distributed_optimizer,
+                "ep": self.ep,
             },
             indent=1,
         )
@@ -116,4 +172,12 @@ class ParallelPlan:
             cudagraphs=d.get("cudagraphs", False),
             cudagraph_impl=d.get("cudagraph_impl", ""),
             cudagraph_policy=CudaGraphPolicy.from_json(d["cudagraph_policy"]) if "cudagraph_policy" in d else CudaGraphPolicy(),
+            cudagraph_regions=tuple(d.get("cudagraph_regions", ())),
+            microbatches=d.get("microbatches", 1),
+            microbatch_size=d.get("microbatch_size", 0),
+            schedule=d.get("schedule", ""),
+            dp_bucket_bytes=d.get("dp_bucket_bytes", DP_BUCKET_BYTES),
+            sequence_parallel=d.get("sequence_parallel", False),
+            distributed_optimizer=d.get("distributed_optimizer", False),
+            ep=d.get("ep", 1),
         )

@@ -28,12 +28,11 @@ from transformers.utils import logging as hf_logging
 from autotp import presets
 from autotp.ir import meta_keys
 from autotp.api import compile_rank
-from autotp.cost_model.cudagraphs import region_stats
+from autotp.cost_model.cudagraphs import choose_regions, region_stats
 from autotp.report.graph_report import assign_layers, layer_order, local_tensors
-from autotp.passes.mark_cudagraph_regions import Blocker, candidate_regions, region_slots, region_verdicts
+from autotp.passes.mark_cudagraph_regions import Blocker, candidate_regions, region_slots
 from autotp.ir.plan import ParallelPlan
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 _SITE_PACKAGES = re.compile(r'File "[^"]*site-packages/')
 _IMPL_NAMES = {"torch": "torch.cuda.make_graphed_callables", "transformer_engine": "transformer_engine.pytorch.make_graphed_callables"}
@@ -65,7 +64,8 @@ def cudagraph_report(gm: GraphModule, plan: ParallelPlan) -> dict[str, Any]:
         raise ValueError("the plan does not ask for CUDA graphs, so no node carries regions; compile with cuda_graphs=True")
     layers = assign_layers(gm)
     regions, declined = [], []
-    for nodes, verdict in zip(candidate_regions(gm), region_verdicts(gm, plan)):
+    candidates = candidate_regions(gm)
+    for nodes, verdict in zip(candidates, choose_regions(candidates, plan)):
         entry = _region(nodes, layers, plan)
         if verdict is None:
             regions.append(entry)
@@ -120,10 +120,10 @@ def explain_cudagraphs(
     meta, as a GPU rank on NCCL) and list its regions and blockers, as a table or JSON."""
     if fmt not in ("table", "json"):
         raise ValueError(f"format {fmt!r} is not one of table, json")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    if dtype not in presets.DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(presets.DTYPES)}")
     hf_logging.set_verbosity_error()
-    model = presets.build_model(model_name_or_path, device="meta", dtype=_DTYPES[dtype])
+    model = presets.build_model(model_name_or_path, device="meta", dtype=presets.DTYPES[dtype])
     inputs = presets.inspection_inputs(model, batch, seq, labels)
     compiled = compile_rank(model, tp=tp, rank=rank, pp=pp, example_inputs=inputs, cuda_graphs=True)
     report = cudagraph_report(compiled.graph, compiled.plan)

@@ -37,7 +37,8 @@ from torch.fx import GraphModule, Node
 
 from autotp.ir import meta_keys
 from autotp.analysis.local_shapes import TensorInfo, global_tensors, local_tensors
-from autotp.cost_model.flops import collective_time_s, compute_time_s, node_cost, op_name
+from autotp.cost_model.communication import group_collective_s
+from autotp.cost_model.flops import compute_time_s, node_cost, op_name
 from autotp.cost_model.hardware import H200, HardwareProfile
 from autotp.analysis.layers import EMBEDDING, HEAD, LayerKey, last_layer_position, layer_of, outside_layers
 from autotp.ir.layouts import Layout
@@ -193,7 +194,7 @@ def layer_order(key: LayerKey) -> tuple[int, int]:
 
 def _collectives(node: Node, tp: int, hw: HardwareProfile, local: list[TensorInfo]) -> tuple[CollectiveCost, ...]:
     def cost(kind: str, direction: str, nbytes: int, ranks: int = tp) -> CollectiveCost:
-        return CollectiveCost(kind, direction, nbytes, ranks, collective_time_s(kind, nbytes, ranks, hw))
+        return CollectiveCost(kind, direction, nbytes, ranks, group_collective_s(kind, nbytes, ranks, ranks, hw))
 
     tag = node.meta.get(meta_keys.COLLECTIVE)
     if tag is not None:

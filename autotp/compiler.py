@@ -1,0 +1,211 @@
+"""The compile sequence: trace -> plan -> passes, written once.
+
+``plan_model`` traces a model at its example inputs and chooses its ``ParallelPlan``
+(the caller's, the cost model's, or tp/pp's defaults). ``lower`` runs the passes on
+that trace for one tp rank and records the CUDA-graph regions it chose in the plan it
+returns. ``autotp.compile_rank`` is one ``plan_model`` + ``lower``; ``autotp.parallelize``
+creates the process groups between the two (they depend on the plan; ``lower`` needs
+the rank) and the ``ParallelModel`` calls ``lower_signature`` for each new input
+signature. The cost model compiles candidate plans through ``model_costs``'s callback.
+
+``lower`` hands the pass runner a copy of the traced graph that it owns: the passes may
+rewrite that copy in place and the caller's graph is never touched.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import time
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+from transformers import PretrainedConfig
+
+from autotp import presets
+from autotp.analysis.layers import num_layers
+from autotp.analysis.trace import trace
+from autotp.cost_model.compute import ModelCosts
+from autotp.cost_model.cudagraphs import choose_regions
+from autotp.cost_model.pipeline import plan_pipeline
+from autotp.cost_model.planner import auto_plan
+from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from autotp.ir import meta_keys
+from autotp.ir.plan import ParallelPlan
+from autotp.passes import PASSES
+from autotp.passes.runner import PassContext, run_passes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH, DEFAULT_SEQ = 2, 16
+PLANNING_BATCH = 2
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A model traced at its example inputs and the plan chosen for it."""
+
+    traced: GraphModule
+    kwargs: dict[str, Any]
+    plan: ParallelPlan
+    trace_s: float
+    plan_s: float
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """One tp rank's rewritten graph; ``plan`` records the CUDA-graph regions chosen."""
+
+    graph: GraphModule
+    plan: ParallelPlan
+    pass_s: dict[str, float]
+
+
+def tp_group_key(tp: int) -> str:
+    """The process-group key that the graph's tp collectives name."""
+    return f"tp{tp}"
+
+
+def example_kwargs(model: nn.Module, example_inputs: dict[str, Any] | None) -> dict[str, Any]:
+    """``example_inputs``, or random ``input_ids`` of shape [2, 16] for a HF model; ``use_cache=False`` where accepted."""
+    kwargs = dict(example_inputs) if example_inputs is not None else _default_inputs(model)
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs.setdefault("use_cache", False)
+    return kwargs
+
+
+def _default_inputs(model: nn.Module) -> dict[str, Any]:
+    config = getattr(model, "config", None)
+    vocab = getattr(config.get_text_config(), "vocab_size", None) if config is not None else None
+    if vocab is None:
+        raise ValueError(
+            f"{type(model).__name__} has no config.vocab_size to make example inputs from; "
+            "pass example_inputs={'input_ids': ...} (or whatever its forward takes)"
+        )
+    return {"input_ids": torch.randint(0, vocab, (DEFAULT_BATCH, DEFAULT_SEQ))}
+
+
+def model_costs(gm: GraphModule, num_layers_total: int | None = None) -> ModelCosts:
+    """The cost model of ``gm``, compiling candidate plans as tp rank 0 on meta."""
+    return ModelCosts(gm, num_layers_total, compile_fn=lambda plan: lower(gm, plan, device="meta").graph)
+
+
+def trace_for_planning(config: PretrainedConfig, seq: int, *, dtype: torch.dtype = torch.bfloat16, traced_layers: int = 1) -> ModelCosts:
+    """``ModelCosts`` of a HF config: ``traced_layers`` decoder layers traced on meta at [2, seq]."""
+    text = config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None)
+    if limit is not None and seq > limit:
+        raise ValueError(f"--seq {seq} exceeds the model's max_position_embeddings ({limit}); plan for {limit} or less")
+    total = getattr(text, "num_hidden_layers", None)
+    small = copy.deepcopy(config)
+    if total is not None:
+        small_text = small.get_text_config()
+        small_text.num_hidden_layers = min(total, traced_layers)
+        if isinstance(getattr(small_text, "layer_types", None), list):
+            small_text.layer_types = small_text.layer_types[: small_text.num_hidden_layers]
+    model = presets.build_from_config(small, device="meta", dtype=dtype)
+    ids = torch.zeros((PLANNING_BATCH, seq), dtype=torch.long)
+    gm = trace(model, {"input_ids": ids, "labels": ids, "use_cache": False}, "meta")
+    return model_costs(gm, total)
+
+
+def choose_plan(traced: GraphModule, tp: int, pp: int, dp: int, vpp: int, plan: ParallelPlan | str | None) -> ParallelPlan:
+    """The caller's plan (checked against the degrees), the cost model's (``"auto"``) or tp/pp's default."""
+    if isinstance(plan, ParallelPlan):
+        if (plan.tp, plan.pp, plan.dp, plan.vpp) != (tp, pp, dp, vpp):
+            raise ValueError(
+                f"the plan is for tp={plan.tp}, pp={plan.pp}, dp={plan.dp}, vpp={plan.vpp} but "
+                f"tp={tp}, pp={pp}, dp={dp}, vpp={vpp} was asked; pass matching degrees"
+            )
+        return plan
+    if plan not in (None, "auto"):
+        raise ValueError(f"plan must be a ParallelPlan, 'auto' or None, got {plan!r}")
+    if plan == "auto":  # the cost model plans what the caller left at 1: all of tp/pp, else vpp
+        fixed = tp > 1 or pp > 1
+        return auto_plan(model_costs(traced), tp * pp * dp, tp=tp if fixed else None, pp=pp if fixed else None,
+                         vpp=vpp if vpp > 1 else None)  # fmt: skip
+    layers = num_layers(traced)
+    if pp * vpp > 1 and pp * vpp > layers:
+        raise ValueError(
+            f"pp*vpp = {pp}*{vpp} = {pp * vpp} pipeline chunks but the model has {layers} layers; "
+            f"use pp*vpp <= {layers}"
+        )
+    chosen = plan_tensor_parallel(traced, tp)
+    layer_chunks, embedding_chunk, head_chunk = plan_pipeline(traced, pp, vpp)
+    return replace(chosen, pp=pp, dp=dp, vpp=vpp, layer_chunks=layer_chunks,
+                   embedding_chunk=embedding_chunk, head_chunk=head_chunk)  # fmt: skip
+
+
+def plan_model(
+    model: nn.Module,
+    example_inputs: dict[str, Any] | None,
+    device: torch.device | str,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    vpp: int,
+    plan: ParallelPlan | str | None,
+    cudagraph_impl: str | None = None,
+    gather_outputs: bool = True,
+) -> Planned:
+    """Trace ``model`` on ``device`` and choose its plan. ``cudagraph_impl`` (the capture
+    implementation) turns CUDA graphs on, keeping an implementation the plan names."""
+    kwargs = example_kwargs(model, example_inputs)
+    start = time.perf_counter()
+    traced = trace(model, kwargs, device)
+    traced_at = time.perf_counter()
+    chosen = choose_plan(traced, tp, pp, dp, vpp, plan)
+    if cudagraph_impl is not None:
+        chosen = replace(chosen, cudagraphs=True, cudagraph_impl=chosen.cudagraph_impl or cudagraph_impl)
+    if not gather_outputs:
+        chosen = replace(chosen, gather_outputs=False)
+    planned_at = time.perf_counter()
+    log.info("traced in %.2f s, planned in %.2f s: tp=%d pp=%d dp=%d vpp=%d", traced_at - start,
+             planned_at - traced_at, chosen.tp, chosen.pp, chosen.dp, chosen.vpp)  # fmt: skip
+    return Planned(traced, kwargs, chosen, traced_at - start, planned_at - traced_at)
+
+
+def lower(
+    traced: GraphModule,
+    plan: ParallelPlan,
+    *,
+    tp_rank: int = 0,
+    device: torch.device | str = "meta",
+    backend: str = "nccl",
+    dump_dir: Path | None = None,
+) -> Lowered:
+    """Run the passes on a copy of ``traced`` for tp rank ``tp_rank``, with the cost
+    model's CUDA-graph region policy bound."""
+    ctx = PassContext(
+        plan=plan,
+        tp_rank=tp_rank,
+        device=torch.device(device),
+        group=tp_group_key(plan.tp),
+        dump_dir=dump_dir,
+        backend=backend,
+        choose_cudagraph_regions=choose_regions,
+    )
+    gm = run_passes(_owned_copy(traced), ctx, PASSES)
+    regions = {n.meta[meta_keys.CUDAGRAPH_REGION] for n in gm.graph.nodes if n.meta.get(meta_keys.CUDAGRAPH_REGION) is not None}
+    return Lowered(gm, replace(plan, cudagraph_regions=tuple(sorted(regions))), dict(ctx.timings))
+
+
+def lower_signature(
+    model: nn.Module, kwargs: dict[str, Any], plan: ParallelPlan, *, tp_rank: int, device: torch.device, backend: str
+) -> Lowered:
+    """Trace ``model(**kwargs)`` and lower it under an already chosen ``plan``."""
+    return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend)
+
+
+def _owned_copy(gm: GraphModule) -> GraphModule:
+    """A graph the passes may rewrite in place; parameters are shared with ``gm``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deepcopy of the graph's pytree specs
+        return GraphModule(gm, copy.deepcopy(gm.graph))

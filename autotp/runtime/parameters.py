@@ -1,0 +1,186 @@
+"""This rank's parameters: binding shards, tied names, pointing graphs at them, unsharding.
+
+A ``ParallelModel`` registers the shard of every parameter its pipeline chunks read
+under the parameter's original (canonical) name; the other names of a tied parameter
+are aliases of it. ``param_chunks`` (every parameter name the compiled graph reads ->
+the pipeline chunks that read it) comes from the compiled graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.fx import GraphModule
+
+from autotp.ir.plan import ParallelPlan, ParamLayout
+from autotp.runtime import collectives
+from autotp.runtime.groups import Coords
+from autotp.runtime.sharding import shard_tensor, unshard_tensor
+
+ParamChunks = dict[str, set[int]]
+
+
+def set_nested(root: nn.Module, dotted: str, value: torch.Tensor, *, buffer: bool) -> None:
+    *path, leaf = dotted.split(".")
+    mod = root
+    for part in path:
+        child = mod._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            mod.add_module(part, child)
+        mod = child
+    if buffer:
+        mod.register_buffer(leaf, value)
+    else:
+        mod.register_parameter(leaf, value)  # type: ignore[arg-type]
+
+
+def get_nested(root: nn.Module, dotted: str) -> Any:
+    obj: Any = root
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set_graph_attr(gm: GraphModule, dotted: str, value: torch.Tensor) -> None:
+    *path, leaf = dotted.split(".")
+    mod: Any = gm
+    for part in path:
+        mod = getattr(mod, part)
+    if isinstance(value, nn.Parameter):
+        mod._parameters[leaf] = value
+    else:
+        mod._buffers[leaf] = value
+
+
+def graph_param_chunks(gm: GraphModule) -> ParamChunks:
+    """Every parameter name that ``gm`` reads -> the pipeline chunks of its readers."""
+    out: ParamChunks = {}
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and str(node.target) in params:
+            out.setdefault(str(node.target), set()).update(u.meta.get("autotp_chunk") or 0 for u in node.users)
+    return out
+
+
+class Parameters:
+    """The parameters and buffers that ``module`` (the ``ParallelModel``) holds for this rank."""
+
+    def __init__(self, module: nn.Module, plan: ParallelPlan, coords: Coords, device: torch.device, source: nn.Module) -> None:
+        self._module = module
+        self._plan = plan
+        self._coords = coords
+        self._device = device
+        self._source = source  # the model's meta structure copy: full shapes and dtypes
+        self.aliases: dict[str, list[str]] = {}  # canonical name -> every name of the tensor
+        self.layouts: dict[str, ParamLayout | None] = {}
+        self.local_names: list[str] = []
+        self.buffer_names: list[str] = []
+
+    def bind(self, model: nn.Module, param_chunks: ParamChunks, mine: set[int]) -> None:
+        """Register the shard of every parameter that the chunks in ``mine`` read, and every buffer."""
+        tensors: dict[str, nn.Parameter] = {}
+        by_id: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            canonical = by_id.setdefault(id(p), name)
+            self.aliases.setdefault(canonical, []).append(name)
+            tensors.setdefault(canonical, p)
+        for name, p in tensors.items():
+            layouts = [self._plan.layout_of(alias) for alias in self.aliases[name]]
+            layout = self.layouts[name] = next((l for l in layouts if l is not None), None)
+            if not self.chunks_of(param_chunks, name) & mine:
+                continue
+            data = p.detach()
+            local = shard_tensor(data, layout, self._coords.tp_rank, self._plan.tp) if layout else data.clone()
+            if local.device.type != "meta":
+                local = local.to(self._device)
+            set_nested(self._module, name, nn.Parameter(local, requires_grad=p.requires_grad), buffer=False)
+            self.local_names.append(name)
+        for name, b in model.named_buffers():
+            value = b.detach().clone()
+            if value.device.type != "meta":
+                value = value.to(self._device)
+            set_nested(self._module, name, value, buffer=True)
+            self.buffer_names.append(name)
+
+    def chunks_of(self, param_chunks: ParamChunks, canonical: str) -> set[int]:
+        chunks: set[int] = set()
+        for alias in self.aliases[canonical]:
+            chunks |= param_chunks.get(alias, set())
+        return chunks
+
+    def owners(self, param_chunks: ParamChunks, canonical: str) -> list[int]:
+        """The pipeline ranks that hold ``canonical`` (sorted)."""
+        return sorted({self._plan.pp_rank_of_chunk(c) for c in self.chunks_of(param_chunks, canonical)})
+
+    def canonical(self, name: str) -> str:
+        for canonical, names in self.aliases.items():
+            if name in names:
+                return canonical
+        return name
+
+    def local_grads(self, names: list[str]) -> dict[str, torch.Tensor | None]:
+        """The grads of those of ``names`` that this rank holds."""
+        return {n: get_nested(self._module, n).grad for n in names if n in self.local_names}
+
+    def attach(self, graphs: list[GraphModule]) -> None:
+        """Point the graphs' parameters and buffers at the module's tensors."""
+        for gm in graphs:
+            for node in gm.graph.nodes:
+                if node.op != "get_attr":
+                    continue
+                source = self.canonical(str(node.target))
+                if source in self.local_names or source in self.buffer_names:
+                    _set_graph_attr(gm, str(node.target), get_nested(self._module, source))
+
+    def gather(self, name: str, local: torch.Tensor | None, param_chunks: ParamChunks) -> torch.Tensor | None:
+        """The full tensor of parameter ``name`` (or its grad) on every rank."""
+        plan = self._plan
+        layout = self.layouts[name]
+        full = None
+        if local is not None:
+            full = local.detach().clone()
+            if layout is not None and plan.tp > 1:
+                parts = [torch.empty_like(local) for _ in range(plan.tp)]
+                dist.all_gather(parts, local.detach().contiguous(), group=collectives.get_group(self._coords.tp_key))
+                full = unshard_tensor(parts, layout, plan.tp)
+        if plan.pp == 1:
+            return full
+        pipe = self._coords.pipeline
+        assert pipe is not None
+        owner = self.owners(param_chunks, name)[0]
+        has = torch.tensor([1 if full is not None else 0], device=self._device)
+        dist.broadcast(has, src=pipe.pp_ranks[owner], group=pipe.pp_group)
+        if not has.item():
+            return None
+        if full is None:
+            source = get_nested(self._source, name)
+            full = torch.empty(tuple(source.shape), dtype=source.dtype, device=self._device)
+        dist.broadcast(full, src=pipe.pp_ranks[owner], group=pipe.pp_group)
+        return full
+
+    def unshard_state_dict(self, param_chunks: ParamChunks) -> dict[str, torch.Tensor]:
+        """Full parameters and buffers under every original name (tied names included)."""
+        out: dict[str, torch.Tensor] = {}
+        for name in self.aliases:
+            local = get_nested(self._module, name).detach() if name in self.local_names else None
+            full = self.gather(name, local, param_chunks)
+            assert full is not None
+            for alias in self.aliases[name]:
+                out[alias] = full
+        for name in self.buffer_names:
+            out[name] = get_nested(self._module, name).detach().clone()
+        return out
+
+    def unshard_grads(self, param_chunks: ParamChunks) -> dict[str, torch.Tensor | None]:
+        """Full gradients under every original parameter name (None where no grad)."""
+        out: dict[str, torch.Tensor | None] = {}
+        for name in self.aliases:
+            grad = get_nested(self._module, name).grad if name in self.local_names else None
+            full = self.gather(name, grad, param_chunks)
+            for alias in self.aliases[name]:
+                out[alias] = full
+        return out
