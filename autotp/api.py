@@ -24,7 +24,7 @@ from autotp.cost_model.planner import auto_plan
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.analysis.layers import num_layers
 from autotp.passes import PASSES
-from autotp.passes.insert_collectives import replica_group_key
+from autotp.ir.ops import replica_group_key, tp_group_key
 from autotp.passes.runner import PassContext, run_passes
 from autotp.runtime.pipeline import ChunkGraph, PipelineGroups, PipelineRunner, extract_chunks
 from autotp.ir.plan import ParallelPlan, ParamLayout
@@ -617,7 +617,7 @@ def compile_rank(
     if cuda_graphs:
         chosen = _with_cudagraphs(chosen)
     planned_at = time.perf_counter()
-    ctx = PassContext(plan=chosen, tp_rank=rank, device=torch.device(device), group=f"tp{tp}", dump_dir=dump_dir)
+    ctx = PassContext(plan=chosen, tp_rank=rank, device=torch.device(device), group=tp_group_key(tp), dump_dir=dump_dir)
     gm = run_passes(traced, ctx, PASSES)
     return CompiledRank(gm, chosen, traced_at - start, planned_at - traced_at, dict(ctx.timings))
 
@@ -626,7 +626,7 @@ def _make_groups(plan: ParallelPlan, timeout_s: float) -> _Coords:
     """Create every process group (collective: every rank runs this identically)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    tp_key = f"tp{plan.tp}"
+    tp_key = tp_group_key(plan.tp)
     if world == 1:
         return _Coords(0, 0, 0, tp_key, None, None)
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -68,7 +68,7 @@ from autotp.cost_model.planner import trace_for_planning
 from transformers import LlamaConfig
 
 from autotp import presets
-from autotp.runtime import collectives
+from autotp.ir import ops
 from autotp.api import parallelize
 from autotp.runtime.launcher import spawn_ranks
 
@@ -182,8 +182,8 @@ def _tiny_llama(layers: int, tp: int, device: torch.device, dtype: torch.dtype) 
         "both_s": both_s,
         "calls": len(calls),
         "grad_calls": sum(n in grads for n in calls),
-        "forward_collectives": sum(n.target in (collectives.reduce_from_tp, collectives.gather_from_tp) for n in calls),
-        "backward_collectives": sum(n.target is collectives.copy_to_tp for n in calls),
+        "forward_collectives": sum(n.target in (ops.REDUCE_FROM_TP, ops.GATHER_FROM_TP) for n in calls),
+        "backward_collectives": sum(n.target is ops.COPY_TO_TP for n in calls),
     }
 
 

@@ -81,6 +81,7 @@ from autotp.report.graph_report import (
     build_report,
 )
 from autotp.analysis.layers import num_layers
+from autotp.ir.ops import tp_group_key
 from autotp.ir.plan import ParallelPlan
 
 PREAMBLE = "preamble"
@@ -364,7 +365,7 @@ class ModelCosts:
         return self._ranks[key]
 
     def _compile(self, plan: ParallelPlan) -> RankCosts:
-        ctx = PassContext(plan=plan, tp_rank=0, device=torch.device("meta"), group=f"tp{plan.tp}")
+        ctx = PassContext(plan=plan, tp_rank=0, device=torch.device("meta"), group=tp_group_key(plan.tp))
         gm = run_passes(fresh_copy(self.gm), ctx, PASSES)
         report = build_report(gm, plan, 0)
         dependent = batch_dependent(gm, self.batch)

@@ -19,16 +19,15 @@ from collections.abc import Callable
 import torch
 from torch.fx import GraphModule, Node
 
-from autotp.ir import meta_keys
+from autotp.ir import meta_keys, ops
 from autotp.ir.layouts import Layout
-from autotp.runtime.pipeline import stage_boundary
 
 Invariant = Callable[[GraphModule], list[str]]
 
 
 def _boundary_chunk(node: Node) -> int | None:
     """The chunk a ``stage_boundary`` node crosses into, or None for other nodes."""
-    return node.args[1] if node.op == "call_function" and node.target is stage_boundary else None
+    return node.args[1] if node.op == "call_function" and node.target is ops.STAGE_BOUNDARY else None
 
 
 def collectives_have_metadata(gm: GraphModule) -> list[str]:
