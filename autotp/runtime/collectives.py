@@ -65,7 +65,7 @@ def _reduce_from_tp(x: Tensor, group: str) -> Tensor:
 def _gather_from_tp(x: Tensor, dim: int, size: int, group: str) -> Tensor:
     pg = get_group(group)
     full = x.clone() if pg is None else _gathered(x, dim, pg)
-    return full if full.shape[dim] == size else full.narrow(dim, 0, size).clone()
+    return full.narrow(dim, 0, size)
 
 
 def _scatter_to_tp(x: Tensor, dim: int, local: int, group: str) -> Tensor:
@@ -105,7 +105,7 @@ def _vocab_parallel_nll(logits: Tensor, target: Tensor, vocab_start: int, vocab_
     in_range, local_target = ops.target_in_range(target, vocab_start, x.shape[-1])
     picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
     sum_exp, target_logit = _all_reduce_(torch.stack([shifted.exp().sum(dim=-1), picked]), pg)
-    return sum_exp.log() - target_logit, row_max, sum_exp.clone()
+    return sum_exp.log() - target_logit, row_max, sum_exp
 
 
 _IMPLEMENTATIONS: dict[torch._ops.OpOverload, Callable[..., object]] = {
