@@ -24,6 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import autotp
 from autotp.ir import ops
 from autotp.runtime import collectives, rng
+from autotp.runtime.launcher import spawn_ranks
 from distributed import run_on_ranks
 from small_models import build, vocab_size
 
@@ -202,10 +203,13 @@ def test_torch_compile_traces_and_runs_the_ops(group_of: Any) -> None:
 # ---- two gloo ranks -------------------------------------------------------------------
 
 
-def _collectives_on_ranks(rank: int, world: int) -> dict[str, bool]:
+def _collectives_on_ranks(rank: int, world: int, device: str) -> dict[str, bool]:
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    torch.set_default_device(device)
     collectives.register_group(KEY, dist.group.WORLD)
     seeded = torch.Generator().manual_seed(0)
-    full = torch.randn(world * 2, 3, generator=seeded)  # the same on every rank
+    full = torch.randn(world * 2, 3, generator=seeded).to(device)  # the same on every rank
     mine = full[rank * 2 : rank * 2 + 2].clone().requires_grad_()
     up = torch.full((world * 2, 3), float(rank + 1))  # each rank's upstream grad differs
     ok: dict[str, bool] = {}
@@ -237,7 +241,7 @@ def _collectives_on_ranks(rank: int, world: int) -> dict[str, bool]:
     grad = torch.arange(12.0).view(4, 3)[:, rank * 2 : rank * 2 + 2]
     ok["gather"] = torch.equal(y, full) and torch.equal(x.grad, grad if rank == 0 else torch.cat([grad, torch.zeros(4, 1)], 1))
 
-    logits = torch.randn(5, 7, generator=seeded, dtype=torch.float64)
+    logits = torch.randn(5, 7, generator=seeded, dtype=torch.float64).to(device)
     target = torch.tensor([1, 6, -100, 0, 4])
     local = torch.cat([logits, torch.zeros(5, 1, dtype=torch.float64)], 1)[:, rank * 4 : rank * 4 + 4].clone().requires_grad_()
     loss = ops.VOCAB_PARALLEL_CROSS_ENTROPY(local, target, rank * 4, 7, -100, 1, KEY)
@@ -251,7 +255,13 @@ def _collectives_on_ranks(rank: int, world: int) -> dict[str, bool]:
 
 
 def test_collectives_match_hand_computed_values_on_two_ranks() -> None:
-    for result in run_on_ranks(_collectives_on_ranks, 2):
+    for result in run_on_ranks(_collectives_on_ranks, 2, "cpu"):
+        assert all(result.values()), result
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_collectives_match_hand_computed_values_on_two_gpus_through_nccl() -> None:
+    for result in spawn_ranks(_collectives_on_ranks, 2, "cuda", backend="nccl"):
         assert all(result.values()), result
 
 

@@ -54,7 +54,6 @@ LayerKey = int | str
 KINDS = ("all_reduce", "all_gather", "p2p")
 DIRECTIONS = ("forward", "backward")
 
-# Mirrors ``replica_group_key``: f over the ranks that hold the same KV-head slice.
 _FLOAT32_BYTES = 4
 
 
