@@ -159,6 +159,7 @@ def _tp_rand_fake(like: Tensor, stream: str) -> Tensor:
 
 
 def _keep_group(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    """For gather/scatter: the input's size along ``dim`` is the size the backward restores."""
     ctx.dim, ctx.size, ctx.group = inputs[1], inputs[0].shape[inputs[1]], inputs[-1]
 
 
