@@ -67,11 +67,6 @@ class Lowered:
     pass_s: dict[str, float]
 
 
-def tp_group_key(tp: int) -> str:
-    """The process-group key that the graph's tp collectives name."""
-    return f"tp{tp}"
-
-
 def example_kwargs(model: nn.Module, example_inputs: dict[str, Any] | None) -> dict[str, Any]:
     """``example_inputs``, or random ``input_ids`` of shape [2, 16] for a HF model; ``use_cache=False`` where accepted."""
     kwargs = dict(example_inputs) if example_inputs is not None else _default_inputs(model)
@@ -187,7 +182,6 @@ def lower(
         plan=plan,
         tp_rank=tp_rank,
         device=torch.device(device),
-        group=tp_group_key(plan.tp),
         dump_dir=dump_dir,
         backend=backend,
         choose_cudagraph_regions=choose_regions,

@@ -21,19 +21,14 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from autotp.ir import meta_keys
-from autotp.runtime.collectives import copy_to_tp, gather_from_tp, reduce_from_tp
+from autotp.ir import meta_keys, ops
+from autotp.ir.ops import replica_group_key
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import shape_of
 from autotp.ir.layouts import PARTIAL, REPLICATE, Layout, resolve
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten
-
-
-def replica_group_key(group: str, replicas: int) -> str:
-    """Key of the subgroup of ``replicas`` consecutive tp ranks that hold the same slice."""
-    return f"{group}_replicas{replicas}"
 
 
 def _annotate(new: Node, value: Node, layout: Any, kind: str, ranks: int, located_at: Node | None = None) -> None:
@@ -74,7 +69,7 @@ def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for node in list(graph.nodes):
         for partial in node.meta.get(meta_keys.REDUCE_INPUTS, []):
             with graph.inserting_before(node):
-                g = graph.call_function(reduce_from_tp, (partial, key))
+                g = graph.call_function(ops.REDUCE_FROM_TP, (partial, key), name="reduce_from_tp")
             _annotate(g, partial, REPLICATE, "all_reduce", ctx.plan.tp, located_at=_partial_source(partial))
             node.replace_input_with(partial, g)
         if node.meta.get(meta_keys.ROLE) is NodeRole.ROW_WITH_BIAS:
@@ -86,7 +81,7 @@ def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
         for user in list(node.users):
             if user.op == "call_function" and _not_replicated(user):
                 with graph.inserting_before(user):
-                    f = graph.call_function(copy_to_tp, (node, key))
+                    f = graph.call_function(ops.COPY_TO_TP, (node, key), name="copy_to_tp")
                 _annotate(f, node, lay, "all_reduce_backward", ctx.plan.tp)
                 user.replace_input_with(node, f)
     _sync_replicated_blocks(gm, ctx)
@@ -107,7 +102,7 @@ def _split_row_bias(gm: GraphModule, node: Node, key: str, tp: int) -> None:
         target, args = aten.mm.default, (x, w)
     with graph.inserting_before(node):
         product = graph.call_function(target, args)
-        g = graph.call_function(reduce_from_tp, (product, key))
+        g = graph.call_function(ops.REDUCE_FROM_TP, (product, key), name="reduce_from_tp")
         out = graph.call_function(aten.add.Tensor, (g, bias))
     product.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.ROLE})
     product.meta[meta_keys.LAYOUT] = Layout(partial=True)
@@ -127,7 +122,7 @@ def _sync_replicated_blocks(gm: GraphModule, ctx: PassContext) -> None:
             continue
         replicas = layout.sharding.replicas(ctx.plan.tp)
         with graph.inserting_after(node):
-            f = graph.call_function(copy_to_tp, (node, replica_group_key(ctx.group, replicas)))
+            f = graph.call_function(ops.COPY_TO_TP, (node, replica_group_key(ctx.group, replicas)), name="copy_to_tp")
         _annotate(f, node, node.meta.get(meta_keys.LAYOUT), "all_reduce_backward", replicas)
         node.replace_all_uses_with(f, delete_user_cb=lambda u: u is not f)
 
@@ -146,6 +141,6 @@ def _gather_outputs(gm: GraphModule, key: str, tp: int) -> None:
             if resolve(var, tp).replicas(tp) != 1:
                 raise ValueError(f"graph output '{arg.name}' holds replicated blocks; it cannot be gathered")
             with graph.inserting_before(out_node):
-                value = graph.call_function(gather_from_tp, (value, d, shape[d], key))
+                value = graph.call_function(ops.GATHER_FROM_TP, (value, d, shape[d], key), name="gather_from_tp")
             _annotate(value, arg, REPLICATE, "all_gather", tp)
         out_node.replace_input_with(arg, value)

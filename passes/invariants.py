@@ -19,22 +19,27 @@ from collections.abc import Callable
 import torch
 from torch.fx import GraphModule, Node
 
-from autotp.ir import meta_keys
+from autotp.ir import meta_keys, ops
 from autotp.ir.layouts import Layout
-from autotp.runtime.pipeline import stage_boundary
 
 Invariant = Callable[[GraphModule], list[str]]
 
 
 def _boundary_chunk(node: Node) -> int | None:
     """The chunk a ``stage_boundary`` node crosses into, or None for other nodes."""
-    return node.args[1] if node.op == "call_function" and node.target is stage_boundary else None
+    return node.args[1] if node.op == "call_function" and node.target is ops.STAGE_BOUNDARY else None
+
+
+# Collectives that ``insert_collectives`` places; the vocab-parallel ops carry their own.
+_INSERTED = frozenset({ops.COPY_TO_TP, ops.REDUCE_FROM_TP, ops.GATHER_FROM_TP, ops.ALL_GATHER, ops.REDUCE_SCATTER})
 
 
 def collectives_have_metadata(gm: GraphModule) -> list[str]:
     problems = []
     for node in gm.graph.nodes:
         if meta_keys.COLLECTIVE not in node.meta:
+            if node.op == "call_function" and node.target in _INSERTED:
+                problems.append(f"collective {node.name} has no {meta_keys.COLLECTIVE} metadata")
             continue
         ranks = node.meta.get(meta_keys.COLLECTIVE_RANKS)
         if node.op != "call_function" or not isinstance(ranks, int) or ranks < 1:

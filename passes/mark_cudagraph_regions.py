@@ -45,14 +45,11 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from autotp.runtime import collectives
 from autotp.analysis.local_shapes import local_tensors
-from autotp.ir import meta_keys
-from autotp.runtime import rng
+from autotp.ir import meta_keys, ops
 from autotp.ir import schedules
 from autotp.ir.errors import source_line
 from autotp.passes.runner import PassContext
-from autotp.runtime.pipeline import stage_boundary
 from autotp.ir.plan import ParallelPlan
 
 aten = torch.ops.aten
@@ -69,10 +66,6 @@ _SIZE_READS = {
 }  # fmt: skip
 _BOOL_READS = {aten.equal.default, aten.is_nonzero.default}
 _COPIES = {aten.to.dtype_layout, aten.to.device, aten.to.prim_Device, aten._to_copy.default, aten.copy_.default, aten.copy.default}
-_COLLECTIVE_OPS = {
-    collectives.copy_to_tp, collectives.reduce_from_tp, collectives.gather_from_tp,
-    collectives.vocab_parallel_cross_entropy,
-}  # fmt: skip
 _CAPTURABLE_BACKENDS = {"nccl"}
 
 
@@ -113,7 +106,7 @@ def _is_host_number(value: Any) -> bool:
 
 
 def _rng_reason(node: Node) -> str | None:
-    if node.target is rng.tp_dropout:
+    if node.target is ops.TP_DROPOUT:
         p, train = node.args[1], node.args[2]
         if train and p > 0:
             return "tp_dropout draws its mask from autotp's tp generators (autotp.runtime.rng), which capture does not register"
@@ -168,9 +161,9 @@ def _blocker(node: Node, ctx: PassContext, opaque: dict[Any, str], blocked: set[
     reason = _rng_reason(node)
     if reason is not None:
         return make(RNG, reason)
-    is_collective = node.target in _COLLECTIVE_OPS or meta_keys.COLLECTIVE in node.meta
+    is_collective = node.target in ops.COLLECTIVES or meta_keys.COLLECTIVE in node.meta
     if is_collective and ctx.plan.tp > 1 and ctx.backend not in _CAPTURABLE_BACKENDS:
-        return make(COLLECTIVE, f"{getattr(node.target, '__name__', node.target)} runs on {ctx.backend}, which CUDA graphs cannot capture; use NCCL")
+        return make(COLLECTIVE, f"{getattr(node.target, '__name__', str(node.target)).removesuffix('.default')} runs on {ctx.backend}, which CUDA graphs cannot capture; use NCCL")
     return None
 
 
@@ -238,7 +231,7 @@ def _runs(gm: GraphModule, ctx: PassContext) -> list[list[Node]]:
         chunk = 0 if ctx.plan.num_chunks == 1 else node.meta.get(meta_keys.CHUNK)
         if chunk is None and blocker is None:
             continue
-        joins = blocker is None and node.target is not stage_boundary
+        joins = blocker is None and node.target is not ops.STAGE_BOUNDARY
         if current and (not joins or chunk != current_chunk):
             runs.append(current)
             current, current_set = [], set()

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from autotp.runtime import collectives
-from autotp.ir import meta_keys
-from autotp.runtime import rng
+from autotp.ir import meta_keys, ops
 from autotp.analysis.layers import HEAD, last_layer_position, layer_of, num_layers, outside_layers
 from autotp.passes.runner import PassContext
-from autotp.runtime.pipeline import stage_boundary
 
-_NEVER_REPEATED = {collectives.copy_to_tp, collectives.reduce_from_tp, collectives.gather_from_tp, rng.tp_dropout}
+_NEVER_REPEATED = ops.COLLECTIVES | {ops.TP_DROPOUT}
 
 
 def repeatable(node: Node, repeat: set[Node]) -> bool:
@@ -74,7 +71,7 @@ def split_stages(gm: GraphModule, ctx: PassContext) -> GraphModule:
             for c in range(chunk_of[node] + 1, target + 1):
                 if c not in crossings:
                     with graph.inserting_after(crossings[c - 1]):
-                        boundary = graph.call_function(stage_boundary, (crossings[c - 1], c))
+                        boundary = graph.call_function(ops.STAGE_BOUNDARY, (crossings[c - 1], c), name="stage_boundary")
                     boundary.meta.update({k: v for k, v in node.meta.items() if k in ("val", meta_keys.LAYOUT, meta_keys.NEEDS_GRAD)})
                     boundary.meta[meta_keys.CHUNK] = c
                     crossings[c] = boundary

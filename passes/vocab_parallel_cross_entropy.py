@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from autotp.ir import meta_keys
-from autotp.runtime.collectives import vocab_parallel_cross_entropy as parallel_loss
+from autotp.ir import meta_keys, ops
 from autotp.analysis.propagation_result import NodeRole
 from autotp.ir.layouts import Layout, resolve
 from autotp.passes.runner import PassContext
@@ -32,7 +31,7 @@ def vocab_parallel_cross_entropy(gm: GraphModule, ctx: PassContext) -> GraphModu
             raise ValueError(f"cross-entropy at node '{node.name}': class dim is not one contiguous slice per rank")
         reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", _REDUCTION_MEAN)
         ignore_index = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", _DEFAULT_IGNORE_INDEX)
-        node.target = parallel_loss
+        node.target = ops.VOCAB_PARALLEL_CROSS_ENTROPY
         node.args = (logits, target, ranges[0][0], sharding.size, ignore_index, reduction, ctx.group)
         node.kwargs = {}
     return gm

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from autotp.ir import meta_keys
-from autotp.runtime.collectives import vocab_parallel_embedding as vocab_parallel_lookup
+from autotp.ir import meta_keys, ops
 from autotp.analysis.propagation_result import NodeRole
 from autotp.passes.runner import PassContext
 
@@ -27,7 +26,7 @@ def vocab_parallel_embedding(gm: GraphModule, ctx: PassContext) -> GraphModule:
         assert layout is not None and layout.dim == 0, f"{weight.target} is not vocab-sharded in the plan"
         (start, stop), = layout.sharding.ranges(ctx.tp_rank, ctx.plan.tp)
         stop = min(stop, layout.sharding.size)
-        node.target = vocab_parallel_lookup
+        node.target = ops.VOCAB_PARALLEL_EMBEDDING
         node.args = (weight, ids, start, stop, padding_idx)
         node.kwargs = {}
     return gm

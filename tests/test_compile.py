@@ -10,7 +10,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import autotp
-from autotp.runtime.collectives import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
+from autotp.ir import ops
 from autotp.ir.plan import ParallelPlan
 from autotp.presets import build_model
 
@@ -40,7 +40,7 @@ def test_megatron_minimum_collectives_per_decoder_layer(name: str) -> None:
     ids = torch.zeros(2, 16, dtype=torch.long)
     compiled = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": ids})
     layers = model.config.num_hidden_layers
-    forward, backward = _count(compiled.graph, reduce_from_tp), _count(compiled.graph, copy_to_tp)
+    forward, backward = _count(compiled.graph, ops.REDUCE_FROM_TP), _count(compiled.graph, ops.COPY_TO_TP)
     for layer in range(layers):
         assert forward.get(layer) == 2, f"layer {layer}: forward all-reduces {forward}"
     # Outside the layers: one all-reduce completes the vocab-parallel embedding.
@@ -51,7 +51,7 @@ def test_megatron_minimum_collectives_per_decoder_layer(name: str) -> None:
     for layer in range(layers):
         assert backward.get(layer) == per_layer_backward, f"layer {layer}: backward all-reduces {backward}"
     # The loss is vocab-parallel: one parallel cross-entropy, no gathered logits on its path.
-    assert sum(_count(compiled.graph, vocab_parallel_cross_entropy).values()) == 1
+    assert sum(_count(compiled.graph, ops.VOCAB_PARALLEL_CROSS_ENTROPY).values()) == 1
 
 
 def test_meta_model_plans_without_allocating() -> None:
@@ -82,7 +82,7 @@ def test_plan_is_followed_when_given() -> None:
     auto = autotp.compile_rank(model, tp=2).plan
     kept = ParallelPlan(tp=2, params=tuple(p for p in auto.params if "mlp" not in p.name))
     compiled = autotp.compile_rank(model, tp=2, plan=kept)
-    assert _count(compiled.graph, reduce_from_tp).get(0) == 1  # only attention is split now
+    assert _count(compiled.graph, ops.REDUCE_FROM_TP).get(0) == 1  # only attention is split now
 
 
 def test_heads_not_divisible_by_tp_names_the_parameter() -> None:

@@ -22,15 +22,13 @@ from torch import nn
 
 import autotp
 from autotp.runtime import cudagraphs
-from autotp.ir import meta_keys
+from autotp.ir import meta_keys, ops
 from autotp.ir import schedules
-from autotp.runtime.collectives import copy_to_tp, reduce_from_tp
 from autotp.cost_model.cudagraphs import RegionStats, choose_regions, decide
 from autotp.ir.plan import CudaGraphPolicy
 from autotp.report.cudagraphs import cudagraph_report, explain_cudagraphs
 from autotp.passes.mark_cudagraph_regions import COLLECTIVE, HOST_SYNC, HOST_VALUE, mark_cudagraph_regions
 from autotp.passes.runner import PassContext
-from autotp.runtime.pipeline import stage_boundary
 from autotp.ir.plan import ParallelPlan
 from distributed import run_on_ranks
 from small_models import build, vocab_size
@@ -138,7 +136,7 @@ def test_regions_never_span_stage_boundaries() -> None:
     for nodes in regions.values():
         assert len({n.meta.get(meta_keys.CHUNK) for n in nodes}) == 1, [n.name for n in nodes]
         assert None not in {n.meta.get(meta_keys.CHUNK) for n in nodes}
-        assert not any(n.target is stage_boundary for n in nodes)
+        assert not any(n.target is ops.STAGE_BOUNDARY for n in nodes)
     assert {nodes[0].meta[meta_keys.CHUNK] for nodes in regions.values()} == {0, 1}
 
 
@@ -151,7 +149,7 @@ def _mark(gm: torch.fx.GraphModule, plan: ParallelPlan, backend: str, device: st
 def test_gloo_collectives_are_blockers() -> None:
     compiled = autotp.compile_rank(autotp.presets.build_model("llama-tiny"), tp=2)
     gm = _mark(compiled.graph, compiled.plan, "gloo")
-    collectives = [n for n in gm.graph.nodes if n.target in (copy_to_tp, reduce_from_tp)]
+    collectives = [n for n in gm.graph.nodes if n.target in (ops.COPY_TO_TP, ops.REDUCE_FROM_TP)]
     assert collectives
     for node in collectives:
         blocker = node.meta[meta_keys.CUDAGRAPH_BLOCKER]

@@ -33,21 +33,22 @@ def test_other_batch_and_sequence_lengths_retrace_once_each() -> None:
 
 def _dropout_streams(rank: int, world: int) -> dict[str, object]:
     import autotp
-    from autotp.runtime.rng import REPLICATED, SHARDED
+    from autotp.ir import ops
+    from autotp.ir.ops import REPLICATED, SHARDED
 
     torch.manual_seed(0)
     model = PlainTransformer(dropout=0.5).train()
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
     pm = autotp.parallelize(model, tp=world, example_inputs={"input_ids": ids, "labels": ids}, seed=7)
     graph = pm.graph_for(input_ids=ids, labels=ids)
-    streams = [n.args[3] for n in graph.graph.nodes if n.target is autotp.runtime.rng.tp_dropout]
+    streams = [n.args[3] for n in graph.graph.nodes if n.target is ops.TP_DROPOUT]
     out = pm(input_ids=ids, labels=ids)
     x = torch.ones(4, 64)
     return {
         "streams": streams,
         "loss": out["loss"].item(),
-        "replicated_mask": autotp.runtime.rng.tp_dropout(x, 0.5, True, REPLICATED),
-        "sharded_mask": autotp.runtime.rng.tp_dropout(x, 0.5, True, SHARDED),
+        "replicated_mask": ops.TP_DROPOUT(x, 0.5, True, REPLICATED),
+        "sharded_mask": ops.TP_DROPOUT(x, 0.5, True, SHARDED),
     }
 
 

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from autotp import presets
+from autotp.ir import ops
 from autotp.api import parallelize
 from autotp.compiler import trace_for_planning
 from autotp.cost_model.calibrate import SCALE_MODEL, SCALE_LAYERS, describe, fit_profile, scale_config
 from autotp.cost_model.compute import Segment, needs_grad
 from autotp.cost_model.hardware import HardwareProfile, save_profile
-from autotp.runtime import collectives
 from autotp.runtime.launcher import spawn_ranks
 
 MESSAGE_BYTES = {"cuda": tuple(2**k for k in range(16, 29, 2)), "cpu": tuple(2**k for k in range(12, 25, 2))}
@@ -133,8 +133,8 @@ def _tiny_llama(layers: int, tp: int, device: torch.device, dtype: torch.dtype) 
         "both_s": both_s,
         "calls": len(calls),
         "grad_calls": sum(n in grads for n in calls),
-        "forward_collectives": sum(n.target in (collectives.reduce_from_tp, collectives.gather_from_tp) for n in calls),
-        "backward_collectives": sum(n.target is collectives.copy_to_tp for n in calls),
+        "forward_collectives": sum(n.target in (ops.REDUCE_FROM_TP, ops.GATHER_FROM_TP) for n in calls),
+        "backward_collectives": sum(n.target is ops.COPY_TO_TP for n in calls),
     }
 
 

@@ -18,7 +18,7 @@ from torch.fx import GraphModule
 from transformers.utils import logging as hf_logging
 
 from autotp import presets
-from autotp.runtime import collectives
+from autotp.ir import ops
 from autotp.report import dump
 from autotp.api import CompiledRank, compile_rank, parallelize
 from autotp.cost_model.hardware import PROFILES
@@ -89,8 +89,8 @@ def _run_worker(config: RunConfig, rank: int, world_size: int) -> None:
             f"(|diff| {abs(losses[0] - reference):.1e})"
         )
         print(
-            f"all-reduces per rank graph: {_count_calls(graph, collectives.reduce_from_tp)} forward, "
-            f"{_count_calls(graph, collectives.copy_to_tp)} backward"
+            f"all-reduces per rank graph: {_count_calls(graph, ops.REDUCE_FROM_TP)} forward, "
+            f"{_count_calls(graph, ops.COPY_TO_TP)} backward"
         )
         print(
             f"{config.model}, tp={config.tp} on {dist.get_backend()}: compile {compiled_at - start:.2f} s, "

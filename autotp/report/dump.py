@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from autotp.ir import meta_keys
+from autotp.ir import meta_keys, ops
 from autotp.report.graph_report import (
     GraphReport,
     LayerKey,
@@ -88,7 +88,8 @@ def _tensors(r: NodeReport) -> str:
 def _target(r: NodeReport) -> str:
     node = r.node
     if node.op == "call_function":
-        return str(node.target) if isinstance(node.target, torch._ops.OpOverload) else r.op
+        # autotp's own ops print short (``copy_to_tp(x, 'tp2')``), aten's in full
+        return str(node.target) if isinstance(node.target, torch._ops.OpOverload) and not ops.is_autotp_op(node.target) else r.op
     if node.op == "get_attr":
         return f"get_attr {node.target}"
     return node.op

@@ -35,20 +35,18 @@ from typing import Any
 
 from torch.fx import GraphModule, Node
 
-from autotp.ir import meta_keys
+from autotp.ir import meta_keys, ops
 from autotp.analysis.local_shapes import TensorInfo, global_tensors, local_tensors
 from autotp.cost_model.communication import group_collective_s
 from autotp.cost_model.flops import compute_time_s, node_cost, op_name
 from autotp.cost_model.hardware import H200, HardwareProfile
 from autotp.analysis.layers import EMBEDDING, HEAD, LayerKey, last_layer_position, layer_of, outside_layers
 from autotp.ir.layouts import Layout
-from autotp.runtime.pipeline import stage_boundary
 from autotp.ir.plan import ParallelPlan
 
 KINDS = ("all_reduce", "all_gather", "p2p")
 DIRECTIONS = ("forward", "backward")
 
-# Mirrors ``replica_group_key``: f over the ranks that hold the same KV-head slice.
 _FLOAT32_BYTES = 4
 
 
@@ -141,7 +139,7 @@ def describe_layout(node: Node, tp: int) -> str | None:
 def _joins_its_user(node: Node) -> bool:
     if node.meta.get(meta_keys.COLLECTIVE) == "all_reduce_backward":
         return True
-    inserted = meta_keys.COLLECTIVE in node.meta or node.target is stage_boundary
+    inserted = meta_keys.COLLECTIVE in node.meta or node.target is ops.STAGE_BOUNDARY
     return inserted and not node.meta.get("nn_module_stack")
 
 
@@ -206,10 +204,10 @@ def _collectives(node: Node, tp: int, hw: HardwareProfile, local: list[TensorInf
             return (cost("all_gather", "forward", nbytes, ranks),)
         assert tag == "all_reduce_backward", f"unknown collective tag {tag!r} on {node.name}"
         return (cost("all_reduce", "backward", nbytes, ranks),)
-    if node.op == "call_function" and node.target is stage_boundary:
+    if node.op == "call_function" and node.target is ops.STAGE_BOUNDARY:
         nbytes = sum(t.nbytes for t in local)
         return (cost("p2p", "forward", nbytes, 2), cost("p2p", "backward", nbytes, 2))
-    if node.op == "call_function" and op_name(node.target) == "vocab_parallel_cross_entropy":
+    if node.op == "call_function" and node.target is ops.VOCAB_PARALLEL_CROSS_ENTROPY:
         tokens = global_tensors(node.args[1])[0].numel
         return (
             cost("all_reduce", "forward", tokens * _FLOAT32_BYTES),
@@ -310,7 +308,7 @@ def stage_view(report: GraphReport, stage: int) -> GraphReport:
         r.node
         for r in report.nodes
         if r.stage == stage
-        or (r.node.op == "call_function" and r.node.target is stage_boundary and plan.pp_rank_of_chunk(r.node.args[1] - 1) == stage)
+        or (r.node.op == "call_function" and r.node.target is ops.STAGE_BOUNDARY and plan.pp_rank_of_chunk(r.node.args[1] - 1) == stage)
     ]
     while pending:
         node = pending.pop()

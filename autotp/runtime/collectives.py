@@ -1,29 +1,25 @@
-"""Tensor-parallel collectives that the passes insert as graph nodes.
+"""The process-group registry and the kernels (CPU and CUDA) of autotp's collective ops.
 
-Each is a plain function backed by an ``autograd.Function``, so it shows in graph dumps
-under its own name and can be counted by target:
-
-* ``copy_to_tp`` -- Megatron's *f*: identity forward, all-reduce of the grad backward.
-* ``reduce_from_tp`` -- Megatron's *g*: all-reduce forward, identity backward.
-* ``gather_from_tp`` -- all-gather along a dim (full logits for the user), backward
-  keeps this rank's slice.
-* ``vocab_parallel_embedding`` -- local lookup with out-of-range ids masked; the
-  result is a partial sum.
-* ``vocab_parallel_cross_entropy`` -- cross-entropy over vocab-sharded logits; only
-  per-token max, sum-exp and target logit cross ranks.
-
-Groups are referred to by a string key (``"tp2"``...) registered at runtime, so graphs
-stay printable. An unregistered key or a group of size 1 makes every op local.
+The ops, their fake kernels and autograd formulas are in ``autotp.ir.ops``; graphs name
+a group by a string key (``tp_group_key``, ``replica_group_key``) that the runtime
+registers here. An unregistered key raises; a registered group of one rank makes every
+op local.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd import Function
+from torch.library import Library
+
+from autotp.ir import ops
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
+_KERNELS = Library(ops.NAMESPACE, "IMPL")
+_DEVICES = ("CPU", "CUDA")
 
 
 def register_group(key: str, group: dist.ProcessGroup) -> None:
@@ -31,138 +27,95 @@ def register_group(key: str, group: dist.ProcessGroup) -> None:
 
 
 def get_group(key: str) -> dist.ProcessGroup | None:
+    """The process group registered as ``key``, or None when it has one rank."""
     group = _GROUPS.get(key)
-    if group is None or dist.get_world_size(group) == 1:
-        return None
+    if group is None:
+        known = ", ".join(sorted(_GROUPS)) or "none"
+        raise ValueError(
+            f"no process group is registered as '{key}' (registered: {known}); run the graph on ranks set up "
+            "by autotp.parallelize, or register the group with autotp.runtime.collectives.register_group"
+        )
+    return None if dist.get_world_size(group) == 1 else group
+
+
+def _group_of_size(key: str, group_size: int) -> dist.ProcessGroup | None:
+    group = get_group(key)
+    actual = 1 if group is None else dist.get_world_size(group)
+    if actual != group_size:
+        raise ValueError(f"the graph expects {group_size} ranks in group '{key}', but it has {actual}; compile it for {actual}")
     return group
 
 
-def _all_reduce(x: Tensor, key: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
-    group = get_group(key)
-    if group is None:
-        return x
-    x = x.contiguous()
-    dist.all_reduce(x, op=op, group=group)
+def _all_reduce_(x: Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+    if group is not None:
+        dist.all_reduce(x, op=op, group=group)
     return x
 
 
-class _CopyToTP(Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, key: str) -> Tensor:  # type: ignore[override]
-        ctx.key = key
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return _all_reduce(grad.clone(), ctx.key), None
+def _gathered(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
-class _ReduceFromTP(Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, key: str) -> Tensor:  # type: ignore[override]
-        return _all_reduce(x.clone(), key)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return grad, None
+def _reduce_from_tp(x: Tensor, group: str) -> Tensor:
+    return _all_reduce_(x.clone(memory_format=torch.contiguous_format), get_group(group))
 
 
-class _GatherFromTP(Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, dim: int, size: int, key: str) -> Tensor:  # type: ignore[override]
-        group = get_group(key)
-        ctx.dim, ctx.local, ctx.rank = dim, x.shape[dim], dist.get_rank(group) if group else 0
-        if group is None:
-            return x.narrow(dim, 0, size)
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim).narrow(dim, 0, size)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
-        start = ctx.rank * ctx.local
-        have = max(min(grad.shape[ctx.dim] - start, ctx.local), 0)
-        local = grad.narrow(ctx.dim, start, have) if have else grad.narrow(ctx.dim, 0, 0)
-        if have < ctx.local:
-            pad_shape = list(grad.shape)
-            pad_shape[ctx.dim] = ctx.local - have
-            local = torch.cat([local, grad.new_zeros(pad_shape)], dim=ctx.dim)
-        return local, None, None, None
+def _gather_from_tp(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    pg = get_group(group)
+    full = x.clone() if pg is None else _gathered(x, dim, pg)
+    return full.narrow(dim, 0, size)
 
 
-def copy_to_tp(x: Tensor, key: str) -> Tensor:
-    """Megatron f: identity forward, all-reduce backward."""
-    return _CopyToTP.apply(x, key)
+def _scatter_to_tp(x: Tensor, dim: int, local: int, group: str) -> Tensor:
+    pg = get_group(group)
+    start = 0 if pg is None else dist.get_rank(pg) * local
+    have = max(min(x.shape[dim] - start, local), 0)
+    out = x.new_zeros([local if d == dim % x.dim() else s for d, s in enumerate(x.shape)])
+    out.narrow(dim, 0, have).copy_(x.narrow(dim, start, have))
+    return out
 
 
-def reduce_from_tp(x: Tensor, key: str) -> Tensor:
-    """Megatron g: all-reduce forward, identity backward."""
-    return _ReduceFromTP.apply(x, key)
+def _all_gather(x: Tensor, dim: int, group_size: int, group: str) -> Tensor:
+    pg = _group_of_size(group, group_size)
+    return x.clone() if pg is None else _gathered(x, dim, pg)
 
 
-def gather_from_tp(x: Tensor, dim: int, size: int, key: str) -> Tensor:
-    """All-gather ``x`` along ``dim`` and keep the first ``size`` entries (drops padding)."""
-    return _GatherFromTP.apply(x, dim, size, key)
+def _reduce_scatter(x: Tensor, dim: int, group_size: int, group: str) -> Tensor:
+    pg = _group_of_size(group, group_size)
+    local = ops.reduce_scatter_size(x.shape[dim], group_size, group)
+    if pg is None:
+        return x.clone()
+    rank = dist.get_rank(pg)
+    if dist.get_backend(pg) == dist.Backend.GLOO:  # gloo has no reduce-scatter
+        return _all_reduce_(x.clone(memory_format=torch.contiguous_format), pg).narrow(dim, rank * local, local).clone()
+    out = x.new_empty([local if d == dim % x.dim() else s for d, s in enumerate(x.shape)])
+    dist.reduce_scatter(out, [p.contiguous() for p in x.split(local, dim=dim)], group=pg)
+    return out
 
 
-def vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int, vocab_stop: int, padding_idx: int) -> Tensor:
-    """Rows ``[vocab_start, vocab_stop)`` live here; other ids give zeros (a partial sum)."""
-    outside = (ids < vocab_start) | (ids >= vocab_stop)
-    local_ids = (ids - vocab_start).masked_fill(outside, 0)
-    local_pad = padding_idx - vocab_start if vocab_start <= padding_idx < vocab_stop else -1
-    out = torch.embedding(weight, local_ids, local_pad)
-    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+def _vocab_parallel_nll(logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, group: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token ``logsumexp - target logit`` over the whole vocabulary, with the global
+    row max and sum of exps (which the backward reuses)."""
+    pg = get_group(group)
+    x = ops.local_logits(logits, vocab_start, vocab_size)
+    row_max = _all_reduce_(x.max(dim=-1).values, pg, dist.ReduceOp.MAX)
+    shifted = x - row_max.unsqueeze(-1)
+    in_range, local_target = ops.target_in_range(target, vocab_start, x.shape[-1])
+    picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
+    sum_exp, target_logit = _all_reduce_(torch.stack([shifted.exp().sum(dim=-1), picked]), pg)
+    return sum_exp.log() - target_logit, row_max, sum_exp
 
 
-class _VocabParallelCrossEntropy(Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx, logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, ignore_index: int, reduction: int, key: str
-    ) -> Tensor:
-        x = logits.float()
-        n_local = x.shape[-1]
-        if vocab_start + n_local > vocab_size:  # padded vocabulary rows never win
-            pad = torch.arange(n_local, device=x.device) + vocab_start >= vocab_size
-            x = x.masked_fill(pad, float("-inf"))
-        row_max = _all_reduce(x.max(dim=-1).values, key, dist.ReduceOp.MAX)
-        shifted = x - row_max.unsqueeze(-1)
-        in_range = (target >= vocab_start) & (target < vocab_start + n_local)
-        local_target = (target - vocab_start).masked_fill(~in_range, 0)
-        picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
-        exp = shifted.exp()
-        sums = _all_reduce(torch.stack([exp.sum(dim=-1), picked]), key)
-        sum_exp, target_logit = sums[0], sums[1]
-        valid = target != ignore_index
-        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
-        count = valid.sum()
-        ctx.save_for_backward(exp, sum_exp, local_target, in_range, valid, count)
-        ctx.reduction, ctx.dtype = reduction, logits.dtype
-        if reduction == 0:
-            return loss.to(logits.dtype)
-        total = loss.sum()
-        return (total / count if reduction == 1 else total).to(logits.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        exp, sum_exp, local_target, in_range, valid, count = ctx.saved_tensors
-        g = exp / sum_exp.unsqueeze(-1)
-        onehot = torch.zeros_like(g).scatter_(-1, local_target.unsqueeze(-1), 1.0) * in_range.unsqueeze(-1)
-        g = (g - onehot) * valid.unsqueeze(-1)
-        if ctx.reduction == 0:
-            g = g * grad.float().unsqueeze(-1)
-        elif ctx.reduction == 1:
-            g = g * (grad.float() / count)
-        else:
-            g = g * grad.float()
-        return g.to(ctx.dtype), None, None, None, None, None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, ignore_index: int, reduction: int, key: str
-) -> Tensor:
-    """``aten.cross_entropy_loss`` on logits sharded on the last (class) dim.
-
-    ``reduction`` uses aten's codes: 0 none, 1 mean, 2 sum.
-    """
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, ignore_index, reduction, key)
-
+_IMPLEMENTATIONS: dict[torch._ops.OpOverload, Callable[..., object]] = {
+    ops.REDUCE_FROM_TP: _reduce_from_tp,
+    ops.GATHER_FROM_TP: _gather_from_tp,
+    ops.SCATTER_TO_TP: _scatter_to_tp,
+    ops.ALL_GATHER: _all_gather,
+    ops.REDUCE_SCATTER: _reduce_scatter,
+    ops.VOCAB_PARALLEL_NLL: _vocab_parallel_nll,
+}
+for _op, _fn in _IMPLEMENTATIONS.items():
+    for _device in _DEVICES:
+        _KERNELS.impl(_op._schema.name.split("::")[1], _fn, _device)

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from autotp.compiler import tp_group_key
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.rank_groups import groups_of, rank_groups
-from autotp.passes.insert_collectives import replica_group_key
+from autotp.ir.ops import replica_group_key, tp_group_key
 from autotp.runtime import collectives
 from autotp.runtime.pipeline import PipelineGroups
 

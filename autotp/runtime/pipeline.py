@@ -1,7 +1,7 @@
 """Pipeline chunks and their execution.
 
 ``split_stages`` marks every value that crosses from chunk c-1 to chunk c with a
-``stage_boundary(x, c)`` node. ``extract_chunks`` cuts the marked graph into one
+``stage_boundary(x, c)`` node (``autotp.ir.ops.STAGE_BOUNDARY``). ``extract_chunks`` cuts the marked graph into one
 ``GraphModule`` per chunk: the boundary nodes of chunk c become its inputs, the values
 that feed chunk c+1's boundaries become its outputs, and the last chunk returns the
 model's outputs. ``PipelineRunner`` runs a rank's chunks in schedule order, sending
@@ -21,13 +21,8 @@ from torch import Tensor
 from torch.fx import Graph, GraphModule, Node
 
 from autotp.analysis.local_shapes import local_shape
-from autotp.ir import meta_keys
+from autotp.ir import meta_keys, ops
 from autotp.runtime.cudagraphs import CapturedGraph
-
-
-def stage_boundary(x: Tensor, chunk: int) -> Tensor:
-    """Identity: marks ``x`` as crossing into pipeline chunk ``chunk`` (a graph node)."""
-    return x
 
 
 @dataclass
@@ -53,7 +48,7 @@ class ChunkGraph:
 def extract_chunks(gm: GraphModule, num_chunks: int, tp: int, only: Sequence[int] | None = None) -> dict[int, ChunkGraph]:
     """Per-chunk graphs of a graph marked by ``split_stages`` (``only``: these chunks)."""
     nodes = list(gm.graph.nodes)
-    boundaries = {c: [n for n in nodes if n.target is stage_boundary and n.args[1] == c] for c in range(num_chunks)}
+    boundaries = {c: [n for n in nodes if n.target is ops.STAGE_BOUNDARY and n.args[1] == c] for c in range(num_chunks)}
     out: dict[int, ChunkGraph] = {}
     for c in only if only is not None else range(num_chunks):
         is_last = c == num_chunks - 1
@@ -66,7 +61,7 @@ def extract_chunks(gm: GraphModule, num_chunks: int, tp: int, only: Sequence[int
             if n in needed:
                 continue
             needed.add(n)
-            if n.target is stage_boundary and n.args[1] == c:
+            if n.target is ops.STAGE_BOUNDARY and n.args[1] == c:
                 continue  # received, not computed
             stack.extend(a for a in n.all_input_nodes if a.meta.get(meta_keys.CHUNK) is None or a in own)
         graph = Graph()

@@ -3,21 +3,25 @@
 A replicated activation must be dropped identically on every tp rank (otherwise the
 replicas drift apart); a sharded activation must use different random numbers on each
 rank (otherwise every shard repeats the same mask). Two generator streams per device
-implement that: ``replicated`` is seeded the same on all tp ranks, ``sharded`` is
-seeded with the tp rank mixed in.
+implement that: ``REPLICATED`` is seeded the same on all tp ranks, ``SHARDED`` is
+seeded with the tp rank mixed in. This module registers the kernel of
+``autotp::tp_rand``, which ``autotp::tp_dropout`` draws its mask from.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.library import Library
 
-REPLICATED = "replicated"
-SHARDED = "sharded"
+from autotp.ir import ops
+from autotp.ir.ops import REPLICATED, SHARDED
+
 _SHARDED_SEED_OFFSET = 2718
 
 _seeds: dict[str, int] = {}
 _generators: dict[tuple[str, torch.device], torch.Generator] = {}
+_KERNELS = Library(ops.NAMESPACE, "IMPL")
 
 
 def seed_tp_rng(seed: int, tp_rank: int) -> None:
@@ -37,11 +41,10 @@ def generator(stream: str, device: torch.device) -> torch.Generator:
     return gen
 
 
-def tp_dropout(x: Tensor, p: float, train: bool, stream: str) -> Tensor:
-    """``aten.dropout`` drawing its mask from the given stream."""
-    if not train or p == 0.0:
-        return x
-    if p == 1.0:
-        return x * 0.0
-    keep = torch.rand(x.shape, generator=generator(stream, x.device), device=x.device, dtype=torch.float32) >= p
-    return x * keep.to(x.dtype) / (1.0 - p)
+def _tp_rand(like: Tensor, stream: str) -> Tensor:
+    """Uniform [0, 1) float32 numbers shaped like ``like``, from ``stream``'s generator on its device."""
+    return torch.rand(like.shape, generator=generator(stream, like.device), device=like.device, dtype=torch.float32)
+
+
+for _device in ("CPU", "CUDA"):
+    _KERNELS.impl("tp_rand", _tp_rand, _device)

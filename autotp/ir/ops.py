@@ -1,0 +1,293 @@
+"""The operators autotp puts into graphs, registered in the ``torch.library`` namespace ``autotp``.
+
+This module holds their schemas, fake kernels (so graphs run on ``meta`` and under
+FakeTensor without any process group) and autograd formulas. The kernels that
+communicate are registered by ``autotp.runtime.collectives`` (and the RNG kernel by
+``autotp.runtime.rng``). Passes, reports and tests compare ``node.target`` with the
+handles below.
+
+Collectives over a tp group, named by a string key (``tp_group_key``,
+``replica_group_key``) that the runtime maps to a process group:
+
+* ``copy_to_tp(x, group)`` -- Megatron's *f*: identity forward, ``reduce_from_tp`` of the
+  grad backward.
+* ``reduce_from_tp(x, group)`` -- Megatron's *g*: all-reduce forward, identity backward.
+* ``gather_from_tp(x, dim, size, group)`` -- all-gather along ``dim`` keeping the first
+  ``size`` entries (drops vocab padding); backward keeps this rank's slice
+  (``scatter_to_tp``).
+* ``scatter_to_tp(x, dim, local, group)`` -- this rank's ``local``-wide slice along
+  ``dim``, zero-padded past the end; backward ``gather_from_tp``.
+* ``all_gather(x, dim, group_size, group)`` / ``reduce_scatter(x, dim, group_size,
+  group)`` -- sequence parallelism: each is the other's backward.
+* ``vocab_parallel_cross_entropy(logits, target, vocab_start, vocab_size, ignore_index,
+  reduction, group)`` -- ``aten.cross_entropy_loss`` on logits sharded on the class dim:
+  only per-token max, sum-exp and target logit cross ranks (``vocab_parallel_nll``).
+
+Local ops:
+
+* ``stage_boundary(x, chunk)`` -- identity marking ``x`` as crossing into pipeline chunk
+  ``chunk``.
+* ``tp_dropout(x, p, train, stream)`` -- ``aten.dropout`` drawing its mask from the tp
+  RNG stream ``REPLICATED`` or ``SHARDED`` (``tp_rand(like, stream)``: uniform float32 numbers shaped like ``like``; see
+  ``autotp.runtime.rng``).
+* ``vocab_parallel_embedding(weight, ids, vocab_start, vocab_stop, padding_idx)`` --
+  lookup in rows ``[vocab_start, vocab_stop)``; other ids give zeros (a partial sum).
+
+The identities (*f*, ``stage_boundary``) are ``CompositeImplicitAutograd`` ops returning a
+view of their input, so they cost no copy: a custom op with a kernel may not return an
+alias of its input. Tracing (``torch.compile``, ``make_fx``) decomposes them into that
+view, with *f*'s backward all-reduce. The other composites (dropout, embedding, loss)
+decompose into aten ops and the kernel ops. Every op is registered as side-effectful,
+so ``Graph.eliminate_dead_code`` keeps it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.fx.node import has_side_effect
+from torch.library import Library
+
+NAMESPACE = "autotp"
+REPLICATED = "replicated"  # dropout stream seeded alike on every tp rank
+SHARDED = "sharded"  # dropout stream seeded with the tp rank mixed in
+
+_LIB = Library(NAMESPACE, "DEF")
+
+
+def tp_group_key(tp: int) -> str:
+    """Key of a tp group of ``tp`` ranks: the one the passes write and the runtime registers."""
+    return f"tp{tp}"
+
+
+def replica_group_key(group: str, replicas: int) -> str:
+    """Key of the subgroup of ``replicas`` consecutive ranks of ``group`` that hold the same slice."""
+    return f"{group}_replicas{replicas}"
+
+
+def _define(schema: str, tags: tuple[torch.Tag, ...] = ()) -> torch._ops.OpOverload:
+    _LIB.define(schema, tags=tags)
+    return getattr(getattr(torch.ops, NAMESPACE), schema.split("(")[0]).default
+
+
+COPY_TO_TP = _define("copy_to_tp(Tensor x, str group) -> Tensor")
+REDUCE_FROM_TP = _define("reduce_from_tp(Tensor x, str group) -> Tensor")
+GATHER_FROM_TP = _define("gather_from_tp(Tensor x, int dim, SymInt size, str group) -> Tensor")
+SCATTER_TO_TP = _define("scatter_to_tp(Tensor x, int dim, SymInt local, str group) -> Tensor")
+ALL_GATHER = _define("all_gather(Tensor x, int dim, int group_size, str group) -> Tensor")
+REDUCE_SCATTER = _define("reduce_scatter(Tensor x, int dim, int group_size, str group) -> Tensor")
+VOCAB_PARALLEL_NLL = _define(
+    "vocab_parallel_nll(Tensor logits, Tensor target, int vocab_start, int vocab_size, str group) -> (Tensor, Tensor, Tensor)"
+)
+VOCAB_PARALLEL_CROSS_ENTROPY = _define(
+    "vocab_parallel_cross_entropy(Tensor logits, Tensor target, int vocab_start, int vocab_size, int ignore_index, "
+    "int reduction, str group) -> Tensor"
+)
+VOCAB_PARALLEL_EMBEDDING = _define(
+    "vocab_parallel_embedding(Tensor weight, Tensor ids, int vocab_start, int vocab_stop, int padding_idx) -> Tensor"
+)
+STAGE_BOUNDARY = _define("stage_boundary(Tensor x, int chunk) -> Tensor")
+TP_RAND = _define("tp_rand(Tensor like, str stream) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
+TP_DROPOUT = _define("tp_dropout(Tensor x, float p, bool train, str stream) -> Tensor")
+
+# Ops that communicate over a tp group, forward or backward.
+COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
+    COPY_TO_TP, REDUCE_FROM_TP, GATHER_FROM_TP, SCATTER_TO_TP, ALL_GATHER, REDUCE_SCATTER,
+    VOCAB_PARALLEL_NLL, VOCAB_PARALLEL_CROSS_ENTROPY,
+})  # fmt: skip
+ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, TP_RAND, TP_DROPOUT}
+
+
+def is_autotp_op(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == NAMESPACE
+
+
+# ---- fake kernels ---------------------------------------------------------------------
+
+
+def _resized(x: Tensor, dim: int, size: Any) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] = size
+    return x.new_empty(shape)
+
+
+@torch.library.register_fake(REDUCE_FROM_TP, lib=_LIB)
+def _reduce_from_tp_fake(x: Tensor, group: str) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake(GATHER_FROM_TP, lib=_LIB)
+def _gather_from_tp_fake(x: Tensor, dim: int, size: Any, group: str) -> Tensor:
+    return _resized(x, dim, size)
+
+
+@torch.library.register_fake(SCATTER_TO_TP, lib=_LIB)
+def _scatter_to_tp_fake(x: Tensor, dim: int, local: Any, group: str) -> Tensor:
+    return _resized(x, dim, local)
+
+
+@torch.library.register_fake(ALL_GATHER, lib=_LIB)
+def _all_gather_fake(x: Tensor, dim: int, group_size: int, group: str) -> Tensor:
+    return _resized(x, dim, x.shape[dim] * group_size)
+
+
+def reduce_scatter_size(size: Any, group_size: int, group: str) -> Any:
+    """Size of a reduce-scattered dim; raises when ``group_size`` does not divide it."""
+    if size % group_size != 0:
+        raise ValueError(f"reduce_scatter over '{group}': dim of size {size} does not split into {group_size} equal parts; pad it to a multiple of {group_size}")
+    return size // group_size
+
+
+@torch.library.register_fake(REDUCE_SCATTER, lib=_LIB)
+def _reduce_scatter_fake(x: Tensor, dim: int, group_size: int, group: str) -> Tensor:
+    return _resized(x, dim, reduce_scatter_size(x.shape[dim], group_size, group))
+
+
+@torch.library.register_fake(VOCAB_PARALLEL_NLL, lib=_LIB)
+def _vocab_parallel_nll_fake(logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, group: str) -> tuple[Tensor, ...]:
+    return tuple(logits.new_empty(target.shape, dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.register_fake(TP_RAND, lib=_LIB)
+def _tp_rand_fake(like: Tensor, stream: str) -> Tensor:
+    return torch.empty_like(like, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+
+# ---- autograd -------------------------------------------------------------------------
+
+
+def _keep_group(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    """For gather/scatter: the input's size along ``dim`` is the size the backward restores."""
+    ctx.dim, ctx.size, ctx.group = inputs[1], inputs[0].shape[inputs[1]], inputs[-1]
+
+
+def _identity_grad(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    return grad, None
+
+
+torch.library.register_autograd(REDUCE_FROM_TP, _identity_grad, lib=_LIB)
+torch.library.register_autograd(
+    GATHER_FROM_TP, lambda ctx, grad: (SCATTER_TO_TP(grad, ctx.dim, ctx.size, ctx.group), None, None, None),
+    setup_context=_keep_group, lib=_LIB,
+)  # fmt: skip
+torch.library.register_autograd(
+    SCATTER_TO_TP, lambda ctx, grad: (GATHER_FROM_TP(grad, ctx.dim, ctx.size, ctx.group), None, None, None),
+    setup_context=_keep_group, lib=_LIB,
+)  # fmt: skip
+
+
+def _keep_group_size(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.dim, ctx.group_size, ctx.group = inputs[1], inputs[2], inputs[3]
+
+
+torch.library.register_autograd(
+    ALL_GATHER, lambda ctx, grad: (REDUCE_SCATTER(grad, ctx.dim, ctx.group_size, ctx.group), None, None, None),
+    setup_context=_keep_group_size, lib=_LIB,
+)  # fmt: skip
+torch.library.register_autograd(
+    REDUCE_SCATTER, lambda ctx, grad: (ALL_GATHER(grad, ctx.dim, ctx.group_size, ctx.group), None, None, None),
+    setup_context=_keep_group_size, lib=_LIB,
+)  # fmt: skip
+
+
+def local_logits(logits: Tensor, vocab_start: int, vocab_size: int) -> Tensor:
+    """This rank's logits in float32, with the padded vocabulary columns at -inf (they never win)."""
+    x = logits.float()
+    n_local = x.shape[-1]
+    if vocab_start + n_local > vocab_size:
+        pad = torch.arange(n_local, device=x.device) + vocab_start >= vocab_size
+        x = x.masked_fill(pad, float("-inf"))
+    return x
+
+
+def target_in_range(target: Tensor, vocab_start: int, n_local: int) -> tuple[Tensor, Tensor]:
+    """Whether each target is one of this rank's columns, and its local column (0 if not)."""
+    in_range = (target >= vocab_start) & (target < vocab_start + n_local)
+    return in_range, (target - vocab_start).masked_fill(~in_range, 0)
+
+
+def _nll_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    logits, target, ctx.vocab_start, ctx.vocab_size, _ = inputs
+    _, row_max, sum_exp = output
+    ctx.mark_non_differentiable(row_max, sum_exp)
+    ctx.save_for_backward(logits, target, row_max, sum_exp)
+
+
+def _nll_backward(ctx: Any, grad: Tensor, *unused: Tensor) -> tuple[Tensor | None, ...]:
+    """softmax - onehot(target) on this rank's columns, times the per-token grad."""
+    logits, target, row_max, sum_exp = ctx.saved_tensors
+    exp = (local_logits(logits, ctx.vocab_start, ctx.vocab_size) - row_max.unsqueeze(-1)).exp()
+    in_range, local_target = target_in_range(target, ctx.vocab_start, logits.shape[-1])
+    g = exp / sum_exp.unsqueeze(-1)
+    onehot = torch.zeros_like(g).scatter_(-1, local_target.unsqueeze(-1), 1.0) * in_range.unsqueeze(-1)
+    return ((g - onehot) * grad.unsqueeze(-1)).to(logits.dtype), None, None, None, None
+
+
+torch.library.register_autograd(VOCAB_PARALLEL_NLL, _nll_backward, setup_context=_nll_setup, lib=_LIB)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: str) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return REDUCE_FROM_TP(grad, ctx.group), None
+
+
+# ---- composite ops --------------------------------------------------------------------
+
+
+def _copy_to_tp(x: Tensor, group: str) -> Tensor:
+    return _CopyToTP.apply(x, group)
+
+
+def _stage_boundary(x: Tensor, chunk: int) -> Tensor:
+    return x.view_as(x)
+
+
+def _tp_dropout(x: Tensor, p: float, train: bool, stream: str) -> Tensor:
+    if not train or p == 0.0:
+        return x
+    if p == 1.0:
+        return x * 0.0
+    keep = TP_RAND(x.detach(), stream) >= p
+    return x * keep.to(x.dtype) / (1.0 - p)
+
+
+def _vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int, vocab_stop: int, padding_idx: int) -> Tensor:
+    outside = (ids < vocab_start) | (ids >= vocab_stop)
+    local_ids = (ids - vocab_start).masked_fill(outside, 0)
+    local_pad = padding_idx - vocab_start if vocab_start <= padding_idx < vocab_stop else -1
+    out = torch.embedding(weight, local_ids, local_pad)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def _vocab_parallel_cross_entropy(
+    logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, ignore_index: int, reduction: int, group: str
+) -> Tensor:
+    """``reduction`` uses aten's codes: 0 none, 1 mean, 2 sum."""
+    nll, _, _ = VOCAB_PARALLEL_NLL(logits, target, vocab_start, vocab_size, group)
+    valid = target != ignore_index
+    loss = nll.masked_fill(~valid, 0.0)
+    if reduction == 0:
+        return loss.to(logits.dtype)
+    total = loss.sum()
+    return (total / valid.sum() if reduction == 1 else total).to(logits.dtype)
+
+
+for _op, _fn in (
+    (COPY_TO_TP, _copy_to_tp),
+    (STAGE_BOUNDARY, _stage_boundary),
+    (TP_DROPOUT, _tp_dropout),
+    (VOCAB_PARALLEL_EMBEDDING, _vocab_parallel_embedding),
+    (VOCAB_PARALLEL_CROSS_ENTROPY, _vocab_parallel_cross_entropy),
+):
+    _LIB.impl(_op._schema.name.split("::")[1], _fn, "CompositeImplicitAutograd")
+
+for _op in ALL:
+    has_side_effect(_op)
