@@ -25,7 +25,7 @@ from transformers.utils import logging as hf_logging
 
 from autotp import compile_rank, presets
 from autotp.report import dump
-from autotp.report.graph_report import build_report
+from autotp.cost_model.graph_costs import build_report
 
 TARGET_S = 20.0
 MODEL, TP, SEQ = "llama3-8b", 8, 2048

@@ -3,7 +3,7 @@
 ``ModelCosts`` holds a graph traced once (``autotp.compiler.trace_for_planning``
 traces one decoder layer on the meta device). For each tp it plans the graph
 (``plan_tensor_parallel``) and compiles it through its ``compile_fn``, as compiling rank 0 does;
-``autotp.report.graph_report`` then gives every node its local shapes, its layer (``embedding``,
+``autotp.cost_model.graph_costs`` then gives every node its local shapes, its layer (``embedding``,
 decoder layer i, ``head``) and its collectives. Those are summed into one ``Segment``
 per layer. A model with more layers than were traced repeats them: layer i costs what
 traced layer i mod k does.
@@ -69,15 +69,8 @@ from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.passes.split_stages import repeatable
 from torch.fx import GraphModule, Node
 
-from autotp.report.graph_report import (
-    EMBEDDING,
-    HEAD,
-    GraphReport,
-    LayerKey,
-    assign_layers,
-    build_report,
-)
-from autotp.analysis.layers import num_layers
+from autotp.cost_model.graph_costs import GraphReport, assign_layers, build_report
+from autotp.analysis.layers import EMBEDDING, HEAD, LayerKey, num_layers
 from autotp.analysis.op_kinds import OpKind, is_matmul, op_kind
 from autotp.ir.plan import ParallelPlan
 

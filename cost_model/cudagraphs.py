@@ -58,7 +58,7 @@ from autotp.cost_model.communication import group_collective_s
 from autotp.cost_model.flops import TensorInfo, compute_time_s, node_cost
 from autotp.cost_model.hardware import PROFILES
 from autotp.passes.mark_cudagraph_regions import region_slots
-from autotp.report.graph_report import local_tensors
+from autotp.analysis.local_shapes import local_tensors
 
 BACKWARD_LAUNCHES = 2
 BACKWARD_GPU_FACTOR = 2.0

@@ -45,7 +45,6 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from autotp.analysis.local_shapes import local_tensors
 from autotp.ir import meta_keys, ops
 from autotp.ir import schedules
 from autotp.ir.errors import source_line

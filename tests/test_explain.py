@@ -17,7 +17,7 @@ import torch
 from autotp import compile_rank, presets
 from autotp.cli import main
 from autotp.cost_model.flops import TensorInfo, global_tensors, node_cost, op_name
-from autotp.report.graph_report import build_report
+from autotp.cost_model.graph_costs import build_report
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -22,7 +22,8 @@ from autotp.ir import ops
 from autotp.report import dump
 from autotp.api import CompiledRank, compile_rank, parallelize
 from autotp.cost_model.hardware import PROFILES
-from autotp.report.graph_report import build_report, explain_json, explain_table, stage_view
+from autotp.cost_model.graph_costs import build_report
+from autotp.report.graph_report import explain_json, explain_table, stage_view
 from autotp.cli.calibrate import add_calibrate_command
 from autotp.cli.plan import add_plan_command
 from autotp.cli.ranks import add_ranks_command

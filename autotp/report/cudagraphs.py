@@ -21,7 +21,6 @@ import json
 import re
 from typing import Any
 
-import torch
 from torch.fx import GraphModule, Node
 from transformers.utils import logging as hf_logging
 
@@ -29,7 +28,8 @@ from autotp import presets
 from autotp.ir import meta_keys
 from autotp.api import compile_rank
 from autotp.cost_model.cudagraphs import choose_regions, region_stats
-from autotp.report.graph_report import assign_layers, layer_order, local_tensors
+from autotp.analysis.local_shapes import local_tensors
+from autotp.cost_model.graph_costs import assign_layers, layer_order
 from autotp.passes.mark_cudagraph_regions import Blocker, candidate_regions, region_slots
 from autotp.ir.plan import ParallelPlan
 

@@ -21,15 +21,9 @@ import torch
 from torch.fx import Node
 
 from autotp.ir import meta_keys, ops
-from autotp.report.graph_report import (
-    GraphReport,
-    LayerKey,
-    LayerReport,
-    NodeReport,
-    explain_json,
-    explain_table,
-    layer_order,
-)
+from autotp.analysis.layers import LayerKey
+from autotp.cost_model.graph_costs import GraphReport, LayerReport, NodeReport, layer_order
+from autotp.report.graph_report import explain_json, explain_table
 
 FORMATS = ("code", "dot", "svg", "json")
 GRAPHVIZ_MISSING = "SVG needs Graphviz's `dot` program (apt-get install graphviz)"
