@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autotp import parallelize, presets
-from autotp.runtime.launcher import init_distributed
+from autotp import init_distributed, parallelize, presets
 
 STEPS = 5
 
