@@ -259,6 +259,7 @@ def test_collectives_match_hand_computed_values_on_two_ranks() -> None:
         assert all(result.values()), result
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_collectives_match_hand_computed_values_on_two_gpus_through_nccl() -> None:
     for result in spawn_ranks(_collectives_on_ranks, 2, "cuda", backend="nccl"):
