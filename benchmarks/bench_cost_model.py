@@ -11,6 +11,15 @@ planner ranks first is within 5% of the fastest measured one:
     python benchmarks/bench_cost_model.py [--json out.json]       # on a 4-GPU machine
     python benchmarks/bench_cost_model.py --cpu                    # smoke run: gloo, tiny models
     python benchmarks/bench_cost_model.py --measured out.json      # re-predict saved measurements
+    python benchmarks/bench_cost_model.py --validate [--top 4]     # held-out check, on a 2-GPU machine
+
+``--validate`` keeps fitting and validation apart: it plans models and batches that no
+constant was fitted on (``VALIDATION``: neither the calibration's models nor ``RUNS``)
+with the built-in profile (uncalibrated), runs the top plans as a user would
+(``parallelize(plan=...)``, ``train_step`` with the plan's microbatches and schedule,
+``torch.optim.AdamW`` step), calibrates the same machine, predicts the same plans with
+the calibrated profile, and prints predicted against measured time (optimizer included)
+and peak memory, both MAPEs, and whether the top plan is within 3% of the fastest.
 
 ``train_step`` does not step the optimizer, so the prediction is the estimate's step
 time minus its optimizer time.
@@ -50,6 +59,12 @@ MODELS = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab, seq)
     "llama-0.2b": (1024, 2816, 8, 16, 8, 32000, 1024),
     "llama-1b": (2048, 5632, 16, 16, 8, 32000, 1024),
 }
+# Held out: not a calibration model (llama-tiny, calibrate.SCALE_MODEL) and not in RUNS.
+VALIDATION = {  # name: (dims as in MODELS, global batch)
+    "llama-8bw-8l": ((4096, 14336, 8, 32, 8, 32000, 2048), 8),
+    "llama-3bw-12l": ((3072, 8192, 12, 24, 8, 50304, 1024), 16),
+}
+CPU_VALIDATION = {"tiny-c": ((96, 192, 4, 4, 2, 384, 48), 8)}
 CPU_MODELS = {
     "tiny-a": (64, 128, 2, 4, 2, 512, 64),
     "tiny-b": (128, 256, 4, 4, 2, 512, 64),
@@ -206,12 +221,141 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _validate_worker(rank: int, world: int, dims: tuple[int, ...], global_batch: int, plans: list) -> list[dict]:
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging
+
+    import autotp
+
+    logging.set_verbosity_error()
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    ids = torch.randint(0, dims[5], (global_batch, dims[6]), generator=torch.Generator().manual_seed(0)).to(device)
+    results = []
+    for plan in plans:
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_config(dims)).to(dtype)
+        model = model.to_empty(device=device)
+        micro = ids[: plan.microbatch_size]
+        pm = autotp.parallelize(model, tp=plan.tp, pp=plan.pp, dp=plan.dp, vpp=plan.vpp, plan=plan,
+                                example_inputs={"input_ids": micro, "labels": micro})
+        del model
+        optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-5)
+        times = []
+        for step in range(WARMUP + STEPS):
+            dist.barrier()
+            _sync(on_gpu)
+            start = time.perf_counter()
+            pm.train_step(input_ids=ids, labels=ids)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _sync(on_gpu)
+            if step >= WARMUP:
+                times.append(time.perf_counter() - start)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else 0.0
+        results.append({"measured_s": statistics.median(times), "peak_gib": peak})
+        del pm, optimizer
+        if on_gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    return results
+
+
+def _sync(on_gpu: bool) -> None:
+    if on_gpu:
+        torch.cuda.synchronize()
+
+
+def validate(cpu: bool, top: int, json_path: Path | None) -> None:
+    """Plan each held-out workload uncalibrated, run its top plans, then calibrate and re-predict."""
+    from autotp.cost_model.candidates import Config
+    from autotp.cost_model.hardware import get_profile
+    from autotp.cost_model.planner import plan as rank_plans
+
+    gpus = 2
+    workloads = CPU_VALIDATION if cpu else VALIDATION
+    dtype, precision = (torch.float32, "fp32") if cpu else (torch.bfloat16, "bf16-pure")
+    builtin = get_profile("cpu" if cpu else _builtin_name(), calibrated=False)
+    rows: list[dict] = []
+    for name, (dims, global_batch) in workloads.items():
+        costs = trace_for_planning(model_config(dims), dims[6], dtype=dtype)
+        training = Training(global_batch, precision, gather_outputs=True)
+        planned = rank_plans(costs, Cluster(gpus, gpus, builtin), training, top=top)
+        measured = spawn_ranks(_validate_worker, gpus, dims, global_batch, [p.plan for p in planned],
+                               backend="gloo" if cpu else "nccl", timeout_s=1200)
+        for i, p in enumerate(planned):
+            m = max(measured, key=lambda r: r[i]["measured_s"])[i]
+            config = Config(p.plan.tp, p.plan.pp, p.plan.dp, p.plan.vpp, p.microbatch_size, p.microbatches)
+            rows.append({"model": name, "rank": i + 1, "config": asdict(config), "predicted_s": p.step_s,
+                         "predicted_gib": p.mem_bytes_per_gpu / 2**30, "measured_s": m["measured_s"],
+                         "peak_gib": max(r[i]["peak_gib"] for r in measured)})
+            print(f"measured {name} plan {i + 1} ({_config_name(config)}): {m['measured_s'] * 1e3:.1f} ms", flush=True)
+    _, calibration = calibrate(gpus)
+    calibrated = fitted_profile(calibration, gpus)
+    for name, (dims, global_batch) in workloads.items():
+        costs = trace_for_planning(model_config(dims), dims[6], dtype=dtype)
+        for row in (r for r in rows if r["model"] == name):
+            est = estimate(costs, Cluster(gpus, gpus, calibrated), Training(global_batch, precision, gather_outputs=True), Config(**row["config"]))
+            row["calibrated_s"] = est.step_s
+    print(validation_report(rows, builtin.name, calibrated.name))
+    if json_path:
+        _write(json_path, {"setup": f"torch {torch.__version__}, {datetime.date.today().isoformat()}", "calibration": calibration, "rows": rows})
+
+
+def _builtin_name() -> str:
+    from autotp.cost_model.hardware import PROFILES, profile_for_gpu
+
+    profile = profile_for_gpu(torch.cuda.get_device_name(0))
+    return next(key for key, p in PROFILES.items() if p is profile) if profile else "h100"
+
+
+def _config_name(c) -> str:
+    parts = [f"tp{c.tp}" * (c.tp > 1), f"pp{c.pp}" * (c.pp > 1), f"vpp{c.vpp}" * (c.vpp > 1), f"dp{c.dp}" * (c.dp > 1)]
+    return "-".join(p for p in parts if p) + f" mbs{c.microbatch_size} m{c.microbatches}"
+
+
+def validation_report(rows: list[dict], builtin: str, calibrated: str) -> str:
+    """Predicted (built-in and calibrated) against measured step time and memory, MAPEs and the top plan's gap."""
+    from autotp.cost_model.candidates import Config
+
+    lines = [f"{'model':14s} {'#':>2s} {'plan':22s} {'builtin ms':>10s} {'calib ms':>9s} {'measured ms':>11s} "
+             f"{'err':>7s} {'err cal':>7s} {'pred GiB':>8s} {'peak GiB':>8s} {'err':>7s}"]
+    for r in rows:
+        err, err_cal = r["predicted_s"] / r["measured_s"] - 1, r["calibrated_s"] / r["measured_s"] - 1
+        mem_err = r["predicted_gib"] / r["peak_gib"] - 1 if r["peak_gib"] else float("nan")
+        lines.append(f"{r['model']:14s} {r['rank']:>2d} {_config_name(Config(**r['config'])):22s} {r['predicted_s'] * 1e3:>10.1f} "
+                     f"{r['calibrated_s'] * 1e3:>9.1f} {r['measured_s'] * 1e3:>11.1f} {err:>+7.1%} {err_cal:>+7.1%} "
+                     f"{r['predicted_gib']:>8.1f} {r['peak_gib']:>8.1f} {mem_err:>+7.1%}")
+    mape = statistics.mean(abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows)
+    mape_cal = statistics.mean(abs(r["calibrated_s"] / r["measured_s"] - 1) for r in rows)
+    lines.append(f"time MAPE: {mape:.1%} with the built-in {builtin} profile (uncalibrated), {mape_cal:.1%} with {calibrated}")
+    with_memory = [r for r in rows if r["peak_gib"]]
+    if with_memory:
+        lines.append(f"memory MAPE: {statistics.mean(abs(r['predicted_gib'] / r['peak_gib'] - 1) for r in with_memory):.1%} "
+                     "(peak torch.cuda.max_memory_allocated, AdamW states included)")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        members = [r for r in rows if r["model"] == model]
+        fastest = min(members, key=lambda r: r["measured_s"])
+        gap = members[0]["measured_s"] / fastest["measured_s"] - 1
+        lines.append(f"top plan of {model} measures {gap:+.1%} against the fastest measured ({fastest['rank']}): "
+                     f"{'within' if gap <= 0.03 else 'NOT within'} 3%")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write calibration, measurements and predictions here")
     parser.add_argument("--cpu", action="store_true", help="gloo ranks and tiny models (a smoke run of this script)")
     parser.add_argument("--measured", type=Path, help="re-predict the measurements of an earlier --json instead of measuring")
+    parser.add_argument("--validate", action="store_true", help="held-out validation (see above) on 2 ranks")
+    parser.add_argument("--top", type=int, default=4, help="plans per held-out workload to run (default: 4)")
     args = parser.parse_args()
+    if args.validate:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        validate(args.cpu or not torch.cuda.is_available(), args.top, args.json)
+        return
     if args.measured:
         saved = json.loads(args.measured.read_text())
         cpu, calibration, rows = saved["cpu"], saved["calibration"], saved["runs"]

@@ -34,21 +34,31 @@ Sources. **H200 SXM** (DESIGN.md §5, measured on 4×H200 NVLink NV18, torch 2.1
 at 1 MB, 212 at 8 MB, 306 at 64 MB, 338 at 256 MB, 353 at 1 GB, small calls floor at
 21–29 µs. alpha = 25 µs with bus bandwidth 353 GB/s reproduces that curve within 6%
 (``H200_ALLREDUCE_CURVE``; ``fit_link`` on it gives 24 µs, 346 GB/s, within 4%).
+The host and kernel-efficiency constants (``H200_MEASURED``: per-node host costs, the fixed
+cost of a call, ``compute_time_scale``, attention and elementwise-backward rates, achieved
+HBM bandwidth) are ``autotp calibrate``'s fit of 4×H200, torch 2.11.0+cu130, 2026-11-21,
+whose raw measurements are ``benchmarks/results/cost_model_h200x4.json``
+(``python benchmarks/bench_cost_model.py --measured`` refits them). H100 is the same chip
+and host software, so it takes the same constants, with HBM scaled by the datasheet ratio.
 Everything else is a datasheet figure or a stated assumption, marked in each profile's
-``source``: run ``autotp calibrate`` on the machine for measured values
-(``load_profile`` reads its JSON).
+``source``. ``autotp calibrate`` on the machine measures all of them and caches the profile
+(``calibrated_profile_path``), where ``get_profile`` and ``parallelize(plan="auto")`` find it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 GiB = 2**30
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -135,38 +145,49 @@ H200_ALLREDUCE_CURVE: tuple[tuple[int, float], ...] = (
 )
 
 _EAGER_OVERHEAD = {"op_overhead_s": 6e-6, "backward_op_overhead_s": 8e-6, "collective_host_s": 30e-6}
+# autotp calibrate on 4×H200 (benchmarks/results/cost_model_h200x4.json); HBM is the achieved share.
+H200_MEASURED = {
+    "op_overhead_s": 21.2e-6,
+    "backward_op_overhead_s": 38.3e-6,
+    "collective_host_s": 349e-6,
+    "call_host_s": 2.22e-3,
+    "compute_time_scale": 1.116,
+    "attention_flops_per_s": 291e12,
+    "attention_backward_factor": 2.62,
+    "elementwise_backward_factor": 1.97,
+}
+ACHIEVED_HBM_SHARE = 4.147e12 / 4.8e12
 _NDR_RAIL = Link(latency_s=30e-6, bus_bytes_per_s=45e9, hop_latency_s=5e-6)
 
 H200 = HardwareProfile(
     name="H200",
     matmul_flops_per_s=805e12,
-    memory_bytes_per_s=4.8e12,
+    memory_bytes_per_s=4.8e12 * ACHIEVED_HBM_SHARE,
     allreduce_bus_bytes_per_s=353e9,
     collective_latency_s=25e-6,
     peak_flops_per_s=989.4e12,
     memory_capacity_bytes=141e9,
-    attention_flops_per_s=400e12,
     inter_node=_NDR_RAIL,
-    **_EAGER_OVERHEAD,
-    source="GEMM rate and NVLink all-reduce measured (DESIGN.md §5); memory bandwidth, capacity and "
-    "peak from NVIDIA's H200 SXM datasheet; attention rate, eager overheads and the inter-node link "
-    "(8x ConnectX-7 400 Gb/s NDR per node, 45 GB/s per GPU) assumed",
+    **H200_MEASURED,
+    source="GEMM rate and NVLink all-reduce measured (DESIGN.md §5); host costs, kernel efficiency, attention "
+    "and achieved HBM from autotp calibrate on 4x H200 (benchmarks/results/cost_model_h200x4.json); capacity "
+    "and peak from NVIDIA's H200 SXM datasheet; the inter-node link (8x ConnectX-7 400 Gb/s NDR per node, "
+    "45 GB/s per GPU) assumed",
 )
 
 H100 = HardwareProfile(
     name="H100",
     matmul_flops_per_s=805e12,
-    memory_bytes_per_s=3.35e12,
+    memory_bytes_per_s=3.35e12 * ACHIEVED_HBM_SHARE,
     allreduce_bus_bytes_per_s=353e9,
     collective_latency_s=25e-6,
     peak_flops_per_s=989.4e12,
     memory_capacity_bytes=80e9,
-    attention_flops_per_s=400e12,
     inter_node=_NDR_RAIL,
-    **_EAGER_OVERHEAD,
-    source="same GH100 chip and NVLink 4 as H200, so H200's measured GEMM and all-reduce constants "
-    "(uncalibrated); memory bandwidth, capacity and peak from NVIDIA's H100 SXM datasheet; inter-node "
-    "8x 400 Gb/s NDR (45 GB/s per GPU) assumed",
+    **H200_MEASURED,
+    source="same GH100 chip, NVLink 4 and host software as H200, so H200's measured GEMM, all-reduce, host "
+    "and kernel-efficiency constants; memory bandwidth (times H200's achieved share), capacity and peak "
+    "from NVIDIA's H100 SXM datasheet; inter-node 8x 400 Gb/s NDR (45 GB/s per GPU) assumed",
 )
 
 A100 = HardwareProfile(
@@ -227,10 +248,31 @@ def profile_for_gpu(device_name: str) -> HardwareProfile | None:
     return None
 
 
-def get_profile(name_or_path: str) -> HardwareProfile:
-    """A built-in profile by name, or a JSON profile written by ``autotp calibrate``."""
-    if name_or_path.lower() in PROFILES:
-        return PROFILES[name_or_path.lower()]
+def calibrated_profile_path(device_name: str) -> Path:
+    """Where ``autotp calibrate`` caches this machine's profile of ``device_name`` (``CPU`` for CPU ranks):
+    ``$AUTOTP_CACHE_DIR/profiles/<device>.json``, by default under ``~/.cache/autotp``."""
+    root = Path(os.environ.get("AUTOTP_CACHE_DIR") or Path.home() / ".cache" / "autotp")
+    return root / "profiles" / (re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") + ".json")
+
+
+def cached_calibration(builtin: HardwareProfile) -> HardwareProfile | None:
+    """This machine's cached calibration of the GPU kind ``builtin`` describes, if ``autotp calibrate`` wrote one."""
+    folder = calibrated_profile_path("x").parent
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        profile = load_profile(path)
+        device = profile.name.removesuffix(" (calibrated)")
+        if (CPU if device == "CPU" else profile_for_gpu(device)) is builtin:
+            log.info("hardware profile: %s's calibration cached in %s", builtin.name, path)
+            return profile
+    return None
+
+
+def get_profile(name_or_path: str, calibrated: bool = True) -> HardwareProfile:
+    """A built-in profile by name (replaced by this machine's cached calibration of that GPU kind
+    unless ``calibrated`` is False), or a JSON profile written by ``autotp calibrate``."""
+    builtin = PROFILES.get(name_or_path.lower())
+    if builtin is not None:
+        return (cached_calibration(builtin) if calibrated else None) or builtin
     if name_or_path.endswith(".json") or Path(name_or_path).is_file():
         return load_profile(Path(name_or_path))
     raise ValueError(

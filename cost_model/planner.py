@@ -77,7 +77,9 @@ from autotp.cost_model.hardware import (
     CPU,
     GiB,
     HardwareProfile,
+    calibrated_profile_path,
     get_profile,
+    load_profile,
     profile_for_gpu,
 )
 from autotp.cost_model.memory import (
@@ -395,19 +397,19 @@ def plan(
 
 
 def detect_hardware(device: torch.device) -> HardwareProfile:
-    """``AUTOTP_HARDWARE`` (a profile name or JSON path) if set, else the profile of ``device``'s GPU."""
+    """``AUTOTP_HARDWARE`` (a profile name or JSON path) if set, else this machine's cached
+    calibration of ``device``, else the built-in profile of its GPU."""
     chosen = os.environ.get("AUTOTP_HARDWARE")
     if chosen:
         return get_profile(chosen)
-    if device.type != "cuda":
-        return CPU
-    name = torch.cuda.get_device_name(device)
-    profile = profile_for_gpu(name)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    cached = calibrated_profile_path(name)
+    if cached.is_file():
+        return load_profile(cached)
+    profile = CPU if device.type != "cuda" else profile_for_gpu(name)
     if profile is not None:
         return profile
-    raise ValueError(
-        f"no hardware profile for {name!r}; run autotp calibrate --out profile.json and set AUTOTP_HARDWARE=profile.json"
-    )
+    raise ValueError(f"no hardware profile for {name!r}; run autotp calibrate (it caches one for this machine)")
 
 
 def auto_plan(costs: ModelCosts, world: int, *, tp: int | None = None, pp: int | None = None, vpp: int | None = None) -> ParallelPlan:

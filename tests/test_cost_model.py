@@ -307,7 +307,8 @@ def test_matmul_time_interpolates_the_measured_curve() -> None:
 
 def test_roofline_with_backward_twice_forward(llama_tiny: ModelCosts) -> None:
     layer = llama_tiny.rank(1).layers[0]
-    hw = replace(H100, op_overhead_s=0.0, backward_op_overhead_s=0.0, attention_backward_factor=2.0, elementwise_backward_factor=2.0)
+    hw = replace(H100, op_overhead_s=0.0, backward_op_overhead_s=0.0, attention_backward_factor=2.0, elementwise_backward_factor=2.0,
+                 compute_time_scale=1.0)
     flops = layer.flops[:, 0] + 4 * layer.flops[:, 1]
     nbytes = layer.bytes[:, 0] + 4 * layer.bytes[:, 1]
     rates = [hw.attention_rate if k == 2 else hw.matmul_flops_per_s for k in layer.kinds]

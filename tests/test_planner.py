@@ -212,6 +212,40 @@ def test_plan_command_reads_a_calibrated_profile(tmp_path, capsys: pytest.Captur
     assert "2 x H100 (calibrated)" in capsys.readouterr().out
 
 
+def test_a_cached_calibration_replaces_the_builtin_profile_of_its_gpu_kind(monkeypatch, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from autotp.cost_model.hardware import calibrated_profile_path, get_profile, save_profile
+
+    monkeypatch.setenv("AUTOTP_CACHE_DIR", str(tmp_path))
+    assert get_profile("h100") is H100
+    calibrated = replace(H100, name="NVIDIA H100 80GB HBM3 (calibrated)", op_overhead_s=9e-6)
+    save_profile(calibrated, calibrated_profile_path("NVIDIA H100 80GB HBM3"))
+    assert get_profile("h100") == calibrated
+    assert get_profile("h100", calibrated=False) is H100
+    assert get_profile("h200") is PROFILES["h200"]
+    args = ("plan", "llama-tiny", "--gpus", "2", "--global-batch", "4", "--seq", "32", "--hardware", "h100")
+    assert _run(*args) == 0
+    assert "2 x NVIDIA H100 80GB HBM3 (calibrated)" in capsys.readouterr().out
+    assert _run(*args, "--builtin-profile") == 0
+    assert "2 x H100 (" in capsys.readouterr().out
+
+    save_profile(replace(CPU, name="CPU (calibrated)", op_overhead_s=3e-6), calibrated_profile_path("CPU"))
+    assert planner.detect_hardware(torch.device("cpu")).op_overhead_s == 3e-6
+
+
+def test_builtin_h200_host_and_efficiency_constants_are_the_recorded_calibration() -> None:
+    from pathlib import Path
+
+    from autotp.cli.calibrate import fitted_profile
+
+    recorded = json.loads((Path(__file__).parents[1] / "benchmarks/results/cost_model_h200x4.json").read_text())
+    fitted = fitted_profile(recorded["calibration"], recorded["calibrated_ranks"])
+    builtin = PROFILES["h200"]
+    for field in ("op_overhead_s", "backward_op_overhead_s", "collective_host_s", "call_host_s", "compute_time_scale",
+                  "attention_flops_per_s", "attention_backward_factor", "elementwise_backward_factor", "memory_bytes_per_s"):
+        assert getattr(builtin, field) == pytest.approx(getattr(fitted, field), rel=5e-3), field
+    assert PROFILES["h100"].call_host_s == builtin.call_host_s
+
+
 # ---- parallelize(plan="auto") -----------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ from autotp.api import parallelize
 from autotp.compiler import trace_for_planning
 from autotp.cost_model.calibrate import SCALE_MODEL, SCALE_LAYERS, describe, fit_profile, scale_config
 from autotp.cost_model.compute import Segment, needs_grad
-from autotp.cost_model.hardware import HardwareProfile, save_profile
+from autotp.cost_model.hardware import HardwareProfile, calibrated_profile_path, save_profile
 from autotp.runtime.launcher import spawn_ranks
 
 MESSAGE_BYTES = {"cuda": tuple(2**k for k in range(16, 29, 2)), "cpu": tuple(2**k for k in range(12, 25, 2))}
@@ -235,9 +235,13 @@ def fitted_profile(measured: dict[str, object], ranks: int) -> HardwareProfile:
 
 def _calibrate_command(args: argparse.Namespace) -> int:
     profile, measured = calibrate(args.ranks, args.timeout)
-    save_profile(profile, args.out)
+    out = args.out or calibrated_profile_path(str(measured["device_name"]))
+    save_profile(profile, out)
     print(describe(profile, measured))
-    print(f"wrote {args.out}; use it with autotp plan --hardware {args.out}")
+    if args.out:
+        print(f"wrote {out}; use it with autotp plan --hardware {out}")
+    else:
+        print(f"cached {out}: autotp plan --hardware <this GPU kind> and parallelize(plan='auto') use it on this machine")
     return 0
 
 
@@ -247,10 +251,12 @@ def add_calibrate_command(subparsers: argparse._SubParsersAction) -> None:
         "calibrate",
         help="measure all-reduce, P2P, GEMM, memory and launch costs here and write a hardware profile",
         description="Spawn one rank per GPU (NCCL; gloo ranks on the CPU without GPUs), measure collective "
-        "alpha/beta, GEMM throughput, memory bandwidth and eager per-op overheads, and write a JSON profile "
-        "that autotp plan --hardware PATH reads.",
+        "alpha/beta, GEMM throughput, memory bandwidth and eager per-op overheads, and write a JSON profile: "
+        "cached for this machine (autotp plan and parallelize(plan='auto') find it), or at --out.",
     )
     command.add_argument("--ranks", type=int, help="ranks to measure (default: every GPU, or 2 CPU ranks)")
-    command.add_argument("--out", type=Path, default=Path("autotp-profile.json"), help="default: autotp-profile.json")
+    command.add_argument(
+        "--out", type=Path, help="write the profile here (default: cache it for this machine, in ~/.cache/autotp/profiles or $AUTOTP_CACHE_DIR)"
+    )
     command.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are killed (default: 600)")
     command.set_defaults(handler=_calibrate_command)

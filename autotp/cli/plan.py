@@ -16,7 +16,7 @@ from autotp.cost_model.planner import Cluster, Training, explain_values, format_
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    hw = get_profile(args.hardware)
+    hw = get_profile(args.hardware, calibrated=not args.builtin_profile)
     for name in ("gpus", "gpus_per_node", "global_batch", "seq", "top"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -59,7 +59,10 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     command.add_argument("model", metavar="MODEL", help=f"a preset ({', '.join(presets.preset_names())}) or a folder holding config.json")
     command.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
     command.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default: 8)")
-    command.add_argument("--hardware", default="h100", help="a profile name (h200, h100, a100, pcie, cpu) or a JSON profile from autotp calibrate (default: h100)")
+    command.add_argument("--hardware", default="h100", help="a profile name (h200, h100, a100, pcie, cpu) or a JSON profile from autotp calibrate; a name uses this machine's cached calibration of that GPU kind if there is one (default: h100)")
+    command.add_argument(
+        "--builtin-profile", action="store_true", help="use the built-in profile even where autotp calibrate cached one for this GPU kind here"
+    )
     command.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     command.add_argument("--seq", type=int, default=4096, help="sequence length (default: 4096)")
     command.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16", help="params/grads/optimizer precision (default: bf16)")
