@@ -243,19 +243,21 @@ def _validate_worker(rank: int, world: int, dims: tuple[int, ...], global_batch:
                                 example_inputs={"input_ids": micro, "labels": micro})
         del model
         optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-5)
-        times = []
+        times, train_peak = [], 0.0
         for step in range(WARMUP + STEPS):
             dist.barrier()
             _sync(on_gpu)
             start = time.perf_counter()
             pm.train_step(input_ids=ids, labels=ids)
+            if step == 0 and on_gpu:
+                train_peak = torch.cuda.max_memory_allocated() / 2**30
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             _sync(on_gpu)
             if step >= WARMUP:
                 times.append(time.perf_counter() - start)
         peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else 0.0
-        results.append({"measured_s": statistics.median(times), "peak_gib": peak})
+        results.append({"measured_s": statistics.median(times), "peak_gib": peak, "train_step_peak_gib": train_peak})
         del pm, optimizer
         if on_gpu:
             torch.cuda.empty_cache()
@@ -290,8 +292,10 @@ def validate(cpu: bool, top: int, json_path: Path | None) -> None:
             config = Config(p.plan.tp, p.plan.pp, p.plan.dp, p.plan.vpp, p.microbatch_size, p.microbatches)
             rows.append({"model": name, "rank": i + 1, "config": asdict(config), "predicted_s": p.step_s,
                          "predicted_gib": p.mem_bytes_per_gpu / 2**30, "measured_s": m["measured_s"],
-                         "peak_gib": max(r[i]["peak_gib"] for r in measured)})
-            print(f"measured {name} plan {i + 1} ({_config_name(config)}): {m['measured_s'] * 1e3:.1f} ms", flush=True)
+                         "peak_gib": max(r[i]["peak_gib"] for r in measured),
+                         "train_step_peak_gib": max(r[i]["train_step_peak_gib"] for r in measured)})
+            print(f"measured {name} plan {i + 1} ({_config_name(config)}): {m['measured_s'] * 1e3:.1f} ms, peak "
+                  f"{rows[-1]['peak_gib']:.1f} GiB ({rows[-1]['train_step_peak_gib']:.1f} before the optimizer's first step)", flush=True)
     _, calibration = calibrate(gpus)
     calibrated = fitted_profile(calibration, gpus)
     for name, (dims, global_batch) in workloads.items():

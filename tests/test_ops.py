@@ -209,7 +209,7 @@ def _collectives_on_ranks(rank: int, world: int, device: str) -> dict[str, bool]
     torch.set_default_device(device)
     collectives.register_group(KEY, dist.group.WORLD)
     seeded = torch.Generator().manual_seed(0)
-    full = torch.randn(world * 2, 3, generator=seeded).to(device)  # the same on every rank
+    full = torch.randn(world * 2, 3, generator=seeded, device="cpu").to(device)  # the same on every rank
     mine = full[rank * 2 : rank * 2 + 2].clone().requires_grad_()
     up = torch.full((world * 2, 3), float(rank + 1))  # each rank's upstream grad differs
     ok: dict[str, bool] = {}
@@ -241,7 +241,7 @@ def _collectives_on_ranks(rank: int, world: int, device: str) -> dict[str, bool]
     grad = torch.arange(12.0).view(4, 3)[:, rank * 2 : rank * 2 + 2]
     ok["gather"] = torch.equal(y, full) and torch.equal(x.grad, grad if rank == 0 else torch.cat([grad, torch.zeros(4, 1)], 1))
 
-    logits = torch.randn(5, 7, generator=seeded, dtype=torch.float64).to(device)
+    logits = torch.randn(5, 7, generator=seeded, dtype=torch.float64, device="cpu").to(device)
     target = torch.tensor([1, 6, -100, 0, 4])
     local = torch.cat([logits, torch.zeros(5, 1, dtype=torch.float64)], 1)[:, rank * 4 : rank * 4 + 4].clone().requires_grad_()
     loss = ops.VOCAB_PARALLEL_CROSS_ENTROPY(local, target, rank * 4, 7, -100, 1, KEY)
