@@ -69,6 +69,13 @@ class Lowered:
 
 def example_kwargs(model: nn.Module, example_inputs: dict[str, Any] | None) -> dict[str, Any]:
     """``example_inputs``, or random ``input_ids`` of shape [2, 16] for a HF model; ``use_cache=False`` where accepted."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder model (config.is_encoder_decoder); autotp does not "
+            "support encoder-decoder models yet: its planner and pipeline split assume one stack of layers. "
+            "Parallelize a decoder-only or encoder-only model instead."
+        )
     kwargs = dict(example_inputs) if example_inputs is not None else _default_inputs(model)
     if "use_cache" in inspect.signature(model.forward).parameters:
         kwargs.setdefault("use_cache", False)
@@ -162,9 +169,32 @@ def plan_model(
     if not gather_outputs:
         chosen = replace(chosen, gather_outputs=False)
     planned_at = time.perf_counter()
+    _warn_replicated(traced, chosen)
     log.info("traced in %.2f s, planned in %.2f s: tp=%d pp=%d dp=%d vpp=%d", traced_at - start,
              planned_at - traced_at, chosen.tp, chosen.pp, chosen.dp, chosen.vpp)  # fmt: skip
     return Planned(traced, kwargs, chosen, traced_at - start, planned_at - traced_at)
+
+
+REPLICATED_SLACK = 1.3
+"""A rank should hold at most ``REPLICATED_SLACK / tp`` of the parameters; more is warned about."""
+
+
+def _warn_replicated(traced: GraphModule, plan: ParallelPlan) -> None:
+    """Log a warning naming the largest replicated parameters when a tp rank holds too much."""
+    if plan.tp == 1:
+        return
+    params = dict(traced.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    sharded = {pl.name for pl in plan.params}
+    replicated = sorted(((p.numel(), n) for n, p in params.items() if n not in sharded), reverse=True)
+    held = (sum(n for n, _ in replicated) + (total - sum(n for n, _ in replicated)) / plan.tp) / max(total, 1)
+    if held > REPLICATED_SLACK / plan.tp:
+        largest = ", ".join(f"{n} ({size})" for size, n in replicated[:5])
+        log.warning(
+            "a tp rank holds %.0f%% of the parameters (tp=%d; at most %.0f%% expected): the largest replicated "
+            "parameters are %s; `autotp explain` and `autotp dump` show the op that kept them whole",
+            100 * held, plan.tp, 100 * REPLICATED_SLACK / plan.tp, largest,
+        )
 
 
 def lower(

@@ -5,6 +5,7 @@ from autotp.passes.cancel_collectives import cancel_collectives
 from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.rewrite_shapes import rewrite_shapes
+from autotp.passes.slice_replicated import slice_replicated
 from autotp.passes.split_stages import split_stages
 from autotp.passes.runner import Pass
 from autotp.passes.tp_dropout import tp_dropout
@@ -17,6 +18,7 @@ PASSES: list[Pass] = [
     vocab_parallel_embedding,
     vocab_parallel_cross_entropy,
     tp_dropout,
+    slice_replicated,
     insert_collectives,
     cancel_collectives,
     split_stages,

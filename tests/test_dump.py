@@ -91,8 +91,8 @@ def test_after_a_pass_and_dump_dir(tmp_path: Path) -> None:
     before = (out / "llama-tiny_tp2_rank0_after_01_annotate_layouts.py").read_text()
     assert "reduce_from_tp" not in before and "aten.linear.default" in before
     written = sorted(p.name for p in passes.iterdir())
-    assert written[0] == "00_traced.py" and "06_insert_collectives.py" in written
-    assert "reduce_from_tp" in (passes / "06_insert_collectives.py").read_text()
+    assert written[0] == "00_traced.py" and "07_insert_collectives.py" in written
+    assert "reduce_from_tp" in (passes / "07_insert_collectives.py").read_text()
 
 
 def test_after_needs_code_format(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,6 +19,7 @@ import torch
 from torch.fx import Node
 
 from autotp.ir import meta_keys
+from autotp.analysis.shapes import size_int
 from autotp.ir.layouts import Layout, local_offset, local_size
 
 
@@ -40,7 +41,7 @@ def global_tensors(node: Node) -> list[TensorInfo]:
     """The tensors a node produces, with the whole-model shapes of ``node.meta["val"]``."""
     val = node.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else (val,)
-    return [TensorInfo(tuple(int(s) for s in v.shape), v.dtype) for v in vals if isinstance(v, torch.Tensor)]
+    return [TensorInfo(tuple(size_int(s) for s in v.shape), v.dtype) for v in vals if isinstance(v, torch.Tensor)]
 
 
 def _layouts_for(node: Node, count: int) -> tuple[Layout | None, ...]:

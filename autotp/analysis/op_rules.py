@@ -73,6 +73,7 @@ RULES: dict[Any, Rule] = {
     aten.matmul.default: _mm,
     aten.embedding.default: params.embedding,
     aten.cross_entropy_loss.default: params.cross_entropy,
+    aten.einsum.default: params.einsum,
     # shape ops
     aten.view.default: shapes.reshape,
     aten.reshape.default: shapes.reshape,

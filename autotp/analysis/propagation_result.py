@@ -63,6 +63,9 @@ class Propagation:
     expand_fixups: dict[Node, list[tuple[int, DimVar, DimVar]]] = field(default_factory=dict)
     # slice node -> (sliced var, selected segment): its bounds become local offsets.
     slice_fixups: dict[Node, tuple[DimVar, DimVar]] = field(default_factory=dict)
+    # node -> [(replicated input, dim, var)]: the node reads that input's local slice along
+    # dim as var shards it (a per-head vector or a buffer meeting sharded heads).
+    local_slices: dict[Node, list[tuple[Node, int, DimVar]]] = field(default_factory=dict)
 
     def layout(self, node: Node) -> Layout:
         lay = self.layouts.get(node, REPLICATE)

@@ -46,7 +46,12 @@ def _permute_like(w: Walker, node: Node, perm: list[int]) -> Any:
     return shard({i: lay.var_at(p) for i, p in enumerate(perm) if p is not None and lay.var_at(p) is not None})
 
 
-def reshape(w: Walker, node: Node) -> Layout:
+def reshape(w: Walker, node: Node) -> Any:
+    src_lay = w.get(node.args[0])
+    if isinstance(src_lay, ParamView):
+        view = _unit_dims_view(src_lay, shape_of(node.args[0]) or (), shape_of(node) or ())
+        if view is not None:
+            return view
     lay = w.concrete(node.args[0], node)
     if lay.partial or not lay.dims:
         return lay
@@ -83,6 +88,16 @@ def reshape(w: Walker, node: Node) -> Layout:
         else:
             raise ShardingConflict(f"{describe(node)}: reshape regroups a sharded dim", lay.origins())
     return shard(dims)
+
+
+def _unit_dims_view(view: ParamView, src: tuple[int, ...], dst: tuple[int, ...]) -> ParamView | None:
+    """An undecided parameter reshaped by adding or dropping size-1 dims only
+    (``scale.view(1, heads, 1, 1)``) stays undecided; None for any other reshape."""
+    kept = [i for i, s in enumerate(src) if s != 1]
+    if [src[i] for i in kept] != [s for s in dst if s != 1]:
+        return None
+    real = iter(kept)
+    return ParamView(view.name, tuple(None if s == 1 else view.dim_map[next(real)] for s in dst))
 
 
 def _note_broadcast_merge(w: Walker, src: Node, inner_dims: list[int], merged: DimVar, outer: DimVar) -> None:

@@ -7,15 +7,26 @@ from typing import Any
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from autotp.ir.layouts import REPLICATE
+
+UNBACKED_SIZE = 1021
+"""The size taken for a dim that the trace cannot know (a token count that depends on
+routing: ``nonzero``, boolean masks). Prime, so that a reshape never mistakes it, or a
+multiple of it, for a product of real dims."""
+
+
+def size_int(size: int | torch.SymInt) -> int:
+    """A traced size as an int; data-dependent (unbacked) sizes become ``UNBACKED_SIZE``."""
+    return size if isinstance(size, int) else optimization_hint(size, fallback=UNBACKED_SIZE)
 
 
 def shape_of(node: Any) -> tuple[int, ...] | None:
     """The traced shape of a tensor-valued node (None for anything else)."""
     val = node.meta.get("val") if isinstance(node, Node) else None
     if isinstance(val, torch.Tensor):
-        return tuple(int(s) for s in val.shape)
+        return tuple(size_int(s) for s in val.shape)
     return None
 
 

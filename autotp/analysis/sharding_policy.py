@@ -166,3 +166,48 @@ def cross_entropy(w: Walker, node: Node) -> Layout:
     return REPLICATE
 
 
+
+
+def einsum(w: Walker, node: Node) -> Any:
+    """``aten.einsum(equation, operands)``: every letter is one dim, sharded alike in every
+    operand that has it; a sharded letter missing from the output makes the result
+    partial. An undecided parameter follows a letter that an activation shards (kind
+    ``row`` if contracted, ``column`` if kept) and is replicated otherwise."""
+    equation, operands = node.args[0], list(node.args[1])
+    if "..." in equation or len(operands) != equation.split("->")[0].count(",") + 1:
+        return w.opaque(node)
+    lhs, out = equation.replace(" ", "").split("->") if "->" in equation else (equation.replace(" ", ""), None)
+    terms = lhs.split(",")
+    if out is None:
+        out = "".join(sorted(c for c in set(lhs) - {","} if lhs.count(c) == 1))
+    lays = [w.get(t) for t in operands]
+    if any(l == PARTIAL for l in lays):
+        w.reduce_first(node, operands)
+        lays = [REPLICATE if l == PARTIAL else l for l in lays]
+    letters: dict[str, DimVar] = {}
+    for term, lay in zip(terms, lays):
+        if isinstance(lay, Layout):
+            for d, var in lay.dims:
+                letters[term[d]] = unify(letters[term[d]], var, describe(node)) if term[d] in letters else var
+    for t, term, lay in zip(operands, terms, lays):
+        if not isinstance(lay, ParamView):
+            continue
+        sharded = [i for i, c in enumerate(term) if c in letters]
+        if len(sharded) == 1 and letters[term[sharded[0]]].find().size == shape_of(t)[sharded[0]]:
+            kind = "column" if term[sharded[0]] in out else "row"
+            w.param_view_shard(lay, sharded[0], letters[term[sharded[0]]], kind, node)
+        else:
+            w.concrete(t, node)
+    for t, term in zip(operands, terms):
+        lay = w.get(t)
+        assert isinstance(lay, Layout)
+        shape = shape_of(t) or ()
+        for i, c in enumerate(term):
+            if c in letters and lay.var_at(i) is None and shape[i] != 1:
+                raise ShardingConflict(f"{describe(node)}: letter {c} is sharded in one operand only", letters[c].find().origins)
+    contracted = [c for c in letters if c not in out]
+    if contracted and len(contracted) != len(letters):
+        raise ShardingConflict(f"{describe(node)}: contraction and output both sharded", letters[contracted[0]].find().origins)
+    if contracted:
+        return PARTIAL
+    return shard({out.index(c): var for c, var in letters.items()})

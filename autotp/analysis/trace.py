@@ -24,6 +24,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 
+from autotp.analysis.trace_guards import custom_functions, refuse_custom_functions, strip_opaque_outputs
+
 _DROPPED_TARGETS = {torch.ops.aten._assert_tensor_metadata.default}
 
 
@@ -81,7 +83,8 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     Raises ``ValueError`` naming the submodule and source line that could not trace.
     """
     fake_model, fake_kwargs = _fake_copy(model, kwargs, torch.device(device))
-    with _module_stack(fake_model) as stack:
+    fake_model.register_forward_hook(strip_opaque_outputs)
+    with _module_stack(fake_model) as stack, custom_functions(stack) as functions:
         try:
             ep = torch.export.export(fake_model, (), fake_kwargs, strict=False)
         except Exception as e:  # noqa: BLE001 - re-raised with location
@@ -96,6 +99,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
                 f"(no data-dependent Python control flow or .item() on tensors), or pass example inputs "
                 f"that take a traceable path."
             ) from e
+    refuse_custom_functions(type(model).__name__, functions)
     gm = ep.module()
     _clean(gm)
     return gm

@@ -2,7 +2,8 @@
 reductions, ops that need a dim whole (softmax, topk...), norms, attention, dropout.
 
 ``pointwise`` is also where a bias or norm weight follows the sharding of the operand
-it meets (kind ``bias``).
+it meets (kind ``bias``), and where a replicated operand of full size that meets a
+sharded dim is read through a rank-local slice (``Propagation.local_slices``).
 """
 
 from __future__ import annotations
@@ -84,9 +85,12 @@ def pointwise(w: Walker, node: Node, tensor_args: list[Any] | None = None) -> La
                     raise ShardingConflict(f"{describe(node)}: {lay.name} meets two sharded dims", var.find().origins)
                 w.param_view_shard(lay, d, var, "bias", node)
             elif lay.var_at(d) is None:
-                raise ShardingConflict(
-                    f"{describe(node)}: a replicated operand of full size meets a sharded dim", var.find().origins
-                )
+                if not lay.replicated or partial or var.find().padded:
+                    raise ShardingConflict(
+                        f"{describe(node)}: an operand of full size meets a sharded dim", var.find().origins
+                    )
+                # a replicated operand (a per-head bias, a buffer): each rank reads its own slice
+                w.out.local_slices.setdefault(node, []).append((a, d, var))
     for a in args:
         lay = w.get(a)
         if isinstance(lay, ParamView):

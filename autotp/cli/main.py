@@ -25,6 +25,7 @@ from autotp.cost_model.hardware import PROFILES
 from autotp.cost_model.graph_costs import build_report
 from autotp.report.graph_report import explain_json, explain_table, stage_view
 from autotp.cli.calibrate import add_calibrate_command
+from autotp.cli.check import add_check_command
 from autotp.cli.plan import add_plan_command
 from autotp.cli.ranks import add_ranks_command
 from autotp.cli.schedule import add_schedule_command
@@ -296,6 +297,7 @@ def _parser() -> argparse.ArgumentParser:
     add_schedule_command(commands)
     add_plan_command(commands)
     add_calibrate_command(commands)
+    add_check_command(commands)
     return parser
 
 

@@ -30,6 +30,10 @@ EXPAND_FIXUPS = "autotp_expand_fixups"
 """On an ``expand`` whose broadcast dim is later merged into a sharded dim (``repeat_kv``):
 ``[(dim, merged DimVar, outer DimVar)]``; that dim's local size is local(merged)/local(outer)."""
 
+LOCAL_SLICES = "autotp_local_slices"
+"""On an elementwise op that meets a replicated operand of full size along a sharded dim:
+``[(input node, dim, DimVar)]``; the op reads the rank's slice of that input."""
+
 CHUNK = "autotp_chunk"
 """Pipeline chunk that computes the node; None for cheap input-derived values (masks,
 positions, rotary tables) and parameter reads, which every chunk that needs them repeats."""

@@ -222,7 +222,7 @@ class ParallelModel(nn.Module):
             {k: (v[first + i * step : first + (i + 1) * step] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
             for i in range(m)
         ]
-        loss_of = loss_fn if loss_fn is not None else (lambda out: out.loss)
+        loss_of = loss_fn if loss_fn is not None else (lambda out: out["loss"])  # a dict or a ModelOutput
         if self.plan.num_chunks == 1:
             total = torch.zeros((), device=self._device)
             for mb in micro:

@@ -1,0 +1,191 @@
+"""Sweep every causal-LM architecture of the installed transformers at tp=2 and pp=2.
+
+For each ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: build the model from a
+tiny config (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 128; fp32, eval), trace
+it, plan it at tp=2 (share of the parameters sharded), then on two gloo ranks check the
+loss, the logits and every grad against the unmodified model at tp=2 and at pp=2. Any
+failure keeps its reason (the first line of the error). Writes a Markdown table:
+
+    python benchmarks/sweep_registry.py                  # all, -> docs/registry_sweep.md
+    python benchmarks/sweep_registry.py --only llama,gpt2 --out /tmp/sweep.md
+
+Prints the summary: of the architectures that build, how many match at tp=2 and pp=2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+RTOL, ATOL = 1e-4, 1e-5
+VOCAB, BATCH, SEQ = 128, 2, 16
+TINY = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=128, num_local_experts=4, num_experts=4,
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    ffn_dim=128, d_model=64, encoder_layers=2, decoder_layers=2, hidden_dropout=0.0, attention_dropout=0.0,
+    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    dropout=0.0, pad_token_id=0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+@dataclass
+class Row:
+    arch: str
+    builds: bool = False
+    traces: bool = False
+    tp2: bool = False
+    pp2: bool = False
+    sharded: float | None = None
+    reason: str = ""
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def tiny_config(arch: str) -> transformers.PretrainedConfig:
+    cls = getattr(transformers, CONFIG_MAPPING_NAMES[arch])
+    default = cls()
+    kwargs = {k: v for k, v in TINY.items() if hasattr(default, k) and not isinstance(getattr(cls, k, None), property)}
+    config = cls(**kwargs)
+    text = config.get_text_config()
+    if isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = text.layer_types[: text.num_hidden_layers]
+    return config
+
+
+def build(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch])
+    return model_cls(tiny_config(arch)).float().eval()
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:200].replace("|", "/")
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return (torch.randint(1, VOCAB, (BATCH, SEQ), generator=gen), torch.randint(1, VOCAB, (BATCH, SEQ), generator=gen))
+
+
+def _loss_logits(out: object) -> tuple[torch.Tensor, torch.Tensor]:
+    return (out["loss"], out["logits"]) if isinstance(out, dict) else (out.loss, out.logits)  # type: ignore[union-attr]
+
+
+def _check_on_rank(rank: int, world: int, arch: str) -> dict[str, str]:
+    """tp=2 and pp=2 on two ranks: '' when equal, else the reason."""
+    import autotp
+
+    ids, labels = _inputs()
+    results: dict[str, str] = {}
+    for tp, pp in ((2, 1), (1, 2)):
+        key = f"tp{tp}" if tp > 1 else f"pp{pp}"
+        try:
+            model = build(arch)
+            reference = copy.deepcopy(model)
+            pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs={"input_ids": ids, "labels": labels}, timeout_s=120)
+            ref_loss, ref_logits = _loss_logits(reference(input_ids=ids, labels=labels))
+            ref_loss.backward()
+            if pp == 1:
+                loss, logits = _loss_logits(pm(input_ids=ids, labels=labels))
+                torch.testing.assert_close(logits, ref_logits, rtol=RTOL, atol=ATOL)
+                loss.backward()
+            else:
+                loss = pm.train_step(input_ids=ids, labels=labels, num_microbatches=2)
+            torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+            grads = pm.unshard_grads()
+            for name, p in reference.named_parameters():
+                if p.grad is None:
+                    continue
+                got = grads.get(name)
+                if got is None:
+                    raise AssertionError(f"no grad for {name}")
+                torch.testing.assert_close(got, p.grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"grad of {n}: {m}")
+            results[key] = ""
+        except Exception as e:  # noqa: BLE001 - the reason goes into the table
+            results[key] = _reason(e)
+    return results
+
+
+def sweep_one(arch: str) -> Row:
+    import autotp
+    from autotp.analysis.trace import trace
+    from autotp.runtime.launcher import spawn_ranks
+
+    row = Row(arch)
+    start = time.perf_counter()
+    try:
+        model = build(arch)
+        row.builds = True
+        ids, labels = _inputs()
+        trace(model, {"input_ids": ids, "labels": labels, "use_cache": False})
+        row.traces = True
+        plan = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": labels}).plan
+        sharded = {p.name for p in plan.params}
+        params = dict(model.named_parameters())
+        row.sharded = sum(p.numel() for n, p in params.items() if n in sharded) / sum(p.numel() for p in params.values())
+        results = spawn_ranks(_check_on_rank, 2, arch, backend="gloo", timeout_s=400, num_threads=1)[0]
+        row.tp2, row.pp2 = results["tp2"] == "", results["pp2"] == ""
+        row.reason = "; ".join(f"{k}: {v}" for k, v in results.items() if v)
+    except Exception as e:  # noqa: BLE001 - the reason goes into the table
+        row.reason = _reason(e) if not row.builds else (row.reason or _reason(e))
+        if row.builds and not row.traces:
+            row.reason = "trace: " + row.reason
+        elif not row.builds:
+            row.reason = "build: " + row.reason
+        else:
+            row.reason = row.reason or traceback.format_exc().splitlines()[-1]
+    row.seconds = time.perf_counter() - start
+    return row
+
+
+def table(rows: list[Row]) -> str:
+    built = [r for r in rows if r.builds]
+    ok_tp, ok_pp = sum(r.tp2 for r in built), sum(r.pp2 for r in built)
+    lines = [
+        "# Registry sweep: causal-LM architectures of transformers " + transformers.__version__,
+        "",
+        "Regenerate: `python benchmarks/sweep_registry.py` (tiny configs, fp32, 2 gloo ranks; loss, logits "
+        "and every grad against the unmodified model at tp=2 and pp=2).",
+        "",
+        f"{len(rows)} architectures, {len(built)} build from a tiny config; of those, {sum(r.traces for r in built)} trace, "
+        f"{ok_tp} match at tp=2 ({ok_tp / max(len(built), 1):.0%}), {ok_pp} match at pp=2 ({ok_pp / max(len(built), 1):.0%}).",
+        "",
+        "| arch | builds | traces | equal tp=2 | equal pp=2 | params sharded (tp=2) | reason |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    mark = {True: "yes", False: "no"}
+    for r in rows:
+        share = f"{r.sharded:.0%}" if r.sharded is not None else "-"
+        lines.append(f"| {r.arch} | {mark[r.builds]} | {mark[r.traces]} | {mark[r.tp2]} | {mark[r.pp2]} | {share} | {r.reason} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="comma-separated model types (default: all)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "registry_sweep.md")
+    args = parser.parse_args()
+    archs = [a for a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if not args.only or a in args.only.split(",")]
+    rows = []
+    for arch in archs:
+        row = sweep_one(arch)
+        rows.append(row)
+        print(f"{arch:28s} builds={row.builds} traces={row.traces} tp2={row.tp2} pp2={row.pp2} "
+              f"sharded={row.sharded} {row.seconds:.0f}s {row.reason[:150]}", flush=True)  # fmt: skip
+        args.out.write_text(table(rows))
+    print(table(rows).splitlines()[4])
+
+
+if __name__ == "__main__":
+    main()

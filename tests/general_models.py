@@ -1,0 +1,203 @@
+"""Small models of our own, each showing one pattern that unnamed models use (issue 20)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, HIDDEN, HEADS, LAYERS = 64, 32, 4, 2
+
+
+class _Router(torch.autograd.Function):
+    """A straight-through estimator: forward rounds, backward passes the grad through."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _Tanh(torch.autograd.Function):
+    """A hand-written backward that is the forward's derivative."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+
+class _Block(nn.Module):
+    """Pre-norm attention + MLP; subclasses change one thing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
+        self.q, self.k, self.v, self.o = (nn.Linear(HIDDEN, HIDDEN) for _ in range(4))
+        self.up, self.down = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def heads(self, t: torch.Tensor) -> torch.Tensor:
+        b, s, _ = t.shape
+        return t.view(b, s, HEADS, HIDDEN // HEADS).transpose(1, 2)
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (q @ k.transpose(-1, -2)) / (HIDDEN // HEADS) ** 0.5
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        att = self.scores(q, k).masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        return self.o(att.transpose(1, 2).reshape(b, s, HIDDEN))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attend(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class CustomFunctionBlock(_Block):
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(_Router.apply(F.gelu(self.up(x))))
+
+
+class ExactFunctionBlock(_Block):
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(_Tanh.apply(self.up(x)))
+
+
+class PerHeadScaleBlock(_Block):
+    """A learned temperature per head, multiplied into the attention scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_scale = nn.Parameter(torch.linspace(0.5, 1.5, HEADS))
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return super().scores(q, k) * self.head_scale.view(1, HEADS, 1, 1)
+
+
+class PerHeadBiasBlock(_Block):
+    """A learned per-head slope times a replicated distance matrix (ALiBi-like), added to the scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slopes = nn.Parameter(torch.linspace(-0.5, -0.1, HEADS))
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        s = q.shape[-2]
+        pos = torch.arange(s, device=q.device, dtype=q.dtype)
+        dist = (pos[None, :] - pos[:, None]).abs()
+        return super().scores(q, k) + self.slopes[:, None, None] * dist
+
+
+class EinsumBlock(_Block):
+    """Attention written with einsum."""
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, HEADS, HIDDEN // HEADS) for t in (self.q(x), self.k(x), self.v(x)))
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / (HIDDEN // HEADS) ** 0.5
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        att = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
+        return self.o(att.reshape(b, s, HIDDEN))
+
+
+class ExpertLoopBlock(_Block):
+    """A top-1 MoE whose per-expert token count comes from the routing (data-dependent sizes)."""
+
+    EXPERTS = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.up, self.down
+        self.router = nn.Linear(HIDDEN, self.EXPERTS, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
+            for _ in range(self.EXPERTS)
+        )
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        flat = x.reshape(-1, h)
+        probs = self.router(flat).softmax(-1)
+        weight, choice = probs.max(-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            idx = torch.nonzero(choice == e).squeeze(-1)
+            out = out.index_add(0, idx, expert(flat[idx]) * weight[idx, None])
+        return out.view(b, s, h)
+
+
+class BufferBlock(_Block):
+    """A non-trainable buffer (expert load bias) that only this block reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mlp_bias", torch.linspace(-1, 1, 2 * HIDDEN))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x) + self.mlp_bias))
+
+
+class Cache:
+    """A key/value cache object, as generation code returns (not a tensor, no pytree)."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+
+class TinyLM(nn.Module):
+    """A decoder LM built from one block class; ``return_cache`` makes forward return a cache object."""
+
+    def __init__(self, block: type[nn.Module] = _Block, return_cache: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(block() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.return_cache = return_cache
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        x = self.embed(input_ids)
+        cache = Cache()
+        for blk in self.blocks:
+            x = blk(x)
+            cache.keys.append(x)
+        logits = self.head(self.norm(x))
+        out: dict[str, Any] = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
+        if self.return_cache:
+            out["past_key_values"] = cache
+        return out
+
+
+MODELS: dict[str, Any] = {
+    "custom_function": lambda: TinyLM(CustomFunctionBlock),
+    "exact_function": lambda: TinyLM(ExactFunctionBlock),
+    "per_head_scale": lambda: TinyLM(PerHeadScaleBlock),
+    "per_head_bias": lambda: TinyLM(PerHeadBiasBlock),
+    "einsum": lambda: TinyLM(EinsumBlock),
+    "expert_loop": lambda: TinyLM(ExpertLoopBlock),
+    "buffer": lambda: TinyLM(BufferBlock),
+    "cache": lambda: TinyLM(return_cache=True),
+}
+
+
+def build_general(name: str) -> nn.Module:
+    return MODELS[name]().eval()

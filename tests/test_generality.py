@@ -1,0 +1,89 @@
+"""Patterns of models that autotp has no specific code for (issue 20), each on a small
+model of our own (``general_models``): the parallel model matches the unmodified one
+(loss, logits, every grad; fp32, gloo) and holds a real shard, or autotp refuses it
+with an error that names the cause."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from distributed import run_on_ranks
+from general_models import VOCAB, build_general
+
+RTOL, ATOL = 1e-4, 1e-6
+SHARDED = ["exact_function", "per_head_scale", "per_head_bias", "einsum", "expert_loop", "buffer", "cache"]
+
+
+def _check_on_rank(rank: int, world: int, names: list[str], tp: int, pp: int) -> dict[str, float]:
+    import autotp
+
+    out: dict[str, float] = {}
+    for name in names:
+        model = build_general(name)
+        reference = copy.deepcopy(model)
+        gen = torch.Generator().manual_seed(1)
+        ids, labels = (torch.randint(0, VOCAB, (2, 16), generator=gen) for _ in range(2))
+        pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs={"input_ids": ids, "labels": labels})
+        expected = reference(input_ids=ids, labels=labels)
+        expected["loss"].backward()
+        if pp == 1:
+            got = pm(input_ids=ids, labels=labels)
+            torch.testing.assert_close(got["logits"], expected["logits"], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} logits: {m}")
+            got["loss"].backward()
+            loss = got["loss"]
+        else:
+            loss = pm.train_step(input_ids=ids, labels=labels, num_microbatches=2)
+        torch.testing.assert_close(loss, expected["loss"], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} loss: {m}")
+        grads = pm.unshard_grads()
+        for pname, p in reference.named_parameters():
+            assert grads[pname] is not None, f"{name}: no grad for {pname}"
+            torch.testing.assert_close(grads[pname], p.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} grad of {pname}: {m}")
+        local = sum(p.numel() for p in pm.parameters())
+        out[name] = local / sum(p.numel() for p in reference.parameters())
+    return out
+
+
+def test_patterns_match_at_tp2_and_hold_a_shard() -> None:
+    fractions = run_on_ranks(_check_on_rank, 2, SHARDED, 2, 1, timeout_s=500)[0]
+    # q/k/v/o, the MLP or the experts are sharded: a rank holds about half of the model
+    for name, fraction in fractions.items():
+        assert fraction < 0.6, f"{name}: a rank holds {fraction:.0%} of the parameters"
+
+
+def test_buffer_read_by_a_later_stage_only_at_pp2() -> None:
+    fractions = run_on_ranks(_check_on_rank, 2, ["buffer", "expert_loop"], 1, 2, timeout_s=500)
+    assert all(f < 0.75 for r in fractions for f in r.values()), fractions
+
+
+def test_per_head_vector_follows_the_heads() -> None:
+    import autotp
+
+    ids = torch.randint(0, VOCAB, (2, 8))
+    for name, param in (("per_head_scale", "head_scale"), ("per_head_bias", "slopes")):
+        plan = autotp.compile_rank(build_general(name), tp=2, example_inputs={"input_ids": ids, "labels": ids}).plan
+        sharded = {p.name for p in plan.params}
+        assert {f"blocks.{i}.{w}.weight" for i in range(2) for w in "qkvo"} <= sharded, name
+        if name == "per_head_scale":  # read through a view only: sharded with the heads
+            assert {f"blocks.{i}.{param}" for i in range(2)} <= sharded
+
+
+def test_custom_autograd_function_is_refused_with_its_name() -> None:
+    import autotp
+
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with pytest.raises(ValueError, match=r"_Router in module blocks\.0 \(CustomFunctionBlock\)"):
+        autotp.compile_rank(build_general("custom_function"), tp=2, example_inputs={"input_ids": ids, "labels": ids})
+    with torch.no_grad(), pytest.raises(ValueError, match="_Router"):  # the graph may later train
+        autotp.compile_rank(build_general("custom_function"), tp=2, example_inputs={"input_ids": ids})
+
+
+def test_encoder_decoder_is_refused_plainly() -> None:
+    import autotp
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16))
+    with pytest.raises(ValueError, match="encoder-decoder model .* not support"):
+        autotp.compile_rank(model, tp=2)
