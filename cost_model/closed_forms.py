@@ -34,11 +34,13 @@ BUBBLE = {
     "gpipe": (p - 1) / m,
     "1f1b": (p - 1) / m,
     "interleaved": (p - 1) / (m * v),
+    "zbh1": (p - 1) / (3 * m),
 }
 IN_FLIGHT = {
     "gpipe": m,
     "1f1b": sympy.Min(p - r, m),
     "interleaved": sympy.Min((p - r - 1) * 2 + (v - 1) * p + 1, m * v),
+    "zbh1": sympy.Min(p, m),
 }
 BYTES_PER_PARAM = {
     "bf16": (sympy.Integer(20), 4 + 16 / d),
@@ -56,6 +58,7 @@ CLOSED_FORMS: dict[str, sympy.Expr] = {
     "dp gradient bytes per rank": DP_GRAD_BYTES,
     "bubble, 1f1b and gpipe": BUBBLE["1f1b"],
     "bubble, interleaved 1f1b": BUBBLE["interleaved"],
+    "bubble, zb-h1": BUBBLE["zbh1"],
     "microbatches in flight on rank r, 1f1b": IN_FLIGHT["1f1b"],
     "chunks in flight on rank r, interleaved": IN_FLIGHT["interleaved"],
     "bytes per parameter, bf16 (plain optimizer)": BYTES_PER_PARAM["bf16"][0],

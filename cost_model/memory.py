@@ -24,7 +24,9 @@ on pipeline rank r of p, with m microbatches and v chunks per rank:
 * no pipeline: 1 (microbatches run one after another; gradients accumulate);
 * GPipe: m (every forward before the first backward);
 * 1F1B: min(p - r, m) (r's p-r-1 warmup forwards, plus the one before its first backward);
-* interleaved 1F1B: min((p-r-1)·2 + (v-1)·p + 1, m·v) (its warmup, plus one).
+* interleaved 1F1B: min((p-r-1)·2 + (v-1)·p + 1, m·v) (its warmup, plus one);
+* ZB-H1: min(p, m) on every rank (1F1B's p-r, plus the r microbatches whose weight
+  gradients it defers; their autograd graphs stay until their ``W``).
 
 Rank 0 holds the most. A rank's memory (``rank_memory_bytes``) is its parameters times
 ``bytes_per_param``, plus ``in_flight`` times the activation bytes of one of its chunks,
@@ -68,6 +70,8 @@ def in_flight(schedule: str | None, pp: int, vpp: int, microbatches: int, rank: 
         return microbatches
     if schedule == "1f1b":
         return min(pp - rank, microbatches)
+    if schedule == "zbh1":
+        return min(pp, microbatches)
     assert schedule == "interleaved", f"unknown schedule {schedule!r}"
     return min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, microbatches * vpp)
 

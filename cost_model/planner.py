@@ -229,7 +229,7 @@ def estimate(
         chunk_comm.append(sum(n * st.comm_s for _, st, n in parts) + recv)
         chunk_act.append(sum(n * seg.activation_bytes.at(b) for seg, _, n in parts))
         chunk_params.append([(seg.params, n) for seg, _, n in parts])
-    pipeline, bubble = pipeline_time_s(chunk_s, chunk_gpu, pp, vpp, m)
+    pipeline, bubble = pipeline_time_s(chunk_s, chunk_gpu, pp, vpp, m, config.schedule or "1f1b")
 
     dp_per_node = max(1, min(config.dp, per_node // config.tp))
     memories, syncs, optimizers = [], [], []

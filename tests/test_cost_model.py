@@ -190,6 +190,23 @@ def test_pipeline_time_matches_the_simulated_schedule(pp: int, vpp: int, m: int)
     assert bubble / (step - bubble) == pytest.approx(bubble_fraction(name, pp, m, vpp))
 
 
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8), (4, 16)])
+def test_zbh1_time_and_memory_match_its_simulated_order(pp: int, m: int) -> None:
+    """F, B and W one step each (a chunk's forward+backward is 3 steps): the closed form
+    gives the simulated step count, a third of 1F1B's bubble, and 1F1B's peak memory."""
+    steps = schedules.simulate(pp, 1, m, lambda r: schedules.schedule("zbh1", pp, 1, m, r))
+    step, bubble = pipeline_time_s([3.0] * pp, [3.0] * pp, pp, 1, m, "zbh1")
+    assert step == steps == 3 * m + pp - 1
+    assert bubble / (step - bubble) == pytest.approx(bubble_fraction("zbh1", pp, m)) == pytest.approx(bubble_fraction("1f1b", pp, m) / 3)
+    for rank in range(pp):
+        live = peak = 0
+        for a in schedules.schedule("zbh1", pp, 1, m, rank):
+            live += {"F": 1, "B": 0, "W": -1}[a.kind]
+            peak = max(peak, live)
+        assert in_flight("zbh1", pp, 1, m, rank) == peak == int(cf.IN_FLIGHT["zbh1"].subs({cf.p: pp, cf.m: m}))
+    assert float(cf.BUBBLE["zbh1"].subs({cf.p: pp, cf.m: m})) == pytest.approx(bubble_fraction("zbh1", pp, m))
+
+
 def test_unequal_stages_are_paced_by_the_slowest() -> None:
     step, bubble = pipeline_time_s([1.0, 3.0], [1.0, 3.0], 2, 1, 4)
     assert step == pytest.approx(4 * 3.0 + 1 * 2.0)

@@ -23,17 +23,25 @@ def _reference_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Ten
     return loss.detach()
 
 
-def _pipeline_on_rank(rank: int, world: int, name: str, tp: int, pp: int, vpp: int, microbatches: int) -> dict:
+def _pipeline_on_rank(rank: int, world: int, name: str, tp: int, pp: int, vpp: int, microbatches: int,
+                      schedule: str | None = None, compile: bool = False, layers: int = 4) -> dict:  # fmt: skip
     import autotp
 
-    model = build(name, layers=4)
+    model = build(name, layers=layers)
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, vocab_size(model), (BATCH, SEQ), generator=gen)
     labels = torch.randint(0, vocab_size(model), (BATCH, SEQ), generator=gen)
-    pm = autotp.parallelize(model, tp=tp, pp=pp, vpp=vpp, example_inputs={"input_ids": ids[:2], "labels": labels[:2]})
+    pm = autotp.parallelize(model, tp=tp, pp=pp, vpp=vpp, compile=compile,
+                            example_inputs={"input_ids": ids[:2], "labels": labels[:2]})  # fmt: skip
     dp = pm.plan.dp
-    loss = pm.train_step(input_ids=ids, labels=labels, num_microbatches=microbatches)
+    # Two steps, the second on the first one's receive buffers.
+    pm.train_step(input_ids=ids, labels=labels, num_microbatches=microbatches, schedule=schedule)
+    pm.zero_grad(set_to_none=True)
+    buffers = {c: {k: [t.data_ptr() for t in v] for k, v in cg._buffers.items()} for c, cg in pm._first_compiled().chunks.items()}
+    loss = pm.train_step(input_ids=ids, labels=labels, num_microbatches=microbatches, schedule=schedule)
+    after = {c: {k: [t.data_ptr() for t in v] for k, v in cg._buffers.items()} for c, cg in pm._first_compiled().chunks.items()}
+    assert after == buffers, "the second step allocated receive buffers"
     expected = _reference_step(reference, ids, labels, dp * microbatches)
     torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)
     grads = pm.unshard_grads()
@@ -45,20 +53,45 @@ def _pipeline_on_rank(rank: int, world: int, name: str, tp: int, pp: int, vpp: i
 
 
 CASES = [
-    # (model, world, tp, pp, vpp, microbatches)
-    *[(m, 4, 2, 2, 1, 4) for m in ("gpt2", "llama", "mixtral")],  # tp=2 x pp=2
-    *[(m, 4, 1, 2, 1, 2) for m in ("gpt2", "llama", "mixtral")],  # pp=2 x dp=2
-    *[(m, 2, 1, 2, 2, 2) for m in ("gpt2", "llama", "mixtral")],  # pp=2, vpp=2 (interleaved)
+    # (model, world, tp, pp, vpp, microbatches, schedule)
+    *[(m, 4, 2, 2, 1, 4, None) for m in ("gpt2", "llama", "mixtral")],  # tp=2 x pp=2
+    *[(m, 4, 1, 2, 1, 2, None) for m in ("gpt2", "llama", "mixtral")],  # pp=2 x dp=2
+    *[(m, 2, 1, 2, 2, 2, None) for m in ("gpt2", "llama", "mixtral")],  # pp=2, vpp=2 (interleaved)
+    *[(m, 2, 1, 2, 1, 4, "zbh1") for m in ("gpt2", "llama", "mixtral")],  # pp=2, zero bubble
+    ("llama", 4, 2, 2, 1, 4, "zbh1"),  # tp=2 x pp=2, zero bubble
+    ("llama", 2, 1, 2, 1, 4, "gpipe"),
 ]
 
 
-@pytest.mark.parametrize(("name", "world", "tp", "pp", "vpp", "microbatches"), CASES,
-                         ids=[f"{c[0]}-tp{c[2]}-pp{c[3]}-vpp{c[4]}-w{c[1]}" for c in CASES])
-def test_pipeline_matches_unmodified_model(name: str, world: int, tp: int, pp: int, vpp: int, microbatches: int) -> None:
-    results = run_on_ranks(_pipeline_on_rank, world, name, tp, pp, vpp, microbatches, timeout_s=400)
+@pytest.mark.parametrize(("name", "world", "tp", "pp", "vpp", "microbatches", "schedule"), CASES,
+                         ids=[f"{c[0]}-tp{c[2]}-pp{c[3]}-vpp{c[4]}-w{c[1]}-{c[6] or 'default'}" for c in CASES])
+def test_pipeline_matches_unmodified_model(name: str, world: int, tp: int, pp: int, vpp: int, microbatches: int,
+                                           schedule: str | None) -> None:  # fmt: skip
+    results = run_on_ranks(_pipeline_on_rank, world, name, tp, pp, vpp, microbatches, schedule, timeout_s=400)
     assert len({round(r["loss"], 6) for r in results}) == 1, results
     assert results[0]["dp"] == world // (tp * pp)
     assert max(r["local_fraction"] for r in results) < 0.8  # no rank holds the whole model
+
+
+def test_compiled_pipeline_matches_unmodified_model() -> None:
+    """compile=True with pp=2 (each chunk through torch.compile) equals the eager model."""
+    results = run_on_ranks(_pipeline_on_rank, 2, "llama", 1, 2, 1, 2, "1f1b", True, 2, timeout_s=900)
+    assert len({round(r["loss"], 6) for r in results}) == 1, results
+
+
+def _zero_bubble_refuses_compile(rank: int, world: int) -> str:
+    import autotp
+
+    ids = torch.zeros(4, 8, dtype=torch.long)
+    pm = autotp.parallelize(build("llama", layers=2), pp=2, compile=True, example_inputs={"input_ids": ids, "labels": ids})
+    with pytest.raises(ValueError) as err:
+        pm.train_step(input_ids=ids, labels=ids, num_microbatches=2, schedule="zbh1")
+    return str(err.value)
+
+
+def test_zero_bubble_refuses_compiled_chunks_before_any_communication() -> None:
+    for message in run_on_ranks(_zero_bubble_refuses_compile, 2):
+        assert "torch.compile and CUDA graphs run a chunk's backward as one piece" in message
 
 
 def _pipeline_errors(rank: int, world: int) -> list[str]:

@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 
 from autotp.cli.schedule import add_schedule_command
+from autotp.cost_model.memory import in_flight
 from autotp.ir.schedules import (
     Action,
     buffer_slots,
@@ -13,12 +14,17 @@ from autotp.ir.schedules import (
     format_actions,
     format_megatron,
     gpipe,
+    Message,
     interleaved_one_f_one_b,
+    messages,
     one_f_one_b,
     parse,
+    receive_slots,
     schedule,
     simulate,
     slots_per_chunk,
+    timeline,
+    zero_bubble_h1,
 )
 
 # Seed 002, interleaved 1F1B with microbatches=8, PP=4, VPP=2, PP rank 0, as Megatron's
@@ -212,3 +218,145 @@ def test_1f1b_needs_pp_minus_rank_slots_whatever_the_microbatches() -> None:
         assert per_rank == [4, 3, 2, 1]
     assert max(buffer_slots(gpipe(4, 8, 0)).values()) + 1 == 8
     assert slots_per_chunk("1f1b", 4, 1, 1) == {0: 3}
+
+
+# ---- zero bubble (ZB-H1) -------------------------------------------------------------------
+
+
+def test_zbh1_defers_rank_weight_gradients() -> None:
+    assert format_actions(zero_bubble_h1(2, 3, 0)) == "F0.0 F0.1 B0.0 W0.0 F0.2 B0.1 W0.1 B0.2 W0.2"
+    assert format_actions(zero_bubble_h1(2, 3, 1)) == "F0.0 B0.0 F0.1 B0.1 W0.0 F0.2 B0.2 W0.1 W0.2"
+    assert schedule("zbh1", 4, 1, 8, 2) == zero_bubble_h1(4, 8, 2)
+    with pytest.raises(ValueError, match="no weight-gradient action"):
+        format_megatron(zero_bubble_h1(2, 2, 0))
+    assert parse(format_actions(zero_bubble_h1(3, 5, 1))) == zero_bubble_h1(3, 5, 1)
+    with pytest.raises(ValueError, match=r"ZB-H1 needs at least as many microbatches as pipeline stages: got 2 for pp=4"):
+        check_schedule(4, 1, 2, "zbh1")
+    with pytest.raises(ValueError, match=r"the zbh1 schedule runs one chunk per rank, got vpp=2"):
+        check_schedule(4, 2, 8, "zbh1")
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 2), (2, 8), (3, 5), (4, 4), (4, 16), (8, 8), (8, 24)])
+def test_zbh1_bubble_is_a_third_of_1f1b_at_1f1b_peak_memory(pp: int, m: int) -> None:
+    """F, B and W one step each: ZB-H1 takes 3m + p - 1 steps; 1F1B (B+W fused, 2 steps)
+    takes 3(m + p - 1). Every rank holds at most pp microbatches between F and W."""
+    fn = functools.partial(zero_bubble_h1, pp, m)
+    assert simulate(pp, 1, m, fn) == 3 * m + pp - 1
+    for rank in range(pp):
+        order = fn(rank)
+        live = peak = 0
+        for a in order:
+            live += {"F": 1, "B": 0, "W": -1}[a.kind]
+            peak = max(peak, live)
+        assert peak == min(pp, m)
+        assert max(buffer_slots(order).values()) + 1 == min(pp, m)
+        position = {a: i for i, a in enumerate(order)}
+        assert all(position[Action("B", 0, a.microbatch)] < i for i, a in enumerate(order) if a.kind == "W")
+
+
+# ---- point-to-point plan ---------------------------------------------------------------------
+
+
+def _orders(name: str, pp: int, vpp: int, m: int) -> functools.partial[list[Action]]:
+    return functools.partial(schedule, name, pp, vpp, m)
+
+
+PLANS = [("gpipe", 2, 1, 4), ("1f1b", 2, 1, 8), ("1f1b", 4, 1, 8), ("zbh1", 2, 1, 4), ("zbh1", 4, 1, 8),
+         ("interleaved", 2, 2, 4), ("interleaved", 4, 2, 8), ("interleaved", 2, 3, 6), ("interleaved", 3, 2, 3)]  # fmt: skip
+
+
+def _nccl_completes(pp: int, times: list[dict[Action, int]], msgs: list[Message], recv_step: dict[Message, int]) -> bool:
+    """Run posted batches under NCCL's rules; True if every compute and batch finishes.
+
+    The host never blocks. Each rank posts its batches in step order (``recv_step``
+    moves a message's receive to another step); a rank's batches of one group run in
+    post order on one stream, each once the computes before its post have run; a batch
+    finishes once the batches holding the matching operations have started (the k-th
+    send from r to p in a group matches the k-th receive at p from r). A compute runs
+    after the previous one and after the batch holding its receive.
+    """
+    batches: dict[tuple[int, str, int], list[tuple[bool, int, int]]] = {}  # (rank, group, step) -> (send?, peer, k)
+    where: dict[tuple[bool, int, int, str, int], tuple[int, str, int]] = {}
+    counts: Counter[tuple[bool, int, int, str]] = Counter()
+    posts = sorted([(m.step, True, m) for m in msgs] + [(recv_step.get(m, m.step), False, m) for m in msgs],
+                   key=lambda p: (p[0], p[1]))  # fmt: skip
+    for step, send, m in posts:
+        me, peer = (m.src, m.dst) if send else (m.dst, m.src)
+        k = counts[send, me, peer, m.kind]
+        counts[send, me, peer, m.kind] += 1
+        batches.setdefault((me, m.kind, step), []).append((send, peer, k))
+        where[send, me, peer, m.kind, k] = (me, m.kind, step)
+    reads = {}  # (rank, action) -> the batch holding its receive
+    for m in msgs:
+        chunk = ((m.stage + 1) if m.kind == "F" else (m.stage - 1)) // pp
+        reads[m.dst, Action(m.kind, chunk, m.microbatch)] = (m.dst, m.kind, recv_step.get(m, m.step))
+    computed: set[tuple[int, Action]] = set()
+    started: set[tuple[int, str, int]] = set()
+    finished: set[tuple[int, str, int]] = set()
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(pp):
+            order = sorted(times[rank], key=times[rank].__getitem__)
+            for action in order:
+                key = (rank, action)
+                if key in computed:
+                    continue
+                if key in reads and reads[key] not in finished:
+                    break
+                computed.add(key)
+                progress = True
+            for group in ("F", "B"):
+                mine = sorted(b for b in batches if b[0] == rank and b[1] == group)
+                for batch in mine:
+                    step = batch[2]
+                    before = all((rank, a) in computed for a in order if times[rank][a] < step)
+                    if batch not in started and before:
+                        started.add(batch)
+                        progress = True
+                    if batch in started and batch not in finished and all(
+                        where[not send, peer, rank, group, k] in started for send, peer, k in batches[batch]
+                    ):
+                        finished.add(batch)
+                        progress = True
+                    if batch not in finished:
+                        break
+    return len(computed) == sum(len(t) for t in times) and finished == set(batches)
+
+
+@pytest.mark.parametrize(("name", "pp", "vpp", "m"), PLANS)
+def test_point_to_point_plan_cannot_deadlock_under_nccl_ordering(name: str, pp: int, vpp: int, m: int) -> None:
+    times = timeline(pp, vpp, m, _orders(name, pp, vpp, m))
+    assert _nccl_completes(pp, times, messages(pp, vpp, times), {})
+
+
+def test_nccl_model_catches_a_receive_posted_before_the_send_it_waits_behind() -> None:
+    """The model's own check: in an interleaved pipeline on 2 ranks, rank 0 posting the
+    receive of its second chunk's first input at step 0, ahead of sending its first
+    chunk's output (which rank 1 needs to produce that input), blocks both forever."""
+    pp, vpp, m = 2, 2, 2
+    times = timeline(pp, vpp, m, _orders("interleaved", pp, vpp, m))
+    msgs = messages(pp, vpp, times)
+    early = next(x for x in msgs if x.kind == "F" and x.stage == 1 and x.microbatch == 0)
+    assert _nccl_completes(pp, times, msgs, {})
+    assert not _nccl_completes(pp, times, msgs, {early: 0})
+
+
+@pytest.mark.parametrize(("name", "pp", "vpp", "m"), PLANS)
+def test_receive_buffers_are_reused_only_after_their_last_reader(name: str, pp: int, vpp: int, m: int) -> None:
+    times = timeline(pp, vpp, m, _orders(name, pp, vpp, m))
+    release = "W" if name == "zbh1" else "B"
+    for rank in range(pp):
+        received = [x for x in messages(pp, vpp, times) if x.dst == rank]
+        slots = receive_slots(pp, times, received, rank)
+        busy: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
+        for x, slot in slots.items():
+            chunk = ((x.stage + 1) if x.kind == "F" else (x.stage - 1)) // pp
+            until = times[rank][Action(release, chunk, x.microbatch)]
+            assert x.step <= times[rank][Action(x.kind, chunk, x.microbatch)]  # posted before it is read
+            for start, end in busy.get((x.kind, chunk, slot), []):
+                assert end < x.step or until < start, (rank, x)
+            busy.setdefault((x.kind, chunk, slot), []).append((x.step, until))
+        # buffers follow the microbatches in flight (plus one posted ahead), not the microbatches
+        per_pool = Counter((k, c) for k, c, _ in busy)
+        assert max(per_pool.values(), default=0) <= in_flight(name, pp, vpp, m, rank) + 1

@@ -159,14 +159,7 @@ class ParallelModel(nn.Module):
             raise
 
     def _pipeline_forward(self, compiled: _Compiled, call: dict[str, Any]) -> Any:
-        runner = self._runner(compiled)
-        leaves: Any = None
-        with torch.no_grad():
-            for chunk in sorted(self.my_chunks):
-                flight = runner.forward(chunk, 0, call, grad=False)
-                if compiled.chunks[chunk].is_last:
-                    leaves = list(flight.outputs)
-            runner.finish()
+        leaves = self._runner(compiled).run_forward(call)
         return self._broadcast_outputs(compiled, leaves)
 
     def _broadcast_outputs(self, compiled: _Compiled, leaves: list[torch.Tensor] | None) -> Any:
@@ -202,7 +195,7 @@ class ParallelModel(nn.Module):
         ``loss_fn(outputs) -> scalar`` supplies the loss (on the last pipeline stage).
         Gradients are accumulated into ``.grad`` and averaged over dp ranks; the caller
         steps and zeroes the optimizer. ``num_microbatches`` and ``schedule`` (``1f1b``,
-        ``gpipe`` or ``interleaved``) default to the plan's ``microbatches`` and
+        ``gpipe``, ``interleaved`` or ``zbh1``) default to the plan's ``microbatches`` and
         ``schedule_name`` (``1f1b``, or ``interleaved`` when vpp > 1, unless planned).
         """
         if labels is None and loss_fn is None:
@@ -240,25 +233,8 @@ class ParallelModel(nn.Module):
         compiled = self._compiled_for(calls[0])
         runner = self._runner(compiled)
         runner.measure_busy = self.measure_busy
-        total = torch.zeros((), device=self._device)
-        flights: dict[tuple[int, int], Any] = {}
-        losses: dict[int, torch.Tensor] = {}
-        actions = schedules.schedule(name, pp, vpp, len(micro), self._coords.pp_rank)
-        slots = schedules.buffer_slots(actions)
-        for action in actions:
-            chunk = action.chunk * pp + self._coords.pp_rank
-            key = (chunk, action.microbatch)
-            if action.kind == "F":
-                slot = slots[action.chunk, action.microbatch]
-                flights[key] = runner.forward(chunk, action.microbatch, calls[action.microbatch], grad=True, slot=slot)
-                if compiled.chunks[chunk].is_last:
-                    out = torch.utils._pytree.tree_unflatten(list(flights[key].outputs), compiled.graph._out_spec)
-                    loss = loss_of(out)
-                    losses[action.microbatch] = loss / len(micro)
-                    total += loss.detach().float()
-            else:
-                runner.backward(chunk, action.microbatch, flights.pop(key), losses.pop(action.microbatch, None))
-        runner.finish()
+        total = runner.run_step(lambda rank: schedules.schedule(name, pp, vpp, len(micro), rank), calls, loss_of,
+                                compiled.graph._out_spec)  # fmt: skip
         self.last_busy_s = runner.busy_s
         return total
 

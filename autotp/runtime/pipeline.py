@@ -21,8 +21,24 @@ from torch import Tensor
 from torch.fx import Graph, GraphModule, Node
 
 from autotp.analysis.local_shapes import local_shape
-from autotp.ir import meta_keys, ops
+from autotp.ir import meta_keys, ops, schedules
 from autotp.runtime.cudagraphs import CapturedGraph
+from autotp.runtime.weight_grads import WeightGradStore, defer_weight_grads
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A value crossing between neighbouring chunks: this rank's shape, dtype, and whether
+    a gradient goes back for it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    needs_grad: bool
+
+    @staticmethod
+    def of(node: Node, tp: int) -> Boundary:
+        val = node.meta["val"]
+        return Boundary(local_shape(node, tp), val.dtype, bool(node.meta.get(meta_keys.NEEDS_GRAD)) and val.dtype.is_floating_point)
 
 
 @dataclass
@@ -32,17 +48,34 @@ class ChunkGraph:
     chunk: int
     graph: GraphModule
     input_names: list[str]  # model inputs (placeholders of the traced graph) it reads
-    recv_shapes: list[tuple[tuple[int, ...], torch.dtype]]  # per-rank shapes, in order
-    num_sends: int
+    recv: list[Boundary]  # the values it receives, in order
+    send: list[Boundary]  # the values it sends, in order (none on the last chunk)
     is_last: bool
     run: Callable[..., Any] | None = None  # torch.compile'd ``graph``, if asked for
     captured: CapturedGraph | None = None  # ``graph`` with CUDA-graph regions, if asked for
+    _deferred: GraphModule | None = None  # ``graph`` with its weight gradients deferred
+    # Receive buffers by (gradients?, slot), allocated once and reused by every step.
+    _buffers: dict[tuple[bool, int], list[Tensor]] = field(default_factory=dict)
 
-    def __call__(self, *args: Any, slot: int = 0) -> Any:
-        """``slot``: the CUDA-graph static buffers this microbatch uses (``schedules.buffer_slots``)."""
+    def __call__(self, *args: Any, slot: int = 0, split_backward: bool = False) -> Any:
+        """``slot``: the CUDA-graph static buffers this microbatch uses (``schedules.buffer_slots``);
+        ``split_backward``: record the linear weights' gradients for a later ``W`` (``weight_grads``)."""
+        if split_backward:
+            assert self.run is None and self.captured is None, "checked by PipelineRunner.run_step"
+            if self._deferred is None:
+                self._deferred = defer_weight_grads(self.graph)
+            return self._deferred(*args)
         if self.captured is not None:
             return self.captured(*args, slot=slot)
-        return (self.run or self.graph)(*args)
+        return (self.run if self.run is not None else self.graph)(*args)
+
+    def buffers(self, grads: bool, slot: int, device: torch.device) -> list[Tensor]:
+        """Receive buffers of ``slot``: the inputs, or the gradients of the outputs that need one."""
+        key = (grads, slot)
+        if key not in self._buffers:
+            values = [b for b in self.send if b.needs_grad] if grads else self.recv
+            self._buffers[key] = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in values]
+        return self._buffers[key]
 
 
 def extract_chunks(gm: GraphModule, num_chunks: int, tp: int, only: Sequence[int] | None = None) -> dict[int, ChunkGraph]:
@@ -85,8 +118,8 @@ def extract_chunks(gm: GraphModule, num_chunks: int, tp: int, only: Sequence[int
             chunk=c,
             graph=GraphModule(gm, graph),
             input_names=[p.name for p in inputs],
-            recv_shapes=[(local_shape(b, tp), b.meta["val"].dtype) for b in boundaries[c]],
-            num_sends=len(sends),
+            recv=[Boundary.of(b, tp) for b in boundaries[c]],
+            send=[] if is_last else [Boundary.of(b, tp) for b in boundaries[c + 1]],
             is_last=is_last,
         )
     return out
@@ -103,23 +136,83 @@ class PipelineGroups:
     backward: dist.ProcessGroup | None
     pp_group: dist.ProcessGroup | None
     pp_ranks: list[int]  # world rank of each pipeline stage, for this rank's tp/dp slot
+    connected: bool = False  # whether every rank of each group has joined a collective on it
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One point-to-point send or receive of one tensor."""
+
+    send: bool
+    tensor: Tensor
+    peer: int  # world rank
+    group: dist.ProcessGroup | None
+    tag: int
+
+
+def post(transfers: Sequence[Transfer]) -> list[dist.Work]:
+    """Start ``transfers`` without waiting: one ``batch_isend_irecv`` per process group.
+
+    Every point-to-point operation of the pipeline goes through here. NCCL matches the
+    sends and receives between two ranks of a group in the order they are posted, so
+    each rank posts them in the order of its schedule; gloo matches them by tag.
+    """
+    by_group: dict[int, list[dist.P2POp]] = {}
+    for t in transfers:
+        op = dist.isend if t.send else dist.irecv
+        by_group.setdefault(id(t.group), []).append(dist.P2POp(op, t.tensor, t.peer, t.group, t.tag))
+    works: list[dist.Work] = []
+    for ops_ in by_group.values():
+        works.extend(dist.batch_isend_irecv(ops_))
+    return works
 
 
 @dataclass
 class _InFlight:
-    inputs: list[Tensor]
-    outputs: Any
-    sends: list[Tensor] = field(default_factory=list)
+    """What one (chunk, microbatch) keeps between its forward and its backward (and ``W``)."""
+
+    inputs: list[Tensor]  # received activations, as autograd leaves
+    roots: list[Tensor]  # outputs sent on, whose gradients come back
+    loss: Tensor | None = None  # on the last chunk: this microbatch's share of the step's loss
+    weights: WeightGradStore | None = None  # the deferred weight gradients, between B and W
+
+
+@dataclass
+class _Receive:
+    buffers: list[Tensor]
+    transfers: list[Transfer]
+    works: list[dist.Work] | None = None  # None until posted
+
+
+@dataclass
+class _Batch:
+    """The sends and receives a rank posts together in one time step."""
+
+    sends: list[Transfer] = field(default_factory=list)
+    receives: list[_Receive] = field(default_factory=list)
 
 
 class PipelineRunner:
-    """Runs one rank's chunks through a schedule of (kind, chunk, microbatch) actions."""
+    """Runs one rank's chunks through a schedule of (kind, chunk, microbatch) actions.
+
+    Communication is planned from the schedule before the step (``schedules.timeline``,
+    ``schedules.messages``): every rank posts, in time-step order, one batch per step
+    with the sends of its previous action and the receives of what its neighbours sent
+    in that step, and makes the compute wait for a receive only when the action that
+    reads it starts (on NCCL a stream wait: the host never blocks). Shapes come from
+    the trace, so nothing is exchanged per microbatch but the tensors. Receives land in
+    each chunk's buffers (``schedules.receive_slots``), allocated once and reused by
+    every step, as many as microbatches in flight. A microbatch's activations, outputs
+    and autograd graph are dropped by its backward (``B``); with the backward split,
+    all but the linears' inputs and output gradients by ``B`` and those by ``W``.
+    """
 
     def __init__(self, chunks: dict[int, ChunkGraph], groups: PipelineGroups, device: torch.device) -> None:
         self.chunks = chunks
         self.groups = groups
         self.device = device
-        self._pending: list[dist.Work] = []
+        self._sends: list[tuple[list[dist.Work], list[Tensor]]] = []
+        self._receives: dict[tuple[str, int, int], _Receive] = {}
         # With ``measure_busy``, each chunk's compute is timed between device syncs
         # (waits for peers excluded), so a step's idle share can be measured.
         self.measure_busy = False
@@ -130,63 +223,205 @@ class PipelineRunner:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _peer(self, chunk: int) -> int:
-        return self.groups.pp_ranks[chunk % self.groups.pp]
+    def _tag(self, stage: int, microbatch: int) -> int:
+        return stage * 100_000 + microbatch
 
-    def _tag(self, chunk: int, microbatch: int) -> int:
-        return chunk * 100_000 + microbatch
+    def _connect(self) -> None:
+        """Join each group once with every rank (NCCL creates a group's communicator on
+        its first collective, which a batch of point-to-point operations must not be)."""
+        if not self.groups.connected:
+            for group in (self.groups.forward, self.groups.backward):
+                dist.barrier(group=group)
+            self.groups.connected = True
 
-    def _recv(self, shapes: list[tuple[tuple[int, ...], torch.dtype]], src_chunk: int, microbatch: int, group: Any, grad: bool) -> list[Tensor]:
-        tensors = []
-        for shape, dtype in shapes:
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.recv(t, src=self._peer(src_chunk), group=group, tag=self._tag(src_chunk, microbatch))
-            tensors.append(t.requires_grad_(grad and dtype.is_floating_point))
-        return tensors
+    # ---- point-to-point ----------------------------------------------------------------
 
-    def _send(self, tensors: list[Tensor], dst_chunk: int, src_chunk: int, microbatch: int, group: Any) -> None:
-        for t in tensors:
-            work = dist.isend(t.detach().contiguous(), dst=self._peer(dst_chunk), group=group, tag=self._tag(src_chunk, microbatch))
-            self._pending.append(work)
+    def _transfers(self, send: bool, kind: str, stage: int, peer_stage: int, microbatch: int, tensors: list[Tensor]) -> list[Transfer]:
+        """Transfers of ``tensors`` between virtual stages (``kind`` F: activations, B: gradients)."""
+        group = self.groups.forward if kind == "F" else self.groups.backward
+        peer = self.groups.pp_ranks[peer_stage % self.groups.pp]
+        tag = self._tag(stage if send else peer_stage, microbatch)
+        return [Transfer(send, t, peer, group, tag) for t in tensors]
 
-    def forward(self, chunk: int, microbatch: int, inputs: dict[str, Any], grad: bool, slot: int = 0) -> _InFlight:
+    def _expect(self, kind: str, chunk: int, microbatch: int, slot: int) -> _Receive:
+        """Register the receive that action ``kind`` of ``chunk`` reads (F: inputs, B: output gradients)."""
+        buffers = self.chunks[chunk].buffers(kind == "B", slot, self.device)
+        src = chunk - 1 if kind == "F" else chunk + 1
+        recv = _Receive(buffers, self._transfers(False, kind, chunk, src, microbatch, buffers), None if buffers else [])
+        self._receives[kind, chunk, microbatch] = recv
+        return recv
+
+    def _post(self, batch: _Batch) -> None:
+        self._sends = [(works, kept) for works, kept in self._sends if not all(w.is_completed() for w in works)]
+        transfers = batch.sends + [t for r in batch.receives for t in r.transfers]
+        if not transfers:
+            return
+        works = post(transfers)
+        per_op = len(works) == len(transfers)  # gloo: one work per operation; NCCL: one for the batch
+        if batch.sends:
+            self._sends.append((works[: len(batch.sends)] if per_op else works, [t.tensor for t in batch.sends]))
+        at = len(batch.sends)
+        for recv in batch.receives:
+            recv.works = works[at : at + len(recv.transfers)] if per_op else works
+            at += len(recv.transfers)
+
+    def _received(self, kind: str, chunk: int, microbatch: int) -> list[Tensor]:
+        """The tensors this action receives, once they have arrived (posted now if no plan did)."""
+        recv = self._receives.pop((kind, chunk, microbatch), None)
+        if recv is None:
+            cg = self.chunks[chunk]
+            if (kind == "F" and chunk == 0) or (kind == "B" and cg.is_last):
+                return []
+            recv = self._expect(kind, chunk, microbatch, 0)
+            self._receives.pop((kind, chunk, microbatch))
+            self._post(_Batch(receives=[recv]))
+        assert recv.works is not None, f"the receive of {kind}{chunk}.{microbatch} was planned but never posted"
+        for work in recv.works:
+            work.wait()
+        return recv.buffers
+
+    # ---- actions -------------------------------------------------------------------------
+
+    def forward(self, chunk: int, microbatch: int, inputs: dict[str, Any], grad: bool, slot: int = 0,
+                split_backward: bool = False) -> tuple[_InFlight, Any, list[Transfer]]:  # fmt: skip
+        """Run a forward: (what its backward needs, the chunk's outputs, the sends to post)."""
         cg = self.chunks[chunk]
-        received = self._recv(cg.recv_shapes, chunk - 1, microbatch, self.groups.forward, grad) if chunk > 0 else []
-        args = [inputs[name] for name in cg.input_names] + received
+        received = self._received("F", chunk, microbatch)
+        leaves = [t.detach().requires_grad_(grad and b.needs_grad) for t, b in zip(received, cg.recv)]
+        args = [inputs[name] for name in cg.input_names] + leaves
         start = self._sync() if self.measure_busy else 0.0
         with torch.set_grad_enabled(grad):
-            outputs = cg(*args, slot=slot)
+            outputs = cg(*args, slot=slot, split_backward=split_backward)
         if self.measure_busy:
             self.busy_s += self._sync() - start
-        flight = _InFlight(received, outputs)
-        if not cg.is_last:
-            flight.sends = list(outputs)
-            self._send(flight.sends, chunk + 1, chunk, microbatch, self.groups.forward)
-        return flight
-
-    def backward(self, chunk: int, microbatch: int, flight: _InFlight, loss: Tensor | None) -> None:
-        cg = self.chunks[chunk]
+        flight = _InFlight(leaves if grad else [], [])
         if cg.is_last:
-            assert loss is not None
-            start = self._sync() if self.measure_busy else 0.0
-            loss.backward()
-        else:
-            shapes = [(tuple(t.shape), t.dtype) for t in flight.sends]
-            grads = self._recv(shapes, chunk + 1, microbatch, self.groups.backward, grad=False)
-            pairs = [(t, g) for t, g in zip(flight.sends, grads) if t.requires_grad]
-            start = self._sync() if self.measure_busy else 0.0
-            if pairs:
+            return flight, outputs, []
+        outputs = list(outputs)
+        for t, b in zip(outputs, cg.send):
+            if t.requires_grad and not b.needs_grad and grad:
+                raise RuntimeError(f"chunk {chunk} sends a value that requires grad but was traced without: {b}")
+        if grad:
+            flight.roots = [t for t, b in zip(outputs, cg.send) if b.needs_grad]
+        return flight, outputs, self._transfers(True, "F", chunk, chunk + 1, microbatch, [t.detach().contiguous() for t in outputs])
+
+    def backward(self, chunk: int, microbatch: int, flight: _InFlight) -> list[Transfer]:
+        """Run a backward (only the input gradients if ``flight.weights``): the sends to post."""
+        cg = self.chunks[chunk]
+        grads = self._received("B", chunk, microbatch)
+        start = self._sync() if self.measure_busy else 0.0
+        roots = [flight.loss] if cg.is_last else flight.roots
+        if cg.is_last:
+            assert flight.loss is not None
+        pairs = [(t, g) for t, g in zip(roots, grads if not cg.is_last else [None]) if t.requires_grad]
+        if pairs:
+            if flight.weights is not None:
+                with flight.weights.collecting():
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            else:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         if self.measure_busy:
             self.busy_s += self._sync() - start
-        if chunk > 0:
-            # A copy: the gradient may be a CUDA graph's static buffer, which a later replay
-            # would overwrite while the send is still in flight.
-            in_grads = [t.grad.clone() if t.grad is not None else torch.zeros_like(t) for t in flight.inputs]
-            self._send(in_grads, chunk - 1, chunk, microbatch, self.groups.backward)
+        flight.roots, flight.loss = [], None
+        if chunk == 0:
+            flight.inputs = []
+            return []
+        # A copy of a CUDA graph's static gradient buffer, which a later replay would overwrite.
+        copy = cg.captured is not None
+        in_grads = [
+            (t.grad.clone() if copy else t.grad) if t.grad is not None else torch.zeros_like(t)
+            for t, b in zip(flight.inputs, cg.recv)
+            if b.needs_grad
+        ]
+        flight.inputs = []
+        return self._transfers(True, "B", chunk, chunk - 1, microbatch, in_grads)
+
+    def weights(self, flight: _InFlight) -> None:
+        """Run a ``W``: the weight gradients ``backward`` deferred."""
+        assert flight.weights is not None
+        start = self._sync() if self.measure_busy else 0.0
+        flight.weights.apply()
+        if self.measure_busy:
+            self.busy_s += self._sync() - start
+        flight.weights = None
+
+    # ---- steps ---------------------------------------------------------------------------
+
+    def run_forward(self, call: dict[str, Any]) -> list[Tensor] | None:
+        """Forward only, one microbatch through this rank's chunks: the last chunk's outputs (if here)."""
+        self._connect()
+        leaves = None
+        with torch.no_grad():
+            for chunk in sorted(self.chunks):
+                _, outputs, sends = self.forward(chunk, 0, call, grad=False)
+                self._post(_Batch(sends=sends))
+                if self.chunks[chunk].is_last:
+                    leaves = list(outputs)
+        self.finish()
+        return leaves
+
+    def _plan(self, times: list[dict[schedules.Action, int]]) -> dict[int, _Batch]:
+        """This rank's batch of receives per time step (``schedules.messages``)."""
+        pp, rank = self.groups.pp, self.groups.pp_rank
+        received = [m for m in schedules.messages(pp, len(self.chunks), times) if m.dst == rank]
+        slots = schedules.receive_slots(pp, times, received, rank)
+        batches: dict[int, _Batch] = {}
+        for m in received:
+            chunk = m.stage + 1 if m.kind == "F" else m.stage - 1
+            batches.setdefault(m.step, _Batch()).receives.append(self._expect(m.kind, chunk, m.microbatch, slots[m]))
+        return batches
+
+    def run_step(self, order_of: Callable[[int], Sequence[schedules.Action]], calls: list[dict[str, Any]],
+                 loss_of: Callable[[Any], Tensor], out_spec: Any) -> Tensor:  # fmt: skip
+        """Forward and backward of every microbatch, each pipeline rank ``r`` in the order
+        ``order_of(r)``; returns the sum of the losses computed here (zero off the last
+        stage). Gradients accumulate into ``.grad``, each loss scaled by 1/microbatches."""
+        pp, rank = self.groups.pp, self.groups.pp_rank
+        times = schedules.timeline(pp, len(self.chunks), len(calls), order_of)
+        actions = order_of(rank)
+        slots = schedules.buffer_slots(actions)
+        split = schedules.splits_backward(actions)
+        if split and any(cg.run is not None or cg.captured is not None for cg in self.chunks.values()):
+            raise ValueError(
+                "zero-bubble schedules split each chunk's backward into input and weight gradients, but "
+                "torch.compile and CUDA graphs run a chunk's backward as one piece: parallelize without "
+                "compile=True / cuda_graphs=True for this schedule, or use 1f1b, interleaved or gpipe"
+            )
+        self._connect()
+        batches = self._plan(times)
+        posted = -1
+        total = torch.zeros((), device=self.device)
+        flights: dict[tuple[int, int], _InFlight] = {}
+        for action in actions:
+            step, chunk, mb = times[rank][action], action.chunk * pp + rank, action.microbatch
+            for t in range(posted + 1, step + 1):
+                self._post(batches.pop(t, _Batch()))
+            posted = step
+            sends: list[Transfer] = []
+            if action.kind == "F":
+                flight, outputs, sends = self.forward(chunk, mb, calls[mb], True, slots[action.chunk, mb], split)
+                if self.chunks[chunk].is_last:
+                    loss = loss_of(torch.utils._pytree.tree_unflatten(list(outputs), out_spec))
+                    flight.loss = loss / len(calls)
+                    total += loss.detach().float()
+                del outputs
+                flight.weights = WeightGradStore() if split else None
+                flights[chunk, mb] = flight
+            elif action.kind == "B":
+                sends = self.backward(chunk, mb, flights[chunk, mb] if split else flights.pop((chunk, mb)))
+            else:
+                self.weights(flights.pop((chunk, mb)))
+            if sends:
+                batches.setdefault(step + 1, _Batch()).sends.extend(sends)
+        for t in sorted(batches):
+            self._post(batches[t])
+        self.finish()
+        return total
 
     def finish(self) -> None:
         """Wait for every send of the step (a peer that never receives times out here)."""
-        for work in self._pending:
-            work.wait()
-        self._pending.clear()
+        for works, _ in self._sends:
+            for work in works:
+                work.wait()
+        self._sends.clear()
+        assert not self._receives, f"receives planned but never read: {sorted(self._receives)}"
