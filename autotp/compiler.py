@@ -39,6 +39,7 @@ from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir import meta_keys
 from autotp.ir.plan import ParallelPlan
 from autotp.passes import PASSES
+from autotp.passes.causal_attention import CAUSAL
 from autotp.passes.runner import PassContext, run_passes
 
 log = logging.getLogger(__name__)
@@ -218,7 +219,9 @@ def lower(
     )
     gm = run_passes(_owned_copy(traced), ctx, PASSES)
     regions = {n.meta[meta_keys.CUDAGRAPH_REGION] for n in gm.graph.nodes if n.meta.get(meta_keys.CUDAGRAPH_REGION) is not None}
-    return Lowered(gm, replace(plan, cudagraph_regions=tuple(sorted(regions))), dict(ctx.timings))
+    causal = tuple(n.name for n in gm.graph.nodes if n.meta.get(meta_keys.CAUSAL_MASK) == CAUSAL)
+    recorded = replace(plan, cudagraph_regions=tuple(sorted(regions)), causal_attention_nodes=causal)
+    return Lowered(gm, recorded, dict(ctx.timings))
 
 
 def lower_signature(

@@ -2,6 +2,7 @@
 
 from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.cancel_collectives import cancel_collectives
+from autotp.passes.causal_attention import causal_attention
 from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.rewrite_shapes import rewrite_shapes
@@ -13,6 +14,7 @@ from autotp.passes.vocab_parallel_cross_entropy import vocab_parallel_cross_entr
 from autotp.passes.vocab_parallel_embedding import vocab_parallel_embedding
 
 PASSES: list[Pass] = [
+    causal_attention,
     annotate_layouts,
     rewrite_shapes,
     vocab_parallel_embedding,

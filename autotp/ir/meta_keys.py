@@ -50,3 +50,7 @@ CUDAGRAPH_CANDIDATE = "autotp_cudagraph_candidate"
 CUDAGRAPH_REGION = "autotp_cudagraph_region"
 """Id of the CUDA-graph region that captures the node: its candidate's index, set only where
 the cost model found capturing worth it."""
+
+CAUSAL_MASK = "autotp_causal_mask"
+"""On ``scaled_dot_product_attention`` nodes with an explicit mask: ``"causal"`` when the mask was
+proven causal-only and replaced by ``is_causal=True``, else why it stays (``passes/causal_attention``)."""

@@ -99,6 +99,10 @@ class ParallelPlan:
     microbatch_size: int = 0
     schedule: str = ""
     dp_bucket_bytes: int = DP_BUCKET_BYTES
+    # Attention masks proven causal-only run as SDPA ``is_causal=True``; the compiler records
+    # the SDPA nodes it rewrote for the signature it compiled.
+    causal_attention: bool = True
+    causal_attention_nodes: tuple[str, ...] = ()
     # Not implemented yet; the defaults mean off.
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
@@ -148,6 +152,8 @@ class ParallelPlan:
                 "microbatch_size": self.microbatch_size,
                 "schedule": self.schedule,
                 "dp_bucket_bytes": self.dp_bucket_bytes,
+                "causal_attention": self.causal_attention,
+                "causal_attention_nodes": list(self.causal_attention_nodes),
                 "sequence_parallel": self.sequence_parallel,
                 "distributed_optimizer": self.distributed_optimizer,
                 "ep": self.ep,
@@ -177,6 +183,8 @@ class ParallelPlan:
             microbatch_size=d.get("microbatch_size", 0),
             schedule=d.get("schedule", ""),
             dp_bucket_bytes=d.get("dp_bucket_bytes", DP_BUCKET_BYTES),
+            causal_attention=d.get("causal_attention", True),
+            causal_attention_nodes=tuple(d.get("causal_attention_nodes", ())),
             sequence_parallel=d.get("sequence_parallel", False),
             distributed_optimizer=d.get("distributed_optimizer", False),
             ep=d.get("ep", 1),
