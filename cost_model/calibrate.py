@@ -1,6 +1,6 @@
 """Fitting a ``HardwareProfile`` to ``autotp calibrate``'s measurements.
 
-The measuring harness and the command are ``autotp.cli.calibrate``. One process per
+The measuring harness is ``autotp.cli.measure``, the command ``autotp.cli.calibrate``. One process per
 GPU (NCCL; on a machine without GPUs, ranks on the CPU with gloo) measures, each time
 as the median of repeated calls between device syncs:
 
@@ -144,7 +144,7 @@ def fit_profile(measured: dict[str, object], ranks: int, scale_layer: Segment | 
     )
     if "layers" in measured:
         if scale_layer is None:
-            raise ValueError("the measurements hold GPU layer runs; pass scale_layer= (autotp.cli.calibrate.scale_layer())")
+            raise ValueError("the measurements hold GPU layer runs; pass scale_layer= (autotp.cli.measure.scale_layer())")
         profile = replace(profile, compute_time_scale=fit_compute_time_scale(profile, measured["layers"], scale_layer))
     return profile
 

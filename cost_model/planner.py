@@ -345,6 +345,27 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
     )
 
 
+@dataclass(frozen=True)
+class PlanSearch:
+    """What ``search`` looked at: the fastest plans that fit, and what it dropped and why."""
+
+    plans: list[PlanEstimate]
+    candidates: int
+    over_memory: int  # candidates that do not fit in the usable memory
+    refused_tp: dict[int, str]  # tp degrees that cannot split the model, with the reason
+    refused_candidates: int  # candidates at those degrees
+
+    def dropped_summary(self, capacity_bytes: float) -> str:
+        """One line: how many candidates were dropped, and why."""
+        dropped = self.over_memory + self.refused_candidates
+        why = []
+        if self.over_memory:
+            why.append(f"{self.over_memory} need more than the {capacity_bytes / GiB:.1f} GiB usable per GPU")
+        for t, reason in self.refused_tp.items():
+            why.append(f"tp={t} cannot split the model ({reason})")
+        return f"{self.candidates} candidates, {dropped} dropped" + (f": {'; '.join(why)}" if why else "")
+
+
 def plan(
     costs: ModelCosts,
     cluster: Cluster,
@@ -356,7 +377,23 @@ def plan(
     microbatch_size: int | None = None,
     top: int = 10,
 ) -> list[PlanEstimate]:
-    """The ``top`` fastest plans that fit in memory, best first (rules in the module docstring).
+    """The ``top`` fastest plans that fit in memory, best first (``search``'s plans)."""
+    return search(costs, cluster, training, tp=tp, pp=pp, vpp=vpp, microbatch_size=microbatch_size, top=top).plans
+
+
+def search(
+    costs: ModelCosts,
+    cluster: Cluster,
+    training: Training,
+    *,
+    tp: int | None = None,
+    pp: int | None = None,
+    vpp: int | None = None,
+    microbatch_size: int | None = None,
+    top: int = 10,
+) -> PlanSearch:
+    """The ``top`` fastest plans that fit in memory, best first (rules in the module
+    docstring), with the count of candidates dropped and why.
 
     Raises ValueError when no plan fits (saying by how much the smallest misses) or the
     degrees cannot be laid out.
@@ -388,7 +425,8 @@ def plan(
             f"{least.mem_bytes_per_gpu / GiB:.1f} GiB per GPU, {(least.mem_bytes_per_gpu - capacity) / GiB:.1f} GiB more "
             f"than the {capacity / GiB:.1f} GiB usable; use more GPUs, the distributed optimizer, or a shorter sequence"
         )
-    return [to_plan(costs, training, e, cluster.hardware) for e in fitting[:top]]
+    plans = [to_plan(costs, training, e, cluster.hardware) for e in fitting[:top]]
+    return PlanSearch(plans, len(configs), len(estimates) - len(fitting), refused, len(configs) - len(estimates))
 
 
 # ---- parallelize(plan="auto") ----------------------------------------------------------

@@ -10,7 +10,8 @@ import pytest
 import torch
 from autotp.cost_model import planner
 from autotp.cost_model import calibrate
-from autotp.cli.calibrate import add_calibrate_command, scale_layer
+from autotp.cli.calibrate import add_calibrate_command
+from autotp.cli.measure import scale_layer
 from autotp.cli.plan import add_plan_command
 from autotp.compiler import trace_for_planning
 from autotp.cost_model.calibrate import fit_host
