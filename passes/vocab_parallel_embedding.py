@@ -27,6 +27,6 @@ def vocab_parallel_embedding(gm: GraphModule, ctx: PassContext) -> GraphModule:
         (start, stop), = layout.sharding.ranges(ctx.tp_rank, ctx.plan.tp)
         stop = min(stop, layout.sharding.size)
         node.target = ops.VOCAB_PARALLEL_EMBEDDING
-        node.args = (weight, ids, start, stop, padding_idx)
+        node.args = (weight, ids, start, stop, layout.sharding.size, padding_idx)
         node.kwargs = {}
     return gm
