@@ -23,6 +23,7 @@ from autotp.ir.errors import UserInputError
 from autotp.report import dump
 from autotp.api import CompiledRank, compile_rank, parallelize
 from autotp.cost_model.hardware import PROFILES
+from autotp.cost_model.memory import bytes_per_param
 from autotp.cost_model.graph_costs import build_report
 from autotp.report.graph_report import explain_json, explain_table, stage_view
 from autotp.report.cudagraphs import explain_cudagraphs
@@ -114,13 +115,47 @@ def _positive(name: str, value: int) -> None:
 def run_command(args: argparse.Namespace) -> int:
     for name in ("tp", "steps", "batch", "seq"):
         _positive(f"--{name}", getattr(args, name))
-    presets.build_model(args.model, device="meta")  # an unknown model fails here, before any worker starts
+    meta = presets.build_model(args.model, device="meta")  # an unknown model fails here, before any worker starts
     backend = _resolve_backend(args.backend, args.tp)
+    _check_memory(args.model, sum(p.numel() for p in meta.parameters()), args.tp, backend)
     config = RunConfig(args.model, args.tp, args.steps, args.batch, args.seq, args.seed)
+    _progress(f"starting {args.tp} {backend} workers; each builds {args.model} and compiles its rank")
     start = time.perf_counter()
     launch(functools.partial(_run_worker, config), args.tp, backend=backend, timeout_s=args.timeout)
     print(f"wall time {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _progress(message: str) -> None:
+    print(f"autotp: {message} ...", file=sys.stderr, flush=True)
+
+
+def _available_bytes(backend: str, tp: int) -> tuple[float, str]:
+    """Free memory where the workers allocate: the smallest of the tp GPUs, or this host's RAM."""
+    if backend == "nccl":
+        return min(torch.cuda.mem_get_info(i)[0] for i in range(tp)), "free on the smallest GPU"
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024, "available on this host"
+
+
+def _check_memory(model: str, numel: int, tp: int, backend: str) -> None:
+    """Refuse a run that cannot fit, before any worker allocates: each worker builds the
+    full fp32 model, then keeps its 1/tp shard with grads and AdamW states
+    (``bytes_per_param('fp32')``); on the CPU the tp workers share the host."""
+    full, shard = 4 * numel, bytes_per_param("fp32") * numel / tp
+    per_worker = full + shard
+    need = per_worker if backend == "nccl" else tp * per_worker
+    try:
+        free, where = _available_bytes(backend, tp)
+    except (OSError, KeyError, ValueError):  # no /proc/meminfo: nothing to compare with
+        return
+    if need > free:
+        raise UserInputError(
+            f"{model} needs about {need / 2**30:.1f} GiB ({'each GPU' if backend == 'nccl' else f'{tp} workers'}: the full fp32 "
+            f"model, {full / 2**30:.1f} GiB, plus a 1/{tp} shard with grads and AdamW states, {shard / 2**30:.1f} GiB), "
+            f"but {free / 2**30:.1f} GiB is {where}; pick a smaller --model or use GPUs with more memory"
+        )
 
 
 def _check_stage(pp: int, stage: int | None) -> None:
@@ -137,6 +172,7 @@ def _compile_for_inspection(args: argparse.Namespace, rank: int, dump_dir: Path 
     hf_logging.set_verbosity_error()
     model = presets.build_model(args.model, device="meta", dtype=presets.DTYPES[args.dtype])
     inputs = presets.inspection_inputs(model, args.batch, args.seq, not args.no_labels)
+    _progress(f"tracing, planning and compiling tp rank {rank} of {args.model} (tp={args.tp}, pp={args.pp})")
     return compile_rank(model, tp=args.tp, rank=rank, pp=args.pp, example_inputs=inputs, dump_dir=dump_dir)
 
 
