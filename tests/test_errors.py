@@ -175,8 +175,9 @@ def _last_stage_raises(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
-    model = build_model("llama-tiny", device="cpu", dtype=torch.float32)
-    ids = torch.zeros((4, 8), dtype=torch.long)
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    model = build_model("llama-tiny", device=device, dtype=torch.float32)
+    ids = torch.zeros((4, 8), dtype=torch.long, device=device)
     pm = autotp.parallelize(model, tp=1, pp=2, example_inputs={"input_ids": ids}, timeout_s=300)
 
     def loss_fn(out: Any) -> torch.Tensor:
@@ -195,11 +196,14 @@ def _last_stage_raises(rank: int, world: int) -> dict[str, Any]:
     return result
 
 
-def test_a_stage_that_raises_reaches_the_waiting_peer_within_30_s(capfd: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def test_a_stage_that_raises_reaches_the_waiting_peer_within_30_s(backend: str, capfd: pytest.CaptureFixture[str]) -> None:
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
     start = time.monotonic()
     try:
-        results = spawn_ranks(_last_stage_raises, 2, backend="gloo", timeout_s=120, num_threads=1)
-    except RankError as e:  # rank 0 was blocked in a gloo recv (which cannot be aborted) and exited
+        results = spawn_ranks(_last_stage_raises, 2, backend=backend, timeout_s=120, num_threads=1)
+    except RankError as e:  # rank 0 was blocked in a wait that could not be aborted (gloo) and exited
         assert e.rank == 0 and "exited with code 1" in str(e), e
         err = capfd.readouterr().err
         assert "autotp: rank 1 failed: ValueError: boom in the loss of the last stage; rank 0 was waiting" in err, err
@@ -220,3 +224,29 @@ def test_rank_error_of_a_user_error_is_one_line_with_a_log() -> None:
     assert e.user_error and len(str(e).splitlines()) == 1, str(e)
     log_file = Path(str(e).rsplit("traceback in ", 1)[1].rstrip(")"))
     assert "_raise_user_error" in log_file.read_text()
+
+
+def _capture_then_tear_down(rank: int, world: int) -> float:
+    import torch.distributed as dist
+
+    from autotp.runtime import cudagraphs
+
+    torch.cuda.set_device(rank)
+    model = build_model("llama-tiny", device="cuda", dtype=torch.float32)
+    ids = torch.zeros((2, 16), dtype=torch.long, device="cuda")
+    pm = autotp.parallelize(model, tp=world, example_inputs={"input_ids": ids, "labels": ids}, cuda_graphs=True)
+    for _ in range(2):
+        pm.train_step(input_ids=ids, labels=ids)
+    start = time.monotonic()
+    cudagraphs.release_all()
+    dist.destroy_process_group()
+    return time.monotonic() - start
+
+
+@pytest.mark.gpu
+def test_teardown_after_cuda_graph_capture_does_not_hang() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    seconds = spawn_ranks(_capture_then_tear_down, 2, backend="nccl", timeout_s=120)
+    print("release_all + destroy_process_group:", seconds)
+    assert max(seconds) < 10, seconds
