@@ -1,8 +1,35 @@
-"""autotp: compile unmodified PyTorch/HuggingFace models into tensor-parallel per-rank graphs."""
+"""autotp: compile unmodified PyTorch/HuggingFace models into tensor-parallel per-rank graphs.
 
-from autotp.api import CompiledRank, compile_rank, parallelize
-from autotp.ir.plan import ParallelPlan, ParamLayout
-from autotp.runtime.launcher import init_distributed
-from autotp.runtime.parallel_model import ParallelModel
+The public names are imported on first use, so that ``autotp --help`` does not load torch.
+"""
 
-__all__ = ["CompiledRank", "ParallelModel", "compile_rank", "init_distributed", "ParallelPlan", "ParamLayout", "parallelize"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autotp.api import CompiledRank, compile_rank, parallelize
+    from autotp.ir.plan import ParallelPlan, ParamLayout
+    from autotp.runtime.launcher import init_distributed
+    from autotp.runtime.parallel_model import ParallelModel
+
+_PUBLIC = {
+    "CompiledRank": "autotp.api",
+    "compile_rank": "autotp.api",
+    "parallelize": "autotp.api",
+    "ParallelPlan": "autotp.ir.plan",
+    "ParamLayout": "autotp.ir.plan",
+    "init_distributed": "autotp.runtime.launcher",
+    "ParallelModel": "autotp.runtime.parallel_model",
+}
+
+__all__ = ["CompiledRank", "ParallelModel", "ParallelPlan", "ParamLayout", "compile_rank", "init_distributed", "parallelize"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'autotp' has no attribute '{name}'")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value

@@ -12,6 +12,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from autotp import compiler
+from autotp.ir.errors import UserInputError
 from autotp.ir.plan import ParallelPlan
 from autotp.runtime import cudagraphs, rng
 from autotp.runtime.groups import make_groups
@@ -32,15 +33,26 @@ class CompiledRank:
 def _check_cuda_graphs(device: torch.device, compile: bool) -> None:
     backend = dist.get_backend() if dist.is_initialized() else None
     if device.type != "cuda" or backend not in (None, "nccl"):
-        raise ValueError(
+        raise UserInputError(
             f"cuda_graphs=True captures CUDA graphs, but this rank runs on {device}"
             f"{f' with {backend} collectives' if backend else ''}; run on GPUs with NCCL, or drop cuda_graphs "
             "(autotp.report.cudagraphs shows the regions and blockers without a GPU)"
         )
     if compile:
-        raise ValueError(
+        raise UserInputError(
             "compile=True and cuda_graphs=True both replace how the graph runs; pick one "
             "(torch.compile(mode='reduce-overhead') is torch's own CUDA-graph path)"
+        )
+
+
+def _check_degrees(tp: int, pp: int, vpp: int) -> None:
+    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp)):
+        if value < 1:
+            raise UserInputError(f"{name} must be >= 1, got {value}")
+    if vpp > 1 and pp == 1:
+        raise UserInputError(
+            f"vpp={vpp} interleaves model chunks between pipeline stages, but pp=1 has one stage; "
+            "pass pp >= 2 with vpp, or drop vpp"
         )
 
 
@@ -64,8 +76,9 @@ def compile_rank(
     ``cuda_graphs`` the plan asks for CUDA graphs and the nodes carry their regions and
     blockers, as a GPU rank on NCCL would capture them.
     """
+    _check_degrees(tp, pp, vpp)
     if not 0 <= rank < tp:
-        raise ValueError(f"rank {rank} is outside tp={tp}; pick 0..{tp - 1}")
+        raise UserInputError(f"rank {rank} is outside tp={tp}; pick 0..{tp - 1}")
     impl = cudagraphs.implementation() if cuda_graphs else None
     planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=1, vpp=vpp, plan=plan, cudagraph_impl=impl)
     lowered = compiler.lower(planned.traced, planned.plan, tp_rank=rank, device=device, dump_dir=dump_dir)
@@ -104,18 +117,21 @@ def parallelize(
     pp > 1, once per microbatch a stage holds in flight.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+    _check_degrees(tp, pp, vpp)
     if tp > world:
-        raise ValueError(
+        raise UserInputError(
             f"tp={tp} is larger than the world size {world}; start {tp} processes (torchrun --nproc-per-node {tp} "
             f"or autotp run --tp {tp}) or lower tp"
         )
     if dp is None:
+        if world % (tp * pp):
+            raise UserInputError(
+                f"tp*pp = {tp}*{pp} = {tp * pp} does not divide the world size {world}, so no dp fits; "
+                f"choose tp and pp whose product divides {world}"
+            )
         dp = world // (tp * pp)
     if tp * pp * dp != world:
-        raise ValueError(
+        raise UserInputError(
             f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} does not match the world size {world}; "
             f"choose degrees whose product is {world}"
         )

@@ -1,29 +1,38 @@
-"""Built-in model presets and local config folders, built without downloading anything."""
+"""Built-in model presets and local config folders, built without downloading anything.
+
+torch and transformers are imported when a model or config is built, not on import,
+so that the command line starts (and ``autotp --help`` answers) without them.
+"""
 
 from __future__ import annotations
 
 import inspect
-
+import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    GPT2Config,
-    LlamaConfig,
-    MixtralConfig,
-    PretrainedConfig,
-)
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from autotp.ir.errors import UserInputError
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-"""The parameter dtypes the commands accept, by name."""
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+"""The parameter dtypes the commands accept, by name (``DTYPES`` maps them to torch dtypes)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":
+        import torch
+
+        return {n: getattr(torch, n) for n in DTYPE_NAMES}
+    raise AttributeError(f"module 'autotp.presets' has no attribute '{name}'")
 
 
 def _llama_tiny() -> PretrainedConfig:
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=256,
         hidden_size=64,
@@ -36,12 +45,16 @@ def _llama_tiny() -> PretrainedConfig:
 
 
 def _gpt2_tiny() -> PretrainedConfig:
+    from transformers import GPT2Config
+
     return GPT2Config(
         vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=255, eos_token_id=255
     )
 
 
 def _mixtral_tiny() -> PretrainedConfig:
+    from transformers import MixtralConfig
+
     return MixtralConfig(
         vocab_size=256,
         hidden_size=64,
@@ -56,10 +69,14 @@ def _mixtral_tiny() -> PretrainedConfig:
 
 
 def _gpt2_small() -> PretrainedConfig:
+    from transformers import GPT2Config
+
     return GPT2Config(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024)
 
 
 def _llama3(hidden: int, intermediate: int, layers: int, heads: int) -> PretrainedConfig:
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=128256,
         hidden_size=hidden,
@@ -74,6 +91,8 @@ def _llama3(hidden: int, intermediate: int, layers: int, heads: int) -> Pretrain
 
 
 def _mixtral_8x7b() -> PretrainedConfig:
+    from transformers import MixtralConfig
+
     return MixtralConfig(
         vocab_size=32000,
         hidden_size=4096,
@@ -108,13 +127,28 @@ def _config_for(name_or_path: str) -> PretrainedConfig:
         return _PRESETS[name_or_path]()
     path = Path(name_or_path)
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"folder {path} has no config.json; point at the folder that holds the model's config.json")
-        return AutoConfig.from_pretrained(path)
-    raise ValueError(
+        return _folder_config(path)
+    raise UserInputError(
         f"unknown model {name_or_path!r}; use one of the presets {', '.join(_PRESETS)} "
         "or a local folder holding a config.json"
     )
+
+
+def _folder_config(path: Path) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    file = path / "config.json"
+    if not file.is_file():
+        raise UserInputError(f"folder {path} has no config.json; point at the folder that holds the model's config.json")
+    try:
+        json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserInputError(f"{file} is not valid JSON ({e}); fix the file or regenerate it with config.save_pretrained") from e
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserInputError(f"{file} is not a transformers config: {first}; it needs a known model_type and that model's fields") from e
 
 
 def model_config(name_or_path: str) -> PretrainedConfig:
@@ -140,6 +174,10 @@ def build_from_config(
     dtype: torch.dtype | None = None,
 ) -> torch.nn.Module:
     """``build_model`` for a config object."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     config.use_cache = False
     auto_class = AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else AutoModel
     with torch.device(device):
@@ -152,6 +190,8 @@ def example_inputs(model: torch.nn.Module, batch: int = 2, seq: int = 16, seed: 
 
     They live on the model's CUDA device if it has one, else on CPU (also for meta models).
     """
+    import torch
+
     vocab_size = model.config.get_text_config().vocab_size
     param = next(model.parameters())
     device = param.device if param.device.type == "cuda" else torch.device("cpu")
@@ -166,11 +206,13 @@ INSPECTION_SEQ = 2048
 def inspection_inputs(model: torch.nn.Module, batch: int = 1, seq: int | None = None, labels: bool = True) -> dict[str, torch.Tensor]:
     """Zero ``input_ids`` [batch, seq] (and the same as ``labels``, so the loss shows) for
     compiling a model offline; ``seq`` defaults to 2048 or the model's position limit."""
+    import torch
+
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if seq is None:
         seq = min(INSPECTION_SEQ, limit) if limit else INSPECTION_SEQ
     elif limit is not None and seq > limit:
-        raise ValueError(f"--seq {seq} exceeds the model's max_position_embeddings ({limit}); pass --seq {limit} or less")
+        raise UserInputError(f"--seq {seq} exceeds the model's max_position_embeddings ({limit}); pass --seq {limit} or less")
     ids = torch.zeros((batch, seq), dtype=torch.long)
     inputs = {"input_ids": ids}
     if labels and "labels" in inspect.signature(model.forward).parameters:

@@ -1,6 +1,6 @@
 """Cost-model accuracy: predicted against measured ``train_step`` time, after calibration.
 
-One run calibrates the GPUs (``autotp.cli.calibrate``), measures
+One run calibrates the GPUs (``autotp.cli.measure``), measures
 ``autotp.parallelize(...).train_step(...)`` for every configuration in ``RUNS`` (1, 2
 and 4 GPUs, tp/pp/dp/interleaved mixes, two Llama-shaped models, two global batches;
 bf16, NCCL, median of timed steps after warm-up), then predicts each with the planner's
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from autotp.cli.calibrate import calibrate, fitted_profile
+from autotp.cli.measure import calibrate, fitted_profile
 from autotp.compiler import trace_for_planning
 from autotp.cost_model.calibrate import describe
 from autotp.cost_model.hardware import HardwareProfile

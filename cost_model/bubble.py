@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autotp.ir.schedules import SCHEDULES
+from autotp.ir.errors import UserInputError
 
 ZB_H1_SHARE = 1 / 3
 """ZB-H1's fill and drain over 1F1B's: (t_F + t_B - t_W) / (t_F + t_B + t_W) with equal times."""

@@ -92,6 +92,7 @@ from autotp.cost_model.memory import (
 
 from autotp.ir.plan import DP_BUCKET_BYTES, ParallelPlan
 from autotp.analysis.layers import layer_index, with_layer_index
+from autotp.ir.errors import UserInputError
 
 GRAD_SYNC_BYTES_MOVED = 6
 GRAD_SYNC_BUCKET_OPS, GRAD_SYNC_TENSOR_OPS = 3, 4
@@ -347,6 +348,27 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
     )
 
 
+@dataclass(frozen=True)
+class PlanSearch:
+    """What ``search`` looked at: the fastest plans that fit, and what it dropped and why."""
+
+    plans: list[PlanEstimate]
+    candidates: int
+    over_memory: int  # candidates that do not fit in the usable memory
+    refused_tp: dict[int, str]  # tp degrees that cannot split the model, with the reason
+    refused_candidates: int  # candidates at those degrees
+
+    def dropped_summary(self, capacity_bytes: float) -> str:
+        """One line: how many candidates were dropped, and why."""
+        dropped = self.over_memory + self.refused_candidates
+        why = []
+        if self.over_memory:
+            why.append(f"{self.over_memory} need more than the {capacity_bytes / GiB:.1f} GiB usable per GPU")
+        for t, reason in self.refused_tp.items():
+            why.append(f"tp={t} cannot split the model ({reason})")
+        return f"{self.candidates} candidates, {dropped} dropped" + (f": {'; '.join(why)}" if why else "")
+
+
 def plan(
     costs: ModelCosts,
     cluster: Cluster,
@@ -358,13 +380,29 @@ def plan(
     microbatch_size: int | None = None,
     top: int = 10,
 ) -> list[PlanEstimate]:
-    """The ``top`` fastest plans that fit in memory, best first (rules in the module docstring).
+    """The ``top`` fastest plans that fit in memory, best first (``search``'s plans)."""
+    return search(costs, cluster, training, tp=tp, pp=pp, vpp=vpp, microbatch_size=microbatch_size, top=top).plans
+
+
+def search(
+    costs: ModelCosts,
+    cluster: Cluster,
+    training: Training,
+    *,
+    tp: int | None = None,
+    pp: int | None = None,
+    vpp: int | None = None,
+    microbatch_size: int | None = None,
+    top: int = 10,
+) -> PlanSearch:
+    """The ``top`` fastest plans that fit in memory, best first (rules in the module
+    docstring), with the count of candidates dropped and why.
 
     Raises ValueError when no plan fits (saying by how much the smallest misses) or the
     degrees cannot be laid out.
     """
     if training.precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {training.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        raise UserInputError(f"unknown precision {training.precision!r}: choose one of {', '.join(PRECISIONS)}")
     configs = candidates(costs.num_layers, cluster, training.global_batch, tp=tp, pp=pp, vpp=vpp, microbatch_size=microbatch_size)
     usable: set[int] = set()
     refused: dict[int, str] = {}
@@ -378,19 +416,20 @@ def plan(
             refused[t] = str(e)
     estimates = [best_estimate(costs, cluster, training, c) for c in configs if c.tp in usable]
     if not estimates:
-        raise ValueError("no tp degree splits this model: " + "; ".join(f"tp={t}: {why}" for t, why in refused.items()))
+        raise UserInputError("no tp degree splits this model: " + "; ".join(f"tp={t}: {why}" for t, why in refused.items()))
     capacity = cluster.hardware.usable_memory_bytes
     fitting = sorted((e for e in estimates if e.mem_bytes_per_gpu <= capacity), key=lambda e: (e.step_s, e.mem_bytes_per_gpu))
     if not fitting:
         least = min(estimates, key=lambda e: e.mem_bytes_per_gpu)
         c = least.config
-        raise ValueError(
+        raise UserInputError(
             f"the model does not fit on {cluster.gpus} x {cluster.hardware.name} at any degree: the leanest plan "
             f"(tp={c.tp}, pp={c.pp}, dp={c.dp}, microbatch size {c.microbatch_size}) needs "
             f"{least.mem_bytes_per_gpu / GiB:.1f} GiB per GPU, {(least.mem_bytes_per_gpu - capacity) / GiB:.1f} GiB more "
             f"than the {capacity / GiB:.1f} GiB usable; use more GPUs, the distributed optimizer, or a shorter sequence"
         )
-    return [to_plan(costs, training, e, cluster.hardware) for e in fitting[:top]]
+    plans = [to_plan(costs, training, e, cluster.hardware) for e in fitting[:top]]
+    return PlanSearch(plans, len(configs), len(estimates) - len(fitting), refused, len(configs) - len(estimates))
 
 
 # ---- parallelize(plan="auto") ----------------------------------------------------------
@@ -409,7 +448,7 @@ def detect_hardware(device: torch.device) -> HardwareProfile:
     profile = CPU if device.type != "cuda" else profile_for_gpu(name)
     if profile is not None:
         return profile
-    raise ValueError(f"no hardware profile for {name!r}; run autotp calibrate (it caches one for this machine)")
+    raise UserInputError(f"no hardware profile for {name!r}; run autotp calibrate (it caches one for this machine)")
 
 
 def auto_plan(costs: ModelCosts, world: int, *, tp: int | None = None, pp: int | None = None, vpp: int | None = None) -> ParallelPlan:

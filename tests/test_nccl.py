@@ -11,7 +11,11 @@ from autotp.runtime.launcher import spawn_ranks
 from small_models import build, vocab_size
 
 # bf16 keeps 8 bits of mantissa: compare by relative norm, the way bf16 kernels are judged.
-BF16_REL_TOL = 2e-2
+# Measured on 2x/4x H200 (README "Equivalence on NCCL"): loss <= 6e-6, logits <= 0.7 %,
+# gradients <= 1.2 %; the bounds leave ~10x on the loss, ~2x on logits and gradients.
+LOSS_REL_TOL = 6e-5
+LOGITS_REL_TOL = 1.4e-2
+GRAD_REL_TOL = 2e-2
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -62,4 +66,4 @@ def test_nccl_bf16_matches_single_gpu(name: str, tp: int) -> None:
     for r in results:
         print(name, tp, r)
         assert r["backend"] == "nccl"
-        assert r["loss"] < BF16_REL_TOL and r["logits"] < BF16_REL_TOL and r["grad"] < BF16_REL_TOL, r
+        assert r["loss"] < LOSS_REL_TOL and r["logits"] < LOGITS_REL_TOL and r["grad"] < GRAD_REL_TOL, r

@@ -61,7 +61,7 @@ def test_fake_kernels_of_the_vocab_ops() -> None:
     nll, row_max, sum_exp = ops.VOCAB_PARALLEL_NLL(logits, target, 4, 7, KEY)
     assert all(t.shape == (5,) and t.dtype == torch.float32 for t in (nll, row_max, sum_exp))
     weight = torch.empty(4, 8, device="meta")
-    assert ops.VOCAB_PARALLEL_EMBEDDING(weight, target.view(1, 5), 4, 7, -1).shape == (1, 5, 8)
+    assert ops.VOCAB_PARALLEL_EMBEDDING(weight, target.view(1, 5), 4, 7, 7, -1).shape == (1, 5, 8)
     with pytest.raises(ValueError, match="does not split into 4 equal parts"):
         ops.REDUCE_SCATTER(logits, 0, 4, KEY)
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from autotp.cost_model import planner
 from autotp.cost_model import calibrate
-from autotp.cli.calibrate import add_calibrate_command, scale_layer
+from autotp.cli.calibrate import add_calibrate_command
+from autotp.cli.measure import scale_layer
 from autotp.cli.plan import add_plan_command
 from autotp.compiler import trace_for_planning
 from autotp.cost_model.calibrate import fit_host
@@ -235,7 +236,7 @@ def test_a_cached_calibration_replaces_the_builtin_profile_of_its_gpu_kind(monke
 def test_builtin_h200_host_and_efficiency_constants_are_the_recorded_calibration() -> None:
     from pathlib import Path
 
-    from autotp.cli.calibrate import fitted_profile
+    from autotp.cli.measure import fitted_profile
 
     recorded = json.loads((Path(__file__).parents[1] / "benchmarks/results/cost_model_h200x4.json").read_text())
     fitted = fitted_profile(recorded["calibration"], recorded["calibrated_ranks"])

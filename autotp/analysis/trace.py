@@ -14,6 +14,8 @@ and cached by ``ParallelModel``.
 from __future__ import annotations
 
 import copy
+import os
+import re
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,12 +23,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
 from torch.fx import GraphModule
 
 from autotp.analysis.trace_guards import custom_functions, refuse_custom_functions, strip_opaque_outputs
+from autotp.ir.errors import UserInputError
 
 _DROPPED_TARGETS = {torch.ops.aten._assert_tensor_metadata.default}
+# Frames inside these folders are the tracer's, not the model's (passes/ and cost_model/
+# may be linked into the package from elsewhere, hence the real paths).
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TRACER_ROOTS = tuple(
+    os.path.realpath(folder) + os.sep
+    for folder in (_PACKAGE, os.path.join(_PACKAGE, "passes"), os.path.join(_PACKAGE, "cost_model"), os.path.dirname(torch.__file__))
+)
 
 
 def _fake_copy(model: nn.Module, kwargs: dict[str, Any], device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
@@ -80,7 +90,7 @@ def _pop(stack: list[str]) -> None:
 def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str = "cpu") -> GraphModule:
     """Export ``model(**kwargs)`` (non-strict) on a fake copy living on ``device``.
 
-    Raises ``ValueError`` naming the submodule and source line that could not trace.
+    Raises ``UserInputError`` naming the submodule and source line that could not trace.
     """
     fake_model, fake_kwargs = _fake_copy(model, kwargs, torch.device(device))
     fake_model.register_forward_hook(strip_opaque_outputs)
@@ -89,20 +99,45 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
             ep = torch.export.export(fake_model, (), fake_kwargs, strict=False)
         except Exception as e:  # noqa: BLE001 - re-raised with location
             frames = traceback.extract_tb(e.__traceback__)
-            model_frames = [f for f in frames if "site-packages/torch" not in f.filename and "autotp" not in f.filename]
+            model_frames = [f for f in frames if not os.path.realpath(f.filename).startswith(_TRACER_ROOTS)]
             where = f"{model_frames[-1].filename}:{model_frames[-1].lineno} ({model_frames[-1].line})" if model_frames else "unknown line"
             module = stack[-1] if stack else f"<root> ({type(model).__name__})"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(
+            raise UserInputError(
                 f"autotp could not trace {type(model).__name__}: an operation in module {module} at {where} "
-                f"failed under torch.export: {type(e).__name__}: {first}. Fix: make that module traceable "
-                f"(no data-dependent Python control flow or .item() on tensors), or pass example inputs "
-                f"that take a traceable path."
+                f"failed under torch.export: {type(e).__name__}: {first}. Fix: {_advice(e)}"
             ) from e
     refuse_custom_functions(type(model).__name__, functions)
     gm = ep.module()
     _clean(gm)
     return gm
+
+
+def _missing_fake_kernel(error: BaseException) -> str | None:
+    """The custom op that has no fake (meta) kernel, if that is why tracing failed."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, UnsupportedOperatorException) and seen.args:
+            return str(seen.args[0]).removesuffix(".default")
+        found = re.search(r"no fake impl registered for <CustomOpDef\((\S+)\)>", str(seen))
+        if found:
+            return found.group(1)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _advice(error: BaseException) -> str:
+    op = _missing_fake_kernel(error)
+    if op is not None:
+        return (
+            f"the custom op {op} has no fake kernel, so tracing cannot tell its output's shape and dtype; "
+            f"register one with @torch.library.register_fake(\"{op.replace('.', '::', 1)}\") returning an empty "
+            "tensor of the output's shape (e.g. torch.empty_like(x))."
+        )
+    return (
+        "make that module traceable (no data-dependent Python control flow or .item() on tensors), "
+        "or pass example inputs that take a traceable path."
+    )
 
 
 def _clean(gm: GraphModule) -> None:

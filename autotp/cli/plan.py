@@ -8,24 +8,27 @@ import math
 import time
 
 from autotp import presets
-from autotp.compiler import trace_for_planning
-from autotp.cost_model import closed_forms
-from autotp.cost_model.hardware import get_profile
 from autotp.cost_model.memory import PRECISIONS
-from autotp.cost_model.planner import Cluster, Training, explain_values, format_table, plan
+from autotp.ir.errors import UserInputError
 
 
 def _plan_command(args: argparse.Namespace) -> int:
+    from autotp.compiler import trace_for_planning
+    from autotp.cost_model import closed_forms
+    from autotp.cost_model.hardware import get_profile
+    from autotp.cost_model.planner import Cluster, Training, explain_values, format_table, search
+
     hw = get_profile(args.hardware, calibrated=not args.builtin_profile)
     for name in ("gpus", "gpus_per_node", "global_batch", "seq", "top"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            raise UserInputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     start = time.perf_counter()
     config = presets.model_config(args.model)
     costs = trace_for_planning(config, args.seq)
     cluster = Cluster(args.gpus, args.gpus_per_node, hw)
     training = Training(args.global_batch, args.precision, args.distributed_optimizer)
-    estimates = plan(costs, cluster, training, tp=args.tp, pp=args.pp, top=args.top)
+    found = search(costs, cluster, training, tp=args.tp, pp=args.pp, top=args.top)
+    estimates = found.plans
     elapsed = time.perf_counter() - start
     if args.format == "json":
         print(json.dumps([e.to_json() for e in estimates], indent=1))
@@ -37,6 +40,8 @@ def _plan_command(args: argparse.Namespace) -> int:
         f"global batch {args.global_batch} x {args.seq} tokens, {args.precision}{optimizer}; planned in {elapsed:.2f} s"
     )
     print(format_table(estimates))
+    fitting = found.candidates - found.over_memory - found.refused_candidates
+    print(f"{len(estimates)} of {fitting} plans that fit shown (--top {args.top}); {found.dropped_summary(hw.usable_memory_bytes)}")
     if args.explain:
         text = config.get_text_config()
         values = explain_values(costs, estimates[0], text.hidden_size, text.num_attention_heads)

@@ -1,6 +1,20 @@
-"""Helpers that turn graph nodes into readable locations for error messages."""
+"""The error type of bad user input, and helpers that turn graph nodes into readable
+locations for error messages."""
 
-from torch.fx import Node
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.fx import Node
+
+
+class UserInputError(ValueError):
+    """Bad input from the user (arguments, files, data), with the fix in the message.
+
+    The CLI prints it as one line and exits with code 2; any other exception is an
+    internal error and keeps its traceback.
+    """
 
 
 def module_of(node: Node) -> str:

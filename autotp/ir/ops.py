@@ -30,8 +30,12 @@ Local ops:
 * ``tp_dropout(x, p, train, stream)`` -- ``aten.dropout`` drawing its mask from the tp
   RNG stream ``REPLICATED`` or ``SHARDED`` (``tp_rand(like, stream)``: uniform float32 numbers shaped like ``like``; see
   ``autotp.runtime.rng``).
-* ``vocab_parallel_embedding(weight, ids, vocab_start, vocab_stop, padding_idx)`` --
+* ``vocab_parallel_embedding(weight, ids, vocab_start, vocab_stop, vocab_size, padding_idx)`` --
   lookup in rows ``[vocab_start, vocab_stop)``; other ids give zeros (a partial sum).
+
+The vocab-parallel embedding and cross entropy mask ids outside the local range, so an
+id outside the whole vocabulary ``[0, vocab_size)`` would silently count as zero; both
+refuse it (``check_ids``) where the unmodified model raises ``IndexError``.
 
 The identities (*f*, ``stage_boundary``) are ``CompositeImplicitAutograd`` ops returning a
 view of their input, so they cost no copy: a custom op with a kernel may not return an
@@ -47,8 +51,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.node import has_side_effect
 from torch.library import Library
+
+from autotp.ir.errors import UserInputError
 
 NAMESPACE = "autotp"
 REPLICATED = "replicated"  # dropout stream seeded alike on every tp rank
@@ -86,7 +93,8 @@ VOCAB_PARALLEL_CROSS_ENTROPY = _define(
     "int reduction, str group) -> Tensor"
 )
 VOCAB_PARALLEL_EMBEDDING = _define(
-    "vocab_parallel_embedding(Tensor weight, Tensor ids, int vocab_start, int vocab_stop, int padding_idx) -> Tensor"
+    "vocab_parallel_embedding(Tensor weight, Tensor ids, int vocab_start, int vocab_stop, int vocab_size, "
+    "int padding_idx) -> Tensor"
 )
 STAGE_BOUNDARY = _define("stage_boundary(Tensor x, int chunk) -> Tensor")
 TP_RAND = _define("tp_rand(Tensor like, str stream) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
@@ -136,7 +144,7 @@ def _all_gather_fake(x: Tensor, dim: int, group_size: int, group: str) -> Tensor
 def reduce_scatter_size(size: Any, group_size: int, group: str) -> Any:
     """Size of a reduce-scattered dim; raises when ``group_size`` does not divide it."""
     if size % group_size != 0:
-        raise ValueError(f"reduce_scatter over '{group}': dim of size {size} does not split into {group_size} equal parts; pad it to a multiple of {group_size}")
+        raise UserInputError(f"reduce_scatter over '{group}': dim of size {size} does not split into {group_size} equal parts; pad it to a multiple of {group_size}")
     return size // group_size
 
 
@@ -259,7 +267,28 @@ def _tp_dropout(x: Tensor, p: float, train: bool, stream: str) -> Tensor:
     return x * keep.to(x.dtype) / (1.0 - p)
 
 
-def _vocab_parallel_embedding(weight: Tensor, ids: Tensor, vocab_start: int, vocab_stop: int, padding_idx: int) -> Tensor:
+def check_ids(ids: Tensor, vocab_size: int, what: str, skip: Tensor | None = None) -> None:
+    """Refuse ids outside ``[0, vocab_size)`` (where ``skip`` is False).
+
+    On the CPU the check raises at once with the offending values. On a GPU, and while
+    tracing, it is ``torch._assert_async``: a device-side assert that fails the next
+    synchronizing call, so the step never waits for the device to check.
+    """
+    bad = (ids < 0) | (ids >= vocab_size)
+    if skip is not None:
+        bad = bad & ~skip
+    hint = f"{what} must lie in [0, {vocab_size}), the model's vocabulary; check the tokenizer or the model's vocab_size"
+    if ids.device.type != "cpu" or isinstance(ids, FakeTensor) or torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), f"autotp: {hint}")
+    elif bad.any():
+        wrong = ids[bad]
+        raise UserInputError(f"{wrong.numel()} {what} are outside the vocabulary (from {wrong.min().item()} to {wrong.max().item()}); {hint}")
+
+
+def _vocab_parallel_embedding(
+    weight: Tensor, ids: Tensor, vocab_start: int, vocab_stop: int, vocab_size: int, padding_idx: int
+) -> Tensor:
+    check_ids(ids, vocab_size, "token ids")
     outside = (ids < vocab_start) | (ids >= vocab_stop)
     local_ids = (ids - vocab_start).masked_fill(outside, 0)
     local_pad = padding_idx - vocab_start if vocab_start <= padding_idx < vocab_stop else -1
@@ -271,8 +300,9 @@ def _vocab_parallel_cross_entropy(
     logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, ignore_index: int, reduction: int, group: str
 ) -> Tensor:
     """``reduction`` uses aten's codes: 0 none, 1 mean, 2 sum."""
-    nll, _, _ = VOCAB_PARALLEL_NLL(logits, target, vocab_start, vocab_size, group)
     valid = target != ignore_index
+    check_ids(target, vocab_size, "labels (other than ignore_index)", skip=~valid)
+    nll, _, _ = VOCAB_PARALLEL_NLL(logits, target, vocab_start, vocab_size, group)
     loss = nll.masked_fill(~valid, 0.0)
     if reduction == 0:
         return loss.to(logits.dtype)

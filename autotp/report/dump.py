@@ -23,9 +23,10 @@ from torch.fx import Node
 from autotp.ir import meta_keys, ops
 from autotp.analysis.layers import LayerKey
 from autotp.cost_model.graph_costs import GraphReport, LayerReport, NodeReport, layer_order
+from autotp.report import DUMP_FORMATS
 from autotp.report.graph_report import explain_json, explain_table
+from autotp.ir.errors import UserInputError
 
-FORMATS = ("code", "dot", "svg", "json")
 GRAPHVIZ_MISSING = "SVG needs Graphviz's `dot` program (apt-get install graphviz)"
 
 _DTYPE_NAMES = {
@@ -356,8 +357,8 @@ def write(report: GraphReport, model: str, fmt: str, out_dir: Path, stem: str) -
 
     ``svg`` also leaves the DOT file beside it; without Graphviz only the DOT is written.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown dump format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if fmt not in DUMP_FORMATS:
+        raise UserInputError(f"unknown dump format {fmt!r}; use one of {', '.join(DUMP_FORMATS)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     if fmt == "code":
         path = out_dir / f"{stem}.py"

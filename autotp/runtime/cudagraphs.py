@@ -34,6 +34,7 @@ stay in the copy and run eagerly (partial capture). ``CapturedGraph`` runs that 
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import operator
 import weakref
@@ -45,6 +46,7 @@ from torch import Tensor, nn
 from torch.fx import Graph, GraphModule, Node
 
 from autotp.ir import meta_keys
+from autotp.ir.errors import UserInputError
 
 PREFIX = "cudagraph_region_"
 TORCH, TRANSFORMER_ENGINE = "torch", "transformer_engine"
@@ -168,6 +170,11 @@ class CapturedGraph:
         self._gm = gm
         self._impl = impl
         self._slots: list[GraphModule] = []  # per slot: the split graph with its regions graphed
+        _LIVE.add(self)
+
+    def release(self) -> None:
+        """Drop the captured graphs (and with them their memory pools); the next call captures again."""
+        self._slots.clear()
 
     @property
     def slots(self) -> int:
@@ -178,7 +185,7 @@ class CapturedGraph:
         if slot < len(self._slots):
             return _own(self._slots[slot](*args, **kwargs))
         if slot > len(self._slots):
-            raise ValueError(f"slot {slot} used before slot {len(self._slots)}: slots are taken lowest free first")
+            raise UserInputError(f"slot {slot} used before slot {len(self._slots)}: slots are taken lowest free first")
         return self._capture(args, kwargs)
 
     def _capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -216,3 +223,20 @@ class CapturedGraph:
                         _clone_first_grad(p)
         self._slots.append(split)
         return _own(split(*args, **kwargs))
+
+
+_LIVE: weakref.WeakSet[CapturedGraph] = weakref.WeakSet()
+
+
+def release_all() -> None:
+    """Drop every captured graph and memory pool of this process and wait for the device.
+
+    Call it before ``destroy_process_group``: NCCL's teardown can hang while graphs that
+    captured its collectives are alive (pytorch#115388). The launcher does.
+    """
+    for captured in list(_LIVE):
+        captured.release()
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

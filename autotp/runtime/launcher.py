@@ -11,8 +11,12 @@ import os
 import pickle
 import queue
 import socket
+import sys
+import tempfile
 import time
 import traceback
+import zlib
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -20,23 +24,65 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autotp.ir.errors import UserInputError
+from autotp.runtime import cudagraphs
+
 T = TypeVar("T")
 
+TRACEBACK_ENV = "AUTOTP_TRACEBACK"
 _EXIT_GRACE_S = 30.0
 _POLL_S = 0.1
 
 
 class RankError(RuntimeError):
-    """A worker raised; carries the rank and the worker-side traceback."""
+    """A worker raised; carries the rank, the worker-side traceback and whether the root
+    cause was the user's input (``UserInputError``). A user error reads as one line
+    naming the log file that holds the traceback; an internal error shows the traceback."""
 
     def __init__(
-        self, rank: int, world_size: int, worker_traceback: str, exc_type: str = "", message: str = ""
+        self, rank: int, world_size: int, worker_traceback: str, exc_type: str = "", message: str = "", user_error: bool = False
     ) -> None:
-        super().__init__(f"rank {rank} of {world_size} failed:\n{worker_traceback}")
         self.rank = rank
         self.worker_traceback = worker_traceback
         self.exc_type = exc_type
         self.message = message
+        self.user_error = user_error
+        if user_error:
+            log_file = _write_log(rank, worker_traceback)
+            super().__init__(f"rank {rank} of {world_size} failed: {exc_type}: {message} (traceback in {log_file})")
+        else:
+            super().__init__(f"rank {rank} of {world_size} failed:\n{worker_traceback}")
+
+
+def _write_log(rank: int, text: str) -> Path:
+    path = Path(tempfile.gettempdir()) / f"autotp-{os.getpid()}-rank{rank}.log"
+    path.write_text(text)
+    return path
+
+
+def _install_excepthook() -> None:
+    """Under torchrun: a user error prints one line, once per distinct message across the
+    ranks; its traceback goes to a log file (``AUTOTP_TRACEBACK=1``: Python's own report)."""
+    if os.environ.get(TRACEBACK_ENV) == "1" or getattr(sys.excepthook, "_autotp", False):
+        return
+    default = sys.excepthook
+
+    def hook(exc_type: type[BaseException], error: BaseException, tb: Any) -> None:
+        if not issubclass(exc_type, UserInputError) or not dist.is_initialized():
+            default(exc_type, error, tb)
+            return
+        rank = dist.get_rank()
+        log_file = _write_log(rank, "".join(traceback.format_exception(exc_type, error, tb)))
+        key = f"autotp/error/{zlib.crc32(str(error).encode())}"
+        try:
+            first = dist.distributed_c10d._get_default_store().add(key, 1) == 1
+        except RuntimeError:  # the store is gone
+            first = True
+        if first:
+            print(f"autotp: error on rank {rank}: {error} (traceback in {log_file}; {TRACEBACK_ENV}=1 prints it)", file=sys.stderr)
+
+    hook._autotp = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def free_port() -> int:
@@ -48,6 +94,9 @@ def free_port() -> int:
 def init_distributed(backend: str | None = None, timeout_s: float = 300) -> None:
     """Initialize the default process group from torchrun-style env vars.
 
+    Also installs a ``sys.excepthook`` that reports a user error (``UserInputError``)
+    as one line per distinct message over all ranks, its traceback in a log file.
+
     `backend=None` picks nccl when every local rank can have its own CUDA device,
     else gloo. Does nothing if a process group already exists.
     """
@@ -55,7 +104,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300) -> None
         return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
-        raise ValueError(
+        raise UserInputError(
             f"environment variables {missing} are not set; start the program with torchrun "
             "or through autotp.runtime.launcher.launch"
         )
@@ -68,7 +117,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300) -> None
     device_id = None
     if backend == "nccl":
         if not enough_gpus:
-            raise ValueError(
+            raise UserInputError(
                 f"backend 'nccl' needs {local_world_size} CUDA devices on this host but "
                 f"{torch.cuda.device_count()} are visible; use backend='gloo' or fewer ranks"
             )
@@ -79,6 +128,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300) -> None
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device_id,
     )
+    _install_excepthook()
 
 
 def _to_cpu(value: Any) -> Any:
@@ -118,8 +168,9 @@ def _rank_main(
         payload = pickle.dumps(_to_cpu(fn(rank, world_size, *args)))
         results.put((rank, True, payload))
     except BaseException as e:
-        results.put((rank, False, (traceback.format_exc(), type(e).__name__, str(e))))
+        results.put((rank, False, (traceback.format_exc(), type(e).__name__, str(e), isinstance(e, UserInputError))))
     finally:
+        cudagraphs.release_all()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -141,7 +192,7 @@ def spawn_ranks(
     `TimeoutError` is raised. `num_threads` defaults to the CPU cores split across ranks.
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
+        raise UserInputError(f"world_size must be at least 1, got {world_size}")
     if num_threads is None:
         num_threads = max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")

@@ -16,18 +16,11 @@ from autotp.analysis.trace import structure_copy
 from autotp.compiler import Lowered, lower_signature
 from autotp.ir import schedules
 from autotp.ir.plan import ParallelPlan
-from autotp.runtime import cudagraphs, grad_sync
+from autotp.runtime import collectives, cudagraphs, grad_sync, guards
 from autotp.runtime.groups import Coords
 from autotp.runtime.parameters import ParamChunks, Parameters, graph_param_chunks
 from autotp.runtime.pipeline import ChunkGraph, PipelineRunner, extract_chunks
-
-
-def _signature_key(kwargs: dict[str, Any], training: bool) -> tuple:
-    items = []
-    for k in sorted(kwargs):
-        v = kwargs[k]
-        items.append((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v)))
-    return (training, tuple(items))
+from autotp.ir.errors import UserInputError
 
 
 @dataclass
@@ -80,13 +73,17 @@ class ParallelModel(nn.Module):
         self.measure_busy = False
         self.last_busy_s = 0.0  # with measure_busy: this rank's compute time in the last pipeline step
         self._params = Parameters(self, self.plan, coords, device, self._source.model)
+        many = dist.is_initialized() and dist.get_world_size() > 1
+        self._failure_watch = guards.FailureWatch() if many else None
+        pp_group = coords.pipeline.pp_group if coords.pipeline is not None else None
+        self._input_check = guards.InputCheck([("tp", collectives.get_group(coords.tp_key)), ("pp", pp_group)] if many else [])
         compiled = self._prepare(first)
         self._params.bind(model, compiled.param_chunks, set(self.my_chunks))
         owners = {name: self._params.owners(compiled.param_chunks, name) for name in self._params.aliases}
         self._shared_param_groups = grad_sync.shared_param_groups(self.plan, coords, owners)
         self._attach(compiled)
         self.train(model.training)
-        self._graphs[_signature_key(first_kwargs, model.training)] = compiled
+        self._graphs[guards.signature_key(first_kwargs, model.training)] = compiled
 
     @property
     def my_chunks(self) -> list[int]:
@@ -120,13 +117,17 @@ class ParallelModel(nn.Module):
         return self._compiled_for(self._as_kwargs(args, kwargs)).graph
 
     def _compiled_for(self, call: dict[str, Any]) -> _Compiled:
-        key = _signature_key(call, self.training)
+        key = guards.signature_key(call, self.training)
         compiled = self._graphs.get(key)
         if compiled is None:
             self._source.model.train(self.training)
             backend = dist.get_backend() if dist.is_initialized() else "nccl"
-            lowered = lower_signature(self._source.model, call, self.plan, tp_rank=self._coords.tp_rank,
-                                      device=self._device, backend=backend)  # fmt: skip
+            try:
+                lowered = lower_signature(self._source.model, call, self.plan, tp_rank=self._coords.tp_rank,
+                                          device=self._device, backend=backend)  # fmt: skip
+            except ValueError as e:
+                guards.explain_retrace_failure(call, list(self._graphs), e)
+                raise
             compiled = self._prepare(lowered)
             self._attach(compiled)
             self._graphs[key] = compiled
@@ -141,6 +142,7 @@ class ParallelModel(nn.Module):
 
     # ---- running -------------------------------------------------------------------
 
+    @guards.guarded
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model on this rank's inputs. With pp > 1 this is forward-only (no
         autograd across stages: use ``train_step``), and every rank gets the outputs."""
@@ -155,6 +157,11 @@ class ParallelModel(nn.Module):
                 raise RuntimeError(
                     f"a collective timed out on rank {dist.get_rank()}: another rank did not reach the same "
                     f"collective (it crashed, or was called with other input shapes). {e}"
+                ) from e
+            if "enforce" in str(e).lower():  # gloo's size checks
+                raise RuntimeError(
+                    f"ranks ran a collective with different sizes on rank {dist.get_rank()}: they were most likely "
+                    f"passed inputs of different shapes (set {guards.CHECK_ENV}=1 to compare inputs on every call). {e}"
                 ) from e
             raise
 
@@ -179,6 +186,7 @@ class ParallelModel(nn.Module):
         assert self._coords.pipeline is not None
         return PipelineRunner(compiled.chunks, self._coords.pipeline, self._device)
 
+    @guards.guarded
     def train_step(
         self,
         input_ids: torch.Tensor | None = None,
@@ -199,13 +207,13 @@ class ParallelModel(nn.Module):
         ``schedule_name`` (``1f1b``, or ``interleaved`` when vpp > 1, unless planned).
         """
         if labels is None and loss_fn is None:
-            raise ValueError("train_step needs labels= or loss_fn=")
+            raise UserInputError("train_step needs labels= or loss_fn=")
         batch = {k: v for k, v in dict(kwargs, input_ids=input_ids, labels=labels).items() if v is not None}
         size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
         dp = self.plan.dp
         m = self.plan.microbatches if num_microbatches is None else num_microbatches
         if m < 1 or size % (dp * m):
-            raise ValueError(
+            raise UserInputError(
                 f"the global batch of {size} does not split into dp={dp} x {m} microbatches; "
                 f"use a batch size that is a multiple of {dp * max(m, 1)}"
             )

@@ -1,0 +1,252 @@
+"""A user's mistakes give a clear error, never a silent wrong number (issue 16)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autotp
+from autotp.cli import main
+from autotp.ir import ops
+from autotp.ir.errors import UserInputError
+from autotp.presets import build_model
+from autotp.runtime.launcher import RankError, spawn_ranks
+from distributed import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_help_loads_neither_torch_nor_transformers() -> None:
+    code = (
+        "import sys, time; t = time.perf_counter(); from autotp.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)), round(time.perf_counter() - t, 3))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.splitlines()[-1]  # fmt: skip
+    print("--help:", out)
+    assert out.startswith("[] "), out
+
+
+def test_malformed_config_json_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64,')
+    assert main(["explain", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.json is not valid JSON" in err[0], err
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-type"}')
+    assert main(["plan", str(tmp_path), "--gpus", "8", "--global-batch", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a transformers config" in err[0], err
+
+
+def test_plan_says_how_many_candidates_were_dropped(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--hardware", "h100", "--top", "10"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "dropped" in ln)
+    assert "candidates" in line and "GiB usable per GPU" in line, line
+
+
+def test_vpp_without_a_pipeline_is_refused() -> None:
+    with pytest.raises(UserInputError, match=r"vpp=2 .* pp=1 has one stage"):
+        autotp.parallelize(build_model("llama-tiny"), vpp=2, pp=1)
+    with pytest.raises(UserInputError, match=r"vpp=2 .* pp=1 has one stage"):
+        autotp.compile_rank(build_model("llama-tiny"), tp=2, vpp=2)
+
+
+def test_world_size_error_shows_no_inferred_dp() -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    try:
+        with pytest.raises(UserInputError) as info:
+            autotp.parallelize(build_model("llama-tiny"), tp=2)
+    finally:
+        dist.destroy_process_group()
+    assert "dp=0" not in str(info.value) and "does not divide the world size 3" in str(info.value)
+
+
+_UNTRACEABLE = '''
+import torch
+from torch import nn
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        if x.sum().item() > 0:
+            return x * 2
+        return x
+'''
+
+
+def test_trace_error_names_a_user_file_under_a_folder_named_autotp(tmp_path: Path) -> None:
+    path = tmp_path / "autotp" / "user_model.py"
+    path.parent.mkdir()
+    path.write_text(_UNTRACEABLE)
+    spec = importlib.util.spec_from_file_location("user_model_under_autotp", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(UserInputError) as info:
+        autotp.compile_rank(module.DataDependent(), tp=1, example_inputs={"x": torch.randn(2, 8)}, device="cpu")
+    assert f"{path}:8" in str(info.value), info.value
+
+
+@torch.library.custom_op("autotp_test_errors::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class _CustomOp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _twice(self.lin(x))
+
+
+def test_missing_fake_kernel_gets_specific_advice() -> None:
+    with pytest.raises(UserInputError) as info:
+        autotp.compile_rank(_CustomOp(), tp=1, example_inputs={"x": torch.randn(2, 4)}, device="cpu")
+    message = str(info.value)
+    assert 'torch.library.register_fake("autotp_test_errors::twice")' in message
+    assert "make that module traceable" not in message
+
+
+def test_vocab_parallel_ops_refuse_ids_outside_the_vocabulary() -> None:
+    weight = torch.randn(4, 3)
+    with pytest.raises(UserInputError, match=r"2 token ids are outside the vocabulary \(from -1 to 9\).*\[0, 8\)"):
+        ops.VOCAB_PARALLEL_EMBEDDING(weight, torch.tensor([[0, 9, 3, -1]]), 0, 4, 8, -1)
+    assert ops.VOCAB_PARALLEL_EMBEDDING(weight, torch.tensor([[0, 7]]), 0, 4, 8, -1)[0, 1].abs().sum() == 0
+    with torch._subclasses.FakeTensorMode():  # while tracing the check is an async assert, not an error
+        ops.VOCAB_PARALLEL_EMBEDDING(torch.empty(4, 3), torch.zeros(1, 2, dtype=torch.long), 0, 4, 8, -1)
+
+
+def _mistakes(rank: int, world: int) -> dict[str, str]:
+    """Each rank makes the calls of issue 16 and returns what each raised."""
+    torch.manual_seed(0)
+    model = build_model("llama-tiny", device="cpu", dtype=torch.float32)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    pm = autotp.parallelize(model, tp=world, example_inputs={"input_ids": ids, "labels": ids})
+    calls: dict[str, dict[str, Any]] = {
+        "ids": {"input_ids": ids.masked_fill(ids == ids[0, 3], vocab + 5), "labels": ids},
+        "labels": {"input_ids": ids, "labels": ids.masked_fill(ids == ids[0, 3], vocab)},
+        "ignored_labels": {"input_ids": ids, "labels": ids.masked_fill(ids == ids[0, 3], -100)},
+        "batches": {"input_ids": ids if rank == 0 else ids.flip(0), "labels": ids},
+        "lengths": {"input_ids": ids[:, : 16 - 8 * rank], "labels": ids[:, : 16 - 8 * rank]},
+        "float_ids": {"input_ids": ids.float(), "labels": ids},
+        "flat_ids": {"input_ids": ids[0], "labels": ids[0]},
+    }
+    os.environ["AUTOTP_CHECK_INPUTS"] = "1"
+    raised = {}
+    for name, call in calls.items():
+        try:
+            pm.train_step(**call)
+            raised[name] = ""
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            raised[name] = f"{type(e).__name__}: {e}"
+    return raised
+
+
+def test_mistakes_across_ranks_raise_naming_the_cause() -> None:
+    for rank, raised in enumerate(run_on_ranks(_mistakes, 2, timeout_s=300)):
+        print(rank, raised)
+        assert "UserInputError" in raised["ids"] and f"token ids are outside the vocabulary (from {261} to 261)" in raised["ids"]
+        assert "UserInputError" in raised["labels"] and "labels (other than ignore_index)" in raised["labels"]
+        assert raised["ignored_labels"] == ""
+        assert "ranks 0 and 1 of a tp group were passed different input values" in raised["batches"]
+        assert "different input shapes (arg0" not in raised["lengths"] and "different input shapes" in raised["lengths"]
+        assert "argument 'input_ids' is float32" in raised["float_ids"]
+        assert "argument 'input_ids' is int64 with 1 dims" in raised["flat_ids"]
+
+
+def _last_stage_raises(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    model = build_model("llama-tiny", device=device, dtype=torch.float32)
+    ids = torch.zeros((4, 8), dtype=torch.long, device=device)
+    pm = autotp.parallelize(model, tp=1, pp=2, example_inputs={"input_ids": ids}, timeout_s=300)
+
+    def loss_fn(out: Any) -> torch.Tensor:
+        raise ValueError("boom in the loss of the last stage")
+
+    start = time.monotonic()
+    try:
+        pm.train_step(input_ids=ids, loss_fn=loss_fn, num_microbatches=2)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result = {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - start}
+    if rank == 1:  # stay alive, as a rank stuck in its teardown would; the peer must not wait for it
+        while time.monotonic() - start < 60 and not store.check(["autotp_test/peer_done"]):
+            time.sleep(0.2)
+    else:
+        store.set("autotp_test/peer_done", "1")
+    return result
+
+
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def test_a_stage_that_raises_reaches_the_waiting_peer_within_30_s(backend: str, capfd: pytest.CaptureFixture[str]) -> None:
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    start = time.monotonic()
+    try:
+        results = spawn_ranks(_last_stage_raises, 2, backend=backend, timeout_s=120, num_threads=1)
+    except RankError as e:  # rank 0 was blocked in a wait that could not be aborted (gloo) and exited
+        assert e.rank == 0 and "exited with code 1" in str(e), e
+        err = capfd.readouterr().err
+        assert "autotp: rank 1 failed: ValueError: boom in the loss of the last stage; rank 0 was waiting" in err, err
+    else:
+        print(results)
+        assert "boom in the loss of the last stage" in results[0]["error"] and results[0]["after_s"] < 30, results
+    assert time.monotonic() - start < 90
+
+
+def _raise_user_error(rank: int, world: int) -> None:
+    raise UserInputError(f"bad input on rank {rank}")
+
+
+def test_rank_error_of_a_user_error_is_one_line_with_a_log() -> None:
+    with pytest.raises(RankError) as info:
+        spawn_ranks(_raise_user_error, 2, backend="gloo", timeout_s=120, num_threads=1)
+    e = info.value
+    assert e.user_error and len(str(e).splitlines()) == 1, str(e)
+    log_file = Path(str(e).rsplit("traceback in ", 1)[1].rstrip(")"))
+    assert "_raise_user_error" in log_file.read_text()
+
+
+def _capture_then_tear_down(rank: int, world: int) -> float:
+    import torch.distributed as dist
+
+    from autotp.runtime import cudagraphs
+
+    torch.cuda.set_device(rank)
+    model = build_model("llama-tiny", device="cuda", dtype=torch.float32)
+    ids = torch.zeros((2, 16), dtype=torch.long, device="cuda")
+    pm = autotp.parallelize(model, tp=world, example_inputs={"input_ids": ids, "labels": ids}, cuda_graphs=True)
+    for _ in range(2):
+        pm.train_step(input_ids=ids, labels=ids)
+    start = time.monotonic()
+    cudagraphs.release_all()
+    dist.destroy_process_group()
+    return time.monotonic() - start
+
+
+@pytest.mark.gpu
+def test_teardown_after_cuda_graph_capture_does_not_hang() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    seconds = spawn_ranks(_capture_then_tear_down, 2, backend="nccl", timeout_s=120)
+    print("release_all + destroy_process_group:", seconds)
+    assert max(seconds) < 10, seconds
