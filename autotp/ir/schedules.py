@@ -45,6 +45,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from autotp.ir.errors import UserInputError
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
 
 _ACTION = re.compile(r"([FBW])(\d+)\.(\d+)")
