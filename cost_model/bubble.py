@@ -43,7 +43,7 @@ ZB_H1_SHARE = 1 / 3
 
 def _drain_share(schedule: str) -> float:
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        raise UserInputError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     return ZB_H1_SHARE if schedule == "zbh1" else 1.0
 
 
