@@ -6,6 +6,7 @@ from autotp.passes.causal_attention import causal_attention
 from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.rewrite_shapes import rewrite_shapes
+from autotp.passes.sequence_parallel import sequence_parallel
 from autotp.passes.split_stages import split_stages
 from autotp.passes.runner import Pass
 from autotp.passes.tp_dropout import tp_dropout
@@ -21,6 +22,7 @@ PASSES: list[Pass] = [
     tp_dropout,
     insert_collectives,
     cancel_collectives,
+    sequence_parallel,
     split_stages,
     mark_cudagraph_regions,
 ]
