@@ -80,7 +80,7 @@ def test_sequence_parallel_matches_unmodified_model_tp4() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral"])  # BERT has no pipeline stages (no causal LM loss)
+@pytest.mark.parametrize("name", MODELS)
 def test_sequence_parallel_matches_unmodified_model_tp2_pp2(name: str) -> None:
     _check_on_ranks([name], 2, 2)
 
