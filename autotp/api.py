@@ -68,6 +68,7 @@ def compile_rank(
     device: torch.device | str = "meta",
     dump_dir: Path | None = None,
     cuda_graphs: bool = False,
+    sequence_parallel: bool | str | None = None,
 ) -> CompiledRank:
     """Trace, plan and rewrite the graph of tp rank ``rank`` without any process group.
 
@@ -80,7 +81,8 @@ def compile_rank(
     if not 0 <= rank < tp:
         raise UserInputError(f"rank {rank} is outside tp={tp}; pick 0..{tp - 1}")
     impl = cudagraphs.implementation() if cuda_graphs else None
-    planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=1, vpp=vpp, plan=plan, cudagraph_impl=impl)
+    planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=1, vpp=vpp, plan=plan, cudagraph_impl=impl,
+                                  sequence_parallel=sequence_parallel)  # fmt: skip
     lowered = compiler.lower(planned.traced, planned.plan, tp_rank=rank, device=device, dump_dir=dump_dir)
     return CompiledRank(lowered.graph, lowered.plan, planned.trace_s, planned.plan_s, lowered.pass_s)
 
@@ -100,6 +102,7 @@ def parallelize(
     timeout_s: float = 300.0,
     compile: bool = False,
     cuda_graphs: bool = False,
+    sequence_parallel: bool | str | None = None,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's ``ParallelModel``; tp·pp·dp must be the world size.
 
@@ -114,7 +117,9 @@ def parallelize(
     ``torch.compile``, which fuses the elementwise work between the collectives. With
     ``cuda_graphs`` (CUDA and NCCL), the regions that the cost model picks are captured
     as CUDA graphs on the first call and replayed after (``autotp.runtime.cudagraphs``); with
-    pp > 1, once per microbatch a stage holds in flight.
+    pp > 1, once per microbatch a stage holds in flight. ``sequence_parallel`` (True, False or
+    ``"auto"`` for the cost model's choice; None keeps the plan's, off by default) runs the
+    norms, residual adds and dropout between the tp regions on 1/tp of the tokens.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     _check_degrees(tp, pp, vpp)
@@ -144,7 +149,8 @@ def parallelize(
         _check_cuda_graphs(device, compile)
     impl = cudagraphs.implementation() if cuda_graphs else None
     planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=dp, vpp=vpp, plan=plan,
-                                  cudagraph_impl=impl, gather_outputs=gather_outputs)  # fmt: skip
+                                  cudagraph_impl=impl, gather_outputs=gather_outputs,
+                                  sequence_parallel=sequence_parallel)  # fmt: skip
     coords = make_groups(planned.plan, timeout_s)
     rng.seed_tp_rng(seed + 1009 * (coords.dp_rank + planned.plan.dp * coords.pp_rank), coords.tp_rank)
     backend = dist.get_backend() if dist.is_initialized() else "nccl"

@@ -35,7 +35,7 @@ from autotp.cost_model.compute import ModelCosts
 from autotp.cost_model.cudagraphs import choose_regions
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.planner import auto_plan
-from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from autotp.cost_model.tensor_parallel import choose_sequence_parallel, plan_tensor_parallel
 from autotp.ir import meta_keys
 from autotp.ir.plan import ParallelPlan
 from autotp.passes import PASSES
@@ -158,9 +158,12 @@ def plan_model(
     plan: ParallelPlan | str | None,
     cudagraph_impl: str | None = None,
     gather_outputs: bool = True,
+    sequence_parallel: bool | str | None = None,
 ) -> Planned:
     """Trace ``model`` on ``device`` and choose its plan. ``cudagraph_impl`` (the capture
-    implementation) turns CUDA graphs on, keeping an implementation the plan names."""
+    implementation) turns CUDA graphs on, keeping an implementation the plan names.
+    ``sequence_parallel`` (True, False or ``"auto"``: the cost model's choice) overrides the
+    plan's; None keeps it."""
     kwargs = example_kwargs(model, example_inputs)
     start = time.perf_counter()
     traced = trace(model, kwargs, device)
@@ -170,6 +173,12 @@ def plan_model(
         chosen = replace(chosen, cudagraphs=True, cudagraph_impl=chosen.cudagraph_impl or cudagraph_impl)
     if not gather_outputs:
         chosen = replace(chosen, gather_outputs=False)
+    if sequence_parallel == "auto":
+        chosen = replace(chosen, sequence_parallel=choose_sequence_parallel(traced, chosen.tp))
+    elif isinstance(sequence_parallel, bool):
+        chosen = replace(chosen, sequence_parallel=sequence_parallel)
+    elif sequence_parallel is not None:
+        raise ValueError(f"sequence_parallel must be True, False or 'auto', got {sequence_parallel!r}")
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)
     log.info("traced in %.2f s, planned in %.2f s: tp=%d pp=%d dp=%d vpp=%d", traced_at - start,

@@ -1,20 +1,42 @@
 """Tensor parallelism on GPUs: autotp against one GPU and PyTorch DTensor TP, one run.
 
-The model is DESIGN.md §5's: HF Llama with 4 layers of Llama-3-8B shape (h=4096, 32
-heads, 8 KV heads, ffn 14336), vocab 32000, bf16, forward + backward, b=4, s=2048.
-In one launch of N ranks (NCCL) it measures, after warm-up, the median step time of:
+Models (``--shape``): ``small`` is DESIGN.md §5's HF Llama with 4 layers of Llama-3-8B
+shape (h=4096, 32 heads, 8 KV heads, ffn 14336), vocab 32000, b=4, s=2048; ``8b`` is the
+full Llama-3-8B (32 layers, vocab 128256), b=2, s=4096. bf16, forward + backward. In one
+launch of N ranks (NCCL) it measures, after warm-up, the median step time of:
+
+``--suite scaling`` (default):
 
 * the unmodified model on one GPU (rank 0 alone), eager (the baseline every ratio
-  refers to) and with ``torch.compile`` (to show what fusion alone buys);
+  refers to) and with ``torch.compile``;
 * DTensor TP with the hand plan (q/k/v/gate/up colwise, o/down rowwise; embedding and
   lm_head replicated), at every tp in --tp;
 * autotp at every tp in --tp (tp < N runs N/tp independent tp groups side by side),
-  eager and with ``compile=True`` (torch.compile of the per-rank graph).
+  eager and with ``compile=True``.
 
-It prints step time, tokens/s, speedups and memory, checks the losses against the
-one-GPU loss, and writes JSON:
+``--suite strong``: the strongest plans a PyTorch user writes, all compiled (each decoder
+layer through ``torch.compile``), against autotp compiled with and without sequence
+parallelism; ratios refer to the fastest DTensor variant:
+
+* ``DTensor strong``: vocab-parallel embedding, colwise q/k/v/gate/up, rowwise o/down,
+  colwise ``lm_head`` with ``loss_parallel``;
+* ``DTensor SP``: the same with ``SequenceParallel`` norms, ``PrepareModuleInput``
+  all-gathers before attention and MLP, ``RowwiseParallel(output_layouts=Shard(1))``,
+  embedding output and ``lm_head`` input ``Shard(1)``;
+* ``DTensor SP+async``: SP with inductor's micro-pipeline TP on symmetric memory.
+
+The user patch the DTensor variants need (an unmodified HF Llama sizes its causal mask
+and positions from the local, sequence-sharded embedding): ``position_ids`` are passed
+for the full sequence and ``create_causal_mask`` returns None, so SDPA runs
+``is_causal=True`` (the flash kernel). autotp gets no patch: its ``causal_attention`` pass
+drops the mask it proves causal.
+
+MFU = (6·N·tokens + 6·layers·b·s²·h, causal attention fwd+bwd) / (step · GPUs · 989 TFLOP/s).
+It prints step time, tokens/s, ratios, MFU and peak memory, checks every loss against the
+first row's, and writes JSON:
 
     python benchmarks/bench_tp.py --tp 2 4 --json out.json
+    python benchmarks/bench_tp.py --suite strong --shape 8b --tp 2 --json strong_8b.json
 """
 
 from __future__ import annotations
@@ -25,21 +47,37 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from autotp.runtime.launcher import spawn_ranks
 
-BATCH, SEQ, LAYERS, WARMUP, STEPS = 4, 2048, 4, 3, 10
+WARMUP, STEPS = 3, 10
+PEAK_FLOPS = 989e12  # H100/H200 dense bf16
 
 
-def _model() -> torch.nn.Module:
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    vocab: int
+    batch: int
+    seq: int
+    hidden: int = 4096
+
+
+SHAPES = {"small": Shape(4, 32000, 4, 2048), "8b": Shape(32, 128256, 2, 4096)}
+
+
+def _model(shape: Shape) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=LAYERS,
-                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=SEQ)
+    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=14336,
+                         num_hidden_layers=shape.layers, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=shape.seq)  # fmt: skip
     torch.manual_seed(0)
     with torch.device("cuda"):
         return LlamaForCausalLM(config).to(torch.bfloat16).train(False)
@@ -61,9 +99,9 @@ def _time(step: Callable[[], torch.Tensor], group: dist.ProcessGroup | None) -> 
     return statistics.median(times), loss.item(), torch.cuda.max_memory_allocated() / 2**30
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 32000, (BATCH, SEQ), generator=gen).cuda()
+    ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=gen).cuda()
     return ids, ids.clone()
 
 
@@ -75,89 +113,211 @@ def _fwd_bwd(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) ->
     return loss.detach()
 
 
-def _dtensor_tp(tp: int, world: int) -> torch.nn.Module:
+def _tp_mesh(tp: int, world: int):
     from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cuda", (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
+
+
+def _dtensor_tp(shape: Shape, tp: int, world: int) -> torch.nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh("cuda", (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
-    model = _model()
+    model = _model(shape)
     plan = {}
-    for i in range(LAYERS):
+    for i in range(shape.layers):
         for name in ("q_proj", "k_proj", "v_proj"):
             plan[f"model.layers.{i}.self_attn.{name}"] = ColwiseParallel()
         plan[f"model.layers.{i}.self_attn.o_proj"] = RowwiseParallel()
         for name in ("gate_proj", "up_proj"):
             plan[f"model.layers.{i}.mlp.{name}"] = ColwiseParallel()
         plan[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
-    return parallelize_module(model, mesh, plan)
+    return parallelize_module(model, _tp_mesh(tp, world), plan)
 
 
-def _worker(rank: int, world: int, tps: list[int]) -> list[dict]:
+def _dtensor_strong(shape: Shape, tp: int, world: int, sp: bool, async_tp: bool) -> torch.nn.Module:
+    """The strongest DTensor plans (module docstring), each decoder layer compiled."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)  # fmt: skip
+
+    mesh = _tp_mesh(tp, world)
+    seq_or_rep = Shard(1) if sp else Replicate()
+    plan: dict = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq_or_rep),
+        "lm_head": ColwiseParallel(input_layouts=seq_or_rep, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sp:
+        plan["model.norm"] = SequenceParallel()
+    for i in range(shape.layers):
+        layer = f"model.layers.{i}"
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{layer}.self_attn.{name}"] = ColwiseParallel()
+        for name in ("gate_proj", "up_proj"):
+            plan[f"{layer}.mlp.{name}"] = ColwiseParallel()
+        plan[f"{layer}.self_attn.o_proj"] = RowwiseParallel(output_layouts=seq_or_rep)
+        plan[f"{layer}.mlp.down_proj"] = RowwiseParallel(output_layouts=seq_or_rep)
+        if sp:
+            plan[f"{layer}.input_layernorm"] = SequenceParallel()
+            plan[f"{layer}.post_attention_layernorm"] = SequenceParallel()
+            plan[f"{layer}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                            desired_input_kwarg_layouts={"hidden_states": Replicate()})  # fmt: skip
+            plan[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if async_tp:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        torch._inductor.config._micro_pipeline_tp = True
+        enable_symm_mem_for_group(mesh.get_group().group_name)
+    model = parallelize_module(_model(shape), mesh, plan)
+    for layer in model.model.layers:
+        layer.compile()
+    return model
+
+
+@contextmanager
+def _hf_mask_patched() -> Iterator[None]:
+    """The user's patch for the DTensor plans: no explicit causal mask (SDPA ``is_causal``)."""
+    import transformers.models.llama.modeling_llama as llama
+
+    original = llama.create_causal_mask
+    llama.create_causal_mask = lambda **kwargs: None
+    try:
+        yield
+    finally:
+        llama.create_causal_mask = original
+
+
+def _loss_parallel_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """HF's shifted causal-LM loss on vocab-sharded logits (``loss_parallel``)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    hidden = model.model(input_ids=ids, position_ids=positions).last_hidden_state
+    logits = model.lm_head(hidden).float()
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+    with loss_parallel():
+        loss = F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
+        loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
+
+
+def _row(setup: str, tp: int, measured: tuple[float, float, float]) -> dict:
+    step_s, loss, mem = measured
+    return {"setup": setup, "tp": tp, "step_ms": step_s * 1e3, "loss": loss, "mem_gib": mem}
+
+
+def _autotp(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, tp: int, world: int, **options) -> tuple[float, float, float]:
     import autotp
-    from transformers.utils import logging
 
-    logging.set_verbosity_error()
-    ids, labels = _batch()
+    model = _model(shape)
+    pm = autotp.parallelize(model, tp=tp, dp=world // tp, example_inputs={"input_ids": ids, "labels": labels},
+                            gather_outputs=False, **options)  # a training step needs no full logits
+    del model
+    torch.cuda.empty_cache()
+    measured = _time(functools.partial(_fwd_bwd, pm, ids, labels), None)
+    del pm
+    torch.cuda.empty_cache()
+    return measured
+
+
+def _scaling(shape: Shape, rank: int, world: int, tps: list[int], ids: torch.Tensor, labels: torch.Tensor) -> list[dict]:
     rows = []
     alone = dist.new_group([0])
     if rank == 0:
         for compiled in (False, True):
-            single = _model()
+            single = _model(shape)
             run = torch.compile(single) if compiled else single
-            step_s, loss, mem = _time(functools.partial(_fwd_bwd, run, ids, labels), alone)
-            setup = "1 GPU" + (" +compile" if compiled else "")
-            rows.append({"setup": setup, "tp": 1, "step_ms": step_s * 1e3, "loss": loss, "mem_gib": mem})
+            rows.append(_row("1 GPU" + (" +compile" if compiled else ""), 1,
+                             _time(functools.partial(_fwd_bwd, run, ids, labels), alone)))  # fmt: skip
             del single, run
             torch.cuda.empty_cache()
     dist.barrier()
     for tp in tps:
-        model = _dtensor_tp(tp, world)
-        step_s, loss, mem = _time(functools.partial(_fwd_bwd, model, ids, labels), None)
-        rows.append({"setup": f"DTensor TP={tp}", "tp": tp, "step_ms": step_s * 1e3, "loss": loss, "mem_gib": mem})
+        model = _dtensor_tp(shape, tp, world)
+        rows.append(_row(f"DTensor TP={tp}", tp, _time(functools.partial(_fwd_bwd, model, ids, labels), None)))
         del model
         torch.cuda.empty_cache()
         for compiled in (False, True):
-            model = _model()
-            pm = autotp.parallelize(model, tp=tp, dp=world // tp, example_inputs={"input_ids": ids, "labels": labels},
-                                    gather_outputs=False, compile=compiled)  # a training step needs no full logits
+            rows.append(_row(f"autotp TP={tp}" + (" +compile" if compiled else ""), tp,
+                             _autotp(shape, ids, labels, tp, world, compile=compiled)))  # fmt: skip
+    return rows
+
+
+def _strong(shape: Shape, world: int, tps: list[int], ids: torch.Tensor, labels: torch.Tensor) -> list[dict]:
+    rows = []
+    for tp in tps:
+        for sp in (False, True):
+            rows.append(_row(f"autotp TP={tp}" + (" SP" if sp else ""), tp,
+                             _autotp(shape, ids, labels, tp, world, compile=True, sequence_parallel=sp)))  # fmt: skip
+        for name, sp, async_tp in (("strong", False, False), ("SP", True, False), ("SP+async", True, True)):
+            with _hf_mask_patched():
+                model = _dtensor_strong(shape, tp, world, sp, async_tp)
+                rows.append(_row(f"DTensor {name} TP={tp}", tp,
+                                 _time(functools.partial(_loss_parallel_step, model, ids, labels), None)))  # fmt: skip
             del model
-            torch.cuda.empty_cache()
-            step_s, loss, mem = _time(functools.partial(_fwd_bwd, pm, ids, labels), None)
-            setup = f"autotp TP={tp}" + (" +compile" if compiled else "")
-            rows.append({"setup": setup, "tp": tp, "step_ms": step_s * 1e3, "loss": loss, "mem_gib": mem})
-            del pm
+            torch._inductor.config._micro_pipeline_tp = False
+            torch._dynamo.reset()
             torch.cuda.empty_cache()
     return rows
+
+
+def _worker(rank: int, world: int, suite: str, shape: Shape, tps: list[int]) -> list[dict]:
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    ids, labels = _batch(shape)
+    return _scaling(shape, rank, world, tps, ids, labels) if suite == "scaling" else _strong(shape, world, tps, ids, labels)
+
+
+def _flops(shape: Shape) -> float:
+    """6·N·tokens + causal attention (fwd+bwd 3 × 2·b·s²·h per layer)."""
+    h, ffn, kv = shape.hidden, 14336, 1024
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h
+    params = shape.layers * per_layer + 2 * shape.vocab * h + h
+    tokens = shape.batch * shape.seq
+    return 6 * params * tokens + 6 * shape.layers * shape.batch * shape.seq**2 * h
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--suite", choices=("scaling", "strong"), default="scaling")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    shape = SHAPES[args.shape]
     world = max(args.tp)
-    per_rank = spawn_ranks(_worker, world, args.tp, backend="nccl", timeout_s=1200)
+    per_rank = spawn_ranks(_worker, world, args.suite, shape, args.tp, backend="nccl", timeout_s=3000)
     rows = per_rank[0]
     for row in rows:  # memory: the largest over ranks
-        row["mem_gib"] = max(r["mem_gib"] for r in (rr for ranks in per_rank for rr in ranks) if r["setup"] == row["setup"])
+        row["mem_gib"] = max(r["mem_gib"] for ranks in per_rank for r in ranks if r["setup"] == row["setup"])
+    tokens = shape.batch * shape.seq
+    print(f"{torch.cuda.get_device_name(0)} x{world}, torch {torch.__version__}, Llama {shape}, bf16, fwd+bwd, "
+          f"suite {args.suite}")  # fmt: skip
     base = rows[0]
-    tokens = BATCH * SEQ
-    print(f"{torch.cuda.get_device_name(0)} x{world}, torch {torch.__version__}, Llama {LAYERS}x(8B layer), "
-          f"vocab 32000, bf16, b={BATCH}, s={SEQ}, fwd+bwd")
-    print(f"{'setup':16s} {'step ms':>8s} {'tokens/s':>10s} {'vs 1 GPU':>9s} {'vs DTensor':>10s} {'mem GiB':>8s} {'loss':>8s}")
-    dtensor = {r["tp"]: r for r in rows if r["setup"].startswith("DTensor")}
+    reference = {tp: min((r for r in rows if r["tp"] == tp and r["setup"].startswith("DTensor")), key=lambda r: r["step_ms"])
+                 for tp in args.tp}  # fmt: skip
+    print(f"{'setup':24s} {'step ms':>8s} {'tokens/s':>10s} {'vs first':>9s} {'vs best DT':>10s} {'MFU':>6s} "
+          f"{'mem GiB':>8s} {'mem/DT':>7s} {'loss':>8s}")  # fmt: skip
     for r in rows:
+        best = reference.get(r["tp"])
         r["tokens_per_s"] = tokens / (r["step_ms"] / 1e3)
-        r["speedup_vs_1gpu"] = base["step_ms"] / r["step_ms"]
-        r["vs_dtensor"] = dtensor[r["tp"]]["step_ms"] / r["step_ms"] if r["tp"] in dtensor else None
+        r["speedup_vs_first"] = base["step_ms"] / r["step_ms"]
+        r["vs_best_dtensor"] = best["step_ms"] / r["step_ms"] if best else None
+        r["mem_vs_best_dtensor"] = r["mem_gib"] / best["mem_gib"] if best else None
+        r["mfu"] = _flops(shape) / (r["step_ms"] / 1e3 * r["tp"] * PEAK_FLOPS)
         r["loss_rel_err"] = abs(r["loss"] - base["loss"]) / abs(base["loss"])
-        vs = f"{r['vs_dtensor']:10.2f}" if r["vs_dtensor"] is not None else f"{'-':>10s}"
-        print(f"{r['setup']:16s} {r['step_ms']:8.1f} {r['tokens_per_s']:10.0f} {r['speedup_vs_1gpu']:9.2f} {vs} "
-              f"{r['mem_gib']:8.1f} {r['loss']:8.4f}")
+        vs = f"{r['vs_best_dtensor']:10.3f}" if best else f"{'-':>10s}"
+        mem = f"{r['mem_vs_best_dtensor']:7.2f}" if best else f"{'-':>7s}"
+        print(f"{r['setup']:24s} {r['step_ms']:8.1f} {r['tokens_per_s']:10.0f} {r['speedup_vs_first']:9.2f} {vs} "
+              f"{r['mfu']:6.1%} {r['mem_gib']:8.1f} {mem} {r['loss']:8.4f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump([dict(r, shape=args.shape, suite=args.suite) for r in rows], f, indent=1)
 
 
 if __name__ == "__main__":

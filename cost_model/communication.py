@@ -91,11 +91,11 @@ def group_all_reduce_s(nbytes: float, ranks: int, ranks_per_node: int, hw: Hardw
 
 
 def group_collective_s(kind: str, nbytes: float, ranks: int, ranks_per_node: int, hw: HardwareProfile) -> float:
-    """An ``all_reduce`` (hierarchical across nodes), ``all_gather`` (ring over the slowest
-    link) or ``p2p`` send between two ranks of a node."""
+    """An ``all_reduce`` (hierarchical across nodes), ``all_gather`` or ``reduce_scatter``
+    (ring over the slowest link) or ``p2p`` send between two ranks of a node."""
     if kind == "p2p":
         return p2p_s(nbytes, hw.intra_node) if ranks > 1 else 0.0
     if kind == "all_reduce":
         return group_all_reduce_s(nbytes, ranks, ranks_per_node, hw)
-    assert kind == "all_gather", f"unknown collective {kind!r}"
+    assert kind in ("all_gather", "reduce_scatter"), f"unknown collective {kind!r}"
     return all_gather_s(nbytes, ranks, hw.intra_node if ranks_per_node >= ranks else hw.inter_node)

@@ -58,11 +58,13 @@ from autotp.cost_model.communication import group_collective_s
 from autotp.cost_model.flops import TensorInfo, compute_time_s, node_cost
 from autotp.cost_model.hardware import PROFILES
 from autotp.passes.mark_cudagraph_regions import region_slots
+from autotp.passes.sequence_parallel import REDUCE_SCATTER_TAG, SCATTER_TAG, SEQUENCE_GATHER_TAG
 from autotp.analysis.local_shapes import local_tensors
 
 BACKWARD_LAUNCHES = 2
 BACKWARD_GPU_FACTOR = 2.0
-_COLLECTIVE_KIND = {"all_reduce": "all_reduce", "all_reduce_backward": "all_reduce", "all_gather": "all_gather"}
+_COLLECTIVE_KIND = {"all_reduce": "all_reduce", "all_reduce_backward": "all_reduce", "all_gather": "all_gather",
+                    REDUCE_SCATTER_TAG: "reduce_scatter", SEQUENCE_GATHER_TAG: "all_gather", SCATTER_TAG: "all_gather"}
 
 
 ALWAYS = CudaGraphPolicy(min_saved_s=-1.0, max_static_bytes=2**62)

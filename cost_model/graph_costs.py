@@ -44,8 +44,9 @@ from autotp.cost_model.hardware import H200, HardwareProfile
 from autotp.analysis.layers import EMBEDDING, HEAD, LayerKey, last_layer_position, layer_of, outside_layers
 from autotp.ir.layouts import Layout
 from autotp.ir.plan import ParallelPlan
+from autotp.passes.sequence_parallel import REDUCE_SCATTER_TAG, SCATTER_TAG, SEQUENCE_GATHER_TAG
 
-KINDS = ("all_reduce", "all_gather", "p2p")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 DIRECTIONS = ("forward", "backward")
 
 _FLOAT32_BYTES = 4
@@ -203,6 +204,12 @@ def _collectives(node: Node, tp: int, hw: HardwareProfile, local: list[TensorInf
             return (cost("all_reduce", "forward", nbytes, ranks),)
         if tag == "all_gather":
             return (cost("all_gather", "forward", nbytes, ranks),)
+        if tag == REDUCE_SCATTER_TAG:  # sequence parallelism: g's replacement
+            return (cost("reduce_scatter", "forward", nbytes, ranks), cost("all_gather", "backward", nbytes, ranks))
+        if tag == SEQUENCE_GATHER_TAG:  # f's replacement
+            return (cost("all_gather", "forward", nbytes, ranks), cost("reduce_scatter", "backward", nbytes, ranks))
+        if tag == SCATTER_TAG:  # a whole-sequence operand sliced to this rank's tokens
+            return (cost("all_gather", "backward", nbytes, ranks),)
         assert tag == "all_reduce_backward", f"unknown collective tag {tag!r} on {node.name}"
         return (cost("all_reduce", "backward", nbytes, ranks),)
     if node.op == "call_function" and node.target is ops.STAGE_BOUNDARY:

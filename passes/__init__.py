@@ -7,6 +7,7 @@ from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.rewrite_shapes import rewrite_shapes
 from autotp.passes.slice_replicated import slice_replicated
+from autotp.passes.sequence_parallel import sequence_parallel
 from autotp.passes.split_stages import split_stages
 from autotp.passes.runner import Pass
 from autotp.passes.tp_dropout import tp_dropout
@@ -23,6 +24,7 @@ PASSES: list[Pass] = [
     slice_replicated,
     insert_collectives,
     cancel_collectives,
+    sequence_parallel,
     split_stages,
     mark_cudagraph_regions,
 ]

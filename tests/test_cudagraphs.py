@@ -276,7 +276,7 @@ def _emulated_make_graphed_callables(
     return modules
 
 
-def _train_captured_and_eager(rank: int, world: int, name: str) -> dict[str, float]:
+def _train_captured_and_eager(rank: int, world: int, name: str, sp: bool = False) -> dict[str, float]:
     import autotp.api
 
     torch.cuda.make_graphed_callables = _emulated_make_graphed_callables  # type: ignore[assignment]
@@ -285,8 +285,9 @@ def _train_captured_and_eager(rank: int, world: int, name: str) -> dict[str, flo
     model = build(name)
     ids = torch.randint(0, vocab_size(model), (4, 16), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
-    eager = autotp.parallelize(copy.deepcopy(model), tp=world, example_inputs=batch)
-    graphed = autotp.parallelize(model, tp=world, example_inputs=batch, cuda_graphs=True)
+    eager = autotp.parallelize(copy.deepcopy(model), tp=world, example_inputs=batch, sequence_parallel=sp)
+    graphed = autotp.parallelize(model, tp=world, example_inputs=batch, cuda_graphs=True, sequence_parallel=sp)
+    assert graphed.plan.sequence_parallel == sp
     optimizers = [torch.optim.SGD(pm.parameters(), lr=0.1) for pm in (eager, graphed)]
     worst = 0.0
     for _ in range(3):
@@ -312,6 +313,23 @@ def test_training_through_replay_buffers_matches_eager(name: str) -> None:
         for result in run_on_ranks(_train_captured_and_eager, world, name):
             assert result["worst"] <= tolerance and result["logits"] <= tolerance, (world, result)
             assert result["kept"], "an earlier call's outputs changed: they must be copies, not static buffers"
+
+
+def test_replay_with_sequence_parallelism_matches_eager() -> None:
+    for result in run_on_ranks(_train_captured_and_eager, 2, "llama", True):
+        assert result["worst"] <= 1e-6 and result["logits"] <= 1e-6, result
+        assert result["kept"], "an earlier call's outputs changed: they must be copies, not static buffers"
+
+
+def test_sequence_parallel_collectives_stay_inside_one_region_on_nccl() -> None:
+    model = autotp.presets.build_model("llama-tiny")
+    ids = torch.randint(0, 100, (2, 32))
+    compiled = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": ids}, cuda_graphs=True,
+                                   sequence_parallel=True)  # fmt: skip
+    nodes = compiled.graph.graph.nodes
+    sp = [n for n in nodes if n.target in (ops.REDUCE_SCATTER, ops.ALL_GATHER)]
+    assert sp and all(n.meta.get(meta_keys.CUDAGRAPH_BLOCKER) is None for n in sp)
+    assert len(compiled.plan.cudagraph_regions) == 1
 
 
 def test_first_call_records_static_inputs_and_later_outputs_are_copies(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,7 +88,7 @@ def test_svg_falls_back_to_dot_without_graphviz(
 def test_after_a_pass_and_dump_dir(tmp_path: Path) -> None:
     passes = tmp_path / "passes"
     out = _dump(tmp_path / "out", "--after", "annotate_layouts", "--dump-dir", str(passes))
-    before = (out / "llama-tiny_tp2_rank0_after_01_annotate_layouts.py").read_text()
+    before = (out / "llama-tiny_tp2_rank0_after_02_annotate_layouts.py").read_text()
     assert "reduce_from_tp" not in before and "aten.linear.default" in before
     written = sorted(p.name for p in passes.iterdir())
     assert written[0] == "00_traced.py" and "07_insert_collectives.py" in written

@@ -14,7 +14,8 @@ ROLE = "autotp_role"
 """What the sharding rewrite must do with the node (a ``NodeRole`` value)."""
 
 COLLECTIVE = "autotp_collective"
-"""Set on inserted collective nodes: ``all_reduce``, ``all_reduce_backward`` or ``all_gather``."""
+"""Set on inserted collective nodes: ``all_reduce``, ``all_reduce_backward`` or ``all_gather``; with
+sequence parallelism also ``reduce_scatter``, ``sequence_all_gather`` and ``scatter`` (``passes/sequence_parallel``)."""
 
 COLLECTIVE_RANKS = "autotp_collective_ranks"
 """On inserted collective nodes: how many ranks the collective spans."""

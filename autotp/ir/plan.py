@@ -103,8 +103,10 @@ class ParallelPlan:
     # the SDPA nodes it rewrote for the signature it compiled.
     causal_attention: bool = True
     causal_attention_nodes: tuple[str, ...] = ()
-    # Not implemented yet; the defaults mean off.
+    # Megatron sequence parallelism: the regions between tp regions run on 1/tp of the
+    # tokens (``passes/sequence_parallel``).
     sequence_parallel: bool = False
+    # Not implemented yet; the defaults mean off.
     distributed_optimizer: bool = False
     ep: int = 1
 

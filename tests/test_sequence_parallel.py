@@ -1,0 +1,127 @@
+"""Sequence parallelism: loss, logits and every grad equal the unmodified model (gloo, CPU,
+fp32), and each decoder layer runs 2 reduce-scatters + 2 all-gathers and no all-reduce on
+its residual path."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+import autotp
+from autotp.analysis.layers import layer_of
+from autotp.ir import meta_keys, ops
+from distributed import run_on_ranks
+from small_models import build, vocab_size
+
+RTOL, ATOL = 1e-4, 1e-6
+BATCH, SEQ = 4, 16
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def _data(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    vocab = vocab_size(model)
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=gen), torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+
+
+def _sp_on_rank(rank: int, world: int, names: list[str], tp: int, pp: int) -> dict[str, float]:
+    return {name: _compare(name, tp, pp) for name in names}
+
+
+def _compare(name: str, tp: int, pp: int) -> float:
+    model = build(name, layers=4 if pp > 1 else 2)
+    reference = copy.deepcopy(model)
+    ids, labels = _data(model)
+    pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs={"input_ids": ids[:2], "labels": labels[:2]},
+                            sequence_parallel=True)  # fmt: skip
+    assert pm.plan.sequence_parallel
+    if pp == 1:
+        out, expected = pm(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+        _close(out.logits, expected.logits, "logits")
+        _close(out.loss, expected.loss, "loss")
+        out.loss.backward()
+        expected.loss.backward()
+        loss = out.loss.detach()
+    else:
+        loss = pm.train_step(input_ids=ids, labels=labels, num_microbatches=2)
+        losses = [reference(input_ids=i, labels=l).loss for i, l in zip(ids.chunk(2), labels.chunk(2))]
+        expected_loss = torch.stack(losses).mean()
+        expected_loss.backward()
+        _close(loss, expected_loss, "loss")
+    grads = pm.unshard_grads()
+    for pname, p in reference.named_parameters():
+        assert grads[pname] is not None, f"no grad for {pname}"
+        _close(grads[pname], p.grad, f"grad of {pname}")
+    return loss.item()
+
+
+MODELS = ["llama", "gpt2", "mixtral", "bert"]
+
+
+def _check_on_ranks(names: list[str], tp: int, pp: int) -> None:
+    results = run_on_ranks(_sp_on_rank, tp * pp, names, tp, pp, timeout_s=600)
+    for name in names:
+        assert len({round(r[name], 6) for r in results}) == 1, f"{name}: ranks disagree on the loss: {results}"
+
+
+def test_sequence_parallel_matches_unmodified_model_tp2() -> None:
+    _check_on_ranks(MODELS, 2, 1)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_matches_unmodified_model_tp4() -> None:
+    _check_on_ranks(MODELS, 4, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_sequence_parallel_matches_unmodified_model_tp2_pp2(name: str) -> None:
+    _check_on_ranks([name], 2, 2)
+
+
+def _per_layer(gm: torch.fx.GraphModule) -> dict[int, Counter[str]]:
+    counts: dict[int, Counter[str]] = {}
+    for n in gm.graph.nodes:
+        if meta_keys.COLLECTIVE not in n.meta or n.args[0].op == "get_attr":
+            continue  # f on a norm weight or bias: its grad (this rank's tokens) is summed backward
+        # an all-gather belongs to the layer that reads it (post-norm BERT computes its input in the layer before)
+        layer = layer_of(next(iter(n.users)) if n.target is ops.ALL_GATHER else n)
+        if layer is not None:
+            counts.setdefault(layer, Counter())[n.target._schema.name.split("::")[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "bert"])
+def test_collectives_per_decoder_layer(name: str) -> None:
+    model = build(name)
+    ids = torch.randint(0, vocab_size(model), (2, SEQ))
+    compiled = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids}, sequence_parallel=True)
+    per_layer = _per_layer(compiled.graph)
+    assert len(per_layer) == model.config.num_hidden_layers
+    for layer, counts in per_layer.items():
+        # forward: 2 reduce-scatters, 2 all-gathers, no all-reduce
+        assert counts["reduce_scatter"] == 2, (layer, counts)
+        assert counts["all_gather"] + counts["gather_from_tp"] == 2, (layer, counts)
+        assert counts["reduce_from_tp"] == 0, (layer, counts)
+        if name != "mixtral":  # backward: the duals (reduce-scatter, all-gather), no all-reduce of activations
+            assert counts["all_gather"] == 2 and counts["copy_to_tp"] == 0, (layer, counts)
+    off = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids}, sequence_parallel=False)
+    assert not any(n.target in (ops.REDUCE_SCATTER, ops.ALL_GATHER) for n in off.graph.graph.nodes)
+
+
+def test_auto_decides_by_the_cost_model_and_odd_sequences_are_refused() -> None:
+    model = build("llama")
+    even = torch.randint(0, 100, (2, 16))
+    assert autotp.compile_rank(model, tp=2, example_inputs={"input_ids": even}, sequence_parallel="auto").plan.sequence_parallel
+    odd = torch.randint(0, 100, (2, 15))
+    assert not autotp.compile_rank(model, tp=2, example_inputs={"input_ids": odd}, sequence_parallel="auto").plan.sequence_parallel
+    with pytest.raises(ValueError, match="pad the sequence to a multiple of 2"):
+        autotp.compile_rank(model, tp=2, example_inputs={"input_ids": odd}, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence_parallel must be"):
+        autotp.compile_rank(model, tp=2, example_inputs={"input_ids": even}, sequence_parallel="yes")
