@@ -10,6 +10,7 @@ activations forward and gradients backward between neighbouring pipeline ranks.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -313,15 +314,14 @@ class PipelineRunner:
         cg = self.chunks[chunk]
         grads = self._received("B", chunk, microbatch)
         start = self._sync() if self.measure_busy else 0.0
-        roots = [flight.loss] if cg.is_last else flight.roots
         if cg.is_last:
             assert flight.loss is not None
-        pairs = [(t, g) for t, g in zip(roots, grads if not cg.is_last else [None]) if t.requires_grad]
+            roots, grads = [flight.loss], [None]
+        else:
+            roots = flight.roots
+        pairs = [(t, g) for t, g in zip(roots, grads) if t.requires_grad]
         if pairs:
-            if flight.weights is not None:
-                with flight.weights.collecting():
-                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-            else:
+            with flight.weights.collecting() if flight.weights is not None else contextlib.nullcontext():
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         if self.measure_busy:
             self.busy_s += self._sync() - start
