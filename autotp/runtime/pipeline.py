@@ -10,6 +10,7 @@ activations forward and gradients backward between neighbouring pipeline ranks.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -150,21 +151,25 @@ class Transfer:
     tag: int
 
 
-def post(transfers: Sequence[Transfer]) -> list[dist.Work]:
+def post(transfers: Sequence[Transfer]) -> list[list[dist.Work]]:
     """Start ``transfers`` without waiting: one ``batch_isend_irecv`` per process group.
+    Returns, for each transfer, the works to wait for before its tensor may be read or reused.
 
     Every point-to-point operation of the pipeline goes through here. NCCL matches the
     sends and receives between two ranks of a group in the order they are posted, so
     each rank posts them in the order of its schedule; gloo matches them by tag.
     """
-    by_group: dict[int, list[dist.P2POp]] = {}
-    for t in transfers:
-        op = dist.isend if t.send else dist.irecv
-        by_group.setdefault(id(t.group), []).append(dist.P2POp(op, t.tensor, t.peer, t.group, t.tag))
-    works: list[dist.Work] = []
-    for ops_ in by_group.values():
-        works.extend(dist.batch_isend_irecv(ops_))
-    return works
+    by_group: dict[int, list[int]] = {}
+    for i, t in enumerate(transfers):
+        by_group.setdefault(id(t.group), []).append(i)
+    waits: list[list[dist.Work]] = [[] for _ in transfers]
+    for indices in by_group.values():
+        ops_ = [transfers[i] for i in indices]
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, t.peer, t.group, t.tag) for t in ops_])
+        per_op = len(works) == len(indices)  # gloo: one work per operation; NCCL: one for the batch
+        for k, i in enumerate(indices):
+            waits[i] = [works[k]] if per_op else works
+    return waits
 
 
 @dataclass
@@ -256,13 +261,12 @@ class PipelineRunner:
         transfers = batch.sends + [t for r in batch.receives for t in r.transfers]
         if not transfers:
             return
-        works = post(transfers)
-        per_op = len(works) == len(transfers)  # gloo: one work per operation; NCCL: one for the batch
+        waits = post(transfers)
         if batch.sends:
-            self._sends.append((works[: len(batch.sends)] if per_op else works, [t.tensor for t in batch.sends]))
+            self._sends.append(([w for ws in waits[: len(batch.sends)] for w in ws], [t.tensor for t in batch.sends]))
         at = len(batch.sends)
         for recv in batch.receives:
-            recv.works = works[at : at + len(recv.transfers)] if per_op else works
+            recv.works = [w for ws in waits[at : at + len(recv.transfers)] for w in ws]
             at += len(recv.transfers)
 
     def _received(self, kind: str, chunk: int, microbatch: int) -> list[Tensor]:
@@ -310,15 +314,14 @@ class PipelineRunner:
         cg = self.chunks[chunk]
         grads = self._received("B", chunk, microbatch)
         start = self._sync() if self.measure_busy else 0.0
-        roots = [flight.loss] if cg.is_last else flight.roots
         if cg.is_last:
             assert flight.loss is not None
-        pairs = [(t, g) for t, g in zip(roots, grads if not cg.is_last else [None]) if t.requires_grad]
+            roots, grads = [flight.loss], [None]
+        else:
+            roots = flight.roots
+        pairs = [(t, g) for t, g in zip(roots, grads) if t.requires_grad]
         if pairs:
-            if flight.weights is not None:
-                with flight.weights.collecting():
-                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-            else:
+            with flight.weights.collecting() if flight.weights is not None else contextlib.nullcontext():
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         if self.measure_busy:
             self.busy_s += self._sync() - start
