@@ -70,7 +70,9 @@ def build(arch: str) -> torch.nn.Module:
 
 def _reason(e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:200].replace("|", "/")
+    first = text[0] if text else ""
+    cause = first.split("failed under torch.export: ")[-1].split(". Fix:")[0]  # a trace error: keep its cause
+    return f"{type(e).__name__}: {cause}"[:300].replace("|", "/")
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +87,7 @@ def _loss_logits(out: object) -> tuple[torch.Tensor, torch.Tensor]:
 def _check_on_rank(rank: int, world: int, arch: str) -> dict[str, str]:
     """tp=2 and pp=2 on two ranks: '' when equal, else the reason."""
     import autotp
+    from autotp.compiler import example_kwargs
 
     ids, labels = _inputs()
     results: dict[str, str] = {}
@@ -94,7 +97,8 @@ def _check_on_rank(rank: int, world: int, arch: str) -> dict[str, str]:
             model = build(arch)
             reference = copy.deepcopy(model)
             pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs={"input_ids": ids, "labels": labels}, timeout_s=120)
-            ref_loss, ref_logits = _loss_logits(reference(input_ids=ids, labels=labels))
+            # the reference runs as traced (use_cache=False where the forward takes it)
+            ref_loss, ref_logits = _loss_logits(reference(**example_kwargs(reference, {"input_ids": ids, "labels": labels})))
             ref_loss.backward()
             if pp == 1:
                 loss, logits = _loss_logits(pm(input_ids=ids, labels=labels))
@@ -132,8 +136,13 @@ def sweep_one(arch: str) -> Row:
         row.traces = True
         plan = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": labels}).plan
         sharded = {p.name for p in plan.params}
-        params = dict(model.named_parameters())
-        row.sharded = sum(p.numel() for n, p in params.items() if n in sharded) / sum(p.numel() for p in params.values())
+        names: dict[int, list[str]] = {}
+        tensors = {}
+        for name, p in model.named_parameters(remove_duplicate=False):  # tied names count once
+            names.setdefault(id(p), []).append(name)
+            tensors[id(p)] = p
+        total = sum(p.numel() for p in tensors.values())
+        row.sharded = sum(p.numel() for i, p in tensors.items() if sharded & set(names[i])) / total
         results = spawn_ranks(_check_on_rank, 2, arch, backend="gloo", timeout_s=400, num_threads=1)[0]
         row.tp2, row.pp2 = results["tp2"] == "", results["pp2"] == ""
         row.reason = "; ".join(f"{k}: {v}" for k, v in results.items() if v)
