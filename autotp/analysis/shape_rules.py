@@ -286,6 +286,8 @@ def index(w: Walker, node: Node) -> Any:
     if lay.replicated or lay.partial:
         return lay
     indexed = [d for d, i in enumerate(indices) if i is not None]
+    if not indexed:
+        return lay
     if any(lay.var_at(d) is not None for d in indexed):
         raise ShardingConflict(f"{describe(node)}: indexes a sharded dim", lay.origins())
     src, dst = shape_of(x) or (), shape_of(node) or ()
