@@ -8,6 +8,7 @@ failure keeps its reason (the first line of the error). Writes a Markdown table:
 
     python benchmarks/sweep_registry.py                  # all, -> docs/registry_sweep.md
     python benchmarks/sweep_registry.py --only llama,gpt2 --out /tmp/sweep.md
+    python benchmarks/sweep_registry.py --only bert --merge   # redo some rows of the table
 
 Prints the summary: of the architectures that build, how many match at tp=2 and pp=2.
 """
@@ -70,7 +71,9 @@ def build(arch: str) -> torch.nn.Module:
 
 def _reason(e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:200].replace("|", "/")
+    first = text[0] if text else ""
+    cause = first.split("failed under torch.export: ")[-1].split(". Fix:")[0]  # a trace error: keep its cause
+    return f"{type(e).__name__}: {cause}"[:300].replace("|", "/")
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +88,7 @@ def _loss_logits(out: object) -> tuple[torch.Tensor, torch.Tensor]:
 def _check_on_rank(rank: int, world: int, arch: str) -> dict[str, str]:
     """tp=2 and pp=2 on two ranks: '' when equal, else the reason."""
     import autotp
+    from autotp.compiler import example_kwargs
 
     ids, labels = _inputs()
     results: dict[str, str] = {}
@@ -94,7 +98,8 @@ def _check_on_rank(rank: int, world: int, arch: str) -> dict[str, str]:
             model = build(arch)
             reference = copy.deepcopy(model)
             pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs={"input_ids": ids, "labels": labels}, timeout_s=120)
-            ref_loss, ref_logits = _loss_logits(reference(input_ids=ids, labels=labels))
+            # the reference runs as traced (use_cache=False where the forward takes it)
+            ref_loss, ref_logits = _loss_logits(reference(**example_kwargs(reference, {"input_ids": ids, "labels": labels})))
             ref_loss.backward()
             if pp == 1:
                 loss, logits = _loss_logits(pm(input_ids=ids, labels=labels))
@@ -132,8 +137,13 @@ def sweep_one(arch: str) -> Row:
         row.traces = True
         plan = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": labels}).plan
         sharded = {p.name for p in plan.params}
-        params = dict(model.named_parameters())
-        row.sharded = sum(p.numel() for n, p in params.items() if n in sharded) / sum(p.numel() for p in params.values())
+        names: dict[int, list[str]] = {}
+        tensors = {}
+        for name, p in model.named_parameters(remove_duplicate=False):  # tied names count once
+            names.setdefault(id(p), []).append(name)
+            tensors[id(p)] = p
+        total = sum(p.numel() for p in tensors.values())
+        row.sharded = sum(p.numel() for i, p in tensors.items() if sharded & set(names[i])) / total
         results = spawn_ranks(_check_on_rank, 2, arch, backend="gloo", timeout_s=400, num_threads=1)[0]
         row.tp2, row.pp2 = results["tp2"] == "", results["pp2"] == ""
         row.reason = "; ".join(f"{k}: {v}" for k, v in results.items() if v)
@@ -158,7 +168,7 @@ def table(rows: list[Row]) -> str:
         "Regenerate: `python benchmarks/sweep_registry.py` (tiny configs, fp32, 2 gloo ranks; loss, logits "
         "and every grad against the unmodified model at tp=2 and pp=2).",
         "",
-        f"{len(rows)} architectures, {len(built)} build from a tiny config; of those, {sum(r.traces for r in built)} trace, "
+        f"{len(rows)} of the {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} architectures swept; {len(built)} build from a tiny config; of those, {sum(r.traces for r in built)} trace, "
         f"{ok_tp} match at tp=2 ({ok_tp / max(len(built), 1):.0%}), {ok_pp} match at pp=2 ({ok_pp / max(len(built), 1):.0%}).",
         "",
         "| arch | builds | traces | equal tp=2 | equal pp=2 | params sharded (tp=2) | reason |",
@@ -171,16 +181,32 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_table(path: Path) -> dict[str, Row]:
+    """The rows of a table that ``table`` wrote (for ``--merge``)."""
+    rows: dict[str, Row] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 7 or cells[1] not in ("yes", "no"):
+            continue
+        arch, builds, traces, tp2, pp2, share, reason = cells
+        sharded = float(share.rstrip("%")) / 100 if share != "-" else None
+        rows[arch] = Row(arch, builds == "yes", traces == "yes", tp2 == "yes", pp2 == "yes", sharded, reason)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated model types (default: all)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "registry_sweep.md")
+    parser.add_argument("--merge", action="store_true", help="keep the other rows of the existing --out table")
     args = parser.parse_args()
     archs = [a for a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if not args.only or a in args.only.split(",")]
+    kept = read_table(args.out) if args.merge else {}
     rows = []
     for arch in archs:
         row = sweep_one(arch)
-        rows.append(row)
+        kept[arch] = row
+        rows = [kept[a] for a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if a in kept]
         print(f"{arch:28s} builds={row.builds} traces={row.traces} tp2={row.tp2} pp2={row.pp2} "
               f"sharded={row.sharded} {row.seconds:.0f}s {row.reason[:150]}", flush=True)  # fmt: skip
         args.out.write_text(table(rows))

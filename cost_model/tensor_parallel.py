@@ -24,6 +24,8 @@ from autotp.ir.plan import ParallelPlan, ParamLayout
 from autotp.ir.errors import UserInputError
 
 MIN_EMBEDDING_ROWS_PER_RANK = 16
+REPLICATED_NOTE = "replicated (its sharding conflicts with the graph): "
+"""How a plan note naming a parameter kept whole begins; the note goes on with the blocking node."""
 MAX_PLANNING_ROUNDS = 16
 
 
@@ -41,10 +43,14 @@ def plan_tensor_parallel(gm: GraphModule, tp: int, *, replicate: Iterable[str] =
         return True
 
     prop: Propagation | None = None
+    blocked: dict[str, str] = {}  # parameter -> the first conflict that made it replicated
     for _ in range(MAX_PLANNING_ROUNDS):
         prop = propagate(gm, tp, policy=policy)
         if not prop.conflicts:
             break
+        for c in prop.conflicts:
+            for name in c.origins - banned:
+                blocked.setdefault(name, str(c))
         new = set().union(*(c.origins for c in prop.conflicts)) - banned
         assert new, f"conflicts without a parameter to blame: {prop.conflicts[0]}"
         banned |= new
@@ -56,7 +62,7 @@ def plan_tensor_parallel(gm: GraphModule, tp: int, *, replicate: Iterable[str] =
         if found is not None:
             kind, dim, sharding = found
             params.append(ParamLayout(name, kind, dim, sharding))
-    notes = tuple(f"replicated (its sharding conflicts with the graph): {n}" for n in sorted(banned - set(replicate)))
+    notes = tuple(f"{REPLICATED_NOTE}{n}; blocked at {blocked[n]}" for n in sorted(banned - set(replicate)))
     return ParallelPlan(tp=tp, params=tuple(params), notes=notes)
 
 

@@ -18,7 +18,8 @@ from autotp.ir.layouts import Layout
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten
-_SHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+_SHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+              aten.broadcast_to.default}
 _SPLIT_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 
 

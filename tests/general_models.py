@@ -143,11 +143,13 @@ class ExpertLoopBlock(_Block):
 
 
 class BufferBlock(_Block):
-    """A non-trainable buffer (expert load bias) that only this block reads."""
+    """A non-trainable buffer (expert load bias) that only this block reads, and a
+    parameter that forward never reads."""
 
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("mlp_bias", torch.linspace(-1, 1, 2 * HIDDEN))
+        self.spare = nn.Parameter(torch.zeros(3))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x) + self.mlp_bias))

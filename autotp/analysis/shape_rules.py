@@ -2,13 +2,16 @@
 slices, splits, concatenation and row gathers (``index``).
 
 A reshape that splits a sharded dim puts the sharding on the outer block dim; one that
-merges a sharded dim with inner dims keeps it on the merged dim. When the inner dims
+merges a sharded dim with inner dims keeps it on the merged dim; one that merges
+unsharded outer dims into a sharded one tiles it (``_tile``: one segment per outer
+element), and splitting that tiled dim back gives the sharded inner dim. When the inner dims
 come from an expand (``repeat_kv``), the expand is recorded in ``expand_fixups``; a
 slice within a sharded dim is recorded in ``slice_fixups``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,6 +73,8 @@ def reshape(w: Walker, node: Node) -> Any:
         d, var = vars_in[0]
         if len(ca) == 1 and len(cb) == 1:
             dims[cb[0]] = var
+        elif len(ca) == 1 and _tiled_inner(var, [dst[c] for c in cb]) is not None:
+            dims[cb[1]] = _tiled_inner(var, [dst[c] for c in cb])  # type: ignore[assignment]
         elif len(ca) == 1:
             # split: the sharded dim becomes [blocks, rest...]; blocks carry the split
             blocks = dst[cb[0]]
@@ -77,6 +82,8 @@ def reshape(w: Walker, node: Node) -> Any:
             out_var = DimVar(blocks, var.find().origins)
             set_groups(out_var, blocks, describe(node))
             dims[cb[0]] = out_var
+        elif len(cb) == 1 and d == ca[-1] and d != ca[0]:
+            dims[cb[0]] = _tile(var, math.prod(src[c] for c in ca[:-1]), describe(node))
         elif len(cb) == 1:
             if d != ca[0]:
                 raise ShardingConflict(f"{describe(node)}: the sharded dim is not the outer one of a merge", lay.origins())
@@ -88,6 +95,25 @@ def reshape(w: Walker, node: Node) -> Any:
         else:
             raise ShardingConflict(f"{describe(node)}: reshape regroups a sharded dim", lay.origins())
     return shard(dims)
+
+
+def _tile(var: DimVar, count: int, where: str) -> DimVar:
+    """The dim that merges ``count`` unsharded outer elements with sharded ``var``
+    (Bloom's ``[batch, heads] -> batch*heads``): ``count`` segments, each split as ``var``."""
+    tiled = DimVar(count * var.find().size, var.find().origins)
+    for seg in set_segments(tiled, [var.find().size] * count, where):
+        unify(seg, var, where)
+    return tiled
+
+
+def _tiled_inner(var: DimVar, sizes: list[int]) -> DimVar | None:
+    """For a reshape of a ``_tile``d dim into ``[count, size]``: the sharded inner var, else None."""
+    r = var.find()
+    if r.segments is None or len(sizes) != 2 or len(r.segments) != sizes[0]:
+        return None
+    roots = {seg.find() for seg in r.segments}
+    inner = next(iter(roots))
+    return inner if len(roots) == 1 and inner.size == sizes[1] else None
 
 
 def _unit_dims_view(view: ParamView, src: tuple[int, ...], dst: tuple[int, ...]) -> ParamView | None:
@@ -250,6 +276,8 @@ def cat(w: Walker, node: Node) -> Any:
 
 
 def index(w: Walker, node: Node) -> Any:
+    """``x[..., idx, ...]`` (``None`` entries are whole dims): the indexed dims must not
+    be sharded; the other dims keep their sharding where advanced indexing puts them."""
     x, indices = node.args[0], node.args[1]
     lay = w.concrete(x, node)
     for i in indices:
@@ -257,11 +285,16 @@ def index(w: Walker, node: Node) -> Any:
             raise ShardingConflict(f"{describe(node)}: sharded index tensor", w.get(i).origins())
     if lay.replicated or lay.partial:
         return lay
-    k = len(indices)
-    if any(i is None for i in indices) or any(lay.var_at(d) is not None for d in range(k)):
+    indexed = [d for d, i in enumerate(indices) if i is not None]
+    if not indexed:
+        return lay
+    if any(lay.var_at(d) is not None for d in indexed):
         raise ShardingConflict(f"{describe(node)}: indexes a sharded dim", lay.origins())
     src, dst = shape_of(x) or (), shape_of(node) or ()
-    shift = len(dst) - len(src)
-    return shard({d + shift: v for d, v in lay.dims})
-
-
+    index_ndim = len(dst) - (len(src) - len(indexed))
+    kept = [d for d in range(len(src)) if d not in indexed]
+    if indexed == list(range(indexed[0], indexed[-1] + 1)):  # adjacent: the index dims stay in place
+        where = {d: (d if d < indexed[0] else d - len(indexed) + index_ndim) for d in kept}
+    else:  # apart: the index dims go first
+        where = {d: index_ndim + kept.index(d) for d in kept}
+    return shard({where[d]: v for d, v in lay.dims})

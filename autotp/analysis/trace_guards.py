@@ -17,9 +17,11 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,9 +72,8 @@ def custom_functions(stack: list[str]) -> Iterator[list[FunctionUse]]:
 
 
 def _caller_line() -> str:
-    import traceback
-
-    frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename and "autotp" not in f.filename]
+    ours = str(Path(__file__).resolve().parents[1])  # the autotp package
+    frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename and not f.filename.startswith(ours)]
     return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "unknown line"
 
 

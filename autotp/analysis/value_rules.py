@@ -16,6 +16,7 @@ from torch.fx import Node
 from autotp.analysis.partials import linear_in_partial
 from autotp.analysis.propagation_result import ParamView
 from autotp.analysis.shapes import norm_dim, shape_of
+from autotp.analysis.sharding_policy import matmul
 from autotp.ir.errors import describe
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
 
@@ -215,3 +216,28 @@ def dropout(w: Walker, node: Node) -> Layout:
     return lay
 
 
+
+
+def baddbmm(w: Walker, node: Node) -> Layout:
+    """``beta * input + alpha * (batch1 @ batch2)``: the product's layout (``bmm``), which
+    ``input`` (Bloom's ALiBi bias) meets like an elementwise operand."""
+    product = matmul(w, node, node.args[1], node.args[2], b_t=False, bias=None)
+    bias = node.args[0]
+    lay = w.concrete(bias, node)
+    if lay.partial or product.partial:
+        raise ShardingConflict(f"{describe(node)}: a partial operand of baddbmm", lay.origins() | product.origins())
+    shape = shape_of(bias) or ()
+    off = len(shape_of(node) or ()) - len(shape)
+    for od, var in product.dims:
+        d = od - off
+        if d < 0 or shape[d] == 1:
+            continue
+        if lay.var_at(d) is not None:
+            unify(lay.var_at(d), var, describe(node))
+        elif lay.replicated and not var.find().padded:
+            w.out.local_slices.setdefault(node, []).append((bias, d, var))
+        else:
+            raise ShardingConflict(f"{describe(node)}: an operand of full size meets a sharded dim", var.find().origins)
+    if any(product.var_at(d + off) is None for d, _ in lay.dims):
+        raise ShardingConflict(f"{describe(node)}: the bias is sharded where the product is not", lay.origins())
+    return product

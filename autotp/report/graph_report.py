@@ -9,6 +9,7 @@ from typing import Any
 from torch.fx import Node
 
 from autotp.cost_model.graph_costs import DIRECTIONS, GraphReport, LayerReport, by_layer, layer_report
+from autotp.cost_model.tensor_parallel import REPLICATED_NOTE
 from autotp.ir import ops
 from autotp.ir.errors import UserInputError
 
@@ -177,5 +178,39 @@ def explain_table(report: GraphReport, model: str) -> str:
             line(total),
             "",
             megatron,
+            *([] if m["meets"] else _first_layer_all_reduces(report)),
+            *_replicated_lines(report.plan.notes),
         ]
     )
+
+
+def _first_layer_all_reduces(report: GraphReport) -> list[str]:
+    """Why a plan exceeds Megatron's minimum: every all-reduce of the first decoder layer,
+    with the op it serves and that op's source line."""
+    layers = [l.layer for l in report.layers if isinstance(l.layer, int)]
+    if not layers:
+        return []
+    lines = [f"all-reduces of decoder layer {layers[0]} (Megatron needs 2 forward, 2 backward):"]
+    for r in report.nodes:
+        if r.layer != layers[0]:
+            continue
+        for c in r.collectives:
+            if c.kind != "all_reduce":
+                continue
+            served = r.node.all_input_nodes[0] if c.direction == "forward" else next(iter(r.node.users), r.node)
+            where = served.meta.get("stack_trace", "").strip().splitlines()
+            source = where[-2].strip() if len(where) >= 2 else ""
+            relation = "sums the partial output of" if c.direction == "forward" else "sums the grads of the input of"
+            lines.append(f"  {c.direction:8s} {r.node.name}: {relation} '{served.name}' ({served.target}) {source}")
+    return ["", *lines]
+
+
+def _replicated_lines(notes: tuple[str, ...], limit: int = 10) -> list[str]:
+    """The parameters that the planner kept whole, each with the node that blocked its sharding."""
+    blocked = [n[len(REPLICATED_NOTE) :] for n in notes if n.startswith(REPLICATED_NOTE)]
+    if not blocked:
+        return []
+    more = [f"  ... and {len(blocked) - limit} more"] if len(blocked) > limit else []
+    return ["", f"replicated parameters ({len(blocked)}), with the node that blocked sharding:"] + [
+        f"  {b}" for b in blocked[:limit]
+    ] + more

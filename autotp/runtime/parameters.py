@@ -107,10 +107,11 @@ class Parameters:
             self.buffer_names.append(name)
 
     def chunks_of(self, param_chunks: ParamChunks, canonical: str) -> set[int]:
+        """The chunks that read ``canonical``; one that no chunk reads is kept by chunk 0."""
         chunks: set[int] = set()
         for alias in self.aliases[canonical]:
             chunks |= param_chunks.get(alias, set())
-        return chunks
+        return chunks or {0}
 
     def owners(self, param_chunks: ParamChunks, canonical: str) -> list[int]:
         """The pipeline ranks that hold ``canonical`` (sorted)."""
