@@ -87,6 +87,7 @@ def parallelize(
     timeout_s: float = 300.0,
     compile: bool = False,
     cuda_graphs: bool = False,
+    checkpoint: str | Path | None = None,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's ``ParallelModel``; tp·pp·dp must be the world size.
 
@@ -102,6 +103,11 @@ def parallelize(
     ``cuda_graphs`` (CUDA and NCCL), the regions that the cost model picks are captured
     as CUDA graphs on the first call and replayed after (``autotp.runtime.cudagraphs``); with
     pp > 1, once per microbatch a stage holds in flight.
+
+    ``model`` may be built on ``meta``: each rank then allocates only its shards, reads
+    them from ``checkpoint`` (a local HF safetensors folder, this rank's slices only) and
+    initializes the rest with the model's own init (``autotp.runtime.init_meta`` says
+    what that guarantees).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp)):
@@ -133,4 +139,6 @@ def parallelize(
     rng.seed_tp_rng(seed + 1009 * (coords.dp_rank + planned.plan.dp * coords.pp_rank), coords.tp_rank)
     backend = dist.get_backend() if dist.is_initialized() else "nccl"
     lowered = compiler.lower(planned.traced, planned.plan, tp_rank=coords.tp_rank, device=device, backend=backend)
-    return ParallelModel(model, lowered, planned.kwargs, coords, device, compile)
+    pm = ParallelModel(model, lowered, planned.kwargs, coords, device, compile)
+    pm.materialize(model, checkpoint, seed)
+    return pm
