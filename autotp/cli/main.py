@@ -25,6 +25,7 @@ from autotp.cost_model.hardware import PROFILES
 from autotp.cost_model.graph_costs import build_report
 from autotp.report.graph_report import explain_json, explain_table, stage_view
 from autotp.cli.calibrate import add_calibrate_command
+from autotp.cli.checkpoint import add_convert_command, add_run_checkpoint_options, build_for_run
 from autotp.cli.plan import add_plan_command
 from autotp.cli.ranks import add_ranks_command
 from autotp.cli.schedule import add_schedule_command
@@ -46,6 +47,10 @@ class RunConfig:
     batch: int
     seq: int
     seed: int
+    pp: int = 1
+    save: Path | None = None
+    save_checkpoint: Path | None = None
+    resume: Path | None = None
 
 
 def _count_calls(graph: GraphModule, target: object) -> int:
@@ -58,37 +63,48 @@ def _run_worker(config: RunConfig, rank: int, world_size: int) -> None:
     on_gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     torch.manual_seed(config.seed)
-    model = presets.build_model(config.model, device=device, dtype=torch.float32)
+    model, weights = build_for_run(config.model, device)
     # Uniform random tokens are unlearnable (their best loss is ln(vocab), where training
     # starts), so every step trains on the same batch and the loss visibly falls.
-    input_ids = presets.example_inputs(model, config.batch, config.seq, seed=config.seed)["input_ids"]
+    input_ids = presets.example_inputs(model, config.batch, config.seq, seed=config.seed)["input_ids"].to(device)
     batch = {"input_ids": input_ids, "labels": input_ids}
     reference = None
-    if rank == 0:
+    if rank == 0 and weights is None:
         with torch.no_grad():
             reference = model(**batch).loss.item()
 
     start = time.perf_counter()
-    pm = parallelize(model, tp=config.tp, example_inputs=batch, device=device, seed=config.seed)
+    pm = parallelize(model, tp=config.tp, pp=config.pp, example_inputs=batch, device=device, seed=config.seed,
+                     checkpoint=weights)  # fmt: skip
     graph = pm.graph_for(**batch)
     compiled_at = time.perf_counter()
     optimizer = torch.optim.AdamW(pm.parameters(), lr=_LR)
+    first = 0
+    if config.resume is not None:
+        first = pm.load_checkpoint(config.resume, optimizer=optimizer) or 0
     losses = []
-    for step in range(1, config.steps + 1):
-        loss = pm.train_step(**batch).item()
+    for step in range(first + 1, first + config.steps + 1):
+        loss = pm.train_step(**batch, num_microbatches=max(config.pp, pm.plan.microbatches)).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss)
         if rank == 0:
             print(f"step {step}  loss {loss:.4f}", flush=True)
     trained_at = time.perf_counter()
+    if config.save_checkpoint is not None:
+        pm.save_checkpoint(config.save_checkpoint, optimizer=optimizer, step=first + config.steps)
+    if config.save is not None:
+        pm.save_pretrained(config.save)
 
     if rank == 0:
-        assert reference is not None
-        print(
-            f"step-1 loss vs unparallelized model: {losses[0]:.6f} vs {reference:.6f} "
-            f"(|diff| {abs(losses[0] - reference):.1e})"
-        )
+        for path in (config.save_checkpoint, config.save):
+            if path is not None:
+                print(f"wrote {path}")
+        if reference is not None:
+            print(
+                f"step-1 loss vs unparallelized model: {losses[0]:.6f} vs {reference:.6f} "
+                f"(|diff| {abs(losses[0] - reference):.1e})"
+            )
         print(
             f"all-reduces per rank graph: {_count_calls(graph, ops.REDUCE_FROM_TP)} forward, "
             f"{_count_calls(graph, ops.COPY_TO_TP)} backward"
@@ -115,13 +131,15 @@ def _positive(name: str, value: int) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    for name in ("tp", "steps", "batch", "seq"):
+    for name in ("tp", "pp", "steps", "batch", "seq"):
         _positive(f"--{name}", getattr(args, name))
     presets.build_model(args.model, device="meta")  # an unknown model fails here, before any worker starts
-    backend = _resolve_backend(args.backend, args.tp)
-    config = RunConfig(args.model, args.tp, args.steps, args.batch, args.seq, args.seed)
+    world = args.tp * args.pp
+    backend = _resolve_backend(args.backend, world)
+    config = RunConfig(args.model, args.tp, args.steps, args.batch, args.seq, args.seed, args.pp, args.save,
+                       args.save_checkpoint, args.resume)  # fmt: skip
     start = time.perf_counter()
-    launch(functools.partial(_run_worker, config), args.tp, backend=backend, timeout_s=args.timeout)
+    launch(functools.partial(_run_worker, config), world, backend=backend, timeout_s=args.timeout)
     print(f"wall time {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -233,13 +251,15 @@ def _parser() -> argparse.ArgumentParser:
         help=f"a preset ({', '.join(presets.preset_names())}) or a local folder holding config.json "
         "(default: llama-tiny)",
     )
-    run.add_argument("--tp", type=int, default=2, help="tensor-parallel degree = number of workers (default: 2)")
+    run.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default: 2)")
+    run.add_argument("--pp", type=int, default=1, help="pipeline stages; tp*pp workers are started (default: 1)")
     run.add_argument("--steps", type=int, default=5, help="training steps (default: 5)")
     run.add_argument("--batch", type=int, default=4, help="batch size (default: 4)")
     run.add_argument("--seq", type=int, default=32, help="sequence length (default: 32)")
     run.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="default: auto")
     run.add_argument("--timeout", type=float, default=300, help="seconds before hung workers are killed (default: 300)")
     run.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default: 0)")
+    add_run_checkpoint_options(run)
     run.set_defaults(handler=_run)
 
     dump_cmd = commands.add_parser(
@@ -296,6 +316,7 @@ def _parser() -> argparse.ArgumentParser:
     add_schedule_command(commands)
     add_plan_command(commands)
     add_calibrate_command(commands)
+    add_convert_command(commands)
     return parser
 
 

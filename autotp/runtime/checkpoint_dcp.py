@@ -18,7 +18,7 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from autotp.runtime.materialize import on_every_rank
 from autotp.runtime.parameters import Parameters, get_nested
@@ -100,6 +101,16 @@ def resolve_dir(directory: str | Path) -> Path:
     return target
 
 
+def _dcp(call: Callable[[], object], what: str, note: str = "") -> None:
+    """Run a DCP call; its failure (on any rank) becomes a ValueError with the cause."""
+    try:
+        call()
+    except CheckpointException as e:
+        rank, failure = next(iter(e.failures.items()))
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        raise ValueError(f"{what} failed on rank {rank}: {cause!r}{note}") from e
+
+
 def _model_state(module: nn.Module, params: Parameters, persistent: set[str]) -> dict[str, torch.Tensor]:
     names = params.local_names + [b for b in params.buffer_names if b in persistent]
     return {n: ShardedLocal.wrap(get_nested(module, n), params.specs[n]) for n in names}
@@ -128,16 +139,22 @@ def _info(plan: Any, step: int | None, optimizer: torch.optim.Optimizer | None) 
                           type(optimizer).__name__ if optimizer else None, groups)  # fmt: skip
 
 
-def save(module: nn.Module, params: Parameters, plan: Any, persistent: set[str], directory: str | Path,
+def save(module: nn.Module, params: Parameters, plan: Any, source: nn.Module, directory: str | Path,
          optimizer: torch.optim.Optimizer | None, step: int | None) -> None:  # fmt: skip
+    """Write the checkpoint (and the model's config.json, so that it can be rebuilt from it)."""
     import torch.distributed.checkpoint as dcp
 
     start = time.perf_counter()
+    persistent = set(source.state_dict(keep_vars=True))
     state: dict[str, Any] = {"model": _model_state(module, params, persistent), "autotp": _info(plan, step, optimizer)}
     if optimizer is not None:
         state["optim"] = _optimizer_state(module, params, optimizer)
     with atomic_dir(Path(directory)) as tmp:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+        _dcp(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp)),
+             f"saving {directory}", "; the previous checkpoint there stays as it was")
+        config = getattr(source, "config", None)
+        if config is not None and _rank0():
+            config.save_pretrained(tmp)
     log.info("saved %s in %.1f s", directory, time.perf_counter() - start)
 
 
@@ -178,7 +195,7 @@ def load(module: nn.Module, params: Parameters, persistent: set[str], directory:
     root = resolve_dir(directory)
     model_state = _model_state(module, params, persistent)
 
-    def check() -> CheckpointInfo:
+    def check() -> tuple[CheckpointInfo, Any]:
         if not root.is_dir():
             raise ValueError(f"checkpoint {root} does not exist")
         info, metadata = _read_info(root)
@@ -186,14 +203,19 @@ def load(module: nn.Module, params: Parameters, persistent: set[str], directory:
             raise ValueError(f"checkpoint {root} holds {info.optimizer or 'no'} optimizer state, but the optimizer "
                              f"is {type(optimizer).__name__}; build the same optimizer, or load without optimizer=")
         _check_tensors(root, model_state, metadata, "model")
-        return info
+        return info, metadata.state_dict_metadata
 
-    info = on_every_rank(check, f"loading {root}")
+    info, stored = on_every_rank(check, f"loading {root}")
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
         _init_optim_state(optimizer)
-        state["optim"] = _optimizer_state(module, params, optimizer)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(root))
+        # parameters without state in the checkpoint (saved before their first step) start fresh
+        state["optim"] = {n: {k: v for k, v in entry.items() if f"optim.{n}.{k}" in stored}
+                          for n, entry in _optimizer_state(module, params, optimizer).items()}  # fmt: skip
+        for n, p in module.named_parameters():
+            if not state["optim"].get(n):
+                optimizer.state.pop(p, None)
+    _dcp(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(root)), f"loading {root}")
     if optimizer is not None:
         names = {id(get_nested(module, n)): n for n in params.local_names}
         for group, saved in zip(optimizer.param_groups, info.param_groups):

@@ -312,17 +312,15 @@ class ParallelModel(nn.Module):
 
         self.checkpoint_bytes_read = materialize(self, self._params, model, checkpoint, seed)
 
-    def _persistent(self) -> set[str]:
-        return set(self._source.model.state_dict(keep_vars=True))
-
     def save_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None,
                         step: int | None = None) -> None:  # fmt: skip
         """Write a DCP checkpoint (collective), loadable at any (tp, pp, dp); atomic."""
-        checkpoint_dcp.save(self, self._params, self.plan, self._persistent(), directory, optimizer, step)
+        checkpoint_dcp.save(self, self._params, self.plan, self._source.model, directory, optimizer, step)
 
     def load_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> int | None:
         """Load a checkpoint of ``save_checkpoint`` (collective); returns its step."""
-        return checkpoint_dcp.load(self, self._params, self._persistent(), directory, optimizer)
+        persistent = set(self._source.model.state_dict(keep_vars=True))
+        return checkpoint_dcp.load(self, self._params, persistent, directory, optimizer)
 
     def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB",
                         dtype: torch.dtype | None = None) -> None:  # fmt: skip

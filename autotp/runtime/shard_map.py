@@ -96,7 +96,8 @@ def shard_spec(name: str, global_shape: tuple[int, ...], layout: ParamLayout | N
 class ShardedLocal(Tensor):
     """A local tensor that tells DCP which global chunks it holds (see module doc).
 
-    Operations on it return plain tensors; only DCP reads the extra methods.
+    Operations on it return plain tensors; only DCP reads the extra methods. As for a
+    DTensor, ``size()`` is the global size (DCP checks it); ``shape`` stays the local one.
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -107,6 +108,10 @@ class ShardedLocal(Tensor):
         out = Tensor._make_subclass(ShardedLocal, local.detach(), False)
         out._autotp_spec = spec
         return out
+
+    def size(self, dim: int | None = None) -> torch.Size | int:  # type: ignore[override]
+        shape = torch.Size(self._autotp_spec.global_shape)
+        return shape if dim is None else shape[dim]
 
     def _plain(self) -> Tensor:
         return Tensor._make_subclass(Tensor, self, False)
