@@ -1,5 +1,5 @@
 """Bad checkpoints and save targets give a clear ValueError, and a failed save loses nothing
-(one process, no process group)."""
+(one process, no process group; one-layer models keep the traces short)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from small_models import build
 
 def _meta(name: str = "llama") -> torch.nn.Module:
     with torch.device("meta"):
-        return build(name)
+        return build(name, layers=1)
 
 
 def _parallelize(checkpoint: Path, name: str = "llama") -> object:
@@ -28,7 +28,7 @@ def _parallelize(checkpoint: Path, name: str = "llama") -> object:
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("ckpt") / "llama"
-    build("llama").save_pretrained(folder, max_shard_size="20KB")
+    build("llama", layers=1).save_pretrained(folder, max_shard_size="20KB")
     return folder
 
 
@@ -45,7 +45,7 @@ def _file_of(folder: Path, key: str) -> Path:
 
 def test_missing_tensor_is_named(llama_dir: Path, tmp_path: Path) -> None:
     folder = _copy(llama_dir, tmp_path / "c")
-    key = "model.layers.1.mlp.up_proj.weight"
+    key = "model.layers.0.mlp.up_proj.weight"
     path = _file_of(folder, key)
     tensors = load_file(path)
     del tensors[key]
@@ -53,12 +53,12 @@ def test_missing_tensor_is_named(llama_dir: Path, tmp_path: Path) -> None:
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     del index["weight_map"][key]
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\).*model.layers.1.mlp.up_proj.weight"):
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\).*model.layers.0.mlp.up_proj.weight"):
         _parallelize(folder)
 
 
 def test_shape_mismatch_names_tensor_file_and_shapes(tmp_path: Path) -> None:
-    LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                  num_attention_heads=8, num_key_value_heads=2)).save_pretrained(tmp_path / "c")  # fmt: skip
     with pytest.raises(ValueError, match=r"mlp.gate_proj.weight: the checkpoint holds shape \[96, 64\] "
                                          r"\(model.layers.0.mlp.gate_proj.weight in model.safetensors\).*expects \[128, 64\]"):  # fmt: skip
@@ -77,7 +77,7 @@ def test_dtype_that_cannot_convert(llama_dir: Path, tmp_path: Path) -> None:
 
 
 def test_bf16_checkpoint_converts_to_fp32(tmp_path: Path) -> None:
-    model = build("llama")
+    model = build("llama", layers=1)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "c", max_shard_size="20KB")
     pm = _parallelize(tmp_path / "c")
     state = pm.unshard_state_dict()  # type: ignore[attr-defined]
@@ -111,7 +111,7 @@ def test_index_naming_a_missing_file(llama_dir: Path, tmp_path: Path) -> None:
 
 
 def test_checkpoint_of_another_architecture(tmp_path: Path) -> None:
-    build("gpt2").save_pretrained(tmp_path / "gpt2")
+    build("gpt2", layers=1).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match=r"is a 'gpt2' model .* but the model is 'llama'"):
         _parallelize(tmp_path / "gpt2")
 
@@ -138,7 +138,7 @@ def test_unwritable_target_and_failed_save_keep_the_old_checkpoint(tmp_path: Pat
 
     import autotp
 
-    pm = autotp.parallelize(build("llama"), tp=1)
+    pm = autotp.parallelize(build("llama", layers=1), tp=1)
     opt = torch.optim.AdamW(pm.parameters())
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="cannot write a checkpoint to .*file/ckpt.*choose a writable folder"):
@@ -170,8 +170,8 @@ def test_unwritable_target_and_failed_save_keep_the_old_checkpoint(tmp_path: Pat
 def test_dcp_checkpoint_of_another_model(tmp_path: Path) -> None:
     import autotp
 
-    autotp.parallelize(build("gpt2"), tp=1).save_checkpoint(tmp_path / "gpt2")
-    pm = autotp.parallelize(build("llama"), tp=1)
+    autotp.parallelize(build("gpt2", layers=1), tp=1).save_checkpoint(tmp_path / "gpt2")
+    pm = autotp.parallelize(build("llama", layers=1), tp=1)
     with pytest.raises(ValueError, match=r"lacks \d+ tensor\(s\) this model needs"):
         pm.load_checkpoint(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="does not exist"):

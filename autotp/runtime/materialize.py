@@ -74,6 +74,10 @@ def load_hf_checkpoint(root_module: nn.Module, params: Parameters, model: nn.Mod
 def materialize(root_module: nn.Module, params: Parameters, model: nn.Module, checkpoint: str | Path | None,
                 seed: int) -> int:  # fmt: skip
     """Load ``checkpoint`` (if given), then initialize what is still unfilled; returns bytes read."""
+    if params.device.type == "meta":  # an inspection-only model: nothing to fill
+        if checkpoint is not None:
+            raise ValueError(f"checkpoint={checkpoint} needs a real device, but device is meta; pass device='cpu' or 'cuda'")
+        return 0
     loaded, read = load_hf_checkpoint(root_module, params, model, checkpoint) if checkpoint is not None else (set(), 0)
     todo = params.unfilled - loaded
     if todo:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,7 +311,9 @@ class ParallelModel(nn.Module):
         slices of the HF ``checkpoint``, then the model's own init for the rest."""
         from autotp.runtime.materialize import materialize
 
+        start = time.perf_counter()
         self.checkpoint_bytes_read = materialize(self, self._params, model, checkpoint, seed)
+        self.materialize_s = time.perf_counter() - start
 
     def save_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None,
                         step: int | None = None) -> None:  # fmt: skip

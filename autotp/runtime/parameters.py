@@ -74,7 +74,7 @@ class Parameters:
         self._module = module
         self._plan = plan
         self._coords = coords
-        self._device = device
+        self.device = device
         self._source = source  # the model's meta structure copy: full shapes and dtypes
         self.aliases: dict[str, list[str]] = {}  # canonical name -> every name of the tensor
         self.layouts: dict[str, ParamLayout | None] = {}
@@ -112,9 +112,9 @@ class Parameters:
             self.unfilled.add(name)
             covered = sum(piece.length for piece in spec.pieces)
             make = torch.empty if covered == spec.local_len else torch.zeros
-            return make(spec.local_shape, dtype=full.dtype, device=self._device)
+            return make(spec.local_shape, dtype=full.dtype, device=self.device)
         local = shard_tensor(full, layout, self._coords.tp_rank, self._plan.tp) if layout else full.clone()
-        return local.to(self._device)
+        return local.to(self.device)
 
     def chunks_of(self, param_chunks: ParamChunks, canonical: str) -> set[int]:
         chunks: set[int] = set()
@@ -162,13 +162,13 @@ class Parameters:
         pipe = self._coords.pipeline
         assert pipe is not None
         owner = self.owners(param_chunks, name)[0]
-        has = torch.tensor([1 if full is not None else 0], device=self._device)
+        has = torch.tensor([1 if full is not None else 0], device=self.device)
         dist.broadcast(has, src=pipe.pp_ranks[owner], group=pipe.pp_group)
         if not has.item():
             return None
         if full is None:
             source = get_nested(self._source, name)
-            full = torch.empty(tuple(source.shape), dtype=source.dtype, device=self._device)
+            full = torch.empty(tuple(source.shape), dtype=source.dtype, device=self.device)
         dist.broadcast(full, src=pipe.pp_ranks[owner], group=pipe.pp_group)
         return full
 
