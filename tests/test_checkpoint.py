@@ -268,3 +268,45 @@ def test_cli_trains_from_hf_folder_saves_and_converts(tmp_path: Path) -> None:
     assert list(trained) == list(again)
     assert all(torch.equal(v, again[k]) for k, v in trained.items())
     assert not torch.equal(trained["model.norm.weight"], before["model.norm.weight"])  # AdamW moved every weight
+
+
+def _init_on_meta(rank: int, world: int) -> dict:
+    import autotp
+    from small_models import PlainTransformer
+
+    out = {}
+    for name in ("llama", "gpt2"):
+        with torch.device("meta"):
+            meta = build(name)
+        ids, labels = _batch()
+        pm = autotp.parallelize(meta, tp=world, seed=3, example_inputs={"input_ids": ids})
+        state = pm.unshard_state_dict()
+        reference = build(name)  # on the CPU: buffers (rotary inv_freq, ...) built by __init__
+        reference.load_state_dict(state)
+        _close(pm(input_ids=ids).logits, reference(input_ids=ids).logits, f"{name} logits after meta init")
+        out[name] = {k: v for k, v in state.items() if k.endswith(("q_proj.weight", "norm.weight", "c_attn.bias"))}
+        out[name]["local"] = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        plain = PlainTransformer()
+    pm = autotp.parallelize(plain, tp=world, example_inputs={"input_ids": _batch(96)[0]})
+    out["plain_down_max"] = max(pm.unshard_state_dict()[f"blocks.{i}.down.weight"].abs().max().item() for i in range(2))
+    return out
+
+
+def test_meta_model_without_checkpoint_is_initialized_by_its_own_init() -> None:
+    r0, r1 = run_on_ranks(_init_on_meta, 2)
+    llama = r0["llama"]
+    assert torch.equal(llama["model.norm.weight"], torch.ones(64))
+    std = llama["model.layers.0.self_attn.q_proj.weight"].std().item()
+    assert 0.018 < std < 0.022  # HF's normal(0, initializer_range=0.02), drawn shard by shard
+    assert torch.equal(r0["gpt2"]["transformer.h.0.attn.c_attn.bias"], torch.zeros(192))
+    # replicated tensors (norms) are bitwise equal on both ranks; sharded ones differ
+    for name in ("llama", "gpt2"):
+        for n, p in r0[name]["local"].items():
+            if p.shape == r1[name]["local"][n].shape and n.endswith("norm.weight"):
+                assert torch.equal(p, r1[name]["local"][n]), n
+    assert not torch.equal(r0["llama"]["local"]["model.layers.0.self_attn.q_proj.weight"],
+                           r1["llama"]["local"]["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+    # nn.Linear's kaiming init of the row-parallel down projection uses the global fan-in (128), not the shard's (64)
+    assert 0.08 < r0["plain_down_max"] <= 128**-0.5
