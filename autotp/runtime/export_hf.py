@@ -84,8 +84,7 @@ def save_pretrained(module: nn.Module, params: Parameters, param_chunks: ParamCh
     limit = parse_size(max_shard_size)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     persistent = set(source.state_dict(keep_vars=True))
-    names = [n for n in params.aliases if any(a in persistent for a in params.aliases[n])]
-    names += [b for b in params.buffer_names if b in persistent]
+    names = list(params.aliases) + [b for b in params.buffer_names if b in persistent]
     with atomic_dir(Path(directory)) as tmp:
         files = _Files(tmp, limit)
         error: OSError | None = None  # rank 0 keeps taking part in the gathers, then every rank raises

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -14,6 +15,7 @@ from autotp.runtime.init_meta import initialize
 from autotp.runtime.parameters import Parameters, get_nested
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def on_every_rank(fn: Callable[[], T], what: str) -> T:
@@ -51,6 +53,9 @@ def load_hf_checkpoint(root_module: nn.Module, params: Parameters, model: nn.Mod
         check_architecture(root, model)
         sources = model_sources(model, tensors)
         persistent = set(model.state_dict(keep_vars=True))
+        unused = sorted(set(sources) - persistent)
+        if unused and _rank0():
+            log.warning("checkpoint %s holds %d tensor(s) that the model does not use, e.g. %s", root, len(unused), unused[:4])
         jobs, missing = [], []
         for name in params.local_names + [b for b in params.buffer_names if b in persistent]:
             source = next((sources[a] for a in params.aliases.get(name, [name]) if a in sources), None)
