@@ -2,6 +2,7 @@
 ``save_pretrained`` and DCP save, against ``from_pretrained`` + the narrow-and-copy path.
 
     python benchmarks/bench_checkpoint.py --dir /tmp/llama3-8b-synth [--layers 32] [--json out.json]
+    (--write-only writes the checkpoint and stops; --tiny runs a small model on CPU)
 
 The first run writes a synthetic Llama-3-8B-shaped bf16 HF checkpoint into ``--dir``
 (random weights, 5 GB files, index, config.json; nothing is downloaded). Then, per rank:
@@ -184,6 +185,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32, help="decoder layers (32 = Llama-3-8B)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--tiny", action="store_true", help="a small model on gloo CPU ranks: checks the script runs")
+    parser.add_argument("--write-only", action="store_true", help="only write the synthetic checkpoint")
     args = parser.parse_args()
     backend = "gloo" if args.tiny else "nccl"
     if not args.tiny and torch.cuda.device_count() < 2:
@@ -191,6 +193,8 @@ def main() -> None:
     start = time.perf_counter()
     size = write_checkpoint(args.dir, args.layers, args.tiny)
     print(f"checkpoint {args.dir}: {size / 1e9:.2f} GB bf16 (written/found in {time.perf_counter() - start:.0f} s)")
+    if args.write_only:
+        return
     shutil.rmtree(args.out, ignore_errors=True)
     ours = spawn_ranks(_autotp_worker, 2, str(args.dir), str(args.out), backend=backend, timeout_s=3600)
     base_cold = spawn_ranks(_baseline_worker, 2, str(args.dir), True, backend=backend, timeout_s=3600)
