@@ -103,6 +103,7 @@ def parallelize(
     compile: bool = False,
     cuda_graphs: bool = False,
     sequence_parallel: bool | str | None = None,
+    checkpoint: str | Path | None = None,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's ``ParallelModel``; tp·pp·dp must be the world size.
 
@@ -120,6 +121,11 @@ def parallelize(
     pp > 1, once per microbatch a stage holds in flight. ``sequence_parallel`` (True, False or
     ``"auto"`` for the cost model's choice; None keeps the plan's, off by default) runs the
     norms, residual adds and dropout between the tp regions on 1/tp of the tokens.
+
+    ``model`` may be built on ``meta``: each rank then allocates only its shards, reads
+    them from ``checkpoint`` (a local HF safetensors folder, this rank's slices only) and
+    initializes the rest with the model's own init (``autotp.runtime.init_meta`` says
+    what that guarantees).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     _check_degrees(tp, pp, vpp)
@@ -155,4 +161,6 @@ def parallelize(
     rng.seed_tp_rng(seed + 1009 * (coords.dp_rank + planned.plan.dp * coords.pp_rank), coords.tp_rank)
     backend = dist.get_backend() if dist.is_initialized() else "nccl"
     lowered = compiler.lower(planned.traced, planned.plan, tp_rank=coords.tp_rank, device=device, backend=backend)
-    return ParallelModel(model, lowered, planned.kwargs, coords, device, compile)
+    pm = ParallelModel(model, lowered, planned.kwargs, coords, device, compile)
+    pm.materialize(model, checkpoint, seed)
+    return pm

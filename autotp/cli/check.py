@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 import functools
 
-import torch
-from transformers.utils import logging as hf_logging
-
 from autotp import presets
-from autotp.report.check import ATOL, RTOL, check_numerics
-from autotp.runtime.launcher import spawn_ranks
 
 
 def _check_worker(model_name: str, tp: int, pp: int, batch: int, seq: int, seed: int, rtol: float, atol: float,
                   rank: int, world: int) -> tuple[bool, str]:  # fmt: skip
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from autotp.report.check import check_numerics
+
     hf_logging.set_verbosity_error()
     torch.manual_seed(seed)
     model = presets.build_model(model_name, device="cpu", dtype=torch.float32).eval()
@@ -27,11 +27,15 @@ def _check_worker(model_name: str, tp: int, pp: int, batch: int, seq: int, seed:
 
 
 def _check_command(args: argparse.Namespace) -> int:
+    from autotp.report.check import ATOL, RTOL
+    from autotp.runtime.launcher import spawn_ranks
+
     for name in ("tp", "pp", "batch", "seq"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    rtol, atol = RTOL if args.rtol is None else args.rtol, ATOL if args.atol is None else args.atol
     worker = functools.partial(_check_worker, args.model, args.tp, args.pp, args.batch, args.seq, args.seed,
-                               args.rtol, args.atol)  # fmt: skip
+                               rtol, atol)  # fmt: skip
     ok, summary = spawn_ranks(worker, args.tp * args.pp, backend="gloo", timeout_s=args.timeout, num_threads=1)[0]
     print(summary)
     return 0 if ok else 1
@@ -54,7 +58,7 @@ def add_check_command(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("--batch", type=int, default=2, help="batch size (default: 2)")
     check.add_argument("--seq", type=int, default=16, help="sequence length (default: 16)")
     check.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch (default: 0)")
-    check.add_argument("--rtol", type=float, default=RTOL, help=f"relative tolerance (default: {RTOL})")
-    check.add_argument("--atol", type=float, default=ATOL, help=f"absolute tolerance (default: {ATOL})")
+    check.add_argument("--rtol", type=float, help="relative tolerance (default: autotp.report.check.RTOL)")
+    check.add_argument("--atol", type=float, help="absolute tolerance (default: autotp.report.check.ATOL)")
     check.add_argument("--timeout", type=float, default=600, help="seconds before the workers are killed (default: 600)")
     check.set_defaults(handler=_check_command)

@@ -28,6 +28,7 @@ from autotp.cost_model.graph_costs import build_report
 from autotp.report.graph_report import explain_json, explain_table, stage_view
 from autotp.report.cudagraphs import explain_cudagraphs
 from autotp.runtime.launcher import launch
+from autotp.cli.checkpoint import build_for_run, hf_weights
 from autotp.passes import PASSES
 
 _LR = 1e-3
@@ -44,6 +45,10 @@ class RunConfig:
     batch: int
     seq: int
     seed: int
+    pp: int = 1
+    save: Path | None = None
+    save_checkpoint: Path | None = None
+    resume: Path | None = None
 
 
 def _count_calls(graph: GraphModule, target: object) -> int:
@@ -56,37 +61,48 @@ def _run_worker(config: RunConfig, rank: int, world_size: int) -> None:
     on_gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     torch.manual_seed(config.seed)
-    model = presets.build_model(config.model, device=device, dtype=torch.float32)
+    model, weights = build_for_run(config.model, device)
     # Uniform random tokens are unlearnable (their best loss is ln(vocab), where training
     # starts), so every step trains on the same batch and the loss visibly falls.
-    input_ids = presets.example_inputs(model, config.batch, config.seq, seed=config.seed)["input_ids"]
+    input_ids = presets.example_inputs(model, config.batch, config.seq, seed=config.seed)["input_ids"].to(device)
     batch = {"input_ids": input_ids, "labels": input_ids}
     reference = None
-    if rank == 0:
+    if rank == 0 and weights is None:
         with torch.no_grad():
             reference = model(**batch).loss.item()
 
     start = time.perf_counter()
-    pm = parallelize(model, tp=config.tp, example_inputs=batch, device=device, seed=config.seed)
+    pm = parallelize(model, tp=config.tp, pp=config.pp, example_inputs=batch, device=device, seed=config.seed,
+                     checkpoint=weights)  # fmt: skip
     graph = pm.graph_for(**batch)
     compiled_at = time.perf_counter()
     optimizer = torch.optim.AdamW(pm.parameters(), lr=_LR)
+    first = 0
+    if config.resume is not None:
+        first = pm.load_checkpoint(config.resume, optimizer=optimizer) or 0
     losses = []
-    for step in range(1, config.steps + 1):
-        loss = pm.train_step(**batch).item()
+    for step in range(first + 1, first + config.steps + 1):
+        loss = pm.train_step(**batch, num_microbatches=max(config.pp, pm.plan.microbatches)).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss)
         if rank == 0:
             print(f"step {step}  loss {loss:.4f}", flush=True)
     trained_at = time.perf_counter()
+    if config.save_checkpoint is not None:
+        pm.save_checkpoint(config.save_checkpoint, optimizer=optimizer, step=first + config.steps)
+    if config.save is not None:
+        pm.save_pretrained(config.save)
 
     if rank == 0:
-        assert reference is not None
-        print(
-            f"step-1 loss vs unparallelized model: {losses[0]:.6f} vs {reference:.6f} "
-            f"(|diff| {abs(losses[0] - reference):.1e})"
-        )
+        for path in (config.save_checkpoint, config.save):
+            if path is not None:
+                print(f"wrote {path}")
+        if reference is not None:
+            print(
+                f"step-1 loss vs unparallelized model: {losses[0]:.6f} vs {reference:.6f} "
+                f"(|diff| {abs(losses[0] - reference):.1e})"
+            )
         print(
             f"all-reduces per rank graph: {_count_calls(graph, ops.REDUCE_FROM_TP)} forward, "
             f"{_count_calls(graph, ops.COPY_TO_TP)} backward"
@@ -113,15 +129,17 @@ def _positive(name: str, value: int) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    for name in ("tp", "steps", "batch", "seq"):
+    for name in ("tp", "pp", "steps", "batch", "seq"):
         _positive(f"--{name}", getattr(args, name))
     meta = presets.build_model(args.model, device="meta")  # an unknown model fails here, before any worker starts
-    backend = _resolve_backend(args.backend, args.tp)
-    _check_memory(args.model, sum(p.numel() for p in meta.parameters()), args.tp, backend)
-    config = RunConfig(args.model, args.tp, args.steps, args.batch, args.seq, args.seed)
-    _progress(f"starting {args.tp} {backend} workers; each builds {args.model} and compiles its rank")
+    world = args.tp * args.pp
+    backend = _resolve_backend(args.backend, world)
+    _check_memory(args.model, sum(p.numel() for p in meta.parameters()), world, backend)
+    config = RunConfig(args.model, args.tp, args.steps, args.batch, args.seq, args.seed, args.pp, args.save,
+                       args.save_checkpoint, args.resume)  # fmt: skip
+    _progress(f"starting {world} {backend} workers; each builds {args.model} and compiles its rank")
     start = time.perf_counter()
-    launch(functools.partial(_run_worker, config), args.tp, backend=backend, timeout_s=args.timeout)
+    launch(functools.partial(_run_worker, config), world, backend=backend, timeout_s=args.timeout)
     print(f"wall time {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -141,9 +159,10 @@ def _available_bytes(backend: str, tp: int) -> tuple[float, str]:
 
 def _check_memory(model: str, numel: int, tp: int, backend: str) -> None:
     """Refuse a run that cannot fit, before any worker allocates: each worker builds the
-    full fp32 model, then keeps its 1/tp shard with grads and AdamW states
-    (``bytes_per_param('fp32')``); on the CPU the tp workers share the host."""
-    full, shard = 4 * numel, bytes_per_param("fp32") * numel / tp
+    full fp32 model (not when ``model`` is a checkpoint folder: then each reads only its
+    shard), then keeps its 1/tp shard with grads and AdamW states (``bytes_per_param('fp32')``);
+    on the CPU the tp workers share the host."""
+    full, shard = (0 if hf_weights(model) else 4 * numel), bytes_per_param("fp32") * numel / tp
     per_worker = full + shard
     need = per_worker if backend == "nccl" else tp * per_worker
     try:
@@ -153,7 +172,7 @@ def _check_memory(model: str, numel: int, tp: int, backend: str) -> None:
     if need > free:
         raise UserInputError(
             f"{model} needs about {need / 2**30:.1f} GiB ({'each GPU' if backend == 'nccl' else f'{tp} workers'}: the full fp32 "
-            f"model, {full / 2**30:.1f} GiB, plus a 1/{tp} shard with grads and AdamW states, {shard / 2**30:.1f} GiB), "
+            f"model while it is built, {full / 2**30:.1f} GiB, plus a 1/{tp} shard with grads and AdamW states, {shard / 2**30:.1f} GiB), "
             f"but {free / 2**30:.1f} GiB is {where}; pick a smaller --model or use GPUs with more memory"
         )
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from autotp import presets
 from autotp.cli.calibrate import add_calibrate_command
 from autotp.cli.check import add_check_command
+from autotp.cli.checkpoint_args import add_convert_command, add_run_checkpoint_options
 from autotp.cli.plan import add_plan_command
 from autotp.cli.ranks import add_ranks_command
 from autotp.cli.schedule import add_schedule_command
@@ -85,13 +86,15 @@ def _parser() -> argparse.ArgumentParser:
         help=f"a preset ({', '.join(presets.preset_names())}) or a local folder holding config.json "
         "(default: llama-tiny)",
     )
-    run.add_argument("--tp", type=int, default=2, help="tensor-parallel degree = number of workers (default: 2)")
+    run.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default: 2)")
+    run.add_argument("--pp", type=int, default=1, help="pipeline stages; tp*pp workers are started (default: 1)")
     run.add_argument("--steps", type=int, default=5, help="training steps (default: 5)")
     run.add_argument("--batch", type=int, default=4, help="batch size (default: 4)")
     run.add_argument("--seq", type=int, default=32, help="sequence length (default: 32)")
     run.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="default: auto")
     run.add_argument("--timeout", type=float, default=300, help="seconds before hung workers are killed (default: 300)")
     run.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default: 0)")
+    add_run_checkpoint_options(run)
     run.set_defaults(handler=_lazy("run_command"))
 
     dump_cmd = commands.add_parser(
@@ -148,6 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     add_schedule_command(commands)
     add_plan_command(commands)
     add_calibrate_command(commands)
+    add_convert_command(commands)
     add_check_command(commands)
     return parser
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,11 +18,12 @@ from autotp.analysis.trace import structure_copy
 from autotp.compiler import Lowered, lower_signature
 from autotp.ir import schedules
 from autotp.ir.plan import ParallelPlan
-from autotp.runtime import collectives, cudagraphs, grad_sync, guards
+from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, export_hf, grad_sync, guards
 from autotp.runtime.groups import Coords
 from autotp.runtime.parameters import ParamChunks, Parameters, graph_param_chunks
 from autotp.runtime.pipeline import ChunkGraph, PipelineRunner, extract_chunks
 from autotp.ir.errors import UserInputError
+from autotp.runtime.shard_map import ShardedLocal
 
 
 @dataclass
@@ -268,9 +271,50 @@ class ParallelModel(nn.Module):
     def _first_compiled(self) -> _Compiled:
         return next(iter(self._graphs.values()))
 
-    def unshard_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameters and buffers under every original name (tied names included)."""
-        return self._params.unshard_state_dict(self._first_compiled().param_chunks)
+    def unshard_state_dict(self, to_rank: int | None = None) -> dict[str, torch.Tensor]:
+        """Full tensors under exactly the keys of the original ``model.state_dict()``.
+
+        Collective. With ``to_rank``, only that global rank keeps the result (the others
+        return ``{}`` and hold one gathered tensor at a time)."""
+        keep = to_rank is None or (dist.get_rank() if dist.is_initialized() else 0) == to_rank
+        return self._params.unshard_state_dict(self._first_compiled().param_chunks, keep)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """This rank's shards, each carrying its global offsets, so that
+        ``torch.distributed.checkpoint`` saves and reloads every shard (``save_checkpoint``
+        adds the optimizer and atomic writes)."""
+        out = super().state_dict(*args, **kwargs)
+        if kwargs.get("keep_vars"):
+            return out
+        prefix = kwargs.get("prefix", "")
+        specs = self._params.specs
+        return {k: ShardedLocal.wrap(v, specs[k[len(prefix) :]]) if k[len(prefix) :] in specs else v for k, v in out.items()}
+
+    def materialize(self, model: nn.Module, checkpoint: str | Path | None, seed: int) -> None:
+        """Fill the shards of a model built on meta (``parallelize`` calls this): this rank's
+        slices of the HF ``checkpoint``, then the model's own init for the rest."""
+        from autotp.runtime.materialize import materialize
+
+        start = time.perf_counter()
+        self.checkpoint_bytes_read = materialize(self, self._params, model, checkpoint, seed)
+        self.materialize_s = time.perf_counter() - start
+
+    def save_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None,
+                        step: int | None = None) -> None:  # fmt: skip
+        """Write a DCP checkpoint (collective), loadable at any (tp, pp, dp); atomic."""
+        checkpoint_dcp.save(self, self._params, self.plan, self._source.model, directory, optimizer, step)
+
+    def load_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> int | None:
+        """Load a checkpoint of ``save_checkpoint`` (collective); returns its step."""
+        persistent = set(self._source.model.state_dict(keep_vars=True))
+        return checkpoint_dcp.load(self, self._params, persistent, directory, optimizer)
+
+    def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB",
+                        dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        """Write HF safetensors (sharded, with the index) and config.json (collective);
+        ``transformers`` loads the folder with ``from_pretrained``."""
+        export_hf.save_pretrained(self, self._params, self._first_compiled().param_chunks, self._source.model,
+                                  directory, max_shard_size, dtype)  # fmt: skip
 
     def unshard_grads(self) -> dict[str, torch.Tensor | None]:
         """Full gradients under every original parameter name (None where no grad)."""

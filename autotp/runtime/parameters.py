@@ -18,6 +18,7 @@ from torch.fx import GraphModule
 from autotp.ir.plan import ParallelPlan, ParamLayout
 from autotp.runtime import collectives
 from autotp.runtime.groups import Coords
+from autotp.runtime.shard_map import ShardSpec, shard_spec
 from autotp.runtime.sharding import shard_tensor, unshard_tensor
 
 ParamChunks = dict[str, set[int]]
@@ -73,12 +74,14 @@ class Parameters:
         self._module = module
         self._plan = plan
         self._coords = coords
-        self._device = device
+        self.device = device
         self._source = source  # the model's meta structure copy: full shapes and dtypes
         self.aliases: dict[str, list[str]] = {}  # canonical name -> every name of the tensor
         self.layouts: dict[str, ParamLayout | None] = {}
         self.local_names: list[str] = []
         self.buffer_names: list[str] = []
+        self.specs: dict[str, ShardSpec] = {}  # every local parameter and buffer
+        self.unfilled: set[str] = set()  # allocated for a model on meta; to be loaded or initialized
 
     def bind(self, model: nn.Module, param_chunks: ParamChunks, mine: set[int]) -> None:
         """Register the shard of every parameter that the chunks in ``mine`` read, and every buffer."""
@@ -93,18 +96,25 @@ class Parameters:
             layout = self.layouts[name] = next((l for l in layouts if l is not None), None)
             if not self.chunks_of(param_chunks, name) & mine:
                 continue
-            data = p.detach()
-            local = shard_tensor(data, layout, self._coords.tp_rank, self._plan.tp) if layout else data.clone()
-            if local.device.type != "meta":
-                local = local.to(self._device)
+            spec = self.specs[name] = shard_spec(name, tuple(p.shape), layout, self._coords.tp_rank, self._plan.tp)
+            local = self._local(name, p.detach(), spec, layout)
             set_nested(self._module, name, nn.Parameter(local, requires_grad=p.requires_grad), buffer=False)
             self.local_names.append(name)
         for name, b in model.named_buffers():
-            value = b.detach().clone()
-            if value.device.type != "meta":
-                value = value.to(self._device)
-            set_nested(self._module, name, value, buffer=True)
+            spec = self.specs[name] = shard_spec(name, tuple(b.shape), None, 0, 1)
+            set_nested(self._module, name, self._local(name, b.detach(), spec, None), buffer=True)
             self.buffer_names.append(name)
+
+    def _local(self, name: str, full: torch.Tensor, spec: ShardSpec, layout: ParamLayout | None) -> torch.Tensor:
+        """This rank's copy of ``full``; for a tensor on meta, its shard allocated on the device
+        (padding rows zero, the rest filled later by a checkpoint or the model's init)."""
+        if full.device.type == "meta":
+            self.unfilled.add(name)
+            covered = sum(piece.length for piece in spec.pieces)
+            make = torch.empty if covered == spec.local_len else torch.zeros
+            return make(spec.local_shape, dtype=full.dtype, device=self.device)
+        local = shard_tensor(full, layout, self._coords.tp_rank, self._plan.tp) if layout else full.clone()
+        return local.to(self.device)
 
     def chunks_of(self, param_chunks: ParamChunks, canonical: str) -> set[int]:
         """The chunks that read ``canonical``; one that no chunk reads is kept by chunk 0."""
@@ -153,28 +163,31 @@ class Parameters:
         pipe = self._coords.pipeline
         assert pipe is not None
         owner = self.owners(param_chunks, name)[0]
-        has = torch.tensor([1 if full is not None else 0], device=self._device)
+        has = torch.tensor([1 if full is not None else 0], device=self.device)
         dist.broadcast(has, src=pipe.pp_ranks[owner], group=pipe.pp_group)
         if not has.item():
             return None
         if full is None:
             source = get_nested(self._source, name)
-            full = torch.empty(tuple(source.shape), dtype=source.dtype, device=self._device)
+            full = torch.empty(tuple(source.shape), dtype=source.dtype, device=self.device)
         dist.broadcast(full, src=pipe.pp_ranks[owner], group=pipe.pp_group)
         return full
 
-    def unshard_state_dict(self, param_chunks: ParamChunks) -> dict[str, torch.Tensor]:
-        """Full parameters and buffers under every original name (tied names included)."""
+    def unshard_state_dict(self, param_chunks: ParamChunks, keep: bool = True) -> dict[str, torch.Tensor]:
+        """Full tensors under the keys of the original model's ``state_dict()`` (tied names
+        included, non-persistent buffers not); ``{}`` unless ``keep`` (the gathers still run)."""
         out: dict[str, torch.Tensor] = {}
         for name in self.aliases:
             local = get_nested(self._module, name).detach() if name in self.local_names else None
             full = self.gather(name, local, param_chunks)
             assert full is not None
-            for alias in self.aliases[name]:
-                out[alias] = full
+            if keep:
+                out.update(dict.fromkeys(self.aliases[name], full))
+        if not keep:
+            return {}
         for name in self.buffer_names:
             out[name] = get_nested(self._module, name).detach().clone()
-        return out
+        return {k: out[k] for k in self._source.state_dict(keep_vars=True)}
 
     def unshard_grads(self, param_chunks: ParamChunks) -> dict[str, torch.Tensor | None]:
         """Full gradients under every original parameter name (None where no grad)."""
