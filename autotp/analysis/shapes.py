@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 from torch.fx import Node
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from autotp.ir.layouts import REPLICATE
 
@@ -19,7 +18,10 @@ multiple of it, for a product of real dims."""
 
 def size_int(size: int | torch.SymInt) -> int:
     """A traced size as an int; data-dependent (unbacked) sizes become ``UNBACKED_SIZE``."""
-    return size if isinstance(size, int) else optimization_hint(size, fallback=UNBACKED_SIZE)
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint  # None for an unbacked size (torch's optimization_hint is newer than torch 2.11)
+    return UNBACKED_SIZE if hint is None else int(hint)
 
 
 def shape_of(node: Any) -> tuple[int, ...] | None:
