@@ -270,13 +270,12 @@ def _sync(on_gpu: bool) -> None:
         torch.cuda.synchronize()
 
 
-def validate(cpu: bool, top: int, json_path: Path | None) -> None:
+def validate(cpu: bool, top: int, json_path: Path | None, gpus: int) -> None:
     """Plan each held-out workload uncalibrated, run its top plans, then calibrate and re-predict."""
     from autotp.cost_model.candidates import Config
     from autotp.cost_model.hardware import get_profile
     from autotp.cost_model.planner import plan as rank_plans
 
-    gpus = 2
     workloads = CPU_VALIDATION if cpu else VALIDATION
     dtype, precision = (torch.float32, "fp32") if cpu else (torch.bfloat16, "bf16-pure")
     builtin = get_profile("cpu" if cpu else _builtin_name(), calibrated=False)
@@ -296,14 +295,16 @@ def validate(cpu: bool, top: int, json_path: Path | None) -> None:
                          "train_step_peak_gib": max(r[i]["train_step_peak_gib"] for r in measured)})
             print(f"measured {name} plan {i + 1} ({_config_name(config)}): {m['measured_s'] * 1e3:.1f} ms, peak "
                   f"{rows[-1]['peak_gib']:.1f} GiB ({rows[-1]['train_step_peak_gib']:.1f} before the optimizer's first step)", flush=True)
-    _, calibration = calibrate(gpus)
-    calibrated = fitted_profile(calibration, gpus)
+    calibration: dict = {}
+    if gpus >= 2:  # calibration measures collectives between ranks
+        _, calibration = calibrate(gpus)
+        calibrated = fitted_profile(calibration, gpus)
     for name, (dims, global_batch) in workloads.items():
         costs = trace_for_planning(model_config(dims), dims[6], dtype=dtype)
         for row in (r for r in rows if r["model"] == name):
-            est = estimate(costs, Cluster(gpus, gpus, calibrated), Training(global_batch, precision, gather_outputs=True), Config(**row["config"]))
-            row["calibrated_s"] = est.step_s
-    print(validation_report(rows, builtin.name, calibrated.name))
+            training = Training(global_batch, precision, gather_outputs=True)
+            row["calibrated_s"] = estimate(costs, Cluster(gpus, gpus, calibrated), training, Config(**row["config"])).step_s if calibration else float("nan")
+    print(validation_report(rows, builtin.name, calibrated.name if calibration else "no calibration (one rank)"))
     if json_path:
         _write(json_path, {"setup": f"torch {torch.__version__}, {datetime.date.today().isoformat()}", "calibration": calibration, "rows": rows})
 
@@ -355,10 +356,11 @@ def main() -> None:
     parser.add_argument("--measured", type=Path, help="re-predict the measurements of an earlier --json instead of measuring")
     parser.add_argument("--validate", action="store_true", help="held-out validation (see above) on 2 ranks")
     parser.add_argument("--top", type=int, default=4, help="plans per held-out workload to run (default: 4)")
+    parser.add_argument("--gpus", type=int, default=2, help="ranks of the held-out validation (default: 2)")
     args = parser.parse_args()
     if args.validate:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        validate(args.cpu or not torch.cuda.is_available(), args.top, args.json)
+        validate(args.cpu or not torch.cuda.is_available(), args.top, args.json, args.gpus)
         return
     if args.measured:
         saved = json.loads(args.measured.read_text())
