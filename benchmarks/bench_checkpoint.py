@@ -189,8 +189,8 @@ def main() -> None:
     parser.add_argument("--write-only", action="store_true", help="only write the synthetic checkpoint")
     args = parser.parse_args()
     backend = "gloo" if args.tiny else "nccl"
-    if not args.tiny and torch.cuda.device_count() < 2:
-        raise SystemExit("needs 2 GPUs (or --tiny)")
+    if not args.tiny and torch.cuda.device_count() < args.tp:
+        raise SystemExit(f"needs {args.tp} GPUs (or --tiny)")
     start = time.perf_counter()
     size = write_checkpoint(args.dir, args.layers, args.tiny)
     print(f"checkpoint {args.dir}: {size / 1e9:.2f} GB bf16 (written/found in {time.perf_counter() - start:.0f} s)")
