@@ -1,0 +1,165 @@
+"""autotp.DistributedOptimizer (ZeRO-1 over dp, gloo, CPU, fp32): after 5 AdamW steps with
+weight decay and clipping every parameter equals the unmodified model trained by
+torch.optim.AdamW on one process; each rank keeps 1/dp of the optimizer state; bad input
+is refused with the fix."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from distributed import run_on_ranks
+from small_models import build, vocab_size
+
+RTOL, ATOL = 1e-5, 1e-6  # atol: elements near 0 (weights are ~0.1)
+# Adam divides by sqrt(v) + eps, which turns fp32 rounding of a near-zero gradient (summed
+# in another order over microbatches and ranks) into an O(lr) step; eps = 1e-6 bounds that.
+STEPS, MAX_NORM, HYPER = 5, 0.5, {"lr": 1e-3, "weight_decay": 0.1, "eps": 1e-6}
+
+
+def _reference_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, parts: int) -> torch.Tensor:
+    losses = [model(input_ids=i, labels=l).loss for i, l in zip(ids.chunk(parts), labels.chunk(parts))]
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return loss.detach()
+
+
+def _train(rank: int, world: int, name: str, tp: int, pp: int, microbatches: int, bucket_bytes: int | None) -> dict:
+    import autotp
+
+    model = build(name, layers=2)
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(7)
+    vocab = vocab_size(model)
+    batches = [(torch.randint(0, vocab, (8, 12), generator=gen), torch.randint(0, vocab, (8, 12), generator=gen)) for _ in range(STEPS)]
+    pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs={"input_ids": batches[0][0][:2], "labels": batches[0][1][:2]})
+    dp = pm.plan.dp
+    opt = autotp.DistributedOptimizer(pm, torch.optim.AdamW, bucket_bytes=bucket_bytes, **HYPER)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **HYPER)
+    norms = []
+    for ids, labels in batches:
+        loss = pm.train_step(input_ids=ids, labels=labels, num_microbatches=microbatches)
+        norm = opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        expected = _reference_step(reference, ids, labels, dp * microbatches)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        norms.append(norm.item())
+    state = pm.unshard_state_dict()
+    for pname, p in reference.named_parameters():
+        torch.testing.assert_close(state[pname], p.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"{pname} after {STEPS} steps: {m}")
+    local = sum(p.numel() for p in pm.parameters() if p.requires_grad)
+    full_state = 2 * 4 * local  # AdamW's exp_avg and exp_avg_sq, fp32, of this rank's shards
+    return {"state_bytes": opt.state_bytes(), "full_state": full_state, "padding_bytes": 2 * 4 * opt.buffers.padding(),
+            "bucket_pad": max(b.grads.numel() // dp for b in opt.buffers.buckets) * 8, "buckets": len(opt.buffers.buckets),
+            "dp": dp, "norms": norms}
+
+
+def _check(results: list[dict]) -> None:
+    assert len({tuple(r["norms"]) for r in results}) == 1  # clipped by the same norm everywhere
+    assert results[0]["norms"][0] > MAX_NORM  # clipping was active
+    for r in results:
+        share = r["full_state"] / r["dp"]
+        assert abs(r["state_bytes"] - share) <= r["padding_bytes"] + 2 * 4 * 64 * r["buckets"], r
+
+
+CASES = [
+    # (model, world, tp, pp, microbatches, bucket bytes)
+    pytest.param("llama", 2, 1, 1, 2, 4096, id="llama-tp1-dp2-small-buckets"),
+    pytest.param("mixtral", 2, 1, 1, 1, None, id="mixtral-tp1-dp2"),
+    pytest.param("llama", 4, 2, 1, 1, None, id="llama-tp2-dp2", marks=pytest.mark.slow),
+    pytest.param("mixtral", 4, 2, 1, 2, 8192, id="mixtral-tp2-dp2", marks=pytest.mark.slow),
+    pytest.param("llama", 8, 2, 2, 2, 8192, id="llama-tp2-pp2-dp2", marks=pytest.mark.slow),
+    pytest.param("mixtral", 8, 2, 2, 2, None, id="mixtral-tp2-pp2-dp2", marks=pytest.mark.slow),
+    pytest.param("gpt2", 4, 1, 2, 2, None, id="gpt2-tied-pp2-dp2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("name", "world", "tp", "pp", "microbatches", "bucket_bytes"), CASES)
+def test_matches_adamw_on_the_unmodified_model(name: str, world: int, tp: int, pp: int, microbatches: int, bucket_bytes: int | None) -> None:
+    _check(run_on_ranks(_train, world, name, tp, pp, microbatches, bucket_bytes, timeout_s=600))
+
+
+def _bad_input(rank: int, world: int) -> dict:
+    import logging
+
+    import autotp
+
+    messages: dict[str, str] = {}
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 128, (4, 8), generator=gen)
+    pm = autotp.parallelize(build("llama"), tp=1, example_inputs={"input_ids": ids[:2], "labels": ids[:2]})
+    for key, make in (
+        ("class", lambda: autotp.DistributedOptimizer(pm, torch.optim.LBFGS, lr=1.0)),
+        ("foreign", lambda: autotp.DistributedOptimizer(pm, torch.optim.AdamW, params=[torch.nn.Parameter(torch.zeros(3))])),
+        ("partial", lambda: autotp.DistributedOptimizer(pm, torch.optim.AdamW, params=list(pm.parameters())[:1])),
+        ("not_pm", lambda: autotp.DistributedOptimizer(build("llama"), torch.optim.AdamW)),
+    ):
+        try:
+            make()
+        except ValueError as e:
+            messages[key] = str(e)
+    opt = autotp.DistributedOptimizer(pm, torch.optim.AdamW, lr=1e-2)
+    pm.train_step(input_ids=ids, labels=ids)
+    for key, call in (("pm_clip", lambda: pm.clip_grad_norm_(1.0)), ("twice", lambda: autotp.DistributedOptimizer(pm, torch.optim.AdamW))):
+        try:
+            call()
+        except ValueError as e:
+            messages[key] = str(e)
+    try:
+        pm.train_step(input_ids=ids, labels=ids)  # no zero_grad after the reduce-scatter
+    except RuntimeError as e:
+        messages["no_zero_grad"] = str(e)
+    opt.zero_grad()
+
+    # load_state_dict restores the optimizer: the same step from the same state gives the same parameters.
+    pm.train_step(input_ids=ids, labels=ids)
+    opt.step()
+    opt.zero_grad()
+    saved, params = opt.state_dict(), [p.detach().clone() for p in pm.parameters()]
+    pm.train_step(input_ids=ids, labels=ids)
+    opt.step()
+    opt.zero_grad()
+    after = [p.detach().clone() for p in pm.parameters()]
+    with torch.no_grad():
+        for p, v in zip(pm.parameters(), params):
+            p.copy_(v)
+    opt.load_state_dict(saved)
+    pm.train_step(input_ids=ids, labels=ids)
+    opt.step()
+    opt.zero_grad()
+    replayed = all(torch.equal(p, a) for p, a in zip(pm.parameters(), after))
+    other = dict(saved, dp=4)
+    try:
+        opt.load_state_dict(other)
+    except ValueError as e:
+        messages["dp"] = str(e)
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("autotp.runtime.distributed_optimizer").addHandler(handler)
+    pm1 = autotp.parallelize(build("llama"), tp=2, example_inputs={"input_ids": ids[:2], "labels": ids[:2]})
+    autotp.DistributedOptimizer(pm1, torch.optim.AdamW, lr=1e-2)
+    return {"messages": messages, "replayed": replayed, "dp1_log": records}
+
+
+def test_bad_input_is_refused_with_the_fix() -> None:
+    r = run_on_ranks(_bad_input, 2)[0]
+    m = r["messages"]
+    assert "LBFGS cannot be sharded over dp" in m["class"] and "AdamW" in m["class"] and "SGD" in m["class"]
+    assert "tensor 0 of param group 0 (shape (3,), torch.float32) is not a parameter of this ParallelModel" in m["foreign"]
+    assert "require grad but are in no param group" in m["partial"]
+    assert "needs the ParallelModel that autotp.parallelize returned, got LlamaForCausalLM" in m["not_pm"]
+    assert "call opt.clip_grad_norm_" in m["pm_clip"]
+    assert "already has a DistributedOptimizer" in m["twice"]
+    assert "call opt.zero_grad() after opt.step()" in m["no_zero_grad"]
+    assert "saved with dp=4 and this run has dp=2" in m["dp"] and "reshards" in m["dp"]
+    assert r["replayed"]
+    assert any("dp=1 shards nothing" in line for line in r["dp1_log"])
