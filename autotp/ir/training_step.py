@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autotp.ir.errors import UserInputError
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -57,7 +59,7 @@ PRECISIONS: dict[str, Precision] = {
 
 def precision(name: str) -> Precision:
     if name not in PRECISIONS:
-        raise ValueError(f"unknown precision {name!r}: choose one of {', '.join(PRECISIONS)}")
+        raise UserInputError(f"unknown precision {name!r}: choose one of {', '.join(PRECISIONS)}")
     return PRECISIONS[name]
 
 
