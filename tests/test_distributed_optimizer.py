@@ -39,6 +39,9 @@ def _train(rank: int, world: int, name: str, tp: int, pp: int, microbatches: int
     opt = autotp.DistributedOptimizer(pm, torch.optim.AdamW, bucket_bytes=bucket_bytes, **HYPER)
     ref_opt = torch.optim.AdamW(reference.parameters(), **HYPER)
     norms = []
+    early: list[int] = []  # buckets the backward hooks launched before train_step's finish
+    finish = opt.buffers.finish
+    opt.buffers.finish = lambda: (opt.buffers.reduced or early.append(opt.buffers._next), finish())[1]  # type: ignore[method-assign]
     for ids, labels in batches:
         loss = pm.train_step(input_ids=ids, labels=labels, num_microbatches=microbatches)
         norm = opt.clip_grad_norm_(MAX_NORM)
@@ -58,13 +61,16 @@ def _train(rank: int, world: int, name: str, tp: int, pp: int, microbatches: int
     full_state = 2 * 4 * local  # AdamW's exp_avg and exp_avg_sq, fp32, of this rank's shards
     return {"state_bytes": opt.state_bytes(), "full_state": full_state, "padding_bytes": 2 * 4 * opt.buffers.padding(),
             "bucket_pad": max(b.grads.numel() // dp for b in opt.buffers.buckets) * 8, "buckets": len(opt.buffers.buckets),
-            "dp": dp, "norms": norms}
+            "dp": dp, "norms": norms, "early": early, "deferred": sum(b.deferred for b in opt.buffers.buckets)}
 
 
 def _check(results: list[dict]) -> None:
     assert len({tuple(r["norms"]) for r in results}) == 1  # clipped by the same norm everywhere
     assert results[0]["norms"][0] > MAX_NORM  # clipping was active
     for r in results:
+        # reduce-scatters overlap the backward: the hooks launched every bucket but the tied
+        # parameters' (launched by finish, after their sum over the stages)
+        assert r["early"] == [r["buckets"] - r["deferred"]] * STEPS, r
         share = r["full_state"] / r["dp"]
         assert abs(r["state_bytes"] - share) <= r["padding_bytes"] + 2 * 4 * 64 * r["buckets"], r
 
@@ -72,7 +78,7 @@ def _check(results: list[dict]) -> None:
 CASES = [
     # (model, world, tp, pp, microbatches, bucket bytes)
     pytest.param("llama", 2, 1, 1, 2, 4096, id="llama-tp1-dp2-small-buckets"),
-    pytest.param("mixtral", 2, 1, 1, 1, None, id="mixtral-tp1-dp2"),
+    pytest.param("mixtral", 2, 1, 1, 1, None, id="mixtral-tp1-dp2", marks=pytest.mark.slow),
     pytest.param("llama", 4, 2, 1, 1, None, id="llama-tp2-dp2", marks=pytest.mark.slow),
     pytest.param("mixtral", 4, 2, 1, 2, 8192, id="mixtral-tp2-dp2", marks=pytest.mark.slow),
     pytest.param("llama", 8, 2, 2, 2, 8192, id="llama-tp2-pp2-dp2", marks=pytest.mark.slow),
@@ -163,3 +169,47 @@ def test_bad_input_is_refused_with_the_fix() -> None:
     assert "saved with dp=4 and this run has dp=2" in m["dp"] and "reshards" in m["dp"]
     assert r["replayed"]
     assert any("dp=1 shards nothing" in line for line in r["dp1_log"])
+
+
+def _bf16(rank: int, world: int) -> dict:
+    import autotp
+
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 128, (4, 12), generator=gen)
+    pm = autotp.parallelize(model.to(torch.bfloat16), tp=1, example_inputs={"input_ids": ids[:2], "labels": ids[:2]})
+    opt = autotp.DistributedOptimizer(pm, torch.optim.AdamW, bucket_bytes=8192, **HYPER)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **HYPER)
+    losses, ref_losses = [], []
+    for _ in range(3):
+        losses.append(pm.train_step(input_ids=ids, labels=ids, num_microbatches=2).item())
+        opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(_reference_step(reference, ids, ids, 4).item())
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    pm.unshard_state_dict()  # waits for the all-gather
+    pieces = opt._pieces.values()
+    written = all(torch.equal(p.param_range(), p.master.detach().to(torch.bfloat16)) for p in pieces)
+    finer = any(not torch.equal(p.master.detach().to(torch.bfloat16).float(), p.master.detach()) for p in pieces)
+    return {"losses": losses, "ref_losses": ref_losses, "written": written, "finer": finer, "step": opt.step_definition.precision,
+            "grad_dtypes": {str(s.grad.dtype) for s in opt.buffers.slots.values()},
+            "master_dtypes": {str(p.master.dtype) for p in pieces}, "param_dtypes": {str(p.dtype) for p in pm.parameters()},
+            "grads_none": all(p.grad is None for p in pm.parameters()),
+            "state_bytes": opt.state_bytes(), "params": sum(p.numel() for p in pm.parameters()), "padding": opt.buffers.padding()}
+
+
+def test_bf16_params_train_on_fp32_main_grads_and_masters() -> None:
+    for r in run_on_ranks(_bf16, 2):
+        assert r["step"] == "bf16-fp32-grads"
+        assert r["grad_dtypes"] == {"torch.float32"} and r["master_dtypes"] == {"torch.float32"}
+        assert r["param_dtypes"] == {"torch.bfloat16"} and r["grads_none"]  # bf16 .grad is added into main_grad and freed
+        # 4 bytes of master + 8 of Adam state per parameter of this rank's half
+        assert abs(r["state_bytes"] - 12 * r["params"] / 2) <= 12 * (r["padding"] + 64 * 4)
+        assert r["written"]  # the parameters hold the masters rounded to bf16
+        assert r["finer"]  # and the masters keep what bf16 cannot
+        # the fp32 model's trajectory, within bf16 rounding
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=2e-2)
