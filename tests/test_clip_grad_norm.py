@@ -52,3 +52,25 @@ def test_clip_counts_each_parameter_once(name: str, tp: int, pp: int) -> None:
     assert all(r["before"] == [] for r in results)
     if tp > 1:
         assert all(any(r["name"] in d for d in r["after"]) for r in results)
+
+
+def test_segments_replicated_on_some_ranks_count_once() -> None:
+    """A fused q|k|v weight at tp=2 with one KV head: q is split, k and v are held by both ranks."""
+    from autotp.ir.layouts import DimSharding
+    from autotp.ir.plan import ParallelPlan, ParamLayout
+    from autotp.runtime.grad_norm import NormCounting
+
+    layout = ParamLayout("qkv.weight", "column", 0, DimSharding(48, (32, 8, 8), (4, 1, 1)))
+    plan = ParallelPlan(tp=2, params=(layout,))
+    layouts = {"qkv.weight": layout, "norm.weight": None}
+    first, second = (NormCounting(plan, r, 0, None, layouts, {}) for r in (0, 1))
+    assert first.ranges("qkv.weight", 32) == [(0, 32)]
+    assert second.ranges("qkv.weight", 32) == [(0, 16)]
+    assert first.ranges("norm.weight", 64) == [(0, 64)] and second.ranges("norm.weight", 64) == []
+    mask = second.mask("qkv.weight", (32, 4), torch.device("cpu"))
+    assert isinstance(mask, torch.Tensor) and int(mask.sum()) == 16 * 4 and bool(mask[: 16 * 4].all())
+    assert first.mask("qkv.weight", (32, 4), torch.device("cpu")) is True
+    assert second.mask("norm.weight", (64,), torch.device("cpu")) is False
+    # dp replicas of an all-reduced gradient count on dp rank 0 only; a tied weight on its first stage
+    assert NormCounting(plan, 0, 0, 1, layouts, {}).ranges("norm.weight", 64) == []
+    assert NormCounting(plan, 0, 1, None, layouts, {"norm.weight": [0, 1]}).ranges("norm.weight", 64) == []

@@ -26,14 +26,16 @@ def _reference_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Ten
     return loss.detach()
 
 
-def _train(rank: int, world: int, name: str, tp: int, pp: int, microbatches: int, bucket_bytes: int | None) -> dict:
+def _train(rank: int, world: int, name: str, tp: int, pp: int, microbatches: int, bucket_bytes: int | None, device: str = "cpu") -> dict:
     import autotp
 
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     model = build(name, layers=2)
-    reference = copy.deepcopy(model)
+    reference = copy.deepcopy(model).to(device)
     gen = torch.Generator().manual_seed(7)
     vocab = vocab_size(model)
-    batches = [(torch.randint(0, vocab, (8, 12), generator=gen), torch.randint(0, vocab, (8, 12), generator=gen)) for _ in range(STEPS)]
+    batches = [tuple(torch.randint(0, vocab, (8, 12), generator=gen).to(device) for _ in range(2)) for _ in range(STEPS)]
     pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs={"input_ids": batches[0][0][:2], "labels": batches[0][1][:2]})
     dp = pm.plan.dp
     opt = autotp.DistributedOptimizer(pm, torch.optim.AdamW, bucket_bytes=bucket_bytes, **HYPER)

@@ -178,8 +178,11 @@ class DistributedOptimizer:
         parts = []
         for name, piece in self._pieces.items():
             g = piece.master.grad
-            mask = self._counting.mask(name, tuple(piece.slot.use.param.shape))
-            parts.append(g if mask is None else g[mask[piece.start : piece.stop].to(g.device)])
+            mask = self._counting.mask(name, tuple(piece.slot.use.param.shape), g.device)
+            if mask is True:
+                parts.append(g)
+            elif mask is not False:
+                parts.append(g[mask[piece.start : piece.stop]])
         norm = grad_norm.global_norm(grad_norm.sum_of_squares(parts, self._pm._device), error_if_nonfinite)
         grad_norm.clip_([p.master.grad for p in self._pieces.values()], norm, max_norm)
         return norm

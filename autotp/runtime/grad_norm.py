@@ -62,7 +62,10 @@ class NormCounting:
         start = 0
         for size, replicas in segment_replicas(layout, self._plan.tp):
             if self._tp_rank % replicas == 0:
-                out.append((start, start + size))
+                if out and out[-1][1] == start:
+                    out[-1] = (out[-1][0], start + size)
+                else:
+                    out.append((start, start + size))
             start += size
         return out
 
@@ -76,17 +79,17 @@ class NormCounting:
             return [t]
         return [t.narrow(dim, a, b - a) for a, b in ranges]
 
-    def mask(self, name: str, shape: tuple[int, ...]) -> Tensor | None:
-        """A flat bool mask of the counted elements of a tensor of ``shape`` (None: all count)."""
+    def mask(self, name: str, shape: tuple[int, ...], device: torch.device) -> bool | Tensor:
+        """Which elements of a tensor of ``shape`` count: True (all), False (none) or a flat bool mask."""
         layout = self._layouts.get(name)
         dim = layout.dim if layout is not None else 0
         length = shape[dim] if shape else 1
         ranges = self.ranges(name, length)
-        if ranges == [(0, length)]:
-            return None
+        if ranges in ([(0, length)], []):
+            return bool(ranges)
         key = (name, shape)
         if key not in self._masks:
-            m = torch.zeros(shape or (1,), dtype=torch.bool)
+            m = torch.zeros(shape or (1,), dtype=torch.bool, device=device)
             for a, b in ranges:
                 m.narrow(dim, a, b - a).fill_(True)
             self._masks[key] = m.reshape(-1)
