@@ -193,7 +193,6 @@ def _bf16(rank: int, world: int) -> dict:
         torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
         ref_opt.step()
         ref_opt.zero_grad()
-    pm.unshard_state_dict()  # waits for the all-gather
     pieces = opt._pieces.values()
     written = all(torch.equal(p.param_range(), p.master.detach().to(torch.bfloat16)) for p in pieces)
     finer = any(not torch.equal(p.master.detach().to(torch.bfloat16).float(), p.master.detach()) for p in pieces)

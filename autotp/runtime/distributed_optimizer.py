@@ -190,7 +190,6 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         """Step this rank's slices, write them into the parameters, all-gather the parameters over dp."""
-        self.buffers.wait_params()
         self._prepare_grads()
         self.optimizer.step()
         for piece in self._pieces.values():
@@ -214,7 +213,6 @@ class DistributedOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's slices, by parameter name (layout in the module docstring)."""
-        self.buffers.wait_params()
         groups = []
         for names, group in zip(self._group_names, self.optimizer.param_groups):
             groups.append({k: v for k, v in group.items() if k != "params"} | {"params": list(names)})

@@ -23,8 +23,8 @@ the stages. After ``finish`` each dp rank holds the dp-mean of its 1/dp slice of
 bucket (``shard``); the rest of the buffer is stale until ``zero_grad``.
 
 **All-gather.** After the optimizer wrote this rank's slice of the parameter buffer,
-``gather_params`` all-gathers every bucket asynchronously (first-used buckets first);
-``wait_params`` waits for them, and runs before the next forward.
+``gather_params`` all-gathers every bucket (one async collective per bucket, first-used
+buckets first) and waits for them: the parameters are never read half-updated.
 """
 
 from __future__ import annotations
@@ -79,7 +79,6 @@ class Bucket:
     seen: int = 0
     work: dist.Work | None = None
     launched: bool = False
-    gather: dist.Work | None = None
 
     def shard(self, t: Tensor, dp: int, dp_rank: int) -> Tensor:
         size = t.numel() // dp
@@ -244,17 +243,15 @@ class GradBuffers:
     # ---- parameters ----------------------------------------------------------------
 
     def gather_params(self) -> None:
-        """All-gather every bucket's parameters from the rank that owns each slice (async)."""
+        """All-gather every bucket's parameters from the rank that owns each slice: one async
+        all-gather per bucket (first-used buckets first), all waited for before returning, so
+        that whatever reads the parameters next sees the updated values."""
         if self.dp == 1:
             return
-        for b in reversed(self.buckets):
-            b.gather = _all_gather(b.params, b.shard(b.params, self.dp, self.dp_rank), group=self.group, async_op=True)
-
-    def wait_params(self) -> None:
-        for b in self.buckets:
-            if b.gather is not None:
-                b.gather.wait()
-                b.gather = None
+        works = [_all_gather(b.params, b.shard(b.params, self.dp, self.dp_rank), group=self.group, async_op=True)
+                 for b in reversed(self.buckets)]  # fmt: skip
+        for work in works:
+            work.wait()
 
     def shard_pieces(self) -> list[tuple[Slot, int, int]]:
         """(slot, start, stop): the flat ranges of each parameter inside this rank's slices."""

@@ -160,8 +160,6 @@ class ParallelModel(nn.Module):
         autograd across stages: use ``train_step``), and every rank gets the outputs."""
         call = self._as_kwargs(args, kwargs)
         compiled = self._compiled_for(call)
-        if self._grad_buffers is not None:
-            self._grad_buffers.wait_params()
         try:
             if self.plan.num_chunks == 1:
                 return compiled.run(**call)
@@ -232,7 +230,6 @@ class ParallelModel(nn.Module):
                 f"use a batch size that is a multiple of {dp * max(m, 1)}"
             )
         if self._grad_buffers is not None:
-            self._grad_buffers.wait_params()
             self._grad_buffers.begin(m)
         elif self.plan.distributed_optimizer and dp > 1 and not self._warned_plain:
             self._warned_plain = True
