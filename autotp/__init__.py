@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from autotp.api import CompiledRank, compile_rank, parallelize
     from autotp.ir.plan import ParallelPlan, ParamLayout
+    from autotp.runtime.distributed_optimizer import DistributedOptimizer
     from autotp.runtime.launcher import init_distributed
     from autotp.runtime.parallel_model import ParallelModel
 
@@ -20,11 +21,12 @@ _PUBLIC = {
     "parallelize": "autotp.api",
     "ParallelPlan": "autotp.ir.plan",
     "ParamLayout": "autotp.ir.plan",
+    "DistributedOptimizer": "autotp.runtime.distributed_optimizer",
     "init_distributed": "autotp.runtime.launcher",
     "ParallelModel": "autotp.runtime.parallel_model",
 }
 
-__all__ = ["CompiledRank", "ParallelModel", "ParallelPlan", "ParamLayout", "compile_rank", "init_distributed", "parallelize"]
+__all__ = ["CompiledRank", "DistributedOptimizer", "ParallelModel", "ParallelPlan", "ParamLayout", "compile_rank", "init_distributed", "parallelize"]
 
 
 def __getattr__(name: str) -> Any:

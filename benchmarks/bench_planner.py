@@ -21,9 +21,9 @@ from autotp.cost_model.planner import (
     Training,
     best_estimate,
     candidates,
-    format_table,
     plan,
 )
+from autotp.cli.plan import format_table
 from autotp.compiler import trace_for_planning
 
 from autotp import presets

@@ -27,6 +27,11 @@ shards across nodes (the g GPUs of a node use their own NICs, so ``inter_node`` 
 per-GPU link), all-gather inside the node:
 
     T = reduce_scatter(n, g, intra) + all_reduce(n/g, k, inter) + all_gather(n, g, intra)
+
+and a reduce-scatter or all-gather spanning nodes (``group_sharded_s``) likewise, as
+the two halves of that all-reduce: inside the node over n, across nodes over n/g:
+
+    T = reduce_scatter(n, g, intra) + reduce_scatter(n/g, k, inter)
 """
 
 from __future__ import annotations
@@ -88,6 +93,14 @@ def group_all_reduce_s(nbytes: float, ranks: int, ranks_per_node: int, hw: Hardw
         + all_reduce_s(nbytes / ranks_per_node, nodes, hw.inter_node)
         + all_gather_s(nbytes, ranks_per_node, hw.intra_node)
     )
+
+
+def group_sharded_s(nbytes: float, ranks: int, ranks_per_node: int, hw: HardwareProfile) -> float:
+    """Reduce-scatter (n: the input) or all-gather (n: the output) over ``ranks`` ranks, ``ranks_per_node`` per node."""
+    if ranks_per_node >= ranks:
+        return reduce_scatter_s(nbytes, ranks, hw.intra_node)
+    nodes = ranks // ranks_per_node
+    return reduce_scatter_s(nbytes, ranks_per_node, hw.intra_node) + reduce_scatter_s(nbytes / ranks_per_node, nodes, hw.inter_node)
 
 
 def group_collective_s(kind: str, nbytes: float, ranks: int, ranks_per_node: int, hw: HardwareProfile) -> float:

@@ -1,9 +1,10 @@
 """Memory per rank: model states, activations in flight, CUDA-graph buffers.
 
-**Model states** (``bytes_per_param``): Megatron's table of bytes per parameter, with d
-the data-parallel size (the distributed optimizer shards the optimizer states, and the
-fp32 copies that live with them, over the d ranks of the dp group; the seed text calls
-d "TP×PP", but the sharding is over the data-parallel group):
+**Model states** (``bytes_per_param``): bytes per parameter of the training step
+(``autotp.ir.training_step``: Megatron's table, shared with the runtime), with d the
+data-parallel size; the distributed optimizer shards the optimizer state, the fp32
+master weights and the fp32 copy of 16-bit grads over the d ranks of the dp group (the
+seed text calls d "TP×PP", but the sharding is over the data-parallel group):
 
 =====================================  =================  ==================
 precision                               plain optimizer    distributed
@@ -13,10 +14,6 @@ precision                               plain optimizer    distributed
 ``fp32``: fp32 params and grads          16                 8 + 8/d
 ``bf16-pure``: bf16 AdamW, no master     8                  4 + 4/d
 =====================================  =================  ==================
-
-The replicated part is the param and grad; the sharded part is the fp32 master copy,
-the fp32 main grad where grads are bf16, and Adam's two moments (4 bytes each, or 2 in
-``bf16-pure``, what ``torch.optim.AdamW`` keeps for a bf16 model trained by autotp).
 
 **Activations in flight** (``in_flight``), in units of one microbatch through one chunk,
 on pipeline rank r of p, with m microbatches and v chunks per rank:
@@ -37,31 +34,19 @@ capture (``autotp.runtime.cudagraphs``).
 
 from __future__ import annotations
 
-from autotp.ir.errors import UserInputError
+from autotp.ir.training_step import PRECISIONS, TrainingStep
+from autotp.ir.training_step import precision as _precision
 
-# precision -> (param bytes, grad bytes, optimizer bytes sharded by the distributed optimizer)
-PRECISIONS: dict[str, tuple[int, int, int]] = {
-    "bf16": (2, 2, 16),
-    "bf16-fp32-grads": (2, 4, 12),
-    "fp32": (4, 4, 8),
-    "bf16-pure": (2, 2, 4),
-}
-
-
-def _precision(name: str) -> tuple[int, int, int]:
-    if name not in PRECISIONS:
-        raise UserInputError(f"unknown precision {name!r}: choose one of {', '.join(PRECISIONS)}")
-    return PRECISIONS[name]
+__all__ = ["PRECISIONS", "bytes_per_param", "grad_bytes_per_param", "in_flight", "rank_memory_bytes"]
 
 
 def bytes_per_param(precision: str, distributed_optimizer: bool = False, dp: int = 1) -> float:
     """Bytes of params, grads and optimizer states per parameter (table in the module docstring)."""
-    param, grad, sharded = _precision(precision)
-    return param + grad + (sharded / dp if distributed_optimizer else sharded)
+    return TrainingStep(precision, distributed_optimizer).bytes_per_param(dp)
 
 
 def grad_bytes_per_param(precision: str) -> int:
-    return _precision(precision)[1]
+    return _precision(precision).grad
 
 
 def in_flight(schedule: str | None, pp: int, vpp: int, microbatches: int, rank: int) -> int:

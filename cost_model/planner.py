@@ -30,23 +30,35 @@ then dp, then pp):
   gradient bytes moved per parameter: (m-1)/m of that per microbatch);
 * pipeline time and bubble: ``bubble.pipeline_time_s`` (the fill and drain from the
   chunks' GPU time);
-* gradient sync, as autotp's runtime does it (after the backward, not overlapped with
-  it): per 25 MB bucket of n_k tensors, GPU time = an all-reduce over the dp group
-  (``communication.group_all_reduce_s``, min(dp, G/tp) of its ranks per node) + 6 bytes
-  moved per gradient byte (concatenate, divide, copy back); host time = (3 + 4·n_k) ops
-  (cat, all-reduce, divide; per tensor a reshape, a slice, a view and a copy) at
-  ``op_overhead_s``. The buckets run as a ``compute.queue_s`` queue: the host issues
-  bucket k+1 while the GPU reduces bucket k, so the sync costs max-like, not the sum of
-  host and GPU time; tied embeddings with pp > 1 all-reduce their gradient between the
-  first and last stages;
+* gradient sync, plain optimizer (autotp's runtime with a torch optimizer: after the
+  backward, not overlapped with it): per 25 MB bucket of n_k tensors, GPU time = an
+  all-reduce over the dp group (``communication.group_all_reduce_s``, min(dp, G/tp) of
+  its ranks per node) + 6 bytes moved per gradient byte (concatenate, divide, copy back);
+  host time = (3 + 4·n_k) ops (cat, all-reduce, divide; per tensor a reshape, a slice, a
+  view and a copy) at ``op_overhead_s``. The buckets run as a ``compute.queue_s`` queue:
+  the host issues bucket k+1 while the GPU reduces bucket k, so the sync costs max-like,
+  not the sum of host and GPU time; tied embeddings with pp > 1 all-reduce their
+  gradient between the first and last stages;
+* gradient sync, distributed optimizer (``autotp.DistributedOptimizer``): reduce-scatter
+  overlapped with the last microbatch's backward (``BACKWARD_SHARE`` of the rank's chunk
+  GPU time), then an exposed all-gather of the parameters (``dp_sync.sharded_sync_s``);
 * optimizer step: 2 · bytes_per_param · params / memory bandwidth (each state read and
-  written once); ``train_step`` does not run it, the step time includes it;
+  written once), of the rank's 1/dp slice with the distributed optimizer
+  (``dp_sync.sharded_optimizer_s``); ``train_step`` does not run it, the step time includes it;
 * step = pipeline + gradient sync + optimizer; tokens/s = B·s/step;
   MFU = 3 · forward FLOPs of B samples / (step · gpus · peak FLOP/s);
 * memory per GPU: the fullest rank's ``memory.rank_memory_bytes``;
 * small linears: a linear whose sharding saves less compute per microbatch,
   (1 - 1/t) · 3 · its forward FLOPs / GEMM rate, than one tp all-reduce's latency costs
   is replicated (``plan_tensor_parallel(replicate=...)``) when that estimate is faster.
+
+**The training step** (``autotp.ir.training_step``): ``Training.precision`` and
+``Training.distributed_optimizer``: True or False fix it; None lets the planner
+estimate each candidate with dp > 1 both ways (not for ``bf16-pure``, which the
+distributed optimizer does not run: it keeps fp32 master weights) and keep the faster
+that fits. A plan records its step (``ParallelPlan.precision``,
+``ParallelPlan.distributed_optimizer``) and whether it needs the distributed optimizer
+to fit (``PlanEstimate.needs_distributed_optimizer``).
 
 Candidates that need more memory than ``HardwareProfile.usable_memory_bytes`` are
 dropped; the rest are ranked by step time.
@@ -55,22 +67,19 @@ dropped; the rest are ranked by step time.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections import Counter
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
-from autotp.cost_model import closed_forms
 from autotp.cost_model.bubble import pipeline_time_s
 from autotp.cost_model.candidates import Cluster, Config, candidates
-from autotp.cost_model.communication import all_reduce_s, group_all_reduce_s, p2p_s
+from autotp.cost_model.communication import all_reduce_s, p2p_s
+from autotp.cost_model.dp_sync import grad_sync_s, sharded_optimizer_s, sharded_sync_s
 from autotp.cost_model.compute import (
     ModelCosts,
     RankCosts,
     SegmentTime,
-    queue_s,
     segment_time,
 )
 from autotp.cost_model.hardware import (
@@ -94,17 +103,17 @@ from autotp.ir.plan import DP_BUCKET_BYTES, ParallelPlan
 from autotp.analysis.layers import layer_index, with_layer_index
 from autotp.ir.errors import UserInputError
 
-GRAD_SYNC_BYTES_MOVED = 6
-GRAD_SYNC_BUCKET_OPS, GRAD_SYNC_TENSOR_OPS = 3, 4
+BACKWARD_SHARE = 2 / 3  # of a microbatch's forward + backward GPU time
 
 
 @dataclass(frozen=True)
 class Training:
-    """What is trained: ``global_batch`` samples per step of the traced sequence length."""
+    """What is trained: ``global_batch`` samples per step of the traced sequence length,
+    and the training step (``distributed_optimizer`` None: the planner picks, per candidate)."""
 
     global_batch: int
     precision: str = "bf16"
-    distributed_optimizer: bool = False
+    distributed_optimizer: bool | None = False
     gather_outputs: bool = False
     cuda_graph_bytes: float = 0.0  # static buffers of one capture (one microbatch in flight)
 
@@ -122,6 +131,8 @@ class Estimate:
     mem_bytes_per_gpu: float
     tokens_per_s: float
     mfu: float
+    distributed_optimizer: bool = False
+    needs_distributed_optimizer: bool = False  # the plain optimizer would not fit
 
 
 @dataclass(frozen=True)
@@ -139,6 +150,7 @@ class PlanEstimate:
     microbatches: int
     schedule: str | None
     optimizer_s: float
+    needs_distributed_optimizer: bool = False
 
     def to_json(self) -> dict:
         return {
@@ -156,6 +168,9 @@ class PlanEstimate:
             "bubble_share": self.bubble_share,
             "comm_share": self.comm_share,
             "optimizer_s": self.optimizer_s,
+            "precision": self.plan.precision,
+            "distributed_optimizer": self.plan.distributed_optimizer,
+            "needs_distributed_optimizer": self.needs_distributed_optimizer,
             "plan": json.loads(self.plan.to_json()),
         }
 
@@ -182,24 +197,9 @@ def _chunk_layers(costs: ModelCosts, chunks: int) -> tuple[Counter, ...]:
     return tuple(out)
 
 
-def grad_sync_s(params: int, tensors: int, dp: int, dp_per_node: int, training: Training, hw: HardwareProfile) -> float:
-    """``autotp.api._all_reduce_buckets`` of one rank's gradients, as a host/GPU queue (module docstring)."""
-    if dp == 1:
-        return 0.0
-    total = params * grad_bytes_per_param(training.precision)
-    buckets = max(1, math.ceil(total / DP_BUCKET_BYTES))
-    sizes = np.full(buckets, float(DP_BUCKET_BYTES))
-    sizes[-1] = total - (buckets - 1) * DP_BUCKET_BYTES
-    full, last = (group_all_reduce_s(n, dp, dp_per_node, hw) for n in (DP_BUCKET_BYTES, sizes[-1]))
-    reduce = np.full(buckets, full)
-    reduce[-1] = last
-    gpu = reduce + GRAD_SYNC_BYTES_MOVED * sizes / hw.memory_bytes_per_s
-    host = (GRAD_SYNC_BUCKET_OPS + GRAD_SYNC_TENSOR_OPS * tensors * sizes / total) * hw.op_overhead_s
-    return queue_s(host, gpu)
-
-
 def estimate(
-    costs: ModelCosts, cluster: Cluster, training: Training, config: Config, replicate: frozenset[str] = frozenset()
+    costs: ModelCosts, cluster: Cluster, training: Training, config: Config, replicate: frozenset[str] = frozenset(),
+    distributed: bool = False,
 ) -> Estimate:
     """Predicted step time and memory of ``config`` (formulas in the module docstring)."""
     hw = cluster.hardware
@@ -238,10 +238,14 @@ def estimate(
         params, tensors = _rank_params(chunk_params[r::pp])
         held = in_flight(config.schedule, pp, vpp, m, r)
         graphs = held * training.cuda_graph_bytes
-        memories.append(rank_memory_bytes(params, training.precision, training.distributed_optimizer, config.dp, held * max(chunk_act[r::pp]), graphs))
-        syncs.append(grad_sync_s(params, tensors, config.dp, dp_per_node, training, hw))
-        traffic = 2 * bytes_per_param(training.precision, training.distributed_optimizer, config.dp) * params
-        optimizers.append(traffic / hw.memory_bytes_per_s)
+        memories.append(rank_memory_bytes(params, training.precision, distributed, config.dp, held * max(chunk_act[r::pp]), graphs))
+        if distributed:
+            backward = BACKWARD_SHARE * sum(chunk_gpu[r::pp])
+            syncs.append(sharded_sync_s(params, training.precision, config.dp, dp_per_node, backward, hw))
+            optimizers.append(sharded_optimizer_s(params, training.precision, config.dp, hw))
+        else:
+            syncs.append(grad_sync_s(params, tensors, config.dp, dp_per_node, training.precision, hw))
+            optimizers.append(2 * bytes_per_param(training.precision) * params / hw.memory_bytes_per_s)
     tied = set(rc.embedding.params) & set(rc.head.params)
     tied_s = 0.0
     if tied and pp > 1:
@@ -261,6 +265,7 @@ def estimate(
         mem_bytes_per_gpu=max(memories),
         tokens_per_s=tokens / step,
         mfu=3 * costs.forward_flops(training.global_batch) / (step * cluster.gpus * hw.mfu_flops_per_s),
+        distributed_optimizer=distributed,
     )
 
 
@@ -278,14 +283,33 @@ def _rank_params(chunks: list[list[tuple[dict[str, int], int]]]) -> tuple[int, i
     return numel + sum(names.values()), tensors + len(names)
 
 
-def best_estimate(costs: ModelCosts, cluster: Cluster, training: Training, config: Config) -> Estimate:
+def _best_layout(costs: ModelCosts, cluster: Cluster, training: Training, config: Config, distributed: bool) -> Estimate:
     """``estimate`` with every linear sharded, or with the small ones replicated if that is faster."""
-    plain = estimate(costs, cluster, training, config)
+    plain = estimate(costs, cluster, training, config, distributed=distributed)
     small = small_linears(costs, config.tp, config.microbatch_size, cluster.hardware)
     if not small:
         return plain
-    trimmed = estimate(costs, cluster, training, config, small)
+    trimmed = estimate(costs, cluster, training, config, small, distributed=distributed)
     return trimmed if trimmed.step_s < plain.step_s else plain
+
+
+def best_estimate(costs: ModelCosts, cluster: Cluster, training: Training, config: Config) -> Estimate:
+    """The best layout with the training step's optimizer, or with the faster fitting one
+    when ``training.distributed_optimizer`` is None (module docstring)."""
+    forced = training.distributed_optimizer
+    if config.dp == 1:
+        options = [bool(forced)]
+    elif forced is None and training.precision == "bf16-pure":
+        options = [False]
+    else:
+        options = [False, True]
+    found = {d: _best_layout(costs, cluster, training, config, d) for d in options}
+    capacity = cluster.hardware.usable_memory_bytes
+    allowed = [e for d, e in found.items() if forced is None or d == forced]
+    fitting = [e for e in allowed if e.mem_bytes_per_gpu <= capacity] or allowed
+    best = min(fitting, key=lambda e: (e.step_s, e.mem_bytes_per_gpu))
+    needs = best.distributed_optimizer and False in found and found[False].mem_bytes_per_gpu > capacity
+    return replace(best, needs_distributed_optimizer=needs)
 
 
 # ---- plans -----------------------------------------------------------------------------
@@ -332,6 +356,8 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
         microbatch_size=cfg.microbatch_size,
         schedule=cfg.schedule or "",
         dp_bucket_bytes=DP_BUCKET_BYTES,
+        precision=training.precision,
+        distributed_optimizer=est.distributed_optimizer,
     )
     return PlanEstimate(
         plan=plan,
@@ -345,6 +371,7 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
         microbatches=cfg.microbatches,
         schedule=cfg.schedule,
         optimizer_s=est.optimizer_s,
+        needs_distributed_optimizer=est.needs_distributed_optimizer,
     )
 
 
@@ -468,26 +495,3 @@ def auto_plan(costs: ModelCosts, world: int, *, tp: int | None = None, pp: int |
 
 
 # ---- presenting plans --------------------------------------------------------------------
-
-
-def format_table(estimates: list[PlanEstimate]) -> str:
-    header = f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'vpp':>3} {'mbs':>4} {'m':>5} {'step s':>9} {'tokens/s':>10} {'MFU':>6} {'GiB/GPU':>8} {'bubble':>7} {'comm':>6}"
-    rows = [header]
-    for i, e in enumerate(estimates, start=1):
-        p = e.plan
-        rows.append(
-            f"{i:>3} {p.tp:>3} {p.pp:>3} {p.dp:>5} {p.vpp:>3} {e.microbatch_size:>4} {e.microbatches:>5} {e.step_s:>9.4g} "
-            f"{e.tokens_per_s:>10.4g} {e.mfu:>6.1%} {e.mem_bytes_per_gpu / GiB:>8.1f} {e.bubble_share:>7.1%} {e.comm_share:>6.1%}"
-        )
-    return "\n".join(rows)
-
-
-def explain_values(costs: ModelCosts, best: PlanEstimate, hidden: int, heads: int) -> dict:
-    """Numbers for ``closed_forms``: the model's and the top plan's (n: one tp all-reduce, b·s·h bf16)."""
-    cf = closed_forms
-    p = best.plan
-    return {
-        cf.b: best.microbatch_size, cf.s: costs.seq, cf.h: hidden, cf.a: heads, cf.e: 2, cf.t: p.tp, cf.p: p.pp,
-        cf.v: p.vpp, cf.m: best.microbatches, cf.d: p.dp, cf.r: 0, cf.Psi: costs.total_params(),
-        cf.n: best.microbatch_size * costs.seq * hidden * 2,
-    }  # fmt: skip

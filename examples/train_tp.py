@@ -28,6 +28,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     for step in range(1, STEPS + 1):
         loss = pm.train_step(input_ids=input_ids, labels=input_ids, num_microbatches=2)
+        pm.clip_grad_norm_(1.0)  # the global norm, each parameter counted once across ranks
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if dist.get_rank() == 0:

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from autotp.cost_model import planner
+from autotp.cost_model import dp_sync, planner
 from autotp.cost_model import calibrate
 from autotp.cli.calibrate import add_calibrate_command
 from autotp.cli.measure import scale_layer
@@ -101,11 +101,12 @@ def test_plans_cover_every_layer_of_the_model(llama8b: ModelCosts) -> None:
 
 def test_plan_fields_round_trip_and_old_json_loads() -> None:
     full = autotp.ParallelPlan(tp=2, pp=2, microbatches=8, microbatch_size=2, schedule="gpipe", cudagraph_regions=(0, 3),
-                               dp_bucket_bytes=2**20, sequence_parallel=True, distributed_optimizer=True, ep=2)  # fmt: skip
+                               dp_bucket_bytes=2**20, sequence_parallel=True, distributed_optimizer=True, ep=2,
+                               precision="bf16-fp32-grads")  # fmt: skip
     assert autotp.ParallelPlan.from_json(full.to_json()) == full
     old = json.loads(autotp.ParallelPlan(tp=2).to_json())
     for key in ("microbatches", "microbatch_size", "schedule", "cudagraph_regions", "dp_bucket_bytes",
-                "sequence_parallel", "distributed_optimizer", "ep"):  # fmt: skip
+                "sequence_parallel", "distributed_optimizer", "ep", "precision"):  # fmt: skip
         del old[key]
     loaded = autotp.ParallelPlan.from_json(json.dumps(old))
     assert loaded == autotp.ParallelPlan(tp=2)
@@ -182,7 +183,7 @@ def test_plan_command_table(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].startswith("llama3-8b on 16 x H100 (2 nodes of 8), global batch 64 x 2048 tokens")
-    assert lines[1].split() == ["#", "tp", "pp", "dp", "vpp", "mbs", "m", "step", "s", "tokens/s", "MFU", "GiB/GPU", "bubble", "comm"]
+    assert lines[1].split() == ["#", "tp", "pp", "dp", "vpp", "mbs", "m", "step", "s", "tokens/s", "MFU", "GiB/GPU", "bubble", "comm", "dist-opt"]
     assert [l.split()[0] for l in lines[2:5]] == ["1", "2", "3"]
     assert "tp all-reduce time per layer" in out and "bubble, interleaved 1f1b" in out
 
@@ -286,13 +287,13 @@ def test_grad_sync_is_a_queue_of_buckets() -> None:
     training = Training(global_batch=8)
     gpu_only = replace(H100, op_overhead_s=0.0)
     link = gpu_only.intra_node
-    moved = planner.GRAD_SYNC_BYTES_MOVED / gpu_only.memory_bytes_per_s
+    moved = dp_sync.GRAD_SYNC_BYTES_MOVED / gpu_only.memory_bytes_per_s
     expected = 2 * (all_reduce_s(bucket, 2, link) + bucket * moved) + all_reduce_s(bucket / 2, 2, link) + bucket / 2 * moved
-    assert planner.grad_sync_s(params, tensors, 2, 2, training, gpu_only) == pytest.approx(expected)
+    assert dp_sync.grad_sync_s(params, tensors, 2, 2, training.precision, gpu_only) == pytest.approx(expected)
     host_bound = replace(H100, op_overhead_s=1.0)
-    ops = 3 * planner.GRAD_SYNC_BUCKET_OPS + planner.GRAD_SYNC_TENSOR_OPS * tensors
-    assert planner.grad_sync_s(params, tensors, 2, 2, training, host_bound) == pytest.approx(ops, rel=1e-3)
-    assert planner.grad_sync_s(params, tensors, 1, 1, training, host_bound) == 0.0
+    ops = 3 * dp_sync.GRAD_SYNC_BUCKET_OPS + dp_sync.GRAD_SYNC_TENSOR_OPS * tensors
+    assert dp_sync.grad_sync_s(params, tensors, 2, 2, training.precision, host_bound) == pytest.approx(ops, rel=1e-3)
+    assert dp_sync.grad_sync_s(params, tensors, 1, 1, training.precision, host_bound) == 0.0
 
 
 def test_fit_host_recovers_per_node_costs_from_layer_differences() -> None:

@@ -6,17 +6,52 @@ import argparse
 import json
 import math
 import time
+from typing import TYPE_CHECKING
 
 from autotp import presets
 from autotp.cost_model.memory import PRECISIONS
 from autotp.ir.errors import UserInputError
+
+if TYPE_CHECKING:
+    from autotp.cost_model.compute import ModelCosts
+    from autotp.cost_model.planner import PlanEstimate
+
+
+def format_table(estimates: list[PlanEstimate]) -> str:
+    """The ranked plans, one row each; ``dist-opt``: the distributed optimizer is used, and needed to fit."""
+    from autotp.cost_model.hardware import GiB
+
+    header = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'vpp':>3} {'mbs':>4} {'m':>5} {'step s':>9} {'tokens/s':>10} "
+              f"{'MFU':>6} {'GiB/GPU':>8} {'bubble':>7} {'comm':>6} {'dist-opt':>8}")
+    rows = [header]
+    for i, e in enumerate(estimates, start=1):
+        p = e.plan
+        rows.append(
+            f"{i:>3} {p.tp:>3} {p.pp:>3} {p.dp:>5} {p.vpp:>3} {e.microbatch_size:>4} {e.microbatches:>5} {e.step_s:>9.4g} "
+            f"{e.tokens_per_s:>10.4g} {e.mfu:>6.1%} {e.mem_bytes_per_gpu / GiB:>8.1f} {e.bubble_share:>7.1%} {e.comm_share:>6.1%} "
+            f"{('needed' if e.needs_distributed_optimizer else 'yes') if p.distributed_optimizer else 'no':>8}"
+        )
+    return "\n".join(rows)
+
+
+def explain_values(costs: ModelCosts, best: PlanEstimate, hidden: int, heads: int) -> dict:
+    """Numbers for ``closed_forms``: the model's and the top plan's (n: one tp all-reduce, b·s·h bf16)."""
+    from autotp.cost_model import closed_forms as cf
+
+    p = best.plan
+    return {
+        cf.b: best.microbatch_size, cf.s: costs.seq, cf.h: hidden, cf.a: heads, cf.e: 2, cf.t: p.tp, cf.p: p.pp,
+        cf.v: p.vpp, cf.m: best.microbatches, cf.d: p.dp, cf.r: 0, cf.Psi: costs.total_params(),
+        cf.n: best.microbatch_size * costs.seq * hidden * 2,
+    }  # fmt: skip
 
 
 def _plan_command(args: argparse.Namespace) -> int:
     from autotp.compiler import trace_for_planning
     from autotp.cost_model import closed_forms
     from autotp.cost_model.hardware import get_profile
-    from autotp.cost_model.planner import Cluster, Training, explain_values, format_table, search
+    from autotp.cost_model.planner import Cluster, Training, search
+    from autotp.ir.training_step import TrainingStep
 
     hw = get_profile(args.hardware, calibrated=not args.builtin_profile)
     for name in ("gpus", "gpus_per_node", "global_batch", "seq", "top"):
@@ -26,7 +61,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     config = presets.model_config(args.model)
     costs = trace_for_planning(config, args.seq)
     cluster = Cluster(args.gpus, args.gpus_per_node, hw)
-    training = Training(args.global_batch, args.precision, args.distributed_optimizer)
+    choice = {"auto": None, "on": True, "off": False}[args.distributed_optimizer]
+    training = Training(args.global_batch, args.precision, choice)
     found = search(costs, cluster, training, tp=args.tp, pp=args.pp, top=args.top)
     estimates = found.plans
     elapsed = time.perf_counter() - start
@@ -34,14 +70,19 @@ def _plan_command(args: argparse.Namespace) -> int:
         print(json.dumps([e.to_json() for e in estimates], indent=1))
         return 0
     nodes = math.ceil(args.gpus / args.gpus_per_node)
-    optimizer = ", distributed optimizer" if args.distributed_optimizer else ""
     print(
         f"{args.model} on {args.gpus} x {hw.name} ({nodes} node{'s' * (nodes > 1)} of {min(args.gpus, args.gpus_per_node)}), "
-        f"global batch {args.global_batch} x {args.seq} tokens, {args.precision}{optimizer}; planned in {elapsed:.2f} s"
+        f"global batch {args.global_batch} x {args.seq} tokens, distributed optimizer {args.distributed_optimizer}; "
+        f"planned in {elapsed:.2f} s"
     )
     print(format_table(estimates))
     fitting = found.candidates - found.over_memory - found.refused_candidates
     print(f"{len(estimates)} of {fitting} plans that fit shown (--top {args.top}); {found.dropped_summary(hw.usable_memory_bytes)}")
+    for used in sorted({e.plan.distributed_optimizer for e in estimates}, reverse=True):
+        print(f"training step{' (dist-opt yes/needed)' if used else ' (dist-opt no)'}: {TrainingStep(args.precision, used).describe()}")
+    needed = [str(i) for i, e in enumerate(estimates, start=1) if e.needs_distributed_optimizer]
+    if needed:
+        print(f"plans {', '.join(needed)} fit only with the distributed optimizer: train them with autotp.DistributedOptimizer")
     if args.explain:
         text = config.get_text_config()
         values = explain_values(costs, estimates[0], text.hidden_size, text.num_attention_heads)
@@ -70,8 +111,12 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     )
     command.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     command.add_argument("--seq", type=int, default=4096, help="sequence length (default: 4096)")
-    command.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16", help="params/grads/optimizer precision (default: bf16)")
-    command.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer states over dp (ZeRO-1)")
+    command.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16-fp32-grads",
+                         help="params/grads/optimizer precision (autotp.ir.training_step; default: bf16-fp32-grads, "
+                         "bf16 params with fp32 main grads and master weights, what autotp.DistributedOptimizer runs on bf16)")
+    command.add_argument("--distributed-optimizer", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                         help="shard optimizer states over dp (ZeRO-1, autotp.DistributedOptimizer): on, off, or auto "
+                         "(default: per plan, whichever is faster and fits)")
     command.add_argument("--tp", type=int, help="keep this tensor-parallel degree")
     command.add_argument("--pp", type=int, help="keep this pipeline-parallel degree")
     command.add_argument("--top", type=int, default=10, help="plans to show (default: 10)")

@@ -106,7 +106,10 @@ class ParallelPlan:
     # Megatron sequence parallelism: the regions between tp regions run on 1/tp of the
     # tokens (``passes/sequence_parallel``).
     sequence_parallel: bool = False
-    # Not implemented yet; the defaults mean off.
+    # The training step the planner assumed (``autotp.ir.training_step``): its precision
+    # ("": not planned) and whether the optimizer state is sharded over dp
+    # (``autotp.DistributedOptimizer``).
+    precision: str = ""
     distributed_optimizer: bool = False
     ep: int = 1
 
@@ -156,6 +159,7 @@ class ParallelPlan:
                 "dp_bucket_bytes": self.dp_bucket_bytes,
                 "causal_attention": self.causal_attention,
                 "causal_attention_nodes": list(self.causal_attention_nodes),
+                "precision": self.precision,
                 "sequence_parallel": self.sequence_parallel,
                 "distributed_optimizer": self.distributed_optimizer,
                 "ep": self.ep,
@@ -187,6 +191,7 @@ class ParallelPlan:
             dp_bucket_bytes=d.get("dp_bucket_bytes", DP_BUCKET_BYTES),
             causal_attention=d.get("causal_attention", True),
             causal_attention_nodes=tuple(d.get("causal_attention_nodes", ())),
+            precision=d.get("precision", ""),
             sequence_parallel=d.get("sequence_parallel", False),
             distributed_optimizer=d.get("distributed_optimizer", False),
             ep=d.get("ep", 1),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,12 +19,16 @@ from autotp.analysis.trace import structure_copy
 from autotp.compiler import Lowered, lower_signature
 from autotp.ir import schedules
 from autotp.ir.plan import ParallelPlan
-from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, export_hf, grad_sync, guards
+from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, export_hf, grad_norm, grad_sync, guards
+from autotp.runtime.grad_buffers import GradBuffers, ParamUse
 from autotp.runtime.groups import Coords
 from autotp.runtime.parameters import ParamChunks, Parameters, graph_param_chunks
 from autotp.runtime.pipeline import ChunkGraph, PipelineRunner, extract_chunks
 from autotp.ir.errors import UserInputError
 from autotp.runtime.shard_map import ShardedLocal
+
+log = logging.getLogger(__name__)
+REPLICA_CHECK_EVERY = 100
 
 
 @dataclass
@@ -84,6 +89,10 @@ class ParallelModel(nn.Module):
         self._params.bind(model, compiled.param_chunks, set(self.my_chunks))
         owners = {name: self._params.owners(compiled.param_chunks, name) for name in self._params.aliases}
         self._shared_param_groups = grad_sync.shared_param_groups(self.plan, coords, owners)
+        self._owners = owners
+        self._grad_buffers: GradBuffers | None = None  # set by a DistributedOptimizer
+        self._clip_calls = 0
+        self._warned_plain = False
         self._attach(compiled)
         self.train(model.training)
         self._graphs[guards.signature_key(first_kwargs, model.training)] = compiled
@@ -220,6 +229,12 @@ class ParallelModel(nn.Module):
                 f"the global batch of {size} does not split into dp={dp} x {m} microbatches; "
                 f"use a batch size that is a multiple of {dp * max(m, 1)}"
             )
+        if self._grad_buffers is not None:
+            self._grad_buffers.begin(m)
+        elif self.plan.distributed_optimizer and dp > 1 and not self._warned_plain:
+            self._warned_plain = True
+            log.warning("the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
+                        "state over dp=%d); this model trains with a plain optimizer", dp)
         step = size // (dp * m)
         first = self._coords.dp_rank * step * m
         micro = [
@@ -250,6 +265,9 @@ class ParallelModel(nn.Module):
         return total
 
     def _sync_grads(self) -> None:
+        if self._grad_buffers is not None:
+            self._grad_buffers.finish()
+            return
         shared = self._params.local_grads(list(self._shared_param_groups))
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         grad_sync.sync_grads(self.plan, self._coords, shared, self._shared_param_groups, grads)
@@ -318,4 +336,89 @@ class ParallelModel(nn.Module):
 
     def unshard_grads(self) -> dict[str, torch.Tensor | None]:
         """Full gradients under every original parameter name (None where no grad)."""
+        if self._grad_buffers is not None and self._grad_buffers.reduced:
+            raise ValueError(
+                "the gradients were reduce-scattered over dp by the DistributedOptimizer (each dp rank holds the mean "
+                "of its 1/dp slice only), so no rank has them whole; read them before the step ends (pm(...) and "
+                "backward, without train_step), or train with a plain optimizer to inspect them"
+            )
         return self._params.unshard_grads(self._first_compiled().param_chunks)
+
+    # ---- gradients -----------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients; with a DistributedOptimizer, zero its buffers (``.grad`` stays a view of them)."""
+        if self._grad_buffers is not None:
+            self._grad_buffers.zero_grad()
+            return
+        super().zero_grad(set_to_none)
+
+    def _param_uses(self, names: list[str]) -> list[ParamUse]:
+        """How the gradient buffers lay out ``names``: their chunk, backward passes per microbatch, first use."""
+        compiled = self._first_compiled()
+        graphs = {c: cg.graph for c, cg in compiled.chunks.items()} or {0: compiled.graph}
+        order: dict[tuple[str, int], int] = {}
+        for c, gm in graphs.items():
+            for i, node in enumerate(gm.graph.nodes):
+                for a in node.all_input_nodes:
+                    if a.op == "get_attr":
+                        order.setdefault((self._params.canonical(str(a.target)), c), i)
+        mine = set(self.my_chunks)
+        uses = []
+        for name in names:
+            chunks = self._params.chunks_of(compiled.param_chunks, name) & mine or {min(mine)}
+            chunk = min(chunks)
+            param = self.get_parameter(name)
+            uses.append(ParamUse(name, param, chunk, len(chunks), order.get((name, chunk), -1), name in self._shared_param_groups))
+        return uses
+
+    def _norm_counting(self, dp_rank: int | None) -> grad_norm.NormCounting:
+        c = self._coords
+        return grad_norm.NormCounting(self.plan, c.tp_rank, c.pp_rank, dp_rank, self._params.layouts, self._owners)
+
+    def clip_grad_norm_(self, max_norm: float, error_if_nonfinite: bool = False, check_replicas_every: int = REPLICA_CHECK_EVERY) -> torch.Tensor:
+        """Clip this rank's gradients by the global L2 norm, each parameter counted once across tp
+        shards and replicas, pipeline stages and dp ranks, as ``torch.nn.utils.clip_grad_norm_`` on
+        the unmodified model; returns that norm (the same on every rank). Call it after
+        ``train_step``. Every ``check_replicas_every`` calls (the first included) it also runs
+        ``check_replicas``."""
+        if self._grad_buffers is not None:
+            raise ValueError("this model trains with a DistributedOptimizer, which holds the gradients: call opt.clip_grad_norm_")
+        counting = self._norm_counting(self._coords.dp_rank)
+        grads = [(n, self.get_parameter(n).grad) for n in self._params.local_names]
+        present = [(n, g) for n, g in grads if g is not None]
+        squares = grad_norm.sum_of_squares((part for n, g in present for part in counting.counted(n, g)), self._device)
+        norm = grad_norm.global_norm(squares, error_if_nonfinite)
+        grad_norm.clip_([g for _, g in present], norm, max_norm)
+        if check_replicas_every and self._clip_calls % check_replicas_every == 0:
+            self.check_replicas()
+        self._clip_calls += 1
+        return norm
+
+    @torch.no_grad()
+    def check_replicas(self) -> list[str]:
+        """Compare the parameters that several tp ranks hold (norm weights, shared KV heads) across
+        those ranks by checksum; log a warning naming those that differ, and return them."""
+        tp = self.plan.tp
+        if tp == 1:
+            return []
+        named, holders = [], []
+        for name in self._params.local_names:
+            layout = self._params.layouts[name]
+            if layout is None:
+                replicas = tp
+            else:
+                counts = {r for _, r in grad_norm.segment_replicas(layout, tp)}
+                if len(counts) != 1 or counts == {1}:
+                    continue
+                replicas = counts.pop()
+            base = self._coords.tp_rank // replicas * replicas
+            named.append((name, self.get_parameter(name).detach()))
+            holders.append(list(range(base, base + replicas)))
+        diverged = grad_norm.replicas_diverged(named, collectives.get_group(self._coords.tp_key), holders)
+        if diverged:
+            log.warning(
+                "parameters replicated over the tp ranks differ between ranks: %s. Every rank must apply the same "
+                "update: clip with pm.clip_grad_norm_ (not torch.nn.utils.clip_grad_norm_, which sees one rank), "
+                "and pass the same batch and seed on every rank", ", ".join(diverged[:5]))
+        return diverged

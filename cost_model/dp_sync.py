@@ -1,0 +1,76 @@
+"""Data-parallel gradient sync: autotp's all-reduce buckets (``grad_sync_s``, formulas in
+``autotp.cost_model.planner``'s docstring) and the distributed optimizer's reduce-scatter,
+all-gather and step (``autotp.DistributedOptimizer``).
+
+One rank's gradients, ``G = params · grad bytes``, sit in buckets of ``DP_BUCKET_BYTES``
+(k buckets, the last one smaller). Each bucket is reduce-scattered over the dp group as
+soon as the last microbatch's backward has produced it, so all buckets but the last
+overlap with that backward (``W``: the rank's backward GPU time of one microbatch):
+
+    exposed reduce-scatter = max(Σ_j RS(b_j) - W, RS(b_last))
+
+After the step the updated parameters (``params · param bytes``, the same buckets) are
+all-gathered; the runtime waits for them before the next forward, so the all-gather is
+exposed: ``Σ_j AG(b_j)``. RS and AG run hierarchically across nodes
+(``communication.group_sharded_s``); together they move the bytes of one all-reduce. The host issues one collective and one divide per
+bucket (``op_overhead_s`` each).
+
+The optimizer step touches this rank's 1/d slice only: per element, the grad, the
+master weights and optimizer state read and written, and the parameter written:
+``2 · bytes_per_param(plain) · params / d`` bytes of memory traffic (the plain
+optimizer's ``2 · bytes_per_param · params``, divided over the d ranks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from autotp.cost_model.communication import group_all_reduce_s, group_sharded_s
+from autotp.cost_model.compute import queue_s
+from autotp.cost_model.hardware import HardwareProfile
+from autotp.ir.plan import DP_BUCKET_BYTES
+from autotp.ir.training_step import precision
+
+GRAD_SYNC_BYTES_MOVED = 6
+GRAD_SYNC_BUCKET_OPS, GRAD_SYNC_TENSOR_OPS = 3, 4
+
+
+def grad_sync_s(params: int, tensors: int, dp: int, dp_per_node: int, precision_name: str, hw: HardwareProfile) -> float:
+    """``autotp.runtime.grad_sync.all_reduce_buckets`` of one rank's gradients, as a host/GPU queue."""
+    if dp == 1:
+        return 0.0
+    total = params * precision(precision_name).grad
+    buckets = max(1, math.ceil(total / DP_BUCKET_BYTES))
+    sizes = np.full(buckets, float(DP_BUCKET_BYTES))
+    sizes[-1] = total - (buckets - 1) * DP_BUCKET_BYTES
+    full, last = (group_all_reduce_s(n, dp, dp_per_node, hw) for n in (DP_BUCKET_BYTES, sizes[-1]))
+    reduce = np.full(buckets, full)
+    reduce[-1] = last
+    gpu = reduce + GRAD_SYNC_BYTES_MOVED * sizes / hw.memory_bytes_per_s
+    host = (GRAD_SYNC_BUCKET_OPS + GRAD_SYNC_TENSOR_OPS * tensors * sizes / total) * hw.op_overhead_s
+    return queue_s(host, gpu)
+
+
+def _buckets(total: float) -> list[float]:
+    k = max(1, math.ceil(total / DP_BUCKET_BYTES))
+    return [float(DP_BUCKET_BYTES)] * (k - 1) + [total - (k - 1) * DP_BUCKET_BYTES]
+
+
+def sharded_sync_s(params: int, precision_name: str, dp: int, dp_per_node: int, backward_s: float, hw: HardwareProfile) -> float:
+    """Exposed reduce-scatter and all-gather of one rank's ``params`` over ``dp`` ranks (module docstring)."""
+    if dp == 1:
+        return 0.0
+    p = precision(precision_name)
+    grads = _buckets(params * p.grad)
+    scatter = [group_sharded_s(b, dp, dp_per_node, hw) for b in grads]
+    gather = sum(group_sharded_s(b * p.param / p.grad, dp, dp_per_node, hw) for b in grads)
+    host = 2 * 2 * len(grads) * hw.op_overhead_s
+    return max(sum(scatter) - backward_s, scatter[-1]) + gather + host
+
+
+def sharded_optimizer_s(params: int, precision_name: str, dp: int, hw: HardwareProfile) -> float:
+    """Memory time of stepping this rank's 1/dp slice."""
+    p = precision(precision_name)
+    return 2 * (p.param + p.grad + p.sharded) * params / dp / hw.memory_bytes_per_s
