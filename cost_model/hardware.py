@@ -38,7 +38,8 @@ The host and kernel-efficiency constants (``H200_MEASURED``: per-node host costs
 cost of a call, ``compute_time_scale``, attention and elementwise-backward rates, achieved
 HBM bandwidth) are ``autotp calibrate``'s fit of 4×H200, torch 2.11.0+cu130, 2026-11-21,
 whose raw measurements are ``benchmarks/results/cost_model_h200x4.json``
-(``python benchmarks/bench_cost_model.py --measured`` refits them). H100 is the same chip
+(``python benchmarks/bench_cost_model.py --measured`` refits them; ``compute_time_scale`` was
+fitted before the ``causal_attention`` pass, whose flash kernel the recorded layer runs did not use). H100 is the same chip
 and host software, so it takes the same constants, with HBM scaled by the datasheet ratio.
 Everything else is a datasheet figure or a stated assumption, marked in each profile's
 ``source``. ``autotp calibrate`` on the machine measures all of them and caches the profile
