@@ -1,8 +1,8 @@
 """Sweep every causal-LM architecture of the installed transformers at tp=2 and pp=2.
 
 For each ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: build the model from a
-tiny config (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 128; fp32, eval), trace
-it, plan it at tp=2 (share of the parameters sharded), then on two gloo ranks check the
+tiny config (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 128; fp32, eval) and run
+it unmodified once (a model that fails here "does not build"), trace it, plan it at tp=2 (share of the parameters sharded), then on two gloo ranks check the
 loss, the logits and every grad against the unmodified model at tp=2 and at pp=2. Any
 failure keeps its reason (the first line of the error). Writes a Markdown table:
 
@@ -131,8 +131,10 @@ def sweep_one(arch: str) -> Row:
     start = time.perf_counter()
     try:
         model = build(arch)
-        row.builds = True
         ids, labels = _inputs()
+        with torch.no_grad():  # the unmodified model must run on this config for the row to count
+            model(input_ids=ids, labels=labels)
+        row.builds = True
         trace(model, {"input_ids": ids, "labels": labels, "use_cache": False})
         row.traces = True
         plan = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": labels}).plan
