@@ -125,6 +125,7 @@ def _check_on_rank(rank: int, world: int, arch: str) -> dict[str, str]:
 def sweep_one(arch: str) -> Row:
     import autotp
     from autotp.analysis.trace import trace
+    from autotp.compiler import example_kwargs
     from autotp.runtime.launcher import spawn_ranks
 
     row = Row(arch)
@@ -133,7 +134,7 @@ def sweep_one(arch: str) -> Row:
         model = build(arch)
         ids, labels = _inputs()
         with torch.no_grad():  # the unmodified model must run on this config for the row to count
-            model(input_ids=ids, labels=labels)
+            model(**example_kwargs(model, {"input_ids": ids, "labels": labels}))
         row.builds = True
         trace(model, {"input_ids": ids, "labels": labels, "use_cache": False})
         row.traces = True
