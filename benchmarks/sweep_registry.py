@@ -1,8 +1,8 @@
 """Sweep every causal-LM architecture of the installed transformers at tp=2 and pp=2.
 
 For each ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: build the model from a
-tiny config (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 128; fp32, eval), trace
-it, plan it at tp=2 (share of the parameters sharded), then on two gloo ranks check the
+tiny config (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 128; fp32, eval) and run
+it unmodified once (a model that fails here "does not build"), trace it, plan it at tp=2 (share of the parameters sharded), then on two gloo ranks check the
 loss, the logits and every grad against the unmodified model at tp=2 and at pp=2. Any
 failure keeps its reason (the first line of the error). Writes a Markdown table:
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -122,17 +123,26 @@ def _check_on_rank(rank: int, world: int, arch: str) -> dict[str, str]:
     return results
 
 
-def sweep_one(arch: str) -> Row:
+def _too_slow(signum: int, frame: object) -> None:
+    raise TimeoutError("took longer than --arch-timeout seconds")
+
+
+def sweep_one(arch: str, timeout_s: int = 300) -> Row:
     import autotp
     from autotp.analysis.trace import trace
+    from autotp.compiler import example_kwargs
     from autotp.runtime.launcher import spawn_ranks
 
     row = Row(arch)
     start = time.perf_counter()
+    signal.signal(signal.SIGALRM, _too_slow)
+    signal.alarm(timeout_s)
     try:
         model = build(arch)
-        row.builds = True
         ids, labels = _inputs()
+        with torch.no_grad():  # the unmodified model must run on this config for the row to count
+            model(**example_kwargs(model, {"input_ids": ids, "labels": labels}))
+        row.builds = True
         trace(model, {"input_ids": ids, "labels": labels, "use_cache": False})
         row.traces = True
         plan = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": labels}).plan
@@ -144,7 +154,8 @@ def sweep_one(arch: str) -> Row:
             tensors[id(p)] = p
         total = sum(p.numel() for p in tensors.values())
         row.sharded = sum(p.numel() for i, p in tensors.items() if sharded & set(names[i])) / total
-        results = spawn_ranks(_check_on_rank, 2, arch, backend="gloo", timeout_s=400, num_threads=1)[0]
+        signal.alarm(0)  # the ranks have their own deadline, and spawn_ranks kills them at it
+        results = spawn_ranks(_check_on_rank, 2, arch, backend="gloo", timeout_s=timeout_s, num_threads=1)[0]
         row.tp2, row.pp2 = results["tp2"] == "", results["pp2"] == ""
         row.reason = "; ".join(f"{k}: {v}" for k, v in results.items() if v)
     except Exception as e:  # noqa: BLE001 - the reason goes into the table
@@ -155,6 +166,8 @@ def sweep_one(arch: str) -> Row:
             row.reason = "build: " + row.reason
         else:
             row.reason = row.reason or traceback.format_exc().splitlines()[-1]
+    finally:
+        signal.alarm(0)
     row.seconds = time.perf_counter() - start
     return row
 
@@ -198,13 +211,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated model types (default: all)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "registry_sweep.md")
+    parser.add_argument("--arch-timeout", type=int, default=300, help="seconds per architecture (default: 300)")
     parser.add_argument("--merge", action="store_true", help="keep the other rows of the existing --out table")
     args = parser.parse_args()
     archs = [a for a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if not args.only or a in args.only.split(",")]
     kept = read_table(args.out) if args.merge else {}
     rows = []
     for arch in archs:
-        row = sweep_one(arch)
+        row = sweep_one(arch, args.arch_timeout)
         kept[arch] = row
         rows = [kept[a] for a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if a in kept]
         print(f"{arch:28s} builds={row.builds} traces={row.traces} tp2={row.tp2} pp2={row.pp2} "
