@@ -65,7 +65,7 @@ def _checksum(call: dict[str, Any]) -> float:
 
 
 class InputCheck:
-    """Compares the inputs of the first calls (or every call, ``AUTOTP_CHECK_INPUTS=1``) across ranks."""
+    """Compares the inputs of the first calls (every call on gloo or with ``AUTOTP_CHECK_INPUTS=1``) across ranks."""
 
     def __init__(self, groups: list[tuple[str, dist.ProcessGroup | None]]) -> None:
         self._groups = [(name, g) for name, g in groups if g is not None and dist.get_world_size(g) > 1]
