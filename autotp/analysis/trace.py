@@ -13,9 +13,13 @@ and cached by ``ParallelModel``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import logging
 import os
 import re
+import sys
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +32,8 @@ from torch.fx import GraphModule
 
 from autotp.analysis.trace_guards import custom_functions, refuse_custom_functions, strip_opaque_outputs
 from autotp.ir.errors import UserInputError
+
+log = logging.getLogger(__name__)
 
 _DROPPED_TARGETS = {torch.ops.aten._assert_tensor_metadata.default}
 # Frames inside these folders are the tracer's, not the model's (passes/ and cost_model/
@@ -93,11 +99,17 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     Raises ``UserInputError`` naming the submodule and source line that could not trace.
     """
     fake_model, fake_kwargs = _fake_copy(model, kwargs, torch.device(device))
+    # torch.export prints the partial graph of a failed trace to stderr; it goes to the
+    # debug log instead, and what a successful trace printed is passed on.
+    printed = io.StringIO()
     fake_model.register_forward_hook(strip_opaque_outputs)
     with _module_stack(fake_model) as stack, custom_functions(stack) as functions:
         try:
-            ep = torch.export.export(fake_model, (), fake_kwargs, strict=False)
+            with contextlib.redirect_stderr(printed):
+                ep = torch.export.export(fake_model, (), fake_kwargs, strict=False)
+            sys.stderr.write(printed.getvalue())
         except Exception as e:  # noqa: BLE001 - re-raised with location
+            log.debug("torch.export printed:\n%s", printed.getvalue())
             frames = traceback.extract_tb(e.__traceback__)
             model_frames = [f for f in frames if not os.path.realpath(f.filename).startswith(_TRACER_ROOTS)]
             where = f"{model_frames[-1].filename}:{model_frames[-1].lineno} ({model_frames[-1].line})" if model_frames else "unknown line"

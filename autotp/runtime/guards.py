@@ -1,9 +1,10 @@
 """Checks that turn a user's mistake or a peer's crash into an error on every rank.
 
 * ``InputCheck``: every rank of a model replica must pass the same inputs. The first
-  ``CHECKED_CALLS`` calls (every call with ``AUTOTP_CHECK_INPUTS=1``) compare a
-  fingerprint of the inputs (names, shapes, dtypes, a weighted sum) across the tp and
-  pp groups and raise naming the ranks that differ.
+  ``CHECKED_CALLS`` calls (every call with ``AUTOTP_CHECK_INPUTS=1``, and every call on
+  gloo, where it costs little next to the step and where collectives of different sizes
+  abort the process) compare a fingerprint of the inputs (names, shapes, dtypes, a
+  weighted sum) across the tp and pp groups and raise naming the ranks that differ.
 * ``explain_retrace_failure``: a new input signature that fails to trace is compared with
   the signatures traced before, to name the argument whose dtype or rank changed.
 * ``FailureWatch``: a rank whose call raises posts the cause under ``FAILURE_KEY`` in
@@ -64,15 +65,17 @@ def _checksum(call: dict[str, Any]) -> float:
 
 
 class InputCheck:
-    """Compares the inputs of the first calls (or every call, ``AUTOTP_CHECK_INPUTS=1``) across ranks."""
+    """Compares the inputs of the first calls (every call on gloo or with ``AUTOTP_CHECK_INPUTS=1``) across ranks."""
 
     def __init__(self, groups: list[tuple[str, dist.ProcessGroup | None]]) -> None:
         self._groups = [(name, g) for name, g in groups if g is not None and dist.get_world_size(g) > 1]
+        self._every_call = all(dist.get_backend(g) == dist.Backend.GLOO for _, g in self._groups)
         self._calls = 0
 
     def __call__(self, call: dict[str, Any]) -> None:
         self._calls += 1
-        if not self._groups or (self._calls > CHECKED_CALLS and os.environ.get(CHECK_ENV) != "1"):
+        every_call = self._every_call or os.environ.get(CHECK_ENV) == "1"
+        if not self._groups or (self._calls > CHECKED_CALLS and not every_call):
             return
         mine = (_signature(call), _checksum(call))
         for name, group in self._groups:
@@ -161,7 +164,10 @@ class FailureWatch:
         if cause is not None and not isinstance(error, UserInputError):
             return PeerFailure(f"{cause} (rank {self._rank} saw: {type(error).__name__}: {_first_line(error)})")
         self._own_failures.add(self._call)
-        self._store.set(FAILURE_KEY, f"{self._rank} {self._call} rank {self._rank} failed: {type(error).__name__}: {_first_line(error)}")
+        try:
+            self._store.set(FAILURE_KEY, f"{self._rank} {self._call} rank {self._rank} failed: {type(error).__name__}: {_first_line(error)}")
+        except RuntimeError as store_error:  # the store's host is gone: nobody is left to tell
+            log.debug("could not post the failure: %s", store_error)
         return error
 
     def _peer_cause(self) -> str | None:
@@ -209,8 +215,31 @@ def guarded(method: Callable[..., T]) -> Callable[..., T]:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> T:
         watch: FailureWatch | None = self._failure_watch
         with watch.call() if watch is not None else nullcontext():
-            if watch is None or watch.depth == 1:
-                self._input_check({**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs})
-            return method(self, *args, **kwargs)
+            try:
+                if watch is None or watch.depth == 1:
+                    self._input_check({**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs})
+                return method(self, *args, **kwargs)
+            except RuntimeError as e:
+                explained = _explain_collective_error(e)
+                if explained is e:
+                    raise
+                raise explained from e
 
     return wrapper
+
+
+def _explain_collective_error(error: RuntimeError) -> RuntimeError:
+    """``error`` with its likely cause when a collective timed out or saw other sizes on another rank."""
+    text = str(error).lower()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if "timed out" in text or "timeout" in text:
+        return RuntimeError(
+            f"a collective timed out on rank {rank}: another rank did not reach the same "
+            f"collective (it crashed, or was called with other input shapes). {error}"
+        )
+    if "enforce" in text:  # gloo's size checks
+        return RuntimeError(
+            f"ranks ran a collective with different sizes on rank {rank}: they were most likely "
+            f"passed inputs of different shapes (set {CHECK_ENV}=1 to compare inputs on every call). {error}"
+        )
+    return error

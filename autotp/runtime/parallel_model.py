@@ -160,22 +160,9 @@ class ParallelModel(nn.Module):
         autograd across stages: use ``train_step``), and every rank gets the outputs."""
         call = self._as_kwargs(args, kwargs)
         compiled = self._compiled_for(call)
-        try:
-            if self.plan.num_chunks == 1:
-                return compiled.run(**call)
-            return self._pipeline_forward(compiled, call)
-        except RuntimeError as e:
-            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                raise RuntimeError(
-                    f"a collective timed out on rank {dist.get_rank()}: another rank did not reach the same "
-                    f"collective (it crashed, or was called with other input shapes). {e}"
-                ) from e
-            if "enforce" in str(e).lower():  # gloo's size checks
-                raise RuntimeError(
-                    f"ranks ran a collective with different sizes on rank {dist.get_rank()}: they were most likely "
-                    f"passed inputs of different shapes (set {guards.CHECK_ENV}=1 to compare inputs on every call). {e}"
-                ) from e
-            raise
+        if self.plan.num_chunks == 1:
+            return compiled.run(**call)
+        return self._pipeline_forward(compiled, call)
 
     def _pipeline_forward(self, compiled: _Compiled, call: dict[str, Any]) -> Any:
         leaves = self._runner(compiled).run_forward(call)
