@@ -33,13 +33,13 @@ class CompiledRank:
 def _check_cuda_graphs(device: torch.device, compile: bool) -> None:
     backend = dist.get_backend() if dist.is_initialized() else None
     if device.type != "cuda" or backend not in (None, "nccl"):
-        raise ValueError(
+        raise UserInputError(
             f"cuda_graphs=True captures CUDA graphs, but this rank runs on {device}"
             f"{f' with {backend} collectives' if backend else ''}; run on GPUs with NCCL, or drop cuda_graphs "
             "(autotp.report.cudagraphs shows the regions and blockers without a GPU)"
         )
     if compile:
-        raise ValueError(
+        raise UserInputError(
             "compile=True and cuda_graphs=True both replace how the graph runs; pick one "
             "(torch.compile(mode='reduce-overhead') is torch's own CUDA-graph path)"
         )
@@ -119,7 +119,7 @@ def parallelize(
     world = dist.get_world_size() if dist.is_initialized() else 1
     _check_degrees(tp, pp, vpp)
     if tp > world:
-        raise ValueError(
+        raise UserInputError(
             f"tp={tp} is larger than the world size {world}; start {tp} processes (torchrun --nproc-per-node {tp} "
             f"or autotp run --tp {tp}) or lower tp"
         )

@@ -40,6 +40,7 @@ from autotp.ir import meta_keys
 from autotp.ir.plan import ParallelPlan
 from autotp.passes import PASSES
 from autotp.passes.runner import PassContext, run_passes
+from autotp.ir.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def _default_inputs(model: nn.Module) -> dict[str, Any]:
     config = getattr(model, "config", None)
     vocab = getattr(config.get_text_config(), "vocab_size", None) if config is not None else None
     if vocab is None:
-        raise ValueError(
+        raise UserInputError(
             f"{type(model).__name__} has no config.vocab_size to make example inputs from; "
             "pass example_inputs={'input_ids': ...} (or whatever its forward takes)"
         )
@@ -96,7 +97,7 @@ def trace_for_planning(config: PretrainedConfig, seq: int, *, dtype: torch.dtype
     text = config.get_text_config()
     limit = getattr(text, "max_position_embeddings", None)
     if limit is not None and seq > limit:
-        raise ValueError(f"--seq {seq} exceeds the model's max_position_embeddings ({limit}); plan for {limit} or less")
+        raise UserInputError(f"--seq {seq} exceeds the model's max_position_embeddings ({limit}); plan for {limit} or less")
     total = getattr(text, "num_hidden_layers", None)
     small = copy.deepcopy(config)
     if total is not None:
@@ -114,20 +115,20 @@ def choose_plan(traced: GraphModule, tp: int, pp: int, dp: int, vpp: int, plan: 
     """The caller's plan (checked against the degrees), the cost model's (``"auto"``) or tp/pp's default."""
     if isinstance(plan, ParallelPlan):
         if (plan.tp, plan.pp, plan.dp, plan.vpp) != (tp, pp, dp, vpp):
-            raise ValueError(
+            raise UserInputError(
                 f"the plan is for tp={plan.tp}, pp={plan.pp}, dp={plan.dp}, vpp={plan.vpp} but "
                 f"tp={tp}, pp={pp}, dp={dp}, vpp={vpp} was asked; pass matching degrees"
             )
         return plan
     if plan not in (None, "auto"):
-        raise ValueError(f"plan must be a ParallelPlan, 'auto' or None, got {plan!r}")
+        raise UserInputError(f"plan must be a ParallelPlan, 'auto' or None, got {plan!r}")
     if plan == "auto":  # the cost model plans what the caller left at 1: all of tp/pp, else vpp
         fixed = tp > 1 or pp > 1
         return auto_plan(model_costs(traced), tp * pp * dp, tp=tp if fixed else None, pp=pp if fixed else None,
                          vpp=vpp if vpp > 1 else None)  # fmt: skip
     layers = num_layers(traced)
     if pp * vpp > 1 and pp * vpp > layers:
-        raise ValueError(
+        raise UserInputError(
             f"pp*vpp = {pp}*{vpp} = {pp * vpp} pipeline chunks but the model has {layers} layers; "
             f"use pp*vpp <= {layers}"
         )

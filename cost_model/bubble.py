@@ -28,12 +28,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autotp.ir.schedules import SCHEDULES
+from autotp.ir.errors import UserInputError
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> float:
     """Bubble time over busy time (formulas in the module docstring)."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        raise UserInputError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if schedule == "interleaved":
         return (pp - 1) / (microbatches * vpp)
     return (pp - 1) / microbatches

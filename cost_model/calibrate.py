@@ -52,6 +52,7 @@ from transformers import LlamaConfig
 from autotp.cost_model.communication import p2p_s, ring_all_reduce_s
 from autotp.cost_model.compute import Segment, segment_time
 from autotp.cost_model.hardware import CPU, H100, HardwareProfile, Link, fit_alpha_beta, profile_for_gpu
+from autotp.ir.errors import UserInputError
 
 SCALE_MODEL = {"hidden": 2560, "ffn": 6912, "heads": 20, "kv_heads": 4, "vocab": 8192, "batch": 8, "seq": 2048}
 SCALE_LAYERS = (2, 4)
@@ -144,7 +145,7 @@ def fit_profile(measured: dict[str, object], ranks: int, scale_layer: Segment | 
     )
     if "layers" in measured:
         if scale_layer is None:
-            raise ValueError("the measurements hold GPU layer runs; pass scale_layer= (autotp.cli.measure.scale_layer())")
+            raise UserInputError("the measurements hold GPU layer runs; pass scale_layer= (autotp.cli.measure.scale_layer())")
         profile = replace(profile, compute_time_scale=fit_compute_time_scale(profile, measured["layers"], scale_layer))
     return profile
 

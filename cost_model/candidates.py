@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.ir.schedules import default_schedule
+from autotp.ir.errors import UserInputError
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,11 @@ def _divisors(n: int) -> list[int]:
 def check_cluster(cluster: Cluster) -> int:
     """GPUs per node actually used (all of them on one partial node); ValueError when the world cannot be laid out."""
     if cluster.gpus < 1 or cluster.gpus_per_node < 1:
-        raise ValueError(f"--gpus and --gpus-per-node must be at least 1, got {cluster.gpus} and {cluster.gpus_per_node}")
+        raise UserInputError(f"--gpus and --gpus-per-node must be at least 1, got {cluster.gpus} and {cluster.gpus_per_node}")
     if cluster.gpus <= cluster.gpus_per_node:
         return cluster.gpus
     if cluster.gpus % cluster.gpus_per_node:
-        raise ValueError(
+        raise UserInputError(
             f"{cluster.gpus} GPUs do not make whole nodes of {cluster.gpus_per_node}; use a multiple of "
             f"{cluster.gpus_per_node} GPUs (e.g. {cluster.gpus - cluster.gpus % cluster.gpus_per_node}) or fewer than one node"
         )
@@ -63,16 +64,16 @@ def candidates(
     world = cluster.gpus
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("microbatch size", microbatch_size), ("global batch", global_batch)):
         if value is not None and value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+            raise UserInputError(f"{name} must be at least 1, got {value}")
     if tp is not None and (per_node % tp or world % tp):
-        raise ValueError(
+        raise UserInputError(
             f"tp={tp} does not divide the {per_node} GPUs of a node (a tp group must not span nodes); "
             f"use one of {_divisors(per_node)}"
         )
     if pp is not None and (world // (tp or 1)) % pp:
-        raise ValueError(f"pp={pp} does not divide {world} GPUs / tp={tp or 1}; use one of {_divisors(world // (tp or 1))}")
+        raise UserInputError(f"pp={pp} does not divide {world} GPUs / tp={tp or 1}; use one of {_divisors(world // (tp or 1))}")
     if pp is not None and pp > num_layers:
-        raise ValueError(f"pp={pp} is more pipeline stages than the model's {num_layers} layers; use pp <= {num_layers}")
+        raise UserInputError(f"pp={pp} is more pipeline stages than the model's {num_layers} layers; use pp <= {num_layers}")
     tps = [tp] if tp is not None else [k for k in _divisors(per_node) if world % k == 0]
     out = []
     for t in tps:
@@ -94,7 +95,7 @@ def candidates(
                     if v == 1 or v in vpps:
                         out.append(Config(t, p, dp, v, mbs, m))
     if not out:
-        raise ValueError(
+        raise UserInputError(
             f"no way to split a global batch of {global_batch} over {world} GPUs with "
             f"tp={tp or 'any'}, pp={pp or 'any'}, vpp={vpp or 'any'}, microbatch size={microbatch_size or 'any'}: "
             f"dp = GPUs/(tp*pp) must divide the batch, 1F1B needs at least pp microbatches and interleaving "

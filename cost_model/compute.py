@@ -73,6 +73,7 @@ from autotp.cost_model.graph_costs import GraphReport, assign_layers, build_repo
 from autotp.analysis.layers import EMBEDDING, HEAD, LayerKey, num_layers
 from autotp.analysis.op_kinds import OpKind, is_matmul, op_kind
 from autotp.ir.plan import ParallelPlan
+from autotp.ir.errors import UserInputError
 
 CompileFn = Callable[[ParallelPlan], GraphModule]
 """A plan -> tp rank 0's graph compiled under it, on meta (``autotp.compiler.model_costs`` binds it)."""
@@ -266,7 +267,7 @@ class ModelCosts:
     def __init__(self, gm: GraphModule, num_layers_total: int | None = None, *, compile_fn: CompileFn) -> None:
         inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
         if not inputs:
-            raise ValueError("the traced graph has no tensor inputs; trace it with example inputs such as input_ids")
+            raise UserInputError("the traced graph has no tensor inputs; trace it with example inputs such as input_ids")
         shape = tuple(inputs[0].meta["val"].shape)
         self.gm = gm
         self._compile_fn = compile_fn

@@ -48,6 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
+from autotp.ir.errors import UserInputError
+
 GiB = 2**30
 
 
@@ -233,7 +235,7 @@ def get_profile(name_or_path: str) -> HardwareProfile:
         return PROFILES[name_or_path.lower()]
     if name_or_path.endswith(".json") or Path(name_or_path).is_file():
         return load_profile(Path(name_or_path))
-    raise ValueError(
+    raise UserInputError(
         f"unknown hardware {name_or_path!r}; use one of {', '.join(PROFILES)} or the path of a JSON "
         "profile written by autotp calibrate"
     )
@@ -247,7 +249,7 @@ def profile_from_json(data: dict) -> HardwareProfile:
     fields = {f.name for f in dataclasses.fields(HardwareProfile)}
     unknown = sorted(set(data) - fields)
     if unknown:
-        raise ValueError(f"unknown hardware profile keys {unknown}; expected some of {sorted(fields)}")
+        raise UserInputError(f"unknown hardware profile keys {unknown}; expected some of {sorted(fields)}")
     values = dict(data)
     for key in ("p2p", "inter_node"):
         if isinstance(values.get(key), dict):
@@ -258,7 +260,7 @@ def profile_from_json(data: dict) -> HardwareProfile:
 
 def load_profile(path: Path) -> HardwareProfile:
     if not path.is_file():
-        raise ValueError(f"hardware profile {path} does not exist; write one with autotp calibrate --out {path}")
+        raise UserInputError(f"hardware profile {path} does not exist; write one with autotp calibrate --out {path}")
     return profile_from_json(json.loads(path.read_text()))
 
 
@@ -281,7 +283,7 @@ def fit_alpha_beta(traffic: list[float], times: list[float]) -> tuple[float, flo
         alpha = 0.0
         inv_bw = float(np.sum(x[:, 1] / t) / np.sum((x[:, 1] / t) ** 2))
     if inv_bw <= 0:
-        raise ValueError("the measured times do not grow with the message size; measure larger messages")
+        raise UserInputError("the measured times do not grow with the message size; measure larger messages")
     return float(alpha), float(1.0 / inv_bw)
 
 

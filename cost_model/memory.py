@@ -35,6 +35,8 @@ capture (``autotp.runtime.cudagraphs``).
 
 from __future__ import annotations
 
+from autotp.ir.errors import UserInputError
+
 # precision -> (param bytes, grad bytes, optimizer bytes sharded by the distributed optimizer)
 PRECISIONS: dict[str, tuple[int, int, int]] = {
     "bf16": (2, 2, 16),
@@ -46,7 +48,7 @@ PRECISIONS: dict[str, tuple[int, int, int]] = {
 
 def _precision(name: str) -> tuple[int, int, int]:
     if name not in PRECISIONS:
-        raise ValueError(f"unknown precision {name!r}: choose one of {', '.join(PRECISIONS)}")
+        raise UserInputError(f"unknown precision {name!r}: choose one of {', '.join(PRECISIONS)}")
     return PRECISIONS[name]
 
 

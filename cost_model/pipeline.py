@@ -18,6 +18,7 @@ from torch.fx import GraphModule
 
 from autotp.analysis.layers import layer_of, num_layers
 from autotp.analysis.op_kinds import is_matmul
+from autotp.ir.errors import UserInputError
 
 
 
@@ -54,7 +55,7 @@ def balanced_cuts(costs: list[float], head: float, chunks: int) -> tuple[int, ..
     """The chunk of every layer: contiguous, every chunk non-empty, max cost minimal."""
     layers = len(costs)
     if chunks > layers:
-        raise ValueError(
+        raise UserInputError(
             f"cannot cut {layers} layers into {chunks} pipeline chunks (pp*vpp); use pp*vpp <= {layers}"
         )
     prefix = np.concatenate([[0.0], np.cumsum(costs, dtype=float)])
@@ -86,6 +87,6 @@ def plan_pipeline(gm: GraphModule, pp: int, vpp: int) -> tuple[tuple[int, ...], 
         return (), 0, 0
     costs, head = layer_costs(gm)
     if not costs:
-        raise ValueError("pipeline parallelism needs a model with numbered decoder layers (model.layers.N ...)")
+        raise UserInputError("pipeline parallelism needs a model with numbered decoder layers (model.layers.N ...)")
     assignment = balanced_cuts(costs, head, chunks)
     return assignment, 0, chunks - 1

@@ -90,6 +90,7 @@ from autotp.cost_model.memory import (
 
 from autotp.ir.plan import DP_BUCKET_BYTES, ParallelPlan
 from autotp.analysis.layers import layer_index, with_layer_index
+from autotp.ir.errors import UserInputError
 
 GRAD_SYNC_BYTES_MOVED = 6
 GRAD_SYNC_BUCKET_OPS, GRAD_SYNC_TENSOR_OPS = 3, 4
@@ -399,7 +400,7 @@ def search(
     degrees cannot be laid out.
     """
     if training.precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {training.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        raise UserInputError(f"unknown precision {training.precision!r}: choose one of {', '.join(PRECISIONS)}")
     configs = candidates(costs.num_layers, cluster, training.global_batch, tp=tp, pp=pp, vpp=vpp, microbatch_size=microbatch_size)
     usable: set[int] = set()
     refused: dict[int, str] = {}
@@ -413,13 +414,13 @@ def search(
             refused[t] = str(e)
     estimates = [best_estimate(costs, cluster, training, c) for c in configs if c.tp in usable]
     if not estimates:
-        raise ValueError("no tp degree splits this model: " + "; ".join(f"tp={t}: {why}" for t, why in refused.items()))
+        raise UserInputError("no tp degree splits this model: " + "; ".join(f"tp={t}: {why}" for t, why in refused.items()))
     capacity = cluster.hardware.usable_memory_bytes
     fitting = sorted((e for e in estimates if e.mem_bytes_per_gpu <= capacity), key=lambda e: (e.step_s, e.mem_bytes_per_gpu))
     if not fitting:
         least = min(estimates, key=lambda e: e.mem_bytes_per_gpu)
         c = least.config
-        raise ValueError(
+        raise UserInputError(
             f"the model does not fit on {cluster.gpus} x {cluster.hardware.name} at any degree: the leanest plan "
             f"(tp={c.tp}, pp={c.pp}, dp={c.dp}, microbatch size {c.microbatch_size}) needs "
             f"{least.mem_bytes_per_gpu / GiB:.1f} GiB per GPU, {(least.mem_bytes_per_gpu - capacity) / GiB:.1f} GiB more "
@@ -443,7 +444,7 @@ def detect_hardware(device: torch.device) -> HardwareProfile:
     profile = profile_for_gpu(name)
     if profile is not None:
         return profile
-    raise ValueError(
+    raise UserInputError(
         f"no hardware profile for {name!r}; run autotp calibrate --out profile.json and set AUTOTP_HARDWARE=profile.json"
     )
 

@@ -21,6 +21,7 @@ from torch.fx import GraphModule
 from autotp.analysis.propagation import propagate
 from autotp.analysis.propagation_result import Propagation, check_divisible, param_sharding
 from autotp.ir.plan import ParallelPlan, ParamLayout
+from autotp.ir.errors import UserInputError
 
 MIN_EMBEDDING_ROWS_PER_RANK = 16
 MAX_PLANNING_ROUNDS = 16
@@ -29,7 +30,7 @@ MAX_PLANNING_ROUNDS = 16
 def plan_tensor_parallel(gm: GraphModule, tp: int, *, replicate: Iterable[str] = ()) -> ParallelPlan:
     """A ``ParallelPlan`` for ``tp`` ranks; ``replicate`` names parameters to keep whole."""
     if tp < 1:
-        raise ValueError(f"tp must be >= 1, got {tp}")
+        raise UserInputError(f"tp must be >= 1, got {tp}")
     banned = set(replicate)
 
     def policy(name: str, kind: str, shape: tuple[int, ...]) -> bool:

@@ -27,6 +27,7 @@ from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import shape_of
 from autotp.ir.layouts import PARTIAL, REPLICATE, Layout, resolve
 from autotp.passes.runner import PassContext
+from autotp.ir.errors import UserInputError
 
 aten = torch.ops.aten
 
@@ -139,7 +140,7 @@ def _gather_outputs(gm: GraphModule, key: str, tp: int) -> None:
         value = arg
         for d, var in lay.dims:
             if resolve(var, tp).replicas(tp) != 1:
-                raise ValueError(f"graph output '{arg.name}' holds replicated blocks; it cannot be gathered")
+                raise UserInputError(f"graph output '{arg.name}' holds replicated blocks; it cannot be gathered")
             with graph.inserting_before(out_node):
                 value = graph.call_function(ops.GATHER_FROM_TP, (value, d, shape[d], key), name="gather_from_tp")
             _annotate(value, arg, REPLICATE, "all_gather", tp)

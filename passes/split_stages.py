@@ -14,6 +14,7 @@ from torch.fx import GraphModule, Node
 from autotp.ir import meta_keys, ops
 from autotp.analysis.layers import HEAD, last_layer_position, layer_of, num_layers, outside_layers
 from autotp.passes.runner import PassContext
+from autotp.ir.errors import UserInputError
 
 _NEVER_REPEATED = ops.COLLECTIVES | {ops.TP_DROPOUT}
 
@@ -34,7 +35,7 @@ def split_stages(gm: GraphModule, ctx: PassContext) -> GraphModule:
         return gm
     layers = num_layers(gm)
     if len(plan.layer_chunks) != layers:
-        raise ValueError(
+        raise UserInputError(
             f"the plan places {len(plan.layer_chunks)} layers but the graph has {layers}; plan for this model"
         )
     nodes = list(gm.graph.nodes)

@@ -12,6 +12,7 @@ from autotp.ir import meta_keys, ops
 from autotp.analysis.propagation_result import NodeRole
 from autotp.ir.layouts import Layout, resolve
 from autotp.passes.runner import PassContext
+from autotp.ir.errors import UserInputError
 
 _REDUCTION_MEAN = 1
 _DEFAULT_IGNORE_INDEX = -100
@@ -28,7 +29,7 @@ def vocab_parallel_cross_entropy(gm: GraphModule, ctx: PassContext) -> GraphModu
         sharding = resolve(lay.var_at(1), tp)
         ranges = sharding.ranges(ctx.tp_rank, tp)
         if len(ranges) != 1 or sharding.replicas(tp) != 1:
-            raise ValueError(f"cross-entropy at node '{node.name}': class dim is not one contiguous slice per rank")
+            raise UserInputError(f"cross-entropy at node '{node.name}': class dim is not one contiguous slice per rank")
         reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", _REDUCTION_MEAN)
         ignore_index = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", _DEFAULT_IGNORE_INDEX)
         node.target = ops.VOCAB_PARALLEL_CROSS_ENTROPY

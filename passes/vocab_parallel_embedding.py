@@ -12,6 +12,7 @@ from torch.fx import GraphModule
 from autotp.ir import meta_keys, ops
 from autotp.analysis.propagation_result import NodeRole
 from autotp.passes.runner import PassContext
+from autotp.ir.errors import UserInputError
 
 
 def vocab_parallel_embedding(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -21,7 +22,7 @@ def vocab_parallel_embedding(gm: GraphModule, ctx: PassContext) -> GraphModule:
         weight, ids = node.args[0], node.args[1]
         padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
         if node.kwargs.get("sparse", False) or (len(node.args) > 4 and node.args[4]):
-            raise ValueError(f"sparse embedding gradients are not supported with a vocab-parallel table ({weight.target})")
+            raise UserInputError(f"sparse embedding gradients are not supported with a vocab-parallel table ({weight.target})")
         layout = ctx.plan.layout_of(str(weight.target))
         assert layout is not None and layout.dim == 0, f"{weight.target} is not vocab-sharded in the plan"
         (start, stop), = layout.sharding.ranges(ctx.tp_rank, ctx.plan.tp)

@@ -39,7 +39,7 @@ from autotp.analysis.op_rules import rule_for
 from autotp.analysis.partials import PartialSums
 from autotp.analysis.propagation_result import ParamDecision, ParamView, Propagation, ShardPolicy
 from autotp.analysis.shapes import is_float, replicated_like
-from autotp.ir.errors import describe
+from autotp.ir.errors import UserInputError, describe
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, fixed_var, shard
 from autotp.ir.plan import ParallelPlan
 
@@ -118,7 +118,7 @@ class Walker:
                 lay = self.visit(node)
             except ShardingConflict as c:
                 if self.plan is not None:
-                    raise ValueError(f"the plan does not fit the graph at {describe(node)}: {c}") from c
+                    raise UserInputError(f"the plan does not fit the graph at {describe(node)}: {c}") from c
                 self.out.conflicts.append(c)
                 lay = replicated_like(node)
             self.out.layouts[node] = lay

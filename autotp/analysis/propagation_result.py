@@ -13,7 +13,7 @@ from typing import Any
 
 from torch.fx import GraphModule, Node
 
-from autotp.ir.errors import describe
+from autotp.ir.errors import UserInputError, describe
 from autotp.ir.layouts import REPLICATE, DimSharding, DimVar, Layout, ShardingConflict, resolve
 
 
@@ -87,7 +87,7 @@ def check_divisible(prop: Propagation, gm: GraphModule) -> None:
                 why = resolve(r, prop.tp).check(prop.tp)
                 if why:
                     origins = ", ".join(sorted(r.origins))
-                    raise ValueError(
+                    raise UserInputError(
                         f"cannot split dim {d} of {describe(node)} over tp={prop.tp}: {why}. "
                         f"It comes from parameter(s) {origins}. Choose a tp that divides it "
                         f"(or whose multiple it is), or keep those parameters replicated."

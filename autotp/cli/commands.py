@@ -103,13 +103,13 @@ def _resolve_backend(backend: str, tp: int) -> str:
     if backend == "auto":
         return "nccl" if gpus >= tp else "gloo"
     if backend == "nccl" and gpus < tp:
-        raise ValueError(f"--backend nccl needs {tp} GPUs but {gpus} are visible; use --backend gloo or a smaller --tp")
+        raise UserInputError(f"--backend nccl needs {tp} GPUs but {gpus} are visible; use --backend gloo or a smaller --tp")
     return backend
 
 
 def _positive(name: str, value: int) -> None:
     if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
+        raise UserInputError(f"{name} must be at least 1, got {value}")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -160,7 +160,7 @@ def _check_memory(model: str, numel: int, tp: int, backend: str) -> None:
 
 def _check_stage(pp: int, stage: int | None) -> None:
     if stage is not None and not 0 <= stage < pp:
-        raise ValueError(f"--stage {stage} does not exist with --pp {pp}; pick 0..{pp - 1}")
+        raise UserInputError(f"--stage {stage} does not exist with --pp {pp}; pick 0..{pp - 1}")
 
 
 def _compile_for_inspection(args: argparse.Namespace, rank: int, dump_dir: Path | None) -> CompiledRank:
@@ -180,12 +180,12 @@ def dump_command(args: argparse.Namespace) -> int:
     if args.after is not None and args.after not in _AFTER:
         raise UserInputError(f"--after {args.after} is not a pass; use one of {', '.join(_AFTER)}")
     if args.after is not None and args.format != "code":
-        raise ValueError(
+        raise UserInputError(
             f"--after writes the code that the pass runner saves after each pass; use --format code "
             f"(--format {args.format} shows the final graph, without --after)"
         )
     if args.after is not None and args.stage is not None:
-        raise ValueError("--after writes the whole rank graph as the pass runner saved it; drop --stage")
+        raise UserInputError("--after writes the whole rank graph as the pass runner saved it; drop --stage")
     stem = f"{Path(args.model).name}_tp{args.tp}_rank{args.rank}"
     if args.pp > 1:
         stem += f"_pp{args.pp}" + ("" if args.stage is None else f"_stage{args.stage}")

@@ -22,6 +22,7 @@ from autotp.cost_model.calibrate import SCALE_MODEL, SCALE_LAYERS, fit_profile, 
 from autotp.cost_model.compute import Segment, needs_grad
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.runtime.launcher import spawn_ranks
+from autotp.ir.errors import UserInputError
 
 MESSAGE_BYTES = {"cuda": tuple(2**k for k in range(16, 29, 2)), "cpu": tuple(2**k for k in range(12, 25, 2))}
 GEMM_SHAPES = {  # (tokens, k, n)
@@ -213,9 +214,9 @@ def calibrate(ranks: int | None = None, timeout_s: float = 600) -> tuple[Hardwar
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     ranks = ranks or max(gpus, 2)
     if ranks < 2:
-        raise ValueError(f"calibration measures collectives between ranks; use --ranks 2 or more, got {ranks}")
+        raise UserInputError(f"calibration measures collectives between ranks; use --ranks 2 or more, got {ranks}")
     if gpus and ranks > gpus:
-        raise ValueError(f"{ranks} ranks asked but {gpus} GPUs are visible; use --ranks {gpus} or less")
+        raise UserInputError(f"{ranks} ranks asked but {gpus} GPUs are visible; use --ranks {gpus} or less")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     measured = spawn_ranks(_worker, ranks, backend="nccl" if gpus else "gloo", timeout_s=timeout_s)[0]
     return fitted_profile(measured, ranks), measured

@@ -9,6 +9,7 @@ import time
 
 from autotp import presets
 from autotp.cost_model.memory import PRECISIONS
+from autotp.ir.errors import UserInputError
 
 
 def _plan_command(args: argparse.Namespace) -> int:
@@ -20,7 +21,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     hw = get_profile(args.hardware)
     for name in ("gpus", "gpus_per_node", "global_batch", "seq", "top"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            raise UserInputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     start = time.perf_counter()
     config = presets.model_config(args.model)
     costs = trace_for_planning(config, args.seq)

@@ -144,7 +144,7 @@ def _all_gather_fake(x: Tensor, dim: int, group_size: int, group: str) -> Tensor
 def reduce_scatter_size(size: Any, group_size: int, group: str) -> Any:
     """Size of a reduce-scattered dim; raises when ``group_size`` does not divide it."""
     if size % group_size != 0:
-        raise ValueError(f"reduce_scatter over '{group}': dim of size {size} does not split into {group_size} equal parts; pad it to a multiple of {group_size}")
+        raise UserInputError(f"reduce_scatter over '{group}': dim of size {size} does not split into {group_size} equal parts; pad it to a multiple of {group_size}")
     return size // group_size
 
 

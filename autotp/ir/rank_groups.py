@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 
+from autotp.ir.errors import UserInputError
+
 DENSE_ORDER = ("tp", "cp", "dp", "pp")
 EXPERT_ORDER = ("etp", "ep", "edp", "pp")
 
@@ -43,7 +45,7 @@ def _data_parallel_size(world_size: int, degrees: dict[str, int], dp_name: str) 
         names = "·".join(degrees)
         values = "·".join(str(v) for v in degrees.values())
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(
+        raise UserInputError(
             f"world size {world_size} is not divisible by {names} = {values} = {product}, so {dp_name} "
             f"is not whole: use a world size that is a multiple of {product}, or degrees whose product "
             f"divides {world_size} ({', '.join(map(str, divisors))})"
@@ -62,7 +64,7 @@ def rank_groups(
     """
     for name, value in (("world size", world_size), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("etp", etp)):
         if value is not None and value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+            raise UserInputError(f"{name} must be at least 1, got {value}")
     dense = {"tp": tp, "cp": cp, "pp": pp}
     dense_sizes = [tp, cp, _data_parallel_size(world_size, dense, "dp"), pp]
     groups = {
@@ -84,7 +86,7 @@ def groups_of(rank: int, groups: dict[str, list[list[int]]]) -> dict[str, list[i
     """The group that holds ``rank`` in each dimension of ``groups``."""
     world_size = sum(len(g) for g in groups["tp"])
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside the world of {world_size} ranks (0..{world_size - 1})")
+        raise UserInputError(f"rank {rank} is outside the world of {world_size} ranks (0..{world_size - 1})")
     return {name: next(g for g in dim_groups if rank in g) for name, dim_groups in groups.items()}
 
 

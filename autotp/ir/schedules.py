@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from autotp.ir.errors import UserInputError
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 _ACTION = re.compile(r"([FB])(\d+)\.(\d+)")
@@ -72,7 +74,7 @@ def parse(text: str) -> list[Action]:
     for token in text.split():
         match = _ACTION.fullmatch(token)
         if match is None:
-            raise ValueError(f"cannot parse schedule action {token!r}: expected F<chunk>.<microbatch> or B<...>")
+            raise UserInputError(f"cannot parse schedule action {token!r}: expected F<chunk>.<microbatch> or B<...>")
         kind, chunk, microbatch = match.groups()
         actions.append(Action("F" if kind == "F" else "B", int(chunk), int(microbatch)))
     return actions
@@ -92,22 +94,22 @@ def check_schedule(pp: int, vpp: int, microbatches: int, schedule: str | None = 
     """
     schedule = default_schedule(vpp) if schedule is None else schedule
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        raise UserInputError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     for name, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
         if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+            raise UserInputError(f"{name} must be at least 1, got {value}")
     if schedule != "interleaved" and vpp != 1:
-        raise ValueError(f"the {schedule} schedule runs one chunk per rank, got vpp={vpp}: use vpp=1 or interleaved")
+        raise UserInputError(f"the {schedule} schedule runs one chunk per rank, got vpp={vpp}: use vpp=1 or interleaved")
     if schedule == "1f1b" and microbatches < pp:
-        raise ValueError(
+        raise UserInputError(
             f"1F1B needs at least as many microbatches as pipeline stages: got {microbatches} for pp={pp}; "
             f"use {pp} or more microbatches, or the gpipe schedule"
         )
     if schedule == "interleaved":
         if pp < 2 or vpp < 2:
-            raise ValueError(f"interleaved 1F1B needs pp >= 2 and vpp >= 2, got pp={pp}, vpp={vpp}: use 1f1b")
+            raise UserInputError(f"interleaved 1F1B needs pp >= 2 and vpp >= 2, got pp={pp}, vpp={vpp}: use 1f1b")
         if microbatches % pp:
-            raise ValueError(
+            raise UserInputError(
                 f"interleaved 1F1B needs the microbatches to be a multiple of pp={pp}, got {microbatches}: "
                 f"use {', '.join(str(pp * k) for k in range(1, 4))}, ..."
             )
@@ -115,9 +117,9 @@ def check_schedule(pp: int, vpp: int, microbatches: int, schedule: str | None = 
 
 def _check_rank(pp: int, microbatches: int, rank: int) -> None:
     if pp < 1 or microbatches < 1:
-        raise ValueError(f"pp and microbatches must be at least 1, got pp={pp}, microbatches={microbatches}")
+        raise UserInputError(f"pp and microbatches must be at least 1, got pp={pp}, microbatches={microbatches}")
     if not 0 <= rank < pp:
-        raise ValueError(f"rank {rank} is not a pipeline stage of pp={pp} (0..{pp - 1})")
+        raise UserInputError(f"rank {rank} is not a pipeline stage of pp={pp} (0..{pp - 1})")
 
 
 def gpipe(pp: int, microbatches: int, rank: int) -> list[Action]:
@@ -187,7 +189,7 @@ def simulate(pp: int, vpp: int, microbatches: int, schedule_fn: Callable[[int], 
         if len(order) != len(expected) or set(order) != expected:
             missing = sorted(map(str, expected - set(order)))
             extra = sorted({str(a) for a in order if a not in expected or order.count(a) > 1})
-            raise ValueError(f"rank {rank} must run each action once: missing {missing}, extra or repeated {extra}")
+            raise UserInputError(f"rank {rank} must run each action once: missing {missing}, extra or repeated {extra}")
     done: set[tuple[int, Action]] = set()
     position = [0] * pp
     steps = 0
@@ -209,7 +211,7 @@ def simulate(pp: int, vpp: int, microbatches: int, schedule_fn: Callable[[int], 
                 for rank in range(pp)
                 if position[rank] < len(orders[rank])
             ]
-            raise ValueError(f"schedule deadlocks after {steps} steps: " + "; ".join(waits))
+            raise UserInputError(f"schedule deadlocks after {steps} steps: " + "; ".join(waits))
         for rank in ready:
             done.add((rank, orders[rank][position[rank]]))
             position[rank] += 1

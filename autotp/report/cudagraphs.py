@@ -32,6 +32,7 @@ from autotp.analysis.local_shapes import local_tensors
 from autotp.cost_model.graph_costs import assign_layers, layer_order
 from autotp.passes.mark_cudagraph_regions import Blocker, candidate_regions, region_slots
 from autotp.ir.plan import ParallelPlan
+from autotp.ir.errors import UserInputError
 
 
 _SITE_PACKAGES = re.compile(r'File "[^"]*site-packages/')
@@ -61,7 +62,7 @@ def _region(nodes: list[Node], layers: dict[Node, Any], plan: ParallelPlan) -> d
 def cudagraph_report(gm: GraphModule, plan: ParallelPlan) -> dict[str, Any]:
     """Regions, declined regions and blockers of a graph compiled with ``cuda_graphs``."""
     if not plan.cudagraphs:
-        raise ValueError("the plan does not ask for CUDA graphs, so no node carries regions; compile with cuda_graphs=True")
+        raise UserInputError("the plan does not ask for CUDA graphs, so no node carries regions; compile with cuda_graphs=True")
     layers = assign_layers(gm)
     regions, declined = [], []
     candidates = candidate_regions(gm)
@@ -119,9 +120,9 @@ def explain_cudagraphs(
     """``autotp explain MODEL --cudagraphs``: compile tp rank ``rank`` offline (model on
     meta, as a GPU rank on NCCL) and list its regions and blockers, as a table or JSON."""
     if fmt not in ("table", "json"):
-        raise ValueError(f"format {fmt!r} is not one of table, json")
+        raise UserInputError(f"format {fmt!r} is not one of table, json")
     if dtype not in presets.DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(presets.DTYPES)}")
+        raise UserInputError(f"dtype {dtype!r} is not one of {', '.join(presets.DTYPES)}")
     hf_logging.set_verbosity_error()
     model = presets.build_model(model_name_or_path, device="meta", dtype=presets.DTYPES[dtype])
     inputs = presets.inspection_inputs(model, batch, seq, labels)

@@ -25,6 +25,7 @@ from autotp.analysis.layers import LayerKey
 from autotp.cost_model.graph_costs import GraphReport, LayerReport, NodeReport, layer_order
 from autotp.report import DUMP_FORMATS
 from autotp.report.graph_report import explain_json, explain_table
+from autotp.ir.errors import UserInputError
 
 GRAPHVIZ_MISSING = "SVG needs Graphviz's `dot` program (apt-get install graphviz)"
 
@@ -357,7 +358,7 @@ def write(report: GraphReport, model: str, fmt: str, out_dir: Path, stem: str) -
     ``svg`` also leaves the DOT file beside it; without Graphviz only the DOT is written.
     """
     if fmt not in DUMP_FORMATS:
-        raise ValueError(f"unknown dump format {fmt!r}; use one of {', '.join(DUMP_FORMATS)}")
+        raise UserInputError(f"unknown dump format {fmt!r}; use one of {', '.join(DUMP_FORMATS)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     if fmt == "code":
         path = out_dir / f"{stem}.py"

@@ -10,6 +10,7 @@ from torch.fx import Node
 
 from autotp.cost_model.graph_costs import DIRECTIONS, GraphReport, LayerReport, by_layer, layer_report
 from autotp.ir import ops
+from autotp.ir.errors import UserInputError
 
 def stage_view(report: GraphReport, stage: int) -> GraphReport:
     """What pipeline stage ``stage`` runs: its nodes, the repeated nodes they read, and the
@@ -17,7 +18,7 @@ def stage_view(report: GraphReport, stage: int) -> GraphReport:
     assert report.stage is None, "stage_view takes the whole rank's report"
     plan = report.plan
     if not 0 <= stage < plan.pp:
-        raise ValueError(f"stage {stage} is outside pp={plan.pp}; pick 0..{plan.pp - 1}")
+        raise UserInputError(f"stage {stage} is outside pp={plan.pp}; pick 0..{plan.pp - 1}")
     by_node = {r.node: r for r in report.nodes}
     keep: set[Node] = set()
     pending = [

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.library import Library
 
 from autotp.ir import ops
+from autotp.ir.errors import UserInputError
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 _KERNELS = Library(ops.NAMESPACE, "IMPL")
@@ -31,7 +32,7 @@ def get_group(key: str) -> dist.ProcessGroup | None:
     group = _GROUPS.get(key)
     if group is None:
         known = ", ".join(sorted(_GROUPS)) or "none"
-        raise ValueError(
+        raise UserInputError(
             f"no process group is registered as '{key}' (registered: {known}); run the graph on ranks set up "
             "by autotp.parallelize, or register the group with autotp.runtime.collectives.register_group"
         )
@@ -42,7 +43,7 @@ def _group_of_size(key: str, group_size: int) -> dist.ProcessGroup | None:
     group = get_group(key)
     actual = 1 if group is None else dist.get_world_size(group)
     if actual != group_size:
-        raise ValueError(f"the graph expects {group_size} ranks in group '{key}', but it has {actual}; compile it for {actual}")
+        raise UserInputError(f"the graph expects {group_size} ranks in group '{key}', but it has {actual}; compile it for {actual}")
     return group
 
 

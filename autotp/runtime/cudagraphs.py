@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.fx import Graph, GraphModule, Node
 
 from autotp.ir import meta_keys
+from autotp.ir.errors import UserInputError
 
 PREFIX = "cudagraph_region_"
 TORCH, TRANSFORMER_ENGINE = "torch", "transformer_engine"
@@ -184,7 +185,7 @@ class CapturedGraph:
         if slot < len(self._slots):
             return _own(self._slots[slot](*args, **kwargs))
         if slot > len(self._slots):
-            raise ValueError(f"slot {slot} used before slot {len(self._slots)}: slots are taken lowest free first")
+            raise UserInputError(f"slot {slot} used before slot {len(self._slots)}: slots are taken lowest free first")
         return self._capture(args, kwargs)
 
     def _capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -104,7 +104,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300) -> None
         return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
-        raise ValueError(
+        raise UserInputError(
             f"environment variables {missing} are not set; start the program with torchrun "
             "or through autotp.runtime.launcher.launch"
         )
@@ -117,7 +117,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300) -> None
     device_id = None
     if backend == "nccl":
         if not enough_gpus:
-            raise ValueError(
+            raise UserInputError(
                 f"backend 'nccl' needs {local_world_size} CUDA devices on this host but "
                 f"{torch.cuda.device_count()} are visible; use backend='gloo' or fewer ranks"
             )
@@ -192,7 +192,7 @@ def spawn_ranks(
     `TimeoutError` is raised. `num_threads` defaults to the CPU cores split across ranks.
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
+        raise UserInputError(f"world_size must be at least 1, got {world_size}")
     if num_threads is None:
         num_threads = max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")

@@ -20,6 +20,7 @@ from autotp.runtime import collectives, cudagraphs, grad_sync, guards
 from autotp.runtime.groups import Coords
 from autotp.runtime.parameters import ParamChunks, Parameters, graph_param_chunks
 from autotp.runtime.pipeline import ChunkGraph, PipelineRunner, extract_chunks
+from autotp.ir.errors import UserInputError
 
 
 @dataclass
@@ -200,13 +201,13 @@ class ParallelModel(nn.Module):
         ``schedule_name`` (``1f1b``, or ``interleaved`` when vpp > 1, unless planned).
         """
         if labels is None and loss_fn is None:
-            raise ValueError("train_step needs labels= or loss_fn=")
+            raise UserInputError("train_step needs labels= or loss_fn=")
         batch = {k: v for k, v in dict(kwargs, input_ids=input_ids, labels=labels).items() if v is not None}
         size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
         dp = self.plan.dp
         m = self.plan.microbatches if num_microbatches is None else num_microbatches
         if m < 1 or size % (dp * m):
-            raise ValueError(
+            raise UserInputError(
                 f"the global batch of {size} does not split into dp={dp} x {m} microbatches; "
                 f"use a batch size that is a multiple of {dp * max(m, 1)}"
             )
