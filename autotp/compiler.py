@@ -73,7 +73,7 @@ def example_kwargs(model: nn.Module, example_inputs: dict[str, Any] | None) -> d
     """``example_inputs``, or random ``input_ids`` of shape [2, 16] for a HF model; ``use_cache=False`` where accepted."""
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
+        raise UserInputError(
             f"{type(model).__name__} is an encoder-decoder model (config.is_encoder_decoder); autotp does not "
             "support encoder-decoder models yet: its planner and pipeline split assume one stack of layers. "
             "Parallelize a decoder-only or encoder-only model instead."
@@ -178,7 +178,7 @@ def plan_model(
     elif isinstance(sequence_parallel, bool):
         chosen = replace(chosen, sequence_parallel=sequence_parallel)
     elif sequence_parallel is not None:
-        raise ValueError(f"sequence_parallel must be True, False or 'auto', got {sequence_parallel!r}")
+        raise UserInputError(f"sequence_parallel must be True, False or 'auto', got {sequence_parallel!r}")
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)
     log.info("traced in %.2f s, planned in %.2f s: tp=%d pp=%d dp=%d vpp=%d", traced_at - start,

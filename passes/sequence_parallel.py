@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from autotp.ir.errors import UserInputError
 from autotp.analysis.shapes import shape_of
 from autotp.ir import meta_keys, ops
 from autotp.ir.layouts import REPLICATE, DimVar, Layout, shard
@@ -68,7 +69,7 @@ def sequence_parallel(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if seq is None:
             continue
         if seq % tp:
-            raise ValueError(
+            raise UserInputError(
                 f"sequence parallelism splits the sequence of {node.name} ({seq} tokens) over tp={tp} ranks; "
                 f"pad the sequence to a multiple of {tp} or pass sequence_parallel=False"
             )

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch.autograd.function import Function
 
+from autotp.ir.errors import UserInputError
+
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
@@ -87,7 +89,7 @@ def refuse_custom_functions(model_name: str, uses: list[FunctionUse]) -> None:
         why = checked[key]
         if why is None:
             continue
-        raise ValueError(
+        raise UserInputError(
             f"{model_name} applies the custom autograd Function {use.function} in module {use.module} at "
             f"{use.line}: {why}. torch.export records its forward only, so its own backward would be replaced by "
             f"the derivative of the forward's ops and the gradients would differ from the model's. Fix: express it "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 
+from autotp.ir.errors import UserInputError
 from autotp import presets
 
 
@@ -32,7 +33,7 @@ def _check_command(args: argparse.Namespace) -> int:
 
     for name in ("tp", "pp", "batch", "seq"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+            raise UserInputError(f"--{name} must be >= 1, got {getattr(args, name)}")
     rtol, atol = RTOL if args.rtol is None else args.rtol, ATOL if args.atol is None else args.atol
     worker = functools.partial(_check_worker, args.model, args.tp, args.pp, args.batch, args.seq, args.seed,
                                rtol, atol)  # fmt: skip

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autotp.ir.errors import UserInputError
 from autotp import presets
 from autotp.api import parallelize
 from autotp.runtime.checkpoint_hf import INDEX_FILE, SINGLE_FILE
@@ -53,9 +54,9 @@ def _convert_worker(src: Path, dst: Path, tp: int, max_shard_size: str, rank: in
 def convert_command(args: argparse.Namespace) -> int:
     src: Path = args.src
     if not (src / "config.json").exists():
-        raise ValueError(f"{src} has no config.json; convert reads the architecture from it")
+        raise UserInputError(f"{src} has no config.json; convert reads the architecture from it")
     if not is_dcp(src) and hf_weights(str(src)) is None:
-        raise ValueError(f"{src} is neither a DCP checkpoint (.metadata) nor an HF safetensors folder")
+        raise UserInputError(f"{src} is neither a DCP checkpoint (.metadata) nor an HF safetensors folder")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = "nccl" if gpus >= args.tp else "gloo"
     launch(functools.partial(_convert_worker, src, args.dst, args.tp, args.max_shard_size), args.tp,

@@ -68,7 +68,7 @@ class Action:
     def megatron(self) -> int:
         """Megatron's integer: ``chunk + 1`` for a forward, ``-(chunk + 1)`` for a backward."""
         if self.kind == "W":
-            raise ValueError(f"Megatron's notation has no weight-gradient action ({self}); use the actions form (autotp schedule --format actions)")
+            raise UserInputError(f"Megatron's notation has no weight-gradient action ({self}); use the actions form (autotp schedule --format actions)")
         return self.chunk + 1 if self.kind == "F" else -(self.chunk + 1)
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from autotp.ir.errors import UserInputError
 from autotp.runtime.materialize import on_every_rank
 from autotp.runtime.parameters import Parameters, get_nested
 from autotp.runtime.shard_map import ShardedLocal
@@ -71,7 +72,7 @@ def atomic_dir(target: Path) -> Iterator[Path]:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
             except OSError as e:
-                raise ValueError(f"cannot write a checkpoint to {target}: {e}; choose a writable folder") from e
+                raise UserInputError(f"cannot write a checkpoint to {target}: {e}; choose a writable folder") from e
 
     on_every_rank(prepare, f"saving {target}")
     _barrier()
@@ -108,7 +109,7 @@ def _dcp(call: Callable[[], object], what: str, note: str = "") -> None:
     except CheckpointException as e:
         rank, failure = next(iter(e.failures.items()))
         cause = failure[0] if isinstance(failure, tuple) else failure
-        raise ValueError(f"{what} failed on rank {rank}: {cause!r}{note}") from e
+        raise UserInputError(f"{what} failed on rank {rank}: {cause!r}{note}") from e
 
 
 def _model_state(module: nn.Module, params: Parameters, persistent: set[str]) -> dict[str, torch.Tensor]:
@@ -122,7 +123,7 @@ def _optimizer_state(module: nn.Module, params: Parameters, optimizer: torch.opt
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in names:
-                raise ValueError("the optimizer holds a tensor that is not a parameter of this ParallelModel; "
+                raise UserInputError("the optimizer holds a tensor that is not a parameter of this ParallelModel; "
                                  "build it from pm.parameters()")
             name = names[id(p)]
             entry = {}
@@ -164,7 +165,7 @@ def _read_info(root: Path) -> tuple[CheckpointInfo, Any]:
     try:
         metadata = dcp.FileSystemReader(root).read_metadata()
     except (OSError, EOFError, RuntimeError) as e:
-        raise ValueError(f"{root} is not a complete autotp checkpoint ({e}); pass a folder written by "
+        raise UserInputError(f"{root} is not a complete autotp checkpoint ({e}); pass a folder written by "
                          "pm.save_checkpoint") from e
     state: dict[str, Any] = {"autotp": None}
     dcp.load(state, storage_reader=dcp.FileSystemReader(root))
@@ -176,13 +177,13 @@ def _check_tensors(root: Path, state: dict[str, Any], metadata: Any, prefix: str
     missing = [k for k in state if f"{prefix}.{k}" not in stored]
     if missing:
         have = sorted(k[len(prefix) + 1 :] for k in stored if k.startswith(prefix + "."))
-        raise ValueError(f"checkpoint {root} lacks {len(missing)} tensor(s) this model needs, e.g. {missing[:4]} "
+        raise UserInputError(f"checkpoint {root} lacks {len(missing)} tensor(s) this model needs, e.g. {missing[:4]} "
                          f"(it holds e.g. {have[:4]}); was it saved from another model?")
     for k, t in state.items():
         if isinstance(t, ShardedLocal):
             size = tuple(getattr(stored[f"{prefix}.{k}"], "size", ()))
             if size != t._autotp_spec.global_shape:
-                raise ValueError(f"{k}: checkpoint {root} holds shape {list(size)}, the model expects "
+                raise UserInputError(f"{k}: checkpoint {root} holds shape {list(size)}, the model expects "
                                  f"{list(t._autotp_spec.global_shape)}")
 
 
@@ -197,10 +198,10 @@ def load(module: nn.Module, params: Parameters, persistent: set[str], directory:
 
     def check() -> tuple[CheckpointInfo, Any]:
         if not root.is_dir():
-            raise ValueError(f"checkpoint {root} does not exist")
+            raise UserInputError(f"checkpoint {root} does not exist")
         info, metadata = _read_info(root)
         if optimizer is not None and info.optimizer != type(optimizer).__name__:
-            raise ValueError(f"checkpoint {root} holds {info.optimizer or 'no'} optimizer state, but the optimizer "
+            raise UserInputError(f"checkpoint {root} holds {info.optimizer or 'no'} optimizer state, but the optimizer "
                              f"is {type(optimizer).__name__}; build the same optimizer, or load without optimizer=")
         _check_tensors(root, model_state, metadata, "model")
         return info, metadata.state_dict_metadata

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from autotp.ir.errors import UserInputError
 from autotp.runtime.shard_map import ShardSpec
 
 log = logging.getLogger(__name__)
@@ -91,13 +92,13 @@ def _header(path: Path) -> dict[str, Any]:
         with path.open("rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if 8 + n > size:
-                raise ValueError("header runs past the end of the file")
+                raise UserInputError("header runs past the end of the file")
             header = json.loads(f.read(n))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     except (struct.error, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path} is not a readable safetensors file ({e}); re-save or re-download it") from e
+        raise UserInputError(f"{path} is not a readable safetensors file ({e}); re-save or re-download it") from e
     if 8 + n + end > size:
-        raise ValueError(f"{path} is truncated: its header needs {8 + n + end} bytes but the file has {size}; "
+        raise UserInputError(f"{path} is truncated: its header needs {8 + n + end} bytes but the file has {size}; "
                          "re-save or re-download it")
     return header
 
@@ -105,23 +106,23 @@ def _header(path: Path) -> dict[str, Any]:
 def checkpoint_tensors(root: Path) -> dict[str, Leaf]:
     """Every tensor of the HF checkpoint in ``root`` (one file or an index of several)."""
     if not root.is_dir():
-        raise ValueError(f"checkpoint {root} is not a directory; pass a folder holding {SINGLE_FILE} or {INDEX_FILE}")
+        raise UserInputError(f"checkpoint {root} is not a directory; pass a folder holding {SINGLE_FILE} or {INDEX_FILE}")
     index = root / INDEX_FILE
     if index.exists():
         try:
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index} is not a safetensors index ({e}); re-save the checkpoint") from e
+            raise UserInputError(f"{index} is not a safetensors index ({e}); re-save the checkpoint") from e
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (root / f).exists()]
         if missing:
-            raise ValueError(f"{index} names {len(missing)} file(s) that do not exist: {missing[:3]}; "
+            raise UserInputError(f"{index} names {len(missing)} file(s) that do not exist: {missing[:3]}; "
                              "copy the whole checkpoint folder")
     elif (root / SINGLE_FILE).exists():
         files = [SINGLE_FILE]
     else:
         found = sorted(p.name for p in root.iterdir())[:8]
-        raise ValueError(f"{root} holds neither {SINGLE_FILE} nor {INDEX_FILE} (found {found}); "
+        raise UserInputError(f"{root} holds neither {SINGLE_FILE} nor {INDEX_FILE} (found {found}); "
                          "write it with save_pretrained(..., safe_serialization=True)")
     out: dict[str, Leaf] = {}
     for name in files:
@@ -129,7 +130,7 @@ def checkpoint_tensors(root: Path) -> dict[str, Leaf]:
             if key == "__metadata__":
                 continue
             if v["dtype"] not in _DTYPES:
-                raise ValueError(f"{key} in {root / name} has dtype {v['dtype']}, which autotp cannot read")
+                raise UserInputError(f"{key} in {root / name} has dtype {v['dtype']}, which autotp cannot read")
             out[key] = Leaf(key, root / name, tuple(v["shape"]), _DTYPES[v["dtype"]])
     return out
 
@@ -142,10 +143,10 @@ def check_architecture(root: Path, model: nn.Module) -> None:
     try:
         saved = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from e
+        raise UserInputError(f"{path} is not valid JSON ({e})") from e
     want, have = getattr(config, "model_type", None), saved.get("model_type")
     if want and have and want != have:
-        raise ValueError(f"checkpoint {root} is a {have!r} model ({saved.get('architectures')}), but the model is "
+        raise UserInputError(f"checkpoint {root} is a {have!r} model ({saved.get('architectures')}), but the model is "
                          f"{want!r} ({type(model).__name__}); build the model from {path}")
 
 
@@ -196,7 +197,7 @@ def _converted(target: str, transform: Any, parts: dict[int, dict[int, Leaf]]) -
         return merged[0]
     if len(ops) == 1 and ops[0][0] == "Concatenate":
         return Join(ops[0][1], False, tuple(merged))
-    raise ValueError(f"{target} is stored in the checkpoint in a form that needs transformers' conversion "
+    raise UserInputError(f"{target} is stored in the checkpoint in a form that needs transformers' conversion "
                      f"{[o for o, _ in transform.operations]}, which autotp cannot read slice by slice; load the "
                      "model with from_pretrained, save it with save_pretrained in the model's own format, and load that")
 
@@ -246,12 +247,12 @@ class LoadJob:
 def check_job(job: LoadJob) -> None:
     have = shape_of(job.source)
     if have != job.spec.global_shape:
-        raise ValueError(f"{job.spec.name}: the checkpoint holds shape {list(have)} ({describe(job.source)}) but the "
+        raise UserInputError(f"{job.spec.name}: the checkpoint holds shape {list(have)} ({describe(job.source)}) but the "
                          f"model expects {list(job.spec.global_shape)}; the checkpoint is for another configuration")
     for leaf in leaves(job.source):
         src, dst = leaf.dtype, job.local.dtype
         if src != dst and not (src.is_floating_point and dst.is_floating_point):
-            raise ValueError(f"{job.spec.name}: {leaf.key} in {leaf.file.name} is {src}, which does not convert to "
+            raise UserInputError(f"{job.spec.name}: {leaf.key} in {leaf.file.name} is {src}, which does not convert to "
                              f"the model's {dst}; build the model with a matching dtype")
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from autotp.ir.errors import UserInputError
 from autotp.ir.training_step import TrainingStep, runtime_precision
 from autotp.runtime import grad_norm
 from autotp.runtime.grad_buffers import GradBuffers, Slot
@@ -84,17 +85,17 @@ class DistributedOptimizer:
         from autotp.runtime.parallel_model import ParallelModel
 
         if not isinstance(pm, ParallelModel):
-            raise ValueError(f"DistributedOptimizer needs the ParallelModel that autotp.parallelize returned, got {type(pm).__name__}")
+            raise UserInputError(f"DistributedOptimizer needs the ParallelModel that autotp.parallelize returned, got {type(pm).__name__}")
         if optimizer_class not in SUPPORTED:
-            raise ValueError(
+            raise UserInputError(
                 f"{getattr(optimizer_class, '__name__', optimizer_class)} cannot be sharded over dp: each dp rank steps "
                 "its own 1/dp of the flattened parameters, which only elementwise torch optimizers allow; use one of "
                 f"{', '.join(c.__name__ for c in SUPPORTED)} (subclasses are refused: they may not be elementwise)"
             )
         if pm._grad_buffers is not None:
-            raise ValueError("this ParallelModel already has a DistributedOptimizer; create one per model")
+            raise UserInputError("this ParallelModel already has a DistributedOptimizer; create one per model")
         if pm.cudagraph_slots:
-            raise ValueError("create the DistributedOptimizer before the first call of pm: CUDA graphs were captured "
+            raise UserInputError("create the DistributedOptimizer before the first call of pm: CUDA graphs were captured "
                              "with the parameters where they are now, and the optimizer moves them into its buffers")
         plan, coords = pm.plan, pm._coords
         self._pm = pm
@@ -141,18 +142,18 @@ class DistributedOptimizer:
             for i, t in enumerate(tensors):
                 name = named.get(id(t))
                 if name is None:
-                    raise ValueError(
+                    raise UserInputError(
                         f"tensor {i} of param group {g} (shape {tuple(t.shape)}, {t.dtype}) is not a parameter of this "
                         "ParallelModel (the model before parallelize is not trained); pass pm.parameters() or a subset"
                     )
                 if name in seen:
-                    raise ValueError(f"{name} is in two param groups; put each parameter in one")
+                    raise UserInputError(f"{name} is in two param groups; put each parameter in one")
                 seen.add(name)
                 names.append(name)
             groups.append(dict(group, params=names))
         missing = [n for n in trainable if n not in seen]
         if missing:
-            raise ValueError(
+            raise UserInputError(
                 f"{missing[0]} (and {len(missing) - 1} more) require grad but are in no param group; add them, or "
                 f"freeze them with pm.get_parameter('{missing[0]}').requires_grad_(False) before creating the optimizer"
             )
@@ -232,25 +233,25 @@ class DistributedOptimizer:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load what ``state_dict`` returned on the same rank of the same layout; ValueError otherwise."""
         if sd.get("format") != FORMAT:
-            raise ValueError(f"not a DistributedOptimizer state dict (format {sd.get('format')!r}, expected {FORMAT!r})")
+            raise UserInputError(f"not a DistributedOptimizer state dict (format {sd.get('format')!r}, expected {FORMAT!r})")
         dp = self._pm.plan.dp
         if sd["dp"] != dp:
-            raise ValueError(
+            raise UserInputError(
                 f"this optimizer state was saved with dp={sd['dp']} and this run has dp={dp}: each dp rank holds "
                 f"different slices, so it cannot be loaded rank by rank; resume with dp={sd['dp']}, or load through a "
                 "checkpoint that reshards (pm.load_checkpoint)"
             )
         if sd["optimizer"] != type(self.optimizer).__name__:
-            raise ValueError(f"the state is of {sd['optimizer']}, this optimizer steps with {type(self.optimizer).__name__}")
+            raise UserInputError(f"the state is of {sd['optimizer']}, this optimizer steps with {type(self.optimizer).__name__}")
         if sd["dp_rank"] != self._pm._coords.dp_rank:
-            raise ValueError(f"the state was saved by dp rank {sd['dp_rank']}; this is dp rank {self._pm._coords.dp_rank}")
+            raise UserInputError(f"the state was saved by dp rank {sd['dp_rank']}; this is dp rank {self._pm._coords.dp_rank}")
         if set(sd["state"]) != set(self._pieces) or len(sd["param_groups"]) != len(self.optimizer.param_groups):
             extra = sorted(set(sd["state"]) ^ set(self._pieces))[:3]
-            raise ValueError(f"the state's parameters or groups differ from this optimizer's (e.g. {extra}); load it into the same model")
+            raise UserInputError(f"the state's parameters or groups differ from this optimizer's (e.g. {extra}); load it into the same model")
         for name, piece in self._pieces.items():
             entry = sd["state"][name]
             if (entry["start"], entry["stop"]) != (piece.start, piece.stop):
-                raise ValueError(
+                raise UserInputError(
                     f"{name}: the state covers elements [{entry['start']}, {entry['stop']}) and this rank owns "
                     f"[{piece.start}, {piece.stop}): the buckets differ (another bucket_bytes or model); use the same ones"
                 )

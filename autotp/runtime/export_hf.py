@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
+from autotp.ir.errors import UserInputError
 from autotp.runtime.checkpoint_dcp import atomic_dir
 from autotp.runtime.checkpoint_hf import INDEX_FILE, SINGLE_FILE
 from autotp.runtime.materialize import on_every_rank
@@ -33,7 +34,7 @@ def parse_size(size: int | str) -> int:
     for unit, factor in units.items():
         if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
             return int(float(text[: -len(unit)]) * factor)
-    raise ValueError(f"max_shard_size={size!r} is not a size; use an int or a string like '5GB' or '200MB'")
+    raise UserInputError(f"max_shard_size={size!r} is not a size; use an int or a string like '5GB' or '200MB'")
 
 
 class _Files:
@@ -104,7 +105,7 @@ def save_pretrained(module: nn.Module, params: Parameters, param_chunks: ParamCh
 
         def finish() -> None:
             if error is not None:
-                raise ValueError(f"writing {directory} failed: {error}; the previous contents stay") from error
+                raise UserInputError(f"writing {directory} failed: {error}; the previous contents stay") from error
             if rank0:
                 files.finish()
                 config = getattr(source, "config", None)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from autotp.ir.errors import UserInputError
 from autotp.runtime.parameters import Parameters, get_nested
 from autotp.runtime.shard_map import ShardSpec
 
@@ -131,7 +132,7 @@ def initialize(root: nn.Module, params: Parameters, model: nn.Module, seed: int,
     for t in sorted(names):
         target, spec = get_nested(root, t), params.specs[t]
         if _untouched(target, spec):
-            raise ValueError(f"{t} was built on meta and the model's initializer does not fill it "
+            raise UserInputError(f"{t} was built on meta and the model's initializer does not fill it "
                              f"({type(model).__name__}{'._init_weights' if init_fn else ' has no _init_weights'}); "
                              "pass checkpoint=, or build the model on the CPU")
         zero_padding(target, spec)

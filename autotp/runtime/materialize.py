@@ -10,6 +10,7 @@ from typing import TypeVar
 import torch.distributed as dist
 from torch import nn
 
+from autotp.ir.errors import UserInputError
 from autotp.runtime.checkpoint_hf import LoadJob, check_architecture, check_job, checkpoint_tensors, model_sources, read_jobs
 from autotp.runtime.init_meta import initialize
 from autotp.runtime.parameters import Parameters, get_nested
@@ -33,7 +34,7 @@ def on_every_rank(fn: Callable[[], T], what: str) -> T:
         failed = [(r, m) for r, m in enumerate(messages) if m is not None]
         if failed and error is None:
             rank, message = failed[0]
-            raise ValueError(f"{what} failed on rank {rank}: {message}")
+            raise UserInputError(f"{what} failed on rank {rank}: {message}")
     if error is not None:
         raise error
     return result  # type: ignore[return-value]
@@ -64,7 +65,7 @@ def load_hf_checkpoint(root_module: nn.Module, params: Parameters, model: nn.Mod
             elif name in params.local_names:
                 missing.append(name)
         if missing:
-            raise ValueError(f"checkpoint {root} lacks {len(missing)} tensor(s) that the model expects, e.g. "
+            raise UserInputError(f"checkpoint {root} lacks {len(missing)} tensor(s) that the model expects, e.g. "
                              f"{missing[:4]}; it holds e.g. {sorted(sources)[:4]}. Is it a checkpoint of this "
                              "architecture and configuration?")
         for job in jobs:
@@ -81,7 +82,7 @@ def materialize(root_module: nn.Module, params: Parameters, model: nn.Module, ch
     """Load ``checkpoint`` (if given), then initialize what is still unfilled; returns bytes read."""
     if params.device.type == "meta":  # an inspection-only model: nothing to fill
         if checkpoint is not None:
-            raise ValueError(f"checkpoint={checkpoint} needs a real device, but device is meta; pass device='cpu' or 'cuda'")
+            raise UserInputError(f"checkpoint={checkpoint} needs a real device, but device is meta; pass device='cpu' or 'cuda'")
         return 0
     loaded, read = load_hf_checkpoint(root_module, params, model, checkpoint) if checkpoint is not None else (set(), 0)
     todo = params.unfilled - loaded

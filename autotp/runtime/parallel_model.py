@@ -324,7 +324,7 @@ class ParallelModel(nn.Module):
     def unshard_grads(self) -> dict[str, torch.Tensor | None]:
         """Full gradients under every original parameter name (None where no grad)."""
         if self._grad_buffers is not None and self._grad_buffers.reduced:
-            raise ValueError(
+            raise UserInputError(
                 "the gradients were reduce-scattered over dp by the DistributedOptimizer (each dp rank holds the mean "
                 "of its 1/dp slice only), so no rank has them whole; read them before the step ends (pm(...) and "
                 "backward, without train_step), or train with a plain optimizer to inspect them"
@@ -370,7 +370,7 @@ class ParallelModel(nn.Module):
         ``train_step``. Every ``check_replicas_every`` calls (the first included) it also runs
         ``check_replicas``."""
         if self._grad_buffers is not None:
-            raise ValueError("this model trains with a DistributedOptimizer, which holds the gradients: call opt.clip_grad_norm_")
+            raise UserInputError("this model trains with a DistributedOptimizer, which holds the gradients: call opt.clip_grad_norm_")
         counting = self._norm_counting(self._coords.dp_rank)
         grads = [(n, self.get_parameter(n).grad) for n in self._params.local_names]
         present = [(n, g) for n, g in grads if g is not None]

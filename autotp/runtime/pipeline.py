@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.fx import Graph, GraphModule, Node
 
+from autotp.ir.errors import UserInputError
 from autotp.analysis.local_shapes import local_shape
 from autotp.ir import meta_keys, ops, schedules
 from autotp.runtime.cudagraphs import CapturedGraph
@@ -385,7 +386,7 @@ class PipelineRunner:
         slots = schedules.buffer_slots(actions)
         split = schedules.splits_backward(actions)
         if split and any(cg.run is not None or cg.captured is not None for cg in self.chunks.values()):
-            raise ValueError(
+            raise UserInputError(
                 "zero-bubble schedules split each chunk's backward into input and weight gradients, but "
                 "torch.compile and CUDA graphs run a chunk's backward as one piece: parallelize without "
                 "compile=True / cuda_graphs=True for this schedule, or use 1f1b, interleaved or gpipe"

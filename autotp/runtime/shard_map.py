@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from autotp.ir.errors import UserInputError
 from autotp.ir.plan import ParamLayout
 
 
@@ -81,7 +82,7 @@ def shard_spec(name: str, global_shape: tuple[int, ...], layout: ParamLayout | N
         return ShardSpec(name, global_shape, 0, length, (Piece(0, 0, length),))
     size = layout.sharding.size
     if global_shape[layout.dim] != size:
-        raise ValueError(f"{name}: the plan shards dim {layout.dim} of size {size}, but the tensor has shape "
+        raise UserInputError(f"{name}: the plan shards dim {layout.dim} of size {size}, but the tensor has shape "
                          f"{list(global_shape)}; re-plan for this model")
     pieces = []
     offset = 0
@@ -143,4 +144,4 @@ class ShardedLocal(Tensor):
         for piece in spec.pieces:
             if offset is None or tuple(offset) == spec.box(piece)[0]:
                 return spec.local_view(self._plain(), piece)
-        raise ValueError(f"{spec.name} holds no chunk at offset {offset} on this rank")
+        raise UserInputError(f"{spec.name} holds no chunk at offset {offset} on this rank")
