@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from autotp.passes import PASSES
+
 import autotp.report.dump
 from autotp.cli import main
 
@@ -91,8 +93,9 @@ def test_after_a_pass_and_dump_dir(tmp_path: Path) -> None:
     before = (out / "llama-tiny_tp2_rank0_after_02_annotate_layouts.py").read_text()
     assert "reduce_from_tp" not in before and "aten.linear.default" in before
     written = sorted(p.name for p in passes.iterdir())
-    assert written[0] == "00_traced.py" and "07_insert_collectives.py" in written
-    assert "reduce_from_tp" in (passes / "07_insert_collectives.py").read_text()
+    inserted = f"{[p.__name__ for p in PASSES].index('insert_collectives') + 1:02d}_insert_collectives.py"
+    assert written[0] == "00_traced.py" and inserted in written
+    assert "reduce_from_tp" in (passes / inserted).read_text()
 
 
 def test_after_needs_code_format(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
