@@ -117,3 +117,26 @@ def test_pipeline_errors_say_what_is_allowed() -> None:
     assert "pp*vpp = 2*2 = 4 pipeline chunks but the model has 2 layers" in too_many_chunks
     assert "global batch of 6 does not split into dp=1 x 4 microbatches" in batch
     assert "1F1B needs at least as many microbatches as pipeline stages" in too_few
+
+
+def _accumulate_two_steps(rank: int, world: int) -> dict:
+    """Two train_steps without zero_grad: GPT-2's tied embedding (held by both stages) must
+    accumulate like any other grad, not sum the first step's stage-summed grad twice."""
+    import autotp
+
+    model = build("gpt2", layers=2)
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, vocab_size(model), (BATCH, SEQ), generator=gen) for _ in range(2)]
+    pm = autotp.parallelize(model, tp=1, pp=2, example_inputs={"input_ids": batches[0][:2], "labels": batches[0][:2]})
+    for ids in batches:
+        pm.train_step(input_ids=ids, labels=ids, num_microbatches=2)
+        _reference_step(reference, ids, ids, 2)
+    grads = pm.unshard_grads()
+    worst = {n: ((grads[n] - p.grad).norm() / p.grad.norm()).item() for n, p in reference.named_parameters()}
+    return worst
+
+
+def test_grads_accumulate_over_train_steps_for_parameters_shared_by_stages() -> None:
+    for worst in run_on_ranks(_accumulate_two_steps, 2, timeout_s=400):
+        assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:3]

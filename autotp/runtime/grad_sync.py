@@ -34,12 +34,20 @@ def sync_grads(
     shared: dict[str, torch.Tensor | None],
     shared_groups: dict[str, dist.ProcessGroup],
     grads: list[torch.Tensor],
+    carried: dict[str, torch.Tensor],
 ) -> None:
     """Sum the grads of parameters shared by pipeline stages (``shared``: name -> this
-    rank's grad of it); average ``grads`` (every local grad) over dp ranks."""
+    rank's grad of it) over what this step added to ``carried`` (their grads before the
+    step, already summed); average ``grads`` (every local grad) over dp ranks."""
     for name, grad in shared.items():
-        if grad is not None:
-            dist.all_reduce(grad, group=shared_groups[name])
+        if grad is None:
+            continue
+        before = carried.get(name)
+        if before is not None:
+            grad -= before
+        dist.all_reduce(grad, group=shared_groups[name])
+        if before is not None:
+            grad += before
     if plan.dp > 1:
         all_reduce_buckets(grads, coords.dp_group, plan.dp, plan.dp_bucket_bytes)
 

@@ -222,6 +222,9 @@ class ParallelModel(nn.Module):
             self._warned_plain = True
             log.warning("the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
                         "state over dp=%d); this model trains with a plain optimizer", dp)
+        # Grads of stage-shared parameters already summed by an earlier step, when the caller accumulates.
+        shared = self._params.local_grads(list(self._shared_param_groups)) if self._grad_buffers is None else {}
+        carried = {n: g.clone() for n, g in shared.items() if g is not None}
         step = size // (dp * m)
         first = self._coords.dp_rank * step * m
         micro = [
@@ -237,7 +240,7 @@ class ParallelModel(nn.Module):
                 total += loss.detach().float()
         else:
             total = self._pipeline_step(micro, loss_of, schedule or self.plan.schedule_name)
-        self._sync_grads()
+        self._sync_grads(carried)
         return grad_sync.mean_loss(self.plan, self._coords, total / m)
 
     def _pipeline_step(self, micro: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str) -> torch.Tensor:
@@ -251,13 +254,13 @@ class ParallelModel(nn.Module):
         self.last_busy_s = runner.busy_s
         return total
 
-    def _sync_grads(self) -> None:
+    def _sync_grads(self, carried: dict[str, torch.Tensor]) -> None:
         if self._grad_buffers is not None:
             self._grad_buffers.finish()
             return
         shared = self._params.local_grads(list(self._shared_param_groups))
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        grad_sync.sync_grads(self.plan, self._coords, shared, self._shared_param_groups, grads)
+        grad_sync.sync_grads(self.plan, self._coords, shared, self._shared_param_groups, grads, carried)
 
     @property
     def cudagraph_slots(self) -> dict[int, int]:
