@@ -31,13 +31,13 @@ PEAK_FLOPS = 989.4e12
 WARMUP, STEPS = 3, 10
 
 
-def _model(layers: int) -> torch.nn.Module:
+def _model(layers: int, device: str = "cuda") -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192)  # fmt: skip
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
@@ -99,7 +99,7 @@ def _worker(rank: int, world: int, layers: int, batch: int, seq: int) -> list[di
         rows.append({"setup": f"causal nodes ({'on' if causal else 'off'})", "nodes": len(pm.plan.causal_attention_nodes)})
         return step
 
-    flops = _flops(_model(layers), batch, seq)
+    flops = _flops(_model(layers, "meta"), batch, seq)
     for name, make in (("HF eager", lambda: hf(False)), ("HF compiled", lambda: hf(True)),
                        ("autotp tp=1 compiled, causal_attention on", lambda: autotp_step(True)),
                        ("autotp tp=1 compiled, causal_attention off", lambda: autotp_step(False))):  # fmt: skip
