@@ -9,6 +9,7 @@ failure keeps its reason (the first line of the error). Writes a Markdown table:
     python benchmarks/sweep_registry.py                  # all, -> docs/registry_sweep.md
     python benchmarks/sweep_registry.py --only llama,gpt2 --out /tmp/sweep.md
     python benchmarks/sweep_registry.py --only bert --merge   # redo some rows of the table
+    python benchmarks/sweep_registry.py --jobs 14 --stop-after-s 540   # one process per arch, 14 at a time
 
 Prints the summary: of the architectures that build, how many match at tp=2 and pp=2.
 """
@@ -17,11 +18,16 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import transformers
@@ -213,18 +219,61 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "registry_sweep.md")
     parser.add_argument("--arch-timeout", type=int, default=300, help="seconds per architecture (default: 300)")
     parser.add_argument("--merge", action="store_true", help="keep the other rows of the existing --out table")
+    parser.add_argument("--jobs", type=int, default=1, help="architectures swept at once, each in its own process")
+    parser.add_argument("--stop-after-s", type=float, default=None,
+                        help="start no architecture after this many seconds (rows not swept keep their old value)")  # fmt: skip
     args = parser.parse_args()
     archs = [a for a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if not args.only or a in args.only.split(",")]
     kept = read_table(args.out) if args.merge else {}
-    rows = []
-    for arch in archs:
-        row = sweep_one(arch, args.arch_timeout)
-        kept[arch] = row
+    rows: list[Row] = []
+    for row in _sweep(archs, args.jobs, args.arch_timeout, args.stop_after_s):
+        kept[row.arch] = row
         rows = [kept[a] for a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if a in kept]
-        print(f"{arch:28s} builds={row.builds} traces={row.traces} tp2={row.tp2} pp2={row.pp2} "
+        print(f"{row.arch:28s} builds={row.builds} traces={row.traces} tp2={row.tp2} pp2={row.pp2} "
               f"sharded={row.sharded} {row.seconds:.0f}s {row.reason[:150]}", flush=True)  # fmt: skip
         args.out.write_text(table(rows))
     print(table(rows).splitlines()[4])
+
+
+def _crash_reason(log: Path, proc: subprocess.Popen[bytes]) -> str:
+    lines = log.read_text(errors="replace").strip().splitlines()
+    return f"sweep process exited with {proc.returncode}: {lines[-1] if lines else ''}"[:300].replace("|", "/")
+
+
+def _sweep(archs: list[str], jobs: int, timeout_s: int, stop_after_s: float | None) -> Iterator[Row]:
+    """Rows as they finish: in this process for ``jobs == 1``, else one child process per architecture."""
+    start = time.perf_counter()
+
+    def may_start() -> bool:
+        return stop_after_s is None or time.perf_counter() - start < stop_after_s
+
+    if jobs == 1:
+        for arch in archs:
+            if not may_start():
+                return
+            yield sweep_one(arch, timeout_s)
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        pending = list(archs)
+        running: dict[str, tuple[subprocess.Popen[bytes], float]] = {}
+        while pending or running:
+            while pending and len(running) < jobs and may_start():
+                arch = pending.pop(0)
+                cmd = [sys.executable, __file__, "--only", arch, "--out", f"{tmp}/{arch}.md", "--arch-timeout", str(timeout_s)]
+                with open(f"{tmp}/{arch}.log", "wb") as log:
+                    running[arch] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), time.perf_counter())
+            if not may_start():
+                pending.clear()
+            for arch, (proc, began) in list(running.items()):
+                if proc.poll() is None and time.perf_counter() - began < timeout_s + 60:
+                    continue
+                proc.kill()
+                del running[arch]
+                row = read_table(Path(f"{tmp}/{arch}.md")).get(arch) or Row(arch, reason=_crash_reason(Path(f"{tmp}/{arch}.log"), proc))
+                row.seconds = time.perf_counter() - began
+                yield row
+            time.sleep(0.5)
 
 
 if __name__ == "__main__":
