@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import time
 from pathlib import Path
@@ -108,7 +107,12 @@ def evict(folder: Path) -> None:
 
 
 def _rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB on Linux
+    """This process's peak resident memory (``VmHWM``: unlike ``ru_maxrss`` it does not carry the parent's peak
+    across ``fork`` + ``exec``, and the parent held the whole model while writing the checkpoint)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20  # KiB -> GiB
+    raise RuntimeError("no VmHWM in /proc/self/status (needs Linux)")
 
 
 def _ids(vocab: int) -> torch.Tensor:
@@ -200,7 +204,7 @@ def main() -> None:
     ours = spawn_ranks(_autotp_worker, args.tp, str(args.dir), str(args.out), backend=backend, timeout_s=3600)
     base_cold = spawn_ranks(_baseline_worker, args.tp, str(args.dir), True, backend=backend, timeout_s=3600)
     base_warm = spawn_ranks(_baseline_worker, args.tp, str(args.dir), False, backend=backend, timeout_s=3600)
-    target_rss = size / 2 / 2**30 + 2
+    target_rss = size / args.tp / 2**30 + 2
     print(f"\n{'rank':>4} {'cold s':>7} {'warm s':>7} {'GB read':>8} {'RSS GiB':>8} {'GPU GiB':>8} "
           f"{'save_pretrained s':>17} {'DCP save s':>10}")  # fmt: skip
     for rank, r in enumerate(ours):

@@ -34,30 +34,16 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 
 def _record_reads(log: list[tuple[str, tuple]]) -> None:
-    """Patch safetensors so that every read this process makes is logged."""
-    import safetensors
+    """Patch the checkpoint reader so that every read this process makes is logged."""
+    from autotp.runtime import checkpoint_hf
 
-    real = safetensors.safe_open
+    real = checkpoint_hf.read_box
 
-    class Handle:
-        def __init__(self, path: str, **kw: object) -> None:
-            self._f = real(path, **kw)
+    def logged(fd: int, leaf: checkpoint_hf.Leaf, box: list[tuple[int, int]]) -> torch.Tensor:
+        log.append((leaf.key, tuple(box) if box else "whole"))
+        return real(fd, leaf, box)
 
-        def get_slice(self, key: str) -> object:
-            sl = self._f.get_slice(key)
-
-            class Slice:
-                def __getitem__(self, index: tuple) -> torch.Tensor:
-                    log.append((key, tuple((s.start, s.stop) for s in index)))
-                    return sl[index]
-
-            return Slice()
-
-        def get_tensor(self, key: str) -> torch.Tensor:
-            log.append((key, "whole"))
-            return self._f.get_tensor(key)
-
-    safetensors.safe_open = Handle
+    checkpoint_hf.read_box = logged
 
 
 def _load_and_compare(rank: int, world: int, folder: str, names: list[str], tp: int, pp: int) -> dict:

@@ -1,7 +1,9 @@
 """Shard-on-read from a local HF safetensors checkpoint.
 
-Every rank reads only the bytes of its own slices (``safe_open(...).get_slice``), one
-thread per group of files. Checkpoint names map to the model's tensors through
+Every rank reads only the bytes of its own slices, one thread per group of files: each
+contiguous run of a slice is read with ``preadv`` straight into a tensor of the slice's
+size, so the process never maps the files (their pages stay in the page cache, out of
+this process's resident memory) and holds one slice per thread at a time. Checkpoint names map to the model's tensors through
 transformers' own conversion mapping (renamings, and the converters that stack
 per-expert matrices into a 3-D expert tensor or concatenate them), which is read as a
 tree of stack/concatenate nodes over checkpoint tensors: a slice of the model tensor
@@ -10,8 +12,11 @@ becomes slices of the checkpoint tensors. Tied names read whichever name the fil
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import math
+import os
 import re
 import struct
 import threading
@@ -45,6 +50,7 @@ class Leaf:
     file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
+    offset: int  # of the tensor's first byte in the file
 
 
 @dataclass(frozen=True)
@@ -85,8 +91,8 @@ def describe(node: Node) -> str:
     return f"{first.key} in {first.file.name}" + (f" (and {more} more tensors)" if more else "")
 
 
-def _header(path: Path) -> dict[str, Any]:
-    """The safetensors header of ``path``, checked against the file's length."""
+def _header(path: Path) -> tuple[dict[str, Any], int]:
+    """The safetensors header of ``path``, checked against the file's length, and where the data starts."""
     size = path.stat().st_size
     try:
         with path.open("rb") as f:
@@ -100,7 +106,7 @@ def _header(path: Path) -> dict[str, Any]:
     if 8 + n + end > size:
         raise UserInputError(f"{path} is truncated: its header needs {8 + n + end} bytes but the file has {size}; "
                          "re-save or re-download it")
-    return header
+    return header, 8 + n
 
 
 def checkpoint_tensors(root: Path) -> dict[str, Leaf]:
@@ -126,12 +132,13 @@ def checkpoint_tensors(root: Path) -> dict[str, Leaf]:
                          "write it with save_pretrained(..., safe_serialization=True)")
     out: dict[str, Leaf] = {}
     for name in files:
-        for key, v in _header(root / name).items():
+        header, data_start = _header(root / name)
+        for key, v in header.items():
             if key == "__metadata__":
                 continue
             if v["dtype"] not in _DTYPES:
                 raise UserInputError(f"{key} in {root / name} has dtype {v['dtype']}, which autotp cannot read")
-            out[key] = Leaf(key, root / name, tuple(v["shape"]), _DTYPES[v["dtype"]])
+            out[key] = Leaf(key, root / name, tuple(v["shape"]), _DTYPES[v["dtype"]], data_start + v["data_offsets"][0])
     return out
 
 
@@ -202,23 +209,55 @@ def _converted(target: str, transform: Any, parts: dict[int, dict[int, Leaf]]) -
                      "model with from_pretrained, save it with save_pretrained in the model's own format, and load that")
 
 
+def read_box(fd: int, leaf: Leaf, box: list[tuple[int, int]]) -> Tensor:
+    """The elements of ``leaf`` inside ``box`` (one (start, stop) per dim), read from the open file ``fd``."""
+    out = torch.empty([b - a for a, b in box], dtype=leaf.dtype)
+    if out.numel() == 0:
+        return out
+    size = out.element_size()
+    # dims from ``cut`` on are read whole, so each run of the slice is contiguous in the file
+    cut = len(box)
+    while cut > 0 and box[cut - 1] == (0, leaf.shape[cut - 1]):
+        cut -= 1
+    inner = math.prod(leaf.shape[cut:])
+    if cut == 0:
+        starts, run = [()], inner
+    else:
+        starts = itertools.product(*(range(a, b) for a, b in box[: cut - 1]))
+        run = (box[cut - 1][1] - box[cut - 1][0]) * inner
+    strides = [math.prod(leaf.shape[d + 1 :]) for d in range(len(leaf.shape))]
+    buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
+    for i, index in enumerate(starts):
+        first = sum(j * strides[d] for d, j in enumerate(index)) + (box[cut - 1][0] * inner if cut else 0)
+        view, at = buffer[i * run * size : (i + 1) * run * size], leaf.offset + first * size
+        while len(view):
+            n = os.preadv(fd, [view], at)
+            if n == 0:
+                raise UserInputError(f"{leaf.file} ended while reading {leaf.key}; re-save or re-download it")
+            view, at = view[n:], at + n
+    return out
+
+
 class _Reader:
-    """Open files of one worker thread; counts the bytes it reads."""
+    """The checkpoint's files, opened once and read by every worker thread (``preadv`` is positional)."""
 
     def __init__(self) -> None:
-        self.handles: dict[Path, Any] = {}
-        self.bytes_read = 0
+        self.files: dict[Path, int] = {}
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        for fd in self.files.values():
+            os.close(fd)
+
+    def fd(self, file: Path) -> int:
+        with self.lock:
+            if file not in self.files:
+                self.files[file] = os.open(file, os.O_RDONLY)
+            return self.files[file]
 
     def read(self, node: Node, box: list[tuple[int, int]]) -> Tensor:
         if isinstance(node, Leaf):
-            from safetensors import safe_open
-
-            if node.file not in self.handles:
-                self.handles[node.file] = safe_open(str(node.file), framework="pt", device="cpu")
-            f = self.handles[node.file]
-            data = f.get_slice(node.key)[tuple(slice(a, b) for a, b in box)] if box else f.get_tensor(node.key)
-            self.bytes_read += data.numel() * data.element_size()
-            return data
+            return read_box(self.fd(node.file), node, box)
         d = node.dim
         if node.stack:
             a, b = box[d]
@@ -257,28 +296,29 @@ def check_job(job: LoadJob) -> None:
 
 
 def read_jobs(jobs: list[LoadJob], threads: int, progress: bool) -> int:
-    """Fill every job's local tensor with its slices; returns the bytes read."""
-    groups: dict[Path, list[LoadJob]] = {}
-    for job in jobs:
-        groups.setdefault(next(leaves(job.source)).file, []).append(job)
+    """Fill every job's local tensor with its slices, ``threads`` tensors at a time; returns the bytes read."""
     bar = tqdm(total=len(jobs), desc="load checkpoint", unit="tensor", disable=not progress)
-    lock = threading.Lock()
+    reader, lock = _Reader(), threading.Lock()
 
-    def run(group: list[LoadJob]) -> int:
-        reader = _Reader()
-        for job in group:
-            spec = job.spec
-            for piece in spec.pieces:
-                offsets, sizes = spec.box(piece)
-                data = reader.read(job.source, [(o, o + s) for o, s in zip(offsets, sizes)])
-                with torch.no_grad():
-                    spec.local_view(job.local, piece).copy_(data.to(job.local.dtype))
-            with lock:
-                bar.update(1)
-        return reader.bytes_read
+    def run(job: LoadJob) -> int:
+        spec, read = job.spec, 0
+        for piece in spec.pieces:
+            offsets, sizes = spec.box(piece)
+            data = reader.read(job.source, [(o, o + s) for o, s in zip(offsets, sizes)])
+            read += data.numel() * data.element_size()
+            with torch.no_grad():
+                spec.local_view(job.local, piece).copy_(data)
+        with lock:
+            bar.update(1)
+        return read
 
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(groups)))) as pool:
-        total = sum(pool.map(run, groups.values()))
-    bar.close()
+    # in file order, so that cold reads go through each file front to back
+    ordered = sorted(jobs, key=lambda j: (str(next(leaves(j.source)).file), next(leaves(j.source)).offset))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(jobs)))) as pool:
+            total = sum(pool.map(run, ordered))
+    finally:
+        reader.close()
+        bar.close()
     log.info("read %d tensors, %.1f MB", len(jobs), total / 1e6)
     return total
