@@ -9,6 +9,14 @@ state. ``step`` runs a plain torch optimizer on those ranges, writes them back i
 parameter buffer and all-gathers the parameters. Only elementwise optimizers can be
 sliced like this (``SUPPORTED``).
 
+**Overlap with the next forward** (``overlap_param_gather``, on by default for eager
+graphs): ``step`` launches the all-gathers and returns; the next forward waits for each
+bucket right before its first read (``GradBuffers.insert_waits``). ``torch.compile`` and
+CUDA graphs would capture that wait inside a compiled region, so there ``step`` waits
+for the all-gathers itself. Reading the parameters directly between ``step`` and the
+next forward needs ``finish_param_gather()`` first; autotp's own readers (state dicts,
+checkpoints, unsharding) call it.
+
 **State dict** (``state_dict``), per rank, keyed by the original parameter names:
 ``{"format", "dp", "dp_rank", "optimizer", "param_groups": [{hyperparameters,
 "params": [names]}], "state": {name: {"shape": local shape, "start", "stop",
@@ -77,11 +85,14 @@ class DistributedOptimizer:
     default; ``torch.bfloat16`` keeps bf16 grads and steps on an fp32 copy of the slice).
     Create it before the first ``train_step``; then ``train_step``, ``clip_grad_norm_``,
     ``step``, ``zero_grad``. ``self.optimizer`` is the inner torch optimizer (give it
-    to an LR scheduler).
+    to an LR scheduler). ``overlap_param_gather``: hide the parameters' all-gather behind
+    the next forward (module docstring; default: on unless the graphs are compiled or
+    captured as CUDA graphs, where it is refused).
     """
 
     def __init__(self, pm: ParallelModel, optimizer_class: type[torch.optim.Optimizer], *, params: Any = None,
-                 bucket_bytes: int | None = None, grad_dtype: torch.dtype = torch.float32, **kwargs: Any) -> None:  # fmt: skip
+                 bucket_bytes: int | None = None, grad_dtype: torch.dtype = torch.float32,
+                 overlap_param_gather: bool | None = None, **kwargs: Any) -> None:  # fmt: skip
         from autotp.runtime.parallel_model import ParallelModel
 
         if not isinstance(pm, ParallelModel):
@@ -98,13 +109,20 @@ class DistributedOptimizer:
             raise UserInputError("create the DistributedOptimizer before the first call of pm: CUDA graphs were captured "
                              "with the parameters where they are now, and the optimizer moves them into its buffers")
         plan, coords = pm.plan, pm._coords
+        captured = "torch.compile" if pm._compile_graphs else "CUDA graphs" if plan.cudagraphs else None
+        if overlap_param_gather and captured:
+            raise UserInputError(f"overlap_param_gather=True waits for the all-gather inside the forward graph, which "
+                                 f"{captured} would capture; pass overlap_param_gather=False (or leave it unset)")
+        overlap = captured is None if overlap_param_gather is None else overlap_param_gather
         self._pm = pm
         groups = self._groups(pm, params)
         names = [n for g in groups for n in g["params"]]
         shared = {n: g for n, g in pm._shared_param_groups.items() if n in names}
         self.buffers = GradBuffers(pm._param_uses(names), plan.dp, coords.dp_rank, coords.dp_group,
-                                   bucket_bytes or plan.dp_bucket_bytes, grad_dtype, shared)  # fmt: skip
+                                   bucket_bytes or plan.dp_bucket_bytes, grad_dtype, shared, overlap)  # fmt: skip
         pm._grad_buffers = self.buffers
+        for compiled in pm._graphs.values():
+            pm._insert_param_waits(compiled)
         self._pieces: dict[str, _Piece] = {}
         for slot, start, stop in self.buffers.shard_pieces():
             flat = slot.use.param.data.view(-1)[start:stop]
@@ -190,13 +208,19 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step this rank's slices, write them into the parameters, all-gather the parameters over dp."""
+        """Step this rank's slices, write them into the parameters, all-gather the parameters over dp
+        (left in flight for the next forward with ``overlap_param_gather``)."""
+        self.finish_param_gather()
         self._prepare_grads()
         self.optimizer.step()
         for piece in self._pieces.values():
             if piece.separate:
                 piece.param_range().copy_(piece.master)
         self.buffers.gather_params()
+
+    def finish_param_gather(self) -> None:
+        """Wait for the parameters' all-gather of the last ``step``: read parameters directly only after it."""
+        self.buffers.wait_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffers (``set_to_none`` is accepted for torch's signature; the buffers stay)."""
@@ -214,6 +238,7 @@ class DistributedOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's slices, by parameter name (layout in the module docstring)."""
+        self.finish_param_gather()
         groups = []
         for names, group in zip(self._group_names, self.optimizer.param_groups):
             groups.append({k: v for k, v in group.items() if k != "params"} | {"params": list(names)})
@@ -232,6 +257,7 @@ class DistributedOptimizer:
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load what ``state_dict`` returned on the same rank of the same layout; ValueError otherwise."""
+        self.finish_param_gather()
         if sd.get("format") != FORMAT:
             raise UserInputError(f"not a DistributedOptimizer state dict (format {sd.get('format')!r}, expected {FORMAT!r})")
         dp = self._pm.plan.dp
