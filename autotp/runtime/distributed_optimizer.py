@@ -23,6 +23,13 @@ checkpoints, unsharding) call it.
 "master" (fp32, only for 16-bit params), <optimizer state tensors of the range>}}}``.
 Ranges are into the flattened tp shard, so a checkpoint writer can place every dp
 rank's piece in the full tensor (``autotp.ir.plan.ParamLayout`` gives the tp shard's place).
+
+**DCP checkpoints** (``pm.save_checkpoint(dir, optimizer=opt)``, ``checkpoint_state``):
+each range goes to DCP as the global chunks it covers (``shard_map.FlatRangeLocal``),
+under the keys a plain torch optimizer's state has there (``optim.<name>.<state key>``,
+global shape) plus ``optim.<name>.master`` for 16-bit parameters' fp32 master weights.
+So a checkpoint loads at any (tp, pp, dp), into a DistributedOptimizer or into the same
+torch optimizer class stepping ``pm.parameters()``, and the other way round.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from autotp.ir.errors import UserInputError
 from autotp.ir.training_step import TrainingStep, runtime_precision
 from autotp.runtime import grad_norm
 from autotp.runtime.grad_buffers import GradBuffers, Slot
+from autotp.runtime.shard_map import FlatRangeLocal, ShardSpec
 
 if TYPE_CHECKING:
     from autotp.runtime.parallel_model import ParallelModel
@@ -235,6 +243,57 @@ class DistributedOptimizer:
         return total
 
     # ---- checkpoints ---------------------------------------------------------------
+
+    def checkpoint_state(self, specs: dict[str, ShardSpec], mine: set[str], init: bool = False) -> dict[str, dict[str, Any]]:
+        """This rank's ranges of the parameters in ``mine``, as DCP chunks of the global tensors
+        (module docstring); ``init``: create the state first (for DCP to load into)."""
+        self.finish_param_gather()
+        if init:
+            self._init_state()
+        out: dict[str, dict[str, Any]] = {}
+        for name, piece in self._pieces.items():
+            if name not in mine:
+                continue
+            state = dict(self.optimizer.state.get(piece.master, {}))
+            if piece.separate:
+                state["master"] = piece.master.detach()
+            out[name] = {
+                k: FlatRangeLocal.wrap(v, specs[name], piece.start, piece.stop)
+                if isinstance(v, Tensor) and v.shape == piece.master.shape else v
+                for k, v in state.items()
+            }  # fmt: skip
+        return out
+
+    def _init_state(self) -> None:
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        grads = [p.master.grad for p in self._pieces.values()]
+        for p in self._pieces.values():
+            p.master.grad = None
+        _init_optim_state(self.optimizer)
+        for p, g in zip(self._pieces.values(), grads):
+            p.master.grad = g
+
+    @torch.no_grad()
+    def loaded_checkpoint(self, state: dict[str, dict[str, Any]], param_groups: list[dict[str, Any]]) -> None:
+        """Finish a DCP load into ``checkpoint_state``'s tensors: non-tensor values, hyperparameters,
+        masters (from the checkpoint's, else from the loaded parameters); parameters without
+        state in the checkpoint start fresh."""
+        for name, piece in self._pieces.items():
+            entry = state.get(name)
+            if piece.separate:
+                if entry is None or "master" not in entry:
+                    piece.master.copy_(piece.param_range())
+                else:
+                    piece.param_range().copy_(piece.master)
+            if not entry or set(entry) <= {"master"}:
+                self.optimizer.state.pop(piece.master, None)
+                continue
+            for k, v in entry.items():
+                if not isinstance(v, Tensor) and k != "master":
+                    self.optimizer.state[piece.master][k] = v
+        for group, saved in zip(self.optimizer.param_groups, param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's slices, by parameter name (layout in the module docstring)."""
