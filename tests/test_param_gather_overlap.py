@@ -46,6 +46,7 @@ def _deferred_all_gather(events: list[tuple[str, int]]) -> object:
 def _train(rank: int, world: int, waits_in_graph: bool) -> dict:
     import autotp
     from autotp.runtime import grad_buffers
+    from autotp.runtime.weight_grads import defer_weight_grads
 
     events: list[tuple[str, int]] = []
     grad_buffers._all_gather = _deferred_all_gather(events)
@@ -79,7 +80,12 @@ def _train(rank: int, world: int, waits_in_graph: bool) -> dict:
             state = read()
             out["readers"][i] = not buffers.gathering and all(
                 torch.allclose(state[n], p.detach(), rtol=1e-5, atol=1e-6) for n, p in reference.named_parameters())
-    gm = pm.graph_for(input_ids=batches[0][0][:1], labels=batches[0][1][:1])
+    call = {"input_ids": batches[0][0][:1], "labels": batches[0][1][:1], "use_cache": False}
+    gm = pm.graph_for(**call)
+    # zero-bubble schedules run a copy of the graph with deferred weight gradients: it keeps the waits
+    split = defer_weight_grads(gm)
+    leaves = [torch.utils._pytree.tree_leaves(g(**call)) for g in (gm, split)]
+    out["split"] = {"waits": sum(n.op == "call_module" for n in split.graph.nodes), "same": torch.equal(leaves[0][0], leaves[1][0])}
     kinds = ["wait" if n.op == "call_module" else "compute" for n in gm.graph.nodes if n.op in ("call_module", "call_function")]
     out["graph"] = {"waits": kinds.count("wait"), "last_wait": len(kinds) - 1 - kinds[::-1].index("wait") if "wait" in kinds else -1,
                     "first_compute": kinds.index("compute")}
@@ -101,7 +107,8 @@ def test_forward_waits_for_each_bucket_and_matches_adamw() -> None:
             landed = [b for kind, b in waits if kind == "landed"]
             assert landed == r["order"] and graph[: len(landed)] == landed, waits
         assert r["graph"]["waits"] == r["buckets"] and r["graph"]["last_wait"] > r["graph"]["first_compute"]
-        assert r["readers"] == {2: True, 3: True}  # unshard_state_dict and state_dict finished the gathers
+        assert r["readers"] == {2: True, 3: True}
+        assert r["split"] == {"waits": r["buckets"], "same": True}  # unshard_state_dict and state_dict finished the gathers
 
 
 def test_without_the_graph_waits_the_forward_reads_stale_parameters() -> None:
