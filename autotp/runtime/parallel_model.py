@@ -127,7 +127,7 @@ class ParallelModel(nn.Module):
     def _insert_param_waits(self, compiled: _Compiled) -> None:
         """With a DistributedOptimizer that overlaps its all-gather: each graph waits for a bucket before reading it."""
         buffers = self._grad_buffers
-        if buffers is None or not buffers.overlap:
+        if buffers is None or not buffers.overlap or buffers.dp == 1:
             return
         for c, cg in compiled.chunks.items():
             buffers.insert_waits(cg.graph, self._params.canonical, c)
