@@ -140,11 +140,13 @@ def _load_after_kill(rank: int, world: int, folder: str) -> dict:
     import autotp
 
     pm = autotp.parallelize(build("llama"), tp=1)
-    try:
-        pm.load_checkpoint(Path(folder) / "ckpt", optimizer=torch.optim.SGD(pm.parameters(), lr=0.1))
-        refused = ""
-    except ValueError as e:
-        refused = str(e)
+    refused = []
+    params = list(pm.parameters())
+    for wrong in (torch.optim.SGD(params, lr=0.1), torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}])):
+        try:
+            pm.load_checkpoint(Path(folder) / "ckpt", optimizer=wrong)
+        except ValueError as e:
+            refused.append(str(e))
     opt = _optimizer(pm, "distopt")
     step = pm.load_checkpoint(Path(folder) / "ckpt", optimizer=opt)
     first = torch.load(Path(folder) / f"first{rank}.pt")
@@ -159,4 +161,5 @@ def test_killed_save_leaves_previous_distributed_optimizer_checkpoint_loadable(t
         run_on_ranks(_save_then_die, 2, str(tmp_path))
     for r in run_on_ranks(_load_after_kill, 2, str(tmp_path)):
         assert r["step"] == 1 and r["same"]
-        assert "holds AdamW optimizer state, but the optimizer is SGD" in r["refused"]
+        assert "holds AdamW optimizer state, but the optimizer is SGD" in r["refused"][0]
+        assert "holds 1 param groups, the optimizer has 2; build it with the same groups" in r["refused"][1]
