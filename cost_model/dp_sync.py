@@ -10,8 +10,15 @@ overlap with that backward (``W``: the rank's backward GPU time of one microbatc
     exposed reduce-scatter = max(Σ_j RS(b_j) - W, RS(b_last))
 
 After the step the updated parameters (``params · param bytes``, the same buckets) are
-all-gathered; the runtime waits for them before the next forward, so the all-gather is
-exposed: ``Σ_j AG(b_j)``. RS and AG run hierarchically across nodes
+all-gathered, one bucket after the other in order of first use, and the next forward
+waits for each bucket only before its first read (``overlap_param_gather``). The first
+bucket has nothing to hide behind; the rest overlap the next forward (``F``: the rank's
+forward GPU time of its first microbatch):
+
+    exposed all-gather = max(Σ_j AG(b_j) - F, AG(b_first))
+
+(F = 0 without the overlap, with CUDA graphs: then all of ``Σ_j AG(b_j)`` is exposed).
+RS and AG run hierarchically across nodes
 (``communication.group_sharded_s``); together they move the bytes of one all-reduce. The host issues one collective and one divide per
 bucket (``op_overhead_s`` each).
 
@@ -58,16 +65,19 @@ def _buckets(total: float) -> list[float]:
     return [float(DP_BUCKET_BYTES)] * (k - 1) + [total - (k - 1) * DP_BUCKET_BYTES]
 
 
-def sharded_sync_s(params: int, precision_name: str, dp: int, dp_per_node: int, backward_s: float, hw: HardwareProfile) -> float:
-    """Exposed reduce-scatter and all-gather of one rank's ``params`` over ``dp`` ranks (module docstring)."""
+def sharded_sync_s(params: int, precision_name: str, dp: int, dp_per_node: int, backward_s: float, hw: HardwareProfile,
+                   forward_s: float = 0.0) -> float:  # fmt: skip
+    """Exposed reduce-scatter (behind ``backward_s``) and all-gather (behind the next forward's
+    ``forward_s``) of one rank's ``params`` over ``dp`` ranks (module docstring)."""
     if dp == 1:
         return 0.0
     p = precision(precision_name)
     grads = _buckets(params * p.grad)
     scatter = [group_sharded_s(b, dp, dp_per_node, hw) for b in grads]
-    gather = sum(group_sharded_s(b * p.param / p.grad, dp, dp_per_node, hw) for b in grads)
+    gather = [group_sharded_s(b * p.param / p.grad, dp, dp_per_node, hw) for b in grads]
     host = 2 * 2 * len(grads) * hw.op_overhead_s
-    return max(sum(scatter) - backward_s, scatter[-1]) + gather + host
+    # buckets are laid out in reverse order of use: the last one is read first
+    return max(sum(scatter) - backward_s, scatter[-1]) + max(sum(gather) - forward_s, gather[-1]) + host
 
 
 def sharded_optimizer_s(params: int, precision_name: str, dp: int, hw: HardwareProfile) -> float:

@@ -41,7 +41,8 @@ then dp, then pp):
   gradient between the first and last stages;
 * gradient sync, distributed optimizer (``autotp.DistributedOptimizer``): reduce-scatter
   overlapped with the last microbatch's backward (``BACKWARD_SHARE`` of the rank's chunk
-  GPU time), then an exposed all-gather of the parameters (``dp_sync.sharded_sync_s``);
+  GPU time), then the parameters' all-gather, overlapped with the next forward (the rest) but
+  its first bucket, unless ``overlap_param_gather`` is off or CUDA graphs run (``dp_sync.sharded_sync_s``);
 * optimizer step: 2 · bytes_per_param · params / memory bandwidth (each state read and
   written once), of the rank's 1/dp slice with the distributed optimizer
   (``dp_sync.sharded_optimizer_s``); ``train_step`` does not run it, the step time includes it;
@@ -116,6 +117,7 @@ class Training:
     distributed_optimizer: bool | None = False
     gather_outputs: bool = False
     cuda_graph_bytes: float = 0.0  # static buffers of one capture (one microbatch in flight)
+    overlap_param_gather: bool = True  # the distributed optimizer's all-gather hides behind the next forward
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,8 @@ def estimate(
         memories.append(rank_memory_bytes(params, training.precision, distributed, config.dp, held * max(chunk_act[r::pp]), graphs))
         if distributed:
             backward = BACKWARD_SHARE * sum(chunk_gpu[r::pp])
-            syncs.append(sharded_sync_s(params, training.precision, config.dp, dp_per_node, backward, hw))
+            forward = (1 - BACKWARD_SHARE) * sum(chunk_gpu[r::pp]) if training.overlap_param_gather and not training.cuda_graph_bytes else 0.0
+            syncs.append(sharded_sync_s(params, training.precision, config.dp, dp_per_node, backward, hw, forward))
             optimizers.append(sharded_optimizer_s(params, training.precision, config.dp, hw))
         else:
             syncs.append(grad_sync_s(params, tensors, config.dp, dp_per_node, training.precision, hw))

@@ -26,7 +26,8 @@ def _reference_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Ten
     return loss.detach()
 
 
-def _train(rank: int, world: int, name: str, tp: int, pp: int, microbatches: int, bucket_bytes: int | None, device: str = "cpu") -> dict:
+def _train(rank: int, world: int, name: str, tp: int, pp: int, microbatches: int, bucket_bytes: int | None, device: str = "cpu",
+           overlap: bool | None = None) -> dict:  # fmt: skip
     import autotp
 
     if device == "cuda":
@@ -38,7 +39,7 @@ def _train(rank: int, world: int, name: str, tp: int, pp: int, microbatches: int
     batches = [tuple(torch.randint(0, vocab, (8, 12), generator=gen).to(device) for _ in range(2)) for _ in range(STEPS)]
     pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs={"input_ids": batches[0][0][:2], "labels": batches[0][1][:2]})
     dp = pm.plan.dp
-    opt = autotp.DistributedOptimizer(pm, torch.optim.AdamW, bucket_bytes=bucket_bytes, **HYPER)
+    opt = autotp.DistributedOptimizer(pm, torch.optim.AdamW, bucket_bytes=bucket_bytes, overlap_param_gather=overlap, **HYPER)
     ref_opt = torch.optim.AdamW(reference.parameters(), **HYPER)
     norms = []
     early: list[int] = []  # buckets the backward hooks launched before train_step's finish

@@ -50,6 +50,16 @@ def test_reduce_scatter_overlaps_the_backward() -> None:
     assert sharded_optimizer_s(params, "fp32", 8, H100) == pytest.approx(sharded_optimizer_s(params, "fp32", 1, H100) / 8)
 
 
+def test_all_gather_overlaps_the_next_forward() -> None:
+    params, dp, backward = 2_000_000_000, 32, 10.0
+    buckets = [25 * 2**20] * 305 + [params * 4 - 305 * 25 * 2**20]
+    gather = [group_sharded_s(b / 2, dp, 1, H100) for b in buckets]
+    exposed = [sharded_sync_s(params, "bf16-fp32-grads", dp, 1, backward, H100, forward) for forward in (0.0, sum(gather) / 2, 10.0)]
+    assert exposed[0] - exposed[1] == pytest.approx(sum(gather) / 2)  # half hidden behind the forward
+    assert exposed[1] - exposed[2] == pytest.approx(sum(gather) / 2 - gather[-1])  # the first-read bucket stays exposed
+    assert exposed[0] == sharded_sync_s(params, "bf16-fp32-grads", dp, 1, backward, H100)  # no forward: all exposed
+
+
 def test_planner_picks_the_distributed_optimizer_where_it_helps(llama70b: ModelCosts) -> None:
     cluster = Cluster(1024, 8, H100)
     auto = plan(llama70b, cluster, Training(1024, "bf16-fp32-grads", None), top=3)

@@ -62,7 +62,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     costs = trace_for_planning(config, args.seq)
     cluster = Cluster(args.gpus, args.gpus_per_node, hw)
     choice = {"auto": None, "on": True, "off": False}[args.distributed_optimizer]
-    training = Training(args.global_batch, args.precision, choice)
+    training = Training(args.global_batch, args.precision, choice, overlap_param_gather=not args.no_overlap_param_gather)
     found = search(costs, cluster, training, tp=args.tp, pp=args.pp, top=args.top)
     estimates = found.plans
     elapsed = time.perf_counter() - start
@@ -80,6 +80,10 @@ def _plan_command(args: argparse.Namespace) -> int:
     print(f"{len(estimates)} of {fitting} plans that fit shown (--top {args.top}); {found.dropped_summary(hw.usable_memory_bytes)}")
     for used in sorted({e.plan.distributed_optimizer for e in estimates}, reverse=True):
         print(f"training step{' (dist-opt yes/needed)' if used else ' (dist-opt no)'}: {TrainingStep(args.precision, used).describe()}")
+        if used:
+            print("  dist-opt sync: reduce-scatter overlapped with the backward; parameter all-gather "
+                  + ("overlapped with the next forward (only its first bucket exposed)" if training.overlap_param_gather
+                     else "exposed before the next forward (--no-overlap-param-gather)"))
     needed = [str(i) for i, e in enumerate(estimates, start=1) if e.needs_distributed_optimizer]
     if needed:
         print(f"plans {', '.join(needed)} fit only with the distributed optimizer: train them with autotp.DistributedOptimizer")
@@ -117,6 +121,9 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     command.add_argument("--distributed-optimizer", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                          help="shard optimizer states over dp (ZeRO-1, autotp.DistributedOptimizer): on, off, or auto "
                          "(default: per plan, whichever is faster and fits)")
+    command.add_argument("--no-overlap-param-gather", action="store_true",
+                         help="charge the distributed optimizer's parameter all-gather as exposed, as "
+                         "DistributedOptimizer(overlap_param_gather=False) runs it (default: hidden behind the next forward)")
     command.add_argument("--tp", type=int, help="keep this tensor-parallel degree")
     command.add_argument("--pp", type=int, help="keep this pipeline-parallel degree")
     command.add_argument("--top", type=int, default=10, help="plans to show (default: 10)")

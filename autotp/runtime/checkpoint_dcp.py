@@ -5,7 +5,10 @@ shape) goes to DCP as a ``ShardedLocal``: one chunk per piece at its global offs
 under the parameter's original name. DCP keeps one copy of chunks that several ranks
 hold (dp replicas, tp-replicated tensors, KV-head replicas) and on load reads, for each
 local piece, the stored chunks it overlaps, so a checkpoint written at one (tp, pp, dp)
-loads at any other.
+loads at any other. A ``DistributedOptimizer``'s state goes under the same keys, each
+dp rank's flat ranges as the global chunks they cover
+(``DistributedOptimizer.checkpoint_state``), so its checkpoints reshard too, across dp
+included, and load into a plain optimizer of the same class (and back).
 
 Writes are atomic: every rank writes into ``<dir>.tmp``; only after DCP has written its
 metadata (all ranks done) does rank 0 swap it into ``<dir>``. A save that dies leaves
@@ -21,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -134,21 +137,53 @@ def _optimizer_state(module: nn.Module, params: Parameters, optimizer: torch.opt
     return out
 
 
-def _info(plan: Any, step: int | None, optimizer: torch.optim.Optimizer | None) -> CheckpointInfo:
+@runtime_checkable
+class ShardedOptimizer(Protocol):
+    """What ``autotp.DistributedOptimizer`` offers checkpoints (its docstring has the layout)."""
+
+    optimizer: torch.optim.Optimizer
+    param_groups: list[dict[str, Any]]
+
+    def checkpoint_state(self, specs: dict[str, Any], mine: set[str], init: bool = False) -> dict[str, dict[str, Any]]: ...
+
+    def loaded_checkpoint(self, state: dict[str, dict[str, Any]], param_groups: list[dict[str, Any]]) -> None: ...
+
+
+Optimizer = torch.optim.Optimizer | ShardedOptimizer
+
+
+def _optimizer_name(optimizer: Optimizer) -> str:
+    """The torch optimizer class that steps (a DistributedOptimizer's inner one)."""
+    inner = optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+    return type(inner).__name__
+
+
+def _first_owner(module: nn.Module, params: Parameters) -> set[str]:
+    """The local parameters whose sharded optimizer state this rank writes: pipeline stages
+    that share a parameter (tied embeddings) lay out its dp ranges differently, so only
+    the first of them writes it."""
+    owners: dict[str, list[int]] = getattr(module, "_owners", {})
+    pp_rank = module._coords.pp_rank  # type: ignore[union-attr]
+    return {n for n in params.local_names if not owners.get(n) or owners[n][0] == pp_rank}
+
+
+def _info(plan: Any, step: int | None, optimizer: Optimizer | None) -> CheckpointInfo:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
     return CheckpointInfo(step, {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp},
-                          type(optimizer).__name__ if optimizer else None, groups)  # fmt: skip
+                          _optimizer_name(optimizer) if optimizer else None, groups)  # fmt: skip
 
 
 def save(module: nn.Module, params: Parameters, plan: Any, source: nn.Module, directory: str | Path,
-         optimizer: torch.optim.Optimizer | None, step: int | None) -> None:  # fmt: skip
+         optimizer: Optimizer | None, step: int | None) -> None:  # fmt: skip
     """Write the checkpoint (and the model's config.json, so that it can be rebuilt from it)."""
     import torch.distributed.checkpoint as dcp
 
     start = time.perf_counter()
     persistent = set(source.state_dict(keep_vars=True))
     state: dict[str, Any] = {"model": _model_state(module, params, persistent), "autotp": _info(plan, step, optimizer)}
-    if optimizer is not None:
+    if isinstance(optimizer, ShardedOptimizer):
+        state["optim"] = optimizer.checkpoint_state(params.specs, _first_owner(module, params))
+    elif optimizer is not None:
         state["optim"] = _optimizer_state(module, params, optimizer)
     with atomic_dir(Path(directory)) as tmp:
         _dcp(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp)),
@@ -188,7 +223,7 @@ def _check_tensors(root: Path, state: dict[str, Any], metadata: Any, prefix: str
 
 
 def load(module: nn.Module, params: Parameters, persistent: set[str], directory: str | Path,
-         optimizer: torch.optim.Optimizer | None) -> int | None:  # fmt: skip
+         optimizer: Optimizer | None) -> int | None:  # fmt: skip
     """Load a checkpoint written by ``save`` at any (tp, pp, dp); returns its step."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import _init_optim_state
@@ -200,14 +235,23 @@ def load(module: nn.Module, params: Parameters, persistent: set[str], directory:
         if not root.is_dir():
             raise UserInputError(f"checkpoint {root} does not exist")
         info, metadata = _read_info(root)
-        if optimizer is not None and info.optimizer != type(optimizer).__name__:
+        if optimizer is not None and info.optimizer != _optimizer_name(optimizer):
             raise UserInputError(f"checkpoint {root} holds {info.optimizer or 'no'} optimizer state, but the optimizer "
-                             f"is {type(optimizer).__name__}; build the same optimizer, or load without optimizer=")
+                             f"is {_optimizer_name(optimizer)}; build the same optimizer, or load without optimizer=")
+        if optimizer is not None and len(info.param_groups) != len(optimizer.param_groups):
+            raise UserInputError(f"checkpoint {root} holds {len(info.param_groups)} param groups, the optimizer has "
+                                 f"{len(optimizer.param_groups)}; build it with the same groups")
         _check_tensors(root, model_state, metadata, "model")
         return info, metadata.state_dict_metadata
 
     info, stored = on_every_rank(check, f"loading {root}")
     state: dict[str, Any] = {"model": model_state}
+    if isinstance(optimizer, ShardedOptimizer):
+        ranges = optimizer.checkpoint_state(params.specs, set(params.local_names), init=True)
+        state["optim"] = {n: {k: v for k, v in entry.items() if f"optim.{n}.{k}" in stored} for n, entry in ranges.items()}
+        _dcp(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(root)), f"loading {root}")
+        optimizer.loaded_checkpoint(state["optim"], info.param_groups)
+        return info.step
     if optimizer is not None:
         _init_optim_state(optimizer)
         # parameters without state in the checkpoint (saved before their first step) start fresh

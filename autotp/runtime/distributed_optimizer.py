@@ -9,12 +9,27 @@ state. ``step`` runs a plain torch optimizer on those ranges, writes them back i
 parameter buffer and all-gathers the parameters. Only elementwise optimizers can be
 sliced like this (``SUPPORTED``).
 
+**Overlap with the next forward** (``overlap_param_gather``, on by default for eager
+graphs): ``step`` launches the all-gathers and returns; the next forward waits for each
+bucket right before its first read (``GradBuffers.insert_waits``). ``torch.compile`` and
+CUDA graphs would capture that wait inside a compiled region, so there ``step`` waits
+for the all-gathers itself. Reading the parameters directly between ``step`` and the
+next forward needs ``finish_param_gather()`` first; autotp's own readers (state dicts,
+checkpoints, unsharding) call it.
+
 **State dict** (``state_dict``), per rank, keyed by the original parameter names:
 ``{"format", "dp", "dp_rank", "optimizer", "param_groups": [{hyperparameters,
 "params": [names]}], "state": {name: {"shape": local shape, "start", "stop",
 "master" (fp32, only for 16-bit params), <optimizer state tensors of the range>}}}``.
 Ranges are into the flattened tp shard, so a checkpoint writer can place every dp
 rank's piece in the full tensor (``autotp.ir.plan.ParamLayout`` gives the tp shard's place).
+
+**DCP checkpoints** (``pm.save_checkpoint(dir, optimizer=opt)``, ``checkpoint_state``):
+each range goes to DCP as the global chunks it covers (``shard_map.FlatRangeLocal``),
+under the keys a plain torch optimizer's state has there (``optim.<name>.<state key>``,
+global shape) plus ``optim.<name>.master`` for 16-bit parameters' fp32 master weights.
+So a checkpoint loads at any (tp, pp, dp), into a DistributedOptimizer or into the same
+torch optimizer class stepping ``pm.parameters()``, and the other way round.
 """
 
 from __future__ import annotations
@@ -30,6 +45,7 @@ from autotp.ir.errors import UserInputError
 from autotp.ir.training_step import TrainingStep, runtime_precision
 from autotp.runtime import grad_norm
 from autotp.runtime.grad_buffers import GradBuffers, Slot
+from autotp.runtime.shard_map import FlatRangeLocal, ShardSpec
 
 if TYPE_CHECKING:
     from autotp.runtime.parallel_model import ParallelModel
@@ -77,11 +93,14 @@ class DistributedOptimizer:
     default; ``torch.bfloat16`` keeps bf16 grads and steps on an fp32 copy of the slice).
     Create it before the first ``train_step``; then ``train_step``, ``clip_grad_norm_``,
     ``step``, ``zero_grad``. ``self.optimizer`` is the inner torch optimizer (give it
-    to an LR scheduler).
+    to an LR scheduler). ``overlap_param_gather``: hide the parameters' all-gather behind
+    the next forward (module docstring; default: on unless the graphs are compiled or
+    captured as CUDA graphs, where it is refused).
     """
 
     def __init__(self, pm: ParallelModel, optimizer_class: type[torch.optim.Optimizer], *, params: Any = None,
-                 bucket_bytes: int | None = None, grad_dtype: torch.dtype = torch.float32, **kwargs: Any) -> None:  # fmt: skip
+                 bucket_bytes: int | None = None, grad_dtype: torch.dtype = torch.float32,
+                 overlap_param_gather: bool | None = None, **kwargs: Any) -> None:  # fmt: skip
         from autotp.runtime.parallel_model import ParallelModel
 
         if not isinstance(pm, ParallelModel):
@@ -98,13 +117,20 @@ class DistributedOptimizer:
             raise UserInputError("create the DistributedOptimizer before the first call of pm: CUDA graphs were captured "
                              "with the parameters where they are now, and the optimizer moves them into its buffers")
         plan, coords = pm.plan, pm._coords
+        captured = "torch.compile" if pm._compile_graphs else "CUDA graphs" if plan.cudagraphs else None
+        if overlap_param_gather and captured:
+            raise UserInputError(f"overlap_param_gather=True waits for the all-gather inside the forward graph, which "
+                                 f"{captured} would capture; pass overlap_param_gather=False (or leave it unset)")
+        overlap = captured is None if overlap_param_gather is None else overlap_param_gather
         self._pm = pm
         groups = self._groups(pm, params)
         names = [n for g in groups for n in g["params"]]
         shared = {n: g for n, g in pm._shared_param_groups.items() if n in names}
         self.buffers = GradBuffers(pm._param_uses(names), plan.dp, coords.dp_rank, coords.dp_group,
-                                   bucket_bytes or plan.dp_bucket_bytes, grad_dtype, shared)  # fmt: skip
+                                   bucket_bytes or plan.dp_bucket_bytes, grad_dtype, shared, overlap)  # fmt: skip
         pm._grad_buffers = self.buffers
+        for compiled in pm._graphs.values():
+            pm._insert_param_waits(compiled)
         self._pieces: dict[str, _Piece] = {}
         for slot, start, stop in self.buffers.shard_pieces():
             flat = slot.use.param.data.view(-1)[start:stop]
@@ -190,13 +216,19 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step this rank's slices, write them into the parameters, all-gather the parameters over dp."""
+        """Step this rank's slices, write them into the parameters, all-gather the parameters over dp
+        (left in flight for the next forward with ``overlap_param_gather``)."""
+        self.finish_param_gather()
         self._prepare_grads()
         self.optimizer.step()
         for piece in self._pieces.values():
             if piece.separate:
                 piece.param_range().copy_(piece.master)
         self.buffers.gather_params()
+
+    def finish_param_gather(self) -> None:
+        """Wait for the parameters' all-gather of the last ``step``: read parameters directly only after it."""
+        self.buffers.wait_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffers (``set_to_none`` is accepted for torch's signature; the buffers stay)."""
@@ -212,8 +244,60 @@ class DistributedOptimizer:
 
     # ---- checkpoints ---------------------------------------------------------------
 
+    def checkpoint_state(self, specs: dict[str, ShardSpec], mine: set[str], init: bool = False) -> dict[str, dict[str, Any]]:
+        """This rank's ranges of the parameters in ``mine``, as DCP chunks of the global tensors
+        (module docstring); ``init``: create the state first (for DCP to load into)."""
+        self.finish_param_gather()
+        if init:
+            self._init_state()
+        out: dict[str, dict[str, Any]] = {}
+        for name, piece in self._pieces.items():
+            if name not in mine:
+                continue
+            state = dict(self.optimizer.state.get(piece.master, {}))
+            if piece.separate:
+                state["master"] = piece.master.detach()
+            out[name] = {
+                k: FlatRangeLocal.wrap(v, specs[name], piece.start, piece.stop)
+                if isinstance(v, Tensor) and v.shape == piece.master.shape else v
+                for k, v in state.items()
+            }  # fmt: skip
+        return out
+
+    def _init_state(self) -> None:
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        grads = [p.master.grad for p in self._pieces.values()]
+        for p in self._pieces.values():
+            p.master.grad = None
+        _init_optim_state(self.optimizer)
+        for p, g in zip(self._pieces.values(), grads):
+            p.master.grad = g
+
+    @torch.no_grad()
+    def loaded_checkpoint(self, state: dict[str, dict[str, Any]], param_groups: list[dict[str, Any]]) -> None:
+        """Finish a DCP load into ``checkpoint_state``'s tensors: non-tensor values, hyperparameters,
+        masters (from the checkpoint's, else from the loaded parameters); parameters without
+        state in the checkpoint start fresh."""
+        for name, piece in self._pieces.items():
+            entry = state.get(name)
+            if piece.separate:
+                if entry is None or "master" not in entry:
+                    piece.master.copy_(piece.param_range())
+                else:
+                    piece.param_range().copy_(piece.master)
+            if not entry or set(entry) <= {"master"}:
+                self.optimizer.state.pop(piece.master, None)
+                continue
+            for k, v in entry.items():
+                if not isinstance(v, Tensor) and k != "master":
+                    self.optimizer.state[piece.master][k] = v
+        for group, saved in zip(self.optimizer.param_groups, param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's slices, by parameter name (layout in the module docstring)."""
+        self.finish_param_gather()
         groups = []
         for names, group in zip(self._group_names, self.optimizer.param_groups):
             groups.append({k: v for k, v in group.items() if k != "params"} | {"params": list(names)})
@@ -232,6 +316,7 @@ class DistributedOptimizer:
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load what ``state_dict`` returned on the same rank of the same layout; ValueError otherwise."""
+        self.finish_param_gather()
         if sd.get("format") != FORMAT:
             raise UserInputError(f"not a DistributedOptimizer state dict (format {sd.get('format')!r}, expected {FORMAT!r})")
         dp = self._pm.plan.dp

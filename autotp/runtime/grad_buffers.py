@@ -22,9 +22,15 @@ are in buckets of their own, launched by ``finish`` after their gradient is summ
 the stages. After ``finish`` each dp rank holds the dp-mean of its 1/dp slice of every
 bucket (``shard``); the rest of the buffer is stale until ``zero_grad``.
 
-**All-gather.** After the optimizer wrote this rank's slice of the parameter buffer,
-``gather_params`` all-gathers every bucket (one async collective per bucket, first-used
-buckets first) and waits for them: the parameters are never read half-updated.
+**All-gather, overlapped with the next forward.** After the optimizer wrote this rank's
+slice of the parameter buffer, ``gather_params`` all-gathers every bucket (one async
+collective per bucket, in order of first use in the forward). With ``overlap`` it
+returns at once: ``insert_waits`` put a ``ParamWait`` call into each graph that runs,
+right before the first node that reads a bucket's parameters, so the forward waits for
+bucket k while buckets k+1, ... are still in flight (Megatron's forward pre-hooks, at
+graph-node granularity). Whatever else reads the parameters (checkpoints, unsharding,
+the next step) calls ``wait_params`` first. Without ``overlap`` it waits for every
+bucket before returning.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.fx import GraphModule
 
 ALIGN = 64  # elements per dp slice of a bucket are a multiple of this (aligned NCCL buffers)
+WAIT_MODULE = "autotp_param_wait"  # the submodule a graph calls to wait for a bucket's all-gather
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -79,10 +87,26 @@ class Bucket:
     seen: int = 0
     work: dist.Work | None = None
     launched: bool = False
+    gather: dist.Work | None = None  # the parameters' all-gather in flight
+
+    @property
+    def first_use(self) -> tuple[int, int]:
+        return min((s.use.chunk, s.use.order) for s in self.slots)
 
     def shard(self, t: Tensor, dp: int, dp_rank: int) -> Tensor:
         size = t.numel() // dp
         return t[dp_rank * size : (dp_rank + 1) * size]
+
+
+class ParamWait(nn.Module):
+    """What a graph calls (``WAIT_MODULE``) before it first reads a bucket's parameters."""
+
+    def __init__(self, buffers: GradBuffers) -> None:
+        super().__init__()
+        self.buffers = buffers
+
+    def forward(self, bucket: int) -> None:
+        self.buffers.wait_bucket(bucket)
 
 
 class GradBuffers:
@@ -90,9 +114,11 @@ class GradBuffers:
 
     def __init__(self, uses: list[ParamUse], dp: int, dp_rank: int, group: dist.ProcessGroup | None,
                  bucket_bytes: int, grad_dtype: torch.dtype | None,
-                 shared_groups: dict[str, dist.ProcessGroup]) -> None:  # fmt: skip
-        """``grad_dtype``: of 16-bit parameters' gradients (None: the parameter's dtype; fp32 params keep fp32)."""
+                 shared_groups: dict[str, dist.ProcessGroup], overlap: bool = False) -> None:  # fmt: skip
+        """``grad_dtype``: of 16-bit parameters' gradients (None: the parameter's dtype; fp32 params keep fp32).
+        ``overlap``: leave the parameters' all-gather in flight for the graphs' waits (module docstring)."""
         self.dp, self.dp_rank, self.group = dp, dp_rank, group
+        self.overlap = overlap
         self.shared_groups = shared_groups
         self.buckets: list[Bucket] = []
         self.slots: dict[str, Slot] = {}
@@ -107,6 +133,7 @@ class GradBuffers:
             group_uses = [u for u in uses if (u.shared, -u.chunk, str(u.param.dtype)) == (shared, neg_chunk, dtype_name)]
             group_uses.sort(key=lambda u: -u.order)  # reverse order of use
             self._lay_out(group_uses, bucket_bytes, grad_dtype, deferred=shared)
+        self.gather_order = sorted(self.buckets, key=lambda b: b.first_use)
         for slot in self.slots.values():
             self._hooks.append(slot.use.param.register_post_accumulate_grad_hook(self._hook(slot)))
 
@@ -243,15 +270,53 @@ class GradBuffers:
     # ---- parameters ----------------------------------------------------------------
 
     def gather_params(self) -> None:
-        """All-gather every bucket's parameters from the rank that owns each slice: one async
-        all-gather per bucket (first-used buckets first), all waited for before returning, so
-        that whatever reads the parameters next sees the updated values."""
+        """All-gather every bucket's parameters from the rank that owns each slice, one async
+        all-gather per bucket in order of first use; without ``overlap``, wait for them all."""
         if self.dp == 1:
             return
-        works = [_all_gather(b.params, b.shard(b.params, self.dp, self.dp_rank), group=self.group, async_op=True)
-                 for b in reversed(self.buckets)]  # fmt: skip
-        for work in works:
+        self.wait_params()
+        for b in self.gather_order:
+            b.gather = _all_gather(b.params, b.shard(b.params, self.dp, self.dp_rank), group=self.group, async_op=True)
+        if not self.overlap:
+            self.wait_params()
+
+    def wait_bucket(self, index: int) -> None:
+        """Wait for bucket ``index``'s all-gather, if one is in flight."""
+        b = self.buckets[index]
+        if b.gather is not None:
+            work, b.gather = b.gather, None
             work.wait()
+
+    def wait_params(self) -> None:
+        """Wait for every all-gather in flight: the parameters are then up to date."""
+        for b in self.gather_order:
+            self.wait_bucket(b.index)
+
+    @property
+    def gathering(self) -> bool:
+        return any(b.gather is not None for b in self.buckets)
+
+    def insert_waits(self, gm: GraphModule, canonical: Callable[[str], str], chunk: int) -> None:
+        """Make ``gm`` (chunk ``chunk`` of this rank) wait for each bucket right before the first
+        node that reads one of its parameters, and for the chunk's unread buckets before its output."""
+        graph = gm.graph
+        if any(n.op == "call_module" and n.target == WAIT_MODULE for n in graph.nodes):
+            return
+        gm.add_submodule(WAIT_MODULE, ParamWait(self))
+        waited: set[int] = set()
+        for node in list(graph.nodes):
+            if node.op in ("placeholder", "get_attr"):
+                continue
+            if node.op == "output":
+                buckets = sorted({s.bucket for s in self.slots.values() if s.use.chunk == chunk} - waited)
+            else:
+                read = (self.slots.get(canonical(str(a.target))) for a in node.all_input_nodes if a.op == "get_attr")
+                buckets = sorted({s.bucket for s in read if s is not None} - waited)
+            with graph.inserting_before(node):
+                for index in buckets:
+                    graph.call_module(WAIT_MODULE, (index,))
+            waited.update(buckets)
+        gm.recompile()
 
     def shard_pieces(self) -> list[tuple[Slot, int, int]]:
         """(slot, start, stop): the flat ranges of each parameter inside this rank's slices."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,27 @@ class ParallelModel(nn.Module):
     def _attach(self, compiled: _Compiled) -> None:
         self._params.attach([c.graph for c in compiled.chunks.values()] or [compiled.graph])
 
+    def _insert_param_waits(self, compiled: _Compiled) -> None:
+        """With a DistributedOptimizer that overlaps its all-gather: each graph waits for a bucket before reading it."""
+        buffers = self._grad_buffers
+        if buffers is None or not buffers.overlap or buffers.dp == 1:
+            return
+        for c, cg in compiled.chunks.items():
+            buffers.insert_waits(cg.graph, self._params.canonical, c)
+            cg.reset_derived()
+        if not compiled.chunks:
+            buffers.insert_waits(compiled.graph, self._params.canonical, 0)
+
+    def _finish_param_gather(self) -> None:
+        """Wait for the DistributedOptimizer's all-gather in flight, before reading or writing parameters."""
+        if self._grad_buffers is not None:
+            self._grad_buffers.wait_params()
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """As ``nn.Module``'s (``parameters()`` too), after the DistributedOptimizer's all-gather in flight."""
+        self._finish_param_gather()
+        return super().named_parameters(*args, **kwargs)
+
     def graph_for(self, *args: Any, **kwargs: Any) -> GraphModule:
         """The compiled per-rank graph (all chunks, stage boundaries marked) for these inputs."""
         return self._compiled_for(self._as_kwargs(args, kwargs)).graph
@@ -142,6 +163,7 @@ class ParallelModel(nn.Module):
                 raise
             compiled = self._prepare(lowered)
             self._attach(compiled)
+            self._insert_param_waits(compiled)
             self._graphs[key] = compiled
         return compiled
 
@@ -285,12 +307,14 @@ class ParallelModel(nn.Module):
         Collective. With ``to_rank``, only that global rank keeps the result (the others
         return ``{}`` and hold one gathered tensor at a time)."""
         keep = to_rank is None or (dist.get_rank() if dist.is_initialized() else 0) == to_rank
+        self._finish_param_gather()
         return self._params.unshard_state_dict(self._first_compiled().param_chunks, keep)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """This rank's shards, each carrying its global offsets, so that
         ``torch.distributed.checkpoint`` saves and reloads every shard (``save_checkpoint``
         adds the optimizer and atomic writes)."""
+        self._finish_param_gather()
         out = super().state_dict(*args, **kwargs)
         if kwargs.get("keep_vars"):
             return out
@@ -310,10 +334,12 @@ class ParallelModel(nn.Module):
     def save_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None,
                         step: int | None = None) -> None:  # fmt: skip
         """Write a DCP checkpoint (collective), loadable at any (tp, pp, dp); atomic."""
+        self._finish_param_gather()
         checkpoint_dcp.save(self, self._params, self.plan, self._source.model, directory, optimizer, step)
 
     def load_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> int | None:
         """Load a checkpoint of ``save_checkpoint`` (collective); returns its step."""
+        self._finish_param_gather()
         persistent = set(self._source.model.state_dict(keep_vars=True))
         return checkpoint_dcp.load(self, self._params, persistent, directory, optimizer)
 
@@ -321,6 +347,7 @@ class ParallelModel(nn.Module):
                         dtype: torch.dtype | None = None) -> None:  # fmt: skip
         """Write HF safetensors (sharded, with the index) and config.json (collective);
         ``transformers`` loads the folder with ``from_pretrained``."""
+        self._finish_param_gather()
         export_hf.save_pretrained(self, self._params, self._first_compiled().param_chunks, self._source.model,
                                   directory, max_shard_size, dtype)  # fmt: skip
 
@@ -392,6 +419,7 @@ class ParallelModel(nn.Module):
         tp = self.plan.tp
         if tp == 1:
             return []
+        self._finish_param_gather()
         named, holders = [], []
         for name in self._params.local_names:
             layout = self._params.layouts[name]

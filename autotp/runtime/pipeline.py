@@ -71,6 +71,10 @@ class ChunkGraph:
             return self.captured(*args, slot=slot)
         return (self.run if self.run is not None else self.graph)(*args)
 
+    def reset_derived(self) -> None:
+        """Forget what was built from ``graph`` (after ``graph`` changed)."""
+        self._deferred = None
+
     def buffers(self, grads: bool, slot: int, device: torch.device) -> list[Tensor]:
         """Receive buffers of ``slot``: the inputs, or the gradients of the outputs that need one."""
         key = (grads, slot)

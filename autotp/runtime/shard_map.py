@@ -145,3 +145,89 @@ class ShardedLocal(Tensor):
             if offset is None or tuple(offset) == spec.box(piece)[0]:
                 return spec.local_view(self._plain(), piece)
         raise UserInputError(f"{spec.name} holds no chunk at offset {offset} on this rank")
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+def _contiguous_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[int, Box]]:
+    """The flat range ``[start, stop)`` of a row-major ``shape`` as boxes that are each
+    contiguous in it: (flat offset from ``start``, local box); at most 2 per dimension."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    boxes = []
+    pos = start
+    while pos < stop:
+        k = next(d for d in range(len(shape)) if pos % strides[d] == 0 and pos + strides[d] <= stop)
+        index = [pos // strides[d] % shape[d] for d in range(len(shape))]
+        count = min((stop - pos) // strides[k], shape[k] - index[k])
+        sizes = (1,) * k + (count,) + tuple(shape[k + 1 :])
+        boxes.append((pos - start, (tuple(index), sizes)))
+        pos += count * strides[k]
+    return boxes
+
+
+def flat_range_chunks(spec: ShardSpec, flat: Tensor, start: int, stop: int) -> list[tuple[Box, Tensor]]:
+    """Where the elements ``[start, stop)`` of the flattened local tensor (held in ``flat``)
+    sit in the global tensor: (global box, view of ``flat``) per chunk; padding is left out."""
+    shape = spec.local_shape
+    if not shape:
+        return [(((), ()), flat.view(()))]
+    out = []
+    d = spec.dim
+    for offset, (lo, sizes) in _contiguous_boxes(shape, start, stop):
+        n = 1
+        for s in sizes:
+            n *= s
+        box = flat[offset : offset + n].view(sizes)
+        for piece in spec.pieces:
+            a, b = max(lo[d], piece.local_start), min(lo[d] + sizes[d], piece.local_start + piece.length)
+            if a < b:
+                goff, gsize = list(lo), list(sizes)
+                goff[d], gsize[d] = piece.global_start + a - piece.local_start, b - a
+                out.append(((tuple(goff), tuple(gsize)), box.narrow(d, a - lo[d], b - a)))
+    return out
+
+
+class FlatRangeLocal(Tensor):
+    """A flat range of a local tensor (a DistributedOptimizer slice) that tells DCP which
+    global chunks it holds, as ``ShardedLocal`` does for whole local tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    _autotp_global_shape: tuple[int, ...]
+    _autotp_chunks: list[tuple[Box, Tensor]]
+
+    @staticmethod
+    def wrap(flat: Tensor, spec: ShardSpec, start: int, stop: int) -> FlatRangeLocal:
+        out = Tensor._make_subclass(FlatRangeLocal, flat.detach(), False)
+        out._autotp_global_shape = spec.global_shape
+        out._autotp_chunks = flat_range_chunks(spec, flat.detach(), start, stop)
+        return out
+
+    def size(self, dim: int | None = None) -> torch.Size | int:  # type: ignore[override]
+        shape = torch.Size(self._autotp_global_shape)
+        return shape if dim is None else shape[dim]
+
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for (o, s), _ in self._autotp_chunks]
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        props = TensorProperties.create_from_tensor(Tensor._make_subclass(Tensor, self, False))
+        return [
+            WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                      tensor_data=TensorWriteData(chunk=chunk, properties=props, size=torch.Size(self._autotp_global_shape)))
+            for chunk in self.__create_chunk_list__()
+        ]  # fmt: skip
+
+    def __get_tensor_shard__(self, index: object) -> Tensor:
+        offset = getattr(index, "offset", None)
+        for (o, _), view in self._autotp_chunks:
+            if offset is None or tuple(offset) == o:
+                return view
+        raise UserInputError(f"no chunk at offset {offset} of a tensor of shape {list(self._autotp_global_shape)} on this rank")

@@ -97,7 +97,7 @@ def defer_weight_grads(gm: GraphModule) -> GraphModule:
     graph.output(graph.graph_copy(gm.graph, env))
     params = dict(gm.named_parameters(remove_duplicate=False))
     for node in graph.nodes:
-        if node.op == "get_attr":
+        if node.op in ("get_attr", "call_module"):
             node.target = f"{_INNER}.{node.target}"
         elif node.op == "call_function" and node.target is torch.ops.aten.linear.default:
             weight = node.args[1]
