@@ -150,6 +150,13 @@ def _bad_input(rank: int, world: int) -> dict:
     except ValueError as e:
         messages["dp"] = str(e)
 
+    zb = autotp.parallelize(build("llama"), pp=2, example_inputs={"input_ids": ids[:2], "labels": ids[:2]})
+    autotp.DistributedOptimizer(zb, torch.optim.AdamW, lr=1e-2)
+    try:
+        zb.train_step(input_ids=ids, labels=ids, num_microbatches=2, schedule="zbh1")
+    except ValueError as e:
+        messages["zbh1"] = str(e)
+
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
@@ -170,6 +177,7 @@ def test_bad_input_is_refused_with_the_fix() -> None:
     assert "already has a DistributedOptimizer" in m["twice"]
     assert "call opt.zero_grad() after opt.step()" in m["no_zero_grad"]
     assert "saved with dp=4 and this run has dp=2" in m["dp"] and "reshards" in m["dp"]
+    assert "schedule 'zbh1' adds the linear weight gradients outside autograd" in m["zbh1"] and "'1f1b'" in m["zbh1"]
     assert r["replayed"]
     assert any("dp=1 shards nothing" in line for line in r["dp1_log"])
 

@@ -83,6 +83,11 @@ class _Piece:
         return self.slot.grad.view(-1)[self.start : self.stop]
 
 
+ZBH1_REFUSED = ("schedule 'zbh1' adds the linear weight gradients outside autograd, where the DistributedOptimizer's "
+                "bucket hooks cannot see them; train with schedule='1f1b' (or 'interleaved') to use it, or step a torch "
+                "optimizer on pm.parameters() with zbh1")
+
+
 class DistributedOptimizer:
     """ZeRO-1 over dp for a ``ParallelModel``: ``DistributedOptimizer(pm, torch.optim.AdamW, lr=..., weight_decay=...)``.
 
@@ -117,6 +122,8 @@ class DistributedOptimizer:
             raise UserInputError("create the DistributedOptimizer before the first call of pm: CUDA graphs were captured "
                              "with the parameters where they are now, and the optimizer moves them into its buffers")
         plan, coords = pm.plan, pm._coords
+        if plan.pp > 1 and plan.schedule_name == "zbh1":
+            raise UserInputError(ZBH1_REFUSED)
         captured = "torch.compile" if pm._compile_graphs else "CUDA graphs" if plan.cudagraphs else None
         if overlap_param_gather and captured:
             raise UserInputError(f"overlap_param_gather=True waits for the all-gather inside the forward graph, which "

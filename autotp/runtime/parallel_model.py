@@ -267,6 +267,10 @@ class ParallelModel(nn.Module):
 
     def _pipeline_step(self, micro: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str) -> torch.Tensor:
         pp, vpp = self.plan.pp, self.plan.vpp
+        if name == "zbh1" and self._grad_buffers is not None:
+            from autotp.runtime.distributed_optimizer import ZBH1_REFUSED
+
+            raise UserInputError(ZBH1_REFUSED)
         calls = [self._as_kwargs((), mb) for mb in micro]
         compiled = self._compiled_for(calls[0])
         runner = self._runner(compiled)
