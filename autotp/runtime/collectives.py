@@ -39,7 +39,8 @@ def get_group(key: str) -> dist.ProcessGroup | None:
     return None if dist.get_world_size(group) == 1 else group
 
 
-def _group_of_size(key: str, group_size: int) -> dist.ProcessGroup | None:
+def group_of_size(key: str, group_size: int) -> dist.ProcessGroup | None:
+    """``get_group(key)``, checked to have ``group_size`` ranks."""
     group = get_group(key)
     actual = 1 if group is None else dist.get_world_size(group)
     if actual != group_size:
@@ -79,12 +80,12 @@ def _scatter_to_tp(x: Tensor, dim: int, local: int, group: str) -> Tensor:
 
 
 def _all_gather(x: Tensor, dim: int, group_size: int, group: str) -> Tensor:
-    pg = _group_of_size(group, group_size)
+    pg = group_of_size(group, group_size)
     return x.clone() if pg is None else _gathered(x, dim, pg)
 
 
 def _reduce_scatter(x: Tensor, dim: int, group_size: int, group: str) -> Tensor:
-    pg = _group_of_size(group, group_size)
+    pg = group_of_size(group, group_size)
     local = ops.reduce_scatter_size(x.shape[dim], group_size, group)
     if pg is None:
         return x.clone()
@@ -120,3 +121,5 @@ _IMPLEMENTATIONS: dict[torch._ops.OpOverload, Callable[..., object]] = {
 for _op, _fn in _IMPLEMENTATIONS.items():
     for _device in _DEVICES:
         _KERNELS.impl(_op._schema.name.split("::")[1], _fn, _device)
+
+from autotp.runtime import overlap  # noqa: E402,F401  (registers the overlapped collectives' kernels)
