@@ -4,6 +4,7 @@ CPU, fp32), forward and backward; the cost model charges only what stays exposed
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from dataclasses import replace
 
@@ -25,7 +26,7 @@ from small_models import build, vocab_size
 from test_sequence_parallel import MODELS, SEQ, check_on_ranks
 
 
-def _ops_on_rank(rank: int, world: int) -> None:
+def ops_on_rank(rank: int, world: int, device: str = "cpu", impl: str = "ring") -> None:
     """Both ops and their backward against the plain collective and GEMM, in float64."""
     import torch.distributed as dist
 
@@ -34,13 +35,16 @@ def _ops_on_rank(rank: int, world: int) -> None:
     collectives.register_group("g", dist.group.WORLD)
     gen = torch.Generator().manual_seed(0)
     batch, seq, k, local = 2, 4 * world, 6, 4
-    f64 = dict(dtype=torch.float64, generator=gen)
-    x_full = torch.randn(batch, seq, k, **f64)
-    ws = [torch.randn(k, 5, **f64), torch.randn(k, 3, **f64)]
-    grads = [torch.randn(batch, seq, 5, **f64), torch.randn(batch, seq, 3, **f64)]
+
+    def randn(*shape: int, g: torch.Generator = gen) -> torch.Tensor:
+        return torch.randn(*shape, dtype=torch.float64, generator=g).to(device)
+
+    x_full = randn(batch, seq, k)
+    ws = [randn(k, 5), randn(k, 3)]
+    grads = [randn(batch, seq, 5), randn(batch, seq, 3)]
     x = x_full[:, rank * local : (rank + 1) * local].clone().requires_grad_()
     w = [t.clone().requires_grad_() for t in ws]
-    gathered, *outs = ops.ALL_GATHER_MATMUL(x, w, 1, world, "g", "ring")
+    gathered, *outs = ops.ALL_GATHER_MATMUL(x, w, 1, world, "g", impl)
     torch.testing.assert_close(gathered, x_full)
     for out, t in zip(outs, ws):
         torch.testing.assert_close(out, x_full @ t)
@@ -52,14 +56,13 @@ def _ops_on_rank(rank: int, world: int) -> None:
         torch.testing.assert_close(wi.grad, x_full.reshape(-1, k).T @ g.reshape(-1, g.shape[-1]))
 
     mine = torch.Generator().manual_seed(10 + rank)
-    xr = torch.randn(batch, seq, k, dtype=torch.float64, generator=mine)
-    wr = torch.randn(k, 5, dtype=torch.float64, generator=mine)
+    xr, wr = randn(batch, seq, k, g=mine), randn(k, 5, g=mine)
     a, b = xr.clone().requires_grad_(), wr.clone().requires_grad_()
-    out = ops.MATMUL_REDUCE_SCATTER([a], [b], 1, world, "g", "ring")
+    out = ops.MATMUL_REDUCE_SCATTER([a], [b], 1, world, "g", impl)
     c, d = xr.clone().requires_grad_(), wr.clone().requires_grad_()
     plain = ops.REDUCE_SCATTER(c @ d, 1, world, "g")
     torch.testing.assert_close(out, plain)
-    grad = torch.randn(out.shape, dtype=torch.float64, generator=mine)
+    grad = randn(*out.shape, g=mine)
     out.backward(grad)
     plain.backward(grad)
     torch.testing.assert_close(a.grad, c.grad)
@@ -68,7 +71,7 @@ def _ops_on_rank(rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ops_match_the_plain_collective_and_gemm(world: int) -> None:
-    run_on_ranks(_ops_on_rank, world)
+    run_on_ranks(ops_on_rank, world)
 
 
 def test_overlap_matches_unmodified_model_tp2() -> None:
@@ -167,3 +170,32 @@ def test_cuda_graphs_decline_the_overlapped_ops_and_capture_the_rest() -> None:
     assert fused and all(n.meta[meta_keys.CUDAGRAPH_BLOCKER].kind == OVERLAP for n in fused)
     assert "tp_overlap=False" in fused[0].meta[meta_keys.CUDAGRAPH_BLOCKER].reason
     assert compiled.plan.cudagraph_regions  # the norms and attention between them still form regions
+
+
+def _dp_on_rank(rank: int, world: int, tp: int, bucket_bytes: int) -> dict[str, int]:
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab_size(model), (8, SEQ), generator=gen)
+    labels = torch.randint(0, vocab_size(model), (8, SEQ), generator=gen)
+    pm = autotp.parallelize(model, tp=tp, example_inputs={"input_ids": ids[:2], "labels": labels[:2]})
+    pm.plan = replace(pm.plan, dp_bucket_bytes=bucket_bytes)
+    for _ in range(2):  # the second step re-arms the hooks
+        pm.zero_grad(set_to_none=True)
+        loss = pm.train_step(input_ids=ids, labels=labels, num_microbatches=2)
+    losses = [reference(input_ids=i, labels=l).loss for i, l in zip(ids.chunk(2 * pm.plan.dp), labels.chunk(2 * pm.plan.dp))]
+    expected = torch.stack(losses).mean()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-4, atol=1e-6)
+    grads = pm.unshard_grads()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad of {name}: {m}")
+    return {"buckets": len(pm._dp_mean.buckets), "in_backward": pm._dp_mean.launched_in_backward}
+
+
+@pytest.mark.parametrize(("tp", "bucket_bytes"), [(1, 4096), pytest.param(2, 2**30, marks=pytest.mark.slow)],
+                         ids=["dp2-small-buckets", "tp2-dp2-one-bucket"])
+def test_dp_mean_overlaps_the_backward(tp: int, bucket_bytes: int) -> None:
+    results = run_on_ranks(_dp_on_rank, 2 * tp, tp, bucket_bytes)
+    for r in results:  # every bucket all-reduced from a backward hook, none left for after it
+        assert r["in_backward"] == r["buckets"] >= (2 if bucket_bytes == 4096 else 1), results

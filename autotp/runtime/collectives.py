@@ -17,6 +17,7 @@ from torch.library import Library
 
 from autotp.ir import ops
 from autotp.ir.errors import UserInputError
+from autotp.runtime import overlap
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 _KERNELS = Library(ops.NAMESPACE, "IMPL")
@@ -97,6 +98,21 @@ def _reduce_scatter(x: Tensor, dim: int, group_size: int, group: str) -> Tensor:
     return out
 
 
+def _all_gather_matmul(x: Tensor, weights: list[Tensor], dim: int, group_size: int, group: str, impl: str) -> list[Tensor]:
+    pg = group_of_size(group, group_size)
+    if pg is None:
+        return [x.clone(), *(torch.matmul(x, w) for w in weights)]
+    return overlap.all_gather_matmul(x, weights, dim, pg, impl)
+
+
+def _matmul_reduce_scatter(xs: list[Tensor], weights: list[Tensor], dim: int, group_size: int, group: str, impl: str) -> Tensor:
+    pg = group_of_size(group, group_size)
+    local = ops.reduce_scatter_size(xs[0].shape[dim], group_size, group)
+    if pg is None:
+        return sum(torch.matmul(x, w) for x, w in zip(xs, weights))  # type: ignore[return-value]
+    return overlap.matmul_reduce_scatter(xs, weights, dim, local, pg, impl)
+
+
 def _vocab_parallel_nll(logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, group: str) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token ``logsumexp - target logit`` over the whole vocabulary, with the global
     row max and sum of exps (which the backward reuses)."""
@@ -116,10 +132,10 @@ _IMPLEMENTATIONS: dict[torch._ops.OpOverload, Callable[..., object]] = {
     ops.SCATTER_TO_TP: _scatter_to_tp,
     ops.ALL_GATHER: _all_gather,
     ops.REDUCE_SCATTER: _reduce_scatter,
+    ops.ALL_GATHER_MATMUL: _all_gather_matmul,
+    ops.MATMUL_REDUCE_SCATTER: _matmul_reduce_scatter,
     ops.VOCAB_PARALLEL_NLL: _vocab_parallel_nll,
 }
 for _op, _fn in _IMPLEMENTATIONS.items():
     for _device in _DEVICES:
         _KERNELS.impl(_op._schema.name.split("::")[1], _fn, _device)
-
-from autotp.runtime import overlap  # noqa: E402,F401  (registers the overlapped collectives' kernels)

@@ -1,5 +1,6 @@
-"""Kernels of ``all_gather_matmul`` and ``matmul_reduce_scatter`` (``autotp.ir.ops``): the
-sequence-parallel collectives run behind the GEMM that consumes or produces them.
+"""How ``all_gather_matmul`` and ``matmul_reduce_scatter`` (``autotp.ir.ops``) run on a
+process group of several ranks: the sequence-parallel collectives behind the GEMM that
+consumes or produces them (``autotp.runtime.collectives`` registers the kernels).
 
 **Ring** (``impl="ring"``, and every backend but CUDA + NCCL): the tensor moves between
 neighbours in ``t - 1`` point-to-point steps (``dist.batch_isend_irecv``, asynchronous on
@@ -28,12 +29,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.library import Library
 
-from autotp.ir import ops
-from autotp.runtime.collectives import group_of_size
-
-_KERNELS = Library(ops.NAMESPACE, "IMPL")
 _SYMM_MEM_GROUPS: set[str] = set()
 
 
@@ -68,10 +64,8 @@ def _wait(works: list[dist.Work]) -> None:
         w.wait()
 
 
-def _all_gather_matmul(x: Tensor, weights: list[Tensor], dim: int, group_size: int, group: str, impl: str) -> list[Tensor]:
-    pg = group_of_size(group, group_size)
-    if pg is None:
-        return [x.clone(), *(torch.matmul(x, w) for w in weights)]
+def all_gather_matmul(x: Tensor, weights: list[Tensor], dim: int, pg: dist.ProcessGroup, impl: str) -> list[Tensor]:
+    """``[all_gather(x, dim), all_gather(x, dim) @ w for w in weights]`` over ``pg``."""
     name = _symm_mem_group(pg, x, impl)
     if name is not None:
         full, outs = torch.ops.symm_mem.fused_all_gather_matmul(x, list(weights), dim % x.dim(), name)
@@ -94,11 +88,8 @@ def _all_gather_matmul(x: Tensor, weights: list[Tensor], dim: int, group_size: i
     return [torch.cat(chunks, dim), *(torch.cat(out, dim) for out in products)]  # type: ignore[arg-type]
 
 
-def _matmul_reduce_scatter(xs: list[Tensor], weights: list[Tensor], dim: int, group_size: int, group: str, impl: str) -> Tensor:
-    pg = group_of_size(group, group_size)
-    local = ops.reduce_scatter_size(xs[0].shape[dim], group_size, group)
-    if pg is None:
-        return sum(torch.matmul(x, w) for x, w in zip(xs, weights))  # type: ignore[return-value]
+def matmul_reduce_scatter(xs: list[Tensor], weights: list[Tensor], dim: int, local: int, pg: dist.ProcessGroup, impl: str) -> Tensor:
+    """``reduce_scatter(sum_i xs[i] @ weights[i], dim)`` over ``pg``, ``local`` rows of ``dim`` per rank."""
     name = _symm_mem_group(pg, xs[0], impl)
     if name is not None:
         x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=-1)
@@ -121,7 +112,3 @@ def _matmul_reduce_scatter(xs: list[Tensor], weights: list[Tensor], dim: int, gr
         works = _shift(pg, sending, arriving)
     raise AssertionError("unreachable")
 
-
-for _op, _fn in ((ops.ALL_GATHER_MATMUL, _all_gather_matmul), (ops.MATMUL_REDUCE_SCATTER, _matmul_reduce_scatter)):
-    for _device in ("CPU", "CUDA"):
-        _KERNELS.impl(_op._schema.name.split("::")[1], _fn, _device)

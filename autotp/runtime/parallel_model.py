@@ -91,6 +91,7 @@ class ParallelModel(nn.Module):
         self._shared_param_groups = grad_sync.shared_param_groups(self.plan, coords, owners)
         self._owners = owners
         self._grad_buffers: GradBuffers | None = None  # set by a DistributedOptimizer
+        self._dp_mean: grad_sync.OverlappedDpMean | None = None  # made by the first train_step with dp > 1, pp = 1
         self._clip_calls = 0
         self._warned_plain = False
         self._attach(compiled)
@@ -218,6 +219,10 @@ class ParallelModel(nn.Module):
             )
         if self._grad_buffers is not None:
             self._grad_buffers.begin(m)
+        elif dp > 1 and self.plan.num_chunks == 1:
+            if self._dp_mean is None:
+                self._dp_mean = grad_sync.OverlappedDpMean(list(self.parameters()), self._coords.dp_group, dp, self.plan.dp_bucket_bytes)
+            self._dp_mean.begin(m)
         elif self.plan.distributed_optimizer and dp > 1 and not self._warned_plain:
             self._warned_plain = True
             log.warning("the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
@@ -260,6 +265,9 @@ class ParallelModel(nn.Module):
             return
         shared = self._params.local_grads(list(self._shared_param_groups))
         grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if self._dp_mean is not None and self._dp_mean.armed:
+            self._dp_mean.finish()
+            grads = []  # averaged over dp already, as the backward ran
         grad_sync.sync_grads(self.plan, self._coords, shared, self._shared_param_groups, grads, carried)
 
     @property
