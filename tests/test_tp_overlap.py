@@ -18,8 +18,11 @@ from autotp.compiler import trace_for_planning
 from autotp.cost_model.communication import overlapped_s
 from autotp.cost_model.compute import ModelCosts, segment_time
 from autotp.cost_model.hardware import H200
+from autotp.cost_model.graph_costs import build_report
 from autotp.cost_model.tensor_parallel import choose_tp_overlap
 from autotp.passes.mark_cudagraph_regions import OVERLAP
+from autotp.report.dump import to_code
+from autotp.report.graph_report import explain_table
 from autotp.ir import meta_keys, ops
 from distributed import run_on_ranks
 from small_models import build, vocab_size
@@ -199,3 +202,20 @@ def test_dp_mean_overlaps_the_backward(tp: int, bucket_bytes: int) -> None:
     results = run_on_ranks(_dp_on_rank, 2 * tp, tp, bucket_bytes)
     for r in results:  # every bucket all-reduced from a backward hook, none left for after it
         assert r["in_backward"] == r["buckets"] >= (2 if bucket_bytes == 4096 else 1), results
+
+
+def test_dump_and_explain_show_the_overlapped_collectives() -> None:
+    model = build("gpt2")
+    ids = torch.randint(0, vocab_size(model), (2, SEQ))
+    compiled = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids}, sequence_parallel=True, tp_overlap=True)
+    report = build_report(compiled.graph, compiled.plan, 0)
+    code = to_code(report, "gpt2")
+    assert code.count(" = all_gather_matmul(") == code.count(" = matmul_reduce_scatter(") == 4
+    assert "all_gather forward" in code and "overlapped with its GEMM" in code
+    decoder = [l for l in report.layers if isinstance(l.layer, int)]
+    assert len(decoder) == 2 and "fwd AG" in explain_table(report, "gpt2")
+    for l in decoder:  # explain's per-layer counts see the fused collectives, both directions
+        c = l.collectives
+        assert c["all_gather"]["forward"] == c["reduce_scatter"]["forward"] == 2, c
+        assert c["all_gather"]["backward"] == c["reduce_scatter"]["backward"] == 2, c
+        assert c["all_reduce"]["forward"] == 0, c
