@@ -24,6 +24,7 @@ from autotp.passes.mark_cudagraph_regions import OVERLAP
 from autotp.report.dump import to_code
 from autotp.report.graph_report import explain_table
 from autotp.ir import meta_keys, ops
+from autotp.ir.plan import ParallelPlan
 from distributed import run_on_ranks
 from small_models import build, vocab_size
 from test_sequence_parallel import MODELS, SEQ, check_on_ranks
@@ -72,7 +73,7 @@ def ops_on_rank(rank: int, world: int, device: str = "cpu", impl: str = "ring") 
     torch.testing.assert_close(b.grad, d.grad)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])  # tp=2 runs in every model test below; 3 ranks take two ring steps
 def test_ops_match_the_plain_collective_and_gemm(world: int) -> None:
     run_on_ranks(ops_on_rank, world)
 
@@ -108,6 +109,7 @@ def test_decomposed_ops_replace_the_plain_ones(name: str) -> None:
     ids = torch.randint(0, vocab_size(model), (2, SEQ))
     compiled = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids}, sequence_parallel=True, tp_overlap=True)
     assert compiled.plan.tp_overlap == ("all_gather", "reduce_scatter")
+    assert ParallelPlan.from_json(compiled.plan.to_json()).tp_overlap == compiled.plan.tp_overlap
     per_layer = _per_layer(compiled.graph)
     assert len(per_layer) == model.config.num_hidden_layers
     for layer, counts in per_layer.items():

@@ -103,6 +103,15 @@ class OverlappedDpMean:
         self.armed = False
         self.launched_in_backward = 0  # buckets of the last step launched before ``finish``
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params]
+        self._ids = [id(p) for p in params]
+
+    def serves(self, params: list[nn.Parameter]) -> bool:
+        """Whether its hooks sit on exactly these parameters (not on ones since replaced)."""
+        return self._ids == [id(p) for p in params]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
 
     def begin(self, backwards: int) -> None:
         """Arm a step in which every parameter's gradient accumulates ``backwards`` times."""

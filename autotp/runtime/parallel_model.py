@@ -219,14 +219,13 @@ class ParallelModel(nn.Module):
             )
         if self._grad_buffers is not None:
             self._grad_buffers.begin(m)
-        elif dp > 1 and self.plan.num_chunks == 1:
-            if self._dp_mean is None:
-                self._dp_mean = grad_sync.OverlappedDpMean(list(self.parameters()), self._coords.dp_group, dp, self.plan.dp_bucket_bytes)
-            self._dp_mean.begin(m)
-        elif self.plan.distributed_optimizer and dp > 1 and not self._warned_plain:
-            self._warned_plain = True
-            log.warning("the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
-                        "state over dp=%d); this model trains with a plain optimizer", dp)
+        else:
+            if self.plan.distributed_optimizer and dp > 1 and not self._warned_plain:
+                self._warned_plain = True
+                log.warning("the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
+                            "state over dp=%d); this model trains with a plain optimizer", dp)
+            if dp > 1 and self.plan.num_chunks == 1:
+                self._arm_dp_mean(m)
         # Grads of stage-shared parameters already summed by an earlier step, when the caller accumulates.
         shared = self._params.local_grads(list(self._shared_param_groups)) if self._grad_buffers is None else {}
         carried = {n: g.clone() for n, g in shared.items() if g is not None}
@@ -258,6 +257,14 @@ class ParallelModel(nn.Module):
                                 compiled.graph._out_spec)  # fmt: skip
         self.last_busy_s = runner.busy_s
         return total
+
+    def _arm_dp_mean(self, backwards: int) -> None:
+        params = list(self.parameters())
+        if self._dp_mean is None or not self._dp_mean.serves(params):
+            if self._dp_mean is not None:
+                self._dp_mean.close()
+            self._dp_mean = grad_sync.OverlappedDpMean(params, self._coords.dp_group, self.plan.dp, self.plan.dp_bucket_bytes)
+        self._dp_mean.begin(backwards)
 
     def _sync_grads(self, carried: dict[str, torch.Tensor]) -> None:
         if self._grad_buffers is not None:
