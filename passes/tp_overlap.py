@@ -24,6 +24,7 @@ dispatch) and a reduce-scatter of anything else (a sum over experts) stay as the
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -70,12 +71,16 @@ def _two_d(node: object) -> bool:
     return isinstance(node, Node) and len(shape_of(node) or ()) == 2
 
 
+@dataclass(frozen=True)
 class _Consumer:
-    """One GEMM reading the gathered activation: its weight ([K, N] once ``transpose``d if
-    needed), bias, the nodes it replaces and whether its output is flattened."""
+    """One GEMM (``out``) reading the gathered activation: its weight ([K, N], after ``t`` when
+    ``transpose``), its bias, and whether it reads the activation flattened to [M, K]."""
 
-    def __init__(self, out: Node, weight: Node, transpose: bool, bias: object, flat: bool, gone: tuple[Node, ...]) -> None:
-        self.out, self.weight, self.transpose, self.bias, self.flat, self.gone = out, weight, transpose, bias, flat, gone
+    out: Node
+    weight: Node
+    transpose: bool
+    bias: object
+    flat: bool
 
 
 def _consumers(ag: Node) -> list[_Consumer] | None:
@@ -83,15 +88,15 @@ def _consumers(ag: Node) -> list[_Consumer] | None:
     for user in ag.users:
         if _is_call(user, aten.linear.default) and user.args[0] is ag and _two_d(user.args[1]) and user.args[1] is not ag:
             bias = user.args[2] if len(user.args) > 2 else user.kwargs.get("bias")
-            found.append(_Consumer(user, user.args[1], True, bias, False, (user,)))
+            found.append(_Consumer(user, user.args[1], True, bias, False))
         elif _is_call(user, aten.matmul.default) and user.args[0] is ag and _two_d(user.args[1]):
-            found.append(_Consumer(user, user.args[1], False, None, False, (user,)))
+            found.append(_Consumer(user, user.args[1], False, None, False))
         elif _is_call(user, *_VIEWS) and _flattens(user, ag) and user.users:
             for mm in user.users:
                 if _is_call(mm, aten.mm.default) and mm.args[0] is user and mm.args[1] is not user:
-                    found.append(_Consumer(mm, mm.args[1], False, None, True, (mm,)))
+                    found.append(_Consumer(mm, mm.args[1], False, None, True))
                 elif _is_call(mm, aten.addmm.default) and mm.args[1] is user and mm.args[2] is not user and not mm.kwargs:
-                    found.append(_Consumer(mm, mm.args[2], False, mm.args[0], True, (mm,)))
+                    found.append(_Consumer(mm, mm.args[2], False, mm.args[0], True))
                 else:
                     return None
         else:
@@ -123,15 +128,7 @@ def _fuse_all_gather(graph: Graph, ag: Node, impl: str) -> None:
     x, dim, tp, group = ag.args
     full = ag.meta["val"]
     with graph.inserting_before(first):
-        weights = []
-        for c in consumers:
-            w = c.weight
-            if c.transpose:
-                w = graph.call_function(aten.t.default, (w,))
-                w.meta["val"] = c.weight.meta["val"].t()
-                w.meta[meta_keys.LAYOUT] = _transposed(c.weight.meta.get(meta_keys.LAYOUT))
-                _copy_site(w, c.weight)
-            weights.append(w)
+        weights = [_transposed_weight(graph, c.weight) if c.transpose else c.weight for c in consumers]
         fused = graph.call_function(ops.ALL_GATHER_MATMUL, (x, weights, dim, tp, group, impl), name="all_gather_matmul")
     vals, layouts = [full], [ag.meta.get(meta_keys.LAYOUT)]
     for c in consumers:
@@ -159,10 +156,14 @@ def _fuse_all_gather(graph: Graph, ag: Node, impl: str) -> None:
     graph.erase_node(ag)
 
 
-def _transposed(lay: object) -> object:
-    if not isinstance(lay, Layout):
-        return lay
-    return Layout(tuple((1 - d, v) for d, v in lay.dims), lay.partial)
+def _transposed_weight(graph: Graph, weight: Node) -> Node:
+    """``t(weight)``: a linear's [N, K] weight in the ops' [K, N] matmul layout."""
+    t = graph.call_function(aten.t.default, (weight,))
+    t.meta["val"] = weight.meta["val"].t()
+    lay = weight.meta.get(meta_keys.LAYOUT)
+    t.meta[meta_keys.LAYOUT] = Layout(tuple((1 - d, v) for d, v in lay.dims), lay.partial) if isinstance(lay, Layout) else lay
+    _copy_site(t, weight)
+    return t
 
 
 def _follow(graph: Graph, target: object, args: tuple, like: Node, val: object) -> Node:
@@ -197,14 +198,10 @@ def _fuse_reduce_scatter(graph: Graph, rs: Node, impl: str) -> None:
     x, weight, transpose, gone = found
     with graph.inserting_before(rs):
         if transpose:
-            w = graph.call_function(aten.t.default, (weight,))
-            w.meta["val"] = weight.meta["val"].t()
-            w.meta[meta_keys.LAYOUT] = _transposed(weight.meta.get(meta_keys.LAYOUT))
-            _copy_site(w, weight)
-            weight = w
+            weight = _transposed_weight(graph, weight)
         fused = graph.call_function(ops.MATMUL_REDUCE_SCATTER, ([x], [weight], dim, tp, group, impl), name="matmul_reduce_scatter")
     fused.meta.update(rs.meta)
-    _copy_site(fused, gone[-1] if len(gone) > 1 else gone[0])
+    _copy_site(fused, gone[1] if len(gone) > 1 else gone[0])  # the GEMM
     fused.meta[meta_keys.COLLECTIVE] = MATMUL_REDUCE_SCATTER_TAG
     rs.replace_all_uses_with(fused)
     graph.erase_node(rs)
