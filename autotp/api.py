@@ -69,6 +69,7 @@ def compile_rank(
     dump_dir: Path | None = None,
     cuda_graphs: bool = False,
     sequence_parallel: bool | str | None = None,
+    tp_overlap: bool | str | None = None,
 ) -> CompiledRank:
     """Trace, plan and rewrite the graph of tp rank ``rank`` without any process group.
 
@@ -82,7 +83,7 @@ def compile_rank(
         raise UserInputError(f"rank {rank} is outside tp={tp}; pick 0..{tp - 1}")
     impl = cudagraphs.implementation() if cuda_graphs else None
     planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=1, vpp=vpp, plan=plan, cudagraph_impl=impl,
-                                  sequence_parallel=sequence_parallel)  # fmt: skip
+                                  sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)  # fmt: skip
     lowered = compiler.lower(planned.traced, planned.plan, tp_rank=rank, device=device, dump_dir=dump_dir)
     return CompiledRank(lowered.graph, lowered.plan, planned.trace_s, planned.plan_s, lowered.pass_s)
 
@@ -103,6 +104,7 @@ def parallelize(
     compile: bool = False,
     cuda_graphs: bool = False,
     sequence_parallel: bool | str | None = None,
+    tp_overlap: bool | str | None = None,
     checkpoint: str | Path | None = None,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's ``ParallelModel``; tp·pp·dp must be the world size.
@@ -121,6 +123,9 @@ def parallelize(
     pp > 1, once per microbatch a stage holds in flight. ``sequence_parallel`` (True, False or
     ``"auto"`` for the cost model's choice; None keeps the plan's, off by default) runs the
     norms, residual adds and dropout between the tp regions on 1/tp of the tokens.
+    ``tp_overlap`` (True, False or ``"auto"``; None keeps the plan's, off by default) runs
+    those all-gathers and reduce-scatters behind the GEMMs next to them
+    (``passes/tp_overlap``): symmetric-memory fused ops on CUDA + NCCL, a P2P ring elsewhere.
 
     ``model`` may be built on ``meta``: each rank then allocates only its shards, reads
     them from ``checkpoint`` (a local HF safetensors folder, this rank's slices only) and
@@ -156,7 +161,7 @@ def parallelize(
     impl = cudagraphs.implementation() if cuda_graphs else None
     planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=dp, vpp=vpp, plan=plan,
                                   cudagraph_impl=impl, gather_outputs=gather_outputs,
-                                  sequence_parallel=sequence_parallel)  # fmt: skip
+                                  sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)  # fmt: skip
     coords = make_groups(planned.plan, timeout_s)
     rng.seed_tp_rng(seed + 1009 * (coords.dp_rank + planned.plan.dp * coords.pp_rank), coords.tp_rank)
     backend = dist.get_backend() if dist.is_initialized() else "nccl"

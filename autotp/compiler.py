@@ -35,9 +35,9 @@ from autotp.cost_model.compute import ModelCosts
 from autotp.cost_model.cudagraphs import choose_regions
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.planner import auto_plan
-from autotp.cost_model.tensor_parallel import choose_sequence_parallel, plan_tensor_parallel
+from autotp.cost_model.tensor_parallel import choose_sequence_parallel, choose_tp_overlap, plan_tensor_parallel
 from autotp.ir import meta_keys
-from autotp.ir.plan import ParallelPlan
+from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER, ParallelPlan
 from autotp.passes import PASSES
 from autotp.passes.causal_attention import CAUSAL
 from autotp.passes.runner import PassContext, run_passes
@@ -159,11 +159,13 @@ def plan_model(
     cudagraph_impl: str | None = None,
     gather_outputs: bool = True,
     sequence_parallel: bool | str | None = None,
+    tp_overlap: bool | str | None = None,
 ) -> Planned:
     """Trace ``model`` on ``device`` and choose its plan. ``cudagraph_impl`` (the capture
     implementation) turns CUDA graphs on, keeping an implementation the plan names.
-    ``sequence_parallel`` (True, False or ``"auto"``: the cost model's choice) overrides the
-    plan's; None keeps it."""
+    ``sequence_parallel`` and ``tp_overlap`` (True, False or ``"auto"``: the cost model's
+    choice) override the plan's; None keeps it. ``tp_overlap=True`` overlaps both kinds of
+    sequence-parallel collective and needs sequence parallelism."""
     kwargs = example_kwargs(model, example_inputs)
     start = time.perf_counter()
     traced = trace(model, kwargs, device)
@@ -179,11 +181,27 @@ def plan_model(
         chosen = replace(chosen, sequence_parallel=sequence_parallel)
     elif sequence_parallel is not None:
         raise UserInputError(f"sequence_parallel must be True, False or 'auto', got {sequence_parallel!r}")
+    chosen = _with_overlap(traced, chosen, tp_overlap)
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)
     log.info("traced in %.2f s, planned in %.2f s: tp=%d pp=%d dp=%d vpp=%d", traced_at - start,
              planned_at - traced_at, chosen.tp, chosen.pp, chosen.dp, chosen.vpp)  # fmt: skip
     return Planned(traced, kwargs, chosen, traced_at - start, planned_at - traced_at)
+
+
+def _with_overlap(traced: GraphModule, plan: ParallelPlan, tp_overlap: bool | str | None) -> ParallelPlan:
+    if tp_overlap == "auto":
+        return replace(plan, tp_overlap=choose_tp_overlap(traced, plan))
+    if tp_overlap is None or tp_overlap is False:
+        return plan if tp_overlap is None else replace(plan, tp_overlap=())
+    if tp_overlap is not True:
+        raise UserInputError(f"tp_overlap must be True, False or 'auto', got {tp_overlap!r}")
+    if not plan.sequence_parallel and plan.tp > 1:
+        raise UserInputError(
+            "tp_overlap=True overlaps the all-gathers and reduce-scatters of sequence parallelism; "
+            "pass sequence_parallel=True (or 'auto') with it, or tp_overlap='auto'"
+        )
+    return replace(plan, tp_overlap=(OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER))
 
 
 REPLICATED_SLACK = 1.3

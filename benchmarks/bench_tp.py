@@ -15,8 +15,10 @@ launch of N ranks (NCCL) it measures, after warm-up, the median step time of:
   eager and with ``compile=True``.
 
 ``--suite strong``: the strongest plans a PyTorch user writes, all compiled (each decoder
-layer through ``torch.compile``), against autotp compiled with and without sequence
-parallelism; ratios refer to the fastest DTensor variant:
+layer through ``torch.compile``), against autotp compiled without sequence parallelism,
+with it, and with it and its collectives overlapped with the GEMMs (``tp_overlap=True``:
+``torch.ops.symm_mem`` fused all-gather-matmul / matmul-reduce-scatter); ratios refer to
+the fastest DTensor variant:
 
 * ``DTensor strong``: vocab-parallel embedding, colwise q/k/v/gate/up, rowwise o/down,
   colwise ``lm_head`` with ``loss_parallel``;
@@ -33,7 +35,14 @@ drops the mask it proves causal.
 
 MFU = (6·N·tokens + 6·layers·b·s²·h, causal attention fwd+bwd) / (step · GPUs · 989 TFLOP/s).
 It prints step time, tokens/s, ratios, MFU and peak memory, checks every loss against the
-first row's, and writes JSON:
+first row's, and writes JSON. The strong suite also profiles ``PROFILED_STEPS`` steps of
+every row (``torch.profiler``, rank 0's GPU) and prints, per step, the time communication
+kernels run (``comm ms``: NCCL kernels, peer and device-to-device copies, symmetric-memory
+barriers; local device-to-device copies count too) and the part of it during which no
+other kernel computes (``exposed``): what overlap hides shows as ``exposed`` falling
+while ``comm ms`` stays.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (set by default here)
 
     python benchmarks/bench_tp.py --tp 2 4 --json out.json
     python benchmarks/bench_tp.py --suite strong --shape 8b --tp 2 --json strong_8b.json
@@ -57,6 +66,8 @@ import torch.distributed as dist
 from autotp.runtime.launcher import spawn_ranks
 
 WARMUP, STEPS = 3, 10
+PROFILED_STEPS = 3
+_COMM_NAMES = ("nccl", "memcpy ptop", "memcpy dtod", "barrier", "symm", "multimem")
 PEAK_FLOPS = 989e12  # H100/H200 dense bf16
 
 
@@ -97,6 +108,52 @@ def _time(step: Callable[[], torch.Tensor], group: dist.ProcessGroup | None) -> 
         if i >= WARMUP:
             times.append(time.perf_counter() - start)
     return statistics.median(times), loss.item(), torch.cuda.max_memory_allocated() / 2**30
+
+
+def _intervals_union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _uncovered(spans: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Length of ``spans`` (disjoint, sorted) outside ``cover`` (disjoint, sorted)."""
+    total, j = 0.0, 0
+    for start, end in spans:
+        at = start
+        while j < len(cover) and cover[j][1] <= at:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < end:
+            total += max(0.0, cover[k][0] - at)
+            at = max(at, cover[k][1])
+            k += 1
+        total += max(0.0, end - at)
+    return total
+
+
+def _profile_comm(step: Callable[[], torch.Tensor]) -> tuple[float, float]:
+    """(communication ms, exposed communication ms) per step, from a profiler trace (module docstring)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_STEPS):
+            step()
+        torch.cuda.synchronize()
+    comm, compute = [], []
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            name = e.name.lower()
+            (comm if any(k in name for k in _COMM_NAMES) else compute).append((e.time_range.start, e.time_range.end))
+    comm_spans = _intervals_union(comm)
+    total_us = sum(end - start for start, end in comm_spans)
+    exposed_us = _uncovered(comm_spans, _intervals_union(compute))
+    return total_us / PROFILED_STEPS / 1e3, exposed_us / PROFILED_STEPS / 1e3
 
 
 def _batch(shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,12 +260,21 @@ def _loss_parallel_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch
     return loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
 
 
-def _row(setup: str, tp: int, measured: tuple[float, float, float]) -> dict:
-    step_s, loss, mem = measured
-    return {"setup": setup, "tp": tp, "step_ms": step_s * 1e3, "loss": loss, "mem_gib": mem}
+def _row(setup: str, tp: int, measured: tuple[float, ...]) -> dict:
+    step_s, loss, mem, *comm = measured
+    row = {"setup": setup, "tp": tp, "step_ms": step_s * 1e3, "loss": loss, "mem_gib": mem}
+    if comm:
+        row["comm_ms"], row["exposed_comm_ms"] = comm
+    return row
 
 
-def _autotp(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, tp: int, world: int, **options) -> tuple[float, float, float]:
+def _measure(step: Callable[[], torch.Tensor], profiled: bool) -> tuple[float, ...]:
+    measured = _time(step, None)
+    return (*measured, *_profile_comm(step)) if profiled else measured
+
+
+def _autotp(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, tp: int, world: int, profiled: bool = False,
+            **options) -> tuple[float, ...]:  # fmt: skip
     import autotp
 
     model = _model(shape)
@@ -216,7 +282,9 @@ def _autotp(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, tp: int, worl
                             gather_outputs=False, **options)  # a training step needs no full logits
     del model
     torch.cuda.empty_cache()
-    measured = _time(functools.partial(_fwd_bwd, pm, ids, labels), None)
+    if pm.plan.tp_overlap:
+        print(f"autotp overlaps {', '.join(pm.plan.tp_overlap)} ({pm.plan.tp_overlap_impl})", flush=True)
+    measured = _measure(functools.partial(_fwd_bwd, pm, ids, labels), profiled)
     del pm
     torch.cuda.empty_cache()
     return measured
@@ -248,14 +316,14 @@ def _scaling(shape: Shape, rank: int, world: int, tps: list[int], ids: torch.Ten
 def _strong(shape: Shape, world: int, tps: list[int], ids: torch.Tensor, labels: torch.Tensor) -> list[dict]:
     rows = []
     for tp in tps:
-        for sp in (False, True):
-            rows.append(_row(f"autotp TP={tp}" + (" SP" if sp else ""), tp,
-                             _autotp(shape, ids, labels, tp, world, compile=True, sequence_parallel=sp)))  # fmt: skip
+        for name, sp, overlap in (("", False, False), (" SP", True, False), (" SP+overlap", True, True)):
+            rows.append(_row(f"autotp TP={tp}{name}", tp, _autotp(shape, ids, labels, tp, world, profiled=True, compile=True,
+                                                                   sequence_parallel=sp, tp_overlap=overlap)))  # fmt: skip
         for name, sp, async_tp in (("strong", False, False), ("SP", True, False), ("SP+async", True, True)):
             with _hf_mask_patched():
                 model = _dtensor_strong(shape, tp, world, sp, async_tp)
                 rows.append(_row(f"DTensor {name} TP={tp}", tp,
-                                 _time(functools.partial(_loss_parallel_step, model, ids, labels), None)))  # fmt: skip
+                                 _measure(functools.partial(_loss_parallel_step, model, ids, labels), True)))  # fmt: skip
             del model
             torch._inductor.config._micro_pipeline_tp = False
             torch._dynamo.reset()
@@ -302,7 +370,7 @@ def main() -> None:
     reference = {tp: min((r for r in rows if r["tp"] == tp and r["setup"].startswith("DTensor")), key=lambda r: r["step_ms"])
                  for tp in args.tp}  # fmt: skip
     print(f"{'setup':24s} {'step ms':>8s} {'tokens/s':>10s} {'vs first':>9s} {'vs best DT':>10s} {'MFU':>6s} "
-          f"{'mem GiB':>8s} {'mem/DT':>7s} {'loss':>8s}")  # fmt: skip
+          f"{'mem GiB':>8s} {'mem/DT':>7s} {'loss':>8s} {'comm ms':>8s} {'exposed':>8s}")  # fmt: skip
     for r in rows:
         best = reference.get(r["tp"])
         r["tokens_per_s"] = tokens / (r["step_ms"] / 1e3)
@@ -313,8 +381,9 @@ def main() -> None:
         r["loss_rel_err"] = abs(r["loss"] - base["loss"]) / abs(base["loss"])
         vs = f"{r['vs_best_dtensor']:10.3f}" if best else f"{'-':>10s}"
         mem = f"{r['mem_vs_best_dtensor']:7.2f}" if best else f"{'-':>7s}"
+        comm = f"{r['comm_ms']:8.1f} {r['exposed_comm_ms']:8.1f}" if "comm_ms" in r else f"{'-':>8s} {'-':>8s}"
         print(f"{r['setup']:24s} {r['step_ms']:8.1f} {r['tokens_per_s']:10.0f} {r['speedup_vs_first']:9.2f} {vs} "
-              f"{r['mfu']:6.1%} {r['mem_gib']:8.1f} {mem} {r['loss']:8.4f}")  # fmt: skip
+              f"{r['mfu']:6.1%} {r['mem_gib']:8.1f} {mem} {r['loss']:8.4f} {comm}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dict(r, shape=args.shape, suite=args.suite) for r in rows], f, indent=1)

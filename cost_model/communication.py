@@ -17,6 +17,14 @@ all-to-all           ``all_to_all_s``       t-1              (t-1)/t · n (n: on
 point-to-point       ``p2p_s``              0                n
 ==================  ===================  =================  ==========================
 
+**Overlapped** (``overlapped_s``): an all-gather pipelined with the GEMM that consumes it,
+or a reduce-scatter with the GEMM that produces it (``autotp.runtime.overlap``), runs in
+t - 1 steps that each move 1/(t-1) of the collective (time C) while a GEMM chunk, 1/t of
+the GEMM (time M), computes; one chunk computes alone. The pair takes
+(t-1)·max(C/(t-1), M/t) + M/t, so what the GEMM does not hide is
+
+    exposed = max(0, C - (t-1)/t · M)
+
 ``all_reduce_s`` takes the cheaper of ring and tree, as NCCL's tuner does: the ring's
 bandwidth term is smaller, the tree's latency grows as log t instead of t. Every cost
 is 0 for t = 1.
@@ -69,6 +77,13 @@ def reduce_scatter_s(nbytes: float, ranks: int, link: Link) -> float:
 
 def all_gather_s(nbytes: float, ranks: int, link: Link) -> float:
     return reduce_scatter_s(nbytes, ranks, link)
+
+
+def overlapped_s(comm_s: float, matmul_s: float, ranks: int) -> float:
+    """The part of a collective of ``comm_s`` that a ``matmul_s`` GEMM pipelined with it leaves exposed."""
+    if ranks == 1:
+        return 0.0
+    return max(0.0, comm_s - (ranks - 1) / ranks * matmul_s)
 
 
 def all_to_all_s(nbytes: float, ranks: int, link: Link) -> float:

@@ -17,7 +17,8 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
 
 **Time of a segment at microbatch size b** (``segment_time``):
 
-* GPU time of a node, forward: matmuls ``max(HardwareProfile.matmul_time_s(F), bytes/mem_bw)``;
+* GPU time of a node, forward: matmuls ``max(HardwareProfile.matmul_time_s(F), bytes/mem_bw)``
+  (a node running its FLOPs as p equal GEMMs, ``gemm_pieces``: p·matmul_time_s(F/p));
   fused attention ``max(F/attention_rate, bytes/mem_bw)``; everything else
   ``max(F/matmul_rate, bytes/mem_bw)`` (the roofline of ``flops.compute_time_s``);
   all of it times ``compute_time_scale``, which calibration measures on a whole layer.
@@ -27,7 +28,11 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
 * Collectives (forward all-reduce *g*, backward all-reduce *f*, all-gathers) cost
   ``communication.group_collective_s`` at their node, plus one copy of their tensor
   (autotp's collectives clone before an all-reduce and concatenate after an
-  all-gather: 2 bytes moved per byte); the next op waits for them.
+  all-gather: 2 bytes moved per byte); the next op waits for them. An overlapped one
+  (``all_gather_matmul``, ``matmul_reduce_scatter`` and their duals backward) costs only
+  what its GEMM leaves exposed, ``communication.overlapped_s`` with M the node's forward
+  GEMM time (backward, the dual's GEMM is the grad-input GEMM, as long as the forward one;
+  the weight-grad GEMM runs after it, unhidden).
 * Host time: ``op_overhead_s`` to issue each graph node forward and
   ``backward_op_overhead_s`` for each node that needs a gradient (an autograd node)
   backward; a node with a tp collective costs ``collective_host_s`` instead, in the
@@ -61,7 +66,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from autotp.cost_model.communication import group_collective_s
+from autotp.cost_model.communication import group_collective_s, overlapped_s
 from autotp.cost_model.flops import TensorInfo, global_tensors, node_cost, op_name
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.pipeline import balanced_cuts, layer_costs
@@ -72,6 +77,7 @@ from torch.fx import GraphModule, Node
 from autotp.cost_model.graph_costs import GraphReport, assign_layers, build_report
 from autotp.analysis.layers import EMBEDDING, HEAD, LayerKey, num_layers
 from autotp.analysis.op_kinds import OpKind, is_matmul, op_kind
+from autotp.ir import ops
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.errors import UserInputError
 
@@ -115,6 +121,7 @@ class Collective:
     bytes: Affine
     ranks: int
     node: int
+    overlapped: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,6 +140,8 @@ class Segment:
     collectives: tuple[Collective, ...]
     params: dict[str, int]
     activation_bytes: Affine
+    # GEMMs each node runs as: 1, or t per weight for the overlapped collectives' chunks.
+    pieces: np.ndarray | None = None
 
     @property
     def ops(self) -> int:
@@ -254,6 +263,14 @@ def affine_costs(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], depen
     return flops, nbytes
 
 
+def gemm_pieces(node: Node) -> int:
+    """How many equal GEMMs a node's FLOPs run as: an overlapped collective multiplies one
+    chunk of 1/t of the rows per weight and step; every other node one."""
+    if node.target is ops.ALL_GATHER_MATMUL or node.target is ops.MATMUL_REDUCE_SCATTER:
+        return node.args[3] * len(node.args[1])
+    return 1
+
+
 def _kind(node: Node) -> int:
     kind = op_kind(node.target)
     if kind.is_matmul:
@@ -283,7 +300,7 @@ class ModelCosts:
         self.hidden_bytes = self._hidden_bytes(calls)
         self.linears = self._linears(calls, dependent)
         self._plans: dict[tuple[int, frozenset[str]], ParallelPlan] = {}
-        self._ranks: dict[tuple[int, tuple, bool], RankCosts] = {}
+        self._ranks: dict[tuple, RankCosts] = {}
         self._cuts: dict[int, tuple[int, ...]] = {}
 
     def _per_segment_flops(self, calls: list[Node], flops: np.ndarray) -> dict[LayerKey, Affine]:
@@ -337,16 +354,20 @@ class ModelCosts:
                 out.append((str(weight.target), float(flops[0, 1])))
         return tuple(out)
 
-    def rank(self, tp: int, replicate: frozenset[str] = frozenset(), gather_outputs: bool = True) -> RankCosts:
+    def rank(
+        self, tp: int, replicate: frozenset[str] = frozenset(), gather_outputs: bool = True, *,
+        sequence_parallel: bool = False, tp_overlap: tuple[str, ...] = (),
+    ) -> RankCosts:  # fmt: skip
         """Rank 0's segments at ``tp`` with the linears in ``replicate`` kept whole (cached);
-        ``gather_outputs`` as in ``ParallelPlan``.
+        ``gather_outputs``, ``sequence_parallel`` and ``tp_overlap`` as in ``ParallelPlan``.
 
         Raises plan_tensor_parallel's ValueError when tp does not divide the model.
         """
         if (tp, replicate) not in self._plans:
             self._plans[(tp, replicate)] = plan_tensor_parallel(self.gm, tp, replicate=replicate)
-        plan = replace(self._plans[(tp, replicate)], gather_outputs=gather_outputs)
-        key = (tp, plan.params, gather_outputs)
+        plan = replace(self._plans[(tp, replicate)], gather_outputs=gather_outputs, sequence_parallel=sequence_parallel,
+                       tp_overlap=tp_overlap)  # fmt: skip
+        key = (tp, plan.params, gather_outputs, sequence_parallel, tp_overlap)
         if key not in self._ranks:
             self._ranks[key] = self._compile(plan)
         return self._ranks[key]
@@ -374,7 +395,7 @@ class ModelCosts:
             collectives = tuple(
                 Collective(
                     c.kind, c.direction, Affine(0, c.bytes / self.batch) if r.node in dependent else Affine(c.bytes, 0),
-                    c.ranks, position[r.node],
+                    c.ranks, position[r.node], c.overlapped,
                 )
                 for r in members
                 for c in r.collectives
@@ -382,8 +403,9 @@ class ModelCosts:
             kept = {x for n in calls for x in saved_inputs(n, grad) if x in dependent}
             saved = sum(t.nbytes for x in kept for t in tensors[x] if t.dtype.is_floating_point)
             kinds = np.array([_kind(n) for n in calls], dtype=int)
+            pieces = np.array([gemm_pieces(n) for n in calls], dtype=float)
             needs = np.array([n in grad for n in calls], dtype=bool)
-            return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), Affine(0, saved / self.batch))
+            return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), Affine(0, saved / self.batch), pieces)
 
         layers = tuple(segment(i) for i in range(self.traced_layers))
         return RankCosts(plan, segment(EMBEDDING), layers, segment(HEAD), segment(PREAMBLE))
@@ -417,16 +439,19 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
     matmul = seg.kinds == _MATMUL
     attention = seg.kinds == _ATTENTION
     forward = np.maximum(flops / hw.matmul_flops_per_s, memory)
-    forward[matmul] = np.maximum(hw.matmul_time_s(flops[matmul]), memory[matmul])
+    pieces = seg.pieces[matmul] if seg.pieces is not None else 1.0
+    forward[matmul] = np.maximum(pieces * hw.matmul_time_s(flops[matmul] / pieces), memory[matmul])
     forward[attention] = np.maximum(flops[attention] / hw.attention_rate, memory[attention])
     forward *= hw.compute_time_scale
     factor = np.where(attention, hw.attention_backward_factor, np.where(matmul, MATMUL_BACKWARD_FACTOR, hw.elementwise_backward_factor))
     backward = forward * factor
     comm = {"forward": np.zeros(seg.ops), "backward": np.zeros(seg.ops)}
     host = {"forward": np.full(seg.ops, hw.op_overhead_s), "backward": np.full(seg.ops, hw.backward_op_overhead_s)}
+    gemm = forward.copy()
     for c in seg.collectives:
         nbytes = c.bytes.at(batch)
-        comm[c.direction][c.node] += group_collective_s(c.kind, nbytes, c.ranks, min(c.ranks, tp_ranks_per_node), hw)
+        t = group_collective_s(c.kind, nbytes, c.ranks, min(c.ranks, tp_ranks_per_node), hw)
+        comm[c.direction][c.node] += overlapped_s(t, gemm[c.node], c.ranks) if c.overlapped else t
         host[c.direction][c.node] = hw.collective_host_s
         (forward if c.direction == "forward" else backward)[c.node] += COLLECTIVE_COPY_BYTES * nbytes / hw.memory_bytes_per_s
     backs = seg.grad | (comm["backward"] > 0)

@@ -12,6 +12,9 @@ gives one rank's. FLOPs are forward only and count a multiply-add as 2.
   FLOPs = 2 · numel(out) · K, with K the last dim of the first matrix operand (linear's
   ``x``, addmm's ``mat1``); a bias (linear's third argument, addmm's first) adds
   numel(out). For grouped_mm each token row meets exactly one expert, so this is 2·T·K·N.
+  The overlapped collectives count their GEMMs: ``all_gather_matmul`` 2·K·Σ numel(product)
+  (its first output, the gathered input, is no product), ``matmul_reduce_scatter``
+  2·Σ_i rows(x_i)·K_i·N_i.
 * **attention**, ``scaled_dot_product_attention(q [..., L, D], k [..., S, D], v [..., S, Dv])``:
   FLOPs = 2·BH·L·S·D + 2·BH·L·S·Dv with BH = prod(q.shape[:-2]); the softmax is not
   counted. With ``is_causal=True`` only the lower triangle is computed: half of that.
@@ -24,7 +27,7 @@ gives one rank's. FLOPs are forward only and count a multiply-add as 2.
   Megatron's *f* and ``stage_boundary``): 0 FLOPs, 0 bytes.
 * **data movement** (``to``, ``contiguous``, ``cat``, ``index``, ``pad``, factories...):
   0 FLOPs; bytes = inputs + outputs.
-* **collectives** (*g*, the all-gather): 0 FLOPs, 0 bytes here;
+* **collectives** (*g*, the all-gathers, the reduce-scatter, the sequence slice): 0 FLOPs, 0 bytes here;
   ``autotp.cost_model.communication.group_collective_s`` times their communication.
 * **everything else** (elementwise ops, norms, reductions, softmax, the vocab-parallel
   loss): 1 FLOP per element of the largest input or output; bytes = inputs + outputs.
@@ -72,7 +75,7 @@ _DATA_MOVEMENT = {
     "zeros_like", "ones_like", "full_like", "new_ones", "new_zeros", "new_full", "new_empty",
     "scalar_tensor",
 }  # fmt: skip
-_COLLECTIVES = {"reduce_from_tp", "gather_from_tp"}
+_COLLECTIVES = {"reduce_from_tp", "gather_from_tp", "all_gather", "reduce_scatter", "scatter_to_tp"}
 _SDPA_IS_CAUSAL_ARG = 5
 
 
@@ -119,6 +122,12 @@ def node_cost(node: Node, tensors: Tensors = global_tensors) -> NodeCost:
     outputs = tensors(node)
     in_bytes, out_bytes = _bytes(inputs, tensors), sum(t.nbytes for t in outputs)
     out_numel = sum(t.numel for t in outputs)
+    if name == "all_gather_matmul":
+        k = tensors(node.args[0])[0].shape[-1]
+        return NodeCost(2 * k * sum(t.numel for t in outputs[1:]), in_bytes + out_bytes)
+    if name == "matmul_reduce_scatter":
+        flops = sum(2 * tensors(x)[0].numel * tensors(w)[0].shape[-1] for x, w in zip(node.args[0], node.args[1]))
+        return NodeCost(flops, in_bytes + out_bytes)
     kind = op_kind(node.target)
     if kind.is_matmul:
         return NodeCost(_matmul_flops(node, name, out_numel, tensors), in_bytes + out_bytes)

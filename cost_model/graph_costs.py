@@ -19,6 +19,9 @@ draws it) and ``autotp explain`` (which tabulates it, ``autotp.report.graph_repo
   vocab-parallel cross-entropy all-reduces twice forward: the row max [N] and the
   stacked sum-exp and target logit [2, N], both float32. Bytes are the full tensor's
   (an all-reduced tensor is whole on every rank; an all-gather's is its output).
+  ``all_gather_matmul`` all-gathers its first output forward and reduce-scatters its grad
+  backward; ``matmul_reduce_scatter`` the reverse. Both are ``overlapped``: their GEMM hides
+  part of them (``communication.overlapped_s``, charged by ``compute.segment_time``).
 * **FLOPs** are forward only (``autotp.cost_model.flops``); times are estimates for a
   ``HardwareProfile``.
 * **Stages**: a node's pipeline stage is the pp rank of its chunk (``split_stages``
@@ -45,6 +48,7 @@ from autotp.analysis.layers import EMBEDDING, HEAD, LayerKey, last_layer_positio
 from autotp.ir.layouts import Layout
 from autotp.ir.plan import ParallelPlan
 from autotp.passes.sequence_parallel import REDUCE_SCATTER_TAG, SCATTER_TAG, SEQUENCE_GATHER_TAG
+from autotp.passes.tp_overlap import ALL_GATHER_MATMUL_TAG, MATMUL_REDUCE_SCATTER_TAG
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 DIRECTIONS = ("forward", "backward")
@@ -59,6 +63,7 @@ class CollectiveCost:
     bytes: int
     ranks: int
     time_s: float
+    overlapped: bool = False
 
 
 @dataclass(frozen=True)
@@ -193,8 +198,8 @@ def layer_order(key: LayerKey) -> tuple[int, int]:
 
 
 def _collectives(node: Node, tp: int, hw: HardwareProfile, local: list[TensorInfo]) -> tuple[CollectiveCost, ...]:
-    def cost(kind: str, direction: str, nbytes: int, ranks: int = tp) -> CollectiveCost:
-        return CollectiveCost(kind, direction, nbytes, ranks, group_collective_s(kind, nbytes, ranks, ranks, hw))
+    def cost(kind: str, direction: str, nbytes: int, ranks: int = tp, overlapped: bool = False) -> CollectiveCost:
+        return CollectiveCost(kind, direction, nbytes, ranks, group_collective_s(kind, nbytes, ranks, ranks, hw), overlapped)
 
     tag = node.meta.get(meta_keys.COLLECTIVE)
     if tag is not None:
@@ -208,6 +213,11 @@ def _collectives(node: Node, tp: int, hw: HardwareProfile, local: list[TensorInf
             return (cost("reduce_scatter", "forward", nbytes, ranks), cost("all_gather", "backward", nbytes, ranks))
         if tag == SEQUENCE_GATHER_TAG:  # f's replacement
             return (cost("all_gather", "forward", nbytes, ranks), cost("reduce_scatter", "backward", nbytes, ranks))
+        if tag == ALL_GATHER_MATMUL_TAG:  # the gathered input is the first output
+            nbytes = global_tensors(node)[0].nbytes
+            return (cost("all_gather", "forward", nbytes, ranks, True), cost("reduce_scatter", "backward", nbytes, ranks, True))
+        if tag == MATMUL_REDUCE_SCATTER_TAG:
+            return (cost("reduce_scatter", "forward", nbytes, ranks, True), cost("all_gather", "backward", nbytes, ranks, True))
         if tag == SCATTER_TAG:  # a whole-sequence operand sliced to this rank's tokens
             return (cost("all_gather", "backward", nbytes, ranks),)
         assert tag == "all_reduce_backward", f"unknown collective tag {tag!r} on {node.name}"

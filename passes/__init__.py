@@ -11,6 +11,7 @@ from autotp.passes.sequence_parallel import sequence_parallel
 from autotp.passes.split_stages import split_stages
 from autotp.passes.runner import Pass
 from autotp.passes.tp_dropout import tp_dropout
+from autotp.passes.tp_overlap import tp_overlap
 from autotp.passes.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
 from autotp.passes.vocab_parallel_embedding import vocab_parallel_embedding
 
@@ -25,6 +26,7 @@ PASSES: list[Pass] = [
     insert_collectives,
     cancel_collectives,
     sequence_parallel,
+    tp_overlap,
     split_stages,
     mark_cudagraph_regions,
 ]

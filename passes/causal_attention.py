@@ -12,6 +12,11 @@ A float mask matches when it is 0 on the allowed entries and ``-inf`` or the dty
 most negative finite value (HF's choice) on the others: either adds a term whose
 ``exp`` is exactly 0 in softmax, so the result is the same.
 
+Sliding-window masks (Mistral, Gemma 2's local layers) keep their explicit mask unless the
+window covers the whole sequence (the mask is then causal-only and matches above):
+``aten.scaled_dot_product_attention`` (torch 2.11 to 2.13) takes no window, so no fused SDPA
+kernel runs them either way, and autotp emits no flex attention.
+
 Each SDPA node gets ``meta_keys.CAUSAL_MASK``: ``CAUSAL`` when rewritten, else why the
 mask stays. The plan's ``causal_attention`` switches the rewrite off; the compiler
 records the rewritten nodes in ``plan.causal_attention_nodes``.

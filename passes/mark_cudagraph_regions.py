@@ -25,6 +25,11 @@ Runs when ``plan.cudagraphs`` is set. Every op node either gets a ``Blocker`` (n
   loss, which all-reduces inside;
 * **in-place writes** to a tensor made outside the node's region (capture would write
   the region's static copy of it).
+* **overlapped collectives** (``all_gather_matmul``, ``matmul_reduce_scatter``,
+  ``plan.tp_overlap``) on any backend: their symmetric-memory workspace grows on first use
+  and synchronises through barriers, and the ring waits on P2P work objects from the host;
+  autotp does not capture either, so they run eagerly between regions. Leave ``tp_overlap``
+  off to capture the plain collectives instead.
 
 A *candidate* is a maximal run of capturable op nodes in graph order that stays in one
 pipeline chunk: stage boundaries, a change of ``autotp_chunk``, and (with pp > 1) the
@@ -53,9 +58,10 @@ from autotp.ir.plan import ParallelPlan
 
 aten = torch.ops.aten
 
-HOST_SYNC, DATA_DEPENDENT, HOST_VALUE, CPU_TENSOR, RNG, COLLECTIVE, MUTATION = (
-    "host_sync", "data_dependent_shape", "host_value", "cpu_tensor", "rng", "collective", "mutation",
+HOST_SYNC, DATA_DEPENDENT, HOST_VALUE, CPU_TENSOR, RNG, COLLECTIVE, MUTATION, OVERLAP = (
+    "host_sync", "data_dependent_shape", "host_value", "cpu_tensor", "rng", "collective", "mutation", "overlap",
 )  # fmt: skip
+_OVERLAPPED = frozenset({ops.ALL_GATHER_MATMUL, ops.MATMUL_REDUCE_SCATTER})
 
 _SCALAR_READS = {aten.item.default, aten._local_scalar_dense.default}
 _SIZE_READS = {
@@ -160,6 +166,10 @@ def _blocker(node: Node, ctx: PassContext, opaque: dict[Any, str], blocked: set[
     reason = _rng_reason(node)
     if reason is not None:
         return make(RNG, reason)
+    if node.target in _OVERLAPPED and ctx.plan.tp > 1:
+        return make(OVERLAP, f"{node.target.__name__.removesuffix('.default')} pipelines its collective with its GEMM "
+                    "(symmetric-memory barriers, or the ring's P2P waits), which autotp does not capture; it runs eagerly "
+                    "between regions (tp_overlap=False captures the plain collective instead)")
     is_collective = node.target in ops.COLLECTIVES or meta_keys.COLLECTIVE in node.meta
     if is_collective and ctx.plan.tp > 1 and ctx.backend not in _CAPTURABLE_BACKENDS:
         return make(COLLECTIVE, f"{getattr(node.target, '__name__', str(node.target)).removesuffix('.default')} runs on {ctx.backend}, which CUDA graphs cannot capture; use NCCL")

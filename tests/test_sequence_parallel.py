@@ -30,17 +30,20 @@ def _data(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, vocab, (BATCH, SEQ), generator=gen), torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
 
 
-def _sp_on_rank(rank: int, world: int, names: list[str], tp: int, pp: int) -> dict[str, float]:
-    return {name: _compare(name, tp, pp) for name in names}
+def _sp_on_rank(rank: int, world: int, names: list[str], tp: int, pp: int, tp_overlap: bool = False) -> dict[str, float]:
+    return {name: _compare(name, tp, pp, tp_overlap) for name in names}
 
 
-def _compare(name: str, tp: int, pp: int) -> float:
+def _compare(name: str, tp: int, pp: int, tp_overlap: bool = False) -> float:
     model = build(name, layers=4 if pp > 1 else 2)
     reference = copy.deepcopy(model)
     ids, labels = _data(model)
     pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs={"input_ids": ids[:2], "labels": labels[:2]},
-                            sequence_parallel=True)  # fmt: skip
-    assert pm.plan.sequence_parallel
+                            sequence_parallel=True, tp_overlap=tp_overlap)  # fmt: skip
+    assert pm.plan.sequence_parallel and bool(pm.plan.tp_overlap) == tp_overlap
+    if tp_overlap:  # the decomposed ops replace the plain ones in the graph that runs
+        targets = {n.target for n in pm.graph_for(input_ids=ids, labels=labels).graph.nodes}
+        assert {ops.ALL_GATHER_MATMUL, ops.MATMUL_REDUCE_SCATTER} <= targets, f"{name}: nothing was overlapped"
     if pp == 1:
         out, expected = pm(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
         _close(out.logits, expected.logits, "logits")
@@ -64,25 +67,26 @@ def _compare(name: str, tp: int, pp: int) -> float:
 MODELS = ["llama", "gpt2", "mixtral", "bert"]
 
 
-def _check_on_ranks(names: list[str], tp: int, pp: int) -> None:
-    results = run_on_ranks(_sp_on_rank, tp * pp, names, tp, pp, timeout_s=600)
+def check_on_ranks(names: list[str], tp: int, pp: int, tp_overlap: bool = False) -> None:
+    """Loss, logits (pp = 1) and every grad of each model equal the unmodified one on tp·pp gloo ranks."""
+    results = run_on_ranks(_sp_on_rank, tp * pp, names, tp, pp, tp_overlap, timeout_s=600)
     for name in names:
         assert len({round(r[name], 6) for r in results}) == 1, f"{name}: ranks disagree on the loss: {results}"
 
 
 def test_sequence_parallel_matches_unmodified_model_tp2() -> None:
-    _check_on_ranks(MODELS, 2, 1)
+    check_on_ranks(MODELS, 2, 1)
 
 
 @pytest.mark.slow
 def test_sequence_parallel_matches_unmodified_model_tp4() -> None:
-    _check_on_ranks(MODELS, 4, 1)
+    check_on_ranks(MODELS, 4, 1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_sequence_parallel_matches_unmodified_model_tp2_pp2(name: str) -> None:
-    _check_on_ranks([name], 2, 2)
+    check_on_ranks([name], 2, 2)
 
 
 def _per_layer(gm: torch.fx.GraphModule) -> dict[int, Counter[str]]:

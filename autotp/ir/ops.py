@@ -19,6 +19,16 @@ Collectives over a tp group, named by a string key (``tp_group_key``,
   ``dim``, zero-padded past the end; backward ``gather_from_tp``.
 * ``all_gather(x, dim, group_size, group)`` / ``reduce_scatter(x, dim, group_size,
   group)`` -- sequence parallelism: each is the other's backward.
+* ``all_gather_matmul(x, weights, dim, group_size, group, impl)`` -> ``[all_gather(x),
+  all_gather(x) @ w for w in weights]`` and ``matmul_reduce_scatter(xs, weights, dim,
+  group_size, group, impl)`` -> ``reduce_scatter(sum_i xs[i] @ weights[i])``: the sequence
+  parallel collective and the GEMM next to it, decomposed so that the communication runs
+  behind the GEMM (``passes/tp_overlap``; kernels in ``autotp.runtime.overlap``). Weights
+  are ``[K, N]`` (matmul layout). Each is the other's backward: the grad of the gathered
+  input is a matmul-reduce-scatter of the output grads, the grad of a matmul-reduce-scatter's
+  input an all-gather-matmul of its output grad, whose gathered grad the weight grads reuse.
+  ``impl`` is ``symm_mem`` (CUDA + NCCL: ``torch.ops.symm_mem`` fused ops; elsewhere the
+  ring) or ``ring`` (P2P ring, one chunk per rank, on any backend).
 * ``vocab_parallel_cross_entropy(logits, target, vocab_start, vocab_size, ignore_index,
   reduction, group)`` -- ``aten.cross_entropy_loss`` on logits sharded on the class dim:
   only per-token max, sum-exp and target logit cross ranks (``vocab_parallel_nll``).
@@ -85,6 +95,13 @@ GATHER_FROM_TP = _define("gather_from_tp(Tensor x, int dim, SymInt size, str gro
 SCATTER_TO_TP = _define("scatter_to_tp(Tensor x, int dim, SymInt local, str group) -> Tensor")
 ALL_GATHER = _define("all_gather(Tensor x, int dim, int group_size, str group) -> Tensor")
 REDUCE_SCATTER = _define("reduce_scatter(Tensor x, int dim, int group_size, str group) -> Tensor")
+ALL_GATHER_MATMUL = _define(
+    "all_gather_matmul(Tensor x, Tensor[] weights, int dim, int group_size, str group, str impl) -> Tensor[]"
+)
+MATMUL_REDUCE_SCATTER = _define(
+    "matmul_reduce_scatter(Tensor[] xs, Tensor[] weights, int dim, int group_size, str group, str impl) -> Tensor"
+)
+OVERLAP_IMPLS = ("symm_mem", "ring")
 VOCAB_PARALLEL_NLL = _define(
     "vocab_parallel_nll(Tensor logits, Tensor target, int vocab_start, int vocab_size, str group) -> (Tensor, Tensor, Tensor)"
 )
@@ -103,7 +120,7 @@ TP_DROPOUT = _define("tp_dropout(Tensor x, float p, bool train, str stream) -> T
 # Ops that communicate over a tp group, forward or backward.
 COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
     COPY_TO_TP, REDUCE_FROM_TP, GATHER_FROM_TP, SCATTER_TO_TP, ALL_GATHER, REDUCE_SCATTER,
-    VOCAB_PARALLEL_NLL, VOCAB_PARALLEL_CROSS_ENTROPY,
+    ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, VOCAB_PARALLEL_NLL, VOCAB_PARALLEL_CROSS_ENTROPY,
 })  # fmt: skip
 ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, TP_RAND, TP_DROPOUT}
 
@@ -153,6 +170,25 @@ def _reduce_scatter_fake(x: Tensor, dim: int, group_size: int, group: str) -> Te
     return _resized(x, dim, reduce_scatter_size(x.shape[dim], group_size, group))
 
 
+def _check_matmul_dim(x: Tensor, dim: int, what: str) -> None:
+    if dim % x.dim() == x.dim() - 1:
+        raise UserInputError(f"{what} splits dim {dim} of a {x.dim()}-d tensor, the GEMM's contraction dim; split a leading dim")
+
+
+@torch.library.register_fake(ALL_GATHER_MATMUL, lib=_LIB)
+def _all_gather_matmul_fake(x: Tensor, weights: list[Tensor], dim: int, group_size: int, group: str, impl: str) -> list[Tensor]:
+    _check_matmul_dim(x, dim, "all_gather_matmul")
+    full = _resized(x, dim, x.shape[dim] * group_size)
+    return [full, *(_resized(full, -1, w.shape[1]).to(w.dtype) for w in weights)]
+
+
+@torch.library.register_fake(MATMUL_REDUCE_SCATTER, lib=_LIB)
+def _matmul_reduce_scatter_fake(xs: list[Tensor], weights: list[Tensor], dim: int, group_size: int, group: str, impl: str) -> Tensor:
+    _check_matmul_dim(xs[0], dim, "matmul_reduce_scatter")
+    out = _resized(xs[0], -1, weights[0].shape[1])
+    return _resized(out, dim, reduce_scatter_size(out.shape[dim], group_size, group))
+
+
 @torch.library.register_fake(VOCAB_PARALLEL_NLL, lib=_LIB)
 def _vocab_parallel_nll_fake(logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, group: str) -> tuple[Tensor, ...]:
     return tuple(logits.new_empty(target.shape, dtype=torch.float32) for _ in range(3))
@@ -198,6 +234,44 @@ torch.library.register_autograd(
     REDUCE_SCATTER, lambda ctx, grad: (ALL_GATHER(grad, ctx.dim, ctx.group_size, ctx.group), None, None, None),
     setup_context=_keep_group_size, lib=_LIB,
 )  # fmt: skip
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _keep_matmul(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    """all_gather_matmul saves the gathered input (its first output), matmul_reduce_scatter its inputs."""
+    first, weights, ctx.dim, ctx.group_size, ctx.group, ctx.impl = inputs
+    ctx.save_for_backward(*(output[:1] if isinstance(first, Tensor) else first), *weights)
+    ctx.count = len(weights)
+
+
+def _all_gather_matmul_backward(ctx: Any, grads: list[Tensor | None]) -> tuple[Any, ...]:
+    gathered, *weights = ctx.saved_tensors
+    pairs = [(g, w) for g, w in zip(grads[1:], weights) if g is not None]
+    grad_x = None
+    if pairs:
+        grad_x = MATMUL_REDUCE_SCATTER([g for g, _ in pairs], [w.t() for _, w in pairs], ctx.dim, ctx.group_size, ctx.group, ctx.impl)
+    if grads[0] is not None:
+        rest = REDUCE_SCATTER(grads[0], ctx.dim, ctx.group_size, ctx.group)
+        grad_x = rest if grad_x is None else grad_x + rest
+    rows = _rows(gathered)
+    grad_w = [None if g is None else rows.t() @ _rows(g) for g in grads[1:]]
+    return grad_x, grad_w, None, None, None, None
+
+
+def _matmul_reduce_scatter_backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+    saved = ctx.saved_tensors
+    xs, weights = saved[: ctx.count], saved[ctx.count :]
+    gathered, *grad_xs = ALL_GATHER_MATMUL(grad, [w.t() for w in weights], ctx.dim, ctx.group_size, ctx.group, ctx.impl)
+    rows = _rows(gathered)
+    grad_w = [_rows(x).t() @ rows for x in xs]
+    return grad_xs, grad_w, None, None, None, None
+
+
+torch.library.register_autograd(ALL_GATHER_MATMUL, _all_gather_matmul_backward, setup_context=_keep_matmul, lib=_LIB)
+torch.library.register_autograd(MATMUL_REDUCE_SCATTER, _matmul_reduce_scatter_backward, setup_context=_keep_matmul, lib=_LIB)
 
 
 def local_logits(logits: Tensor, vocab_start: int, vocab_size: int) -> Tensor:

@@ -17,6 +17,11 @@ from autotp.ir.schedules import default_schedule
 DP_BUCKET_BYTES = 25 * 2**20
 """Default size of the dp gradient all-reduce buckets."""
 
+OVERLAP_ALL_GATHER = "all_gather"
+"""``plan.tp_overlap``: the sequence all-gathers before column-parallel GEMMs run as ``all_gather_matmul``."""
+OVERLAP_REDUCE_SCATTER = "reduce_scatter"
+"""``plan.tp_overlap``: the reduce-scatters after row-parallel GEMMs run as ``matmul_reduce_scatter``."""
+
 
 @dataclass(frozen=True)
 class CudaGraphPolicy:
@@ -106,6 +111,11 @@ class ParallelPlan:
     # Megatron sequence parallelism: the regions between tp regions run on 1/tp of the
     # tokens (``passes/sequence_parallel``).
     sequence_parallel: bool = False
+    # Sequence-parallel collectives decomposed to run behind their GEMM (``passes/tp_overlap``):
+    # any of ``OVERLAP_ALL_GATHER``, ``OVERLAP_REDUCE_SCATTER`` (with their duals backward), and
+    # how (``ops.OVERLAP_IMPLS``: ``symm_mem`` on CUDA + NCCL, else the P2P ring).
+    tp_overlap: tuple[str, ...] = ()
+    tp_overlap_impl: str = "symm_mem"
     # The training step the planner assumed (``autotp.ir.training_step``): its precision
     # ("": not planned) and whether the optimizer state is sharded over dp
     # (``autotp.DistributedOptimizer``).
@@ -161,6 +171,8 @@ class ParallelPlan:
                 "causal_attention_nodes": list(self.causal_attention_nodes),
                 "precision": self.precision,
                 "sequence_parallel": self.sequence_parallel,
+                "tp_overlap": list(self.tp_overlap),
+                "tp_overlap_impl": self.tp_overlap_impl,
                 "distributed_optimizer": self.distributed_optimizer,
                 "ep": self.ep,
             },
@@ -193,6 +205,8 @@ class ParallelPlan:
             causal_attention_nodes=tuple(d.get("causal_attention_nodes", ())),
             precision=d.get("precision", ""),
             sequence_parallel=d.get("sequence_parallel", False),
+            tp_overlap=tuple(d.get("tp_overlap", ())),
+            tp_overlap_impl=d.get("tp_overlap_impl", "symm_mem"),
             distributed_optimizer=d.get("distributed_optimizer", False),
             ep=d.get("ep", 1),
         )

@@ -104,7 +104,7 @@ def _arg(a: Any) -> str:
 def _collective_text(r: NodeReport) -> list[str]:
     return [
         f"{c.kind} {c.direction} {_si(c.bytes, 'B')}{'' if c.kind == 'p2p' else f' over {c.ranks} ranks'}, "
-        f"{_seconds(c.time_s)}"
+        f"{_seconds(c.time_s)}{', overlapped with its GEMM' if c.overlapped else ''}"
         for c in r.collectives
     ]
 

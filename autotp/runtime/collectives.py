@@ -17,6 +17,7 @@ from torch.library import Library
 
 from autotp.ir import ops
 from autotp.ir.errors import UserInputError
+from autotp.runtime import overlap
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 _KERNELS = Library(ops.NAMESPACE, "IMPL")
@@ -39,7 +40,8 @@ def get_group(key: str) -> dist.ProcessGroup | None:
     return None if dist.get_world_size(group) == 1 else group
 
 
-def _group_of_size(key: str, group_size: int) -> dist.ProcessGroup | None:
+def group_of_size(key: str, group_size: int) -> dist.ProcessGroup | None:
+    """``get_group(key)``, checked to have ``group_size`` ranks."""
     group = get_group(key)
     actual = 1 if group is None else dist.get_world_size(group)
     if actual != group_size:
@@ -79,12 +81,12 @@ def _scatter_to_tp(x: Tensor, dim: int, local: int, group: str) -> Tensor:
 
 
 def _all_gather(x: Tensor, dim: int, group_size: int, group: str) -> Tensor:
-    pg = _group_of_size(group, group_size)
+    pg = group_of_size(group, group_size)
     return x.clone() if pg is None else _gathered(x, dim, pg)
 
 
 def _reduce_scatter(x: Tensor, dim: int, group_size: int, group: str) -> Tensor:
-    pg = _group_of_size(group, group_size)
+    pg = group_of_size(group, group_size)
     local = ops.reduce_scatter_size(x.shape[dim], group_size, group)
     if pg is None:
         return x.clone()
@@ -94,6 +96,21 @@ def _reduce_scatter(x: Tensor, dim: int, group_size: int, group: str) -> Tensor:
     out = x.new_empty([local if d == dim % x.dim() else s for d, s in enumerate(x.shape)])
     dist.reduce_scatter(out, [p.contiguous() for p in x.split(local, dim=dim)], group=pg)
     return out
+
+
+def _all_gather_matmul(x: Tensor, weights: list[Tensor], dim: int, group_size: int, group: str, impl: str) -> list[Tensor]:
+    pg = group_of_size(group, group_size)
+    if pg is None:
+        return [x.clone(), *(torch.matmul(x, w) for w in weights)]
+    return overlap.all_gather_matmul(x, weights, dim, pg, impl)
+
+
+def _matmul_reduce_scatter(xs: list[Tensor], weights: list[Tensor], dim: int, group_size: int, group: str, impl: str) -> Tensor:
+    pg = group_of_size(group, group_size)
+    local = ops.reduce_scatter_size(xs[0].shape[dim], group_size, group)
+    if pg is None:
+        return sum(torch.matmul(x, w) for x, w in zip(xs, weights))  # type: ignore[return-value]
+    return overlap.matmul_reduce_scatter(xs, weights, dim, local, pg, impl)
 
 
 def _vocab_parallel_nll(logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, group: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -115,6 +132,8 @@ _IMPLEMENTATIONS: dict[torch._ops.OpOverload, Callable[..., object]] = {
     ops.SCATTER_TO_TP: _scatter_to_tp,
     ops.ALL_GATHER: _all_gather,
     ops.REDUCE_SCATTER: _reduce_scatter,
+    ops.ALL_GATHER_MATMUL: _all_gather_matmul,
+    ops.MATMUL_REDUCE_SCATTER: _matmul_reduce_scatter,
     ops.VOCAB_PARALLEL_NLL: _vocab_parallel_nll,
 }
 for _op, _fn in _IMPLEMENTATIONS.items():

@@ -91,6 +91,7 @@ class ParallelModel(nn.Module):
         self._shared_param_groups = grad_sync.shared_param_groups(self.plan, coords, owners)
         self._owners = owners
         self._grad_buffers: GradBuffers | None = None  # set by a DistributedOptimizer
+        self._dp_mean: grad_sync.OverlappedDpMean | None = None  # made by the first train_step with dp > 1, pp = 1
         self._clip_calls = 0
         self._warned_plain = False
         self._attach(compiled)
@@ -240,10 +241,13 @@ class ParallelModel(nn.Module):
             )
         if self._grad_buffers is not None:
             self._grad_buffers.begin(m)
-        elif self.plan.distributed_optimizer and dp > 1 and not self._warned_plain:
-            self._warned_plain = True
-            log.warning("the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
-                        "state over dp=%d); this model trains with a plain optimizer", dp)
+        else:
+            if self.plan.distributed_optimizer and dp > 1 and not self._warned_plain:
+                self._warned_plain = True
+                log.warning("the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
+                            "state over dp=%d); this model trains with a plain optimizer", dp)
+            if dp > 1 and self.plan.num_chunks == 1:
+                self._arm_dp_mean(m)
         # Grads of stage-shared parameters already summed by an earlier step, when the caller accumulates.
         shared = self._params.local_grads(list(self._shared_param_groups)) if self._grad_buffers is None else {}
         carried = {n: g.clone() for n, g in shared.items() if g is not None}
@@ -280,12 +284,23 @@ class ParallelModel(nn.Module):
         self.last_busy_s = runner.busy_s
         return total
 
+    def _arm_dp_mean(self, backwards: int) -> None:
+        params = list(self.parameters())
+        if self._dp_mean is None or not self._dp_mean.serves(params):
+            if self._dp_mean is not None:
+                self._dp_mean.close()
+            self._dp_mean = grad_sync.OverlappedDpMean(params, self._coords.dp_group, self.plan.dp, self.plan.dp_bucket_bytes)
+        self._dp_mean.begin(backwards)
+
     def _sync_grads(self, carried: dict[str, torch.Tensor]) -> None:
         if self._grad_buffers is not None:
             self._grad_buffers.finish()
             return
         shared = self._params.local_grads(list(self._shared_param_groups))
         grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if self._dp_mean is not None and self._dp_mean.armed:
+            self._dp_mean.finish()
+            grads = []  # averaged over dp already, as the backward ran
         grad_sync.sync_grads(self.plan, self._coords, shared, self._shared_param_groups, grads, carried)
 
     @property
