@@ -83,11 +83,6 @@ class _Piece:
         return self.slot.grad.view(-1)[self.start : self.stop]
 
 
-ZBH1_REFUSED = ("schedule 'zbh1' adds the linear weight gradients outside autograd, where the DistributedOptimizer's "
-                "bucket hooks cannot see them; train with schedule='1f1b' (or 'interleaved') to use it, or step a torch "
-                "optimizer on pm.parameters() with zbh1")
-
-
 class DistributedOptimizer:
     """ZeRO-1 over dp for a ``ParallelModel``: ``DistributedOptimizer(pm, torch.optim.AdamW, lr=..., weight_decay=...)``.
 
@@ -106,7 +101,7 @@ class DistributedOptimizer:
     def __init__(self, pm: ParallelModel, optimizer_class: type[torch.optim.Optimizer], *, params: Any = None,
                  bucket_bytes: int | None = None, grad_dtype: torch.dtype = torch.float32,
                  overlap_param_gather: bool | None = None, **kwargs: Any) -> None:  # fmt: skip
-        from autotp.runtime.parallel_model import ParallelModel
+        from autotp.runtime.parallel_model import ZBH1_REFUSED, ParallelModel
 
         if not isinstance(pm, ParallelModel):
             raise UserInputError(f"DistributedOptimizer needs the ParallelModel that autotp.parallelize returned, got {type(pm).__name__}")

@@ -48,6 +48,11 @@ class _StructureOnly:
         self.model = structure_copy(model)
 
 
+ZBH1_REFUSED = ("schedule 'zbh1' adds the linear weight gradients outside autograd, where the DistributedOptimizer's "
+                "bucket hooks cannot see them; train with schedule='1f1b' (or 'interleaved') to use it, or step a torch "
+                "optimizer on pm.parameters() with zbh1")
+
+
 class ParallelModel(nn.Module):
     """This rank's part of a tensor-, pipeline- and data-parallel model.
 
@@ -272,8 +277,6 @@ class ParallelModel(nn.Module):
     def _pipeline_step(self, micro: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str) -> torch.Tensor:
         pp, vpp = self.plan.pp, self.plan.vpp
         if name == "zbh1" and self._grad_buffers is not None:
-            from autotp.runtime.distributed_optimizer import ZBH1_REFUSED
-
             raise UserInputError(ZBH1_REFUSED)
         calls = [self._as_kwargs((), mb) for mb in micro]
         compiled = self._compiled_for(calls[0])
