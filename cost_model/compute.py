@@ -64,6 +64,7 @@ import torch
 from autotp.cost_model.communication import group_collective_s
 from autotp.cost_model.flops import TensorInfo, global_tensors, node_cost, op_name
 from autotp.cost_model.hardware import HardwareProfile
+from autotp.cost_model.liveness import SegmentMemory, simulate
 from autotp.cost_model.pipeline import balanced_cuts, layer_costs
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.passes.split_stages import repeatable
@@ -133,6 +134,7 @@ class Segment:
     collectives: tuple[Collective, ...]
     params: dict[str, int]
     activation_bytes: Affine
+    memory: SegmentMemory
 
     @property
     def ops(self) -> int:
@@ -365,6 +367,9 @@ class ModelCosts:
         for r in report.nodes:
             groups.setdefault(PREAMBLE if r.node in repeated else r.layer, []).append(r)
         owned = _params_by_segment(gm, report)
+        segment_of = {r.node: (PREAMBLE if r.node in repeated else r.layer) for r in report.nodes}
+        saved_by = {n: saved_inputs(n, grad) for n in gm.graph.nodes if n.op == "call_function"}
+        memory = simulate(gm, tensors, dependent, grad, saved_by, segment_of, self.batch)
 
         def segment(key: LayerKey) -> Segment:
             members = groups.get(key, [])
@@ -383,7 +388,8 @@ class ModelCosts:
             saved = sum(t.nbytes for x in kept for t in tensors[x] if t.dtype.is_floating_point)
             kinds = np.array([_kind(n) for n in calls], dtype=int)
             needs = np.array([n in grad for n in calls], dtype=bool)
-            return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), Affine(0, saved / self.batch))
+            return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), Affine(0, saved / self.batch),
+                           memory.get(key, SegmentMemory.empty()))
 
         layers = tuple(segment(i) for i in range(self.traced_layers))
         return RankCosts(plan, segment(EMBEDDING), layers, segment(HEAD), segment(PREAMBLE))
