@@ -339,16 +339,18 @@ class ModelCosts:
                 out.append((str(weight.target), float(flops[0, 1])))
         return tuple(out)
 
-    def rank(self, tp: int, replicate: frozenset[str] = frozenset(), gather_outputs: bool = True) -> RankCosts:
+    def rank(self, tp: int, replicate: frozenset[str] = frozenset(), gather_outputs: bool = True,
+             sequence_parallel: bool = False) -> RankCosts:  # fmt: skip
         """Rank 0's segments at ``tp`` with the linears in ``replicate`` kept whole (cached);
-        ``gather_outputs`` as in ``ParallelPlan``.
+        ``gather_outputs`` and ``sequence_parallel`` (only with tp > 1) as in ``ParallelPlan``.
 
         Raises plan_tensor_parallel's ValueError when tp does not divide the model.
         """
         if (tp, replicate) not in self._plans:
             self._plans[(tp, replicate)] = plan_tensor_parallel(self.gm, tp, replicate=replicate)
-        plan = replace(self._plans[(tp, replicate)], gather_outputs=gather_outputs)
-        key = (tp, plan.params, gather_outputs)
+        sequence_parallel = sequence_parallel and tp > 1
+        plan = replace(self._plans[(tp, replicate)], gather_outputs=gather_outputs, sequence_parallel=sequence_parallel)
+        key = (tp, plan.params, gather_outputs, sequence_parallel)
         if key not in self._ranks:
             self._ranks[key] = self._compile(plan)
         return self._ranks[key]

@@ -32,7 +32,9 @@ Per segment (``SegmentMemory``), with ``prefix`` the saved bytes of the segments
 the same in its backward, without parameter gradients; ``own_grads[j]`` this segment's
 parameter gradients allocated up to node j (first microbatch); ``grad_transient[j]`` the
 parameter gradient node j makes (later microbatches). ``saved`` is what it holds from its
-forward to its backward.
+forward to its backward; ``deferred`` what a zero-bubble schedule holds from its ``B`` to
+its ``W`` (``autotp.runtime.weight_grads``: each linear's input, once per storage, and
+output gradient).
 """
 
 from __future__ import annotations
@@ -72,11 +74,12 @@ class SegmentMemory:
     own_grads: np.ndarray
     grad_transient: np.ndarray
     param_grads: np.ndarray
+    deferred: np.ndarray  # what a zero-bubble W keeps after B: each weight linear's input and output gradient
 
     @staticmethod
     def empty() -> SegmentMemory:
         z = np.zeros((1, 2))
-        return SegmentMemory(np.zeros(2), z, z, z, z, np.zeros(2))
+        return SegmentMemory(np.zeros(2), z, z, z, z, np.zeros(2), np.zeros(2))
 
 
 def _is_view(node: Node, strided: set[Node]) -> bool:
@@ -208,8 +211,18 @@ def simulate(
         total = total - grads.pop(n, np.zeros(2))
         for r in by_saver.get(n, ()):
             total = total - live.pop(r, np.zeros(2))
+    deferred = {k: np.zeros(2) for k in segments}
+    inputs_held: set[Node] = set()
+    for n in calls:
+        weight = n.args[1] if op_name(n.target) == "linear" and len(n.args) > 1 else None
+        if weight in params and n.args[0] in root:
+            deferred[segment_of[n]] += size(n)
+            if root[n.args[0]] not in inputs_held:
+                inputs_held.add(root[n.args[0]])
+                deferred[segment_of[n]] += storage(root[n.args[0]])
     out = {}
     for k in segments:
         arr = {key: np.array(v) if v else np.zeros((1, 2)) for key, v in rows[k].items()}
-        out[k] = SegmentMemory(saved[k], arr["forward"], arr["backward"], arr["own"], arr["transient"], param_grads[k])
+        out[k] = SegmentMemory(saved[k], arr["forward"], arr["backward"], arr["own"], arr["transient"], param_grads[k],
+                               deferred[k])
     return out

@@ -37,7 +37,8 @@ and add each new one in place (a transient of its size).
 **A rank's peak** (``rank_peak_bytes``) is its persistent bytes (parameters and
 optimizer state, the distributed optimizer's gradient buffer; ``persistent_bytes``)
 plus the largest of, with h = ``in_flight`` and ``others`` = (h - 1) · the largest
-chunk's saved bytes (the other microbatches in flight):
+chunk's saved bytes (the other microbatches in flight; under ZB-H1 the r of them that
+wait for their ``W`` hold only its inputs, ``ChunkPeaks.deferred``):
 
 * a forward: others + the chunk's forward peak (+ all gradients once a backward ran
   before it: m > h);
@@ -96,12 +97,14 @@ class ChunkPeaks:
     forward: float
     first_backward: float
     later_backward: float
+    deferred: float  # held from a zero-bubble B to its W
 
 
 def chunk_peaks(parts: list[tuple[SegmentMemory, int]], batch: int) -> ChunkPeaks:
     """``parts``: the chunk's segments in forward order, each with its number of copies."""
     at = np.array([1.0, batch])
     values = []
+    deferred = sum(n * float(seg.deferred @ at) for seg, n in parts)
     for seg, copies in parts:
         values.append((
             float(seg.saved @ at), copies, float(seg.param_grads @ at), float(np.max(seg.forward @ at)),
@@ -118,7 +121,7 @@ def chunk_peaks(parts: list[tuple[SegmentMemory, int]], batch: int) -> ChunkPeak
         # backward runs the last copy first; the first copy sees the others' gradients instead of their activations
         first = max(first, last + grads_after + bwd_first, prefix + grads_after + (n - 1) * grads + bwd_first)
         prefix += n * saved
-    return ChunkPeaks(prefix, forward, first, later)
+    return ChunkPeaks(prefix, forward, first, later, deferred)
 
 
 def persistent_bytes(params: float, precision: str, distributed: bool, dp: int) -> float:
@@ -142,10 +145,12 @@ def rank_peak_bytes(
     held: int,
     microbatches: int,
     cuda_graph_bytes: float = 0.0,
+    deferred: int = 0,
 ) -> float:
-    """Peak live bytes of a rank holding ``params`` parameter elements and ``chunks`` (module docstring)."""
+    """Peak live bytes of a rank holding ``params`` parameter elements and ``chunks`` (module
+    docstring); ``deferred`` of the ``held`` microbatches wait for their zero-bubble W only."""
     grads = 0.0 if distributed else params * _precision(precision).grad  # the buffer is persistent
-    others = (held - 1) * max(c.saved for c in chunks)
+    others = (held - deferred - 1) * max(c.saved for c in chunks) + deferred * max(c.deferred for c in chunks)
     steady = microbatches > held
     peaks = [grads + optimizer_transient_bytes(params, precision, distributed, dp)]
     for c in chunks:

@@ -119,6 +119,7 @@ class Training:
     gather_outputs: bool = False
     cuda_graph_bytes: float = 0.0  # static buffers of one capture (one microbatch in flight)
     overlap_param_gather: bool = True  # the distributed optimizer's all-gather hides behind the next forward
+    sequence_parallel: bool = False  # with tp > 1 (``ParallelPlan.sequence_parallel``)
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ def estimate(
     """Predicted step time and memory of ``config`` (formulas in the module docstring)."""
     hw = cluster.hardware
     per_node = min(cluster.gpus, cluster.gpus_per_node)
-    rc = costs.rank(config.tp, replicate, training.gather_outputs)
+    rc = costs.rank(config.tp, replicate, training.gather_outputs, training.sequence_parallel)
     b, m, pp, vpp = config.microbatch_size, config.microbatches, config.pp, config.vpp
     chunks = pp * vpp
 
@@ -241,8 +242,9 @@ def estimate(
     for r in range(pp):
         params, tensors = _rank_params(chunk_params[r::pp])
         held = in_flight(config.schedule, pp, vpp, m, r)
+        deferred = held - in_flight("1f1b", pp, vpp, m, r) if config.schedule == "zbh1" else 0
         memories.append(rank_peak_bytes(params, training.precision, distributed, config.dp, chunk_mem[r::pp], held, m,
-                                        training.cuda_graph_bytes))
+                                        training.cuda_graph_bytes, deferred))
         if distributed:
             backward = BACKWARD_SHARE * sum(chunk_gpu[r::pp])
             forward = (1 - BACKWARD_SHARE) * sum(chunk_gpu[r::pp]) if training.overlap_param_gather and not training.cuda_graph_bytes else 0.0
@@ -339,7 +341,7 @@ def _expand_layers(costs: ModelCosts, names: tuple) -> tuple:
 def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwareProfile) -> PlanEstimate:
     """The ``ParallelPlan`` of an estimate, with its metrics."""
     cfg = est.config
-    rc: RankCosts = costs.rank(cfg.tp, est.replicate, training.gather_outputs)
+    rc: RankCosts = costs.rank(cfg.tp, est.replicate, training.gather_outputs, training.sequence_parallel)
     chunks = cfg.pp * cfg.vpp
     schedule = f", schedule {cfg.schedule}" if cfg.schedule else ""
     note = (

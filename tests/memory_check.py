@@ -65,7 +65,8 @@ def predict(case: Case, dims: tuple[int, ...] = DIMS) -> float:
     costs = trace_for_planning(config(dims), dims[6], dtype=DTYPE)
     b = case.global_batch // (case.dp * case.microbatches)
     cfg = _Scheduled(case.tp, case.pp, case.dp, case.vpp, b, case.microbatches, case.schedule)
-    training = Training(case.global_batch, precision(case), case.distributed_optimizer, gather_outputs=True)
+    training = Training(case.global_batch, precision(case), case.distributed_optimizer, gather_outputs=True,
+                        sequence_parallel=case.sequence_parallel)
     est = estimate(costs, Cluster(case.world, case.world, get_profile("cpu", calibrated=False)), training, cfg,
                    distributed=case.distributed_optimizer)  # fmt: skip
     return est.mem_bytes_per_gpu

@@ -5,7 +5,7 @@ backward through the autograd engine, optimizer, collectives) registers its stor
 once, with the storage's size; a storage leaves the count when its last reference dies
 (a C++ weak reference, checked before each op registers its outputs). Tensors alive when
 the mode is entered (parameters, gradients, optimizer state, inputs) are found through
-the garbage collector and count from the start. The peak is taken when an op's
+the garbage collector (after a collection) and count from the start. The peak is taken when an op's
 outputs are registered, while its inputs are still alive, as on a GPU.
 
 What it does not see: buffers an op allocates and frees inside its kernel (GPU
@@ -41,6 +41,7 @@ class PeakLiveBytes(TorchDispatchMode):
         self.marks: list[tuple[str, int]] = []
 
     def __enter__(self) -> PeakLiveBytes:
+        gc.collect()  # garbage in reference cycles is not alive
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # isinstance on deprecated module attributes warns
             found = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
