@@ -223,7 +223,8 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _validate_worker(rank: int, world: int, dims: tuple[int, ...], global_batch: int, plans: list) -> list[dict]:
+def _validate_worker(rank: int, world: int, dims: tuple[int, ...], global_batch: int, plans: list,
+                     snapshots: Path | None = None) -> list[dict]:  # fmt: skip
     from transformers import LlamaForCausalLM
     from transformers.utils import logging
 
@@ -247,6 +248,8 @@ def _validate_worker(rank: int, world: int, dims: tuple[int, ...], global_batch:
         optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-5, foreach=True)  # foreach: the GPU default, also on CPU
         times, train_peak = [], 0.0
         tracker = contextlib.nullcontext() if on_gpu else PeakLiveBytes()  # CPU: peak live tensor bytes
+        if snapshots and on_gpu:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         with tracker:
             for step in range(WARMUP + STEPS):
                 dist.barrier()
@@ -262,6 +265,10 @@ def _validate_worker(rank: int, world: int, dims: tuple[int, ...], global_batch:
                     times.append(time.perf_counter() - start)
         peak = (torch.cuda.max_memory_allocated() if on_gpu else tracker.peak) / 2**30
         results.append({"measured_s": statistics.median(times), "peak_gib": peak, "train_step_peak_gib": train_peak})
+        if snapshots and on_gpu:  # what was alive at the peak: drag onto https://pytorch.org/memory_viz
+            snapshots.mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(str(snapshots / f"dims{dims[0]}x{dims[2]}-plan{len(results)}-rank{rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
         del pm, optimizer
         if on_gpu:
             torch.cuda.empty_cache()
@@ -274,7 +281,7 @@ def _sync(on_gpu: bool) -> None:
         torch.cuda.synchronize()
 
 
-def validate(cpu: bool, top: int, json_path: Path | None, gpus: int) -> None:
+def validate(cpu: bool, top: int, json_path: Path | None, gpus: int, snapshots: Path | None = None) -> None:
     """Plan each held-out workload uncalibrated, run its top plans, then calibrate and re-predict."""
     from autotp.cost_model.candidates import Config
     from autotp.cost_model.hardware import get_profile
@@ -288,7 +295,7 @@ def validate(cpu: bool, top: int, json_path: Path | None, gpus: int) -> None:
         costs = trace_for_planning(model_config(dims), dims[6], dtype=dtype)
         training = Training(global_batch, precision, gather_outputs=True)
         planned = rank_plans(costs, Cluster(gpus, gpus, builtin), training, top=top)
-        measured = spawn_ranks(_validate_worker, gpus, dims, global_batch, [p.plan for p in planned],
+        measured = spawn_ranks(_validate_worker, gpus, dims, global_batch, [p.plan for p in planned], snapshots,
                                backend="gloo" if cpu else "nccl", timeout_s=1200)
         for i, p in enumerate(planned):
             m = max(measured, key=lambda r: r[i]["measured_s"])[i]
@@ -361,10 +368,11 @@ def main() -> None:
     parser.add_argument("--validate", action="store_true", help="held-out validation (see above) on 2 ranks")
     parser.add_argument("--top", type=int, default=4, help="plans per held-out workload to run (default: 4)")
     parser.add_argument("--gpus", type=int, default=2, help="ranks of the held-out validation (default: 2)")
+    parser.add_argument("--memory-snapshots", type=Path, help="--validate on GPUs: dump a CUDA memory snapshot per plan and rank here")
     args = parser.parse_args()
     if args.validate:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        validate(args.cpu or not torch.cuda.is_available(), args.top, args.json, args.gpus)
+        validate(args.cpu or not torch.cuda.is_available(), args.top, args.json, args.gpus, args.memory_snapshots)
         return
     if args.measured:
         saved = json.loads(args.measured.read_text())

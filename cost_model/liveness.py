@@ -20,7 +20,7 @@ pass their output's gradient on; slices allocate their whole input), then frees 
 output's gradient and the storages no earlier node still saves. A gradient reaching an
 input that already has one is added in place (the new one is a transient). The losses
 hold input-sized temporaries while they run: ``cross_entropy_loss`` the gradient of its
-log-softmax, the vocab-parallel loss three (``autotp.ir.ops``: exp, softmax, one-hot)
+log-softmax, the vocab-parallel loss four (``autotp.ir.ops``: exp, softmax, one-hot, their difference)
 backward and two forward.
 
 **Parameter gradients** are reported apart: ``param_grads`` is what a node's backward
@@ -61,7 +61,7 @@ _PASS_GRAD = {"add", "sub", "neg", "reduce_from_tp", "stage_boundary"}  # the gr
 _GRAD_COPIES = {"copy_to_tp"}  # a view forward; its backward all-reduces a copy of the gradient
 _OWN_SAVE = {"cross_entropy_loss"}  # keeps its log-softmax (input-sized), not its input
 _LOSS_FORWARD = {"cross_entropy_loss": 1, "vocab_parallel_cross_entropy": 2}  # input-sized buffers while it runs
-_LOSS_BACKWARD = {"cross_entropy_loss": 1, "vocab_parallel_cross_entropy": 3}
+_LOSS_BACKWARD = {"cross_entropy_loss": 1, "vocab_parallel_cross_entropy": 4}
 
 
 @dataclass(frozen=True, eq=False)

@@ -36,34 +36,38 @@ and add each new one in place (a transient of its size).
 
 **A rank's peak** (``rank_peak_bytes``) is its persistent bytes (parameters and
 optimizer state, the distributed optimizer's gradient buffer; ``persistent_bytes``)
-plus the largest of, with h = ``in_flight`` and ``others`` = (h - 1) · the largest
-chunk's saved bytes (the other microbatches in flight; under ZB-H1 the r of them that
-wait for their ``W`` hold only its inputs, ``ChunkPeaks.deferred``):
+plus the largest of, over the moments of its schedule (``schedule_moments``: each F, B
+and W of ``autotp.ir.schedules``, with what the other microbatches hold then):
 
-* a forward: others + the chunk's forward peak (+ all gradients once a backward ran
-  before it: m > h);
-* the first backward: others + the chunk's first-microbatch backward peak;
-* a later backward (m > h): others + all gradients + the chunk's later backward peak;
-* the optimizer step: all gradients + its temporaries (``optimizer_transient_bytes``:
+* what the others hold: the saved bytes of every microbatch-chunk whose forward ran and
+  backward did not, ``ChunkPeaks.deferred`` of every zero-bubble B waiting for its W,
+  and the parameter gradients of the chunks a backward (or W) already reached;
+* plus the running action's own peak: the chunk's forward peak; its backward peak (the
+  first one allocating the chunk's gradients as it goes, a later one adding each new
+  gradient in place); a W its deferred bytes (and, the first time, the gradients);
+* or the optimizer step: all gradients + its temporaries (``optimizer_transient_bytes``:
   foreach Adam computes sqrt of the second moment for every parameter at once, half the
   state bytes; over the 1/d slice with the distributed optimizer);
 
 plus the CUDA-graph buffers (static inputs and outputs of captured regions; 0 until
-regions are planned), h times: each microbatch in flight has its own capture
+regions are planned), once per microbatch in flight: each has its own capture
 (``autotp.runtime.cudagraphs``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from autotp.cost_model.liveness import SegmentMemory
+from autotp.ir import schedules
+from autotp.ir.schedules import Action
 from autotp.ir.training_step import PRECISIONS, TrainingStep
 from autotp.ir.training_step import precision as _precision
 
-__all__ = ["PRECISIONS", "ChunkPeaks", "bytes_per_param", "chunk_peaks", "grad_bytes_per_param", "in_flight", "rank_peak_bytes"]
+__all__ = ["PRECISIONS", "ChunkPeaks", "bytes_per_param", "chunk_peaks", "grad_bytes_per_param", "in_flight", "rank_peak_bytes", "schedule_moments"]
 
 
 def bytes_per_param(precision: str, distributed_optimizer: bool = False, dp: int = 1) -> float:
@@ -98,6 +102,7 @@ class ChunkPeaks:
     first_backward: float
     later_backward: float
     deferred: float  # held from a zero-bubble B to its W
+    grads: float  # its parameter gradients (in the parameters' dtype)
 
 
 def chunk_peaks(parts: list[tuple[SegmentMemory, int]], batch: int) -> ChunkPeaks:
@@ -121,7 +126,7 @@ def chunk_peaks(parts: list[tuple[SegmentMemory, int]], batch: int) -> ChunkPeak
         # backward runs the last copy first; the first copy sees the others' gradients instead of their activations
         first = max(first, last + grads_after + bwd_first, prefix + grads_after + (n - 1) * grads + bwd_first)
         prefix += n * saved
-    return ChunkPeaks(prefix, forward, first, later, deferred)
+    return ChunkPeaks(prefix, forward, first, later, deferred, sum(n * g for _, n, g, *_ in values))
 
 
 def persistent_bytes(params: float, precision: str, distributed: bool, dp: int) -> float:
@@ -136,26 +141,72 @@ def optimizer_transient_bytes(params: float, precision: str, distributed: bool, 
     return params * _precision(precision).optimizer_state / 2 / (dp if distributed else 1)
 
 
+@dataclass(frozen=True)
+class Moment:
+    """One action of a rank's schedule: what the other microbatches hold while it runs.
+
+    ``held[k]``: microbatches whose forward of local chunk k ran and backward did not;
+    ``deferred[k]``: zero-bubble backwards of chunk k waiting for their W; ``grads[k]``:
+    chunk k's parameter gradients exist; ``first``: this B or W allocates them."""
+
+    kind: str
+    chunk: int
+    held: tuple[int, ...]
+    deferred: tuple[int, ...]
+    grads: tuple[bool, ...]
+    first: bool
+
+
+@functools.lru_cache(maxsize=8192)
+def schedule_moments(name: str | None, pp: int, vpp: int, microbatches: int, rank: int) -> tuple[Moment, ...]:
+    """The distinct moments of rank ``rank``'s schedule (``None``: no pipeline, F then B per microbatch)."""
+    if name is None or pp == 1:
+        actions = [Action(kind, 0, i) for i in range(microbatches) for kind in "FB"]
+    else:
+        actions = schedules.schedule(name, pp, vpp, microbatches, rank)
+    chunks = vpp if name == "interleaved" else 1
+    held, deferred, grads = [0] * chunks, [0] * chunks, [False] * chunks
+    moments: dict[Moment, None] = {}
+    for a in actions:
+        c = a.chunk
+        if a.kind == "F":
+            moments[Moment("F", c, tuple(held), tuple(deferred), tuple(grads), False)] = None
+            held[c] += 1
+            continue
+        if a.kind == "B":
+            held[c] -= 1
+        else:
+            deferred[c] -= 1
+        moments[Moment(a.kind, c, tuple(held), tuple(deferred), tuple(grads), not grads[c])] = None
+        if a.kind == "B" and name == "zbh1":
+            deferred[c] += 1
+        else:
+            grads[c] = True
+    return tuple(moments)
+
+
 def rank_peak_bytes(
     params: float,
     precision: str,
     distributed: bool,
     dp: int,
     chunks: list[ChunkPeaks],
-    held: int,
-    microbatches: int,
+    moments: tuple[Moment, ...],
     cuda_graph_bytes: float = 0.0,
-    deferred: int = 0,
 ) -> float:
-    """Peak live bytes of a rank holding ``params`` parameter elements and ``chunks`` (module
-    docstring); ``deferred`` of the ``held`` microbatches wait for their zero-bubble W only."""
-    grads = 0.0 if distributed else params * _precision(precision).grad  # the buffer is persistent
-    others = (held - deferred - 1) * max(c.saved for c in chunks) + deferred * max(c.deferred for c in chunks)
-    steady = microbatches > held
-    peaks = [grads + optimizer_transient_bytes(params, precision, distributed, dp)]
-    for c in chunks:
-        peaks.append(others + c.forward + (grads if steady else 0.0))
-        peaks.append(others + (c.later_backward if distributed else c.first_backward))
-        if steady:
-            peaks.append(others + grads + c.later_backward)
-    return persistent_bytes(params, precision, distributed, dp) + max(peaks) + held * cuda_graph_bytes
+    """Peak live bytes of a rank holding ``params`` parameter elements and its ``chunks``
+    (in local order), over the ``moments`` of its schedule (module docstring)."""
+    plain = not distributed  # the distributed optimizer's gradient buffer is persistent
+    peaks = [params * _precision(precision).grad * plain + optimizer_transient_bytes(params, precision, distributed, dp)]
+    for mo in moments:
+        c = chunks[mo.chunk]
+        held = sum(n * k.saved for n, k in zip(mo.held, chunks)) + sum(n * k.deferred for n, k in zip(mo.deferred, chunks))
+        held += plain * sum(k.grads for done, k in zip(mo.grads, chunks) if done)
+        if mo.kind == "F":
+            peaks.append(held + c.forward)
+        elif mo.kind == "W":
+            peaks.append(held + c.deferred + plain * mo.first * c.grads)
+        else:
+            peaks.append(held + (c.first_backward if plain and mo.first else c.later_backward))
+    in_flight = max(sum(mo.held) + (mo.kind == "F") for mo in moments)
+    return persistent_bytes(params, precision, distributed, dp) + max(peaks) + in_flight * cuda_graph_bytes

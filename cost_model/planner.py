@@ -97,8 +97,8 @@ from autotp.cost_model.memory import (
     bytes_per_param,
     grad_bytes_per_param,
     chunk_peaks,
-    in_flight,
     rank_peak_bytes,
+    schedule_moments,
 )
 
 from autotp.ir.plan import DP_BUCKET_BYTES, ParallelPlan
@@ -241,10 +241,9 @@ def estimate(
     memories, syncs, optimizers = [], [], []
     for r in range(pp):
         params, tensors = _rank_params(chunk_params[r::pp])
-        held = in_flight(config.schedule, pp, vpp, m, r)
-        deferred = held - in_flight("1f1b", pp, vpp, m, r) if config.schedule == "zbh1" else 0
-        memories.append(rank_peak_bytes(params, training.precision, distributed, config.dp, chunk_mem[r::pp], held, m,
-                                        training.cuda_graph_bytes, deferred))
+        moments = schedule_moments(config.schedule, pp, vpp, m, r)
+        memories.append(rank_peak_bytes(params, training.precision, distributed, config.dp, chunk_mem[r::pp], moments,
+                                        training.cuda_graph_bytes))
         if distributed:
             backward = BACKWARD_SHARE * sum(chunk_gpu[r::pp])
             forward = (1 - BACKWARD_SHARE) * sum(chunk_gpu[r::pp]) if training.overlap_param_gather and not training.cuda_graph_bytes else 0.0
