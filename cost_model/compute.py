@@ -50,8 +50,8 @@ microbatch, not once per model.
 a matmul its activation operands; a mul or div each operand whose partner needs a
 gradient; attention q, k, v and its output; nonlinear elementwise ops, norms, softmax and
 the losses their input; adds, casts, views, concatenations, reductions and collectives
-nothing; any other op its inputs. A tensor saved by several ops counts once per segment;
-only tensors that depend on the inputs count (they scale with b).
+nothing; any other op its inputs. ``autotp.cost_model.liveness`` replays the forward and
+backward with them (``Segment.memory``).
 """
 
 from __future__ import annotations
@@ -133,7 +133,6 @@ class Segment:
     grad: np.ndarray
     collectives: tuple[Collective, ...]
     params: dict[str, int]
-    activation_bytes: Affine
     memory: SegmentMemory
 
     @property
@@ -386,12 +385,9 @@ class ModelCosts:
                 for r in members
                 for c in r.collectives
             )
-            kept = {x for n in calls for x in saved_inputs(n, grad) if x in dependent}
-            saved = sum(t.nbytes for x in kept for t in tensors[x] if t.dtype.is_floating_point)
             kinds = np.array([_kind(n) for n in calls], dtype=int)
             needs = np.array([n in grad for n in calls], dtype=bool)
-            return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), Affine(0, saved / self.batch),
-                           memory.get(key, SegmentMemory.empty()))
+            return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), memory.get(key, SegmentMemory.empty()))
 
         layers = tuple(segment(i) for i in range(self.traced_layers))
         return RankCosts(plan, segment(EMBEDDING), layers, segment(HEAD), segment(PREAMBLE))

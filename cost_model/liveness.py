@@ -118,9 +118,10 @@ def simulate(
     calls = [n for n in nodes if n.op == "call_function"]
     params = {n for n in nodes if n.op == "get_attr" and n in grad}
 
-    def size(n: Node) -> np.ndarray:
-        nbytes = sum(t.nbytes for t in tensors.get(n, ()))
-        return np.array([0.0, nbytes / batch]) if n in dependent else np.array([float(nbytes), 0.0])
+    def size(n: Node) -> np.ndarray:  # scalars (a loss) do not grow with the batch
+        scaled = sum(t.nbytes for t in tensors.get(n, ()) if t.shape) if n in dependent else 0
+        fixed = sum(t.nbytes for t in tensors.get(n, ())) - scaled
+        return np.array([float(fixed), scaled / batch])
 
     def storage(n: Node) -> np.ndarray:  # a loss that keeps its log-softmax holds that too
         return size(n) + size(n.args[0]) if op_name(n.target) in _OWN_SAVE else size(n)
