@@ -92,14 +92,8 @@ from autotp.cost_model.hardware import (
     load_profile,
     profile_for_gpu,
 )
-from autotp.cost_model.memory import (
-    PRECISIONS,
-    bytes_per_param,
-    grad_bytes_per_param,
-    chunk_peaks,
-    rank_peak_bytes,
-    schedule_moments,
-)
+from autotp.cost_model.memory import PRECISIONS, bytes_per_param, chunk_peaks, grad_bytes_per_param
+from autotp.cost_model.memory import rank_peak_bytes, schedule_moments
 
 from autotp.ir.plan import DP_BUCKET_BYTES, ParallelPlan
 from autotp.analysis.layers import layer_index, with_layer_index
