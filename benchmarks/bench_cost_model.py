@@ -28,6 +28,7 @@ time minus its optimizer time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -52,6 +53,7 @@ from autotp.cost_model.planner import (
 from transformers import LlamaConfig
 
 from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.live_memory import PeakLiveBytes
 
 GPUS_PER_NODE = 4
 WARMUP, STEPS = 3, 10
@@ -221,7 +223,8 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _validate_worker(rank: int, world: int, dims: tuple[int, ...], global_batch: int, plans: list) -> list[dict]:
+def _validate_worker(rank: int, world: int, dims: tuple[int, ...], global_batch: int, plans: list,
+                     snapshots: Path | None = None) -> list[dict]:  # fmt: skip
     from transformers import LlamaForCausalLM
     from transformers.utils import logging
 
@@ -242,22 +245,30 @@ def _validate_worker(rank: int, world: int, dims: tuple[int, ...], global_batch:
         pm = autotp.parallelize(model, tp=plan.tp, pp=plan.pp, dp=plan.dp, vpp=plan.vpp, plan=plan,
                                 example_inputs={"input_ids": micro, "labels": micro})
         del model
-        optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-5)
+        optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-5, foreach=True)  # foreach: the GPU default, also on CPU
         times, train_peak = [], 0.0
-        for step in range(WARMUP + STEPS):
-            dist.barrier()
-            _sync(on_gpu)
-            start = time.perf_counter()
-            pm.train_step(input_ids=ids, labels=ids)
-            if step == 0 and on_gpu:
-                train_peak = torch.cuda.max_memory_allocated() / 2**30
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            _sync(on_gpu)
-            if step >= WARMUP:
-                times.append(time.perf_counter() - start)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else 0.0
+        tracker = contextlib.nullcontext() if on_gpu else PeakLiveBytes()  # CPU: peak live tensor bytes
+        if snapshots and on_gpu:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        with tracker:
+            for step in range(WARMUP + STEPS):
+                dist.barrier()
+                _sync(on_gpu)
+                start = time.perf_counter()
+                pm.train_step(input_ids=ids, labels=ids)
+                if step == 0:
+                    train_peak = (torch.cuda.max_memory_allocated() if on_gpu else tracker.peak) / 2**30
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                _sync(on_gpu)
+                if step >= WARMUP:
+                    times.append(time.perf_counter() - start)
+        peak = (torch.cuda.max_memory_allocated() if on_gpu else tracker.peak) / 2**30
         results.append({"measured_s": statistics.median(times), "peak_gib": peak, "train_step_peak_gib": train_peak})
+        if snapshots and on_gpu:  # what was alive at the peak: drag onto https://pytorch.org/memory_viz
+            snapshots.mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(str(snapshots / f"dims{dims[0]}x{dims[2]}-plan{len(results)}-rank{rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
         del pm, optimizer
         if on_gpu:
             torch.cuda.empty_cache()
@@ -270,7 +281,7 @@ def _sync(on_gpu: bool) -> None:
         torch.cuda.synchronize()
 
 
-def validate(cpu: bool, top: int, json_path: Path | None, gpus: int) -> None:
+def validate(cpu: bool, top: int, json_path: Path | None, gpus: int, snapshots: Path | None = None) -> None:
     """Plan each held-out workload uncalibrated, run its top plans, then calibrate and re-predict."""
     from autotp.cost_model.candidates import Config
     from autotp.cost_model.hardware import get_profile
@@ -284,7 +295,7 @@ def validate(cpu: bool, top: int, json_path: Path | None, gpus: int) -> None:
         costs = trace_for_planning(model_config(dims), dims[6], dtype=dtype)
         training = Training(global_batch, precision, gather_outputs=True)
         planned = rank_plans(costs, Cluster(gpus, gpus, builtin), training, top=top)
-        measured = spawn_ranks(_validate_worker, gpus, dims, global_batch, [p.plan for p in planned],
+        measured = spawn_ranks(_validate_worker, gpus, dims, global_batch, [p.plan for p in planned], snapshots,
                                backend="gloo" if cpu else "nccl", timeout_s=1200)
         for i, p in enumerate(planned):
             m = max(measured, key=lambda r: r[i]["measured_s"])[i]
@@ -339,7 +350,7 @@ def validation_report(rows: list[dict], builtin: str, calibrated: str) -> str:
     with_memory = [r for r in rows if r["peak_gib"]]
     if with_memory:
         lines.append(f"memory MAPE: {statistics.mean(abs(r['predicted_gib'] / r['peak_gib'] - 1) for r in with_memory):.1%} "
-                     "(peak torch.cuda.max_memory_allocated, AdamW states included)")
+                     "(peak torch.cuda.max_memory_allocated, or on CPU autotp.runtime.live_memory.PeakLiveBytes; AdamW states included)")
     for model in dict.fromkeys(r["model"] for r in rows):
         members = [r for r in rows if r["model"] == model]
         fastest = min(members, key=lambda r: r["measured_s"])
@@ -357,10 +368,11 @@ def main() -> None:
     parser.add_argument("--validate", action="store_true", help="held-out validation (see above) on 2 ranks")
     parser.add_argument("--top", type=int, default=4, help="plans per held-out workload to run (default: 4)")
     parser.add_argument("--gpus", type=int, default=2, help="ranks of the held-out validation (default: 2)")
+    parser.add_argument("--memory-snapshots", type=Path, help="--validate on GPUs: dump a CUDA memory snapshot per plan and rank here")
     args = parser.parse_args()
     if args.validate:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        validate(args.cpu or not torch.cuda.is_available(), args.top, args.json, args.gpus)
+        validate(args.cpu or not torch.cuda.is_available(), args.top, args.json, args.gpus, args.memory_snapshots)
         return
     if args.measured:
         saved = json.loads(args.measured.read_text())

@@ -55,8 +55,8 @@ microbatch, not once per model.
 a matmul its activation operands; a mul or div each operand whose partner needs a
 gradient; attention q, k, v and its output; nonlinear elementwise ops, norms, softmax and
 the losses their input; adds, casts, views, concatenations, reductions and collectives
-nothing; any other op its inputs. A tensor saved by several ops counts once per segment;
-only tensors that depend on the inputs count (they scale with b).
+nothing; any other op its inputs. ``autotp.cost_model.liveness`` replays the forward and
+backward with them (``Segment.memory``).
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ import torch
 from autotp.cost_model.communication import group_collective_s, overlapped_s
 from autotp.cost_model.flops import TensorInfo, global_tensors, node_cost, op_name
 from autotp.cost_model.hardware import HardwareProfile
+from autotp.cost_model.liveness import SegmentMemory, simulate
 from autotp.cost_model.pipeline import balanced_cuts, layer_costs
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.passes.split_stages import repeatable
@@ -139,7 +140,7 @@ class Segment:
     grad: np.ndarray
     collectives: tuple[Collective, ...]
     params: dict[str, int]
-    activation_bytes: Affine
+    memory: SegmentMemory
     # GEMMs each node runs as: 1, or t per weight for the overlapped collectives' chunks.
     pieces: np.ndarray | None = None
 
@@ -365,6 +366,7 @@ class ModelCosts:
         """
         if (tp, replicate) not in self._plans:
             self._plans[(tp, replicate)] = plan_tensor_parallel(self.gm, tp, replicate=replicate)
+        sequence_parallel = sequence_parallel and tp > 1
         plan = replace(self._plans[(tp, replicate)], gather_outputs=gather_outputs, sequence_parallel=sequence_parallel,
                        tp_overlap=tp_overlap)  # fmt: skip
         key = (tp, plan.params, gather_outputs, sequence_parallel, tp_overlap)
@@ -386,6 +388,9 @@ class ModelCosts:
         for r in report.nodes:
             groups.setdefault(PREAMBLE if r.node in repeated else r.layer, []).append(r)
         owned = _params_by_segment(gm, report)
+        segment_of = {r.node: (PREAMBLE if r.node in repeated else r.layer) for r in report.nodes}
+        saved_by = {n: saved_inputs(n, grad) for n in gm.graph.nodes if n.op == "call_function"}
+        memory = simulate(gm, tensors, dependent, grad, saved_by, segment_of, self.batch)
 
         def segment(key: LayerKey) -> Segment:
             members = groups.get(key, [])
@@ -400,12 +405,11 @@ class ModelCosts:
                 for r in members
                 for c in r.collectives
             )
-            kept = {x for n in calls for x in saved_inputs(n, grad) if x in dependent}
-            saved = sum(t.nbytes for x in kept for t in tensors[x] if t.dtype.is_floating_point)
             kinds = np.array([_kind(n) for n in calls], dtype=int)
             pieces = np.array([gemm_pieces(n) for n in calls], dtype=float)
             needs = np.array([n in grad for n in calls], dtype=bool)
-            return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), Affine(0, saved / self.batch), pieces)
+            return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), memory.get(key, SegmentMemory.empty()),
+                           pieces)  # fmt: skip
 
         layers = tuple(segment(i) for i in range(self.traced_layers))
         return RankCosts(plan, segment(EMBEDDING), layers, segment(HEAD), segment(PREAMBLE))

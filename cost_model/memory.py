@@ -25,19 +25,49 @@ on pipeline rank r of p, with m microbatches and v chunks per rank:
 * ZB-H1: min(p, m) on every rank (1F1B's p-r, plus the r microbatches whose weight
   gradients it defers; their autograd graphs stay until their ``W``).
 
-Rank 0 holds the most. A rank's memory (``rank_memory_bytes``) is its parameters times
-``bytes_per_param``, plus ``in_flight`` times the activation bytes of one of its chunks,
+**Live bytes of a microbatch in a chunk** (``chunk_peaks``) come from the node-by-node
+replay of the rank graph (``autotp.cost_model.liveness``: what is alive at every
+forward and backward node, per segment), composed over the chunk's segments in order
+(preamble, embedding, layers, head): a segment's nodes see its own live bytes plus the
+saved bytes of every segment before it (a layer repeated n times: n-1 more copies).
+The backward of the first microbatch allocates the parameter gradients as it reaches
+them (those of later segments are alive); later microbatches find them all allocated
+and add each new one in place (a transient of its size).
+
+**A rank's peak** (``rank_peak_bytes``) is its persistent bytes (parameters and
+optimizer state, the distributed optimizer's gradient buffer; ``persistent_bytes``)
+plus the largest of, over the moments of its schedule (``schedule_moments``: each F, B
+and W of ``autotp.ir.schedules``, with what the other microbatches hold then):
+
+* what the others hold: the saved bytes of every microbatch-chunk whose forward ran and
+  backward did not, ``ChunkPeaks.deferred`` of every zero-bubble B waiting for its W,
+  and the parameter gradients of the chunks a backward (or W) already reached;
+* plus the running action's own peak: the chunk's forward peak; its backward peak (the
+  first one allocating the chunk's gradients as it goes, a later one adding each new
+  gradient in place); a W its deferred bytes (and, the first time, the gradients);
+* or the optimizer step: all gradients + its temporaries (``optimizer_transient_bytes``:
+  foreach Adam computes sqrt of the second moment for every parameter at once, half the
+  state bytes; over the 1/d slice with the distributed optimizer);
+
 plus the CUDA-graph buffers (static inputs and outputs of captured regions; 0 until
-regions are planned), also ``in_flight`` times: each microbatch in flight has its own
-capture (``autotp.runtime.cudagraphs``).
+regions are planned), once per microbatch in flight: each has its own capture
+(``autotp.runtime.cudagraphs``).
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from autotp.cost_model.liveness import SegmentMemory
+from autotp.ir import schedules
+from autotp.ir.schedules import Action
 from autotp.ir.training_step import PRECISIONS, TrainingStep
 from autotp.ir.training_step import precision as _precision
 
-__all__ = ["PRECISIONS", "bytes_per_param", "grad_bytes_per_param", "in_flight", "rank_memory_bytes"]
+__all__ = ["PRECISIONS", "ChunkPeaks", "bytes_per_param", "chunk_peaks", "grad_bytes_per_param", "in_flight", "rank_peak_bytes", "schedule_moments"]
 
 
 def bytes_per_param(precision: str, distributed_optimizer: bool = False, dp: int = 1) -> float:
@@ -63,13 +93,120 @@ def in_flight(schedule: str | None, pp: int, vpp: int, microbatches: int, rank: 
     return min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, microbatches * vpp)
 
 
-def rank_memory_bytes(
+@dataclass(frozen=True)
+class ChunkPeaks:
+    """Live bytes of one microbatch through a chunk at a microbatch size (module docstring)."""
+
+    saved: float
+    forward: float
+    first_backward: float
+    later_backward: float
+    deferred: float  # held from a zero-bubble B to its W
+    grads: float  # its parameter gradients (in the parameters' dtype)
+
+
+def chunk_peaks(parts: list[tuple[SegmentMemory, int]], batch: int) -> ChunkPeaks:
+    """``parts``: the chunk's segments in forward order, each with its number of copies."""
+    at = np.array([1.0, batch])
+    values = []
+    deferred = sum(n * float(seg.deferred @ at) for seg, n in parts)
+    for seg, copies in parts:
+        values.append((
+            float(seg.saved @ at), copies, float(seg.param_grads @ at), float(np.max(seg.forward @ at)),
+            float(np.max((seg.backward + seg.own_grads) @ at)), float(np.max((seg.backward + seg.grad_transient) @ at)),
+        ))  # fmt: skip
+    forward = first = later = 0.0
+    prefix = 0.0
+    grads_after = sum(n * g for _, n, g, *_ in values)
+    for saved, n, grads, fwd, bwd_first, bwd_later in values:
+        grads_after -= n * grads
+        last = prefix + (n - 1) * saved  # the last copy: every earlier one's saved bytes are alive
+        forward = max(forward, last + fwd)
+        later = max(later, last + bwd_later)
+        # backward runs the last copy first; the first copy sees the others' gradients instead of their activations
+        first = max(first, last + grads_after + bwd_first, prefix + grads_after + (n - 1) * grads + bwd_first)
+        prefix += n * saved
+    return ChunkPeaks(prefix, forward, first, later, deferred, sum(n * g for _, n, g, *_ in values))
+
+
+def persistent_bytes(params: float, precision: str, distributed: bool, dp: int) -> float:
+    """Parameters and optimizer state; with the distributed optimizer also its gradient buffer."""
+    p = _precision(precision)
+    if distributed:
+        return params * (p.param + p.grad + p.sharded / dp)
+    return params * (p.param + p.sharded)
+
+
+def optimizer_transient_bytes(params: float, precision: str, distributed: bool, dp: int) -> float:
+    return params * _precision(precision).optimizer_state / 2 / (dp if distributed else 1)
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One action of a rank's schedule: what the other microbatches hold while it runs.
+
+    ``held[k]``: microbatches whose forward of local chunk k ran and backward did not;
+    ``deferred[k]``: zero-bubble backwards of chunk k waiting for their W; ``grads[k]``:
+    chunk k's parameter gradients exist; ``first``: this B or W allocates them."""
+
+    kind: str
+    chunk: int
+    held: tuple[int, ...]
+    deferred: tuple[int, ...]
+    grads: tuple[bool, ...]
+    first: bool
+
+
+@functools.lru_cache(maxsize=8192)
+def schedule_moments(name: str | None, pp: int, vpp: int, microbatches: int, rank: int) -> tuple[Moment, ...]:
+    """The distinct moments of rank ``rank``'s schedule (``None``: no pipeline, F then B per microbatch)."""
+    if name is None or pp == 1:
+        actions = [Action(kind, 0, i) for i in range(microbatches) for kind in "FB"]
+    else:
+        actions = schedules.schedule(name, pp, vpp, microbatches, rank)
+    chunks = vpp if name == "interleaved" else 1
+    held, deferred, grads = [0] * chunks, [0] * chunks, [False] * chunks
+    moments: dict[Moment, None] = {}
+    for a in actions:
+        c = a.chunk
+        if a.kind == "F":
+            moments[Moment("F", c, tuple(held), tuple(deferred), tuple(grads), False)] = None
+            held[c] += 1
+            continue
+        if a.kind == "B":
+            held[c] -= 1
+        else:
+            deferred[c] -= 1
+        moments[Moment(a.kind, c, tuple(held), tuple(deferred), tuple(grads), not grads[c])] = None
+        if a.kind == "B" and name == "zbh1":
+            deferred[c] += 1
+        else:
+            grads[c] = True
+    return tuple(moments)
+
+
+def rank_peak_bytes(
     params: float,
     precision: str,
-    distributed_optimizer: bool,
+    distributed: bool,
     dp: int,
-    activation_bytes: float,
+    chunks: list[ChunkPeaks],
+    moments: tuple[Moment, ...],
     cuda_graph_bytes: float = 0.0,
 ) -> float:
-    """Model states of ``params`` parameters plus the activations and CUDA-graph buffers held."""
-    return params * bytes_per_param(precision, distributed_optimizer, dp) + activation_bytes + cuda_graph_bytes
+    """Peak live bytes of a rank holding ``params`` parameter elements and its ``chunks``
+    (in local order), over the ``moments`` of its schedule (module docstring)."""
+    plain = not distributed  # the distributed optimizer's gradient buffer is persistent
+    peaks = [params * _precision(precision).grad * plain + optimizer_transient_bytes(params, precision, distributed, dp)]
+    for mo in moments:
+        c = chunks[mo.chunk]
+        held = sum(n * k.saved for n, k in zip(mo.held, chunks)) + sum(n * k.deferred for n, k in zip(mo.deferred, chunks))
+        held += plain * sum(k.grads for done, k in zip(mo.grads, chunks) if done)
+        if mo.kind == "F":
+            peaks.append(held + c.forward)
+        elif mo.kind == "W":
+            peaks.append(held + c.deferred + plain * mo.first * c.grads)
+        else:
+            peaks.append(held + (c.first_backward if plain and mo.first else c.later_backward))
+    in_flight = max(sum(mo.held) + (mo.kind == "F") for mo in moments)
+    return persistent_bytes(params, precision, distributed, dp) + max(peaks) + in_flight * cuda_graph_bytes

@@ -48,7 +48,7 @@ then dp, then pp):
   (``dp_sync.sharded_optimizer_s``); ``train_step`` does not run it, the step time includes it;
 * step = pipeline + gradient sync + optimizer; tokens/s = B·s/step;
   MFU = 3 · forward FLOPs of B samples / (step · gpus · peak FLOP/s);
-* memory per GPU: the fullest rank's ``memory.rank_memory_bytes``;
+* memory per GPU: the fullest rank's ``memory.rank_peak_bytes`` (live bytes replayed from the graph);
 * small linears: a linear whose sharding saves less compute per microbatch,
   (1 - 1/t) · 3 · its forward FLOPs / GEMM rate, than one tp all-reduce's latency costs
   is replicated (``plan_tensor_parallel(replicate=...)``) when that estimate is faster.
@@ -92,13 +92,8 @@ from autotp.cost_model.hardware import (
     load_profile,
     profile_for_gpu,
 )
-from autotp.cost_model.memory import (
-    PRECISIONS,
-    bytes_per_param,
-    grad_bytes_per_param,
-    in_flight,
-    rank_memory_bytes,
-)
+from autotp.cost_model.memory import PRECISIONS, bytes_per_param, chunk_peaks, grad_bytes_per_param
+from autotp.cost_model.memory import rank_peak_bytes, schedule_moments
 
 from autotp.ir.plan import DP_BUCKET_BYTES, ParallelPlan
 from autotp.analysis.layers import layer_index, with_layer_index
@@ -118,6 +113,7 @@ class Training:
     gather_outputs: bool = False
     cuda_graph_bytes: float = 0.0  # static buffers of one capture (one microbatch in flight)
     overlap_param_gather: bool = True  # the distributed optimizer's all-gather hides behind the next forward
+    sequence_parallel: bool = False  # with tp > 1 (``ParallelPlan.sequence_parallel``)
 
 
 @dataclass(frozen=True)
@@ -206,7 +202,7 @@ def estimate(
     """Predicted step time and memory of ``config`` (formulas in the module docstring)."""
     hw = cluster.hardware
     per_node = min(cluster.gpus, cluster.gpus_per_node)
-    rc = costs.rank(config.tp, replicate, training.gather_outputs)
+    rc = costs.rank(config.tp, replicate, training.gather_outputs, training.sequence_parallel)
     b, m, pp, vpp = config.microbatch_size, config.microbatches, config.pp, config.vpp
     chunks = pp * vpp
 
@@ -215,12 +211,11 @@ def estimate(
 
     layers = [timed(seg) for seg in rc.layers]
     preamble = timed(rc.preamble)
-    ends = {0: [(rc.embedding, timed(rc.embedding))], chunks - 1: [(rc.head, timed(rc.head))]}
-    if chunks == 1:
-        ends = {0: ends[0] + ends[chunks - 1]}
+    ends: dict[int, list] = {0: [(rc.embedding, timed(rc.embedding))]}
+    ends.setdefault(chunks - 1, []).append((rc.head, timed(rc.head)))
     in_node = config.tp * config.dp * pp <= per_node
     hop = p2p_s(costs.hidden_bytes * b, hw.p2p_link if in_node else hw.inter_node)
-    chunk_s, chunk_gpu, chunk_comm, chunk_act, chunk_params = [], [], [], [], []
+    chunk_s, chunk_gpu, chunk_comm, chunk_mem, chunk_params = [], [], [], [], []
     for c, counts in enumerate(_chunk_layers(costs, chunks)):
         parts = [(rc.layers[j], layers[j], n) for j, n in counts.items()] + [(seg, st, 1) for seg, st in ends.get(c, [])]
         parts.append((rc.preamble, preamble, 1))
@@ -230,7 +225,9 @@ def estimate(
         chunk_s.append(sum(n * st.total_s for _, st, n in parts) + recv + accumulate + hw.call_host_s)
         chunk_gpu.append(sum(n * st.gpu_s for _, st, n in parts) + recv + accumulate)
         chunk_comm.append(sum(n * st.comm_s for _, st, n in parts) + recv)
-        chunk_act.append(sum(n * seg.activation_bytes.at(b) for seg, _, n in parts))
+        ordered = [(rc.preamble, 1)] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.embedding]
+        ordered += [(rc.layers[j], n) for j, n in sorted(counts.items())] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.head]
+        chunk_mem.append(chunk_peaks([(seg.memory, n) for seg, n in ordered], b))
         chunk_params.append([(seg.params, n) for seg, _, n in parts])
     pipeline, bubble = pipeline_time_s(chunk_s, chunk_gpu, pp, vpp, m, config.schedule or "1f1b")
 
@@ -238,9 +235,9 @@ def estimate(
     memories, syncs, optimizers = [], [], []
     for r in range(pp):
         params, tensors = _rank_params(chunk_params[r::pp])
-        held = in_flight(config.schedule, pp, vpp, m, r)
-        graphs = held * training.cuda_graph_bytes
-        memories.append(rank_memory_bytes(params, training.precision, distributed, config.dp, held * max(chunk_act[r::pp]), graphs))
+        moments = schedule_moments(config.schedule, pp, vpp, m, r)
+        memories.append(rank_peak_bytes(params, training.precision, distributed, config.dp, chunk_mem[r::pp], moments,
+                                        training.cuda_graph_bytes))
         if distributed:
             backward = BACKWARD_SHARE * sum(chunk_gpu[r::pp])
             forward = (1 - BACKWARD_SHARE) * sum(chunk_gpu[r::pp]) if training.overlap_param_gather and not training.cuda_graph_bytes else 0.0
@@ -337,7 +334,7 @@ def _expand_layers(costs: ModelCosts, names: tuple) -> tuple:
 def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwareProfile) -> PlanEstimate:
     """The ``ParallelPlan`` of an estimate, with its metrics."""
     cfg = est.config
-    rc: RankCosts = costs.rank(cfg.tp, est.replicate, training.gather_outputs)
+    rc: RankCosts = costs.rank(cfg.tp, est.replicate, training.gather_outputs, training.sequence_parallel)
     chunks = cfg.pp * cfg.vpp
     schedule = f", schedule {cfg.schedule}" if cfg.schedule else ""
     note = (

@@ -1,0 +1,229 @@
+"""Which tensors are alive at each node of one microbatch's forward and backward: ``simulate``.
+
+The compiled rank graph runs eagerly, node by node, under autograd; this replays that
+run on the local shapes and counts the bytes of live tensor storage at every step, as
+``torch.cuda.max_memory_allocated`` sees them (checked against ``PeakLiveBytes`` on CPU,
+``tests/test_memory_model.py``). Every byte count is ``const + per_sample·b`` (a row of
+``[const, per_sample]``) at microbatch size b, as in ``autotp.cost_model.compute``.
+
+**Forward**, in graph order: a node allocates its output unless it aliases its first
+input (views, ``to`` of the same dtype, in-place ops; ``reshape`` and ``contiguous`` copy
+a non-contiguous input: one made by transpose, permute, expand or slice). A storage dies
+after its last forward use unless a node saves it for backward
+(``compute.saved_inputs``); graph outputs other than the loss die when the forward
+returns. ``cross_entropy_loss`` keeps its log-softmax (input size) and the vocab-parallel
+loss its input.
+
+**Backward**, in reverse graph order over the nodes that need a gradient: each allocates
+the gradient of each input that needs one (views, ``add`` and the identity collectives
+pass their output's gradient on; slices allocate their whole input), then frees its
+output's gradient and the storages no earlier node still saves. A gradient reaching an
+input that already has one is added in place (the new one is a transient). The losses
+hold input-sized temporaries while they run: ``cross_entropy_loss`` the gradient of its
+log-softmax, the vocab-parallel loss four (``autotp.ir.ops``: exp, softmax, one-hot, their difference)
+backward and two forward.
+
+**Parameter gradients** are reported apart: ``param_grads`` is what a node's backward
+allocates for parameters (``.grad`` keeps it on the first microbatch; later ones add it
+in place, a transient of that size).
+
+Per segment (``SegmentMemory``), with ``prefix`` the saved bytes of the segments before it:
+``forward[j]`` = live bytes at its j-th forward node minus ``prefix``; ``backward[j]``
+the same in its backward, without parameter gradients; ``own_grads[j]`` this segment's
+parameter gradients allocated up to node j (first microbatch); ``grad_transient[j]`` the
+parameter gradient node j makes (later microbatches). ``saved`` is what it holds from its
+forward to its backward; ``deferred`` what a zero-bubble schedule holds from its ``B`` to
+its ``W`` (``autotp.runtime.weight_grads``: each linear's input, once per storage, and
+output gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from torch.fx import GraphModule, Node
+
+from autotp.analysis.layers import LayerKey
+from autotp.analysis.local_shapes import TensorInfo
+from autotp.analysis.op_kinds import op_name
+
+_VIEWS = {
+    "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten", "alias", "detach",
+    "getitem", "expand", "transpose", "t", "permute", "slice", "select", "narrow", "split", "split_with_sizes",
+    "chunk", "unbind", "as_strided", "contiguous", "view_as", "reshape_as", "expand_as", "lift_fresh",
+    "copy_to_tp", "stage_boundary",
+}  # fmt: skip
+_STRIDED = {"expand", "transpose", "t", "permute", "slice", "select", "narrow", "expand_as", "as_strided"}
+_COPY_IF_STRIDED = {"reshape", "contiguous", "flatten", "reshape_as"}
+_WHOLE_INPUT_GRAD = {"slice", "select", "narrow", "expand", "expand_as", "as_strided"}  # zeros + copy, or a sum
+_PASS_GRAD = {"add", "sub", "neg", "reduce_from_tp", "stage_boundary"}  # the gradient of each input is a view of the output's
+_GRAD_COPIES = {"copy_to_tp"}  # a view forward; its backward all-reduces a copy of the gradient
+_OWN_SAVE = {"cross_entropy_loss"}  # keeps its log-softmax (input-sized), not its input
+_LOSS_FORWARD = {"cross_entropy_loss": 1, "vocab_parallel_cross_entropy": 2}  # input-sized buffers while it runs
+_LOSS_BACKWARD = {"cross_entropy_loss": 1, "vocab_parallel_cross_entropy": 4}
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentMemory:
+    """One segment's share of a microbatch's live bytes (module docstring); arrays are [nodes, 2]."""
+
+    saved: np.ndarray
+    forward: np.ndarray
+    backward: np.ndarray
+    own_grads: np.ndarray
+    grad_transient: np.ndarray
+    param_grads: np.ndarray
+    deferred: np.ndarray  # what a zero-bubble W keeps after B: each weight linear's input and output gradient
+
+    @staticmethod
+    def empty() -> SegmentMemory:
+        z = np.zeros((1, 2))
+        return SegmentMemory(np.zeros(2), z, z, z, z, np.zeros(2), np.zeros(2))
+
+
+def _is_view(node: Node, strided: set[Node]) -> bool:
+    name = op_name(node.target)
+    if name.endswith("_") and not name.startswith("_"):
+        return True  # in place
+    if name in ("to", "_to_copy", "type_as"):
+        src = node.args[0]
+        return isinstance(src, Node) and _dtype(src) == _dtype(node)
+    if name in _COPY_IF_STRIDED:
+        src = node.args[0]
+        return not (isinstance(src, Node) and src in strided)
+    return name in _VIEWS
+
+
+def _dtype(node: Node) -> object:
+    val = node.meta.get("val")
+    return getattr(val, "dtype", None)
+
+
+def simulate(
+    gm: GraphModule,
+    tensors: dict[Node, list[TensorInfo]],
+    dependent: set[Node],
+    grad: set[Node],
+    saved_by: dict[Node, list[Node]],
+    segment_of: dict[Node, LayerKey],
+    batch: int,
+) -> dict[LayerKey, SegmentMemory]:
+    """Live bytes of one microbatch through ``gm``, per segment (module docstring).
+
+    ``saved_by[n]``: the inputs node n keeps for its backward; ``segment_of``: each call
+    node's segment; ``batch``: the traced batch size (``dependent`` nodes scale with it).
+    """
+    nodes = list(gm.graph.nodes)
+    calls = [n for n in nodes if n.op == "call_function"]
+    params = {n for n in nodes if n.op == "get_attr" and n in grad}
+
+    def size(n: Node) -> np.ndarray:  # scalars (a loss) do not grow with the batch
+        scaled = sum(t.nbytes for t in tensors.get(n, ()) if t.shape) if n in dependent else 0
+        fixed = sum(t.nbytes for t in tensors.get(n, ())) - scaled
+        return np.array([float(fixed), scaled / batch])
+
+    def storage(n: Node) -> np.ndarray:  # a loss that keeps its log-softmax holds that too
+        return size(n) + size(n.args[0]) if op_name(n.target) in _OWN_SAVE else size(n)
+
+    # ---- storages: every call node's root (the node that allocated what it reads) ----
+    root: dict[Node, Node] = {}
+    strided: set[Node] = set()
+    for n in calls:
+        src = next((a for a in n.all_input_nodes if a in root), None)
+        if _is_view(n, strided) and src is not None:
+            root[n] = root[src]
+            if op_name(n.target) in _STRIDED or src in strided:
+                strided.add(n)
+        else:
+            root[n] = n
+    position = {n: i for i, n in enumerate(nodes)}
+    last_use: dict[Node, int] = {}
+    for n in calls:
+        for u in n.users:
+            last_use[root[n]] = max(last_use.get(root[n], 0), position[u])
+    kept: dict[Node, Node] = {}  # saved storage -> the earliest node saving it (its backward frees it)
+    for n in calls:
+        for x in [n] if op_name(n.target) in _OWN_SAVE else saved_by.get(n, ()):
+            if x in root:
+                kept.setdefault(root[x], n)
+    output = next(n for n in nodes if n.op == "output")
+    outputs = {root[a] for a in output.all_input_nodes if a in root}
+
+    segments = list(dict.fromkeys(segment_of[n] for n in calls))
+    saved = {k: np.zeros(2) for k in segments}
+    for r in kept:
+        saved[segment_of[r]] += storage(r)
+    prefix: dict[LayerKey, np.ndarray] = {}
+    running = np.zeros(2)
+    for k in segments:
+        prefix[k] = running.copy()
+        running = running + saved[k]
+    rows: dict[LayerKey, dict[str, list]] = {k: {"forward": [], "backward": [], "own": [], "transient": []} for k in segments}
+
+    # ---- forward ----
+    live: dict[Node, np.ndarray] = {}
+    total = np.zeros(2)
+    for n in calls:
+        if root[n] is n:
+            live[n] = storage(n)
+            total = total + live[n]
+        if n in grad:
+            loss = _LOSS_FORWARD.get(op_name(n.target), 0) - (op_name(n.target) in _OWN_SAVE)
+            rows[segment_of[n]]["forward"].append(total + loss * size(n.args[0]) - prefix[segment_of[n]])
+        for r in {root[a] for a in n.all_input_nodes if a in root} | {root[n]}:
+            if r in live and r not in kept and last_use.get(r, -1) <= position[n] and r not in outputs:
+                total = total - live.pop(r)
+    for r in outputs - set(kept):
+        if r in live:
+            total = total - live.pop(r)
+
+    # ---- backward ----
+    grads: dict[Node, np.ndarray] = {}  # node -> bytes of the gradient of its output it owns
+    seen_grad: set[Node] = set()
+    by_saver: dict[Node, list[Node]] = {}
+    for r, saver in kept.items():
+        by_saver.setdefault(saver, []).append(r)
+    param_grads = {k: np.zeros(2) for k in segments}
+    for n in reversed(calls):
+        if n not in grad:
+            continue
+        name = op_name(n.target)
+        k = segment_of[n]
+        step = np.zeros(2)  # transients of this node
+        pg = np.zeros(2)
+        passes = name in _PASS_GRAD or (root[n] is not n and name not in _WHOLE_INPUT_GRAD | _GRAD_COPIES)
+        for x in dict.fromkeys(n.all_input_nodes):
+            if x in params:
+                pg = pg + size(x)
+            elif x in grad and x in root:
+                g = np.zeros(2) if passes else size(x)
+                if x in seen_grad:
+                    step = step + g
+                else:
+                    seen_grad.add(x)
+                    grads[x] = g
+                    total = total + g
+        step = step + _LOSS_BACKWARD.get(name, 0) * size(n.args[0])
+        param_grads[k] = param_grads[k] + pg
+        rows[k]["backward"].append(total + step - prefix[k])
+        rows[k]["own"].append(param_grads[k].copy())
+        rows[k]["transient"].append(pg)
+        total = total - grads.pop(n, np.zeros(2))
+        for r in by_saver.get(n, ()):
+            total = total - live.pop(r, np.zeros(2))
+    deferred = {k: np.zeros(2) for k in segments}
+    inputs_held: set[Node] = set()
+    for n in calls:
+        weight = n.args[1] if op_name(n.target) == "linear" and len(n.args) > 1 else None
+        if weight in params and n.args[0] in root:
+            deferred[segment_of[n]] += size(n)
+            if root[n.args[0]] not in inputs_held:
+                inputs_held.add(root[n.args[0]])
+                deferred[segment_of[n]] += storage(root[n.args[0]])
+    out = {}
+    for k in segments:
+        arr = {key: np.array(v) if v else np.zeros((1, 2)) for key, v in rows[k].items()}
+        out[k] = SegmentMemory(saved[k], arr["forward"], arr["backward"], arr["own"], arr["transient"], param_grads[k],
+                               deferred[k])
+    return out
