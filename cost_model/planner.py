@@ -202,7 +202,7 @@ def estimate(
     """Predicted step time and memory of ``config`` (formulas in the module docstring)."""
     hw = cluster.hardware
     per_node = min(cluster.gpus, cluster.gpus_per_node)
-    rc = costs.rank(config.tp, replicate, training.gather_outputs, training.sequence_parallel)
+    rc = costs.rank(config.tp, replicate, training.gather_outputs, sequence_parallel=training.sequence_parallel)
     b, m, pp, vpp = config.microbatch_size, config.microbatches, config.pp, config.vpp
     chunks = pp * vpp
 
@@ -334,7 +334,7 @@ def _expand_layers(costs: ModelCosts, names: tuple) -> tuple:
 def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwareProfile) -> PlanEstimate:
     """The ``ParallelPlan`` of an estimate, with its metrics."""
     cfg = est.config
-    rc: RankCosts = costs.rank(cfg.tp, est.replicate, training.gather_outputs, training.sequence_parallel)
+    rc: RankCosts = costs.rank(cfg.tp, est.replicate, training.gather_outputs, sequence_parallel=training.sequence_parallel)
     chunks = cfg.pp * cfg.vpp
     schedule = f", schedule {cfg.schedule}" if cfg.schedule else ""
     note = (
