@@ -50,6 +50,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from autotp.analysis.op_kinds import mutated_base
 from autotp.ir import meta_keys, ops
 from autotp.ir import schedules
 from autotp.ir.errors import source_line
@@ -190,20 +191,6 @@ def _inner_blocker(node: Node, gm: GraphModule, ctx: PassContext, opaque: dict[A
     return None
 
 
-def _mutated_base(node: Node) -> Node | None:
-    """The tensor an in-place op writes, traced back through views to the node that made it."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.is_mutable or not node.args or not isinstance(node.args[0], Node):
-        return None
-    base = node.args[0]
-    while base.op == "call_function" and base.args and isinstance(base.args[0], Node):
-        view = getattr(base.target, "_schema", None)
-        if view is None or view.is_mutable or not view.returns or view.returns[0].alias_info is None:
-            break
-        base = base.args[0]
-    return base
-
-
 def _runs(gm: GraphModule, ctx: PassContext) -> list[list[Node]]:
     """Tag blockers and return the maximal runs of capturable nodes.
 
@@ -228,7 +215,7 @@ def _runs(gm: GraphModule, ctx: PassContext) -> list[list[Node]]:
         if node.op != "call_function":
             continue
         blocker = _blocker(node, ctx, opaque, blocked) or _inner_blocker(node, gm, ctx, opaque)
-        base = _mutated_base(node)
+        base = mutated_base(node)
         if blocker is None and base is not None and base.op != "get_attr" and base not in current_set:
             blocker = Blocker(MUTATION, f"writes in place to '{base.name}', made outside its region", node.name, source_line(node))
             if base in in_runs:
@@ -259,7 +246,7 @@ def _breaks_edge(node: Node, inside: set[Node]) -> bool:
     place to a tensor made outside the run."""
     if not isinstance(node.meta.get("val"), torch.Tensor) and any(u not in inside for u in node.users):
         return True
-    base = _mutated_base(node)
+    base = mutated_base(node)
     if base is not None and base.op != "get_attr" and base not in inside:
         return True
     return any(a not in inside and a.op == "call_function" and not isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)

@@ -155,6 +155,33 @@ class BufferBlock(_Block):
         return self.down(F.gelu(self.up(x) + self.mlp_bias))
 
 
+class FrozenBiasBlock(_Block):
+    """A frozen per-channel correction bias (a Parameter without grad) scaled before use: every
+    pipeline chunk repeats the scaling, and only the chunk of this block reads the result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.correction = nn.Parameter(torch.linspace(-1, 1, 2 * HIDDEN), requires_grad=False)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x) + self.correction * 0.5))
+
+
+class RescalingBlock(_Block):
+    """Rescales its output weight in place the first time it runs in eval mode, behind a flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rescaled = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training and not self.rescaled:
+            with torch.no_grad():
+                self.o.weight.div_(2)
+            self.rescaled = True
+        return super().forward(x)
+
+
 class Cache:
     """A key/value cache object, as generation code returns (not a tensor, no pytree)."""
 
@@ -183,10 +210,24 @@ class TinyLM(nn.Module):
         logits = self.head(self.norm(x))
         out: dict[str, Any] = {"logits": logits}
         if labels is not None:
-            out["loss"] = F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
+            out["loss"] = self.loss(logits, labels)
         if self.return_cache:
             out["past_key_values"] = cache
         return out
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
+
+
+class ShiftedTargetsLM(TinyLM):
+    """Next-token targets written into a buffer made from the labels (through a view), as
+    ProphetNet's n-gram loss does: the buffer depends on the inputs only, so every pipeline
+    chunk repeats it, its in-place writes included."""
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        targets = labels.new_zeros(labels.shape).fill_(-100)
+        targets[:, :-1] = labels[:, 1:]
+        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=-100)
 
 
 MODELS: dict[str, Any] = {
@@ -198,6 +239,9 @@ MODELS: dict[str, Any] = {
     "expert_loop": lambda: TinyLM(ExpertLoopBlock),
     "buffer": lambda: TinyLM(BufferBlock),
     "cache": lambda: TinyLM(return_cache=True),
+    "frozen_bias": lambda: TinyLM(FrozenBiasBlock),
+    "shifted_targets": lambda: ShiftedTargetsLM(),
+    "rescaling": lambda: TinyLM(RescalingBlock),
 }
 
 

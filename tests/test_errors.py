@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -213,6 +214,38 @@ def test_a_stage_that_raises_reaches_the_waiting_peer_within_30_s(backend: str, 
         print(results)
         assert "boom in the loss of the last stage" in results[0]["error"] and results[0]["after_s"] < 30, results
     assert time.monotonic() - start < 90
+
+
+def _failure_then_new_watch(rank: int, world: int) -> tuple[str | None, str | None]:
+    import torch.distributed as dist
+
+    from autotp.runtime.guards import FailureWatch
+
+    first = FailureWatch()  # a model whose first call failed on rank 1
+    if rank == 1:
+        with pytest.raises(RuntimeError), first.call():
+            raise RuntimeError("the first model failed")
+    dist.barrier()
+    second = FailureWatch()  # the next model, in its first call
+    with second.call():
+        stale = second._peer_cause()
+    dist.barrier()
+    if rank == 1:
+        with pytest.raises(RuntimeError), second.call():
+            raise RuntimeError("the second model failed")
+    dist.barrier()
+    with second.call() if rank == 0 else contextlib.nullcontext():
+        noticed = second._peer_cause() if rank == 0 else None
+    return stale, noticed
+
+
+def test_a_failure_of_one_model_does_not_fail_the_next() -> None:
+    """A failed call of one ParallelModel is no peer failure for the next model's calls (the
+    sweep's roformer: a tp=2 failure aborted the pp=2 model built after it), but a failure of
+    that next model still is."""
+    (stale0, noticed0), (stale1, _) = run_on_ranks(_failure_then_new_watch, 2, timeout_s=120)
+    assert stale0 is None and stale1 is None, (stale0, stale1)
+    assert noticed0 is not None and "rank 1 failed: RuntimeError: the second model failed" in noticed0, noticed0
 
 
 def _raise_user_error(rank: int, world: int) -> None:

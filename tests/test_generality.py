@@ -61,6 +61,25 @@ def test_buffer_read_by_a_later_stage_only_at_pp2() -> None:
     assert all(f < 0.75 for r in fractions for f in r.values()), fractions
 
 
+def test_repeated_values_at_pp2() -> None:
+    """A frozen parameter that chunk 1 reads through a repeated op is bound on its rank (no
+    FakeTensor left), and in-place writes into a repeated label buffer run in every chunk
+    that reads it (no silent NaN loss)."""
+    fractions = run_on_ranks(_check_on_rank, 2, ["frozen_bias", "shifted_targets"], 1, 2, timeout_s=500)
+    assert all(f < 0.75 for r in fractions for f in r.values()), fractions
+
+
+def test_forward_that_writes_a_parameter_is_refused_with_its_name() -> None:
+    import autotp
+
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with pytest.raises(ValueError, match=r"writes its parameter blocks\.0\.o\.weight in place \(aten\.div_.*general_models\.py"):
+        autotp.compile_rank(build_general("rescaling"), tp=2, example_inputs={"input_ids": ids, "labels": ids})
+    model = build_general("rescaling")
+    model(input_ids=ids)  # the write happens once, before parallelize: nothing left to refuse
+    autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": ids})
+
+
 def test_per_head_vector_follows_the_heads() -> None:
     import autotp
 

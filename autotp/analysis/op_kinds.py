@@ -61,3 +61,17 @@ def op_kind(target: Any) -> OpKind:
 def is_matmul(node: Node) -> bool:
     """A matmul of either kind (dense or grouped) in a ``call_function`` node."""
     return node.op == "call_function" and op_kind(node.target).is_matmul
+
+
+def mutated_base(node: Node) -> Node | None:
+    """The tensor an in-place op writes, traced back through views to the node that made it."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable or not node.args or not isinstance(node.args[0], Node):
+        return None
+    base = node.args[0]
+    while base.op == "call_function" and base.args and isinstance(base.args[0], Node):
+        view = getattr(base.target, "_schema", None)
+        if view is None or view.is_mutable or not view.returns or view.returns[0].alias_info is None:
+            break
+        base = base.args[0]
+    return base

@@ -30,7 +30,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
 from torch.fx import GraphModule
 
-from autotp.analysis.trace_guards import custom_functions, refuse_custom_functions, strip_opaque_outputs
+from autotp.analysis.trace_guards import custom_functions, refuse_custom_functions, refuse_parameter_writes, strip_opaque_outputs
 from autotp.ir.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     refuse_custom_functions(type(model).__name__, functions)
     gm = ep.module()
     _clean(gm)
+    refuse_parameter_writes(type(model).__name__, gm)
     return gm
 
 

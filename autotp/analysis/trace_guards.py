@@ -10,6 +10,10 @@
   Function and once through its forward's ops, and refuses the model, naming the
   Function and its module, when the gradients differ (or when the inputs are too large
   to check); a hand-written backward that is the forward's derivative (Bloom's GELU) passes.
+* **Parameters written in place.** A forward that writes a parameter in place (RWKV
+  rescales its weights under ``no_grad`` the first time it runs in eval mode, behind a
+  Python flag that the trace cannot see) would write it again on every call and every
+  pipeline microbatch of the traced graph; ``refuse_parameter_writes`` refuses it.
 * **Non-tensor outputs.** A forward that returns a cache object (or any other value that
   is neither a tensor nor a Python scalar) cannot be exported; ``strip_opaque_outputs``
   is a forward hook that replaces such values by ``None`` in the root's output.
@@ -26,8 +30,10 @@ from typing import Any
 
 import torch
 from torch.autograd.function import Function
+from torch.fx import GraphModule, Node
 
-from autotp.ir.errors import UserInputError
+from autotp.analysis.op_kinds import mutated_base
+from autotp.ir.errors import UserInputError, source_line
 
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
 
@@ -163,3 +169,43 @@ def strip_opaque_outputs(module: torch.nn.Module, args: Any, output: Any) -> Any
     if all(isinstance(x, _PLAIN) for x in leaves):
         return output
     return torch.utils._pytree.tree_unflatten([x if isinstance(x, _PLAIN) else None for x in leaves], spec)
+
+
+def refuse_parameter_writes(model_name: str, gm: GraphModule) -> None:
+    """Raise ``UserInputError`` naming the first parameter that the traced forward writes in place."""
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    roots = {n: str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and str(n.target) in params}
+    found = _parameter_write(gm, roots)
+    if found is None:
+        return
+    name, node = found
+    line = source_line(node) or "an unknown line"
+    raise UserInputError(
+        f"the forward of {model_name} writes its parameter {name} in place ({node.target} at {line}). autotp runs the "
+        f"traced forward on every call and every pipeline microbatch, so the write would repeat there, while the "
+        f"model may do it once (behind a Python flag the trace cannot see) and autograd may need the old value. "
+        f"Fix: do the write before parallelize (for a write on the first call only, run the model once in the mode "
+        f"it will run in), or keep the value in a buffer or a tensor computed in forward."
+    )
+
+
+def _parameter_write(gm: GraphModule, roots: dict[Node, str]) -> tuple[str, Node] | None:
+    """(parameter, writing node) for the first in-place write of a parameter in ``gm``, looking
+    into the subgraphs of higher-order ops (``wrap_with_set_grad_enabled``), whose operands
+    follow the subgraph's ``get_attr``; ``roots``: the nodes that are parameters."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        base = mutated_base(node)
+        if base is not None and base in roots:
+            return roots[base], node
+        for i, a in enumerate(node.args):
+            sub = getattr(gm, str(a.target), None) if isinstance(a, Node) and a.op == "get_attr" else None
+            if not isinstance(sub, GraphModule):
+                continue
+            placeholders = [p for p in sub.graph.nodes if p.op == "placeholder"]
+            inner = {p: roots[o] for p, o in zip(placeholders, node.args[i + 1 :]) if isinstance(o, Node) and o in roots}
+            found = _parameter_write(sub, inner) if inner else None
+            if found is not None:
+                return found
+    return None

@@ -49,8 +49,9 @@ def add_check_command(subparsers: argparse._SubParsersAction) -> None:
         help="numerics bisector: the first node where the parallel model diverges from the reference",
         description="Build MODEL in fp32 with random weights, parallelize it on tp*pp local gloo workers and "
         "run it against the unmodified model on the same random batch: every forward activation (made whole: "
-        "partial values summed, shards gathered; with --pp 1) and every parameter's grad is compared, and the "
-        "first node beyond tolerance is named with its source line and layout. Exit status 1 when one diverges.",
+        "partial values summed, shards gathered; with --pp > 1, each stage's on its rank) and every parameter's "
+        "grad (with --pp > 1, over pp microbatches) is compared, and the first node beyond tolerance is named with "
+        "its source line, layout and pipeline chunk. Exit status 1 when one diverges.",
     )
     check.add_argument("model", metavar="MODEL", help=f"a preset ({', '.join(presets.preset_names())}) or a local "
                        "folder holding config.json; small models only (built on the CPU in fp32)")  # fmt: skip

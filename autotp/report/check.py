@@ -4,15 +4,19 @@ inputs and name the first node that diverges.
 ``check_numerics`` runs on every rank of a process group (tp·pp ranks, as
 ``autotp.parallelize``). It parallelizes a copy of the model, then
 
-1. with pp = 1, runs this rank's graph and the unsharded traced graph (with the model's
-   real weights) node by node (``torch.fx.Interpreter``); every node that both graphs
-   hold (same name) is made whole (partial values are summed over the tp ranks, sharded
-   ones gathered along their layout's ranges) and compared, in graph order;
+1. runs the unsharded traced graph (with the model's real weights) and this rank's
+   graph node by node (``torch.fx.Interpreter``): with pp = 1 the whole graph, with
+   pp > 1 each pipeline chunk this rank holds, inside one forward of the pipeline (one
+   microbatch); every node that both graphs hold (same name) is made whole (partial
+   values are summed over the tp ranks, sharded ones gathered along their layout's
+   ranges) and compared; the pipeline ranks then pool what they found, in the
+   reference graph's order;
 2. runs one forward and backward of both models and compares the loss and every
    parameter's gradient (unsharded).
 
-The ``Divergence`` it reports names the node, its op, its source line and its layout,
-and the largest difference; ``CheckReport.ok`` is whether nothing diverged.
+The ``Divergence`` it reports names the node, its op, its source line, its layout and
+(with pp > 1) its pipeline chunk, and the largest difference; ``CheckReport.ok`` is
+whether nothing diverged.
 """
 
 from __future__ import annotations
@@ -48,9 +52,12 @@ class Divergence:
     layout: str
     max_abs_diff: float
     max_abs_ref: float
+    chunk: int | None = None  # the pipeline chunk that computed it (pp > 1)
 
     def __str__(self) -> str:
         where = f" at {self.source}" if self.source else ""
+        if self.chunk is not None:
+            where += f" in pipeline chunk {self.chunk}"
         return (
             f"{self.what} {self.name} ({self.op}){where}, layout {self.layout}: max |diff| "
             f"{self.max_abs_diff:.3g} (max |reference| {self.max_abs_ref:.3g})"
@@ -161,6 +168,34 @@ def _whole(local: torch.Tensor, layout: Any, tp: int, group: dist.ProcessGroup |
     return full
 
 
+def _parallel_values(pm: Any, kwargs: dict[str, Any]) -> dict[str, tuple[torch.Tensor, Node, int | None]]:
+    """Every tensor this rank's graph computes in one forward: node name -> (value, node,
+    pipeline chunk); with pp > 1, of the chunks this rank runs, through the pipeline."""
+    if pm.plan.num_chunks == 1:
+        recorder = _Recorder(pm.graph_for(**kwargs))
+        with torch.no_grad():
+            recorder.run(*_flat_inputs(recorder.module, kwargs))
+        nodes = {n.name: n for n in recorder.module.graph.nodes}
+        return {name: (v, nodes[name], None) for name, v in recorder.values.items()}
+    chunks = pm._compiled_for(pm._as_kwargs((), kwargs)).chunks
+    recorders = {c: _Recorder(cg.graph) for c, cg in chunks.items()}
+    runs = {c: cg.run for c, cg in chunks.items()}
+    for c, cg in chunks.items():
+        cg.run = recorders[c].run
+    try:
+        with torch.no_grad():
+            pm(**kwargs)
+    finally:
+        for c, cg in chunks.items():
+            cg.run = runs[c]
+    out: dict[str, tuple[torch.Tensor, Node, int | None]] = {}
+    for c, recorder in sorted(recorders.items()):
+        nodes = {n.name: n for n in recorder.module.graph.nodes}
+        for name, v in recorder.values.items():
+            out.setdefault(name, (v, nodes[name], c))
+    return out
+
+
 def _differs(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> tuple[bool, float, float]:
     if got.shape != ref.shape:
         return True, float("inf"), float(ref.abs().max()) if ref.numel() and ref.is_floating_point() else 0.0
@@ -183,41 +218,54 @@ def check_numerics(
     example_inputs: dict[str, Any] | None = None,
     rtol: float = RTOL,
     atol: float = ATOL,
+    microbatches: int | None = None,
 ) -> CheckReport:
     """Compare the parallel model with ``model`` on ``example_inputs`` (which must yield a
-    ``loss``: pass ``labels``); call on every rank of a tp·pp world. ``model`` is not modified."""
+    ``loss``: pass ``labels``); call on every rank of a tp·pp world. ``model`` is not modified.
+    With pp > 1 the grads come from ``train_step`` over ``microbatches`` (default: pp, the
+    fewest that 1F1B takes); the activations from one forward of the whole batch."""
     kwargs = example_kwargs(model, example_inputs)
     reference = copy.deepcopy(model)
     pm = parallelize(copy.deepcopy(model), tp=tp, pp=pp, example_inputs=kwargs)
     report = CheckReport(tp, pp)
-    if pp == 1:
-        group = collectives.get_group(pm._coords.tp_key) if tp > 1 else None
-        ref_graph = _with_weights(trace(model, kwargs, "cpu"), reference)
-        rec_ref, rec_par = _Recorder(ref_graph), _Recorder(pm.graph_for(**kwargs))
-        with torch.no_grad():
-            rec_ref.run(*_flat_inputs(ref_graph, kwargs))
-            rec_par.run(*_flat_inputs(rec_par.module, kwargs))
-        par_nodes = {n.name: n for n in rec_par.module.graph.nodes}
-        for node in ref_graph.graph.nodes:
-            if node.op == "get_attr" or node.name not in rec_ref.values or node.name not in rec_par.values:
-                continue  # parameters are compared through their grads
-            layout = par_nodes[node.name].meta.get(meta_keys.LAYOUT)
-            full = _whole(rec_par.values[node.name], layout, tp, group)
-            if full is None or full.shape != rec_ref.values[node.name].shape:
-                report.uncomparable.append(node.name)
-                continue
-            report.activations_compared += 1
-            bad, diff, scale = _differs(full, rec_ref.values[node.name], rtol, atol)
-            if bad:
-                lay = layout.describe(tp) if isinstance(layout, Layout) else "replicated"
-                report.divergences.append(Divergence("activation", node.name, str(node.target), _source_line(node), lay, diff, scale))
+    ref_graph = _with_weights(trace(model, kwargs, "cpu"), reference)
+    rec_ref = _Recorder(ref_graph)
+    with torch.no_grad():
+        rec_ref.run(*_flat_inputs(ref_graph, kwargs))
+    values = _parallel_values(pm, kwargs)
+    group = collectives.get_group(pm._coords.tp_key) if tp > 1 else None
+    compared: set[str] = set()
+    found: list[tuple[int, Divergence]] = []
+    for index, node in enumerate(ref_graph.graph.nodes):
+        if node.op == "get_attr" or node.name not in rec_ref.values or node.name not in values:
+            continue  # parameters are compared through their grads
+        value, par_node, chunk = values[node.name]
+        layout = par_node.meta.get(meta_keys.LAYOUT)
+        full = _whole(value, layout, tp, group)
+        if full is None or full.shape != rec_ref.values[node.name].shape:
+            report.uncomparable.append(node.name)
+            continue
+        compared.add(node.name)
+        bad, diff, scale = _differs(full, rec_ref.values[node.name], rtol, atol)
+        if bad:
+            lay = layout.describe(tp) if isinstance(layout, Layout) else "replicated"
+            divergence = Divergence("activation", node.name, str(node.target), _source_line(node), lay, diff, scale, chunk)
+            found.append((index, divergence))
+    if pp > 1:  # every pipeline rank compared its own chunks: pool them in graph order
+        pooled: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(pooled, (compared, report.uncomparable, found))
+        compared = set().union(*(c for c, _, _ in pooled))
+        report.uncomparable = sorted({n for _, u, _ in pooled for n in u} - compared)
+        found = sorted({(i, d.name): (i, d) for _, _, f in pooled for i, d in f}.values(), key=lambda x: x[0])
+    report.activations_compared = len(compared)
+    report.divergences = [d for _, d in found]
     ref_loss = _loss(reference(**kwargs))
     ref_loss.backward()
     if pp == 1:
         loss = _loss(pm(**kwargs))
         loss.backward()
     else:
-        loss = pm.train_step(**kwargs, num_microbatches=1)
+        loss = pm.train_step(**kwargs, num_microbatches=microbatches or pp)
     report.loss_diff = float((loss.detach().double() - ref_loss.detach().double()).abs())
     grads = pm.unshard_grads()
     layouts = {p.name: p for p in pm.plan.params}

@@ -8,7 +8,8 @@
 * ``explain_retrace_failure``: a new input signature that fails to trace is compared with
   the signatures traced before, to name the argument whose dtype or rank changed.
 * ``FailureWatch``: a rank whose call raises posts the cause under ``FAILURE_KEY`` in
-  the default store. A thread on every rank polls it; when another rank failed while
+  the default store (one key per watch, i.e. per ``ParallelModel``: every rank builds
+  its models in the same order, and a failure of one model must not fail the next). A thread on every rank polls it; when another rank failed while
   this one is inside a call, it aborts the process groups (NCCL ops then fail at once)
   and, if the call is still blocked ``_EXIT_AFTER_S`` later (gloo waits cannot be
   aborted), prints the cause and exits the process, as torchrun would.
@@ -132,7 +133,11 @@ class FailureWatch:
     every rank raised in the same call concerns nobody.
     """
 
+    _made = 0  # watches made by this process
+
     def __init__(self) -> None:
+        FailureWatch._made += 1
+        self._key = f"{FAILURE_KEY}/{FailureWatch._made}"
         self._store = dist.distributed_c10d._get_default_store()
         self._rank = dist.get_rank()
         self._call = 0
@@ -165,15 +170,15 @@ class FailureWatch:
             return PeerFailure(f"{cause} (rank {self._rank} saw: {type(error).__name__}: {_first_line(error)})")
         self._own_failures.add(self._call)
         try:
-            self._store.set(FAILURE_KEY, f"{self._rank} {self._call} rank {self._rank} failed: {type(error).__name__}: {_first_line(error)}")
+            self._store.set(self._key, f"{self._rank} {self._call} rank {self._rank} failed: {type(error).__name__}: {_first_line(error)}")
         except RuntimeError as store_error:  # the store's host is gone: nobody is left to tell
             log.debug("could not post the failure: %s", store_error)
         return error
 
     def _peer_cause(self) -> str | None:
-        if not self._store.check([FAILURE_KEY]):
+        if not self._store.check([self._key]):
             return None
-        rank, call, cause = self._store.get(FAILURE_KEY).decode().split(" ", 2)
+        rank, call, cause = self._store.get(self._key).decode().split(" ", 2)
         n = int(call)
         if int(rank) == self._rank or not (n == self._call or (n == self._call - 1 and n not in self._own_failures)):
             return None

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
+from autotp.ir import meta_keys
 from autotp.ir.plan import ParallelPlan, ParamLayout
 from autotp.runtime import collectives
 from autotp.runtime.groups import Coords
@@ -63,8 +64,29 @@ def graph_param_chunks(gm: GraphModule) -> ParamChunks:
     params = dict(gm.named_parameters(remove_duplicate=False))
     for node in gm.graph.nodes:
         if node.op == "get_attr" and str(node.target) in params:
-            out.setdefault(str(node.target), set()).update(u.meta.get("autotp_chunk") or 0 for u in node.users)
+            out.setdefault(str(node.target), set()).update(_reader_chunks(node))
     return out
+
+
+def _reader_chunks(node: Node) -> set[int]:
+    """The chunks that run a reader of ``node``, looking through the nodes that every chunk
+    repeats (chunk None: a parameter read through them, e.g. a frozen bias cast with ``to``,
+    belongs to the chunks that use the result); 0 in a graph without chunks."""
+    chunks: set[int] = set()
+    seen: set[Node] = set()
+    stack = list(node.users)
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if meta_keys.CHUNK not in user.meta:
+            chunks.add(0)
+        elif user.meta[meta_keys.CHUNK] is not None:
+            chunks.add(user.meta[meta_keys.CHUNK])
+        else:
+            stack.extend(user.users)
+    return chunks
 
 
 class Parameters:

@@ -23,6 +23,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from autotp.ir.errors import UserInputError
 from autotp.analysis.local_shapes import local_shape
+from autotp.analysis.op_kinds import mutated_base
 from autotp.ir import meta_keys, ops, schedules
 from autotp.runtime.cudagraphs import CapturedGraph
 from autotp.runtime.weight_grads import WeightGradStore, defer_weight_grads
@@ -88,6 +89,13 @@ def extract_chunks(gm: GraphModule, num_chunks: int, tp: int, only: Sequence[int
     """Per-chunk graphs of a graph marked by ``split_stages`` (``only``: these chunks)."""
     nodes = list(gm.graph.nodes)
     boundaries = {c: [n for n in nodes if n.target is ops.STAGE_BOUNDARY and n.args[1] == c] for c in range(num_chunks)}
+    # In-place writes into a value that every chunk repeats (``labels.new_zeros(...)`` filled
+    # through a view): no node reads them, so each chunk that needs the value repeats its writes.
+    repeated_writes: dict[Node, list[Node]] = {}
+    for n in nodes:
+        base = mutated_base(n) if n.op == "call_function" else None
+        if base is not None and n.meta.get(meta_keys.CHUNK) is None:
+            repeated_writes.setdefault(base, []).append(n)
     out: dict[int, ChunkGraph] = {}
     for c in only if only is not None else range(num_chunks):
         is_last = c == num_chunks - 1
@@ -103,6 +111,7 @@ def extract_chunks(gm: GraphModule, num_chunks: int, tp: int, only: Sequence[int
             if n.target is ops.STAGE_BOUNDARY and n.args[1] == c:
                 continue  # received, not computed
             stack.extend(a for a in n.all_input_nodes if a.meta.get(meta_keys.CHUNK) is None or a in own)
+            stack.extend(repeated_writes.get(n, []))
         graph = Graph()
         env: dict[Node, Node] = {}
         inputs = [n for n in nodes if n.op == "placeholder" and n in needed]
