@@ -207,6 +207,25 @@ class PositionAttentionBlock(_Block):
         return self.o((probs @ self.heads(self.v(x))).transpose(1, 2).reshape(b, s, HIDDEN))
 
 
+class SinkBlock(_Block):
+    """A learned per-head sink logit concatenated to the scores, then dropped after the
+    softmax (attention sinks), with the max subtracted first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sinks = nn.Parameter(torch.linspace(-1, 1, HEADS))
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
+        future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        scores = self.scores(q, k).masked_fill(future, float("-inf"))
+        logits = torch.cat([scores, self.sinks.view(1, HEADS, 1, 1).expand(b, HEADS, s, 1)], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = logits.softmax(-1)[..., :-1]
+        return self.o((probs @ v).transpose(1, 2).reshape(b, s, HIDDEN))
+
+
 class RelativeBiasBlock(_Block):
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         h = self.norm1(x)
@@ -291,6 +310,7 @@ MODELS: dict[str, Any] = {
     "slope_mask": lambda: TinyLM(SlopeMaskBlock),
     "position_attention": lambda: TinyLM(PositionAttentionBlock),
     "relative_bias": RelativeBiasLM,
+    "sinks": lambda: TinyLM(SinkBlock),
 }
 
 

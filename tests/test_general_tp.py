@@ -1,7 +1,8 @@
 """Attention patterns that crashed or gave wrong numbers at tp=2 in the registry sweep
 (issue 20), each on a small model of our own (``general_models``): per-head SDPA masks
-(doge, gpt_oss, granite_swa...), a matmul whose head dim is whole on one side, and a
-per-head bias looked up in a vocab-parallel table and shared by the layers (cpmant, T5)."""
+(doge, granite_swa...), a matmul whose head dim is whole on one side, a per-head bias
+looked up in a vocab-parallel table and shared by the layers (cpmant, T5), and attention
+sinks concatenated to the scores (gpt_oss)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from distributed import run_on_ranks
 from general_models import VOCAB, build_general
 from test_generality import _check_on_rank
 
-PATTERNS = ["gated_mask", "slope_mask", "position_attention", "relative_bias"]
+PATTERNS = ["gated_mask", "slope_mask", "position_attention", "relative_bias", "sinks"]
 
 
 def test_attention_patterns_match_at_tp2_and_hold_a_shard() -> None:

@@ -137,22 +137,21 @@ def needs_whole_dim(w: Walker, node: Node) -> Any:
     if d is None:
         if lay.dims:
             raise ShardingConflict(f"{describe(node)}: reduces a sharded tensor", lay.origins())
+        reduced = list(range(nd))
     else:
-        dl = [d] if isinstance(d, int) else list(d)
-        for dd in dl:
-            if lay.var_at(norm_dim(dd, nd)) is not None:
+        reduced = [norm_dim(dd, nd) for dd in ([d] if isinstance(d, int) else list(d))]
+        for dd in reduced:
+            if lay.var_at(dd) is not None:
                 raise ShardingConflict(f"{describe(node)}: needs a sharded dim whole", lay.origins())
     val = node.meta.get("val")
-    keep_shape = isinstance(val, torch.Tensor) and tuple(val.shape) == tuple(shape_of(x) or ())
-    if isinstance(val, (tuple, list)):
-        if all(tuple(v.shape) == shape_of(x) for v in val):
-            return tuple(lay for _ in val)
+    vals = [v for v in (val if isinstance(val, (tuple, list)) else (val,)) if isinstance(v, torch.Tensor)]
+    # outputs keep every dim (softmax, topk, keepdim) or drop the reduced ones (max.dim)
+    outs = tuple(lay if v.dim() == nd else shard({i - sum(r < i for r in reduced): var for i, var in lay.dims}) for v in vals)
+    if len(outs) != len(vals) or any(v.dim() not in (nd, nd - len(reduced)) for v in vals):
         if lay.dims:
             raise ShardingConflict(f"{describe(node)}: unsupported sharded reduction", lay.origins())
-        return tuple(REPLICATE for _ in val)
-    if keep_shape or not lay.dims:
-        return lay
-    raise ShardingConflict(f"{describe(node)}: unsupported sharded reduction", lay.origins())
+        return tuple(REPLICATE for _ in vals) if isinstance(val, (tuple, list)) else REPLICATE
+    return outs if isinstance(val, (tuple, list)) else outs[0]
 
 
 def norm(w: Walker, node: Node) -> Any:
