@@ -5,7 +5,8 @@ sharded on that dim (``meta_keys.LOCAL_SLICES``): the op reads ``slice``s of the
 operand covering the global ranges this rank holds (``DimSharding.ranges``), joined by
 ``cat`` when there are several. The new nodes carry the sharded layout, so
 ``insert_collectives`` puts f before them when the operand is trainable: the ranks'
-grads of their slices are summed into the full grad.
+grads of their slices are summed into the full grad. A partial operand (a per-head bias
+looked up in a vocab-parallel table) is all-reduced before the slices, not after.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def slice_replicated(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 local = parts[0] if len(parts) == 1 else graph.call_function(aten.cat.default, (parts, dim))
             for new in {*parts, local}:
                 _annotate(new, source, shard({dim: var}))
+            reduce = node.meta.get(meta_keys.REDUCE_INPUTS, [])
+            if source in reduce:  # a partial operand: sum it before slicing, not after
+                node.meta[meta_keys.REDUCE_INPUTS] = [r for r in reduce if r is not source]
+                for part in parts:
+                    part.meta[meta_keys.REDUCE_INPUTS] = [source]
             node.replace_input_with(source, local)
     return gm
 

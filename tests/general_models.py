@@ -182,6 +182,114 @@ class RescalingBlock(_Block):
         return super().forward(x)
 
 
+class GatedMaskBlock(_Block):
+    """SDPA with a per-head additive mask computed from the values by a small linear
+    (a learned per-head, per-key gate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(HIDDEN, HEADS)
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        values = self.v(x)
+        q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(values)
+        future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        gate = F.logsigmoid(self.gate(values)).transpose(1, 2)[:, :, None, :].expand(b, HEADS, s, s)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=gate.masked_fill(future, float("-inf")))
+        return self.o(att.transpose(1, 2).reshape(b, s, HIDDEN))
+
+
+class SlopeMaskBlock(_Block):
+    """SDPA with a per-head ALiBi-like mask: a learned slope per head times the distance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slopes = nn.Parameter(torch.linspace(-0.5, -0.1, HEADS))
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
+        pos = torch.arange(s, device=x.device, dtype=x.dtype)
+        mask = self.slopes[:, None, None] * (pos[:, None] - pos[None, :]).clamp(min=0)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
+        return self.o(att.transpose(1, 2).reshape(b, s, HIDDEN))
+
+
+class PositionAttentionBlock(_Block):
+    """Attention whose weights are a learned [heads, S, S] table (no q/k), applied to
+    head-sharded values: a matmul whose head (batch) dim is whole on one side."""
+
+    SEQ = 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.q, self.k
+        self.table = nn.Parameter(torch.randn(HEADS, self.SEQ, self.SEQ))
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        probs = self.table[:, :s, :s].masked_fill(future, float("-inf")).softmax(-1)
+        return self.o((probs @ self.heads(self.v(x))).transpose(1, 2).reshape(b, s, HIDDEN))
+
+
+class SinkBlock(_Block):
+    """A learned per-head sink logit concatenated to the scores, then dropped after the
+    softmax (attention sinks), with the max subtracted first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sinks = nn.Parameter(torch.linspace(-1, 1, HEADS))
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
+        future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        scores = self.scores(q, k).masked_fill(future, float("-inf"))
+        logits = torch.cat([scores, self.sinks.view(1, HEADS, 1, 1).expand(b, HEADS, s, 1)], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = logits.softmax(-1)[..., :-1]
+        return self.o((probs @ v).transpose(1, 2).reshape(b, s, HIDDEN))
+
+
+class RelativeBiasBlock(_Block):
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        h = self.norm1(x)
+        b, s, _ = h.shape
+        q, k, v = self.heads(self.q(h)), self.heads(self.k(h)), self.heads(self.v(h))
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        att = (self.scores(q, k) + bias).masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        x = x + self.o(att.transpose(1, 2).reshape(b, s, HIDDEN))
+        return x + self.mlp(self.norm2(x))
+
+
+class RelativeBiasLM(nn.Module):
+    """T5-style relative position bias: one embedding table [buckets, heads], looked up
+    once and added to the scores of every layer (a partial value with several users)."""
+
+    BUCKETS = 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = TinyLM(RelativeBiasBlock)
+        self.relative = nn.Embedding(self.BUCKETS, HEADS)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        s = input_ids.shape[1]
+        pos = torch.arange(s, device=input_ids.device)
+        buckets = (pos[None, :] - pos[:, None]).clamp(-self.BUCKETS // 2, self.BUCKETS // 2 - 1) + self.BUCKETS // 2
+        bias = self.relative(buckets).permute(2, 0, 1)
+        x = self.lm.embed(input_ids)
+        for blk in self.lm.blocks:
+            x = blk(x, bias)
+        logits = self.lm.head(self.lm.norm(x))
+        out: dict[str, Any] = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
+        return out
+
+
 class Cache:
     """A key/value cache object, as generation code returns (not a tensor, no pytree)."""
 
@@ -242,6 +350,11 @@ MODELS: dict[str, Any] = {
     "frozen_bias": lambda: TinyLM(FrozenBiasBlock),
     "shifted_targets": lambda: ShiftedTargetsLM(),
     "rescaling": lambda: TinyLM(RescalingBlock),
+    "gated_mask": lambda: TinyLM(GatedMaskBlock),
+    "slope_mask": lambda: TinyLM(SlopeMaskBlock),
+    "position_attention": lambda: TinyLM(PositionAttentionBlock),
+    "relative_bias": RelativeBiasLM,
+    "sinks": lambda: TinyLM(SinkBlock),
 }
 
 

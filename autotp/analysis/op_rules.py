@@ -108,6 +108,11 @@ RULES: dict[Any, Rule] = {
     aten.rms_norm.default: values.norm,
     aten.dropout.default: values.dropout,
     aten.where.self: values.pointwise,
+    # elementwise, though not tagged so: the fill value is a 0-d tensor or a scalar
+    aten.masked_fill.Tensor: values.pointwise,
+    aten.where.ScalarOther: values.pointwise,
+    aten.where.ScalarSelf: values.pointwise,
+    aten.where.Scalar: values.pointwise,
     **{op: values.reduction for op in _SUM_LIKE},
     **{op: values.needs_whole_dim for op in values.DIM_OPS},
     **{op: values.like_factory for op in _FACTORIES_LIKE},

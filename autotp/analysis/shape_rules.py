@@ -262,8 +262,15 @@ def cat(w: Walker, node: Node) -> Any:
     if any(l.partial for l in lays):
         w.reduce_first(node, list(tensors))
         lays = [REPLICATE if l.partial else l for l in lays]
-    first = lays[0]
-    for l in lays[1:]:
+    first = next(l for l in lays if l.dims)
+    for t, l in zip(tensors, lays):
+        if not l.dims and all(x != d or stacking for x, _ in first.dims):
+            # a replicated operand (an attention sink per head): each rank takes its slice
+            for x, v in first.dims:
+                if v.find().padded:
+                    raise ShardingConflict(f"{describe(node)}: a replicated operand meets padded sharding", v.find().origins)
+                w.out.local_slices.setdefault(node, []).append((t, x, v))
+            continue
         if [x for x, _ in l.dims] != [x for x, _ in first.dims]:
             raise ShardingConflict(f"{describe(node)}: concatenates differently sharded tensors", first.origins() | l.origins())
         for (_, v1), (_, v2) in zip(first.dims, l.dims):

@@ -83,6 +83,9 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
                 dims[od] = unify(dims[od], v, describe(node)) if od in dims else v
     elif any(d not in (b_k, b_n) for d, _ in lb.dims):
         raise ShardingConflict(f"{describe(node)}: expert dim cannot be sharded here", lb.origins())
+    if not b_batch_free:
+        batch = [(a, la, a_nd, {a_nd - 1}), (b, lb, b_nd, {b_k, b_n})]
+        _slice_replicated_batch(w, node, dims, out_nd, batch)
     if bn is not None:
         dims[out_nd - 1] = bn
     if ak is not None:
@@ -112,6 +115,23 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
         elif bn is not None:
             unify(lbias.dims[0][1], bn, describe(node))
     return out
+
+
+def _slice_replicated_batch(
+    w: Walker, node: Node, dims: dict[int, DimVar], out_nd: int, operands: list[tuple[Any, Layout, int, set[int]]]
+) -> None:
+    """A batch dim sharded in one operand of a matmul (heads of the values) and whole in
+    the other (replicated attention probabilities): the whole one is read through its
+    rank-local slice, as ``values.pointwise`` does for a broadcast operand."""
+    for od, var in dims.items():
+        for t, lay, nd, own in operands:
+            d = od - (out_nd - nd)
+            shape = shape_of(t) or ()
+            if d < 0 or d in own or shape[d] == 1 or lay.var_at(d) is not None:
+                continue
+            if not lay.replicated or var.find().padded:
+                raise ShardingConflict(f"{describe(node)}: a batch dim is sharded in one operand only", var.find().origins)
+            w.out.local_slices.setdefault(node, []).append((t, d, var))
 
 
 def grouped_matmul(w: Walker, node: Node) -> Layout:

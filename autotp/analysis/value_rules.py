@@ -137,22 +137,21 @@ def needs_whole_dim(w: Walker, node: Node) -> Any:
     if d is None:
         if lay.dims:
             raise ShardingConflict(f"{describe(node)}: reduces a sharded tensor", lay.origins())
+        reduced = list(range(nd))
     else:
-        dl = [d] if isinstance(d, int) else list(d)
-        for dd in dl:
-            if lay.var_at(norm_dim(dd, nd)) is not None:
+        reduced = [norm_dim(dd, nd) for dd in ([d] if isinstance(d, int) else list(d))]
+        for dd in reduced:
+            if lay.var_at(dd) is not None:
                 raise ShardingConflict(f"{describe(node)}: needs a sharded dim whole", lay.origins())
     val = node.meta.get("val")
-    keep_shape = isinstance(val, torch.Tensor) and tuple(val.shape) == tuple(shape_of(x) or ())
-    if isinstance(val, (tuple, list)):
-        if all(tuple(v.shape) == shape_of(x) for v in val):
-            return tuple(lay for _ in val)
+    vals = [v for v in (val if isinstance(val, (tuple, list)) else (val,)) if isinstance(v, torch.Tensor)]
+    # outputs keep every dim (softmax, topk, keepdim) or drop the reduced ones (max.dim)
+    outs = tuple(lay if v.dim() == nd else shard({i - sum(r < i for r in reduced): var for i, var in lay.dims}) for v in vals)
+    if len(outs) != len(vals) or any(v.dim() not in (nd, nd - len(reduced)) for v in vals):
         if lay.dims:
             raise ShardingConflict(f"{describe(node)}: unsupported sharded reduction", lay.origins())
-        return tuple(REPLICATE for _ in val)
-    if keep_shape or not lay.dims:
-        return lay
-    raise ShardingConflict(f"{describe(node)}: unsupported sharded reduction", lay.origins())
+        return tuple(REPLICATE for _ in vals) if isinstance(val, (tuple, list)) else REPLICATE
+    return outs if isinstance(val, (tuple, list)) else outs[0]
 
 
 def norm(w: Walker, node: Node) -> Any:
@@ -184,8 +183,7 @@ def sdpa(w: Walker, node: Node) -> Layout:
     lays = [REPLICATE if l.partial else l for l in lays]
     if all(l.replicated for l in lays):
         if isinstance(mask, Node):
-            w.concrete(mask, node)
-            w.reduce_first(node, [mask])
+            _sdpa_mask(w, node, mask, None)
         return REPLICATE
     heads = [l.var_at(1) for l in lays]
     if any(len(l.dims) != 1 or l.var_at(1) is None for l in lays):
@@ -195,11 +193,34 @@ def sdpa(w: Walker, node: Node) -> Layout:
     if heads[0].find().size == heads[1].find().size:
         unify(heads[0], heads[1], describe(node))
     if isinstance(mask, Node):
-        lm = w.concrete(mask, node)
-        mshape = shape_of(mask) or ()
-        if not lm.replicated or (len(mshape) == 4 and mshape[1] != 1):
-            raise ShardingConflict(f"{describe(node)}: per-head attention mask", lays[0].origins())
+        _sdpa_mask(w, node, mask, heads[0])
     return shard({1: heads[0]})
+
+
+def _sdpa_mask(w: Walker, node: Node, mask: Node, heads: DimVar | None) -> None:
+    """The mask broadcasts against the [batch, heads, L, S] scores: a per-head mask follows
+    the heads (sharded with them, or each rank reads its slice of a replicated one); with
+    replicated heads it must be replicated."""
+    lm = w.concrete(mask, node)
+    w.reduce_first(node, [mask])
+    if lm.partial:
+        lm = REPLICATE
+    mshape = shape_of(mask) or ()
+    hd = len(mshape) - 3  # the mask's dim that meets the heads, aligned from the right
+    per_head = hd >= 0 and mshape[hd] != 1
+    others = [d for d, _ in lm.dims if d != hd]
+    if heads is None or others or (lm.var_at(hd) is not None and not per_head):
+        if lm.dims:
+            blame = lm.origins() | (heads.find().origins if heads is not None else set())
+            raise ShardingConflict(f"{describe(node)}: the attention mask is sharded where the heads are not", blame)
+        if heads is None or not per_head:
+            return
+    if lm.var_at(hd) is not None:
+        unify(lm.var_at(hd), heads, describe(node))
+    elif per_head:
+        if heads.find().padded:
+            raise ShardingConflict(f"{describe(node)}: a per-head attention mask meets padded heads", heads.find().origins)
+        w.out.local_slices.setdefault(node, []).append((mask, hd, heads))
 
 
 def like_factory(w: Walker, node: Node) -> Layout:
