@@ -58,14 +58,17 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autotp.cost_model.liveness import SegmentMemory
 from autotp.ir import schedules
 from autotp.ir.schedules import Action
 from autotp.ir.training_step import PRECISIONS, TrainingStep
 from autotp.ir.training_step import precision as _precision
+
+if TYPE_CHECKING:  # liveness imports torch, which `autotp plan --help` must not load
+    from autotp.cost_model.liveness import SegmentMemory
 
 __all__ = ["PRECISIONS", "ChunkPeaks", "bytes_per_param", "chunk_peaks", "grad_bytes_per_param", "in_flight", "rank_peak_bytes", "schedule_moments"]
 
