@@ -216,6 +216,7 @@ def estimate(
     in_node = config.tp * config.dp * pp <= per_node
     hop = p2p_s(costs.hidden_bytes * b, hw.p2p_link if in_node else hw.inter_node)
     chunk_s, chunk_gpu, chunk_comm, chunk_mem, chunk_params = [], [], [], [], []
+    layer_ids = {id(seg) for seg in rc.layers}
     for c, counts in enumerate(_chunk_layers(costs, chunks)):
         parts = [(rc.layers[j], layers[j], n) for j, n in counts.items()] + [(seg, st, 1) for seg, st in ends.get(c, [])]
         parts.append((rc.preamble, preamble, 1))
@@ -228,7 +229,7 @@ def estimate(
         ordered = [(rc.preamble, 1)] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.embedding]
         ordered += [(rc.layers[j], n) for j, n in sorted(counts.items())] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.head]
         chunk_mem.append(chunk_peaks([(seg.memory, n) for seg, n in ordered], b))
-        chunk_params.append([(seg.params, n) for seg, _, n in parts])
+        chunk_params.append([(seg.params, n, id(seg) in layer_ids) for seg, _, n in parts])
     pipeline, bubble = pipeline_time_s(chunk_s, chunk_gpu, pp, vpp, m, config.schedule or "1f1b")
 
     dp_per_node = max(1, min(config.dp, per_node // config.tp))
@@ -269,17 +270,18 @@ def estimate(
     )
 
 
-def _rank_params(chunks: list[list[tuple[dict[str, int], int]]]) -> tuple[int, int]:
-    """(elements, tensors) of the parameters one rank holds: layers counted per copy, shared names once."""
+def _rank_params(chunks: list[list[tuple[dict[str, int], int, bool]]]) -> tuple[int, int]:
+    """(elements, tensors) of the parameters one rank holds: a decoder layer counted per copy (its traced names stand
+    for every layer it represents, in every chunk), the other segments' names once (a tied embedding and head)."""
     names: dict[str, int] = {}
     numel = tensors = 0
     for parts in chunks:
-        for params, copies in parts:
-            if copies == 1:
-                names.update(params)
-            else:
+        for params, copies, layer in parts:
+            if layer:
                 numel += copies * sum(params.values())
                 tensors += copies * len(params)
+            else:
+                names.update(params)
     return numel + sum(names.values()), tensors + len(names)
 
 

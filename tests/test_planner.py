@@ -330,3 +330,12 @@ def test_cuda_graph_buffers_count_once_per_microbatch_in_flight(llama8b: ModelCo
     plain = planner.estimate(llama8b, cluster, Training(8), config)
     graphed = planner.estimate(llama8b, cluster, Training(8, cuda_graph_bytes=1e9), config)
     assert graphed.mem_bytes_per_gpu - plain.mem_bytes_per_gpu == pytest.approx(2e9)  # 1F1B: rank 0 holds 2
+
+
+def test_rank_params_count_a_traced_layer_once_per_chunk_it_stands_for() -> None:
+    from autotp.cost_model.planner import _rank_params
+
+    layer, embedding = {"layers.0.w": 100}, {"embed.w": 10}
+    # interleaved: two chunks on the rank, each one copy of the same traced layer; the tied embedding in both
+    chunks = [[(layer, 1, True), (embedding, 1, False)], [(layer, 1, True), (embedding, 1, False)]]
+    assert _rank_params(chunks) == (210, 3)
