@@ -262,9 +262,13 @@ def cat(w: Walker, node: Node) -> Any:
     if any(l.partial for l in lays):
         w.reduce_first(node, list(tensors))
         lays = [REPLICATE if l.partial else l for l in lays]
+        if all(not l.dims for l in lays):
+            return REPLICATE
+    first_rank = next(len(shape_of(t) or ()) for t, l in zip(tensors, lays) if l.dims)
     first = next(l for l in lays if l.dims)
     for t, l in zip(tensors, lays):
-        if not l.dims and all(x != d or stacking for x, _ in first.dims):
+        same_rank = len(shape_of(t) or ()) == first_rank
+        if not l.dims and same_rank and all(x != d or stacking for x, _ in first.dims):
             # a replicated operand (an attention sink per head): each rank takes its slice
             for x, v in first.dims:
                 if v.find().padded:
