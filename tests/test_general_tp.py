@@ -39,7 +39,7 @@ def test_per_head_tensors_follow_the_heads() -> None:
         assert attention <= sharded, f"{name}: {sorted(attention - sharded)} stay replicated"
 
 
-SWEEP_TP2_ARCHS = ["doge", "flint", "gpt_oss", "granite_swa", "mimo_v2_flash", "roformer"]
+SWEEP_TP2_ARCHS = ["doge", "flint", "gpt_oss", "granite_swa", "mimo_v2_flash", "roformer", "granitemoe", "hy_v4"]
 
 
 @pytest.mark.slow
@@ -50,3 +50,19 @@ def test_registry_architectures_match_at_tp2(arch: str) -> None:
     from sweep_registry import _check_on_rank as sweep_check
 
     assert run_on_ranks(sweep_check, 2, arch, timeout_s=500)[0]["tp2"] == ""
+
+
+@pytest.mark.parametrize(("arch", "share"), [("granitemoe", 0.85), ("hy_v4", 0.25)])
+def test_concatenations_of_other_ranks_keep_the_sharding(arch: str, share: float) -> None:
+    """cat of operands of another rank than the sharded ones (granitemoe's router, hy_v4's attention) once broke
+    the slice invariant or the rule; the plan compiles and shards most of the model."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import autotp
+    from sweep_registry import _inputs, build
+
+    model = build(arch)
+    ids, labels = _inputs()
+    plan = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": labels}).plan
+    sharded = {p.name for p in plan.params}
+    total = sum(p.numel() for p in model.parameters())
+    assert sum(p.numel() for n, p in model.named_parameters() if n in sharded) / total >= share
