@@ -338,6 +338,41 @@ class ShiftedTargetsLM(TinyLM):
         return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=-100)
 
 
+class RunningStatsLM(TinyLM):
+    """Each block adds its activations' mean square, through a view, into one buffer made
+    from the input's shape, and the logits read the sum: in-place writes of activations (one
+    per pipeline chunk) into a value that depends on the inputs only."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        x = self.embed(input_ids)
+        stats = torch.zeros(input_ids.shape, dtype=x.dtype, device=x.device)
+        flat = stats.view(-1)
+        for blk in self.blocks:
+            x = blk(x)
+            flat.add_(x.detach().pow(2).mean(-1).view(-1))
+        logits = self.head(self.norm(x)) * (1 + 0.1 * stats[..., None])
+        out: dict[str, Any] = {"logits": logits}
+        if labels is not None:
+            out["loss"] = self.loss(logits, labels)
+        return out
+
+
+class DetachedScaleLM(TinyLM):
+    """The head is scaled by a statistic of the first block's weight, read without grad:
+    the first block's chunk trains that weight, the head's chunk only reads it detached."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        x = self.embed(input_ids)
+        for blk in self.blocks:
+            x = blk(x)
+        scale = self.blocks[0].up.weight.detach().abs().mean()
+        logits = self.head(self.norm(x)) * (1 + scale)
+        out: dict[str, Any] = {"logits": logits}
+        if labels is not None:
+            out["loss"] = self.loss(logits, labels)
+        return out
+
+
 MODELS: dict[str, Any] = {
     "custom_function": lambda: TinyLM(CustomFunctionBlock),
     "exact_function": lambda: TinyLM(ExactFunctionBlock),
@@ -355,6 +390,8 @@ MODELS: dict[str, Any] = {
     "position_attention": lambda: TinyLM(PositionAttentionBlock),
     "relative_bias": RelativeBiasLM,
     "sinks": lambda: TinyLM(SinkBlock),
+    "running_stats": RunningStatsLM,
+    "detached_scale": DetachedScaleLM,
 }
 
 

@@ -69,6 +69,42 @@ def test_repeated_values_at_pp2() -> None:
     assert all(f < 0.75 for r in fractions for f in r.values()), fractions
 
 
+def _train_on_rank(rank: int, world: int, name: str, tp: int, pp: int, steps: int) -> list[float]:
+    """Losses of ``steps`` SGD steps of the parallel model, each checked against the unmodified
+    model's loss and every grad on the same data."""
+    import autotp
+
+    model = build_general(name)
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, VOCAB, (2, 16), generator=gen) for _ in range(2))
+    pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs={"input_ids": ids, "labels": labels})
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
+    losses = []
+    for step in range(steps):
+        loss = pm.train_step(input_ids=ids, labels=labels, num_microbatches=2)
+        expected = reference(input_ids=ids, labels=labels)["loss"]
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} step {step} loss: {m}")
+        grads = pm.unshard_grads()
+        for pname, p in reference.named_parameters():
+            torch.testing.assert_close(grads[pname], p.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} step {step} grad of {pname}: {m}")
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.parametrize("name", ["running_stats", "detached_scale"])
+def test_writes_and_detached_reads_across_stages_at_pp2(name: str) -> None:
+    """running_stats: each stage's layers write activation statistics through a view into one
+    buffer made from the input's shape, which the head reads (every write must reach it).
+    detached_scale: the head's stage reads the first layer's weight detached, so both stages
+    hold it and only one computes its grad (both must step it alike, or step 2 diverges)."""
+    losses = run_on_ranks(_train_on_rank, 2, name, 1, 2, 3, timeout_s=300)
+    assert losses[0] == losses[1] and losses[0][2] < losses[0][0], losses
+
+
 def test_forward_that_writes_a_parameter_is_refused_with_its_name() -> None:
     import autotp
 

@@ -68,10 +68,20 @@ def mutated_base(node: Node) -> Node | None:
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.is_mutable or not node.args or not isinstance(node.args[0], Node):
         return None
-    base = node.args[0]
-    while base.op == "call_function" and base.args and isinstance(base.args[0], Node):
-        view = getattr(base.target, "_schema", None)
-        if view is None or view.is_mutable or not view.returns or view.returns[0].alias_info is None:
-            break
-        base = base.args[0]
-    return base
+    return view_root(node.args[0])
+
+
+def view_root(node: Node) -> Node:
+    """The node that made the tensor ``node`` is, through any chain of views and in-place ops
+    (which return the tensor they write); ``node`` itself if it is neither."""
+    while is_alias(node):
+        node = node.args[0]
+    return node
+
+
+def is_alias(node: Node) -> bool:
+    """Whether ``node``'s result is (a view of) its first argument: a view or an in-place op."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None

@@ -134,6 +134,8 @@ class Walker:
             return p is not None and p.requires_grad
         if node.op != "call_function" or not (is_float(node) or isinstance(node.meta.get("val"), (tuple, list))):
             return False
+        if node.target is torch.ops.aten.detach.default:
+            return False
         if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled and node.args[0] is False:
             return False
         return any(self.out.needs_grad.get(n, False) for n in node.all_input_nodes)

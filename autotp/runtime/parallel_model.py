@@ -22,7 +22,7 @@ from autotp.ir.plan import ParallelPlan
 from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, export_hf, grad_norm, grad_sync, guards
 from autotp.runtime.grad_buffers import GradBuffers, ParamUse
 from autotp.runtime.groups import Coords
-from autotp.runtime.parameters import ParamChunks, Parameters, graph_param_chunks
+from autotp.runtime.parameters import ParamChunks, Parameters, graph_param_chunks, graph_trained_params
 from autotp.runtime.pipeline import ChunkGraph, PipelineRunner, extract_chunks
 from autotp.ir.errors import UserInputError
 from autotp.runtime.shard_map import ShardedLocal
@@ -94,6 +94,10 @@ class ParallelModel(nn.Module):
         self._params.bind(model, compiled.param_chunks, set(self.my_chunks))
         owners = {name: self._params.owners(compiled.param_chunks, name) for name in self._params.aliases}
         self._shared_param_groups = grad_sync.shared_param_groups(self.plan, coords, owners)
+        # Shared parameters that some stage trains: a stage that only reads one without grad
+        # (detached) adds a zero gradient to the sum, so that every holder steps it alike.
+        trained = graph_trained_params(compiled.graph)
+        self._trained_shared = [n for n in self._shared_param_groups if any(a in trained for a in self._params.aliases[n])]
         self._owners = owners
         self._grad_buffers: GradBuffers | None = None  # set by a DistributedOptimizer
         self._dp_mean: grad_sync.OverlappedDpMean | None = None  # made by the first train_step with dp > 1, pp = 1
@@ -299,6 +303,10 @@ class ParallelModel(nn.Module):
         if self._grad_buffers is not None:
             self._grad_buffers.finish()
             return
+        for name, grad in self._params.local_grads(self._trained_shared).items():
+            if grad is None:
+                param = self.get_parameter(name)
+                param.grad = torch.zeros_like(param)
         shared = self._params.local_grads(list(self._shared_param_groups))
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if self._dp_mean is not None and self._dp_mean.armed:

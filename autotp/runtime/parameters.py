@@ -68,6 +68,16 @@ def graph_param_chunks(gm: GraphModule) -> ParamChunks:
     return out
 
 
+def graph_trained_params(gm: GraphModule) -> set[str]:
+    """The parameter names that ``gm`` reads with a gradient somewhere (by any chunk)."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    return {
+        str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "get_attr" and str(n.target) in params and any(u.meta.get(meta_keys.NEEDS_GRAD) for u in n.users)
+    }
+
+
 def _reader_chunks(node: Node) -> set[int]:
     """The chunks that run a reader of ``node``, looking through the nodes that every chunk
     repeats (chunk None: a parameter read through them, e.g. a frozen bias cast with ``to``,
