@@ -113,23 +113,32 @@ def measure_worker(rank: int, world: int, case: Case, dims: tuple[int, ...] = DI
     return tracker.peak
 
 
-def measure_cuda(case: Case, dims: tuple[int, ...] = DIMS, steps: int = 2) -> int:
-    """``torch.cuda.max_memory_allocated`` over ``steps`` training steps of a one-rank ``case`` on
-    the current GPU, from a GPU holding nothing (what an earlier run left is collected first:
-    the runtime's fx graphs are reference cycles, freed by the garbage collector only)."""
-    assert case.world == 1, "one rank: a process per GPU would need its own launcher"
+def measure_cuda_worker(rank: int, world: int, case: Case, dims: tuple[int, ...] = DIMS, steps: int = 2) -> int:
+    """``torch.cuda.max_memory_allocated`` of this rank over ``steps`` training steps on GPU
+    ``rank``, from a GPU holding nothing (what an earlier run left is collected first: the
+    runtime's fx graphs are reference cycles, freed by the garbage collector only)."""
+    torch.cuda.set_device(rank)
     gc.collect()
     torch.cuda.empty_cache()
     left = torch.cuda.memory_allocated()
     assert left < 2**26, f"{left / 2**20:.0f} MiB still allocated from earlier runs"
-    torch.cuda.reset_peak_memory_stats()
-    pm, opt, ids = _setup(case, dims, torch.device("cuda"))
+    pm, opt, ids = _setup(case, dims, torch.device("cuda", rank))
+    torch.cuda.reset_peak_memory_stats()  # parallelize held the model and its shards at once
     _train(pm, opt, ids, case, steps)
     peak = torch.cuda.max_memory_allocated()
     del pm, opt, ids
     gc.collect()
     torch.cuda.empty_cache()
     return peak
+
+
+def measure_cuda(case: Case, dims: tuple[int, ...] = DIMS) -> int:
+    """The fullest rank's ``max_memory_allocated`` (one process per GPU, NCCL, beyond one rank)."""
+    if case.world == 1:
+        return measure_cuda_worker(0, 1, case, dims)
+    from autotp.runtime.launcher import spawn_ranks
+
+    return max(spawn_ranks(measure_cuda_worker, case.world, case, dims, backend="nccl", timeout_s=900))
 
 
 def measure(case: Case, dims: tuple[int, ...] = DIMS) -> int:
