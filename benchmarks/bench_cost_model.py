@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -161,6 +162,7 @@ def _worker(rank: int, world: int, runs: list[Run], models: dict[str, tuple[int,
         peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else 0.0
         results.append({**asdict(run), "measured_s": statistics.median(times), "peak_gib": peak, "loss": loss.item()})
         del pm
+        gc.collect()  # the runtime's fx graphs are reference cycles holding the parameters: free them before the next run
         if on_gpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -270,6 +272,7 @@ def _validate_worker(rank: int, world: int, dims: tuple[int, ...], global_batch:
             torch.cuda.memory._dump_snapshot(str(snapshots / f"dims{dims[0]}x{dims[2]}-plan{len(results)}-rank{rank}.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
         del pm, optimizer
+        gc.collect()  # the runtime's fx graphs are reference cycles holding the parameters: free them before the next run
         if on_gpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()

@@ -14,7 +14,9 @@ after its last forward use unless a node saves it for backward
 returns. ``cross_entropy_loss`` keeps its log-softmax (input size) and the vocab-parallel
 loss its input.
 
-**Backward**, in reverse graph order over the nodes that need a gradient: each allocates
+**Backward**, in reverse graph order over the nodes that need a gradient and that the loss
+depends on (the other outputs, such as gathered logits, get none; what only their nodes
+save dies with them when the forward returns; ``_backpropagated``): each allocates
 the gradient of each input that needs one (views, ``add`` and the identity collectives
 pass their output's gradient on; slices allocate their whole input), then frees its
 output's gradient and the storages no earlier node still saves. A gradient reaching an
@@ -100,6 +102,22 @@ def _dtype(node: Node) -> object:
     return getattr(val, "dtype", None)
 
 
+def _backpropagated(output: Node, grad: set[Node]) -> set[Node]:
+    """The nodes needing a gradient that the backward reaches: those the loss (the scalar
+    outputs that need a gradient; every output that needs one if none is a scalar) depends on.
+    The other outputs (gathered logits) get no gradient: their graph dies with them."""
+    outs = [a for a in output.all_input_nodes if a in grad]
+    scalar = [a for a in outs if getattr(a.meta.get("val"), "shape", None) == ()]
+    reached: set[Node] = set()
+    stack = scalar or outs
+    while stack:
+        n = stack.pop()
+        if n not in reached:
+            reached.add(n)
+            stack.extend(a for a in n.all_input_nodes if a in grad)
+    return reached
+
+
 def simulate(
     gm: GraphModule,
     tensors: dict[Node, list[TensorInfo]],
@@ -116,7 +134,9 @@ def simulate(
     """
     nodes = list(gm.graph.nodes)
     calls = [n for n in nodes if n.op == "call_function"]
-    params = {n for n in nodes if n.op == "get_attr" and n in grad}
+    output = next(n for n in nodes if n.op == "output")
+    reached = _backpropagated(output, grad)
+    params = {n for n in nodes if n.op == "get_attr" and n in reached}
 
     def size(n: Node) -> np.ndarray:  # scalars (a loss) do not grow with the batch
         scaled = sum(t.nbytes for t in tensors.get(n, ()) if t.shape) if n in dependent else 0
@@ -143,11 +163,10 @@ def simulate(
         for u in n.users:
             last_use[root[n]] = max(last_use.get(root[n], 0), position[u])
     kept: dict[Node, Node] = {}  # saved storage -> the earliest node saving it (its backward frees it)
-    for n in calls:
+    for n in (c for c in calls if c in reached):
         for x in [n] if op_name(n.target) in _OWN_SAVE else saved_by.get(n, ()):
             if x in root:
                 kept.setdefault(root[x], n)
-    output = next(n for n in nodes if n.op == "output")
     outputs = {root[a] for a in output.all_input_nodes if a in root}
 
     segments = list(dict.fromkeys(segment_of[n] for n in calls))
@@ -186,7 +205,7 @@ def simulate(
         by_saver.setdefault(saver, []).append(r)
     param_grads = {k: np.zeros(2) for k in segments}
     for n in reversed(calls):
-        if n not in grad:
+        if n not in reached:
             continue
         name = op_name(n.target)
         k = segment_of[n]
@@ -196,7 +215,7 @@ def simulate(
         for x in dict.fromkeys(n.all_input_nodes):
             if x in params:
                 pg = pg + size(x)
-            elif x in grad and x in root:
+            elif x in reached and x in root:
                 g = np.zeros(2) if passes else size(x)
                 if x in seen_grad:
                     step = step + g

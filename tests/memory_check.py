@@ -1,12 +1,14 @@
 """Predicted against measured peak memory of a real CPU training step (``tests/test_memory_model.py``, ``bench_cost_model``).
 
 ``measure`` runs ``parallelize`` + ``train_step`` + an AdamW step (foreach, as on a GPU),
-twice, on gloo ranks under ``PeakLiveBytes`` and returns each rank's peak live bytes;
+twice, on gloo ranks under ``PeakLiveBytes`` and returns each rank's peak live bytes
+(``measure_cuda``: the same on one GPU, ``torch.cuda.max_memory_allocated``);
 ``predict`` is the planner's ``estimate`` of the same configuration.
 """
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -72,33 +74,71 @@ def predict(case: Case, dims: tuple[int, ...] = DIMS) -> float:
     return est.mem_bytes_per_gpu
 
 
-def measure_worker(rank: int, world: int, case: Case, dims: tuple[int, ...] = DIMS, steps: int = 2) -> int:
-    """This rank's peak live bytes over ``steps`` training steps."""
+def _setup(case: Case, dims: tuple[int, ...], device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    """The parallelized model of ``case`` on ``device``, its optimizer and the global batch."""
     from transformers import LlamaForCausalLM
     from transformers.utils import logging
 
     import autotp
-    from autotp.runtime.live_memory import PeakLiveBytes
 
     logging.set_verbosity_error()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config(dims)).to(DTYPE)
-    ids = torch.randint(0, dims[5], (case.global_batch, dims[6]), generator=torch.Generator().manual_seed(0))
+    with device:
+        model = LlamaForCausalLM(config(dims)).to(DTYPE)
+    ids = torch.randint(0, dims[5], (case.global_batch, dims[6]), generator=torch.Generator().manual_seed(0)).to(device)
     micro = ids[: case.global_batch // (case.dp * case.microbatches)]
     pm = autotp.parallelize(model, tp=case.tp, pp=case.pp, dp=case.dp, vpp=case.vpp,
                             example_inputs={"input_ids": micro, "labels": micro},
                             sequence_parallel=case.sequence_parallel)  # fmt: skip
     del model
     if case.distributed_optimizer:
-        opt = autotp.DistributedOptimizer(pm, torch.optim.AdamW, lr=1e-5, foreach=True)
-    else:
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-5, foreach=True)
+        return pm, autotp.DistributedOptimizer(pm, torch.optim.AdamW, lr=1e-5, foreach=True), ids
+    return pm, torch.optim.AdamW(pm.parameters(), lr=1e-5, foreach=True), ids
+
+
+def _train(pm: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, case: Case, steps: int) -> None:
+    for _ in range(steps):
+        pm.train_step(input_ids=ids, labels=ids, num_microbatches=case.microbatches, schedule=case.schedule)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def measure_worker(rank: int, world: int, case: Case, dims: tuple[int, ...] = DIMS, steps: int = 2) -> int:
+    """This rank's peak live bytes over ``steps`` training steps."""
+    from autotp.runtime.live_memory import PeakLiveBytes
+
+    pm, opt, ids = _setup(case, dims, torch.device("cpu"))
     with PeakLiveBytes() as tracker:
-        for _ in range(steps):
-            pm.train_step(input_ids=ids, labels=ids, num_microbatches=case.microbatches, schedule=case.schedule)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        _train(pm, opt, ids, case, steps)
     return tracker.peak
+
+
+def measure_cuda_worker(rank: int, world: int, case: Case, dims: tuple[int, ...] = DIMS, steps: int = 2) -> int:
+    """``torch.cuda.max_memory_allocated`` of this rank over ``steps`` training steps on GPU
+    ``rank``, from a GPU holding nothing (what an earlier run left is collected first: the
+    runtime's fx graphs are reference cycles, freed by the garbage collector only)."""
+    torch.cuda.set_device(rank)
+    gc.collect()
+    torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated()
+    assert left < 2**26, f"{left / 2**20:.0f} MiB still allocated from earlier runs"
+    pm, opt, ids = _setup(case, dims, torch.device("cuda", rank))
+    torch.cuda.reset_peak_memory_stats()  # parallelize held the model and its shards at once
+    _train(pm, opt, ids, case, steps)
+    peak = torch.cuda.max_memory_allocated()
+    del pm, opt, ids
+    gc.collect()
+    torch.cuda.empty_cache()
+    return peak
+
+
+def measure_cuda(case: Case, dims: tuple[int, ...] = DIMS) -> int:
+    """The fullest rank's ``max_memory_allocated`` (one process per GPU, NCCL, beyond one rank)."""
+    if case.world == 1:
+        return measure_cuda_worker(0, 1, case, dims)
+    from autotp.runtime.launcher import spawn_ranks
+
+    return max(spawn_ranks(measure_cuda_worker, case.world, case, dims, backend="nccl", timeout_s=900))
 
 
 def measure(case: Case, dims: tuple[int, ...] = DIMS) -> int:

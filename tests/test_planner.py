@@ -186,6 +186,8 @@ def test_plan_command_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[1].split() == ["#", "tp", "pp", "dp", "vpp", "mbs", "m", "step", "s", "tokens/s", "MFU", "GiB/GPU", "bubble", "comm", "dist-opt"]
     assert [l.split()[0] for l in lines[2:5]] == ["1", "2", "3"]
     assert "tp all-reduce time per layer" in out and "bubble, interleaved 1f1b" in out
+    assert "training step (dist-opt yes/needed): bf16-fp32-grads" in out
+    assert "6 + 12/dp bytes per parameter (2 param, 4 grad, 4 fp32 master + 8 Adam state sharded over dp" in out
 
 
 def test_plan_command_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,6 +30,8 @@ def test_step_bytes_follow_megatrons_table(name: str, plain: int, replicated: in
     assert TrainingStep(name, False).bytes_per_param(64) == plain
     assert TrainingStep(name, True).bytes_per_param(8) == pytest.approx(replicated + sharded / 8)
     assert name in TrainingStep(name, True).describe() and "sharded over dp" in TrainingStep(name, True).describe()
+    assert f": {plain} bytes per parameter" in TrainingStep(name, False).describe()
+    assert f": {replicated} + {sharded}/dp bytes per parameter" in TrainingStep(name, True).describe()
 
 
 def test_runtime_precision_names_the_step() -> None:

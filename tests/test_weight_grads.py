@@ -72,3 +72,21 @@ def test_deferred_linear_outside_a_store_is_an_error() -> None:
     w = torch.nn.Parameter(torch.randn(5, 4))
     with pytest.raises(RuntimeError, match="outside WeightGradStore.collecting"):
         deferred_linear(x, w).sum().backward()
+
+
+def test_applied_weight_gradients_carry_no_autograd_history() -> None:
+    """``x`` comes back from the saved tensors with its graph: a ``W`` recorded by autograd would give
+    ``.grad`` a history holding every output gradient alive until the gradients are zeroed."""
+    w = torch.nn.Parameter(torch.randn(5, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    expected = torch.zeros(5, 4)
+    for _ in range(2):  # the first W sets .grad, the second adds into it
+        h = x * 2
+        grad_out = torch.randn(3, 5)
+        store = WeightGradStore()
+        with store.collecting():
+            deferred_linear(h, w).backward(grad_out)
+        store.apply()
+        expected += grad_out.t() @ h.detach()
+        assert w.grad.grad_fn is None and not w.grad.requires_grad
+    torch.testing.assert_close(w.grad, expected)

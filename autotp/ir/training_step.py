@@ -75,10 +75,16 @@ class TrainingStep:
         return p.param + p.grad + (p.sharded / dp if self.distributed_optimizer else p.sharded)
 
     def describe(self) -> str:
+        """The precision and the bytes it keeps per parameter, e.g. ``bf16-pure (...): 8 bytes per
+        parameter (2 param, 2 grad, 4 Adam state), optimizer state on every dp rank``."""
         p = precision(self.precision)
+        parts = ((p.master, "fp32 master"), (p.grad_copy, "fp32 grad copy"), (p.optimizer_state, "Adam state"))
+        state = " + ".join(f"{n} {what}" for n, what in parts if n)
         if self.distributed_optimizer:
-            return f"{self.precision} ({p.description}), optimizer state sharded over dp (autotp.DistributedOptimizer)"
-        return f"{self.precision} ({p.description}), optimizer state on every dp rank"
+            return (f"{self.precision} ({p.description}): {p.param + p.grad} + {p.sharded}/dp bytes per parameter "
+                    f"({p.param} param, {p.grad} grad, {state} sharded over dp: autotp.DistributedOptimizer)")
+        return (f"{self.precision} ({p.description}): {p.param + p.grad + p.sharded} bytes per parameter "
+                f"({p.param} param, {p.grad} grad, {state}), optimizer state on every dp rank")
 
 
 def runtime_precision(param_bytes: int, grad_bytes: int, master: bool) -> str:

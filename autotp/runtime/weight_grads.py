@@ -47,8 +47,13 @@ class WeightGradStore:
     def record(self, weight: Tensor, x: Tensor, grad_out: Tensor) -> None:
         self._pending.append((weight, x, grad_out))
 
+    @torch.no_grad()
     def apply(self) -> None:
-        """Accumulate every recorded weight gradient into its ``.grad`` and forget them."""
+        """Accumulate every recorded weight gradient into its ``.grad`` and forget them.
+
+        Without grad: ``x`` comes back from autograd's saved tensors with its history, and a
+        product recorded on it would give ``.grad`` an autograd graph keeping every
+        ``grad_out`` alive until the gradients are zeroed."""
         pending, self._pending = self._pending, []
         for weight, x, grad_out in pending:
             grad = grad_out.reshape(-1, grad_out.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
