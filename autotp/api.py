@@ -30,6 +30,15 @@ class CompiledRank:
     pass_s: dict[str, float]
 
 
+def _default_device(model: nn.Module) -> torch.device:
+    """The rank's CUDA device under NCCL; without a process group, the device the model is on
+    (the CPU for a model on meta); else the CPU."""
+    if dist.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    placed = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+    return placed if placed is not None else torch.device("cpu")
+
+
 def _check_cuda_graphs(device: torch.device, compile: bool) -> None:
     backend = dist.get_backend() if dist.is_initialized() else None
     if device.type != "cuda" or backend not in (None, "nccl"):
@@ -114,7 +123,8 @@ def parallelize(
     signature; HF models default to random ``input_ids`` of shape [2, 16]. ``plan`` is a
     ``ParallelPlan`` to follow, or None / ``"auto"`` to let the cost model decide; ``vpp``
     model chunks per pipeline rank select the interleaved schedule. ``device`` defaults
-    to the rank's CUDA device under NCCL, else the CPU. A collective that waits longer
+    to the rank's CUDA device under NCCL, to the model's device in a single process without a
+    process group, else the CPU. A collective that waits longer
     than ``timeout_s`` (a rank crashed or diverged) raises instead of hanging. With
     ``compile``, each per-rank graph (or pipeline chunk) also runs through
     ``torch.compile``, which fuses the elementwise work between the collectives. With
@@ -152,8 +162,7 @@ def parallelize(
             f"choose degrees whose product is {world}"
         )
     if device is None:
-        on_nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else torch.device("cpu")
+        device = _default_device(model)
     device = torch.device(device)
     cuda_graphs = cuda_graphs or (isinstance(plan, ParallelPlan) and plan.cudagraphs)
     if cuda_graphs:

@@ -121,7 +121,9 @@ def measure_cuda_worker(rank: int, world: int, case: Case, dims: tuple[int, ...]
     gc.collect()
     torch.cuda.empty_cache()
     left = torch.cuda.memory_allocated()
-    assert left < 2**26, f"{left / 2**20:.0f} MiB still allocated from earlier runs"
+    # cuBLAS keeps its workspaces (tens of MiB) in the caching allocator once a GEMM ran;
+    # a leftover model would be GiBs.
+    assert left <= 2**28, f"{left / 2**20:.0f} MiB still allocated from earlier runs"
     pm, opt, ids = _setup(case, dims, torch.device("cuda", rank))
     torch.cuda.reset_peak_memory_stats()  # parallelize held the model and its shards at once
     _train(pm, opt, ids, case, steps)
