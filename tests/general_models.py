@@ -167,6 +167,30 @@ class FrozenBiasBlock(_Block):
         return self.down(F.gelu(self.up(x) + self.correction * 0.5))
 
 
+class NoGradScorerBlock(_Block):
+    """A scorer run under ``torch.no_grad`` that casts the hidden states to fp32 (a no-op on an
+    fp32 model: ``to`` returns the same tensor, and export hands later reads of the hidden
+    states that region's output), then a per-head output gate on the same hidden states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scorer, self.gate = nn.Linear(HIDDEN, HEADS), nn.Linear(HIDDEN, HEADS)
+
+    @torch.no_grad()
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scorer(x.to(torch.float32)).softmax(-1)
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        weights = self.score(x)
+        q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        att = self.scores(q, k).masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        gate = torch.sigmoid(self.gate(x)) * (1 + weights)
+        att = att * gate.transpose(1, 2)[..., None]
+        return self.o(att.transpose(1, 2).reshape(b, s, HIDDEN))
+
+
 class RescalingBlock(_Block):
     """Rescales its output weight in place the first time it runs in eval mode, behind a flag."""
 
@@ -391,6 +415,7 @@ MODELS: dict[str, Any] = {
     "relative_bias": RelativeBiasLM,
     "sinks": lambda: TinyLM(SinkBlock),
     "running_stats": RunningStatsLM,
+    "no_grad_scorer": lambda: TinyLM(NoGradScorerBlock),
     "detached_scale": DetachedScaleLM,
 }
 

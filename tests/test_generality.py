@@ -14,7 +14,7 @@ from distributed import run_on_ranks
 from general_models import VOCAB, build_general
 
 RTOL, ATOL = 1e-4, 1e-6
-SHARDED = ["exact_function", "per_head_scale", "per_head_bias", "einsum", "expert_loop", "buffer", "cache"]
+SHARDED = ["exact_function", "per_head_scale", "per_head_bias", "einsum", "expert_loop", "buffer", "cache", "no_grad_scorer"]
 
 
 def _check_on_rank(rank: int, world: int, names: list[str], tp: int, pp: int) -> dict[str, float]:
