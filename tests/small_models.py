@@ -107,10 +107,11 @@ def build(name: str, layers: int = 2) -> nn.Module:
     elif name == "llama_kv4":  # for tp=8: 4 KV heads, each held by two ranks
         model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4))
-    elif name == "mixtral":
+    elif name in ("mixtral", "mixtral_aux"):  # mixtral_aux: the router's load-balancing loss is part of the loss
         model = MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                                  num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
-                                                 num_local_experts=4, num_experts_per_tok=2))
+                                                 num_local_experts=4, num_experts_per_tok=2,
+                                                 output_router_logits=name == "mixtral_aux", router_aux_loss_coef=0.5))
     elif name == "bert":
         model = BertForMaskedLM(BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                            num_hidden_layers=2, num_attention_heads=4,

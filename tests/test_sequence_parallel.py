@@ -78,6 +78,12 @@ def test_sequence_parallel_matches_unmodified_model_tp2() -> None:
     check_on_ranks(MODELS, 2, 1)
 
 
+def test_moe_layers_match_without_a_backward_all_reduce_tp2() -> None:
+    """Mixtral with its router's load-balancing loss in the loss (a whole gradient meets the
+    experts' partial ones in the router) and Qwen2-MoE (a shared expert behind a sigmoid gate)."""
+    check_on_ranks(["mixtral_aux", "qwen2_moe"], 2, 1)
+
+
 @pytest.mark.slow
 def test_sequence_parallel_matches_unmodified_model_tp4() -> None:
     check_on_ranks(MODELS, 4, 1)
@@ -101,7 +107,7 @@ def _per_layer(gm: torch.fx.GraphModule) -> dict[int, Counter[str]]:
     return counts
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "bert"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "mixtral_aux", "qwen2_moe", "bert"])
 def test_collectives_per_decoder_layer(name: str) -> None:
     model = build(name)
     ids = torch.randint(0, vocab_size(model), (2, SEQ))
@@ -113,8 +119,8 @@ def test_collectives_per_decoder_layer(name: str) -> None:
         assert counts["reduce_scatter"] == 2, (layer, counts)
         assert counts["all_gather"] + counts["gather_from_tp"] == 2, (layer, counts)
         assert counts["reduce_from_tp"] == 0, (layer, counts)
-        if name != "mixtral":  # backward: the duals (reduce-scatter, all-gather), no all-reduce of activations
-            assert counts["all_gather"] == 2 and counts["copy_to_tp"] == 0, (layer, counts)
+        # backward: the duals (reduce-scatter, all-gather), no all-reduce of activations (MoE's included)
+        assert counts["all_gather"] == 2 and counts["copy_to_tp"] == 0, (layer, counts)
     off = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids}, sequence_parallel=False)
     assert not any(n.target in (ops.REDUCE_SCATTER, ops.ALL_GATHER) for n in off.graph.graph.nodes)
 
