@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 import autotp
 from autotp.analysis.layers import layer_of
+from autotp.cost_model.hardware import CPU, save_profile
 from autotp.ir import meta_keys, ops
 from distributed import run_on_ranks
 from small_models import build, vocab_size
@@ -95,6 +98,15 @@ def test_sequence_parallel_matches_unmodified_model_tp2_pp2(name: str) -> None:
     check_on_ranks([name], 2, 2)
 
 
+def profile_without_host_costs(folder: Path) -> Path:
+    """The CPU profile without per-op, per-collective and latency costs: there sequence parallelism
+    and overlap win by their compute alone (a JSON path for ``AUTOTP_HARDWARE``)."""
+    path = folder / "no_host_costs.json"
+    save_profile(replace(CPU, name="CPU without host costs", op_overhead_s=0.0, backward_op_overhead_s=0.0,
+                         collective_host_s=0.0, collective_latency_s=0.0), path)  # fmt: skip
+    return path
+
+
 def _per_layer(gm: torch.fx.GraphModule) -> dict[int, Counter[str]]:
     counts: dict[int, Counter[str]] = {}
     for n in gm.graph.nodes:
@@ -125,10 +137,15 @@ def test_collectives_per_decoder_layer(name: str) -> None:
     assert not any(n.target in (ops.REDUCE_SCATTER, ops.ALL_GATHER) for n in off.graph.graph.nodes)
 
 
-def test_auto_decides_by_the_cost_model_and_odd_sequences_are_refused() -> None:
+def test_auto_decides_by_the_cost_model_and_odd_sequences_are_refused(monkeypatch, tmp_path) -> None:
     model = build("llama")
     even = torch.randint(0, 100, (2, 16))
-    assert autotp.compile_rank(model, tp=2, example_inputs={"input_ids": even}, sequence_parallel="auto").plan.sequence_parallel
+    # the CPU profile's per-call host costs outweigh norms on half of 32 tokens; without them it is the other way
+    monkeypatch.setenv("AUTOTP_HARDWARE", "cpu")
+    assert not autotp.compile_rank(model, tp=2, example_inputs={"input_ids": even}, sequence_parallel="auto").plan.sequence_parallel
+    monkeypatch.setenv("AUTOTP_HARDWARE", str(profile_without_host_costs(tmp_path)))
+    auto = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": even}, sequence_parallel="auto", tp_overlap="auto")
+    assert auto.plan.sequence_parallel and auto.plan.tp_overlap == ("all_gather", "reduce_scatter")
     odd = torch.randint(0, 100, (2, 15))
     assert not autotp.compile_rank(model, tp=2, example_inputs={"input_ids": odd}, sequence_parallel="auto").plan.sequence_parallel
     with pytest.raises(ValueError, match="pad the sequence to a multiple of 2"):
