@@ -273,7 +273,11 @@ def _reduce_scatter_partial_grads(graph: Graph, full: Node, group: str, tp: int)
     found = _partial_grad_region(full, group)
     if found is None:
         return
-    inside, sinks = found
+    inside, sinks, blocker = found
+    if blocker is not None:
+        for f in sinks:
+            f.meta[meta_keys.KEPT_ALL_REDUCE] = blocker
+        return
     with graph.inserting_after(full):
         gathered = graph.call_function(ops.ALL_GATHER, (full.args[0], SEQ, tp, group), name="all_gather")
     annotate_collective(gathered, full.args[0], REPLICATE, SEQUENCE_GATHER_TAG, tp, located_at=full)
@@ -305,10 +309,11 @@ def _takes_grad(user: Node) -> bool:
     return user.op == "output" or bool(user.meta.get(meta_keys.NEEDS_GRAD))
 
 
-def _partial_grad_region(full: Node, group: str) -> tuple[dict[Node, None], list[Node]] | None:
-    """(the replicated nodes on the paths from ``full`` to f's, those f's), or None when there is
-    no such f, or a node on those paths reads an activation from elsewhere that needs a
-    gradient (its gradient would be a partial summand too)."""
+def _partial_grad_region(full: Node, group: str) -> tuple[dict[Node, None], list[Node], str | None] | None:
+    """(the replicated nodes on the paths from ``full`` to f's, those f's, why they must stay), or
+    None when there is no such f. They stay when a node on those paths reads an activation from
+    elsewhere that needs a gradient: that gradient would be a partial summand too, and no
+    collective of this rank's tokens would sum it."""
     after: dict[Node, None] = {}
     sinks: dict[Node, None] = {}
     stack = [full]
@@ -334,8 +339,10 @@ def _partial_grad_region(full: Node, group: str) -> tuple[dict[Node, None], list
     for node in inside:
         for a in node.all_input_nodes:
             if a is not full and a not in inside and a.op != "get_attr" and a.meta.get(meta_keys.NEEDS_GRAD):
-                return None
-    return inside, list(sinks)
+                why = (f"'{node.name}' reads both the tokens gathered at '{full.name}' and '{a.name}', which needs a "
+                       "gradient from elsewhere: without this all-reduce that gradient would stay a partial sum")
+                return inside, list(sinks), why
+    return inside, list(sinks), None
 
 
 def _all_replicated(node: Node) -> bool:

@@ -14,7 +14,10 @@ import torch
 
 import autotp
 from autotp.analysis.layers import layer_of
+from autotp.cli.main import main
+from autotp.cost_model.graph_costs import build_report
 from autotp.cost_model.hardware import CPU, save_profile
+from autotp.report.graph_report import explain_table
 from autotp.ir import meta_keys, ops
 from distributed import run_on_ranks
 from small_models import build, vocab_size
@@ -85,6 +88,24 @@ def test_moe_layers_match_without_a_backward_all_reduce_tp2() -> None:
     """Mixtral with its router's load-balancing loss in the loss (a whole gradient meets the
     experts' partial ones in the router) and Qwen2-MoE (a shared expert behind a sigmoid gate)."""
     check_on_ranks(["mixtral_aux", "qwen2_moe"], 2, 1)
+
+
+def test_an_all_reduce_that_must_stay_is_kept_and_explained(capsys: pytest.CaptureFixture[str]) -> None:
+    """A gate adds what the normed and the raw residual stream give (both gathered tokens), then
+    scales the row-parallel output: the gradients of the two gathers meet in that add, so neither
+    gather's reduce-scatter could sum them. The f's stay, the numbers match and ``autotp explain``
+    says why."""
+    model = build("two_input_gate")
+    ids = torch.randint(0, vocab_size(model), (2, SEQ))
+    compiled = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": ids}, sequence_parallel=True)
+    kept = [n for n in compiled.graph.graph.nodes if meta_keys.KEPT_ALL_REDUCE in n.meta]
+    assert len(kept) == 4 and all(n.target is ops.COPY_TO_TP for n in kept)  # per layer: the up projection's, the gate's
+    assert not any(n.target is ops.PARTIAL_GRAD for n in compiled.graph.graph.nodes)
+    text = explain_table(build_report(compiled.graph, compiled.plan, 0), "two_input_gate")
+    assert "kept under sequence parallelism: 'add' reads both the tokens gathered at 'gather_from_tp_1' and 'linear_1'" in text
+    check_on_ranks(["two_input_gate"], 2, 1)
+    assert main(["explain", "llama-tiny", "--tp", "2", "--seq", "32", "--sequence-parallel"]) == 0
+    assert "this plan: 0 + " in capsys.readouterr().out  # no forward all-reduce is left: reduce-scatters instead
 
 
 @pytest.mark.slow
