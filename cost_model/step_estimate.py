@@ -35,7 +35,7 @@ then dp, then pp):
 * memory per GPU: the fullest rank's ``memory.rank_peak_bytes`` (live bytes replayed from the graph);
 * small linears: a linear whose sharding saves less compute per microbatch,
   (1 - 1/t) · 3 · its forward FLOPs / GEMM rate, than one tp all-reduce's latency costs
-  is replicated (``plan_tensor_parallel(replicate=...)``) when that estimate is faster.
+  is replicated (``plan_tensor_parallel(replicate=...)``) in one of the variants below.
 
 **Variants** of a candidate (``best_estimate``), each estimated as above on the rank graph
 compiled for it (``ModelCosts.rank``):
@@ -47,7 +47,8 @@ compiled for it (``ModelCosts.rank``):
   ``Training.sequence_parallel`` None tries both): the norms, residual adds and dropout run
   on s/tp tokens (their time in ``segment_time`` of the compiled graph), each all-reduce
   becomes a reduce-scatter + all-gather pair (the same bytes in two calls: two latencies,
-  two host costs), the activations between the tp regions are s/tp tokens
+  two host costs), the weights those ops read (norms) get their partial gradients
+  all-reduced, the activations between the tp regions are s/tp tokens
   (``liveness.simulate`` on the local shapes), the pipeline sends b·s·h/tp;
 * with it, overlap (``Training.tp_overlap`` None tries both): the all-gathers before and the
   reduce-scatters after GEMMs run as ``all_gather_matmul`` / ``matmul_reduce_scatter``
@@ -55,7 +56,8 @@ compiled for it (``ModelCosts.rank``):
   (``communication.overlapped_s``) plus the GEMM split into t chunks (``compute.gemm_pieces``).
 
 For each optimizer, the fastest variant that fits in ``HardwareProfile.usable_memory_bytes``
-wins (memory is computed in order of step time, until one fits), else the leanest; of the
+wins (memory is computed in order of step time, until one fits, and in ``search`` skipped where the
+rank's parameters and optimizer state alone exceed it: ``memory.persistent_bytes``), else the leanest; of the
 two optimizers, the faster that fits (``PlanEstimate.needs_distributed_optimizer``: only
 the distributed one fits). A user's ``True``/``False`` for any of them fixes it.
 """
