@@ -130,12 +130,13 @@ def parallelize(
     ``torch.compile``, which fuses the elementwise work between the collectives. With
     ``cuda_graphs`` (CUDA and NCCL), the regions that the cost model picks are captured
     as CUDA graphs on the first call and replayed after (``autotp.runtime.cudagraphs``); with
-    pp > 1, once per microbatch a stage holds in flight. ``sequence_parallel`` (True, False or
-    ``"auto"`` for the cost model's choice; None keeps the plan's, off by default) runs the
-    norms, residual adds and dropout between the tp regions on 1/tp of the tokens.
-    ``tp_overlap`` (True, False or ``"auto"``; None keeps the plan's, off by default) runs
-    those all-gathers and reduce-scatters behind the GEMMs next to them
-    (``passes/tp_overlap``): symmetric-memory fused ops on CUDA + NCCL, a P2P ring elsewhere.
+    pp > 1, once per microbatch a stage holds in flight. ``sequence_parallel`` runs the
+    norms, residual adds and dropout between the tp regions on 1/tp of the tokens, and
+    ``tp_overlap`` runs those all-gathers and reduce-scatters behind the GEMMs next to them
+    (``passes/tp_overlap``: symmetric-memory fused ops on CUDA + NCCL, a P2P ring elsewhere).
+    Either takes True or False (kept, also by ``plan="auto"``), ``"auto"`` (the cost model
+    weighs both at the plan's degrees) or None (the plan's: off by default; with
+    ``plan="auto"`` the planner weighs both with the degrees and records its choice).
 
     ``model`` may be built on ``meta``: each rank then allocates only its shards, reads
     them from ``checkpoint`` (a local HF safetensors folder, this rank's slices only) and

@@ -34,8 +34,8 @@ from autotp.analysis.trace import trace
 from autotp.cost_model.compute import ModelCosts
 from autotp.cost_model.cudagraphs import choose_regions
 from autotp.cost_model.pipeline import plan_pipeline
-from autotp.cost_model.planner import auto_plan
-from autotp.cost_model.tensor_parallel import choose_sequence_parallel, choose_tp_overlap, plan_tensor_parallel
+from autotp.cost_model.planner import auto_plan, auto_sequence_parallel
+from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir import meta_keys
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER, ParallelPlan
 from autotp.passes import PASSES
@@ -119,8 +119,12 @@ def trace_for_planning(config: PretrainedConfig, seq: int, *, dtype: torch.dtype
     return model_costs(gm, total)
 
 
-def choose_plan(traced: GraphModule, tp: int, pp: int, dp: int, vpp: int, plan: ParallelPlan | str | None) -> ParallelPlan:
-    """The caller's plan (checked against the degrees), the cost model's (``"auto"``) or tp/pp's default."""
+def choose_plan(
+    traced: GraphModule, tp: int, pp: int, dp: int, vpp: int, plan: ParallelPlan | str | None, *,
+    sequence_parallel: bool | None = None, tp_overlap: bool | None = None,
+) -> ParallelPlan:  # fmt: skip
+    """The caller's plan (checked against the degrees), the cost model's (``"auto"``, with
+    ``sequence_parallel`` and ``tp_overlap`` fixed where not None) or tp/pp's default."""
     if isinstance(plan, ParallelPlan):
         if (plan.tp, plan.pp, plan.dp, plan.vpp) != (tp, pp, dp, vpp):
             raise UserInputError(
@@ -133,7 +137,7 @@ def choose_plan(traced: GraphModule, tp: int, pp: int, dp: int, vpp: int, plan: 
     if plan == "auto":  # the cost model plans what the caller left at 1: all of tp/pp, else vpp
         fixed = tp > 1 or pp > 1
         return auto_plan(model_costs(traced), tp * pp * dp, tp=tp if fixed else None, pp=pp if fixed else None,
-                         vpp=vpp if vpp > 1 else None)  # fmt: skip
+                         vpp=vpp if vpp > 1 else None, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)  # fmt: skip
     layers = num_layers(traced)
     if pp * vpp > 1 and pp * vpp > layers:
         raise UserInputError(
@@ -163,25 +167,36 @@ def plan_model(
 ) -> Planned:
     """Trace ``model`` on ``device`` and choose its plan. ``cudagraph_impl`` (the capture
     implementation) turns CUDA graphs on, keeping an implementation the plan names.
-    ``sequence_parallel`` and ``tp_overlap`` (True, False or ``"auto"``: the cost model's
-    choice) override the plan's; None keeps it. ``tp_overlap=True`` overlaps both kinds of
+    ``sequence_parallel`` and ``tp_overlap``: True or False fix them; ``"auto"`` lets the
+    cost model weigh both at the plan's degrees; None keeps the plan's (``plan="auto"``: the
+    planner weighs them with the degrees). ``tp_overlap=True`` overlaps both kinds of
     sequence-parallel collective and needs sequence parallelism."""
+    for name, value in (("sequence_parallel", sequence_parallel), ("tp_overlap", tp_overlap)):
+        if value is not None and not isinstance(value, bool) and value != "auto":
+            raise UserInputError(f"{name} must be True, False or 'auto', got {value!r}")
+    keeps_off = sequence_parallel is None and plan != "auto" and not getattr(plan, "sequence_parallel", False)
+    if tp_overlap is True and tp > 1 and (sequence_parallel is False or keeps_off):
+        raise UserInputError(
+            "tp_overlap=True overlaps the all-gathers and reduce-scatters of sequence parallelism; "
+            "pass sequence_parallel=True (or 'auto') with it, or tp_overlap='auto'"
+        )
+    fixed_sp = sequence_parallel if isinstance(sequence_parallel, bool) else None
+    fixed_overlap = tp_overlap if isinstance(tp_overlap, bool) else None
     kwargs = example_kwargs(model, example_inputs)
     start = time.perf_counter()
     traced = trace(model, kwargs, device)
     traced_at = time.perf_counter()
-    chosen = choose_plan(traced, tp, pp, dp, vpp, plan)
+    chosen = choose_plan(traced, tp, pp, dp, vpp, plan, sequence_parallel=fixed_sp, tp_overlap=fixed_overlap)
     if cudagraph_impl is not None:
         chosen = replace(chosen, cudagraphs=True, cudagraph_impl=chosen.cudagraph_impl or cudagraph_impl)
     if not gather_outputs:
         chosen = replace(chosen, gather_outputs=False)
-    if sequence_parallel == "auto":
-        chosen = replace(chosen, sequence_parallel=choose_sequence_parallel(traced, chosen.tp))
-    elif isinstance(sequence_parallel, bool):
-        chosen = replace(chosen, sequence_parallel=sequence_parallel)
-    elif sequence_parallel is not None:
-        raise UserInputError(f"sequence_parallel must be True, False or 'auto', got {sequence_parallel!r}")
-    chosen = _with_overlap(traced, chosen, tp_overlap)
+    if "auto" in (sequence_parallel, tp_overlap) and plan != "auto":
+        keep_sp = chosen.sequence_parallel if sequence_parallel is None else fixed_sp
+        keep_overlap = bool(chosen.tp_overlap) if tp_overlap is None else fixed_overlap
+        chosen = auto_sequence_parallel(model_costs(traced), chosen, sequence_parallel=keep_sp, tp_overlap=keep_overlap)
+    else:
+        chosen = _with_fixed_sequence_parallel(chosen, fixed_sp, fixed_overlap)
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)
     log.info("traced in %.2f s, planned in %.2f s: tp=%d pp=%d dp=%d vpp=%d", traced_at - start,
@@ -189,19 +204,14 @@ def plan_model(
     return Planned(traced, kwargs, chosen, traced_at - start, planned_at - traced_at)
 
 
-def _with_overlap(traced: GraphModule, plan: ParallelPlan, tp_overlap: bool | str | None) -> ParallelPlan:
-    if tp_overlap == "auto":
-        return replace(plan, tp_overlap=choose_tp_overlap(traced, plan))
-    if tp_overlap is None or tp_overlap is False:
-        return plan if tp_overlap is None else replace(plan, tp_overlap=())
-    if tp_overlap is not True:
-        raise UserInputError(f"tp_overlap must be True, False or 'auto', got {tp_overlap!r}")
-    if not plan.sequence_parallel and plan.tp > 1:
-        raise UserInputError(
-            "tp_overlap=True overlaps the all-gathers and reduce-scatters of sequence parallelism; "
-            "pass sequence_parallel=True (or 'auto') with it, or tp_overlap='auto'"
-        )
-    return replace(plan, tp_overlap=(OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER))
+def _with_fixed_sequence_parallel(plan: ParallelPlan, sequence_parallel: bool | None, tp_overlap: bool | None) -> ParallelPlan:
+    """``plan`` with the caller's True/False for either (None keeps the plan's)."""
+    if sequence_parallel is not None:
+        plan = replace(plan, sequence_parallel=sequence_parallel)
+    if tp_overlap is not None or not plan.sequence_parallel:
+        overlap = tp_overlap and plan.sequence_parallel
+        plan = replace(plan, tp_overlap=(OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER) if overlap else ())
+    return plan
 
 
 REPLICATED_SLACK = 1.3

@@ -303,11 +303,12 @@ def validate(cpu: bool, top: int, json_path: Path | None, gpus: int, snapshots: 
         for i, p in enumerate(planned):
             m = max(measured, key=lambda r: r[i]["measured_s"])[i]
             config = Config(p.plan.tp, p.plan.pp, p.plan.dp, p.plan.vpp, p.microbatch_size, p.microbatches)
-            rows.append({"model": name, "rank": i + 1, "config": asdict(config), "predicted_s": p.step_s,
+            rows.append({"model": name, "rank": i + 1, "config": asdict(config), "sequence_parallel": p.plan.sequence_parallel,
+                         "tp_overlap": list(p.plan.tp_overlap), "predicted_s": p.step_s,
                          "predicted_gib": p.mem_bytes_per_gpu / 2**30, "measured_s": m["measured_s"],
                          "peak_gib": max(r[i]["peak_gib"] for r in measured),
                          "train_step_peak_gib": max(r[i]["train_step_peak_gib"] for r in measured)})
-            print(f"measured {name} plan {i + 1} ({_config_name(config)}): {m['measured_s'] * 1e3:.1f} ms, peak "
+            print(f"measured {name} plan {i + 1} ({_config_name(config, p.plan.sequence_parallel, p.plan.tp_overlap)}): {m['measured_s'] * 1e3:.1f} ms, peak "
                   f"{rows[-1]['peak_gib']:.1f} GiB ({rows[-1]['train_step_peak_gib']:.1f} before the optimizer's first step)", flush=True)
     calibration: dict = {}
     if gpus >= 2:  # calibration measures collectives between ranks
@@ -317,7 +318,9 @@ def validate(cpu: bool, top: int, json_path: Path | None, gpus: int, snapshots: 
         costs = trace_for_planning(model_config(dims), dims[6], dtype=dtype)
         for row in (r for r in rows if r["model"] == name):
             training = Training(global_batch, precision, gather_outputs=True)
-            row["calibrated_s"] = estimate(costs, Cluster(gpus, gpus, calibrated), training, Config(**row["config"])).step_s if calibration else float("nan")
+            row["calibrated_s"] = estimate(costs, Cluster(gpus, gpus, calibrated), training, Config(**row["config"]),
+                                           sequence_parallel=row["sequence_parallel"],
+                                           tp_overlap=tuple(row["tp_overlap"])).step_s if calibration else float("nan")  # fmt: skip
     print(validation_report(rows, builtin.name, calibrated.name if calibration else "no calibration (one rank)"))
     if json_path:
         _write(json_path, {"setup": f"torch {torch.__version__}, {datetime.date.today().isoformat()}", "calibration": calibration, "rows": rows})
@@ -330,9 +333,10 @@ def _builtin_name() -> str:
     return next(key for key, p in PROFILES.items() if p is profile) if profile else "h100"
 
 
-def _config_name(c) -> str:
+def _config_name(c, sequence_parallel: bool = False, tp_overlap: tuple | list = ()) -> str:
     parts = [f"tp{c.tp}" * (c.tp > 1), f"pp{c.pp}" * (c.pp > 1), f"vpp{c.vpp}" * (c.vpp > 1), f"dp{c.dp}" * (c.dp > 1)]
-    return "-".join(p for p in parts if p) + f" mbs{c.microbatch_size} m{c.microbatches}"
+    sp = " sp" * sequence_parallel + "+ov" * bool(tp_overlap)
+    return "-".join(p for p in parts if p) + f" mbs{c.microbatch_size} m{c.microbatches}{sp}"
 
 
 def validation_report(rows: list[dict], builtin: str, calibrated: str) -> str:
@@ -344,7 +348,7 @@ def validation_report(rows: list[dict], builtin: str, calibrated: str) -> str:
     for r in rows:
         err, err_cal = r["predicted_s"] / r["measured_s"] - 1, r["calibrated_s"] / r["measured_s"] - 1
         mem_err = r["predicted_gib"] / r["peak_gib"] - 1 if r["peak_gib"] else float("nan")
-        lines.append(f"{r['model']:14s} {r['rank']:>2d} {_config_name(Config(**r['config'])):22s} {r['predicted_s'] * 1e3:>10.1f} "
+        lines.append(f"{r['model']:14s} {r['rank']:>2d} {_config_name(Config(**r['config']), r.get('sequence_parallel', False), r.get('tp_overlap', ())):22s} {r['predicted_s'] * 1e3:>10.1f} "
                      f"{r['calibrated_s'] * 1e3:>9.1f} {r['measured_s'] * 1e3:>11.1f} {err:>+7.1%} {err_cal:>+7.1%} "
                      f"{r['predicted_gib']:>8.1f} {r['peak_gib']:>8.1f} {mem_err:>+7.1%}")
     mape = statistics.mean(abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows)

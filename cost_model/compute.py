@@ -301,7 +301,8 @@ class ModelCosts:
         self.hidden_bytes = self._hidden_bytes(calls)
         self.linears = self._linears(calls, dependent)
         self._plans: dict[tuple[int, frozenset[str]], ParallelPlan] = {}
-        self._ranks: dict[tuple, RankCosts] = {}
+        self._ranks: dict[tuple, RankCosts] = {}  # by the plan's layouts: two replicate sets may give one plan
+        self._asked: dict[tuple, RankCosts] = {}  # by rank()'s arguments
         self._cuts: dict[int, tuple[int, ...]] = {}
 
     def _per_segment_flops(self, calls: list[Node], flops: np.ndarray) -> dict[LayerKey, Affine]:
@@ -364,14 +365,18 @@ class ModelCosts:
 
         Raises plan_tensor_parallel's ValueError when tp does not divide the model.
         """
+        sequence_parallel = sequence_parallel and tp > 1
+        asked = (tp, replicate, gather_outputs, sequence_parallel, tp_overlap)
+        if asked in self._asked:
+            return self._asked[asked]
         if (tp, replicate) not in self._plans:
             self._plans[(tp, replicate)] = plan_tensor_parallel(self.gm, tp, replicate=replicate)
-        sequence_parallel = sequence_parallel and tp > 1
         plan = replace(self._plans[(tp, replicate)], gather_outputs=gather_outputs, sequence_parallel=sequence_parallel,
                        tp_overlap=tp_overlap)  # fmt: skip
         key = (tp, plan.params, gather_outputs, sequence_parallel, tp_overlap)
         if key not in self._ranks:
             self._ranks[key] = self._compile(plan)
+        self._asked[asked] = self._ranks[key]
         return self._ranks[key]
 
     def _compile(self, plan: ParallelPlan) -> RankCosts:

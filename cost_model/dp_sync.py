@@ -73,11 +73,14 @@ def sharded_sync_s(params: int, precision_name: str, dp: int, dp_per_node: int, 
         return 0.0
     p = precision(precision_name)
     grads = _buckets(params * p.grad)
-    scatter = [group_sharded_s(b, dp, dp_per_node, hw) for b in grads]
-    gather = [group_sharded_s(b * p.param / p.grad, dp, dp_per_node, hw) for b in grads]
+    full, last = grads[0], grads[-1]  # every bucket but the last is full
+    scatter, scatter_last = (group_sharded_s(b, dp, dp_per_node, hw) for b in (full, last))
+    gather, gather_last = (group_sharded_s(b * p.param / p.grad, dp, dp_per_node, hw) for b in (full, last))
+    k = len(grads) - 1
     host = 2 * 2 * len(grads) * hw.op_overhead_s
     # buckets are laid out in reverse order of use: the last one is read first
-    return max(sum(scatter) - backward_s, scatter[-1]) + max(sum(gather) - forward_s, gather[-1]) + host
+    return (max(k * scatter + scatter_last - backward_s, scatter_last) + max(k * gather + gather_last - forward_s, gather_last)
+            + host)  # fmt: skip
 
 
 def sharded_optimizer_s(params: int, precision_name: str, dp: int, hw: HardwareProfile) -> float:

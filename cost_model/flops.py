@@ -24,7 +24,7 @@ gives one rank's. FLOPs are forward only and count a multiply-add as 2.
 * **embedding** (``aten.embedding``, autotp's vocab-parallel lookup): 0 FLOPs; bytes =
   ids + 2 · output (the rows read, the output written).
 * **views** (``view``, ``transpose``, ``expand``, ``getitem``..., and the identities
-  Megatron's *f* and ``stage_boundary``): 0 FLOPs, 0 bytes.
+  Megatron's *f*, ``stage_boundary`` and ``partial_grad``): 0 FLOPs, 0 bytes.
 * **data movement** (``to``, ``contiguous``, ``cat``, ``index``, ``pad``, factories...):
   0 FLOPs; bytes = inputs + outputs.
 * **collectives** (*g*, the all-gathers, the reduce-scatter, the sequence slice): 0 FLOPs, 0 bytes here;
@@ -66,7 +66,7 @@ _VIEWS = {
     "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "unsqueeze", "squeeze",
     "expand", "expand_as", "slice", "select", "alias", "split", "split_with_sizes", "chunk",
     "unbind", "getitem", "as_strided", "detach", "narrow", "numpy_T", "mT", "view_as",
-    "unflatten", "flatten", "copy_to_tp", "stage_boundary",
+    "unflatten", "flatten", "copy_to_tp", "stage_boundary", "partial_grad",
 }  # fmt: skip
 _DATA_MOVEMENT = {
     "to", "_to_copy", "contiguous", "clone", "copy", "copy_", "cat", "stack", "pad",

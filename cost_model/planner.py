@@ -16,50 +16,20 @@ batch B, precision, distributed optimizer, whether outputs are gathered).
 
 Degrees passed as ``tp=``, ``pp=``, ``vpp=``, ``microbatch_size=`` are kept.
 
-**Estimate** of one candidate (``estimate``), ranks in Megatron's order (tp fastest,
-then dp, then pp):
+**Estimate** of one candidate and its variants (``autotp.cost_model.step_estimate``): step
+time (pipeline, gradient sync, optimizer step), MFU and peak memory per GPU, for each of
+its variants: plain or distributed optimizer (``Training.distributed_optimizer``; None
+weighs both where dp > 1), small linears sharded or replicated, and where tp > 1 sequence
+parallelism on or off and, with it, tp communication overlapped with the GEMMs or not
+(``Training.sequence_parallel``, ``Training.tp_overlap``; None weighs both, True/False fix
+it). Each is charged on the rank graph compiled for it: only the exposed part of an
+overlapped collective, and activations of s/tp tokens between the tp regions with
+sequence parallelism. A candidate keeps its fastest variant that fits.
 
-* stage cuts as ``plan_pipeline`` makes them (``balanced_cuts`` of the layer weights);
-* chunk time, per microbatch = its segments' ``compute.segment_time`` (forward +
-  backward, tp collectives, host issue), the preamble's included (every chunk repeats
-  it) + the receives of the hidden state b·s·h
-  (forward from the previous chunk, gradient from the next) over NVLink when a model
-  replica fits in a node (tp·dp·pp <= G), else over the inter-node link + the host's
-  fixed cost of calling the chunk forward and backward (``call_host_s``) + gradient
-  accumulation (every microbatch after the first adds its gradients to ``.grad``, 3
-  gradient bytes moved per parameter: (m-1)/m of that per microbatch);
-* pipeline time and bubble: ``bubble.pipeline_time_s`` (the fill and drain from the
-  chunks' GPU time);
-* gradient sync, plain optimizer (autotp's runtime with a torch optimizer: after the
-  backward, not overlapped with it): per 25 MB bucket of n_k tensors, GPU time = an
-  all-reduce over the dp group (``communication.group_all_reduce_s``, min(dp, G/tp) of
-  its ranks per node) + 6 bytes moved per gradient byte (concatenate, divide, copy back);
-  host time = (3 + 4·n_k) ops (cat, all-reduce, divide; per tensor a reshape, a slice, a
-  view and a copy) at ``op_overhead_s``. The buckets run as a ``compute.queue_s`` queue:
-  the host issues bucket k+1 while the GPU reduces bucket k, so the sync costs max-like,
-  not the sum of host and GPU time; tied embeddings with pp > 1 all-reduce their
-  gradient between the first and last stages;
-* gradient sync, distributed optimizer (``autotp.DistributedOptimizer``): reduce-scatter
-  overlapped with the last microbatch's backward (``BACKWARD_SHARE`` of the rank's chunk
-  GPU time), then the parameters' all-gather, overlapped with the next forward (the rest) but
-  its first bucket, unless ``overlap_param_gather`` is off or CUDA graphs run (``dp_sync.sharded_sync_s``);
-* optimizer step: 2 · bytes_per_param · params / memory bandwidth (each state read and
-  written once), of the rank's 1/dp slice with the distributed optimizer
-  (``dp_sync.sharded_optimizer_s``); ``train_step`` does not run it, the step time includes it;
-* step = pipeline + gradient sync + optimizer; tokens/s = B·s/step;
-  MFU = 3 · forward FLOPs of B samples / (step · gpus · peak FLOP/s);
-* memory per GPU: the fullest rank's ``memory.rank_peak_bytes`` (live bytes replayed from the graph);
-* small linears: a linear whose sharding saves less compute per microbatch,
-  (1 - 1/t) · 3 · its forward FLOPs / GEMM rate, than one tp all-reduce's latency costs
-  is replicated (``plan_tensor_parallel(replicate=...)``) when that estimate is faster.
-
-**The training step** (``autotp.ir.training_step``): ``Training.precision`` and
-``Training.distributed_optimizer``: True or False fix it; None lets the planner
-estimate each candidate with dp > 1 both ways (not for ``bf16-pure``, which the
-distributed optimizer does not run: it keeps fp32 master weights) and keep the faster
-that fits. A plan records its step (``ParallelPlan.precision``,
-``ParallelPlan.distributed_optimizer``) and whether it needs the distributed optimizer
-to fit (``PlanEstimate.needs_distributed_optimizer``).
+**The plan** (``to_plan``) records every choice: ``ParallelPlan.precision``,
+``distributed_optimizer``, ``sequence_parallel``, ``tp_overlap``, the replicated linears
+(notes), microbatches and schedule; ``PlanEstimate.needs_distributed_optimizer`` says
+whether only the distributed optimizer fits.
 
 Candidates that need more memory than ``HardwareProfile.usable_memory_bytes`` are
 dropped; the rest are ranked by step time.
@@ -69,20 +39,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
-from autotp.cost_model.bubble import pipeline_time_s
 from autotp.cost_model.candidates import Cluster, Config, candidates
-from autotp.cost_model.communication import all_reduce_s, p2p_s
-from autotp.cost_model.dp_sync import grad_sync_s, sharded_optimizer_s, sharded_sync_s
-from autotp.cost_model.compute import (
-    ModelCosts,
-    RankCosts,
-    SegmentTime,
-    segment_time,
-)
+from autotp.cost_model.compute import ModelCosts, RankCosts
 from autotp.cost_model.hardware import (
     CPU,
     GiB,
@@ -92,45 +53,17 @@ from autotp.cost_model.hardware import (
     load_profile,
     profile_for_gpu,
 )
-from autotp.cost_model.memory import PRECISIONS, bytes_per_param, chunk_peaks, grad_bytes_per_param
-from autotp.cost_model.memory import rank_peak_bytes, schedule_moments
+from autotp.cost_model.memory import PRECISIONS
+from autotp.cost_model.step_estimate import Estimate, Training, best_estimate, estimate
 
 from autotp.ir.plan import DP_BUCKET_BYTES, ParallelPlan
 from autotp.analysis.layers import layer_index, with_layer_index
 from autotp.ir.errors import UserInputError
 
-BACKWARD_SHARE = 2 / 3  # of a microbatch's forward + backward GPU time
-
-
-@dataclass(frozen=True)
-class Training:
-    """What is trained: ``global_batch`` samples per step of the traced sequence length,
-    and the training step (``distributed_optimizer`` None: the planner picks, per candidate)."""
-
-    global_batch: int
-    precision: str = "bf16"
-    distributed_optimizer: bool | None = False
-    gather_outputs: bool = False
-    cuda_graph_bytes: float = 0.0  # static buffers of one capture (one microbatch in flight)
-    overlap_param_gather: bool = True  # the distributed optimizer's all-gather hides behind the next forward
-    sequence_parallel: bool = False  # with tp > 1 (``ParallelPlan.sequence_parallel``)
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Predicted step of one candidate, before it is turned into a ``ParallelPlan``."""
-
-    config: Config
-    replicate: frozenset[str]
-    step_s: float
-    bubble_s: float
-    comm_s: float
-    optimizer_s: float
-    mem_bytes_per_gpu: float
-    tokens_per_s: float
-    mfu: float
-    distributed_optimizer: bool = False
-    needs_distributed_optimizer: bool = False  # the plain optimizer would not fit
+__all__ = [
+    "Cluster", "Config", "Estimate", "PlanEstimate", "PlanSearch", "Training", "auto_plan", "best_estimate",
+    "auto_sequence_parallel", "candidates", "detect_hardware", "estimate", "plan", "search", "to_plan",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -169,149 +102,10 @@ class PlanEstimate:
             "precision": self.plan.precision,
             "distributed_optimizer": self.plan.distributed_optimizer,
             "needs_distributed_optimizer": self.needs_distributed_optimizer,
+            "sequence_parallel": self.plan.sequence_parallel,
+            "tp_overlap": list(self.plan.tp_overlap),
             "plan": json.loads(self.plan.to_json()),
         }
-
-
-# ---- estimate --------------------------------------------------------------------------
-
-
-def small_linears(costs: ModelCosts, tp: int, batch: int, hw: HardwareProfile) -> frozenset[str]:
-    """Linears whose sharding saves less compute per microbatch than one tp all-reduce's latency."""
-    if tp == 1:
-        return frozenset()
-    return frozenset(
-        name
-        for name, flops in costs.linears
-        if (1 - 1 / tp) * 3 * flops * batch / hw.matmul_flops_per_s < hw.collective_latency_s
-    )
-
-
-def _chunk_layers(costs: ModelCosts, chunks: int) -> tuple[Counter, ...]:
-    """For each chunk, how many model layers of each traced layer it holds."""
-    out: list[Counter] = [Counter() for _ in range(chunks)]
-    for layer, chunk in enumerate(costs.layer_chunks(chunks)):
-        out[chunk][costs.traced_index(layer)] += 1
-    return tuple(out)
-
-
-def estimate(
-    costs: ModelCosts, cluster: Cluster, training: Training, config: Config, replicate: frozenset[str] = frozenset(),
-    distributed: bool = False,
-) -> Estimate:
-    """Predicted step time and memory of ``config`` (formulas in the module docstring)."""
-    hw = cluster.hardware
-    per_node = min(cluster.gpus, cluster.gpus_per_node)
-    rc = costs.rank(config.tp, replicate, training.gather_outputs, sequence_parallel=training.sequence_parallel)
-    b, m, pp, vpp = config.microbatch_size, config.microbatches, config.pp, config.vpp
-    chunks = pp * vpp
-
-    def timed(seg) -> SegmentTime:
-        return segment_time(seg, b, hw, min(config.tp, per_node))
-
-    layers = [timed(seg) for seg in rc.layers]
-    preamble = timed(rc.preamble)
-    ends: dict[int, list] = {0: [(rc.embedding, timed(rc.embedding))]}
-    ends.setdefault(chunks - 1, []).append((rc.head, timed(rc.head)))
-    in_node = config.tp * config.dp * pp <= per_node
-    hop = p2p_s(costs.hidden_bytes * b, hw.p2p_link if in_node else hw.inter_node)
-    chunk_s, chunk_gpu, chunk_comm, chunk_mem, chunk_params = [], [], [], [], []
-    layer_ids = {id(seg) for seg in rc.layers}
-    for c, counts in enumerate(_chunk_layers(costs, chunks)):
-        parts = [(rc.layers[j], layers[j], n) for j, n in counts.items()] + [(seg, st, 1) for seg, st in ends.get(c, [])]
-        parts.append((rc.preamble, preamble, 1))
-        recv = hop * ((c > 0) + (c < chunks - 1))
-        grads = sum(n * seg.param_numel for seg, _, n in parts) * grad_bytes_per_param(training.precision)
-        accumulate = (m - 1) / m * 3 * grads / hw.memory_bytes_per_s
-        chunk_s.append(sum(n * st.total_s for _, st, n in parts) + recv + accumulate + hw.call_host_s)
-        chunk_gpu.append(sum(n * st.gpu_s for _, st, n in parts) + recv + accumulate)
-        chunk_comm.append(sum(n * st.comm_s for _, st, n in parts) + recv)
-        ordered = [(rc.preamble, 1)] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.embedding]
-        ordered += [(rc.layers[j], n) for j, n in sorted(counts.items())] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.head]
-        chunk_mem.append(chunk_peaks([(seg.memory, n) for seg, n in ordered], b))
-        chunk_params.append([(seg.params, n, id(seg) in layer_ids) for seg, _, n in parts])
-    pipeline, bubble = pipeline_time_s(chunk_s, chunk_gpu, pp, vpp, m, config.schedule or "1f1b")
-
-    dp_per_node = max(1, min(config.dp, per_node // config.tp))
-    memories, syncs, optimizers = [], [], []
-    for r in range(pp):
-        params, tensors = _rank_params(chunk_params[r::pp])
-        moments = schedule_moments(config.schedule, pp, vpp, m, r)
-        memories.append(rank_peak_bytes(params, training.precision, distributed, config.dp, chunk_mem[r::pp], moments,
-                                        training.cuda_graph_bytes))
-        if distributed:
-            backward = BACKWARD_SHARE * sum(chunk_gpu[r::pp])
-            forward = (1 - BACKWARD_SHARE) * sum(chunk_gpu[r::pp]) if training.overlap_param_gather and not training.cuda_graph_bytes else 0.0
-            syncs.append(sharded_sync_s(params, training.precision, config.dp, dp_per_node, backward, hw, forward))
-            optimizers.append(sharded_optimizer_s(params, training.precision, config.dp, hw))
-        else:
-            syncs.append(grad_sync_s(params, tensors, config.dp, dp_per_node, training.precision, hw))
-            optimizers.append(2 * bytes_per_param(training.precision) * params / hw.memory_bytes_per_s)
-    tied = set(rc.embedding.params) & set(rc.head.params)
-    tied_s = 0.0
-    if tied and pp > 1:
-        nbytes = sum(rc.embedding.params[name] for name in tied) * grad_bytes_per_param(training.precision)
-        tied_s = all_reduce_s(nbytes, 2, hw.p2p_link if in_node else hw.inter_node)
-    busiest = max(range(pp), key=lambda r: sum(chunk_s[r::pp]))
-    sync = max(syncs) + tied_s
-    step = pipeline + sync + max(optimizers)
-    tokens = training.global_batch * costs.seq
-    return Estimate(
-        config=config,
-        replicate=replicate,
-        step_s=step,
-        bubble_s=bubble,
-        comm_s=m * sum(chunk_comm[busiest::pp]) + sync,
-        optimizer_s=max(optimizers),
-        mem_bytes_per_gpu=max(memories),
-        tokens_per_s=tokens / step,
-        mfu=3 * costs.forward_flops(training.global_batch) / (step * cluster.gpus * hw.mfu_flops_per_s),
-        distributed_optimizer=distributed,
-    )
-
-
-def _rank_params(chunks: list[list[tuple[dict[str, int], int, bool]]]) -> tuple[int, int]:
-    """(elements, tensors) of the parameters one rank holds: a decoder layer counted per copy (its traced names stand
-    for every layer it represents, in every chunk), the other segments' names once (a tied embedding and head)."""
-    names: dict[str, int] = {}
-    numel = tensors = 0
-    for parts in chunks:
-        for params, copies, layer in parts:
-            if layer:
-                numel += copies * sum(params.values())
-                tensors += copies * len(params)
-            else:
-                names.update(params)
-    return numel + sum(names.values()), tensors + len(names)
-
-
-def _best_layout(costs: ModelCosts, cluster: Cluster, training: Training, config: Config, distributed: bool) -> Estimate:
-    """``estimate`` with every linear sharded, or with the small ones replicated if that is faster."""
-    plain = estimate(costs, cluster, training, config, distributed=distributed)
-    small = small_linears(costs, config.tp, config.microbatch_size, cluster.hardware)
-    if not small:
-        return plain
-    trimmed = estimate(costs, cluster, training, config, small, distributed=distributed)
-    return trimmed if trimmed.step_s < plain.step_s else plain
-
-
-def best_estimate(costs: ModelCosts, cluster: Cluster, training: Training, config: Config) -> Estimate:
-    """The best layout with the training step's optimizer, or with the faster fitting one
-    when ``training.distributed_optimizer`` is None (module docstring)."""
-    forced = training.distributed_optimizer
-    if config.dp == 1:
-        options = [bool(forced)]
-    elif forced is None and training.precision == "bf16-pure":
-        options = [False]
-    else:
-        options = [False, True]
-    found = {d: _best_layout(costs, cluster, training, config, d) for d in options}
-    capacity = cluster.hardware.usable_memory_bytes
-    allowed = [e for d, e in found.items() if forced is None or d == forced]
-    fitting = [e for e in allowed if e.mem_bytes_per_gpu <= capacity] or allowed
-    best = min(fitting, key=lambda e: (e.step_s, e.mem_bytes_per_gpu))
-    needs = best.distributed_optimizer and False in found and found[False].mem_bytes_per_gpu > capacity
-    return replace(best, needs_distributed_optimizer=needs)
 
 
 # ---- plans -----------------------------------------------------------------------------
@@ -336,11 +130,16 @@ def _expand_layers(costs: ModelCosts, names: tuple) -> tuple:
 def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwareProfile) -> PlanEstimate:
     """The ``ParallelPlan`` of an estimate, with its metrics."""
     cfg = est.config
-    rc: RankCosts = costs.rank(cfg.tp, est.replicate, training.gather_outputs, sequence_parallel=training.sequence_parallel)
+    rc: RankCosts = costs.rank(cfg.tp, est.replicate, training.gather_outputs, sequence_parallel=est.sequence_parallel,
+                               tp_overlap=est.tp_overlap)  # fmt: skip
     chunks = cfg.pp * cfg.vpp
     schedule = f", schedule {cfg.schedule}" if cfg.schedule else ""
+    sequence = ""
+    if cfg.tp > 1:
+        overlap = f", {' and '.join(est.tp_overlap)} overlapped with the GEMMs" if est.tp_overlap else ""
+        sequence = f", sequence parallelism {'on' if est.sequence_parallel else 'off'}{overlap}"
     note = (
-        f"planned for {hw.name}: microbatch size {cfg.microbatch_size}, {cfg.microbatches} microbatches{schedule}; "
+        f"planned for {hw.name}: microbatch size {cfg.microbatch_size}, {cfg.microbatches} microbatches{schedule}{sequence}; "
         f"predicted {est.step_s:.4g} s per step, {est.mem_bytes_per_gpu / GiB:.1f} GiB per GPU"
     )
     replicated = tuple(f"replicated (comm outweighs compute): {n}" for n in sorted(est.replicate))
@@ -434,22 +233,31 @@ def search(
         raise UserInputError(f"unknown precision {training.precision!r}: choose one of {', '.join(PRECISIONS)}")
     configs = candidates(costs.num_layers, cluster, training.global_batch, tp=tp, pp=pp, vpp=vpp, microbatch_size=microbatch_size)
     usable: set[int] = set()
+    splits: set[int] = set()  # tp degrees whose sequence parallelism splits the sequence
     refused: dict[int, str] = {}
+    needs_split = bool(training.sequence_parallel or training.tp_overlap)
     for t in sorted({c.tp for c in configs}):
         try:
             costs.rank(t, frozenset(), training.gather_outputs)
             usable.add(t)
+            if t > 1 and training.sequence_parallel is not False:
+                costs.rank(t, frozenset(), training.gather_outputs, sequence_parallel=True)
+                splits.add(t)
         except ValueError as e:
+            if t in usable and not needs_split:
+                continue  # sequence parallelism cannot split it: the candidates at t run without
+            usable.discard(t)
             if tp is not None:
                 raise
             refused[t] = str(e)
-    estimates = [best_estimate(costs, cluster, training, c) for c in configs if c.tp in usable]
+    estimates = [best_estimate(costs, cluster, training, c, splits=c.tp in splits, exact=False) for c in configs if c.tp in usable]
     if not estimates:
         raise UserInputError("no tp degree splits this model: " + "; ".join(f"tp={t}: {why}" for t, why in refused.items()))
     capacity = cluster.hardware.usable_memory_bytes
     fitting = sorted((e for e in estimates if e.mem_bytes_per_gpu <= capacity), key=lambda e: (e.step_s, e.mem_bytes_per_gpu))
-    if not fitting:
-        least = min(estimates, key=lambda e: e.mem_bytes_per_gpu)
+    if not fitting:  # the leanest by its exact memory, not a floor
+        exact = [best_estimate(costs, cluster, training, e.config, splits=e.config.tp in splits) for e in estimates]
+        least = min(exact, key=lambda e: e.mem_bytes_per_gpu)
         c = least.config
         raise UserInputError(
             f"the model does not fit on {cluster.gpus} x {cluster.hardware.name} at any degree: the leanest plan "
@@ -480,20 +288,51 @@ def detect_hardware(device: torch.device) -> HardwareProfile:
     raise UserInputError(f"no hardware profile for {name!r}; run autotp calibrate (it caches one for this machine)")
 
 
-def auto_plan(costs: ModelCosts, world: int, *, tp: int | None = None, pp: int | None = None, vpp: int | None = None) -> ParallelPlan:
+def auto_plan(
+    costs: ModelCosts, world: int, *, tp: int | None = None, pp: int | None = None, vpp: int | None = None,
+    sequence_parallel: bool | None = None, tp_overlap: bool | None = None,
+) -> ParallelPlan:  # fmt: skip
     """The planner's best plan for ``costs.gm`` (traced at the example inputs) on ``world`` local ranks.
 
     The example batch is the global batch and its sequence length the planned one.
     ``LOCAL_WORLD_SIZE`` ranks share a node; precision follows the parameters (fp32, or
-    16-bit weights with a 16-bit AdamW).
+    16-bit weights with a 16-bit AdamW). ``sequence_parallel`` and ``tp_overlap``: True or
+    False fix them, None lets the planner weigh both.
     """
-    gm = costs.gm
-    tensor = next(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor))
-    hw = detect_hardware(tensor.device)
-    per_node = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
-    training = Training(costs.batch, "fp32" if dtype == torch.float32 else "bf16-pure", gather_outputs=True)
+    hw, per_node, training = _local_setup(costs, world, costs.batch)
+    training = replace(training, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)
     return plan(costs, Cluster(world, per_node, hw), training, tp=tp, pp=pp, vpp=vpp, top=1)[0].plan
 
 
-# ---- presenting plans --------------------------------------------------------------------
+def auto_sequence_parallel(costs: ModelCosts, chosen: ParallelPlan, *, sequence_parallel: bool | None = None,
+                           tp_overlap: bool | None = None) -> ParallelPlan:  # fmt: skip
+    """``chosen`` with the sequence parallelism and overlap that the planner weighs best at its degrees
+    (``best_estimate``); True or False fix either. A sequence that tp does not split runs without,
+    unless either is True (then the sequence-parallel pass's ValueError says how to pad it)."""
+    if chosen.tp == 1:
+        return replace(chosen, sequence_parallel=False, tp_overlap=())
+    world = chosen.tp * chosen.pp * chosen.dp
+    m = max(chosen.microbatches, chosen.pp if chosen.pp > 1 else 1)
+    config = Config(chosen.tp, chosen.pp, chosen.dp, chosen.vpp, max(1, costs.batch // (chosen.dp * m)), m)
+    hw, per_node, training = _local_setup(costs, world, config.microbatch_size * m * chosen.dp)
+    training = replace(training, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap,
+                       distributed_optimizer=chosen.distributed_optimizer)  # fmt: skip
+    try:
+        costs.rank(chosen.tp, frozenset(), training.gather_outputs, sequence_parallel=True)
+        splits = True
+    except ValueError:
+        if sequence_parallel or tp_overlap:
+            raise
+        splits = False
+    best = best_estimate(costs, Cluster(world, per_node, hw), training, config, splits=splits)
+    return replace(chosen, sequence_parallel=best.sequence_parallel, tp_overlap=best.tp_overlap)
+
+
+def _local_setup(costs: ModelCosts, world: int, global_batch: int) -> tuple[HardwareProfile, int, Training]:
+    """This machine's profile, ranks per node and training step for a graph traced at the example inputs."""
+    gm = costs.gm
+    tensor = next(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor))
+    per_node = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
+    training = Training(global_batch, "fp32" if dtype == torch.float32 else "bf16-pure", gather_outputs=True)
+    return detect_hardware(tensor.device), per_node, training

@@ -21,7 +21,11 @@ a ``[batch, seq, ...]`` activation):
   which sums the partial grads the column-parallel matmuls produce, as f did);
 * any other consumer of a region value (a view, the MoE dispatch, attention, a graph
   output) reads it through ``gather_from_tp`` (backward: this rank's slice, since the
-  consumer computes replicated values and gets the same grad on every rank).
+  consumer computes replicated values and gets the same grad on every rank);
+* unless that replicated computation ends in f's (the MoE router and dispatch before the
+  column-parallel experts): then the f's go, its gradients stay partial summands, and
+  ``gather_from_tp`` becomes ``all_gather``, whose backward reduce-scatter sums them
+  (``_reduce_scatter_partial_grads``): no all-reduce is left in the MoE layer's backward.
 
 Region values carry ``Layout`` ``Shard(1)`` with a ``DimVar`` of the sequence length, so
 local shapes (pipeline receive buffers included) come out as ``S / tp``. A sequence that
@@ -92,7 +96,9 @@ def sequence_parallel(gm: GraphModule, ctx: PassContext) -> GraphModule:
         elif node.target is ops.TP_DROPOUT:
             node.args = (*node.args[:3], ops.SHARDED)
     for node in list(region):
-        _gather_for_outside_users(graph, node, region, ctx.group, tp)
+        full = _gather_for_outside_users(graph, node, region, ctx.group, tp)
+        if full is not None:
+            _reduce_scatter_partial_grads(graph, full, ctx.group, tp)
     return gm
 
 
@@ -214,7 +220,8 @@ def _adapt_outside_operands(
             node.replace_input_with(a, fs[a])
 
 
-def _gather_for_outside_users(graph: Graph, node: Node, region: dict[Node, int], group: str, tp: int) -> None:
+def _gather_for_outside_users(graph: Graph, node: Node, region: dict[Node, int], group: str, tp: int) -> Node | None:
+    """Replace f's reading ``node`` by all-gathers; other outside users read one ``gather_from_tp``, returned."""
     full: Node | None = None
     for user in [u for u in node.users if u not in region]:
         if _is_f(user, group):
@@ -233,6 +240,7 @@ def _gather_for_outside_users(graph: Graph, node: Node, region: dict[Node, int],
                 full = graph.call_function(ops.GATHER_FROM_TP, (node, SEQ, region[node], group), name="gather_from_tp")
             annotate_collective(full, node, REPLICATE, "all_gather", tp)
         user.replace_input_with(node, full)
+    return full
 
 
 def _is_f(node: Node, group: str) -> bool:
@@ -245,3 +253,98 @@ def _all_gather_for(graph: Graph, node: Node, f: Node, tp: int, group: str) -> N
         gathered = graph.call_function(ops.ALL_GATHER, (node, SEQ, tp, group), name="all_gather")
     annotate_collective(gathered, node, REPLICATE, SEQUENCE_GATHER_TAG, tp, located_at=f)
     return gathered
+
+
+def _reduce_scatter_partial_grads(graph: Graph, full: Node, group: str, tp: int) -> None:
+    """``gather_from_tp`` -> ``all_gather`` when the gathered tokens feed f's through replicated ops.
+
+    The replicated computation between ``full`` and f's (``_partial_grad_region``: the MoE
+    router and dispatch) gets whole gradients from the f's backward all-reduces. A backward
+    is linear in the output gradient, and these ops compute the same forward values on every
+    rank, so the sum over ranks of each rank's backward of its partial gradients is the
+    backward of their sum: the f's can go, and every gradient in that computation is then a
+    partial summand. The all-gather's backward reduce-scatter sums the summands and keeps
+    this rank's tokens (Megatron's pair), where ``gather_from_tp`` took a slice of a whole
+    gradient after the f's all-reduces. Where a gradient enters that computation whole (a
+    router's logits read by an auxiliary loss, a graph output), ``partial_grad`` divides it
+    by tp so that the ranks' sum counts it once; a parameter read there (the router weight)
+    gets an f on those reads, as its gradient there is a summand too.
+    """
+    found = _partial_grad_region(full, group)
+    if found is None:
+        return
+    inside, sinks, blocker = found
+    if blocker is not None:
+        for f in sinks:
+            f.meta[meta_keys.KEPT_ALL_REDUCE] = blocker
+        return
+    with graph.inserting_after(full):
+        gathered = graph.call_function(ops.ALL_GATHER, (full.args[0], SEQ, tp, group), name="all_gather")
+    annotate_collective(gathered, full.args[0], REPLICATE, SEQUENCE_GATHER_TAG, tp, located_at=full)
+    full.replace_all_uses_with(gathered)
+    graph.erase_node(full)
+    for node in [gathered, *inside]:
+        whole = [u for u in node.users if u not in inside and u not in sinks and _takes_grad(u)]
+        if whole:
+            with graph.inserting_after(node):
+                shared = graph.call_function(ops.PARTIAL_GRAD, (node, tp), name="partial_grad")
+            shared.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.COLLECTIVE})
+            for user in whole:
+                user.replace_input_with(node, shared)
+    for f in sinks:
+        f.replace_all_uses_with(f.args[0])
+        graph.erase_node(f)
+    fs: dict[Node, Node] = {}
+    for node in inside:
+        for a in [a for a in node.all_input_nodes if a.op == "get_attr" and a.meta.get(meta_keys.NEEDS_GRAD)]:
+            if a not in fs:
+                with graph.inserting_after(a):
+                    fs[a] = graph.call_function(ops.COPY_TO_TP, (a, group), name="copy_to_tp")
+                annotate_collective(fs[a], a, a.meta.get(meta_keys.LAYOUT), "all_reduce_backward", tp, located_at=node)
+            node.replace_input_with(a, fs[a])
+
+
+def _takes_grad(user: Node) -> bool:
+    """Whether a gradient flows back from ``user`` (the graph output, or an op whose value needs one)."""
+    return user.op == "output" or bool(user.meta.get(meta_keys.NEEDS_GRAD))
+
+
+def _partial_grad_region(full: Node, group: str) -> tuple[dict[Node, None], list[Node], str | None] | None:
+    """(the replicated nodes on the paths from ``full`` to f's, those f's, why they must stay), or
+    None when there is no such f. They stay when a node on those paths reads an activation from
+    elsewhere that needs a gradient: that gradient would be a partial summand too, and no
+    collective of this rank's tokens would sum it."""
+    after: dict[Node, None] = {}
+    sinks: dict[Node, None] = {}
+    stack = [full]
+    while stack:
+        for user in stack.pop().users:
+            if user in after or user in sinks:
+                continue
+            if _is_f(user, group):
+                sinks[user] = None
+            elif user.op == "call_function" and user.meta.get(meta_keys.NEEDS_GRAD) and _all_replicated(user) \
+                    and meta_keys.COLLECTIVE not in user.meta:  # fmt: skip
+                after[user] = None
+                stack.append(user)
+    if not sinks:
+        return None
+    inside: dict[Node, None] = {}
+    stack = [f.args[0] for f in sinks]
+    while stack:
+        node = stack.pop()
+        if node in after and node not in inside:
+            inside[node] = None
+            stack.extend(node.all_input_nodes)
+    for node in inside:
+        for a in node.all_input_nodes:
+            if a is not full and a not in inside and a.op != "get_attr" and a.meta.get(meta_keys.NEEDS_GRAD):
+                why = (f"'{node.name}' reads both the tokens gathered at '{full.name}' and '{a.name}', which needs a "
+                       "gradient from elsewhere: without this all-reduce that gradient would stay a partial sum")
+                return inside, list(sinks), why
+    return inside, list(sinks), None
+
+
+def _all_replicated(node: Node) -> bool:
+    lay = node.meta.get(meta_keys.LAYOUT)
+    return all(not isinstance(l, Layout) or l.replicated for l in (lay if isinstance(lay, tuple) else (lay,)))

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 import transformers
+from transformers.modeling_outputs import CausalLMOutput
 from transformers import (
     BertConfig,
     BertForMaskedLM,
@@ -37,7 +38,7 @@ class PlainTransformer(nn.Module):
                     "proj": nn.Linear(hidden, hidden),
                     "norm2": nn.LayerNorm(hidden),
                     "up": nn.Linear(hidden, 4 * hidden),
-                    "down": nn.Linear(4 * hidden, hidden),
+                    "down": nn.Linear(4 * hidden, hidden, bias=False),
                 }
             )
             self.blocks.append(block)
@@ -60,6 +61,33 @@ class PlainTransformer(nn.Module):
         if labels is not None:
             out["loss"] = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
         return out
+
+
+class TwoInputGate(nn.Module):
+    """A decoder whose MLP output is scaled by a gate that reads both the normed and the raw
+    residual stream, each flattened to [tokens, hidden] (not HF)."""
+
+    def __init__(self, vocab: int = 96, hidden: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"norm": nn.LayerNorm(hidden), "up": nn.Linear(hidden, 4 * hidden), "down": nn.Linear(4 * hidden, hidden, bias=False),
+                           "gate_normed": nn.Linear(hidden, 1), "gate_raw": nn.Linear(hidden, 1)})  # fmt: skip
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
+        x = self.embed(input_ids)
+        b, s, h = x.shape
+        for blk in self.blocks:
+            normed = blk["norm"](x).reshape(b * s, h)
+            gate = torch.sigmoid(blk["gate_normed"](normed) + blk["gate_raw"](x.reshape(b * s, h)))
+            x = x + (blk["down"](F.gelu(blk["up"](normed))) * gate).reshape(b, s, h)
+        logits = self.head(self.norm(x))
+        loss = None if labels is None else F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        return CausalLMOutput(loss=loss, logits=logits)
 
 
 _DECODER = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -107,10 +135,11 @@ def build(name: str, layers: int = 2) -> nn.Module:
     elif name == "llama_kv4":  # for tp=8: 4 KV heads, each held by two ranks
         model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4))
-    elif name == "mixtral":
+    elif name in ("mixtral", "mixtral_aux"):  # mixtral_aux: the router's load-balancing loss is part of the loss
         model = MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                                  num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
-                                                 num_local_experts=4, num_experts_per_tok=2))
+                                                 num_local_experts=4, num_experts_per_tok=2,
+                                                 output_router_logits=name == "mixtral_aux", router_aux_loss_coef=0.5))
     elif name == "bert":
         model = BertForMaskedLM(BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                            num_hidden_layers=2, num_attention_heads=4,
@@ -120,6 +149,8 @@ def build(name: str, layers: int = 2) -> nn.Module:
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
     elif name == "plain":
         model = PlainTransformer()
+    elif name == "two_input_gate":
+        model = TwoInputGate(layers=layers)
     elif name in MORE_ARCHITECTURES:
         config_cls, model_cls, kwargs = MORE_ARCHITECTURES[name]
         model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))

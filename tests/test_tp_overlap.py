@@ -19,7 +19,7 @@ from autotp.cost_model.communication import overlapped_s
 from autotp.cost_model.compute import ModelCosts, segment_time
 from autotp.cost_model.hardware import H200
 from autotp.cost_model.graph_costs import build_report
-from autotp.cost_model.tensor_parallel import choose_tp_overlap
+from autotp.cost_model.planner import Cluster, Training, plan
 from autotp.passes.mark_cudagraph_regions import OVERLAP
 from autotp.report.dump import to_code
 from autotp.report.graph_report import explain_table
@@ -116,7 +116,8 @@ def test_decomposed_ops_replace_the_plain_ones(name: str) -> None:
         assert counts["reduce_from_tp"] == 0, (layer, counts)
         if name == "mixtral":  # attention is fused; the MoE block gathers for its dispatch and sums its experts first
             assert counts["all_gather_matmul"] == 1 and counts["matmul_reduce_scatter"] == 1, (layer, counts)
-            assert counts["gather_from_tp"] == 1 and counts["reduce_scatter"] == 1, (layer, counts)
+            assert counts["all_gather"] == 1 and counts["reduce_scatter"] == 1, (layer, counts)
+            assert counts["gather_from_tp"] == counts["copy_to_tp"] == 0, (layer, counts)
         else:  # every sequence-parallel collective of the layer runs inside a GEMM
             assert counts["all_gather_matmul"] == 2 and counts["matmul_reduce_scatter"] == 2, (layer, counts)
             assert counts["all_gather"] == counts["reduce_scatter"] == 0, (layer, counts)
@@ -157,13 +158,13 @@ def test_overlapped_collectives_charge_only_what_the_gemm_leaves_exposed(llama8b
     assert after.total_s < before.total_s
 
 
-def test_auto_overlaps_where_the_gemms_are_large_enough(llama8b: ModelCosts) -> None:
-    big = replace(llama8b.rank(2).plan, sequence_parallel=True)
-    assert choose_tp_overlap(llama8b.gm, big) == ("all_gather", "reduce_scatter")
-    assert choose_tp_overlap(llama8b.gm, replace(big, sequence_parallel=False)) == ()
+def test_the_planner_overlaps_where_the_gemms_are_large_enough(llama8b: ModelCosts) -> None:
+    cluster, on = Cluster(2, 2, H200), Training(2, sequence_parallel=True)
+    assert plan(llama8b, cluster, on, tp=2, top=1)[0].plan.tp_overlap == ("all_gather", "reduce_scatter")
+    assert plan(llama8b, cluster, replace(on, sequence_parallel=False), tp=2, top=1)[0].plan.tp_overlap == ()
     tiny = trace_for_planning(presets.model_config("llama-tiny"), 16)
-    small = replace(tiny.rank(2).plan, sequence_parallel=True)
-    assert choose_tp_overlap(tiny.gm, small) == ()  # microsecond GEMMs hide less than the ring's extra launches cost
+    # microsecond GEMMs hide less than the ring's extra launches cost
+    assert plan(tiny, cluster, on, tp=2, top=1)[0].plan.tp_overlap == ()
 
 
 def test_cuda_graphs_decline_the_overlapped_ops_and_capture_the_rest() -> None:

@@ -1,6 +1,6 @@
 """Communication overlap on GPUs through NCCL (skipped without 2 GPUs): the symmetric-memory
 fused ops and the P2P ring against the plain collective and GEMM, and a sequence-parallel
-Llama with overlap against the unmodified model on the same GPU (fp32), forward and backward."""
+Llama and Mixtral with overlap against the unmodified model on the same GPU (fp32), forward and backward."""
 
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ def _ops_on_device(rank: int, world: int, impl: str) -> None:
     ops_on_rank(rank, world, f"cuda:{rank}", impl)
 
 
-def _model_on_device(rank: int, world: int, compile: bool) -> float:
+def _model_on_device(rank: int, world: int, compile: bool, name: str = "llama") -> float:
     import autotp
 
     torch.cuda.set_device(rank)
-    model = build("llama").cuda()
+    model = build(name).cuda()
     reference = copy.deepcopy(model)
     ids = torch.randint(0, vocab_size(model), (4, 32), generator=torch.Generator().manual_seed(3)).cuda()
     pm = autotp.parallelize(model, tp=world, example_inputs={"input_ids": ids, "labels": ids}, sequence_parallel=True,
@@ -60,4 +60,13 @@ def _model_on_device(rank: int, world: int, compile: bool) -> float:
 def test_sequence_parallel_llama_with_overlap_matches_on_nccl(compile: bool) -> None:
     _need_gpus()
     losses = spawn_ranks(_model_on_device, 2, compile, backend="nccl", timeout_s=900)
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.gpu
+def test_sequence_parallel_moe_with_its_router_loss_matches_on_nccl() -> None:
+    """Mixtral with its load-balancing loss: the MoE block's backward reduce-scatter (no all-reduce)
+    sums the router's partial gradients and its tp-divided whole ones on NCCL too."""
+    _need_gpus()
+    losses = spawn_ranks(_model_on_device, 2, False, "mixtral_aux", backend="nccl", timeout_s=900)
     assert losses[0] == losses[1]

@@ -192,7 +192,8 @@ def _compile_for_inspection(args: argparse.Namespace, rank: int, dump_dir: Path 
     model = presets.build_model(args.model, device="meta", dtype=presets.DTYPES[args.dtype])
     inputs = presets.inspection_inputs(model, args.batch, args.seq, not args.no_labels)
     _progress(f"tracing, planning and compiling tp rank {rank} of {args.model} (tp={args.tp}, pp={args.pp})")
-    return compile_rank(model, tp=args.tp, rank=rank, pp=args.pp, example_inputs=inputs, dump_dir=dump_dir)
+    return compile_rank(model, tp=args.tp, rank=rank, pp=args.pp, example_inputs=inputs, dump_dir=dump_dir,
+                        sequence_parallel=args.sequence_parallel)  # fmt: skip
 
 
 def dump_command(args: argparse.Namespace) -> int:

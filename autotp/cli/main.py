@@ -64,6 +64,11 @@ def _add_inspection_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="trace without labels= (by default labels are passed, so the vocab-parallel loss shows)",
     )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="compile with sequence parallelism (Megatron SP: reduce-scatters and all-gathers instead of all-reduces)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:

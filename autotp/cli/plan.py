@@ -18,20 +18,32 @@ if TYPE_CHECKING:
 
 
 def format_table(estimates: list[PlanEstimate]) -> str:
-    """The ranked plans, one row each; ``dist-opt``: the distributed optimizer is used, and needed to fit."""
+    """The ranked plans, one row each; ``dist-opt``: the distributed optimizer is used, and needed to fit;
+    ``SP``: sequence parallelism; ``overlap``: the tp collectives run behind GEMMs (``ag`` all-gathers,
+    ``rs`` reduce-scatters); ``-`` at tp=1."""
     from autotp.cost_model.hardware import GiB
 
     header = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'vpp':>3} {'mbs':>4} {'m':>5} {'step s':>9} {'tokens/s':>10} "
-              f"{'MFU':>6} {'GiB/GPU':>8} {'bubble':>7} {'comm':>6} {'dist-opt':>8}")
+              f"{'MFU':>6} {'GiB/GPU':>8} {'bubble':>7} {'comm':>6} {'dist-opt':>8} {'SP':>3} {'overlap':>7}")
     rows = [header]
     for i, e in enumerate(estimates, start=1):
         p = e.plan
         rows.append(
             f"{i:>3} {p.tp:>3} {p.pp:>3} {p.dp:>5} {p.vpp:>3} {e.microbatch_size:>4} {e.microbatches:>5} {e.step_s:>9.4g} "
             f"{e.tokens_per_s:>10.4g} {e.mfu:>6.1%} {e.mem_bytes_per_gpu / GiB:>8.1f} {e.bubble_share:>7.1%} {e.comm_share:>6.1%} "
-            f"{('needed' if e.needs_distributed_optimizer else 'yes') if p.distributed_optimizer else 'no':>8}"
+            f"{('needed' if e.needs_distributed_optimizer else 'yes') if p.distributed_optimizer else 'no':>8} "
+            f"{'-' if p.tp == 1 else 'on' if p.sequence_parallel else 'off':>3} {_overlap_cell(p):>7}"
         )
     return "\n".join(rows)
+
+
+_OVERLAP_SHORT = {"all_gather": "ag", "reduce_scatter": "rs"}
+
+
+def _overlap_cell(p) -> str:
+    if p.tp == 1 or not p.sequence_parallel:
+        return "-"
+    return "+".join(_OVERLAP_SHORT[k] for k in p.tp_overlap) or "no"
 
 
 def explain_values(costs: ModelCosts, best: PlanEstimate, hidden: int, heads: int) -> dict:
@@ -61,8 +73,10 @@ def _plan_command(args: argparse.Namespace) -> int:
     config = presets.model_config(args.model)
     costs = trace_for_planning(config, args.seq)
     cluster = Cluster(args.gpus, args.gpus_per_node, hw)
-    choice = {"auto": None, "on": True, "off": False}[args.distributed_optimizer]
-    training = Training(args.global_batch, args.precision, choice, overlap_param_gather=not args.no_overlap_param_gather)
+    choice = {"auto": None, "on": True, "off": False}
+    training = Training(args.global_batch, args.precision, choice[args.distributed_optimizer],
+                        overlap_param_gather=not args.no_overlap_param_gather,
+                        sequence_parallel=choice[args.sequence_parallel], tp_overlap=choice[args.tp_overlap])  # fmt: skip
     found = search(costs, cluster, training, tp=args.tp, pp=args.pp, top=args.top)
     estimates = found.plans
     elapsed = time.perf_counter() - start
@@ -72,7 +86,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     nodes = math.ceil(args.gpus / args.gpus_per_node)
     print(
         f"{args.model} on {args.gpus} x {hw.name} ({nodes} node{'s' * (nodes > 1)} of {min(args.gpus, args.gpus_per_node)}), "
-        f"global batch {args.global_batch} x {args.seq} tokens, distributed optimizer {args.distributed_optimizer}; "
+        f"global batch {args.global_batch} x {args.seq} tokens, distributed optimizer {args.distributed_optimizer}, "
+        f"sequence parallelism {args.sequence_parallel}, tp overlap {args.tp_overlap}; "
         f"planned in {elapsed:.2f} s"
     )
     print(format_table(estimates))
@@ -121,6 +136,12 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     command.add_argument("--distributed-optimizer", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                          help="shard optimizer states over dp (ZeRO-1, autotp.DistributedOptimizer): on, off, or auto "
                          "(default: per plan, whichever is faster and fits)")
+    command.add_argument("--sequence-parallel", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                         help="run the norms, residual adds and dropout between the tp regions on 1/tp of the tokens "
+                         "(Megatron SP): on, off, or auto (default: per plan with tp > 1, whichever is faster and fits)")
+    command.add_argument("--tp-overlap", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                         help="with sequence parallelism, run its all-gathers and reduce-scatters behind the GEMMs next "
+                         "to them: on (needs sequence parallelism), off, or auto (default: per plan)")
     command.add_argument("--no-overlap-param-gather", action="store_true",
                          help="charge the distributed optimizer's parameter all-gather as exposed, as "
                          "DistributedOptimizer(overlap_param_gather=False) runs it (default: hidden behind the next forward)")

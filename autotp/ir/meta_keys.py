@@ -55,3 +55,7 @@ the cost model found capturing worth it."""
 CAUSAL_MASK = "autotp_causal_mask"
 """On ``scaled_dot_product_attention`` nodes with an explicit mask: ``"causal"`` when the mask was
 proven causal-only and replaced by ``is_causal=True``, else why it stays (``passes/causal_attention``)."""
+
+KEPT_ALL_REDUCE = "autotp_kept_all_reduce"
+"""On an f (``copy_to_tp``) that sequence parallelism could not fold into the backward reduce-scatter of an
+all-gather of the tokens (``passes/sequence_parallel``): why its all-reduce stays; ``autotp explain`` prints it."""

@@ -37,6 +37,10 @@ Local ops:
 
 * ``stage_boundary(x, chunk)`` -- identity marking ``x`` as crossing into pipeline chunk
   ``chunk``.
+* ``partial_grad(x, parts)`` -- identity forward; backward divides the gradient by
+  ``parts``, so that a gradient every one of ``parts`` ranks holds whole becomes their equal
+  partial summands (``passes/sequence_parallel`` adds it where whole and partial gradients
+  meet before one reduce-scatter).
 * ``tp_dropout(x, p, train, stream)`` -- ``aten.dropout`` drawing its mask from the tp
   RNG stream ``REPLICATED`` or ``SHARDED`` (``tp_rand(like, stream)``: uniform float32 numbers shaped like ``like``; see
   ``autotp.runtime.rng``).
@@ -47,7 +51,7 @@ The vocab-parallel embedding and cross entropy mask ids outside the local range,
 id outside the whole vocabulary ``[0, vocab_size)`` would silently count as zero; both
 refuse it (``check_ids``) where the unmodified model raises ``IndexError``.
 
-The identities (*f*, ``stage_boundary``) are ``CompositeImplicitAutograd`` ops returning a
+The identities (*f*, ``stage_boundary``, ``partial_grad``) are ``CompositeImplicitAutograd`` ops returning a
 view of their input, so they cost no copy: a custom op with a kernel may not return an
 alias of its input. Tracing (``torch.compile``, ``make_fx``) decomposes them into that
 view, with *f*'s backward all-reduce. The other composites (dropout, embedding, loss)
@@ -114,6 +118,7 @@ VOCAB_PARALLEL_EMBEDDING = _define(
     "int padding_idx) -> Tensor"
 )
 STAGE_BOUNDARY = _define("stage_boundary(Tensor x, int chunk) -> Tensor")
+PARTIAL_GRAD = _define("partial_grad(Tensor x, int parts) -> Tensor")
 TP_RAND = _define("tp_rand(Tensor like, str stream) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
 TP_DROPOUT = _define("tp_dropout(Tensor x, float p, bool train, str stream) -> Tensor")
 
@@ -122,7 +127,7 @@ COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
     COPY_TO_TP, REDUCE_FROM_TP, GATHER_FROM_TP, SCATTER_TO_TP, ALL_GATHER, REDUCE_SCATTER,
     ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, VOCAB_PARALLEL_NLL, VOCAB_PARALLEL_CROSS_ENTROPY,
 })  # fmt: skip
-ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, TP_RAND, TP_DROPOUT}
+ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT}
 
 
 def is_autotp_op(target: Any) -> bool:
@@ -321,6 +326,17 @@ class _CopyToTP(torch.autograd.Function):
         return REDUCE_FROM_TP(grad, ctx.group), None
 
 
+class _PartialGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, parts: int) -> Tensor:  # type: ignore[override]
+        ctx.parts = parts
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad / ctx.parts, None
+
+
 # ---- composite ops --------------------------------------------------------------------
 
 
@@ -330,6 +346,10 @@ def _copy_to_tp(x: Tensor, group: str) -> Tensor:
 
 def _stage_boundary(x: Tensor, chunk: int) -> Tensor:
     return x.view_as(x)
+
+
+def _partial_grad(x: Tensor, parts: int) -> Tensor:
+    return _PartialGrad.apply(x, parts)
 
 
 def _tp_dropout(x: Tensor, p: float, train: bool, stream: str) -> Tensor:
@@ -387,6 +407,7 @@ def _vocab_parallel_cross_entropy(
 for _op, _fn in (
     (COPY_TO_TP, _copy_to_tp),
     (STAGE_BOUNDARY, _stage_boundary),
+    (PARTIAL_GRAD, _partial_grad),
     (TP_DROPOUT, _tp_dropout),
     (VOCAB_PARALLEL_EMBEDDING, _vocab_parallel_embedding),
     (VOCAB_PARALLEL_CROSS_ENTROPY, _vocab_parallel_cross_entropy),

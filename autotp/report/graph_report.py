@@ -10,7 +10,7 @@ from torch.fx import Node
 
 from autotp.cost_model.graph_costs import DIRECTIONS, GraphReport, LayerReport, by_layer, layer_report
 from autotp.cost_model.tensor_parallel import REPLICATED_NOTE
-from autotp.ir import ops
+from autotp.ir import meta_keys, ops
 from autotp.ir.errors import UserInputError
 
 def stage_view(report: GraphReport, stage: int) -> GraphReport:
@@ -201,7 +201,12 @@ def _first_layer_all_reduces(report: GraphReport) -> list[str]:
             where = served.meta.get("stack_trace", "").strip().splitlines()
             source = where[-2].strip() if len(where) >= 2 else ""
             relation = "sums the partial output of" if c.direction == "forward" else "sums the grads of the input of"
+            read = r.node.all_input_nodes[0]
+            if c.direction == "backward" and read.op == "get_attr":  # a weight read by rank-local tokens or blocks
+                relation = f"sums the grads of parameter '{read.target}' read by"
             lines.append(f"  {c.direction:8s} {r.node.name}: {relation} '{served.name}' ({served.target}) {source}")
+            if meta_keys.KEPT_ALL_REDUCE in r.node.meta:
+                lines.append(f"           kept under sequence parallelism: {r.node.meta[meta_keys.KEPT_ALL_REDUCE]}")
     return ["", *lines]
 
 
