@@ -56,7 +56,7 @@ from autotp.cost_model.hardware import (
 from autotp.cost_model.memory import PRECISIONS
 from autotp.cost_model.step_estimate import Estimate, Training, best_estimate, estimate
 
-from autotp.ir.plan import DP_BUCKET_BYTES, ParallelPlan
+from autotp.ir.plan import DP_BUCKET_BYTES, KEPT_WHOLE_COMM, KeptWhole, ParallelPlan
 from autotp.analysis.layers import layer_index, with_layer_index
 from autotp.ir.errors import UserInputError
 
@@ -142,7 +142,7 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
         f"planned for {hw.name}: microbatch size {cfg.microbatch_size}, {cfg.microbatches} microbatches{schedule}{sequence}; "
         f"predicted {est.step_s:.4g} s per step, {est.mem_bytes_per_gpu / GiB:.1f} GiB per GPU"
     )
-    replicated = tuple(f"replicated (comm outweighs compute): {n}" for n in sorted(est.replicate))
+    kept = tuple(KeptWhole(n, KEPT_WHOLE_COMM) for n in sorted(est.replicate))
     plan = replace(
         rc.plan,
         pp=cfg.pp,
@@ -152,7 +152,8 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
         layer_chunks=costs.layer_chunks(chunks) if chunks > 1 else (),
         embedding_chunk=0,
         head_chunk=chunks - 1,
-        notes=rc.plan.notes + replicated + (note,),
+        notes=rc.plan.notes + (note,),
+        kept_whole=rc.plan.kept_whole + kept,
         microbatches=cfg.microbatches,
         microbatch_size=cfg.microbatch_size,
         schedule=cfg.schedule or "",

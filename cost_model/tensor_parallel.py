@@ -20,12 +20,10 @@ from torch.fx import GraphModule
 
 from autotp.analysis.propagation import propagate
 from autotp.analysis.propagation_result import Propagation, check_divisible, param_sharding
-from autotp.ir.plan import ParallelPlan, ParamLayout
+from autotp.ir.plan import KEPT_WHOLE_CONFLICT, KeptWhole, ParallelPlan, ParamLayout
 from autotp.ir.errors import UserInputError
 
 MIN_EMBEDDING_ROWS_PER_RANK = 16
-REPLICATED_NOTE = "replicated (its sharding conflicts with the graph): "
-"""How a plan note naming a parameter kept whole begins; the note goes on with the blocking node."""
 MAX_PLANNING_ROUNDS = 16
 
 
@@ -62,5 +60,5 @@ def plan_tensor_parallel(gm: GraphModule, tp: int, *, replicate: Iterable[str] =
         if found is not None:
             kind, dim, sharding = found
             params.append(ParamLayout(name, kind, dim, sharding))
-    notes = tuple(f"{REPLICATED_NOTE}{n}; blocked at {blocked[n]}" for n in sorted(banned - set(replicate)))
-    return ParallelPlan(tp=tp, params=tuple(params), notes=notes)
+    kept = tuple(KeptWhole(n, KEPT_WHOLE_CONFLICT, blocked[n]) for n in sorted(banned - set(replicate)))
+    return ParallelPlan(tp=tp, params=tuple(params), kept_whole=kept)

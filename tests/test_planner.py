@@ -28,6 +28,7 @@ from distributed import run_on_ranks
 
 import autotp
 from autotp import presets
+from autotp.ir.plan import KEPT_WHOLE_COMM
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,7 @@ def test_small_linears_are_replicated_when_comm_outweighs_compute() -> None:
     best = plan(tiny, Cluster(2, 2, CPU), Training(4, "fp32"), tp=2, top=1)[0]
     linears = {name for name, _ in tiny.linears} - {"lm_head.weight"}
     assert not linears & {p.name for p in best.plan.params}
-    assert any("comm outweighs compute" in n for n in best.plan.notes)
+    assert any(k.reason == KEPT_WHOLE_COMM for k in best.plan.kept_whole)
 
 
 def test_large_linears_stay_sharded_and_the_router_replicated() -> None:

@@ -27,6 +27,7 @@ from autotp.analysis.propagation_result import NodeRole, Propagation, check_divi
 from autotp.analysis.shapes import reshape_chunks
 from autotp.analysis.trace import trace
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from autotp.ir.plan import KEPT_WHOLE_CONFLICT
 from autotp.ir.layouts import PARTIAL, REPLICATE
 from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.runner import PassContext
@@ -247,7 +248,8 @@ def test_norm_over_a_sharded_dim_is_a_conflict_blamed_on_its_producer() -> None:
     # the planner replicates the culprit and walks again
     plan = plan_tensor_parallel(gm, 2)
     assert {p.name: p.kind for p in plan.params} == {"down.weight": "column", "down.bias": "bias"}
-    assert len(plan.notes) == 1 and plan.notes[0].startswith("replicated (its sharding conflicts with the graph): up.weight; blocked at node")
+    (kept,) = plan.kept_whole
+    assert (kept.name, kept.reason) == ("up.weight", KEPT_WHOLE_CONFLICT) and kept.detail.startswith("node")
 
 
 def test_a_plan_that_does_not_fit_is_a_value_error() -> None:

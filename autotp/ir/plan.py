@@ -70,11 +70,38 @@ class ParamLayout:
         return ParamLayout(d["name"], d["kind"], d["dim"], DimSharding.from_json(d["sharding"]))
 
 
+KEPT_WHOLE_CONFLICT = "conflict"
+"""``KeptWhole.reason``: its sharding reaches an op that needs the sharded dim whole."""
+KEPT_WHOLE_COMM = "comm_outweighs_compute"
+"""``KeptWhole.reason``: the cost model found sharding it slower than keeping it whole."""
+
+
+@dataclass(frozen=True)
+class KeptWhole:
+    """A parameter that the plan keeps whole on every tp rank although it has a dim that
+    could be split, and why. A weight kept whole without such an entry is a planner bug."""
+
+    name: str
+    reason: str
+    detail: str = ""
+    node: str = ""
+    op: str = ""
+    bytes: int = 0
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "reason": self.reason, "detail": self.detail, "node": self.node, "op": self.op, "bytes": self.bytes}
+
+    @staticmethod
+    def from_json(d: dict) -> KeptWhole:
+        return KeptWhole(**d)
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """Degrees of parallelism and the layout of every sharded parameter.
 
-    Parameters not listed in ``params`` are replicated on every tp rank.
+    Parameters not listed in ``params`` are replicated on every tp rank; ``kept_whole``
+    says why for each one that could have been split.
     """
 
     tp: int = 1
@@ -122,6 +149,7 @@ class ParallelPlan:
     precision: str = ""
     distributed_optimizer: bool = False
     ep: int = 1
+    kept_whole: tuple[KeptWhole, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -175,6 +203,7 @@ class ParallelPlan:
                 "tp_overlap_impl": self.tp_overlap_impl,
                 "distributed_optimizer": self.distributed_optimizer,
                 "ep": self.ep,
+                "kept_whole": [k.to_json() for k in self.kept_whole],
             },
             indent=1,
         )
@@ -209,4 +238,5 @@ class ParallelPlan:
             tp_overlap_impl=d.get("tp_overlap_impl", "symm_mem"),
             distributed_optimizer=d.get("distributed_optimizer", False),
             ep=d.get("ep", 1),
+            kept_whole=tuple(KeptWhole.from_json(k) for k in d.get("kept_whole", ())),
         )

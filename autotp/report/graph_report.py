@@ -9,8 +9,8 @@ from typing import Any
 from torch.fx import Node
 
 from autotp.cost_model.graph_costs import DIRECTIONS, GraphReport, LayerReport, by_layer, layer_report
-from autotp.cost_model.tensor_parallel import REPLICATED_NOTE
 from autotp.ir import meta_keys, ops
+from autotp.ir.plan import KeptWhole
 from autotp.ir.errors import UserInputError
 
 def stage_view(report: GraphReport, stage: int) -> GraphReport:
@@ -179,7 +179,7 @@ def explain_table(report: GraphReport, model: str) -> str:
             "",
             megatron,
             *([] if m["meets"] else _first_layer_all_reduces(report)),
-            *_replicated_lines(report.plan.notes),
+            *_replicated_lines(report.plan.kept_whole),
         ]
     )
 
@@ -210,9 +210,9 @@ def _first_layer_all_reduces(report: GraphReport) -> list[str]:
     return ["", *lines]
 
 
-def _replicated_lines(notes: tuple[str, ...], limit: int = 10) -> list[str]:
-    """The parameters that the planner kept whole, each with the node that blocked its sharding."""
-    blocked = [n[len(REPLICATED_NOTE) :] for n in notes if n.startswith(REPLICATED_NOTE)]
+def _replicated_lines(kept: tuple[KeptWhole, ...], limit: int = 10) -> list[str]:
+    """The parameters that the planner kept whole, each with why (the node that blocked its sharding)."""
+    blocked = [f"{k.name}; {k.detail or k.reason}" for k in kept]
     if not blocked:
         return []
     more = [f"  ... and {len(blocked) - limit} more"] if len(blocked) > limit else []
