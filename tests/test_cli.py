@@ -48,3 +48,36 @@ def test_ranks_and_schedule_commands(capsys: pytest.CaptureFixture[str]) -> None
     assert capsys.readouterr().out.split()[:11] == "1 1 1 1 2 2 2 2 1 1 1".split()
     assert main(["schedule", "--pp", "4", "--microbatches", "2", "--rank", "0"]) == 2
     assert "1F1B needs at least as many microbatches" in capsys.readouterr().err
+
+
+def _config_folder(folder, weights: str | None):
+    """A folder with a tiny Llama's config.json and, by ``weights``, its weights as
+    ``pytorch_model.bin`` (a format autotp does not read) or none."""
+    import torch
+    from autotp import presets
+
+    model = presets.build_model("llama-tiny", device="cpu")
+    model.config.save_pretrained(folder)
+    if weights == "bin":
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    return folder
+
+
+@pytest.mark.parametrize("weights", ["bin", None])
+def test_run_refuses_a_folder_without_safetensors(tmp_path, weights, capsys: pytest.CaptureFixture[str]) -> None:
+    # It trained randomly initialized weights without a word: the trained ones were ignored.
+    folder = _config_folder(tmp_path / "model", weights)
+    assert main(["run", "--model", str(folder), "--tp", "1", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert str(folder) in err and "safetensors" in err and "--random-init" in err
+    if weights == "bin":
+        assert "pytorch_model.bin" in err
+
+
+def test_run_random_init_says_so(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _config_folder(tmp_path / "model", None)
+    assert main(["run", "--model", str(folder), "--tp", "1", "--steps", "1", "--random-init"]) == 0
+    captured = capsys.readouterr()
+    assert "random weights" in captured.err
+    assert re.search(r"^step 1  loss \d+\.\d{4}$", captured.out, re.MULTILINE), captured.out
