@@ -14,6 +14,7 @@ from torch.fx import GraphModule
 from autotp import compiler
 from autotp.ir.errors import UserInputError
 from autotp.ir.plan import ParallelPlan
+from autotp.ir.plan_files import load_plan
 from autotp.runtime import cudagraphs, rng
 from autotp.runtime.groups import make_groups
 from autotp.runtime.parallel_model import ParallelModel
@@ -73,7 +74,7 @@ def compile_rank(
     pp: int = 1,
     vpp: int = 1,
     example_inputs: dict[str, Any] | None = None,
-    plan: ParallelPlan | str | None = None,
+    plan: ParallelPlan | str | Path | dict | list | None = None,
     device: torch.device | str = "meta",
     dump_dir: Path | None = None,
     cuda_graphs: bool = False,
@@ -88,6 +89,7 @@ def compile_rank(
     blockers, as a GPU rank on NCCL would capture them.
     """
     _check_degrees(tp, pp, vpp)
+    plan = load_plan(plan)
     if not 0 <= rank < tp:
         raise UserInputError(f"rank {rank} is outside tp={tp}; pick 0..{tp - 1}")
     impl = cudagraphs.implementation() if cuda_graphs else None
@@ -105,7 +107,7 @@ def parallelize(
     dp: int | None = None,
     vpp: int = 1,
     example_inputs: dict[str, Any] | None = None,
-    plan: ParallelPlan | str | None = None,
+    plan: ParallelPlan | str | Path | dict | list | None = None,
     device: torch.device | str | None = None,
     seed: int = 0,
     gather_outputs: bool = True,
@@ -121,7 +123,10 @@ def parallelize(
     Ranks are laid out in Megatron's order (tp fastest, then dp, then pp).
     ``example_inputs`` (keyword arguments of ``model.forward``) fix the first traced
     signature; HF models default to random ``input_ids`` of shape [2, 16]. ``plan`` is a
-    ``ParallelPlan`` to follow, or None / ``"auto"`` to let the cost model decide; ``vpp``
+    ``ParallelPlan`` to follow (also as the path of its JSON, or a dict: ``pm.plan.to_json()``
+    or ``autotp plan --format json``, whose first plan is taken; ``autotp.ir.plan_files``),
+    whose degrees are used when tp, pp, dp and vpp are left at their defaults, or None /
+    ``"auto"`` to let the cost model decide; ``vpp``
     model chunks per pipeline rank select the interleaved schedule. ``device`` defaults
     to the rank's CUDA device under NCCL, to the model's device in a single process without a
     process group, else the CPU. A collective that waits longer
@@ -144,6 +149,9 @@ def parallelize(
     what that guarantees).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
+    plan = load_plan(plan)
+    if isinstance(plan, ParallelPlan) and (tp, pp, dp, vpp) == (1, 1, None, 1):
+        tp, pp, dp, vpp = plan.tp, plan.pp, plan.dp, plan.vpp
     _check_degrees(tp, pp, vpp)
     if tp > world:
         raise UserInputError(
