@@ -107,7 +107,12 @@ def _plan_command(args: argparse.Namespace) -> int:
         values = explain_values(costs, estimates[0], text.hidden_size, text.num_attention_heads)
         print(f"\nclosed forms (values for plan #1, {hw.name}: alpha = {hw.collective_latency_s * 1e6:.0f} us, "
               f"B = {hw.allreduce_bus_bytes_per_s / 1e9:.0f} GB/s):")
-        print(closed_forms.explain({**values, closed_forms.alpha: hw.collective_latency_s, closed_forms.B: hw.allreduce_bus_bytes_per_s}))
+        best = estimates[0]
+        forms = closed_forms.forms_for(best.schedule or best.plan.schedule_name, args.precision)
+        print(closed_forms.explain({**values, closed_forms.alpha: hw.collective_latency_s, closed_forms.B: hw.allreduce_bus_bytes_per_s}, forms))
+        print(f"the table's bubble column ({best.bubble_share:.1%} for plan #1) is the modelled idle time over the whole "
+              "predicted step, which also counts communication, the optimizer and unequal stages; the closed forms "
+              "assume equal stages and compute only")
         print(f"\nhardware: {hw.source}")
     return 0
 
