@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -223,9 +224,10 @@ def search(
     vpp: int | None = None,
     microbatch_size: int | None = None,
     top: int = 10,
+    progress: Callable[[str], None] | None = None,
 ) -> PlanSearch:
     """The ``top`` fastest plans that fit in memory, best first (rules in the module
-    docstring), with the count of candidates dropped and why.
+    docstring), with the count of candidates dropped and why; ``progress`` is told each step.
 
     Raises ValueError when no plan fits (saying by how much the smallest misses) or the
     degrees cannot be laid out.
@@ -237,7 +239,9 @@ def search(
     splits: set[int] = set()  # tp degrees whose sequence parallelism splits the sequence
     refused: dict[int, str] = {}
     needs_split = bool(training.sequence_parallel or training.tp_overlap)
+    tell = progress or (lambda message: None)
     for t in sorted({c.tp for c in configs}):
+        tell(f"compiling the traced layers as a tp={t} rank")
         try:
             costs.rank(t, frozenset(), training.gather_outputs)
             usable.add(t)
@@ -251,6 +255,7 @@ def search(
             if tp is not None:
                 raise
             refused[t] = str(e)
+    tell(f"estimating {sum(c.tp in usable for c in configs)} candidate plans")
     estimates = [best_estimate(costs, cluster, training, c, splits=c.tp in splits, exact=False) for c in configs if c.tp in usable]
     if not estimates:
         raise UserInputError("no tp degree splits this model: " + "; ".join(f"tp={t}: {why}" for t, why in refused.items()))

@@ -184,7 +184,9 @@ def _run(*argv: str) -> int:
 def test_plan_command_table(capsys: pytest.CaptureFixture[str]) -> None:
     args = ("plan", "llama3-8b", "--gpus", "16", "--gpus-per-node", "8", "--hardware", "h100", "--global-batch", "64", "--seq", "2048")
     assert _run(*args, "--top", "3", "--explain") == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "tracing one decoder layer" in captured.err and "candidate plans" in captured.err  # progress, not silence
     lines = out.splitlines()
     assert lines[0].startswith("llama3-8b on 16 x H100 (2 nodes of 8), global batch 64 x 2048 tokens")
     assert lines[1].split() == ["#", "tp", "pp", "dp", "vpp", "mbs", "m", "step", "s", "tokens/s", "MFU", "GiB/GPU", "bubble", "comm", "dist-opt", "SP", "overlap"]

@@ -22,6 +22,7 @@ from autotp.cost_model.graph_costs import build_report
 from autotp.report.graph_report import explain_json, explain_table, stage_view
 from autotp.report.cudagraphs import explain_cudagraphs
 from autotp.passes import PASSES
+from autotp.cli.progress import progress
 
 # The pass runner's dump files: 00_traced.py, then NN_<pass>.py.
 _AFTER = ["traced", *(p.__name__ for p in PASSES)]
@@ -40,10 +41,6 @@ def resolve_backend(backend: str, tp: int) -> str:
 def positive(name: str, value: int) -> None:
     if value < 1:
         raise UserInputError(f"{name} must be at least 1, got {value}")
-
-
-def progress(message: str) -> None:
-    print(f"autotp: {message} ...", file=sys.stderr, flush=True)
 
 
 def _available_bytes(backend: str, tp: int) -> tuple[float, str]:

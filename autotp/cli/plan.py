@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from autotp import presets
+from autotp.cli.progress import progress
 from autotp.cost_model.memory import PRECISIONS
 from autotp.ir.errors import UserInputError
 
@@ -71,13 +72,14 @@ def _plan_command(args: argparse.Namespace) -> int:
             raise UserInputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     start = time.perf_counter()
     config = presets.model_config(args.model)
+    progress(f"tracing one decoder layer of {args.model} at seq {args.seq}")
     costs = trace_for_planning(config, args.seq)
     cluster = Cluster(args.gpus, args.gpus_per_node, hw)
     choice = {"auto": None, "on": True, "off": False}
     training = Training(args.global_batch, args.precision, choice[args.distributed_optimizer],
                         overlap_param_gather=not args.no_overlap_param_gather,
                         sequence_parallel=choice[args.sequence_parallel], tp_overlap=choice[args.tp_overlap])  # fmt: skip
-    found = search(costs, cluster, training, tp=args.tp, pp=args.pp, top=args.top)
+    found = search(costs, cluster, training, tp=args.tp, pp=args.pp, top=args.top, progress=progress)
     estimates = found.plans
     elapsed = time.perf_counter() - start
     if args.format == "json":

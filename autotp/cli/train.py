@@ -35,7 +35,8 @@ from autotp.api import parallelize
 from autotp.cli import curves
 from autotp.cli.checkpoint import run_weights
 from autotp.cli.data import PackedData, tokenize
-from autotp.cli.commands import check_memory, positive, progress, resolve_backend
+from autotp.cli.commands import check_memory, positive, resolve_backend
+from autotp.cli.progress import progress
 from autotp.cost_model.hardware import CPU, HardwareProfile, profile_for_gpu
 from autotp.ir import ops
 from autotp.ir.errors import UserInputError
