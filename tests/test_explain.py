@@ -153,3 +153,14 @@ def test_grouped_mm_and_embedding_costs() -> None:
     (out,) = global_tensors(embedding)
     assert node_cost(embedding).flops == 0
     assert node_cost(embedding).bytes == 16 * 8 + 2 * out.nbytes  # int64 ids, rows read, output written
+
+
+def test_sequence_parallel_table_counts_reduce_scatters(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _explain(capsys, "llama-tiny", "--tp", "2", "--seq", "64", "--sequence-parallel")
+    header = next(line for line in out.splitlines() if line.startswith("layer"))
+    assert header.split()[:12] == ["layer", "fwd", "AR", "bwd", "AR", "fwd", "AG", "bwd", "AG", "fwd", "RS", "bwd"]
+    each = next(line for line in out.splitlines() if line.startswith("0-1 (each)")).split()
+    # per decoder layer: the all-reduces became 2 reduce-scatters and 2 all-gathers, each the other's backward
+    assert each[2:8] == ["0", "2", "2", "2", "2", "2"] and "RS reduce-scatter" in out
+    plain = _explain(capsys, "llama-tiny", "--tp", "2", "--seq", "64")
+    assert "RS" not in plain
