@@ -246,7 +246,10 @@ def lower(
     dump_dir: Path | None = None,
 ) -> Lowered:
     """Run the passes on a copy of ``traced`` for tp rank ``tp_rank``, with the cost
-    model's CUDA-graph region policy bound."""
+    model's CUDA-graph region policy bound. A rank on the CPU or gloo overlaps through the
+    P2P ring whatever the plan asked for; the plan it returns says so."""
+    if plan.tp_overlap and (torch.device(device).type == "cpu" or backend == "gloo"):
+        plan = replace(plan, tp_overlap_impl="ring")
     ctx = PassContext(
         plan=plan,
         tp_rank=tp_rank,
