@@ -81,3 +81,18 @@ def test_run_random_init_says_so(tmp_path) -> None:
     assert result.returncode == 0, result.stderr
     assert "from random weights" in result.stderr
     assert re.search(r"^step 1  loss \d+\.\d{4}  lr \S+  \S+ tokens/s  MFU \S+%$", result.stdout, re.MULTILINE), result.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
+        (["check", "llama-tiny", "--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
+        (["convert", "src", "dst", "--tp", "0"], "--tp must be at least 1, got 0"),
+        (["convert", "src", "dst", "--timeout", "-1"], "--timeout must be a positive number of seconds, got -1"),
+    ],
+)
+def test_degrees_and_timeouts_are_checked_by_name(argv, message, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err

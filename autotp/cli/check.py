@@ -31,12 +31,14 @@ def _check_worker(model_name: str, tp: int, pp: int, batch: int, seq: int, seed:
 
 
 def _check_command(args: argparse.Namespace) -> int:
+    from autotp.cli.commands import positive_timeout
     from autotp.report.check import ATOL, RTOL
     from autotp.runtime.launcher import spawn_ranks
 
     for name in ("tp", "pp", "batch", "seq"):
         if getattr(args, name) < 1:
             raise UserInputError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    positive_timeout(args.timeout)
     rtol, atol = RTOL if args.rtol is None else args.rtol, ATOL if args.atol is None else args.atol
     worker = functools.partial(_check_worker, args.model, args.tp, args.pp, args.batch, args.seq, args.seed,
                                rtol, atol)  # fmt: skip

@@ -51,6 +51,10 @@ def _convert_worker(src: Path, dst: Path, tp: int, max_shard_size: str, rank: in
 
 
 def convert_command(args: argparse.Namespace) -> int:
+    from autotp.cli.commands import positive, positive_timeout
+
+    positive("--tp", args.tp)
+    positive_timeout(args.timeout)
     src: Path = args.src
     if not (src / "config.json").exists():
         raise UserInputError(f"{src} has no config.json; convert reads the architecture from it")

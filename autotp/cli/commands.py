@@ -43,6 +43,11 @@ def positive(name: str, value: int) -> None:
         raise UserInputError(f"{name} must be at least 1, got {value}")
 
 
+def positive_timeout(seconds: float) -> None:
+    if not seconds > 0:
+        raise UserInputError(f"--timeout must be a positive number of seconds, got {seconds:g}")
+
+
 def _available_bytes(backend: str, tp: int) -> tuple[float, str]:
     """Free memory where the workers allocate: the smallest of the tp GPUs, or this host's RAM."""
     if backend == "nccl":

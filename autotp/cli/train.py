@@ -35,7 +35,7 @@ from autotp.api import parallelize
 from autotp.cli import curves
 from autotp.cli.checkpoint import run_weights
 from autotp.cli.data import PackedData, tokenize
-from autotp.cli.commands import check_memory, positive, resolve_backend
+from autotp.cli.commands import check_memory, positive, positive_timeout, resolve_backend
 from autotp.cli.progress import progress
 from autotp.cost_model.hardware import CPU, HardwareProfile, profile_for_gpu
 from autotp.ir import ops
@@ -219,8 +219,7 @@ def _run_worker(config: RunConfig, rank: int, world: int) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     for name in ("tp", "pp", "dp", "steps", "batch", "seq"):
         positive(f"--{name}", getattr(args, name))
-    if args.timeout <= 0:
-        raise UserInputError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    positive_timeout(args.timeout)
     if args.batch % (args.dp * args.pp):
         raise UserInputError(f"--batch {args.batch} does not split over --dp {args.dp} ranks x {args.pp} microbatches "
                              f"(one per pipeline stage); use a multiple of {args.dp * args.pp}")  # fmt: skip
