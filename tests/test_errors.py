@@ -309,3 +309,13 @@ def test_torchrun_prints_a_user_error_once(tmp_path: Path) -> None:
     assert len(errors) == 1 and errors[0].startswith("autotp: error on rank "), errors
     assert f"{script}:8" in errors[0] and "traceback in " in errors[0]
     assert "def forward" not in output and len(output.splitlines()) < 80
+
+
+def test_traceback_logs_do_not_pile_up(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from autotp.runtime import launcher
+
+    monkeypatch.setattr(launcher.tempfile, "gettempdir", lambda: str(tmp_path))
+    written = [launcher._write_log(rank, f"traceback {rank}") for rank in range(launcher.KEPT_LOGS + 8)]
+    kept = sorted(launcher.log_folder().glob("*.log"))
+    assert len(kept) == launcher.KEPT_LOGS and written[-1] in kept and written[-1].read_text().endswith(str(launcher.KEPT_LOGS + 7))
+    assert list(tmp_path.glob("*.log")) == []  # all in one folder, not scattered over the temp folder
