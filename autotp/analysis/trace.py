@@ -100,6 +100,28 @@ def _pop(stack: list[str]) -> None:
         stack.pop()
 
 
+# FakeTensor logs each failed meta kernel with its traceback (~70 lines) before the error
+# that autotp turns into one line; those records go to the debug log instead.
+_FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
+
+
+@contextmanager
+def _held_log(name: str) -> Iterator[list[logging.LogRecord]]:
+    """Keep the records of logger ``name`` from its handlers while tracing; yield them."""
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    logger = logging.getLogger(name)
+    logger.addFilter(hold)
+    try:
+        yield held
+    finally:
+        logger.removeFilter(hold)
+
+
 def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str = "cpu") -> GraphModule:
     """Export ``model(**kwargs)`` (non-strict) on a fake copy living on ``device``.
 
@@ -110,13 +132,15 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
     fake_model.register_forward_hook(strip_opaque_outputs)
-    with _module_stack(fake_model) as stack, custom_functions(stack) as functions:
+    with _module_stack(fake_model) as stack, custom_functions(stack) as functions, _held_log(_FAKE_TENSOR_LOG) as held:
         try:
             with contextlib.redirect_stderr(printed):
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False)
             sys.stderr.write(printed.getvalue())
         except Exception as e:  # noqa: BLE001 - re-raised with location
             log.debug("torch.export printed:\n%s", printed.getvalue())
+            for record in held:
+                log.debug("%s logged: %s", _FAKE_TENSOR_LOG, record.getMessage())
             frames = traceback.extract_tb(e.__traceback__)
             model_frames = [f for f in frames if not os.path.realpath(f.filename).startswith(_TRACER_ROOTS)]
             where = f"{model_frames[-1].filename}:{model_frames[-1].lineno} ({model_frames[-1].line})" if model_frames else "unknown line"
