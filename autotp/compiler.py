@@ -38,6 +38,7 @@ from autotp.cost_model.planner import auto_plan, auto_sequence_parallel
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir import meta_keys
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER, ParallelPlan
+from autotp.ir.rank_log import warn_once
 from autotp.passes import PASSES
 from autotp.passes.causal_attention import CAUSAL
 from autotp.passes.runner import PassContext, run_passes
@@ -229,7 +230,8 @@ def _warn_replicated(traced: GraphModule, plan: ParallelPlan) -> None:
     held = (sum(n for n, _ in replicated) + (total - sum(n for n, _ in replicated)) / plan.tp) / max(total, 1)
     if held > REPLICATED_SLACK / plan.tp:
         largest = ", ".join(f"{n} ({size})" for size, n in replicated[:5])
-        log.warning(
+        warn_once(
+            log,
             "a tp rank holds %.0f%% of the parameters (tp=%d; at most %.0f%% expected): the largest replicated "
             "parameters are %s; `autotp explain` and `autotp dump` show the op that kept them whole",
             100 * held, plan.tp, 100 * REPLICATED_SLACK / plan.tp, largest,

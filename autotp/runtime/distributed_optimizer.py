@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from autotp.ir.rank_log import warn_once
 from autotp.ir.errors import UserInputError
 from autotp.ir.training_step import TrainingStep, runtime_precision
 from autotp.runtime import grad_norm
@@ -150,9 +151,9 @@ class DistributedOptimizer:
             distributed_optimizer=True,
         )
         if plan.dp == 1:
-            log.warning("DistributedOptimizer with dp=1 shards nothing: it saves no memory over a plain optimizer")
+            warn_once(log, "DistributedOptimizer with dp=1 shards nothing: it saves no memory over a plain optimizer")
         if plan.precision and plan.precision != self.step_definition.precision:
-            log.warning("the plan assumed precision %s, this optimizer runs %s", plan.precision, self.step_definition.describe())
+            warn_once(log, "the plan assumed precision %s, this optimizer runs %s", plan.precision, self.step_definition.describe())
 
     @staticmethod
     def _groups(pm: ParallelModel, params: Any) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from autotp.analysis.trace import structure_copy
 from autotp.compiler import Lowered, lower_signature
 from autotp.ir import schedules
 from autotp.ir.plan import ParallelPlan
+from autotp.ir.rank_log import warn_once
 from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, export_hf, grad_norm, grad_sync, guards
 from autotp.runtime.grad_buffers import GradBuffers, ParamUse
 from autotp.runtime.groups import Coords
@@ -265,7 +266,7 @@ class ParallelModel(nn.Module):
         else:
             if self.plan.distributed_optimizer and dp > 1 and not self._warned_plain:
                 self._warned_plain = True
-                log.warning("the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
+                warn_once(log, "the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
                             "state over dp=%d); this model trains with a plain optimizer", dp)
             if dp > 1 and self.plan.num_chunks == 1:
                 self._arm_dp_mean(m)
