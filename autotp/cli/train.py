@@ -179,7 +179,7 @@ def _run_worker(config: RunConfig, rank: int, world: int) -> None:
             group["lr"] = lr
         batch = batches.train(step)
         began = time.perf_counter()
-        loss = pm.train_step(**batch, num_microbatches=micro, batch_is_local=True).item()
+        loss = pm.train_step(**batch, num_microbatches=micro, batch_is_local=batches.data is not None).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         took = time.perf_counter() - began
