@@ -259,7 +259,8 @@ def run_command(args: argparse.Namespace) -> int:
     tokens = _prepare_data(args, meta)
     world = args.tp * args.pp * args.dp
     backend = resolve_backend(args.backend, world)
-    check_memory(args.model, sum(p.numel() for p in meta.parameters()), world, backend, weights is not None)
+    on_meta = weights is not None or args.resume is not None  # the workers allocate only their shards
+    check_memory(args.model, sum(p.numel() for p in meta.parameters()), world, backend, on_meta)
     config = RunConfig(args.model, args.tp, args.steps, args.batch, args.seq, args.seed, args.pp, args.dp, args.lr,
                        args.warmup, args.min_lr_ratio, args.total_steps, weights, args.save, args.save_checkpoint,
                        args.resume, tokens, args.eval_fraction, args.eval_every, args.out)  # fmt: skip
