@@ -55,7 +55,7 @@ microbatch, not once per model.
 a matmul its activation operands; a mul or div each operand whose partner needs a
 gradient; attention q, k, v and its output; nonlinear elementwise ops, norms, softmax and
 the losses their input; adds, casts, views, concatenations, reductions and collectives
-nothing; any other op its inputs. ``autotp.cost_model.liveness`` replays the forward and
+nothing (the fused lm_head and loss keeps its outputs instead, ``liveness``); any other op its inputs. ``autotp.cost_model.liveness`` replays the forward and
 backward with them (``Segment.memory``).
 """
 
@@ -93,6 +93,7 @@ _BATCH_MAKERS = {"expand", "new_ones", "new_zeros", "new_full", "new_empty", "on
 _SAVE_NOTHING = {
     "add", "sub", "neg", "to", "_to_copy", "clone", "contiguous", "cat", "stack", "mean", "sum", "where",
     "embedding", "vocab_parallel_embedding", "arange", "full", "zeros", "ones", "empty", "scalar_tensor",
+    "linear_cross_entropy",
 }  # fmt: skip
 _SAVE_FIRST_INPUT = {
     "pow", "rsqrt", "sqrt", "exp", "log", "silu", "gelu", "relu", "tanh", "sigmoid", "erf", "sin", "cos",
