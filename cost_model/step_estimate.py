@@ -78,7 +78,7 @@ from autotp.cost_model.dp_sync import grad_sync_s, sharded_optimizer_s, sharded_
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory
 from autotp.cost_model.memory import ChunkPeaks, bytes_per_param, chunk_peaks, grad_bytes_per_param, persistent_bytes, rank_peak_bytes
-from autotp.cost_model.memory import schedule_moments
+from autotp.cost_model.memory import moment_arrays
 from autotp.ir.errors import UserInputError
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER
 
@@ -284,7 +284,7 @@ def _rank_peak_bytes(params: int, precision: str, distributed: bool, dp: int, pe
                      schedule: tuple[str | None, int, int, int, int], cuda_graph_bytes: float) -> float:  # fmt: skip
     """``rank_peak_bytes`` of rank ``schedule[-1]`` of ``schedule_moments(*schedule)``, once per distinct input
     (variants whose chunks hold the same bytes, ranks holding the same chunks at the same moments)."""
-    return rank_peak_bytes(params, precision, distributed, dp, list(peaks), schedule_moments(*schedule), cuda_graph_bytes)
+    return rank_peak_bytes(params, precision, distributed, dp, list(peaks), moment_arrays(*schedule), cuda_graph_bytes)
 
 
 def _rank_params(chunks: list[list[tuple[dict[str, int], int, bool]]]) -> tuple[int, int]:

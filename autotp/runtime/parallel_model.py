@@ -126,9 +126,9 @@ class ParallelModel(nn.Module):
             for cg in chunks.values():
                 cg.run = torch.compile(cg.graph)
         if self.plan.cudagraphs:
-            run = cudagraphs.CapturedGraph(gm, self.plan.cudagraph_impl)
+            run = cudagraphs.CapturedGraph(gm, self.plan.cudagraph_impl, self._compile_graphs)
             for cg in chunks.values():
-                cg.captured = cudagraphs.CapturedGraph(cg.graph, self.plan.cudagraph_impl)
+                cg.captured = cudagraphs.CapturedGraph(cg.graph, self.plan.cudagraph_impl, self._compile_graphs)
         return _Compiled(gm, chunks, param_chunks, run)
 
     def _attach(self, compiled: _Compiled) -> None:
