@@ -34,6 +34,7 @@ import gc
 import json
 import statistics
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -168,8 +169,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(shape: Shape, setup: str, device: str) -> dict:
-    """One setup on a fresh model: setup time, median step, peak memory, loss."""
+def profile_table(step: Step, rows: int = 25) -> str:
+    """The CUDA kernels of one step, by total time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+
+
+def measure(shape: Shape, setup: str, device: str, profiled: bool = False) -> dict:
+    """One setup on a fresh model: setup time, median step, peak memory, loss (and a kernel profile)."""
     model = build(shape, device)
     gen = torch.Generator(device).manual_seed(1)
     ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), device=device, generator=gen)
@@ -200,8 +211,10 @@ def measure(shape: Shape, setup: str, device: str) -> dict:
             _sync(device)
             if i >= WARMUP:
                 times.append(time.perf_counter() - begin)
-    seconds = statistics.median(times)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+        seconds = statistics.median(times)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+        if profiled:
+            print(f"kernels of one {setup} step:\n{profile_table(step)}", flush=True)
     return {"setup": setup, "step_ms": seconds * 1e3, "mfu": flops / seconds / PEAK_FLOPS, "peak_gib": peak,
             "loss": float(loss.float()), "setup_s": setup_s, **chosen}  # fmt: skip
 
@@ -255,6 +268,7 @@ def main() -> None:
     parser.add_argument("--setups", nargs="+", help="setups to run on every shape (default: per shape, DEFAULT_SETUPS)")
     parser.add_argument("--sdpa", action="store_true", help="time the SDPA kernels at the 8B attention shape first")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, eager only (tests the script)")
+    parser.add_argument("--profile", nargs="*", default=[], help="setups to profile one step of (CUDA kernels by time)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -271,18 +285,18 @@ def main() -> None:
         rows = []
         for setup in args.setups or (SMOKE_SETUPS if args.smoke else DEFAULT_SETUPS[name]):
             try:
-                rows.append(measure(shapes[name], setup, device))
+                rows.append(measure(shapes[name], setup, device, setup in args.profile))
                 print(f"{name} {setup}: {rows[-1]['step_ms']:.2f} ms, {rows[-1]['peak_gib']:.1f} GiB, loss "
                       f"{rows[-1]['loss']:.4f}, setup {rows[-1]['setup_s']:.1f} s", flush=True)  # fmt: skip
             except Exception as e:  # a setup that fails is reported, the others still run
-                print(f"{name} {setup} FAILED: {type(e).__name__}: {e}", flush=True)
+                print(f"{name} {setup} FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}", flush=True)
+            results["shapes"][name] = rows
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=1))
             torch._dynamo.reset()
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
-        results["shapes"][name] = rows
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=1))
     print(f"{results['device']}, torch {results['torch']}, {results['date']}, bf16, fwd+bwd, median of {STEPS} steps")
     for name in names:
         print(report(name, shapes[name], results["shapes"][name]))

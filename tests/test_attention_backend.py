@@ -4,6 +4,7 @@ every other call keeps torch's dispatch; on a GPU the result equals the default 
 from __future__ import annotations
 
 import copy
+import operator
 from dataclasses import replace
 
 import pytest
@@ -36,16 +37,23 @@ def _targets(gm: GraphModule, backend: str = ATTENTION_CUDNN, device: str = "cud
 
 def test_unmasked_attention_runs_cudnn() -> None:
     gm = _graph()
-    assert CUDNN_SDPA in _targets(gm) and SDPA not in _targets(gm)
+    assert _targets(gm) == {CUDNN_SDPA, operator.getitem}
     fused = next(n for n in gm.graph.nodes if n.target is CUDNN_SDPA)
     assert fused.args[6] is True and fused.kwargs["scale"] == 0.125, "is_causal and the scale are kept"
     assert fused.meta["val"][0].shape == (2, 4, 16, 64)
 
 
+def test_grouped_query_attention_repeats_each_key_value_head_for_its_queries() -> None:
+    gm = _graph(heads_kv=2, enable_gqa=True)
+    assert _targets(gm) == {CUDNN_SDPA, torch.ops.aten.repeat_interleave.self_int, operator.getitem}
+    repeats = [n for n in gm.graph.nodes if n.target is torch.ops.aten.repeat_interleave.self_int]
+    assert [(n.args[1], n.kwargs["dim"], tuple(n.meta["val"].shape)) for n in repeats] == [(2, 1, (2, 4, 16, 64))] * 2
+
+
 @pytest.mark.parametrize(
     "gm",
-    [_graph(dtype=torch.float32), _graph(head_dim=256), _graph(heads_kv=2, enable_gqa=True), _graph(dropout_p=0.1)],
-    ids=["fp32", "head-dim-256", "gqa", "dropout"],
+    [_graph(dtype=torch.float32), _graph(head_dim=256), _graph(heads_kv=2), _graph(dropout_p=0.1)],
+    ids=["fp32", "head-dim-256", "unequal-heads-without-gqa", "dropout"],
 )
 def test_calls_cudnn_would_not_run_keep_the_default(gm: GraphModule) -> None:
     assert _targets(gm) == {SDPA}
