@@ -64,6 +64,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import functools
+
 import numpy as np
 import torch
 from autotp.cost_model.communication import group_collective_s, overlapped_s
@@ -153,7 +155,7 @@ class Segment:
     def grad_ops(self) -> int:
         return int(self.grad.sum())
 
-    @property
+    @functools.cached_property
     def param_numel(self) -> int:
         return sum(self.params.values())
 
@@ -305,6 +307,7 @@ class ModelCosts:
         self._ranks: dict[tuple, RankCosts] = {}  # by the plan's layouts: two replicate sets may give one plan
         self._asked: dict[tuple, RankCosts] = {}  # by rank()'s arguments
         self._cuts: dict[int, tuple[int, ...]] = {}
+        self._forward_flops: dict[int, float] = {}
 
     def _per_segment_flops(self, calls: list[Node], flops: np.ndarray) -> dict[LayerKey, Affine]:
         layers = assign_layers(self.gm)
@@ -314,10 +317,12 @@ class ModelCosts:
         return {k: Affine(*v) for k, v in sums.items()}
 
     def forward_flops(self, batch: int) -> float:
-        """Whole-model forward FLOPs of ``batch`` samples (every layer, not one rank's share)."""
-        zero = Affine(0, 0)
-        layers = sum(self._segment_flops.get(self.traced_index(i), zero).at(batch) for i in range(self.num_layers))
-        return layers + sum(v.at(batch) for k, v in self._segment_flops.items() if not isinstance(k, int))
+        """Whole-model forward FLOPs of ``batch`` samples (every layer, not one rank's share; cached)."""
+        if batch not in self._forward_flops:
+            zero = Affine(0, 0)
+            layers = sum(self._segment_flops.get(self.traced_index(i), zero).at(batch) for i in range(self.num_layers))
+            self._forward_flops[batch] = layers + sum(v.at(batch) for k, v in self._segment_flops.items() if not isinstance(k, int))
+        return self._forward_flops[batch]
 
     def traced_index(self, layer: int) -> int:
         """The traced layer that stands for model layer ``layer``."""
