@@ -31,7 +31,6 @@ from transformers import PretrainedConfig
 from autotp import presets
 from autotp.analysis.layers import num_layers
 from autotp.analysis.trace import trace
-from autotp.cost_model.attention import attention_backend
 from autotp.cost_model.compute import ModelCosts
 from autotp.cost_model.cudagraphs import choose_regions
 from autotp.cost_model.pipeline import plan_pipeline
@@ -191,8 +190,6 @@ def plan_model(
     traced = trace(model, kwargs, device)
     traced_at = time.perf_counter()
     chosen = choose_plan(traced, tp, pp, dp, vpp, plan, sequence_parallel=fixed_sp, tp_overlap=fixed_overlap)
-    if not isinstance(plan, ParallelPlan):
-        chosen = replace(chosen, attention_backend=attention_backend(torch.device(device)))
     if cudagraph_impl is not None:
         chosen = replace(chosen, cudagraphs=True, cudagraph_impl=chosen.cudagraph_impl or cudagraph_impl)
     if not gather_outputs:

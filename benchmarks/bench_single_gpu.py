@@ -9,8 +9,8 @@ times ``STEPS`` forward + backward steps (``labels=``, no optimizer) after ``WAR
 * ``hf-reduce-overhead``: ``torch.compile(model, mode="reduce-overhead")`` (CUDA graphs through
   inductor's cudagraph trees) on the unmodified model: the strongest for launch-bound shapes;
 * ``autotp``: ``parallelize(tp=1, compile=True)`` with the plan as chosen (every pass on);
-  ``autotp-no-fused-loss``, ``autotp-no-cudnn``, ``autotp-no-causal``: one pass switched off in
-  the plan (``loss_chunk_tokens=0``, ``attention_backend=""``, ``causal_attention=False``);
+  ``autotp-no-fused-loss``, ``autotp-no-causal``: one pass switched off in the plan
+  (``loss_chunk_tokens=0``, ``causal_attention=False``);
   ``autotp-eager``: ``compile=False``; ``autotp-cudagraphs``: ``cuda_graphs=True``;
   ``autotp-compile-cudagraphs``: ``compile=True`` and ``cuda_graphs=True``.
 
@@ -18,8 +18,9 @@ It prints per shape: step time (median), the ratio to the fastest HF setup measu
 MFU (6·params·tokens + causal attention 3·2·b·s²·h·layers, over 989.4 TFLOP/s dense bf16),
 peak memory (``max_memory_allocated`` over the steps, parameters and gradients included), the
 loss of the last step, and the setup time (building the runner and its first step: compile and
-capture). ``--sdpa`` first times flash against cuDNN attention (forward + backward) at the 8B
-attention shape. ``--smoke`` runs tiny shapes on the CPU, eagerly, to test this script::
+capture). ``--sdpa`` first times SDPA's kernels (forward + backward) at the 8B attention shape,
+torch's own choice among them included (``DEFAULT``: recent torch (2.11 measured) with cuDNN > 9.15 puts cuDNN
+first on Hopper). ``--smoke`` runs tiny shapes on the CPU, eagerly, to test this script::
 
     python benchmarks/bench_single_gpu.py --shapes 8b launch moe vocab152k --json out.json
     python benchmarks/bench_single_gpu.py --shapes launch --setups hf-reduce-overhead autotp-compile-cudagraphs
@@ -71,7 +72,7 @@ SMOKE = {
 }
 HF_SETUPS = ("hf-compile", "hf-compile-causal", "hf-reduce-overhead")
 DEFAULT_SETUPS = {
-    "8b": ("hf-compile", "hf-compile-causal", "autotp", "autotp-no-fused-loss", "autotp-no-cudnn"),
+    "8b": ("hf-compile", "hf-compile-causal", "autotp", "autotp-no-fused-loss"),
     "vocab152k": ("hf-compile-causal", "autotp", "autotp-no-fused-loss"),
     "launch": ("hf-reduce-overhead", "autotp-cudagraphs", "autotp-compile-cudagraphs"),
     "moe": ("hf-reduce-overhead", "autotp-cudagraphs", "autotp-compile-cudagraphs"),
@@ -147,7 +148,7 @@ def autotp_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], setup: 
     compile_ = "eager" not in setup and setup != "autotp-cudagraphs"
     graphs = setup.endswith("cudagraphs")
     plan = plan_model(model, inputs, next(model.parameters()).device, tp=1, pp=1, dp=1, vpp=1, plan=None).plan
-    off = {"no-fused-loss": {"loss_chunk_tokens": 0}, "no-cudnn": {"attention_backend": ""}, "no-causal": {"causal_attention": False}}
+    off = {"no-fused-loss": {"loss_chunk_tokens": 0}, "no-causal": {"causal_attention": False}}
     for suffix, fields in off.items():
         if setup.endswith(suffix):
             plan = replace(plan, **fields)
@@ -159,8 +160,8 @@ def autotp_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], setup: 
             p.grad = None
         return loss
 
-    chosen = {"loss_chunk_tokens": plan.loss_chunk_tokens, "attention_backend": plan.attention_backend,
-              "causal_attention": plan.causal_attention, "compile": compile_, "cuda_graphs": graphs}  # fmt: skip
+    chosen = {"loss_chunk_tokens": plan.loss_chunk_tokens, "causal_attention": plan.causal_attention, "compile": compile_,
+              "cuda_graphs": graphs}  # fmt: skip
     return step, chosen
 
 
@@ -229,8 +230,8 @@ def sdpa_kernels(batch: int = 2, heads: int = 32, seq: int = 4096, head_dim: int
     grad = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     flops = 4 * batch * heads * seq * seq * head_dim / 2
     rows = []
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-        with sdpa_kernel(backend):
+    for backend in (None, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
             fwd, both = [], []
             for i in range(25):
                 marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
@@ -244,7 +245,7 @@ def sdpa_kernels(batch: int = 2, heads: int = 32, seq: int = 4096, head_dim: int
                     fwd.append(marks[0].elapsed_time(marks[1]))
                     both.append(marks[0].elapsed_time(marks[2]))
         f, b = statistics.median(fwd), statistics.median(both)
-        rows.append({"kernel": backend.name, "fwd_ms": f, "fwd_bwd_ms": b, "fwd_tflops": flops / f / 1e9,
+        rows.append({"kernel": backend.name if backend is not None else "DEFAULT", "fwd_ms": f, "fwd_bwd_ms": b, "fwd_tflops": flops / f / 1e9,
                      "bwd_tflops": 2.5 * flops / (b - f) / 1e9})  # fmt: skip
     return rows
 

@@ -1,7 +1,6 @@
 """Graph passes: plain functions ``pass_fn(gm, ctx) -> gm``, one per file."""
 
 from autotp.passes.annotate_layouts import annotate_layouts
-from autotp.passes.attention_backend import attention_backend
 from autotp.passes.cancel_collectives import cancel_collectives
 from autotp.passes.causal_attention import causal_attention
 from autotp.passes.drop_unread_outputs import drop_unread_outputs
@@ -32,7 +31,6 @@ PASSES: list[Pass] = [
     drop_unread_outputs,
     fused_linear_cross_entropy,
     tp_overlap,
-    attention_backend,
     split_stages,
     mark_cudagraph_regions,
 ]

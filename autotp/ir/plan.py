@@ -21,8 +21,6 @@ OVERLAP_ALL_GATHER = "all_gather"
 """``plan.tp_overlap``: the sequence all-gathers before column-parallel GEMMs run as ``all_gather_matmul``."""
 OVERLAP_REDUCE_SCATTER = "reduce_scatter"
 """``plan.tp_overlap``: the reduce-scatters after row-parallel GEMMs run as ``matmul_reduce_scatter``."""
-ATTENTION_CUDNN = "cudnn"
-"""``plan.attention_backend``: unmasked SDPA calls run cuDNN's fused attention."""
 
 
 @dataclass(frozen=True)
@@ -155,9 +153,6 @@ class ParallelPlan:
     # The lm_head and its cross entropy fused, this many tokens at a time (0: not fused;
     # ``passes/fused_linear_cross_entropy``, chosen by ``autotp.cost_model.fused_loss``).
     loss_chunk_tokens: int = 0
-    # The kernel causal attention runs on: "" (torch's dispatch) or "cudnn" (``passes/attention_backend``,
-    # chosen by ``autotp.cost_model.attention``).
-    attention_backend: str = ""
 
     @property
     def world_size(self) -> int:
@@ -213,7 +208,6 @@ class ParallelPlan:
                 "ep": self.ep,
                 "kept_whole": [k.to_json() for k in self.kept_whole],
                 "loss_chunk_tokens": self.loss_chunk_tokens,
-                "attention_backend": self.attention_backend,
             },
             indent=1,
         )
@@ -250,5 +244,4 @@ class ParallelPlan:
             ep=d.get("ep", 1),
             kept_whole=tuple(KeptWhole.from_json(k) for k in d.get("kept_whole", ())),
             loss_chunk_tokens=d.get("loss_chunk_tokens", 0),
-            attention_backend=d.get("attention_backend", ""),
         )
