@@ -3,6 +3,7 @@
 from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.cancel_collectives import cancel_collectives
 from autotp.passes.causal_attention import causal_attention
+from autotp.passes.fp8_linear import fp8_linear
 from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.rewrite_shapes import rewrite_shapes
@@ -26,6 +27,7 @@ PASSES: list[Pass] = [
     insert_collectives,
     cancel_collectives,
     sequence_parallel,
+    fp8_linear,
     tp_overlap,
     split_stages,
     mark_cudagraph_regions,

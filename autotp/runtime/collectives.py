@@ -65,6 +65,10 @@ def _reduce_from_tp(x: Tensor, group: str) -> Tensor:
     return _all_reduce_(x.clone(memory_format=torch.contiguous_format), get_group(group))
 
 
+def _all_reduce_max(x: Tensor, group: str) -> Tensor:
+    return _all_reduce_(x.clone(memory_format=torch.contiguous_format), get_group(group), dist.ReduceOp.MAX)
+
+
 def _gather_from_tp(x: Tensor, dim: int, size: int, group: str) -> Tensor:
     pg = get_group(group)
     full = x.clone() if pg is None else _gathered(x, dim, pg)
@@ -128,6 +132,7 @@ def _vocab_parallel_nll(logits: Tensor, target: Tensor, vocab_start: int, vocab_
 
 _IMPLEMENTATIONS: dict[torch._ops.OpOverload, Callable[..., object]] = {
     ops.REDUCE_FROM_TP: _reduce_from_tp,
+    ops.ALL_REDUCE_MAX: _all_reduce_max,
     ops.GATHER_FROM_TP: _gather_from_tp,
     ops.SCATTER_TO_TP: _scatter_to_tp,
     ops.ALL_GATHER: _all_gather,
