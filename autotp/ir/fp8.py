@@ -123,7 +123,8 @@ def amax(t: Tensor, block: Block) -> Tensor:
 
 def to_scale(amax_: Tensor, dtype: torch.dtype, pow2: bool) -> Tensor:
     """``fp8_max / max(amax, 1e-12)`` in float32 (rounded down to a power of two with ``pow2``)."""
-    scale = torch.finfo(dtype).max / amax_.float().clamp(min=EPS)
+    clamped = amax_.float().clamp(min=EPS)
+    scale = torch.full_like(clamped, torch.finfo(dtype).max) / clamped  # correctly rounded (a Python numerator is not)
     return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
 
 
