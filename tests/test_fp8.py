@@ -75,13 +75,29 @@ class ReferenceFp8(torch.autograd.Function):
         return dx.reshape(ctx.shape), dw, dy2.sum(0) if ctx.bias else None, None
 
 
-class ReferenceLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, recipe: str) -> None:
+class ReferenceGemm(nn.Module):
+    """A linear (W [out, in]) or GPT-2's Conv1D (``x @ W + b``, W [in, out]) computing the reference recipe."""
+
+    def __init__(self, module: nn.Module, recipe: str) -> None:
         super().__init__()
-        self.weight, self.bias, self.recipe = linear.weight, linear.bias, recipe
+        self.weight, self.bias, self.recipe = module.weight, module.bias, recipe
+        self.kn = not isinstance(module, nn.Linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ReferenceFp8.apply(x, self.weight, self.bias, self.recipe)
+        return ReferenceFp8.apply(x, self.weight.t() if self.kn else self.weight, self.bias, self.recipe)
+
+
+def reference_model(model: nn.Module, plan: ParallelPlan) -> nn.Module:
+    """``model`` with each module whose weight the plan runs in FP8 computing the reference recipe."""
+    reference = copy.deepcopy(model)
+    recipes = {e.weight: e.recipe for e in plan.fp8_linears if e.recipe}
+    for name, module in list(reference.named_modules()):
+        recipe = recipes.get(f"{name}.weight")
+        if recipe:
+            parent, _, child = name.rpartition(".")
+            setattr(reference.get_submodule(parent), child, ReferenceGemm(module, recipe))
+    assert sum(isinstance(m, ReferenceGemm) for m in reference.modules()) == len(recipes)
+    return reference
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -127,18 +143,6 @@ def model_for(recipe: str) -> nn.Module:
     return _llama(256, kv_heads=8, vocab=256) if recipe == "blockwise" else _llama()
 
 
-def _reference_model(model: nn.Module, plan: ParallelPlan) -> nn.Module:
-    """``model`` with every linear the plan puts in FP8 computing the reference recipe."""
-    reference = copy.deepcopy(model)
-    recipes = {e.weight: e.recipe for e in plan.fp8_linears if e.recipe}
-    for name, module in list(reference.named_modules()):
-        recipe = recipes.get(f"{name}.weight")
-        if recipe and isinstance(module, nn.Linear):
-            parent, _, child = name.rpartition(".")
-            setattr(reference.get_submodule(parent), child, ReferenceLinear(module, recipe))
-    return reference
-
-
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_tp1_model_equals_the_model_with_reference_fp8_linears(recipe: str) -> None:
     model = model_for(recipe)
@@ -147,7 +151,7 @@ def test_tp1_model_equals_the_model_with_reference_fp8_linears(recipe: str) -> N
         pm = autotp.parallelize(copy.deepcopy(model), tp=1, example_inputs={"input_ids": ids, "labels": ids}, fp8=recipe)
     fp8 = [e for e in pm.plan.fp8_linears if e.recipe]
     assert len(fp8) == 14 and all(e.recipe == recipe for e in fp8)  # q k v o gate up down, 2 layers
-    reference = _reference_model(model, pm.plan)
+    reference = reference_model(model, pm.plan)
     out, expected = pm(input_ids=ids, labels=ids), reference(input_ids=ids, labels=ids)
     _close(out.logits, expected.logits, "logits")
     _close(out.loss, expected.loss, "loss")

@@ -1,0 +1,85 @@
+"""FP8 under tensor parallelism (gloo, CPU, fp32): at tp=2, with and without sequence
+parallelism, loss, logits and every grad equal one process running the same FP8 recipe
+on the same GEMMs (the unmodified model with reference FP8 linears, which the tp=1
+parallel model equals in ``test_fp8.py``). Scales of sharded operands are the group's:
+without the amax reduction the tp=2 numbers differ (``test_unreduced_scales_differ``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import autotp
+from autotp.ir import ops
+from distributed import run_on_ranks
+from small_models import build
+from test_fp8 import _close, model_for, reference_model
+
+TP, BATCH, SEQ = 2, 4, 16
+
+
+def _build(name: str) -> nn.Module:
+    return model_for("blockwise") if name == "llama256" else build(name)
+
+
+def _compare(name: str, recipe: str, sp: bool) -> float:
+    model = _build(name)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    ids, labels = torch.randint(0, vocab, (BATCH, SEQ), generator=gen), torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+    pm = autotp.parallelize(copy.deepcopy(model), tp=TP, example_inputs={"input_ids": ids[:2], "labels": labels[:2]},
+                            sequence_parallel=sp, fp8=recipe)  # fmt: skip
+    assert any(e.recipe for e in pm.plan.fp8_linears), f"{name}: no GEMM runs in FP8"
+    targets = [n.target for n in pm.graph_for(input_ids=ids, labels=labels).graph.nodes]
+    assert ops.FP8_LINEAR in targets
+    reference = reference_model(model, pm.plan)
+    out, expected = pm(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+    what = f"{name} {recipe} sp={sp}"
+    _close(out.logits, expected.logits, f"{what}: logits")
+    _close(out.loss, expected.loss, f"{what}: loss")
+    out.loss.backward()
+    expected.loss.backward()
+    grads = pm.unshard_grads()
+    for pname, p in reference.named_parameters():
+        _close(grads[pname], p.grad, f"{what}: grad of {pname}")
+    return out.loss.item()
+
+
+def _on_rank(rank: int, world: int, cases: list[tuple[str, str, bool]]) -> list[float]:
+    return [_compare(*case) for case in cases]
+
+
+CASES = [
+    ("llama", "tensorwise", False), ("llama", "tensorwise", True),  # k/v stay bf16 (8 features per rank)
+    ("gpt2", "tensorwise", True),  # Conv1D weights [in, out], fused QKV cut per segment, biases
+    ("llama", "rowwise", False), ("llama", "rowwise", True),
+    ("llama256", "blockwise", False), ("llama256", "blockwise", True),
+]  # fmt: skip
+
+
+def test_fp8_tp2_equals_one_process_fp8() -> None:
+    results = run_on_ranks(_on_rank, TP, CASES, timeout_s=900)
+    assert results[0] == results[1], f"ranks disagree on the losses: {results}"
+
+
+def _unreduced_on_rank(rank: int, world: int) -> float:
+    """The tp=2 tensorwise model with every amax left local (a group of one rank, no reduction)."""
+    from autotp.ir import fp8
+
+    real = fp8._reduced_amaxes
+    fp8._reduced_amaxes = lambda items, group: real(items, "")
+    try:
+        _compare("llama", "tensorwise", False)
+    except AssertionError as e:
+        return 1.0 if "not close" in str(e) else 0.0
+    finally:
+        fp8._reduced_amaxes = real
+    return 0.0
+
+
+def test_unreduced_scales_differ() -> None:
+    """The comparison above sees the scales: local amaxes give other numbers."""
+    assert run_on_ranks(_unreduced_on_rank, TP) == [1.0, 1.0]
