@@ -123,7 +123,7 @@ def trace_for_planning(config: PretrainedConfig, seq: int, *, dtype: torch.dtype
 
 def choose_plan(
     traced: GraphModule, tp: int, pp: int, dp: int, vpp: int, plan: ParallelPlan | str | None, *,
-    sequence_parallel: bool | None = None, tp_overlap: bool | None = None,
+    sequence_parallel: bool | None = None, tp_overlap: bool | None = None, fp8: str = "",
 ) -> ParallelPlan:  # fmt: skip
     """The caller's plan (checked against the degrees), the cost model's (``"auto"``, with
     ``sequence_parallel`` and ``tp_overlap`` fixed where not None) or tp/pp's default."""
@@ -139,7 +139,8 @@ def choose_plan(
     if plan == "auto":  # the cost model plans what the caller left at 1: all of tp/pp, else vpp
         fixed = tp > 1 or pp > 1
         return auto_plan(model_costs(traced), tp * pp * dp, tp=tp if fixed else None, pp=pp if fixed else None,
-                         vpp=vpp if vpp > 1 else None, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)  # fmt: skip
+                         vpp=vpp if vpp > 1 else None, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap,
+                         fp8=fp8)  # fmt: skip
     layers = num_layers(traced)
     if pp * vpp > 1 and pp * vpp > layers:
         raise UserInputError(
@@ -191,7 +192,8 @@ def plan_model(
     start = time.perf_counter()
     traced = trace(model, kwargs, device)
     traced_at = time.perf_counter()
-    chosen = choose_plan(traced, tp, pp, dp, vpp, plan, sequence_parallel=fixed_sp, tp_overlap=fixed_overlap)
+    recipe = fp8_recipe(fp8)
+    chosen = choose_plan(traced, tp, pp, dp, vpp, plan, sequence_parallel=fixed_sp, tp_overlap=fixed_overlap, fp8=recipe)
     if cudagraph_impl is not None:
         chosen = replace(chosen, cudagraphs=True, cudagraph_impl=chosen.cudagraph_impl or cudagraph_impl)
     if not gather_outputs:
@@ -199,7 +201,8 @@ def plan_model(
     if "auto" in (sequence_parallel, tp_overlap) and plan != "auto":
         keep_sp = chosen.sequence_parallel if sequence_parallel is None else fixed_sp
         keep_overlap = bool(chosen.tp_overlap) if tp_overlap is None else fixed_overlap
-        chosen = auto_sequence_parallel(model_costs(traced), chosen, sequence_parallel=keep_sp, tp_overlap=keep_overlap)
+        chosen = auto_sequence_parallel(model_costs(traced), chosen, sequence_parallel=keep_sp, tp_overlap=keep_overlap,
+                                        fp8=recipe or chosen.fp8)  # fmt: skip
     else:
         chosen = _with_fixed_sequence_parallel(chosen, fixed_sp, fixed_overlap)
     chosen = with_fp8(traced, chosen, fp8)
@@ -220,13 +223,21 @@ def _with_fixed_sequence_parallel(plan: ParallelPlan, sequence_parallel: bool | 
     return plan
 
 
+def fp8_recipe(fp8: str | bool | None) -> str:
+    """The recipe that ``fp8`` names ("" for None or False); an unknown one raises."""
+    recipe = DEFAULT_RECIPE if fp8 is True else fp8 or ""
+    if recipe:
+        check_recipe(recipe)
+    return recipe
+
+
 def with_fp8(traced: GraphModule, plan: ParallelPlan, fp8: str | bool | None) -> ParallelPlan:
     """``plan`` with the FP8 choice of every GEMM for ``fp8`` (see ``plan_model``)."""
     if fp8 is None:
         return plan
     if fp8 is False:
         return without_fp8(plan)
-    recipe = DEFAULT_RECIPE if fp8 is True else fp8
+    recipe = fp8_recipe(fp8)
     check_recipe(recipe, plan.fp8_backend)
     lowered = lower(traced, without_fp8(plan), device="meta").graph
     chosen = plan_fp8(lowered, plan, recipe, plan.fp8_backend)

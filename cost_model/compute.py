@@ -22,6 +22,8 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
   fused attention ``max(F/attention_rate, bytes/mem_bw)``; everything else
   ``max(F/matmul_rate, bytes/mem_bw)`` (the roofline of ``flops.compute_time_s``);
   all of it times ``compute_time_scale``, which calibration measures on a whole layer.
+* FP8 GEMMs (``fp8_linear``) run their FLOPs at ``fp8_matmul_speedup`` times the rate, and
+  their casts add ``autotp.cost_model.fp8.cast_bytes`` / mem_bw forward and backward.
 * Backward: a GEMM's input and weight gradients are two GEMMs of its size (2×);
   memory-bound ops ``elementwise_backward_factor`` × forward; attention
   ``attention_backward_factor`` × forward (both of the ``HardwareProfile``).
@@ -67,7 +69,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 from autotp.cost_model.communication import group_collective_s, overlapped_s
-from autotp.cost_model.flops import TensorInfo, global_tensors, node_cost, op_name
+from autotp.cost_model.flops import Tensors, TensorInfo, global_tensors, node_cost, op_name
+from autotp.cost_model.fp8 import cast_bytes, plan_fp8
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory, simulate
 from autotp.cost_model.pipeline import balanced_cuts, layer_costs
@@ -143,6 +146,9 @@ class Segment:
     memory: SegmentMemory
     # GEMMs each node runs as: 1, or t per weight for the overlapped collectives' chunks.
     pieces: np.ndarray | None = None
+    # FP8 GEMM nodes, and their casts' bytes [nodes, (forward, backward), (const, per_sample)].
+    fp8: np.ndarray | None = None
+    casts: np.ndarray | None = None
 
     @property
     def ops(self) -> int:
@@ -244,8 +250,9 @@ def _doubled(infos: list[TensorInfo]) -> list[TensorInfo]:
     return [TensorInfo((t.shape[0] * 2, *t.shape[1:]), t.dtype) if t.shape else t for t in infos]
 
 
-def affine_costs(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], dependent: set[Node], batch: int) -> tuple[np.ndarray, np.ndarray]:
-    """(flops, bytes) of ``nodes`` as [n, 2] arrays of (const, per_sample), from shapes at ``batch``."""
+def _affine(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], dependent: set[Node], batch: int,
+            measure: Callable[[Node, Tensors], tuple[float, ...]]) -> np.ndarray:  # fmt: skip
+    """``measure`` of each node as [n, k, 2] arrays of (const, per_sample), from shapes at ``batch`` and 2·batch."""
 
     def at(scale: bool):
         def get(n: Node) -> list[TensorInfo]:
@@ -255,13 +262,28 @@ def affine_costs(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], depen
         return get
 
     one, two = at(False), at(True)
-    flops, nbytes = np.zeros((len(nodes), 2)), np.zeros((len(nodes), 2))
-    for i, n in enumerate(nodes):
-        c1, c2 = node_cost(n, one), node_cost(n, two)
-        slope_f, slope_b = (c2.flops - c1.flops) / batch, (c2.bytes - c1.bytes) / batch
-        flops[i] = (c1.flops - slope_f * batch, slope_f)
-        nbytes[i] = (c1.bytes - slope_b * batch, slope_b)
-    return flops, nbytes
+    out = []
+    for n in nodes:
+        m1, m2 = np.array(measure(n, one), dtype=float), np.array(measure(n, two), dtype=float)
+        slope = (m2 - m1) / batch
+        out.append(np.stack([m1 - slope * batch, slope], axis=-1))
+    return np.array(out).reshape(len(nodes), -1, 2) if out else np.zeros((0, 2, 2))
+
+
+def affine_costs(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], dependent: set[Node], batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(flops, bytes) of ``nodes`` as [n, 2] arrays of (const, per_sample), from shapes at ``batch``."""
+
+    def cost(n: Node, t: Tensors) -> tuple[float, float]:
+        c = node_cost(n, t)
+        return c.flops, c.bytes
+
+    both = _affine(nodes, tensors, dependent, batch, cost)
+    return both[:, 0], both[:, 1]
+
+
+def fp8_casts(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], dependent: set[Node], batch: int) -> np.ndarray:
+    """[n, 2, 2]: (forward, backward) cast bytes of each ``fp8_linear`` node as (const, per_sample); 0 elsewhere."""
+    return _affine(nodes, tensors, dependent, batch, lambda n, t: cast_bytes(n, t) if n.target is ops.FP8_LINEAR else (0, 0))
 
 
 def gemm_pieces(node: Node) -> int:
@@ -358,22 +380,25 @@ class ModelCosts:
 
     def rank(
         self, tp: int, replicate: frozenset[str] = frozenset(), gather_outputs: bool = True, *,
-        sequence_parallel: bool = False, tp_overlap: tuple[str, ...] = (),
+        sequence_parallel: bool = False, tp_overlap: tuple[str, ...] = (), fp8: str = "",
     ) -> RankCosts:  # fmt: skip
         """Rank 0's segments at ``tp`` with the linears in ``replicate`` kept whole (cached);
-        ``gather_outputs``, ``sequence_parallel`` and ``tp_overlap`` as in ``ParallelPlan``.
+        ``gather_outputs``, ``sequence_parallel``, ``tp_overlap`` and ``fp8`` (a recipe, ""
+        for none) as in ``ParallelPlan``.
 
         Raises plan_tensor_parallel's ValueError when tp does not divide the model.
         """
         sequence_parallel = sequence_parallel and tp > 1
-        asked = (tp, replicate, gather_outputs, sequence_parallel, tp_overlap)
+        asked = (tp, replicate, gather_outputs, sequence_parallel, tp_overlap, fp8)
         if asked in self._asked:
             return self._asked[asked]
         if (tp, replicate) not in self._plans:
             self._plans[(tp, replicate)] = plan_tensor_parallel(self.gm, tp, replicate=replicate)
         plan = replace(self._plans[(tp, replicate)], gather_outputs=gather_outputs, sequence_parallel=sequence_parallel,
                        tp_overlap=tp_overlap)  # fmt: skip
-        key = (tp, plan.params, gather_outputs, sequence_parallel, tp_overlap)
+        if fp8:
+            plan = plan_fp8(self._compile_fn(plan), plan, fp8)
+        key = (tp, plan.params, gather_outputs, sequence_parallel, tp_overlap, plan.fp8_linears, plan.fp8_all_gather)
         if key not in self._ranks:
             self._ranks[key] = self._compile(plan)
         self._asked[asked] = self._ranks[key]
@@ -413,8 +438,10 @@ class ModelCosts:
             kinds = np.array([_kind(n) for n in calls], dtype=int)
             pieces = np.array([gemm_pieces(n) for n in calls], dtype=float)
             needs = np.array([n in grad for n in calls], dtype=bool)
+            fp8 = np.array([n.target is ops.FP8_LINEAR for n in calls], dtype=bool)
+            casts = fp8_casts(calls, tensors, dependent, self.batch) if fp8.any() else None
             return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), memory.get(key, SegmentMemory.empty()),
-                           pieces)  # fmt: skip
+                           pieces, fp8, casts)  # fmt: skip
 
         layers = tuple(segment(i) for i in range(self.traced_layers))
         return RankCosts(plan, segment(EMBEDDING), layers, segment(HEAD), segment(PREAMBLE))
@@ -449,11 +476,15 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
     attention = seg.kinds == _ATTENTION
     forward = np.maximum(flops / hw.matmul_flops_per_s, memory)
     pieces = seg.pieces[matmul] if seg.pieces is not None else 1.0
-    forward[matmul] = np.maximum(pieces * hw.matmul_time_s(flops[matmul] / pieces), memory[matmul])
+    speed = np.where(seg.fp8[matmul], hw.fp8_matmul_speedup, 1.0) if seg.fp8 is not None else 1.0
+    forward[matmul] = np.maximum(pieces * hw.matmul_time_s(flops[matmul] / pieces / speed), memory[matmul])
     forward[attention] = np.maximum(flops[attention] / hw.attention_rate, memory[attention])
     forward *= hw.compute_time_scale
     factor = np.where(attention, hw.attention_backward_factor, np.where(matmul, MATMUL_BACKWARD_FACTOR, hw.elementwise_backward_factor))
     backward = forward * factor
+    if seg.casts is not None:  # FP8 casts: memory-bound kernels of their own, beside the GEMMs
+        cast_s = (seg.casts[:, :, 0] + seg.casts[:, :, 1] * batch) / hw.memory_bytes_per_s * hw.compute_time_scale
+        forward, backward = forward + cast_s[:, 0], backward + cast_s[:, 1]
     comm = {"forward": np.zeros(seg.ops), "backward": np.zeros(seg.ops)}
     host = {"forward": np.full(seg.ops, hw.op_overhead_s), "backward": np.full(seg.ops, hw.backward_op_overhead_s)}
     gemm = forward.copy()

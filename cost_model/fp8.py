@@ -34,10 +34,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from autotp.analysis.layers import layer_of
-from autotp.analysis.local_shapes import local_tensors
+from autotp.analysis.local_shapes import TensorInfo, local_tensors
+from autotp.cost_model.flops import Tensors
 from autotp.ir import fp8, meta_keys
 from autotp.ir.errors import UserInputError
 from autotp.ir.layouts import Layout, resolve
@@ -99,3 +100,31 @@ def _decide(site: GemmSite, spec: fp8.Recipe, tp: int) -> Fp8Linear:
     if spec.activation[1] > 1 and split_bits(site.x) & fp8.X_ROWS:
         return keep(FP8_TOKEN_SPLIT, "its input's tokens are split over the tp group, across the weight-gradient tiles")
     return Fp8Linear(site.param, spec.name, node=site.node.name)
+
+
+def node_call(node: Node) -> fp8.Fp8Call:
+    """The ``Fp8Call`` of an ``fp8_linear`` node."""
+    _, _, _, recipe, x_split, n_split, gather_dim, group_size, group = node.args
+    return fp8.call_of(recipe, x_split, n_split, gather_dim, group_size, group)
+
+
+def cast_bytes(node: Node, tensors: Tensors) -> tuple[int, int]:
+    """(forward, backward) bytes that the casts of an ``fp8_linear`` node move (module docstring)."""
+    x, outs = tensors(node.args[0])[0], tensors(node)
+    weights = [tensors(w)[0] for w in node.args[1]]
+    k, m = x.shape[-1], outs[0].numel // outs[0].shape[-1]
+
+    def quantized(t: TensorInfo) -> int:
+        return 2 * t.nbytes + t.numel
+
+    forward = quantized(x) + sum(quantized(w) for w in weights)
+    backward = sum(quantized(o) + 2 * o.numel for o in outs) + sum(w.nbytes + w.numel for w in weights) + 2 * m * k
+    return forward, backward
+
+
+def amax_reduce_bytes(node: Node, tensors: Tensors) -> tuple[int, int]:
+    """(forward, backward) float32 bytes of the amaxes an ``fp8_linear`` node all-reduces (max)."""
+    x = tensors(node.args[0])[0]
+    ns = [tensors(w)[0].shape[0] for w in node.args[1]]
+    forward, backward = fp8.reduced_amaxes(node_call(node), x.numel // x.shape[-1], x.shape[-1], ns)
+    return 4 * forward, 4 * backward

@@ -18,7 +18,12 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import autotp
+from autotp import presets
 from autotp.api import _check_fp8
+from autotp.compiler import trace_for_planning
+from autotp.cost_model.compute import segment_time
+from autotp.cost_model.graph_costs import build_report
+from autotp.cost_model.hardware import H200
 from autotp.cost_model.fp8 import plan_fp8
 from autotp.ir import ops
 from autotp.ir.errors import UserInputError
@@ -245,3 +250,33 @@ def test_plan_fp8_keeps_partial_inputs_in_the_model_dtype() -> None:
     plan = plan_fp8(gm, compiled.plan, "tensorwise")
     entry = next(e for e in plan.fp8_linears if e.node == site.name)
     assert entry == Fp8Linear(entry.weight, "", "partial_input", entry.detail, site.name)
+
+
+def test_cost_model_counts_the_amax_all_reduces() -> None:
+    """tp=2 tensorwise: o_proj reads x split on K and a K-split weight (2 amaxes forward, its output
+    grad is whole); q_proj (its KV neighbours stay bf16) splits N (1 amax each way)."""
+    model = _llama()
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    compiled = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": ids}, fp8="tensorwise")
+    report = build_report(compiled.graph, compiled.plan, 0)
+    by_weight = {str(r.node.args[1][0].target): r for r in report.nodes if r.node.target is ops.FP8_LINEAR}
+    o_proj, q_proj = by_weight["model.layers.0.self_attn.o_proj.weight"], by_weight["model.layers.0.self_attn.q_proj.weight"]
+    assert [(c.kind, c.direction, c.bytes) for c in o_proj.collectives] == [("all_reduce", "forward", 8)]
+    assert [(c.kind, c.direction, c.bytes) for c in q_proj.collectives] == [("all_reduce", "forward", 4), ("all_reduce", "backward", 4)]
+
+
+def test_cost_model_prices_fp8_gemms_and_casts() -> None:
+    """A Llama-3-8B layer on H200: FP8 keeps the GEMM FLOPs, runs them at twice the rate, and adds
+    its casts (q/k/v's forward: x and three weights, each read twice and written in 1 byte)."""
+    costs = trace_for_planning(presets.model_config("llama3-8b"), 1024)
+    bf16, fp8 = costs.rank(1).layers[0], costs.rank(1, fp8="tensorwise").layers[0]
+    assert fp8.flops.sum(axis=0) == pytest.approx(bf16.flops.sum(axis=0))
+    qkv = int(fp8.fp8.argmax())
+    hidden, kv, tokens = 4096, 1024, 2 * 1024
+    quantized = 5 * (tokens * hidden + hidden * hidden + 2 * kv * hidden)  # bf16: 2 reads of 2 bytes, 1 write
+    const, per_sample = fp8.casts[qkv, 0]  # forward; weights are constant, x grows with the batch
+    assert const + 2 * per_sample == quantized
+    time_bf16, time_fp8 = segment_time(bf16, 2, H200, 1), segment_time(fp8, 2, H200, 1)
+    assert time_fp8.compute_s < 0.85 * time_bf16.compute_s
+    no_gain = replace(H200, fp8_matmul_speedup=1.0)
+    assert segment_time(fp8, 2, no_gain, 1).compute_s > time_bf16.compute_s  # the casts cost something

@@ -314,13 +314,42 @@ class Fp8Linear(torch.autograd.Function):
         return (dx.reshape(ctx.x_shape), None, *grad_w, *grad_b)
 
 
+def reduced_amaxes(call: Fp8Call, m: int, k: int, ns: list[int]) -> tuple[int, int]:
+    """How many amax values one call max-reduces over its group, forward and backward, for
+    ``m`` local tokens, K = ``k`` and the weights' N (the cost model's count of what
+    ``Fp8Linear`` reduces)."""
+
+    def count(rows: int, cols: int, block: Block, rows_split: bool, cols_split: bool) -> int:
+        if not spans_split(block, rows_split, cols_split):
+            return 0
+        return math.ceil(rows / (block[0] or rows)) * math.ceil(cols / (block[1] or cols))
+
+    r = call.recipe
+    act, tensorwise = r.activation, r.name == TENSORWISE
+    forward = count(m, k, act, call.rows_split, call.k_split)
+    forward += sum(count(n, k, r.weight, split, call.k_split) for n, split in zip(ns, call.n_split))
+    rows = call.rows_split and not call.gathers
+    m_all = m * call.group_size if call.gathers else m
+    backward = 0 if tensorwise else count(k, m_all, act, call.k_split, rows)
+    for n, split in zip(ns, call.n_split):
+        backward += count(m_all, n, act, rows, split)
+        backward += 0 if _symmetric(r.weight) else count(k, n, r.weight, call.k_split, split)
+        backward += 0 if tensorwise else count(n, m_all, act, split, rows)
+    return forward, backward
+
+
+def call_of(recipe: str, x_split: int, n_split: list[int], gather_dim: int, group_size: int, group: str) -> Fp8Call:
+    return Fp8Call(RECIPES[recipe], bool(x_split & X_ROWS), bool(x_split & X_K), tuple(bool(s) for s in n_split),
+                   gather_dim, group_size, group)  # fmt: skip
+
+
 def fp8_linear(
     x: Tensor, weights: list[Tensor], biases: list[Tensor | None], recipe: str, x_split: int, n_split: list[int],
     gather_dim: int, group_size: int, group: str,
 ) -> list[Tensor]:  # fmt: skip
     """``autotp::fp8_linear``'s composite kernel (schema in ``autotp.ir.ops``)."""
-    call = Fp8Call(RECIPES[recipe], bool(x_split & X_ROWS), bool(x_split & X_K), tuple(bool(s) for s in n_split),
-                   gather_dim, group_size, group)  # fmt: skip
+    call = call_of(recipe, x_split, n_split, gather_dim, group_size, group)
+    assert not call.gathers or call.recipe.name == TENSORWISE, "only tensorwise scales survive an FP8 all-gather whole"
     return list(Fp8Linear.apply(x, call, *weights, *biases))
 
 
