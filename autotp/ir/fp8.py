@@ -44,7 +44,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.library import Library
 
 from autotp.ir import ops
 
@@ -347,11 +346,7 @@ def fp8_linear(
     x: Tensor, weights: list[Tensor], biases: list[Tensor | None], recipe: str, x_split: int, n_split: list[int],
     gather_dim: int, group_size: int, group: str,
 ) -> list[Tensor]:  # fmt: skip
-    """``autotp::fp8_linear``'s composite kernel (schema in ``autotp.ir.ops``)."""
+    """``autotp::fp8_linear``'s composite kernel (registered in ``autotp.ir.ops``)."""
     call = call_of(recipe, x_split, n_split, gather_dim, group_size, group)
     assert not call.gathers or call.recipe.name == TENSORWISE, "only tensorwise scales survive an FP8 all-gather whole"
     return list(Fp8Linear.apply(x, call, *weights, *biases))
-
-
-_KERNEL = Library(ops.NAMESPACE, "IMPL")
-_KERNEL.impl("fp8_linear", fp8_linear, "CompositeImplicitAutograd")

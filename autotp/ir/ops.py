@@ -420,7 +420,14 @@ def _vocab_parallel_cross_entropy(
     return (total / valid.sum() if reduction == 1 else total).to(logits.dtype)
 
 
+def _fp8_linear(*args: Any) -> list[Tensor]:
+    from autotp.ir.fp8 import fp8_linear  # the recipes' module imports this one
+
+    return fp8_linear(*args)
+
+
 for _op, _fn in (
+    (FP8_LINEAR, _fp8_linear),
     (COPY_TO_TP, _copy_to_tp),
     (STAGE_BOUNDARY, _stage_boundary),
     (PARTIAL_GRAD, _partial_grad),
