@@ -104,6 +104,27 @@ def time_steps(step: Callable[[], torch.Tensor], device: torch.device) -> dict[s
     return {"step_ms": statistics.median(times) * 1e3, "first_step_s": first, "peak_gib": peak, "loss": loss}
 
 
+def profile_step(step: Callable[[], torch.Tensor]) -> dict:
+    """GPU time of one step by kernel kind (GEMM, attention, the rest) and its 12 longest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kinds = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    kernels = []
+    for e in prof.key_averages():
+        us = e.self_device_time_total
+        if us <= 0:
+            continue
+        name = e.key.lower()
+        kind = "gemm" if any(k in name for k in ("gemm", "xmma", "cutlass", "nvjet", "cublas")) else (
+            "attention" if any(k in name for k in ("flash", "fmha", "attention")) else "other")
+        kinds[kind] += us / 1e3
+        kernels.append((us / 1e3, e.count, e.key[:90]))
+    return {"ms_by_kind": kinds, "top": sorted(kernels, reverse=True)[:12]}
+
+
 def _clear(device: torch.device) -> None:
     torch._dynamo.reset()
     gc.collect()
@@ -156,7 +177,7 @@ def torchao_variant(shape: tuple[int, ...], recipe: str, device: torch.device, c
 
 
 def timing(shape_name: str, variants: list[str], device: torch.device, compile: bool, deadline: float,
-           rows: list[dict], save: Callable[[], None]) -> list[dict]:  # fmt: skip
+           rows: list[dict], save: Callable[[], None], profiled: bool = False) -> list[dict]:  # fmt: skip
     """Time each variant, appending its row to ``rows`` and saving after each."""
     shape = SHAPES[shape_name]
     flops = _flops(llama(shape, "meta"), shape[6], shape[7])
@@ -173,6 +194,8 @@ def timing(shape_name: str, variants: list[str], device: torch.device, compile: 
                 make = autotp_variant if kind == "autotp" else torchao_variant
                 step = make(shape, None if recipe == "bf16" else recipe, device, compile)
                 row = {"setup": name, **time_steps(step, device)}
+                if profiled and device.type == "cuda":
+                    row["profile"] = profile_step(step)
             del step
         except Exception as e:  # noqa: BLE001 - one variant's failure is a finding, the others still run
             row = {"setup": name, "error": f"{type(e).__name__}: {str(e)[:400]}"}
@@ -343,6 +366,7 @@ def main() -> None:
     parser.add_argument("--curve-recipes", default=",".join(RECIPES))
     parser.add_argument("--budget-s", type=float, default=560.0)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="also profile one step of each timing variant")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     start = time.perf_counter()
@@ -366,12 +390,17 @@ def main() -> None:
             results["gemm_tflops"] = gemm_rates(device)
         elif part in ("timing", "timing2"):
             variants = (args.variants if part == "timing" else args.more_variants).split(",")
-            timing(args.shape, variants, device, not args.no_compile, deadline, results.setdefault("timing", []), save)
+            timing(args.shape, variants, device, not args.no_compile, deadline, results.setdefault("timing", []), save,
+                   args.profile)  # fmt: skip
         elif part == "curve":
             recipes = [r for r in args.curve_recipes.split(",") if r]
             curves(args.shape, device, args.curve_steps, recipes, deadline, results.setdefault("curve", {}), save)
         print(part, "done at", f"{time.perf_counter() - start:.0f} s", {k: v for k, v in results.items() if k in ("check", "gemm_tflops")}, flush=True)
         save()
+    for r in results.get("timing", []):
+        if "profile" in r:
+            kinds = ", ".join(f"{k} {v:.1f}" for k, v in r["profile"]["ms_by_kind"].items())
+            print(f"profile {r['setup']}: GPU ms by kind: {kinds}")
     print(report(results))
 
 
