@@ -29,21 +29,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import gc
 import json
-import math
 import statistics
 import sys
 import sysconfig
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from bench_attention_mask import PEAK_FLOPS, _flops
+from bench_tp import _hf_mask_patched as hf_mask_patched
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
@@ -67,19 +66,6 @@ def llama(shape: tuple[int, ...], device: str) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
         return LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
-
-
-@contextlib.contextmanager
-def hf_is_causal() -> Iterator[None]:
-    """HF builds no explicit causal mask, so SDPA runs ``is_causal=True`` (the flash kernel)."""
-    import transformers.models.llama.modeling_llama as modeling
-
-    original = modeling.create_causal_mask
-    modeling.create_causal_mask = lambda **kwargs: None
-    try:
-        yield
-    finally:
-        modeling.create_causal_mask = original
 
 
 def _sync(device: torch.device) -> None:
@@ -190,7 +176,7 @@ def timing(shape_name: str, variants: list[str], device: torch.device, compile: 
         kind, _, recipe = name.partition(":")
         start = time.perf_counter()
         try:
-            with hf_is_causal() if kind == "torchao" else contextlib.nullcontext():
+            with hf_mask_patched() if kind == "torchao" else contextlib.nullcontext():
                 make = autotp_variant if kind == "autotp" else torchao_variant
                 step = make(shape, None if recipe == "bf16" else recipe, device, compile)
                 row = {"setup": name, **time_steps(step, device)}

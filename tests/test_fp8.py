@@ -109,6 +109,20 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
 
+def check_against_reference(pm: nn.Module, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, what: str) -> float:
+    """Logits, loss and every grad of ``pm`` equal ``model`` with the plan's FP8 GEMMs in the reference recipe."""
+    reference = reference_model(model, pm.plan)
+    out, expected = pm(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+    _close(out.logits, expected.logits, f"{what}: logits")
+    _close(out.loss, expected.loss, f"{what}: loss")
+    out.loss.backward()
+    expected.loss.backward()
+    grads = pm.unshard_grads()
+    for name, p in reference.named_parameters():
+        _close(grads[name], p.grad, f"{what}: grad of {name}")
+    return out.loss.item()
+
+
 def _shapes(recipe: str) -> tuple[int, int, int]:
     return (256, 128, 384) if recipe == "blockwise" else (64, 32, 48)
 
@@ -156,15 +170,7 @@ def test_tp1_model_equals_the_model_with_reference_fp8_linears(recipe: str) -> N
         pm = autotp.parallelize(copy.deepcopy(model), tp=1, example_inputs={"input_ids": ids, "labels": ids}, fp8=recipe)
     fp8 = [e for e in pm.plan.fp8_linears if e.recipe]
     assert len(fp8) == 14 and all(e.recipe == recipe for e in fp8)  # q k v o gate up down, 2 layers
-    reference = reference_model(model, pm.plan)
-    out, expected = pm(input_ids=ids, labels=ids), reference(input_ids=ids, labels=ids)
-    _close(out.logits, expected.logits, "logits")
-    _close(out.loss, expected.loss, "loss")
-    out.loss.backward()
-    expected.loss.backward()
-    grads = pm.unshard_grads()
-    for name, p in reference.named_parameters():
-        _close(grads[name], p.grad, f"grad of {name}")
+    check_against_reference(pm, model, ids, ids, recipe)
     targets = [n.target for n in pm.graph_for(input_ids=ids, labels=ids).graph.nodes]
     assert targets.count(ops.FP8_LINEAR) == 8  # per layer: q/k/v, o, gate/up, down (one op per input)
     assert targets.count(torch.ops.aten.linear.default) == 1  # lm_head

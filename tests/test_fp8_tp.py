@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 
@@ -16,7 +15,7 @@ import autotp
 from autotp.ir import ops
 from distributed import run_on_ranks
 from small_models import build
-from test_fp8 import _close, model_for, reference_model
+from test_fp8 import check_against_reference, model_for
 
 TP, BATCH, SEQ = 2, 4, 16
 
@@ -35,17 +34,7 @@ def _compare(name: str, recipe: str, sp: bool) -> float:
     assert any(e.recipe for e in pm.plan.fp8_linears), f"{name}: no GEMM runs in FP8"
     targets = [n.target for n in pm.graph_for(input_ids=ids, labels=labels).graph.nodes]
     assert ops.FP8_LINEAR in targets
-    reference = reference_model(model, pm.plan)
-    out, expected = pm(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
-    what = f"{name} {recipe} sp={sp}"
-    _close(out.logits, expected.logits, f"{what}: logits")
-    _close(out.loss, expected.loss, f"{what}: loss")
-    out.loss.backward()
-    expected.loss.backward()
-    grads = pm.unshard_grads()
-    for pname, p in reference.named_parameters():
-        _close(grads[pname], p.grad, f"{what}: grad of {pname}")
-    return out.loss.item()
+    return check_against_reference(pm, model, ids, labels, f"{name} {recipe} sp={sp}")
 
 
 def _on_rank(rank: int, world: int, cases: list[tuple[str, str, bool]]) -> list[float]:
