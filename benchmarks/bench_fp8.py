@@ -56,7 +56,7 @@ VARIANT_S = {"8b": 110.0, "tiny": 5.0}  # what one timing variant takes, compile
 CURVE_S = {"8b": 30.0, "tiny": 5.0}  # one recipe's curve
 
 
-def llama(shape: tuple[int, ...], device: str) -> torch.nn.Module:
+def llama(shape: tuple[int, ...], device: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, inter, layers, heads, kv, vocab, _, seq = shape
@@ -65,7 +65,7 @@ def llama(shape: tuple[int, ...], device: str) -> torch.nn.Module:
                          rope_theta=500000.0)  # fmt: skip
     torch.manual_seed(0)
     with torch.device(device):
-        return LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+        return LlamaForCausalLM._from_config(config, dtype=dtype)
 
 
 def _sync(device: torch.device) -> None:
@@ -210,13 +210,14 @@ def stdlib_bytes(limit: int = 64 * 2**20) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
 
 
-def curve(shape_name: str, recipe: str | None, tokens: torch.Tensor, device: torch.device, steps: int) -> list[float]:
+def curve(shape_name: str, recipe: str | None, tokens: torch.Tensor, device: torch.device, steps: int,
+          dtype: torch.dtype) -> list[float]:  # fmt: skip
     import autotp
 
     shape = CURVE[shape_name]
     *_, batch, seq = shape
     gen = torch.Generator().manual_seed(1)
-    model = llama(shape, str(device))
+    model = llama(shape, str(device), dtype)
     example = tokens[: batch * seq].view(batch, seq).to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -238,7 +239,7 @@ def curve(shape_name: str, recipe: str | None, tokens: torch.Tensor, device: tor
 
 
 def curves(shape_name: str, device: torch.device, steps: int, recipes: list[str], deadline: float, out: dict,
-           save: Callable[[], None]) -> dict[str, dict]:  # fmt: skip
+           save: Callable[[], None], dtype: torch.dtype = torch.bfloat16) -> dict[str, dict]:  # fmt: skip
     tokens = stdlib_bytes()
     print(f"curve data: {tokens.numel() / 2**20:.1f} MiB of stdlib sources", flush=True)
     for recipe in ["bf16", *recipes]:
@@ -248,7 +249,7 @@ def curves(shape_name: str, device: torch.device, steps: int, recipes: list[str]
         _clear(device)
         start = time.perf_counter()
         try:
-            losses = curve(shape_name, None if recipe == "bf16" else recipe, tokens, device, steps)
+            losses = curve(shape_name, None if recipe == "bf16" else recipe, tokens, device, steps, dtype)
             out[recipe] = {"losses": losses, "final": statistics.mean(losses[-20:]), "wall_s": time.perf_counter() - start}
         except Exception as e:  # noqa: BLE001
             out[recipe] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
@@ -350,6 +351,7 @@ def main() -> None:
                         help="what the part timing2 times")  # fmt: skip
     parser.add_argument("--curve-steps", type=int, default=200)
     parser.add_argument("--curve-recipes", default=",".join(RECIPES))
+    parser.add_argument("--curve-dtype", default="bfloat16", help="the curve model's weights (float32 on a CPU)")
     parser.add_argument("--budget-s", type=float, default=560.0)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also profile one step of each timing variant")
@@ -380,7 +382,9 @@ def main() -> None:
                    args.profile)  # fmt: skip
         elif part == "curve":
             recipes = [r for r in args.curve_recipes.split(",") if r]
-            curves(args.shape, device, args.curve_steps, recipes, deadline, results.setdefault("curve", {}), save)
+            results["curve_dtype"] = args.curve_dtype
+            curves(args.shape, device, args.curve_steps, recipes, deadline, results.setdefault("curve", {}), save,
+                   getattr(torch, args.curve_dtype))  # fmt: skip
         print(part, "done at", f"{time.perf_counter() - start:.0f} s", {k: v for k, v in results.items() if k in ("check", "gemm_tflops")}, flush=True)
         save()
     for r in results.get("timing", []):

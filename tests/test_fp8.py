@@ -150,6 +150,25 @@ def test_op_equals_the_hand_written_recipe(recipe: str) -> None:
     assert (y1 - x @ w1.t()).norm() / (x @ w1.t()).norm() > 1e-3  # it did round to FP8
 
 
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_op_runs_bf16_on_the_cpu(recipe: str) -> None:
+    """bf16 activations and weights (the CPU's row-scaled kernel writes float32 only): the outputs
+    and grads are the reference's, rounded to bf16."""
+    torch.manual_seed(0)
+    k, n, _ = _shapes(recipe)
+    x, w = torch.randn(2, 24, k, dtype=torch.bfloat16, requires_grad=True), torch.randn(n, k, dtype=torch.bfloat16, requires_grad=True)
+    (y,) = ops.FP8_LINEAR(x, [w], [None], recipe, 0, [0], -1, 1, "")
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad([y], [x, w], [dy])
+    xr, wr = (t.detach().clone().requires_grad_() for t in (x, w))
+    r = ReferenceFp8.apply(xr, wr, None, recipe)
+    expected = torch.autograd.grad([r], [xr, wr], [dy])
+    assert y.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    torch.testing.assert_close(y, r)
+    for a, e in zip(grads, expected):
+        torch.testing.assert_close(a, e.to(torch.bfloat16))
+
+
 def _llama(hidden: int = 64, layers: int = 2, kv_heads: int = 2, vocab: int = 128) -> nn.Module:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,

@@ -175,8 +175,9 @@ def scaled_gemm(
         sa, sb = sa.reshape(-1, 1), sb.reshape(1, -1)
     else:
         sa, sb = sa.reshape(()), sb.reshape(())
-    fast = fast_accum and a.device.type == "cuda"
-    return torch._scaled_mm(a, bt.t(), sa, sb, out_dtype=out_dtype, use_fast_accum=fast)
+    if a.device.type != "cuda":  # the CPU kernels scale rows only into float32 outputs
+        return torch._scaled_mm(a, bt.t(), sa, sb, out_dtype=torch.float32).to(out_dtype)
+    return torch._scaled_mm(a, bt.t(), sa, sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 def pad_fp8_cols(q: Tensor, multiple: int) -> Tensor:
