@@ -33,7 +33,7 @@ from autotp.analysis.layers import num_layers
 from autotp.analysis.trace import trace
 from autotp.cost_model.compute import ModelCosts
 from autotp.cost_model.cudagraphs import choose_regions
-from autotp.cost_model.fp8 import check_recipe, plan_fp8, without_fp8
+from autotp.cost_model.fp8 import check_recipe, plan_fp8, sites_plan, without_fp8
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.planner import auto_plan, auto_sequence_parallel
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
@@ -239,11 +239,12 @@ def with_fp8(traced: GraphModule, plan: ParallelPlan, fp8: str | bool | None) ->
         return without_fp8(plan)
     recipe = fp8_recipe(fp8)
     check_recipe(recipe, plan.fp8_backend)
-    lowered = lower(traced, without_fp8(plan), device="meta").graph
+    lowered = lower(traced, sites_plan(plan), device="meta").graph
     chosen = plan_fp8(lowered, plan, recipe, plan.fp8_backend)
     kept = [e for e in chosen.fp8_linears if not e.recipe]
-    log.info("fp8 %s: %d GEMM weights in FP8, %d kept in the model's dtype (plan.fp8_linears says why)",
-             recipe, len(chosen.fp8_linears) - len(kept), len(kept))  # fmt: skip
+    log.info("fp8 %s: %d GEMM weights in FP8, %d kept in the model's dtype (plan.fp8_linears says why)%s",
+             recipe, len(chosen.fp8_linears) - len(kept), len(kept),
+             "; tp_overlap fuses only the GEMMs left in the model's dtype" if plan.tp_overlap else "")  # fmt: skip
     return chosen
 
 

@@ -70,7 +70,7 @@ import numpy as np
 import torch
 from autotp.cost_model.communication import group_collective_s, overlapped_s
 from autotp.cost_model.flops import Tensors, TensorInfo, global_tensors, node_cost, op_name
-from autotp.cost_model.fp8 import cast_bytes, plan_fp8
+from autotp.cost_model.fp8 import cast_bytes, plan_fp8, sites_plan
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory, simulate
 from autotp.cost_model.pipeline import balanced_cuts, layer_costs
@@ -146,8 +146,7 @@ class Segment:
     memory: SegmentMemory
     # GEMMs each node runs as: 1, or t per weight for the overlapped collectives' chunks.
     pieces: np.ndarray | None = None
-    # FP8 GEMM nodes, and their casts' bytes [nodes, (forward, backward), (const, per_sample)].
-    fp8: np.ndarray | None = None
+    fp8: np.ndarray | None = None  # FP8 GEMM nodes; their casts' bytes [nodes, (fwd, bwd), (const, per_sample)]:
     casts: np.ndarray | None = None
 
     @property
@@ -250,9 +249,10 @@ def _doubled(infos: list[TensorInfo]) -> list[TensorInfo]:
     return [TensorInfo((t.shape[0] * 2, *t.shape[1:]), t.dtype) if t.shape else t for t in infos]
 
 
-def _affine(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], dependent: set[Node], batch: int,
-            measure: Callable[[Node, Tensors], tuple[float, ...]]) -> np.ndarray:  # fmt: skip
-    """``measure`` of each node as [n, k, 2] arrays of (const, per_sample), from shapes at ``batch`` and 2·batch."""
+def affine_costs(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], dependent: set[Node], batch: int,
+                 measure: Callable[[Node, Tensors], tuple[float, ...]] | None = None) -> np.ndarray:  # fmt: skip
+    """[n, k, 2]: the k numbers of ``measure(node, tensors)`` (default: ``node_cost``'s flops and bytes)
+    of each node as (const, per_sample), from shapes at ``batch`` and 2·batch."""
 
     def at(scale: bool):
         def get(n: Node) -> list[TensorInfo]:
@@ -261,29 +261,14 @@ def _affine(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], dependent:
 
         return get
 
+    measure = measure or (lambda n, t: (node_cost(n, t).flops, node_cost(n, t).bytes))
     one, two = at(False), at(True)
-    out = []
-    for n in nodes:
+    out = np.zeros((len(nodes), 2 if not nodes else len(measure(nodes[0], one)), 2))
+    for i, n in enumerate(nodes):
         m1, m2 = np.array(measure(n, one), dtype=float), np.array(measure(n, two), dtype=float)
-        slope = (m2 - m1) / batch
-        out.append(np.stack([m1 - slope * batch, slope], axis=-1))
-    return np.array(out).reshape(len(nodes), -1, 2) if out else np.zeros((0, 2, 2))
-
-
-def affine_costs(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], dependent: set[Node], batch: int) -> tuple[np.ndarray, np.ndarray]:
-    """(flops, bytes) of ``nodes`` as [n, 2] arrays of (const, per_sample), from shapes at ``batch``."""
-
-    def cost(n: Node, t: Tensors) -> tuple[float, float]:
-        c = node_cost(n, t)
-        return c.flops, c.bytes
-
-    both = _affine(nodes, tensors, dependent, batch, cost)
-    return both[:, 0], both[:, 1]
-
-
-def fp8_casts(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], dependent: set[Node], batch: int) -> np.ndarray:
-    """[n, 2, 2]: (forward, backward) cast bytes of each ``fp8_linear`` node as (const, per_sample); 0 elsewhere."""
-    return _affine(nodes, tensors, dependent, batch, lambda n, t: cast_bytes(n, t) if n.target is ops.FP8_LINEAR else (0, 0))
+        out[i, :, 1] = (m2 - m1) / batch
+        out[i, :, 0] = m1 - out[i, :, 1] * batch
+    return out
 
 
 def gemm_pieces(node: Node) -> int:
@@ -317,7 +302,7 @@ class ModelCosts:
         self.num_layers = num_layers_total if num_layers_total is not None else self.traced_layers
         dependent = batch_dependent(gm, self.batch)
         calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-        flops, _ = affine_costs(calls, {}, dependent, self.batch)
+        flops = affine_costs(calls, {}, dependent, self.batch)[:, 0]
         self._segment_flops = self._per_segment_flops(calls, flops)
         self.layer_weights, self.head_weight = layer_costs(gm)
         self.hidden_bytes = self._hidden_bytes(calls)
@@ -374,7 +359,7 @@ class ModelCosts:
             name = op_name(n.target)
             weight = n.args[1] if name == "linear" else n.args[2] if name == "addmm" else None
             if isinstance(weight, Node) and weight.op == "get_attr" and str(weight.target) in params:
-                flops, _ = affine_costs([n], {}, dependent, self.batch)
+                flops = affine_costs([n], {}, dependent, self.batch)[:, 0]
                 out.append((str(weight.target), float(flops[0, 1])))
         return tuple(out)
 
@@ -397,7 +382,7 @@ class ModelCosts:
         plan = replace(self._plans[(tp, replicate)], gather_outputs=gather_outputs, sequence_parallel=sequence_parallel,
                        tp_overlap=tp_overlap)  # fmt: skip
         if fp8:
-            plan = plan_fp8(self._compile_fn(plan), plan, fp8)
+            plan = plan_fp8(self._compile_fn(sites_plan(plan)), plan, fp8)
         key = (tp, plan.params, gather_outputs, sequence_parallel, tp_overlap, plan.fp8_linears, plan.fp8_all_gather)
         if key not in self._ranks:
             self._ranks[key] = self._compile(plan)
@@ -426,7 +411,7 @@ class ModelCosts:
             members = groups.get(key, [])
             calls = [r.node for r in members if r.node.op == "call_function"]
             position = {n: i for i, n in enumerate(calls)}
-            flops, nbytes = affine_costs(calls, tensors, dependent, self.batch)
+            flops, nbytes = affine_costs(calls, tensors, dependent, self.batch).transpose(1, 0, 2)
             collectives = tuple(
                 Collective(
                     c.kind, c.direction, Affine(0, c.bytes / self.batch) if r.node in dependent else Affine(c.bytes, 0),
@@ -439,7 +424,7 @@ class ModelCosts:
             pieces = np.array([gemm_pieces(n) for n in calls], dtype=float)
             needs = np.array([n in grad for n in calls], dtype=bool)
             fp8 = np.array([n.target is ops.FP8_LINEAR for n in calls], dtype=bool)
-            casts = fp8_casts(calls, tensors, dependent, self.batch) if fp8.any() else None
+            casts = affine_costs(calls, tensors, dependent, self.batch, cast_bytes) if fp8.any() else None
             return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), memory.get(key, SegmentMemory.empty()),
                            pieces, fp8, casts)  # fmt: skip
 

@@ -39,7 +39,7 @@ from torch.fx import GraphModule, Node
 from autotp.analysis.layers import layer_of
 from autotp.analysis.local_shapes import TensorInfo, local_tensors
 from autotp.cost_model.flops import Tensors
-from autotp.ir import fp8, meta_keys
+from autotp.ir import fp8, meta_keys, ops
 from autotp.ir.errors import UserInputError
 from autotp.ir.layouts import Layout, resolve
 from autotp.ir.plan import FP8_DIMS, FP8_DTYPE, FP8_OUTSIDE_LAYERS, FP8_PARTIAL_INPUT, FP8_TOKEN_SPLIT, Fp8Linear, ParallelPlan
@@ -57,7 +57,7 @@ def check_recipe(recipe: str, backend: str = "torch") -> None:
 
 def plan_fp8(lowered: GraphModule, plan: ParallelPlan, recipe: str, backend: str = "torch") -> ParallelPlan:
     """``plan`` with every GEMM weight's FP8 choice (rules in the module docstring);
-    ``lowered`` is the graph compiled under ``plan`` (any rank, any device)."""
+    ``lowered`` is the graph compiled under ``sites_plan(plan)`` (any rank, any device)."""
     check_recipe(recipe, backend)
     spec = fp8.RECIPES[recipe]
     decided: dict[str, Fp8Linear] = {}
@@ -71,6 +71,12 @@ def plan_fp8(lowered: GraphModule, plan: ParallelPlan, recipe: str, backend: str
 
 def without_fp8(plan: ParallelPlan) -> ParallelPlan:
     return replace(plan, fp8="", fp8_linears=(), fp8_all_gather=False)
+
+
+def sites_plan(plan: ParallelPlan) -> ParallelPlan:
+    """The plan to lower for ``plan_fp8``: no FP8 and no ``tp_overlap``, whose fused ops would
+    hide the GEMM sites (``fp8_linear`` runs before ``tp_overlap``, on the same layouts)."""
+    return replace(without_fp8(plan), tp_overlap=())
 
 
 def _decide(site: GemmSite, spec: fp8.Recipe, tp: int) -> Fp8Linear:
@@ -109,7 +115,9 @@ def node_call(node: Node) -> fp8.Fp8Call:
 
 
 def cast_bytes(node: Node, tensors: Tensors) -> tuple[int, int]:
-    """(forward, backward) bytes that the casts of an ``fp8_linear`` node move (module docstring)."""
+    """(forward, backward) bytes that the casts of an ``fp8_linear`` node move (module docstring); 0 for other nodes."""
+    if node.target is not ops.FP8_LINEAR:
+        return 0, 0
     x, outs = tensors(node.args[0])[0], tensors(node)
     weights = [tensors(w)[0] for w in node.args[1]]
     k, m = x.shape[-1], outs[0].numel // outs[0].shape[-1]

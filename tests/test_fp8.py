@@ -235,6 +235,19 @@ def test_sequence_parallel_all_gathers_carry_fp8_for_tensorwise() -> None:
     assert counts["tensorwise"] == (3, 2) and counts["rowwise"] == (5, 0)
 
 
+def test_tp_overlap_leaves_the_gemms_to_fp8() -> None:
+    """With ``tp_overlap`` the planner still sees every GEMM (it plans on the graph before the
+    overlap's fusion): the FP8 ones leave their collectives unfused, the rest fuse as before."""
+    model = model_for("tensorwise")
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    kwargs = {"example_inputs": {"input_ids": ids, "labels": ids}, "sequence_parallel": True, "tp_overlap": True}
+    plain = autotp.compile_rank(model, tp=2, fp8="tensorwise", **kwargs)
+    assert [e.weight for e in plain.plan.fp8_linears] == [e.weight for e in autotp.compile_rank(model, tp=2, fp8=True,
+            example_inputs=kwargs["example_inputs"], sequence_parallel=True).plan.fp8_linears]  # fmt: skip
+    targets = [n.target for n in plain.graph.graph.nodes]
+    assert targets.count(ops.FP8_LINEAR) == 8 and ops.MATMUL_REDUCE_SCATTER not in targets
+
+
 def test_gpt2_conv1d_gemms_run_in_fp8() -> None:
     """GPT-2 multiplies by [in, out] weights (addmm); the op reads them transposed."""
     model = build("gpt2")

@@ -7,6 +7,7 @@ without the amax reduction the tp=2 numbers differ (``test_unreduced_scales_diff
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -24,20 +25,29 @@ def _build(name: str) -> nn.Module:
     return model_for("blockwise") if name == "llama256" else build(name)
 
 
-def _compare(name: str, recipe: str, sp: bool) -> float:
+def _compare(name: str, recipe: str, sp: bool, overlap: bool = False) -> float:
+    """With ``overlap``, the plan runs only the MLP GEMMs in FP8 (edited by hand, as a user may),
+    and ``tp_overlap`` fuses the attention's bf16 GEMMs with their collectives."""
     model = _build(name)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(3)
     ids, labels = torch.randint(0, vocab, (BATCH, SEQ), generator=gen), torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
-    pm = autotp.parallelize(copy.deepcopy(model), tp=TP, example_inputs={"input_ids": ids[:2], "labels": labels[:2]},
-                            sequence_parallel=sp, fp8=recipe)  # fmt: skip
+    example = {"input_ids": ids[:2], "labels": labels[:2]}
+    plan = None
+    if overlap:
+        plan = autotp.compile_rank(model, tp=TP, example_inputs=example, sequence_parallel=True, tp_overlap=True, fp8=recipe).plan
+        edited = tuple(replace(e, recipe="", reason="by hand") if "self_attn" in e.weight else e for e in plan.fp8_linears)
+        plan = replace(plan, fp8_linears=edited)
+    pm = autotp.parallelize(copy.deepcopy(model), tp=TP, example_inputs=example, plan=plan,
+                            sequence_parallel=None if overlap else sp, fp8=None if overlap else recipe)  # fmt: skip
     assert any(e.recipe for e in pm.plan.fp8_linears), f"{name}: no GEMM runs in FP8"
     targets = [n.target for n in pm.graph_for(input_ids=ids, labels=labels).graph.nodes]
     assert ops.FP8_LINEAR in targets
-    return check_against_reference(pm, model, ids, labels, f"{name} {recipe} sp={sp}")
+    assert (ops.ALL_GATHER_MATMUL in targets and ops.MATMUL_REDUCE_SCATTER in targets) == overlap
+    return check_against_reference(pm, model, ids, labels, f"{name} {recipe} sp={sp} overlap={overlap}")
 
 
-def _on_rank(rank: int, world: int, cases: list[tuple[str, str, bool]]) -> list[float]:
+def _on_rank(rank: int, world: int, cases: list[tuple]) -> list[float]:
     return [_compare(*case) for case in cases]
 
 
@@ -46,6 +56,7 @@ CASES = [
     ("gpt2", "tensorwise", True),  # Conv1D weights [in, out], fused QKV cut per segment, biases
     ("llama", "rowwise", False), ("llama", "rowwise", True),
     ("llama256", "blockwise", False), ("llama256", "blockwise", True),
+    ("llama", "tensorwise", True, True),  # FP8 MLP beside overlapped bf16 attention GEMMs (P2P ring on gloo)
 ]  # fmt: skip
 
 

@@ -35,7 +35,7 @@ Collectives over a tp group, named by a string key (``tp_group_key``,
 * ``all_reduce_max(x, group)`` -- the elementwise max over the group (FP8 amaxes; no grad).
 * ``fp8_linear(x, weights, biases, recipe, x_split, n_split, gather_dim, group_size,
   group)`` -> ``[x·Wᵢᵀ + bᵢ]`` with every GEMM in FP8 (``autotp.ir.fp8`` holds the recipes
-  and the composite kernel); scales of operands the group splits are max-reduced over it,
+  and the composite kernel, which ``autotp.runtime.collectives`` registers); scales of operands the group splits are max-reduced over it,
   and with ``gather_dim >= 0`` x is this rank's tokens, all-gathered in FP8.
 
 Local ops:
@@ -420,14 +420,7 @@ def _vocab_parallel_cross_entropy(
     return (total / valid.sum() if reduction == 1 else total).to(logits.dtype)
 
 
-def _fp8_linear(*args: Any) -> list[Tensor]:
-    from autotp.ir.fp8 import fp8_linear  # the recipes' module imports this one
-
-    return fp8_linear(*args)
-
-
 for _op, _fn in (
-    (FP8_LINEAR, _fp8_linear),
     (COPY_TO_TP, _copy_to_tp),
     (STAGE_BOUNDARY, _stage_boundary),
     (PARTIAL_GRAD, _partial_grad),

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.library import Library
 
-from autotp.ir import ops
+from autotp.ir import fp8, ops
 from autotp.ir.errors import UserInputError
 from autotp.runtime import overlap
 
@@ -144,3 +144,5 @@ _IMPLEMENTATIONS: dict[torch._ops.OpOverload, Callable[..., object]] = {
 for _op, _fn in _IMPLEMENTATIONS.items():
     for _device in _DEVICES:
         _KERNELS.impl(_op._schema.name.split("::")[1], _fn, _device)
+# FP8 GEMMs: plain torch ops around the amax all-reduces, on every device and through autograd.
+_KERNELS.impl("fp8_linear", fp8.fp8_linear, "CompositeImplicitAutograd")
