@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from bench_attention_mask import PEAK_FLOPS, _flops
-from bench_tp import _hf_mask_patched as hf_mask_patched
+from bench_single_gpu import causal_mask_dropped
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
@@ -176,7 +176,7 @@ def timing(shape_name: str, variants: list[str], device: torch.device, compile: 
         kind, _, recipe = name.partition(":")
         start = time.perf_counter()
         try:
-            with hf_mask_patched() if kind == "torchao" else contextlib.nullcontext():
+            with causal_mask_dropped("llama") if kind == "torchao" else contextlib.nullcontext():
                 make = autotp_variant if kind == "autotp" else torchao_variant
                 step = make(shape, None if recipe == "bf16" else recipe, device, compile)
                 row = {"setup": name, **time_steps(step, device)}

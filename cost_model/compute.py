@@ -57,7 +57,7 @@ microbatch, not once per model.
 a matmul its activation operands; a mul or div each operand whose partner needs a
 gradient; attention q, k, v and its output; nonlinear elementwise ops, norms, softmax and
 the losses their input; adds, casts, views, concatenations, reductions and collectives
-nothing; any other op its inputs. ``autotp.cost_model.liveness`` replays the forward and
+nothing (the fused lm_head and loss keeps its outputs instead, ``liveness``); any other op its inputs. ``autotp.cost_model.liveness`` replays the forward and
 backward with them (``Segment.memory``).
 """
 
@@ -66,10 +66,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import functools
+
 import numpy as np
 import torch
+from autotp.cost_model.affine import affine_costs
 from autotp.cost_model.communication import group_collective_s, overlapped_s
-from autotp.cost_model.flops import Tensors, TensorInfo, global_tensors, node_cost, op_name
+from autotp.cost_model.flops import global_tensors, node_cost, op_name
 from autotp.cost_model.fp8 import cast_bytes, plan_fp8, sites_plan
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory, simulate
@@ -96,6 +99,7 @@ _BATCH_MAKERS = {"expand", "new_ones", "new_zeros", "new_full", "new_empty", "on
 _SAVE_NOTHING = {
     "add", "sub", "neg", "to", "_to_copy", "clone", "contiguous", "cat", "stack", "mean", "sum", "where",
     "embedding", "vocab_parallel_embedding", "arange", "full", "zeros", "ones", "empty", "scalar_tensor",
+    "linear_cross_entropy",
 }  # fmt: skip
 _SAVE_FIRST_INPUT = {
     "pow", "rsqrt", "sqrt", "exp", "log", "silu", "gelu", "relu", "tanh", "sigmoid", "erf", "sin", "cos",
@@ -157,7 +161,7 @@ class Segment:
     def grad_ops(self) -> int:
         return int(self.grad.sum())
 
-    @property
+    @functools.cached_property
     def param_numel(self) -> int:
         return sum(self.params.values())
 
@@ -245,32 +249,6 @@ def saved_inputs(node: Node, grad: set[Node]) -> list[Node]:
     return inputs
 
 
-def _doubled(infos: list[TensorInfo]) -> list[TensorInfo]:
-    return [TensorInfo((t.shape[0] * 2, *t.shape[1:]), t.dtype) if t.shape else t for t in infos]
-
-
-def affine_costs(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], dependent: set[Node], batch: int,
-                 measure: Callable[[Node, Tensors], tuple[float, ...]] | None = None) -> np.ndarray:  # fmt: skip
-    """[n, k, 2]: the k numbers of ``measure(node, tensors)`` (default: ``node_cost``'s flops and bytes)
-    of each node as (const, per_sample), from shapes at ``batch`` and 2·batch."""
-
-    def at(scale: bool):
-        def get(n: Node) -> list[TensorInfo]:
-            infos = tensors[n] if n in tensors else global_tensors(n)
-            return _doubled(infos) if scale and n in dependent else infos
-
-        return get
-
-    measure = measure or (lambda n, t: (node_cost(n, t).flops, node_cost(n, t).bytes))
-    one, two = at(False), at(True)
-    out = np.zeros((len(nodes), 2 if not nodes else len(measure(nodes[0], one)), 2))
-    for i, n in enumerate(nodes):
-        m1, m2 = np.array(measure(n, one), dtype=float), np.array(measure(n, two), dtype=float)
-        out[i, :, 1] = (m2 - m1) / batch
-        out[i, :, 0] = m1 - out[i, :, 1] * batch
-    return out
-
-
 def gemm_pieces(node: Node) -> int:
     """How many equal GEMMs a node's FLOPs run as: an overlapped collective multiplies one
     chunk of 1/t of the rows per weight and step; every other node one."""
@@ -311,6 +289,7 @@ class ModelCosts:
         self._ranks: dict[tuple, RankCosts] = {}  # by the plan's layouts: two replicate sets may give one plan
         self._asked: dict[tuple, RankCosts] = {}  # by rank()'s arguments
         self._cuts: dict[int, tuple[int, ...]] = {}
+        self._forward_flops: dict[int, float] = {}
 
     def _per_segment_flops(self, calls: list[Node], flops: np.ndarray) -> dict[LayerKey, Affine]:
         layers = assign_layers(self.gm)
@@ -320,10 +299,12 @@ class ModelCosts:
         return {k: Affine(*v) for k, v in sums.items()}
 
     def forward_flops(self, batch: int) -> float:
-        """Whole-model forward FLOPs of ``batch`` samples (every layer, not one rank's share)."""
-        zero = Affine(0, 0)
-        layers = sum(self._segment_flops.get(self.traced_index(i), zero).at(batch) for i in range(self.num_layers))
-        return layers + sum(v.at(batch) for k, v in self._segment_flops.items() if not isinstance(k, int))
+        """Whole-model forward FLOPs of ``batch`` samples (every layer, not one rank's share; cached)."""
+        if batch not in self._forward_flops:
+            zero = Affine(0, 0)
+            layers = sum(self._segment_flops.get(self.traced_index(i), zero).at(batch) for i in range(self.num_layers))
+            self._forward_flops[batch] = layers + sum(v.at(batch) for k, v in self._segment_flops.items() if not isinstance(k, int))
+        return self._forward_flops[batch]
 
     def traced_index(self, layer: int) -> int:
         """The traced layer that stands for model layer ``layer``."""

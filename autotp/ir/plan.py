@@ -182,6 +182,9 @@ class ParallelPlan:
     distributed_optimizer: bool = False
     ep: int = 1
     kept_whole: tuple[KeptWhole, ...] = ()
+    # The lm_head and its cross entropy fused, this many tokens at a time (0: not fused;
+    # ``passes/fused_linear_cross_entropy``, chosen by ``autotp.cost_model.fused_loss``).
+    loss_chunk_tokens: int = 0
     # FP8 training (``passes/fp8_linear``): the recipe asked ("": off), the backend whose op runs
     # the GEMMs, every GEMM weight's recipe or why it stays in the model's dtype, and whether
     # sequence-parallel all-gathers into FP8 GEMMs carry FP8 (tensorwise).
@@ -243,6 +246,7 @@ class ParallelPlan:
                 "distributed_optimizer": self.distributed_optimizer,
                 "ep": self.ep,
                 "kept_whole": [k.to_json() for k in self.kept_whole],
+                "loss_chunk_tokens": self.loss_chunk_tokens,
                 "fp8": self.fp8,
                 "fp8_backend": self.fp8_backend,
                 "fp8_linears": [f.to_json() for f in self.fp8_linears],
@@ -282,6 +286,7 @@ class ParallelPlan:
             distributed_optimizer=d.get("distributed_optimizer", False),
             ep=d.get("ep", 1),
             kept_whole=tuple(KeptWhole.from_json(k) for k in d.get("kept_whole", ())),
+            loss_chunk_tokens=d.get("loss_chunk_tokens", 0),
             fp8=d.get("fp8", ""),
             fp8_backend=d.get("fp8_backend", "torch"),
             fp8_linears=tuple(Fp8Linear.from_json(f) for f in d.get("fp8_linears", ())),
