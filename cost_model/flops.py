@@ -17,7 +17,8 @@ gives one rank's. FLOPs are forward only and count a multiply-add as 2.
   2·Σ_i rows(x_i)·K_i·N_i. The fused lm_head and loss ``linear_cross_entropy(h [N, H], W [V, H])``
   counts its logits GEMM, 2·N·H·V (its forward also runs the two gradient GEMMs, which the
   backward factor of a matmul accounts for, so the step's total is right); bytes: its inputs,
-  outputs, and the logits written and read once.
+  outputs, and the logits written and read once. ``fp8_linear`` 2·K·Σ numel(out_i) plus its
+  biases (its speed and casts: ``autotp.cost_model.fp8``).
 * **attention**, ``scaled_dot_product_attention(q [..., L, D], k [..., S, D], v [..., S, Dv])``:
   FLOPs = 2·BH·L·S·D + 2·BH·L·S·Dv with BH = prod(q.shape[:-2]); the softmax is not
   counted. With ``is_causal=True`` only the lower triangle is computed: half of that.
@@ -128,6 +129,10 @@ def node_cost(node: Node, tensors: Tensors = global_tensors) -> NodeCost:
     if name == "all_gather_matmul":
         k = tensors(node.args[0])[0].shape[-1]
         return NodeCost(2 * k * sum(t.numel for t in outputs[1:]), in_bytes + out_bytes)
+    if name == "fp8_linear":  # one input, a GEMM per weight (each output), biases added
+        k = tensors(node.args[0])[0].shape[-1]
+        biases = sum(t.numel for t, b in zip(outputs, node.args[2]) if b is not None)
+        return NodeCost(2 * k * out_numel + biases, in_bytes + out_bytes)
     if name == "matmul_reduce_scatter":
         flops = sum(2 * tensors(x)[0].numel * tensors(w)[0].shape[-1] for x, w in zip(node.args[0], node.args[1]))
         return NodeCost(flops, in_bytes + out_bytes)

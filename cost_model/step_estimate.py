@@ -100,6 +100,7 @@ class Training:
     overlap_param_gather: bool = True  # the distributed optimizer's all-gather hides behind the next forward
     sequence_parallel: bool | None = None  # with tp > 1 (``ParallelPlan.sequence_parallel``)
     tp_overlap: bool | None = None  # with sequence parallelism (``ParallelPlan.tp_overlap``)
+    fp8: str = ""  # the FP8 recipe of the decoder GEMMs ("": none; ``ParallelPlan.fp8``)
 
     def __post_init__(self) -> None:
         if self.tp_overlap and self.sequence_parallel is False:
@@ -184,7 +185,7 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
     hw = cluster.hardware
     per_node = min(cluster.gpus, cluster.gpus_per_node)
     rc = costs.rank(config.tp, v.replicate, training.gather_outputs, sequence_parallel=v.sequence_parallel,
-                    tp_overlap=v.tp_overlap)  # fmt: skip
+                    tp_overlap=v.tp_overlap, fp8=training.fp8)  # fmt: skip
     b, m, pp, vpp = config.microbatch_size, config.microbatches, config.pp, config.vpp
     chunks = pp * vpp
 
