@@ -23,18 +23,27 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 class ShardingConflict(Exception):
     """A sharded dim met an op that cannot keep it sharded.
 
     ``origins`` names the parameters whose sharding led there; the planner stops
-    sharding them and propagates again.
+    sharding them and propagates again. ``retries`` names the reshapes whose choice of
+    output factor made the dims involved (``DimVar.made_by``): the planner first walks
+    again with those choices avoided. ``statistic`` names the node whose tp-reduced
+    statistic the walk was not allowed to take.
     """
 
-    def __init__(self, message: str, origins: frozenset[str]) -> None:
+    def __init__(
+        self, message: str, origins: frozenset[str], dims: tuple[DimVar, ...] = (), *, statistic: str | None = None
+    ) -> None:
         super().__init__(message)
         self.origins = origins
+        self.statistic = statistic
+        self.node: Any = None  # the graph node where the walk met it
+        self.retries = frozenset(v.find().made_by for v in dims if v.find().made_by is not None)
 
 
 _ids = itertools.count()
@@ -49,6 +58,12 @@ class DimVar:
         self.origins = origins
         self.padded = padded
         self.groups: int | None = None
+        # The coarsest block count asked for (a reshape that regroups heads in pairs): the
+        # split must also fall on its block boundaries (``coarse_blocks_fit``).
+        self.coarsest: int | None = None
+        # (reshape node name, output factor) when a reshape chose which factor carries the
+        # split (``ShardingConflict.retries``).
+        self.made_by: tuple[str, int] | None = None
         self.segments: tuple[DimVar, ...] | None = None
         self.fixed: DimSharding | None = None
         self._parent: DimVar | None = None
@@ -81,6 +96,9 @@ def unify(a: DimVar, b: DimVar, where: str) -> DimVar:
     ra.origins = origins
     ra.fixed = ra.fixed or rb.fixed
     ra.outer = ra.outer or rb.outer
+    ra.made_by = ra.made_by or rb.made_by
+    if rb.coarsest is not None:
+        keep_blocks_whole(ra, rb.coarsest, where)
     if rb.groups is not None:
         set_groups(ra, rb.groups, where)
     if rb.segments is not None:
@@ -103,6 +121,29 @@ def set_groups(var: DimVar, groups: int, where: str) -> None:
     if fine % coarse:
         raise ShardingConflict(f"{where}: block counts {r.groups} and {groups} are incompatible", r.origins)
     r.groups = fine
+
+
+def keep_blocks_whole(var: DimVar, groups: int, where: str) -> None:
+    """Like ``set_groups``, and the split must not cut these blocks even when a finer
+    block count is asked for too (``coarse_blocks_fit``)."""
+    set_groups(var, groups, where)
+    r = var.find()
+    r.coarsest = groups if r.coarsest is None else min(r.coarsest, groups)
+
+
+def coarse_blocks_fit(var: DimVar, tp: int) -> str | None:
+    """Why the split of ``var`` over ``tp`` ranks cuts one of its coarser blocks, or None.
+
+    The final split uses the finest block count; it keeps every coarser block whole when
+    both counts are multiples of tp (each rank holds a contiguous 1/tp), or are equal.
+    """
+    r = var.find()
+    fine, coarse = r.groups, r.coarsest
+    if r.fixed is not None or fine is None or coarse is None or fine == coarse:
+        return None
+    if coarse % tp == 0 and fine % tp == 0:
+        return None
+    return f"blocks of {r.size // coarse} elements cannot stay whole in a split over tp={tp} ranks"
 
 
 def set_segments(var: DimVar, sizes: list[int], where: str) -> tuple[DimVar, ...]:

@@ -1,0 +1,167 @@
+"""Compute reductions and norms over a sharded dim from tp-reduced statistics
+(``NodeRole.SHARDED_REDUCTION`` / ``SHARDED_NORM``, ``autotp.analysis.statistic_rules``).
+
+* A ``sum`` or ``mean`` over a sharded dim is partial: each rank reduces its part. A mean
+  is scaled by local count / whole count, and both by 1/replicas when ranks hold the dim
+  in replicated blocks (each block would be counted ``replicas`` times).
+* ``layer_norm`` / ``rms_norm`` become their formula around partial statistics (in fp32):
+  ``mean = sum(x)/n``, ``var = sum((x - mean)^2)/n`` (layer norm) or ``ms = sum(x^2)/n``
+  (RMS norm), then ``x_hat * rsqrt(stat + eps) * weight (+ bias)``.
+* ``linalg_vector_norm(x, p)`` becomes ``sum(|x|^p) ** (1/p)``.
+
+The new nodes carry layouts: the statistics are partial and their consumers list them in
+``REDUCE_INPUTS``, so ``insert_collectives`` all-reduces each statistic once forward
+(and, through the f it puts where the replicated statistic meets the sharded values,
+sums its gradient backward). The original node becomes the last op of its formula, so
+its users and metadata stay. Runs after ``slice_replicated`` (a replicated norm weight is
+already read through the rank's slice) and before ``insert_collectives``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from autotp.analysis.propagation_result import NodeRole
+from autotp.analysis.shapes import schema_arg, shape_of
+from autotp.analysis.statistic_rules import reduced_dims
+from autotp.ir import meta_keys
+from autotp.ir.errors import UserInputError, describe
+from autotp.ir.layouts import PARTIAL, REPLICATE, Layout, resolve
+from autotp.passes.runner import PassContext
+
+aten = torch.ops.aten
+
+
+def sharded_statistics(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    if ctx.plan.tp == 1:
+        return gm
+    for node in list(gm.graph.nodes):
+        role = node.meta.get(meta_keys.ROLE)
+        if role is NodeRole.SHARDED_REDUCTION:
+            _rescale(gm, node, ctx.plan.tp)
+        elif role is NodeRole.SHARDED_NORM and node.target is aten.linalg_vector_norm.default:
+            _vector_norm(gm, node, ctx.plan.tp)
+        elif role is NodeRole.SHARDED_NORM:
+            _norm(gm, node, ctx.plan.tp)
+    return gm
+
+
+def _scale(x: Node, dims: list[int], tp: int, mean: bool) -> float:
+    """The factor that turns a rank's sum (or mean) over ``dims`` of ``x`` into its
+    summand of the whole sum (or mean)."""
+    lay = x.meta.get(meta_keys.LAYOUT)
+    shape = shape_of(x) or ()
+    factor = 1.0
+    for d in dims:
+        var = lay.var_at(d) if isinstance(lay, Layout) else None
+        if var is None:
+            continue
+        sharding = resolve(var, tp)
+        replicas = {max(tp // g, 1) for g in sharding.groups}
+        if len(replicas) != 1:
+            raise UserInputError(
+                f"{describe(x)}: a statistic over dim {d}, which ranks hold partly in replicated blocks; "
+                "keep the parameters that split it replicated"
+            )
+        factor /= replicas.pop()
+        if mean:
+            factor *= sharding.local_size(tp) / shape[d]
+    return factor
+
+
+def _emit(gm: GraphModule, like: Node, target: Any, args: tuple, layout: Any, reduce: list[Node] = (), **kwargs: Any) -> Node:
+    """A new node (at the graph's insert point) with its traced value and ``layout``."""
+    new = gm.graph.call_function(target, args, kwargs)
+    vals = torch.utils._pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, Node) else a, args)
+    new.meta["val"] = target(*vals, **kwargs)
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in like.meta:
+            new.meta[key] = like.meta[key]
+    new.meta[meta_keys.LAYOUT] = layout
+    new.meta[meta_keys.NEEDS_GRAD] = like.meta.get(meta_keys.NEEDS_GRAD, False)
+    if reduce:
+        new.meta[meta_keys.REDUCE_INPUTS] = list(reduce)
+    return new
+
+
+def _retarget(node: Node, target: Any, args: tuple) -> None:
+    """Make ``node`` the last op of its formula; its users and metadata stay."""
+    node.target, node.args, node.kwargs = target, args, {}
+    node.meta.pop(meta_keys.ROLE, None)
+
+
+def _rescale(gm: GraphModule, node: Node, tp: int) -> None:
+    x = node.args[0]
+    dims = reduced_dims(node, len(shape_of(x) or ()))
+    factor = _scale(x, dims, tp, node.target in (aten.mean.dim, aten.mean.default))
+    if factor == 1.0:
+        return
+    with gm.graph.inserting_before(node):
+        scaled = _emit(gm, node, aten.mul.Tensor, (x, factor), x.meta.get(meta_keys.LAYOUT))
+    node.replace_input_with(x, scaled)
+
+
+def _partial_sum(gm: GraphModule, like: Node, x: Node, dims: list[int], factor: float) -> Node:
+    s = _emit(gm, like, aten.sum.dim_IntList, (x, dims, True), PARTIAL)
+    return _emit(gm, like, aten.mul.Tensor, (s, factor), PARTIAL)
+
+
+def _norm(gm: GraphModule, node: Node, tp: int) -> None:
+    """``layer_norm(x, shape, w, b, eps)`` / ``rms_norm(x, shape, w, eps)``."""
+    x = node.args[0]
+    nd = len(shape_of(x) or ())
+    dims = list(range(nd - len(node.args[1]), nd))
+    count = math.prod((shape_of(x) or ())[d] for d in dims)
+    factor = _scale(x, dims, tp, mean=False) / count
+    lay = x.meta.get(meta_keys.LAYOUT)
+    layer = node.target is aten.layer_norm.default
+    weight, bias = schema_arg(node, "weight"), schema_arg(node, "bias") if layer else None
+    eps = schema_arg(node, "eps")
+    dtype = x.meta["val"].dtype
+    if eps is None:
+        eps = torch.finfo(dtype).eps
+    reduce = list(node.meta.get(meta_keys.REDUCE_INPUTS, []))  # a partial weight or bias
+    with gm.graph.inserting_before(node):
+        xf = x if dtype == torch.float32 else _emit(gm, node, aten._to_copy.default, (x,), lay, dtype=torch.float32)
+        if layer:
+            mean = _partial_sum(gm, node, xf, dims, factor)
+            xf = _emit(gm, node, aten.sub.Tensor, (xf, mean), lay, [mean])
+        square = _emit(gm, node, aten.mul.Tensor, (xf, xf), lay)
+        stat = _partial_sum(gm, node, square, dims, factor)
+        shifted = _emit(gm, node, aten.add.Tensor, (stat, eps), REPLICATE, [stat])
+        out = _emit(gm, node, aten.mul.Tensor, (xf, _emit(gm, node, aten.rsqrt.default, (shifted,), REPLICATE)), lay)
+        if dtype != torch.float32:
+            out = _emit(gm, node, aten._to_copy.default, (out,), lay, dtype=dtype)
+        if isinstance(weight, Node) and isinstance(bias, Node):
+            out = _emit(gm, node, aten.mul.Tensor, (out, weight), lay, reduce)
+    if isinstance(bias, Node):
+        _retarget(node, aten.add.Tensor, (out, bias))
+    elif isinstance(weight, Node):
+        _retarget(node, aten.mul.Tensor, (out, weight))
+    else:
+        _retarget(node, aten.alias.default, (out,))
+
+
+def _vector_norm(gm: GraphModule, node: Node, tp: int) -> None:
+    """``linalg_vector_norm(x, p, dim, keepdim, dtype)`` = ``sum(|x|^p, dim) ** (1/p)``."""
+    x = node.args[0]
+    order = float(schema_arg(node, "ord", 2))
+    dims = reduced_dims(node, len(shape_of(x) or ()))
+    keep = bool(schema_arg(node, "keepdim", False))
+    dtype = schema_arg(node, "dtype")
+    lay = x.meta.get(meta_keys.LAYOUT)
+    with gm.graph.inserting_before(node):
+        source = x if dtype is None else _emit(gm, node, aten._to_copy.default, (x,), lay, dtype=dtype)
+        powered = _emit(gm, node, aten.mul.Tensor, (source, source), lay) if order == 2 else _emit(
+            gm, node, aten.pow.Tensor_Scalar, (_emit(gm, node, aten.abs.default, (source,), lay), order), lay
+        )
+        total = _emit(gm, node, aten.sum.dim_IntList, (powered, dims, keep), PARTIAL)
+        factor = _scale(x, dims, tp, mean=False)
+        if factor != 1.0:
+            total = _emit(gm, node, aten.mul.Tensor, (total, factor), PARTIAL)
+    _retarget(node, aten.pow.Tensor_Scalar, (total, 1.0 / order))
+    node.meta[meta_keys.REDUCE_INPUTS] = [total]
