@@ -1,5 +1,6 @@
 """Compute reductions and norms over a sharded dim from tp-reduced statistics
-(``NodeRole.SHARDED_REDUCTION`` / ``SHARDED_NORM``, ``autotp.analysis.statistic_rules``).
+(``NodeRole.SHARDED_REDUCTION`` / ``SHARDED_NORM``, ``autotp.analysis.statistic_rules``),
+and contractions over a dim held in replicated blocks.
 
 * A ``sum`` or ``mean`` over a sharded dim is partial: each rank reduces its part. A mean
   is scaled by local count / whole count, and both by 1/replicas when ranks hold the dim
@@ -8,6 +9,10 @@
   ``mean = sum(x)/n``, ``var = sum((x - mean)^2)/n`` (layer norm) or ``ms = sum(x^2)/n``
   (RMS norm), then ``x_hat * rsqrt(stat + eps) * weight (+ bias)``.
 * ``linalg_vector_norm(x, p)`` becomes ``sum(|x|^p) ** (1/p)``.
+* A row-parallel matmul that contracts a dim ranks hold in replicated blocks (query heads
+  of a KV group shared by two ranks) would add each block ``replicas`` times: its
+  sharded operand is scaled by 1/replicas (backward, each replica then computes its share
+  of the grad of the blocks, which the replica group sums).
 
 The new nodes carry layouts: the statistics are partial and their consumers list them in
 ``REDUCE_INPUTS``, so ``insert_collectives`` all-reduces each statistic once forward
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
+from autotp.analysis.op_kinds import is_matmul
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import schema_arg, shape_of
 from autotp.analysis.statistic_rules import reduced_dims
@@ -47,7 +53,21 @@ def sharded_statistics(gm: GraphModule, ctx: PassContext) -> GraphModule:
             _vector_norm(gm, node, ctx.plan.tp)
         elif role is NodeRole.SHARDED_NORM:
             _norm(gm, node, ctx.plan.tp)
+        elif node.meta.get(meta_keys.LAYOUT) == PARTIAL and is_matmul(node):
+            _contraction(gm, node, ctx.plan.tp)
     return gm
+
+
+def _contraction(gm: GraphModule, node: Node, tp: int) -> None:
+    x = node.args[1] if node.target is aten.addmm.default else node.args[0]
+    if not isinstance(x, Node) or not isinstance(x.meta.get(meta_keys.LAYOUT), Layout):
+        return
+    factor = _scale(x, [x.meta["val"].dim() - 1], tp, mean=False)
+    if factor == 1.0:
+        return
+    with gm.graph.inserting_before(node):
+        scaled = _emit(gm, node, aten.mul.Tensor, (x, factor), x.meta.get(meta_keys.LAYOUT))
+    node.replace_input_with(x, scaled)
 
 
 def _scale(x: Node, dims: list[int], tp: int, mean: bool) -> float:

@@ -11,8 +11,9 @@ A sharded dim survives a reshape when it maps onto whole output factors:
   D)`` shards H inside each of q, k and v). A later op that cannot keep the chosen
   factor sharded (``unbind`` of the 3) makes the planner walk again with that factor
   avoided (``ShardingConflict.retries``, ``Walker.avoid``).
-* **merge** ``[n0, rest...] -> [m]`` with the split on the outer dim: the merged dim is
-  split in n0 blocks; an expand that made ``rest`` is recorded (``repeat_kv``). A merge
+* **merge** ``[n0, rest...] -> [m]`` with the split on the outer dim: the merged dim
+  follows n0's blocks (``DimVar.follows``); when an expand made ``rest`` (``repeat_kv``)
+  the expand is recorded instead, and a rank may hold part of the repeats. A merge
   of unsharded outer dims into a sharded inner one tiles it (``_tile``: one segment per
   outer element), and splitting that tiled dim back gives the sharded inner dim.
 * **regroup** ``[n0, ...] -> [m0, ...]`` (heads in pairs): the split moves to m0 when one
@@ -83,10 +84,10 @@ def reshape(w: Walker, node: Node) -> Any:
             raise ShardingConflict(f"{describe(node)}: the sharded dim is not the outer one of a merge", lay.origins(), (var,))
         elif len(cb) == 1:
             merged = DimVar(dst[cb[0]], var.find().origins)
-            merged.outer = var
             set_groups(merged, var.find().size, describe(node))
             dims[cb[0]] = merged
-            _note_broadcast_merge(w, node.args[0], ca[1:], merged, var)
+            if not _note_broadcast_merge(w, node.args[0], ca[1:], merged, var):
+                merged.follows = var
         else:
             dims[cb[0]] = _regroup(node, var, dst[cb[0]])
     return shard(dims)
@@ -174,13 +175,16 @@ def _unit_dims_view(view: ParamView, src: tuple[int, ...], dst: tuple[int, ...])
     return ParamView(view.name, tuple(None if s == 1 else view.dim_map[next(real)] for s in dst))
 
 
-def _note_broadcast_merge(w: Walker, src: Node, inner_dims: list[int], merged: DimVar, outer: DimVar) -> None:
-    """``repeat_kv``: an expand whose broadcast dims are merged into a sharded dim."""
+def _note_broadcast_merge(w: Walker, src: Node, inner_dims: list[int], merged: DimVar, outer: DimVar) -> bool:
+    """``repeat_kv``: an expand whose broadcast dims are merged into a sharded dim; each
+    rank may hold part of the repeats. False when the inner dims are data."""
     producer = src
     while producer.target in (aten.clone.default, aten.contiguous.default) and isinstance(producer.args[0], Node):
         producer = producer.args[0]
     if producer.target is aten.expand.default and len(inner_dims) == 1:
         w.out.expand_fixups.setdefault(producer, []).append((inner_dims[0], merged, outer))
+        return True
+    return False
 
 
 def view_as_complex(w: Walker, node: Node) -> Any:
@@ -215,7 +219,6 @@ def repeat_interleave(w: Walker, node: Node) -> Any:
         return lay
     out_size = (shape_of(node) or ())[d]
     merged = DimVar(out_size, var.find().origins)
-    merged.outer = var
     set_groups(merged, var.find().size, describe(node))
     w.out.repeat_fixups[node] = (merged, var)
     return shard({**dict(lay.dims), d: merged})

@@ -67,9 +67,9 @@ class DimVar:
         self.segments: tuple[DimVar, ...] | None = None
         self.fixed: DimSharding | None = None
         self._parent: DimVar | None = None
-        # A dim merged from [outer var, inner broadcast dim] (``repeat_kv``'s reshape);
-        # the inner dim's local size is local(self) / local(outer).
-        self.outer: DimVar | None = None
+        # A dim merged from [var, inner data dims] (heads and head_dim into features) is
+        # split in the blocks of var, whatever else asks for finer blocks (``resolve``).
+        self.follows: DimVar | None = None
 
     def find(self) -> DimVar:
         root = self
@@ -95,7 +95,7 @@ def unify(a: DimVar, b: DimVar, where: str) -> DimVar:
     rb._parent = ra
     ra.origins = origins
     ra.fixed = ra.fixed or rb.fixed
-    ra.outer = ra.outer or rb.outer
+    ra.follows = ra.follows or rb.follows
     ra.made_by = ra.made_by or rb.made_by
     if rb.coarsest is not None:
         keep_blocks_whole(ra, rb.coarsest, where)
@@ -228,6 +228,10 @@ def resolve(var: DimVar, tp: int) -> DimSharding:
     r = var.find()
     if r.fixed is not None:
         return r.fixed
+    if r.follows is not None and r.follows.find() is not r:
+        outer = resolve(r.follows, tp)
+        inner = r.size // outer.size
+        return DimSharding(r.size, tuple(s * inner for s in outer.segments), outer.groups, outer.padded)
     if r.padded:
         return DimSharding(r.size, (r.size,), (r.size,), padded=True)
     if r.segments is None:
