@@ -39,7 +39,7 @@ from autotp.analysis.propagation import propagate
 from autotp.analysis.propagation_result import NodeRole, Propagation, indivisible, param_sharding
 from autotp.cost_model.layout_choice import footprint
 from autotp.ir.errors import UserInputError, describe
-from autotp.ir.layouts import ShardingConflict, resolve
+from autotp.ir.layouts import ShardingConflict
 from autotp.ir.plan import (
     KEPT_WHOLE_CONFLICT,
     KEPT_WHOLE_INDIVISIBLE,
@@ -212,12 +212,12 @@ def _check_shardable(search: _Search, prop: Propagation, banned: dict[str, KeptW
 
 
 def _working_degrees(search: _Search, entry: KeptWhole) -> list[int]:
-    """The degrees 2..2·tp at which the walk splits ``entry``'s parameter."""
+    """The degrees 2..2·tp at which planning shards ``entry``'s parameter."""
     works = []
     for t in range(2, 2 * search.tp + 1):
-        prop = propagate(search.gm, t)
+        prop, _ = _Search(search.gm, t, search.replicate).converge(frozenset())
         dec = prop.decisions.get(entry.name)
-        if dec is not None and dec.var is not None and resolve(dec.var, t).check(t) is None:
+        if dec is not None and dec.dim is not None:
             works.append(t)
     return works
 
