@@ -42,6 +42,9 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "output_size"}
         elif node.target in _CONVOLUTIONS:
             _local_groups(node, tp)
+        elif meta_keys.INDEX_AS_SLICE in node.meta:
+            start, end = local_slice_bounds(node, tp)
+            node.target, node.args, node.kwargs = aten.slice.Tensor, (node.args[0], node.meta[meta_keys.INDEX_AS_SLICE], start, end), {}
         elif meta_keys.SLICE_FIXUP in node.meta:
             start, end = local_slice_bounds(node, tp)
             node.args = (node.args[0], node.args[1], start, end, *node.args[4:])

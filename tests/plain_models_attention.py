@@ -290,6 +290,52 @@ class MultiQueryPartialRotary(nn.Module):
         return self.dense(y.transpose(1, 2).reshape(b, s, HEADS * HEAD_DIM))
 
 
+class FalconMultiQuery(nn.Module):
+    """Falcon-7B: ``view(b, s, heads + 2, head_dim)``, queries ``[..., :-2, :]``, the key and
+    value by constant indices ``[..., [-2], :]`` and ``[..., [-1], :]``, rotary on half."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query_key_value = nn.Linear(DIM, (HEADS + 2) * HEAD_DIM, bias=False)
+        self.dense = nn.Linear(HEADS * HEAD_DIM, DIM, bias=False)
+        cos, sin = cos_sin(HEAD_DIM // 2, 32)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def rotary(self, t: torch.Tensor, s: int) -> torch.Tensor:
+        half = HEAD_DIM // 2
+        rot = t[..., :half] * self.cos[:s, None] + rotate_half(t[..., :half]) * self.sin[:s, None]
+        return torch.cat((rot, t[..., half:]), dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        fused = self.query_key_value(x).view(b, s, HEADS + 2, HEAD_DIM)
+        q, k, v = fused[..., :-2, :], fused[..., [-2], :], fused[..., [-1], :]
+        q, k = self.rotary(q, s).transpose(1, 2), self.rotary(k, s).transpose(1, 2)
+        k, v = k.expand(b, HEADS, s, HEAD_DIM), v.transpose(1, 2).expand(b, HEADS, s, HEAD_DIM)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.dense(y.transpose(1, 2).reshape(b, s, HEADS * HEAD_DIM))
+
+
+class SlicedKeyMultiQuery(nn.Module):
+    """One KV head; the key's rotary half sliced off before the key is viewed as a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(DIM, (HEADS + 2) * HEAD_DIM, bias=False)
+        self.out = nn.Linear(HEADS * HEAD_DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).split([HEADS * HEAD_DIM, HEAD_DIM, HEAD_DIM], dim=-1)
+        half = HEAD_DIM // 2
+        k = torch.cat((k[..., :half] * 2.0, k[..., half:]), dim=-1)
+        q = q.view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
+        k, v = k.view(b, s, 1, HEAD_DIM).transpose(1, 2), v.view(b, s, 1, HEAD_DIM).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k.expand(b, HEADS, s, HEAD_DIM), v.expand(b, HEADS, s, HEAD_DIM), is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, HEADS * HEAD_DIM))
+
+
 # ---- per-head interleaved fused QKV, in groups (ChatGLM / Falcon-40B multi-part layout) ---
 
 
@@ -503,6 +549,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "titan_llama": TitanLlama,
     "gqa_repeat_interleave": lambda: DecoderLM(lambda: PreNormBlock(RepeatInterleaveAttention())),
     "mqa_partial_rotary": lambda: DecoderLM(lambda: PreNormBlock(MultiQueryPartialRotary())),
+    "mqa_falcon_index": lambda: DecoderLM(lambda: PreNormBlock(FalconMultiQuery())),
+    "mqa_sliced_key": lambda: DecoderLM(lambda: PreNormBlock(SlicedKeyMultiQuery())),
     "grouped_interleaved_qkv": lambda: DecoderLM(lambda: PreNormBlock(GroupedInterleavedQKV())),
     "neox_interleaved_qkv": lambda: DecoderLM(lambda: PreNormBlock(NeoXInterleavedQKV(), NanoGPTMLP())),
     "latent_attention": lambda: DecoderLM(lambda: PreNormBlock(LatentAttention(), norm=RMSNorm), norm=RMSNorm),

@@ -27,8 +27,10 @@ from plain_models_attention import (
     KV_HEADS,
     LatentAttention,
     MultiQueryPartialRotary,
+    FalconMultiQuery,
     PairedHeadsAttention,
     QKNormAttention,
+    SlicedKeyMultiQuery,
     RepeatInterleaveAttention,
     TitanAttention,
     precompute_freqs_cis,
@@ -91,6 +93,19 @@ def test_one_kv_head_with_head_dim_slices_replicates_the_kv_head(tp: int) -> Non
     rank = _rank_graph(gm, plan)
     expands = [n for n in rank.graph.nodes if n.target is aten.expand.default]
     assert [list(n.args[1])[1] for n in expands] == [HEADS // tp] * 2  # the one head broadcast to the local heads
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_one_kv_head_taken_by_constant_index_or_sliced_before_its_view(tp: int) -> None:
+    """Falcon-7B's ``fused[..., [-2], :]`` is a slice of the heads; a key cut in halves and
+    joined again (``cat`` along the cut dim) keeps each half its own segment."""
+    for module, name in ((FalconMultiQuery(), "query_key_value.weight"), (SlicedKeyMultiQuery(), "qkv.weight")):
+        gm, plan = _plan(module, tp)
+        kind, sharding = _kinds(plan)[name]
+        assert kind == "column" and sharding.local_size(tp) == 64 // tp + 16, sharding  # local q heads, k and v whole
+    rank = _rank_graph(gm, plan)
+    halves = [n.args[2:4] for n in rank.graph.nodes if n.target is aten.slice.Tensor and n.args[1] == 2]
+    assert halves[:2] == [(0, 4), (4, 8)]
 
 
 def test_complex_rotary_keeps_the_heads_split() -> None:
@@ -240,9 +255,10 @@ def test_heads_regrouped_in_pairs_stay_split_on_pair_boundaries() -> None:
     gm, plan = _plan(PairedHeadsAttention(), 4)
     kinds = _kinds(plan)
     assert kinds["o.weight"][0] == "row" and kinds["lam"][0] == "bias" and kinds["q.weight"][0] == "column"
-    gm = trace(PairedHeadsAttention().eval(), {"x": _x()})
-    with pytest.raises(ValueError, match=r"tp=8 cannot shard .*view.*blocks of 2 elements .* \(it splits at tp=2, 4\)"):
-        plan_tensor_parallel(gm, 8)  # one head per rank would split a pair
+    assert kinds["q.weight"][1].groups == (4,)  # whole pairs of heads
+    gm, plan = _plan(PairedHeadsAttention(), 8)  # one head per rank would split a pair: pairs held twice
+    q = _kinds(plan)["q.weight"][1]
+    assert q.groups == (4,) and q.replicas(8) == 2 and q.ranges(5, 8) == [(32, 48)]
 
 
 class MoE(nn.Module):

@@ -2,8 +2,9 @@
 and the writes ``index_put`` (``y[idx] += v``), ``index_add``, ``scatter`` and
 ``scatter_add``.
 
-The indexed dim (``dim``, or the dims ``indices`` cover) must be whole on every rank;
-every other dim keeps its split. Operands that meet along a dim agree on it: a sharded
+The indexed dim (``dim``, or the dims ``indices`` cover) must be whole on every rank,
+unless the index is a constant run of consecutive positions: that is a slice of it
+(``select_range``). Every other dim keeps its split. Operands that meet along a dim agree on it: a sharded
 dim of one is the same split in the others (``unify``), a replicated operand of full size
 is read through the rank's slice (``Propagation.local_slices``) and a size-1 dim
 broadcasts. Index tensors are never sharded by a layout of their own, only sliced.
@@ -14,19 +15,22 @@ partial result; any other partial operand is all-reduced first.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Node
 
 from autotp.analysis.shapes import norm_dim, shape_of
 from autotp.ir.errors import describe
-from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
+from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, select_range, shard, unify
 
 if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker
 
 aten = torch.ops.aten
+_COPIES = (aten.lift_fresh_copy.default, aten.clone.default, aten._to_copy.default, aten.detach.default, aten.alias.default)
 
 
 def _index_positions(src: tuple[int, ...], indexed: list[int], out_ndim: int) -> dict[int, int]:
@@ -80,6 +84,38 @@ def _sharded_dims(lays: list[Layout], maps: list[dict[int, int]], where: str) ->
     return dims
 
 
+def _constant_range(w: Walker, idx: Any, size: int) -> tuple[int, int] | None:
+    """``[start, stop)`` when ``idx`` is a constant 1-D index of consecutive positions
+    (Falcon's ``fused[..., [-2], :]``), else None."""
+    while isinstance(idx, Node) and idx.op == "call_function" and idx.target in _COPIES:
+        idx = idx.args[0]
+    if not isinstance(idx, Node) or idx.op != "get_attr":
+        return None
+    try:
+        value = functools.reduce(getattr, str(idx.target).split("."), w.gm)
+    except AttributeError:
+        return None
+    if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor) or value.is_meta or value.dim() != 1 or value.is_floating_point():
+        return None
+    positions = [int(v) % size for v in value.tolist()]
+    if not positions or positions != list(range(positions[0], positions[0] + len(positions))):
+        return None
+    return positions[0], positions[0] + len(positions)
+
+
+def _as_slice(w: Walker, node: Node, lay: Layout, dim: int, idx: Any) -> Layout | None:
+    """An index of a sharded dim by a constant run of positions: a slice of it (the rank
+    graph takes the local slice, ``meta_keys.INDEX_AS_SLICE``)."""
+    var = lay.var_at(dim)
+    found = _constant_range(w, idx, var.find().size) if var is not None else None
+    if found is None:
+        return None
+    part = select_range(var, found[0], found[1], describe(node))
+    w.out.slice_fixups[node] = (var, part)
+    w.out.index_slices[node] = dim
+    return shard({**dict(lay.dims), dim: part})
+
+
 def index(w: Walker, node: Node) -> Any:
     """``x[..., idx, ...]`` (``None`` entries are whole dims)."""
     x, indices = node.args[0], list(node.args[1])
@@ -90,6 +126,10 @@ def index(w: Walker, node: Node) -> Any:
     indexed = [d for d, i in enumerate(indices) if i is not None]
     if not indexed:
         return lay
+    if len(indexed) == 1 and lay.var_at(indexed[0]) is not None:
+        sliced = _as_slice(w, node, lay, indexed[0], indices[indexed[0]])
+        if sliced is not None:
+            return sliced
     if any(lay.var_at(d) is not None for d in indexed):
         raise ShardingConflict(f"{describe(node)}: indexes a sharded dim", lay.origins(), tuple(lay.var_at(d) for d in indexed if lay.var_at(d)))
     where = _index_positions(shape_of(x) or (), indexed, len(shape_of(node) or ()))
@@ -102,6 +142,9 @@ def index_select(w: Walker, node: Node) -> Any:
     _indices_replicated(w, node, [idx])
     d = norm_dim(dim, len(shape_of(x) or ()))
     if lay.var_at(d) is not None:
+        sliced = _as_slice(w, node, lay, d, idx)
+        if sliced is not None:
+            return sliced
         raise ShardingConflict(f"{describe(node)}: selects rows of a sharded dim", lay.origins(), (lay.var_at(d),))
     return lay
 

@@ -14,7 +14,7 @@ from typing import Any
 from torch.fx import GraphModule, Node
 
 from autotp.ir.errors import UserInputError, describe
-from autotp.ir.layouts import REPLICATE, DimSharding, DimVar, Layout, ShardingConflict, coarse_blocks_fit, resolve
+from autotp.ir.layouts import REPLICATE, DimSharding, DimVar, Layout, ShardingConflict, resolve
 
 
 class NodeRole(str, Enum):
@@ -80,6 +80,8 @@ class Propagation:
     # repeat_interleave node -> (output var, input var): the local repeat count is
     # local(output) / local(input).
     repeat_fixups: dict[Node, tuple[DimVar, DimVar]] = field(default_factory=dict)
+    # index / index_select node -> the sharded dim its constant index slices (a slice in the rank graph)
+    index_slices: dict[Node, int] = field(default_factory=dict)
     # names of the nodes that reduce over a sharded dim with a tp-reduced statistic
     statistics: set[str] = field(default_factory=set)
 
@@ -114,7 +116,7 @@ def indivisible(prop: Propagation) -> list[Indivisible]:
                 if r.uid in seen:
                     continue
                 seen.add(r.uid)
-                why = resolve(r, prop.tp).check(prop.tp) or coarse_blocks_fit(r, prop.tp)
+                why = resolve(r, prop.tp).check(prop.tp)
                 if why:
                     found.append(Indivisible(node, d, why, frozenset(r.origins)))
     return found

@@ -17,7 +17,12 @@ A sharded dim survives a reshape when it maps onto whole output factors:
   of unsharded outer dims into a sharded inner one tiles it (``_tile``: one segment per
   outer element), and splitting that tiled dim back gives the sharded inner dim.
 * **regroup** ``[n0, ...] -> [m0, ...]`` (heads in pairs): the split moves to m0 when one
-  of n0, m0 divides the other; the coarser blocks must stay whole (``coarse_blocks_fit``).
+  of n0, m0 divides the other, and the finer dim follows the coarser one's blocks.
+
+An input dim that a split cuts into output factors follows the factor that carries the
+split (``layouts.follow``): the projection's features are split in whole heads, and
+whatever a later op asks of the heads (a slice of the query heads, one KV head held
+whole) is the projection's split too.
 
 Complex views keep every dim but the pair of reals; ``repeat_interleave`` along a
 sharded dim repeats each rank's own elements (``repeat_fixups``: the local repeat count).
@@ -34,7 +39,7 @@ from torch.fx import Node
 from autotp.analysis.propagation_result import ParamView
 from autotp.analysis.shapes import norm_dim, reshape_chunks, shape_of
 from autotp.ir.errors import describe
-from autotp.ir.layouts import DimSharding, DimVar, ShardingConflict, keep_blocks_whole, set_groups, set_segments, shard, unify
+from autotp.ir.layouts import DimSharding, DimVar, ShardingConflict, follow, resolve, set_groups, set_segments, shard, unify
 
 if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker
@@ -84,10 +89,11 @@ def reshape(w: Walker, node: Node) -> Any:
             raise ShardingConflict(f"{describe(node)}: the sharded dim is not the outer one of a merge", lay.origins(), (var,))
         elif len(cb) == 1:
             merged = DimVar(dst[cb[0]], var.find().origins)
-            set_groups(merged, var.find().size, describe(node))
             dims[cb[0]] = merged
             if not _note_broadcast_merge(w, node.args[0], ca[1:], merged, var):
-                merged.follows = var
+                follow(merged, var, describe(node))
+            else:
+                set_groups(merged, var.find().size, describe(node))
         else:
             dims[cb[0]] = _regroup(node, var, dst[cb[0]])
     return shard(dims)
@@ -112,26 +118,29 @@ def _split(w: Walker, node: Node, var: DimVar, sizes: list[int]) -> tuple[int, D
         raise ShardingConflict(f"{describe(node)}: no factor of the reshape can stay sharded", var.find().origins)
     fits = [i for i in allowed if sizes[i] % w.tp == 0 or w.tp % sizes[i] == 0]
     at = next((i for i in fits if sizes[i] > 1), fits[0] if fits else allowed[0])
-    fixed = var.find().fixed
-    if fixed is not None:  # the plan's split says which factor was chosen
+    if w.plan is not None:  # the plan's split says which factor was chosen
+        fixed = resolve(var, w.tp)
         at = next((i for i in allowed if _matches(fixed, sizes, i)), at)
     where = describe(node)
-    outer = math.prod(sizes[:at])
-    if outer > 1:
-        for seg in set_segments(var, [var.find().size // outer] * outer, where):
-            set_groups(seg, sizes[at], where)
-    else:
-        set_groups(var, sizes[at], where)
     out = DimVar(sizes[at], var.find().origins)
     set_groups(out, sizes[at], where)
     out.made_by = (node.name, at)
+    outer = math.prod(sizes[:at])
+    for part in set_segments(var, [var.find().size // outer] * outer, where) if outer > 1 else (var,):
+        follow(part, out, where)
     return at, out
 
 
 def _matches(fixed: DimSharding, sizes: list[int], at: int) -> bool:
-    """Whether splitting factor ``at`` of ``sizes`` gives the plan's split ``fixed``."""
-    outer = math.prod(sizes[:at])
-    return len(fixed.segments) == outer and all(g == sizes[at] for g in fixed.groups)
+    """Whether the plan's split ``fixed`` can come from splitting factor ``at`` of ``sizes``:
+    the factors outside it whole on every rank (each of the outer ones a segment), blocks
+    made of whole inner elements."""
+    outer, inner = math.prod(sizes[:at]), math.prod(sizes[at + 1 :])
+    if all(g == 1 for g in fixed.groups):  # every rank holds all of it: the size-1 factor
+        return sizes[at] == 1
+    if fixed.padded or (outer > 1 and list(fixed.segments) != [fixed.size // outer] * outer):
+        return False
+    return all(seg % g == 0 and (seg // g) % inner == 0 for seg, g in zip(fixed.segments, fixed.groups))
 
 
 def _regroup(node: Node, var: DimVar, m0: int) -> DimVar:
@@ -140,9 +149,12 @@ def _regroup(node: Node, var: DimVar, m0: int) -> DimVar:
     if n0 % m0 and m0 % n0:
         raise ShardingConflict(f"{where}: reshape regroups a sharded dim of {n0} into {m0}", var.find().origins, (var,))
     out = DimVar(m0, var.find().origins)
-    blocks = min(n0, m0)
-    keep_blocks_whole(var, blocks, where)
-    keep_blocks_whole(out, blocks, where)
+    out.made_by = var.find().made_by
+    if n0 % m0 == 0:
+        follow(var, out, where)  # each output element holds n0/m0 whole input elements
+    else:
+        set_groups(out, n0, where)
+        follow(out, var, where)
     return out
 
 

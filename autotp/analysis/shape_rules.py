@@ -24,7 +24,8 @@ from autotp.ir.layouts import (
     DimVar,
     Layout,
     ShardingConflict,
-    keep_blocks_whole,
+    follow,
+    set_groups,
     select_range,
     set_segments,
     shard,
@@ -171,9 +172,10 @@ def _strided(node: Node, var: DimVar, start: int, end: int, step: int) -> DimVar
     size = var.find().size
     if start >= step or end != size or size % step:
         raise ShardingConflict(f"{describe(node)}: strided slice [{start}:{end}:{step}] of a sharded dim of {size}", var.find().origins, (var,))
-    keep_blocks_whole(var, size // step, describe(node))
     out = DimVar(size // step, var.find().origins)
-    keep_blocks_whole(out, size // step, describe(node))
+    out.made_by = var.find().made_by
+    set_groups(out, size // step, describe(node))
+    follow(var, out, describe(node))  # var is [size/step blocks, step]: whole blocks per rank
     return out
 
 
@@ -258,14 +260,16 @@ def cat(w: Walker, node: Node) -> Any:
             continue
         if [x for x, _ in l.dims] != [x for x, _ in first.dims]:
             raise ShardingConflict(f"{describe(node)}: concatenates differently sharded tensors", first.origins() | l.origins())
-        for (_, v1), (_, v2) in zip(first.dims, l.dims):
-            unify(v1, v2, describe(node))
+        for (x, v1), (_, v2) in zip(first.dims, l.dims):
+            if x != d or stacking:  # along the cat dim each input is its own segment
+                unify(v1, v2, describe(node))
     if stacking:
         return shard({(i if i < d else i + 1): v for i, v in first.dims})
     if first.var_at(d) is not None:
         # along the sharded dim: each input is a segment of the output (a split undone)
         parts = [l.var_at(d) for l in lays]
         joined = DimVar(sum(v.find().size for v in parts), first.origins())
+        joined.made_by = next((v.find().made_by for v in parts if v.find().made_by), None)
         for seg, part in zip(set_segments(joined, [v.find().size for v in parts], describe(node)), parts):
             if part.find().padded:
                 raise ShardingConflict(f"{describe(node)}: concatenates a padded dim", part.find().origins)
