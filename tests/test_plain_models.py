@@ -12,20 +12,22 @@ import pytest
 import torch
 
 from distributed import run_on_ranks
-from plain_models_mixers import MODELS, build, example_inputs
+from plain_models_mixers import MODELS, MOE, build, example_inputs
 
 RTOL, ATOL = 1e-4, 1e-6
 MAX_SHARE = 1.3
 
 
-def strict_check(name: str, tp: int, pp: int) -> str:
+def strict_check(name: str, tp: int, pp: int, sequence_parallel: bool = False) -> str:
     """"" when model ``name`` passes the strict rule on this rank, else why not."""
     import autotp
 
     model = build(name)
     reference = copy.deepcopy(model)
     inputs = example_inputs(name)
-    pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs=inputs)
+    pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs=inputs, sequence_parallel=sequence_parallel)
+    if sequence_parallel and not pm.plan.sequence_parallel:
+        return "sequence parallelism was not applied"
     expected = reference(**inputs)
     expected["loss"].backward()
     if pp == 1:
@@ -58,18 +60,18 @@ def strict_check(name: str, tp: int, pp: int) -> str:
     return ""
 
 
-def _check_on_rank(rank: int, world: int, names: list[str], tp: int, pp: int) -> dict[str, str]:
+def _check_on_rank(rank: int, world: int, names: list[str], tp: int, pp: int, sp: bool) -> dict[str, str]:
     out = {}
     for name in names:
         try:
-            out[name] = strict_check(name, tp, pp)
+            out[name] = strict_check(name, tp, pp, sp)
         except Exception as e:  # noqa: BLE001 - one model's failure is that model's result
             out[name] = f"{type(e).__name__}: {str(e)[:400]}\n{traceback.format_exc(limit=-3)}"
     return out
 
 
-def sweep(tp: int, pp: int, names: list[str]) -> dict[str, str]:
-    results = run_on_ranks(_check_on_rank, tp * pp, names, tp, pp, timeout_s=1500)
+def sweep(tp: int, pp: int, names: list[str], sequence_parallel: bool = False) -> dict[str, str]:
+    results = run_on_ranks(_check_on_rank, tp * pp, names, tp, pp, sequence_parallel, timeout_s=1500)
     return {n: next((r[n] for r in results if r[n]), "") for n in names}
 
 
@@ -77,4 +79,10 @@ def sweep(tp: int, pp: int, names: list[str]) -> dict[str, str]:
 @pytest.mark.parametrize("tp, pp", [(2, 1), (4, 1), (1, 2)])
 def test_plain_models_pass_the_strict_rule(tp: int, pp: int) -> None:
     failed = {n: why for n, why in sweep(tp, pp, sorted(MODELS)).items() if why}
+    assert not failed, "\n".join(f"{n}: {why}" for n, why in failed.items())
+
+
+@pytest.mark.slow
+def test_moe_models_pass_the_strict_rule_with_sequence_parallelism() -> None:
+    failed = {n: why for n, why in sweep(2, 1, sorted(MOE), sequence_parallel=True).items() if why}
     assert not failed, "\n".join(f"{n}: {why}" for n, why in failed.items())
