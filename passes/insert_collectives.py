@@ -12,7 +12,8 @@ looking for sharing; ``cancel_collectives`` merges the duplicates afterwards.
 * f over the replica group: on parameters that several ranks hold whole (KV heads
   replicated when tp > num_key_value_heads), so their partial grads are summed; on the
   replicated segments only of a fused weight whose other segments are split.
-* ``gather_from_tp``: on sharded graph outputs, so the user sees full tensors.
+* ``gather_from_tp``: on sharded graph outputs, so the user sees full tensors (put back in
+  global order when the split has segments or replicated blocks).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import shape_of
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimSharding, Layout, fixed_var, resolve
 from autotp.passes.runner import PassContext
-from autotp.ir.errors import UserInputError
 
 aten = torch.ops.aten
 
@@ -177,9 +177,41 @@ def _gather_outputs(gm: GraphModule, key: str, tp: int) -> None:
         assert shape is not None
         value = arg
         for d, var in lay.dims:
-            if resolve(var, tp).replicas(tp) != 1:
-                raise UserInputError(f"graph output '{arg.name}' holds replicated blocks; it cannot be gathered")
+            sharding = resolve(var, tp)
+            contiguous = sharding.padded or (len(sharding.segments) == 1 and sharding.replicas(tp) == 1)
+            size = shape[d] if contiguous else sharding.local_size(tp) * tp
             with graph.inserting_before(out_node):
-                value = graph.call_function(ops.GATHER_FROM_TP, (value, d, shape[d], key), name="gather_from_tp")
+                value = graph.call_function(ops.GATHER_FROM_TP, (value, d, size, key), name="gather_from_tp")
             annotate_collective(value, arg, REPLICATE, "all_gather", tp)
+            if not contiguous:
+                value = _in_global_order(graph, value, d, sharding, tp, out_node)
         out_node.replace_input_with(arg, value)
+
+
+def _in_global_order(graph: Any, gathered: Node, d: int, sharding: DimSharding, tp: int, before: Node) -> Node:
+    """The ranks' pieces (rank order, each rank's segments in local order) put back in
+    global order, each range taken from the first rank that holds it; backward, the other
+    holders get no gradient, and the replica groups sum what the first one gets."""
+    local, pieces, seen = sharding.local_size(tp), [], set()
+    for rank in range(tp):
+        offset = rank * local
+        for start, stop in sharding.ranges(rank, tp):
+            if (start, stop) not in seen:
+                seen.add((start, stop))
+                pieces.append((start, stop, offset))
+            offset += stop - start
+    pieces.sort()
+    assert [p[0] for p in pieces] == [0] + [p[1] for p in pieces[:-1]] and pieces[-1][1] == sharding.size
+    val = gathered.meta["val"]
+    gathered.meta["val"] = val.new_empty([local * tp if i == d else s for i, s in enumerate(val.shape)])
+    with graph.inserting_before(before):
+        parts = [graph.call_function(aten.slice.Tensor, (gathered, d, at, at + stop - start)) for start, stop, at in pieces]
+        joined = graph.call_function(aten.cat.default, (parts, d))
+    for node in (*parts, joined):
+        node.meta.update({k: v for k, v in gathered.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        node.meta[meta_keys.LAYOUT] = REPLICATE
+        node.meta[meta_keys.NEEDS_GRAD] = gathered.meta.get(meta_keys.NEEDS_GRAD, False)
+    for node, (start, stop, _) in zip(parts, pieces):
+        node.meta["val"] = val.narrow(d, start, stop - start)
+    joined.meta["val"] = val
+    return joined

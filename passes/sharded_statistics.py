@@ -3,8 +3,9 @@
 and contractions over a dim held in replicated blocks.
 
 * A ``sum`` or ``mean`` over a sharded dim is partial: each rank reduces its part. A mean
-  is scaled by local count / whole count, and both by 1/replicas when ranks hold the dim
-  in replicated blocks (each block would be counted ``replicas`` times).
+  is scaled by local count / whole count, and a block that k ranks hold counts 1/k (a
+  fused dim whose segments are held by different numbers of ranks is scaled segment by
+  segment: ``_summand``).
 * ``layer_norm`` / ``rms_norm`` become their formula around partial statistics (in fp32):
   ``mean = sum(x)/n``, ``var = sum((x - mean)^2)/n`` (layer norm) or ``ms = sum(x^2)/n``
   (RMS norm), then ``x_hat * rsqrt(stat + eps) * weight (+ bias)``.
@@ -25,6 +26,7 @@ already read through the rank's slice) and before ``insert_collectives``.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -35,7 +37,6 @@ from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import schema_arg, shape_of
 from autotp.analysis.statistic_rules import reduced_dims
 from autotp.ir import meta_keys
-from autotp.ir.errors import UserInputError, describe
 from autotp.ir.layouts import PARTIAL, REPLICATE, Layout, resolve
 from autotp.passes.runner import PassContext
 
@@ -62,35 +63,44 @@ def _contraction(gm: GraphModule, node: Node, tp: int) -> None:
     x = node.args[1] if node.target is aten.addmm.default else node.args[0]
     if not isinstance(x, Node) or not isinstance(x.meta.get(meta_keys.LAYOUT), Layout):
         return
-    factor = _scale(x, [x.meta["val"].dim() - 1], tp, mean=False)
-    if factor == 1.0:
-        return
     with gm.graph.inserting_before(node):
-        scaled = _emit(gm, node, aten.mul.Tensor, (x, factor), x.meta.get(meta_keys.LAYOUT))
+        scaled = _summand(gm, node, x, [x.meta["val"].dim() - 1], tp, mean=False)
     node.replace_input_with(x, scaled)
 
 
-def _scale(x: Node, dims: list[int], tp: int, mean: bool) -> float:
-    """The factor that turns a rank's sum (or mean) over ``dims`` of ``x`` into its
-    summand of the whole sum (or mean)."""
+def _replicas(x: Node, d: int, tp: int) -> list[tuple[int, int, int]] | None:
+    """(size, local length, replicas) of each segment along dim ``d`` of ``x``; None if unsplit."""
     lay = x.meta.get(meta_keys.LAYOUT)
-    shape = shape_of(x) or ()
-    factor = 1.0
+    var = lay.var_at(d) if isinstance(lay, Layout) else None
+    if var is None:
+        return None
+    sharding = resolve(var, tp)
+    if sharding.padded:
+        return [(sharding.size, sharding.local_size(tp), 1)]
+    return [(seg, seg // g * max(g // tp, 1), max(tp // g, 1)) for seg, g in zip(sharding.segments, sharding.groups)]
+
+
+def _summand(gm: GraphModule, like: Node, x: Node, dims: list[int], tp: int, mean: bool, factor: float = 1.0) -> Node:
+    """``x`` scaled so that summing (or, with ``mean``, averaging) it over ``dims`` on every
+    rank and adding the ranks' results gives the whole sum (or mean) times ``factor``:
+    each block held by k ranks counts 1/k, a mean divides by the whole count."""
+    lay, shape = x.meta.get(meta_keys.LAYOUT), shape_of(x) or ()
     for d in dims:
-        var = lay.var_at(d) if isinstance(lay, Layout) else None
-        if var is None:
+        pieces = _replicas(x, d, tp)
+        if pieces is None:
             continue
-        sharding = resolve(var, tp)
-        replicas = {max(tp // g, 1) for g in sharding.groups}
-        if len(replicas) != 1:
-            raise UserInputError(
-                f"{describe(x)}: a statistic over dim {d}, which ranks hold partly in replicated blocks; "
-                "keep the parameters that split it replicated"
-            )
-        factor /= replicas.pop()
         if mean:
-            factor *= sharding.local_size(tp) / shape[d]
-    return factor
+            factor *= sum(n for _, n, _ in pieces) / shape[d]
+        if len({k for _, _, k in pieces}) == 1:
+            factor /= pieces[0][2]
+            continue
+        # segments held by different numbers of ranks (query heads split, one KV head on all)
+        split = _emit(gm, like, aten.split_with_sizes.default, (x, [size for size, _, _ in pieces], d), None)
+        split.args = (x, [n for _, n, _ in pieces], d)  # the value is traced whole, the rank splits its part
+        parts = [_emit(gm, like, operator.getitem, (split, i), None) for i in range(len(pieces))]
+        weighted = [_emit(gm, like, aten.mul.Tensor, (p, 1.0 / k), None) if k > 1 else p for p, (_, _, k) in zip(parts, pieces)]
+        x = _emit(gm, like, aten.cat.default, (weighted, d), lay)
+    return x if factor == 1.0 else _emit(gm, like, aten.mul.Tensor, (x, factor), lay)
 
 
 def _emit(gm: GraphModule, like: Node, target: Any, args: tuple, layout: Any, reduce: list[Node] = (), **kwargs: Any) -> Node:
@@ -117,17 +127,14 @@ def _retarget(node: Node, target: Any, args: tuple) -> None:
 def _rescale(gm: GraphModule, node: Node, tp: int) -> None:
     x = node.args[0]
     dims = reduced_dims(node, len(shape_of(x) or ()))
-    factor = _scale(x, dims, tp, node.target in (aten.mean.dim, aten.mean.default))
-    if factor == 1.0:
-        return
     with gm.graph.inserting_before(node):
-        scaled = _emit(gm, node, aten.mul.Tensor, (x, factor), x.meta.get(meta_keys.LAYOUT))
+        scaled = _summand(gm, node, x, dims, tp, node.target in (aten.mean.dim, aten.mean.default))
     node.replace_input_with(x, scaled)
 
 
-def _partial_sum(gm: GraphModule, like: Node, x: Node, dims: list[int], factor: float) -> Node:
-    s = _emit(gm, like, aten.sum.dim_IntList, (x, dims, True), PARTIAL)
-    return _emit(gm, like, aten.mul.Tensor, (s, factor), PARTIAL)
+def _partial_sum(gm: GraphModule, like: Node, x: Node, dims: list[int], tp: int, count: int) -> Node:
+    """A rank's summand of ``sum(x, dims) / count``."""
+    return _emit(gm, like, aten.sum.dim_IntList, (_summand(gm, like, x, dims, tp, False, 1.0 / count), dims, True), PARTIAL)
 
 
 def _norm(gm: GraphModule, node: Node, tp: int) -> None:
@@ -136,7 +143,6 @@ def _norm(gm: GraphModule, node: Node, tp: int) -> None:
     nd = len(shape_of(x) or ())
     dims = list(range(nd - len(node.args[1]), nd))
     count = math.prod((shape_of(x) or ())[d] for d in dims)
-    factor = _scale(x, dims, tp, mean=False) / count
     lay = x.meta.get(meta_keys.LAYOUT)
     layer = node.target is aten.layer_norm.default
     weight, bias = schema_arg(node, "weight"), schema_arg(node, "bias") if layer else None
@@ -148,10 +154,10 @@ def _norm(gm: GraphModule, node: Node, tp: int) -> None:
     with gm.graph.inserting_before(node):
         xf = x if dtype == torch.float32 else _emit(gm, node, aten._to_copy.default, (x,), lay, dtype=torch.float32)
         if layer:
-            mean = _partial_sum(gm, node, xf, dims, factor)
+            mean = _partial_sum(gm, node, xf, dims, tp, count)
             xf = _emit(gm, node, aten.sub.Tensor, (xf, mean), lay, [mean])
         square = _emit(gm, node, aten.mul.Tensor, (xf, xf), lay)
-        stat = _partial_sum(gm, node, square, dims, factor)
+        stat = _partial_sum(gm, node, square, dims, tp, count)
         shifted = _emit(gm, node, aten.add.Tensor, (stat, eps), REPLICATE, [stat])
         out = _emit(gm, node, aten.mul.Tensor, (xf, _emit(gm, node, aten.rsqrt.default, (shifted,), REPLICATE)), lay)
         if dtype != torch.float32:
@@ -179,9 +185,6 @@ def _vector_norm(gm: GraphModule, node: Node, tp: int) -> None:
         powered = _emit(gm, node, aten.mul.Tensor, (source, source), lay) if order == 2 else _emit(
             gm, node, aten.pow.Tensor_Scalar, (_emit(gm, node, aten.abs.default, (source,), lay), order), lay
         )
-        total = _emit(gm, node, aten.sum.dim_IntList, (powered, dims, keep), PARTIAL)
-        factor = _scale(x, dims, tp, mean=False)
-        if factor != 1.0:
-            total = _emit(gm, node, aten.mul.Tensor, (total, factor), PARTIAL)
+        total = _emit(gm, node, aten.sum.dim_IntList, (_summand(gm, node, powered, dims, tp, False), dims, keep), PARTIAL)
     _retarget(node, aten.pow.Tensor_Scalar, (total, 1.0 / order))
     node.meta[meta_keys.REDUCE_INPUTS] = [total]

@@ -86,3 +86,41 @@ def test_plain_models_pass_the_strict_rule(tp: int, pp: int) -> None:
 def test_moe_models_pass_the_strict_rule_with_sequence_parallelism() -> None:
     failed = {n: why for n, why in sweep(2, 1, sorted(MOE), sequence_parallel=True).items() if why}
     assert not failed, "\n".join(f"{n}: {why}" for n, why in failed.items())
+
+
+class FusedOutput(torch.nn.Module):
+    """Returns a fused projection whose q part is split by heads and whose one KV head
+    every rank holds: the gathered output must come back in global order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(16, 32 + 8 + 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        fused = self.qkv(x)
+        q, k, v = fused.split([32, 8, 8], dim=-1)
+        b, s, _ = x.shape
+        q = q.view(b, s, 4, 8).transpose(1, 2)
+        k, v = (t.view(b, s, 1, 8).transpose(1, 2).expand(b, 4, s, 8) for t in (k, v))
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return {"logits": fused, "loss": att.square().mean() + fused.mean()}
+
+
+def _fused_output_on_rank(rank: int, world: int) -> None:
+    import autotp
+
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1))
+    model = FusedOutput()
+    reference = copy.deepcopy(model)
+    pm = autotp.parallelize(model, tp=world, example_inputs={"x": x})
+    assert pm.plan.layout_of("qkv.weight").sharding.segments == (32, 8, 8)
+    got, expected = pm(x=x), reference(x=x)
+    torch.testing.assert_close(got["logits"], expected["logits"], rtol=RTOL, atol=ATOL)
+    got["loss"].backward()
+    expected["loss"].backward()
+    torch.testing.assert_close(pm.unshard_grads()["qkv.weight"], reference.qkv.weight.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_an_output_split_in_segments_is_gathered_in_global_order() -> None:
+    run_on_ranks(_fused_output_on_rank, 2, timeout_s=300)

@@ -109,6 +109,13 @@ class Walker:
             return REPLICATE
         return lay
 
+    def summed(self, arg: Any, node: Node) -> Layout:
+        """Layout of an input that ``node`` needs as a whole value: a partial one is
+        all-reduced first (and read as replicated)."""
+        lay = self.concrete(arg, node)
+        self.reduce_first(node, [arg])
+        return REPLICATE if lay.partial else lay
+
     def decide(self, name: str, dec: ParamDecision, node: Node) -> None:
         prev = self.out.decisions.get(name)
         if prev is not None:

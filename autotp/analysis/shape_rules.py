@@ -190,10 +190,7 @@ def select(w: Walker, node: Node) -> Any:
 
 def pad(w: Walker, node: Node) -> Any:
     """``F.pad``: the padded dims (pairs from the last dim backwards) must be whole."""
-    lay = w.concrete(node.args[0], node)
-    w.reduce_first(node, [node.args[0]])
-    if lay.partial:
-        return REPLICATE
+    lay = w.summed(node.args[0], node)
     nd = len(shape_of(node) or ())
     widths = list(node.args[1])
     padded = {nd - 1 - i // 2 for i, p in enumerate(widths) if p}

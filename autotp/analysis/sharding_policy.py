@@ -164,9 +164,7 @@ def convolution(w: Walker, node: Node) -> Any:
     groups = schema_arg(node, "groups", 1)
     if schema_arg(node, "transposed", False) or not isinstance(weight, Node):
         return w.opaque(node)
-    lx = w.concrete(x, node)
-    w.reduce_first(node, [x])
-    lx = REPLICATE if lx.partial else lx
+    lx = w.summed(x, node)
     xs, ws = shape_of(x) or (), shape_of(weight) or ()
     for d, v in lx.dims:
         if d >= 2:

@@ -104,10 +104,7 @@ def reduction(w: Walker, node: Node) -> Any:
 def norm(w: Walker, node: Node) -> Any:
     """``layer_norm`` / ``rms_norm`` over the last ``len(normalized_shape)`` dims."""
     x = node.args[0]
-    lay = w.concrete(x, node)
-    w.reduce_first(node, [x])
-    if lay.partial:
-        lay = REPLICATE
+    lay = w.summed(x, node)
     nd = len(shape_of(x) or ())
     first = nd - len(node.args[1])
     normed = [(d, v) for d, v in lay.dims if d >= first]

@@ -106,10 +106,7 @@ def pointwise(w: Walker, node: Node, tensor_args: list[Any] | None = None) -> La
 def needs_whole_dim(w: Walker, node: Node) -> Any:
     pos, default = DIM_OPS[node.target]
     x = node.args[0]
-    lay = w.concrete(x, node)
-    w.reduce_first(node, [x])
-    if lay.partial:
-        lay = REPLICATE
+    lay = w.summed(x, node)
     nd = len(shape_of(x) or ())
     d = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", default)
     if d is None:
