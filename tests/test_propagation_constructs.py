@@ -325,3 +325,30 @@ def test_local_shapes_of_a_one_head_kv_segment() -> None:
     assert list(split.args[1]) == [16, 8, 8]  # 2 local q heads, the k and v head whole
     views = [n for n in rank.graph.nodes if n.target is aten.view.default][:3]
     assert [local_shape(v, 4) for v in views] == [(2, 8, 2, 8), (2, 8, 1, 8), (2, 8, 1, 8)]
+
+
+class InPlaceActivation(nn.Module):
+    """``F.mish(inplace=True)`` (``aten.mish_``, no autotp rule, not tagged pointwise) and
+    ``cumprod`` over the features (which DTensor would gather)."""
+
+    def __init__(self, cumulative: bool) -> None:
+        super().__init__()
+        self.cumulative = cumulative
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.mish(self.up(x), inplace=True)
+        return self.down(h.cumprod(-1) if self.cumulative else h)
+
+
+def test_ops_without_a_rule_take_dtensors_strategy_when_it_keeps_the_split() -> None:
+    from autotp.analysis.op_rules import rule_for
+
+    gm, plan = _plan(InPlaceActivation(cumulative=False), 2)
+    (mish,) = [n for n in gm.graph.nodes if n.target is aten.mish_.default]
+    assert rule_for(mish.target) is None
+    assert propagate(gm, 2, plan=plan).layout(mish).describe(2) == "Shard(2:128/256)"
+    assert _kinds(plan)["up.weight"][0] == "column" and _kinds(plan)["down.weight"][0] == "row"
+    gm, plan = _plan(InPlaceActivation(cumulative=True), 2)  # DTensor would move cumprod's input: opaque
+    (cumprod,) = [n for n in gm.graph.nodes if n.target is aten.cumprod.default]
+    assert _kept(plan)["up.weight"][:3] == (KEPT_WHOLE_CONFLICT, cumprod.name, "cumprod")

@@ -10,7 +10,10 @@ when DTensor moves nothing and every sharded output dim has the size of the shar
 input dims it comes from, so the op maps each index along that dim to itself: the
 split then holds for autotp's segmented and block splits too, not only DTensor's even
 chunks. A partial output, an op whose arguments name sizes (which the rank graph would
-need rewritten) and anything DTensor cannot place leave the op opaque.
+need rewritten) and anything DTensor cannot place leave the op opaque. Negative dims are
+normalized and the strategy's ``RuntimeSchemaInfo`` passed, as DTensor's dispatcher does
+(without it the propagator's cache ignores the dims; ``scan_strategy`` of torch 2.13 would
+keep ``cumsum(x, -1)`` split along -1).
 ``docs/propagation.md`` gives the coverage that led to this split of work.
 """
 
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import Node
 
-from autotp.analysis.shapes import replicated_like, shape_of
+from autotp.analysis.shapes import replicated_like, shape_of, size_int
 from autotp.ir.errors import describe
 from autotp.ir.layouts import REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
 
@@ -123,9 +126,12 @@ def _propagate(target: torch._ops.OpOverload, node: Node, lays: dict[Node, Layou
         meta = TensorMeta(torch.Size(shape_of(a) or ()), val.stride() if not _symbolic(val) else _contiguous(shape_of(a) or ()), val.dtype)
         return DTensorSpec(mesh, (placement,), meta)
 
-    args = torch.utils._pytree.tree_map(spec, node.args)
+    args = torch.utils._pytree.tree_map(spec, _dims_normalized(target, node.args))
     kwargs = torch.utils._pytree.tree_map(spec, node.kwargs)
-    out = _propagator().propagate_op_sharding(OpSchema(target, args, kwargs))
+    prop = _propagator()
+    # the strategy's static arguments (dims) are part of its cache key only with schema_info
+    info = prop.op_to_schema_info.get(target) or getattr(prop, "op_to_schema_info_for_single_dim_strategy", {}).get(target)
+    out = prop.propagate_op_sharding(OpSchema(target, args, kwargs, schema_info=info))
     if out.needs_redistribute:
         return None
     specs = out.output_spec if isinstance(out.output_spec, (tuple, list)) else (out.output_spec,)
@@ -137,15 +143,24 @@ def _propagate(target: torch._ops.OpOverload, node: Node, lays: dict[Node, Layou
             result.append(((), None))
             continue
         (p,) = s.placements
-        shape = tuple(int(x) for x in (shape_of_val(v)))
+        shape = tuple(size_int(x) for x in v.shape)
         result.append((shape, p.dim if p.is_shard() else "partial" if p.is_partial() else None))
     return result
 
 
-def shape_of_val(v: torch.Tensor) -> tuple[int, ...]:
-    from autotp.analysis.shapes import size_int
-
-    return tuple(size_int(s) for s in v.shape)
+def _dims_normalized(target: torch._ops.OpOverload, args: tuple) -> tuple:
+    """``args`` with negative ``dim``/``dims`` made non-negative (some strategies, e.g.
+    ``scan_strategy`` of torch 2.13, compare dims without normalizing them)."""
+    first = args[0] if args and isinstance(args[0], Node) else None
+    ndim = len(shape_of(first) or ()) if first is not None else 0
+    out = list(args)
+    for i, arg in enumerate(target._schema.arguments[: len(args)]):
+        if arg.name in _DIM_ARGS and ndim:
+            if isinstance(out[i], int):
+                out[i] = out[i] % ndim
+            elif isinstance(out[i], (list, tuple)) and all(isinstance(d, int) for d in out[i]):
+                out[i] = type(out[i])(d % ndim for d in out[i])
+    return tuple(out)
 
 
 def _symbolic(val: torch.Tensor) -> bool:
