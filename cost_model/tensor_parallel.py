@@ -122,15 +122,22 @@ class _Search:
 
     def choose_statistics(self, prop: Propagation, banned: dict[str, KeptWhole]) -> tuple[Propagation, dict[str, KeptWhole]]:
         """Per place of the model (module path without layer numbers, and op), a tp-reduced
-        statistic or the producer kept whole, whichever ``footprint`` prefers."""
-        best, best_banned, best_fp = prop, banned, footprint(prop, self.gm)
-        no_statistic: frozenset[str] = frozenset()
-        for names in list(self.statistic_places.values()):
-            trial, trial_banned = self.converge(no_statistic | names)
+        statistic or the producer kept whole, whichever ``footprint`` prefers: the better of
+        all statistics and none, then each place flipped in turn."""
+        if not self.statistic_places:
+            return prop, banned
+        places = list(self.statistic_places.values())
+        every = frozenset().union(*places)
+        best = (prop, banned, footprint(prop, self.gm), frozenset())
+        for no_statistic in [every] + [None] * len(places):
+            if no_statistic is None:
+                names = places.pop(0)
+                no_statistic = best[3] - names if names <= best[3] else best[3] | names
+            trial, trial_banned = self.converge(no_statistic)
             fp = footprint(trial, self.gm)
-            if fp.better(best_fp):
-                best, best_banned, best_fp, no_statistic = trial, trial_banned, fp, no_statistic | names
-        return best, best_banned
+            if fp.better(best[2]):
+                best = (trial, trial_banned, fp, no_statistic)
+        return best[0], best[1]
 
     def fit_plan(self, prop: Propagation, banned: dict[str, KeptWhole]) -> tuple[Propagation, dict[str, KeptWhole]]:
         """Keep whole what the passes' walk of the plan cannot place, until it places all."""
@@ -231,8 +238,9 @@ def plan_tensor_parallel(gm: GraphModule, tp: int, *, replicate: Iterable[str] =
     prop, banned = search.choose_statistics(prop, banned)
     prop, banned = search.fit_plan(prop, banned)
     _check_shardable(search, prop, banned)
-    kept = dict(banned)
     sharded = {id(search.params[n]) for n, d in prop.decisions.items() if d.dim is not None and n in search.params}
+    # a parameter kept from being column-parallel may still be row-parallel behind a split input
+    kept = {n: k for n, k in banned.items() if id(search.params[n]) not in sharded}
     if tp > 1:
         for name, dec in prop.decisions.items():
             p = search.params.get(name)
