@@ -352,3 +352,21 @@ def test_ops_without_a_rule_take_dtensors_strategy_when_it_keeps_the_split() -> 
     gm, plan = _plan(InPlaceActivation(cumulative=True), 2)  # DTensor would move cumprod's input: opaque
     (cumprod,) = [n for n in gm.graph.nodes if n.target is aten.cumprod.default]
     assert _kept(plan)["up.weight"][:3] == (KEPT_WHOLE_CONFLICT, cumprod.name, "cumprod")
+
+
+class EmptySlice(nn.Module):
+    """An empty slice of a split dim (a rotary part of width 0, an empty cache entry)
+    joined back: it used to recurse without end in ``select_range``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        return self.down(torch.cat((h[..., :0], F.gelu(h)), dim=-1))
+
+
+def test_an_empty_slice_of_a_split_dim_does_not_crash() -> None:
+    gm, plan = _plan(EmptySlice(), 2)
+    assert _kinds(plan)["up.weight"][0] == "column" and _kinds(plan)["down.weight"][0] == "row"

@@ -158,6 +158,8 @@ def slice_(w: Walker, node: Node) -> Any:
     var = lay.var_at(d)
     if var is None:
         return lay
+    if start >= end:  # an empty slice (an empty KV cache) holds nothing to split
+        return shard({x: v for x, v in lay.dims if x != d})
     if step != 1:
         return shard({**dict(lay.dims), d: _strided(node, var, start, end, step)})
     part = select_range(var, start, end, describe(node))
@@ -232,10 +234,11 @@ def _drop_dim(lay: Layout, d: int) -> Layout:
 
 def cat(w: Walker, node: Node) -> Any:
     """``cat`` and ``stack``: inputs sharded alike, along another dim."""
-    tensors = node.args[0]
     nd = len(shape_of(node) or ())
     d = norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
     stacking = node.target is aten.stack.default
+    # an input empty along the cat dim (an empty cache, a part of width 0) adds nothing
+    tensors = [t for t in node.args[0] if stacking or (shape_of(t) or (1,) * nd)[d:d + 1] != (0,)]
     lays = [w.concrete(t, node) for t in tensors]
     if all(l.replicated for l in lays):
         return REPLICATE

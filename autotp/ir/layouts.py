@@ -347,6 +347,8 @@ def select_range(var: DimVar, start: int, end: int, where: str) -> DimVar:
     r = var.find()
     if start == 0 and end == r.size:
         return r
+    if not 0 <= start < end <= r.size:
+        raise ShardingConflict(f"{where}: the range [{start}, {end}) of a dim of {r.size} is empty or outside it", r.origins)
     if r.padded:
         raise ShardingConflict(f"{where}: slices a padded (vocabulary) dim", r.origins)
     if r.segments is None:
@@ -355,6 +357,8 @@ def select_range(var: DimVar, start: int, end: int, where: str) -> DimVar:
     offset = 0
     for seg in r.segments:
         size = seg.find().size
+        if seg.find() is r:
+            raise ShardingConflict(f"{where}: a dim is a segment of itself", r.origins)
         if offset <= start and end <= offset + size:
             return select_range(seg, start - offset, end - offset, where)
         offset += size
