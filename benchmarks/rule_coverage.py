@@ -36,6 +36,7 @@ from autotp.analysis.dtensor_rules import _propagate, has_strategy  # noqa: E402
 from autotp.analysis.op_rules import rule_for  # noqa: E402
 from autotp.analysis.propagation import propagate  # noqa: E402
 from autotp.analysis.trace import trace  # noqa: E402
+from autotp.compiler import example_kwargs  # noqa: E402
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel  # noqa: E402
 from autotp.ir.layouts import Layout  # noqa: E402
 
@@ -94,7 +95,7 @@ def main() -> None:
     for name, make, inputs in _models(args.registry):
         try:
             model = make()
-            gm = trace(model, inputs)
+            gm = trace(model, example_kwargs(model, inputs))
             plan = plan_tensor_parallel(gm, args.tp)
             prop = propagate(gm, args.tp, plan=plan)
         except Exception as e:  # noqa: BLE001 - the sweep reports it and goes on

@@ -149,7 +149,7 @@ class _Search:
                 cause = e.__cause__
                 if not isinstance(cause, ShardingConflict):
                     raise
-                self._ban(banned, cause.origins, KEPT_WHOLE_CONFLICT, f"{e}", None)
+                self._ban(banned, cause.origins, KEPT_WHOLE_CONFLICT, str(cause), cause.node)
                 prop, banned = self.converge(frozenset(), banned)
         raise AssertionError("the plan does not fit its own graph")
 
@@ -241,14 +241,16 @@ def plan_tensor_parallel(gm: GraphModule, tp: int, *, replicate: Iterable[str] =
     sharded = {id(search.params[n]) for n, d in prop.decisions.items() if d.dim is not None and n in search.params}
     # a parameter kept from being column-parallel may still be row-parallel behind a split input
     kept = {n: k for n, k in banned.items() if id(search.params[n]) not in sharded}
+    planned = sharded | {id(search.params[n]) for n in kept}
     if tp > 1:
         for name, dec in prop.decisions.items():
             p = search.params.get(name)
-            if p is None or id(p) in sharded or {id(search.params[k]) for k in kept} & {id(p)}:
+            if p is None or id(p) in planned:
                 continue  # a tied weight is planned under its other name
             if dec.dim is None and name not in search.replicate and p.numel() > 1:
                 where = f"its first use, {describe(dec.node)}, reads it whole" if dec.node is not None else "no op reads it"
                 kept[name] = search.entry(name, KEPT_WHOLE_READ_WHOLE, where, dec.node)
+                planned.add(id(p))
     order = {KEPT_WHOLE_CONFLICT: 0, KEPT_WHOLE_INDIVISIBLE: 0}
     entries = sorted(kept.values(), key=lambda k: (order.get(k.reason, 1), -k.bytes, k.name))
     return _plan(prop, tp, tuple(entries))

@@ -115,6 +115,8 @@ RULES: dict[Any, Rule] = {
     aten.unbind.int: shapes.split,
     aten.cat.default: shapes.cat,
     aten.stack.default: shapes.cat,
+    aten.concat.default: shapes.cat,
+    aten.concatenate.default: shapes.cat,
     aten.constant_pad_nd.default: shapes.pad,
     aten.pad.default: shapes.pad,
     # indexing
@@ -138,8 +140,13 @@ RULES: dict[Any, Rule] = {
     aten.rms_norm.default: statistics.norm,
     aten.dropout.default: values.dropout,
     aten.where.self: values.pointwise,
-    # elementwise, though not tagged so: the fill value is a 0-d tensor or a scalar
+    # elementwise, though not tagged so (composite ops, a 0-d fill value)
     aten.masked_fill.Tensor: values.pointwise,
+    aten.log_sigmoid.default: values.pointwise,
+    aten.polar.default: values.pointwise,
+    aten.floor_divide.default: values.pointwise,
+    aten.__and__.Tensor: values.pointwise,
+    aten.__or__.Tensor: values.pointwise,
     aten.where.ScalarOther: values.pointwise,
     aten.where.ScalarSelf: values.pointwise,
     aten.where.Scalar: values.pointwise,
