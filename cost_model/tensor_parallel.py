@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import replace
 
 from torch.fx import GraphModule, Node
 
 from autotp.analysis.op_kinds import op_name
 from autotp.analysis.propagation import propagate
 from autotp.analysis.propagation_result import NodeRole, Propagation, indivisible, param_sharding
+from autotp.cost_model.fused_loss import loss_chunk_tokens
 from autotp.cost_model.layout_choice import footprint
 from autotp.ir.errors import UserInputError, describe
 from autotp.ir.layouts import ShardingConflict
@@ -253,5 +255,6 @@ def plan_tensor_parallel(gm: GraphModule, tp: int, *, replicate: Iterable[str] =
                 planned.add(id(p))
     order = {KEPT_WHOLE_CONFLICT: 0, KEPT_WHOLE_INDIVISIBLE: 0}
     entries = sorted(kept.values(), key=lambda k: (order.get(k.reason, 1), -k.bytes, k.name))
-    return _plan(prop, tp, tuple(entries))
+    plan = _plan(prop, tp, tuple(entries))
+    return replace(plan, loss_chunk_tokens=loss_chunk_tokens(gm, tp, {p.name for p in plan.params if p.dim == 0}))
 
