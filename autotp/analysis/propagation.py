@@ -16,10 +16,11 @@ An op with no rule in ``op_rules`` takes the sharding strategy DTensor registers
 (its inputs must be replicated).
 
 Ops that cannot keep a sharded input sharded (a softmax over the router's experts, an
-unbind of a sharded dim...) record a ``ShardingConflict``
-naming the parameters that caused it; the conflicting output is treated as replicated
-so the walk goes on and finds every conflict in one sweep. The planner then stops
-sharding those parameters and walks again.
+unbind of a sharded dim...) record a ``ShardingConflict`` naming the parameters that
+caused it and the reshape choices behind it; the conflicting output is treated as
+replicated so the walk goes on and finds every conflict in one sweep. The planner
+(``cost_model.tensor_parallel``) then walks again with other reshape choices, or stops
+sharding those parameters. In fixed mode a conflict is an error: the plan does not fit.
 
 Partial tensors stay partial through ops that are linear in them (add of two partials,
 mul/div by a replicated tensor, views, sums, row gathers) as long as each partial value
