@@ -10,6 +10,7 @@ from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.rewrite_shapes import rewrite_shapes
 from autotp.passes.slice_replicated import slice_replicated
+from autotp.passes.sharded_statistics import sharded_statistics
 from autotp.passes.sequence_parallel import sequence_parallel
 from autotp.passes.split_stages import split_stages
 from autotp.passes.runner import Pass
@@ -26,6 +27,7 @@ PASSES: list[Pass] = [
     vocab_parallel_cross_entropy,
     tp_dropout,
     slice_replicated,
+    sharded_statistics,
     insert_collectives,
     cancel_collectives,
     sequence_parallel,

@@ -31,6 +31,14 @@ EXPAND_FIXUPS = "autotp_expand_fixups"
 """On an ``expand`` whose broadcast dim is later merged into a sharded dim (``repeat_kv``):
 ``[(dim, merged DimVar, outer DimVar)]``; that dim's local size is local(merged)/local(outer)."""
 
+INDEX_AS_SLICE = "autotp_index_as_slice"
+"""On an ``index``/``index_select`` of a sharded dim by a constant run of positions: that
+dim; the rank graph takes the slice of ``SLICE_FIXUP``'s local bounds instead."""
+
+REPEAT_FIXUP = "autotp_repeat_fixup"
+"""On a ``repeat_interleave`` along a sharded dim: ``(output DimVar, input DimVar)``; its
+local repeat count is local(output) / local(input)."""
+
 LOCAL_SLICES = "autotp_local_slices"
 """On an elementwise op that meets a replicated operand of full size along a sharded dim:
 ``[(input node, dim, DimVar)]``; the op reads the rank's slice of that input."""

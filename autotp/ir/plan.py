@@ -74,6 +74,11 @@ KEPT_WHOLE_CONFLICT = "conflict"
 """``KeptWhole.reason``: its sharding reaches an op that needs the sharded dim whole."""
 KEPT_WHOLE_COMM = "comm_outweighs_compute"
 """``KeptWhole.reason``: the cost model found sharding it slower than keeping it whole."""
+KEPT_WHOLE_INDIVISIBLE = "indivisible"
+"""``KeptWhole.reason``: tp does not split a dim its sharding would cut (a 10-class head at tp=4)."""
+KEPT_WHOLE_READ_WHOLE = "read_whole"
+"""``KeptWhole.reason``: its first use reads it whole (a norm weight on the replicated
+residual stream, a router, a row-parallel bias added after the all-reduce)."""
 
 
 @dataclass(frozen=True)

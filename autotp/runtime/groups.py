@@ -36,7 +36,7 @@ def make_groups(plan: ParallelPlan, timeout_s: float) -> Coords:
     timeout = datetime.timedelta(seconds=timeout_s)
     groups = rank_groups(world, tp=plan.tp, pp=plan.pp)
     mine = groups_of(rank, groups)
-    replica_sizes = sorted({p.sharding.replicas(plan.tp) for p in plan.params} - {1})
+    replica_sizes = sorted({max(plan.tp // g, 1) for p in plan.params if not p.sharding.padded for g in p.sharding.groups} - {1})
     for tp_ranks in groups["tp"]:
         group = dist.new_group(tp_ranks, timeout=timeout)
         if rank in tp_ranks:
