@@ -19,6 +19,7 @@ from autotp.analysis import sharding_policy as params
 from autotp.analysis import value_rules as values
 from autotp.analysis.op_kinds import is_grouped_matmul
 from autotp.analysis.propagation_result import ParamView
+from autotp.ir import ops
 
 if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker
@@ -49,6 +50,14 @@ def _view_like(w: Walker, n: Node) -> Any:
     return src if isinstance(src, ParamView) else values.pointwise(w, n, [n.args[0]])
 
 
+def _elementwise_function(w: Walker, n: Node) -> Any:
+    """A custom Function proven elementwise (``custom_functions``): of one parameter alone it
+    stays that parameter's undecided view, like a cast (weight fake-quantization); else pointwise."""
+    inputs = list(n.args[0])
+    src = w.get(inputs[0])
+    return src if len(inputs) == 1 and isinstance(src, ParamView) else values.pointwise(w, n, inputs)
+
+
 _VIEW_LIKE = (
     aten.alias.default,
     aten.detach.default,
@@ -75,6 +84,7 @@ RULES: dict[Any, Rule] = {
     aten.embedding.default: params.embedding,
     aten.cross_entropy_loss.default: params.cross_entropy,
     aten.einsum.default: params.einsum,
+    ops.ELEMENTWISE_FUNCTION: _elementwise_function,
     # shape ops
     aten.view.default: shapes.reshape,
     aten.reshape.default: shapes.reshape,

@@ -47,6 +47,12 @@ Local ops:
 * ``vocab_parallel_embedding(weight, ids, vocab_start, vocab_stop, vocab_size, padding_idx)`` --
   lookup in rows ``[vocab_start, vocab_stop)``; other ids give zeros (a partial sum).
 
+* ``function(inputs, key, name)`` -- a custom ``torch.autograd.Function`` kept whole, whose
+  backward is the Function's own (``autotp.ir.custom_functions`` holds its kernels and the
+  table of calls ``key`` indexes; ``name`` is the Function's, for people). The output is
+  replicated and so are the inputs. ``elementwise_function`` is the same for a call with one
+  output proven elementwise, forward and backward: tagged pointwise, so it runs on shards.
+
 The vocab-parallel embedding and cross entropy mask ids outside the local range, so an
 id outside the whole vocabulary ``[0, vocab_size)`` would silently count as zero; both
 refuse it (``check_ids``) where the unmodified model raises ``IndexError``.
@@ -121,13 +127,17 @@ STAGE_BOUNDARY = _define("stage_boundary(Tensor x, int chunk) -> Tensor")
 PARTIAL_GRAD = _define("partial_grad(Tensor x, int parts) -> Tensor")
 TP_RAND = _define("tp_rand(Tensor like, str stream) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
 TP_DROPOUT = _define("tp_dropout(Tensor x, float p, bool train, str stream) -> Tensor")
+FUNCTION = _define("function(Tensor[] inputs, int key, str name) -> Tensor[]")
+ELEMENTWISE_FUNCTION = _define("elementwise_function(Tensor[] inputs, int key, str name) -> Tensor", tags=(torch.Tag.pointwise,))
 
 # Ops that communicate over a tp group, forward or backward.
 COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
     COPY_TO_TP, REDUCE_FROM_TP, GATHER_FROM_TP, SCATTER_TO_TP, ALL_GATHER, REDUCE_SCATTER,
     ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, VOCAB_PARALLEL_NLL, VOCAB_PARALLEL_CROSS_ENTROPY,
 })  # fmt: skip
-ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT}
+ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {
+    VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT, FUNCTION, ELEMENTWISE_FUNCTION,
+}  # fmt: skip
 
 
 def is_autotp_op(target: Any) -> bool:

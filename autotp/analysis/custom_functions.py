@@ -1,0 +1,228 @@
+"""Custom ``torch.autograd.Function`` calls during tracing.
+
+Export records a Function's forward as aten ops, and autograd later differentiates those,
+not the Function's own ``backward``: a straight-through estimator or a hand-written router
+backward would silently get other gradients. So ``trace`` runs in two steps:
+
+1. ``custom_functions`` records every Function applied to a floating-point tensor (those
+   in ``torch`` itself, and those that torch generates for ``torch.library`` custom ops,
+   stay as they are). ``opaque_functions`` runs each recorded call on random inputs of the
+   traced shapes, once through the Function and once through its forward's ops, and keeps
+   the Functions whose gradients differ (or that are too large to check): a hand-written
+   backward that is the forward's derivative (Bloom's GELU) is traced through, so the
+   layout rules see its ops.
+2. If any is kept, the model is traced again with ``custom_functions(stack, opaque)``: each
+   call of a kept Function becomes one ``ops.FUNCTION`` node whose autograd is the
+   Function's own (``autotp.ir.custom_functions``). ``mark_elementwise`` then turns the
+   calls that are elementwise in forward and backward (one output, every tensor of the
+   forward and backward the output's shape or a scalar, pointwise ops only) into
+   ``ops.ELEMENTWISE_FUNCTION``, which runs on shards like any pointwise op; the others
+   run on replicated inputs.
+"""
+
+from __future__ import annotations
+
+import operator
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.autograd.function import Function
+from torch.fx import GraphModule, Node
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autotp.ir import custom_functions as calls
+from autotp.ir import ops
+
+_CHECK_NUMEL = 1 << 22  # elements of the inputs a Function's backward is checked on
+_RTOL, _ATOL = 1e-4, 1e-6
+aten = torch.ops.aten
+# Ops that keep an elementwise computation elementwise although torch does not tag them pointwise.
+_ELEMENTWISE_UNTAGGED = {
+    aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default, aten.to.dtype,
+    aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarOther,
+    aten.where.ScalarSelf, aten.view.default, aten.reshape.default, aten.expand.default,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FunctionUse:
+    """A custom ``autograd.Function`` applied during tracing, and where."""
+
+    cls: type[Function]
+    args: tuple[Any, ...]  # as traced (fake tensors)
+    module: str  # the innermost executing submodule
+    line: str  # the calling source line
+
+    @property
+    def function(self) -> str:
+        return f"{self.cls.__module__}.{self.cls.__qualname__}"
+
+
+@contextmanager
+def custom_functions(stack: list[str], opaque: frozenset[type[Function]] = frozenset()) -> Iterator[list[FunctionUse]]:
+    """Record the custom Functions applied to floating-point tensors while the body runs, and
+    put each call of a Function in ``opaque`` into the graph as one ``ops.FUNCTION`` node.
+
+    ``stack`` is the executing-submodule stack that ``trace`` keeps.
+    """
+    uses: list[FunctionUse] = []
+
+    def apply(cls: type[Function], *args: Any, **kwargs: Any) -> Any:
+        if cls in opaque and not calls.inside_kernel():
+            key, tensors = calls.register_call(cls, args, kwargs)
+            return calls.call(key).output(ops.FUNCTION(tensors, key, calls.call(key).name))
+        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        # grad mode is not checked: a graph traced under no_grad may later run for training
+        if not cls.__module__.startswith("torch.") and not calls.inside_kernel() and any(t.is_floating_point() for t in tensors):
+            uses.append(FunctionUse(cls, args, stack[-1] if stack else "<root>", _caller_line()))
+        return calls.ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+
+    Function.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
+    try:
+        yield uses
+    finally:
+        Function.apply = calls.ORIGINAL_APPLY  # type: ignore[method-assign]
+
+
+def _caller_line() -> str:
+    ours = str(Path(__file__).resolve().parents[1])  # the autotp package
+    frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename and not f.filename.startswith(ours)]
+    return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "unknown line"
+
+
+def opaque_functions(uses: list[FunctionUse]) -> dict[type[Function], str]:
+    """The Functions to keep whole, each with why (the first of its calls whose backward is not its
+    forward's derivative, or cannot be checked)."""
+    checked: dict[tuple, str | None] = {}
+    kept: dict[type[Function], str] = {}
+    for use in uses:
+        key = (use.cls, tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a) for a in use.args))
+        if key not in checked:
+            checked[key] = _backward_differs(use)
+        if checked[key] is not None and use.cls not in kept:
+            kept[use.cls] = f"{use.function} in module {use.module} at {use.line}: {checked[key]}"
+    return kept
+
+
+class _Ctx:
+    """What a Function's ``forward`` may call on ``ctx`` when run outside autograd."""
+
+    def __init__(self) -> None:
+        self.saved_tensors: tuple[torch.Tensor, ...] = ()
+        self.needs_input_grad: tuple[bool, ...] = ()
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def mark_dirty(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+
+def _backward_differs(use: FunctionUse) -> str | None:
+    """Why the Function's own backward cannot be replaced by its forward's derivative (None: it can)."""
+    fakes = [a for a in use.args if isinstance(a, torch.Tensor)]
+    if sum(a.numel() for a in fakes) > _CHECK_NUMEL:
+        return "its inputs are too large to check its backward against its forward's derivative"
+    gen = torch.Generator().manual_seed(0)
+
+    def real(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        if not a.is_floating_point():
+            return torch.zeros(a.shape, dtype=a.dtype)
+        return torch.randn(a.shape, generator=gen, dtype=torch.float64).requires_grad_(True)
+
+    args = [real(a) for a in use.args]
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    try:
+        with torch.enable_grad():
+            own = _grads(lambda: calls.ORIGINAL_APPLY.__func__(use.cls, *args), leaves)
+            if getattr(use.cls, "setup_context", Function.setup_context) is not Function.setup_context:
+                derived = _grads(lambda: use.cls.forward(*args), leaves)
+            else:
+                derived = _grads(lambda: use.cls.forward(_Ctx(), *args), leaves)
+    except Exception as e:  # noqa: BLE001 - reported as the reason
+        return f"its backward could not be checked ({type(e).__name__}: {e})"
+    for i, (a, b) in enumerate(zip(own, derived)):
+        if not torch.allclose(a, b, rtol=_RTOL, atol=_ATOL):
+            return f"its backward differs from its forward's derivative for input {i}"
+    return None
+
+
+def _grads(run: Any, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    outs = [o for o in torch.utils._pytree.tree_leaves(run()) if isinstance(o, torch.Tensor) and o.requires_grad]
+    seed = torch.Generator().manual_seed(1)
+    weights = [torch.randn(o.shape, generator=seed, dtype=o.dtype) for o in outs]
+    grads = torch.autograd.grad(outs, leaves, weights, allow_unused=True)
+    return [torch.zeros_like(l) if g is None else g for g, l in zip(grads, leaves)]
+
+
+def mark_elementwise(gm: GraphModule) -> None:
+    """Turn each ``ops.FUNCTION`` node whose call is elementwise, forward and backward, into an
+    ``ops.ELEMENTWISE_FUNCTION`` node (its one output replaces the ``getitem`` of it)."""
+    for node in list(gm.graph.nodes):
+        if node.target is not ops.FUNCTION or not _is_elementwise(node):
+            continue
+        (getter,) = node.users
+        with gm.graph.inserting_before(node):
+            single = gm.graph.call_function(ops.ELEMENTWISE_FUNCTION, node.args)
+        single.meta = {**node.meta, "val": getter.meta["val"]}
+        getter.replace_all_uses_with(single)
+        gm.graph.erase_node(getter)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _is_elementwise(node: Node) -> bool:
+    """Whether the call at ``node`` maps each element of its inputs to the element at the same
+    position of its one output, forward and backward (traced on fake inputs of its shapes)."""
+    outs = node.meta.get("val")
+    users = list(node.users)
+    if not isinstance(outs, (list, tuple)) or len(outs) != 1 or len(users) != 1 or users[0].target is not operator.getitem:
+        return False
+    shape = tuple(outs[0].shape)
+    inputs = [a.meta.get("val") for a in node.args[0]]
+    if not all(isinstance(v, torch.Tensor) and tuple(v.shape) in (shape, ()) for v in inputs):
+        return False
+    fc = calls.call(node.args[1])
+
+    def joint(xs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+        args, kwargs = fc.arguments(xs)
+        out = calls.ORIGINAL_APPLY.__func__(fc.cls, *args, **kwargs)
+        (y,) = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        wrt = [x for x in xs if x.requires_grad]
+        if not y.requires_grad or not wrt:
+            return [y]
+        return [y, *(g for g in torch.autograd.grad([y], wrt, [grad], allow_unused=True) if g is not None)]
+
+    try:
+        with FakeTensorMode(), torch.enable_grad():
+            xs = [torch.empty(v.shape, dtype=v.dtype).requires_grad_(v.is_floating_point()) for v in inputs]
+            grad = torch.empty(shape, dtype=outs[0].dtype)
+            graph = make_fx(joint)(xs, grad).graph
+    except Exception:  # noqa: BLE001 - a call that cannot be traced alone is not proven elementwise
+        return False
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and tuple(val.shape) not in (shape, ()):
+            return False
+        if n.op != "call_function":
+            continue
+        tags = getattr(n.target, "tags", ())
+        if torch.Tag.nondeterministic_seeded in tags or (torch.Tag.pointwise not in tags and n.target not in _ELEMENTWISE_UNTAGGED):
+            return False
+    return True
