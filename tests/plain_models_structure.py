@@ -318,6 +318,8 @@ class EncoderMaskedLM(nn.Module):
         self.dense, self.head_norm = nn.Linear(DIM, DIM), nn.LayerNorm(DIM)
         self.decoder = nn.Linear(DIM, VOCAB)
         self.decoder.weight = self.tokens.weight
+        for table in (self.tokens, self.positions):  # BERT's initializer range
+            nn.init.normal_(table.weight, std=0.02)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)

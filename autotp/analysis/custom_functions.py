@@ -6,7 +6,7 @@ backward would silently get other gradients. So ``trace`` runs in two steps:
 
 1. ``custom_functions`` records every Function applied to a floating-point tensor (those
    in ``torch`` itself, and those that torch generates for ``torch.library`` custom ops,
-   stay as they are). ``opaque_functions`` runs each recorded call on random inputs of the
+   stay as they are), by wrapping the ``forward`` of every Function class. ``opaque_functions`` runs each recorded call on random inputs of the
    traced shapes, once through the Function and once through its forward's ops, and keeps
    the Functions whose gradients differ (or that are too large to check): a hand-written
    backward that is the forward's derivative (Bloom's GELU) is traced through, so the
@@ -22,6 +22,7 @@ backward would silently get other gradients. So ``trace`` runs in two steps:
 
 from __future__ import annotations
 
+import functools
 import operator
 import traceback
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.autograd.function import Function
+from torch.autograd.function import Function, _is_setup_context_defined
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -70,25 +71,51 @@ def custom_functions(stack: list[str], opaque: frozenset[type[Function]] = froze
     """Record the custom Functions applied to floating-point tensors while the body runs, and
     put each call of a Function in ``opaque`` into the graph as one ``ops.FUNCTION`` node.
 
-    ``stack`` is the executing-submodule stack that ``trace`` keeps.
+    Each Function's ``forward`` is wrapped, not ``Function.apply``: autograd calls the
+    class's ``forward`` however ``apply`` was reached (``act = MyFunction.apply`` bound at
+    import time too). ``stack`` is the executing-submodule stack that ``trace`` keeps.
     """
     uses: list[FunctionUse] = []
-
-    def apply(cls: type[Function], *args: Any, **kwargs: Any) -> Any:
-        if cls in opaque and not calls.inside_kernel():
-            key, tensors = calls.register_call(cls, args, kwargs)
-            return calls.call(key).output(ops.FUNCTION(tensors, key, calls.call(key).name))
-        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        # grad mode is not checked: a graph traced under no_grad may later run for training
-        if not cls.__module__.startswith("torch.") and not calls.inside_kernel() and any(t.is_floating_point() for t in tensors):
-            uses.append(FunctionUse(cls, args, stack[-1] if stack else "<root>", _caller_line()))
-        return calls.ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
-
-    Function.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
+    originals = {cls: cls.__dict__["forward"] for cls in _function_classes()}
+    for cls, original in originals.items():
+        setattr(cls, "forward", staticmethod(_recording_forward(cls, original, uses, stack, cls in opaque)))
     try:
         yield uses
     finally:
-        Function.apply = calls.ORIGINAL_APPLY  # type: ignore[method-assign]
+        for cls, original in originals.items():
+            setattr(cls, "forward", original)
+
+
+def _function_classes() -> list[type[Function]]:
+    """Every subclass of ``Function`` defined outside torch and autotp that has its own ``forward``."""
+    seen: set[type[Function]] = set()
+    todo = list(Function.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.add(cls)
+            todo.extend(cls.__subclasses__())
+    return [c for c in seen if "forward" in c.__dict__ and not c.__module__.startswith(("torch.", "autotp."))]
+
+
+def _recording_forward(cls: type[Function], original: Any, uses: list[FunctionUse], stack: list[str], keep: bool) -> Any:
+    fn = original.__func__ if isinstance(original, staticmethod) else original
+    takes_ctx = not _is_setup_context_defined(cls.setup_context)
+
+    @functools.wraps(fn)  # Function.apply binds default arguments by forward's signature
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if calls.inside_kernel():
+            return fn(*args, **kwargs)
+        inputs = args[1:] if takes_ctx else args
+        if keep:
+            key, tensors = calls.register_call(cls, inputs, kwargs)
+            return calls.call(key).output(ops.FUNCTION(tensors, key, calls.call(key).name))
+        # grad mode is not checked: a graph traced under no_grad may later run for training
+        if any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in torch.utils._pytree.tree_leaves((inputs, kwargs))):
+            uses.append(FunctionUse(cls, inputs, stack[-1] if stack else "<root>", _caller_line()))
+        return fn(*args, **kwargs)
+
+    return forward
 
 
 def _caller_line() -> str:
@@ -149,7 +176,7 @@ def _backward_differs(use: FunctionUse) -> str | None:
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
     try:
         with torch.enable_grad():
-            own = _grads(lambda: calls.ORIGINAL_APPLY.__func__(use.cls, *args), leaves)
+            own = _grads(lambda: use.cls.apply(*args), leaves)
             if getattr(use.cls, "setup_context", Function.setup_context) is not Function.setup_context:
                 derived = _grads(lambda: use.cls.forward(*args), leaves)
             else:
@@ -202,7 +229,7 @@ def _is_elementwise(node: Node) -> bool:
 
     def joint(xs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
         args, kwargs = fc.arguments(xs)
-        out = calls.ORIGINAL_APPLY.__func__(fc.cls, *args, **kwargs)
+        out = fc.cls.apply(*args, **kwargs)
         (y,) = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         wrt = [x for x in xs if x.requires_grad]
         if not y.requires_grad or not wrt:

@@ -31,10 +31,6 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from autotp.ir import ops
 from autotp.ir.errors import UserInputError
 
-ORIGINAL_APPLY = Function.__dict__["apply"]
-"""``Function.apply`` as torch defines it (the trace patches ``Function.apply`` while it runs)."""
-
-
 @dataclass
 class FunctionCall:
     """One traced call: the Function, its arguments with the tensors left out, and (once the
@@ -100,7 +96,7 @@ def _run(key: int, inputs: list[Tensor]) -> list[Tensor]:
     fc = _CALLS[key]
     args, kwargs = fc.arguments(inputs)
     with _kernel():
-        out = ORIGINAL_APPLY.__func__(fc.cls, *args, **kwargs)
+        out = fc.cls.apply(*args, **kwargs)
     leaves, out_spec = tree_flatten(out)
     tensors = [x for x in leaves if isinstance(x, Tensor)]
     if fc.out_spec is None:

@@ -7,8 +7,8 @@ A model passes at a given (tp, pp, sequence parallelism) only if, on every rank,
    fp32 on the CPU is where they are meant);
 2. **the rank holds a shard**: at most ``SLACK / (tp * pp)`` of the model's parameters
    (counted once per tensor; padding rows count);
-3. **no weight is kept whole silently**: every parameter that a matmul reads (dense or
-   grouped, through views and casts) is sharded by the plan or has a
+3. **no weight is kept whole silently**: every weight (two or more dims) that a matmul
+   reads (dense or grouped, through views, casts and elementwise ops of it alone) is sharded by the plan or has a
    ``ParallelPlan.kept_whole`` entry saying why (only checked with tp > 1).
 
 ``check_on_rank`` runs on each rank of a process group of ``tp * pp`` ranks (as
@@ -175,8 +175,9 @@ def _first_mismatch(
 
 
 def matmul_weights(gm: GraphModule) -> set[str]:
-    """The parameters of ``gm`` that a matmul (dense or grouped) reads, through views and casts."""
-    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    """The weights (parameters of two or more dims) that a matmul of ``gm`` (dense or grouped)
+    reads, through views, casts and elementwise ops of one tensor."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
     found: set[str] = set()
     for node in gm.graph.nodes:
         if not is_matmul(node):
@@ -184,10 +185,12 @@ def matmul_weights(gm: GraphModule) -> set[str]:
         stack = list(node.all_input_nodes)
         while stack:
             a = stack.pop()
-            if a.op == "get_attr" and str(a.target) in params:
+            if a.op == "get_attr" and str(a.target) in params and params[str(a.target)].dim() >= 2:
                 found.add(str(a.target))
             elif is_alias(a) or (a.op == "call_function" and a.target in _CASTS):
                 stack.append(a.args[0])
+            elif torch.Tag.pointwise in getattr(a.target, "tags", ()) and len(a.all_input_nodes) == 1:
+                stack.append(a.all_input_nodes[0])  # w * scale, a fake-quantization Function of w
     return found
 
 
