@@ -169,6 +169,16 @@ def test_grad_and_autocast_regions_are_inlined(name: str) -> None:
     assert result.passed, result.reason
 
 
+def test_inlined_autocast_region_is_refused_under_autocast() -> None:
+    import autotp
+
+    inputs = structure.example_inputs("fp32_final_norm")
+    pm = autotp.parallelize(structure.build("fp32_final_norm"), tp=1, example_inputs=inputs)
+    pm(**inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match=r"Fp32FinalNormLM.*plain_models_structure.py.*torch.autocast"):
+        pm(**inputs)
+
+
 class _Bf16Island(nn.Module):
     """A bf16 autocast region: autocast changes the linear's dtype there, so the region stays."""
 

@@ -11,8 +11,9 @@ meaning stays the same:
   reach the operand); grad enabled: the body as it is (graphs run with grad enabled).
 * autocast: the body as it is where autocast changes no dtype in it (``enabled=False``, or a
   region whose ops all run at their own dtypes; checked by running the body on fake tensors
-  without autocast). The graph runs without autocast, as it was traced; a region that
-  autocast does change keeps its node.
+  without autocast). The graph runs as the model did only when no autocast is active around
+  it: the inlined nodes carry ``meta_keys.AUTOCAST_INLINED`` and ``ParallelModel`` refuses to
+  run them under one. A region that autocast does change keeps its node.
 
 Before that, ``reconnect_unchanged_region_outputs`` makes reads of a region's output that is
 one of its operands unchanged read the operand (eager ``x.to(torch.float32)`` of an fp32 ``x``
@@ -27,6 +28,8 @@ import operator
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
+
+from autotp.ir import meta_keys
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +98,9 @@ def inline_regions(gm: GraphModule) -> None:
             continue
         detach = region.target is SET_GRAD and not region.args[0]
         owner = region.args[at]
+        if region.target is AUTOCAST:
+            for n in sub.graph.nodes:
+                n.meta[meta_keys.AUTOCAST_INLINED] = True
         _inline(gm, region, sub, list(region.args[at + 1 :]), detach)
         if not owner.users:
             gm.graph.erase_node(owner)
