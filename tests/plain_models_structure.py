@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from general_models import _Router as RoundSTE  # rounding with a straight-through backward
+
 VOCAB, DIM, HEADS, LAYERS, SEQ = 128, 64, 4, 2, 16
 HEAD_DIM = DIM // HEADS
 IMAGE, PATCH, CHANNELS, CLASSES = 16, 4, 3, 16
@@ -31,18 +33,6 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 # ---- custom autograd Functions ------------------------------------------------------------
-
-
-class RoundSTE(torch.autograd.Function):
-    """Rounding to a grid of 1/8 with a straight-through backward (QAT, binarized nets)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return torch.round(x * 8) / 8
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
 
 
 class ClippedSTE(torch.autograd.Function):
@@ -205,7 +195,7 @@ class QuantLinear(nn.Linear):
     """A linear layer whose weight is fake-quantized through a straight-through estimator (QAT)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, RoundSTE.apply(self.weight), self.bias)
+        return F.linear(x, ClippedSTE.apply(self.weight, 0.5), self.bias)
 
 
 class QuantMLP(MLP):

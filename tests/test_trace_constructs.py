@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import plain_models_structure as structure
+from general_models import _Tanh  # a hand-written backward that is the forward's derivative
 from autotp.analysis import custom_functions
 from autotp.analysis.trace import trace
 from autotp.analysis.trace_regions import REGIONS
@@ -93,19 +94,6 @@ def test_function_with_its_own_backward_is_one_node_that_runs_it() -> None:
         assert result.passed, f"{name}: {result.reason}"
     assert ops.FUNCTION in _targets("router_backward") and ops.ELEMENTWISE_FUNCTION not in _targets("router_backward")
     assert _equal_in_one_process("router_backward").passed
-
-
-class _Tanh(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        y = torch.tanh(x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (y,) = ctx.saved_tensors
-        return grad * (1 - y * y)
 
 
 class _SplitSTE(torch.autograd.Function):

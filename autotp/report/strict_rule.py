@@ -50,6 +50,7 @@ class StrictResult:
     limit: float = 1.0  # SLACK / (tp * pp)
     unexplained: tuple[str, ...] = ()  # matmul weights kept whole without a kept_whole entry
     kept_whole: tuple[str, ...] = ()  # those with one
+    heaviest: tuple[str, ...] = ()  # the largest parameters the rank holds whole, with their share and why
 
     @property
     def equal(self) -> bool:
@@ -68,7 +69,8 @@ class StrictResult:
             return f"numerics: {self.mismatch}"
         parts = []
         if self.share > self.limit:
-            parts.append(f"a rank holds {self.share:.0%} of the parameters (at most {self.limit:.0%})")
+            largest = f"; largest held whole: {', '.join(self.heaviest)}" if self.heaviest else ""
+            parts.append(f"a rank holds {self.share:.0%} of the parameters (at most {self.limit:.0%}){largest}")
         if self.unexplained:
             names = ", ".join(self.unexplained[:3]) + (f" and {len(self.unexplained) - 3} more" if len(self.unexplained) > 3 else "")
             parts.append(f"kept whole without a plan entry: {names}")
@@ -82,6 +84,7 @@ def combine(results: list[StrictResult]) -> StrictResult:
         mismatch=next((r.mismatch for r in results if r.mismatch), ""),
         share=max(r.share for r in results),
         limit=results[0].limit,
+        heaviest=max(results, key=lambda r: r.share).heaviest,
         unexplained=tuple(sorted({n for r in results for n in r.unexplained})),
         kept_whole=tuple(sorted({n for r in results for n in r.kept_whole})),
     )
@@ -121,10 +124,10 @@ def check_on_rank(
         mismatch = _first_mismatch(
             [("loss", loss, ref_loss), ("logits", logits, ref_logits)], reference, pm.unshard_grads(), rtol, atol
         )
-        total = sum(p.numel() for p in {id(p): p for p in reference.parameters()}.values())
-        share = sum(p.numel() for p in pm.parameters()) / max(total, 1)
-        unexplained, kept = _weights_kept_whole(pm, reference, inputs) if tp > 1 else ((), ())
-        return StrictResult("", mismatch, share, limit, unexplained, kept)
+        facts = _PlanFacts(pm, reference, inputs)
+        share = sum(p.numel() for p in pm.parameters()) / max(facts.total, 1)
+        unexplained, kept = facts.weights_kept_whole() if tp > 1 else ((), ())
+        return StrictResult("", mismatch, share, limit, unexplained, kept, facts.heaviest(pm))
     except Exception as e:  # noqa: BLE001 - the verdict names it
         lines = str(e).strip().splitlines()
         return StrictResult(error=f"{type(e).__name__}: {lines[0] if lines else ''}"[:400], limit=limit)
@@ -194,15 +197,44 @@ def matmul_weights(gm: GraphModule) -> set[str]:
     return found
 
 
-def _weights_kept_whole(pm: Any, reference: nn.Module, inputs: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(matmul weights kept whole with no plan entry, those with one), by canonical name."""
-    names: dict[int, list[str]] = {}
-    for name, p in reference.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    canonical = {alias: group[0] for group in names.values() for alias in group}
-    plan = pm.plan
-    sharded = {canonical.get(p.name, p.name) for p in plan.params}
-    explained = {canonical.get(k.name, k.name) for k in plan.kept_whole}
-    read = {canonical.get(n, n) for n in matmul_weights(pm.graph_for(**inputs))}
-    whole = read - sharded
-    return tuple(sorted(whole - explained)), tuple(sorted(whole & explained))
+class _PlanFacts:
+    """What the plan and the rank's graph say about the reference model's parameters (by canonical name)."""
+
+    def __init__(self, pm: Any, reference: nn.Module, inputs: dict[str, Any]) -> None:
+        names: dict[int, list[str]] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, p in reference.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+            self.tensors.setdefault(names[id(p)][0], p)
+        self.canonical = {alias: group[0] for group in names.values() for alias in group}
+        self.total = sum(p.numel() for p in self.tensors.values())
+        plan = pm.plan
+        self.tp = plan.tp
+        self.sharded = {self._name(p.name) for p in plan.params}
+        self.kept = {self._name(k.name): k for k in plan.kept_whole}
+        graph = pm.graph_for(**inputs)
+        self.read = {self._name(str(n.target)) for n in graph.graph.nodes if n.op == "get_attr"}
+        self.matmul_read = {self._name(n) for n in matmul_weights(graph)}
+
+    def _name(self, name: str) -> str:
+        return self.canonical.get(name, name)
+
+    def weights_kept_whole(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(matmul weights kept whole with no plan entry, those with one)."""
+        whole = self.matmul_read - self.sharded
+        return tuple(sorted(whole - set(self.kept))), tuple(sorted(whole & set(self.kept)))
+
+    def heaviest(self, pm: Any, count: int = 3) -> tuple[str, ...]:
+        """The ``count`` largest parameters this rank holds whole: name (share of the model: why)."""
+        held = [self._name(n) for n, _ in pm.named_parameters()]
+        whole = sorted((n for n in held if n not in self.sharded and n in self.tensors), key=lambda n: -self.tensors[n].numel())
+        return tuple(f"{n} ({self.tensors[n].numel() / max(self.total, 1):.0%}: {self._why(n)})" for n in whole[:count])
+
+    def _why(self, name: str) -> str:
+        if name not in self.read:
+            return "never read by the traced forward"
+        kept = self.kept.get(name)
+        if kept is None:
+            return "no plan entry" if self.tp > 1 else "not split without tp"
+        at = kept.detail.split(" in module ")[0]
+        return f"{kept.reason}, {kept.detail.rsplit(': ', 1)[-1]} at {at}" if kept.detail else kept.reason
