@@ -39,18 +39,13 @@ def _default_device(model: nn.Module) -> torch.device:
     return placed if placed is not None else torch.device("cpu")
 
 
-def _check_cuda_graphs(device: torch.device, compile: bool) -> None:
+def _check_cuda_graphs(device: torch.device) -> None:
     backend = dist.get_backend() if dist.is_initialized() else None
     if device.type != "cuda" or backend not in (None, "nccl"):
         raise UserInputError(
             f"cuda_graphs=True captures CUDA graphs, but this rank runs on {device}"
             f"{f' with {backend} collectives' if backend else ''}; run on GPUs with NCCL, or drop cuda_graphs "
             "(autotp.report.cudagraphs shows the regions and blockers without a GPU)"
-        )
-    if compile:
-        raise UserInputError(
-            "compile=True and cuda_graphs=True both replace how the graph runs; pick one "
-            "(torch.compile(mode='reduce-overhead') is torch's own CUDA-graph path)"
         )
 
 
@@ -130,7 +125,8 @@ def parallelize(
     ``torch.compile``, which fuses the elementwise work between the collectives. With
     ``cuda_graphs`` (CUDA and NCCL), the regions that the cost model picks are captured
     as CUDA graphs on the first call and replayed after (``autotp.runtime.cudagraphs``); with
-    pp > 1, once per microbatch a stage holds in flight. ``sequence_parallel`` runs the
+    pp > 1, once per microbatch a stage holds in flight. Both together capture each region's
+    compiled code. ``sequence_parallel`` runs the
     norms, residual adds and dropout between the tp regions on 1/tp of the tokens, and
     ``tp_overlap`` runs those all-gathers and reduce-scatters behind the GEMMs next to them
     (``passes/tp_overlap``: symmetric-memory fused ops on CUDA + NCCL, a P2P ring elsewhere).
@@ -167,7 +163,7 @@ def parallelize(
     device = torch.device(device)
     cuda_graphs = cuda_graphs or (isinstance(plan, ParallelPlan) and plan.cudagraphs)
     if cuda_graphs:
-        _check_cuda_graphs(device, compile)
+        _check_cuda_graphs(device)
     impl = cudagraphs.implementation() if cuda_graphs else None
     planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=dp, vpp=vpp, plan=plan,
                                   cudagraph_impl=impl, gather_outputs=gather_outputs,

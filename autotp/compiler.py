@@ -46,6 +46,8 @@ from autotp.ir.errors import UserInputError
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH, DEFAULT_SEQ = 2, 16
+LOSS_ONLY = ("loss",)
+"""The output keys ``train_step`` reads without a ``loss_fn``: its graph drops the others."""
 PLANNING_BATCH = 2
 
 
@@ -96,8 +98,9 @@ def _default_inputs(model: nn.Module) -> dict[str, Any]:
 
 
 def model_costs(gm: GraphModule, num_layers_total: int | None = None) -> ModelCosts:
-    """The cost model of ``gm``, compiling candidate plans as tp rank 0 on meta."""
-    return ModelCosts(gm, num_layers_total, compile_fn=lambda plan: lower(gm, plan, device="meta").graph)
+    """The cost model of ``gm``, compiling candidate plans as tp rank 0 on meta, as ``train_step`` runs them
+    (reading only the loss)."""
+    return ModelCosts(gm, num_layers_total, compile_fn=lambda plan: lower(gm, plan, device="meta", outputs_read=LOSS_ONLY).graph)
 
 
 def trace_for_planning(config: PretrainedConfig, seq: int, *, dtype: torch.dtype = torch.bfloat16, traced_layers: int = 1) -> ModelCosts:
@@ -244,9 +247,11 @@ def lower(
     device: torch.device | str = "meta",
     backend: str = "nccl",
     dump_dir: Path | None = None,
+    outputs_read: tuple[str, ...] = (),
 ) -> Lowered:
     """Run the passes on a copy of ``traced`` for tp rank ``tp_rank``, with the cost
-    model's CUDA-graph region policy bound."""
+    model's CUDA-graph region policy bound. ``outputs_read``: the output keys the caller
+    reads (empty: all; the others become None)."""
     ctx = PassContext(
         plan=plan,
         tp_rank=tp_rank,
@@ -254,6 +259,7 @@ def lower(
         dump_dir=dump_dir,
         backend=backend,
         choose_cudagraph_regions=choose_regions,
+        outputs_read=outputs_read,
     )
     gm = run_passes(_owned_copy(traced), ctx, PASSES)
     regions = {n.meta[meta_keys.CUDAGRAPH_REGION] for n in gm.graph.nodes if n.meta.get(meta_keys.CUDAGRAPH_REGION) is not None}
@@ -263,10 +269,11 @@ def lower(
 
 
 def lower_signature(
-    model: nn.Module, kwargs: dict[str, Any], plan: ParallelPlan, *, tp_rank: int, device: torch.device, backend: str
-) -> Lowered:
+    model: nn.Module, kwargs: dict[str, Any], plan: ParallelPlan, *, tp_rank: int, device: torch.device, backend: str,
+    outputs_read: tuple[str, ...] = (),
+) -> Lowered:  # fmt: skip
     """Trace ``model(**kwargs)`` and lower it under an already chosen ``plan``."""
-    return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend)
+    return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend, outputs_read=outputs_read)
 
 
 def _owned_copy(gm: GraphModule) -> GraphModule:

@@ -55,7 +55,7 @@ microbatch, not once per model.
 a matmul its activation operands; a mul or div each operand whose partner needs a
 gradient; attention q, k, v and its output; nonlinear elementwise ops, norms, softmax and
 the losses their input; adds, casts, views, concatenations, reductions and collectives
-nothing; any other op its inputs. ``autotp.cost_model.liveness`` replays the forward and
+nothing (the fused lm_head and loss keeps its outputs instead, ``liveness``); any other op its inputs. ``autotp.cost_model.liveness`` replays the forward and
 backward with them (``Segment.memory``).
 """
 
@@ -63,6 +63,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+
+import functools
 
 import numpy as np
 import torch
@@ -93,6 +95,7 @@ _BATCH_MAKERS = {"expand", "new_ones", "new_zeros", "new_full", "new_empty", "on
 _SAVE_NOTHING = {
     "add", "sub", "neg", "to", "_to_copy", "clone", "contiguous", "cat", "stack", "mean", "sum", "where",
     "embedding", "vocab_parallel_embedding", "arange", "full", "zeros", "ones", "empty", "scalar_tensor",
+    "linear_cross_entropy",
 }  # fmt: skip
 _SAVE_FIRST_INPUT = {
     "pow", "rsqrt", "sqrt", "exp", "log", "silu", "gelu", "relu", "tanh", "sigmoid", "erf", "sin", "cos",
@@ -152,7 +155,7 @@ class Segment:
     def grad_ops(self) -> int:
         return int(self.grad.sum())
 
-    @property
+    @functools.cached_property
     def param_numel(self) -> int:
         return sum(self.params.values())
 
@@ -304,6 +307,7 @@ class ModelCosts:
         self._ranks: dict[tuple, RankCosts] = {}  # by the plan's layouts: two replicate sets may give one plan
         self._asked: dict[tuple, RankCosts] = {}  # by rank()'s arguments
         self._cuts: dict[int, tuple[int, ...]] = {}
+        self._forward_flops: dict[int, float] = {}
 
     def _per_segment_flops(self, calls: list[Node], flops: np.ndarray) -> dict[LayerKey, Affine]:
         layers = assign_layers(self.gm)
@@ -313,10 +317,12 @@ class ModelCosts:
         return {k: Affine(*v) for k, v in sums.items()}
 
     def forward_flops(self, batch: int) -> float:
-        """Whole-model forward FLOPs of ``batch`` samples (every layer, not one rank's share)."""
-        zero = Affine(0, 0)
-        layers = sum(self._segment_flops.get(self.traced_index(i), zero).at(batch) for i in range(self.num_layers))
-        return layers + sum(v.at(batch) for k, v in self._segment_flops.items() if not isinstance(k, int))
+        """Whole-model forward FLOPs of ``batch`` samples (every layer, not one rank's share; cached)."""
+        if batch not in self._forward_flops:
+            zero = Affine(0, 0)
+            layers = sum(self._segment_flops.get(self.traced_index(i), zero).at(batch) for i in range(self.num_layers))
+            self._forward_flops[batch] = layers + sum(v.at(batch) for k, v in self._segment_flops.items() if not isinstance(k, int))
+        return self._forward_flops[batch]
 
     def traced_index(self, layer: int) -> int:
         """The traced layer that stands for model layer ``layer``."""

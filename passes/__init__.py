@@ -3,6 +3,8 @@
 from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.cancel_collectives import cancel_collectives
 from autotp.passes.causal_attention import causal_attention
+from autotp.passes.drop_unread_outputs import drop_unread_outputs
+from autotp.passes.fused_linear_cross_entropy import fused_linear_cross_entropy
 from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.rewrite_shapes import rewrite_shapes
@@ -26,6 +28,8 @@ PASSES: list[Pass] = [
     insert_collectives,
     cancel_collectives,
     sequence_parallel,
+    drop_unread_outputs,
+    fused_linear_cross_entropy,
     tp_overlap,
     split_stages,
     mark_cudagraph_regions,

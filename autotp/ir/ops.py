@@ -32,6 +32,12 @@ Collectives over a tp group, named by a string key (``tp_group_key``,
 * ``vocab_parallel_cross_entropy(logits, target, vocab_start, vocab_size, ignore_index,
   reduction, group)`` -- ``aten.cross_entropy_loss`` on logits sharded on the class dim:
   only per-token max, sum-exp and target logit cross ranks (``vocab_parallel_nll``).
+* ``linear_cross_entropy(hidden, weight, target, vocab_start, vocab_size, ignore_index,
+  reduction, chunk, group_size, group)`` -- the same loss on ``linear(hidden, weight)`` (the
+  weight's rows: columns ``vocab_start...`` of the class dim), ``chunk`` tokens at a time, so
+  the logits are never whole; its forward also computes the gradients of ``hidden`` and
+  ``weight`` (implemented in ``autotp.ir.fused_loss``, which the pass that inserts it,
+  ``passes/fused_linear_cross_entropy``, imports).
 
 Local ops:
 
@@ -119,6 +125,10 @@ VOCAB_PARALLEL_CROSS_ENTROPY = _define(
     "vocab_parallel_cross_entropy(Tensor logits, Tensor target, int vocab_start, int vocab_size, int ignore_index, "
     "int reduction, str group) -> Tensor"
 )
+LINEAR_CROSS_ENTROPY = _define(
+    "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, int vocab_start, int vocab_size, "
+    "int ignore_index, int reduction, int chunk, int group_size, str group) -> Tensor"
+)
 VOCAB_PARALLEL_EMBEDDING = _define(
     "vocab_parallel_embedding(Tensor weight, Tensor ids, int vocab_start, int vocab_stop, int vocab_size, "
     "int padding_idx) -> Tensor"
@@ -134,6 +144,7 @@ ELEMENTWISE_FUNCTION = _define("elementwise_function(Tensor[] inputs, int key, s
 COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
     COPY_TO_TP, REDUCE_FROM_TP, GATHER_FROM_TP, SCATTER_TO_TP, ALL_GATHER, REDUCE_SCATTER,
     ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, VOCAB_PARALLEL_NLL, VOCAB_PARALLEL_CROSS_ENTROPY,
+    LINEAR_CROSS_ENTROPY,
 })  # fmt: skip
 ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {
     VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT, FUNCTION, ELEMENTWISE_FUNCTION,

@@ -150,6 +150,9 @@ class ParallelPlan:
     distributed_optimizer: bool = False
     ep: int = 1
     kept_whole: tuple[KeptWhole, ...] = ()
+    # The lm_head and its cross entropy fused, this many tokens at a time (0: not fused;
+    # ``passes/fused_linear_cross_entropy``, chosen by ``autotp.cost_model.fused_loss``).
+    loss_chunk_tokens: int = 0
 
     @property
     def world_size(self) -> int:
@@ -204,6 +207,7 @@ class ParallelPlan:
                 "distributed_optimizer": self.distributed_optimizer,
                 "ep": self.ep,
                 "kept_whole": [k.to_json() for k in self.kept_whole],
+                "loss_chunk_tokens": self.loss_chunk_tokens,
             },
             indent=1,
         )
@@ -239,4 +243,5 @@ class ParallelPlan:
             distributed_optimizer=d.get("distributed_optimizer", False),
             ep=d.get("ep", 1),
             kept_whole=tuple(KeptWhole.from_json(k) for k in d.get("kept_whole", ())),
+            loss_chunk_tokens=d.get("loss_chunk_tokens", 0),
         )
