@@ -197,6 +197,8 @@ def test_matmul_weights_are_the_weights_matmuls_read() -> None:
     layer = {f"layers.0.{w}.weight" for w in ("attn.q", "attn.k", "attn.v", "attn.o", "ffn.up", "ffn.down")}
     assert layer <= weights  # ffn.up/down through the fake-quantization Function
     assert not {n for n in weights if n.endswith("bias") or "norm" in n} and "embed.weight" not in weights
+    moe = trace(structure.build("moe_einsum_dispatch"), structure.example_inputs("moe_einsum_dispatch"))
+    assert {"layers.0.ffn.w_in", "layers.0.ffn.w_out", "layers.0.ffn.gate.weight"} <= matmul_weights(moe)  # einsum reads
 
 
 def test_strict_result_names_each_failure() -> None:

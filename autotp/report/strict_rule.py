@@ -178,12 +178,12 @@ def _first_mismatch(
 
 
 def matmul_weights(gm: GraphModule) -> set[str]:
-    """The weights (parameters of two or more dims) that a matmul of ``gm`` (dense or grouped)
-    reads, through views, casts and elementwise ops of one tensor."""
+    """The weights (parameters of two or more dims) that a matmul of ``gm`` (dense, grouped or
+    an ``einsum``) reads, through views, casts and elementwise ops of one tensor."""
     params = dict(gm.named_parameters(remove_duplicate=False))
     found: set[str] = set()
     for node in gm.graph.nodes:
-        if not is_matmul(node):
+        if not is_matmul(node) and node.target is not torch.ops.aten.einsum.default:
             continue
         stack = list(node.all_input_nodes)
         while stack:
