@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -171,7 +172,8 @@ def sweep_one(arch: str, modes: list[str], timeout_s: int = 300) -> Row:
 
 def summary(rows: list[Row]) -> str:
     built = [r for r in rows if r.builds]
-    counts = ", ".join(f"{sum(r.passed(m) for r in built)} pass at {_label(m)} ({sum(r.passed(m) for r in built) / max(len(built), 1):.0%})" for m in MODES)
+    run = [m for m in MODES if any(m in r.cells for r in built)]
+    counts = ", ".join(f"{sum(r.passed(m) for r in built)} pass at {_label(m)} ({sum(r.passed(m) for r in built) / max(len(built), 1):.0%})" for m in run)
     return f"{len(rows)} of the {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} architectures swept; {len(built)} build from a tiny config; of those, {counts}."
 
 
@@ -213,7 +215,7 @@ def read_table(path: Path) -> dict[str, Row]:
             continue
         arch, builds, rest, reason = cells[0], cells[1] == "yes", cells[2:-1], cells[-1]
         row = Row(arch, builds, reason="" if builds else reason)
-        reasons = dict(part.split(": ", 1) for part in reason.split("; ") if ": " in part) if builds else {}
+        reasons = dict(part.split(": ", 1) for part in re.split(r"; (?=(?:tp|pp)=\d+: )", reason) if ": " in part) if builds else {}
         for i, m in enumerate(MODES):
             if rest[i] != "-":
                 held = rest[len(MODES) + i]
