@@ -213,7 +213,7 @@ class _PlanFacts:
         self.sharded = {self._name(p.name) for p in plan.params}
         self.kept = {self._name(k.name): k for k in plan.kept_whole}
         graph = pm.graph_for(**inputs)
-        self.read = {self._name(str(n.target)) for n in graph.graph.nodes if n.op == "get_attr"}
+        self.read = {self._name(str(n.target)) for n in graph.graph.nodes if n.op == "get_attr" and n.users}
         self.matmul_read = {self._name(n) for n in matmul_weights(graph)}
 
     def _name(self, name: str) -> str:
@@ -236,5 +236,6 @@ class _PlanFacts:
         kept = self.kept.get(name)
         if kept is None:
             return "no plan entry" if self.tp > 1 else "not split without tp"
-        at = kept.detail.split(" in module ")[0]
-        return f"{kept.reason}, {kept.detail.rsplit(': ', 1)[-1]} at {at}" if kept.detail else kept.reason
+        if " in module " not in kept.detail or ": " not in kept.detail:
+            return f"{kept.reason}, {kept.detail}" if kept.detail else kept.reason
+        return f"{kept.reason}, {kept.detail.rsplit(': ', 1)[-1]} at {kept.detail.split(' in module ')[0]}"
