@@ -23,6 +23,7 @@ from autotp.analysis import statistic_rules as statistics
 from autotp.analysis import value_rules as values
 from autotp.analysis.op_kinds import is_grouped_matmul
 from autotp.analysis.propagation_result import ParamView
+from autotp.ir import ops
 
 if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker
@@ -51,6 +52,14 @@ def _view_like(w: Walker, n: Node) -> Any:
     """Dtype casts, copies, detach: the layout of the input (an undecided parameter stays so)."""
     src = w.get(n.args[0])
     return src if isinstance(src, ParamView) else values.pointwise(w, n, [n.args[0]])
+
+
+def _elementwise_function(w: Walker, n: Node) -> Any:
+    """A custom Function proven elementwise (``custom_functions``): of one parameter alone it
+    stays that parameter's undecided view, like a cast (weight fake-quantization); else pointwise."""
+    inputs = list(n.args[0])
+    src = w.get(inputs[0])
+    return src if len(inputs) == 1 and isinstance(src, ParamView) else values.pointwise(w, n, inputs)
 
 
 _VIEW_LIKE = (
@@ -82,6 +91,7 @@ RULES: dict[Any, Rule] = {
     aten.conv2d.default: params.convolution,
     aten.conv3d.default: params.convolution,
     aten.convolution.default: params.convolution,
+    ops.ELEMENTWISE_FUNCTION: _elementwise_function,
     # shape ops
     aten.view.default: reshapes.reshape,
     aten.reshape.default: reshapes.reshape,

@@ -67,3 +67,8 @@ proven causal-only and replaced by ``is_causal=True``, else why it stays (``pass
 KEPT_ALL_REDUCE = "autotp_kept_all_reduce"
 """On an f (``copy_to_tp``) that sequence parallelism could not fold into the backward reduce-scatter of an
 all-gather of the tokens (``passes/sequence_parallel``): why its all-reduce stays; ``autotp explain`` prints it."""
+
+AUTOCAST_INLINED = "autotp_autocast_inlined"
+"""On the nodes of an inlined ``torch.autocast`` region (``analysis.trace_regions``): they run as
+the region ran only when no autocast is active around the graph, so ``ParallelModel`` refuses
+to run such a graph under one."""

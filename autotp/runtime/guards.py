@@ -9,6 +9,8 @@
   global batch (``DP_GLOBAL``), the shapes only when each passes its own shard (``DP_LOCAL``).
 * ``explain_retrace_failure``: a new input signature that fails to trace is compared with
   the signatures traced before, to name the argument whose dtype or rank changed.
+* ``refuse_autocast``: a graph holding an inlined ``torch.autocast`` region of the model's
+  (``analysis.trace_regions``) is refused under an autocast active around the call.
 * ``FailureWatch``: a rank whose call raises posts the cause under ``FAILURE_KEY`` in
   the default store (one key per watch, i.e. per ``ParallelModel``: every rank builds
   its models in the same order, and a failure of one model must not fail the next). A thread on every rank polls it; when another rank failed while
@@ -31,8 +33,10 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.fx import GraphModule
 
-from autotp.ir.errors import UserInputError
+from autotp.ir import meta_keys
+from autotp.ir.errors import UserInputError, describe
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -223,6 +227,19 @@ class FailureWatch:
             if waited >= _EXIT_AFTER_S:
                 print(f"autotp: {cause}; rank {self._rank} was waiting for it and exits", file=sys.stderr, flush=True)
                 os._exit(1)
+
+
+def refuse_autocast(graph: GraphModule, device: torch.device) -> None:
+    """Raise if autocast is active around a graph that holds an inlined autocast region."""
+    if not torch.is_autocast_enabled(device.type):
+        return
+    node = next((n for n in graph.graph.nodes if n.meta.get(meta_keys.AUTOCAST_INLINED)), None)
+    if node is not None:
+        raise UserInputError(
+            f"the model runs {describe(node)} under a torch.autocast region of its own, which autotp inlined "
+            f"into the graph; under the autocast active around this call it would run at another precision. "
+            f"Fix: call the parallel model outside torch.autocast (cast the model to the dtype instead)."
+        )
 
 
 def _first_line(error: BaseException) -> str:

@@ -179,6 +179,7 @@ class ParallelModel(nn.Module):
             self._attach(compiled)
             self._insert_param_waits(compiled)
             self._graphs[key] = compiled
+        guards.refuse_autocast(compiled.graph, self._device)
         return compiled
 
     def _as_kwargs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

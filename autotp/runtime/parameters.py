@@ -112,6 +112,7 @@ class Parameters:
         self.layouts: dict[str, ParamLayout | None] = {}
         self.local_names: list[str] = []
         self.buffer_names: list[str] = []
+        self.buffer_aliases: dict[str, str] = {}  # every name of a buffer (one module shared by several parents) -> its canonical name
         self.specs: dict[str, ShardSpec] = {}  # every local parameter and buffer
         self.unfilled: set[str] = set()  # allocated for a model on meta; to be loaded or initialized
 
@@ -132,7 +133,11 @@ class Parameters:
             local = self._local(name, p.detach(), spec, layout)
             set_nested(self._module, name, nn.Parameter(local, requires_grad=p.requires_grad), buffer=False)
             self.local_names.append(name)
-        for name, b in model.named_buffers():
+        first_name: dict[int, str] = {}
+        for name, b in model.named_buffers(remove_duplicate=False):
+            canonical = self.buffer_aliases[name] = first_name.setdefault(id(b), name)
+            if canonical != name:
+                continue
             spec = self.specs[name] = shard_spec(name, tuple(b.shape), None, 0, 1)
             set_nested(self._module, name, self._local(name, b.detach(), spec, None), buffer=True)
             self.buffer_names.append(name)
@@ -160,10 +165,11 @@ class Parameters:
         return sorted({self._plan.pp_rank_of_chunk(c) for c in self.chunks_of(param_chunks, canonical)})
 
     def canonical(self, name: str) -> str:
+        """The name under which the module holds the parameter or buffer ``name``."""
         for canonical, names in self.aliases.items():
             if name in names:
                 return canonical
-        return name
+        return self.buffer_aliases.get(name, name)
 
     def local_grads(self, names: list[str]) -> dict[str, torch.Tensor | None]:
         """The grads of those of ``names`` that this rank holds."""
@@ -217,8 +223,8 @@ class Parameters:
                 out.update(dict.fromkeys(self.aliases[name], full))
         if not keep:
             return {}
-        for name in self.buffer_names:
-            out[name] = get_nested(self._module, name).detach().clone()
+        for alias, name in self.buffer_aliases.items():
+            out[alias] = get_nested(self._module, name).detach().clone()
         return {k: out[k] for k in self._source.state_dict(keep_vars=True)}
 
     def unshard_grads(self, param_chunks: ParamChunks) -> dict[str, torch.Tensor | None]:
