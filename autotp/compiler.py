@@ -33,6 +33,7 @@ from autotp.analysis.layers import num_layers
 from autotp.analysis.trace import trace
 from autotp.cost_model.compute import ModelCosts
 from autotp.cost_model.cudagraphs import choose_regions
+from autotp.cost_model.expert_parallel import plan_expert_parallel
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.planner import auto_plan, auto_sequence_parallel
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
@@ -164,6 +165,10 @@ def plan_model(
     gather_outputs: bool = True,
     sequence_parallel: bool | str | None = None,
     tp_overlap: bool | str | None = None,
+    ep: int = 1,
+    etp: int | None = None,
+    moe_dispatch: str | None = None,
+    moe_capacity_factor: float | None = None,
 ) -> Planned:
     """Trace ``model`` on ``device`` and choose its plan. ``cudagraph_impl`` (the capture
     implementation) turns CUDA graphs on, keeping an implementation the plan names.
@@ -197,6 +202,11 @@ def plan_model(
         chosen = auto_sequence_parallel(model_costs(traced), chosen, sequence_parallel=keep_sp, tp_overlap=keep_overlap)
     else:
         chosen = _with_fixed_sequence_parallel(chosen, fixed_sp, fixed_overlap)
+    if isinstance(plan, ParallelPlan):
+        if ep not in (1, plan.ep):
+            raise UserInputError(f"the plan is for ep={plan.ep} but ep={ep} was asked; pass ep={plan.ep} or re-plan")
+    else:
+        chosen = plan_expert_parallel(traced, chosen, ep=ep, etp=etp, dispatch=moe_dispatch, capacity_factor=moe_capacity_factor)
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)
     log.info("traced in %.2f s, planned in %.2f s: tp=%d pp=%d dp=%d vpp=%d", traced_at - start,
@@ -244,12 +254,14 @@ def lower(
     device: torch.device | str = "meta",
     backend: str = "nccl",
     dump_dir: Path | None = None,
+    ep_rank: int = 0,
 ) -> Lowered:
-    """Run the passes on a copy of ``traced`` for tp rank ``tp_rank``, with the cost
-    model's CUDA-graph region policy bound."""
+    """Run the passes on a copy of ``traced`` for tp rank ``tp_rank`` (and expert-parallel
+    rank ``ep_rank``), with the cost model's CUDA-graph region policy bound."""
     ctx = PassContext(
         plan=plan,
         tp_rank=tp_rank,
+        ep_rank=ep_rank,
         device=torch.device(device),
         dump_dir=dump_dir,
         backend=backend,
@@ -263,10 +275,11 @@ def lower(
 
 
 def lower_signature(
-    model: nn.Module, kwargs: dict[str, Any], plan: ParallelPlan, *, tp_rank: int, device: torch.device, backend: str
+    model: nn.Module, kwargs: dict[str, Any], plan: ParallelPlan, *, tp_rank: int, device: torch.device, backend: str,
+    ep_rank: int = 0,
 ) -> Lowered:
     """Trace ``model(**kwargs)`` and lower it under an already chosen ``plan``."""
-    return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend)
+    return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend, ep_rank=ep_rank)
 
 
 def _owned_copy(gm: GraphModule) -> GraphModule:

@@ -3,6 +3,7 @@
 from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.cancel_collectives import cancel_collectives
 from autotp.passes.causal_attention import causal_attention
+from autotp.passes.expert_parallel import expert_parallel
 from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.rewrite_shapes import rewrite_shapes
@@ -25,6 +26,7 @@ PASSES: list[Pass] = [
     slice_replicated,
     insert_collectives,
     cancel_collectives,
+    expert_parallel,
     sequence_parallel,
     tp_overlap,
     split_stages,

@@ -43,7 +43,8 @@ class PassContext:
     process-group backend the graph's collectives will run on (``nccl``, ``gloo``...);
     offline compiles assume ``nccl``. ``choose_cudagraph_regions`` is the region policy
     that ``mark_cudagraph_regions`` applies when the plan asks for CUDA graphs; the
-    compiler binds the cost model's.
+    compiler binds the cost model's. ``ep_rank`` is the rank's place in its expert-parallel
+    group (which experts of a loop over expert modules it computes).
     """
 
     plan: ParallelPlan
@@ -54,6 +55,7 @@ class PassContext:
     timings: dict[str, float] = field(default_factory=dict)
     backend: str = "nccl"
     choose_cudagraph_regions: RegionChooser | None = None
+    ep_rank: int = 0
 
     def __post_init__(self) -> None:
         self.group = self.group or tp_group_key(self.plan.tp)

@@ -69,6 +69,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.node import has_side_effect
 from torch.library import Library
 
+from autotp.ir import moe_ops
 from autotp.ir.errors import UserInputError
 
 NAMESPACE = "autotp"
@@ -126,7 +127,7 @@ TP_DROPOUT = _define("tp_dropout(Tensor x, float p, bool train, str stream) -> T
 COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
     COPY_TO_TP, REDUCE_FROM_TP, GATHER_FROM_TP, SCATTER_TO_TP, ALL_GATHER, REDUCE_SCATTER,
     ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, VOCAB_PARALLEL_NLL, VOCAB_PARALLEL_CROSS_ENTROPY,
-})  # fmt: skip
+}) | moe_ops.DISPATCH_OPS  # fmt: skip
 ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT}
 
 

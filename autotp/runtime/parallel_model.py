@@ -19,7 +19,7 @@ from autotp.analysis.trace import structure_copy
 from autotp.compiler import Lowered, lower_signature
 from autotp.ir import schedules
 from autotp.ir.plan import ParallelPlan
-from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, export_hf, grad_norm, grad_sync, guards
+from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, expert_parallel, export_hf, grad_norm, grad_sync, guards
 from autotp.runtime.grad_buffers import GradBuffers, ParamUse
 from autotp.runtime.groups import Coords
 from autotp.runtime.parameters import ParamChunks, Parameters, graph_param_chunks, graph_trained_params
@@ -108,6 +108,16 @@ class ParallelModel(nn.Module):
         self._graphs[guards.signature_key(first_kwargs, model.training)] = compiled
 
     @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group (0 without expert parallelism)."""
+        return self._coords.experts.ep_rank if self._coords.experts is not None else 0
+
+    def moe_drop_counts(self) -> dict[str, tuple[int, int]]:
+        """Per MoE layer under sync-free dispatch: (rows its capacity dropped, rows routed) on
+        this rank since the last ``moe_drop_counts(reset=True)``; reading syncs with the device."""
+        return expert_parallel.moe_dispatch.drop_counts()
+
+    @property
     def my_chunks(self) -> list[int]:
         return [c for c in range(self.plan.num_chunks) if self.plan.pp_rank_of_chunk(c) == self._coords.pp_rank]
 
@@ -167,7 +177,7 @@ class ParallelModel(nn.Module):
             backend = dist.get_backend() if dist.is_initialized() else "nccl"
             try:
                 lowered = lower_signature(self._source.model, call, self.plan, tp_rank=self._coords.tp_rank,
-                                          device=self._device, backend=backend)  # fmt: skip
+                                          device=self._device, backend=backend, ep_rank=self.ep_rank)  # fmt: skip
             except ValueError as e:
                 guards.explain_retrace_failure(call, list(self._graphs), e)
                 raise
@@ -291,8 +301,12 @@ class ParallelModel(nn.Module):
         self.last_busy_s = runner.busy_s
         return total
 
+    def _dense_params(self) -> list[nn.Parameter]:
+        """The parameters averaged over dp (expert-parallel ones are summed over edp instead)."""
+        return [p for n, p in self.named_parameters() if not self._params.experts.is_expert(n)]
+
     def _arm_dp_mean(self, backwards: int) -> None:
-        params = list(self.parameters())
+        params = self._dense_params()
         if self._dp_mean is None or not self._dp_mean.serves(params):
             if self._dp_mean is not None:
                 self._dp_mean.close()
@@ -308,7 +322,10 @@ class ParallelModel(nn.Module):
                 param = self.get_parameter(name)
                 param.grad = torch.zeros_like(param)
         shared = self._params.local_grads(list(self._shared_param_groups))
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        grads = [p.grad for p in self._dense_params() if p.grad is not None]
+        if self._coords.experts is not None:
+            experts = self._params.local_grads([n for n in self._params.local_names if self._params.experts.is_expert(n)])
+            expert_parallel.sync_expert_grads([g for g in experts.values() if g is not None], self._coords.experts, self.plan.dp)
         if self._dp_mean is not None and self._dp_mean.armed:
             self._dp_mean.finish()
             grads = []  # averaged over dp already, as the backward ran
