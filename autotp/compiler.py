@@ -234,9 +234,11 @@ def _warn_replicated(traced: GraphModule, plan: ParallelPlan) -> None:
         return
     params = dict(traced.named_parameters())
     total = sum(p.numel() for p in params.values())
-    sharded = {pl.name for pl in plan.params}
+    experts = {p for layer in plan.moe_layers for p in layer.params} if plan.ep > 1 else set()
+    sharded = {pl.name for pl in plan.params} | experts
     replicated = sorted(((p.numel(), n) for n, p in params.items() if n not in sharded), reverse=True)
-    held = (sum(n for n, _ in replicated) + (total - sum(n for n, _ in replicated)) / plan.tp) / max(total, 1)
+    on_ep = sum(params[n].numel() for n in experts if n in params)
+    held = (sum(n for n, _ in replicated) + on_ep / plan.ep + (total - sum(n for n, _ in replicated) - on_ep) / plan.tp) / max(total, 1)
     if held > REPLICATED_SLACK / plan.tp:
         largest = ", ".join(f"{n} ({size})" for size, n in replicated[:5])
         log.warning(

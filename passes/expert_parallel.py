@@ -20,6 +20,7 @@ In sync-free mode (``plan.moe_dispatch == SYNC_FREE``) every local expert holds 
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any
 
@@ -69,11 +70,15 @@ def new_node(graph: Graph, target: Any, args: tuple, like: Node, val: Any) -> No
     return node
 
 
-def route(graph: Graph, offsets: Node, rows: int, layout: tuple, layer: str, like: Node) -> tuple[Node, Node]:
-    """``moe_route`` and its two outputs, after ``offsets``."""
+def route(graph: Graph, offsets: Node, rows: int | Node, layout: tuple, layer: str, like: Node) -> tuple[Node, Node]:
+    """``moe_route`` and its two outputs, after ``offsets`` (and ``rows``)."""
     num_experts, _, ep, *_ = layout
     off_val = offsets.meta["val"]
-    with graph.inserting_after(offsets):
+    after = offsets
+    if isinstance(rows, Node):
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        after = max(offsets, rows, key=position.__getitem__)
+    with graph.inserting_after(after):
         pair = new_node(graph, MOE_ROUTE, (offsets, rows, *layout, layer), like, None)
     pair.meta[meta_keys.NEEDS_GRAD] = False
     with graph.inserting_after(pair):
@@ -92,10 +97,11 @@ def to_experts(graph: Graph, x: Node, routed: Node, layout: tuple, before: Node)
         return new_node(graph, MOE_TO_EXPERTS, (x, routed, *layout), x, val.new_empty((rows, *val.shape[1:])))
 
 
-def from_experts(graph: Graph, y: Node, routed: Node, rows: int, layout: tuple) -> Node:
+def from_experts(graph: Graph, y: Node, routed: Node, rows: int | Node, layout: tuple) -> Node:
     val = y.meta["val"]
+    count = rows.meta["val"] if isinstance(rows, Node) else rows
     with graph.inserting_after(y):
-        return new_node(graph, MOE_FROM_EXPERTS, (y, routed, rows, *layout), y, val.new_empty((rows, *val.shape[1:])))
+        return new_node(graph, MOE_FROM_EXPERTS, (y, routed, rows, *layout), y, val.new_empty((count, *val.shape[1:])))
 
 
 def _rewrite_grouped(graph: Graph, layer: MoeLayer, layout: tuple) -> None:
@@ -124,45 +130,53 @@ def _rewrite_loop(graph: Graph, layer: MoeLayer, layout: tuple, ep_rank: int) ->
     experts = layer.experts
     order = {n: i for i, n in enumerate(graph.nodes)}
     last = max((e.combine for e in experts), key=order.__getitem__)
-    sources = sorted(experts[0].gathers, key=order.__getitem__)
+    gathered = [sorted(e.gathers.values(), key=order.__getitem__) for e in experts]
     local = num_experts // ep
     mine = [e for e in experts if e.index // local == ep_rank]
-    first_rows = [e.gathers[sources[0]] for e in experts]
+    first_rows = [g[0] for g in gathered]
 
-    def make(target: object, args: tuple, like: Node, val: object) -> Node:
+    mode = torch._guards.detect_fake_mode([first_rows[0].meta["val"]])
+
+    def make(target: Any, args: tuple, like: Node, kwargs: dict | None = None) -> Node:
+        """A node before ``last``, its value propagated through the trace's fake tensors."""
         with graph.inserting_before(last):
-            return new_node(graph, target, args, like, val)
+            node = new_node(graph, target, args, like, None)
+        node.kwargs = kwargs or {}
+        vals = torch.fx.node.map_arg((args, node.kwargs), lambda a: a.meta.get("val"))
+        known = all(a.meta.get("val") is not None for a in node.all_input_nodes)
+        if known and target is not aten.tensor_split.tensor_indices_or_sections:  # its split points are data
+            with mode if mode is not None else contextlib.nullcontext():
+                node.meta["val"] = target(*vals[0], **vals[1])
+        return node
 
     device = first_rows[0].meta["val"].device
-    sizes = [make(aten.sym_size.int, (g, 0), g, g.meta["val"].shape[0]) for g in first_rows]
-    counts = [make(aten.scalar_tensor.default, (s,), s, None) for s in sizes]
-    for c in counts:
-        c.kwargs = {"dtype": torch.int64, "device": device}
-    stacked = make(aten.stack.default, (counts,), last, None)
-    offsets = make(aten.cumsum.default, (stacked, 0), last, torch.empty(num_experts, dtype=torch.int64, device="meta"))
-    cats = {s: make(aten.cat.default, ([e.gathers[s] for e in experts],), last, None) for s in sources}
-    rows = make(aten.sym_size.int, (cats[sources[0]], 0), last, None)
+    sizes = [make(aten.sym_size.int, (g, 0), g) for g in first_rows]
+    counts = [make(aten.scalar_tensor.default, (s,), s, {"dtype": torch.int64, "device": device}) for s in sizes]
+    offsets = make(aten.cumsum.default, (make(aten.stack.default, (counts,), last), 0), last)
+    cats = [make(aten.cat.default, ([g[j] for g in gathered],), last) for j in range(len(gathered[0]))]
+    rows = make(aten.sym_size.int, (cats[0], 0), last)
     with graph.inserting_before(last):
         routed, local_offsets = route(graph, offsets, rows, layout, layer.name, last)
-    bounds = make(aten._to_copy.default, (make(aten.slice.Tensor, (local_offsets, 0, 0, local - 1), last, None),), last, None)
-    bounds.kwargs = {"device": torch.device("cpu")}
-    for s in sources:
-        moved = to_experts(graph, cats[s], routed, layout, last)
-        split = make(aten.tensor_split.tensor_indices_or_sections, (moved, bounds, 0), last, None)
+    bounds = make(aten._to_copy.default, (make(aten.slice.Tensor, (local_offsets, 0, 0, local - 1), last),), last,
+                  {"device": torch.device("cpu")})
+    for j, cat in enumerate(cats):
+        moved = to_experts(graph, cat, routed, layout, last)
+        split = make(aten.tensor_split.tensor_indices_or_sections, (moved, bounds, 0), last)
         for e in mine:
-            segment = make(operator.getitem, (split, e.index % local), e.gathers[s], None)
+            gather = gathered[e.index][j]
+            segment = make(operator.getitem, (split, e.index % local), gather)
             for n in e.body:
-                n.replace_input_with(e.gathers[s], segment)
+                n.replace_input_with(gather, segment)
     for e in mine:
         for n in e.body:
             last.prepend(n)
-    results = make(aten.cat.default, ([e.result for e in mine],), last, None)
+    results = make(aten.cat.default, ([e.result for e in mine],), last)
     with graph.inserting_before(last):
         back = from_experts(graph, results, routed, rows, layout)
     last.prepend(back)
-    pieces = make(aten.split_with_sizes.default, (back, sizes, 0), last, None)
+    pieces = make(aten.split_with_sizes.default, (back, sizes, 0), last)
     for i, e in enumerate(experts):
-        piece = make(operator.getitem, (pieces, i), e.result, None)
+        piece = make(operator.getitem, (pieces, i), e.result)
         e.combine.replace_input_with(e.result, piece)
     for e in sorted(experts, key=lambda x: order[x.combine]):
         if e.combine is not last:

@@ -281,6 +281,9 @@ def _loop_layer(choice: Node, members: list[tuple[int, Node, Node, Node]], param
         blocker = blocker or problem
         experts.append(LoopExpert(e, idx, gathers, body, src, combine, owned))
     experts.sort(key=lambda x: x.index)
+    shapes = {tuple(tuple((shape_of(g) or ())[1:]) for g in sorted(x.gathers.values(), key=_position)) for x in experts}
+    if len(shapes) > 1:
+        blocker = blocker or f"the experts picked by {describe(choice)} gather rows of different shapes {sorted(shapes)}"
     num = (shape_of(router_input(choice)) or (len(experts),))[-1] if router is not None else len(experts)
     if router is None:
         blocker = f"the expert choice {describe(choice)} comes from {describe(stop)}, not from a router's topk"
@@ -290,6 +293,10 @@ def _loop_layer(choice: Node, members: list[tuple[int, Node, Node, Node]], param
     name = _common_module(all_params) if all_params else choice.name
     rows = sum((shape_of(x.idx) or (0,))[0] for x in experts)
     return MoeLayer(name, LOOP, num, rows, router, all_params, (), blocker, experts=experts)
+
+
+def _position(node: Node) -> int:
+    return next(i for i, n in enumerate(node.graph.nodes) if n is node)
 
 
 def router_input(choice: Node) -> Node | None:
