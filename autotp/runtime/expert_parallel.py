@@ -10,22 +10,27 @@ the parameters of those expert modules (the others are not held at all).
 holding its expert, so after the backward an expert weight's gradient already sums the
 tokens of its whole ep group. The dense gradients are averaged over dp; for the expert
 ones to match, they are summed over edp (the ranks holding the same experts) and divided
-by dp (``sync_expert_grads``).
+by dp (``sync_expert_grads``); the DistributedOptimizer reduce-scatters them over edp
+and divides by dp (``grad_buffers``).
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.fx import GraphModule
 
 from autotp.ir.moe_ops import DISPATCH_OPS  # noqa: F401 (the schemas the kernels below implement)
 from autotp.ir.moe_plan import MoeLayerPlan, ep_group_key, expert_param_owner
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.rank_groups import groups_of, rank_groups
 from autotp.runtime import collectives, moe_dispatch  # noqa: F401 (registers the dispatch kernels)
+from autotp.runtime.grad_buffers import WAIT_MODULE, GradBuffers, ParamUse
 from autotp.runtime.shard_map import Piece, ShardSpec
 
 
@@ -120,3 +125,74 @@ def sync_expert_grads(grads: list[torch.Tensor], groups: ExpertGroups, dp: int) 
         if groups.edp_group is not None:
             dist.all_reduce(g, group=groups.edp_group)
         g /= dp
+
+
+class GradBufferSet:
+    """The DistributedOptimizer's buffers with expert parallelism: the dense parameters'
+    over dp, the expert parameters' over edp (averaged over dp, module docstring), behind
+    the one ``GradBuffers`` interface the optimizer and the model call."""
+
+    def __init__(self, parts: list[GradBuffers]) -> None:
+        self.parts = parts
+        self.slots = {name: slot for part in parts for name, slot in part.slots.items()}
+        self.buckets = [b for part in parts for b in part.buckets]
+        self.overlap = parts[0].overlap
+        self.dp = max(part.dp for part in parts)
+
+    @property
+    def reduced(self) -> bool:
+        return self.parts[0].reduced
+
+    @property
+    def generation(self) -> int:
+        return self.parts[0].generation
+
+    def shard_pieces(self) -> list:
+        return [piece for part in self.parts for piece in part.shard_pieces()]
+
+    def padding(self) -> int:
+        return sum(part.padding() for part in self.parts)
+
+    def begin(self, microbatches: int) -> None:
+        for part in self.parts:
+            part.begin(microbatches)
+
+    def finish(self) -> None:
+        for part in self.parts:
+            part.finish()
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def gather_params(self) -> None:
+        for part in self.parts:
+            part.gather_params()
+
+    def wait_params(self) -> None:
+        for part in self.parts:
+            part.wait_params()
+
+    def insert_waits(self, gm: GraphModule, canonical: Callable[[str], str], chunk: int) -> None:
+        for part in self.parts:
+            if part.overlap and part.dp > 1:
+                part.insert_waits(gm, canonical, chunk)
+
+    def remove_hooks(self) -> None:
+        for part in self.parts:
+            part.remove_hooks()
+
+
+def grad_buffers(uses: list[ParamUse], plan: ParallelPlan, dp_rank: int, dp_group: dist.ProcessGroup | None,
+                 groups: ExpertGroups, experts: ExpertShards, **kw: Any) -> GradBufferSet:  # fmt: skip
+    """Dense and expert gradient buffers (``GradBuffers`` keywords in ``kw``)."""
+    dense = [u for u in uses if not experts.is_expert(u.name)]
+    expert = [u for u in uses if experts.is_expert(u.name)]
+    edp = 1 if groups.edp_group is None else dist.get_world_size(groups.edp_group)
+    edp_rank = 0 if groups.edp_group is None else dist.get_rank(groups.edp_group)
+    parts = [GradBuffers(dense, plan.dp, dp_rank, dp_group, **kw)] if dense else []
+    if expert:
+        shared = {}  # an expert layer lives on one pipeline stage
+        parts.append(GradBuffers(expert, edp, edp_rank, groups.edp_group, **dict(kw, shared_groups=shared),
+                                 mean_over=plan.dp, wait_module=WAIT_MODULE + "_experts"))  # fmt: skip
+    return GradBufferSet(parts)

@@ -112,10 +112,13 @@ class ParallelModel(nn.Module):
         """This rank's place in its expert-parallel group (0 without expert parallelism)."""
         return self._coords.experts.ep_rank if self._coords.experts is not None else 0
 
-    def moe_drop_counts(self) -> dict[str, tuple[int, int]]:
+    def moe_drop_counts(self, reset: bool = False) -> dict[str, tuple[int, int]]:
         """Per MoE layer under sync-free dispatch: (rows its capacity dropped, rows routed) on
-        this rank since the last ``moe_drop_counts(reset=True)``; reading syncs with the device."""
-        return expert_parallel.moe_dispatch.drop_counts()
+        this rank since the last reset (counted per process; reading syncs with the device)."""
+        counts = expert_parallel.moe_dispatch.drop_counts()
+        if reset:
+            expert_parallel.moe_dispatch.reset_drop_counts()
+        return counts
 
     @property
     def my_chunks(self) -> list[int]:
@@ -438,7 +441,9 @@ class ParallelModel(nn.Module):
 
     def _norm_counting(self, dp_rank: int | None) -> grad_norm.NormCounting:
         c = self._coords
-        return grad_norm.NormCounting(self.plan, c.tp_rank, c.pp_rank, dp_rank, self._params.layouts, self._owners)
+        experts = self._params.experts
+        return grad_norm.NormCounting(self.plan, c.tp_rank, c.pp_rank, dp_rank, self._params.layouts, self._owners,
+                                      lambda n: experts.counts_in_norm(n, dp_rank) if experts.is_expert(n) else None)  # fmt: skip
 
     def clip_grad_norm_(self, max_norm: float, error_if_nonfinite: bool = False, check_replicas_every: int = REPLICA_CHECK_EVERY) -> torch.Tensor:
         """Clip this rank's gradients by the global L2 norm, each parameter counted once across tp
@@ -470,6 +475,8 @@ class ParallelModel(nn.Module):
         named, holders = [], []
         for name in self._params.local_names:
             layout = self._params.layouts[name]
+            if self._params.experts.is_expert(name):
+                continue  # each tp rank may hold other experts
             if layout is None:
                 replicas = tp
             else:
