@@ -101,7 +101,11 @@ def find_moe_layers(gm: GraphModule) -> list[MoeLayer]:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     layers = _grouped_layers(gm, params, order) + _loop_layers(gm, params, order)
     nodes = {n.name: n for n in gm.graph.nodes}
+    seen: dict[str, int] = {}
     for layer in layers:
+        seen[layer.name] = seen.get(layer.name, 0) + 1
+        if seen[layer.name] > 1:  # two MoE layers in one module
+            layer.name = f"{layer.name}#{seen[layer.name]}"
         layer.shared_params = _shared_params(layer, nodes, params)
     return layers
 
@@ -182,8 +186,8 @@ def _grouped_layer(offs: Node, mms: list[Node], params: dict) -> MoeLayer:
     rows = (shape_of(mms[0].args[0]) or (0,))[0]
     known = [w for w in weights if w is not None]
     num_experts = params[known[0]].shape[0] if known else 0
-    name = _layer_name(known[0]) if known else str(offs.name)
     router, stop = find_router(offs)
+    name = _module_of([*mms, *([stop] if router is not None else [])]) or (known[0].rsplit(".", 1)[0] if known else offs.name)
     layer = MoeLayer(name, GROUPED, num_experts, rows, router, tuple(dict.fromkeys(known)), (), offsets=offs, grouped_mms=mms)
     if None in weights:
         layer.blocker = f"{describe(mms[weights.index(None)])} multiplies by a weight that is not a fused [experts, ...] parameter"
@@ -212,10 +216,15 @@ def _grouped_layer(offs: Node, mms: list[Node], params: dict) -> MoeLayer:
     return layer
 
 
-def _layer_name(param: str) -> str:
-    """The module holding a layer's experts and router: two levels above a fused weight
-    (``...mlp.experts.gate_up_proj`` -> ``...mlp``)."""
-    return param.rsplit(".", 2)[0]
+def _module_of(nodes: list[Node]) -> str:
+    """The innermost module that runs all of ``nodes`` (their router and experts: ``model.layers.0.mlp``)."""
+    stacks = [[path for path, _ in (n.meta.get("nn_module_stack") or {}).values()] for n in nodes]
+    common = ""
+    for paths in zip(*stacks):
+        if len(set(paths)) != 1:
+            break
+        common = paths[0]
+    return common
 
 
 # ---- loop form ---------------------------------------------------------------------------
@@ -290,7 +299,7 @@ def _loop_layer(choice: Node, members: list[tuple[int, Node, Node, Node]], param
     elif [x.index for x in experts] != list(range(num)):
         blocker = f"the experts picked by {describe(choice)} are {[x.index for x in experts]}, not each of 0..{num - 1} once"
     all_params = tuple(p for x in experts for p in x.params)
-    name = _common_module(all_params) if all_params else choice.name
+    name = _module_of([stop, *(x.combine for x in experts)]) or choice.name
     rows = sum((shape_of(x.idx) or (0,))[0] for x in experts)
     return MoeLayer(name, LOOP, num, rows, router, all_params, (), blocker, experts=experts)
 
@@ -312,14 +321,3 @@ def _is_row_gather(node: Node, idx: Node) -> bool:
     if name == "index" and len(node.args[1]) >= 1 and node.args[1][0] is idx:
         return all(i is None for i in node.args[1][1:])
     return name == "index_select" and node.args[1] == 0 and node.args[2] is idx
-
-
-def _common_module(names: tuple[str, ...]) -> str:
-    """The module two levels above the experts' common prefix (``blocks.0.experts.3.0.weight`` -> ``blocks.0``)."""
-    parts = [n.split(".") for n in names]
-    common = []
-    for column in zip(*parts):
-        if len(set(column)) != 1:
-            break
-        common.append(column[0])
-    return ".".join(common[:-1]) if len(common) > 1 else ".".join(common)

@@ -28,9 +28,11 @@ def drop_counts() -> dict[str, tuple[int, int]]:
     return {layer: (int(c[0]), int(c[1])) for layer, c in _DROPS.items()}
 
 
-def reset_drop_counts() -> None:
-    for counts in _DROPS.values():
-        counts.zero_()
+def reset_drop_counts(layers: set[str] | None = None) -> None:
+    """Zero the counts of ``layers`` (None: all)."""
+    for layer, counts in _DROPS.items():
+        if layers is None or layer in layers:
+            counts.zero_()
 
 
 def _rank(group: str, size: int) -> tuple[dist.ProcessGroup | None, int]:

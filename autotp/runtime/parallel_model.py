@@ -114,10 +114,12 @@ class ParallelModel(nn.Module):
 
     def moe_drop_counts(self, reset: bool = False) -> dict[str, tuple[int, int]]:
         """Per MoE layer under sync-free dispatch: (rows its capacity dropped, rows routed) on
-        this rank since the last reset (counted per process; reading syncs with the device)."""
-        counts = expert_parallel.moe_dispatch.drop_counts()
+        this rank since the last reset (counted per process and layer name, so two models with the
+        same layer names in one process share them; reading syncs with the device)."""
+        mine = {layer.name for layer in self.plan.moe_layers}
+        counts = {k: v for k, v in expert_parallel.moe_dispatch.drop_counts().items() if k in mine}
         if reset:
-            expert_parallel.moe_dispatch.reset_drop_counts()
+            expert_parallel.moe_dispatch.reset_drop_counts(mine)
         return counts
 
     @property
