@@ -206,6 +206,9 @@ def plan_model(
         if ep not in (1, plan.ep):
             raise UserInputError(f"the plan is for ep={plan.ep} but ep={ep} was asked; pass ep={plan.ep} or re-plan")
     else:
+        if plan == "auto" and ep == 1 and moe_dispatch is None and chosen.ep > 1:  # the planner's expert parallelism
+            ep, moe_dispatch = chosen.ep, chosen.moe_dispatch
+            moe_capacity_factor = chosen.moe_capacity_factor or None
         chosen = plan_expert_parallel(traced, chosen, ep=ep, etp=etp, dispatch=moe_dispatch, capacity_factor=moe_capacity_factor)
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)

@@ -5,16 +5,16 @@ counts per expert, the grouped matmul's ``offs``). ``passes/expert_parallel`` mo
 rows to the ranks that hold their experts and back:
 
 * ``moe_route(offsets, rows, num_experts, capacity, ep, ep_group, tp, tp_group, layer)``
-  -> ``(route, local_offsets)``. This rank takes its tp slice of the ``rows`` rows (the
-  tokens are replicated over tp; each tp rank dispatches ``[lo, hi)``), counts the slice's
-  rows per expert and exchanges the counts over the ep group (an all-to-all of ``E``
-  integers). ``route`` (int64) is ``[lo, hi, sent per expert (E), received per source rank
-  and local expert (ep x E/ep)]``; ``local_offsets`` are the cumulative row counts of this
+  -> ``(route, local_offsets)``. This rank takes its tp share of the ``rows`` rows (the
+  tokens are replicated over tp; tp rank r dispatches the rows ``i % tp == r``, so every
+  expert's rows split evenly over tp), counts them per expert and exchanges the counts
+  over the ep group (an all-to-all of ``E`` integers). ``route`` (int64) is ``[tp rank, tp,
+  sent per expert (E), received per source rank and local expert (ep x E/ep)]``; ``local_offsets`` are the cumulative row counts of this
   rank's ``E/ep`` experts in the received rows, the ``offs`` of its grouped matmuls.
 * ``moe_to_experts(x, route, ...)`` -> the received rows, grouped by local expert, then by
   source rank: the permute and the all-to-all.
 * ``moe_from_experts(y, route, rows, ...)`` -> the ``rows`` rows in their original order
-  (each rank's part back, its tp slices all-gathered).
+  (each rank's part back, the tp shares all-gathered).
 
 Each movement is the other's backward. Two modes, fixed by ``capacity``:
 

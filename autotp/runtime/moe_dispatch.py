@@ -1,7 +1,9 @@
 """Kernels of the expert-parallel dispatch ops (``autotp.ir.moe_ops``), CPU and CUDA.
 
 Rows arrive sorted by global expert; experts ``[r*E/ep, (r+1)*E/ep)`` live on ep rank r,
-so the rows for each destination are contiguous. Dropless movements read the counts on
+so the rows for each destination are contiguous. The tokens are replicated over tp, so tp
+rank r dispatches every tp-th row from row r: each expert's rows split evenly over the tp
+ranks (within one), still sorted. Dropless movements read the counts on
 the host to size the all-to-all; sync-free ones place each kept row in a static slot
 ``expert * capacity + position`` (``_capacity_slots``) and move fixed-size buffers.
 
@@ -42,17 +44,17 @@ def _rank(group: str, size: int) -> tuple[dist.ProcessGroup | None, int]:
     return pg, (0 if pg is None else dist.get_rank(pg))
 
 
-def _slice(rows: int, tp: int, tp_group: str) -> tuple[int, int]:
-    _, r = _rank(tp_group, tp)
-    return r * rows // tp, (r + 1) * rows // tp
+def _taken(x: Tensor | int, r: int, tp: int) -> Tensor | int:
+    """How many of the rows ``[0, x)`` tp rank r takes: those ``i`` with ``i % tp == r``."""
+    return (x - r + tp - 1) // tp if isinstance(x, int) else (x - r + tp - 1).clamp(min=0) // tp
 
 
 def _route(offsets: Tensor, rows: int, num_experts: int, capacity: int, ep: int, ep_group: str, tp: int, tp_group: str,
            layer: str) -> tuple[Tensor, Tensor]:  # fmt: skip
-    lo, hi = _slice(rows, tp, tp_group)
+    _, r = _rank(tp_group, tp)
     ends = offsets.to(torch.int64)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    sent = ends.clamp(lo, hi) - starts.clamp(lo, hi)
+    sent = _taken(ends, r, tp) - _taken(starts, r, tp)
     kept = sent.clamp(max=capacity) if capacity else sent
     pg, _ = _rank(ep_group, ep)
     received = kept.clone()
@@ -67,7 +69,7 @@ def _route(offsets: Tensor, rows: int, num_experts: int, capacity: int, ep: int,
         local_offsets = torch.arange(1, local + 1, device=offsets.device) * (ep * capacity)
     else:
         local_offsets = received.view(ep, local).sum(0).cumsum(0)
-    route = torch.cat([torch.tensor([lo, hi], device=sent.device), sent, received])
+    route = torch.cat([torch.tensor([r, tp], device=sent.device), sent, received])
     return route, local_offsets.to(offsets.dtype)
 
 
@@ -105,13 +107,13 @@ def _capacity_slots(sent: Tensor, n: int, num_experts: int, capacity: int) -> Te
 
 
 def _to_experts(x: Tensor, route: Tensor, num_experts: int, capacity: int, ep: int, ep_group: str, tp: int, tp_group: str) -> Tensor:
-    lo, hi = _slice(x.shape[0], tp, tp_group)
-    part = x[lo:hi]
+    _, r = _rank(tp_group, tp)
+    part = x[r::tp]
     sent, received = _counts(route, num_experts)
     pg, _ = _rank(ep_group, ep)
     local = num_experts // ep
     if capacity:
-        slots = _capacity_slots(sent, hi - lo, num_experts, capacity)
+        slots = _capacity_slots(sent, part.shape[0], num_experts, capacity)
         buf = part.new_zeros((num_experts * capacity + 1, *part.shape[1:]))
         buf[slots] = part
         moved = _all_to_all(buf[:-1], num_experts * capacity, None, None, pg)
@@ -126,7 +128,8 @@ def _to_experts(x: Tensor, route: Tensor, num_experts: int, capacity: int, ep: i
 
 def _from_experts(y: Tensor, route: Tensor, rows: int, num_experts: int, capacity: int, ep: int, ep_group: str, tp: int,
                   tp_group: str) -> Tensor:  # fmt: skip
-    lo, hi = _slice(rows, tp, tp_group)
+    _, r = _rank(tp_group, tp)
+    mine = _taken(rows, r, tp)
     sent, _ = _counts(route, num_experts)
     pg, _ = _rank(ep_group, ep)
     local = num_experts // ep
@@ -135,7 +138,7 @@ def _from_experts(y: Tensor, route: Tensor, rows: int, num_experts: int, capacit
         source_major = y.reshape(local, ep, capacity, -1).transpose(0, 1).reshape(num_experts * capacity, *tail)
         back = _all_to_all(source_major, num_experts * capacity, None, None, pg)
         back = torch.cat([back, back.new_zeros((1, *tail))])
-        part = back[_capacity_slots(sent, hi - lo, num_experts, capacity)]
+        part = back[_capacity_slots(sent, mine, num_experts, capacity)]
     else:
         host = route.tolist()
         sent_h, received_h = host[2 : 2 + num_experts], host[2 + num_experts :]
@@ -144,12 +147,12 @@ def _from_experts(y: Tensor, route: Tensor, rows: int, num_experts: int, capacit
         order = _expert_major(received_h, ep, local).to(y.device)
         source_major = torch.empty_like(y)
         source_major[order] = y
-        part = _all_to_all(source_major, hi - lo, in_splits, out_splits, pg)
+        part = _all_to_all(source_major, mine, in_splits, out_splits, pg)
     return _gather_slices(part, rows, tp, tp_group)
 
 
 def _gather_slices(part: Tensor, rows: int, tp: int, tp_group: str) -> Tensor:
-    """The ``rows`` rows from every tp rank's slice ``[r*rows//tp, (r+1)*rows//tp)``."""
+    """The ``rows`` rows from every tp rank's share (rank r took the rows ``i % tp == r``)."""
     pg, _ = _rank(tp_group, tp)
     if pg is None:
         return part.clone()
@@ -157,8 +160,7 @@ def _gather_slices(part: Tensor, rows: int, tp: int, tp_group: str) -> Tensor:
     padded = torch.cat([part, part.new_zeros((width - part.shape[0], *part.shape[1:]))])
     pieces = [torch.empty_like(padded) for _ in range(tp)]
     dist.all_gather(pieces, padded.contiguous(), group=pg)
-    return torch.cat([p[: (r + 1) * rows // tp - r * rows // tp] for r, p in enumerate(pieces)])
-
+    return torch.stack(pieces, 1).reshape(width * tp, *part.shape[1:])[:rows]
 
 for _op, _fn in ((moe_ops.MOE_ROUTE, _route), (moe_ops.MOE_TO_EXPERTS, _to_experts), (moe_ops.MOE_FROM_EXPERTS, _from_experts)):
     for _device in ("CPU", "CUDA"):
