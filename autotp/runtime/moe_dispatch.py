@@ -69,8 +69,8 @@ def _route(offsets: Tensor, rows: int, num_experts: int, capacity: int, ep: int,
         local_offsets = torch.arange(1, local + 1, device=offsets.device) * (ep * capacity)
     else:
         local_offsets = received.view(ep, local).sum(0).cumsum(0)
-    header = sent.new_empty(2)  # filled on the device: a host-to-device copy would break a CUDA-graph capture
-    header[0], header[1] = r, tp
+    header = sent.new_full((2,), tp)  # filled on the device: a host-to-device copy would break a CUDA-graph capture
+    header[:1].fill_(r)
     route = torch.cat([header, sent, received])
     return route, local_offsets.to(offsets.dtype)
 
