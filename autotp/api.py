@@ -89,7 +89,9 @@ def compile_rank(
     For inspection, dumps and compile-time benchmarks; a model on ``meta`` never
     allocates its weights. With pp > 1 the graph carries the stage boundaries. With
     ``cuda_graphs`` the plan asks for CUDA graphs and the nodes carry their regions and
-    blockers, as a GPU rank on NCCL would capture them.
+    blockers, as a GPU rank on NCCL would capture them. With ``ep`` (and ``moe_dispatch``,
+    ``moe_capacity_factor``, as ``parallelize`` takes them) the graph is ep rank 0's, dp the
+    smallest that ep folds onto.
     """
     _check_degrees(tp, pp, vpp)
     if not 0 <= rank < tp:

@@ -165,8 +165,12 @@ def _rewrite_loop(graph: Graph, layer: MoeLayer, layout: tuple, ep_rank: int) ->
         for e in mine:
             gather = gathered[e.index][j]
             segment = make(operator.getitem, (split, e.index % local), gather)
+            sizes_read = [u for u in gather.users if u.target is aten.sym_size.int and u.args[1] == 0]
+            count = make(aten.sym_size.int, (segment, 0), gather) if sizes_read else None
             for n in e.body:
                 n.replace_input_with(gather, segment)
+                for size in sizes_read:  # a view in the expert counting its rows counts the segment's
+                    n.replace_input_with(size, count)
     for e in mine:
         for n in e.body:
             last.prepend(n)

@@ -69,6 +69,19 @@ class FusedIndexAddBlock(_Block):
         return torch.zeros_like(flat).index_add(0, token, out).view(b, s, h)
 
 
+class GluExpert(nn.Module):
+    """An expert that views its rows by their count (``x.shape[0]``): the view must follow the
+    rows the expert receives, not the rows its rank gathered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(HIDDEN, 2 * FFN), nn.Linear(FFN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.up(x).view(x.shape[0], 2, FFN)
+        return self.down(F.silu(gate_up[:, 0]) * gate_up[:, 1])
+
+
 class LoopSigmoidBlock(_Block):
     """A loop over expert modules picked by a sigmoid router with a correction bias
     (DeepSeek-V3's rule: the bias steers the choice, the weights are the unbiased scores),
@@ -79,7 +92,7 @@ class LoopSigmoidBlock(_Block):
         del self.up, self.down
         self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
         self.register_buffer("correction", torch.linspace(-0.2, 0.2, EXPERTS))
-        self.routed = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, FFN), nn.SiLU(), nn.Linear(FFN, HIDDEN)) for _ in range(EXPERTS))
+        self.routed = nn.ModuleList(GluExpert() for _ in range(EXPERTS))
         self.shared = nn.Sequential(nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:

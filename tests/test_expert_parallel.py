@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,6 +209,35 @@ def test_unrecognised_router_keeps_tensor_parallel_experts_with_a_warning(caplog
     assert compiled.plan.layout_of("blocks.0.w_in") is not None  # still sharded over tp
 
 
+# ---- cost model -------------------------------------------------------------------------------
+
+
+def test_cost_model_charges_dispatch_imbalance_and_capacity() -> None:
+    from autotp.cost_model.hardware import get_profile
+    from autotp.cost_model.moe_costs import DROPLESS_SYNC_S, MoeFacts, all_to_all_group_s, expert_parallel_options, imbalance, option
+    from autotp.ir.training_step import TrainingStep
+
+    hw = get_profile("h100", calibrated=False)
+    facts = MoeFacts(layers=32, num_experts=8, top_k=2, hidden=4096, flops_per_row=2 * 3 * 4096 * 14336,
+                     expert_params=8 * 3 * 4096 * 14336, grouped=True)  # fmt: skip
+    # inside a node only the NVLink term counts; across nodes the slower link dominates
+    inside, across = all_to_all_group_s(2**28, 8, 8, hw), all_to_all_group_s(2**28, 16, 8, hw)
+    assert 0 < inside < across
+    assert all_to_all_group_s(2**28, 1, 8, hw) == 0.0
+    # imbalance of uniform routing shrinks with the rows each rank sends, grows with ep
+    assert imbalance(1024, 8) > imbalance(65536, 8) > 1.0 and imbalance(65536, 8) > imbalance(65536, 2)
+    plan = dict(tp=1, pp=1, dp=8, microbatch=4, microbatches=2, seq=4096, per_node=8, hw=hw,
+                step=TrainingStep("bf16-fp32-grads", True))  # fmt: skip
+    dropless = option(facts, ep=8, **plan)
+    synced = option(facts, ep=8, dispatch="sync_free", capacity_factor=1.25, **plan)
+    assert dropless.saved_bytes > 0 and dropless.saved_bytes == synced.saved_bytes  # 7/8 of the experts' bytes
+    assert synced.imbalance == 1.25 and dropless.imbalance < 1.05
+    syncs = 32 * 2 * 4 * DROPLESS_SYNC_S  # dropless: 4 host reads per layer and microbatch
+    assert synced.dispatch_s > dropless.dispatch_s - syncs  # sync-free moves 25% more bytes (the padding), reads nothing
+    assert {(o.ep, o.dispatch) for o in expert_parallel_options(facts, **plan)} == {
+        (ep, mode) for ep in (2, 4, 8) for mode in ("dropless", "sync_free")}
+
+
 # ---- multi-rank numerics -----------------------------------------------------------------------
 
 
@@ -294,3 +324,66 @@ def test_sync_free_drops_are_counted_on_every_rank() -> None:
         assert len(r["drops"]) == 2
         assert all(0 < dropped < routed for dropped, routed in r["drops"].values()), r
     assert results[0]["loss"] == results[1]["loss"]
+
+
+ADAMW = {"lr": 1e-3, "weight_decay": 0.1, "eps": 1e-6}
+
+
+def _adamw_on_rank(rank: int, world: int, name: str, tp: int) -> dict:
+    import autotp
+
+    model = build(name)
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(7)
+    batches = [tuple(torch.randint(0, vocab(model), (8, 12), generator=gen) for _ in range(2)) for _ in range(3)]
+    pm = autotp.parallelize(model, tp=tp, example_inputs={"input_ids": batches[0][0][:2], "labels": batches[0][1][:2]}, ep=2)
+    dp = pm.plan.dp
+    opt = autotp.DistributedOptimizer(pm, torch.optim.AdamW, **ADAMW)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for ids, labels in batches:
+        loss = pm.train_step(input_ids=ids, labels=labels)
+        norm = opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+        expected = torch.stack([_out(reference(input_ids=i, labels=l), "loss") for i, l in zip(ids.chunk(dp), labels.chunk(dp))]).mean()
+        expected.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    state = pm.unshard_state_dict()
+    for pname, p in reference.named_parameters():
+        torch.testing.assert_close(state[pname], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{pname}: {m}")
+    experts = {p for layer in pm.plan.moe_layers for p in layer.params}
+    mine = sum(p.numel() for n, p in pm.named_parameters() if n in experts)
+    return {"expert_share": mine / sum(p.numel() for n, p in reference.named_parameters() if n in experts)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "tp", "world"), [("mixtral", 1, 2), ("loop_sigmoid", 1, 2), ("mixtral", 2, 4)])
+def test_distributed_optimizer_with_ep_matches_adamw(name: str, tp: int, world: int) -> None:
+    for r in run_on_ranks(_adamw_on_rank, world, name, tp, timeout_s=900):
+        assert r["expert_share"] == pytest.approx(0.5)
+
+
+def _reshard_on_rank(rank: int, world: int, name: str, saved: dict, loaded: dict, path: str) -> float:
+    import autotp
+
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(5))
+    pm = autotp.parallelize(build(name), example_inputs={"input_ids": ids[:2], "labels": ids[:2]}, **saved)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    pm.train_step(input_ids=ids, labels=ids)
+    opt.step()
+    pm.save_checkpoint(path, optimizer=opt, step=1)
+    before = pm.unshard_state_dict()  # after a step: not the fresh model's initial weights
+    fresh = autotp.parallelize(build(name), example_inputs={"input_ids": ids[:2], "labels": ids[:2]}, **loaded)
+    assert fresh.load_checkpoint(path, optimizer=torch.optim.AdamW(fresh.parameters(), lr=1e-2)) == 1
+    after = fresh.unshard_state_dict()
+    return max((before[k] - after[k]).abs().max().item() for k in before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "saved", "loaded"), [("fused_index_add", {"ep": 2}, {"tp": 2}), ("loop_sigmoid", {"tp": 2}, {"ep": 2})])
+def test_checkpoints_reshard_across_ep(name: str, saved: dict, loaded: dict, tmp_path: Path) -> None:
+    assert max(run_on_ranks(_reshard_on_rank, 2, name, saved, loaded, str(tmp_path / "ckpt"), timeout_s=600)) == 0.0
