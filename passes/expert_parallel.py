@@ -165,11 +165,11 @@ def _rewrite_loop(graph: Graph, layer: MoeLayer, layout: tuple, ep_rank: int) ->
         for e in mine:
             gather = gathered[e.index][j]
             segment = make(operator.getitem, (split, e.index % local), gather)
-            sizes_read = [u for u in gather.users if u.target is aten.sym_size.int and u.args[1] == 0]
-            count = make(aten.sym_size.int, (segment, 0), gather) if sizes_read else None
+            count: Node | None = None
             for n in e.body:
                 n.replace_input_with(gather, segment)
-                for size in sizes_read:  # a view in the expert counting its rows counts the segment's
+                for size in _row_counts(n, gather):  # a view in the expert counting its rows counts the segment's
+                    count = count or make(aten.sym_size.int, (segment, 0), gather)
                     n.replace_input_with(size, count)
     for e in mine:
         for n in e.body:
@@ -185,6 +185,12 @@ def _rewrite_loop(graph: Graph, layer: MoeLayer, layout: tuple, ep_rank: int) ->
     for e in sorted(experts, key=lambda x: order[x.combine]):
         if e.combine is not last:
             last.prepend(e.combine)
+
+
+def _row_counts(node: Node, gather: Node) -> list[Node]:
+    """The inputs of ``node`` that are the (data-dependent) row count of ``gather``."""
+    rows = str(gather.meta["val"].shape[0])
+    return [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.SymInt) and str(a.meta["val"]) == rows]
 
 
 def moved_rows(graph: Graph, body: list[Node], rows: int, layout: tuple) -> None:
