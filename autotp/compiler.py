@@ -34,10 +34,12 @@ from autotp.analysis.trace import trace
 from autotp.cost_model.compute import ModelCosts
 from autotp.cost_model.cudagraphs import choose_regions
 from autotp.cost_model.expert_parallel import plan_expert_parallel
+from autotp.cost_model.fp8 import check_recipe, plan_fp8, sites_plan, without_fp8
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.planner import auto_plan, auto_sequence_parallel
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir import meta_keys
+from autotp.ir.fp8 import DEFAULT_RECIPE
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER, ParallelPlan
 from autotp.passes import PASSES
 from autotp.passes.causal_attention import CAUSAL
@@ -47,6 +49,8 @@ from autotp.ir.errors import UserInputError
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH, DEFAULT_SEQ = 2, 16
+LOSS_ONLY = ("loss",)
+"""The output keys ``train_step`` reads without a ``loss_fn``: its graph drops the others."""
 PLANNING_BATCH = 2
 
 
@@ -97,8 +101,9 @@ def _default_inputs(model: nn.Module) -> dict[str, Any]:
 
 
 def model_costs(gm: GraphModule, num_layers_total: int | None = None) -> ModelCosts:
-    """The cost model of ``gm``, compiling candidate plans as tp rank 0 on meta."""
-    return ModelCosts(gm, num_layers_total, compile_fn=lambda plan: lower(gm, plan, device="meta").graph)
+    """The cost model of ``gm``, compiling candidate plans as tp rank 0 on meta, as ``train_step`` runs them
+    (reading only the loss)."""
+    return ModelCosts(gm, num_layers_total, compile_fn=lambda plan: lower(gm, plan, device="meta", outputs_read=LOSS_ONLY).graph)
 
 
 def trace_for_planning(config: PretrainedConfig, seq: int, *, dtype: torch.dtype = torch.bfloat16, traced_layers: int = 1) -> ModelCosts:
@@ -122,7 +127,7 @@ def trace_for_planning(config: PretrainedConfig, seq: int, *, dtype: torch.dtype
 
 def choose_plan(
     traced: GraphModule, tp: int, pp: int, dp: int, vpp: int, plan: ParallelPlan | str | None, *,
-    sequence_parallel: bool | None = None, tp_overlap: bool | None = None,
+    sequence_parallel: bool | None = None, tp_overlap: bool | None = None, fp8: str = "",
 ) -> ParallelPlan:  # fmt: skip
     """The caller's plan (checked against the degrees), the cost model's (``"auto"``, with
     ``sequence_parallel`` and ``tp_overlap`` fixed where not None) or tp/pp's default."""
@@ -138,7 +143,8 @@ def choose_plan(
     if plan == "auto":  # the cost model plans what the caller left at 1: all of tp/pp, else vpp
         fixed = tp > 1 or pp > 1
         return auto_plan(model_costs(traced), tp * pp * dp, tp=tp if fixed else None, pp=pp if fixed else None,
-                         vpp=vpp if vpp > 1 else None, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)  # fmt: skip
+                         vpp=vpp if vpp > 1 else None, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap,
+                         fp8=fp8)  # fmt: skip
     layers = num_layers(traced)
     if pp * vpp > 1 and pp * vpp > layers:
         raise UserInputError(
@@ -169,13 +175,16 @@ def plan_model(
     etp: int | None = None,
     moe_dispatch: str | None = None,
     moe_capacity_factor: float | None = None,
+    fp8: str | bool | None = None,
 ) -> Planned:
     """Trace ``model`` on ``device`` and choose its plan. ``cudagraph_impl`` (the capture
     implementation) turns CUDA graphs on, keeping an implementation the plan names.
     ``sequence_parallel`` and ``tp_overlap``: True or False fix them; ``"auto"`` lets the
     cost model weigh both at the plan's degrees; None keeps the plan's (``plan="auto"``: the
     planner weighs them with the degrees). ``tp_overlap=True`` overlaps both kinds of
-    sequence-parallel collective and needs sequence parallelism."""
+    sequence-parallel collective and needs sequence parallelism. ``fp8``: an FP8 recipe
+    (``autotp.ir.fp8.RECIPES``; True: the default one) for the GEMMs ``plan_fp8`` admits,
+    False for none, None keeps the plan's."""
     for name, value in (("sequence_parallel", sequence_parallel), ("tp_overlap", tp_overlap)):
         if value is not None and not isinstance(value, bool) and value != "auto":
             raise UserInputError(f"{name} must be True, False or 'auto', got {value!r}")
@@ -191,7 +200,8 @@ def plan_model(
     start = time.perf_counter()
     traced = trace(model, kwargs, device)
     traced_at = time.perf_counter()
-    chosen = choose_plan(traced, tp, pp, dp, vpp, plan, sequence_parallel=fixed_sp, tp_overlap=fixed_overlap)
+    recipe = fp8_recipe(fp8)
+    chosen = choose_plan(traced, tp, pp, dp, vpp, plan, sequence_parallel=fixed_sp, tp_overlap=fixed_overlap, fp8=recipe)
     if cudagraph_impl is not None:
         chosen = replace(chosen, cudagraphs=True, cudagraph_impl=chosen.cudagraph_impl or cudagraph_impl)
     if not gather_outputs:
@@ -199,7 +209,8 @@ def plan_model(
     if "auto" in (sequence_parallel, tp_overlap) and plan != "auto":
         keep_sp = chosen.sequence_parallel if sequence_parallel is None else fixed_sp
         keep_overlap = bool(chosen.tp_overlap) if tp_overlap is None else fixed_overlap
-        chosen = auto_sequence_parallel(model_costs(traced), chosen, sequence_parallel=keep_sp, tp_overlap=keep_overlap)
+        chosen = auto_sequence_parallel(model_costs(traced), chosen, sequence_parallel=keep_sp, tp_overlap=keep_overlap,
+                                        fp8=recipe or chosen.fp8)  # fmt: skip
     else:
         chosen = _with_fixed_sequence_parallel(chosen, fixed_sp, fixed_overlap)
     if isinstance(plan, ParallelPlan):
@@ -210,6 +221,7 @@ def plan_model(
             ep, moe_dispatch = chosen.ep, chosen.moe_dispatch
             moe_capacity_factor = chosen.moe_capacity_factor or None
         chosen = plan_expert_parallel(traced, chosen, ep=ep, etp=etp, dispatch=moe_dispatch, capacity_factor=moe_capacity_factor)
+    chosen = with_fp8(traced, chosen, fp8)
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)
     log.info("traced in %.2f s, planned in %.2f s: tp=%d pp=%d dp=%d vpp=%d", traced_at - start,
@@ -225,6 +237,31 @@ def _with_fixed_sequence_parallel(plan: ParallelPlan, sequence_parallel: bool | 
         overlap = tp_overlap and plan.sequence_parallel
         plan = replace(plan, tp_overlap=(OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER) if overlap else ())
     return plan
+
+
+def fp8_recipe(fp8: str | bool | None) -> str:
+    """The recipe that ``fp8`` names ("" for None or False); an unknown one raises."""
+    recipe = DEFAULT_RECIPE if fp8 is True else fp8 or ""
+    if recipe:
+        check_recipe(recipe)
+    return recipe
+
+
+def with_fp8(traced: GraphModule, plan: ParallelPlan, fp8: str | bool | None) -> ParallelPlan:
+    """``plan`` with the FP8 choice of every GEMM for ``fp8`` (see ``plan_model``)."""
+    if fp8 is None:
+        return plan
+    if fp8 is False:
+        return without_fp8(plan)
+    recipe = fp8_recipe(fp8)
+    check_recipe(recipe, plan.fp8_backend)
+    lowered = lower(traced, sites_plan(plan), device="meta").graph
+    chosen = plan_fp8(lowered, plan, recipe, plan.fp8_backend)
+    kept = [e for e in chosen.fp8_linears if not e.recipe]
+    log.info("fp8 %s: %d GEMM weights in FP8, %d kept in the model's dtype (plan.fp8_linears says why)%s",
+             recipe, len(chosen.fp8_linears) - len(kept), len(kept),
+             "; tp_overlap fuses only the GEMMs left in the model's dtype" if plan.tp_overlap else "")  # fmt: skip
+    return chosen
 
 
 REPLICATED_SLACK = 1.3
@@ -260,9 +297,11 @@ def lower(
     backend: str = "nccl",
     dump_dir: Path | None = None,
     ep_rank: int = 0,
+    outputs_read: tuple[str, ...] = (),
 ) -> Lowered:
     """Run the passes on a copy of ``traced`` for tp rank ``tp_rank`` (and expert-parallel
-    rank ``ep_rank``), with the cost model's CUDA-graph region policy bound."""
+    rank ``ep_rank``), with the cost model's CUDA-graph region policy bound. ``outputs_read``: the
+    output keys the caller reads (empty: all; the others become None)."""
     ctx = PassContext(
         plan=plan,
         tp_rank=tp_rank,
@@ -271,6 +310,7 @@ def lower(
         dump_dir=dump_dir,
         backend=backend,
         choose_cudagraph_regions=choose_regions,
+        outputs_read=outputs_read,
     )
     gm = run_passes(_owned_copy(traced), ctx, PASSES)
     regions = {n.meta[meta_keys.CUDAGRAPH_REGION] for n in gm.graph.nodes if n.meta.get(meta_keys.CUDAGRAPH_REGION) is not None}
@@ -282,9 +322,11 @@ def lower(
 def lower_signature(
     model: nn.Module, kwargs: dict[str, Any], plan: ParallelPlan, *, tp_rank: int, device: torch.device, backend: str,
     ep_rank: int = 0,
-) -> Lowered:
+    outputs_read: tuple[str, ...] = (),
+) -> Lowered:  # fmt: skip
     """Trace ``model(**kwargs)`` and lower it under an already chosen ``plan``."""
-    return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend, ep_rank=ep_rank)
+    return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend, ep_rank=ep_rank,
+                 outputs_read=outputs_read)
 
 
 def _owned_copy(gm: GraphModule) -> GraphModule:

@@ -133,7 +133,7 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
     """The ``ParallelPlan`` of an estimate, with its metrics (and its expert parallelism)."""
     cfg = est.config
     rc: RankCosts = costs.rank(cfg.tp, est.replicate, training.gather_outputs, sequence_parallel=est.sequence_parallel,
-                               tp_overlap=est.tp_overlap)  # fmt: skip
+                               tp_overlap=est.tp_overlap, fp8=training.fp8)  # fmt: skip
     chunks = cfg.pp * cfg.vpp
     schedule = f", schedule {cfg.schedule}" if cfg.schedule else ""
     sequence = ""
@@ -306,22 +306,23 @@ def detect_hardware(device: torch.device) -> HardwareProfile:
 
 def auto_plan(
     costs: ModelCosts, world: int, *, tp: int | None = None, pp: int | None = None, vpp: int | None = None,
-    sequence_parallel: bool | None = None, tp_overlap: bool | None = None,
+    sequence_parallel: bool | None = None, tp_overlap: bool | None = None, fp8: str = "",
 ) -> ParallelPlan:  # fmt: skip
     """The planner's best plan for ``costs.gm`` (traced at the example inputs) on ``world`` local ranks.
 
     The example batch is the global batch and its sequence length the planned one.
     ``LOCAL_WORLD_SIZE`` ranks share a node; precision follows the parameters (fp32, or
     16-bit weights with a 16-bit AdamW). ``sequence_parallel`` and ``tp_overlap``: True or
-    False fix them, None lets the planner weigh both.
+    False fix them, None lets the planner weigh both. ``fp8``: the candidates' decoder GEMMs
+    run that FP8 recipe (priced as ``autotp.cost_model.fp8`` says).
     """
     hw, per_node, training = _local_setup(costs, world, costs.batch)
-    training = replace(training, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)
+    training = replace(training, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, fp8=fp8)
     return plan(costs, Cluster(world, per_node, hw), training, tp=tp, pp=pp, vpp=vpp, top=1)[0].plan
 
 
 def auto_sequence_parallel(costs: ModelCosts, chosen: ParallelPlan, *, sequence_parallel: bool | None = None,
-                           tp_overlap: bool | None = None) -> ParallelPlan:  # fmt: skip
+                           tp_overlap: bool | None = None, fp8: str = "") -> ParallelPlan:  # fmt: skip
     """``chosen`` with the sequence parallelism and overlap that the planner weighs best at its degrees
     (``best_estimate``); True or False fix either. A sequence that tp does not split runs without,
     unless either is True (then the sequence-parallel pass's ValueError says how to pad it)."""
@@ -332,9 +333,9 @@ def auto_sequence_parallel(costs: ModelCosts, chosen: ParallelPlan, *, sequence_
     config = Config(chosen.tp, chosen.pp, chosen.dp, chosen.vpp, max(1, costs.batch // (chosen.dp * m)), m)
     hw, per_node, training = _local_setup(costs, world, config.microbatch_size * m * chosen.dp)
     training = replace(training, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap,
-                       distributed_optimizer=chosen.distributed_optimizer)  # fmt: skip
+                       distributed_optimizer=chosen.distributed_optimizer, fp8=fp8)  # fmt: skip
     try:
-        costs.rank(chosen.tp, frozenset(), training.gather_outputs, sequence_parallel=True)
+        costs.rank(chosen.tp, frozenset(), training.gather_outputs, sequence_parallel=True, fp8=fp8)
         splits = True
     except ValueError:
         if sequence_parallel or tp_overlap:

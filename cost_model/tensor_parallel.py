@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from torch.fx import GraphModule
 
 from autotp.analysis.propagation import propagate
+from autotp.cost_model.fused_loss import loss_chunk_tokens
 from autotp.analysis.propagation_result import Propagation, check_divisible, param_sharding
 from autotp.ir.plan import KEPT_WHOLE_CONFLICT, KeptWhole, ParallelPlan, ParamLayout
 from autotp.ir.errors import UserInputError
@@ -61,4 +62,5 @@ def plan_tensor_parallel(gm: GraphModule, tp: int, *, replicate: Iterable[str] =
             kind, dim, sharding = found
             params.append(ParamLayout(name, kind, dim, sharding))
     kept = tuple(KeptWhole(n, KEPT_WHOLE_CONFLICT, blocked[n]) for n in sorted(banned - set(replicate)))
-    return ParallelPlan(tp=tp, params=tuple(params), kept_whole=kept)
+    chunk = loss_chunk_tokens(gm, tp, {p.name for p in params if p.dim == 0})
+    return ParallelPlan(tp=tp, params=tuple(params), kept_whole=kept, loss_chunk_tokens=chunk)

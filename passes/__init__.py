@@ -4,6 +4,9 @@ from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.cancel_collectives import cancel_collectives
 from autotp.passes.causal_attention import causal_attention
 from autotp.passes.expert_parallel import expert_parallel
+from autotp.passes.drop_unread_outputs import drop_unread_outputs
+from autotp.passes.fused_linear_cross_entropy import fused_linear_cross_entropy
+from autotp.passes.fp8_linear import fp8_linear
 from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.rewrite_shapes import rewrite_shapes
@@ -28,6 +31,9 @@ PASSES: list[Pass] = [
     cancel_collectives,
     expert_parallel,
     sequence_parallel,
+    drop_unread_outputs,
+    fused_linear_cross_entropy,
+    fp8_linear,
     tp_overlap,
     split_stages,
     mark_cudagraph_regions,

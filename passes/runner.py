@@ -1,9 +1,10 @@
 """Run passes in order, checking the graph after each one.
 
 A pass is a plain function ``pass_fn(gm, ctx) -> gm``. After each pass the runner lints
-the graph, recompiles it, checks the invariants of ``autotp.passes.invariants``, logs the
-change in op counts (``logging`` at DEBUG) and, with ``ctx.dump_dir``, writes
-``NN_<pass>.py``. A failure names the pass that broke the graph and the ones that ran
+the graph, checks the invariants of ``autotp.passes.invariants``, logs the change in op
+counts (``logging`` at DEBUG) and, with ``ctx.dump_dir``, recompiles it and writes
+``NN_<pass>.py``; the graph's code is generated once, after the last pass (passes read
+and rewrite the graph, never its code). A failure names the pass that broke the graph and the ones that ran
 before it.
 """
 
@@ -43,8 +44,10 @@ class PassContext:
     process-group backend the graph's collectives will run on (``nccl``, ``gloo``...);
     offline compiles assume ``nccl``. ``choose_cudagraph_regions`` is the region policy
     that ``mark_cudagraph_regions`` applies when the plan asks for CUDA graphs; the
-    compiler binds the cost model's. ``ep_rank`` is the rank's place in its expert-parallel
-    group (which experts of a loop over expert modules it computes).
+    compiler binds the cost model's. ``outputs_read`` names the output keys the caller
+    reads (``train_step``: ``("loss",)``); empty: all of them (``passes/drop_unread_outputs``).
+    ``ep_rank`` is the rank's place in its expert-parallel group (which experts of a loop over
+    expert modules it computes).
     """
 
     plan: ParallelPlan
@@ -55,6 +58,7 @@ class PassContext:
     timings: dict[str, float] = field(default_factory=dict)
     backend: str = "nccl"
     choose_cudagraph_regions: RegionChooser | None = None
+    outputs_read: tuple[str, ...] = ()
     ep_rank: int = 0
 
     def __post_init__(self) -> None:
@@ -77,8 +81,8 @@ def _diff(before: Counter[str], after: Counter[str]) -> str:
 
 def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> GraphModule:
     """Run ``passes`` in order on ``gm``, which the caller hands over: passes may rewrite
-    it in place. After each pass: lint, recompile, check ``INVARIANTS``, log the op-count
-    change; a failure names the pass and the passes that ran before it."""
+    it in place. After each pass: lint, check ``INVARIANTS``, log the op-count change; a
+    failure names the pass and the passes that ran before it. Recompiled once at the end."""
     done: list[str] = []
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -90,7 +94,8 @@ def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> Gra
         try:
             gm = p(gm, ctx)
             gm.graph.lint()
-            gm.recompile()
+            if ctx.dump_dir is not None:
+                gm.recompile()
             problems = [problem for check in INVARIANTS for problem in check(gm)]
             if problems:
                 shown = "\n  ".join(problems[:10])
@@ -107,4 +112,5 @@ def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> Gra
         counts = after
         if ctx.dump_dir is not None:
             (ctx.dump_dir / f"{i:02d}_{name}.py").write_text(gm.code)
+    gm.recompile()
     return gm

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-MATMUL_NAMES = frozenset({"linear", "addmm", "mm", "bmm", "matmul", "all_gather_matmul", "matmul_reduce_scatter"})
+MATMUL_NAMES = frozenset({"linear", "addmm", "mm", "bmm", "matmul", "all_gather_matmul", "matmul_reduce_scatter",
+                          "linear_cross_entropy", "fp8_linear"})  # fmt: skip
 ATTENTION_NAME = "scaled_dot_product_attention"
 EMBEDDING_NAMES = frozenset({"embedding", "vocab_parallel_embedding"})
 

@@ -97,6 +97,38 @@ class KeptWhole:
         return KeptWhole(**d)
 
 
+FP8_OUTSIDE_LAYERS = "outside_layers"
+"""``Fp8Linear.reason``: a GEMM outside the decoder layers (``lm_head``), kept in the model's dtype by default."""
+FP8_DIMS = "dims"
+"""``Fp8Linear.reason``: a local GEMM dim is not a multiple of what the recipe's kernels need (16; 128 blockwise)."""
+FP8_PARTIAL_INPUT = "partial_input"
+"""``Fp8Linear.reason``: the GEMM reads a partial sum, whose summands would be scaled apart."""
+FP8_TOKEN_SPLIT = "token_split"
+"""``Fp8Linear.reason``: blockwise tiles along tokens that the tp group splits would differ from one rank's."""
+FP8_DTYPE = "dtype"
+"""``Fp8Linear.reason``: the weight is not a floating-point tensor of 16 or 32 bits."""
+
+
+@dataclass(frozen=True)
+class Fp8Linear:
+    """How the GEMMs reading one 2-d weight run under ``ParallelPlan.fp8``: ``recipe``
+    (``autotp.ir.fp8.RECIPES``), or "" to stay in the model's dtype for ``reason``
+    (``detail`` for people; ``node``: the GEMM that decided it)."""
+
+    weight: str
+    recipe: str
+    reason: str = ""
+    detail: str = ""
+    node: str = ""
+
+    def to_json(self) -> dict:
+        return {"weight": self.weight, "recipe": self.recipe, "reason": self.reason, "detail": self.detail, "node": self.node}
+
+    @staticmethod
+    def from_json(d: dict) -> Fp8Linear:
+        return Fp8Linear(**d)
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """Degrees of parallelism and the layout of every sharded parameter.
@@ -158,6 +190,16 @@ class ParallelPlan:
     moe_dispatch: str = ""
     moe_capacity_factor: float = 0.0
     moe_layers: tuple[MoeLayerPlan, ...] = ()
+    # The lm_head and its cross entropy fused, this many tokens at a time (0: not fused;
+    # ``passes/fused_linear_cross_entropy``, chosen by ``autotp.cost_model.fused_loss``).
+    loss_chunk_tokens: int = 0
+    # FP8 training (``passes/fp8_linear``): the recipe asked ("": off), the backend whose op runs
+    # the GEMMs, every GEMM weight's recipe or why it stays in the model's dtype, and whether
+    # sequence-parallel all-gathers into FP8 GEMMs carry FP8 (tensorwise).
+    fp8: str = ""
+    fp8_backend: str = "torch"
+    fp8_linears: tuple[Fp8Linear, ...] = ()
+    fp8_all_gather: bool = False
 
     @property
     def world_size(self) -> int:
@@ -216,6 +258,11 @@ class ParallelPlan:
                 "moe_dispatch": self.moe_dispatch,
                 "moe_capacity_factor": self.moe_capacity_factor,
                 "moe_layers": [m.to_json() for m in self.moe_layers],
+                "loss_chunk_tokens": self.loss_chunk_tokens,
+                "fp8": self.fp8,
+                "fp8_backend": self.fp8_backend,
+                "fp8_linears": [f.to_json() for f in self.fp8_linears],
+                "fp8_all_gather": self.fp8_all_gather,
             },
             indent=1,
         )
@@ -255,4 +302,9 @@ class ParallelPlan:
             moe_dispatch=d.get("moe_dispatch", ""),
             moe_capacity_factor=d.get("moe_capacity_factor", 0.0),
             moe_layers=tuple(MoeLayerPlan.from_json(m) for m in d.get("moe_layers", ())),
+            loss_chunk_tokens=d.get("loss_chunk_tokens", 0),
+            fp8=d.get("fp8", ""),
+            fp8_backend=d.get("fp8_backend", "torch"),
+            fp8_linears=tuple(Fp8Linear.from_json(f) for f in d.get("fp8_linears", ())),
+            fp8_all_gather=d.get("fp8_all_gather", False),
         )

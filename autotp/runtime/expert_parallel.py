@@ -29,7 +29,7 @@ from autotp.ir.moe_ops import DISPATCH_OPS  # noqa: F401 (the schemas the kernel
 from autotp.ir.moe_plan import MoeLayerPlan, ep_group_key, expert_param_owner
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.rank_groups import groups_of, rank_groups
-from autotp.runtime import collectives, moe_dispatch  # noqa: F401 (registers the dispatch kernels)
+from autotp.runtime import collectives, moe_dispatch  # moe_dispatch also registers the dispatch kernels
 from autotp.runtime.grad_buffers import WAIT_MODULE, GradBuffers, ParamUse
 from autotp.runtime.shard_map import Piece, ShardSpec
 
@@ -117,6 +117,16 @@ class ExpertShards:
         assert self.groups is not None
         edp_rank = 0 if self.groups.edp_group is None else dist.get_rank(self.groups.edp_group)
         return self.held(name) and (dp_rank is None or edp_rank == 0)
+
+
+def drop_counts(plan: ParallelPlan, reset: bool) -> dict[str, tuple[int, int]]:
+    """(rows dropped, rows routed) per sync-free MoE layer of ``plan`` since the last reset, counted
+    per process and layer name (two models with the same layer names in one process share them)."""
+    mine = {layer.name for layer in plan.moe_layers}
+    counts = {k: v for k, v in moe_dispatch.drop_counts().items() if k in mine}
+    if reset:
+        moe_dispatch.reset_drop_counts(mine)
+    return counts
 
 
 def sync_expert_grads(grads: list[torch.Tensor], groups: ExpertGroups, dp: int) -> None:

@@ -107,7 +107,7 @@ def explain_retrace_failure(call: dict[str, Any], traced: list[tuple], error: Ex
     """Raise naming the argument whose dtype kind or number of dims differs from the
     signatures traced before (``signature_key``s), when tracing a new one failed."""
     for name, value in call.items():
-        known = [item for _, items in traced for item in items if item[0] == name and len(item) == 3]
+        known = [item for _, items, *_ in traced for item in items if item[0] == name and len(item) == 3]
         if not isinstance(value, torch.Tensor) or not known:
             continue
         _, shape, dtype = known[0]

@@ -16,7 +16,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from autotp.analysis.trace import structure_copy
-from autotp.compiler import Lowered, lower_signature
+from autotp.compiler import LOSS_ONLY, Lowered, lower_signature
 from autotp.ir import schedules
 from autotp.ir.plan import ParallelPlan
 from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, expert_parallel, export_hf, grad_norm, grad_sync, guards
@@ -105,7 +105,7 @@ class ParallelModel(nn.Module):
         self._warned_plain = False
         self._attach(compiled)
         self.train(model.training)
-        self._graphs[guards.signature_key(first_kwargs, model.training)] = compiled
+        self._graphs[(*guards.signature_key(first_kwargs, model.training), ())] = compiled
 
     @property
     def ep_rank(self) -> int:
@@ -113,14 +113,9 @@ class ParallelModel(nn.Module):
         return self._coords.experts.ep_rank if self._coords.experts is not None else 0
 
     def moe_drop_counts(self, reset: bool = False) -> dict[str, tuple[int, int]]:
-        """Per MoE layer under sync-free dispatch: (rows its capacity dropped, rows routed) on
-        this rank since the last reset (counted per process and layer name, so two models with the
-        same layer names in one process share them; reading syncs with the device)."""
-        mine = {layer.name for layer in self.plan.moe_layers}
-        counts = {k: v for k, v in expert_parallel.moe_dispatch.drop_counts().items() if k in mine}
-        if reset:
-            expert_parallel.moe_dispatch.reset_drop_counts(mine)
-        return counts
+        """Per MoE layer under sync-free dispatch: (rows its capacity dropped, rows routed) on this rank
+        since the last reset (``expert_parallel.drop_counts``; reading syncs with the device)."""
+        return expert_parallel.drop_counts(self.plan, reset)
 
     @property
     def my_chunks(self) -> list[int]:
@@ -141,9 +136,9 @@ class ParallelModel(nn.Module):
             for cg in chunks.values():
                 cg.run = torch.compile(cg.graph)
         if self.plan.cudagraphs:
-            run = cudagraphs.CapturedGraph(gm, self.plan.cudagraph_impl)
+            run = cudagraphs.CapturedGraph(gm, self.plan.cudagraph_impl, self._compile_graphs)
             for cg in chunks.values():
-                cg.captured = cudagraphs.CapturedGraph(cg.graph, self.plan.cudagraph_impl)
+                cg.captured = cudagraphs.CapturedGraph(cg.graph, self.plan.cudagraph_impl, self._compile_graphs)
         return _Compiled(gm, chunks, param_chunks, run)
 
     def _attach(self, compiled: _Compiled) -> None:
@@ -174,15 +169,17 @@ class ParallelModel(nn.Module):
         """The compiled per-rank graph (all chunks, stage boundaries marked) for these inputs."""
         return self._compiled_for(self._as_kwargs(args, kwargs)).graph
 
-    def _compiled_for(self, call: dict[str, Any]) -> _Compiled:
-        key = guards.signature_key(call, self.training)
+    def _compiled_for(self, call: dict[str, Any], outputs_read: tuple[str, ...] = ()) -> _Compiled:
+        """The graph of ``call``'s signature; ``outputs_read``: the output keys the caller reads (empty: all)."""
+        key = (*guards.signature_key(call, self.training), outputs_read)
         compiled = self._graphs.get(key)
         if compiled is None:
             self._source.model.train(self.training)
             backend = dist.get_backend() if dist.is_initialized() else "nccl"
             try:
                 lowered = lower_signature(self._source.model, call, self.plan, tp_rank=self._coords.tp_rank,
-                                          device=self._device, backend=backend, ep_rank=self.ep_rank)  # fmt: skip
+                                          device=self._device, backend=backend, ep_rank=self.ep_rank,
+                                          outputs_read=outputs_read)  # fmt: skip
             except ValueError as e:
                 guards.explain_retrace_failure(call, list(self._graphs), e)
                 raise
@@ -282,23 +279,26 @@ class ParallelModel(nn.Module):
             for i in range(m)
         ]
         loss_of = loss_fn if loss_fn is not None else (lambda out: out["loss"])  # a dict or a ModelOutput
+        outputs_read = () if loss_fn is not None else LOSS_ONLY
         if self.plan.num_chunks == 1:
             total = torch.zeros((), device=self._device)
             for mb in micro:
-                loss = loss_of(self(**mb))
+                call = self._as_kwargs((), mb)
+                loss = loss_of(self._compiled_for(call, outputs_read).run(**call))
                 (loss / m).backward()
                 total += loss.detach().float()
         else:
-            total = self._pipeline_step(micro, loss_of, schedule or self.plan.schedule_name)
+            total = self._pipeline_step(micro, loss_of, schedule or self.plan.schedule_name, outputs_read)
         self._sync_grads(carried)
         return grad_sync.mean_loss(self.plan, self._coords, total / m)
 
-    def _pipeline_step(self, micro: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str) -> torch.Tensor:
+    def _pipeline_step(self, micro: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str,
+                       outputs_read: tuple[str, ...]) -> torch.Tensor:  # fmt: skip
         pp, vpp = self.plan.pp, self.plan.vpp
         if name == "zbh1" and self._grad_buffers is not None:
             raise UserInputError(ZBH1_REFUSED)
         calls = [self._as_kwargs((), mb) for mb in micro]
-        compiled = self._compiled_for(calls[0])
+        compiled = self._compiled_for(calls[0], outputs_read)
         runner = self._runner(compiled)
         runner.measure_busy = self.measure_busy
         total = runner.run_step(lambda rank: schedules.schedule(name, pp, vpp, len(micro), rank), calls, loss_of,
