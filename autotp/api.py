@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,9 @@ def compile_rank(
     cuda_graphs: bool = False,
     sequence_parallel: bool | str | None = None,
     tp_overlap: bool | str | None = None,
+    ep: int = 1,
+    moe_dispatch: str | None = None,
+    moe_capacity_factor: float | None = None,
     fp8: str | bool | None = None,
 ) -> CompiledRank:
     """Trace, plan and rewrite the graph of tp rank ``rank`` without any process group.
@@ -105,15 +109,18 @@ def compile_rank(
     For inspection, dumps and compile-time benchmarks; a model on ``meta`` never
     allocates its weights. With pp > 1 the graph carries the stage boundaries. With
     ``cuda_graphs`` the plan asks for CUDA graphs and the nodes carry their regions and
-    blockers, as a GPU rank on NCCL would capture them.
+    blockers, as a GPU rank on NCCL would capture them. With ``ep`` (and ``moe_dispatch``,
+    ``moe_capacity_factor``, as ``parallelize`` takes them) the graph is ep rank 0's, dp the
+    smallest that ep folds onto.
     """
     _check_degrees(tp, pp, vpp)
     plan = load_plan(plan)
     if not 0 <= rank < tp:
         raise UserInputError(f"rank {rank} is outside tp={tp}; pick 0..{tp - 1}")
     impl = cudagraphs.implementation() if cuda_graphs else None
-    planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=1, vpp=vpp, plan=plan, cudagraph_impl=impl,
-                                  sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, fp8=fp8)  # fmt: skip
+    planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=ep // math.gcd(ep, tp), vpp=vpp, plan=plan,
+                                  cudagraph_impl=impl, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, ep=ep,
+                                  moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor, fp8=fp8)  # fmt: skip
     lowered = compiler.lower(planned.traced, planned.plan, tp_rank=rank, device=device, dump_dir=dump_dir)
     return CompiledRank(lowered.graph, lowered.plan, planned.trace_s, planned.plan_s, lowered.pass_s)
 
@@ -136,6 +143,10 @@ def parallelize(
     sequence_parallel: bool | str | None = None,
     tp_overlap: bool | str | None = None,
     checkpoint: str | Path | None = None,
+    ep: int = 1,
+    etp: int | None = None,
+    moe_dispatch: str | None = None,
+    moe_capacity_factor: float | None = None,
     fp8: str | bool | None = None,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's ``ParallelModel``; tp·pp·dp must be the world size.
@@ -167,6 +178,14 @@ def parallelize(
     ``"tensorwise"`` (True), ``"rowwise"`` or ``"blockwise"`` (``autotp.ir.fp8``), with
     scales that tp ranks share; ``plan.fp8_linears`` says which GEMMs stay in the model's
     dtype and why. It needs FP8 tensor cores (compute capability 8.9+; blockwise 9.0).
+
+    ``ep`` spreads the experts of MoE layers over ep ranks (MoE folding: expert layers run on
+    ``etp-ep-edp-pp`` over the ranks dense layers use as ``tp-dp-pp``; ep divides tp*dp and
+    each expert count; ``etp=1``). ``moe_dispatch`` picks how rows reach their experts:
+    ``"dropless"`` (the default with ep > 1) or ``"sync_free"`` (static capacity
+    ``moe_capacity_factor`` x balanced per expert, overflow dropped and counted by
+    ``pm.moe_drop_counts()``, every shape static: the layer captures as one CUDA graph, also
+    at ep=1).
 
     ``model`` may be built on ``meta``: each rank then allocates only its shards, reads
     them from ``checkpoint`` (a local HF safetensors folder, this rank's slices only) and
@@ -205,11 +224,13 @@ def parallelize(
     impl = cudagraphs.implementation() if cuda_graphs else None
     planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=dp, vpp=vpp, plan=plan,
                                   cudagraph_impl=impl, gather_outputs=gather_outputs,
-                                  sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, fp8=fp8)  # fmt: skip
+                                  sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, ep=ep, etp=etp,
+                                  moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor, fp8=fp8)  # fmt: skip
     coords = make_groups(planned.plan, timeout_s)
     rng.seed_tp_rng(seed + 1009 * (coords.dp_rank + planned.plan.dp * coords.pp_rank), coords.tp_rank)
     backend = dist.get_backend() if dist.is_initialized() else "nccl"
-    lowered = compiler.lower(planned.traced, planned.plan, tp_rank=coords.tp_rank, device=device, backend=backend)
+    ep_rank = coords.experts.ep_rank if coords.experts is not None else 0
+    lowered = compiler.lower(planned.traced, planned.plan, tp_rank=coords.tp_rank, device=device, backend=backend, ep_rank=ep_rank)
     pm = ParallelModel(model, lowered, planned.kwargs, coords, device, compile)
     pm.materialize(model, checkpoint, seed)
     return pm

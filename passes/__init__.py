@@ -3,6 +3,7 @@
 from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.cancel_collectives import cancel_collectives
 from autotp.passes.causal_attention import causal_attention
+from autotp.passes.expert_parallel import expert_parallel
 from autotp.passes.drop_unread_outputs import drop_unread_outputs
 from autotp.passes.fused_linear_cross_entropy import fused_linear_cross_entropy
 from autotp.passes.fp8_linear import fp8_linear
@@ -30,6 +31,7 @@ PASSES: list[Pass] = [
     sharded_statistics,
     insert_collectives,
     cancel_collectives,
+    expert_parallel,
     sequence_parallel,
     drop_unread_outputs,
     fused_linear_cross_entropy,

@@ -21,6 +21,7 @@ from autotp.cost_model.memory import bytes_per_param
 from autotp.cost_model.graph_costs import build_report
 from autotp.report.graph_report import explain_json, explain_table, stage_view
 from autotp.report.cudagraphs import explain_cudagraphs
+from autotp.report.moe import moe_dispatch_report, moe_dispatch_table
 from autotp.passes import PASSES
 from autotp.cli.progress import progress
 
@@ -93,7 +94,8 @@ def _compile_for_inspection(args: argparse.Namespace, rank: int, dump_dir: Path 
     inputs = presets.inspection_inputs(model, args.batch, args.seq, not args.no_labels)
     progress(f"tracing, planning and compiling tp rank {rank} of {args.model} (tp={args.tp}, pp={args.pp})")
     return compile_rank(model, tp=args.tp, rank=rank, pp=args.pp, example_inputs=inputs, dump_dir=dump_dir,
-                        sequence_parallel=args.sequence_parallel)  # fmt: skip
+                        sequence_parallel=args.sequence_parallel, ep=args.ep, moe_dispatch=args.moe_dispatch,
+                        moe_capacity_factor=args.moe_capacity_factor)  # fmt: skip
 
 
 def dump_command(args: argparse.Namespace) -> int:
@@ -138,8 +140,11 @@ def explain_command(args: argparse.Namespace) -> int:
         return 0
     compiled = _compile_for_inspection(args, 0, None)
     report = build_report(compiled.graph, compiled.plan, 0)
+    dispatch = moe_dispatch_report(compiled.graph, compiled.plan)
     if args.format == "json":
-        print(json.dumps(explain_json(report, args.model), indent=2))
+        print(json.dumps(explain_json(report, args.model) | ({"moe_dispatch": dispatch} if dispatch else {}), indent=2))
     else:
         print(explain_table(report, args.model))
+        if dispatch:
+            print("\n" + moe_dispatch_table(dispatch))
     return 0

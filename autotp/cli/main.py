@@ -70,6 +70,10 @@ def _add_inspection_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compile with sequence parallelism (Megatron SP: reduce-scatters and all-gathers instead of all-reduces)",
     )
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree of the MoE layers (etp=1; default: 1)")
+    parser.add_argument("--moe-dispatch", choices=("dropless", "sync_free"), help="how rows reach their experts "
+                        "(default: dropless with --ep > 1)")
+    parser.add_argument("--moe-capacity-factor", type=float, help="sync-free capacity factor (default: 1.25)")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -18,14 +18,16 @@ if TYPE_CHECKING:
     from autotp.cost_model.planner import PlanEstimate
 
 
-def format_table(estimates: list[PlanEstimate]) -> str:
+def format_table(estimates: list[PlanEstimate], moe: bool = False) -> str:
     """The ranked plans, one row each; ``dist-opt``: the distributed optimizer is used, and needed to fit;
     ``SP``: sequence parallelism; ``overlap``: the tp collectives run behind GEMMs (``ag`` all-gathers,
-    ``rs`` reduce-scatters); ``-`` at tp=1."""
+    ``rs`` reduce-scatters); ``-`` at tp=1; ``ep``: expert-parallel degree of the MoE layers (``sf``:
+    sync-free dispatch; 1: tensor-parallel experts, etp = tp), ``etp`` the experts' tensor-parallel degree
+    (both only for a model with MoE layers, ``moe``)."""
     from autotp.cost_model.hardware import GiB
 
     header = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'vpp':>3} {'mbs':>4} {'m':>5} {'step s':>9} {'tokens/s':>10} "
-              f"{'MFU':>6} {'GiB/GPU':>8} {'bubble':>7} {'comm':>6} {'dist-opt':>8} {'SP':>3} {'overlap':>7}")
+              f"{'MFU':>6} {'GiB/GPU':>8} {'bubble':>7} {'comm':>6} {'dist-opt':>8} {'SP':>3} {'overlap':>7}" + (f" {'ep':>5} {'etp':>3}" if moe else ""))
     rows = [header]
     for i, e in enumerate(estimates, start=1):
         p = e.plan
@@ -34,6 +36,7 @@ def format_table(estimates: list[PlanEstimate]) -> str:
             f"{e.tokens_per_s:>10.4g} {e.mfu:>6.1%} {e.mem_bytes_per_gpu / GiB:>8.1f} {e.bubble_share:>7.1%} {e.comm_share:>6.1%} "
             f"{('needed' if e.needs_distributed_optimizer else 'yes') if p.distributed_optimizer else 'no':>8} "
             f"{'-' if p.tp == 1 else 'on' if p.sequence_parallel else 'off':>3} {_overlap_cell(p):>7}"
+            + (f" {str(p.ep) + ('sf' if p.moe_dispatch == 'sync_free' else ''):>5} {p.etp or p.tp:>3}" if moe else "")
         )
     return "\n".join(rows)
 
@@ -92,7 +95,9 @@ def _plan_command(args: argparse.Namespace) -> int:
         f"sequence parallelism {args.sequence_parallel}, tp overlap {args.tp_overlap}; "
         f"planned in {elapsed:.2f} s"
     )
-    print(format_table(estimates))
+    from autotp.cost_model.moe_costs import moe_facts
+
+    print(format_table(estimates, moe=moe_facts(costs) is not None))
     fitting = found.candidates - found.over_memory - found.refused_candidates
     print(f"{len(estimates)} of {fitting} plans that fit shown (--top {args.top}); {found.dropped_summary(hw.usable_memory_bytes)}")
     for used in sorted({e.plan.distributed_optimizer for e in estimates}, reverse=True):
@@ -101,6 +106,10 @@ def _plan_command(args: argparse.Namespace) -> int:
             print("  dist-opt sync: reduce-scatter overlapped with the backward; parameter all-gather "
                   + ("overlapped with the next forward (only its first bucket exposed)" if training.overlap_param_gather
                      else "exposed before the next forward (--no-overlap-param-gather)"))
+    for i, e in enumerate(estimates[:3], start=1):
+        for note in e.plan.notes:
+            if note.startswith("expert parallelism "):
+                print(f"plan {i} {note}")
     needed = [str(i) for i, e in enumerate(estimates, start=1) if e.needs_distributed_optimizer]
     if needed:
         print(f"plans {', '.join(needed)} fit only with the distributed optimizer: train them with autotp.DistributedOptimizer")

@@ -86,6 +86,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.node import has_side_effect
 from torch.library import Library
 
+from autotp.ir import moe_ops
 from autotp.ir.errors import UserInputError
 
 NAMESPACE = "autotp"
@@ -156,7 +157,7 @@ COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
     ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, VOCAB_PARALLEL_NLL, VOCAB_PARALLEL_CROSS_ENTROPY,
     LINEAR_CROSS_ENTROPY,
     ALL_REDUCE_MAX, FP8_LINEAR,
-})  # fmt: skip
+}) | moe_ops.DISPATCH_OPS  # fmt: skip
 ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {
     VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT, FUNCTION, ELEMENTWISE_FUNCTION,
 }  # fmt: skip

@@ -11,6 +11,7 @@ from autotp.ir.plan import ParallelPlan
 from autotp.ir.rank_groups import groups_of, rank_groups
 from autotp.ir.ops import replica_group_key, tp_group_key
 from autotp.runtime import collectives
+from autotp.runtime.expert_parallel import ExpertGroups, make_expert_groups
 from autotp.runtime.pipeline import PipelineGroups
 
 
@@ -24,6 +25,7 @@ class Coords:
     tp_key: str
     dp_group: dist.ProcessGroup | None
     pipeline: PipelineGroups | None
+    experts: ExpertGroups | None = None
 
 
 def make_groups(plan: ParallelPlan, timeout_s: float) -> Coords:
@@ -65,6 +67,7 @@ def make_groups(plan: ParallelPlan, timeout_s: float) -> Coords:
         tp_key=tp_key,
         dp_group=dp_group,
         pipeline=pipeline,
+        experts=make_expert_groups(plan, world, rank, timeout),
     )
 
 

@@ -20,7 +20,7 @@ from autotp.compiler import LOSS_ONLY, Lowered, lower_signature
 from autotp.ir import schedules
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.rank_log import warn_once
-from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, export_hf, grad_norm, grad_sync, guards
+from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, expert_parallel, export_hf, grad_norm, grad_sync, guards
 from autotp.runtime.grad_buffers import GradBuffers, ParamUse
 from autotp.runtime.groups import Coords
 from autotp.runtime.parameters import ParamChunks, Parameters, graph_param_chunks, graph_trained_params
@@ -111,6 +111,16 @@ class ParallelModel(nn.Module):
         self._graphs[(*guards.signature_key(first_kwargs, model.training), ())] = compiled
 
     @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group (0 without expert parallelism)."""
+        return self._coords.experts.ep_rank if self._coords.experts is not None else 0
+
+    def moe_drop_counts(self, reset: bool = False) -> dict[str, tuple[int, int]]:
+        """Per MoE layer under sync-free dispatch: (rows its capacity dropped, rows routed) on this rank
+        since the last reset (``expert_parallel.drop_counts``; reading syncs with the device)."""
+        return expert_parallel.drop_counts(self.plan, reset)
+
+    @property
     def my_chunks(self) -> list[int]:
         return [c for c in range(self.plan.num_chunks) if self.plan.pp_rank_of_chunk(c) == self._coords.pp_rank]
 
@@ -171,7 +181,8 @@ class ParallelModel(nn.Module):
             backend = dist.get_backend() if dist.is_initialized() else "nccl"
             try:
                 lowered = lower_signature(self._source.model, call, self.plan, tp_rank=self._coords.tp_rank,
-                                          device=self._device, backend=backend, outputs_read=outputs_read)  # fmt: skip
+                                          device=self._device, backend=backend, ep_rank=self.ep_rank,
+                                          outputs_read=outputs_read)  # fmt: skip
             except ValueError as e:
                 guards.explain_retrace_failure(call, list(self._graphs), e)
                 raise
@@ -309,8 +320,12 @@ class ParallelModel(nn.Module):
         self.last_busy_s = runner.busy_s
         return total
 
+    def _dense_params(self) -> list[nn.Parameter]:
+        """The parameters averaged over dp (expert-parallel ones are summed over edp instead)."""
+        return [p for n, p in self.named_parameters() if not self._params.experts.is_expert(n)]
+
     def _arm_dp_mean(self, backwards: int) -> None:
-        params = list(self.parameters())
+        params = self._dense_params()
         if self._dp_mean is None or not self._dp_mean.serves(params):
             if self._dp_mean is not None:
                 self._dp_mean.close()
@@ -326,7 +341,10 @@ class ParallelModel(nn.Module):
                 param = self.get_parameter(name)
                 param.grad = torch.zeros_like(param)
         shared = self._params.local_grads(list(self._shared_param_groups))
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        grads = [p.grad for p in self._dense_params() if p.grad is not None]
+        if self._coords.experts is not None:
+            experts = self._params.local_grads([n for n in self._params.local_names if self._params.experts.is_expert(n)])
+            expert_parallel.sync_expert_grads([g for g in experts.values() if g is not None], self._coords.experts, self.plan.dp)
         if self._dp_mean is not None and self._dp_mean.armed:
             self._dp_mean.finish()
             grads = []  # averaged over dp already, as the backward ran
@@ -439,7 +457,9 @@ class ParallelModel(nn.Module):
 
     def _norm_counting(self, dp_rank: int | None) -> grad_norm.NormCounting:
         c = self._coords
-        return grad_norm.NormCounting(self.plan, c.tp_rank, c.pp_rank, dp_rank, self._params.layouts, self._owners)
+        experts = self._params.experts
+        return grad_norm.NormCounting(self.plan, c.tp_rank, c.pp_rank, dp_rank, self._params.layouts, self._owners,
+                                      lambda n: experts.counts_in_norm(n, dp_rank) if experts.is_expert(n) else None)  # fmt: skip
 
     def clip_grad_norm_(self, max_norm: float, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip this rank's gradients by the global L2 norm, each parameter counted once across tp
@@ -468,6 +488,8 @@ class ParallelModel(nn.Module):
         named, holders = [], []
         for name in self._params.local_names:
             layout = self._params.layouts[name]
+            if self._params.experts.is_expert(name):
+                continue  # each tp rank may hold other experts
             if layout is None:
                 replicas = tp
             else:

@@ -18,6 +18,7 @@ from torch.fx import GraphModule, Node
 from autotp.ir import meta_keys
 from autotp.ir.plan import ParallelPlan, ParamLayout
 from autotp.runtime import collectives
+from autotp.runtime.expert_parallel import ExpertShards
 from autotp.runtime.groups import Coords
 from autotp.runtime.shard_map import ShardSpec, shard_spec
 from autotp.runtime.sharding import shard_tensor, unshard_tensor
@@ -115,6 +116,7 @@ class Parameters:
         self.buffer_aliases: dict[str, str] = {}  # every name of a buffer (one module shared by several parents) -> its canonical name
         self.specs: dict[str, ShardSpec] = {}  # every local parameter and buffer
         self.unfilled: set[str] = set()  # allocated for a model on meta; to be loaded or initialized
+        self.experts = ExpertShards(plan, coords.experts)
 
     def bind(self, model: nn.Module, param_chunks: ParamChunks, mine: set[int]) -> None:
         """Register the shard of every parameter that the chunks in ``mine`` read, and every buffer."""
@@ -127,9 +129,10 @@ class Parameters:
         for name, p in tensors.items():
             layouts = [self._plan.layout_of(alias) for alias in self.aliases[name]]
             layout = self.layouts[name] = next((l for l in layouts if l is not None), None)
-            if not self.chunks_of(param_chunks, name) & mine:
+            if not self.chunks_of(param_chunks, name) & mine or not self.experts.held(name):
                 continue
-            spec = self.specs[name] = shard_spec(name, tuple(p.shape), layout, self._coords.tp_rank, self._plan.tp)
+            spec = self.experts.spec(name, tuple(p.shape)) or shard_spec(name, tuple(p.shape), layout, self._coords.tp_rank, self._plan.tp)
+            self.specs[name] = spec
             local = self._local(name, p.detach(), spec, layout)
             set_nested(self._module, name, nn.Parameter(local, requires_grad=p.requires_grad), buffer=False)
             self.local_names.append(name)
@@ -150,7 +153,7 @@ class Parameters:
             covered = sum(piece.length for piece in spec.pieces)
             make = torch.empty if covered == spec.local_len else torch.zeros
             return make(spec.local_shape, dtype=full.dtype, device=self.device)
-        local = shard_tensor(full, layout, self._coords.tp_rank, self._plan.tp) if layout else full.clone()
+        local = shard_tensor(full, layout, self._coords.tp_rank, self._plan.tp) if layout else self.experts.local(name, full).clone()
         return local.to(self.device)
 
     def chunks_of(self, param_chunks: ParamChunks, canonical: str) -> set[int]:
@@ -196,6 +199,8 @@ class Parameters:
                 parts = [torch.empty_like(local) for _ in range(plan.tp)]
                 dist.all_gather(parts, local.detach().contiguous(), group=collectives.get_group(self._coords.tp_key))
                 full = unshard_tensor(parts, layout, plan.tp)
+        if self.experts.is_expert(name) and self._coords.pp_rank in self.owners(param_chunks, name):
+            full = self.experts.gather(name, full, get_nested(self._source, name), self.device)
         if plan.pp == 1:
             return full
         pipe = self._coords.pipeline
