@@ -49,6 +49,7 @@ TINY = dict(
 )  # fmt: skip
 
 
+_PRELOAD = ("torch", "transformers", "autotp.api", "autotp.report.strict_rule")  # and the arch's modeling module: imported once per arch, not per rank
 MODES = {"tp2": (2, 1), "tp4": (4, 1), "pp2": (1, 2)}  # mode: (tp, pp)
 
 
@@ -132,7 +133,8 @@ def _cell(arch: str, mode: str, timeout_s: int) -> Cell:
     from autotp.runtime.launcher import spawn_ranks
 
     tp, pp = MODES[mode]
-    run = lambda dtype: combine(spawn_ranks(_check_on_rank, tp * pp, arch, mode, dtype, backend="gloo", timeout_s=timeout_s, num_threads=1))  # noqa: E731
+    preload = (*_PRELOAD, getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch]).__module__)
+    run = lambda dtype: combine(spawn_ranks(_check_on_rank, tp * pp, arch, mode, dtype, backend="gloo", timeout_s=timeout_s, num_threads=1, preload=preload))  # noqa: E731
     try:
         result = run(torch.float32)
         reason = result.reason

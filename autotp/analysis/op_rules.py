@@ -98,6 +98,8 @@ RULES: dict[Any, Rule] = {
     aten._unsafe_view.default: reshapes.reshape,
     aten.flatten.using_ints: reshapes.reshape,
     aten.unflatten.int: reshapes.reshape,
+    aten.view_as.default: reshapes.reshape_as,
+    aten.reshape_as.default: reshapes.reshape_as,
     aten.view_as_complex.default: reshapes.view_as_complex,
     aten.view_as_real.default: reshapes.view_as_real,
     aten.repeat_interleave.self_int: reshapes.repeat_interleave,

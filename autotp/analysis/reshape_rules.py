@@ -208,6 +208,22 @@ def view_as_complex(w: Walker, node: Node) -> Any:
     return lay
 
 
+def reshape_as(w: Walker, node: Node) -> Any:
+    """``x.view_as(other)``, ``x.reshape_as(other)``: a reshape to other's shape. The rank's
+    ``other`` has its local shape, so the output is split exactly where other is."""
+    w.concrete(node.args[0], node)
+    out = reshape(w, node)
+    like = w.concrete(node.args[1], node)
+    like_dims = {} if like.partial else dict(like.dims)
+    out_dims = {} if out.partial else dict(out.dims)
+    if like_dims.keys() != out_dims.keys():
+        origins = frozenset().union(*(v.find().origins for v in [*like_dims.values(), *out_dims.values()]))
+        raise ShardingConflict(f"{describe(node)}: the reshaped tensor and the one it takes its shape from are split on different dims", origins)
+    for d, var in out_dims.items():
+        unify(var, like_dims[d], describe(node))
+    return out
+
+
 def view_as_real(w: Walker, node: Node) -> Any:
     """``[..., n]`` complex -> ``[..., n, 2]`` reals: every dim keeps its split."""
     return w.concrete(node.args[0], node)

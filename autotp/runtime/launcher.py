@@ -196,6 +196,7 @@ def spawn_ranks(
     backend: str | None = None,
     timeout_s: float = 300,
     num_threads: int | None = None,
+    preload: tuple[str, ...] = (),
 ) -> list[T]:
     """Run `fn(rank, world_size, *args)` in `world_size` fresh processes; return results by rank.
 
@@ -204,12 +205,17 @@ def spawn_ranks(
     on CPU. If any rank raises, all ranks are killed and `RankError` carries its
     traceback; if the ranks do not finish in `timeout_s`, all are killed and
     `TimeoutError` is raised. `num_threads` defaults to the CPU cores split across ranks.
+    `preload` names modules imported once in a fork server that the ranks fork from
+    (`forkserver` start method) instead of each rank importing them afresh (`spawn`):
+    for callers that start many short-lived groups, like the registry sweep.
     """
     if world_size < 1:
         raise UserInputError(f"world_size must be at least 1, got {world_size}")
     if num_threads is None:
         num_threads = max(1, (os.cpu_count() or 1) // world_size)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver" if preload else "spawn")
+    if preload:
+        ctx.set_forkserver_preload(list(preload))
     results = ctx.Queue()
     port = free_port()
     procs = [
