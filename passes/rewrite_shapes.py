@@ -1,4 +1,4 @@
-"""Rewrite the shape constants that sharding changes (views, expands, split sizes,
+"""Rewrite the shape constants that sharding changes (views, expands, ``new_*`` sizes, split sizes,
 slice bounds, ``repeat_interleave`` counts, the ``groups`` of a depthwise convolution).
 
 ``torch.export`` bakes concrete sizes into ``view``/``reshape``/``expand`` arguments,
@@ -20,7 +20,8 @@ from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten
 _SHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
-              aten.broadcast_to.default}
+              aten.broadcast_to.default, aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
+              aten.new_full.default}
 _SPLIT_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 _CONVOLUTIONS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default}
 

@@ -75,6 +75,7 @@ _VIEW_LIKE = (
     aten.lift_fresh_copy.default,
 )
 _FACTORIES_LIKE = (aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
+_FACTORIES_NEW = (aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)
 
 RULES: dict[Any, Rule] = {
     # matmuls and the parameters they shard
@@ -165,6 +166,9 @@ RULES: dict[Any, Rule] = {
     **{op: statistics.reduction for op in statistics.REDUCTIONS},
     **{op: values.needs_whole_dim for op in values.DIM_OPS},
     **{op: values.like_factory for op in _FACTORIES_LIKE},
+    **{op: values.new_factory for op in _FACTORIES_NEW},
+    aten.copy_.default: values.copy_into,
+    aten.copy.default: values.copy_into,
 }
 for _op in _VIEW_LIKE:
     RULES.setdefault(_op, _view_like)

@@ -183,6 +183,41 @@ def like_factory(w: Walker, node: Node) -> Layout:
     return REPLICATE if lay.partial else lay
 
 
+def new_factory(w: Walker, node: Node) -> Layout:
+    """``x.new_empty/new_zeros/new_ones/new_full(size)``: a constant that reads only x's dtype
+    and device, so any split of it is sound. It takes x's split on each dim of x's size at
+    the same place (the buffer a model fills with x's parts); ``rewrite_shapes`` makes the
+    size the rank's."""
+    lay = w.concrete(node.args[0], node)
+    src, dst = shape_of(node.args[0]) or (), shape_of(node) or ()
+    if lay.partial or len(src) != len(dst):
+        return REPLICATE
+    return shard({d: v for d, v in lay.dims if src[d] == dst[d]})
+
+
+def copy_into(w: Walker, node: Node) -> Layout:
+    """``dst.copy_(src)``, ``copy(dst, src)``: src's values, broadcast, in dst's shape and
+    storage, so the result is split where dst is. src must be split alike on those dims (a
+    replicated src of full size is read through the rank's slice) and nowhere else."""
+    dst, src = node.args[0], node.args[1]
+    dlay, slay = w.concrete(dst, node), w.concrete(src, node)
+    if slay.partial:
+        w.reduce_first(node, [src])
+        slay = REPLICATE
+    dims = {} if dlay.partial else dict(dlay.dims)  # a partial dst is overwritten whole
+    shp = shape_of(src) or ()
+    off = len(shape_of(node) or ()) - len(shp)
+    for d, var in slay.dims:
+        if d + off not in dims:
+            raise ShardingConflict(f"{describe(node)}: copies a split tensor into a whole one", var.find().origins, (var,))
+        unify(dims[d + off], var, describe(node))
+    for od, var in dims.items():
+        d = od - off
+        if d >= 0 and shp[d] != 1 and slay.var_at(d) is None:
+            w.out.local_slices.setdefault(node, []).append((src, d, var))
+    return shard(dims)
+
+
 def dropout(w: Walker, node: Node) -> Layout:
     x = node.args[0]
     lay = w.concrete(x, node)
