@@ -260,7 +260,9 @@ def einsum(w: Walker, node: Node) -> Any:
     """``aten.einsum(equation, operands)``: every letter is one dim, sharded alike in every
     operand that has it; a sharded letter missing from the output makes the result
     partial. An undecided parameter follows a letter that an activation shards (kind
-    ``row`` if contracted, ``column`` if kept) and is replicated otherwise."""
+    ``row`` if contracted, ``column`` if kept); where no operand is split, the one letter a
+    parameter alone has and the output keeps (the experts' hidden dim of ``ecd,edh->ech``)
+    makes it column-parallel; otherwise it is replicated."""
     equation, operands = node.args[0], list(node.args[1])
     if "..." in equation or len(operands) != equation.split("->")[0].count(",") + 1:
         return w.opaque(node)
@@ -277,6 +279,12 @@ def einsum(w: Walker, node: Node) -> Any:
         if isinstance(lay, Layout):
             for d, var in lay.dims:
                 letters[term[d]] = unify(letters[term[d]], var, describe(node)) if term[d] in letters else var
+    if not letters:  # no operand split: a parameter's own output letter goes column-parallel, as in ``matmul``
+        for t, term, lay in zip(operands, terms, lays):
+            own = [i for i, c in enumerate(term) if c in out and sum(c in other for other in terms) == 1]
+            if isinstance(lay, ParamView) and len(own) == 1 and w.allowed(lay.name, "column"):
+                letters[term[own[0]]] = DimVar((shape_of(t) or ())[own[0]], frozenset({lay.name}))
+                break
     for t, term, lay in zip(operands, terms, lays):
         if not isinstance(lay, ParamView):
             continue
