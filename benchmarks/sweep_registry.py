@@ -237,6 +237,9 @@ def main() -> None:
     parser.add_argument("--stop-after-s", type=float, default=None,
                         help="start no architecture after this many seconds (rows not swept keep their old value)")  # fmt: skip
     args = parser.parse_args()
+    # A CPU check on gloo. The ranks fork from a server that imported torch and transformers
+    # (``_PRELOAD``); on a GPU machine a fork after CUDA's initialization cannot use CUDA.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     archs = [a for a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if not args.only or a in args.only.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     if set(modes) - set(MODES):

@@ -36,6 +36,11 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 continue
             shape = [local[d] if d in local and s != -1 else s for d, s in enumerate(node.args[1])]
             node.args = (node.args[0], shape, *node.args[2:])
+        elif node.target is aten.unflatten.int:
+            local = local_sizes(node, tp, lay if isinstance(lay, Layout) else None)
+            x, dim, sizes = node.args[0], node.args[1], node.args[2]
+            dim = dim + x.meta["val"].dim() if dim < 0 else dim
+            node.args = (x, node.args[1], [local.get(dim + i, s) if s != -1 else s for i, s in enumerate(sizes)])
         elif meta_keys.REPEAT_FIXUP in node.meta:
             out, source = node.meta[meta_keys.REPEAT_FIXUP]
             repeats = local_size(out, tp) // local_size(source, tp)

@@ -30,7 +30,9 @@ sharded dim repeats each rank's own elements (``repeat_fixups``: the local repea
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,6 +87,8 @@ def reshape(w: Walker, node: Node) -> Any:
             dims[cb[at]] = out
         elif len(cb) == 1 and d == ca[-1] and d != ca[0]:
             dims[cb[0]] = _tile(var, math.prod(src[c] for c in ca[:-1]), describe(node))
+        elif d != ca[0] and len(cb) > 1 and (refined := _refine_then_merge(w, node, src, dst, ca, cb, d, var)) is not None:
+            dims[refined[0]] = refined[1]
         elif d != ca[0]:
             raise ShardingConflict(f"{describe(node)}: the sharded dim is not the outer one of a merge", lay.origins(), (var,))
         elif len(cb) == 1:
@@ -156,6 +160,37 @@ def _regroup(node: Node, var: DimVar, m0: int) -> DimVar:
         set_groups(out, n0, where)
         follow(out, var, where)
     return out
+
+
+def _refine_then_merge(
+    w: Walker, node: Node, src: tuple[int, ...], dst: tuple[int, ...], ca: list[int], cb: list[int], d: int, var: DimVar
+) -> tuple[int, DimVar] | None:
+    """Runs of several dims on both sides (``[B, H*D] -> [B*H, D]``, torch's MultiheadAttention)
+    as two reshapes through their common refinement (``[B, H, D]``): the sharded dim ``d`` splits
+    into its factors, and the one carrying the split lands alone on an output dim or as the
+    inner factor of a merge (``_tile``). None where the runs have no common refinement."""
+    where = describe(node)
+    src_cuts, dst_cuts = (list(itertools.accumulate((shape[i] for i in run), operator.mul)) for shape, run in ((src, ca), (dst, cb)))
+    cuts = [1, *sorted(set(src_cuts) | set(dst_cuts))]
+    if any(b % a for a, b in zip(cuts, cuts[1:])):
+        return None
+    mid = [b // a for a, b in zip(cuts, cuts[1:])]
+    k = ca.index(d)
+    first, last = cuts.index(src_cuts[k - 1] if k else 1), cuts.index(src_cuts[k]) - 1  # d's factors in mid
+    if first == last:
+        g, out = first, var
+    else:
+        at, out = _split(w, node, var, mid[first : last + 1])
+        g = first + at
+    for j, upper in enumerate(dst_cuts):
+        lo, hi = cuts.index(dst_cuts[j - 1] if j else 1), cuts.index(upper) - 1
+        if lo <= g <= hi:
+            if lo == g == hi:
+                return cb[j], out
+            if g == hi:
+                return cb[j], _tile(out, math.prod(mid[lo:g]), where)
+            raise ShardingConflict(f"{where}: the sharded factor is not the inner one of a merge", var.find().origins, (out,))
+    return None
 
 
 def _tile(var: DimVar, count: int, where: str) -> DimVar:

@@ -71,8 +71,11 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
     bk, bn = lb.var_at(b_k), lb.var_at(b_n)
     out_nd = len(shape_of(node) or ())
     if (ak is None) != (bk is None):
+        # the side split on the contracted dim goes whole; the other keeps its own split
+        # (a tied vocab-parallel head behind a column-parallel transform)
+        split_side = (la if ak is not None else lb).origins()
         raise ShardingConflict(
-            f"{describe(node)}: only one side of the contraction is sharded", (la.origins() | lb.origins())
+            f"{describe(node)}: only one side of the contraction is sharded", split_side or (la.origins() | lb.origins())
         )
     dims: dict[int, DimVar] = {}
     for d, v in la.dims:

@@ -190,7 +190,7 @@ def new_factory(w: Walker, node: Node) -> Layout:
     size the rank's."""
     lay = w.concrete(node.args[0], node)
     src, dst = shape_of(node.args[0]) or (), shape_of(node) or ()
-    if lay.partial or len(src) != len(dst):
+    if lay.partial or len(src) != len(dst) or 0 in dst:  # an empty tensor holds no split (``cat`` ignores it)
         return REPLICATE
     return shard({d: v for d, v in lay.dims if src[d] == dst[d]})
 
