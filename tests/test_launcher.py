@@ -38,3 +38,14 @@ def test_ranks_that_reported_but_do_not_exit_are_killed_after_a_grace_period(mon
     start = time.monotonic()
     assert launcher.spawn_ranks(_report_then_never_exit, 2, backend="gloo", timeout_s=120) == [0, 1]
     assert time.monotonic() - start < 60
+
+
+def _preloaded(rank: int, world_size: int) -> tuple[int, bool]:
+    import sys
+
+    return dist.get_rank(), "transformers" in sys.modules  # this test module does not import it: the server did
+
+
+def test_preload_forks_ranks_from_a_server_that_imported_the_modules() -> None:
+    results = launcher.spawn_ranks(_preloaded, 2, backend="gloo", timeout_s=120, preload=("transformers",))
+    assert results == [(0, True), (1, True)]
