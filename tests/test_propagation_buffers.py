@@ -129,3 +129,24 @@ def test_a_tied_head_behind_a_column_parallel_transform_keeps_the_vocab_split() 
     kinds = _kinds(plan)
     assert kinds["decoder.weight"] == "vocab" and "decoder.weight" not in _kept(plan)  # the tied table's one name
     assert "dense.weight" in _kept(plan)
+
+
+class ExpertsByIndex(nn.Module):
+    """JetMoE's ``ParallelExperts``: one stacked ``[E, out, in]`` weight, ``F.linear(rows_i, weight[i])``."""
+
+    def __init__(self, experts: int = 2) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(experts, 2 * DIM, DIM) / DIM**0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, DIM, 2 * DIM) / DIM**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, DIM).chunk(self.w_in.shape[0])
+        outs = [F.linear(F.gelu(F.linear(r, self.w_in[i])), self.w_out[i]) for i, r in enumerate(rows)]
+        return torch.cat(outs).view_as(x)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_experts_indexed_out_of_a_stacked_weight_are_column_then_row_parallel(tp: int) -> None:
+    gm, plan = _plan(ExpertsByIndex(), tp)
+    kinds = _kinds(plan)
+    assert kinds["w_in"] == "column" and kinds["w_out"] == "row", kinds

@@ -182,9 +182,13 @@ def _strided(node: Node, var: DimVar, start: int, end: int, step: int) -> DimVar
 
 
 def select(w: Walker, node: Node) -> Any:
-    lay = w.concrete(node.args[0], node)
     src = shape_of(node.args[0]) or ()
     d = norm_dim(node.args[1], len(src))
+    view = w.get(node.args[0])
+    if isinstance(view, ParamView) and view.dim_map[d] is not None:
+        # one expert of a stacked weight (``weight[i]``): the parameter stays undecided, its first matmul decides
+        return ParamView(view.name, view.dim_map[:d] + view.dim_map[d + 1 :])
+    lay = w.concrete(node.args[0], node)
     if lay.var_at(d) is not None:
         raise ShardingConflict(f"{describe(node)}: selects along a sharded dim", lay.origins(), (lay.var_at(d),))
     return _permute_like(w, node, [i for i in range(len(src)) if i != d])
