@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from autotp import compiler
 from autotp.ir.errors import UserInputError
 from autotp.ir.fp8 import DEFAULT_RECIPE, RECIPES
 from autotp.ir.plan import ParallelPlan
+from autotp.ir.plan_files import load_plan
 from autotp.runtime import cudagraphs, rng
 from autotp.runtime.groups import make_groups
 from autotp.runtime.parallel_model import ParallelModel
@@ -91,12 +93,15 @@ def compile_rank(
     pp: int = 1,
     vpp: int = 1,
     example_inputs: dict[str, Any] | None = None,
-    plan: ParallelPlan | str | None = None,
+    plan: ParallelPlan | str | Path | dict | list | None = None,
     device: torch.device | str = "meta",
     dump_dir: Path | None = None,
     cuda_graphs: bool = False,
     sequence_parallel: bool | str | None = None,
     tp_overlap: bool | str | None = None,
+    ep: int = 1,
+    moe_dispatch: str | None = None,
+    moe_capacity_factor: float | None = None,
     fp8: str | bool | None = None,
 ) -> CompiledRank:
     """Trace, plan and rewrite the graph of tp rank ``rank`` without any process group.
@@ -104,14 +109,18 @@ def compile_rank(
     For inspection, dumps and compile-time benchmarks; a model on ``meta`` never
     allocates its weights. With pp > 1 the graph carries the stage boundaries. With
     ``cuda_graphs`` the plan asks for CUDA graphs and the nodes carry their regions and
-    blockers, as a GPU rank on NCCL would capture them.
+    blockers, as a GPU rank on NCCL would capture them. With ``ep`` (and ``moe_dispatch``,
+    ``moe_capacity_factor``, as ``parallelize`` takes them) the graph is ep rank 0's, dp the
+    smallest that ep folds onto.
     """
     _check_degrees(tp, pp, vpp)
+    plan = load_plan(plan)
     if not 0 <= rank < tp:
         raise UserInputError(f"rank {rank} is outside tp={tp}; pick 0..{tp - 1}")
     impl = cudagraphs.implementation() if cuda_graphs else None
-    planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=1, vpp=vpp, plan=plan, cudagraph_impl=impl,
-                                  sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, fp8=fp8)  # fmt: skip
+    planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=ep // math.gcd(ep, tp), vpp=vpp, plan=plan,
+                                  cudagraph_impl=impl, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, ep=ep,
+                                  moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor, fp8=fp8)  # fmt: skip
     lowered = compiler.lower(planned.traced, planned.plan, tp_rank=rank, device=device, dump_dir=dump_dir)
     return CompiledRank(lowered.graph, lowered.plan, planned.trace_s, planned.plan_s, lowered.pass_s)
 
@@ -124,7 +133,7 @@ def parallelize(
     dp: int | None = None,
     vpp: int = 1,
     example_inputs: dict[str, Any] | None = None,
-    plan: ParallelPlan | str | None = None,
+    plan: ParallelPlan | str | Path | dict | list | None = None,
     device: torch.device | str | None = None,
     seed: int = 0,
     gather_outputs: bool = True,
@@ -134,6 +143,10 @@ def parallelize(
     sequence_parallel: bool | str | None = None,
     tp_overlap: bool | str | None = None,
     checkpoint: str | Path | None = None,
+    ep: int = 1,
+    etp: int | None = None,
+    moe_dispatch: str | None = None,
+    moe_capacity_factor: float | None = None,
     fp8: str | bool | None = None,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's ``ParallelModel``; tp·pp·dp must be the world size.
@@ -141,7 +154,10 @@ def parallelize(
     Ranks are laid out in Megatron's order (tp fastest, then dp, then pp).
     ``example_inputs`` (keyword arguments of ``model.forward``) fix the first traced
     signature; HF models default to random ``input_ids`` of shape [2, 16]. ``plan`` is a
-    ``ParallelPlan`` to follow, or None / ``"auto"`` to let the cost model decide; ``vpp``
+    ``ParallelPlan`` to follow (also as the path of its JSON, or a dict: ``pm.plan.to_json()``
+    or ``autotp plan --format json``, whose first plan is taken; ``autotp.ir.plan_files``),
+    whose degrees are used when tp, pp, dp and vpp are left at their defaults, or None /
+    ``"auto"`` to let the cost model decide; ``vpp``
     model chunks per pipeline rank select the interleaved schedule. ``device`` defaults
     to the rank's CUDA device under NCCL, to the model's device in a single process without a
     process group, else the CPU. A collective that waits longer
@@ -163,12 +179,23 @@ def parallelize(
     scales that tp ranks share; ``plan.fp8_linears`` says which GEMMs stay in the model's
     dtype and why. It needs FP8 tensor cores (compute capability 8.9+; blockwise 9.0).
 
+    ``ep`` spreads the experts of MoE layers over ep ranks (MoE folding: expert layers run on
+    ``etp-ep-edp-pp`` over the ranks dense layers use as ``tp-dp-pp``; ep divides tp*dp and
+    each expert count; ``etp=1``). ``moe_dispatch`` picks how rows reach their experts:
+    ``"dropless"`` (the default with ep > 1) or ``"sync_free"`` (static capacity
+    ``moe_capacity_factor`` x balanced per expert, overflow dropped and counted by
+    ``pm.moe_drop_counts()``, every shape static: the layer captures as one CUDA graph, also
+    at ep=1).
+
     ``model`` may be built on ``meta``: each rank then allocates only its shards, reads
     them from ``checkpoint`` (a local HF safetensors folder, this rank's slices only) and
     initializes the rest with the model's own init (``autotp.runtime.init_meta`` says
     what that guarantees).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
+    plan = load_plan(plan)
+    if isinstance(plan, ParallelPlan) and (tp, pp, dp, vpp) == (1, 1, None, 1):
+        tp, pp, dp, vpp = plan.tp, plan.pp, plan.dp, plan.vpp
     _check_degrees(tp, pp, vpp)
     if tp > world:
         raise UserInputError(
@@ -197,11 +224,13 @@ def parallelize(
     impl = cudagraphs.implementation() if cuda_graphs else None
     planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=dp, vpp=vpp, plan=plan,
                                   cudagraph_impl=impl, gather_outputs=gather_outputs,
-                                  sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, fp8=fp8)  # fmt: skip
+                                  sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, ep=ep, etp=etp,
+                                  moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor, fp8=fp8)  # fmt: skip
     coords = make_groups(planned.plan, timeout_s)
     rng.seed_tp_rng(seed + 1009 * (coords.dp_rank + planned.plan.dp * coords.pp_rank), coords.tp_rank)
     backend = dist.get_backend() if dist.is_initialized() else "nccl"
-    lowered = compiler.lower(planned.traced, planned.plan, tp_rank=coords.tp_rank, device=device, backend=backend)
+    ep_rank = coords.experts.ep_rank if coords.experts is not None else 0
+    lowered = compiler.lower(planned.traced, planned.plan, tp_rank=coords.tp_rank, device=device, backend=backend, ep_rank=ep_rank)
     pm = ParallelModel(model, lowered, planned.kwargs, coords, device, compile)
     pm.materialize(model, checkpoint, seed)
     return pm

@@ -33,6 +33,7 @@ from autotp.analysis.layers import num_layers
 from autotp.analysis.trace import trace
 from autotp.cost_model.compute import ModelCosts
 from autotp.cost_model.cudagraphs import choose_regions
+from autotp.cost_model.expert_parallel import plan_expert_parallel
 from autotp.cost_model.fp8 import check_recipe, plan_fp8, sites_plan, without_fp8
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.planner import auto_plan, auto_sequence_parallel
@@ -40,6 +41,7 @@ from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir import meta_keys
 from autotp.ir.fp8 import DEFAULT_RECIPE
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER, ParallelPlan
+from autotp.ir.rank_log import warn_once
 from autotp.passes import PASSES
 from autotp.passes.causal_attention import CAUSAL
 from autotp.passes.runner import PassContext, run_passes
@@ -170,6 +172,10 @@ def plan_model(
     gather_outputs: bool = True,
     sequence_parallel: bool | str | None = None,
     tp_overlap: bool | str | None = None,
+    ep: int = 1,
+    etp: int | None = None,
+    moe_dispatch: str | None = None,
+    moe_capacity_factor: float | None = None,
     fp8: str | bool | None = None,
 ) -> Planned:
     """Trace ``model`` on ``device`` and choose its plan. ``cudagraph_impl`` (the capture
@@ -208,6 +214,14 @@ def plan_model(
                                         fp8=recipe or chosen.fp8)  # fmt: skip
     else:
         chosen = _with_fixed_sequence_parallel(chosen, fixed_sp, fixed_overlap)
+    if isinstance(plan, ParallelPlan):
+        if ep not in (1, plan.ep):
+            raise UserInputError(f"the plan is for ep={plan.ep} but ep={ep} was asked; pass ep={plan.ep} or re-plan")
+    else:
+        if plan == "auto" and ep == 1 and moe_dispatch is None and chosen.ep > 1:  # the planner's expert parallelism
+            ep, moe_dispatch = chosen.ep, chosen.moe_dispatch
+            moe_capacity_factor = chosen.moe_capacity_factor or None
+        chosen = plan_expert_parallel(traced, chosen, ep=ep, etp=etp, dispatch=moe_dispatch, capacity_factor=moe_capacity_factor)
     chosen = with_fp8(traced, chosen, fp8)
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)
@@ -261,12 +275,15 @@ def _warn_replicated(traced: GraphModule, plan: ParallelPlan) -> None:
         return
     params = dict(traced.named_parameters())
     total = sum(p.numel() for p in params.values())
-    sharded = {pl.name for pl in plan.params}
+    experts = {p for layer in plan.moe_layers for p in layer.params} if plan.ep > 1 else set()
+    sharded = {pl.name for pl in plan.params} | experts
     replicated = sorted(((p.numel(), n) for n, p in params.items() if n not in sharded), reverse=True)
-    held = (sum(n for n, _ in replicated) + (total - sum(n for n, _ in replicated)) / plan.tp) / max(total, 1)
+    on_ep = sum(params[n].numel() for n in experts if n in params)
+    held = (sum(n for n, _ in replicated) + on_ep / plan.ep + (total - sum(n for n, _ in replicated) - on_ep) / plan.tp) / max(total, 1)
     if held > REPLICATED_SLACK / plan.tp:
         largest = ", ".join(f"{n} ({size})" for size, n in replicated[:5])
-        log.warning(
+        warn_once(
+            log,
             "a tp rank holds %.0f%% of the parameters (tp=%d; at most %.0f%% expected): the largest replicated "
             "parameters are %s; `autotp explain` and `autotp dump` show the op that kept them whole",
             100 * held, plan.tp, 100 * REPLICATED_SLACK / plan.tp, largest,
@@ -281,14 +298,19 @@ def lower(
     device: torch.device | str = "meta",
     backend: str = "nccl",
     dump_dir: Path | None = None,
+    ep_rank: int = 0,
     outputs_read: tuple[str, ...] = (),
 ) -> Lowered:
-    """Run the passes on a copy of ``traced`` for tp rank ``tp_rank``, with the cost
-    model's CUDA-graph region policy bound. ``outputs_read``: the output keys the caller
-    reads (empty: all; the others become None)."""
+    """Run the passes on a copy of ``traced`` for tp rank ``tp_rank`` (and expert-parallel
+    rank ``ep_rank``), with the cost model's CUDA-graph region policy bound. ``outputs_read``: the
+    output keys the caller reads (empty: all; the others become None). A rank on the CPU or gloo
+    overlaps through the P2P ring whatever the plan asked for; the plan it returns says so."""
+    if plan.tp_overlap and (torch.device(device).type == "cpu" or backend == "gloo"):
+        plan = replace(plan, tp_overlap_impl="ring")
     ctx = PassContext(
         plan=plan,
         tp_rank=tp_rank,
+        ep_rank=ep_rank,
         device=torch.device(device),
         dump_dir=dump_dir,
         backend=backend,
@@ -304,10 +326,12 @@ def lower(
 
 def lower_signature(
     model: nn.Module, kwargs: dict[str, Any], plan: ParallelPlan, *, tp_rank: int, device: torch.device, backend: str,
+    ep_rank: int = 0,
     outputs_read: tuple[str, ...] = (),
 ) -> Lowered:  # fmt: skip
     """Trace ``model(**kwargs)`` and lower it under an already chosen ``plan``."""
-    return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend, outputs_read=outputs_read)
+    return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend, ep_rank=ep_rank,
+                 outputs_read=outputs_read)
 
 
 def _owned_copy(gm: GraphModule) -> GraphModule:

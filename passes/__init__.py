@@ -3,6 +3,7 @@
 from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.cancel_collectives import cancel_collectives
 from autotp.passes.causal_attention import causal_attention
+from autotp.passes.expert_parallel import expert_parallel
 from autotp.passes.drop_unread_outputs import drop_unread_outputs
 from autotp.passes.fused_linear_cross_entropy import fused_linear_cross_entropy
 from autotp.passes.fp8_linear import fp8_linear
@@ -10,6 +11,7 @@ from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.rewrite_shapes import rewrite_shapes
 from autotp.passes.slice_replicated import slice_replicated
+from autotp.passes.sharded_statistics import sharded_statistics
 from autotp.passes.sequence_parallel import sequence_parallel
 from autotp.passes.split_stages import split_stages
 from autotp.passes.runner import Pass
@@ -26,8 +28,10 @@ PASSES: list[Pass] = [
     vocab_parallel_cross_entropy,
     tp_dropout,
     slice_replicated,
+    sharded_statistics,
     insert_collectives,
     cancel_collectives,
+    expert_parallel,
     sequence_parallel,
     drop_unread_outputs,
     fused_linear_cross_entropy,

@@ -46,6 +46,8 @@ class PassContext:
     that ``mark_cudagraph_regions`` applies when the plan asks for CUDA graphs; the
     compiler binds the cost model's. ``outputs_read`` names the output keys the caller
     reads (``train_step``: ``("loss",)``); empty: all of them (``passes/drop_unread_outputs``).
+    ``ep_rank`` is the rank's place in its expert-parallel group (which experts of a loop over
+    expert modules it computes).
     """
 
     plan: ParallelPlan
@@ -57,6 +59,7 @@ class PassContext:
     backend: str = "nccl"
     choose_cudagraph_regions: RegionChooser | None = None
     outputs_read: tuple[str, ...] = ()
+    ep_rank: int = 0
 
     def __post_init__(self) -> None:
         self.group = self.group or tp_group_key(self.plan.tp)

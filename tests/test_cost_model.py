@@ -235,6 +235,8 @@ def test_closed_forms_agree_with_the_functions() -> None:
         name = schedules.default_schedule(v)
         assert int(cf.IN_FLIGHT[name].subs({cf.p: p, cf.v: v, cf.m: m, cf.r: r})) == in_flight(name, p, v, m, r)
         assert float(cf.BUBBLE[name].subs({cf.p: p, cf.v: v, cf.m: m})) == pytest.approx(bubble_fraction(name, p, m, v))
+        share = cf.BUBBLE[name] / (1 + cf.BUBBLE[name])
+        assert sympy.simplify(cf.BUBBLE_SHARE[name] - share) == 0
     assert sympy.simplify(cf.TP_ALL_REDUCE_BYTES_PER_LAYER.subs(cf.e, 2) - 8 * cf.b * cf.s * cf.h) == 0
     text = cf.explain({cf.b: 1, cf.s: 2048, cf.h: 4096, cf.e: 2, cf.t: 8, cf.alpha: 25e-6, cf.B: 353e9})
     line = next(l for l in text.splitlines() if l.startswith("tp all-reduce time per layer"))

@@ -58,6 +58,12 @@ Local ops:
 * ``vocab_parallel_embedding(weight, ids, vocab_start, vocab_stop, vocab_size, padding_idx)`` --
   lookup in rows ``[vocab_start, vocab_stop)``; other ids give zeros (a partial sum).
 
+* ``function(inputs, key, name)`` -- a custom ``torch.autograd.Function`` kept whole, whose
+  backward is the Function's own (``autotp.ir.custom_functions`` holds its kernels and the
+  table of calls ``key`` indexes; ``name`` is the Function's, for people). The output is
+  replicated and so are the inputs. ``elementwise_function`` is the same for a call with one
+  output proven elementwise, forward and backward: tagged pointwise, so it runs on shards.
+
 The vocab-parallel embedding and cross entropy mask ids outside the local range, so an
 id outside the whole vocabulary ``[0, vocab_size)`` would silently count as zero; both
 refuse it (``check_ids``) where the unmodified model raises ``IndexError``.
@@ -80,6 +86,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.node import has_side_effect
 from torch.library import Library
 
+from autotp.ir import moe_ops
 from autotp.ir.errors import UserInputError
 
 NAMESPACE = "autotp"
@@ -141,6 +148,8 @@ FP8_LINEAR = _define(
     "fp8_linear(Tensor x, Tensor[] weights, Tensor?[] biases, str recipe, int x_split, int[] n_split, int gather_dim, "
     "int group_size, str group) -> Tensor[]"
 )
+FUNCTION = _define("function(Tensor[] inputs, int key, str name) -> Tensor[]")
+ELEMENTWISE_FUNCTION = _define("elementwise_function(Tensor[] inputs, int key, str name) -> Tensor", tags=(torch.Tag.pointwise,))
 
 # Ops that communicate over a tp group, forward or backward.
 COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
@@ -148,8 +157,10 @@ COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
     ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, VOCAB_PARALLEL_NLL, VOCAB_PARALLEL_CROSS_ENTROPY,
     LINEAR_CROSS_ENTROPY,
     ALL_REDUCE_MAX, FP8_LINEAR,
-})  # fmt: skip
-ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT}
+}) | moe_ops.DISPATCH_OPS  # fmt: skip
+ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {
+    VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT, FUNCTION, ELEMENTWISE_FUNCTION,
+}  # fmt: skip
 
 
 def is_autotp_op(target: Any) -> bool:

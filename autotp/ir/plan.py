@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 
 from autotp.ir.layouts import DimSharding
+from autotp.ir.moe_plan import MoeLayerPlan
 from autotp.ir.schedules import default_schedule
 
 DP_BUCKET_BYTES = 25 * 2**20
@@ -74,6 +75,11 @@ KEPT_WHOLE_CONFLICT = "conflict"
 """``KeptWhole.reason``: its sharding reaches an op that needs the sharded dim whole."""
 KEPT_WHOLE_COMM = "comm_outweighs_compute"
 """``KeptWhole.reason``: the cost model found sharding it slower than keeping it whole."""
+KEPT_WHOLE_INDIVISIBLE = "indivisible"
+"""``KeptWhole.reason``: tp does not split a dim its sharding would cut (a 10-class head at tp=4)."""
+KEPT_WHOLE_READ_WHOLE = "read_whole"
+"""``KeptWhole.reason``: its first use reads it whole (a norm weight on the replicated
+residual stream, a router, a row-parallel bias added after the all-reduce)."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +188,13 @@ class ParallelPlan:
     distributed_optimizer: bool = False
     ep: int = 1
     kept_whole: tuple[KeptWhole, ...] = ()
+    # Expert parallelism (``passes/expert_parallel``): the expert tensor-parallel degree (0: tp,
+    # experts sharded like dense MLPs), how rows reach the experts (``moe_ops.MODES``, "": not
+    # rewritten), the sync-free capacity factor and the MoE layers it applies to.
+    etp: int = 0
+    moe_dispatch: str = ""
+    moe_capacity_factor: float = 0.0
+    moe_layers: tuple[MoeLayerPlan, ...] = ()
     # The lm_head and its cross entropy fused, this many tokens at a time (0: not fused;
     # ``passes/fused_linear_cross_entropy``, chosen by ``autotp.cost_model.fused_loss``).
     loss_chunk_tokens: int = 0
@@ -246,6 +259,10 @@ class ParallelPlan:
                 "distributed_optimizer": self.distributed_optimizer,
                 "ep": self.ep,
                 "kept_whole": [k.to_json() for k in self.kept_whole],
+                "etp": self.etp,
+                "moe_dispatch": self.moe_dispatch,
+                "moe_capacity_factor": self.moe_capacity_factor,
+                "moe_layers": [m.to_json() for m in self.moe_layers],
                 "loss_chunk_tokens": self.loss_chunk_tokens,
                 "fp8": self.fp8,
                 "fp8_backend": self.fp8_backend,
@@ -286,6 +303,10 @@ class ParallelPlan:
             distributed_optimizer=d.get("distributed_optimizer", False),
             ep=d.get("ep", 1),
             kept_whole=tuple(KeptWhole.from_json(k) for k in d.get("kept_whole", ())),
+            etp=d.get("etp", 0),
+            moe_dispatch=d.get("moe_dispatch", ""),
+            moe_capacity_factor=d.get("moe_capacity_factor", 0.0),
+            moe_layers=tuple(MoeLayerPlan.from_json(m) for m in d.get("moe_layers", ())),
             loss_chunk_tokens=d.get("loss_chunk_tokens", 0),
             fp8=d.get("fp8", ""),
             fp8_backend=d.get("fp8_backend", "torch"),

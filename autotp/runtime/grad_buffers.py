@@ -114,10 +114,15 @@ class GradBuffers:
 
     def __init__(self, uses: list[ParamUse], dp: int, dp_rank: int, group: dist.ProcessGroup | None,
                  bucket_bytes: int, grad_dtype: torch.dtype | None,
-                 shared_groups: dict[str, dist.ProcessGroup], overlap: bool = False) -> None:  # fmt: skip
+                 shared_groups: dict[str, dist.ProcessGroup], overlap: bool = False, mean_over: int | None = None,
+                 wait_module: str = "") -> None:  # fmt: skip
         """``grad_dtype``: of 16-bit parameters' gradients (None: the parameter's dtype; fp32 params keep fp32).
-        ``overlap``: leave the parameters' all-gather in flight for the graphs' waits (module docstring)."""
+        ``overlap``: leave the parameters' all-gather in flight for the graphs' waits (module docstring).
+        ``mean_over``: what the summed gradients are divided by (default ``dp``, the group's size; expert
+        parameters sharded over edp divide by the dense dp); ``wait_module``: the graphs' wait submodule."""
         self.dp, self.dp_rank, self.group = dp, dp_rank, group
+        self.mean_over = mean_over or dp
+        self.wait_module = wait_module or WAIT_MODULE
         self.overlap = overlap
         self.shared_groups = shared_groups
         self.buckets: list[Bucket] = []
@@ -243,8 +248,8 @@ class GradBuffers:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
-            if self.dp > 1:
-                b.shard(b.grads, self.dp, self.dp_rank).div_(self.dp)
+            if self.mean_over > 1:
+                b.shard(b.grads, self.dp, self.dp_rank).div_(self.mean_over)
         self._reduced = True
         self._armed = False
 
@@ -300,9 +305,9 @@ class GradBuffers:
         """Make ``gm`` (chunk ``chunk`` of this rank) wait for each bucket right before the first
         node that reads one of its parameters, and for the chunk's unread buckets before its output."""
         graph = gm.graph
-        if any(n.op == "call_module" and n.target == WAIT_MODULE for n in graph.nodes):
+        if any(n.op == "call_module" and n.target == self.wait_module for n in graph.nodes):
             return
-        gm.add_submodule(WAIT_MODULE, ParamWait(self))
+        gm.add_submodule(self.wait_module, ParamWait(self))
         waited: set[int] = set()
         for node in list(graph.nodes):
             if node.op in ("placeholder", "get_attr"):
@@ -314,7 +319,7 @@ class GradBuffers:
                 buckets = sorted({s.bucket for s in read if s is not None} - waited)
             with graph.inserting_before(node):
                 for index in buckets:
-                    graph.call_module(WAIT_MODULE, (index,))
+                    graph.call_module(self.wait_module, (index,))
             waited.update(buckets)
         gm.recompile()
 

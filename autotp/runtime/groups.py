@@ -11,6 +11,7 @@ from autotp.ir.plan import ParallelPlan
 from autotp.ir.rank_groups import groups_of, rank_groups
 from autotp.ir.ops import replica_group_key, tp_group_key
 from autotp.runtime import collectives
+from autotp.runtime.expert_parallel import ExpertGroups, make_expert_groups
 from autotp.runtime.pipeline import PipelineGroups
 
 
@@ -24,6 +25,7 @@ class Coords:
     tp_key: str
     dp_group: dist.ProcessGroup | None
     pipeline: PipelineGroups | None
+    experts: ExpertGroups | None = None
 
 
 def make_groups(plan: ParallelPlan, timeout_s: float) -> Coords:
@@ -36,7 +38,7 @@ def make_groups(plan: ParallelPlan, timeout_s: float) -> Coords:
     timeout = datetime.timedelta(seconds=timeout_s)
     groups = rank_groups(world, tp=plan.tp, pp=plan.pp)
     mine = groups_of(rank, groups)
-    replica_sizes = sorted({p.sharding.replicas(plan.tp) for p in plan.params} - {1})
+    replica_sizes = sorted({max(plan.tp // g, 1) for p in plan.params if not p.sharding.padded for g in p.sharding.groups} - {1})
     for tp_ranks in groups["tp"]:
         group = dist.new_group(tp_ranks, timeout=timeout)
         if rank in tp_ranks:
@@ -65,6 +67,7 @@ def make_groups(plan: ParallelPlan, timeout_s: float) -> Coords:
         tp_key=tp_key,
         dp_group=dp_group,
         pipeline=pipeline,
+        experts=make_expert_groups(plan, world, rank, timeout),
     )
 
 

@@ -19,7 +19,8 @@ from autotp.analysis.trace import structure_copy
 from autotp.compiler import LOSS_ONLY, Lowered, lower_signature
 from autotp.ir import schedules
 from autotp.ir.plan import ParallelPlan
-from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, export_hf, grad_norm, grad_sync, guards
+from autotp.ir.rank_log import warn_once
+from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, expert_parallel, export_hf, grad_norm, grad_sync, guards
 from autotp.runtime.grad_buffers import GradBuffers, ParamUse
 from autotp.runtime.groups import Coords
 from autotp.runtime.parameters import ParamChunks, Parameters, graph_param_chunks, graph_trained_params
@@ -89,7 +90,8 @@ class ParallelModel(nn.Module):
         many = dist.is_initialized() and dist.get_world_size() > 1
         self._failure_watch = guards.FailureWatch() if many else None
         pp_group = coords.pipeline.pp_group if coords.pipeline is not None else None
-        self._input_check = guards.InputCheck([("tp", collectives.get_group(coords.tp_key)), ("pp", pp_group)] if many else [])
+        self._input_check = guards.InputCheck([("tp", collectives.get_group(coords.tp_key)), ("pp", pp_group)] if many else [],
+                                              coords.dp_group if many else None)
         compiled = self._prepare(first)
         self._params.bind(model, compiled.param_chunks, set(self.my_chunks))
         owners = {name: self._params.owners(compiled.param_chunks, name) for name in self._params.aliases}
@@ -101,11 +103,22 @@ class ParallelModel(nn.Module):
         self._owners = owners
         self._grad_buffers: GradBuffers | None = None  # set by a DistributedOptimizer
         self._dp_mean: grad_sync.OverlappedDpMean | None = None  # made by the first train_step with dp > 1, pp = 1
-        self._clip_calls = 0
+        self._steps = 0
+        self.check_replicas_every = REPLICA_CHECK_EVERY  # train_step runs check_replicas on its 1st, N+1th, ... call; 0: never
         self._warned_plain = False
         self._attach(compiled)
         self.train(model.training)
         self._graphs[(*guards.signature_key(first_kwargs, model.training), ())] = compiled
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group (0 without expert parallelism)."""
+        return self._coords.experts.ep_rank if self._coords.experts is not None else 0
+
+    def moe_drop_counts(self, reset: bool = False) -> dict[str, tuple[int, int]]:
+        """Per MoE layer under sync-free dispatch: (rows its capacity dropped, rows routed) on this rank
+        since the last reset (``expert_parallel.drop_counts``; reading syncs with the device)."""
+        return expert_parallel.drop_counts(self.plan, reset)
 
     @property
     def my_chunks(self) -> list[int]:
@@ -168,7 +181,8 @@ class ParallelModel(nn.Module):
             backend = dist.get_backend() if dist.is_initialized() else "nccl"
             try:
                 lowered = lower_signature(self._source.model, call, self.plan, tp_rank=self._coords.tp_rank,
-                                          device=self._device, backend=backend, outputs_read=outputs_read)  # fmt: skip
+                                          device=self._device, backend=backend, ep_rank=self.ep_rank,
+                                          outputs_read=outputs_read)  # fmt: skip
             except ValueError as e:
                 guards.explain_retrace_failure(call, list(self._graphs), e)
                 raise
@@ -176,6 +190,7 @@ class ParallelModel(nn.Module):
             self._attach(compiled)
             self._insert_param_waits(compiled)
             self._graphs[key] = compiled
+        guards.refuse_autocast(compiled.graph, self._device)
         return compiled
 
     def _as_kwargs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -218,7 +233,7 @@ class ParallelModel(nn.Module):
         assert self._coords.pipeline is not None
         return PipelineRunner(compiled.chunks, self._coords.pipeline, self._device)
 
-    @guards.guarded
+    @guards.guarded(step=True)
     def train_step(
         self,
         input_ids: torch.Tensor | None = None,
@@ -226,11 +241,16 @@ class ParallelModel(nn.Module):
         num_microbatches: int | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         schedule: str | None = None,
+        batch_is_local: bool = False,
         **kwargs: Any,
     ) -> torch.Tensor:
         """Forward and backward of the global batch, split over dp ranks and microbatches.
 
-        Every rank passes the same global batch. Returns the mean loss over the global
+        Every rank passes the same global batch, which is split over the dp ranks (checked
+        on the first calls: different batches on the dp ranks raise). With
+        ``batch_is_local=True`` each dp rank passes its own shard instead, of the same size
+        on every dp rank (DDP's convention: a ``DistributedSampler`` over dp ranks); the
+        ranks of one replica (tp, pp) pass the same shard. Returns the mean loss over the global
         batch (detached), identical on every rank. Without ``labels``,
         ``loss_fn(outputs) -> scalar`` supplies the loss (on the last pipeline stage).
         Gradients are accumulated into ``.grad`` and averaged over dp ranks; the caller
@@ -240,29 +260,34 @@ class ParallelModel(nn.Module):
         """
         if labels is None and loss_fn is None:
             raise UserInputError("train_step needs labels= or loss_fn=")
+        if self.check_replicas_every and self._steps % self.check_replicas_every == 0:
+            self.check_replicas()
+        self._steps += 1
         batch = {k: v for k, v in dict(kwargs, input_ids=input_ids, labels=labels).items() if v is not None}
         size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
         dp = self.plan.dp
+        shards = 1 if batch_is_local else dp
         m = self.plan.microbatches if num_microbatches is None else num_microbatches
-        if m < 1 or size % (dp * m):
+        if m < 1 or size % (shards * m):
             raise UserInputError(
-                f"the global batch of {size} does not split into dp={dp} x {m} microbatches; "
-                f"use a batch size that is a multiple of {dp * max(m, 1)}"
+                f"the {'local' if batch_is_local else 'global'} batch of {size} does not split into "
+                f"{'' if batch_is_local else f'dp={dp} x '}{m} microbatches; "
+                f"use a batch size that is a multiple of {shards * max(m, 1)}"
             )
         if self._grad_buffers is not None:
             self._grad_buffers.begin(m)
         else:
             if self.plan.distributed_optimizer and dp > 1 and not self._warned_plain:
                 self._warned_plain = True
-                log.warning("the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
+                warn_once(log, "the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
                             "state over dp=%d); this model trains with a plain optimizer", dp)
             if dp > 1 and self.plan.num_chunks == 1:
                 self._arm_dp_mean(m)
         # Grads of stage-shared parameters already summed by an earlier step, when the caller accumulates.
         shared = self._params.local_grads(list(self._shared_param_groups)) if self._grad_buffers is None else {}
         carried = {n: g.clone() for n, g in shared.items() if g is not None}
-        step = size // (dp * m)
-        first = self._coords.dp_rank * step * m
+        step = size // (shards * m)
+        first = 0 if batch_is_local else self._coords.dp_rank * step * m
         micro = [
             {k: (v[first + i * step : first + (i + 1) * step] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
             for i in range(m)
@@ -295,8 +320,12 @@ class ParallelModel(nn.Module):
         self.last_busy_s = runner.busy_s
         return total
 
+    def _dense_params(self) -> list[nn.Parameter]:
+        """The parameters averaged over dp (expert-parallel ones are summed over edp instead)."""
+        return [p for n, p in self.named_parameters() if not self._params.experts.is_expert(n)]
+
     def _arm_dp_mean(self, backwards: int) -> None:
-        params = list(self.parameters())
+        params = self._dense_params()
         if self._dp_mean is None or not self._dp_mean.serves(params):
             if self._dp_mean is not None:
                 self._dp_mean.close()
@@ -312,7 +341,10 @@ class ParallelModel(nn.Module):
                 param = self.get_parameter(name)
                 param.grad = torch.zeros_like(param)
         shared = self._params.local_grads(list(self._shared_param_groups))
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        grads = [p.grad for p in self._dense_params() if p.grad is not None]
+        if self._coords.experts is not None:
+            experts = self._params.local_grads([n for n in self._params.local_names if self._params.experts.is_expert(n)])
+            expert_parallel.sync_expert_grads([g for g in experts.values() if g is not None], self._coords.experts, self.plan.dp)
         if self._dp_mean is not None and self._dp_mean.armed:
             self._dp_mean.finish()
             grads = []  # averaged over dp already, as the backward ran
@@ -425,14 +457,15 @@ class ParallelModel(nn.Module):
 
     def _norm_counting(self, dp_rank: int | None) -> grad_norm.NormCounting:
         c = self._coords
-        return grad_norm.NormCounting(self.plan, c.tp_rank, c.pp_rank, dp_rank, self._params.layouts, self._owners)
+        experts = self._params.experts
+        return grad_norm.NormCounting(self.plan, c.tp_rank, c.pp_rank, dp_rank, self._params.layouts, self._owners,
+                                      lambda n: experts.counts_in_norm(n, dp_rank) if experts.is_expert(n) else None)  # fmt: skip
 
-    def clip_grad_norm_(self, max_norm: float, error_if_nonfinite: bool = False, check_replicas_every: int = REPLICA_CHECK_EVERY) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip this rank's gradients by the global L2 norm, each parameter counted once across tp
         shards and replicas, pipeline stages and dp ranks, as ``torch.nn.utils.clip_grad_norm_`` on
         the unmodified model; returns that norm (the same on every rank). Call it after
-        ``train_step``. Every ``check_replicas_every`` calls (the first included) it also runs
-        ``check_replicas``."""
+        ``train_step``."""
         if self._grad_buffers is not None:
             raise UserInputError("this model trains with a DistributedOptimizer, which holds the gradients: call opt.clip_grad_norm_")
         counting = self._norm_counting(self._coords.dp_rank)
@@ -441,15 +474,13 @@ class ParallelModel(nn.Module):
         squares = grad_norm.sum_of_squares((part for n, g in present for part in counting.counted(n, g)), self._device)
         norm = grad_norm.global_norm(squares, error_if_nonfinite)
         grad_norm.clip_([g for _, g in present], norm, max_norm)
-        if check_replicas_every and self._clip_calls % check_replicas_every == 0:
-            self.check_replicas()
-        self._clip_calls += 1
         return norm
 
     @torch.no_grad()
     def check_replicas(self) -> list[str]:
         """Compare the parameters that several tp ranks hold (norm weights, shared KV heads) across
-        those ranks by checksum; log a warning naming those that differ, and return them."""
+        those ranks by checksum; log a warning naming those that differ, and return them.
+        ``train_step`` runs it on its first call and every ``check_replicas_every`` calls after."""
         tp = self.plan.tp
         if tp == 1:
             return []
@@ -457,6 +488,8 @@ class ParallelModel(nn.Module):
         named, holders = [], []
         for name in self._params.local_names:
             layout = self._params.layouts[name]
+            if self._params.experts.is_expert(name):
+                continue  # each tp rank may hold other experts
             if layout is None:
                 replicas = tp
             else:
