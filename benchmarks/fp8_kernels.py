@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 import sys
 import tempfile
@@ -72,6 +71,7 @@ def measure(recipe: str, hidden: int, layers: int, seq: int) -> dict[str, object
         warnings.simplefilter("ignore")
         torch._dynamo.reset()
         metrics.reset()
+        torch._inductor.config.force_disable_caches = True  # a cached graph leaves no trace (and no compile time)
         torch._inductor.config.trace.enabled = True
         torch._inductor.config.trace.debug_dir = tmp
         torch._logging.set_logs(inductor_metrics=True)  # makes inductor count its bytes
@@ -93,7 +93,6 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--names", action="store_true", help="also print every kernel's name")
     args = parser.parse_args()
-    os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
     logging.getLogger("torch._inductor").setLevel(logging.WARNING)
     print(f"{'recipe':11s} {'phase':9s} {'nodes':>6s} {'kernels':>8s} {'extern':>7s} {'casts':>6s} {'fused':>6s}   GiB   compile_s")
     for recipe in args.recipes.split(","):
