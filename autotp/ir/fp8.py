@@ -110,14 +110,10 @@ def _padded(t: Tensor, rows: int, cols: int) -> Tensor:
 
 
 def amax(t: Tensor, block: Block) -> Tensor:
-    """Float32 [row blocks, col blocks]: the largest |value| of each block of 2-d ``t``.
-
-    A whole tensor's amax is taken row by row first: the row maxima have the loops of a
-    row-wise producer (a norm, forward or backward), so inductor computes them in that
-    producer's kernel, and only the rows' maxima are left to reduce."""
+    """Float32 [row blocks, col blocks]: the largest |value| of each block of 2-d ``t``."""
     a = t.detach().abs()
     if block == WHOLE:
-        return a.amax(dim=1).amax().float().reshape(1, 1)
+        return a.amax().float().reshape(1, 1)
     if block == ROW:
         return a.amax(dim=1, keepdim=True).float()
     br, bc, nr, nc = _grid(t, block)
