@@ -195,7 +195,12 @@ def test_bad_expert_parallel_input_says_how_to_fix() -> None:
 
 
 def test_degrees_that_do_not_fold_are_refused() -> None:
+    import autotp
     from autotp.cost_model.expert_parallel import check_degrees
+
+    model = build("mixtral")
+    with pytest.raises(ValueError, match="ep=2 is larger than the world size 1: .*start 2 processes"):
+        autotp.parallelize(model, ep=2, example_inputs={"input_ids": torch.randint(0, vocab(model), (2, 8))})
 
     with pytest.raises(ValueError, match="ep=4 does not divide tp\\*dp = 1\\*2 = 2"):
         check_degrees(4, None, tp=1, dp=2)
@@ -211,6 +216,7 @@ def test_unrecognised_router_keeps_tensor_parallel_experts_with_a_warning(caplog
                                        example_inputs={"input_ids": torch.randint(0, 64, (2, 8))})  # fmt: skip
     assert compiled.plan.moe_layers == ()
     assert "blocks.0 keeps tensor-parallel experts" in caplog.text and "not from a router's topk" in caplog.text
+    assert "the expert choice of node 'grouped_mm'" in caplog.text, "the warning names the node"
     assert compiled.plan.layout_of("blocks.0.w_in") is not None  # still sharded over tp
 
 
