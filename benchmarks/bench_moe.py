@@ -363,6 +363,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any
                 results[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if rank == 0:
+                print(_summary({key: results[key]}), flush=True)  # each case as it ends: a run cut short keeps them
     return results
 
 
