@@ -173,6 +173,25 @@ def test_sync_free_layer_has_no_capture_blocker_dropless_has() -> None:
     assert any("dropless expert dispatch reads the rows per expert on the host" in r for r in blocked["dropless"])
 
 
+def test_explain_reports_padded_all_to_alls_and_unpadded_compute() -> None:
+    import autotp
+    from autotp.report.moe import moe_dispatch_report, moe_dispatch_table
+
+    model = build("mixtral")
+    ids = torch.randint(0, vocab(model), (2, 8))
+    compiled = autotp.compile_rank(model, tp=1, ep=2, moe_dispatch="sync_free", moe_capacity_factor=2.0, device="meta",
+                                   example_inputs={"input_ids": ids})  # fmt: skip
+    entries = moe_dispatch_report(compiled.graph, compiled.plan)
+    assert len(entries) == len(compiled.plan.moe_layers) > 0
+    for e in entries:
+        rows = 2 * 8 * e["top_k"]
+        assert e["rows_sent_per_rank"] == e["rows_computed_per_rank"] == rows, e  # the grouped matmuls skip the padding
+        assert e["capacity"] == 2 * rows // e["experts"] and e["host_syncs_per_step"] == 0, e
+        hidden = model.config.hidden_size
+        assert e["bytes_to_experts"] >= e["experts"] * e["capacity"] * hidden * 4, e  # padded static buffers move
+    assert "capacity" in moe_dispatch_table(entries)
+
+
 # ---- bad input --------------------------------------------------------------------------------
 
 

@@ -59,9 +59,12 @@ DISPATCH_OPS: frozenset[torch._ops.OpOverload] = frozenset({MOE_ROUTE, MOE_TO_EX
 
 
 def received_rows(rows: int, num_experts: int, capacity: int, ep: int, tp: int) -> int:
-    """Rows a rank receives: ``E/ep * ep * capacity`` in sync-free mode; with balanced
-    routing, its tp slice of ``rows`` in dropless mode (the expected value)."""
-    return num_experts * capacity if capacity else rows // tp
+    """Rows a rank receives: in sync-free mode the static ``E/ep * ep * capacity`` (with one
+    ep rank no more than its own tp slice ``ceil(rows/tp)``: nothing arrives from elsewhere);
+    with balanced routing, its tp slice of ``rows`` in dropless mode (the expected value)."""
+    if not capacity:
+        return rows // tp
+    return num_experts * capacity if ep > 1 else min(num_experts * capacity, -(-rows // tp))
 
 
 @torch.library.register_fake(MOE_ROUTE, lib=_LIB)

@@ -7,9 +7,10 @@ ranks (within one), still sorted. Dropless movements read the counts on
 the host to size the all-to-all; sync-free ones place each kept row in a static slot
 ``expert * capacity + position`` (``_capacity_slots``) and move fixed-size buffers. On
 arrival the kept rows are packed, local expert by local expert (``_packed_slots``), at the
-front of a static ``E * capacity``-row buffer: the grouped matmuls read the received
-counts' offsets on the device and multiply only the rows that arrived, not the padding.
-With one ep rank both maps compose into one scatter and one gather.
+front of a static ``E * capacity``-row buffer (with one ep rank, of at most the rank's own
+rows): the grouped matmuls read the received counts' offsets on the device and multiply
+only the rows that arrived, not the padding. With one ep rank both maps compose into one
+scatter and one gather.
 
 ``drop_counts`` reports, per layer, the rows the sync-free capacity dropped and the rows
 routed since the last ``reset_drop_counts`` (device tensors, read on demand).
@@ -23,6 +24,7 @@ from torch import Tensor
 from torch.library import Library
 
 from autotp.ir import moe_ops
+from autotp.ir.moe_ops import received_rows
 from autotp.runtime.collectives import get_group
 
 _KERNELS = Library(moe_ops.NAMESPACE, "IMPL")
@@ -110,17 +112,16 @@ def _capacity_slots(sent: Tensor, n: int, num_experts: int, capacity: int) -> Te
     return torch.where(position < capacity, expert * capacity + position, num_experts * capacity)
 
 
-def _packed_slots(received: Tensor, ep: int, local: int, capacity: int) -> Tensor:
+def _packed_slots(received: Tensor, ep: int, local: int, capacity: int, spare: int) -> Tensor:
     """For each slot of the received buffer (source rank, local expert, position): its row in
-    the packed buffer (local expert by local expert, each expert's rows by source rank), or
-    ``ep * local * capacity`` (a spare row) for padding; one more entry maps the send
+    the packed buffer of ``spare`` rows (local expert by local expert, each expert's rows by
+    source rank), or ``spare`` (a spare row) for padding; one more entry maps the send
     buffer's spare slot (a dropped row) to that spare row. Device ops only."""
     counts = received.view(ep, local)
     expert_major = counts.t().reshape(-1)
     starts = (expert_major.cumsum(0) - expert_major).view(local, ep).t()
     position = torch.arange(capacity, device=received.device)
     slots = starts.unsqueeze(-1) + position
-    spare = ep * local * capacity
     packed = torch.where(position < counts.unsqueeze(-1), slots, spare).reshape(-1)
     return torch.cat([packed, packed.new_full((1,), spare)])
 
@@ -136,9 +137,10 @@ def _to_experts(x: Tensor, route: Tensor, num_experts: int, capacity: int, ep: i
     pg, _ = _rank(ep_group, ep)
     local = num_experts // ep
     if capacity:
+        rows = received_rows(x.shape[0], num_experts, capacity, ep, tp)
         slots = _capacity_slots(sent, part.shape[0], num_experts, capacity)
-        packed = _packed_slots(received, ep, local, capacity)
-        out = part.new_zeros((num_experts * capacity + 1, *part.shape[1:]))
+        packed = _packed_slots(received, ep, local, capacity, rows)
+        out = part.new_zeros((rows + 1, *part.shape[1:]))
         if pg is None:  # one ep rank: each row straight to its packed slot
             out[packed[slots]] = part
             return out[:-1]
@@ -163,7 +165,7 @@ def _from_experts(y: Tensor, route: Tensor, rows: int, num_experts: int, capacit
     local = num_experts // ep
     if capacity:
         slots = _capacity_slots(sent, mine, num_experts, capacity)
-        packed = _packed_slots(received, ep, local, capacity)
+        packed = _packed_slots(received, ep, local, capacity, y.shape[0])
         if pg is None:
             part = _with_spare(y)[packed[slots]]
         else:
