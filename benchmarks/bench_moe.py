@@ -183,11 +183,13 @@ def _run(key: str, step: Any, out: dict[str, Any], losses: dict[str, float], dev
 
 
 def _profile(key: str, step: Any, args: argparse.Namespace, device: torch.device) -> None:
-    """Print the CUDA kernels of one step of the variants ``--profile`` names."""
+    """Print the CUDA kernels of one step of the variants ``--profile`` names, with their summed
+    time against the span (near it: the GPU sets the pace; far below: the host)."""
     if device.type == "cuda" and key.split("/")[1] in args.profile:
-        from bench_single_gpu import profile_table
+        from bench_single_gpu import profile_step
 
-        print(f"kernels of one {key} step:\n{profile_table(step, rows=args.profile_rows)}", flush=True)
+        table, totals = profile_step(step, rows=args.profile_rows)
+        print(f"kernels of one {key} step ({totals}):\n{table}", flush=True)
 
 
 def _layer_case(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
