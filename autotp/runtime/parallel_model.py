@@ -341,13 +341,13 @@ class ParallelModel(nn.Module):
                 param = self.get_parameter(name)
                 param.grad = torch.zeros_like(param)
         shared = self._params.local_grads(list(self._shared_param_groups))
-        grads = [p.grad for p in self._dense_params() if p.grad is not None]
         if self._coords.experts is not None:
             experts = self._params.local_grads([n for n in self._params.local_names if self._params.experts.is_expert(n)])
             expert_parallel.sync_expert_grads([g for g in experts.values() if g is not None], self._coords.experts, self.plan.dp)
-        if self._dp_mean is not None and self._dp_mean.armed:
+        averaged = self._dp_mean is not None and self._dp_mean.armed  # over dp already, as the backward ran
+        if averaged:
             self._dp_mean.finish()
-            grads = []  # averaged over dp already, as the backward ran
+        grads = [p.grad for p in self._dense_params() if p.grad is not None] if self.plan.dp > 1 and not averaged else []
         grad_sync.sync_grads(self.plan, self._coords, shared, self._shared_param_groups, grads, carried)
 
     @property
