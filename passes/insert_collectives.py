@@ -22,7 +22,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autotp.ir import meta_keys, ops
-from autotp.ir.ops import replica_group_key
+from autotp.ir.axes import replica_group_key
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import shape_of
 from autotp.ir.layouts import PARTIAL, REPLICATE, Layout, resolve

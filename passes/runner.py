@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule, Node
 
-from autotp.ir.ops import tp_group_key
+from autotp.ir.axes import Axis, group_key
 from autotp.ir.plan import ParallelPlan
 from autotp.passes.invariants import INVARIANTS
 
@@ -39,7 +39,7 @@ class PassContext:
     """What the passes read: the plan, which rank they compile for, and where to dump.
 
     ``group`` is the key of the tp process group the collectives name; left empty, it is
-    ``tp_group_key(plan.tp)``, the key the runtime registers. ``backend`` is the
+    ``group_key(Axis.TP, plan.tp)``, the key the runtime registers. ``backend`` is the
     process-group backend the graph's collectives will run on (``nccl``, ``gloo``...);
     offline compiles assume ``nccl``. ``choose_cudagraph_regions`` is the region policy
     that ``mark_cudagraph_regions`` applies when the plan asks for CUDA graphs; the
@@ -56,7 +56,7 @@ class PassContext:
     choose_cudagraph_regions: RegionChooser | None = None
 
     def __post_init__(self) -> None:
-        self.group = self.group or tp_group_key(self.plan.tp)
+        self.group = self.group or group_key(Axis.TP, self.plan.tp)
 
 
 def _op_counts(gm: GraphModule) -> Counter[str]:

@@ -1,4 +1,4 @@
-"""Tensor layouts across the tensor-parallel ranks.
+"""Tensor layouts across the ranks of the parallel axes (tensor parallelism unless said otherwise).
 
 A tensor is *replicated* (every rank holds all of it), *partial* (every rank holds a
 summand; the true value is the sum over ranks) or *sharded* on one or more dims.
@@ -15,7 +15,10 @@ Block rule, for a dim of ``size`` elements cut into ``groups`` equal blocks and 
 ranks: if ``groups % tp == 0`` rank r holds blocks ``[r*groups/tp, (r+1)*groups/tp)``;
 if ``tp % groups == 0`` rank r holds block ``r*groups // tp`` and ``tp/groups`` ranks
 share it (Megatron's KV-head replication when tp > num_key_value_heads). Anything else
-cannot be split.
+cannot be split. ``tp`` here is the degree of the dim's axis: every ``DimVar`` and
+``DimSharding`` names the ``autotp.ir.axes.Axis`` it is split over (``Axis.TP`` by
+default), so one tensor can be split on tp along one dim and on ep along another, and
+two dims split over different axes never unify.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+
+from autotp.ir.axes import Axis
 
 
 class ShardingConflict(Exception):
@@ -43,11 +48,12 @@ _ids = itertools.count()
 class DimVar:
     """A sharded tensor dimension whose exact split is still being constrained."""
 
-    def __init__(self, size: int, origins: frozenset[str], *, padded: bool = False) -> None:
+    def __init__(self, size: int, origins: frozenset[str], *, padded: bool = False, axis: Axis = Axis.TP) -> None:
         self.uid = next(_ids)
         self.size = size
         self.origins = origins
         self.padded = padded
+        self.axis = axis
         self.groups: int | None = None
         self.segments: tuple[DimVar, ...] | None = None
         self.fixed: DimSharding | None = None
@@ -75,6 +81,8 @@ def unify(a: DimVar, b: DimVar, where: str) -> DimVar:
     origins = ra.origins | rb.origins
     if ra.size != rb.size or ra.padded != rb.padded:
         raise ShardingConflict(f"{where}: sharded dims of size {ra.size} and {rb.size} meet", origins)
+    if ra.axis != rb.axis:
+        raise ShardingConflict(f"{where}: a dim split over {ra.axis} meets one split over {rb.axis}", origins)
     if ra.fixed is not None and rb.fixed is not None and ra.fixed != rb.fixed:
         raise ShardingConflict(f"{where}: two fixed shardings disagree", origins)
     rb._parent = ra
@@ -113,10 +121,10 @@ def set_segments(var: DimVar, sizes: list[int], where: str) -> tuple[DimVar, ...
     if r.segments is None:
         if r.groups is not None and r.groups != 1:
             raise ShardingConflict(f"{where}: cannot cut a dim already split into {r.groups} blocks", r.origins)
-        r.segments = tuple(DimVar(s, r.origins) for s in sizes)
+        r.segments = tuple(DimVar(s, r.origins, axis=r.axis) for s in sizes)
         if r.fixed is not None:
             for seg, (size, groups) in zip(r.segments, zip(r.fixed.segments, r.fixed.groups)):
-                seg.fixed = DimSharding(size, (size,), (groups,))
+                seg.fixed = DimSharding(size, (size,), (groups,), axis=r.axis)
         return r.segments
     have = [s.find().size for s in r.segments]
     if have != sizes:
@@ -126,12 +134,14 @@ def set_segments(var: DimVar, sizes: list[int], where: str) -> tuple[DimVar, ...
 
 @dataclass(frozen=True)
 class DimSharding:
-    """How one dimension of a parameter is split over the tp ranks (see module doc)."""
+    """How one dimension of a parameter is split over the ranks of ``axis`` (see module doc;
+    the methods' ``tp`` is that axis's degree)."""
 
     size: int
     segments: tuple[int, ...]
     groups: tuple[int, ...]
     padded: bool = False
+    axis: Axis = Axis.TP
 
     def check(self, tp: int) -> str | None:
         """Why this dim cannot be split over ``tp`` ranks, or None."""
@@ -175,11 +185,12 @@ class DimSharding:
         return out
 
     def to_json(self) -> dict:
-        return {"size": self.size, "segments": list(self.segments), "groups": list(self.groups), "padded": self.padded}
+        return {"size": self.size, "segments": list(self.segments), "groups": list(self.groups), "padded": self.padded,
+                "axis": self.axis.value}  # fmt: skip
 
     @staticmethod
     def from_json(d: dict) -> DimSharding:
-        return DimSharding(d["size"], tuple(d["segments"]), tuple(d["groups"]), d.get("padded", False))
+        return DimSharding(d["size"], tuple(d["segments"]), tuple(d["groups"]), d.get("padded", False), Axis(d.get("axis", Axis.TP)))
 
 
 def resolve(var: DimVar, tp: int) -> DimSharding:
@@ -188,9 +199,9 @@ def resolve(var: DimVar, tp: int) -> DimSharding:
     if r.fixed is not None:
         return r.fixed
     if r.padded:
-        return DimSharding(r.size, (r.size,), (r.size,), padded=True)
+        return DimSharding(r.size, (r.size,), (r.size,), padded=True, axis=r.axis)
     if r.segments is None:
-        return DimSharding(r.size, (r.size,), (r.groups or r.size,))
+        return DimSharding(r.size, (r.size,), (r.groups or r.size,), axis=r.axis)
     sizes: list[int] = []
     groups: list[int] = []
     for seg in r.segments:  # a segment cut again (a slice of a slice) flattens into its parts
@@ -199,7 +210,7 @@ def resolve(var: DimVar, tp: int) -> DimSharding:
             raise ShardingConflict("a padded dim cannot be a segment", r.origins)
         sizes.extend(s.segments)
         groups.extend(s.groups)
-    return DimSharding(r.size, tuple(sizes), tuple(groups))
+    return DimSharding(r.size, tuple(sizes), tuple(groups), axis=r.axis)
 
 
 def select_range(var: DimVar, start: int, end: int, where: str) -> DimVar:
@@ -251,7 +262,7 @@ def local_size(var: DimVar, tp: int) -> int:
 
 def fixed_var(sharding: DimSharding, origin: str) -> DimVar:
     """A variable already resolved to ``sharding`` (for parameters read from a plan)."""
-    var = DimVar(sharding.size, frozenset({origin}), padded=sharding.padded)
+    var = DimVar(sharding.size, frozenset({origin}), padded=sharding.padded, axis=sharding.axis)
     var.fixed = sharding
     if len(sharding.segments) > 1:
         set_segments(var, list(sharding.segments), origin)
@@ -277,6 +288,10 @@ class Layout:
                 return v
         return None
 
+    def axes(self) -> frozenset[Axis]:
+        """The axes its sharded dims are split over."""
+        return frozenset(v.find().axis for _, v in self.dims)
+
     def origins(self) -> frozenset[str]:
         out: frozenset[str] = frozenset()
         for _, v in self.dims:
@@ -290,8 +305,9 @@ class Layout:
             return "Replicate"
         parts = []
         for d, v in self.dims:
-            size = f"{local_size(v, tp)}/" if tp else ""
-            parts.append(f"{d}:{size}{v.find().size}")
+            on_tp = v.find().axis == Axis.TP  # dims on another axis show it, not their local size
+            size = f"{local_size(v, tp)}/" if tp and on_tp else ""
+            parts.append(f"{d}:{size}{v.find().size}{'' if on_tp else '@' + v.find().axis}")
         return f"Shard({', '.join(parts)})"
 
 

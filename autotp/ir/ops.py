@@ -6,8 +6,10 @@ communicate are registered by ``autotp.runtime.collectives`` (and the RNG kernel
 ``autotp.runtime.rng``). Passes, reports and tests compare ``node.target`` with the
 handles below.
 
-Collectives over a tp group, named by a string key (``tp_group_key``,
-``replica_group_key``) that the runtime maps to a process group:
+Collectives over the group of one parallel axis, named by its key
+(``autotp.ir.axes.group_key(axis, size)``: ``tp2``, ``ep4``; ``replica_group_key``), under which
+the runtime registers a process group. The kernels do not depend on the axis: an op
+named ``*_tp`` all-reduces over whichever group its key names.
 
 * ``copy_to_tp(x, group)`` -- Megatron's *f*: identity forward, ``reduce_from_tp`` of the
   grad backward.
@@ -76,16 +78,6 @@ REPLICATED = "replicated"  # dropout stream seeded alike on every tp rank
 SHARDED = "sharded"  # dropout stream seeded with the tp rank mixed in
 
 _LIB = Library(NAMESPACE, "DEF")
-
-
-def tp_group_key(tp: int) -> str:
-    """Key of a tp group of ``tp`` ranks: the one the passes write and the runtime registers."""
-    return f"tp{tp}"
-
-
-def replica_group_key(group: str, replicas: int) -> str:
-    """Key of the subgroup of ``replicas`` consecutive ranks of ``group`` that hold the same slice."""
-    return f"{group}_replicas{replicas}"
 
 
 def _define(schema: str, tags: tuple[torch.Tag, ...] = ()) -> torch._ops.OpOverload:

@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from autotp.ir.axes import Axis
+from autotp.ir.errors import UserInputError
 from autotp.ir.layouts import DimSharding
+from autotp.ir.rank_groups import rank_groups
 from autotp.ir.schedules import default_schedule
 
 DP_BUCKET_BYTES = 25 * 2**20
@@ -50,7 +53,7 @@ class CudaGraphPolicy:
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """How one parameter is split over the tp ranks.
+    """How one parameter is split over the ranks of one axis (``sharding.axis``, tp by default).
 
     ``kind`` says why, for people reading the plan: ``column``/``row`` (linear
     out/in features), ``vocab`` (embedding rows), ``bias`` (follows its linear),
@@ -64,6 +67,10 @@ class ParamLayout:
 
     def to_json(self) -> dict:
         return {"name": self.name, "kind": self.kind, "dim": self.dim, "sharding": self.sharding.to_json()}
+
+    @property
+    def axis(self) -> Axis:
+        return self.sharding.axis
 
     @staticmethod
     def from_json(d: dict) -> ParamLayout:
@@ -150,10 +157,39 @@ class ParallelPlan:
     distributed_optimizer: bool = False
     ep: int = 1
     kept_whole: tuple[KeptWhole, ...] = ()
+    # Context parallelism, and the experts' tensor parallelism (None: tp's, Megatron's default);
+    # ``degree`` has every axis, ``rank_groups`` lays them out (autotp.ir.axes).
+    cp: int = 1
+    etp: int | None = None
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    def degree(self, axis: Axis) -> int:
+        """The number of ranks along ``axis`` (edp: what the world leaves the experts, after etp·ep·pp)."""
+        if axis == Axis.ETP:
+            return self.tp if self.etp is None else self.etp
+        if axis == Axis.EDP:
+            return self.world_size // (self.degree(Axis.ETP) * self.ep * self.pp)
+        return {Axis.TP: self.tp, Axis.CP: self.cp, Axis.EP: self.ep, Axis.DP: self.dp, Axis.PP: self.pp}[Axis(axis)]
+
+    @property
+    def has_experts_layout(self) -> bool:
+        """Whether the expert layers fold the world differently from the dense ones (ep or etp set)."""
+        return self.ep > 1 or self.etp is not None
+
+    def rank_groups(self, world_size: int) -> dict[Axis, list[list[int]]]:
+        """Every group of every axis of this plan over ``world_size`` ranks (Megatron's order,
+        MoE folding); raises UserInputError when the degrees do not fit the world."""
+        if world_size != self.world_size:
+            raise UserInputError(
+                f"the plan's tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp} = {self.world_size} ranks, but the "
+                f"world has {world_size}; run it on {self.world_size} processes or plan for {world_size}"
+            )
+        experts = self.has_experts_layout
+        return rank_groups(world_size, tp=self.tp, pp=self.pp, cp=self.cp,
+                           ep=self.ep if experts else None, etp=self.etp if experts else None)  # fmt: skip
 
     @property
     def num_chunks(self) -> int:
@@ -204,6 +240,8 @@ class ParallelPlan:
                 "distributed_optimizer": self.distributed_optimizer,
                 "ep": self.ep,
                 "kept_whole": [k.to_json() for k in self.kept_whole],
+                "cp": self.cp,
+                "etp": self.etp,
             },
             indent=1,
         )
@@ -239,4 +277,6 @@ class ParallelPlan:
             distributed_optimizer=d.get("distributed_optimizer", False),
             ep=d.get("ep", 1),
             kept_whole=tuple(KeptWhole.from_json(k) for k in d.get("kept_whole", ())),
+            cp=d.get("cp", 1),
+            etp=d.get("etp"),
         )

@@ -16,6 +16,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from autotp.ir import meta_keys
+from autotp.ir.axes import Axis
 from autotp.ir.plan import ParallelPlan, ParamLayout
 from autotp.runtime import collectives
 from autotp.runtime.groups import Coords
@@ -128,7 +129,7 @@ class Parameters:
             layout = self.layouts[name] = next((l for l in layouts if l is not None), None)
             if not self.chunks_of(param_chunks, name) & mine:
                 continue
-            spec = self.specs[name] = shard_spec(name, tuple(p.shape), layout, self._coords.tp_rank, self._plan.tp)
+            spec = self.specs[name] = shard_spec(name, tuple(p.shape), layout, *self._place(layout))
             local = self._local(name, p.detach(), spec, layout)
             set_nested(self._module, name, nn.Parameter(local, requires_grad=p.requires_grad), buffer=False)
             self.local_names.append(name)
@@ -136,6 +137,11 @@ class Parameters:
             spec = self.specs[name] = shard_spec(name, tuple(b.shape), None, 0, 1)
             set_nested(self._module, name, self._local(name, b.detach(), spec, None), buffer=True)
             self.buffer_names.append(name)
+
+    def _place(self, layout: ParamLayout | None) -> tuple[int, int]:
+        """This rank's index on the axis ``layout`` splits over, and that axis's degree."""
+        axis = Axis.TP if layout is None else layout.axis
+        return self._coords.rank(axis), self._plan.degree(axis)
 
     def _local(self, name: str, full: torch.Tensor, spec: ShardSpec, layout: ParamLayout | None) -> torch.Tensor:
         """This rank's copy of ``full``; for a tensor on meta, its shard allocated on the device
@@ -145,7 +151,7 @@ class Parameters:
             covered = sum(piece.length for piece in spec.pieces)
             make = torch.empty if covered == spec.local_len else torch.zeros
             return make(spec.local_shape, dtype=full.dtype, device=self.device)
-        local = shard_tensor(full, layout, self._coords.tp_rank, self._plan.tp) if layout else full.clone()
+        local = shard_tensor(full, layout, *self._place(layout)) if layout else full.clone()
         return local.to(self.device)
 
     def chunks_of(self, param_chunks: ParamChunks, canonical: str) -> set[int]:
@@ -186,10 +192,12 @@ class Parameters:
         full = None
         if local is not None:
             full = local.detach().clone()
-            if layout is not None and plan.tp > 1:
-                parts = [torch.empty_like(local) for _ in range(plan.tp)]
-                dist.all_gather(parts, local.detach().contiguous(), group=collectives.get_group(self._coords.tp_key))
-                full = unshard_tensor(parts, layout, plan.tp)
+            degree = self._place(layout)[1]
+            if layout is not None and degree > 1:
+                parts = [torch.empty_like(local) for _ in range(degree)]
+                group = collectives.get_group(self._coords.keys[layout.axis])
+                dist.all_gather(parts, local.detach().contiguous(), group=group)
+                full = unshard_tensor(parts, layout, degree)
         if plan.pp == 1:
             return full
         pipe = self._coords.pipeline
