@@ -58,13 +58,11 @@ from autotp.cost_model.communication import group_collective_s
 from autotp.cost_model.flops import TensorInfo, compute_time_s, node_cost
 from autotp.cost_model.hardware import PROFILES
 from autotp.passes.mark_cudagraph_regions import region_slots
-from autotp.passes.sequence_parallel import REDUCE_SCATTER_TAG, SCATTER_TAG, SEQUENCE_GATHER_TAG
+from autotp.ir.op_facts import TAG_COMMUNICATION
 from autotp.analysis.local_shapes import local_tensors
 
 BACKWARD_LAUNCHES = 2
 BACKWARD_GPU_FACTOR = 2.0
-_COLLECTIVE_KIND = {"all_reduce": "all_reduce", "all_reduce_backward": "all_reduce", "all_gather": "all_gather",
-                    REDUCE_SCATTER_TAG: "reduce_scatter", SEQUENCE_GATHER_TAG: "all_gather", SCATTER_TAG: "all_gather"}
 
 
 ALWAYS = CudaGraphPolicy(min_saved_s=-1.0, max_static_bytes=2**62)
@@ -125,7 +123,9 @@ def region_stats(nodes: Sequence[Node], tensors: Tensors, tp: int, hardware: str
         needs_grad |= grad
         inputs.update(a for a in n.all_input_nodes if a not in inside and not _is_parameter(a))
         cost = node_cost(n, tensors)
-        kind = _COLLECTIVE_KIND.get(n.meta.get(meta_keys.COLLECTIVE, ""))
+        tag = n.meta.get(meta_keys.COLLECTIVE)
+        comm = TAG_COMMUNICATION[tag][0] if tag is not None else None
+        kind = comm.collective if comm is not None and not comm.overlapped else None  # overlapped: costed as its GEMM
         if kind is not None:
             gpu_s += group_collective_s(kind, _bytes(n, tensors), tp, tp, hw)
         elif cost.flops or cost.bytes:

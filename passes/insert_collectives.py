@@ -26,13 +26,14 @@ from autotp.ir.axes import replica_group_key
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import shape_of
 from autotp.ir.layouts import PARTIAL, REPLICATE, Layout, resolve
+from autotp.ir.op_facts import CollectiveTag
 from autotp.passes.runner import PassContext
 from autotp.ir.errors import UserInputError
 
 aten = torch.ops.aten
 
 
-def annotate_collective(new: Node, value: Node, layout: Any, kind: str, ranks: int, located_at: Node | None = None) -> None:
+def annotate_collective(new: Node, value: Node, layout: Any, kind: CollectiveTag, ranks: int, located_at: Node | None = None) -> None:
     """Metadata of a collective over ``ranks`` ranks applied to ``value``; ``located_at``
     names its source location."""
     where = located_at or value
@@ -71,7 +72,7 @@ def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
         for partial in node.meta.get(meta_keys.REDUCE_INPUTS, []):
             with graph.inserting_before(node):
                 g = graph.call_function(ops.REDUCE_FROM_TP, (partial, key), name="reduce_from_tp")
-            annotate_collective(g, partial, REPLICATE, "all_reduce", ctx.plan.tp, located_at=_partial_source(partial))
+            annotate_collective(g, partial, REPLICATE, CollectiveTag.ALL_REDUCE, ctx.plan.tp, located_at=_partial_source(partial))
             node.replace_input_with(partial, g)
         if node.meta.get(meta_keys.ROLE) is NodeRole.ROW_WITH_BIAS:
             _split_row_bias(gm, node, key, ctx.plan.tp)
@@ -83,7 +84,7 @@ def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
             if user.op == "call_function" and _not_replicated(user):
                 with graph.inserting_before(user):
                     f = graph.call_function(ops.COPY_TO_TP, (node, key), name="copy_to_tp")
-                annotate_collective(f, node, lay, "all_reduce_backward", ctx.plan.tp)
+                annotate_collective(f, node, lay, CollectiveTag.ALL_REDUCE_BACKWARD, ctx.plan.tp)
                 user.replace_input_with(node, f)
     _sync_replicated_blocks(gm, ctx)
     if ctx.plan.gather_outputs:
@@ -107,7 +108,7 @@ def _split_row_bias(gm: GraphModule, node: Node, key: str, tp: int) -> None:
         out = graph.call_function(aten.add.Tensor, (g, bias))
     product.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.ROLE})
     product.meta[meta_keys.LAYOUT] = Layout(partial=True)
-    annotate_collective(g, product, REPLICATE, "all_reduce", tp)
+    annotate_collective(g, product, REPLICATE, CollectiveTag.ALL_REDUCE, tp)
     out.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.ROLE})
     node.replace_all_uses_with(out)
     graph.erase_node(node)
@@ -124,7 +125,7 @@ def _sync_replicated_blocks(gm: GraphModule, ctx: PassContext) -> None:
         replicas = layout.sharding.replicas(ctx.plan.tp)
         with graph.inserting_after(node):
             f = graph.call_function(ops.COPY_TO_TP, (node, replica_group_key(ctx.group, replicas)), name="copy_to_tp")
-        annotate_collective(f, node, node.meta.get(meta_keys.LAYOUT), "all_reduce_backward", replicas)
+        annotate_collective(f, node, node.meta.get(meta_keys.LAYOUT), CollectiveTag.ALL_REDUCE_BACKWARD, replicas)
         node.replace_all_uses_with(f, delete_user_cb=lambda u: u is not f)
 
 
@@ -143,5 +144,5 @@ def _gather_outputs(gm: GraphModule, key: str, tp: int) -> None:
                 raise UserInputError(f"graph output '{arg.name}' holds replicated blocks; it cannot be gathered")
             with graph.inserting_before(out_node):
                 value = graph.call_function(ops.GATHER_FROM_TP, (value, d, shape[d], key), name="gather_from_tp")
-            annotate_collective(value, arg, REPLICATE, "all_gather", tp)
+            annotate_collective(value, arg, REPLICATE, CollectiveTag.ALL_GATHER, tp)
         out_node.replace_input_with(arg, value)

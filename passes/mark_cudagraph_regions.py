@@ -50,7 +50,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from autotp.analysis.op_kinds import mutated_base
+from autotp.ir.op_facts import mutated_base
 from autotp.ir import meta_keys, ops
 from autotp.ir import schedules
 from autotp.ir.errors import source_line

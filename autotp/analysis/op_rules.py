@@ -3,7 +3,7 @@
 A rule is ``rule(walker, node) -> layout`` (a tuple of layouts for multi-output ops).
 ``rule_for`` looks a target up in ``RULES`` by overload; an op missing there is
 elementwise if it carries ``torch.Tag.pointwise``, a grouped (expert) matmul if
-``op_kinds`` says so, and otherwise opaque (``Walker.opaque``: replicated inputs only).
+``autotp.ir.op_facts`` says so, and otherwise opaque (``Walker.opaque``: replicated inputs only).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.fx import Node
 from autotp.analysis import shape_rules as shapes
 from autotp.analysis import sharding_policy as params
 from autotp.analysis import value_rules as values
-from autotp.analysis.op_kinds import is_grouped_matmul
+from autotp.ir.op_facts import is_grouped_matmul
 from autotp.analysis.propagation_result import ParamView
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ import torch
 from torch.autograd.function import Function
 from torch.fx import GraphModule, Node
 
-from autotp.analysis.op_kinds import mutated_base
+from autotp.ir.op_facts import mutated_base
 from autotp.ir.errors import UserInputError, source_line
 
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)

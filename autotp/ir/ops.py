@@ -120,6 +120,10 @@ COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
     ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, VOCAB_PARALLEL_NLL, VOCAB_PARALLEL_CROSS_ENTROPY,
 })  # fmt: skip
 ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT}
+# Identities forward (views of their input): f, stage boundaries, partial_grad.
+IDENTITIES: frozenset[torch._ops.OpOverload] = frozenset({COPY_TO_TP, STAGE_BOUNDARY, PARTIAL_GRAD})
+# Collectives that only move data forward (no arithmetic but the reduction).
+COMMUNICATION_ONLY: frozenset[torch._ops.OpOverload] = frozenset({REDUCE_FROM_TP, GATHER_FROM_TP, SCATTER_TO_TP, ALL_GATHER, REDUCE_SCATTER})
 
 
 def is_autotp_op(target: Any) -> bool:

@@ -14,15 +14,16 @@ from dataclasses import dataclass, field
 from autotp.ir.axes import Axis
 from autotp.ir.errors import UserInputError
 from autotp.ir.layouts import DimSharding
+from autotp.ir.op_facts import Collective
 from autotp.ir.rank_groups import rank_groups
 from autotp.ir.schedules import default_schedule
 
 DP_BUCKET_BYTES = 25 * 2**20
 """Default size of the dp gradient all-reduce buckets."""
 
-OVERLAP_ALL_GATHER = "all_gather"
+OVERLAP_ALL_GATHER = Collective.ALL_GATHER
 """``plan.tp_overlap``: the sequence all-gathers before column-parallel GEMMs run as ``all_gather_matmul``."""
-OVERLAP_REDUCE_SCATTER = "reduce_scatter"
+OVERLAP_REDUCE_SCATTER = Collective.REDUCE_SCATTER
 """``plan.tp_overlap``: the reduce-scatters after row-parallel GEMMs run as ``matmul_reduce_scatter``."""
 
 

@@ -23,7 +23,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from autotp.ir.errors import UserInputError
 from autotp.analysis.local_shapes import local_shape
-from autotp.analysis.op_kinds import mutated_base
+from autotp.ir.op_facts import mutated_base
 from autotp.ir import meta_keys, ops, schedules
 from autotp.runtime.cudagraphs import CapturedGraph
 from autotp.runtime.weight_grads import WeightGradStore, defer_weight_grads
