@@ -32,7 +32,8 @@ from autotp import presets
 from autotp.analysis.layers import num_layers
 from autotp.analysis.trace import trace
 from autotp.cost_model.compute import ModelCosts
-from autotp.cost_model.cudagraphs import choose_regions
+from autotp.cost_model.cudagraphs import choose_cudagraph_regions
+from autotp.cost_model.hardware import device_hardware
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.planner import auto_plan, auto_sequence_parallel
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
@@ -40,7 +41,8 @@ from autotp.ir import meta_keys
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER, ParallelPlan
 from autotp.passes import PASSES
 from autotp.passes.causal_attention import CAUSAL
-from autotp.passes.runner import PassContext, run_passes
+from autotp.passes.find_cudagraph_candidates import find_cudagraph_candidates
+from autotp.passes.runner import Pass, PassContext, run_passes
 from autotp.ir.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -189,6 +191,10 @@ def plan_model(
     chosen = choose_plan(traced, tp, pp, dp, vpp, plan, sequence_parallel=fixed_sp, tp_overlap=fixed_overlap)
     if cudagraph_impl is not None:
         chosen = replace(chosen, cudagraphs=True, cudagraph_impl=chosen.cudagraph_impl or cudagraph_impl)
+    hardware = device_hardware(torch.device(device))
+    if hardware is not None and hardware != chosen.hardware:
+        log.info("the plan was costed for %s; this rank runs on %s, which the compiler's cost decisions use", chosen.hardware, hardware)
+        chosen = replace(chosen, hardware=hardware)
     if not gather_outputs:
         chosen = replace(chosen, gather_outputs=False)
     if "auto" in (sequence_parallel, tp_overlap) and plan != "auto":
@@ -236,6 +242,16 @@ def _warn_replicated(traced: GraphModule, plan: ParallelPlan) -> None:
         )
 
 
+def _compile_steps() -> list[Pass]:
+    """The passes, with the cost model's decision steps where the passes after them read the
+    decision: the CUDA-graph regions are chosen once the candidates are found."""
+    at = PASSES.index(find_cudagraph_candidates) + 1
+    return [*PASSES[:at], choose_cudagraph_regions, *PASSES[at:]]
+
+
+COMPILE_STEPS = _compile_steps()
+
+
 def lower(
     traced: GraphModule,
     plan: ParallelPlan,
@@ -245,21 +261,13 @@ def lower(
     backend: str = "nccl",
     dump_dir: Path | None = None,
 ) -> Lowered:
-    """Run the passes on a copy of ``traced`` for tp rank ``tp_rank``, with the cost
-    model's CUDA-graph region policy bound."""
-    ctx = PassContext(
-        plan=plan,
-        tp_rank=tp_rank,
-        device=torch.device(device),
-        dump_dir=dump_dir,
-        backend=backend,
-        choose_cudagraph_regions=choose_regions,
-    )
-    gm = run_passes(_owned_copy(traced), ctx, PASSES)
-    regions = {n.meta[meta_keys.CUDAGRAPH_REGION] for n in gm.graph.nodes if n.meta.get(meta_keys.CUDAGRAPH_REGION) is not None}
+    """Run the passes and the cost model's decision steps (``COMPILE_STEPS``) on a copy of
+    ``traced`` for tp rank ``tp_rank``; the plan returned holds the decisions made on the way
+    (the CUDA-graph regions) and the SDPA nodes ``causal_attention`` rewrote."""
+    ctx = PassContext(plan=plan, tp_rank=tp_rank, device=torch.device(device), dump_dir=dump_dir, backend=backend)
+    gm = run_passes(_owned_copy(traced), ctx, COMPILE_STEPS)
     causal = tuple(n.name for n in gm.graph.nodes if n.meta.get(meta_keys.CAUSAL_MASK) == CAUSAL)
-    recorded = replace(plan, cudagraph_regions=tuple(sorted(regions)), causal_attention_nodes=causal)
-    return Lowered(gm, recorded, dict(ctx.timings))
+    return Lowered(gm, replace(ctx.plan, causal_attention_nodes=causal), dict(ctx.timings))
 
 
 def lower_signature(

@@ -52,6 +52,7 @@ from autotp.cost_model.hardware import (
     get_profile,
     load_profile,
     profile_for_gpu,
+    profile_key,
 )
 from autotp.cost_model.memory import PRECISIONS
 from autotp.cost_model.step_estimate import Estimate, Training, best_estimate, estimate
@@ -160,6 +161,7 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
         dp_bucket_bytes=DP_BUCKET_BYTES,
         precision=training.precision,
         distributed_optimizer=est.distributed_optimizer,
+        hardware=profile_key(hw) or rc.plan.hardware,
     )
     return PlanEstimate(
         plan=plan,

@@ -4,6 +4,7 @@ from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.cancel_collectives import cancel_collectives
 from autotp.passes.causal_attention import causal_attention
 from autotp.passes.insert_collectives import insert_collectives
+from autotp.passes.find_cudagraph_candidates import find_cudagraph_candidates
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.rewrite_shapes import rewrite_shapes
 from autotp.passes.slice_replicated import slice_replicated
@@ -28,5 +29,6 @@ PASSES: list[Pass] = [
     sequence_parallel,
     tp_overlap,
     split_stages,
+    find_cudagraph_candidates,
     mark_cudagraph_regions,
 ]

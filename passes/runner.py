@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
 from autotp.ir.axes import Axis, group_key
 from autotp.ir.plan import ParallelPlan
@@ -26,8 +26,6 @@ from autotp.passes.invariants import INVARIANTS
 log = logging.getLogger(__name__)
 
 Pass = Callable[[GraphModule, "PassContext"], GraphModule]
-RegionChooser = Callable[[list[list[Node]], ParallelPlan], list["str | None"]]
-"""Candidate CUDA-graph runs and the plan -> per run None (capture it) or why not."""
 
 
 class PassInvariantError(AssertionError):
@@ -41,9 +39,9 @@ class PassContext:
     ``group`` is the key of the tp process group the collectives name; left empty, it is
     ``group_key(Axis.TP, plan.tp)``, the key the runtime registers. ``backend`` is the
     process-group backend the graph's collectives will run on (``nccl``, ``gloo``...);
-    offline compiles assume ``nccl``. ``choose_cudagraph_regions`` is the region policy
-    that ``mark_cudagraph_regions`` applies when the plan asks for CUDA graphs; the
-    compiler binds the cost model's.
+    offline compiles assume ``nccl``. ``plan`` is replaced by the compiler's decision steps
+    between passes (``autotp.cost_model.cudagraphs.choose_cudagraph_regions``); the passes
+    after one read the decision from it.
     """
 
     plan: ParallelPlan
@@ -53,7 +51,6 @@ class PassContext:
     dump_dir: Path | None = None
     timings: dict[str, float] = field(default_factory=dict)
     backend: str = "nccl"
-    choose_cudagraph_regions: RegionChooser | None = None
 
     def __post_init__(self) -> None:
         self.group = self.group or group_key(Axis.TP, self.plan.tp)

@@ -24,10 +24,11 @@ import autotp
 from autotp.runtime import cudagraphs
 from autotp.ir import meta_keys, ops
 from autotp.ir import schedules
-from autotp.cost_model.cudagraphs import RegionStats, choose_regions, decide
+from autotp.cost_model.cudagraphs import RegionStats, choose_cudagraph_regions, decide
 from autotp.ir.plan import CudaGraphPolicy
 from autotp.report.cudagraphs import cudagraph_report, explain_cudagraphs
-from autotp.passes.mark_cudagraph_regions import COLLECTIVE, HOST_SYNC, HOST_VALUE, mark_cudagraph_regions
+from autotp.passes.find_cudagraph_candidates import COLLECTIVE, HOST_SYNC, HOST_VALUE, find_cudagraph_candidates
+from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.runner import PassContext
 from autotp.ir.plan import ParallelPlan
 from distributed import run_on_ranks
@@ -141,9 +142,10 @@ def test_regions_never_span_stage_boundaries() -> None:
 
 
 def _mark(gm: torch.fx.GraphModule, plan: ParallelPlan, backend: str, device: str = "meta") -> torch.fx.GraphModule:
-    ctx = PassContext(plan=replace(plan, cudagraphs=True), device=torch.device(device), backend=backend,
-                      choose_cudagraph_regions=choose_regions)
-    return mark_cudagraph_regions(gm, ctx)
+    ctx = PassContext(plan=replace(plan, cudagraphs=True), device=torch.device(device), backend=backend)
+    for step in (find_cudagraph_candidates, choose_cudagraph_regions, mark_cudagraph_regions):
+        gm = step(gm, ctx)
+    return gm
 
 
 def test_gloo_collectives_are_blockers() -> None:

@@ -20,7 +20,7 @@ from autotp.cost_model.compute import ModelCosts, segment_time
 from autotp.cost_model.hardware import H200
 from autotp.cost_model.graph_costs import build_report
 from autotp.cost_model.planner import Cluster, Training, plan
-from autotp.passes.mark_cudagraph_regions import OVERLAP
+from autotp.passes.find_cudagraph_candidates import OVERLAP
 from autotp.report.dump import to_code
 from autotp.report.graph_report import explain_table
 from autotp.ir import meta_keys, ops

@@ -44,7 +44,7 @@ LAYER = "autotp_layer"
 """Index of the decoder layer the node belongs to (from its module path), or None."""
 
 CUDAGRAPH_BLOCKER = "autotp_cudagraph_blocker"
-"""Why a CUDA graph cannot capture the node (a ``mark_cudagraph_regions.Blocker``)."""
+"""Why a CUDA graph cannot capture the node (a ``passes.find_cudagraph_candidates.Blocker``)."""
 
 CUDAGRAPH_CANDIDATE = "autotp_cudagraph_candidate"
 """Index of the maximal run of capturable nodes (one pipeline chunk, no blocker) holding the node."""

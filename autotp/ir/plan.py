@@ -18,6 +18,8 @@ from autotp.ir.op_facts import Collective
 from autotp.ir.rank_groups import rank_groups
 from autotp.ir.schedules import default_schedule
 
+DEFAULT_HARDWARE = "h200"
+"""``plan.hardware`` of a plan made without a GPU in sight (offline compiles): an H200."""
 DP_BUCKET_BYTES = 25 * 2**20
 """Default size of the dp gradient all-reduce buckets."""
 
@@ -30,13 +32,12 @@ OVERLAP_REDUCE_SCATTER = Collective.REDUCE_SCATTER
 @dataclass(frozen=True)
 class CudaGraphPolicy:
     """The cost model's constants for choosing CUDA-graph regions
-    (the rule is in ``autotp.cost_model.cudagraphs``)."""
+    (the rule is in ``autotp.cost_model.cudagraphs``; the hardware is ``ParallelPlan.hardware``)."""
 
     launch_s: float = 26e-6
     replay_s: float = 20e-6
     max_static_bytes: int = 16 * 2**30
     min_saved_s: float = 0.0
-    hardware: str = "h200"
 
     def to_json(self) -> dict:
         return {
@@ -44,12 +45,11 @@ class CudaGraphPolicy:
             "replay_s": self.replay_s,
             "max_static_bytes": self.max_static_bytes,
             "min_saved_s": self.min_saved_s,
-            "hardware": self.hardware,
         }
 
     @staticmethod
     def from_json(d: dict) -> CudaGraphPolicy:
-        return CudaGraphPolicy(**d)
+        return CudaGraphPolicy(**{k: v for k, v in d.items() if k != "hardware"})  # JSON before plan.hardware had it here
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,9 @@ class ParallelPlan:
     # ``degree`` has every axis, ``rank_groups`` lays them out (autotp.ir.axes).
     cp: int = 1
     etp: int | None = None
+    # The hardware the plan is costed for (a ``autotp.cost_model.hardware.PROFILES`` key): the
+    # planner's, or the GPU kind the compiler runs on.
+    hardware: str = DEFAULT_HARDWARE
 
     @property
     def world_size(self) -> int:
@@ -243,6 +246,7 @@ class ParallelPlan:
                 "kept_whole": [k.to_json() for k in self.kept_whole],
                 "cp": self.cp,
                 "etp": self.etp,
+                "hardware": self.hardware,
             },
             indent=1,
         )
@@ -280,4 +284,5 @@ class ParallelPlan:
             kept_whole=tuple(KeptWhole.from_json(k) for k in d.get("kept_whole", ())),
             cp=d.get("cp", 1),
             etp=d.get("etp"),
+            hardware=d.get("hardware", d.get("cudagraph_policy", {}).get("hardware", DEFAULT_HARDWARE)),
         )
