@@ -158,10 +158,10 @@ class ParallelPlan:
     distributed_optimizer: bool = False
     ep: int = 1
     kept_whole: tuple[KeptWhole, ...] = ()
-    # Context parallelism, and the experts' tensor parallelism (None: tp's, Megatron's default);
+    # Context parallelism, and the experts' tensor parallelism (0: tp's, Megatron's default);
     # ``degree`` has every axis, ``rank_groups`` lays them out (autotp.ir.axes).
     cp: int = 1
-    etp: int | None = None
+    etp: int = 0
     # The hardware the plan is costed for (a ``autotp.cost_model.hardware.PROFILES`` key): the
     # planner's, or the GPU kind the compiler runs on.
     hardware: str = DEFAULT_HARDWARE
@@ -173,7 +173,7 @@ class ParallelPlan:
     def degree(self, axis: Axis) -> int:
         """The number of ranks along ``axis`` (edp: what the world leaves the experts, after etp·ep·pp)."""
         if axis == Axis.ETP:
-            return self.tp if self.etp is None else self.etp
+            return self.etp or self.tp
         if axis == Axis.EDP:
             return self.world_size // (self.degree(Axis.ETP) * self.ep * self.pp)
         return {Axis.TP: self.tp, Axis.CP: self.cp, Axis.EP: self.ep, Axis.DP: self.dp, Axis.PP: self.pp}[Axis(axis)]
@@ -181,7 +181,7 @@ class ParallelPlan:
     @property
     def has_experts_layout(self) -> bool:
         """Whether the expert layers fold the world differently from the dense ones (ep or etp set)."""
-        return self.ep > 1 or self.etp is not None
+        return self.ep > 1 or self.etp > 0
 
     def rank_groups(self, world_size: int) -> dict[Axis, list[list[int]]]:
         """Every group of every axis of this plan over ``world_size`` ranks (Megatron's order,
@@ -193,7 +193,7 @@ class ParallelPlan:
             )
         experts = self.has_experts_layout
         return rank_groups(world_size, tp=self.tp, pp=self.pp, cp=self.cp,
-                           ep=self.ep if experts else None, etp=self.etp if experts else None)  # fmt: skip
+                           ep=self.ep if experts else None, etp=self.degree(Axis.ETP) if experts else None)  # fmt: skip
 
     @property
     def num_chunks(self) -> int:
@@ -283,6 +283,6 @@ class ParallelPlan:
             ep=d.get("ep", 1),
             kept_whole=tuple(KeptWhole.from_json(k) for k in d.get("kept_whole", ())),
             cp=d.get("cp", 1),
-            etp=d.get("etp"),
+            etp=d.get("etp", 0),
             hardware=d.get("hardware", d.get("cudagraph_policy", {}).get("hardware", DEFAULT_HARDWARE)),
         )
