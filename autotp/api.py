@@ -14,6 +14,7 @@ from torch.fx import GraphModule
 from autotp import compiler
 from autotp.ir.errors import UserInputError
 from autotp.ir.plan import ParallelPlan
+from autotp.ir.program import RankProgram
 from autotp.runtime import cudagraphs, rng
 from autotp.runtime.groups import make_groups
 from autotp.runtime.parallel_model import ParallelModel
@@ -21,13 +22,15 @@ from autotp.runtime.parallel_model import ParallelModel
 
 @dataclass(frozen=True)
 class CompiledRank:
-    """One rank's rewritten graph, compiled offline (no process group, nothing run)."""
+    """One rank's rewritten graph, compiled offline (no process group, nothing run), and its
+    program (the chunk graphs the runtime would run)."""
 
     graph: GraphModule
     plan: ParallelPlan
     trace_s: float
     plan_s: float
     pass_s: dict[str, float]
+    program: RankProgram
 
 
 def _default_device(model: nn.Module) -> torch.device:
@@ -94,7 +97,7 @@ def compile_rank(
     planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=1, vpp=vpp, plan=plan, cudagraph_impl=impl,
                                   sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)  # fmt: skip
     lowered = compiler.lower(planned.traced, planned.plan, tp_rank=rank, device=device, dump_dir=dump_dir)
-    return CompiledRank(lowered.graph, lowered.plan, planned.trace_s, planned.plan_s, lowered.pass_s)
+    return CompiledRank(lowered.graph, lowered.plan, planned.trace_s, planned.plan_s, lowered.pass_s, lowered)
 
 
 def parallelize(

@@ -1,12 +1,15 @@
-"""The compile sequence: trace -> plan -> passes, written once.
+"""The compile sequence: trace -> plan -> passes -> rank program, written once.
 
 ``plan_model`` traces a model at its example inputs and chooses its ``ParallelPlan``
-(the caller's, the cost model's, or tp/pp's defaults). ``lower`` runs the passes on
-that trace for one tp rank and records the CUDA-graph regions it chose in the plan it
-returns. ``autotp.compile_rank`` is one ``plan_model`` + ``lower``; ``autotp.parallelize``
-creates the process groups between the two (they depend on the plan; ``lower`` needs
-the rank) and the ``ParallelModel`` calls ``lower_signature`` for each new input
-signature. The cost model compiles candidate plans through ``model_costs``'s callback.
+(the caller's, the cost model's, or tp/pp's defaults). ``lower`` runs the passes and the
+cost model's decision steps (``COMPILE_STEPS``) on that trace for one tp rank and returns
+its ``RankProgram`` (``autotp.ir.program``): the plan with the decisions made on the way,
+the rank graph and its chunk graphs, ready to run. ``autotp.compile_rank`` is one
+``plan_model`` + ``lower``; ``autotp.parallelize`` creates the process groups between the
+two (they depend on the plan; ``lower`` needs the rank) and the ``ParallelModel`` calls
+``lower_signature`` for each new input signature, and ``with_param_waits`` when a
+DistributedOptimizer overlaps its parameter all-gather. The cost model compiles candidate
+plans through ``model_costs``'s callback.
 
 ``lower`` hands the pass runner a copy of the traced graph that it owns: the passes may
 rewrite that copy in place and the caller's graph is never touched.
@@ -41,8 +44,11 @@ from autotp.ir import meta_keys
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER, ParallelPlan
 from autotp.passes import PASSES
 from autotp.passes.causal_attention import CAUSAL
+from autotp.ir.program import BucketLayout, RankProgram
 from autotp.passes.find_cudagraph_candidates import find_cudagraph_candidates
+from autotp.passes.insert_param_waits import insert_param_waits
 from autotp.passes.runner import Pass, PassContext, run_passes
+from autotp.passes.split_weight_grads import split_weight_grads
 from autotp.ir.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -60,15 +66,6 @@ class Planned:
     plan: ParallelPlan
     trace_s: float
     plan_s: float
-
-
-@dataclass(frozen=True)
-class Lowered:
-    """One tp rank's rewritten graph; ``plan`` records the CUDA-graph regions chosen."""
-
-    graph: GraphModule
-    plan: ParallelPlan
-    pass_s: dict[str, float]
 
 
 def example_kwargs(model: nn.Module, example_inputs: dict[str, Any] | None) -> dict[str, Any]:
@@ -260,21 +257,42 @@ def lower(
     device: torch.device | str = "meta",
     backend: str = "nccl",
     dump_dir: Path | None = None,
-) -> Lowered:
-    """Run the passes and the cost model's decision steps (``COMPILE_STEPS``) on a copy of
-    ``traced`` for tp rank ``tp_rank``; the plan returned holds the decisions made on the way
-    (the CUDA-graph regions) and the SDPA nodes ``causal_attention`` rewrote."""
-    ctx = PassContext(plan=plan, tp_rank=tp_rank, device=torch.device(device), dump_dir=dump_dir, backend=backend)
-    gm = run_passes(_owned_copy(traced), ctx, COMPILE_STEPS)
+    param_buckets: BucketLayout | None = None,
+) -> RankProgram:
+    """Run ``COMPILE_STEPS`` on a copy of ``traced`` for tp rank ``tp_rank``: the rank's program,
+    whose plan holds the decisions made on the way (the CUDA-graph regions) and the SDPA nodes
+    ``causal_attention`` rewrote. ``param_buckets``: make the graphs wait for a
+    DistributedOptimizer's all-gather of those buckets."""
+    ctx = PassContext(plan=plan, tp_rank=tp_rank, device=torch.device(device), dump_dir=dump_dir, backend=backend,
+                      param_buckets=param_buckets)  # fmt: skip
+    gm = _run(_owned_copy(traced), ctx, COMPILE_STEPS)
     causal = tuple(n.name for n in gm.graph.nodes if n.meta.get(meta_keys.CAUSAL_MASK) == CAUSAL)
-    return Lowered(gm, replace(ctx.plan, causal_attention_nodes=causal), dict(ctx.timings))
+    return RankProgram.of(gm, replace(ctx.plan, causal_attention_nodes=causal), dict(ctx.timings))
+
+
+WAIT_STEPS = [insert_param_waits, split_weight_grads]
+"""What ``with_param_waits`` runs again on a lowered program: the waits, and the weight-gradient copies that keep them."""
+
+
+def with_param_waits(program: RankProgram, param_buckets: BucketLayout, *, tp_rank: int, device: torch.device, backend: str) -> RankProgram:
+    """``program`` with its chunk graphs waiting for the all-gathers of ``param_buckets``
+    (a DistributedOptimizer made after the program was lowered); rewrites ``program``'s graphs."""
+    ctx = PassContext(plan=program.plan, tp_rank=tp_rank, device=device, backend=backend, param_buckets=param_buckets)
+    gm = _run(program.graph, ctx, WAIT_STEPS)
+    return RankProgram.of(gm, program.plan, {k: program.pass_s.get(k, 0.0) + ctx.timings.get(k, 0.0) for k in program.pass_s | ctx.timings})
+
+
+def _run(gm: GraphModule, ctx: PassContext, steps: list[Pass]) -> GraphModule:
+    """The one place the passes run (``tests/test_architecture.py``)."""
+    return run_passes(gm, ctx, steps)
 
 
 def lower_signature(
-    model: nn.Module, kwargs: dict[str, Any], plan: ParallelPlan, *, tp_rank: int, device: torch.device, backend: str
-) -> Lowered:
+    model: nn.Module, kwargs: dict[str, Any], plan: ParallelPlan, *, tp_rank: int, device: torch.device, backend: str,
+    param_buckets: BucketLayout | None = None,
+) -> RankProgram:  # fmt: skip
     """Trace ``model(**kwargs)`` and lower it under an already chosen ``plan``."""
-    return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend)
+    return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend, param_buckets=param_buckets)
 
 
 def _owned_copy(gm: GraphModule) -> GraphModule:

@@ -3,11 +3,15 @@
 from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.cancel_collectives import cancel_collectives
 from autotp.passes.causal_attention import causal_attention
+from autotp.passes.extract_chunks import extract_chunks
 from autotp.passes.insert_collectives import insert_collectives
+from autotp.passes.insert_param_waits import insert_param_waits
 from autotp.passes.find_cudagraph_candidates import find_cudagraph_candidates
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.rewrite_shapes import rewrite_shapes
 from autotp.passes.slice_replicated import slice_replicated
+from autotp.passes.split_cudagraph_regions import split_cudagraph_regions
+from autotp.passes.split_weight_grads import split_weight_grads
 from autotp.passes.sequence_parallel import sequence_parallel
 from autotp.passes.split_stages import split_stages
 from autotp.passes.runner import Pass
@@ -31,4 +35,8 @@ PASSES: list[Pass] = [
     split_stages,
     find_cudagraph_candidates,
     mark_cudagraph_regions,
+    extract_chunks,
+    split_cudagraph_regions,
+    insert_param_waits,
+    split_weight_grads,
 ]

@@ -1,10 +1,11 @@
 """Run passes in order, checking the graph after each one.
 
 A pass is a plain function ``pass_fn(gm, ctx) -> gm``. After each pass the runner lints
-the graph, recompiles it, checks the invariants of ``autotp.passes.invariants``, logs the
-change in op counts (``logging`` at DEBUG) and, with ``ctx.dump_dir``, writes
-``NN_<pass>.py``. A failure names the pass that broke the graph and the ones that ran
-before it.
+the graph and every graph module inside it (the chunk graphs of ``autotp.ir.program``),
+recompiles them, checks the invariants of ``autotp.passes.invariants`` on each, logs the
+change in op counts over all of them (``logging`` at DEBUG) and, with ``ctx.dump_dir``,
+writes ``NN_<pass>.py``: the graph's code, then each inner graph's. A failure names the
+pass that broke the graph and the ones that ran before it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.fx import GraphModule
 
 from autotp.ir.axes import Axis, group_key
 from autotp.ir.plan import ParallelPlan
+from autotp.ir.program import BucketLayout
 from autotp.passes.invariants import INVARIANTS
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,8 @@ class PassContext:
     process-group backend the graph's collectives will run on (``nccl``, ``gloo``...);
     offline compiles assume ``nccl``. ``plan`` is replaced by the compiler's decision steps
     between passes (``autotp.cost_model.cudagraphs.choose_cudagraph_regions``); the passes
-    after one read the decision from it.
+    after one read the decision from it. ``param_buckets`` is a DistributedOptimizer's
+    bucket layout, whose all-gathers ``insert_param_waits`` makes the graphs wait for.
     """
 
     plan: ParallelPlan
@@ -51,13 +54,23 @@ class PassContext:
     dump_dir: Path | None = None
     timings: dict[str, float] = field(default_factory=dict)
     backend: str = "nccl"
+    param_buckets: BucketLayout | None = None
 
     def __post_init__(self) -> None:
         self.group = self.group or group_key(Axis.TP, self.plan.tp)
 
 
+def _graphs(gm: GraphModule) -> list[tuple[str, GraphModule]]:
+    """``gm`` and every graph module inside it, by qualified name (``""`` for ``gm``)."""
+    return [(name, m) for name, m in gm.named_modules() if isinstance(m, GraphModule)]
+
+
 def _op_counts(gm: GraphModule) -> Counter[str]:
-    return Counter(_op_name(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    return Counter(_op_name(n.target) for _, g in _graphs(gm) for n in g.graph.nodes if n.op == "call_function")
+
+
+def _code(gm: GraphModule) -> str:
+    return "".join(g.code if not name else f"\n# ---- {name} ----\n{g.code}" for name, g in _graphs(gm))
 
 
 def _op_name(target: object) -> str:
@@ -77,16 +90,18 @@ def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> Gra
     done: list[str] = []
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)
-        (ctx.dump_dir / "00_traced.py").write_text(gm.code)
+        (ctx.dump_dir / "00_traced.py").write_text(_code(gm))
     counts = _op_counts(gm)
     for i, p in enumerate(passes, start=1):
         name = p.__name__
         start = time.perf_counter()
         try:
             gm = p(gm, ctx)
-            gm.graph.lint()
-            gm.recompile()
-            problems = [problem for check in INVARIANTS for problem in check(gm)]
+            graphs = _graphs(gm)
+            for _, g in graphs:
+                g.graph.lint()
+                g.recompile()
+            problems = [f"{name + ': ' if name else ''}{problem}" for name, g in graphs for check in INVARIANTS for problem in check(g)]
             if problems:
                 shown = "\n  ".join(problems[:10])
                 more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
@@ -101,5 +116,5 @@ def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> Gra
         log.debug("pass %s (%.3f s): %s", name, elapsed, _diff(counts, after))
         counts = after
         if ctx.dump_dir is not None:
-            (ctx.dump_dir / f"{i:02d}_{name}.py").write_text(gm.code)
+            (ctx.dump_dir / f"{i:02d}_{name}.py").write_text(_code(gm))
     return gm

@@ -29,6 +29,7 @@ from autotp.ir.plan import CudaGraphPolicy
 from autotp.report.cudagraphs import cudagraph_report, explain_cudagraphs
 from autotp.passes.find_cudagraph_candidates import COLLECTIVE, HOST_SYNC, HOST_VALUE, find_cudagraph_candidates
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
+from autotp.passes.split_cudagraph_regions import region_split
 from autotp.passes.runner import PassContext
 from autotp.ir.plan import ParallelPlan
 from distributed import run_on_ranks
@@ -209,7 +210,7 @@ def _split_matches(rank: int, world: int, name: str, backend: str) -> dict[str, 
     ids = torch.randint(0, vocab_size(model), (2, 16), generator=torch.Generator().manual_seed(0))
     pm = autotp.parallelize(model, tp=world, example_inputs={"input_ids": ids, "labels": ids})
     gm = _mark(pm.graph_for(input_ids=ids, labels=ids), pm.plan, backend, "cpu")
-    split = cudagraphs.split_regions(gm)
+    split = region_split(gm)
     expected, expected_grads = _outputs_and_grads(pm, gm, ids)
     out, grads = _outputs_and_grads(pm, split, ids)
     return {
@@ -343,7 +344,7 @@ def test_first_call_records_static_inputs_and_later_outputs_are_copies(monkeypat
     ids = torch.randint(0, vocab_size(model), (2, 16))
     pm = autotp.parallelize(model, tp=1, example_inputs={"input_ids": ids, "labels": ids})
     gm = _mark(pm.graph_for(input_ids=ids, labels=ids), pm.plan, "nccl", "cpu")
-    captured = cudagraphs.CapturedGraph(gm, cudagraphs.TORCH)
+    captured = cudagraphs.CapturedGraph(region_split(gm), cudagraphs.TORCH)
     first = captured(input_ids=ids, labels=ids, use_cache=False)
     (modules, samples, kwargs) = given[0]
     assert kwargs["pool"] == "pool" and kwargs["allow_unused_input"]

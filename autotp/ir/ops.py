@@ -39,6 +39,10 @@ Local ops:
 
 * ``stage_boundary(x, chunk)`` -- identity marking ``x`` as crossing into pipeline chunk
   ``chunk``.
+* ``deferred_linear(x, weight, bias)`` -- ``linear`` whose backward returns the gradients of
+  the input and bias only and hands (weight, x, output grad) to the innermost of
+  ``WEIGHT_GRAD_SINKS`` (``autotp.runtime.weight_grads.WeightGradStore``), which computes
+  the weight gradient later: a zero-bubble schedule's ``W`` (``passes/split_weight_grads``).
 * ``partial_grad(x, parts)`` -- identity forward; backward divides the gradient by
   ``parts``, so that a gradient every one of ``parts`` ranks holds whole becomes their equal
   partial summands (``passes/sequence_parallel`` adds it where whole and partial gradients
@@ -63,6 +67,7 @@ so ``Graph.eliminate_dead_code`` keeps it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -113,6 +118,9 @@ STAGE_BOUNDARY = _define("stage_boundary(Tensor x, int chunk) -> Tensor")
 PARTIAL_GRAD = _define("partial_grad(Tensor x, int parts) -> Tensor")
 TP_RAND = _define("tp_rand(Tensor like, str stream) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
 TP_DROPOUT = _define("tp_dropout(Tensor x, float p, bool train, str stream) -> Tensor")
+DEFERRED_LINEAR = _define("deferred_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+WEIGHT_GRAD_SINKS: list[Callable[[Tensor, Tensor, Tensor], None]] = []
+"""Where ``deferred_linear``'s backward hands (weight, input, output grad): the last one pushed."""
 
 # Ops that communicate over a tp group, forward or backward.
 COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
@@ -344,6 +352,31 @@ def _stage_boundary(x: Tensor, chunk: int) -> Tensor:
     return x.view_as(x)
 
 
+class _DeferredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, Tensor | None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        if ctx.needs_input_grad[1]:
+            if not WEIGHT_GRAD_SINKS:
+                raise RuntimeError("a deferred linear's backward ran outside WeightGradStore.collecting()")
+            WEIGHT_GRAD_SINKS[-1](weight, x, grad_out)
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_bias = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_x, None, grad_bias
+
+
+def _deferred_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return _DeferredLinear.apply(x, weight, bias)
+
+
 def _partial_grad(x: Tensor, parts: int) -> Tensor:
     return _PartialGrad.apply(x, parts)
 
@@ -404,6 +437,7 @@ for _op, _fn in (
     (COPY_TO_TP, _copy_to_tp),
     (STAGE_BOUNDARY, _stage_boundary),
     (PARTIAL_GRAD, _partial_grad),
+    (DEFERRED_LINEAR, _deferred_linear),
     (TP_DROPOUT, _tp_dropout),
     (VOCAB_PARALLEL_EMBEDDING, _vocab_parallel_embedding),
     (VOCAB_PARALLEL_CROSS_ENTROPY, _vocab_parallel_cross_entropy),

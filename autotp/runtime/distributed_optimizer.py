@@ -132,7 +132,7 @@ class DistributedOptimizer:
                                    bucket_bytes or plan.dp_bucket_bytes, grad_dtype, shared, overlap)  # fmt: skip
         pm._grad_buffers = self.buffers
         for compiled in pm._graphs.values():
-            pm._insert_param_waits(compiled)
+            pm._install_param_waits(compiled)
         self._pieces: dict[str, _Piece] = {}
         for slot, start, stop in self.buffers.shard_pieces():
             flat = slot.use.param.data.view(-1)[start:stop]

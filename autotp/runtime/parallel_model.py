@@ -16,14 +16,15 @@ from torch import nn
 from torch.fx import GraphModule
 
 from autotp.analysis.trace import structure_copy
-from autotp.compiler import Lowered, lower_signature
+from autotp.compiler import lower_signature, with_param_waits
 from autotp.ir import schedules
 from autotp.ir.plan import ParallelPlan
+from autotp.ir.program import BucketLayout, ChunkProgram, RankProgram
 from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, export_hf, grad_norm, grad_sync, guards
 from autotp.runtime.grad_buffers import GradBuffers, ParamUse
 from autotp.runtime.groups import Coords
 from autotp.runtime.parameters import ParamChunks, Parameters, graph_param_chunks, graph_trained_params
-from autotp.runtime.pipeline import ChunkGraph, PipelineRunner, extract_chunks
+from autotp.runtime.pipeline import ChunkGraph, PipelineRunner
 from autotp.ir.errors import UserInputError
 from autotp.runtime.shard_map import ShardedLocal
 
@@ -33,12 +34,18 @@ REPLICA_CHECK_EVERY = 100
 
 @dataclass
 class _Compiled:
-    """One input signature, compiled: the full per-rank graph and this rank's chunks."""
+    """One input signature, compiled: its rank program, the graph ``graph_for`` shows (the
+    whole rank graph with a pipeline, else the one that runs) and this rank's chunks."""
 
+    program: RankProgram
     graph: GraphModule
-    chunks: dict[int, ChunkGraph]
+    chunks: dict[int, ChunkGraph]  # with a pipeline
     param_chunks: ParamChunks
-    run: Callable[..., Any]  # ``graph``, its torch.compile'd form, or its CUDA-graph capture
+    run: Callable[..., Any]  # without a pipeline: ``graph``, its torch.compile'd form, or its CUDA-graph capture
+
+    def running(self) -> list[ChunkProgram]:
+        """The chunk programs this rank runs."""
+        return [cg.program for cg in self.chunks.values()] or [self.program.chunks[0]]
 
 
 class _StructureOnly:
@@ -67,7 +74,7 @@ class ParallelModel(nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        first: Lowered,
+        first: RankProgram,
         first_kwargs: dict[str, Any],
         coords: Coords,
         device: torch.device,
@@ -113,37 +120,47 @@ class ParallelModel(nn.Module):
 
     # ---- compilation ---------------------------------------------------------------
 
-    def _prepare(self, lowered: Lowered) -> _Compiled:
-        """This rank's chunks of a lowered graph, and how to run them."""
-        gm = lowered.graph
-        param_chunks = graph_param_chunks(gm)
-        for k, v in lowered.pass_s.items():
+    def _prepare(self, program: RankProgram) -> _Compiled:
+        """This rank's chunks of a rank program, and how to run them."""
+        param_chunks = graph_param_chunks(program.graph)
+        for k, v in program.pass_s.items():
             self.pass_timings[k] = self.pass_timings.get(k, 0.0) + v
-        chunks = extract_chunks(gm, self.plan.num_chunks, self.plan.tp, only=self.my_chunks) if self.plan.num_chunks > 1 else {}
-        run: Callable[..., Any] = gm
+        chunks = {c: ChunkGraph(program.chunks[c]) for c in self.my_chunks} if self.plan.num_chunks > 1 else {}
+        whole = program.chunks[0]
+        graph = program.graph if chunks else whole.graph
+        run: Callable[..., Any] = graph
         if self._compile_graphs:
-            run = torch.compile(gm)
+            run = torch.compile(graph)
             for cg in chunks.values():
                 cg.run = torch.compile(cg.graph)
         if self.plan.cudagraphs:
-            run = cudagraphs.CapturedGraph(gm, self.plan.cudagraph_impl)
+            run = cudagraphs.CapturedGraph(whole.captured, self.plan.cudagraph_impl)
             for cg in chunks.values():
-                cg.captured = cudagraphs.CapturedGraph(cg.graph, self.plan.cudagraph_impl)
-        return _Compiled(gm, chunks, param_chunks, run)
+                cg.captured = cudagraphs.CapturedGraph(cg.program.captured, self.plan.cudagraph_impl)
+        return _Compiled(program, graph, chunks, param_chunks, run)
 
     def _attach(self, compiled: _Compiled) -> None:
-        self._params.attach([c.graph for c in compiled.chunks.values()] or [compiled.graph])
+        self._params.attach([g for chunk in compiled.running() for g in chunk.graphs()])
 
-    def _insert_param_waits(self, compiled: _Compiled) -> None:
-        """With a DistributedOptimizer that overlaps its all-gather: each graph waits for a bucket before reading it."""
+    def _param_buckets(self) -> BucketLayout | None:
+        """The DistributedOptimizer's bucket layout, if it overlaps its all-gather with the forward."""
         buffers = self._grad_buffers
         if buffers is None or not buffers.overlap or buffers.dp == 1:
+            return None
+        return buffers.bucket_layout(self._params.aliases)
+
+    def _install_param_waits(self, compiled: _Compiled) -> None:
+        """With a DistributedOptimizer that overlaps its all-gather: each graph waits for a bucket before reading it."""
+        layout = self._param_buckets()
+        if layout is None:
             return
-        for c, cg in compiled.chunks.items():
-            buffers.insert_waits(cg.graph, self._params.canonical, c)
-            cg.reset_derived()
-        if not compiled.chunks:
-            buffers.insert_waits(compiled.graph, self._params.canonical, 0)
+        if any(chunk.waits is None for chunk in compiled.running()):
+            backend = dist.get_backend() if dist.is_initialized() else "nccl"
+            with_param_waits(compiled.program, layout, tp_rank=self._coords.tp_rank, device=self._device, backend=backend)
+        for chunk in compiled.running():
+            waits = chunk.waits
+            assert waits is not None
+            waits.callback = self._grad_buffers.wait_bucket
 
     def _finish_param_gather(self) -> None:
         """Wait for the DistributedOptimizer's all-gather in flight, before reading or writing parameters."""
@@ -166,14 +183,14 @@ class ParallelModel(nn.Module):
             self._source.model.train(self.training)
             backend = dist.get_backend() if dist.is_initialized() else "nccl"
             try:
-                lowered = lower_signature(self._source.model, call, self.plan, tp_rank=self._coords.tp_rank,
-                                          device=self._device, backend=backend)  # fmt: skip
+                program = lower_signature(self._source.model, call, self.plan, tp_rank=self._coords.tp_rank,
+                                          device=self._device, backend=backend, param_buckets=self._param_buckets())  # fmt: skip
             except ValueError as e:
                 guards.explain_retrace_failure(call, list(self._graphs), e)
                 raise
-            compiled = self._prepare(lowered)
+            compiled = self._prepare(program)
             self._attach(compiled)
-            self._insert_param_waits(compiled)
+            self._install_param_waits(compiled)
             self._graphs[key] = compiled
         return compiled
 
