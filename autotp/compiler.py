@@ -2,7 +2,7 @@
 
 ``plan_model`` traces a model at its example inputs and chooses its ``ParallelPlan``
 (the caller's, the cost model's, or tp/pp's defaults). ``lower`` runs the passes and the
-cost model's decision steps (``COMPILE_STEPS``) on that trace for one tp rank and returns
+cost model's decision steps (``compile_steps``) on that trace for one tp rank and returns
 its ``RankProgram`` (``autotp.ir.program``): the plan with the decisions made on the way,
 the rank graph and its chunk graphs, ready to run. ``autotp.compile_rank`` is one
 ``plan_model`` + ``lower``; ``autotp.parallelize`` creates the process groups between the
@@ -42,7 +42,7 @@ from autotp.cost_model.planner import auto_plan, auto_sequence_parallel
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir import meta_keys
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER, ParallelPlan
-from autotp.passes import PASSES
+from autotp.passes import PASSES, PROGRAM_PASSES
 from autotp.passes.causal_attention import CAUSAL
 from autotp.ir.program import BucketLayout, RankProgram
 from autotp.passes.find_cudagraph_candidates import find_cudagraph_candidates
@@ -239,14 +239,12 @@ def _warn_replicated(traced: GraphModule, plan: ParallelPlan) -> None:
         )
 
 
-def _compile_steps() -> list[Pass]:
-    """The passes, with the cost model's decision steps where the passes after them read the
-    decision: the CUDA-graph regions are chosen once the candidates are found."""
+def compile_steps() -> list[Pass]:
+    """What ``lower`` runs: the passes, with the cost model's decision steps where the passes
+    after them read the decision (the CUDA-graph regions are chosen once the candidates are
+    found), then the passes that build the rank program."""
     at = PASSES.index(find_cudagraph_candidates) + 1
-    return [*PASSES[:at], choose_cudagraph_regions, *PASSES[at:]]
-
-
-COMPILE_STEPS = _compile_steps()
+    return [*PASSES[:at], choose_cudagraph_regions, *PASSES[at:], *PROGRAM_PASSES]
 
 
 def lower(
@@ -259,13 +257,13 @@ def lower(
     dump_dir: Path | None = None,
     param_buckets: BucketLayout | None = None,
 ) -> RankProgram:
-    """Run ``COMPILE_STEPS`` on a copy of ``traced`` for tp rank ``tp_rank``: the rank's program,
+    """Run ``compile_steps()`` on a copy of ``traced`` for tp rank ``tp_rank``: the rank's program,
     whose plan holds the decisions made on the way (the CUDA-graph regions) and the SDPA nodes
     ``causal_attention`` rewrote. ``param_buckets``: make the graphs wait for a
     DistributedOptimizer's all-gather of those buckets."""
     ctx = PassContext(plan=plan, tp_rank=tp_rank, device=torch.device(device), dump_dir=dump_dir, backend=backend,
                       param_buckets=param_buckets)  # fmt: skip
-    gm = _run(_owned_copy(traced), ctx, COMPILE_STEPS)
+    gm = _run(_owned_copy(traced), ctx, compile_steps())
     causal = tuple(n.name for n in gm.graph.nodes if n.meta.get(meta_keys.CAUSAL_MASK) == CAUSAL)
     return RankProgram.of(gm, replace(ctx.plan, causal_attention_nodes=causal), dict(ctx.timings))
 

@@ -35,8 +35,12 @@ PASSES: list[Pass] = [
     split_stages,
     find_cudagraph_candidates,
     mark_cudagraph_regions,
+]
+
+PROGRAM_PASSES: list[Pass] = [
     extract_chunks,
     split_cudagraph_regions,
     insert_param_waits,
     split_weight_grads,
 ]
+"""The passes after ``PASSES`` that build the rank program's chunk graphs (``autotp.ir.program``)."""

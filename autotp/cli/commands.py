@@ -29,12 +29,12 @@ from autotp.report.graph_report import explain_json, explain_table, stage_view
 from autotp.report.cudagraphs import explain_cudagraphs
 from autotp.runtime.launcher import launch
 from autotp.cli.checkpoint import build_for_run, hf_weights
-from autotp.compiler import COMPILE_STEPS
+from autotp.compiler import compile_steps
 
 _LR = 1e-3
 
 # The pass runner's dump files: 00_traced.py, then NN_<pass>.py.
-_AFTER = ["traced", *(p.__name__ for p in COMPILE_STEPS)]
+_AFTER = ["traced", *(p.__name__ for p in compile_steps())]
 
 
 @dataclass(frozen=True)
