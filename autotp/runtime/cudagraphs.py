@@ -120,7 +120,14 @@ class CapturedGraph:
 
     def release(self) -> None:
         """Drop the captured graphs (and with them their memory pools); the next call captures again."""
+        for split in self._slots:
+            for _, region in regions_of(split):
+                vars(region).pop("forward", None)  # the graphed forward that capture installed, with its static buffers
         self._slots.clear()
+
+    def graphs(self) -> list[GraphModule]:
+        """The graph modules of the captures made so far."""
+        return [m for split in self._slots for m in split.modules() if isinstance(m, GraphModule)]
 
     @property
     def slots(self) -> int:

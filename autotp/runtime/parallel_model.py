@@ -47,6 +47,15 @@ class _Compiled:
         """The chunk programs this rank runs."""
         return [cg.program for cg in self.chunks.values()] or [self.program.chunks[0]]
 
+    def captures(self) -> list[cudagraphs.CapturedGraph]:
+        runs = [self.run, *(cg.captured for cg in self.chunks.values())]
+        return [r for r in runs if isinstance(r, cudagraphs.CapturedGraph)]
+
+    def graphs(self) -> list[GraphModule]:
+        """Every graph module of the signature: the program's and the captures'."""
+        program = [m for m in self.program.graph.modules() if isinstance(m, GraphModule)]
+        return program + [g for c in self.captures() for g in c.graphs()]
+
 
 class _StructureOnly:
     """Holds the meta copy used for retracing without registering it as a submodule."""
@@ -113,6 +122,23 @@ class ParallelModel(nn.Module):
         self._attach(compiled)
         self.train(model.training)
         self._graphs[guards.signature_key(first_kwargs, model.training)] = compiled
+
+    def __del__(self) -> None:
+        """``del pm`` frees the parameters at once: the graphs (each in a reference cycle with its
+        fx ``Graph``, which only the garbage collector breaks) let go of them, and the gradient
+        hooks and parameter waits that reach them are removed."""
+        compiled = self.__dict__.get("_graphs", {}).values()
+        for c in compiled:
+            for chunk in c.running():
+                if chunk.waits is not None:
+                    chunk.waits.callback = None
+            Parameters.release(c.graphs())
+            for capture in c.captures():
+                capture.release()
+        if self.__dict__.get("_grad_buffers") is not None:
+            self._grad_buffers.remove_hooks()
+        if self.__dict__.get("_dp_mean") is not None:
+            self._dp_mean.close()
 
     @property
     def my_chunks(self) -> list[int]:

@@ -8,6 +8,7 @@ the pipeline chunks that read it) comes from the compiled graph.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -104,7 +105,7 @@ class Parameters:
     """The parameters and buffers that ``module`` (the ``ParallelModel``) holds for this rank."""
 
     def __init__(self, module: nn.Module, plan: ParallelPlan, coords: Coords, device: torch.device, source: nn.Module) -> None:
-        self._module = module
+        self._module = weakref.proxy(module)  # the module holds this object: no cycle that keeps it alive
         self._plan = plan
         self._coords = coords
         self.device = device
@@ -184,6 +185,16 @@ class Parameters:
                 source = self.canonical(str(node.target))
                 if source in self.local_names or source in self.buffer_names:
                     _set_graph_attr(gm, str(node.target), get_nested(self._module, source))
+
+    @staticmethod
+    def release(graphs: list[GraphModule]) -> None:
+        """Make ``graphs`` let go of the tensors ``attach`` gave them. A graph module and its fx
+        ``Graph`` refer to each other, so only the garbage collector frees them: without this, they
+        would hold the parameters until it runs."""
+        for gm in graphs:
+            for module in gm.modules():
+                for name in [n for n, _ in module.named_parameters(recurse=False)] + [n for n, _ in module.named_buffers(recurse=False)]:
+                    delattr(module, name)
 
     def gather(self, name: str, local: torch.Tensor | None, param_chunks: ParamChunks) -> torch.Tensor | None:
         """The full tensor of parameter ``name`` (or its grad) on every rank."""
