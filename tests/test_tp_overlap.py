@@ -196,7 +196,7 @@ def _dp_on_rank(rank: int, world: int, tp: int, bucket_bytes: int) -> dict[str, 
     grads = pm.unshard_grads()
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad of {name}: {m}")
-    return {"buckets": len(pm._dp_mean.buckets), "in_backward": pm._dp_mean.launched_in_backward}
+    return {"buckets": len(pm.grad_sync.buckets), "in_backward": pm.grad_sync.launched_in_backward}
 
 
 @pytest.mark.parametrize(("tp", "bucket_bytes"), [(1, 4096), pytest.param(2, 2**30, marks=pytest.mark.slow)],

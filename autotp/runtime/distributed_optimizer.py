@@ -111,15 +111,15 @@ class DistributedOptimizer:
                 "its own 1/dp of the flattened parameters, which only elementwise torch optimizers allow; use one of "
                 f"{', '.join(c.__name__ for c in SUPPORTED)} (subclasses are refused: they may not be elementwise)"
             )
-        if pm._grad_buffers is not None:
+        if pm.grad_sync.holds_grads:
             raise UserInputError("this ParallelModel already has a DistributedOptimizer; create one per model")
         if pm.cudagraph_slots:
             raise UserInputError("create the DistributedOptimizer before the first call of pm: CUDA graphs were captured "
                              "with the parameters where they are now, and the optimizer moves them into its buffers")
-        plan, coords = pm.plan, pm._coords
+        plan, coords = pm.plan, pm.coords
         if plan.pp > 1 and plan.schedule_name == "zbh1":
             raise UserInputError(ZBH1_REFUSED)
-        captured = "torch.compile" if pm._compile_graphs else "CUDA graphs" if plan.cudagraphs else None
+        captured = "torch.compile" if pm.compile_graphs else "CUDA graphs" if plan.cudagraphs else None
         if overlap_param_gather and captured:
             raise UserInputError(f"overlap_param_gather=True waits for the all-gather inside the forward graph, which "
                                  f"{captured} would capture; pass overlap_param_gather=False (or leave it unset)")
@@ -127,12 +127,10 @@ class DistributedOptimizer:
         self._pm = pm
         groups = self._groups(pm, params)
         names = [n for g in groups for n in g["params"]]
-        shared = {n: g for n, g in pm._shared_param_groups.items() if n in names}
-        self.buffers = GradBuffers(pm._param_uses(names), plan.dp, coords.dp_rank, coords.dp_group,
+        shared = {n: g for n, g in pm.shared_param_groups.items() if n in names}
+        self.buffers = GradBuffers(pm.param_uses(names), plan.dp, coords.dp_rank, coords.dp_group,
                                    bucket_bytes or plan.dp_bucket_bytes, grad_dtype, shared, overlap)  # fmt: skip
-        pm._grad_buffers = self.buffers
-        for compiled in pm._graphs.values():
-            pm._install_param_waits(compiled)
+        pm.install_grad_sync(self.buffers)
         self._pieces: dict[str, _Piece] = {}
         for slot, start, stop in self.buffers.shard_pieces():
             flat = slot.use.param.data.view(-1)[start:stop]
@@ -141,7 +139,7 @@ class DistributedOptimizer:
         inner = [dict(g, params=[self._pieces[n].master for n in g["params"] if n in self._pieces]) for g in groups]
         self.optimizer = optimizer_class(inner, **kwargs)
         self._group_names = [[n for n in g["params"] if n in self._pieces] for g in groups]
-        self._counting = pm._norm_counting(dp_rank=None)
+        self._counting = pm.norm_counting(dp_rank=None)
         self._prepared = -1
         some = next(iter(self.buffers.slots.values()), None)
         master = some is not None and some.use.param.dtype != torch.float32
@@ -212,7 +210,7 @@ class DistributedOptimizer:
                 parts.append(g)
             elif mask is not False:
                 parts.append(g[mask[piece.start : piece.stop]])
-        norm = grad_norm.global_norm(grad_norm.sum_of_squares(parts, self._pm._device), error_if_nonfinite)
+        norm = grad_norm.global_norm(grad_norm.sum_of_squares(parts, self._pm.device), error_if_nonfinite)
         grad_norm.clip_([p.master.grad for p in self._pieces.values()], norm, max_norm)
         return norm
 
@@ -311,7 +309,7 @@ class DistributedOptimizer:
             for k, v in self.optimizer.state.get(piece.master, {}).items():
                 entry[k] = v.detach().clone() if isinstance(v, Tensor) else v
             state[name] = entry
-        plan, coords = self._pm.plan, self._pm._coords
+        plan, coords = self._pm.plan, self._pm.coords
         return {"format": FORMAT, "dp": plan.dp, "dp_rank": coords.dp_rank, "optimizer": type(self.optimizer).__name__,
                 "param_groups": groups, "state": state}  # fmt: skip
 
@@ -330,8 +328,8 @@ class DistributedOptimizer:
             )
         if sd["optimizer"] != type(self.optimizer).__name__:
             raise UserInputError(f"the state is of {sd['optimizer']}, this optimizer steps with {type(self.optimizer).__name__}")
-        if sd["dp_rank"] != self._pm._coords.dp_rank:
-            raise UserInputError(f"the state was saved by dp rank {sd['dp_rank']}; this is dp rank {self._pm._coords.dp_rank}")
+        if sd["dp_rank"] != self._pm.coords.dp_rank:
+            raise UserInputError(f"the state was saved by dp rank {sd['dp_rank']}; this is dp rank {self._pm.coords.dp_rank}")
         if set(sd["state"]) != set(self._pieces) or len(sd["param_groups"]) != len(self.optimizer.param_groups):
             extra = sorted(set(sd["state"]) ^ set(self._pieces))[:3]
             raise UserInputError(f"the state's parameters or groups differ from this optimizer's (e.g. {extra}); load it into the same model")

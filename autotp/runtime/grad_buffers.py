@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autotp.ir.program import BucketLayout
+from autotp.runtime.grad_sync import GradSync
 
 ALIGN = 64  # elements per dp slice of a bucket are a multiple of this (aligned NCCL buffers)
 
@@ -99,8 +100,10 @@ class Bucket:
         return t[dp_rank * size : (dp_rank + 1) * size]
 
 
-class GradBuffers:
+class GradBuffers(GradSync):
     """This rank's gradient/parameter buffers and their dp collectives (module docstring)."""
+
+    holds_grads = True
 
     def __init__(self, uses: list[ParamUse], dp: int, dp_rank: int, group: dist.ProcessGroup | None,
                  bucket_bytes: int, grad_dtype: torch.dtype | None,
@@ -286,9 +289,11 @@ class GradBuffers:
     def gathering(self) -> bool:
         return any(b.gather is not None for b in self.buckets)
 
-    def bucket_layout(self, aliases: dict[str, list[str]]) -> BucketLayout:
-        """The bucket of every name of every parameter here (``aliases``: canonical name -> its
-        names), and the buckets of each chunk: what the graphs wait for."""
+    def param_buckets(self, aliases: dict[str, list[str]]) -> BucketLayout | None:
+        """With ``overlap``: the bucket of every name of every parameter here (``aliases``:
+        canonical name -> its names) and the buckets of each chunk, which the graphs wait for."""
+        if not self.overlap or self.dp == 1:
+            return None
         bucket_of = {alias: slot.bucket for name, slot in self.slots.items() for alias in aliases.get(name, [name])}
         chunks: dict[int, set[int]] = {}
         for slot in self.slots.values():
@@ -311,7 +316,7 @@ class GradBuffers:
         """Padding elements of this rank's slices, summed over buckets."""
         return sum(b.grads.numel() // self.dp for b in self.buckets) - sum(stop - start for _, start, stop in self.shard_pieces())
 
-    def remove_hooks(self) -> None:
+    def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -1,24 +1,62 @@
-"""Gradients and losses across ranks: shared-parameter sums, dp buckets, the mean loss.
+"""Gradients and losses across ranks: one interface (``GradSync``), three ways, and the mean loss.
 
-Without a pipeline (one chunk per rank), ``OverlappedDpMean`` averages the gradients over
-dp while the backward runs: a hook counts each parameter's accumulations and, once every
-parameter of a bucket has its last one, all-reduces the bucket asynchronously. Buckets
-hold parameters in reverse order of ``parameters()`` (roughly the order backward produces
-their gradients) and launch strictly in index order, so every dp rank issues the same
-collectives in the same order; a bucket with a parameter that got no gradient waits for
-``finish``. With a pipeline, ``sync_grads`` all-reduces the buckets after the step
-(``all_reduce_buckets``); ``autotp.DistributedOptimizer`` overlaps its reduce-scatters
-with the backward for every layout (``autotp.runtime.grad_buffers``).
+A ``train_step`` calls ``begin(microbatches)`` before its backward passes and ``finish()``
+after them; then every local ``.grad`` is the step's gradient: summed over the pipeline
+stages that share a parameter (a tied embedding and lm_head) and averaged over dp. A
+``ParallelModel`` runs one of:
+
+* ``DpMean`` (one chunk per rank, dp > 1): averages the gradients over dp while the
+  backward runs: a hook counts each parameter's accumulations and, once every parameter of
+  a bucket has its last one, all-reduces the bucket asynchronously. Buckets hold
+  parameters in reverse order of ``parameters()`` (roughly the order backward produces
+  their gradients) and launch strictly in index order, so every dp rank issues the same
+  collectives in the same order; a bucket with a parameter that got no gradient waits for
+  ``finish``.
+* ``PostStepSync`` (a pipeline, or dp = 1): after the step, sums the gradients of shared
+  parameters over their stages and all-reduces every gradient over dp in buckets
+  (``all_reduce_buckets``).
+* ``GradBuffers`` (``autotp.runtime.grad_buffers``), which a ``DistributedOptimizer``
+  installs (``ParallelModel.make_grad_buffers``): contiguous buffers reduce-scattered over
+  dp as the backward runs, for every layout; it ``holds_grads``.
 """
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from autotp.ir.plan import ParallelPlan
+from autotp.ir.program import BucketLayout
 from autotp.runtime.groups import Coords, all_pipelines
+
+
+class GradSync(ABC):
+    """How a step's gradients reach every rank that holds their parameters (module docstring)."""
+
+    holds_grads = False
+    """Whether the gradients live in its buffers (zeroed by it, reduce-scattered by ``finish``)."""
+
+    @abstractmethod
+    def begin(self, microbatches: int) -> None:
+        """Arm a step whose every parameter gets ``microbatches`` backward passes (per chunk reading it)."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """After the step's backward passes: make the gradients the step's."""
+
+    def param_buckets(self, aliases: dict[str, list[str]]) -> BucketLayout | None:
+        """The buckets whose parameter all-gather the graphs wait for (None: no waits)."""
+        del aliases
+        return None
+
+    def wait_params(self) -> None:
+        """Wait for any parameter update still in flight (before the parameters are read)."""
+
+    def close(self) -> None:
+        """Remove the hooks it put on parameters."""
 
 
 def shared_param_groups(plan: ParallelPlan, coords: Coords, owners: dict[str, list[int]]) -> dict[str, dist.ProcessGroup]:
@@ -40,28 +78,44 @@ def shared_param_groups(plan: ParallelPlan, coords: Coords, owners: dict[str, li
     return groups
 
 
-def sync_grads(
-    plan: ParallelPlan,
-    coords: Coords,
-    shared: dict[str, torch.Tensor | None],
-    shared_groups: dict[str, dist.ProcessGroup],
-    grads: list[torch.Tensor],
-    carried: dict[str, torch.Tensor],
-) -> None:
-    """Sum the grads of parameters shared by pipeline stages (``shared``: name -> this
-    rank's grad of it) over what this step added to ``carried`` (their grads before the
-    step, already summed); average ``grads`` (every local grad) over dp ranks."""
-    for name, grad in shared.items():
-        if grad is None:
-            continue
-        before = carried.get(name)
-        if before is not None:
-            grad -= before
-        dist.all_reduce(grad, group=shared_groups[name])
-        if before is not None:
-            grad += before
-    if plan.dp > 1:
-        all_reduce_buckets(grads, coords.dp_group, plan.dp, plan.dp_bucket_bytes)
+class PostStepSync(GradSync):
+    """Sums shared parameters' gradients over their stages after the step, then averages every
+    gradient over dp in buckets (module docstring). ``module``: the model, by a weak proxy (it
+    holds this object); ``trained_shared``: shared parameters some stage trains (a stage that
+    reads one without grad adds a zero gradient, so every holder steps it alike)."""
+
+    def __init__(self, module: nn.Module, plan: ParallelPlan, coords: Coords, shared: dict[str, dist.ProcessGroup],
+                 trained_shared: list[str]) -> None:  # fmt: skip
+        self.module, self.plan, self.coords = module, plan, coords
+        self.shared, self.trained_shared = shared, trained_shared
+        self._carried: dict[str, torch.Tensor] = {}
+
+    def _grads(self, names: list[str]) -> dict[str, torch.Tensor | None]:
+        local = dict(self.module.named_parameters())
+        return {n: local[n].grad for n in names if n in local}
+
+    def begin(self, microbatches: int) -> None:
+        # Grads of stage-shared parameters already summed by an earlier step, when the caller accumulates.
+        self._carried = {n: g.clone() for n, g in self._grads(list(self.shared)).items() if g is not None}
+
+    def finish(self) -> None:
+        for name, grad in self._grads(self.trained_shared).items():
+            if grad is None:
+                param = self.module.get_parameter(name)
+                param.grad = torch.zeros_like(param)
+        for name, grad in self._grads(list(self.shared)).items():
+            if grad is None:
+                continue
+            before = self._carried.get(name)
+            if before is not None:
+                grad -= before
+            dist.all_reduce(grad, group=self.shared[name])
+            if before is not None:
+                grad += before
+        self._carried = {}
+        if self.plan.dp > 1:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            all_reduce_buckets(grads, self.coords.dp_group, self.plan.dp, self.plan.dp_bucket_bytes)
 
 
 def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
@@ -87,14 +141,18 @@ def _mean_into(grads: list[torch.Tensor], flat: torch.Tensor, dp: int) -> None:
         offset += g.numel()
 
 
-class OverlappedDpMean:
-    """The dp mean of every gradient, all-reduced in buckets from backward hooks (module docstring)."""
+class DpMean(GradSync):
+    """The dp mean of every gradient, all-reduced in buckets from backward hooks (module docstring).
+    The hooks sit on ``module``'s parameters of the last ``begin`` (made again if they changed);
+    ``module`` is the model, by a weak proxy (it holds this object)."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None, dp: int, bucket_bytes: int) -> None:
-        self.params = [p for p in reversed(params) if p.requires_grad]
-        self.group, self.dp = group, dp
-        self.buckets = _buckets(self.params, bucket_bytes)
-        self._bucket_of = {id(p): b for b, members in enumerate(self.buckets) for p in (self.params[i] for i in members)}
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None, dp: int, bucket_bytes: int) -> None:
+        self.module, self.group, self.dp, self.bucket_bytes = module, group, dp, bucket_bytes
+        self.params: list[nn.Parameter] = []
+        self.buckets: list[list[int]] = []
+        self._ids: list[int] = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._bucket_of: dict[int, int] = {}
         self._expected = 0
         self._counts: dict[int, int] = {}
         self._filled: list[int] = []
@@ -102,20 +160,25 @@ class OverlappedDpMean:
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []
         self.armed = False
         self.launched_in_backward = 0  # buckets of the last step launched before ``finish``
+
+    def _hook(self, params: list[nn.Parameter]) -> None:
+        self.close()
+        self.params = [p for p in reversed(params) if p.requires_grad]
+        self.buckets = _buckets(self.params, self.bucket_bytes)
+        self._bucket_of = {id(p): b for b, members in enumerate(self.buckets) for p in (self.params[i] for i in members)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params]
         self._ids = [id(p) for p in params]
-
-    def serves(self, params: list[nn.Parameter]) -> bool:
-        """Whether its hooks sit on exactly these parameters (not on ones since replaced)."""
-        return self._ids == [id(p) for p in params]
 
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+        self._hooks = []
 
-    def begin(self, backwards: int) -> None:
-        """Arm a step in which every parameter's gradient accumulates ``backwards`` times."""
-        self._expected, self._counts = backwards, {}
+    def begin(self, microbatches: int) -> None:
+        params = list(self.module.parameters())
+        if self._ids != [id(p) for p in params]:  # hooks only on the parameters of now (not on ones since replaced)
+            self._hook(params)
+        self._expected, self._counts = microbatches, {}
         self._filled, self._next, self._pending = [0] * len(self.buckets), 0, []
         self.armed, self.launched_in_backward = True, 0
 
@@ -138,6 +201,8 @@ class OverlappedDpMean:
 
     def finish(self) -> None:
         """Launch the buckets still waiting, wait for all, write the means into ``.grad``."""
+        if not self.armed:
+            return
         while self._next < len(self.buckets):
             self._launch()
         for grads, flat, work in self._pending:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,42 +19,19 @@ from autotp.analysis.trace import structure_copy
 from autotp.compiler import lower_signature, with_param_waits
 from autotp.ir import schedules
 from autotp.ir.plan import ParallelPlan
-from autotp.ir.program import BucketLayout, ChunkProgram, RankProgram
-from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, export_hf, grad_norm, grad_sync, guards
+from autotp.ir.program import RankProgram
+from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, export_hf, grad_norm, guards
+from autotp.runtime.grad_sync import DpMean, GradSync, PostStepSync, mean_loss, shared_param_groups
 from autotp.runtime.grad_buffers import GradBuffers, ParamUse
 from autotp.runtime.groups import Coords
-from autotp.runtime.parameters import ParamChunks, Parameters, graph_param_chunks, graph_trained_params
+from autotp.runtime.parameters import Parameters, graph_trained_params
 from autotp.runtime.pipeline import ChunkGraph, PipelineRunner
+from autotp.runtime.signatures import CompiledSignature
 from autotp.ir.errors import UserInputError
 from autotp.runtime.shard_map import ShardedLocal
 
 log = logging.getLogger(__name__)
 REPLICA_CHECK_EVERY = 100
-
-
-@dataclass
-class _Compiled:
-    """One input signature, compiled: its rank program, the graph ``graph_for`` shows (the
-    whole rank graph with a pipeline, else the one that runs) and this rank's chunks."""
-
-    program: RankProgram
-    graph: GraphModule
-    chunks: dict[int, ChunkGraph]  # with a pipeline
-    param_chunks: ParamChunks
-    run: Callable[..., Any]  # without a pipeline: ``graph``, its torch.compile'd form, or its CUDA-graph capture
-
-    def running(self) -> list[ChunkProgram]:
-        """The chunk programs this rank runs."""
-        return [cg.program for cg in self.chunks.values()] or [self.program.chunks[0]]
-
-    def captures(self) -> list[cudagraphs.CapturedGraph]:
-        runs = [self.run, *(cg.captured for cg in self.chunks.values())]
-        return [r for r in runs if isinstance(r, cudagraphs.CapturedGraph)]
-
-    def graphs(self) -> list[GraphModule]:
-        """Every graph module of the signature: the program's and the captures'."""
-        program = [m for m in self.program.graph.modules() if isinstance(m, GraphModule)]
-        return program + [g for c in self.captures() for g in c.graphs()]
 
 
 class _StructureOnly:
@@ -97,7 +74,7 @@ class ParallelModel(nn.Module):
         self._source = _StructureOnly(model)
         self._forward_params = list(inspect.signature(model.forward).parameters)
         self._inject = {"use_cache": False} if "use_cache" in self._forward_params else {}
-        self._graphs: dict[tuple, _Compiled] = {}
+        self._graphs: dict[tuple, CompiledSignature] = {}
         self.pass_timings: dict[str, float] = {}
         self.measure_busy = False
         self.last_busy_s = 0.0  # with measure_busy: this rank's compute time in the last pipeline step
@@ -108,15 +85,16 @@ class ParallelModel(nn.Module):
         self._input_check = guards.InputCheck([("tp", collectives.get_group(coords.tp_key)), ("pp", pp_group)] if many else [])
         compiled = self._prepare(first)
         self._params.bind(model, compiled.param_chunks, set(self.my_chunks))
-        owners = {name: self._params.owners(compiled.param_chunks, name) for name in self._params.aliases}
-        self._shared_param_groups = grad_sync.shared_param_groups(self.plan, coords, owners)
-        # Shared parameters that some stage trains: a stage that only reads one without grad
-        # (detached) adds a zero gradient to the sum, so that every holder steps it alike.
+        self.shared_param_groups = shared_param_groups(self.plan, coords, self._params.holders)
+        """Per parameter that several pipeline stages hold, the group of its holders in this pipeline."""
         trained = graph_trained_params(compiled.graph)
-        self._trained_shared = [n for n in self._shared_param_groups if any(a in trained for a in self._params.aliases[n])]
-        self._owners = owners
-        self._grad_buffers: GradBuffers | None = None  # set by a DistributedOptimizer
-        self._dp_mean: grad_sync.OverlappedDpMean | None = None  # made by the first train_step with dp > 1, pp = 1
+        trained_shared = [n for n in self.shared_param_groups if any(a in trained for a in self._params.aliases[n])]
+        this = weakref.proxy(self)  # the sync is held by this module: no cycle that keeps it alive
+        self._grad_sync: GradSync = (
+            DpMean(this, coords.dp_group, self.plan.dp, self.plan.dp_bucket_bytes)
+            if self.plan.dp > 1 and self.plan.num_chunks == 1
+            else PostStepSync(this, self.plan, coords, self.shared_param_groups, trained_shared)
+        )
         self._clip_calls = 0
         self._warned_plain = False
         self._attach(compiled)
@@ -127,57 +105,64 @@ class ParallelModel(nn.Module):
         """``del pm`` frees the parameters at once: the graphs (each in a reference cycle with its
         fx ``Graph``, which only the garbage collector breaks) let go of them, and the gradient
         hooks and parameter waits that reach them are removed."""
-        compiled = self.__dict__.get("_graphs", {}).values()
-        for c in compiled:
-            for chunk in c.running():
-                if chunk.waits is not None:
-                    chunk.waits.callback = None
-            Parameters.release(c.graphs())
-            for capture in c.captures():
-                capture.release()
-        if self.__dict__.get("_grad_buffers") is not None:
-            self._grad_buffers.remove_hooks()
-        if self.__dict__.get("_dp_mean") is not None:
-            self._dp_mean.close()
+        for compiled in self.__dict__.get("_graphs", {}).values():
+            Parameters.release(compiled.graphs())
+            compiled.release()
+        if self.__dict__.get("_grad_sync") is not None:
+            self._grad_sync.close()
 
     @property
     def my_chunks(self) -> list[int]:
         return [c for c in range(self.plan.num_chunks) if self.plan.pp_rank_of_chunk(c) == self._coords.pp_rank]
 
+    @property
+    def coords(self) -> Coords:
+        """This rank's place on every axis, and its process groups."""
+        return self._coords
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def compile_graphs(self) -> bool:
+        """Whether the graphs run through ``torch.compile``."""
+        return self._compile_graphs
+
+    @property
+    def shard_map(self) -> Parameters:
+        """Where each local tensor sits in its global tensor (``ShardSpec`` by name), which
+        checkpoints, exports and the optimizer read."""
+        return self._params
+
+    @property
+    def grad_sync(self) -> GradSync:
+        """How ``train_step``'s gradients become the step's (``autotp.runtime.grad_sync``)."""
+        return self._grad_sync
+
+    def install_grad_sync(self, sync: GradSync) -> None:
+        """Make ``sync`` (a DistributedOptimizer's ``GradBuffers``) sum and average the gradients of
+        ``train_step`` instead of the default, and the graphs wait for its parameter all-gathers."""
+        if self._grad_sync.holds_grads:
+            raise UserInputError("this ParallelModel already has a DistributedOptimizer; create one per model")
+        self._grad_sync.close()
+        self._grad_sync = sync
+        for compiled in self._graphs.values():
+            self._install_param_waits(compiled)
+
     # ---- compilation ---------------------------------------------------------------
 
-    def _prepare(self, program: RankProgram) -> _Compiled:
-        """This rank's chunks of a rank program, and how to run them."""
-        param_chunks = graph_param_chunks(program.graph)
+    def _prepare(self, program: RankProgram) -> CompiledSignature:
         for k, v in program.pass_s.items():
             self.pass_timings[k] = self.pass_timings.get(k, 0.0) + v
-        chunks = {c: ChunkGraph(program.chunks[c]) for c in self.my_chunks} if self.plan.num_chunks > 1 else {}
-        whole = program.chunks[0]
-        graph = program.graph if chunks else whole.graph
-        run: Callable[..., Any] = graph
-        if self._compile_graphs:
-            run = torch.compile(graph)
-            for cg in chunks.values():
-                cg.run = torch.compile(cg.graph)
-        if self.plan.cudagraphs:
-            run = cudagraphs.CapturedGraph(whole.captured, self.plan.cudagraph_impl)
-            for cg in chunks.values():
-                cg.captured = cudagraphs.CapturedGraph(cg.program.captured, self.plan.cudagraph_impl)
-        return _Compiled(program, graph, chunks, param_chunks, run)
+        return CompiledSignature.of(program, self.plan, self.my_chunks, self._compile_graphs)
 
-    def _attach(self, compiled: _Compiled) -> None:
+    def _attach(self, compiled: CompiledSignature) -> None:
         self._params.attach([g for chunk in compiled.running() for g in chunk.graphs()])
 
-    def _param_buckets(self) -> BucketLayout | None:
-        """The DistributedOptimizer's bucket layout, if it overlaps its all-gather with the forward."""
-        buffers = self._grad_buffers
-        if buffers is None or not buffers.overlap or buffers.dp == 1:
-            return None
-        return buffers.bucket_layout(self._params.aliases)
-
-    def _install_param_waits(self, compiled: _Compiled) -> None:
+    def _install_param_waits(self, compiled: CompiledSignature) -> None:
         """With a DistributedOptimizer that overlaps its all-gather: each graph waits for a bucket before reading it."""
-        layout = self._param_buckets()
+        layout = self._grad_sync.param_buckets(self._params.aliases)
         if layout is None:
             return
         if any(chunk.waits is None for chunk in compiled.running()):
@@ -186,12 +171,11 @@ class ParallelModel(nn.Module):
         for chunk in compiled.running():
             waits = chunk.waits
             assert waits is not None
-            waits.callback = self._grad_buffers.wait_bucket
+            waits.callback = self._grad_sync.wait_bucket  # type: ignore[attr-defined]
 
     def _finish_param_gather(self) -> None:
         """Wait for the DistributedOptimizer's all-gather in flight, before reading or writing parameters."""
-        if self._grad_buffers is not None:
-            self._grad_buffers.wait_params()
+        self._grad_sync.wait_params()
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module``'s (``parameters()`` too), after the DistributedOptimizer's all-gather in flight."""
@@ -202,7 +186,11 @@ class ParallelModel(nn.Module):
         """The compiled per-rank graph (all chunks, stage boundaries marked) for these inputs."""
         return self._compiled_for(self._as_kwargs(args, kwargs)).graph
 
-    def _compiled_for(self, call: dict[str, Any]) -> _Compiled:
+    def chunks_for(self, *args: Any, **kwargs: Any) -> dict[int, ChunkGraph]:
+        """This rank's pipeline chunks as they run for these inputs (empty without a pipeline)."""
+        return self._compiled_for(self._as_kwargs(args, kwargs)).chunks
+
+    def _compiled_for(self, call: dict[str, Any]) -> CompiledSignature:
         key = guards.signature_key(call, self.training)
         compiled = self._graphs.get(key)
         if compiled is None:
@@ -210,7 +198,8 @@ class ParallelModel(nn.Module):
             backend = dist.get_backend() if dist.is_initialized() else "nccl"
             try:
                 program = lower_signature(self._source.model, call, self.plan, tp_rank=self._coords.tp_rank,
-                                          device=self._device, backend=backend, param_buckets=self._param_buckets())  # fmt: skip
+                                          device=self._device, backend=backend,
+                                          param_buckets=self._grad_sync.param_buckets(self._params.aliases))  # fmt: skip
             except ValueError as e:
                 guards.explain_retrace_failure(call, list(self._graphs), e)
                 raise
@@ -239,11 +228,11 @@ class ParallelModel(nn.Module):
             return compiled.run(**call)
         return self._pipeline_forward(compiled, call)
 
-    def _pipeline_forward(self, compiled: _Compiled, call: dict[str, Any]) -> Any:
+    def _pipeline_forward(self, compiled: CompiledSignature, call: dict[str, Any]) -> Any:
         leaves = self._runner(compiled).run_forward(call)
         return self._broadcast_outputs(compiled, leaves)
 
-    def _broadcast_outputs(self, compiled: _Compiled, leaves: list[torch.Tensor] | None) -> Any:
+    def _broadcast_outputs(self, compiled: CompiledSignature, leaves: list[torch.Tensor] | None) -> Any:
         """The last stage's outputs on every pipeline rank."""
         pipe = self._coords.pipeline
         assert pipe is not None
@@ -256,7 +245,7 @@ class ParallelModel(nn.Module):
             dist.broadcast(t, src=last, group=pipe.pp_group)
         return torch.utils._pytree.tree_unflatten(leaves, compiled.graph._out_spec)
 
-    def _runner(self, compiled: _Compiled) -> PipelineRunner:
+    def _runner(self, compiled: CompiledSignature) -> PipelineRunner:
         assert self._coords.pipeline is not None
         return PipelineRunner(compiled.chunks, self._coords.pipeline, self._device)
 
@@ -291,18 +280,11 @@ class ParallelModel(nn.Module):
                 f"the global batch of {size} does not split into dp={dp} x {m} microbatches; "
                 f"use a batch size that is a multiple of {dp * max(m, 1)}"
             )
-        if self._grad_buffers is not None:
-            self._grad_buffers.begin(m)
-        else:
-            if self.plan.distributed_optimizer and dp > 1 and not self._warned_plain:
-                self._warned_plain = True
-                log.warning("the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
-                            "state over dp=%d); this model trains with a plain optimizer", dp)
-            if dp > 1 and self.plan.num_chunks == 1:
-                self._arm_dp_mean(m)
-        # Grads of stage-shared parameters already summed by an earlier step, when the caller accumulates.
-        shared = self._params.local_grads(list(self._shared_param_groups)) if self._grad_buffers is None else {}
-        carried = {n: g.clone() for n, g in shared.items() if g is not None}
+        if self.plan.distributed_optimizer and dp > 1 and not self._grad_sync.holds_grads and not self._warned_plain:
+            self._warned_plain = True
+            log.warning("the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
+                        "state over dp=%d); this model trains with a plain optimizer", dp)
+        self._grad_sync.begin(m)
         step = size // (dp * m)
         first = self._coords.dp_rank * step * m
         micro = [
@@ -318,12 +300,12 @@ class ParallelModel(nn.Module):
                 total += loss.detach().float()
         else:
             total = self._pipeline_step(micro, loss_of, schedule or self.plan.schedule_name)
-        self._sync_grads(carried)
-        return grad_sync.mean_loss(self.plan, self._coords, total / m)
+        self._grad_sync.finish()
+        return mean_loss(self.plan, self._coords, total / m)
 
     def _pipeline_step(self, micro: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str) -> torch.Tensor:
         pp, vpp = self.plan.pp, self.plan.vpp
-        if name == "zbh1" and self._grad_buffers is not None:
+        if name == "zbh1" and self._grad_sync.holds_grads:
             raise UserInputError(ZBH1_REFUSED)
         calls = [self._as_kwargs((), mb) for mb in micro]
         compiled = self._compiled_for(calls[0])
@@ -334,44 +316,19 @@ class ParallelModel(nn.Module):
         self.last_busy_s = runner.busy_s
         return total
 
-    def _arm_dp_mean(self, backwards: int) -> None:
-        params = list(self.parameters())
-        if self._dp_mean is None or not self._dp_mean.serves(params):
-            if self._dp_mean is not None:
-                self._dp_mean.close()
-            self._dp_mean = grad_sync.OverlappedDpMean(params, self._coords.dp_group, self.plan.dp, self.plan.dp_bucket_bytes)
-        self._dp_mean.begin(backwards)
-
-    def _sync_grads(self, carried: dict[str, torch.Tensor]) -> None:
-        if self._grad_buffers is not None:
-            self._grad_buffers.finish()
-            return
-        for name, grad in self._params.local_grads(self._trained_shared).items():
-            if grad is None:
-                param = self.get_parameter(name)
-                param.grad = torch.zeros_like(param)
-        shared = self._params.local_grads(list(self._shared_param_groups))
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if self._dp_mean is not None and self._dp_mean.armed:
-            self._dp_mean.finish()
-            grads = []  # averaged over dp already, as the backward ran
-        grad_sync.sync_grads(self.plan, self._coords, shared, self._shared_param_groups, grads, carried)
-
     @property
     def cudagraph_slots(self) -> dict[int, int]:
         """Per chunk of this rank: the CUDA-graph captures made so far, one per microbatch
         the schedule held in flight (``autotp.runtime.cudagraphs``), summed over input signatures."""
         slots: dict[int, int] = {}
         for compiled in self._graphs.values():
-            captures = {c: cg.captured for c, cg in compiled.chunks.items()} or {0: compiled.run}
-            for chunk, captured in captures.items():
-                if isinstance(captured, cudagraphs.CapturedGraph):
-                    slots[chunk] = slots.get(chunk, 0) + captured.slots
+            for chunk, captured in compiled.captures().items():
+                slots[chunk] = slots.get(chunk, 0) + captured.slots
         return slots
 
     # ---- checkpoints ---------------------------------------------------------------
 
-    def _first_compiled(self) -> _Compiled:
+    def _first_compiled(self) -> CompiledSignature:
         return next(iter(self._graphs.values()))
 
     def unshard_state_dict(self, to_rank: int | None = None) -> dict[str, torch.Tensor]:
@@ -426,7 +383,7 @@ class ParallelModel(nn.Module):
 
     def unshard_grads(self) -> dict[str, torch.Tensor | None]:
         """Full gradients under every original parameter name (None where no grad)."""
-        if self._grad_buffers is not None and self._grad_buffers.reduced:
+        if isinstance(self._grad_sync, GradBuffers) and self._grad_sync.reduced:
             raise UserInputError(
                 "the gradients were reduce-scattered over dp by the DistributedOptimizer (each dp rank holds the mean "
                 "of its 1/dp slice only), so no rank has them whole; read them before the step ends (pm(...) and "
@@ -438,12 +395,12 @@ class ParallelModel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; with a DistributedOptimizer, zero its buffers (``.grad`` stays a view of them)."""
-        if self._grad_buffers is not None:
-            self._grad_buffers.zero_grad()
+        if isinstance(self._grad_sync, GradBuffers):
+            self._grad_sync.zero_grad()
             return
         super().zero_grad(set_to_none)
 
-    def _param_uses(self, names: list[str]) -> list[ParamUse]:
+    def param_uses(self, names: list[str]) -> list[ParamUse]:
         """How the gradient buffers lay out ``names``: their chunk, backward passes per microbatch, first use."""
         compiled = self._first_compiled()
         graphs = {c: cg.graph for c, cg in compiled.chunks.items()} or {0: compiled.graph}
@@ -459,12 +416,13 @@ class ParallelModel(nn.Module):
             chunks = self._params.chunks_of(compiled.param_chunks, name) & mine or {min(mine)}
             chunk = min(chunks)
             param = self.get_parameter(name)
-            uses.append(ParamUse(name, param, chunk, len(chunks), order.get((name, chunk), -1), name in self._shared_param_groups))
+            uses.append(ParamUse(name, param, chunk, len(chunks), order.get((name, chunk), -1), name in self.shared_param_groups))
         return uses
 
-    def _norm_counting(self, dp_rank: int | None) -> grad_norm.NormCounting:
+    def norm_counting(self, dp_rank: int | None) -> grad_norm.NormCounting:
+        """Which gradient elements this rank counts in a global norm (over dp too, unless ``dp_rank`` is None)."""
         c = self._coords
-        return grad_norm.NormCounting(self.plan, c.tp_rank, c.pp_rank, dp_rank, self._params.layouts, self._owners)
+        return grad_norm.NormCounting(self.plan, c.tp_rank, c.pp_rank, dp_rank, self._params.layouts, self._params.holders)
 
     def clip_grad_norm_(self, max_norm: float, error_if_nonfinite: bool = False, check_replicas_every: int = REPLICA_CHECK_EVERY) -> torch.Tensor:
         """Clip this rank's gradients by the global L2 norm, each parameter counted once across tp
@@ -472,9 +430,9 @@ class ParallelModel(nn.Module):
         the unmodified model; returns that norm (the same on every rank). Call it after
         ``train_step``. Every ``check_replicas_every`` calls (the first included) it also runs
         ``check_replicas``."""
-        if self._grad_buffers is not None:
+        if self._grad_sync.holds_grads:
             raise UserInputError("this model trains with a DistributedOptimizer, which holds the gradients: call opt.clip_grad_norm_")
-        counting = self._norm_counting(self._coords.dp_rank)
+        counting = self.norm_counting(self._coords.dp_rank)
         grads = [(n, self.get_parameter(n).grad) for n in self._params.local_names]
         present = [(n, g) for n, g in grads if g is not None]
         squares = grad_norm.sum_of_squares((part for n, g in present for part in counting.counted(n, g)), self._device)

@@ -115,6 +115,7 @@ class Parameters:
         self.local_names: list[str] = []
         self.buffer_names: list[str] = []
         self.specs: dict[str, ShardSpec] = {}  # every local parameter and buffer
+        self.holders: dict[str, list[int]] = {}  # canonical name -> the pipeline ranks that hold it (sorted)
         self.unfilled: set[str] = set()  # allocated for a model on meta; to be loaded or initialized
 
     def bind(self, model: nn.Module, param_chunks: ParamChunks, mine: set[int]) -> None:
@@ -125,6 +126,7 @@ class Parameters:
             canonical = by_id.setdefault(id(p), name)
             self.aliases.setdefault(canonical, []).append(name)
             tensors.setdefault(canonical, p)
+        self.holders = {name: self.owners(param_chunks, name) for name in tensors}
         for name, p in tensors.items():
             layouts = [self._plan.layout_of(alias) for alias in self.aliases[name]]
             layout = self.layouts[name] = next((l for l in layouts if l is not None), None)
@@ -165,6 +167,13 @@ class Parameters:
     def owners(self, param_chunks: ParamChunks, canonical: str) -> list[int]:
         """The pipeline ranks that hold ``canonical`` (sorted)."""
         return sorted({self._plan.pp_rank_of_chunk(c) for c in self.chunks_of(param_chunks, canonical)})
+
+    def writes_state(self, canonical: str) -> bool:
+        """Whether this rank is the first pipeline rank holding ``canonical``: pipeline stages that
+        share a parameter (tied embeddings) lay out its dp ranges differently, so only the first of
+        them writes its sharded optimizer state."""
+        holders = self.holders.get(canonical)
+        return not holders or holders[0] == self._coords.pp_rank
 
     def canonical(self, name: str) -> str:
         for canonical, names in self.aliases.items():
