@@ -36,12 +36,16 @@ from autotp.analysis.layers import num_layers
 from autotp.analysis.trace import trace
 from autotp.cost_model.compute import ModelCosts
 from autotp.cost_model.cudagraphs import choose_cudagraph_regions
+from autotp.cost_model.expert_parallel import plan_expert_parallel
+from autotp.cost_model.fp8 import check_recipe, plan_fp8, sites_plan, without_fp8
 from autotp.cost_model.hardware import device_hardware
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.planner import auto_plan, auto_sequence_parallel
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir import meta_keys
+from autotp.ir.fp8 import DEFAULT_RECIPE
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER, ParallelPlan
+from autotp.ir.rank_log import warn_once
 from autotp.passes import PASSES, PROGRAM_PASSES
 from autotp.passes.causal_attention import CAUSAL
 from autotp.ir.program import BucketLayout, RankProgram
@@ -54,6 +58,8 @@ from autotp.ir.errors import UserInputError
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH, DEFAULT_SEQ = 2, 16
+LOSS_ONLY = ("loss",)
+"""The output keys ``train_step`` reads without a ``loss_fn``: its graph drops the others."""
 PLANNING_BATCH = 2
 
 
@@ -95,8 +101,9 @@ def _default_inputs(model: nn.Module) -> dict[str, Any]:
 
 
 def model_costs(gm: GraphModule, num_layers_total: int | None = None) -> ModelCosts:
-    """The cost model of ``gm``, compiling candidate plans as tp rank 0 on meta."""
-    return ModelCosts(gm, num_layers_total, compile_fn=lambda plan: lower(gm, plan, device="meta").graph)
+    """The cost model of ``gm``, compiling candidate plans as tp rank 0 on meta, as ``train_step`` runs them
+    (reading only the loss)."""
+    return ModelCosts(gm, num_layers_total, compile_fn=lambda plan: lower(gm, plan, device="meta", outputs_read=LOSS_ONLY).graph)
 
 
 def trace_for_planning(config: PretrainedConfig, seq: int, *, dtype: torch.dtype = torch.bfloat16, traced_layers: int = 1) -> ModelCosts:
@@ -120,7 +127,7 @@ def trace_for_planning(config: PretrainedConfig, seq: int, *, dtype: torch.dtype
 
 def choose_plan(
     traced: GraphModule, tp: int, pp: int, dp: int, vpp: int, plan: ParallelPlan | str | None, *,
-    sequence_parallel: bool | None = None, tp_overlap: bool | None = None,
+    sequence_parallel: bool | None = None, tp_overlap: bool | None = None, fp8: str = "",
 ) -> ParallelPlan:  # fmt: skip
     """The caller's plan (checked against the degrees), the cost model's (``"auto"``, with
     ``sequence_parallel`` and ``tp_overlap`` fixed where not None) or tp/pp's default."""
@@ -136,7 +143,8 @@ def choose_plan(
     if plan == "auto":  # the cost model plans what the caller left at 1: all of tp/pp, else vpp
         fixed = tp > 1 or pp > 1
         return auto_plan(model_costs(traced), tp * pp * dp, tp=tp if fixed else None, pp=pp if fixed else None,
-                         vpp=vpp if vpp > 1 else None, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)  # fmt: skip
+                         vpp=vpp if vpp > 1 else None, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap,
+                         fp8=fp8)  # fmt: skip
     layers = num_layers(traced)
     if pp * vpp > 1 and pp * vpp > layers:
         raise UserInputError(
@@ -163,13 +171,20 @@ def plan_model(
     gather_outputs: bool = True,
     sequence_parallel: bool | str | None = None,
     tp_overlap: bool | str | None = None,
+    ep: int = 1,
+    etp: int | None = None,
+    moe_dispatch: str | None = None,
+    moe_capacity_factor: float | None = None,
+    fp8: str | bool | None = None,
 ) -> Planned:
     """Trace ``model`` on ``device`` and choose its plan. ``cudagraph_impl`` (the capture
     implementation) turns CUDA graphs on, keeping an implementation the plan names.
     ``sequence_parallel`` and ``tp_overlap``: True or False fix them; ``"auto"`` lets the
     cost model weigh both at the plan's degrees; None keeps the plan's (``plan="auto"``: the
     planner weighs them with the degrees). ``tp_overlap=True`` overlaps both kinds of
-    sequence-parallel collective and needs sequence parallelism."""
+    sequence-parallel collective and needs sequence parallelism. ``fp8``: an FP8 recipe
+    (``autotp.ir.fp8.RECIPES``; True: the default one) for the GEMMs ``plan_fp8`` admits,
+    False for none, None keeps the plan's."""
     for name, value in (("sequence_parallel", sequence_parallel), ("tp_overlap", tp_overlap)):
         if value is not None and not isinstance(value, bool) and value != "auto":
             raise UserInputError(f"{name} must be True, False or 'auto', got {value!r}")
@@ -185,7 +200,8 @@ def plan_model(
     start = time.perf_counter()
     traced = trace(model, kwargs, device)
     traced_at = time.perf_counter()
-    chosen = choose_plan(traced, tp, pp, dp, vpp, plan, sequence_parallel=fixed_sp, tp_overlap=fixed_overlap)
+    recipe = fp8_recipe(fp8)
+    chosen = choose_plan(traced, tp, pp, dp, vpp, plan, sequence_parallel=fixed_sp, tp_overlap=fixed_overlap, fp8=recipe)
     if cudagraph_impl is not None:
         chosen = replace(chosen, cudagraphs=True, cudagraph_impl=chosen.cudagraph_impl or cudagraph_impl)
     hardware = device_hardware(torch.device(device))
@@ -197,9 +213,19 @@ def plan_model(
     if "auto" in (sequence_parallel, tp_overlap) and plan != "auto":
         keep_sp = chosen.sequence_parallel if sequence_parallel is None else fixed_sp
         keep_overlap = bool(chosen.tp_overlap) if tp_overlap is None else fixed_overlap
-        chosen = auto_sequence_parallel(model_costs(traced), chosen, sequence_parallel=keep_sp, tp_overlap=keep_overlap)
+        chosen = auto_sequence_parallel(model_costs(traced), chosen, sequence_parallel=keep_sp, tp_overlap=keep_overlap,
+                                        fp8=recipe or chosen.fp8)  # fmt: skip
     else:
         chosen = _with_fixed_sequence_parallel(chosen, fixed_sp, fixed_overlap)
+    if isinstance(plan, ParallelPlan):
+        if ep not in (1, plan.ep):
+            raise UserInputError(f"the plan is for ep={plan.ep} but ep={ep} was asked; pass ep={plan.ep} or re-plan")
+    else:
+        if plan == "auto" and ep == 1 and moe_dispatch is None and chosen.ep > 1:  # the planner's expert parallelism
+            ep, moe_dispatch = chosen.ep, chosen.moe_dispatch
+            moe_capacity_factor = chosen.moe_capacity_factor or None
+        chosen = plan_expert_parallel(traced, chosen, ep=ep, etp=etp, dispatch=moe_dispatch, capacity_factor=moe_capacity_factor)
+    chosen = with_fp8(traced, chosen, fp8)
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)
     log.info("traced in %.2f s, planned in %.2f s: tp=%d pp=%d dp=%d vpp=%d", traced_at - start,
@@ -217,6 +243,31 @@ def _with_fixed_sequence_parallel(plan: ParallelPlan, sequence_parallel: bool | 
     return plan
 
 
+def fp8_recipe(fp8: str | bool | None) -> str:
+    """The recipe that ``fp8`` names ("" for None or False); an unknown one raises."""
+    recipe = DEFAULT_RECIPE if fp8 is True else fp8 or ""
+    if recipe:
+        check_recipe(recipe)
+    return recipe
+
+
+def with_fp8(traced: GraphModule, plan: ParallelPlan, fp8: str | bool | None) -> ParallelPlan:
+    """``plan`` with the FP8 choice of every GEMM for ``fp8`` (see ``plan_model``)."""
+    if fp8 is None:
+        return plan
+    if fp8 is False:
+        return without_fp8(plan)
+    recipe = fp8_recipe(fp8)
+    check_recipe(recipe, plan.fp8_backend)
+    lowered = lower(traced, sites_plan(plan), device="meta").graph
+    chosen = plan_fp8(lowered, plan, recipe, plan.fp8_backend)
+    kept = [e for e in chosen.fp8_linears if not e.recipe]
+    log.info("fp8 %s: %d GEMM weights in FP8, %d kept in the model's dtype (plan.fp8_linears says why)%s",
+             recipe, len(chosen.fp8_linears) - len(kept), len(kept),
+             "; tp_overlap fuses only the GEMMs left in the model's dtype" if plan.tp_overlap else "")  # fmt: skip
+    return chosen
+
+
 REPLICATED_SLACK = 1.3
 """A rank should hold at most ``REPLICATED_SLACK / tp`` of the parameters; more is warned about."""
 
@@ -227,12 +278,15 @@ def _warn_replicated(traced: GraphModule, plan: ParallelPlan) -> None:
         return
     params = dict(traced.named_parameters())
     total = sum(p.numel() for p in params.values())
-    sharded = {pl.name for pl in plan.params}
+    experts = {p for layer in plan.moe_layers for p in layer.params} if plan.ep > 1 else set()
+    sharded = {pl.name for pl in plan.params} | experts
     replicated = sorted(((p.numel(), n) for n, p in params.items() if n not in sharded), reverse=True)
-    held = (sum(n for n, _ in replicated) + (total - sum(n for n, _ in replicated)) / plan.tp) / max(total, 1)
+    on_ep = sum(params[n].numel() for n in experts if n in params)
+    held = (sum(n for n, _ in replicated) + on_ep / plan.ep + (total - sum(n for n, _ in replicated) - on_ep) / plan.tp) / max(total, 1)
     if held > REPLICATED_SLACK / plan.tp:
         largest = ", ".join(f"{n} ({size})" for size, n in replicated[:5])
-        log.warning(
+        warn_once(
+            log,
             "a tp rank holds %.0f%% of the parameters (tp=%d; at most %.0f%% expected): the largest replicated "
             "parameters are %s; `autotp explain` and `autotp dump` show the op that kept them whole",
             100 * held, plan.tp, 100 * REPLICATED_SLACK / plan.tp, largest,
@@ -255,14 +309,20 @@ def lower(
     device: torch.device | str = "meta",
     backend: str = "nccl",
     dump_dir: Path | None = None,
+    ep_rank: int = 0,
+    outputs_read: tuple[str, ...] = (),
     param_buckets: BucketLayout | None = None,
 ) -> RankProgram:
-    """Run ``compile_steps()`` on a copy of ``traced`` for tp rank ``tp_rank``: the rank's program,
-    whose plan holds the decisions made on the way (the CUDA-graph regions) and the SDPA nodes
-    ``causal_attention`` rewrote. ``param_buckets``: make the graphs wait for a
-    DistributedOptimizer's all-gather of those buckets."""
-    ctx = PassContext(plan=plan, tp_rank=tp_rank, device=torch.device(device), dump_dir=dump_dir, backend=backend,
-                      param_buckets=param_buckets)  # fmt: skip
+    """Run ``compile_steps()`` on a copy of ``traced`` for tp rank ``tp_rank`` (and expert-parallel
+    rank ``ep_rank``): the rank's program, whose plan holds the decisions made on the way (the
+    CUDA-graph regions) and the SDPA nodes ``causal_attention`` rewrote. ``outputs_read``: the
+    output keys the caller reads (empty: all; the others become None). ``param_buckets``: make the
+    graphs wait for a DistributedOptimizer's all-gather of those buckets. A rank on the CPU or gloo
+    overlaps through the P2P ring whatever the plan asked for; the plan it returns says so."""
+    if plan.tp_overlap and (torch.device(device).type == "cpu" or backend == "gloo"):
+        plan = replace(plan, tp_overlap_impl="ring")
+    ctx = PassContext(plan=plan, tp_rank=tp_rank, ep_rank=ep_rank, device=torch.device(device), dump_dir=dump_dir,
+                      backend=backend, outputs_read=outputs_read, param_buckets=param_buckets)  # fmt: skip
     gm = _run(_owned_copy(traced), ctx, compile_steps())
     causal = tuple(n.name for n in gm.graph.nodes if n.meta.get(meta_keys.CAUSAL_MASK) == CAUSAL)
     return RankProgram.of(gm, replace(ctx.plan, causal_attention_nodes=causal), dict(ctx.timings))
@@ -287,10 +347,13 @@ def _run(gm: GraphModule, ctx: PassContext, steps: list[Pass]) -> GraphModule:
 
 def lower_signature(
     model: nn.Module, kwargs: dict[str, Any], plan: ParallelPlan, *, tp_rank: int, device: torch.device, backend: str,
+    ep_rank: int = 0,
+    outputs_read: tuple[str, ...] = (),
     param_buckets: BucketLayout | None = None,
 ) -> RankProgram:  # fmt: skip
     """Trace ``model(**kwargs)`` and lower it under an already chosen ``plan``."""
-    return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend, param_buckets=param_buckets)
+    return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend, ep_rank=ep_rank,
+                 outputs_read=outputs_read, param_buckets=param_buckets)
 
 
 def _owned_copy(gm: GraphModule) -> GraphModule:

@@ -56,14 +56,14 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from autotp.runtime.launcher import spawn_ranks
+from bench_single_gpu import causal_mask_dropped
 
 WARMUP, STEPS = 3, 10
 PROFILED_STEPS = 3
@@ -230,17 +230,6 @@ def _dtensor_strong(shape: Shape, tp: int, world: int, sp: bool, async_tp: bool)
     return model
 
 
-@contextmanager
-def _hf_mask_patched() -> Iterator[None]:
-    """The user's patch for the DTensor plans: no explicit causal mask (SDPA ``is_causal``)."""
-    import transformers.models.llama.modeling_llama as llama
-
-    original = llama.create_causal_mask
-    llama.create_causal_mask = lambda **kwargs: None
-    try:
-        yield
-    finally:
-        llama.create_causal_mask = original
 
 
 def _loss_parallel_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -320,7 +309,7 @@ def _strong(shape: Shape, world: int, tps: list[int], ids: torch.Tensor, labels:
             rows.append(_row(f"autotp TP={tp}{name}", tp, _autotp(shape, ids, labels, tp, world, profiled=True, compile=True,
                                                                    sequence_parallel=sp, tp_overlap=overlap)))  # fmt: skip
         for name, sp, async_tp in (("strong", False, False), ("SP", True, False), ("SP+async", True, True)):
-            with _hf_mask_patched():
+            with causal_mask_dropped("llama"):
                 model = _dtensor_strong(shape, tp, world, sp, async_tp)
                 rows.append(_row(f"DTensor {name} TP={tp}", tp,
                                  _measure(functools.partial(_loss_parallel_step, model, ids, labels), True)))  # fmt: skip

@@ -1,31 +1,33 @@
-"""Sweep every causal-LM architecture of the installed transformers at tp=2 and pp=2.
+"""Sweep every causal-LM architecture of the installed transformers under the strict rule.
 
 For each ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: build the model from a
-tiny config (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 128; fp32, eval) and run
-it unmodified once (a model that fails here "does not build"), trace it, plan it at tp=2 (share of the parameters sharded), then on two gloo ranks check the
-loss, the logits and every grad against the unmodified model at tp=2 and at pp=2. Any
-failure keeps its reason (the first line of the error); a numeric mismatch is checked again in
-float64, and one that vanishes there is named as fp32 rounding. Writes a Markdown table:
+tiny config (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 128; fp32, eval) and run it
+unmodified once (a model that fails here "does not build"), then on gloo ranks check it at
+tp=2, tp=4 and pp=2 under the strict rule (``autotp.report.strict_rule``: loss, logits and
+every grad equal to the unmodified model's, each rank holding at most 1.3/(tp*pp) of the
+parameters, no matmul weight kept whole without a ``kept_whole`` plan entry). Any failure
+keeps its reason; a numeric mismatch is checked again in float64, and one that vanishes
+there is named as fp32 rounding (it still fails). Writes a Markdown table:
 
     python benchmarks/sweep_registry.py                  # all, -> docs/registry_sweep.md
     python benchmarks/sweep_registry.py --only llama,gpt2 --out /tmp/sweep.md
     python benchmarks/sweep_registry.py --only bert --merge   # redo some rows of the table
+    python benchmarks/sweep_registry.py --modes tp2,tp4 --merge   # some degrees; the others keep their old cells
     python benchmarks/sweep_registry.py --jobs 14 --stop-after-s 540   # one process per arch, 14 at a time
 
-Prints the summary: of the architectures that build, how many match at tp=2 and pp=2.
+Prints the summary: of the architectures that build, how many pass at each degree.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -35,7 +37,6 @@ import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-RTOL, ATOL = 1e-4, 1e-5
 VOCAB, BATCH, SEQ = 128, 2, 16
 TINY = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -48,17 +49,29 @@ TINY = dict(
 )  # fmt: skip
 
 
+MODES = {"tp2": (2, 1), "tp4": (4, 1), "pp2": (1, 2)}  # mode: (tp, pp)
+
+
+@dataclass
+class Cell:
+    """One architecture at one degree: passed, the largest share of the parameters a rank
+    held, and why it failed."""
+
+    passed: bool = False
+    share: float | None = None
+    reason: str = ""
+
+
 @dataclass
 class Row:
     arch: str
     builds: bool = False
-    traces: bool = False
-    tp2: bool = False
-    pp2: bool = False
-    sharded: float | None = None
-    reason: str = ""
+    cells: dict[str, Cell] = field(default_factory=dict)
+    reason: str = ""  # why it does not build
     seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
+
+    def passed(self, mode: str) -> bool:
+        return mode in self.cells and self.cells[mode].passed
 
 
 def _tiny_kwargs(cls: type[transformers.PretrainedConfig], sub: bool = False) -> dict[str, object]:
@@ -98,71 +111,44 @@ def build(arch: str) -> torch.nn.Module:
 
 def _reason(e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    first = text[0] if text else ""
-    cause = first.split("failed under torch.export: ")[-1].split(". Fix:")[0]  # a trace error: keep its cause
-    return f"{type(e).__name__}: {cause}"[:300].replace("|", "/")
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300].replace("|", "/")
 
 
-def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    return (torch.randint(1, VOCAB, (BATCH, SEQ), generator=gen), torch.randint(1, VOCAB, (BATCH, SEQ), generator=gen))
+    return {"input_ids": torch.randint(1, VOCAB, (BATCH, SEQ), generator=gen), "labels": torch.randint(1, VOCAB, (BATCH, SEQ), generator=gen)}
 
 
-def _loss_logits(out: object) -> tuple[torch.Tensor, torch.Tensor]:
-    return (out["loss"], out["logits"]) if isinstance(out, dict) else (out.loss, out.logits)  # type: ignore[union-attr]
+def _check_on_rank(rank: int, world: int, arch: str, mode: str, dtype: torch.dtype = torch.float32) -> object:
+    from autotp.report.strict_rule import check_on_rank
+
+    tp, pp = MODES[mode]
+    return check_on_rank(build(arch).to(dtype), _inputs(), tp=tp, pp=pp, timeout_s=120)
 
 
-MODES = {"tp2": (2, 1), "pp2": (1, 2)}
+def _cell(arch: str, mode: str, timeout_s: int) -> Cell:
+    """``arch`` at ``mode`` on its ranks, a numeric mismatch checked again in float64."""
+    from autotp.report.strict_rule import combine
+    from autotp.runtime.launcher import spawn_ranks
 
-
-def _check_on_rank(
-    rank: int, world: int, arch: str, keys: tuple[str, ...] = tuple(MODES), dtype: torch.dtype = torch.float32
-) -> dict[str, str]:
-    """tp=2 and pp=2 on two ranks: '' when equal, else the reason."""
-    import autotp
-    from autotp.compiler import example_kwargs
-
-    ids, labels = _inputs()
-    results: dict[str, str] = {}
-    for key in keys:
-        tp, pp = MODES[key]
-        try:
-            model = build(arch).to(dtype)
-            reference = copy.deepcopy(model)
-            pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs={"input_ids": ids, "labels": labels}, timeout_s=120)
-            # the reference runs as traced (use_cache=False where the forward takes it)
-            ref_loss, ref_logits = _loss_logits(reference(**example_kwargs(reference, {"input_ids": ids, "labels": labels})))
-            ref_loss.backward()
-            if pp == 1:
-                loss, logits = _loss_logits(pm(input_ids=ids, labels=labels))
-                torch.testing.assert_close(logits, ref_logits, rtol=RTOL, atol=ATOL)
-                loss.backward()
-            else:
-                loss = pm.train_step(input_ids=ids, labels=labels, num_microbatches=2)
-            torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
-            grads = pm.unshard_grads()
-            for name, p in reference.named_parameters():
-                if p.grad is None:
-                    continue
-                got = grads.get(name)
-                if got is None:
-                    raise AssertionError(f"no grad for {name}")
-                torch.testing.assert_close(got, p.grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"grad of {n}: {m}")
-            results[key] = ""
-        except Exception as e:  # noqa: BLE001 - the reason goes into the table
-            results[key] = _reason(e)
-    return results
+    tp, pp = MODES[mode]
+    run = lambda dtype: combine(spawn_ranks(_check_on_rank, tp * pp, arch, mode, dtype, backend="gloo", timeout_s=timeout_s, num_threads=1))  # noqa: E731
+    try:
+        result = run(torch.float32)
+        reason = result.reason
+        if result.mismatch and run(torch.float64).equal:  # a bug shows in float64 too; fp32 rounding alone does not
+            reason = f"fp32 rounding only, equal in float64: {reason}"
+        return Cell(result.passed, result.share if not result.error else None, reason[:300].replace("|", "/"))
+    except Exception as e:  # noqa: BLE001 - the reason goes into the table
+        return Cell(False, None, _reason(e))
 
 
 def _too_slow(signum: int, frame: object) -> None:
     raise TimeoutError("took longer than --arch-timeout seconds")
 
 
-def sweep_one(arch: str, timeout_s: int = 300) -> Row:
-    import autotp
-    from autotp.analysis.trace import trace
+def sweep_one(arch: str, modes: list[str], timeout_s: int = 300) -> Row:
     from autotp.compiler import example_kwargs
-    from autotp.runtime.launcher import spawn_ranks
 
     row = Row(arch)
     start = time.perf_counter()
@@ -170,100 +156,102 @@ def sweep_one(arch: str, timeout_s: int = 300) -> Row:
     signal.alarm(timeout_s)
     try:
         model = build(arch)
-        ids, labels = _inputs()
         with torch.no_grad():  # the unmodified model must run on this config for the row to count
-            model(**example_kwargs(model, {"input_ids": ids, "labels": labels}))
+            model(**example_kwargs(model, _inputs()))
         row.builds = True
-        trace(model, {"input_ids": ids, "labels": labels, "use_cache": False})
-        row.traces = True
-        plan = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": labels}).plan
-        sharded = {p.name for p in plan.params}
-        names: dict[int, list[str]] = {}
-        tensors = {}
-        for name, p in model.named_parameters(remove_duplicate=False):  # tied names count once
-            names.setdefault(id(p), []).append(name)
-            tensors[id(p)] = p
-        total = sum(p.numel() for p in tensors.values())
-        row.sharded = sum(p.numel() for i, p in tensors.items() if sharded & set(names[i])) / total
-        signal.alarm(0)  # the ranks have their own deadline, and spawn_ranks kills them at it
-        results = spawn_ranks(_check_on_rank, 2, arch, backend="gloo", timeout_s=timeout_s, num_threads=1)[0]
-        mismatched = tuple(k for k, v in results.items() if v.startswith("AssertionError"))
-        if mismatched:  # a bug shows in float64 too; fp32 rounding alone does not
-            exact = spawn_ranks(_check_on_rank, 2, arch, mismatched, torch.float64, backend="gloo", timeout_s=timeout_s, num_threads=1)[0]
-            for k in mismatched:
-                if exact[k] == "":
-                    results[k] = f"fp32 rounding only, equal in float64: {results[k]}"
-        row.tp2, row.pp2 = results["tp2"] == "", results["pp2"] == ""
-        row.reason = "; ".join(f"{k}: {v}" for k, v in results.items() if v)
     except Exception as e:  # noqa: BLE001 - the reason goes into the table
-        row.reason = _reason(e) if not row.builds else (row.reason or _reason(e))
-        if row.builds and not row.traces:
-            row.reason = "trace: " + row.reason
-        elif not row.builds:
-            row.reason = "build: " + row.reason
-        else:
-            row.reason = row.reason or traceback.format_exc().splitlines()[-1]
+        row.reason = "build: " + _reason(e)
     finally:
-        signal.alarm(0)
+        signal.alarm(0)  # the ranks have their own deadline, and spawn_ranks kills them at it
+    if row.builds:
+        for mode in modes:  # each degree gets what is left of the architecture's time
+            row.cells[mode] = _cell(arch, mode, max(10, int(timeout_s - (time.perf_counter() - start))))
     row.seconds = time.perf_counter() - start
     return row
 
 
-def table(rows: list[Row]) -> str:
+def summary(rows: list[Row]) -> str:
     built = [r for r in rows if r.builds]
-    ok_tp, ok_pp = sum(r.tp2 for r in built), sum(r.pp2 for r in built)
+    run = [m for m in MODES if any(m in r.cells for r in built)]
+    counts = ", ".join(f"{sum(r.passed(m) for r in built)} pass at {_label(m)} ({sum(r.passed(m) for r in built) / max(len(built), 1):.0%})" for m in run)
+    return f"{len(rows)} of the {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} architectures swept; {len(built)} build from a tiny config; of those, {counts}."
+
+
+def _label(mode: str) -> str:
+    tp, pp = MODES[mode]
+    return f"tp={tp}" if pp == 1 else f"pp={pp}"
+
+
+def table(rows: list[Row]) -> str:
     lines = [
         "# Registry sweep: causal-LM architectures of transformers " + transformers.__version__,
         "",
-        "Regenerate: `python benchmarks/sweep_registry.py` (tiny configs, fp32, 2 gloo ranks; loss, logits "
-        "and every grad against the unmodified model at tp=2 and pp=2).",
+        "Regenerate: `python benchmarks/sweep_registry.py` (tiny configs, fp32, gloo ranks). A cell passes under the strict "
+        "rule (`autotp.report.strict_rule`): loss, logits and every grad equal to the unmodified model's (rtol 1e-4, atol 1e-6), "
+        "each rank holding at most 1.3/(tp*pp) of the parameters, no matmul weight kept whole without a plan entry. "
+        "The share is the largest fraction of the parameters one rank holds.",
         "",
-        f"{len(rows)} of the {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} architectures swept; {len(built)} build from a tiny config; of those, {sum(r.traces for r in built)} trace, "
-        f"{ok_tp} match at tp=2 ({ok_tp / max(len(built), 1):.0%}), {ok_pp} match at pp=2 ({ok_pp / max(len(built), 1):.0%}).",
+        summary(rows),
         "",
-        "| arch | builds | traces | equal tp=2 | equal pp=2 | params sharded (tp=2) | reason |",
-        "|---|---|---|---|---|---|---|",
+        "| arch | builds | " + " | ".join(_label(m) for m in MODES) + " | " + " | ".join(f"held {_label(m)}" for m in MODES) + " | reason |",
+        "|---" * (3 + 2 * len(MODES)) + "|",
     ]
     mark = {True: "yes", False: "no"}
     for r in rows:
-        share = f"{r.sharded:.0%}" if r.sharded is not None else "-"
-        lines.append(f"| {r.arch} | {mark[r.builds]} | {mark[r.traces]} | {mark[r.tp2]} | {mark[r.pp2]} | {share} | {r.reason} |")
+        passed = [mark[r.passed(m)] if m in r.cells else "-" for m in MODES]
+        held = [f"{r.cells[m].share:.0%}" if m in r.cells and r.cells[m].share is not None else "-" for m in MODES]
+        reason = r.reason or "; ".join(f"{_label(m)}: {c.reason}" for m, c in r.cells.items() if not c.passed)
+        lines.append(f"| {r.arch} | {mark[r.builds]} | " + " | ".join(passed + held) + f" | {reason} |")
     return "\n".join(lines) + "\n"
 
 
 def read_table(path: Path) -> dict[str, Row]:
     """The rows of a table that ``table`` wrote (for ``--merge``)."""
     rows: dict[str, Row] = {}
+    width = 3 + 2 * len(MODES)
     for line in path.read_text().splitlines() if path.exists() else []:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 7 or cells[1] not in ("yes", "no"):
+        if len(cells) != width or cells[1] not in ("yes", "no"):
             continue
-        arch, builds, traces, tp2, pp2, share, reason = cells
-        sharded = float(share.rstrip("%")) / 100 if share != "-" else None
-        rows[arch] = Row(arch, builds == "yes", traces == "yes", tp2 == "yes", pp2 == "yes", sharded, reason)
+        arch, builds, rest, reason = cells[0], cells[1] == "yes", cells[2:-1], cells[-1]
+        row = Row(arch, builds, reason="" if builds else reason)
+        reasons = dict(part.split(": ", 1) for part in re.split(r"; (?=(?:tp|pp)=\d+: )", reason) if ": " in part) if builds else {}
+        for i, m in enumerate(MODES):
+            if rest[i] != "-":
+                held = rest[len(MODES) + i]
+                row.cells[m] = Cell(rest[i] == "yes", float(held.rstrip("%")) / 100 if held != "-" else None, reasons.get(_label(m), ""))
+        rows[arch] = row
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated model types (default: all)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated degrees to check (default: {','.join(MODES)})")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "registry_sweep.md")
-    parser.add_argument("--arch-timeout", type=int, default=300, help="seconds per architecture (default: 300)")
-    parser.add_argument("--merge", action="store_true", help="keep the other rows of the existing --out table")
+    parser.add_argument("--arch-timeout", type=int, default=300, help="seconds per architecture, all degrees (default: 300)")
+    parser.add_argument("--merge", action="store_true", help="keep the other rows and degrees of the existing --out table")
     parser.add_argument("--jobs", type=int, default=1, help="architectures swept at once, each in its own process")
     parser.add_argument("--stop-after-s", type=float, default=None,
                         help="start no architecture after this many seconds (rows not swept keep their old value)")  # fmt: skip
     args = parser.parse_args()
     archs = [a for a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if not args.only or a in args.only.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    if set(modes) - set(MODES):
+        parser.error(f"--modes takes {', '.join(MODES)}")
     kept = read_table(args.out) if args.merge else {}
     rows: list[Row] = []
-    for row in _sweep(archs, args.jobs, args.arch_timeout, args.stop_after_s):
+    for row in _sweep(archs, modes, args.jobs, args.arch_timeout, args.stop_after_s):
+        old = kept.get(row.arch)
+        if old is not None and row.builds:
+            row.cells = {**old.cells, **row.cells}
         kept[row.arch] = row
         rows = [kept[a] for a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if a in kept]
-        print(f"{row.arch:28s} builds={row.builds} traces={row.traces} tp2={row.tp2} pp2={row.pp2} "
-              f"sharded={row.sharded} {row.seconds:.0f}s {row.reason[:150]}", flush=True)  # fmt: skip
+        cells = " ".join(f"{m}={'pass' if c.passed else 'FAIL'}" for m, c in row.cells.items())
+        why = row.reason or "; ".join(f"{m}: {c.reason}" for m, c in row.cells.items() if not c.passed)
+        print(f"{row.arch:28s} builds={row.builds} {cells} {row.seconds:.0f}s {why[:200]}", flush=True)
         args.out.write_text(table(rows))
-    print(table(rows).splitlines()[4])
+    print(summary(rows))
 
 
 def _crash_reason(log: Path, proc: subprocess.Popen[bytes]) -> str:
@@ -271,7 +259,7 @@ def _crash_reason(log: Path, proc: subprocess.Popen[bytes]) -> str:
     return f"sweep process exited with {proc.returncode}: {lines[-1] if lines else ''}"[:300].replace("|", "/")
 
 
-def _sweep(archs: list[str], jobs: int, timeout_s: int, stop_after_s: float | None) -> Iterator[Row]:
+def _sweep(archs: list[str], modes: list[str], jobs: int, timeout_s: int, stop_after_s: float | None) -> Iterator[Row]:
     """Rows as they finish: in this process for ``jobs == 1``, else one child process per architecture."""
     start = time.perf_counter()
 
@@ -282,7 +270,7 @@ def _sweep(archs: list[str], jobs: int, timeout_s: int, stop_after_s: float | No
         for arch in archs:
             if not may_start():
                 return
-            yield sweep_one(arch, timeout_s)
+            yield sweep_one(arch, modes, timeout_s)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -291,7 +279,8 @@ def _sweep(archs: list[str], jobs: int, timeout_s: int, stop_after_s: float | No
         while pending or running:
             while pending and len(running) < jobs and may_start():
                 arch = pending.pop(0)
-                cmd = [sys.executable, __file__, "--only", arch, "--out", f"{tmp}/{arch}.md", "--arch-timeout", str(timeout_s)]
+                cmd = [sys.executable, __file__, "--only", arch, "--modes", ",".join(modes), "--out", f"{tmp}/{arch}.md",
+                       "--arch-timeout", str(timeout_s)]  # fmt: skip
                 with open(f"{tmp}/{arch}.log", "wb") as log:
                     running[arch] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), time.perf_counter())
             if not may_start():

@@ -11,7 +11,11 @@ latency and B the bus bandwidth of a link, Psi the parameter count.
 * Pipeline: each stage boundary carries the hidden state [b, s, h] forward and its
   gradient backward, once per microbatch.
 * Data parallelism: one all-reduce of a rank's gradients, Psi/(t·p) of them, per step.
-* Bubbles, activations in flight and bytes per parameter: ``bubble`` and ``memory``.
+* Bubbles, activations in flight and bytes per parameter: ``bubble`` and ``memory``. A
+  bubble is stated two ways: idle time over compute time, (p-1)/m for 1F1B (``BUBBLE``),
+  and its share of an ideal step, (p-1)/(m+p-1) (``BUBBLE_SHARE``). ``autotp plan``'s
+  bubble column is neither: the modelled idle time over the whole predicted step, which
+  also counts communication, the optimizer and unequal stages.
 * Activation bytes per layer of a GPT layer in 16-bit without sequence parallelism or
   recomputation (Korthikanti et al. 2022, eq. 2): s·b·h·(10 + 24/t + 5·a·s/(h·t)); the
   last term is the attention scores, which fused attention never stores.
@@ -36,6 +40,12 @@ BUBBLE = {
     "interleaved": (p - 1) / (m * v),
     "zbh1": (p - 1) / (3 * m),
 }
+BUBBLE_SHARE = {  # bubble / (1 + bubble), simplified
+    "gpipe": (p - 1) / (m + p - 1),
+    "1f1b": (p - 1) / (m + p - 1),
+    "interleaved": (p - 1) / (m * v + p - 1),
+    "zbh1": (p - 1) / (3 * m + p - 1),
+}
 IN_FLIGHT = {
     "gpipe": m,
     "1f1b": sympy.Min(p - r, m),
@@ -56,22 +66,32 @@ CLOSED_FORMS: dict[str, sympy.Expr] = {
     "tp all-reduce time per layer": TP_COMM_S_PER_LAYER,
     "pp p2p bytes per boundary per microbatch": PP_P2P_BYTES_PER_MICROBATCH,
     "dp gradient bytes per rank": DP_GRAD_BYTES,
-    "bubble, 1f1b and gpipe": BUBBLE["1f1b"],
-    "bubble, interleaved 1f1b": BUBBLE["interleaved"],
-    "bubble, zb-h1": BUBBLE["zbh1"],
+    "bubble / compute, 1f1b and gpipe": BUBBLE["1f1b"],
+    "bubble / compute, interleaved 1f1b": BUBBLE["interleaved"],
+    "bubble / compute, zb-h1": BUBBLE["zbh1"],
     "microbatches in flight on rank r, 1f1b": IN_FLIGHT["1f1b"],
     "chunks in flight on rank r, interleaved": IN_FLIGHT["interleaved"],
-    "bytes per parameter, bf16 (plain optimizer)": BYTES_PER_PARAM["bf16"][0],
-    "bytes per parameter, bf16 (distributed optimizer)": BYTES_PER_PARAM["bf16"][1],
     "activation bytes per layer (Megatron, 16-bit)": MEGATRON_ACTIVATION_BYTES_PER_LAYER,
 }
 
 
-def explain(values: dict[sympy.Symbol, float]) -> str:
+def forms_for(schedule: str, precision: str) -> dict[str, sympy.Expr]:
+    """``CLOSED_FORMS`` with the bubble's share of the step for ``schedule`` and the bytes per
+    parameter of the training step ``precision`` (plain optimizer and distributed optimizer)."""
+    plain, distributed = BYTES_PER_PARAM[precision]
+    return {
+        **CLOSED_FORMS,
+        f"bubble share of an ideal step, {schedule}": BUBBLE_SHARE[schedule],
+        f"bytes per parameter, {precision} (plain optimizer)": plain,
+        f"bytes per parameter, {precision} (distributed optimizer)": distributed,
+    }
+
+
+def explain(values: dict[sympy.Symbol, float], forms: dict[str, sympy.Expr] = CLOSED_FORMS) -> str:
     """One line per closed form: name, expression, and its value at ``values`` where all symbols are given."""
-    width = max(map(len, CLOSED_FORMS))
+    width = max(map(len, forms))
     lines = []
-    for name, expr in CLOSED_FORMS.items():
+    for name, expr in forms.items():
         value = expr.subs(values)
         shown = f"{float(value):.4g}" if value.is_number else str(value)
         lines.append(f"{name:<{width}}  {sympy.sstr(expr)}  = {shown}")

@@ -22,6 +22,8 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
   fused attention ``max(F/attention_rate, bytes/mem_bw)``; everything else
   ``max(F/matmul_rate, bytes/mem_bw)`` (the roofline of ``flops.compute_time_s``);
   all of it times ``compute_time_scale``, which calibration measures on a whole layer.
+* FP8 GEMMs (``fp8_linear``) run their FLOPs at ``fp8_matmul_speedup`` times the rate, and
+  their casts add ``autotp.cost_model.fp8.cast_bytes`` / mem_bw forward and backward.
 * Backward: a GEMM's input and weight gradients are two GEMMs of its size (2×);
   memory-bound ops ``elementwise_backward_factor`` × forward; attention
   ``attention_backward_factor`` × forward (both of the ``HardwareProfile``).
@@ -55,7 +57,7 @@ microbatch, not once per model.
 a matmul its activation operands; a mul or div each operand whose partner needs a
 gradient; attention q, k, v and its output; nonlinear elementwise ops, norms, softmax and
 the losses their input; adds, casts, views, concatenations, reductions and collectives
-nothing; any other op its inputs. ``autotp.cost_model.liveness`` replays the forward and
+nothing (the fused lm_head and loss keeps its outputs instead, ``liveness``); any other op its inputs. ``autotp.cost_model.liveness`` replays the forward and
 backward with them (``Segment.memory``).
 """
 
@@ -64,10 +66,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import functools
+
 import numpy as np
 import torch
+from autotp.cost_model.affine import affine_costs
 from autotp.cost_model.communication import group_collective_s, overlapped_s
 from autotp.cost_model.flops import TensorInfo, global_tensors, node_cost
+from autotp.cost_model.fp8 import cast_bytes, plan_fp8, sites_plan
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory, simulate
 from autotp.cost_model.pipeline import balanced_cuts, layer_costs
@@ -93,6 +99,7 @@ _BATCH_MAKERS = {"expand", "new_ones", "new_zeros", "new_full", "new_empty", "on
 _SAVE_NOTHING = {
     "add", "sub", "neg", "to", "_to_copy", "clone", "contiguous", "cat", "stack", "mean", "sum", "where",
     "embedding", "vocab_parallel_embedding", "arange", "full", "zeros", "ones", "empty", "scalar_tensor",
+    "linear_cross_entropy",
 }  # fmt: skip
 _SAVE_FIRST_INPUT = {
     "pow", "rsqrt", "sqrt", "exp", "log", "silu", "gelu", "relu", "tanh", "sigmoid", "erf", "sin", "cos",
@@ -143,6 +150,8 @@ class Segment:
     memory: SegmentMemory
     # GEMMs each node runs as: 1, or t per weight for the overlapped collectives' chunks.
     pieces: np.ndarray | None = None
+    fp8: np.ndarray | None = None  # FP8 GEMM nodes; their casts' bytes [nodes, (fwd, bwd), (const, per_sample)]:
+    casts: np.ndarray | None = None
 
     @property
     def ops(self) -> int:
@@ -152,7 +161,7 @@ class Segment:
     def grad_ops(self) -> int:
         return int(self.grad.sum())
 
-    @property
+    @functools.cached_property
     def param_numel(self) -> int:
         return sum(self.params.values())
 
@@ -240,30 +249,6 @@ def saved_inputs(node: Node, grad: set[Node]) -> list[Node]:
     return inputs
 
 
-def _doubled(infos: list[TensorInfo]) -> list[TensorInfo]:
-    return [TensorInfo((t.shape[0] * 2, *t.shape[1:]), t.dtype) if t.shape else t for t in infos]
-
-
-def affine_costs(nodes: list[Node], tensors: dict[Node, list[TensorInfo]], dependent: set[Node], batch: int) -> tuple[np.ndarray, np.ndarray]:
-    """(flops, bytes) of ``nodes`` as [n, 2] arrays of (const, per_sample), from shapes at ``batch``."""
-
-    def at(scale: bool):
-        def get(n: Node) -> list[TensorInfo]:
-            infos = tensors[n] if n in tensors else global_tensors(n)
-            return _doubled(infos) if scale and n in dependent else infos
-
-        return get
-
-    one, two = at(False), at(True)
-    flops, nbytes = np.zeros((len(nodes), 2)), np.zeros((len(nodes), 2))
-    for i, n in enumerate(nodes):
-        c1, c2 = node_cost(n, one), node_cost(n, two)
-        slope_f, slope_b = (c2.flops - c1.flops) / batch, (c2.bytes - c1.bytes) / batch
-        flops[i] = (c1.flops - slope_f * batch, slope_f)
-        nbytes[i] = (c1.bytes - slope_b * batch, slope_b)
-    return flops, nbytes
-
-
 def gemm_pieces(node: Node) -> int:
     """How many equal GEMMs a node's FLOPs run as: an overlapped collective multiplies one
     chunk of 1/t of the rows per weight and step; every other node one."""
@@ -295,7 +280,7 @@ class ModelCosts:
         self.num_layers = num_layers_total if num_layers_total is not None else self.traced_layers
         dependent = batch_dependent(gm, self.batch)
         calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-        flops, _ = affine_costs(calls, {}, dependent, self.batch)
+        flops = affine_costs(calls, {}, dependent, self.batch)[:, 0]
         self._segment_flops = self._per_segment_flops(calls, flops)
         self.layer_weights, self.head_weight = layer_costs(gm)
         self.hidden_bytes = self._hidden_bytes(calls)
@@ -304,6 +289,7 @@ class ModelCosts:
         self._ranks: dict[tuple, RankCosts] = {}  # by the plan's layouts: two replicate sets may give one plan
         self._asked: dict[tuple, RankCosts] = {}  # by rank()'s arguments
         self._cuts: dict[int, tuple[int, ...]] = {}
+        self._forward_flops: dict[int, float] = {}
 
     def _per_segment_flops(self, calls: list[Node], flops: np.ndarray) -> dict[LayerKey, Affine]:
         layers = assign_layers(self.gm)
@@ -313,10 +299,12 @@ class ModelCosts:
         return {k: Affine(*v) for k, v in sums.items()}
 
     def forward_flops(self, batch: int) -> float:
-        """Whole-model forward FLOPs of ``batch`` samples (every layer, not one rank's share)."""
-        zero = Affine(0, 0)
-        layers = sum(self._segment_flops.get(self.traced_index(i), zero).at(batch) for i in range(self.num_layers))
-        return layers + sum(v.at(batch) for k, v in self._segment_flops.items() if not isinstance(k, int))
+        """Whole-model forward FLOPs of ``batch`` samples (every layer, not one rank's share; cached)."""
+        if batch not in self._forward_flops:
+            zero = Affine(0, 0)
+            layers = sum(self._segment_flops.get(self.traced_index(i), zero).at(batch) for i in range(self.num_layers))
+            self._forward_flops[batch] = layers + sum(v.at(batch) for k, v in self._segment_flops.items() if not isinstance(k, int))
+        return self._forward_flops[batch]
 
     def traced_index(self, layer: int) -> int:
         """The traced layer that stands for model layer ``layer``."""
@@ -352,28 +340,31 @@ class ModelCosts:
             name = op_name(n.target)
             weight = n.args[1] if name == "linear" else n.args[2] if name == "addmm" else None
             if isinstance(weight, Node) and weight.op == "get_attr" and str(weight.target) in params:
-                flops, _ = affine_costs([n], {}, dependent, self.batch)
+                flops = affine_costs([n], {}, dependent, self.batch)[:, 0]
                 out.append((str(weight.target), float(flops[0, 1])))
         return tuple(out)
 
     def rank(
         self, tp: int, replicate: frozenset[str] = frozenset(), gather_outputs: bool = True, *,
-        sequence_parallel: bool = False, tp_overlap: tuple[str, ...] = (),
+        sequence_parallel: bool = False, tp_overlap: tuple[str, ...] = (), fp8: str = "",
     ) -> RankCosts:  # fmt: skip
         """Rank 0's segments at ``tp`` with the linears in ``replicate`` kept whole (cached);
-        ``gather_outputs``, ``sequence_parallel`` and ``tp_overlap`` as in ``ParallelPlan``.
+        ``gather_outputs``, ``sequence_parallel``, ``tp_overlap`` and ``fp8`` (a recipe, ""
+        for none) as in ``ParallelPlan``.
 
         Raises plan_tensor_parallel's ValueError when tp does not divide the model.
         """
         sequence_parallel = sequence_parallel and tp > 1
-        asked = (tp, replicate, gather_outputs, sequence_parallel, tp_overlap)
+        asked = (tp, replicate, gather_outputs, sequence_parallel, tp_overlap, fp8)
         if asked in self._asked:
             return self._asked[asked]
         if (tp, replicate) not in self._plans:
             self._plans[(tp, replicate)] = plan_tensor_parallel(self.gm, tp, replicate=replicate)
         plan = replace(self._plans[(tp, replicate)], gather_outputs=gather_outputs, sequence_parallel=sequence_parallel,
                        tp_overlap=tp_overlap)  # fmt: skip
-        key = (tp, plan.params, gather_outputs, sequence_parallel, tp_overlap)
+        if fp8:
+            plan = plan_fp8(self._compile_fn(sites_plan(plan)), plan, fp8)
+        key = (tp, plan.params, gather_outputs, sequence_parallel, tp_overlap, plan.fp8_linears, plan.fp8_all_gather)
         if key not in self._ranks:
             self._ranks[key] = self._compile(plan)
         self._asked[asked] = self._ranks[key]
@@ -401,7 +392,7 @@ class ModelCosts:
             members = groups.get(key, [])
             calls = [r.node for r in members if r.node.op == "call_function"]
             position = {n: i for i, n in enumerate(calls)}
-            flops, nbytes = affine_costs(calls, tensors, dependent, self.batch)
+            flops, nbytes = affine_costs(calls, tensors, dependent, self.batch).transpose(1, 0, 2)
             collectives = tuple(
                 Collective(
                     c.kind, c.direction, Affine(0, c.bytes / self.batch) if r.node in dependent else Affine(c.bytes, 0),
@@ -413,8 +404,10 @@ class ModelCosts:
             kinds = np.array([_kind(n) for n in calls], dtype=int)
             pieces = np.array([gemm_pieces(n) for n in calls], dtype=float)
             needs = np.array([n in grad for n in calls], dtype=bool)
+            fp8 = np.array([n.target is ops.FP8_LINEAR for n in calls], dtype=bool)
+            casts = affine_costs(calls, tensors, dependent, self.batch, cast_bytes) if fp8.any() else None
             return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), memory.get(key, SegmentMemory.empty()),
-                           pieces)  # fmt: skip
+                           pieces, fp8, casts)  # fmt: skip
 
         layers = tuple(segment(i) for i in range(self.traced_layers))
         return RankCosts(plan, segment(EMBEDDING), layers, segment(HEAD), segment(PREAMBLE))
@@ -449,11 +442,15 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
     attention = seg.kinds == _ATTENTION
     forward = np.maximum(flops / hw.matmul_flops_per_s, memory)
     pieces = seg.pieces[matmul] if seg.pieces is not None else 1.0
-    forward[matmul] = np.maximum(pieces * hw.matmul_time_s(flops[matmul] / pieces), memory[matmul])
+    speed = np.where(seg.fp8[matmul], hw.fp8_matmul_speedup, 1.0) if seg.fp8 is not None else 1.0
+    forward[matmul] = np.maximum(pieces * hw.matmul_time_s(flops[matmul] / pieces / speed), memory[matmul])
     forward[attention] = np.maximum(flops[attention] / hw.attention_rate, memory[attention])
     forward *= hw.compute_time_scale
     factor = np.where(attention, hw.attention_backward_factor, np.where(matmul, MATMUL_BACKWARD_FACTOR, hw.elementwise_backward_factor))
     backward = forward * factor
+    if seg.casts is not None:  # FP8 casts: memory-bound kernels of their own, beside the GEMMs
+        cast_s = (seg.casts[:, :, 0] + seg.casts[:, :, 1] * batch) / hw.memory_bytes_per_s * hw.compute_time_scale
+        forward, backward = forward + cast_s[:, 0], backward + cast_s[:, 1]
     comm = {"forward": np.zeros(seg.ops), "backward": np.zeros(seg.ops)}
     host = {"forward": np.full(seg.ops, hw.op_overhead_s), "backward": np.full(seg.ops, hw.backward_op_overhead_s)}
     gemm = forward.copy()

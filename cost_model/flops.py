@@ -14,7 +14,11 @@ gives one rank's. FLOPs are forward only and count a multiply-add as 2.
   numel(out). For grouped_mm each token row meets exactly one expert, so this is 2·T·K·N.
   The overlapped collectives count their GEMMs: ``all_gather_matmul`` 2·K·Σ numel(product)
   (its first output, the gathered input, is no product), ``matmul_reduce_scatter``
-  2·Σ_i rows(x_i)·K_i·N_i.
+  2·Σ_i rows(x_i)·K_i·N_i. The fused lm_head and loss ``linear_cross_entropy(h [N, H], W [V, H])``
+  counts its logits GEMM, 2·N·H·V (its forward also runs the two gradient GEMMs, which the
+  backward factor of a matmul accounts for, so the step's total is right); bytes: its inputs,
+  outputs, and the logits written and read once. ``fp8_linear`` 2·K·Σ numel(out_i) plus its
+  biases (its speed and casts: ``autotp.cost_model.fp8``).
 * **attention**, ``scaled_dot_product_attention(q [..., L, D], k [..., S, D], v [..., S, Dv])``:
   FLOPs = 2·BH·L·S·D + 2·BH·L·S·Dv with BH = prod(q.shape[:-2]); the softmax is not
   counted. With ``is_causal=True`` only the lower triangle is computed: half of that.
@@ -120,9 +124,17 @@ def node_cost(node: Node, tensors: Tensors = global_tensors) -> NodeCost:
     if name == "all_gather_matmul":
         k = tensors(node.args[0])[0].shape[-1]
         return NodeCost(2 * k * sum(t.numel for t in outputs[1:]), in_bytes + out_bytes)
+    if name == "fp8_linear":  # one input, a GEMM per weight (each output), biases added
+        k = tensors(node.args[0])[0].shape[-1]
+        biases = sum(t.numel for t, b in zip(outputs, node.args[2]) if b is not None)
+        return NodeCost(2 * k * out_numel + biases, in_bytes + out_bytes)
     if name == "matmul_reduce_scatter":
         flops = sum(2 * tensors(x)[0].numel * tensors(w)[0].shape[-1] for x, w in zip(node.args[0], node.args[1]))
         return NodeCost(flops, in_bytes + out_bytes)
+    if name == "linear_cross_entropy":
+        hidden, weight = tensors(node.args[0])[0], tensors(node.args[1])[0]
+        logits = hidden.numel // hidden.shape[-1] * weight.shape[0]
+        return NodeCost(2 * logits * hidden.shape[-1], in_bytes + out_bytes + 2 * logits * weight.dtype.itemsize)
     kind = op_kind(node.target)
     if kind.is_matmul:
         return NodeCost(_matmul_flops(node, name, out_numel, tensors), in_bytes + out_bytes)

@@ -22,6 +22,10 @@ draws it) and ``autotp explain`` (which tabulates it, ``autotp.report.graph_repo
   ``all_gather_matmul`` all-gathers its first output forward and reduce-scatters its grad
   backward; ``matmul_reduce_scatter`` the reverse. Both are ``overlapped``: their GEMM hides
   part of them (``communication.overlapped_s``, charged by ``compute.segment_time``).
+  ``fp8_linear`` all-reduces (max) the amaxes of operands split over the group, once
+  forward and once backward (float32, ``cost_model.fp8.amax_reduce_bytes``); with an FP8
+  all-gather its input's tokens go forward in FP8 (1 byte each) and their gradient comes
+  back reduce-scattered.
 * **FLOPs** are forward only (``autotp.cost_model.flops``); times are estimates for a
   ``HardwareProfile``.
 * **Stages**: a node's pipeline stage is the pp rank of its chunk (``split_stages``
@@ -43,6 +47,7 @@ from autotp.ir import meta_keys, ops
 from autotp.analysis.local_shapes import TensorInfo, global_tensors, local_tensors
 from autotp.cost_model.communication import group_collective_s
 from autotp.cost_model.flops import compute_time_s, node_cost
+from autotp.cost_model.fp8 import amax_reduce_bytes
 from autotp.cost_model.hardware import H200, HardwareProfile
 from autotp.analysis.layers import EMBEDDING, HEAD, LayerKey, last_layer_position, layer_of, outside_layers
 from autotp.ir.layouts import Layout
@@ -201,6 +206,17 @@ def _collectives(node: Node, tp: int, hw: HardwareProfile, local: list[TensorInf
         return CollectiveCost(kind, direction, nbytes, ranks, group_collective_s(kind, nbytes, ranks, ranks, hw), overlapped)
 
     tag = node.meta.get(meta_keys.COLLECTIVE)
+    if node.op == "call_function" and node.target is ops.FP8_LINEAR:
+        out = []
+        if tag == CollectiveTag.FP8_ALL_GATHER:  # the tokens travel in FP8 (1 byte each); their grad in the model's dtype
+            tokens = global_tensors(node.args[0])[0]
+            ranks = node.meta[meta_keys.COLLECTIVE_RANKS]
+            out += [cost(Collective.ALL_GATHER, Direction.FORWARD, tokens.numel, ranks),
+                    cost(Collective.REDUCE_SCATTER, Direction.BACKWARD, tokens.nbytes, ranks)]  # fmt: skip
+        if node.args[-1]:  # the amaxes of split operands, max-reduced once per direction
+            forward, backward = amax_reduce_bytes(node, lambda n: local_tensors(n, tp))
+            out += [cost(Collective.ALL_REDUCE, d, b) for d, b in ((Direction.FORWARD, forward), (Direction.BACKWARD, backward)) if b]
+        return tuple(out)
     if tag is not None:
         assert tag in TAG_COMMUNICATION, f"unknown collective tag {tag!r} on {node.name}"
         # the gathered input of all_gather_matmul is its first output

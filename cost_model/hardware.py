@@ -16,6 +16,10 @@ A ``HardwareProfile`` is one GPU (or CPU rank) and the links between ranks:
   above gives them, for a whole decoder layer: GEMMs of a layer's shapes and its many
   small memory-bound kernels run below the rates of large isolated kernels; 1 unless
   ``autotp calibrate`` measured it);
+* FP8: ``fp8_matmul_speedup``, the rate of FP8 GEMMs over bf16 ones (by default 2, the
+  ratio of the dense FP8 and bf16 peaks in Ada/Hopper datasheets; H200 and H100 take 1.85,
+  measured for tensorwise: rowwise ran 1.93, blockwise 1.59; the CPU profile takes 1: its
+  ``torch._scaled_mm`` dequantizes to float32);
 * host: ``op_overhead_s`` and ``backward_op_overhead_s``, the CPU time eager PyTorch
   spends dispatching one graph node forward and one autograd node backward, and
   ``collective_host_s``, what one tp collective node (autotp's ``autograd.Function``
@@ -102,6 +106,7 @@ class HardwareProfile:
     collective_host_s: float = 0.0
     call_host_s: float = 0.0
     compute_time_scale: float = 1.0
+    fp8_matmul_speedup: float = 2.0
     p2p: Link | None = None
     inter_node: Link = Link(latency_s=30e-6, bus_bytes_per_s=45e9, hop_latency_s=5e-6)
     source: str = ""
@@ -159,6 +164,9 @@ H200_MEASURED = {
     "attention_flops_per_s": 291e12,
     "attention_backward_factor": 2.62,
     "elementwise_backward_factor": 1.97,
+    # benchmarks/bench_fp8.py's GEMM part, 1x H200, torch 2.11, 2026-11-24 (benchmarks/results/fp8_h200x1.json):
+    # [8192, 4096] x [4096, 14336] at 807 TFLOP/s in bf16, 1493 in FP8 tensorwise (the default recipe).
+    "fp8_matmul_speedup": 1.85,
 }
 ACHIEVED_HBM_SHARE = 4.147e12 / 4.8e12
 _NDR_RAIL = Link(latency_s=30e-6, bus_bytes_per_s=45e9, hop_latency_s=5e-6)
@@ -236,6 +244,7 @@ CPU = HardwareProfile(
     op_overhead_s=10e-6,
     backward_op_overhead_s=15e-6,
     collective_host_s=50e-6,
+    fp8_matmul_speedup=1.0,
     inter_node=Link(latency_s=200e-6, bus_bytes_per_s=1e9),
     source="a few-core CPU host, fp32, gloo over TCP loopback: assumed round numbers; run autotp "
     "calibrate for this machine's",

@@ -24,7 +24,10 @@ output's gradient and the storages no earlier node still saves. A gradient reach
 input that already has one is added in place (the new one is a transient). The losses
 hold input-sized temporaries while they run: ``cross_entropy_loss`` the gradient of its
 log-softmax, the vocab-parallel loss four (``autotp.ir.ops``: exp, softmax, one-hot, their difference)
-backward and two forward.
+backward and two forward. The fused lm_head and loss (``linear_cross_entropy``) keeps the
+gradients of its hidden states and of its weight (which does not grow with the batch), computed
+in its forward, and holds ``_FUSED_LOSS_BUFFERS`` float32 logit chunks while it runs; its
+backward allocates the two gradients again (scaled).
 
 **Parameter gradients** are reported apart: ``param_grads`` is what a node's backward
 allocates for parameters (``.grad`` keeps it on the first microbatch; later ones add it
@@ -57,6 +60,8 @@ _GRAD_COPIES = {"copy_to_tp"}  # a view forward; its backward all-reduces a copy
 _OWN_SAVE = {"cross_entropy_loss"}  # keeps its log-softmax (input-sized), not its input
 _LOSS_FORWARD = {"cross_entropy_loss": 1, "vocab_parallel_cross_entropy": 2}  # input-sized buffers while it runs
 _LOSS_BACKWARD = {"cross_entropy_loss": 1, "vocab_parallel_cross_entropy": 4}
+_FUSED_LOSS = "linear_cross_entropy"  # keeps the gradients of its hidden states and weight
+_FUSED_LOSS_BUFFERS = 2  # float32 logit-chunk-sized buffers while it runs
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,6 +114,16 @@ def _backpropagated(output: Node, grad: set[Node]) -> set[Node]:
     return reached
 
 
+def _fused_loss_chunk(n: Node, tensors: dict[Node, list[TensorInfo]], batch: int) -> np.ndarray:
+    """The fused loss's buffers while it runs: float32 logits of one chunk of tokens (all of
+    them, growing with the batch, when the chunk holds every traced token)."""
+    hidden, weight = tensors[n.args[0]][0], tensors[n.args[1]][0]
+    tokens = hidden.numel // hidden.shape[-1]
+    per_token = _FUSED_LOSS_BUFFERS * 4 * weight.shape[0]
+    chunk = n.args[7]
+    return np.array([0.0, tokens * per_token / batch]) if chunk >= tokens else np.array([float(chunk * per_token), 0.0])
+
+
 def simulate(
     gm: GraphModule,
     tensors: dict[Node, list[TensorInfo]],
@@ -134,7 +149,9 @@ def simulate(
         fixed = sum(t.nbytes for t in tensors.get(n, ())) - scaled
         return np.array([float(fixed), scaled / batch])
 
-    def storage(n: Node) -> np.ndarray:  # a loss that keeps its log-softmax holds that too
+    def storage(n: Node) -> np.ndarray:  # a loss that keeps its log-softmax (or the fused loss its gradients) holds that too
+        if op_name(n.target) == _FUSED_LOSS:
+            return size(n) + size(n.args[0]) + size(n.args[1])
         return size(n) + size(n.args[0]) if op_name(n.target) in _OWN_SAVE else size(n)
 
     # ---- storages: every call node's root (the node that allocated what it reads) ----
@@ -155,7 +172,7 @@ def simulate(
             last_use[root[n]] = max(last_use.get(root[n], 0), position[u])
     kept: dict[Node, Node] = {}  # saved storage -> the earliest node saving it (its backward frees it)
     for n in (c for c in calls if c in reached):
-        for x in [n] if op_name(n.target) in _OWN_SAVE else saved_by.get(n, ()):
+        for x in [n] if op_name(n.target) in _OWN_SAVE | {_FUSED_LOSS} else saved_by.get(n, ()):
             if x in root:
                 kept.setdefault(root[x], n)
     outputs = {root[a] for a in output.all_input_nodes if a in root}
@@ -180,7 +197,8 @@ def simulate(
             total = total + live[n]
         if n in grad:
             loss = _LOSS_FORWARD.get(op_name(n.target), 0) - (op_name(n.target) in _OWN_SAVE)
-            rows[segment_of[n]]["forward"].append(total + loss * size(n.args[0]) - prefix[segment_of[n]])
+            transient = loss * size(n.args[0]) + (_fused_loss_chunk(n, tensors, batch) if op_name(n.target) == _FUSED_LOSS else 0)
+            rows[segment_of[n]]["forward"].append(total + transient - prefix[segment_of[n]])
         for r in {root[a] for a in n.all_input_nodes if a in root} | {root[n]}:
             if r in live and r not in kept and last_use.get(r, -1) <= position[n] and r not in outputs:
                 total = total - live.pop(r)

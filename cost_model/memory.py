@@ -188,28 +188,58 @@ def schedule_moments(name: str | None, pp: int, vpp: int, microbatches: int, ran
     return tuple(moments)
 
 
+@dataclass(frozen=True, eq=False)
+class MomentArrays:
+    """``schedule_moments`` as arrays, one row per moment: its chunk, kind (F, B or W), whether
+    it allocates the chunk's gradients, and per chunk the microbatches held, the deferred W's
+    and whether the gradients exist."""
+
+    chunk: np.ndarray
+    forward: np.ndarray
+    weight: np.ndarray
+    first: np.ndarray
+    held: np.ndarray
+    deferred: np.ndarray
+    grads: np.ndarray
+    in_flight: int  # the most microbatch-chunks alive at once (CUDA-graph slots)
+
+
+@functools.lru_cache(maxsize=8192)
+def moment_arrays(name: str | None, pp: int, vpp: int, microbatches: int, rank: int) -> MomentArrays:
+    moments = schedule_moments(name, pp, vpp, microbatches, rank)
+    kinds = np.array([mo.kind for mo in moments])
+    held = np.array([mo.held for mo in moments], dtype=float)
+    return MomentArrays(
+        chunk=np.array([mo.chunk for mo in moments]),
+        forward=kinds == "F",
+        weight=kinds == "W",
+        first=np.array([mo.first for mo in moments]),
+        held=held,
+        deferred=np.array([mo.deferred for mo in moments], dtype=float),
+        grads=np.array([mo.grads for mo in moments], dtype=float),
+        in_flight=int(max(held.sum(axis=1) + (kinds == "F"))),
+    )
+
+
 def rank_peak_bytes(
     params: float,
     precision: str,
     distributed: bool,
     dp: int,
     chunks: list[ChunkPeaks],
-    moments: tuple[Moment, ...],
+    moments: MomentArrays,
     cuda_graph_bytes: float = 0.0,
 ) -> float:
     """Peak live bytes of a rank holding ``params`` parameter elements and its ``chunks``
     (in local order), over the ``moments`` of its schedule (module docstring)."""
     plain = not distributed  # the distributed optimizer's gradient buffer is persistent
-    peaks = [params * _precision(precision).grad * plain + optimizer_transient_bytes(params, precision, distributed, dp)]
-    for mo in moments:
-        c = chunks[mo.chunk]
-        held = sum(n * k.saved for n, k in zip(mo.held, chunks)) + sum(n * k.deferred for n, k in zip(mo.deferred, chunks))
-        held += plain * sum(k.grads for done, k in zip(mo.grads, chunks) if done)
-        if mo.kind == "F":
-            peaks.append(held + c.forward)
-        elif mo.kind == "W":
-            peaks.append(held + c.deferred + plain * mo.first * c.grads)
-        else:
-            peaks.append(held + (c.first_backward if plain and mo.first else c.later_backward))
-    in_flight = max(sum(mo.held) + (mo.kind == "F") for mo in moments)
-    return persistent_bytes(params, precision, distributed, dp) + max(peaks) + in_flight * cuda_graph_bytes
+    optimizer = params * _precision(precision).grad * plain + optimizer_transient_bytes(params, precision, distributed, dp)
+    saved, forward, first_backward, later_backward, deferred, grads = (
+        np.array([getattr(k, field) for k in chunks]) for field in ("saved", "forward", "first_backward", "later_backward", "deferred", "grads")
+    )  # fmt: skip
+    held = moments.held @ saved + moments.deferred @ deferred + plain * (moments.grads @ grads)
+    c = moments.chunk
+    backward = np.where(plain & moments.first, first_backward[c], later_backward[c])
+    own = np.where(moments.forward, forward[c], np.where(moments.weight, deferred[c] + plain * moments.first * grads[c], backward))
+    peak = max(optimizer, float((held + own).max()))
+    return persistent_bytes(params, precision, distributed, dp) + peak + moments.in_flight * cuda_graph_bytes

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -55,6 +56,7 @@ from autotp.cost_model.hardware import (
     profile_key,
 )
 from autotp.cost_model.memory import PRECISIONS
+from autotp.cost_model.moe_costs import ExpertParallelOption, moe_facts, with_expert_parallel
 from autotp.cost_model.step_estimate import Estimate, Training, best_estimate, estimate
 
 from autotp.ir.plan import DP_BUCKET_BYTES, KEPT_WHOLE_COMM, KeptWhole, ParallelPlan
@@ -128,11 +130,12 @@ def _expand_layers(costs: ModelCosts, names: tuple) -> tuple:
     return tuple(out)
 
 
-def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwareProfile) -> PlanEstimate:
-    """The ``ParallelPlan`` of an estimate, with its metrics."""
+def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwareProfile,
+            expert: ExpertParallelOption | None = None) -> PlanEstimate:  # fmt: skip
+    """The ``ParallelPlan`` of an estimate, with its metrics (and its expert parallelism)."""
     cfg = est.config
     rc: RankCosts = costs.rank(cfg.tp, est.replicate, training.gather_outputs, sequence_parallel=est.sequence_parallel,
-                               tp_overlap=est.tp_overlap)  # fmt: skip
+                               tp_overlap=est.tp_overlap, fp8=training.fp8)  # fmt: skip
     chunks = cfg.pp * cfg.vpp
     schedule = f", schedule {cfg.schedule}" if cfg.schedule else ""
     sequence = ""
@@ -163,6 +166,9 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
         distributed_optimizer=est.distributed_optimizer,
         hardware=profile_key(hw) or rc.plan.hardware,
     )
+    if expert is not None:
+        plan = replace(plan, ep=expert.ep, etp=1, moe_dispatch=expert.dispatch, moe_capacity_factor=expert.capacity_factor,
+                       notes=plan.notes + (f"expert parallelism {expert.describe()}",))  # fmt: skip
     return PlanEstimate(
         plan=plan,
         step_s=est.step_s,
@@ -225,9 +231,14 @@ def search(
     vpp: int | None = None,
     microbatch_size: int | None = None,
     top: int = 10,
+    progress: Callable[[str], None] | None = None,
+    expert_parallel: bool = True,
 ) -> PlanSearch:
     """The ``top`` fastest plans that fit in memory, best first (rules in the module
-    docstring), with the count of candidates dropped and why.
+    docstring), with the count of candidates dropped and why; ``progress`` is told each step.
+
+    With ``expert_parallel``, the MoE layers of each candidate spread their experts over ep
+    ranks where that is faster or needed to fit (``cost_model.moe_costs``).
 
     Raises ValueError when no plan fits (saying by how much the smallest misses) or the
     degrees cannot be laid out.
@@ -239,7 +250,9 @@ def search(
     splits: set[int] = set()  # tp degrees whose sequence parallelism splits the sequence
     refused: dict[int, str] = {}
     needs_split = bool(training.sequence_parallel or training.tp_overlap)
+    tell = progress or (lambda message: None)
     for t in sorted({c.tp for c in configs}):
+        tell(f"compiling the traced layers as a tp={t} rank")
         try:
             costs.rank(t, frozenset(), training.gather_outputs)
             usable.add(t)
@@ -253,7 +266,14 @@ def search(
             if tp is not None:
                 raise
             refused[t] = str(e)
+    tell(f"estimating {sum(c.tp in usable for c in configs)} candidate plans")
     estimates = [best_estimate(costs, cluster, training, c, splits=c.tp in splits, exact=False) for c in configs if c.tp in usable]
+    experts: dict[int, ExpertParallelOption] = {}
+    facts = moe_facts(costs) if expert_parallel else None
+    if facts is not None:
+        priced = [with_expert_parallel(facts, e, cluster, training, costs.seq) for e in estimates]
+        estimates = [e for e, _ in priced]
+        experts = {id(e): o for e, o in priced if o is not None}
     if not estimates:
         raise UserInputError("no tp degree splits this model: " + "; ".join(f"tp={t}: {why}" for t, why in refused.items()))
     capacity = cluster.hardware.usable_memory_bytes
@@ -268,7 +288,7 @@ def search(
             f"{least.mem_bytes_per_gpu / GiB:.1f} GiB per GPU, {(least.mem_bytes_per_gpu - capacity) / GiB:.1f} GiB more "
             f"than the {capacity / GiB:.1f} GiB usable; use more GPUs, the distributed optimizer, or a shorter sequence"
         )
-    plans = [to_plan(costs, training, e, cluster.hardware) for e in fitting[:top]]
+    plans = [to_plan(costs, training, e, cluster.hardware, experts.get(id(e))) for e in fitting[:top]]
     return PlanSearch(plans, len(configs), len(estimates) - len(fitting), refused, len(configs) - len(estimates))
 
 
@@ -293,22 +313,23 @@ def detect_hardware(device: torch.device) -> HardwareProfile:
 
 def auto_plan(
     costs: ModelCosts, world: int, *, tp: int | None = None, pp: int | None = None, vpp: int | None = None,
-    sequence_parallel: bool | None = None, tp_overlap: bool | None = None,
+    sequence_parallel: bool | None = None, tp_overlap: bool | None = None, fp8: str = "",
 ) -> ParallelPlan:  # fmt: skip
     """The planner's best plan for ``costs.gm`` (traced at the example inputs) on ``world`` local ranks.
 
     The example batch is the global batch and its sequence length the planned one.
     ``LOCAL_WORLD_SIZE`` ranks share a node; precision follows the parameters (fp32, or
     16-bit weights with a 16-bit AdamW). ``sequence_parallel`` and ``tp_overlap``: True or
-    False fix them, None lets the planner weigh both.
+    False fix them, None lets the planner weigh both. ``fp8``: the candidates' decoder GEMMs
+    run that FP8 recipe (priced as ``autotp.cost_model.fp8`` says).
     """
     hw, per_node, training = _local_setup(costs, world, costs.batch)
-    training = replace(training, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)
+    training = replace(training, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, fp8=fp8)
     return plan(costs, Cluster(world, per_node, hw), training, tp=tp, pp=pp, vpp=vpp, top=1)[0].plan
 
 
 def auto_sequence_parallel(costs: ModelCosts, chosen: ParallelPlan, *, sequence_parallel: bool | None = None,
-                           tp_overlap: bool | None = None) -> ParallelPlan:  # fmt: skip
+                           tp_overlap: bool | None = None, fp8: str = "") -> ParallelPlan:  # fmt: skip
     """``chosen`` with the sequence parallelism and overlap that the planner weighs best at its degrees
     (``best_estimate``); True or False fix either. A sequence that tp does not split runs without,
     unless either is True (then the sequence-parallel pass's ValueError says how to pad it)."""
@@ -319,9 +340,9 @@ def auto_sequence_parallel(costs: ModelCosts, chosen: ParallelPlan, *, sequence_
     config = Config(chosen.tp, chosen.pp, chosen.dp, chosen.vpp, max(1, costs.batch // (chosen.dp * m)), m)
     hw, per_node, training = _local_setup(costs, world, config.microbatch_size * m * chosen.dp)
     training = replace(training, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap,
-                       distributed_optimizer=chosen.distributed_optimizer)  # fmt: skip
+                       distributed_optimizer=chosen.distributed_optimizer, fp8=fp8)  # fmt: skip
     try:
-        costs.rank(chosen.tp, frozenset(), training.gather_outputs, sequence_parallel=True)
+        costs.rank(chosen.tp, frozenset(), training.gather_outputs, sequence_parallel=True, fp8=fp8)
         splits = True
     except ValueError:
         if sequence_parallel or tp_overlap:

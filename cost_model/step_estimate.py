@@ -78,7 +78,7 @@ from autotp.cost_model.dp_sync import grad_sync_s, sharded_optimizer_s, sharded_
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory
 from autotp.cost_model.memory import ChunkPeaks, bytes_per_param, chunk_peaks, grad_bytes_per_param, persistent_bytes, rank_peak_bytes
-from autotp.cost_model.memory import schedule_moments
+from autotp.cost_model.memory import moment_arrays
 from autotp.ir.errors import UserInputError
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER
 
@@ -100,6 +100,7 @@ class Training:
     overlap_param_gather: bool = True  # the distributed optimizer's all-gather hides behind the next forward
     sequence_parallel: bool | None = None  # with tp > 1 (``ParallelPlan.sequence_parallel``)
     tp_overlap: bool | None = None  # with sequence parallelism (``ParallelPlan.tp_overlap``)
+    fp8: str = ""  # the FP8 recipe of the decoder GEMMs ("": none; ``ParallelPlan.fp8``)
 
     def __post_init__(self) -> None:
         if self.tp_overlap and self.sequence_parallel is False:
@@ -149,8 +150,9 @@ def small_linears(costs: ModelCosts, tp: int, batch: int, hw: HardwareProfile) -
     )
 
 
+@functools.lru_cache(maxsize=256)
 def _chunk_layers(costs: ModelCosts, chunks: int) -> tuple[Counter, ...]:
-    """For each chunk, how many model layers of each traced layer it holds."""
+    """For each chunk, how many model layers of each traced layer it holds (cached)."""
     out: list[Counter] = [Counter() for _ in range(chunks)]
     for layer, chunk in enumerate(costs.layer_chunks(chunks)):
         out[chunk][costs.traced_index(layer)] += 1
@@ -183,7 +185,7 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
     hw = cluster.hardware
     per_node = min(cluster.gpus, cluster.gpus_per_node)
     rc = costs.rank(config.tp, v.replicate, training.gather_outputs, sequence_parallel=v.sequence_parallel,
-                    tp_overlap=v.tp_overlap)  # fmt: skip
+                    tp_overlap=v.tp_overlap, fp8=training.fp8)  # fmt: skip
     b, m, pp, vpp = config.microbatch_size, config.microbatches, config.pp, config.vpp
     chunks = pp * vpp
 
@@ -199,19 +201,24 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
     hop = p2p_s(hidden, hw.p2p_link if in_node else hw.inter_node)
     chunk_s, chunk_gpu, chunk_comm, chunk_mem, chunk_params = [], [], [], [], []
     layer_ids = {id(seg) for seg in rc.layers}
+    alike: dict[tuple, tuple] = {}  # chunks of the same layers, ends and neighbours cost the same
     for c, counts in enumerate(_chunk_layers(costs, chunks)):
-        parts = [(rc.layers[j], layers[j], n) for j, n in counts.items()] + [(seg, st, 1) for seg, st in ends.get(c, [])]
-        parts.append((rc.preamble, preamble, 1))
-        recv = hop * ((c > 0) + (c < chunks - 1))
-        grads = sum(n * seg.param_numel for seg, _, n in parts) * grad_bytes_per_param(training.precision)
-        accumulate = (m - 1) / m * 3 * grads / hw.memory_bytes_per_s
-        chunk_s.append(sum(n * st.total_s for _, st, n in parts) + recv + accumulate + hw.call_host_s)
-        chunk_gpu.append(sum(n * st.gpu_s for _, st, n in parts) + recv + accumulate)
-        chunk_comm.append(sum(n * st.comm_s for _, st, n in parts) + recv)
-        ordered = [(rc.preamble, 1)] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.embedding]
-        ordered += [(rc.layers[j], n) for j, n in sorted(counts.items())] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.head]
-        chunk_mem.append(tuple((seg.memory, n) for seg, n in ordered))
-        chunk_params.append([(seg.params, n, id(seg) in layer_ids) for seg, _, n in parts])
+        key = (tuple(sorted(counts.items())), c == 0, c == chunks - 1)
+        if key not in alike:
+            parts = [(rc.layers[j], layers[j], n) for j, n in counts.items()] + [(seg, st, 1) for seg, st in ends.get(c, [])]
+            parts.append((rc.preamble, preamble, 1))
+            recv = hop * ((c > 0) + (c < chunks - 1))
+            grads = sum(n * seg.param_numel for seg, _, n in parts) * grad_bytes_per_param(training.precision)
+            accumulate = (m - 1) / m * 3 * grads / hw.memory_bytes_per_s
+            ordered = [(rc.preamble, 1)] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.embedding]
+            ordered += [(rc.layers[j], n) for j, n in sorted(counts.items())] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.head]
+            alike[key] = (sum(n * st.total_s for _, st, n in parts) + recv + accumulate + hw.call_host_s,
+                          sum(n * st.gpu_s for _, st, n in parts) + recv + accumulate,
+                          sum(n * st.comm_s for _, st, n in parts) + recv,
+                          tuple((seg.memory, n) for seg, n in ordered),
+                          [(seg.params, n, id(seg) in layer_ids) for seg, _, n in parts])  # fmt: skip
+        for out, value in zip((chunk_s, chunk_gpu, chunk_comm, chunk_mem, chunk_params), alike[key]):
+            out.append(value)
     pipeline, bubble = pipeline_time_s(chunk_s, chunk_gpu, pp, vpp, m, config.schedule or "1f1b")
 
     dp_per_node = max(1, min(config.dp, per_node // config.tp))
@@ -243,10 +250,15 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
 
     def memory() -> float:
         peaks = [_chunk_peaks(parts, b) for parts in chunk_mem]
+        # Ranks holding the same bytes differ only in the microbatches in flight, which no schedule gives a later rank
+        # more of than an earlier one: the first rank of each such group has the group's peak.
+        first: dict[tuple, int] = {}
+        for r in range(pp):
+            first.setdefault((held[r][0], tuple(peaks[r::pp])), r)
         return max(
-            _rank_peak_bytes(held[r][0], training.precision, v.distributed, config.dp, tuple(peaks[r::pp]),
-                             (config.schedule, pp, vpp, m, r), training.cuda_graph_bytes)
-            for r in range(pp)
+            _rank_peak_bytes(params, training.precision, v.distributed, config.dp, peaks_r, (config.schedule, pp, vpp, m, r),
+                             training.cuda_graph_bytes)
+            for (params, peaks_r), r in first.items()
         )  # fmt: skip
 
     draft = Estimate(
@@ -284,7 +296,7 @@ def _rank_peak_bytes(params: int, precision: str, distributed: bool, dp: int, pe
                      schedule: tuple[str | None, int, int, int, int], cuda_graph_bytes: float) -> float:  # fmt: skip
     """``rank_peak_bytes`` of rank ``schedule[-1]`` of ``schedule_moments(*schedule)``, once per distinct input
     (variants whose chunks hold the same bytes, ranks holding the same chunks at the same moments)."""
-    return rank_peak_bytes(params, precision, distributed, dp, list(peaks), schedule_moments(*schedule), cuda_graph_bytes)
+    return rank_peak_bytes(params, precision, distributed, dp, list(peaks), moment_arrays(*schedule), cuda_graph_bytes)
 
 
 def _rank_params(chunks: list[list[tuple[dict[str, int], int, bool]]]) -> tuple[int, int]:

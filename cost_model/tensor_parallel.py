@@ -2,63 +2,259 @@
 
 The layout walk (``autotp.analysis.propagation``) proposes Megatron's column/row pairs,
 vocab-parallel embeddings and the vocab-parallel loss straight from the graph. This
-module decides what to keep:
+module decides what to keep, walking again until the proposal is sound:
 
-* Every proposal that leads to an op that needs the sharded dim whole (a softmax over
-  the MoE router's experts, a norm over a sharded hidden dim...) is dropped: those
-  parameters stay replicated, and the walk repeats until no conflict is left.
+* A reshape whose chosen output factor meets an op that cannot keep it sharded (timm's
+  ``reshape(B, N, 3, H, D)`` then ``unbind`` of the 3) is walked again with that factor
+  avoided (``ShardingConflict.retries``).
+* Any other proposal that leads to an op that needs the sharded dim whole (a softmax over
+  the MoE router's experts, an unbind of the heads...) is dropped: those parameters stay
+  whole (``KEPT_WHOLE_CONFLICT``, naming the node and op).
+* A sharded dim that tp does not split (a 10-class head at tp=4) keeps the parameters that
+  made it whole (``KEPT_WHOLE_INDIVISIBLE``). If that leaves a rank more than
+  ``MAX_SHARE_FACTOR``/tp of the parameters, the model cannot be sharded at this tp: a
+  ``UserInputError`` names the module, the op and the degrees that split it.
+* A norm over a sharded dim is computed from a tp-reduced statistic, or its producer is
+  kept whole, whichever ``layout_choice.footprint`` finds better; norms at the same place
+  of every layer decide together.
 * An embedding table is vocab-parallel only if each rank keeps at least
   ``MIN_EMBEDDING_ROWS_PER_RANK`` rows; smaller tables (token types) stay replicated,
   since their partial sum costs as much to reduce as the table saves.
+* The plan is walked once more as the passes will (``propagate(plan=...)``); a parameter
+  that walk cannot place is kept whole too, so the passes never refuse a plan made here.
+
+Every parameter left whole gets a ``KeptWhole`` entry with the node and op that decided
+it and its bytes (``KEPT_WHOLE_READ_WHOLE`` when its first use reads it whole).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+from dataclasses import replace
 
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
+from autotp.ir.op_facts import op_name
 from autotp.analysis.propagation import propagate
-from autotp.analysis.propagation_result import Propagation, check_divisible, param_sharding
-from autotp.ir.plan import KEPT_WHOLE_CONFLICT, KeptWhole, ParallelPlan, ParamLayout
-from autotp.ir.errors import UserInputError
+from autotp.analysis.propagation_result import NodeRole, Propagation, indivisible, param_sharding
+from autotp.cost_model.fused_loss import loss_chunk_tokens
+from autotp.cost_model.layout_choice import footprint
+from autotp.ir.errors import UserInputError, describe
+from autotp.ir.layouts import ShardingConflict
+from autotp.ir.plan import (
+    KEPT_WHOLE_CONFLICT,
+    KEPT_WHOLE_INDIVISIBLE,
+    KEPT_WHOLE_READ_WHOLE,
+    KeptWhole,
+    ParallelPlan,
+    ParamLayout,
+)
 
 MIN_EMBEDDING_ROWS_PER_RANK = 16
-MAX_PLANNING_ROUNDS = 16
+MAX_PLANNING_ROUNDS = 64
+MAX_SHARE_FACTOR = 1.3
+"""A rank holding more than this over tp of the parameters because tp cannot split them
+means the model cannot be sharded at that tp (the strict rule the tests apply)."""
+
+
+class _Search:
+    """Walks of one graph at one tp, and what they decided to keep whole and why."""
+
+    def __init__(self, gm: GraphModule, tp: int, replicate: set[str]) -> None:
+        self.gm, self.tp, self.replicate = gm, tp, replicate
+        self.params = dict(gm.named_parameters(remove_duplicate=False))
+        # every place that took a tp-reduced statistic in some walk (``choose_statistics``)
+        self.statistic_places: dict[tuple[str, str], frozenset[str]] = {}
+
+    def converge(self, no_statistic: frozenset[str], banned: dict[str, KeptWhole] | None = None) -> tuple[Propagation, dict[str, KeptWhole]]:
+        """Walk until no conflict and no indivisible dim is left; ``banned``: parameters kept
+        whole so far, with their entries."""
+        banned = dict(banned or {})
+        avoid: dict[str, frozenset[int]] = {}
+        tp = self.tp
+
+        def policy(name: str, kind: str, shape: tuple[int, ...]) -> bool:
+            if tp == 1 or name in banned or name in self.replicate:
+                return False
+            return shape[0] >= MIN_EMBEDDING_ROWS_PER_RANK * tp if kind == "vocab" else True
+
+        tried: set[tuple[str, int]] = set()
+        undo: tuple[dict[str, frozenset[int]], list[ShardingConflict]] | None = None
+        for _ in range(MAX_PLANNING_ROUNDS):
+            prop = propagate(self.gm, tp, policy=policy, avoid=avoid, statistics=lambda n: n.name not in no_statistic)
+            for place, names in _statistic_places(prop).items():
+                self.statistic_places[place] = self.statistic_places.get(place, frozenset()) | names
+            if undo is not None and len(prop.conflicts) >= len(undo[1]):
+                # the other factors did no better: take the choices back, keep the parameters whole
+                avoid, conflicts = undo
+                undo = None
+                for c in _first_kind(conflicts):
+                    self._ban(banned, c.origins, KEPT_WHOLE_CONFLICT, str(c), c.node)
+                continue
+            undo = None
+            if prop.conflicts:
+                retries = {r for c in prop.conflicts for r in c.retries} - tried
+                if retries:
+                    undo = (dict(avoid), list(prop.conflicts))
+                    for node_name, factor in retries:
+                        avoid[node_name] = avoid.get(node_name, frozenset()) | {factor}
+                    tried |= retries
+                    continue
+                for c in _first_kind(prop.conflicts):
+                    self._ban(banned, c.origins, KEPT_WHOLE_CONFLICT, str(c), c.node)
+                continue
+            bad = indivisible(prop)
+            if not bad:
+                return prop, banned
+            for b in bad:
+                self._ban(banned, b.origins, KEPT_WHOLE_INDIVISIBLE, f"dim {b.dim} of {describe(b.node)}: {b.why}", b.node)
+        raise AssertionError(f"layout planning did not converge in {MAX_PLANNING_ROUNDS} walks")
+
+    def _ban(self, banned: dict[str, KeptWhole], origins: Iterable[str], reason: str, detail: str, node: Node | None) -> None:
+        for name in sorted(set(origins) - self.replicate):
+            if name not in banned:
+                banned[name] = self.entry(name, reason, detail, node)
+        assert set(origins) - self.replicate, f"a conflict without a parameter to blame: {detail}"
+
+    def entry(self, name: str, reason: str, detail: str, node: Node | None) -> KeptWhole:
+        p = self.params[name]
+        return KeptWhole(name, reason, detail, node.name if node is not None else "", op_name(node.target) if node is not None else "",
+                         p.numel() * p.dtype.itemsize)  # fmt: skip
+
+    def choose_statistics(self, prop: Propagation, banned: dict[str, KeptWhole]) -> tuple[Propagation, dict[str, KeptWhole]]:
+        """Per place of the model (module path without layer numbers, and op), a tp-reduced
+        statistic or the producer kept whole, whichever ``footprint`` prefers: the better of
+        all statistics and none, then each place flipped in turn."""
+        if not self.statistic_places:
+            return prop, banned
+        places = list(self.statistic_places.values())
+        every = frozenset().union(*places)
+        best = (prop, banned, footprint(prop, self.gm), frozenset())
+        for no_statistic in [every] + [None] * len(places):
+            if no_statistic is None:
+                names = places.pop(0)
+                no_statistic = best[3] - names if names <= best[3] else best[3] | names
+            trial, trial_banned = self.converge(no_statistic)
+            fp = footprint(trial, self.gm)
+            if fp.better(best[2]):
+                best = (trial, trial_banned, fp, no_statistic)
+        return best[0], best[1]
+
+    def fit_plan(self, prop: Propagation, banned: dict[str, KeptWhole]) -> tuple[Propagation, dict[str, KeptWhole]]:
+        """Keep whole what the passes' walk of the plan cannot place, until it places all."""
+        for _ in range(MAX_PLANNING_ROUNDS):
+            try:
+                propagate(self.gm, self.tp, plan=_plan(prop, self.tp, ()))
+                return prop, banned
+            except UserInputError as e:
+                cause = e.__cause__
+                if not isinstance(cause, ShardingConflict):
+                    raise
+                self._ban(banned, cause.origins, KEPT_WHOLE_CONFLICT, str(cause), cause.node)
+                prop, banned = self.converge(frozenset(), banned)
+        raise AssertionError("the plan does not fit its own graph")
+
+
+def _generic(path: str) -> str:
+    """A module path or parameter name with its layer numbers dropped."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", path)
+
+
+def _place(node: Node) -> tuple[str, str]:
+    """Where a node is in the model, the same in every layer: module path and op."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    return (_generic(stack[-1][0]) if stack else "", op_name(node.target))
+
+
+def _statistic_places(prop: Propagation) -> dict[tuple[str, str], frozenset[str]]:
+    """Nodes that took a tp-reduced statistic, grouped by place."""
+    places: dict[tuple[str, str], set[str]] = {}
+    for node, role in prop.roles.items():
+        if role in (NodeRole.SHARDED_NORM, NodeRole.SHARDED_REDUCTION) and node.name in prop.statistics:
+            places.setdefault(_place(node), set()).add(node.name)
+    return {k: frozenset(v) for k, v in places.items()}
+
+
+def _first_kind(conflicts: list[ShardingConflict]) -> list[ShardingConflict]:
+    """The first conflict in graph order and its repeats in the other layers (same place,
+    same parameters up to layer numbers). Later conflicts may follow from the first one's
+    sharding, so they are only acted on if the next walk meets them again."""
+    def kind(c: ShardingConflict) -> tuple:
+        return (_place(c.node) if c.node is not None else None, frozenset(_generic(o) for o in c.origins))
+
+    first = kind(conflicts[0])
+    return [c for c in conflicts if kind(c) == first]
+
+
+def _plan(prop: Propagation, tp: int, kept: tuple[KeptWhole, ...]) -> ParallelPlan:
+    params = []
+    for name in sorted(prop.decisions):
+        found = param_sharding(prop, name)
+        if found is not None:
+            params.append(ParamLayout(name, *found))
+    return ParallelPlan(tp=tp, params=tuple(params), kept_whole=kept)
+
+
+def _check_shardable(search: _Search, prop: Propagation, banned: dict[str, KeptWhole]) -> None:
+    """Refuse a tp that leaves a rank more than MAX_SHARE_FACTOR/tp of the parameters
+    because tp cannot split them."""
+    tp, params = search.tp, search.params
+    unique = {id(p): (n, p) for n, p in params.items()}
+    total = sum(p.numel() for _, p in unique.values())
+    held = 0
+    for name, p in unique.values():
+        found = param_sharding(prop, name)
+        held += p.numel() if found is None else p.numel() // p.shape[found[1]] * found[2].local_size(tp)
+    stuck = [k for k in banned.values() if k.reason == KEPT_WHOLE_INDIVISIBLE]
+    stuck_numel = sum(params[k.name].numel() for k in stuck)
+    if not stuck or total == 0 or held <= MAX_SHARE_FACTOR / tp * total or held - stuck_numel * (1 - 1 / tp) > MAX_SHARE_FACTOR / tp * total:
+        return
+    worst = max(stuck, key=lambda k: k.bytes)
+    works = _working_degrees(search, worst)
+    raise UserInputError(
+        f"tp={tp} cannot shard this model: {worst.detail}, so {worst.name} and {len(stuck) - 1} other parameter(s) would "
+        f"stay whole on every rank ({held / total:.0%} of the model per rank). "
+        + (f"The smallest tp that splits it is {works[0]} (it splits at tp={', '.join(map(str, works))}). " if works else "")
+        + "Choose such a tp, or keep those parameters replicated with a smaller tp."
+    )
+
+
+def _working_degrees(search: _Search, entry: KeptWhole) -> list[int]:
+    """The degrees 2..2·tp at which planning shards ``entry``'s parameter."""
+    works = []
+    for t in range(2, 2 * search.tp + 1):
+        prop, _ = _Search(search.gm, t, search.replicate).converge(frozenset())
+        dec = prop.decisions.get(entry.name)
+        if dec is not None and dec.dim is not None:
+            works.append(t)
+    return works
 
 
 def plan_tensor_parallel(gm: GraphModule, tp: int, *, replicate: Iterable[str] = ()) -> ParallelPlan:
     """A ``ParallelPlan`` for ``tp`` ranks; ``replicate`` names parameters to keep whole."""
     if tp < 1:
         raise UserInputError(f"tp must be >= 1, got {tp}")
-    banned = set(replicate)
+    search = _Search(gm, tp, set(replicate))
+    prop, banned = search.converge(frozenset())
+    prop, banned = search.choose_statistics(prop, banned)
+    prop, banned = search.fit_plan(prop, banned)
+    _check_shardable(search, prop, banned)
+    sharded = {id(search.params[n]) for n, d in prop.decisions.items() if d.dim is not None and n in search.params}
+    # a parameter kept from being column-parallel may still be row-parallel behind a split input
+    kept = {n: k for n, k in banned.items() if id(search.params[n]) not in sharded}
+    planned = sharded | {id(search.params[n]) for n in kept}
+    if tp > 1:
+        for name, dec in prop.decisions.items():
+            p = search.params.get(name)
+            if p is None or id(p) in planned:
+                continue  # a tied weight is planned under its other name
+            if dec.dim is None and name not in search.replicate and p.numel() > 1:
+                where = f"its first use, {describe(dec.node)}, reads it whole" if dec.node is not None else "no op reads it"
+                kept[name] = search.entry(name, KEPT_WHOLE_READ_WHOLE, where, dec.node)
+                planned.add(id(p))
+    order = {KEPT_WHOLE_CONFLICT: 0, KEPT_WHOLE_INDIVISIBLE: 0}
+    entries = sorted(kept.values(), key=lambda k: (order.get(k.reason, 1), -k.bytes, k.name))
+    plan = _plan(prop, tp, tuple(entries))
+    return replace(plan, loss_chunk_tokens=loss_chunk_tokens(gm, tp, {p.name for p in plan.params if p.dim == 0}))
 
-    def policy(name: str, kind: str, shape: tuple[int, ...]) -> bool:
-        if tp == 1 or name in banned:
-            return False
-        if kind == "vocab":
-            return shape[0] >= MIN_EMBEDDING_ROWS_PER_RANK * tp
-        return True
-
-    prop: Propagation | None = None
-    blocked: dict[str, str] = {}  # parameter -> the first conflict that made it replicated
-    for _ in range(MAX_PLANNING_ROUNDS):
-        prop = propagate(gm, tp, policy=policy)
-        if not prop.conflicts:
-            break
-        for c in prop.conflicts:
-            for name in c.origins - banned:
-                blocked.setdefault(name, str(c))
-        new = set().union(*(c.origins for c in prop.conflicts)) - banned
-        assert new, f"conflicts without a parameter to blame: {prop.conflicts[0]}"
-        banned |= new
-    assert prop is not None and not prop.conflicts, "layout planning did not converge"
-    check_divisible(prop, gm)
-    params = []
-    for name in sorted(prop.decisions):
-        found = param_sharding(prop, name)
-        if found is not None:
-            kind, dim, sharding = found
-            params.append(ParamLayout(name, kind, dim, sharding))
-    kept = tuple(KeptWhole(n, KEPT_WHOLE_CONFLICT, blocked[n]) for n in sorted(banned - set(replicate)))
-    return ParallelPlan(tp=tp, params=tuple(params), kept_whole=kept)

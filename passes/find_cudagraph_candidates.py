@@ -51,7 +51,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autotp.ir.op_facts import mutated_base
-from autotp.ir import meta_keys, ops
+from autotp.ir import meta_keys, moe_ops, ops
 from autotp.ir import schedules
 from autotp.ir.errors import source_line
 from autotp.passes.runner import PassContext
@@ -73,6 +73,7 @@ _SIZE_READS = {
 _BOOL_READS = {aten.equal.default, aten.is_nonzero.default}
 _COPIES = {aten.to.dtype_layout, aten.to.device, aten.to.prim_Device, aten._to_copy.default, aten.copy_.default, aten.copy.default}
 _CAPTURABLE_BACKENDS = {"nccl"}
+_DROPLESS_CAPACITY_ARG = {moe_ops.MOE_TO_EXPERTS: 3, moe_ops.MOE_FROM_EXPERTS: 4}  # where their capacity (0: dropless) is
 
 
 def _opaque_syncs() -> dict[Any, str]:
@@ -131,6 +132,8 @@ def _host_sync_reason(node: Node, opaque: dict[Any, str]) -> str | None:
         return f"{target.__name__.split('.')[0]} reads its output size on the host"
     if target in _BOOL_READS:
         return f"{target.__name__.split('.')[0]} returns a Python bool"
+    if target in _DROPLESS_CAPACITY_ARG and not node.args[_DROPLESS_CAPACITY_ARG[target]]:
+        return "dropless expert dispatch reads the rows per expert on the host to size its all-to-all (moe_dispatch='sync_free' does not)"
     if target is aten.where.default:
         return "one-argument where (nonzero) reads its output size on the host"
     if target in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default):

@@ -10,12 +10,15 @@ looking for sharing; ``cancel_collectives`` merges the duplicates afterwards.
   output is not replicated; backward, the grads that the ranks compute from their
   shards are partial and f sums them.
 * f over the replica group: on parameters that several ranks hold whole (KV heads
-  replicated when tp > num_key_value_heads), so their partial grads are summed.
-* ``gather_from_tp``: on sharded graph outputs, so the user sees full tensors.
+  replicated when tp > num_key_value_heads), so their partial grads are summed; on the
+  replicated segments only of a fused weight whose other segments are split.
+* ``gather_from_tp``: on sharded graph outputs, so the user sees full tensors (put back in
+  global order when the split has segments or replicated blocks).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -25,10 +28,9 @@ from autotp.ir import meta_keys, ops
 from autotp.ir.axes import replica_group_key
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import shape_of
-from autotp.ir.layouts import PARTIAL, REPLICATE, Layout, resolve
+from autotp.ir.layouts import PARTIAL, REPLICATE, DimSharding, Layout, fixed_var, resolve
 from autotp.ir.op_facts import CollectiveTag
 from autotp.passes.runner import PassContext
-from autotp.ir.errors import UserInputError
 
 aten = torch.ops.aten
 
@@ -115,18 +117,54 @@ def _split_row_bias(gm: GraphModule, node: Node, key: str, tp: int) -> None:
 
 
 def _sync_replicated_blocks(gm: GraphModule, ctx: PassContext) -> None:
-    graph = gm.graph
+    graph, tp = gm.graph, ctx.plan.tp
     for node in list(graph.nodes):
         if node.op != "get_attr":
             continue
         layout = ctx.plan.layout_of(str(node.target))
-        if layout is None or layout.sharding.replicas(ctx.plan.tp) == 1 or not node.meta.get(meta_keys.NEEDS_GRAD):
+        if layout is None or layout.sharding.replicas(tp) == 1 or not node.meta.get(meta_keys.NEEDS_GRAD):
             continue
-        replicas = layout.sharding.replicas(ctx.plan.tp)
-        with graph.inserting_after(node):
-            f = graph.call_function(ops.COPY_TO_TP, (node, replica_group_key(ctx.group, replicas)), name="copy_to_tp")
-        annotate_collective(f, node, node.meta.get(meta_keys.LAYOUT), CollectiveTag.ALL_REDUCE_BACKWARD, replicas)
-        node.replace_all_uses_with(f, delete_user_cb=lambda u: u is not f)
+        sharding = layout.sharding
+        replicas = [max(tp // g, 1) for g in sharding.groups]
+        if len(set(replicas)) == 1:
+            with graph.inserting_after(node):
+                f = graph.call_function(ops.COPY_TO_TP, (node, replica_group_key(ctx.group, replicas[0])), name="copy_to_tp")
+            annotate_collective(f, node, node.meta.get(meta_keys.LAYOUT), CollectiveTag.ALL_REDUCE_BACKWARD, replicas[0])
+            node.replace_all_uses_with(f, delete_user_cb=lambda u: u is not f)
+            continue
+        _sync_replicated_segments(gm, node, layout, replicas, ctx.group, tp)
+
+
+def _sync_replicated_segments(gm: GraphModule, node: Node, layout: Any, replicas: list[int], group: str, tp: int) -> None:
+    """A fused weight whose segments are held differently (query heads split, one KV head
+    replicated): the grads of each replicated segment are summed over its replica group
+    only, so the weight is split into its local segments, f is put on the replicated ones,
+    and they are joined again."""
+    graph, sharding, dim = gm.graph, layout.sharding, layout.dim
+    lengths = [seg // g * max(g // tp, 1) for seg, g in zip(sharding.segments, sharding.groups)]
+    val = node.meta["val"]
+    with graph.inserting_after(node):
+        split = graph.call_function(aten.split_with_sizes.default, (node, lengths, dim))  # the local pieces
+    split.meta["val"] = torch.split(val, list(sharding.segments), dim)
+    parts, prev = [], split
+    for i, (seg, g, reps) in enumerate(zip(sharding.segments, sharding.groups, replicas)):
+        seg_layout = Layout(((dim, fixed_var(DimSharding(seg, (seg,), (g,), axis=sharding.axis), layout.name)),))
+        with graph.inserting_after(prev):
+            part = graph.call_function(operator.getitem, (split, i))
+        part.meta["val"], part.meta[meta_keys.LAYOUT] = split.meta["val"][i], seg_layout
+        part.meta[meta_keys.NEEDS_GRAD] = True
+        prev = part
+        if reps > 1:
+            with graph.inserting_after(part):
+                f = graph.call_function(ops.COPY_TO_TP, (part, replica_group_key(group, reps)), name="copy_to_tp")
+            annotate_collective(f, part, seg_layout, CollectiveTag.ALL_REDUCE_BACKWARD, reps)
+            part, prev = f, f
+        parts.append(part)
+    with graph.inserting_after(prev):
+        joined = graph.call_function(aten.cat.default, (parts, dim))
+    joined.meta.update({k: v for k, v in node.meta.items() if k in ("val", meta_keys.LAYOUT, meta_keys.NEEDS_GRAD)})
+    split.meta[meta_keys.LAYOUT] = tuple(p.meta[meta_keys.LAYOUT] for p in parts)
+    node.replace_all_uses_with(joined, delete_user_cb=lambda u: u is not split)
 
 
 def _gather_outputs(gm: GraphModule, key: str, tp: int) -> None:
@@ -140,9 +178,41 @@ def _gather_outputs(gm: GraphModule, key: str, tp: int) -> None:
         assert shape is not None
         value = arg
         for d, var in lay.dims:
-            if resolve(var, tp).replicas(tp) != 1:
-                raise UserInputError(f"graph output '{arg.name}' holds replicated blocks; it cannot be gathered")
+            sharding = resolve(var, tp)
+            contiguous = sharding.padded or (len(sharding.segments) == 1 and sharding.replicas(tp) == 1)
+            size = shape[d] if contiguous else sharding.local_size(tp) * tp
             with graph.inserting_before(out_node):
-                value = graph.call_function(ops.GATHER_FROM_TP, (value, d, shape[d], key), name="gather_from_tp")
+                value = graph.call_function(ops.GATHER_FROM_TP, (value, d, size, key), name="gather_from_tp")
             annotate_collective(value, arg, REPLICATE, CollectiveTag.ALL_GATHER, tp)
+            if not contiguous:
+                value = _in_global_order(graph, value, d, sharding, tp, out_node)
         out_node.replace_input_with(arg, value)
+
+
+def _in_global_order(graph: Any, gathered: Node, d: int, sharding: DimSharding, tp: int, before: Node) -> Node:
+    """The ranks' pieces (rank order, each rank's segments in local order) put back in
+    global order, each range taken from the first rank that holds it; backward, the other
+    holders get no gradient, and the replica groups sum what the first one gets."""
+    local, pieces, seen = sharding.local_size(tp), [], set()
+    for rank in range(tp):
+        offset = rank * local
+        for start, stop in sharding.ranges(rank, tp):
+            if (start, stop) not in seen:
+                seen.add((start, stop))
+                pieces.append((start, stop, offset))
+            offset += stop - start
+    pieces.sort()
+    assert [p[0] for p in pieces] == [0] + [p[1] for p in pieces[:-1]] and pieces[-1][1] == sharding.size
+    val = gathered.meta["val"]
+    gathered.meta["val"] = val.new_empty([local * tp if i == d else s for i, s in enumerate(val.shape)])
+    with graph.inserting_before(before):
+        parts = [graph.call_function(aten.slice.Tensor, (gathered, d, at, at + stop - start)) for start, stop, at in pieces]
+        joined = graph.call_function(aten.cat.default, (parts, d))
+    for node in (*parts, joined):
+        node.meta.update({k: v for k, v in gathered.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        node.meta[meta_keys.LAYOUT] = REPLICATE
+        node.meta[meta_keys.NEEDS_GRAD] = gathered.meta.get(meta_keys.NEEDS_GRAD, False)
+    for node, (start, stop, _) in zip(parts, pieces):
+        node.meta["val"] = val.narrow(d, start, stop - start)
+    joined.meta["val"] = val
+    return joined

@@ -1,5 +1,5 @@
 """Rewrite the shape constants that sharding changes (views, expands, split sizes,
-slice bounds).
+slice bounds, ``repeat_interleave`` counts, the ``groups`` of a depthwise convolution).
 
 ``torch.export`` bakes concrete sizes into ``view``/``reshape``/``expand`` arguments,
 some of which count heads or hidden features. Every dim that the layout pass marked as
@@ -10,17 +10,19 @@ left to be inferred.
 from __future__ import annotations
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from autotp.analysis.local_shapes import local_sizes, local_slice_bounds, local_tensors
 from autotp.ir import meta_keys
-from autotp.ir.layouts import Layout
+from autotp.analysis.shapes import schema_arg
+from autotp.ir.layouts import Layout, local_size
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten
 _SHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
               aten.broadcast_to.default}
 _SPLIT_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+_CONVOLUTIONS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default}
 
 
 def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -33,6 +35,16 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 continue
             shape = [local[d] if d in local and s != -1 else s for d, s in enumerate(node.args[1])]
             node.args = (node.args[0], shape, *node.args[2:])
+        elif meta_keys.REPEAT_FIXUP in node.meta:
+            out, source = node.meta[meta_keys.REPEAT_FIXUP]
+            repeats = local_size(out, tp) // local_size(source, tp)
+            node.args = (node.args[0], repeats, *node.args[2:3])
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "output_size"}
+        elif node.target in _CONVOLUTIONS:
+            _local_groups(node, tp)
+        elif meta_keys.INDEX_AS_SLICE in node.meta:
+            start, end = local_slice_bounds(node, tp)
+            node.target, node.args, node.kwargs = aten.slice.Tensor, (node.args[0], node.meta[meta_keys.INDEX_AS_SLICE], start, end), {}
         elif meta_keys.SLICE_FIXUP in node.meta:
             start, end = local_slice_bounds(node, tp)
             node.args = (node.args[0], node.args[1], start, end, *node.args[4:])
@@ -52,3 +64,22 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 node.target = aten.split_with_sizes.default
                 node.args = (node.args[0], sizes, d)
     return gm
+
+
+def _local_groups(node: Node, tp: int) -> None:
+    """A depthwise convolution over split channels has one group per local channel."""
+    x = node.args[0]
+    lay = x.meta.get(meta_keys.LAYOUT)
+    groups = schema_arg(node, "groups", 1)
+    if not isinstance(lay, Layout) or lay.var_at(1) is None or groups == 1:
+        return
+    channels = x.meta["val"].shape[1]
+    local = groups * local_size(lay.var_at(1), tp) // channels
+    position = [a.name for a in node.target._schema.arguments].index("groups")
+    args = list(node.args) + [None] * (position + 1 - len(node.args))
+    defaults = {a.name: a.default_value for a in node.target._schema.arguments}
+    for i in range(len(node.args), position):
+        args[i] = node.kwargs.get(node.target._schema.arguments[i].name, defaults[node.target._schema.arguments[i].name])
+    args[position] = local
+    node.args = tuple(args)
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k not in {a.name for a in node.target._schema.arguments[: position + 1]}}

@@ -2,10 +2,11 @@
 
 A pass is a plain function ``pass_fn(gm, ctx) -> gm``. After each pass the runner lints
 the graph and every graph module inside it (the chunk graphs of ``autotp.ir.program``),
-recompiles them, checks the invariants of ``autotp.passes.invariants`` on each, logs the
-change in op counts over all of them (``logging`` at DEBUG) and, with ``ctx.dump_dir``,
-writes ``NN_<pass>.py``: the graph's code, then each inner graph's. A failure names the
-pass that broke the graph and the ones that ran before it.
+checks the invariants of ``autotp.passes.invariants`` on each, logs the change in op counts
+over all of them (``logging`` at DEBUG) and, with ``ctx.dump_dir``, recompiles them and
+writes ``NN_<pass>.py``: the graph's code, then each inner graph's. The code is otherwise
+generated once, after the last pass (passes read and rewrite graphs, never their code). A
+failure names the pass that broke the graph and the ones that ran before it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class PassContext:
     between passes (``autotp.cost_model.cudagraphs.choose_cudagraph_regions``); the passes
     after one read the decision from it. ``param_buckets`` is a DistributedOptimizer's
     bucket layout, whose all-gathers ``insert_param_waits`` makes the graphs wait for.
+    ``outputs_read`` names the output keys the caller reads (``train_step``: ``("loss",)``);
+    empty: all of them (``passes/drop_unread_outputs``). ``ep_rank`` is the rank's place in
+    its expert-parallel group (which experts of a loop over expert modules it computes).
     """
 
     plan: ParallelPlan
@@ -55,6 +59,8 @@ class PassContext:
     timings: dict[str, float] = field(default_factory=dict)
     backend: str = "nccl"
     param_buckets: BucketLayout | None = None
+    outputs_read: tuple[str, ...] = ()
+    ep_rank: int = 0
 
     def __post_init__(self) -> None:
         self.group = self.group or group_key(Axis.TP, self.plan.tp)
@@ -85,8 +91,8 @@ def _diff(before: Counter[str], after: Counter[str]) -> str:
 
 def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> GraphModule:
     """Run ``passes`` in order on ``gm``, which the caller hands over: passes may rewrite
-    it in place. After each pass: lint, recompile, check ``INVARIANTS``, log the op-count
-    change; a failure names the pass and the passes that ran before it."""
+    it in place. After each pass: lint, check ``INVARIANTS``, log the op-count change; a
+    failure names the pass and the passes that ran before it. Recompiled once at the end."""
     done: list[str] = []
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -100,7 +106,8 @@ def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> Gra
             graphs = _graphs(gm)
             for _, g in graphs:
                 g.graph.lint()
-                g.recompile()
+                if ctx.dump_dir is not None:
+                    g.recompile()
             problems = [f"{name + ': ' if name else ''}{problem}" for name, g in graphs for check in INVARIANTS for problem in check(g)]
             if problems:
                 shown = "\n  ".join(problems[:10])
@@ -117,4 +124,6 @@ def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> Gra
         counts = after
         if ctx.dump_dir is not None:
             (ctx.dump_dir / f"{i:02d}_{name}.py").write_text(_code(gm))
+    for _, g in _graphs(gm):
+        g.recompile()
     return gm

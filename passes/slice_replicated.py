@@ -3,7 +3,8 @@
 A per-head vector, an ALiBi-like bias or a buffer of full size combined with a tensor
 sharded on that dim (``meta_keys.LOCAL_SLICES``): the op reads ``slice``s of the
 operand covering the global ranges this rank holds (``DimSharding.ranges``), joined by
-``cat`` when there are several. The new nodes carry the sharded layout, so
+``cat`` when there are several; on a padded (vocabulary) dim the last rank's slice is
+zero-padded to the local size (a per-vocabulary vector scaling vocab-parallel logits). The new nodes carry the sharded layout, so
 ``insert_collectives`` puts f before them when the operand is trainable: the ranks'
 grads of their slices are summed into the full grad. A partial operand (a per-head bias
 looked up in a vocab-parallel table) is all-reduced before the slices, not after.
@@ -25,10 +26,17 @@ def slice_replicated(gm: GraphModule, ctx: PassContext) -> GraphModule:
     graph, tp = gm.graph, ctx.plan.tp
     for node in list(graph.nodes):
         for source, dim, var in node.meta.get(meta_keys.LOCAL_SLICES, []):
-            ranges = resolve(var, tp).ranges(ctx.tp_rank, tp)
+            sharding = resolve(var, tp)
+            ranges = sharding.ranges(ctx.tp_rank, tp)
             with graph.inserting_before(node):
                 parts = [graph.call_function(aten.slice.Tensor, (source, dim, start, stop)) for start, stop in ranges]
                 local = parts[0] if len(parts) == 1 else graph.call_function(aten.cat.default, (parts, dim))
+                short = sum(stop - start for start, stop in ranges) - sum(min(stop, sharding.size) - min(start, sharding.size) for start, stop in ranges)
+                if short:
+                    ndim = source.meta["val"].dim()
+                    widths = [0, 0] * (ndim - 1 - dim % ndim) + [0, short]
+                    local = graph.call_function(aten.constant_pad_nd.default, (local, widths, 0.0))
+                    parts.append(local)
             for new in {*parts, local}:
                 _annotate(new, source, shard({dim: var}))
             reduce = node.meta.get(meta_keys.REDUCE_INPUTS, [])

@@ -130,7 +130,7 @@ def _fuse_all_gather(graph: Graph, ag: Node, impl: str) -> None:
     x, dim, tp, group = ag.args
     full = ag.meta["val"]
     with graph.inserting_before(first):
-        weights = [_transposed_weight(graph, c.weight) if c.transpose else c.weight for c in consumers]
+        weights = [transposed_weight(graph, c.weight) if c.transpose else c.weight for c in consumers]
         fused = graph.call_function(ops.ALL_GATHER_MATMUL, (x, weights, dim, tp, group, impl), name="all_gather_matmul")
     vals, layouts = [full], [ag.meta.get(meta_keys.LAYOUT)]
     for c in consumers:
@@ -158,7 +158,7 @@ def _fuse_all_gather(graph: Graph, ag: Node, impl: str) -> None:
     graph.erase_node(ag)
 
 
-def _transposed_weight(graph: Graph, weight: Node) -> Node:
+def transposed_weight(graph: Graph, weight: Node) -> Node:
     """``t(weight)``: a linear's [N, K] weight in the ops' [K, N] matmul layout."""
     t = graph.call_function(aten.t.default, (weight,))
     t.meta["val"] = weight.meta["val"].t()
@@ -200,7 +200,7 @@ def _fuse_reduce_scatter(graph: Graph, rs: Node, impl: str) -> None:
     x, weight, transpose, gone = found
     with graph.inserting_before(rs):
         if transpose:
-            weight = _transposed_weight(graph, weight)
+            weight = transposed_weight(graph, weight)
         fused = graph.call_function(ops.MATMUL_REDUCE_SCATTER, ([x], [weight], dim, tp, group, impl), name="matmul_reduce_scatter")
     fused.meta.update(rs.meta)
     _copy_site(fused, gone[1] if len(gone) > 1 else gone[0])  # the GEMM

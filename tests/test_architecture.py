@@ -1,4 +1,4 @@
-"""The package structure that README's "Reading the code" table promises.
+"""The package structure that the "Reading the code" table of docs/architecture.md promises.
 
 * Imports form one DAG of layers: ``ir`` <- ``analysis`` <- ``passes`` <- ``cost_model``
   <- ``compiler`` (and the leaf ``presets``) <- ``runtime`` <- ``api`` <- ``report`` <- ``cli``.

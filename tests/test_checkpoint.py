@@ -296,3 +296,21 @@ def test_meta_model_without_checkpoint_is_initialized_by_its_own_init() -> None:
                            r1["llama"]["local"]["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
     # nn.Linear's kaiming init of the row-parallel down projection uses the global fan-in (128), not the shard's (64)
     assert 0.08 < r0["plain_down_max"] <= 128**-0.5
+
+
+def test_parallelize_on_meta_leaves_the_global_rng_alone() -> None:
+    # Initializing a meta model seeds its own stream per module; the caller's stream must go on
+    # as if parallelize had not run, so that shuffles and seed sweeps after it differ by seed.
+    import autotp
+
+    draws = []
+    for seed in (1, 2):
+        with torch.device("meta"):
+            meta = build("llama")
+        ids = torch.zeros(2, 8, dtype=torch.long)
+        torch.manual_seed(seed)
+        state = torch.get_rng_state()
+        autotp.parallelize(meta, tp=1, example_inputs={"input_ids": ids})
+        assert torch.equal(torch.get_rng_state(), state), f"parallelize changed the global RNG state (seed {seed})"
+        draws.append(torch.randint(0, 1000, (3,)).tolist())
+    assert draws[0] != draws[1]

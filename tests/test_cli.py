@@ -17,9 +17,9 @@ def _autotp(*args: str) -> subprocess.CompletedProcess[str]:
 def test_run_trains_and_matches_the_unparallelized_loss() -> None:
     result = _autotp("run", "--tp", "2", "--steps", "2")
     assert result.returncode == 0, result.stderr
-    assert re.search(r"^step 1  loss \d+\.\d{4}$", result.stdout, re.MULTILINE), result.stdout
-    assert re.search(r"^step 2  loss \d+\.\d{4}$", result.stdout, re.MULTILINE), result.stdout
-    diff = re.search(r"step-1 loss vs unparallelized model: .* \(\|diff\| (\S+)\)", result.stdout)
+    assert re.search(r"^step 1  loss \d+\.\d{4}  lr \S+  \S+ tokens/s  MFU \S+%$", result.stdout, re.MULTILINE), result.stdout
+    assert re.search(r"^step 2  loss \d+\.\d{4}  lr \S+  \S+ tokens/s  MFU \S+%$", result.stdout, re.MULTILINE), result.stdout
+    diff = re.search(r"step-1 loss vs the unparallelized model on the same batch and weights: .* \(\|diff\| (\S+)\)", result.stdout)
     assert diff is not None, result.stdout
     assert float(diff.group(1)) < 1e-4
     assert re.search(r"all-reduces per rank graph: \d+ forward, \d+ backward", result.stdout)
@@ -48,3 +48,51 @@ def test_ranks_and_schedule_commands(capsys: pytest.CaptureFixture[str]) -> None
     assert capsys.readouterr().out.split()[:11] == "1 1 1 1 2 2 2 2 1 1 1".split()
     assert main(["schedule", "--pp", "4", "--microbatches", "2", "--rank", "0"]) == 2
     assert "1F1B needs at least as many microbatches" in capsys.readouterr().err
+
+
+def _config_folder(folder, weights: str | None):
+    """A folder with a tiny Llama's config.json and, by ``weights``, its weights as
+    ``pytorch_model.bin`` (a format autotp does not read) or none."""
+    import torch
+    from autotp import presets
+
+    model = presets.build_model("llama-tiny", device="cpu")
+    model.config.save_pretrained(folder)
+    if weights == "bin":
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    return folder
+
+
+@pytest.mark.parametrize("weights", ["bin", None])
+def test_run_refuses_a_folder_without_safetensors(tmp_path, weights, capsys: pytest.CaptureFixture[str]) -> None:
+    # It trained randomly initialized weights without a word: the trained ones were ignored.
+    folder = _config_folder(tmp_path / "model", weights)
+    assert main(["run", "--model", str(folder), "--tp", "1", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert str(folder) in err and "safetensors" in err and "--random-init" in err
+    if weights == "bin":
+        assert "pytorch_model.bin" in err
+
+
+def test_run_random_init_says_so(tmp_path) -> None:
+    folder = _config_folder(tmp_path / "model", None)
+    result = _autotp("run", "--model", str(folder), "--tp", "1", "--steps", "1", "--random-init")
+    assert result.returncode == 0, result.stderr
+    assert "from random weights" in result.stderr
+    assert re.search(r"^step 1  loss \d+\.\d{4}  lr \S+  \S+ tokens/s  MFU \S+%$", result.stdout, re.MULTILINE), result.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
+        (["check", "llama-tiny", "--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
+        (["convert", "src", "dst", "--tp", "0"], "--tp must be at least 1, got 0"),
+        (["convert", "src", "dst", "--timeout", "-1"], "--timeout must be a positive number of seconds, got -1"),
+    ],
+)
+def test_degrees_and_timeouts_are_checked_by_name(argv, message, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err

@@ -74,3 +74,34 @@ def test_segments_replicated_on_some_ranks_count_once() -> None:
     # dp replicas of an all-reduced gradient count on dp rank 0 only; a tied weight on its first stage
     assert NormCounting(plan, 0, 0, 1, layouts, {}).ranges("norm.weight", 64) == []
     assert NormCounting(plan, 0, 1, None, layouts, {"norm.weight": [0, 1]}).ranges("norm.weight", 64) == []
+
+
+def _drift_then_step(rank: int, world: int) -> list[str]:
+    import logging
+
+    import autotp
+
+    warnings: list[str] = []
+
+    class Record(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("autotp").addHandler(Record(logging.WARNING))
+    model = build("llama")
+    ids = torch.randint(0, vocab_size(model), (2, 8), generator=torch.Generator().manual_seed(3))
+    pm = autotp.parallelize(model, tp=2, example_inputs={"input_ids": ids, "labels": ids})
+    pm.check_replicas_every = 2
+    if rank == 1:  # what torch.nn.utils.clip_grad_norm_(pm.parameters()) does to a replicated weight
+        with torch.no_grad():
+            pm.get_parameter("model.norm.weight").mul_(0.5)
+    for _ in range(4):
+        pm.train_step(input_ids=ids, labels=ids)
+    return [w for w in warnings if "replicated over the tp ranks differ" in w]
+
+
+def test_train_step_checks_the_replicas_every_n_steps() -> None:
+    # Without pm.clip_grad_norm_ nothing compared the replicas: they drifted silently.
+    for warnings in run_on_ranks(_drift_then_step, 2):
+        assert len(warnings) == 2, warnings  # steps 1 and 3 of 4, with check_replicas_every = 2
+        assert all("model.norm.weight" in w for w in warnings)

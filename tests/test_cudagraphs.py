@@ -2,7 +2,8 @@
 boundaries, the cost model, splitting a graph at its regions, and what capture records.
 
 The golden files are ``explain_cudagraphs(..., "json")`` without ``cudagraph_impl``
-(which depends on whether Transformer Engine is installed). After an intended change,
+(which depends on whether Transformer Engine is installed) and without what the trace
+alone decides (``tests/goldens.py``). After an intended change,
 regenerate them with ``AUTOTP_UPDATE_GOLDEN=1 python -m pytest -q tests/test_cudagraphs.py``
 and review the diff. GPU capture is tested in ``test_cudagraphs_gpu.py``.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,9 +33,9 @@ from autotp.passes.split_cudagraph_regions import region_split
 from autotp.passes.runner import PassContext
 from autotp.ir.plan import ParallelPlan
 from distributed import run_on_ranks
+from goldens import check_golden
 from small_models import build, vocab_size
 
-GOLDEN = Path(__file__).parent / "golden"
 GOLDEN_CASES = [
     ("llama-tiny", 1, "bfloat16"),
     ("gpt2-tiny", 1, "bfloat16"),
@@ -49,11 +49,7 @@ GOLDEN_CASES = [
 def test_report_matches_golden(model: str, pp: int, dtype: str) -> None:
     report = json.loads(explain_cudagraphs(model, 2, pp, 0, "json", seq=32, dtype=dtype))
     assert report.pop("cudagraph_impl") in (cudagraphs.TORCH, cudagraphs.TRANSFORMER_ENGINE)
-    out = json.dumps(report, indent=2) + "\n"
-    golden = GOLDEN / f"cudagraphs_{model}_tp2_pp{pp}_{dtype}.json"
-    if os.environ.get("AUTOTP_UPDATE_GOLDEN") == "1":
-        golden.write_text(out)
-    assert out == golden.read_text(), f"regenerate with AUTOTP_UPDATE_GOLDEN=1 if intended: {golden}"
+    check_golden(f"cudagraphs_{model}_tp2_pp{pp}_{dtype}.json", report)
 
 
 def test_dense_models_are_one_region_on_nccl() -> None:

@@ -19,7 +19,7 @@ from small_models import build, vocab_size
 TOLERANCE = 1e-6
 
 
-def _compare(rank: int, world: int, pp: int, sp: bool) -> dict[str, dict[str, Any]]:
+def _compare(rank: int, world: int, pp: int, sp: bool, compile_: bool = False) -> dict[str, dict[str, Any]]:
     import autotp
     from autotp.report.cudagraphs import cudagraph_report
 
@@ -30,8 +30,10 @@ def _compare(rank: int, world: int, pp: int, sp: bool) -> dict[str, dict[str, An
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, vocab_size(model), (4, 32), generator=gen).cuda()
         batch = {"input_ids": ids, "labels": ids}
-        eager = autotp.parallelize(copy.deepcopy(model), tp=world // pp, pp=pp, example_inputs=batch, sequence_parallel=sp)
-        graphed = autotp.parallelize(model, tp=world // pp, pp=pp, example_inputs=batch, cuda_graphs=True, sequence_parallel=sp)
+        eager = autotp.parallelize(copy.deepcopy(model), tp=world // pp, pp=pp, example_inputs=batch, sequence_parallel=sp,
+                                   compile=compile_)  # fmt: skip
+        graphed = autotp.parallelize(model, tp=world // pp, pp=pp, example_inputs=batch, cuda_graphs=True, sequence_parallel=sp,
+                                     compile=compile_)  # fmt: skip
         optimizers = [torch.optim.SGD(pm.parameters(), lr=0.1) for pm in (eager, graphed)]
         worst: dict[str, Any] = {"loss": 0.0, "grad": 0.0}
         for _ in range(3):
@@ -64,3 +66,16 @@ def test_captured_training_matches_eager(tp: int, pp: int, sp: bool) -> None:
             assert r["regions"] >= 1, (name, r)
             assert r["loss"] <= TOLERANCE and r["grad"] <= TOLERANCE and r["logits"] <= TOLERANCE, (name, r)
             assert list(r["slots"].values()) == [pp - stage], (name, r)  # one capture per microbatch in flight
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2)])
+def test_captured_compiled_training_matches_compiled(tp: int, pp: int) -> None:
+    """compile=True with cuda_graphs=True replays the compiled regions: equal to compile=True alone."""
+    if torch.cuda.device_count() < tp * pp:
+        pytest.skip(f"needs {tp * pp} CUDA GPUs, found {torch.cuda.device_count()}")
+    for rank, rank_results in enumerate(spawn_ranks(_compare, tp * pp, pp, False, True, backend="nccl", timeout_s=600)):
+        for name, r in rank_results.items():
+            print(f"compiled tp={tp} pp={pp} rank {rank}", name, r)
+            assert r["regions"] >= 1, (name, r)
+            assert r["loss"] <= TOLERANCE and r["grad"] <= TOLERANCE and r["logits"] <= TOLERANCE, (name, r)

@@ -167,7 +167,8 @@ def _bad_input(rank: int, world: int) -> dict:
 
 
 def test_bad_input_is_refused_with_the_fix() -> None:
-    r = run_on_ranks(_bad_input, 2)[0]
+    results = run_on_ranks(_bad_input, 2)
+    r = results[0]
     m = r["messages"]
     assert "LBFGS cannot be sharded over dp" in m["class"] and "AdamW" in m["class"] and "SGD" in m["class"]
     assert "tensor 0 of param group 0 (shape (3,), torch.float32) is not a parameter of this ParallelModel" in m["foreign"]
@@ -180,6 +181,7 @@ def test_bad_input_is_refused_with_the_fix() -> None:
     assert "schedule 'zbh1' adds the linear weight gradients outside autograd" in m["zbh1"] and "'1f1b'" in m["zbh1"]
     assert r["replayed"]
     assert any("dp=1 shards nothing" in line for line in r["dp1_log"])
+    assert not any("shards nothing" in line for line in results[1]["dp1_log"])  # said once, by rank 0
 
 
 def _bf16(rank: int, world: int) -> dict:

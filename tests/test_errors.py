@@ -309,3 +309,33 @@ def test_torchrun_prints_a_user_error_once(tmp_path: Path) -> None:
     assert len(errors) == 1 and errors[0].startswith("autotp: error on rank "), errors
     assert f"{script}:8" in errors[0] and "traceback in " in errors[0]
     assert "def forward" not in output and len(output.splitlines()) < 80
+
+
+def test_traceback_logs_do_not_pile_up(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from autotp.runtime import launcher
+
+    monkeypatch.setattr(launcher.tempfile, "gettempdir", lambda: str(tmp_path))
+    written = [launcher._write_log(rank, f"traceback {rank}") for rank in range(launcher.KEPT_LOGS + 8)]
+    kept = sorted(launcher.log_folder().glob("*.log"))
+    assert len(kept) == launcher.KEPT_LOGS and written[-1] in kept and written[-1].read_text().endswith(str(launcher.KEPT_LOGS + 7))
+    assert list(tmp_path.glob("*.log")) == []  # all in one folder, not scattered over the temp folder
+
+
+_RETRACE_1D = """
+import torch, autotp
+from autotp.ir.errors import UserInputError
+from autotp.presets import build_model
+model = build_model("llama-tiny", device="cpu", dtype=torch.float32)
+ids = torch.zeros((2, 16), dtype=torch.long)
+pm = autotp.parallelize(model, tp=1, example_inputs={"input_ids": ids, "labels": ids})
+try:
+    pm(input_ids=ids[0], labels=ids[0])
+except UserInputError as e:
+    print(e)
+"""
+
+
+def test_a_retrace_that_fails_prints_one_error_not_the_fake_tensor_log() -> None:
+    done = subprocess.run([sys.executable, "-c", _RETRACE_1D], capture_output=True, text=True, timeout=300, check=True)
+    assert "argument 'input_ids' is int64 with 1 dims" in done.stdout, done.stdout
+    assert "failed while attempting to run meta" not in done.stderr and "Traceback" not in done.stderr, done.stderr[:2000]

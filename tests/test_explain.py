@@ -1,15 +1,13 @@
 """``autotp explain`` and the FLOP counts behind it: golden JSON, tables, pipelines, errors.
 
-The golden files are the exact ``--format json`` output. After an intended change,
-regenerate them with ``AUTOTP_UPDATE_GOLDEN=1 python -m pytest -q tests/test_explain.py``
-and review the diff.
+The golden files are the ``--format json`` output less what the trace alone decides
+(``tests/goldens.py``). After an intended change, regenerate them with
+``AUTOTP_UPDATE_GOLDEN=1 python -m pytest -q tests/test_explain.py`` and review the diff.
 """
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +16,8 @@ from autotp import compile_rank, presets
 from autotp.cli import main
 from autotp.cost_model.flops import TensorInfo, global_tensors, node_cost, op_name
 from autotp.cost_model.graph_costs import build_report
+from goldens import check_golden
 
-GOLDEN = Path(__file__).parent / "golden"
 
 
 def _explain(capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -30,10 +28,7 @@ def _explain(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 @pytest.mark.parametrize("model", ["llama-tiny", "gpt2-small"])
 def test_explain_json_matches_golden(model: str, capsys: pytest.CaptureFixture[str]) -> None:
     out = _explain(capsys, model, "--tp", "2", "--seq", "128", "--format", "json")
-    golden = GOLDEN / f"explain_{model}_tp2.json"
-    if os.environ.get("AUTOTP_UPDATE_GOLDEN") == "1":
-        golden.write_text(out)
-    assert out == golden.read_text(), f"regenerate with AUTOTP_UPDATE_GOLDEN=1 if intended: {golden}"
+    check_golden(f"explain_{model}_tp2.json", json.loads(out))
 
 
 def test_llama_decoder_layers_meet_megatrons_minimum(capsys: pytest.CaptureFixture[str]) -> None:
@@ -158,3 +153,14 @@ def test_grouped_mm_and_embedding_costs() -> None:
     (out,) = global_tensors(embedding)
     assert node_cost(embedding).flops == 0
     assert node_cost(embedding).bytes == 16 * 8 + 2 * out.nbytes  # int64 ids, rows read, output written
+
+
+def test_sequence_parallel_table_counts_reduce_scatters(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _explain(capsys, "llama-tiny", "--tp", "2", "--seq", "64", "--sequence-parallel")
+    header = next(line for line in out.splitlines() if line.startswith("layer"))
+    assert header.split()[:12] == ["layer", "fwd", "AR", "bwd", "AR", "fwd", "AG", "bwd", "AG", "fwd", "RS", "bwd"]
+    each = next(line for line in out.splitlines() if line.startswith("0-1 (each)")).split()
+    # per decoder layer: the all-reduces became 2 reduce-scatters and 2 all-gathers, each the other's backward
+    assert each[2:8] == ["0", "2", "2", "2", "2", "2"] and "RS reduce-scatter" in out
+    plain = _explain(capsys, "llama-tiny", "--tp", "2", "--seq", "64")
+    assert "RS" not in plain

@@ -49,7 +49,8 @@ def test_registry_architectures_match_at_tp2(arch: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from sweep_registry import _check_on_rank as sweep_check
 
-    assert run_on_ranks(sweep_check, 2, arch, timeout_s=500)[0]["tp2"] == ""
+    result = run_on_ranks(sweep_check, 2, arch, "tp2", timeout_s=500)[0]
+    assert result.equal, result.reason
 
 
 @pytest.mark.parametrize(("arch", "share"), [("granitemoe", 0.85), ("hy_v4", 0.25)])
@@ -61,8 +62,7 @@ def test_concatenations_of_other_ranks_keep_the_sharding(arch: str, share: float
     from sweep_registry import _inputs, build
 
     model = build(arch)
-    ids, labels = _inputs()
-    plan = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": labels}).plan
+    plan = autotp.compile_rank(model, tp=2, example_inputs=_inputs()).plan
     sharded = {p.name for p in plan.params}
     total = sum(p.numel() for p in model.parameters())
     assert sum(p.numel() for n, p in model.named_parameters() if n in sharded) / total >= share

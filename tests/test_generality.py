@@ -14,7 +14,7 @@ from distributed import run_on_ranks
 from general_models import VOCAB, build_general
 
 RTOL, ATOL = 1e-4, 1e-6
-SHARDED = ["exact_function", "per_head_scale", "per_head_bias", "einsum", "expert_loop", "buffer", "cache", "no_grad_scorer"]
+SHARDED = ["exact_function", "custom_function", "per_head_scale", "per_head_bias", "einsum", "expert_loop", "buffer", "cache", "no_grad_scorer"]
 
 
 def _check_on_rank(rank: int, world: int, names: list[str], tp: int, pp: int) -> dict[str, float]:
@@ -128,14 +128,21 @@ def test_per_head_vector_follows_the_heads() -> None:
             assert {f"blocks.{i}.{param}" for i in range(2)} <= sharded
 
 
-def test_custom_autograd_function_is_refused_with_its_name() -> None:
+def test_custom_autograd_function_runs_its_own_backward_sharded() -> None:
+    """A straight-through estimator (backward: the identity; its forward's derivative: zero) is
+    one elementwise node between the sharded up and down projections, also when traced under
+    no_grad (the graph may later train); the multi-rank check is SHARDED's "custom_function"."""
     import autotp
+    from autotp.ir import ops
 
     ids = torch.randint(0, VOCAB, (2, 8))
-    with pytest.raises(ValueError, match=r"_Router in module blocks\.0 \(CustomFunctionBlock\)"):
-        autotp.compile_rank(build_general("custom_function"), tp=2, example_inputs={"input_ids": ids, "labels": ids})
-    with torch.no_grad(), pytest.raises(ValueError, match="_Router"):  # the graph may later train
-        autotp.compile_rank(build_general("custom_function"), tp=2, example_inputs={"input_ids": ids})
+    for grad_mode in (torch.enable_grad, torch.no_grad):
+        with grad_mode():
+            compiled = autotp.compile_rank(build_general("custom_function"), tp=2, example_inputs={"input_ids": ids, "labels": ids})
+        functions = [n for n in compiled.graph.graph.nodes if n.target is ops.ELEMENTWISE_FUNCTION]
+        assert [n.args[2] for n in functions] == ["general_models._Router"] * 2
+        sharded = {p.name for p in compiled.plan.params}
+        assert {f"blocks.{i}.{w}.weight" for i in range(2) for w in ("up", "down")} <= sharded
 
 
 def test_encoder_decoder_is_refused_plainly() -> None:

@@ -11,7 +11,7 @@ from autotp.runtime.launcher import spawn_ranks
 from small_models import build, vocab_size
 
 # bf16 keeps 8 bits of mantissa: compare by relative norm, the way bf16 kernels are judged.
-# Measured on 2x/4x H200 (README "Equivalence on NCCL"): loss <= 6e-6, logits <= 0.7 %,
+# Measured on 2x/4x H200 (docs/results.md, "Equivalence on NCCL"): loss <= 6e-6, logits <= 0.7 %,
 # gradients <= 1.2 %; the bounds leave ~10x on the loss, ~2x on logits and gradients.
 LOSS_REL_TOL = 6e-5
 LOGITS_REL_TOL = 1.4e-2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -183,12 +184,17 @@ def _run(*argv: str) -> int:
 def test_plan_command_table(capsys: pytest.CaptureFixture[str]) -> None:
     args = ("plan", "llama3-8b", "--gpus", "16", "--gpus-per-node", "8", "--hardware", "h100", "--global-batch", "64", "--seq", "2048")
     assert _run(*args, "--top", "3", "--explain") == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "tracing one decoder layer" in captured.err and "candidate plans" in captured.err  # progress, not silence
     lines = out.splitlines()
     assert lines[0].startswith("llama3-8b on 16 x H100 (2 nodes of 8), global batch 64 x 2048 tokens")
     assert lines[1].split() == ["#", "tp", "pp", "dp", "vpp", "mbs", "m", "step", "s", "tokens/s", "MFU", "GiB/GPU", "bubble", "comm", "dist-opt", "SP", "overlap"]
     assert [l.split()[0] for l in lines[2:5]] == ["1", "2", "3"]
-    assert "tp all-reduce time per layer" in out and "bubble, interleaved 1f1b" in out
+    assert "tp all-reduce time per layer" in out and "bubble / compute, interleaved 1f1b" in out
+    # --explain agrees with the table: the bytes of the step it assumed, and what its bubble column is
+    assert re.search(r"bytes per parameter, bf16-fp32-grads \(distributed optimizer\)\s+6 \+ 12/d ", out), out
+    assert "bytes per parameter, bf16 (" not in out and "the table's bubble column" in out
     assert "training step (dist-opt yes/needed): bf16-fp32-grads" in out
     assert "6 + 12/dp bytes per parameter (2 param, 4 grad, 4 fp32 master + 8 Adam state sharded over dp" in out
 

@@ -103,6 +103,11 @@ class NormOverShardedDim(nn.Module):
         return self.down(self.norm(self.up(x)))
 
 
+class SoftmaxOverShardedDim(NormOverShardedDim):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(x).softmax(-1))
+
+
 class Stack(nn.Module):
     """Embedding, two numbered layers, a head: the layer rule's test model."""
 
@@ -237,25 +242,47 @@ def test_policy_can_forbid_the_vocab_table() -> None:
     assert NodeRole.VOCAB_EMBEDDING not in prop.roles.values()
 
 
-def test_norm_over_a_sharded_dim_is_a_conflict_blamed_on_its_producer() -> None:
+def test_norm_over_a_sharded_dim_takes_a_tp_reduced_statistic() -> None:
     gm = _trace(NormOverShardedDim(), x=_x())
     prop = propagate(gm, 2)
-    (conflict,) = prop.conflicts
-    assert "normalizes over a sharded dim" in str(conflict)
-    assert conflict.origins == {"up.weight"}
+    assert not prop.conflicts
     (norm,) = _nodes(gm, aten.layer_norm.default)
-    assert prop.layout(norm) == REPLICATE  # the walk goes on as if replicated
+    assert prop.roles[norm] is NodeRole.SHARDED_NORM and prop.layout(norm).describe(2) == "Shard(2:32/64)"
+    assert _kinds(prop) == {
+        "up.weight": ("column", 0), "up.bias": ("bias", 0), "norm.weight": ("bias", 0), "norm.bias": ("bias", 0),
+        "down.weight": ("row", 1), "down.bias": ("replicate", None),
+    }  # fmt: skip
+    # forbidden there, it is a conflict blamed on the producer
+    forbidden = propagate(gm, 2, statistics=lambda n: n is not norm)
+    (conflict,) = forbidden.conflicts
+    assert conflict.origins == {"up.weight"} and conflict.statistic == norm.name
+    # the planner keeps the statistic: the MLP stays sharded
+    plan = plan_tensor_parallel(gm, 2)
+    assert {p.name: p.kind for p in plan.params} == {
+        "up.weight": "column", "up.bias": "bias", "norm.weight": "bias", "norm.bias": "bias", "down.weight": "row",
+    }  # fmt: skip
+
+
+def test_op_that_needs_a_sharded_dim_whole_is_a_conflict_blamed_on_its_producer() -> None:
+    gm = _trace(SoftmaxOverShardedDim(), x=_x())
+    prop = propagate(gm, 2)
+    (conflict,) = prop.conflicts
+    assert "needs a sharded dim whole" in str(conflict)
+    assert conflict.origins == {"up.weight"}
+    (softmax,) = _nodes(gm, aten._softmax.default, aten.softmax.int)
+    assert prop.layout(softmax) == REPLICATE  # the walk goes on as if replicated
     # the planner replicates the culprit and walks again
     plan = plan_tensor_parallel(gm, 2)
     assert {p.name: p.kind for p in plan.params} == {"down.weight": "column", "down.bias": "bias"}
-    (kept,) = plan.kept_whole
-    assert (kept.name, kept.reason) == ("up.weight", KEPT_WHOLE_CONFLICT) and kept.detail.startswith("node")
+    kept = {k.name: k for k in plan.kept_whole}
+    assert kept["up.weight"].reason == KEPT_WHOLE_CONFLICT and kept["up.weight"].node == softmax.name
+    assert kept["up.weight"].op == "softmax" and kept["up.weight"].bytes == 4 * D * D * 4
 
 
 def test_a_plan_that_does_not_fit_is_a_value_error() -> None:
-    gm = _trace(NormOverShardedDim(), x=_x())
+    gm = _trace(SoftmaxOverShardedDim(), x=_x())
     bad = plan_tensor_parallel(_trace(MLP(), x=_x()), 2)  # shards up.* like the failing walk
-    with pytest.raises(ValueError, match="the plan does not fit the graph at .*layer_norm"):
+    with pytest.raises(ValueError, match="the plan does not fit the graph at .*softmax"):
         propagate(gm, 2, plan=bad)
 
 

@@ -222,3 +222,18 @@ def test_dump_and_explain_show_the_overlapped_collectives() -> None:
         assert c["all_gather"]["forward"] == c["reduce_scatter"]["forward"] == 2, c
         assert c["all_gather"]["backward"] == c["reduce_scatter"]["backward"] == 2, c
         assert c["all_reduce"]["forward"] == 0, c
+
+
+def test_the_plan_records_the_overlap_that_runs() -> None:
+    # A gloo (or CPU) rank runs the P2P ring whatever the plan asked for; pm.plan said symm_mem.
+    from autotp import compiler
+
+    model = build("llama")
+    ids = torch.randint(0, vocab_size(model), (2, SEQ))
+    planned = compiler.plan_model(model, {"input_ids": ids}, "cpu", tp=2, pp=1, dp=1, vpp=1, plan=None,
+                                  sequence_parallel=True, tp_overlap=True)  # fmt: skip
+    assert planned.plan.tp_overlap_impl == "symm_mem"
+    on_gloo = compiler.lower(planned.traced, planned.plan, device="cpu", backend="gloo")
+    assert on_gloo.plan.tp_overlap_impl == "ring"
+    assert all(n.args[-1] == "ring" for n in on_gloo.graph.graph.nodes if n.target in (ops.ALL_GATHER_MATMUL, ops.MATMUL_REDUCE_SCATTER))
+    assert compiler.lower(planned.traced, planned.plan, device="meta", backend="nccl").plan.tp_overlap_impl == "symm_mem"

@@ -3,7 +3,8 @@
 A rule is ``rule(walker, node) -> layout`` (a tuple of layouts for multi-output ops).
 ``rule_for`` looks a target up in ``RULES`` by overload; an op missing there is
 elementwise if it carries ``torch.Tag.pointwise``, a grouped (expert) matmul if
-``autotp.ir.op_facts`` says so, and otherwise opaque (``Walker.opaque``: replicated inputs only).
+``autotp.ir.op_facts`` says so, and otherwise derived from DTensor's strategy or opaque
+(``Walker.visit``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import Node
 
+from autotp.analysis import index_rules as indexing
+from autotp.analysis import reshape_rules as reshapes
 from autotp.analysis import shape_rules as shapes
 from autotp.analysis import sharding_policy as params
+from autotp.analysis import statistic_rules as statistics
 from autotp.analysis import value_rules as values
 from autotp.ir.op_facts import is_grouped_matmul
 from autotp.analysis.propagation_result import ParamView
+from autotp.ir import ops
 
 if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker
@@ -49,6 +54,14 @@ def _view_like(w: Walker, n: Node) -> Any:
     return src if isinstance(src, ParamView) else values.pointwise(w, n, [n.args[0]])
 
 
+def _elementwise_function(w: Walker, n: Node) -> Any:
+    """A custom Function proven elementwise (``custom_functions``): of one parameter alone it
+    stays that parameter's undecided view, like a cast (weight fake-quantization); else pointwise."""
+    inputs = list(n.args[0])
+    src = w.get(inputs[0])
+    return src if len(inputs) == 1 and isinstance(src, ParamView) else values.pointwise(w, n, inputs)
+
+
 _VIEW_LIKE = (
     aten.alias.default,
     aten.detach.default,
@@ -61,7 +74,6 @@ _VIEW_LIKE = (
     aten.type_as.default,
     aten.lift_fresh_copy.default,
 )
-_SUM_LIKE = (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default)
 _FACTORIES_LIKE = (aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
 
 RULES: dict[Any, Rule] = {
@@ -75,14 +87,27 @@ RULES: dict[Any, Rule] = {
     aten.embedding.default: params.embedding,
     aten.cross_entropy_loss.default: params.cross_entropy,
     aten.einsum.default: params.einsum,
+    aten.conv1d.default: params.convolution,
+    aten.conv2d.default: params.convolution,
+    aten.conv3d.default: params.convolution,
+    aten.convolution.default: params.convolution,
+    ops.ELEMENTWISE_FUNCTION: _elementwise_function,
     # shape ops
-    aten.view.default: shapes.reshape,
-    aten.reshape.default: shapes.reshape,
-    aten._unsafe_view.default: shapes.reshape,
-    aten.flatten.using_ints: shapes.reshape,
-    aten.unflatten.int: shapes.reshape,
+    aten.view.default: reshapes.reshape,
+    aten.reshape.default: reshapes.reshape,
+    aten._unsafe_view.default: reshapes.reshape,
+    aten.flatten.using_ints: reshapes.reshape,
+    aten.unflatten.int: reshapes.reshape,
+    aten.view_as_complex.default: reshapes.view_as_complex,
+    aten.view_as_real.default: reshapes.view_as_real,
+    aten.repeat_interleave.self_int: reshapes.repeat_interleave,
     aten.expand.default: shapes.expand,
     aten.broadcast_to.default: shapes.expand,
+    aten.expand_as.default: shapes.expand_as,
+    aten.tril.default: shapes.dims_whole,
+    aten.triu.default: shapes.dims_whole,
+    aten.flip.default: shapes.dims_whole,
+    aten.roll.default: shapes.dims_whole,
     aten.unsqueeze.default: shapes.unsqueeze,
     aten.squeeze.dim: shapes.squeeze,
     aten.squeeze.dims: shapes.squeeze,
@@ -100,20 +125,42 @@ RULES: dict[Any, Rule] = {
     aten.unbind.int: shapes.split,
     aten.cat.default: shapes.cat,
     aten.stack.default: shapes.cat,
-    aten.index.Tensor: shapes.index,
+    aten.concat.default: shapes.cat,
+    aten.concatenate.default: shapes.cat,
+    aten.constant_pad_nd.default: shapes.pad,
+    aten.pad.default: shapes.pad,
+    # indexing
+    aten.index.Tensor: indexing.index,
+    aten.index_select.default: indexing.index_select,
+    aten.gather.default: indexing.gather,
+    aten.index_put.default: indexing.index_put,
+    aten.index_put_.default: indexing.index_put,
+    aten.index_add.default: indexing.index_add,
+    aten.index_add_.default: indexing.index_add,
+    aten.scatter.src: indexing.scatter,
+    aten.scatter.value: indexing.scatter,
+    aten.scatter_.src: indexing.scatter,
+    aten.scatter_.value: indexing.scatter,
+    aten.scatter_add.default: indexing.scatter,
+    aten.scatter_add_.default: indexing.scatter,
     # values
     aten.scaled_dot_product_attention.default: values.sdpa,
-    aten.layer_norm.default: values.norm,
-    aten.native_layer_norm.default: values.norm,
-    aten.rms_norm.default: values.norm,
+    aten.layer_norm.default: statistics.norm,
+    aten.native_layer_norm.default: statistics.norm,
+    aten.rms_norm.default: statistics.norm,
     aten.dropout.default: values.dropout,
     aten.where.self: values.pointwise,
-    # elementwise, though not tagged so: the fill value is a 0-d tensor or a scalar
+    # elementwise, though not tagged so (composite ops, a 0-d fill value)
     aten.masked_fill.Tensor: values.pointwise,
+    aten.log_sigmoid.default: values.pointwise,
+    aten.polar.default: values.pointwise,
+    aten.floor_divide.default: values.pointwise,
+    aten.__and__.Tensor: values.pointwise,
+    aten.__or__.Tensor: values.pointwise,
     aten.where.ScalarOther: values.pointwise,
     aten.where.ScalarSelf: values.pointwise,
     aten.where.Scalar: values.pointwise,
-    **{op: values.reduction for op in _SUM_LIKE},
+    **{op: statistics.reduction for op in statistics.REDUCTIONS},
     **{op: values.needs_whole_dim for op in values.DIM_OPS},
     **{op: values.like_factory for op in _FACTORIES_LIKE},
 }

@@ -11,11 +11,16 @@ The engine (this module) walks the traced graph once, in order, and gives every 
   any other use replicates it. ``policy`` may forbid sharding a parameter.
 * In *fixed* mode (``plan`` given) every parameter's layout is read from the plan.
 
-Ops that cannot keep a sharded input sharded (a norm over the sharded dim, a softmax
-over the router's experts, a slice of a sharded dim...) record a ``ShardingConflict``
-naming the parameters that caused it; the conflicting output is treated as replicated
-so the walk goes on and finds every conflict in one sweep. The planner then stops
-sharding those parameters and walks again.
+An op with no rule in ``op_rules`` takes the sharding strategy DTensor registers for it
+(``dtensor_rules``) when that keeps its inputs where they are, and is opaque otherwise
+(its inputs must be replicated).
+
+Ops that cannot keep a sharded input sharded (a softmax over the router's experts, an
+unbind of a sharded dim...) record a ``ShardingConflict`` naming the parameters that
+caused it and the reshape choices behind it; the conflicting output is treated as
+replicated so the walk goes on and finds every conflict in one sweep. The planner
+(``cost_model.tensor_parallel``) then walks again with other reshape choices, or stops
+sharding those parameters. In fixed mode a conflict is an error: the plan does not fit.
 
 Partial tensors stay partial through ops that are linear in them (add of two partials,
 mul/div by a replicated tensor, views, sums, row gathers) as long as each partial value
@@ -35,9 +40,10 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
+from autotp.analysis.dtensor_rules import dtensor_rule
 from autotp.analysis.op_rules import rule_for
 from autotp.analysis.partials import PartialSums
-from autotp.analysis.propagation_result import ParamDecision, ParamView, Propagation, ShardPolicy
+from autotp.analysis.propagation_result import ParamDecision, ParamView, Propagation, ShardPolicy, StatisticPolicy
 from autotp.analysis.shapes import is_float, replicated_like
 from autotp.ir.errors import UserInputError, describe
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, fixed_var, shard
@@ -46,13 +52,28 @@ from autotp.ir.plan import ParallelPlan
 
 class Walker:
     """One walk over a graph: the layouts so far and the parameter decisions. Rules
-    (``op_rules``) read and decide through it."""
+    (``op_rules``) read and decide through it.
 
-    def __init__(self, gm: GraphModule, tp: int, plan: ParallelPlan | None, policy: ShardPolicy | None) -> None:
+    ``avoid`` maps a reshape node's name to output factors it must not shard
+    (``reshape_rules._split``); ``statistics`` decides whether a reduction or norm over a
+    sharded dim may use a tp-reduced statistic at a node (always, with a plan).
+    """
+
+    def __init__(
+        self,
+        gm: GraphModule,
+        tp: int,
+        plan: ParallelPlan | None,
+        policy: ShardPolicy | None,
+        avoid: dict[str, frozenset[int]] | None = None,
+        statistics: StatisticPolicy | None = None,
+    ) -> None:
         self.gm = gm
         self.tp = tp
         self.plan = plan
         self.policy = policy or (lambda name, kind, shape: True)
+        self.avoid = avoid or {}
+        self.allow_statistic: StatisticPolicy = statistics if plan is None and statistics is not None else (lambda node: True)
         self.out = Propagation(tp)
         self.partials = PartialSums(self.out.layouts, self.out.reduce_inputs)
         self.params: dict[str, torch.nn.Parameter] = dict(gm.named_parameters(remove_duplicate=False))
@@ -89,10 +110,18 @@ class Walker:
             return REPLICATE
         return lay
 
+    def summed(self, arg: Any, node: Node) -> Layout:
+        """Layout of an input that ``node`` needs as a whole value: a partial one is
+        all-reduced first (and read as replicated)."""
+        lay = self.concrete(arg, node)
+        self.reduce_first(node, [arg])
+        return REPLICATE if lay.partial else lay
+
     def decide(self, name: str, dec: ParamDecision, node: Node) -> None:
         prev = self.out.decisions.get(name)
         if prev is not None:
             raise AssertionError(f"{name} decided twice at {node.name}")
+        dec.node = dec.node or node
         self.out.decisions[name] = dec
 
     def param_view_shard(self, view: ParamView, view_dim: int, var: DimVar, kind: str, node: Node) -> None:
@@ -117,6 +146,9 @@ class Walker:
             try:
                 lay = self.visit(node)
             except ShardingConflict as c:
+                c.node = node
+                if not c.retries:  # a reshape's choice of factor behind an input may be to blame
+                    c.retries = self.input_choices(node)
                 if self.plan is not None:
                     raise UserInputError(f"the plan does not fit the graph at {describe(node)}: {c}") from c
                 self.out.conflicts.append(c)
@@ -127,6 +159,16 @@ class Walker:
             for name in self.params:
                 self.out.decisions.setdefault(name, ParamDecision("replicate"))
         return self.out
+
+    def input_choices(self, node: Node) -> frozenset[tuple[str, int]]:
+        """The reshape choices (``DimVar.made_by``) behind the sharded inputs of ``node``."""
+        found = set()
+        for a in node.all_input_nodes:
+            lay = self.out.layouts.get(a)
+            for l in lay if isinstance(lay, tuple) else (lay,):
+                if isinstance(l, Layout):
+                    found |= {v.find().made_by for _, v in l.dims if v.find().made_by is not None}
+        return frozenset(found)
 
     def grad_of(self, node: Node) -> bool:
         if node.op == "get_attr":
@@ -165,7 +207,10 @@ class Walker:
                 return src[node.args[1]]
             return self.opaque(node)
         rule = rule_for(node.target)
-        return rule(self, node) if rule is not None else self.opaque(node)
+        if rule is not None:
+            return rule(self, node)
+        derived = dtensor_rule(self, node)
+        return derived if derived is not None else self.opaque(node)
 
     def opaque(self, node: Node) -> Any:
         """Unknown op: fine on replicated inputs; partial inputs are reduced first."""
@@ -173,13 +218,19 @@ class Walker:
         for a in inputs:
             lay = self.concrete(a, node)
             if lay.dims:
-                raise ShardingConflict(f"{describe(node)} does not accept a sharded input", lay.origins())
+                raise ShardingConflict(f"{describe(node)} does not accept a sharded input", lay.origins(), tuple(v for _, v in lay.dims))
         self.reduce_first(node, inputs)
         return replicated_like(node)
 
 
 def propagate(
-    gm: GraphModule, tp: int, *, plan: ParallelPlan | None = None, policy: ShardPolicy | None = None
+    gm: GraphModule,
+    tp: int,
+    *,
+    plan: ParallelPlan | None = None,
+    policy: ShardPolicy | None = None,
+    avoid: dict[str, frozenset[int]] | None = None,
+    statistics: StatisticPolicy | None = None,
 ) -> Propagation:
     """Walk ``gm`` once; see the module docstring for the two modes."""
-    return Walker(gm, tp, plan, policy).run()
+    return Walker(gm, tp, plan, policy, avoid, statistics).run()

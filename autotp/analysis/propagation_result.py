@@ -23,6 +23,12 @@ class NodeRole(str, Enum):
     VOCAB_EMBEDDING = "vocab_embedding"
     VOCAB_CROSS_ENTROPY = "vocab_cross_entropy"
     ROW_WITH_BIAS = "row_with_bias"
+    # a sum or mean over a sharded dim: partial, divided by the whole count (and by the
+    # replicas of a dim held in replicated blocks) in ``passes/sharded_statistics``
+    SHARDED_REDUCTION = "sharded_reduction"
+    # layer_norm / rms_norm / linalg_vector_norm over a sharded dim: decomposed around a
+    # tp-reduced statistic in ``passes/sharded_statistics``
+    SHARDED_NORM = "sharded_norm"
 
 
 @dataclass(frozen=True)
@@ -41,10 +47,15 @@ class ParamDecision:
     kind: str
     dim: int | None = None
     var: DimVar | None = None
+    node: Node | None = None  # where it was decided
 
 
 ShardPolicy = Callable[[str, str, tuple[int, ...]], bool]
 """``policy(param_name, kind, shape) -> allowed``; kind is ``column`` or ``vocab``."""
+
+StatisticPolicy = Callable[[Node], bool]
+"""``statistics(node) -> allowed``: may a reduction or norm over a sharded dim at ``node``
+use a tp-reduced statistic (``statistic_rules``)?"""
 
 
 @dataclass
@@ -66,6 +77,13 @@ class Propagation:
     # node -> [(replicated input, dim, var)]: the node reads that input's local slice along
     # dim as var shards it (a per-head vector or a buffer meeting sharded heads).
     local_slices: dict[Node, list[tuple[Node, int, DimVar]]] = field(default_factory=dict)
+    # repeat_interleave node -> (output var, input var): the local repeat count is
+    # local(output) / local(input).
+    repeat_fixups: dict[Node, tuple[DimVar, DimVar]] = field(default_factory=dict)
+    # index / index_select node -> the sharded dim its constant index slices (a slice in the rank graph)
+    index_slices: dict[Node, int] = field(default_factory=dict)
+    # names of the nodes that reduce over a sharded dim with a tp-reduced statistic
+    statistics: set[str] = field(default_factory=set)
 
     def layout(self, node: Node) -> Layout:
         lay = self.layouts.get(node, REPLICATE)
@@ -74,12 +92,23 @@ class Propagation:
 
 
 
-def check_divisible(prop: Propagation, gm: GraphModule) -> None:
-    """Raise a ValueError naming the node when a sharded dim cannot be split over tp."""
+@dataclass(frozen=True)
+class Indivisible:
+    """A sharded dim that tp cannot split: where it is first seen, why, and the
+    parameters whose sharding made it."""
+
+    node: Node
+    dim: int
+    why: str
+    origins: frozenset[str]
+
+
+def indivisible(prop: Propagation) -> list[Indivisible]:
+    """Every sharded dim (once per variable) that cannot be split over ``prop.tp``."""
     seen: set[int] = set()
+    found = []
     for node, lay in prop.layouts.items():
-        lays = lay if isinstance(lay, tuple) else (lay,)
-        for l in lays:
+        for l in lay if isinstance(lay, tuple) else (lay,):
             if not isinstance(l, Layout):
                 continue
             for d, var in l.dims:
@@ -89,12 +118,19 @@ def check_divisible(prop: Propagation, gm: GraphModule) -> None:
                 seen.add(r.uid)
                 why = resolve(r, prop.tp).check(prop.tp)
                 if why:
-                    origins = ", ".join(sorted(r.origins))
-                    raise UserInputError(
-                        f"cannot split dim {d} of {describe(node)} over tp={prop.tp}: {why}. "
-                        f"It comes from parameter(s) {origins}. Choose a tp that divides it "
-                        f"(or whose multiple it is), or keep those parameters replicated."
-                    )
+                    found.append(Indivisible(node, d, why, frozenset(r.origins)))
+    return found
+
+
+def check_divisible(prop: Propagation, gm: GraphModule) -> None:
+    """Raise a ValueError naming the node when a sharded dim cannot be split over tp."""
+    for bad in indivisible(prop):
+        origins = ", ".join(sorted(bad.origins))
+        raise UserInputError(
+            f"cannot split dim {bad.dim} of {describe(bad.node)} over tp={prop.tp}: {bad.why}. "
+            f"It comes from parameter(s) {origins}. Choose a tp that divides it "
+            f"(or whose multiple it is), or keep those parameters replicated."
+        )
 
 
 def param_sharding(prop: Propagation, name: str) -> tuple[str, int, DimSharding] | None:

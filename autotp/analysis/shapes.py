@@ -33,8 +33,9 @@ def shape_of(node: Any) -> tuple[int, ...] | None:
 
 
 def is_float(node: Node) -> bool:
+    """A floating-point or complex tensor (one that can carry a gradient)."""
     val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+    return isinstance(val, torch.Tensor) and (val.dtype.is_floating_point or val.dtype.is_complex)
 
 
 def norm_dim(d: int, ndim: int) -> int:
@@ -81,3 +82,13 @@ def reshape_chunks(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[lis
     if i != len(a) or j != len(b):
         return None
     return chunks
+
+
+def schema_arg(node: Node, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of an op call, positional or keyword (``default`` if not passed)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        for i, arg in enumerate(schema.arguments):
+            if arg.name == name:
+                return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
+    return node.kwargs.get(name, default)

@@ -8,6 +8,8 @@
   ``expert_column``/``expert_row`` kinds.
 * ``embedding``: a 2-D table becomes vocab-parallel (padded rows allowed); the lookup
   is partial (``NodeRole.VOCAB_EMBEDDING``).
+* ``convolution``: a patch embedding's weight is column-parallel over its output
+  channels; a depthwise convolution's follows the split of its channels.
 * ``cross_entropy``: logits sharded on the classes give a vocab-parallel loss
   (``NodeRole.VOCAB_CROSS_ENTROPY``).
 
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from torch.fx import Node
 
 from autotp.analysis.propagation_result import NodeRole, ParamDecision, ParamView
-from autotp.analysis.shapes import shape_of
+from autotp.analysis.shapes import schema_arg, shape_of
 from autotp.ir.errors import describe
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
 
@@ -108,13 +110,27 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
                 w.param_view_shard(lbias, len(lbias.dim_map) - 1, bn, "bias", node)
             else:
                 w.concrete(bias, node)
-        elif lbias == PARTIAL:
-            w.reduce_first(node, [bias])
-        elif (lbias.var_at(len(shape_of(bias) or ()) - 1) is None) != (bn is None):
-            raise ShardingConflict(f"{describe(node)}: bias and weight disagree", lb.origins() | lbias.origins())
-        elif bn is not None:
-            unify(lbias.dims[0][1], bn, describe(node))
+        else:
+            _bias_follows(w, node, bias, bn)
     return out
+
+
+def _bias_follows(w: Walker, node: Node, bias: Node, out_var: DimVar | None) -> None:
+    """A bias tensor (not a parameter read directly) meets the output features: sharded
+    alike, or replicated and read through the rank's slice (BEiT's ``cat(q_bias, 0, v_bias)``)."""
+    lay = w.get(bias)
+    assert isinstance(lay, Layout)
+    if lay.partial:
+        w.reduce_first(node, [bias])
+        lay = REPLICATE
+    last = len(shape_of(bias) or ()) - 1
+    var = lay.var_at(last)
+    if out_var is not None and var is not None:
+        unify(var, out_var, describe(node))
+    elif out_var is not None and lay.replicated:
+        w.out.local_slices.setdefault(node, []).append((bias, last, out_var))
+    elif lay.dims:
+        raise ShardingConflict(f"{describe(node)}: the bias is split where the output is not", lay.origins(), tuple(v for _, v in lay.dims))
 
 
 def _slice_replicated_batch(
@@ -132,6 +148,58 @@ def _slice_replicated_batch(
             if not lay.replicated or var.find().padded:
                 raise ShardingConflict(f"{describe(node)}: a batch dim is sharded in one operand only", var.find().origins)
             w.out.local_slices.setdefault(node, []).append((t, d, var))
+
+
+def convolution(w: Walker, node: Node) -> Any:
+    """``conv1d/2d``, ``convolution`` (not transposed): channels are dim 1 of the input and
+    dim 0 of the weight, the spatial dims must be whole.
+
+    Replicated input channels and ``groups=1`` make the weight column-parallel over its
+    output channels (a patch embedding); input channels split with ``groups`` equal to
+    the channels (a depthwise short convolution) keep the split, and the weight, the bias
+    and the local ``groups`` follow it (``rewrite_shapes``).
+    """
+    x, weight = node.args[0], node.args[1]
+    bias = schema_arg(node, "bias")
+    groups = schema_arg(node, "groups", 1)
+    if schema_arg(node, "transposed", False) or not isinstance(weight, Node):
+        return w.opaque(node)
+    lx = w.summed(x, node)
+    xs, ws = shape_of(x) or (), shape_of(weight) or ()
+    for d, v in lx.dims:
+        if d >= 2:
+            raise ShardingConflict(f"{describe(node)}: convolves over a sharded dim", lx.origins(), (v,))
+    channels = lx.var_at(1)
+    lw = w.get(weight)
+    if channels is None:
+        if isinstance(lw, ParamView) and groups == 1 and lw.dim_map[0] == 0 and w.allowed(lw.name, "column"):
+            w.param_view_shard(lw, 0, DimVar(ws[0], frozenset({lw.name})), "column", node)
+        out = w.concrete(weight, node).var_at(0)
+        if out is not None and groups != 1:
+            raise ShardingConflict(f"{describe(node)}: a grouped convolution with split output channels", w.get(weight).origins(), (out,))
+    elif groups == xs[1] and ws[0] == xs[1]:
+        if isinstance(lw, ParamView):
+            w.param_view_shard(lw, 0, channels, "depthwise", node)
+        lw = w.concrete(weight, node)
+        if lw.var_at(0) is None:
+            raise ShardingConflict(f"{describe(node)}: a depthwise weight kept whole meets split channels", channels.find().origins, (channels,))
+        out = unify(lw.var_at(0), channels, describe(node))
+    else:
+        raise ShardingConflict(f"{describe(node)}: convolves split input channels across groups", lx.origins(), (channels,))
+    if any(d != 0 for d, _ in w.concrete(weight, node).dims):
+        raise ShardingConflict(f"{describe(node)}: the weight is split along a kernel dim", w.get(weight).origins())
+    if isinstance(bias, Node):
+        lb = w.get(bias)
+        if isinstance(lb, ParamView) and out is not None:
+            w.param_view_shard(lb, 0, out, "bias", node)
+        elif isinstance(lb, ParamView):
+            w.concrete(bias, node)
+        else:
+            _bias_follows(w, node, bias, out)
+    dims = {d: v for d, v in lx.dims if d == 0}
+    if out is not None:
+        dims[1] = out
+    return shard(dims)
 
 
 def grouped_matmul(w: Walker, node: Node) -> Layout:

@@ -17,7 +17,6 @@ import contextlib
 import copy
 import io
 import logging
-import operator
 import os
 import re
 import sys
@@ -29,20 +28,16 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
-from autotp.analysis.trace_guards import custom_functions, refuse_custom_functions, refuse_parameter_writes, strip_opaque_outputs
+from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
+from autotp.analysis.trace_guards import refuse_parameter_writes, strip_opaque_outputs
+from autotp.analysis.trace_regions import inline_regions, reconnect_unchanged_region_outputs
 from autotp.ir.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
 _DROPPED_TARGETS = {torch.ops.aten._assert_tensor_metadata.default}
-_REGIONS = {torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast}
-# Ops that return their operand itself when they change nothing.
-_MAYBE_IDENTITY = {
-    torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
-    torch.ops.aten.to.other, torch.ops.aten.contiguous.default,
-}  # fmt: skip
 # Frames inside these folders are the tracer's, not the model's (passes/ and cost_model/
 # may be linked into the package from elsewhere, hence the real paths).
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,23 +95,65 @@ def _pop(stack: list[str]) -> None:
         stack.pop()
 
 
+# FakeTensor logs each failed meta kernel with its traceback (~70 lines) before the error
+# that autotp turns into one line; those records go to the debug log instead.
+_FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
+
+
+@contextmanager
+def _held_log(name: str) -> Iterator[list[logging.LogRecord]]:
+    """Keep the records of logger ``name`` from its handlers while tracing; yield them."""
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    logger = logging.getLogger(name)
+    logger.addFilter(hold)
+    try:
+        yield held
+    finally:
+        logger.removeFilter(hold)
+
+
 def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str = "cpu") -> GraphModule:
     """Export ``model(**kwargs)`` (non-strict) on a fake copy living on ``device``.
 
     Raises ``UserInputError`` naming the submodule and source line that could not trace.
     """
     fake_model, fake_kwargs = _fake_copy(model, kwargs, torch.device(device))
+    fake_model.register_forward_hook(strip_opaque_outputs)
+    ep, uses = _export(model, fake_model, fake_kwargs)
+    kept = opaque_functions(uses)
+    if kept:  # again, with each call of those Functions one node that runs the Function itself
+        log.info("custom autograd Functions kept whole (their backward is their own): %s", "; ".join(kept.values()))
+        ep, _ = _export(model, fake_model, fake_kwargs, frozenset(kept))
+    gm = ep.module()
+    reconnect_unchanged_region_outputs(gm)
+    inline_regions(gm)
+    _clean(gm)
+    mark_elementwise(gm)
+    refuse_parameter_writes(type(model).__name__, gm)
+    return gm
+
+
+def _export(
+    model: nn.Module, fake_model: nn.Module, fake_kwargs: dict[str, Any], opaque: frozenset[type] = frozenset()
+) -> tuple[torch.export.ExportedProgram, list[FunctionUse]]:
+    """Non-strict export of ``fake_model(**fake_kwargs)``, with the custom Functions it applied."""
     # torch.export prints the partial graph of a failed trace to stderr; it goes to the
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
-    fake_model.register_forward_hook(strip_opaque_outputs)
-    with _module_stack(fake_model) as stack, custom_functions(stack) as functions:
+    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held:
         try:
             with contextlib.redirect_stderr(printed):
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False)
             sys.stderr.write(printed.getvalue())
         except Exception as e:  # noqa: BLE001 - re-raised with location
             log.debug("torch.export printed:\n%s", printed.getvalue())
+            for record in held:
+                log.debug("%s logged: %s", _FAKE_TENSOR_LOG, record.getMessage())
             frames = traceback.extract_tb(e.__traceback__)
             model_frames = [f for f in frames if not os.path.realpath(f.filename).startswith(_TRACER_ROOTS)]
             where = f"{model_frames[-1].filename}:{model_frames[-1].lineno} ({model_frames[-1].line})" if model_frames else "unknown line"
@@ -126,12 +163,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
                 f"autotp could not trace {type(model).__name__}: an operation in module {module} at {where} "
                 f"failed under torch.export: {type(e).__name__}: {first}. Fix: {_advice(e)}"
             ) from e
-    refuse_custom_functions(type(model).__name__, functions)
-    gm = ep.module()
-    _clean(gm)
-    _reconnect_unchanged_region_outputs(gm)
-    refuse_parameter_writes(type(model).__name__, gm)
-    return gm
+    return ep, uses
 
 
 def _missing_fake_kernel(error: BaseException) -> str | None:
@@ -159,44 +191,6 @@ def _advice(error: BaseException) -> str:
         "make that module traceable (no data-dependent Python control flow or .item() on tensors), "
         "or pass example inputs that take a traceable path."
     )
-
-
-def _unchanged_operand(node: Node) -> Node | None:
-    """The operand ``node`` returns as it is (a ``to`` to the same dtype and device, a
-    ``contiguous`` of a contiguous tensor), else None."""
-    if node.op != "call_function" or node.target not in _MAYBE_IDENTITY or not isinstance(node.args[0], Node):
-        return None
-    names = [a.name for a in node.target._schema.arguments]
-    copied = node.kwargs.get("copy", node.args[names.index("copy")] if "copy" in names and len(node.args) > names.index("copy") else False)
-    src, before, after = node.args[0], node.args[0].meta.get("val"), node.meta.get("val")
-    if copied or not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
-        return None
-    same = (before.dtype, before.device, before.shape, before.stride()) == (after.dtype, after.device, after.shape, after.stride())
-    return src if same else None
-
-
-def _reconnect_unchanged_region_outputs(gm: GraphModule) -> None:
-    """Point reads of a grad or autocast region's output that is one of its operands, unchanged
-    (``x.to(torch.float32)`` of an fp32 ``x`` under ``no_grad``), back at the operand.
-
-    Eager ``to`` returns ``x`` itself, so export records every later read of ``x`` as a read
-    of the region's output, whose grad mode says "no gradient": layouts would then skip the
-    backward all-reduce of the hidden states that a sharded linear reads there."""
-    for region in gm.graph.nodes:
-        if region.op != "call_function" or region.target not in _REGIONS:
-            continue
-        at = next(i for i, a in enumerate(region.args) if isinstance(a, Node) and a.op == "get_attr")
-        sub = getattr(gm, str(region.args[at].target))
-        operands = dict(zip((p for p in sub.graph.nodes if p.op == "placeholder"), region.args[at + 1 :]))
-        results = next(n for n in sub.graph.nodes if n.op == "output").args[0]
-        for user in list(region.users):
-            if user.target is not operator.getitem or not isinstance(results, (tuple, list)):
-                continue
-            node = results[user.args[1]]
-            while isinstance(node, Node) and node not in operands and (src := _unchanged_operand(node)) is not None:
-                node = src
-            if isinstance(node, Node) and isinstance(operands.get(node), Node):
-                user.replace_all_uses_with(operands[node])
 
 
 def _clean(gm: GraphModule) -> None:

@@ -1,5 +1,6 @@
-"""Layout rules of ops that compute values: elementwise ops with broadcasting,
-reductions, ops that need a dim whole (softmax, topk...), norms, attention, dropout.
+"""Layout rules of ops that compute values: elementwise ops with broadcasting, ops that
+need a dim whole (softmax, topk...), attention, dropout (reductions and norms are
+``statistic_rules``).
 
 ``pointwise`` is also where a bias or norm weight follows the sharding of the operand
 it meets (kind ``bias``), and where a replicated operand of full size that meets a
@@ -36,6 +37,9 @@ DIM_OPS = {  # ops that need the given dim whole; (position of dim arg, default)
     aten.argmax.default: (1, None),
     aten.amax.default: (1, None),
     aten.max.dim: (1, None),
+    aten.amin.default: (1, None),
+    aten.argmin.default: (1, None),
+    aten.min.dim: (1, None),
     aten.logsumexp.default: (1, None),
 }
 
@@ -86,9 +90,9 @@ def pointwise(w: Walker, node: Node, tensor_args: list[Any] | None = None) -> La
                     raise ShardingConflict(f"{describe(node)}: {lay.name} meets two sharded dims", var.find().origins)
                 w.param_view_shard(lay, d, var, "bias", node)
             elif lay.var_at(d) is None:
-                if not lay.replicated or partial or var.find().padded:
+                if not lay.replicated or partial:
                     raise ShardingConflict(
-                        f"{describe(node)}: an operand of full size meets a sharded dim", var.find().origins
+                        f"{describe(node)}: an operand of full size meets a sharded dim", var.find().origins, (var,)
                     )
                 # a replicated operand (a per-head bias, a buffer): each rank reads its own slice
                 w.out.local_slices.setdefault(node, []).append((a, d, var))
@@ -99,50 +103,21 @@ def pointwise(w: Walker, node: Node, tensor_args: list[Any] | None = None) -> La
     return shard(dims)
 
 
-def reduction(w: Walker, node: Node) -> Any:
-    x = node.args[0]
-    lay = w.concrete(x, node)
-    src = shape_of(x) or ()
-    nd = len(src)
-    target = node.target
-    if target in (aten.sum.default, aten.mean.default):
-        dims_r, keep = list(range(nd)), False
-    else:
-        dims_r = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(nd))
-        dims_r = [dims_r] if isinstance(dims_r, int) else list(dims_r)
-        dims_r = [norm_dim(d, nd) for d in dims_r] or list(range(nd))
-        keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
-    if lay.partial:
-        return PARTIAL
-    reduced_vars = [lay.var_at(d) for d in dims_r if lay.var_at(d) is not None]
-    if reduced_vars:
-        if target in (aten.sum.dim_IntList, aten.sum.default) and len(lay.dims) == len(reduced_vars):
-            return PARTIAL
-        raise ShardingConflict(f"{describe(node)}: reduces over a sharded dim", lay.origins())
-    if keep:
-        return lay
-    kept = [d for d in range(nd) if d not in dims_r]
-    return shard({kept.index(d): v for d, v in lay.dims})
-
-
 def needs_whole_dim(w: Walker, node: Node) -> Any:
     pos, default = DIM_OPS[node.target]
     x = node.args[0]
-    lay = w.concrete(x, node)
-    w.reduce_first(node, [x])
-    if lay.partial:
-        lay = REPLICATE
+    lay = w.summed(x, node)
     nd = len(shape_of(x) or ())
     d = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", default)
     if d is None:
         if lay.dims:
-            raise ShardingConflict(f"{describe(node)}: reduces a sharded tensor", lay.origins())
+            raise ShardingConflict(f"{describe(node)}: reduces a sharded tensor", lay.origins(), tuple(v for _, v in lay.dims))
         reduced = list(range(nd))
     else:
         reduced = [norm_dim(dd, nd) for dd in ([d] if isinstance(d, int) else list(d))]
         for dd in reduced:
             if lay.var_at(dd) is not None:
-                raise ShardingConflict(f"{describe(node)}: needs a sharded dim whole", lay.origins())
+                raise ShardingConflict(f"{describe(node)}: needs a sharded dim whole", lay.origins(), (lay.var_at(dd),))
     val = node.meta.get("val")
     vals = [v for v in (val if isinstance(val, (tuple, list)) else (val,)) if isinstance(v, torch.Tensor)]
     # outputs keep every dim (softmax, topk, keepdim) or drop the reduced ones (max.dim)
@@ -152,27 +127,6 @@ def needs_whole_dim(w: Walker, node: Node) -> Any:
             raise ShardingConflict(f"{describe(node)}: unsupported sharded reduction", lay.origins())
         return tuple(REPLICATE for _ in vals) if isinstance(val, (tuple, list)) else REPLICATE
     return outs if isinstance(val, (tuple, list)) else outs[0]
-
-
-def norm(w: Walker, node: Node) -> Any:
-    """layer_norm / rms_norm: the normalized (last) dims must be whole."""
-    x = node.args[0]
-    lay = w.concrete(x, node)
-    w.reduce_first(node, [x])
-    if lay.partial:
-        lay = REPLICATE
-    nd = len(shape_of(x) or ())
-    n_norm = len(node.args[1])
-    for d, _ in lay.dims:
-        if d >= nd - n_norm:
-            raise ShardingConflict(f"{describe(node)}: normalizes over a sharded dim", lay.origins())
-    for a in node.all_input_nodes[1:]:
-        w.concrete(a, node)
-        w.reduce_first(node, [a])
-    val = node.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        return (lay,) + tuple(REPLICATE if not lay.dims else lay for _ in val[1:])
-    return lay
 
 
 def sdpa(w: Walker, node: Node) -> Layout:
@@ -188,7 +142,8 @@ def sdpa(w: Walker, node: Node) -> Layout:
     heads = [l.var_at(1) for l in lays]
     if any(len(l.dims) != 1 or l.var_at(1) is None for l in lays):
         blame = lays[0].origins() | lays[1].origins() | lays[2].origins()
-        raise ShardingConflict(f"{describe(node)}: attention needs q, k and v sharded on heads", blame)
+        wrong = tuple(v for l in lays for d, v in l.dims if d != 1)  # a reshape may put these on the heads instead
+        raise ShardingConflict(f"{describe(node)}: attention needs q, k and v sharded on heads", blame, wrong)
     unify(heads[1], heads[2], describe(node))
     if heads[0].find().size == heads[1].find().size:
         unify(heads[0], heads[1], describe(node))

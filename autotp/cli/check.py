@@ -7,6 +7,7 @@ import functools
 
 from autotp.ir.errors import UserInputError
 from autotp import presets
+from autotp.cli.progress import progress
 
 
 def _check_worker(model_name: str, tp: int, pp: int, batch: int, seq: int, seed: int, rtol: float, atol: float,
@@ -17,6 +18,8 @@ def _check_worker(model_name: str, tp: int, pp: int, batch: int, seq: int, seed:
     from autotp.report.check import check_numerics
 
     hf_logging.set_verbosity_error()
+    if rank == 0:
+        progress(f"rank 0: building {model_name}, compiling it at tp={tp} pp={pp} and running it against the unmodified model")
     torch.manual_seed(seed)
     model = presets.build_model(model_name, device="cpu", dtype=torch.float32).eval()
     vocab = model.config.get_text_config().vocab_size
@@ -28,15 +31,18 @@ def _check_worker(model_name: str, tp: int, pp: int, batch: int, seq: int, seed:
 
 
 def _check_command(args: argparse.Namespace) -> int:
+    from autotp.cli.commands import positive_timeout
     from autotp.report.check import ATOL, RTOL
     from autotp.runtime.launcher import spawn_ranks
 
     for name in ("tp", "pp", "batch", "seq"):
         if getattr(args, name) < 1:
             raise UserInputError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    positive_timeout(args.timeout)
     rtol, atol = RTOL if args.rtol is None else args.rtol, ATOL if args.atol is None else args.atol
     worker = functools.partial(_check_worker, args.model, args.tp, args.pp, args.batch, args.seq, args.seed,
                                rtol, atol)  # fmt: skip
+    progress(f"starting {args.tp * args.pp} gloo workers for {args.model}")
     ok, summary = spawn_ranks(worker, args.tp * args.pp, backend="gloo", timeout_s=args.timeout, num_threads=1)[0]
     print(summary)
     return 0 if ok else 1

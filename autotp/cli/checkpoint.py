@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from autotp.ir.errors import UserInputError
 from autotp import presets
@@ -52,6 +51,10 @@ def _convert_worker(src: Path, dst: Path, tp: int, max_shard_size: str, rank: in
 
 
 def convert_command(args: argparse.Namespace) -> int:
+    from autotp.cli.commands import positive, positive_timeout
+
+    positive("--tp", args.tp)
+    positive_timeout(args.timeout)
     src: Path = args.src
     if not (src / "config.json").exists():
         raise UserInputError(f"{src} has no config.json; convert reads the architecture from it")
@@ -64,10 +67,21 @@ def convert_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_for_run(model_name: str, device: torch.device) -> tuple[nn.Module, Path | None]:
-    """The model of ``autotp run``: on meta with its checkpoint folder when ``model_name`` holds
-    weights, else a preset built with random weights on ``device``."""
-    weights = hf_weights(model_name)
-    if weights is not None:
-        return presets.build_model(model_name, device="meta", dtype=torch.float32), weights
-    return presets.build_model(model_name, device=device, dtype=torch.float32), None
+_FOREIGN_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf", "*.safetensors")
+
+
+def run_weights(model: str, random_init: bool, resume: Path | None) -> Path | None:
+    """The folder ``autotp run`` reads ``model``'s weights from (HF safetensors), or None when
+    they start random (a preset, or ``--random-init``) or come from ``--resume``. A folder
+    without safetensors weights is refused unless one of those says what to start from."""
+    weights = hf_weights(model)
+    if random_init or resume is not None or not Path(model).is_dir():
+        return None
+    if weights is None:
+        found = sorted({p.name for pattern in _FOREIGN_WEIGHTS for p in Path(model).glob(pattern)})
+        held = f"holds {', '.join(found[:4])}, which autotp does not read" if found else "holds no weights"
+        raise UserInputError(
+            f"{model} {held} ({SINGLE_FILE} or {INDEX_FILE} expected); save the model there with "
+            "save_pretrained(...) (safetensors), or pass --random-init to train it from random weights"
+        )
+    return weights

@@ -18,9 +18,10 @@ from pathlib import Path
 from autotp import presets
 from autotp.cli.calibrate import add_calibrate_command
 from autotp.cli.check import add_check_command
-from autotp.cli.checkpoint_args import add_convert_command, add_run_checkpoint_options
+from autotp.cli.checkpoint_args import add_convert_command
 from autotp.cli.plan import add_plan_command
 from autotp.cli.ranks import add_ranks_command
+from autotp.cli.run_args import add_run_command
 from autotp.cli.schedule import add_schedule_command
 from autotp.cost_model.hardware import PROFILES
 from autotp.ir.errors import UserInputError
@@ -69,6 +70,10 @@ def _add_inspection_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compile with sequence parallelism (Megatron SP: reduce-scatters and all-gathers instead of all-reduces)",
     )
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree of the MoE layers (etp=1; default: 1)")
+    parser.add_argument("--moe-dispatch", choices=("dropless", "sync_free"), help="how rows reach their experts "
+                        "(default: dropless with --ep > 1)")
+    parser.add_argument("--moe-capacity-factor", type=float, help="sync-free capacity factor (default: 1.25)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,28 +84,7 @@ def _parser() -> argparse.ArgumentParser:
         "-v", "--verbose", action="count", default=0, help="log progress (-v: INFO, -vv: DEBUG); default: warnings only"
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = commands.add_parser(
-        "run",
-        help="train a built-in model for a few steps on --tp local worker processes",
-        description="Launch --tp workers (gloo on CPU, NCCL when there are enough GPUs), parallelize the model, "
-        "train it with AdamW and compare the first loss with the unparallelized model's.",
-    )
-    run.add_argument(
-        "--model",
-        default="llama-tiny",
-        help=f"a preset ({', '.join(presets.preset_names())}) or a local folder holding config.json "
-        "(default: llama-tiny)",
-    )
-    run.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default: 2)")
-    run.add_argument("--pp", type=int, default=1, help="pipeline stages; tp*pp workers are started (default: 1)")
-    run.add_argument("--steps", type=int, default=5, help="training steps (default: 5)")
-    run.add_argument("--batch", type=int, default=4, help="batch size (default: 4)")
-    run.add_argument("--seq", type=int, default=32, help="sequence length (default: 32)")
-    run.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="default: auto")
-    run.add_argument("--timeout", type=float, default=300, help="seconds before hung workers are killed (default: 300)")
-    run.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default: 0)")
-    add_run_checkpoint_options(run)
-    run.set_defaults(handler=_lazy("run_command"))
+    add_run_command(commands)
 
     dump_cmd = commands.add_parser(
         "dump",

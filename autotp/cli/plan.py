@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from autotp import presets
+from autotp.cli.progress import progress
 from autotp.cost_model.memory import PRECISIONS
 from autotp.ir.errors import UserInputError
 from autotp.ir.op_facts import Collective
@@ -18,14 +19,16 @@ if TYPE_CHECKING:
     from autotp.cost_model.planner import PlanEstimate
 
 
-def format_table(estimates: list[PlanEstimate]) -> str:
+def format_table(estimates: list[PlanEstimate], moe: bool = False) -> str:
     """The ranked plans, one row each; ``dist-opt``: the distributed optimizer is used, and needed to fit;
     ``SP``: sequence parallelism; ``overlap``: the tp collectives run behind GEMMs (``ag`` all-gathers,
-    ``rs`` reduce-scatters); ``-`` at tp=1."""
+    ``rs`` reduce-scatters); ``-`` at tp=1; ``ep``: expert-parallel degree of the MoE layers (``sf``:
+    sync-free dispatch; 1: tensor-parallel experts, etp = tp), ``etp`` the experts' tensor-parallel degree
+    (both only for a model with MoE layers, ``moe``)."""
     from autotp.cost_model.hardware import GiB
 
     header = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'vpp':>3} {'mbs':>4} {'m':>5} {'step s':>9} {'tokens/s':>10} "
-              f"{'MFU':>6} {'GiB/GPU':>8} {'bubble':>7} {'comm':>6} {'dist-opt':>8} {'SP':>3} {'overlap':>7}")
+              f"{'MFU':>6} {'GiB/GPU':>8} {'bubble':>7} {'comm':>6} {'dist-opt':>8} {'SP':>3} {'overlap':>7}" + (f" {'ep':>5} {'etp':>3}" if moe else ""))
     rows = [header]
     for i, e in enumerate(estimates, start=1):
         p = e.plan
@@ -34,6 +37,7 @@ def format_table(estimates: list[PlanEstimate]) -> str:
             f"{e.tokens_per_s:>10.4g} {e.mfu:>6.1%} {e.mem_bytes_per_gpu / GiB:>8.1f} {e.bubble_share:>7.1%} {e.comm_share:>6.1%} "
             f"{('needed' if e.needs_distributed_optimizer else 'yes') if p.distributed_optimizer else 'no':>8} "
             f"{'-' if p.tp == 1 else 'on' if p.sequence_parallel else 'off':>3} {_overlap_cell(p):>7}"
+            + (f" {str(p.ep) + ('sf' if p.moe_dispatch == 'sync_free' else ''):>5} {p.etp or p.tp:>3}" if moe else "")
         )
     return "\n".join(rows)
 
@@ -72,13 +76,14 @@ def _plan_command(args: argparse.Namespace) -> int:
             raise UserInputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     start = time.perf_counter()
     config = presets.model_config(args.model)
+    progress(f"tracing one decoder layer of {args.model} at seq {args.seq}")
     costs = trace_for_planning(config, args.seq)
     cluster = Cluster(args.gpus, args.gpus_per_node, hw)
     choice = {"auto": None, "on": True, "off": False}
     training = Training(args.global_batch, args.precision, choice[args.distributed_optimizer],
                         overlap_param_gather=not args.no_overlap_param_gather,
                         sequence_parallel=choice[args.sequence_parallel], tp_overlap=choice[args.tp_overlap])  # fmt: skip
-    found = search(costs, cluster, training, tp=args.tp, pp=args.pp, top=args.top)
+    found = search(costs, cluster, training, tp=args.tp, pp=args.pp, top=args.top, progress=progress)
     estimates = found.plans
     elapsed = time.perf_counter() - start
     if args.format == "json":
@@ -91,7 +96,9 @@ def _plan_command(args: argparse.Namespace) -> int:
         f"sequence parallelism {args.sequence_parallel}, tp overlap {args.tp_overlap}; "
         f"planned in {elapsed:.2f} s"
     )
-    print(format_table(estimates))
+    from autotp.cost_model.moe_costs import moe_facts
+
+    print(format_table(estimates, moe=moe_facts(costs) is not None))
     fitting = found.candidates - found.over_memory - found.refused_candidates
     print(f"{len(estimates)} of {fitting} plans that fit shown (--top {args.top}); {found.dropped_summary(hw.usable_memory_bytes)}")
     for used in sorted({e.plan.distributed_optimizer for e in estimates}, reverse=True):
@@ -100,6 +107,10 @@ def _plan_command(args: argparse.Namespace) -> int:
             print("  dist-opt sync: reduce-scatter overlapped with the backward; parameter all-gather "
                   + ("overlapped with the next forward (only its first bucket exposed)" if training.overlap_param_gather
                      else "exposed before the next forward (--no-overlap-param-gather)"))
+    for i, e in enumerate(estimates[:3], start=1):
+        for note in e.plan.notes:
+            if note.startswith("expert parallelism "):
+                print(f"plan {i} {note}")
     needed = [str(i) for i, e in enumerate(estimates, start=1) if e.needs_distributed_optimizer]
     if needed:
         print(f"plans {', '.join(needed)} fit only with the distributed optimizer: train them with autotp.DistributedOptimizer")
@@ -108,7 +119,12 @@ def _plan_command(args: argparse.Namespace) -> int:
         values = explain_values(costs, estimates[0], text.hidden_size, text.num_attention_heads)
         print(f"\nclosed forms (values for plan #1, {hw.name}: alpha = {hw.collective_latency_s * 1e6:.0f} us, "
               f"B = {hw.allreduce_bus_bytes_per_s / 1e9:.0f} GB/s):")
-        print(closed_forms.explain({**values, closed_forms.alpha: hw.collective_latency_s, closed_forms.B: hw.allreduce_bus_bytes_per_s}))
+        best = estimates[0]
+        forms = closed_forms.forms_for(best.schedule or best.plan.schedule_name, args.precision)
+        print(closed_forms.explain({**values, closed_forms.alpha: hw.collective_latency_s, closed_forms.B: hw.allreduce_bus_bytes_per_s}, forms))
+        print(f"the table's bubble column ({best.bubble_share:.1%} for plan #1) is the modelled idle time over the whole "
+              "predicted step, which also counts communication, the optimizer and unequal stages; the closed forms "
+              "assume equal stages and compute only")
         print(f"\nhardware: {hw.source}")
     return 0
 

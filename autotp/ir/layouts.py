@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from autotp.ir.axes import Axis
 
@@ -34,12 +35,20 @@ class ShardingConflict(Exception):
     """A sharded dim met an op that cannot keep it sharded.
 
     ``origins`` names the parameters whose sharding led there; the planner stops
-    sharding them and propagates again.
+    sharding them and propagates again. ``retries`` names the reshapes whose choice of
+    output factor made the dims involved (``DimVar.made_by``): the planner first walks
+    again with those choices avoided. ``statistic`` names the node whose tp-reduced
+    statistic the walk was not allowed to take.
     """
 
-    def __init__(self, message: str, origins: frozenset[str]) -> None:
+    def __init__(
+        self, message: str, origins: frozenset[str], dims: tuple[DimVar, ...] = (), *, statistic: str | None = None
+    ) -> None:
         super().__init__(message)
         self.origins = origins
+        self.statistic = statistic
+        self.node: Any = None  # the graph node where the walk met it
+        self.retries = frozenset(v.find().made_by for v in dims if v.find().made_by is not None)
 
 
 _ids = itertools.count()
@@ -55,12 +64,15 @@ class DimVar:
         self.padded = padded
         self.axis = axis
         self.groups: int | None = None
+        # (reshape node name, output factor) when a reshape chose which factor carries the
+        # split (``ShardingConflict.retries``).
+        self.made_by: tuple[str, int] | None = None
         self.segments: tuple[DimVar, ...] | None = None
         self.fixed: DimSharding | None = None
         self._parent: DimVar | None = None
-        # A dim merged from [outer var, inner broadcast dim] (``repeat_kv``'s reshape);
-        # the inner dim's local size is local(self) / local(outer).
-        self.outer: DimVar | None = None
+        # A dim merged from [var, inner data dims] (heads and head_dim into features) is
+        # split in the blocks of var, whatever else asks for finer blocks (``resolve``).
+        self.follows: DimVar | None = None
 
     def find(self) -> DimVar:
         root = self
@@ -85,10 +97,12 @@ def unify(a: DimVar, b: DimVar, where: str) -> DimVar:
         raise ShardingConflict(f"{where}: a dim split over {ra.axis} meets one split over {rb.axis}", origins)
     if ra.fixed is not None and rb.fixed is not None and ra.fixed != rb.fixed:
         raise ShardingConflict(f"{where}: two fixed shardings disagree", origins)
+    followed = [f for f in (ra.follows, rb.follows) if f is not None]
+    ra.follows = None
     rb._parent = ra
     ra.origins = origins
     ra.fixed = ra.fixed or rb.fixed
-    ra.outer = ra.outer or rb.outer
+    ra.made_by = ra.made_by or rb.made_by
     if rb.groups is not None:
         set_groups(ra, rb.groups, where)
     if rb.segments is not None:
@@ -98,12 +112,72 @@ def unify(a: DimVar, b: DimVar, where: str) -> DimVar:
             set_segments(ra, [s.find().size for s in rb.segments], where)
             for x, y in zip(ra.segments, rb.segments):
                 unify(x, y, where)
+    for outer in followed:
+        follow(ra, outer, where)
     return ra
 
 
-def set_groups(var: DimVar, groups: int, where: str) -> None:
-    """Require ``var`` to be cut into blocks of ``size/groups`` (keep the finer of two)."""
+def follow(var: DimVar, outer: DimVar, where: str) -> None:
+    """``var`` is ``outer`` times inner elements (heads x head_dim): it is split in outer's
+    blocks, each with its inner elements; what was asked of var's split is asked of outer's."""
+    r, o = var.find(), outer.find()
+    if r is o:
+        return
+    if r.size % o.size:
+        raise ShardingConflict(f"{where}: a dim of {r.size} cannot follow one of {o.size}", r.origins | o.origins)
+    if r.follows is not None and r.follows.find() is not r:
+        unify(r.follows, o, where)
+        return
+    inner = r.size // o.size
+    if o.size == 1:  # one element (one KV head): every rank holds the whole, parts included
+        _make_whole(r)
+    elif r.segments is not None:
+        sizes = [seg.find().size for seg in r.segments]
+        if any(size % inner for size in sizes):
+            raise ShardingConflict(f"{where}: segments {sizes} cut inside blocks of {inner}", r.origins)
+        for seg, part in zip(r.segments, set_segments(o, [size // inner for size in sizes], where)):
+            follow(seg, part, where)
+    else:
+        groups = r.groups if r.fixed is None else (r.fixed.groups[0] if len(r.fixed.segments) == 1 else None)
+        if groups is not None:
+            _outer_groups(o, groups, r.size, where)
+    r.follows = o
+
+
+def _make_whole(var: DimVar) -> None:
+    """One block that every rank holds (a replicated whole satisfies any block constraint)."""
     r = var.find()
+    r.groups = 1
+    for seg in r.segments or ():
+        _make_whole(seg)
+
+
+def _outer_groups(outer: DimVar, groups: int, size: int, where: str) -> None:
+    """``groups`` blocks asked of a dim of ``size`` that follows ``outer``, asked of ``outer``
+    (blocks finer than outer's elements hold already: each rank holds whole elements)."""
+    o = outer.find()
+    if groups >= o.size:
+        if (size // o.size) % (size // groups):
+            raise ShardingConflict(f"{where}: blocks of {size // groups} cut through elements of {size // o.size}", o.origins)
+        return
+    if o.size % groups:
+        raise ShardingConflict(f"{where}: {groups} blocks would cut through a dim of {o.size}", o.origins)
+    set_groups(outer, groups, where)
+
+
+def set_groups(var: DimVar, groups: int, where: str) -> None:
+    """Require ``var`` to be cut into blocks of ``size/groups`` (keep the finer of two); a
+    var already cut into segments passes the blocks on to them."""
+    r = var.find()
+    if r.follows is not None and r.follows.find() is not r:
+        _outer_groups(r.follows, groups, r.size, where)
+    if r.segments is not None:
+        block = r.size // groups
+        for seg in r.segments:
+            size = seg.find().size
+            if r.size % groups or size % block:
+                raise ShardingConflict(f"{where}: blocks of {block} do not fit segments of {size}", r.origins)
+            set_groups(seg, size // block, where)
     if r.groups is None or r.groups == groups:
         r.groups = groups
         return
@@ -118,18 +192,79 @@ def set_segments(var: DimVar, sizes: list[int], where: str) -> tuple[DimVar, ...
     r = var.find()
     if sum(sizes) != r.size:
         raise ShardingConflict(f"{where}: segments {sizes} do not cover size {r.size}", r.origins)
+    if r.segments is None and r.follows is not None and r.follows.find() is not r:
+        inner = r.size // r.follows.find().size
+        if any(size % inner for size in sizes):
+            raise ShardingConflict(f"{where}: segments {sizes} cut inside blocks of {inner}", r.origins)
+        parts = set_segments(r.follows, [size // inner for size in sizes], where)
+        r.segments = tuple(DimVar(size, r.origins) for size in sizes)
+        for seg, part in zip(r.segments, parts):
+            seg.made_by = r.made_by
+            follow(seg, part, where)
+        return r.segments
     if r.segments is None:
-        if r.groups is not None and r.groups != 1:
-            raise ShardingConflict(f"{where}: cannot cut a dim already split into {r.groups} blocks", r.origins)
         r.segments = tuple(DimVar(s, r.origins, axis=r.axis) for s in sizes)
+        for seg in r.segments:
+            seg.made_by = r.made_by  # a conflict on a part may be the reshape's choice too
+        for seg, groups in zip(r.segments, _segment_groups(r.size, r.groups, sizes, where, r.origins)):
+            seg.groups = groups
         if r.fixed is not None:
-            for seg, (size, groups) in zip(r.segments, zip(r.fixed.segments, r.fixed.groups)):
-                seg.fixed = DimSharding(size, (size,), (groups,), axis=r.axis)
+            fixed = r.fixed
+            if list(fixed.segments) == sizes:
+                per = list(fixed.groups)
+            elif len(fixed.segments) == 1:
+                per = _segment_groups(fixed.size, fixed.groups[0], sizes, where, r.origins)
+            else:
+                raise ShardingConflict(f"{where}: segments {sizes} cut across the plan's {list(fixed.segments)}", r.origins)
+            for seg, size, groups in zip(r.segments, sizes, per):
+                seg.fixed = DimSharding(size, (size,), (groups or size,), axis=r.axis)
         return r.segments
     have = [s.find().size for s in r.segments]
-    if have != sizes:
-        raise ShardingConflict(f"{where}: segments {sizes} differ from earlier {have}", r.origins)
-    return r.segments
+    if have == sizes:
+        return r.segments
+    cuts, old = _cuts(sizes), _cuts(have)
+    if cuts <= old:  # coarser: each new segment holds consecutive old ones
+        grouped, parts, acc = [], [], 0
+        for seg, size in zip(r.segments, have):
+            parts.append(seg)
+            acc += size
+            if acc in cuts or acc == r.size:
+                joined = DimVar(sum(p.find().size for p in parts), r.origins)
+                joined.segments, joined.made_by = tuple(parts), r.made_by
+                grouped.append(joined)
+                parts = []
+        r.segments = tuple(grouped)
+        return r.segments
+    if old <= cuts:  # finer: each old segment is cut again
+        out, start = [], 0
+        for seg, size in zip(r.segments, have):
+            inside = [c - start for c in sorted(cuts | {start + size}) if start < c <= start + size]
+            out.extend(set_segments(seg, [b - a for a, b in zip([0] + inside[:-1], inside)], where) if len(inside) > 1 else [seg])
+            start += size
+        return tuple(out)
+    raise ShardingConflict(f"{where}: segments {sizes} cut across earlier {have}", r.origins)
+
+
+def _cuts(sizes: list[int]) -> set[int]:
+    """The inner boundaries of consecutive segments of ``sizes``."""
+    out, acc = set(), 0
+    for size in sizes[:-1]:
+        acc += size
+        out.add(acc)
+    return out
+
+
+def _segment_groups(size: int, groups: int | None, sizes: list[int], where: str, origins: frozenset[str]) -> list[int | None]:
+    """The block count of each segment of a dim cut in ``groups`` blocks: one block (a
+    replicated whole) stays one block per segment; finer blocks must not straddle a cut."""
+    if groups is None:
+        return [None] * len(sizes)
+    if groups == 1:
+        return [1] * len(sizes)
+    block = size // groups
+    if any(s % block for s in sizes):
+        raise ShardingConflict(f"{where}: cannot cut a dim split into {groups} blocks at {sizes}", origins)
+    return [s // block for s in sizes]
 
 
 @dataclass(frozen=True)
@@ -193,11 +328,15 @@ class DimSharding:
         return DimSharding(d["size"], tuple(d["segments"]), tuple(d["groups"]), d.get("padded", False), Axis(d.get("axis", Axis.TP)))
 
 
-def resolve(var: DimVar, tp: int) -> DimSharding:
+def resolve(var: DimVar, tp: int, _seen: frozenset[int] = frozenset()) -> DimSharding:
     """The final split of ``var`` for ``tp`` ranks (blocks default to single elements)."""
     r = var.find()
     if r.fixed is not None:
         return r.fixed
+    if r.follows is not None and r.follows.find() is not r and r.uid not in _seen:
+        outer = resolve(r.follows, tp, _seen | {r.uid})
+        inner = r.size // outer.size
+        return DimSharding(r.size, tuple(s * inner for s in outer.segments), outer.groups, outer.padded)
     if r.padded:
         return DimSharding(r.size, (r.size,), (r.size,), padded=True, axis=r.axis)
     if r.segments is None:
@@ -205,7 +344,7 @@ def resolve(var: DimVar, tp: int) -> DimSharding:
     sizes: list[int] = []
     groups: list[int] = []
     for seg in r.segments:  # a segment cut again (a slice of a slice) flattens into its parts
-        s = resolve(seg, tp)
+        s = resolve(seg, tp, _seen | {r.uid})
         if s.padded:
             raise ShardingConflict("a padded dim cannot be a segment", r.origins)
         sizes.extend(s.segments)
@@ -219,6 +358,8 @@ def select_range(var: DimVar, start: int, end: int, where: str) -> DimVar:
     r = var.find()
     if start == 0 and end == r.size:
         return r
+    if not 0 <= start < end <= r.size:
+        raise ShardingConflict(f"{where}: the range [{start}, {end}) of a dim of {r.size} is empty or outside it", r.origins)
     if r.padded:
         raise ShardingConflict(f"{where}: slices a padded (vocabulary) dim", r.origins)
     if r.segments is None:
@@ -227,6 +368,8 @@ def select_range(var: DimVar, start: int, end: int, where: str) -> DimVar:
     offset = 0
     for seg in r.segments:
         size = seg.find().size
+        if seg.find() is r:
+            raise ShardingConflict(f"{where}: a dim is a segment of itself", r.origins)
         if offset <= start and end <= offset + size:
             return select_range(seg, start - offset, end - offset, where)
         offset += size

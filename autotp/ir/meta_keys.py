@@ -32,6 +32,14 @@ EXPAND_FIXUPS = "autotp_expand_fixups"
 """On an ``expand`` whose broadcast dim is later merged into a sharded dim (``repeat_kv``):
 ``[(dim, merged DimVar, outer DimVar)]``; that dim's local size is local(merged)/local(outer)."""
 
+INDEX_AS_SLICE = "autotp_index_as_slice"
+"""On an ``index``/``index_select`` of a sharded dim by a constant run of positions: that
+dim; the rank graph takes the slice of ``SLICE_FIXUP``'s local bounds instead."""
+
+REPEAT_FIXUP = "autotp_repeat_fixup"
+"""On a ``repeat_interleave`` along a sharded dim: ``(output DimVar, input DimVar)``; its
+local repeat count is local(output) / local(input)."""
+
 LOCAL_SLICES = "autotp_local_slices"
 """On an elementwise op that meets a replicated operand of full size along a sharded dim:
 ``[(input node, dim, DimVar)]``; the op reads the rank's slice of that input."""
@@ -60,3 +68,8 @@ proven causal-only and replaced by ``is_causal=True``, else why it stays (``pass
 KEPT_ALL_REDUCE = "autotp_kept_all_reduce"
 """On an f (``copy_to_tp``) that sequence parallelism could not fold into the backward reduce-scatter of an
 all-gather of the tokens (``passes/sequence_parallel``): why its all-reduce stays; ``autotp explain`` prints it."""
+
+AUTOCAST_INLINED = "autotp_autocast_inlined"
+"""On the nodes of an inlined ``torch.autocast`` region (``analysis.trace_regions``): they run as
+the region ran only when no autocast is active around the graph, so ``ParallelModel`` refuses
+to run such a graph under one."""

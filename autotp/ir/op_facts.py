@@ -42,7 +42,8 @@ from autotp.ir import ops
 
 aten = torch.ops.aten
 
-MATMUL_NAMES = frozenset({"linear", "addmm", "mm", "bmm", "matmul", "all_gather_matmul", "matmul_reduce_scatter"})
+MATMUL_NAMES = frozenset({"linear", "addmm", "mm", "bmm", "matmul", "all_gather_matmul", "matmul_reduce_scatter",
+                          "linear_cross_entropy", "fp8_linear"})  # fmt: skip
 ATTENTION_NAME = "scaled_dot_product_attention"
 EMBEDDING_NAMES = frozenset({"embedding", "vocab_parallel_embedding"})
 
@@ -197,6 +198,7 @@ class CollectiveTag(StrEnum):
     SCATTER = "scatter"  # a whole-sequence operand sliced to this rank's tokens
     ALL_GATHER_MATMUL = "all_gather_matmul"  # tp overlap: the all-gather runs behind the GEMM
     MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"  # tp overlap: the reduce-scatter runs behind the GEMM
+    FP8_ALL_GATHER = "fp8_all_gather"  # an fp8_linear all-gathers its FP8 input (reduce-scatters its grad)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,17 @@ named ``*_tp`` all-reduces over whichever group its key names.
 * ``vocab_parallel_cross_entropy(logits, target, vocab_start, vocab_size, ignore_index,
   reduction, group)`` -- ``aten.cross_entropy_loss`` on logits sharded on the class dim:
   only per-token max, sum-exp and target logit cross ranks (``vocab_parallel_nll``).
+* ``linear_cross_entropy(hidden, weight, target, vocab_start, vocab_size, ignore_index,
+  reduction, chunk, group_size, group)`` -- the same loss on ``linear(hidden, weight)`` (the
+  weight's rows: columns ``vocab_start...`` of the class dim), ``chunk`` tokens at a time, so
+  the logits are never whole; its forward also computes the gradients of ``hidden`` and
+  ``weight`` (implemented in ``autotp.ir.fused_loss``, which the pass that inserts it,
+  ``passes/fused_linear_cross_entropy``, imports).
+* ``all_reduce_max(x, group)`` -- the elementwise max over the group (FP8 amaxes; no grad).
+* ``fp8_linear(x, weights, biases, recipe, x_split, n_split, gather_dim, group_size,
+  group)`` -> ``[x·Wᵢᵀ + bᵢ]`` with every GEMM in FP8 (``autotp.ir.fp8`` holds the recipes
+  and the composite kernel, which ``autotp.runtime.collectives`` registers); scales of operands the group splits are max-reduced over it,
+  and with ``gather_dim >= 0`` x is this rank's tokens, all-gathered in FP8.
 
 Local ops:
 
@@ -52,6 +63,12 @@ Local ops:
   ``autotp.runtime.rng``).
 * ``vocab_parallel_embedding(weight, ids, vocab_start, vocab_stop, vocab_size, padding_idx)`` --
   lookup in rows ``[vocab_start, vocab_stop)``; other ids give zeros (a partial sum).
+
+* ``function(inputs, key, name)`` -- a custom ``torch.autograd.Function`` kept whole, whose
+  backward is the Function's own (``autotp.ir.custom_functions`` holds its kernels and the
+  table of calls ``key`` indexes; ``name`` is the Function's, for people). The output is
+  replicated and so are the inputs. ``elementwise_function`` is the same for a call with one
+  output proven elementwise, forward and backward: tagged pointwise, so it runs on shards.
 
 The vocab-parallel embedding and cross entropy mask ids outside the local range, so an
 id outside the whole vocabulary ``[0, vocab_size)`` would silently count as zero; both
@@ -76,6 +93,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.node import has_side_effect
 from torch.library import Library
 
+from autotp.ir import moe_ops
 from autotp.ir.errors import UserInputError
 
 NAMESPACE = "autotp"
@@ -110,6 +128,10 @@ VOCAB_PARALLEL_CROSS_ENTROPY = _define(
     "vocab_parallel_cross_entropy(Tensor logits, Tensor target, int vocab_start, int vocab_size, int ignore_index, "
     "int reduction, str group) -> Tensor"
 )
+LINEAR_CROSS_ENTROPY = _define(
+    "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, int vocab_start, int vocab_size, "
+    "int ignore_index, int reduction, int chunk, int group_size, str group) -> Tensor"
+)
 VOCAB_PARALLEL_EMBEDDING = _define(
     "vocab_parallel_embedding(Tensor weight, Tensor ids, int vocab_start, int vocab_stop, int vocab_size, "
     "int padding_idx) -> Tensor"
@@ -121,13 +143,24 @@ TP_DROPOUT = _define("tp_dropout(Tensor x, float p, bool train, str stream) -> T
 DEFERRED_LINEAR = _define("deferred_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
 WEIGHT_GRAD_SINKS: list[Callable[[Tensor, Tensor, Tensor], None]] = []
 """Where ``deferred_linear``'s backward hands (weight, input, output grad): the last one pushed."""
+ALL_REDUCE_MAX = _define("all_reduce_max(Tensor x, str group) -> Tensor")
+FP8_LINEAR = _define(
+    "fp8_linear(Tensor x, Tensor[] weights, Tensor?[] biases, str recipe, int x_split, int[] n_split, int gather_dim, "
+    "int group_size, str group) -> Tensor[]"
+)
+FUNCTION = _define("function(Tensor[] inputs, int key, str name) -> Tensor[]")
+ELEMENTWISE_FUNCTION = _define("elementwise_function(Tensor[] inputs, int key, str name) -> Tensor", tags=(torch.Tag.pointwise,))
 
 # Ops that communicate over a tp group, forward or backward.
 COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
     COPY_TO_TP, REDUCE_FROM_TP, GATHER_FROM_TP, SCATTER_TO_TP, ALL_GATHER, REDUCE_SCATTER,
     ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, VOCAB_PARALLEL_NLL, VOCAB_PARALLEL_CROSS_ENTROPY,
-})  # fmt: skip
-ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT}
+    LINEAR_CROSS_ENTROPY,
+    ALL_REDUCE_MAX, FP8_LINEAR,
+}) | moe_ops.DISPATCH_OPS  # fmt: skip
+ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {
+    VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT, FUNCTION, ELEMENTWISE_FUNCTION,
+}  # fmt: skip
 # Identities forward (views of their input): f, stage boundaries, partial_grad.
 IDENTITIES: frozenset[torch._ops.OpOverload] = frozenset({COPY_TO_TP, STAGE_BOUNDARY, PARTIAL_GRAD})
 # Collectives that only move data forward (no arithmetic but the reduction).
@@ -149,6 +182,11 @@ def _resized(x: Tensor, dim: int, size: Any) -> Tensor:
 
 @torch.library.register_fake(REDUCE_FROM_TP, lib=_LIB)
 def _reduce_from_tp_fake(x: Tensor, group: str) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake(ALL_REDUCE_MAX, lib=_LIB)
+def _all_reduce_max_fake(x: Tensor, group: str) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 

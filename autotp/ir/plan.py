@@ -16,6 +16,7 @@ from autotp.ir.errors import UserInputError
 from autotp.ir.layouts import DimSharding
 from autotp.ir.op_facts import Collective
 from autotp.ir.rank_groups import rank_groups
+from autotp.ir.moe_plan import MoeLayerPlan
 from autotp.ir.schedules import default_schedule
 
 DEFAULT_HARDWARE = "h200"
@@ -82,6 +83,11 @@ KEPT_WHOLE_CONFLICT = "conflict"
 """``KeptWhole.reason``: its sharding reaches an op that needs the sharded dim whole."""
 KEPT_WHOLE_COMM = "comm_outweighs_compute"
 """``KeptWhole.reason``: the cost model found sharding it slower than keeping it whole."""
+KEPT_WHOLE_INDIVISIBLE = "indivisible"
+"""``KeptWhole.reason``: tp does not split a dim its sharding would cut (a 10-class head at tp=4)."""
+KEPT_WHOLE_READ_WHOLE = "read_whole"
+"""``KeptWhole.reason``: its first use reads it whole (a norm weight on the replicated
+residual stream, a router, a row-parallel bias added after the all-reduce)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,38 @@ class KeptWhole:
     @staticmethod
     def from_json(d: dict) -> KeptWhole:
         return KeptWhole(**d)
+
+
+FP8_OUTSIDE_LAYERS = "outside_layers"
+"""``Fp8Linear.reason``: a GEMM outside the decoder layers (``lm_head``), kept in the model's dtype by default."""
+FP8_DIMS = "dims"
+"""``Fp8Linear.reason``: a local GEMM dim is not a multiple of what the recipe's kernels need (16; 128 blockwise)."""
+FP8_PARTIAL_INPUT = "partial_input"
+"""``Fp8Linear.reason``: the GEMM reads a partial sum, whose summands would be scaled apart."""
+FP8_TOKEN_SPLIT = "token_split"
+"""``Fp8Linear.reason``: blockwise tiles along tokens that the tp group splits would differ from one rank's."""
+FP8_DTYPE = "dtype"
+"""``Fp8Linear.reason``: the weight is not a floating-point tensor of 16 or 32 bits."""
+
+
+@dataclass(frozen=True)
+class Fp8Linear:
+    """How the GEMMs reading one 2-d weight run under ``ParallelPlan.fp8``: ``recipe``
+    (``autotp.ir.fp8.RECIPES``), or "" to stay in the model's dtype for ``reason``
+    (``detail`` for people; ``node``: the GEMM that decided it)."""
+
+    weight: str
+    recipe: str
+    reason: str = ""
+    detail: str = ""
+    node: str = ""
+
+    def to_json(self) -> dict:
+        return {"weight": self.weight, "recipe": self.recipe, "reason": self.reason, "detail": self.detail, "node": self.node}
+
+    @staticmethod
+    def from_json(d: dict) -> Fp8Linear:
+        return Fp8Linear(**d)
 
 
 @dataclass(frozen=True)
@@ -158,13 +196,28 @@ class ParallelPlan:
     distributed_optimizer: bool = False
     ep: int = 1
     kept_whole: tuple[KeptWhole, ...] = ()
-    # Context parallelism, and the experts' tensor parallelism (0: tp's, Megatron's default);
-    # ``degree`` has every axis, ``rank_groups`` lays them out (autotp.ir.axes).
+    # Context parallelism (``degree`` has every axis, ``rank_groups`` lays them out: autotp.ir.axes).
     cp: int = 1
-    etp: int = 0
     # The hardware the plan is costed for (a ``autotp.cost_model.hardware.PROFILES`` key): the
     # planner's, or the GPU kind the compiler runs on.
     hardware: str = DEFAULT_HARDWARE
+    # Expert parallelism (``passes/expert_parallel``): the expert tensor-parallel degree (0: tp,
+    # experts sharded like dense MLPs), how rows reach the experts (``moe_ops.MODES``, "": not
+    # rewritten), the sync-free capacity factor and the MoE layers it applies to.
+    etp: int = 0
+    moe_dispatch: str = ""
+    moe_capacity_factor: float = 0.0
+    moe_layers: tuple[MoeLayerPlan, ...] = ()
+    # The lm_head and its cross entropy fused, this many tokens at a time (0: not fused;
+    # ``passes/fused_linear_cross_entropy``, chosen by ``autotp.cost_model.fused_loss``).
+    loss_chunk_tokens: int = 0
+    # FP8 training (``passes/fp8_linear``): the recipe asked ("": off), the backend whose op runs
+    # the GEMMs, every GEMM weight's recipe or why it stays in the model's dtype, and whether
+    # sequence-parallel all-gathers into FP8 GEMMs carry FP8 (tensorwise).
+    fp8: str = ""
+    fp8_backend: str = "torch"
+    fp8_linears: tuple[Fp8Linear, ...] = ()
+    fp8_all_gather: bool = False
 
     @property
     def world_size(self) -> int:
@@ -245,8 +298,16 @@ class ParallelPlan:
                 "ep": self.ep,
                 "kept_whole": [k.to_json() for k in self.kept_whole],
                 "cp": self.cp,
-                "etp": self.etp,
                 "hardware": self.hardware,
+                "etp": self.etp,
+                "moe_dispatch": self.moe_dispatch,
+                "moe_capacity_factor": self.moe_capacity_factor,
+                "moe_layers": [m.to_json() for m in self.moe_layers],
+                "loss_chunk_tokens": self.loss_chunk_tokens,
+                "fp8": self.fp8,
+                "fp8_backend": self.fp8_backend,
+                "fp8_linears": [f.to_json() for f in self.fp8_linears],
+                "fp8_all_gather": self.fp8_all_gather,
             },
             indent=1,
         )
@@ -283,6 +344,14 @@ class ParallelPlan:
             ep=d.get("ep", 1),
             kept_whole=tuple(KeptWhole.from_json(k) for k in d.get("kept_whole", ())),
             cp=d.get("cp", 1),
-            etp=d.get("etp", 0),
             hardware=d.get("hardware", d.get("cudagraph_policy", {}).get("hardware", DEFAULT_HARDWARE)),
+            etp=d.get("etp", 0),
+            moe_dispatch=d.get("moe_dispatch", ""),
+            moe_capacity_factor=d.get("moe_capacity_factor", 0.0),
+            moe_layers=tuple(MoeLayerPlan.from_json(m) for m in d.get("moe_layers", ())),
+            loss_chunk_tokens=d.get("loss_chunk_tokens", 0),
+            fp8=d.get("fp8", ""),
+            fp8_backend=d.get("fp8_backend", "torch"),
+            fp8_linears=tuple(Fp8Linear.from_json(f) for f in d.get("fp8_linears", ())),
+            fp8_all_gather=d.get("fp8_all_gather", False),
         )

@@ -120,6 +120,8 @@ def _runs(layers: tuple[LayerReport, ...]) -> list[tuple[str, LayerReport]]:
 def explain_table(report: GraphReport, model: str) -> str:
     mb = 1e6
     pipelined = report.plan.pp > 1
+    # Sequence parallelism turns all-reduces into reduce-scatters and all-gathers, each the other's backward.
+    split = report.plan.sequence_parallel or any(l.collectives["reduce_scatter"]["forward"] + l.collectives["reduce_scatter"]["backward"] for l in report.layers)
 
     def cells(name: str, l: LayerReport) -> tuple[str, ...]:
         stage = ("" if l.stage is None else str(l.stage),) if pipelined else ()
@@ -130,6 +132,9 @@ def explain_table(report: GraphReport, model: str) -> str:
             str(l.collectives[Collective.ALL_REDUCE][Direction.FORWARD]),
             str(l.collectives[Collective.ALL_REDUCE][Direction.BACKWARD]),
             str(l.collectives[Collective.ALL_GATHER][Direction.FORWARD]),
+            *((str(l.collectives[Collective.ALL_GATHER][Direction.BACKWARD]),
+               str(l.collectives[Collective.REDUCE_SCATTER][Direction.FORWARD]),
+               str(l.collectives[Collective.REDUCE_SCATTER][Direction.BACKWARD])) if split else ()),
             *p2p,
             f"{sum(sum(d.values()) for d in l.collective_bytes.values()) / mb:.1f}",
             f"{l.param_bytes_per_rank / mb:.1f}",
@@ -142,6 +147,7 @@ def explain_table(report: GraphReport, model: str) -> str:
         "fwd AR",
         "bwd AR",
         "fwd AG",
+        *(("bwd AG", "fwd RS", "bwd RS") if split else ()),
         *(("p2p",) if pipelined else ()),
         "comm MB",
         "params MB/rank",
@@ -157,7 +163,7 @@ def explain_table(report: GraphReport, model: str) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
 
     inputs = ", ".join(f"{k} {v}" for k, v in report.inputs().items())
-    legend = "AR all-reduce, AG all-gather" + (", p2p stage-boundary sends" if pipelined else "")
+    legend = "AR all-reduce, AG all-gather" + (", RS reduce-scatter" if split else "") + (", p2p stage-boundary sends" if pipelined else "")
     m = megatron_minimum(report)
     verdict = "meets it" if m["meets"] else "exceeds it"
     rule = "-" * len(line(header))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.library import Library
 
-from autotp.ir import ops
+from autotp.ir import fp8, ops
 from autotp.ir.errors import UserInputError
 from autotp.runtime import overlap
 
@@ -73,6 +73,10 @@ def _gathered(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
 
 def _reduce_from_tp(x: Tensor, group: str) -> Tensor:
     return _all_reduce_(x.clone(memory_format=torch.contiguous_format), get_group(group))
+
+
+def _all_reduce_max(x: Tensor, group: str) -> Tensor:
+    return _all_reduce_(x.clone(memory_format=torch.contiguous_format), get_group(group), dist.ReduceOp.MAX)
 
 
 def _gather_from_tp(x: Tensor, dim: int, size: int, group: str) -> Tensor:
@@ -138,6 +142,7 @@ def _vocab_parallel_nll(logits: Tensor, target: Tensor, vocab_start: int, vocab_
 
 _IMPLEMENTATIONS: dict[torch._ops.OpOverload, Callable[..., object]] = {
     ops.REDUCE_FROM_TP: _reduce_from_tp,
+    ops.ALL_REDUCE_MAX: _all_reduce_max,
     ops.GATHER_FROM_TP: _gather_from_tp,
     ops.SCATTER_TO_TP: _scatter_to_tp,
     ops.ALL_GATHER: _all_gather,
@@ -149,3 +154,5 @@ _IMPLEMENTATIONS: dict[torch._ops.OpOverload, Callable[..., object]] = {
 for _op, _fn in _IMPLEMENTATIONS.items():
     for _device in _DEVICES:
         _KERNELS.impl(_op._schema.name.split("::")[1], _fn, _device)
+# FP8 GEMMs: plain torch ops around the amax all-reduces, on every device and through autograd.
+_KERNELS.impl("fp8_linear", fp8.fp8_linear, "CompositeImplicitAutograd")

@@ -22,6 +22,10 @@ run eagerly (partial capture). ``CapturedGraph`` runs that copy:
   Autograd would store the first one as ``.grad`` itself (a later replay would
   overwrite it, and accumulation over microbatches would double the last one), so a
   hook on every captured parameter clones the gradient when ``.grad`` is still empty.
+* **Compiled regions** (``compile=True`` with ``cuda_graphs=True``): after the eager run that
+  records the inputs, each region is replaced by its ``torch.compile`` form, which
+  ``make_graphed_callables`` warms up (compiling forward and backward once) and then captures:
+  the graphs replay inductor's fused kernels. The nodes between regions stay eager.
 * **Slots** (pipeline parallelism). A stage holds several microbatches between their
   forward and backward, and each needs its own static buffers and activations. Every
   call names a ``slot`` (``autotp.ir.schedules.buffer_slots``: the lowest free one at the
@@ -110,11 +114,13 @@ def _own(value: Any) -> Any:
 
 
 class CapturedGraph:
-    """Calls a region-split graph with its regions replayed from CUDA graphs (module docstring)."""
+    """Calls a region-split graph with its regions replayed from CUDA graphs (module docstring);
+    with ``compile_regions``, each region runs ``torch.compile``'s code in its graphs."""
 
-    def __init__(self, split: GraphModule, impl: str) -> None:
+    def __init__(self, split: GraphModule, impl: str, compile_regions: bool = False) -> None:
         self._split = split
         self._impl = impl
+        self._compile = compile_regions
         self._slots: list[GraphModule] = []  # per slot: the split graph with its regions graphed
         _LIVE.add(self)
 
@@ -160,6 +166,10 @@ class CapturedGraph:
             split(*args, **kwargs)
         for handle in handles:
             handle.remove()
+        if self._compile:
+            for name, module in regions:
+                setattr(split, name, torch.compile(module))
+            regions = regions_of(split)
         if regions:
             modules = tuple(module for _, module in regions)
             with torch.enable_grad():

@@ -41,9 +41,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from autotp.ir.rank_log import warn_once
 from autotp.ir.errors import UserInputError
 from autotp.ir.training_step import TrainingStep, runtime_precision
-from autotp.runtime import grad_norm
+from autotp.runtime import expert_parallel, grad_norm
 from autotp.runtime.grad_buffers import GradBuffers, Slot
 from autotp.runtime.shard_map import FlatRangeLocal, ShardSpec
 
@@ -128,8 +129,12 @@ class DistributedOptimizer:
         groups = self._groups(pm, params)
         names = [n for g in groups for n in g["params"]]
         shared = {n: g for n, g in pm.shared_param_groups.items() if n in names}
-        self.buffers = GradBuffers(pm.param_uses(names), plan.dp, coords.dp_rank, coords.dp_group,
-                                   bucket_bytes or plan.dp_bucket_bytes, grad_dtype, shared, overlap)  # fmt: skip
+        buffer_kw = dict(bucket_bytes=bucket_bytes or plan.dp_bucket_bytes, grad_dtype=grad_dtype, shared_groups=shared, overlap=overlap)
+        if coords.experts is None:
+            self.buffers = GradBuffers(pm.param_uses(names), plan.dp, coords.dp_rank, coords.dp_group, **buffer_kw)
+        else:
+            self.buffers = expert_parallel.grad_buffers(pm.param_uses(names), plan, coords.dp_rank, coords.dp_group,
+                                                        coords.experts, pm.shard_map.experts, **buffer_kw)  # fmt: skip
         pm.install_grad_sync(self.buffers)
         self._pieces: dict[str, _Piece] = {}
         for slot, start, stop in self.buffers.shard_pieces():
@@ -148,9 +153,9 @@ class DistributedOptimizer:
             distributed_optimizer=True,
         )
         if plan.dp == 1:
-            log.warning("DistributedOptimizer with dp=1 shards nothing: it saves no memory over a plain optimizer")
+            warn_once(log, "DistributedOptimizer with dp=1 shards nothing: it saves no memory over a plain optimizer")
         if plan.precision and plan.precision != self.step_definition.precision:
-            log.warning("the plan assumed precision %s, this optimizer runs %s", plan.precision, self.step_definition.describe())
+            warn_once(log, "the plan assumed precision %s, this optimizer runs %s", plan.precision, self.step_definition.describe())
 
     @staticmethod
     def _groups(pm: ParallelModel, params: Any) -> list[dict[str, Any]]:

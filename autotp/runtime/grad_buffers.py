@@ -107,10 +107,13 @@ class GradBuffers(GradSync):
 
     def __init__(self, uses: list[ParamUse], dp: int, dp_rank: int, group: dist.ProcessGroup | None,
                  bucket_bytes: int, grad_dtype: torch.dtype | None,
-                 shared_groups: dict[str, dist.ProcessGroup], overlap: bool = False) -> None:  # fmt: skip
+                 shared_groups: dict[str, dist.ProcessGroup], overlap: bool = False, mean_over: int | None = None) -> None:  # fmt: skip
         """``grad_dtype``: of 16-bit parameters' gradients (None: the parameter's dtype; fp32 params keep fp32).
-        ``overlap``: leave the parameters' all-gather in flight for the graphs' waits (module docstring)."""
+        ``overlap``: leave the parameters' all-gather in flight for the graphs' waits (module docstring).
+        ``mean_over``: what the summed gradients are divided by (default ``dp``, the group's size; expert
+        parameters sharded over edp divide by the dense dp)."""
         self.dp, self.dp_rank, self.group = dp, dp_rank, group
+        self.mean_over = mean_over or dp
         self.overlap = overlap
         self.shared_groups = shared_groups
         self.buckets: list[Bucket] = []
@@ -236,8 +239,8 @@ class GradBuffers(GradSync):
             if b.work is not None:
                 b.work.wait()
                 b.work = None
-            if self.dp > 1:
-                b.shard(b.grads, self.dp, self.dp_rank).div_(self.dp)
+            if self.mean_over > 1:
+                b.shard(b.grads, self.dp, self.dp_rank).div_(self.mean_over)
         self._reduced = True
         self._armed = False
 

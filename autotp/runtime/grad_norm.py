@@ -16,7 +16,7 @@ every gradient by ``min(1, max_norm / (norm + 1e-6))``, as
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -41,8 +41,12 @@ class NormCounting:
     """Which elements of this rank's parameters count toward a norm over all ranks."""
 
     def __init__(self, plan: ParallelPlan, tp_rank: int, pp_rank: int, dp_rank: int | None,
-                 layouts: dict[str, ParamLayout | None], owners: dict[str, list[int]]) -> None:  # fmt: skip
-        """``owners``: parameter -> sorted pipeline ranks holding it; ``dp_rank`` None: every dp rank counts."""
+                 layouts: dict[str, ParamLayout | None], owners: dict[str, list[int]],
+                 expert_counts: Callable[[str], bool | None] | None = None) -> None:  # fmt: skip
+        """``owners``: parameter -> sorted pipeline ranks holding it; ``dp_rank`` None: every dp rank counts.
+        ``expert_counts``: for an expert-parallel parameter, whether this rank counts all of it
+        (``autotp.runtime.expert_parallel``); None for the others."""
+        self._expert_counts = expert_counts
         self._plan = plan
         self._tp_rank = tp_rank
         self._pp_rank = pp_rank
@@ -53,6 +57,9 @@ class NormCounting:
 
     def ranges(self, name: str, length: int) -> Ranges:
         """Counted ranges along the layout dim (``length``: the local tensor's size there)."""
+        expert = self._expert_counts(name) if self._expert_counts is not None else None
+        if expert is not None:
+            return [(0, length)] if expert else []
         if not self._dp_counts or self._owners.get(name, [self._pp_rank])[0] != self._pp_rank:
             return []
         layout = self._layouts.get(name)

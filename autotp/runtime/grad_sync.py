@@ -16,13 +16,19 @@ stages that share a parameter (a tied embedding and lm_head) and averaged over d
   parameters over their stages and all-reduces every gradient over dp in buckets
   (``all_reduce_buckets``).
 * ``GradBuffers`` (``autotp.runtime.grad_buffers``), which a ``DistributedOptimizer``
-  installs (``ParallelModel.make_grad_buffers``): contiguous buffers reduce-scattered over
+  installs (``ParallelModel.install_grad_sync``): contiguous buffers reduce-scattered over
   dp as the backward runs, for every layout; it ``holds_grads``.
+
+With expert parallelism the expert parameters' gradients are summed over edp instead
+(``autotp.runtime.expert_parallel``: ``ExpertGradMean`` beside one of the first two in a
+``GradSyncs``, or ``GradBufferSet``, the buffers per axis).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,12 +38,17 @@ from autotp.ir.plan import ParallelPlan
 from autotp.ir.program import BucketLayout
 from autotp.runtime.groups import Coords, all_pipelines
 
+if TYPE_CHECKING:
+    from autotp.runtime.expert_parallel import ExpertShards
+
 
 class GradSync(ABC):
     """How a step's gradients reach every rank that holds their parameters (module docstring)."""
 
     holds_grads = False
     """Whether the gradients live in its buffers (zeroed by it, reduce-scattered by ``finish``)."""
+    reduced = False
+    """Whether each rank holds only its slice of the last step's gradients (reduce-scattered)."""
 
     @abstractmethod
     def begin(self, microbatches: int) -> None:
@@ -52,8 +63,14 @@ class GradSync(ABC):
         del aliases
         return None
 
+    def wait_bucket(self, index: int) -> None:
+        """Wait for the all-gather of bucket ``index`` of ``param_buckets`` (the graphs' waits call it)."""
+
     def wait_params(self) -> None:
         """Wait for any parameter update still in flight (before the parameters are read)."""
+
+    def zero_grad(self) -> None:
+        """With ``holds_grads``: zero its buffers (``.grad`` stays a view of them)."""
 
     def close(self) -> None:
         """Remove the hooks it put on parameters."""
@@ -79,15 +96,15 @@ def shared_param_groups(plan: ParallelPlan, coords: Coords, owners: dict[str, li
 
 
 class PostStepSync(GradSync):
-    """Sums shared parameters' gradients over their stages after the step, then averages every
-    gradient over dp in buckets (module docstring). ``module``: the model, by a weak proxy (it
-    holds this object); ``trained_shared``: shared parameters some stage trains (a stage that
-    reads one without grad adds a zero gradient, so every holder steps it alike)."""
+    """Sums shared parameters' gradients over their stages after the step, then averages the
+    ``dense`` gradients over dp in buckets (module docstring). ``module``: the model, by a weak
+    proxy (it holds this object); ``trained_shared``: shared parameters some stage trains (a
+    stage that reads one without grad adds a zero gradient, so every holder steps it alike)."""
 
     def __init__(self, module: nn.Module, plan: ParallelPlan, coords: Coords, shared: dict[str, dist.ProcessGroup],
-                 trained_shared: list[str]) -> None:  # fmt: skip
+                 trained_shared: list[str], dense: Callable[[str], bool]) -> None:  # fmt: skip
         self.module, self.plan, self.coords = module, plan, coords
-        self.shared, self.trained_shared = shared, trained_shared
+        self.shared, self.trained_shared, self.dense = shared, trained_shared, dense
         self._carried: dict[str, torch.Tensor] = {}
 
     def _grads(self, names: list[str]) -> dict[str, torch.Tensor | None]:
@@ -114,7 +131,7 @@ class PostStepSync(GradSync):
                 grad += before
         self._carried = {}
         if self.plan.dp > 1:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            grads = [p.grad for n, p in self.module.named_parameters() if p.grad is not None and self.dense(n)]
             all_reduce_buckets(grads, self.coords.dp_group, self.plan.dp, self.plan.dp_bucket_bytes)
 
 
@@ -142,12 +159,13 @@ def _mean_into(grads: list[torch.Tensor], flat: torch.Tensor, dp: int) -> None:
 
 
 class DpMean(GradSync):
-    """The dp mean of every gradient, all-reduced in buckets from backward hooks (module docstring).
-    The hooks sit on ``module``'s parameters of the last ``begin`` (made again if they changed);
-    ``module`` is the model, by a weak proxy (it holds this object)."""
+    """The dp mean of every ``dense`` gradient, all-reduced in buckets from backward hooks (module
+    docstring). The hooks sit on ``module``'s parameters of the last ``begin`` (made again if they
+    changed); ``module`` is the model, by a weak proxy (it holds this object)."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None, dp: int, bucket_bytes: int) -> None:
-        self.module, self.group, self.dp, self.bucket_bytes = module, group, dp, bucket_bytes
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None, dp: int, bucket_bytes: int,
+                 dense: Callable[[str], bool]) -> None:  # fmt: skip
+        self.module, self.group, self.dp, self.bucket_bytes, self.dense = module, group, dp, bucket_bytes, dense
         self.params: list[nn.Parameter] = []
         self.buckets: list[list[int]] = []
         self._ids: list[int] = []
@@ -175,7 +193,7 @@ class DpMean(GradSync):
         self._hooks = []
 
     def begin(self, microbatches: int) -> None:
-        params = list(self.module.parameters())
+        params = [p for n, p in self.module.named_parameters() if self.dense(n)]
         if self._ids != [id(p) for p in params]:  # hooks only on the parameters of now (not on ones since replaced)
             self._hook(params)
         self._expected, self._counts = microbatches, {}
@@ -209,6 +227,59 @@ class DpMean(GradSync):
             work.wait()
             _mean_into(grads, flat, self.dp)
         self._pending, self.armed = [], False
+
+
+class GradSyncs(GradSync):
+    """Several syncs, each over its own parameters (the dense ones over dp, the experts' over
+    edp), run in order."""
+
+    def __init__(self, parts: list[GradSync]) -> None:
+        self.parts = parts
+
+    def begin(self, microbatches: int) -> None:
+        for part in self.parts:
+            part.begin(microbatches)
+
+    def finish(self) -> None:
+        for part in self.parts:
+            part.finish()
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.close()
+
+
+class ExpertGradMean(GradSync):
+    """After the step: sums the expert gradients over edp and divides them by dp (module
+    docstring). ``module``: the model, by a weak proxy (it holds this object)."""
+
+    def __init__(self, module: nn.Module, experts: ExpertShards, dp: int) -> None:
+        self.module, self.experts, self.dp = module, experts, dp
+
+    def begin(self, microbatches: int) -> None:
+        del microbatches
+
+    def finish(self) -> None:
+        groups = self.experts.groups
+        assert groups is not None
+        for name, p in self.module.named_parameters():
+            if p.grad is not None and self.experts.is_expert(name):
+                if groups.edp_group is not None:
+                    dist.all_reduce(p.grad, group=groups.edp_group)
+                p.grad /= self.dp
+
+
+def default_sync(module: nn.Module, plan: ParallelPlan, coords: Coords, shared: dict[str, dist.ProcessGroup],
+                 trained_shared: list[str], experts: ExpertShards) -> GradSync:  # fmt: skip
+    """What a ParallelModel syncs its gradients with until a DistributedOptimizer installs its
+    buffers (module docstring). ``module``: the model, by a weak proxy (it holds the sync)."""
+    dense = lambda name: not experts.is_expert(name)  # noqa: E731 (the expert gradients: over edp)
+    sync: GradSync = (
+        DpMean(module, coords.dp_group, plan.dp, plan.dp_bucket_bytes, dense)
+        if plan.dp > 1 and plan.num_chunks == 1
+        else PostStepSync(module, plan, coords, shared, trained_shared, dense)
+    )
+    return sync if coords.experts is None else GradSyncs([ExpertGradMean(module, experts, plan.dp), sync])
 
 
 def all_reduce_buckets(grads: list[torch.Tensor], group: dist.ProcessGroup | None, dp: int, bucket_bytes: int) -> None:

@@ -20,6 +20,19 @@ from autotp.ir.rank_groups import groups_of
 from autotp.runtime import collectives
 from autotp.runtime.pipeline import PipelineGroups
 
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's expert-parallel group (ranks, its index there) and its edp group: the ep and
+    edp groups ``make_groups`` made, for ``autotp.runtime.expert_parallel``."""
+
+    ep: int
+    ep_rank: int
+    ep_ranks: tuple[int, ...]
+    ep_group: dist.ProcessGroup | None
+    edp_group: dist.ProcessGroup | None
+
+
 GRAPH_AXES = (Axis.TP, Axis.CP, Axis.ETP, Axis.EP)
 """The axes whose collectives are nodes of the graphs (by key); tp's group is made even with one rank."""
 
@@ -32,6 +45,7 @@ class Coords:
     keys: dict[Axis, str]  # the registered group key of each axis that graphs name
     groups: dict[Axis, dist.ProcessGroup | None]  # its group on each axis made (None: one process)
     pipeline: PipelineGroups | None
+    experts: ExpertGroups | None = None  # with ep > 1: the ep and edp groups (MoE folding)
 
     def rank(self, axis: Axis) -> int:
         return self.ranks.get(axis, 0)
@@ -87,13 +101,18 @@ def make_groups(plan: ParallelPlan, timeout_s: float) -> Coords:
         if rank in pp_ranks:
             pipeline = PipelineGroups(pp_ranks.index(rank), plan.pp, pp_groups[0], pp_groups[1], pp_groups[2], pp_ranks)
     assert pipeline is not None
-    return Coords({axis: ranks.index(rank) for axis, ranks in mine.items()}, keys, made, pipeline)
+    experts = None
+    if plan.ep > 1:
+        ep_ranks = mine[Axis.EP]
+        experts = ExpertGroups(plan.ep, ep_ranks.index(rank), tuple(ep_ranks), made[Axis.EP], made.get(Axis.EDP))
+    return Coords({axis: ranks.index(rank) for axis, ranks in mine.items()}, keys, made, pipeline, experts)
 
 
 def _make_replica_groups(plan: ParallelPlan, axis: Axis, ranks: list[int], rank: int, timeout: datetime.timedelta) -> None:
     """The subgroups of ``ranks`` (one group of ``axis``) whose members hold the same slice of a parameter."""
     degree = len(ranks)
-    sizes = sorted({p.sharding.replicas(degree) for p in plan.params if p.axis == axis} - {1})
+    sharded = (p.sharding for p in plan.params if p.axis == axis and not p.sharding.padded)
+    sizes = sorted({max(degree // g, 1) for sharding in sharded for g in sharding.groups} - {1})
     for size in sizes:
         for start in range(0, degree, size):
             sub = ranks[start : start + size]

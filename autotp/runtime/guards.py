@@ -4,9 +4,13 @@
   ``CHECKED_CALLS`` calls (every call with ``AUTOTP_CHECK_INPUTS=1``, and every call on
   gloo, where it costs little next to the step and where collectives of different sizes
   abort the process) compare a fingerprint of the inputs (names, shapes, dtypes, a
-  weighted sum) across the tp and pp groups and raise naming the ranks that differ.
+  weighted sum) across the tp and pp groups and raise naming the ranks that differ. A
+  training step also compares the dp group: the same fingerprint when the ranks pass one
+  global batch (``DP_GLOBAL``), the shapes only when each passes its own shard (``DP_LOCAL``).
 * ``explain_retrace_failure``: a new input signature that fails to trace is compared with
   the signatures traced before, to name the argument whose dtype or rank changed.
+* ``refuse_autocast``: a graph holding an inlined ``torch.autocast`` region of the model's
+  (``analysis.trace_regions``) is refused under an autocast active around the call.
 * ``FailureWatch``: a rank whose call raises posts the cause under ``FAILURE_KEY`` in
   the default store (one key per watch, i.e. per ``ParallelModel``: every rank builds
   its models in the same order, and a failure of one model must not fail the next). A thread on every rank polls it; when another rank failed while
@@ -29,13 +33,19 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.fx import GraphModule
 
-from autotp.ir.errors import UserInputError
+from autotp.ir import meta_keys
+from autotp.ir.errors import UserInputError, describe
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CHECKED_CALLS = 2
+DP_GLOBAL = "global"
+"""A training step's dp ranks pass one global batch alike (``train_step``'s default)."""
+DP_LOCAL = "local"
+"""A training step's dp ranks pass their own shards, of one size (``train_step(batch_is_local=True)``)."""
 CHECK_ENV = "AUTOTP_CHECK_INPUTS"
 FAILURE_KEY = "autotp/failure"
 _POLL_S = 1.0
@@ -68,30 +78,41 @@ def _checksum(call: dict[str, Any]) -> float:
 class InputCheck:
     """Compares the inputs of the first calls (every call on gloo or with ``AUTOTP_CHECK_INPUTS=1``) across ranks."""
 
-    def __init__(self, groups: list[tuple[str, dist.ProcessGroup | None]]) -> None:
+    def __init__(self, groups: list[tuple[str, dist.ProcessGroup | None]], dp_group: dist.ProcessGroup | None = None) -> None:
         self._groups = [(name, g) for name, g in groups if g is not None and dist.get_world_size(g) > 1]
-        self._every_call = all(dist.get_backend(g) == dist.Backend.GLOO for _, g in self._groups)
-        self._calls = 0
+        self._dp = dp_group if dp_group is not None and dist.get_world_size(dp_group) > 1 else None
+        every = [g for _, g in self._groups] + ([self._dp] if self._dp is not None else [])
+        self._every_call = all(dist.get_backend(g) == dist.Backend.GLOO for g in every)
+        self._calls = {None: 0, DP_GLOBAL: 0, DP_LOCAL: 0}
 
-    def __call__(self, call: dict[str, Any]) -> None:
-        self._calls += 1
+    def __call__(self, call: dict[str, Any], dp: str | None = None) -> None:
+        """Compare ``call`` over the tp and pp groups, and over the dp group as ``dp`` says
+        (``DP_GLOBAL``, ``DP_LOCAL``, or None for a forward, which each dp replica runs on its own data)."""
+        self._calls[dp] += 1
         every_call = self._every_call or os.environ.get(CHECK_ENV) == "1"
-        if not self._groups or (self._calls > CHECKED_CALLS and not every_call):
+        groups = self._groups + ([("dp", self._dp)] if dp is not None and self._dp is not None else [])
+        if not groups or (self._calls[dp] > CHECKED_CALLS and not every_call):
             return
-        mine = (_signature(call), _checksum(call))
-        for name, group in self._groups:
+        signature = _signature(call)
+        for name, group in groups:
+            mine = signature if name == "dp" and dp == DP_LOCAL else (signature, _checksum(call))
             seen: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(seen, mine, group=group)
             if all(s == seen[0] for s in seen):
                 continue
             ranks = dist.get_process_group_ranks(group)
             odd = next(i for i, s in enumerate(seen) if s != seen[0])
-            what = "input shapes" if seen[odd][0] != seen[0][0] else "input values"
-            detail = f" ({seen[0][0]} vs {seen[odd][0]})" if seen[odd][0] != seen[0][0] else ""
-            raise UserInputError(
-                f"ranks {ranks[0]} and {ranks[odd]} of a {name} group were passed different {what}{detail}; every rank "
-                "of a model replica must pass the same global batch (train_step splits it over dp ranks)"
-            )
+            shapes = (seen[0], seen[odd]) if isinstance(mine, str) else (seen[0][0], seen[odd][0])
+            what = "input shapes" if shapes[0] != shapes[1] else "input values"
+            detail = f" ({shapes[0]} vs {shapes[1]})" if shapes[0] != shapes[1] else ""
+            advice = _SAME_REPLICA if name != "dp" else _SAME_SIZE if dp == DP_LOCAL else _SAME_GLOBAL
+            raise UserInputError(f"ranks {ranks[0]} and {ranks[odd]} of a {name} group were passed different {what}{detail}; {advice}")
+
+
+_SAME_REPLICA = "every rank of a model replica must pass the same global batch (train_step splits it over dp ranks)"
+_SAME_GLOBAL = ("train_step takes one global batch that every rank passes alike and splits it over the dp ranks; pass the "
+                "same batch on every rank, or pass each dp rank's own shard with train_step(..., batch_is_local=True)")
+_SAME_SIZE = "with batch_is_local=True every dp rank passes a shard of the same size (and its tp and pp ranks the same one)"
 
 
 def signature_key(kwargs: dict[str, Any], training: bool) -> tuple:
@@ -107,7 +128,7 @@ def explain_retrace_failure(call: dict[str, Any], traced: list[tuple], error: Ex
     """Raise naming the argument whose dtype kind or number of dims differs from the
     signatures traced before (``signature_key``s), when tracing a new one failed."""
     for name, value in call.items():
-        known = [item for _, items in traced for item in items if item[0] == name and len(item) == 3]
+        known = [item for _, items, *_ in traced for item in items if item[0] == name and len(item) == 3]
         if not isinstance(value, torch.Tensor) or not known:
             continue
         _, shape, dtype = known[0]
@@ -208,13 +229,29 @@ class FailureWatch:
                 os._exit(1)
 
 
+def refuse_autocast(graph: GraphModule, device: torch.device) -> None:
+    """Raise if autocast is active around a graph that holds an inlined autocast region."""
+    if not torch.is_autocast_enabled(device.type):
+        return
+    node = next((n for n in graph.graph.nodes if n.meta.get(meta_keys.AUTOCAST_INLINED)), None)
+    if node is not None:
+        raise UserInputError(
+            f"the model runs {describe(node)} under a torch.autocast region of its own, which autotp inlined "
+            f"into the graph; under the autocast active around this call it would run at another precision. "
+            f"Fix: call the parallel model outside torch.autocast (cast the model to the dtype instead)."
+        )
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else ""
 
 
-def guarded(method: Callable[..., T]) -> Callable[..., T]:
-    """Wrap a ``ParallelModel`` call: its ``_failure_watch`` sees errors, its ``_input_check`` the inputs."""
+def guarded(method: Callable[..., T] | None = None, *, step: bool = False) -> Any:
+    """Wrap a ``ParallelModel`` call: its ``_failure_watch`` sees errors, its ``_input_check`` the
+    inputs; a training ``step`` also has its dp group's inputs compared (``batch_is_local`` says how)."""
+    if method is None:
+        return functools.partial(guarded, step=step)
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> T:
@@ -222,7 +259,8 @@ def guarded(method: Callable[..., T]) -> Callable[..., T]:
         with watch.call() if watch is not None else nullcontext():
             try:
                 if watch is None or watch.depth == 1:
-                    self._input_check({**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs})
+                    dp = (DP_LOCAL if kwargs.get("batch_is_local") else DP_GLOBAL) if step else None
+                    self._input_check({**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}, dp)
                 return method(self, *args, **kwargs)
             except RuntimeError as e:
                 explained = _explain_collective_error(e)

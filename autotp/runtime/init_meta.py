@@ -17,7 +17,9 @@ with its tensors swapped for this rank's shards:
   tensor) see only the shard: use a checkpoint for such models;
 - buffers are rebuilt by the same initializer (HF's ``_init_weights`` recomputes rotary
   ``inv_freq`` and BERT's ``position_ids``). A tensor that the initializer leaves
-  untouched raises ``ValueError`` instead of staying uninitialized.
+  untouched raises ``ValueError`` instead of staying uninitialized;
+- the caller's random state (CPU and the rank's CUDA device) is restored afterwards: the
+  per-module seeding runs inside ``torch.random.fork_rng``.
 """
 
 from __future__ import annotations
@@ -92,7 +94,14 @@ def zero_padding(local: Tensor, spec: ShardSpec) -> None:
 
 @torch.no_grad()
 def initialize(root: nn.Module, params: Parameters, model: nn.Module, seed: int, names: set[str], progress: bool) -> None:
-    """Fill ``names`` (unfilled tensors of ``root``, the ParallelModel) with ``model``'s init."""
+    """Fill ``names`` (unfilled tensors of ``root``, the ParallelModel) with ``model``'s init;
+    the global random state is left as it was."""
+    devices = sorted({t.device.index or 0 for t in (get_nested(root, n) for n in names) if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        _initialize(root, params, model, seed, names, progress)
+
+
+def _initialize(root: nn.Module, params: Parameters, model: nn.Module, seed: int, names: set[str], progress: bool) -> None:
     init_fn = getattr(model, "_init_weights", None)
     owners: dict[str, list[tuple[str, str]]] = {}
     for mod_name, mod in model.named_modules():

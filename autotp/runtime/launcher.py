@@ -54,9 +54,23 @@ class RankError(RuntimeError):
             super().__init__(f"rank {rank} of {world_size} failed:\n{worker_traceback}")
 
 
+KEPT_LOGS = 32
+"""Traceback logs kept in ``log_folder()``; older ones are deleted as new ones are written."""
+
+
+def log_folder() -> Path:
+    """Where a user error's traceback is written: one folder under the temp folder, per user."""
+    return Path(tempfile.gettempdir()) / f"autotp-tracebacks-{os.getuid() if hasattr(os, 'getuid') else 0}"
+
+
 def _write_log(rank: int, text: str) -> Path:
-    path = Path(tempfile.gettempdir()) / f"autotp-{os.getpid()}-rank{rank}.log"
+    folder = log_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-pid{os.getpid()}-rank{rank}.log"
     path.write_text(text)
+    logs = sorted(folder.glob("*.log"), key=lambda p: p.stat().st_mtime)
+    for old in logs[:-KEPT_LOGS]:
+        old.unlink(missing_ok=True)
     return path
 
 

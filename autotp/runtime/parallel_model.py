@@ -16,13 +16,15 @@ from torch import nn
 from torch.fx import GraphModule
 
 from autotp.analysis.trace import structure_copy
-from autotp.compiler import lower_signature, with_param_waits
+from autotp.compiler import LOSS_ONLY, lower_signature, with_param_waits
 from autotp.ir import schedules
+from autotp.ir.axes import Axis
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.program import RankProgram
-from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, export_hf, grad_norm, guards
-from autotp.runtime.grad_sync import DpMean, GradSync, PostStepSync, mean_loss, shared_param_groups
-from autotp.runtime.grad_buffers import GradBuffers, ParamUse
+from autotp.ir.rank_log import warn_once
+from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, expert_parallel, export_hf, grad_norm, guards
+from autotp.runtime.grad_sync import GradSync, default_sync, mean_loss, shared_param_groups
+from autotp.runtime.grad_buffers import ParamUse
 from autotp.runtime.groups import Coords
 from autotp.runtime.parameters import Parameters, graph_trained_params
 from autotp.runtime.pipeline import ChunkGraph, PipelineRunner
@@ -82,7 +84,8 @@ class ParallelModel(nn.Module):
         many = dist.is_initialized() and dist.get_world_size() > 1
         self._failure_watch = guards.FailureWatch() if many else None
         pp_group = coords.pipeline.pp_group if coords.pipeline is not None else None
-        self._input_check = guards.InputCheck([("tp", collectives.get_group(coords.tp_key)), ("pp", pp_group)] if many else [])
+        self._input_check = guards.InputCheck([("tp", collectives.get_group(coords.tp_key)), ("pp", pp_group)] if many else [],
+                                              coords.dp_group if many else None)
         compiled = self._prepare(first)
         self._params.bind(model, compiled.param_chunks, set(self.my_chunks))
         self.shared_param_groups = shared_param_groups(self.plan, coords, self._params.holders)
@@ -90,16 +93,23 @@ class ParallelModel(nn.Module):
         trained = graph_trained_params(compiled.graph)
         trained_shared = [n for n in self.shared_param_groups if any(a in trained for a in self._params.aliases[n])]
         this = weakref.proxy(self)  # the sync is held by this module: no cycle that keeps it alive
-        self._grad_sync: GradSync = (
-            DpMean(this, coords.dp_group, self.plan.dp, self.plan.dp_bucket_bytes)
-            if self.plan.dp > 1 and self.plan.num_chunks == 1
-            else PostStepSync(this, self.plan, coords, self.shared_param_groups, trained_shared)
-        )
-        self._clip_calls = 0
+        self._grad_sync = default_sync(this, self.plan, coords, self.shared_param_groups, trained_shared, self._params.experts)
+        self._steps = 0
+        self.check_replicas_every = REPLICA_CHECK_EVERY  # train_step runs check_replicas on its 1st, N+1th, ... call; 0: never
         self._warned_plain = False
         self._attach(compiled)
         self.train(model.training)
-        self._graphs[guards.signature_key(first_kwargs, model.training)] = compiled
+        self._graphs[(*guards.signature_key(first_kwargs, model.training), ())] = compiled
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group (0 without expert parallelism)."""
+        return self._coords.rank(Axis.EP)
+
+    def moe_drop_counts(self, reset: bool = False) -> dict[str, tuple[int, int]]:
+        """Per MoE layer under sync-free dispatch: (rows its capacity dropped, rows routed) on this rank
+        since the last reset (``expert_parallel.drop_counts``; reading syncs with the device)."""
+        return expert_parallel.drop_counts(self.plan, reset)
 
     def __del__(self) -> None:
         """``del pm`` frees the parameters at once: the graphs (each in a reference cycle with its
@@ -171,7 +181,7 @@ class ParallelModel(nn.Module):
         for chunk in compiled.running():
             waits = chunk.waits
             assert waits is not None
-            waits.callback = self._grad_sync.wait_bucket  # type: ignore[attr-defined]
+            waits.callback = self._grad_sync.wait_bucket
 
     def _finish_param_gather(self) -> None:
         """Wait for the DistributedOptimizer's all-gather in flight, before reading or writing parameters."""
@@ -190,15 +200,17 @@ class ParallelModel(nn.Module):
         """This rank's pipeline chunks as they run for these inputs (empty without a pipeline)."""
         return self._compiled_for(self._as_kwargs(args, kwargs)).chunks
 
-    def _compiled_for(self, call: dict[str, Any]) -> CompiledSignature:
-        key = guards.signature_key(call, self.training)
+    def _compiled_for(self, call: dict[str, Any], outputs_read: tuple[str, ...] = ()) -> CompiledSignature:
+        """The graph of ``call``'s signature; ``outputs_read``: the output keys the caller reads (empty: all)."""
+        key = (*guards.signature_key(call, self.training), outputs_read)
         compiled = self._graphs.get(key)
         if compiled is None:
             self._source.model.train(self.training)
             backend = dist.get_backend() if dist.is_initialized() else "nccl"
             try:
                 program = lower_signature(self._source.model, call, self.plan, tp_rank=self._coords.tp_rank,
-                                          device=self._device, backend=backend,
+                                          device=self._device, backend=backend, ep_rank=self.ep_rank,
+                                          outputs_read=outputs_read,
                                           param_buckets=self._grad_sync.param_buckets(self._params.aliases))  # fmt: skip
             except ValueError as e:
                 guards.explain_retrace_failure(call, list(self._graphs), e)
@@ -207,6 +219,7 @@ class ParallelModel(nn.Module):
             self._attach(compiled)
             self._install_param_waits(compiled)
             self._graphs[key] = compiled
+        guards.refuse_autocast(compiled.graph, self._device)
         return compiled
 
     def _as_kwargs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -249,7 +262,7 @@ class ParallelModel(nn.Module):
         assert self._coords.pipeline is not None
         return PipelineRunner(compiled.chunks, self._coords.pipeline, self._device)
 
-    @guards.guarded
+    @guards.guarded(step=True)
     def train_step(
         self,
         input_ids: torch.Tensor | None = None,
@@ -257,11 +270,16 @@ class ParallelModel(nn.Module):
         num_microbatches: int | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         schedule: str | None = None,
+        batch_is_local: bool = False,
         **kwargs: Any,
     ) -> torch.Tensor:
         """Forward and backward of the global batch, split over dp ranks and microbatches.
 
-        Every rank passes the same global batch. Returns the mean loss over the global
+        Every rank passes the same global batch, which is split over the dp ranks (checked
+        on the first calls: different batches on the dp ranks raise). With
+        ``batch_is_local=True`` each dp rank passes its own shard instead, of the same size
+        on every dp rank (DDP's convention: a ``DistributedSampler`` over dp ranks); the
+        ranks of one replica (tp, pp) pass the same shard. Returns the mean loss over the global
         batch (detached), identical on every rank. Without ``labels``,
         ``loss_fn(outputs) -> scalar`` supplies the loss (on the last pipeline stage).
         Gradients are accumulated into ``.grad`` and averaged over dp ranks; the caller
@@ -271,44 +289,52 @@ class ParallelModel(nn.Module):
         """
         if labels is None and loss_fn is None:
             raise UserInputError("train_step needs labels= or loss_fn=")
+        if self.check_replicas_every and self._steps % self.check_replicas_every == 0:
+            self.check_replicas()
+        self._steps += 1
         batch = {k: v for k, v in dict(kwargs, input_ids=input_ids, labels=labels).items() if v is not None}
         size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
         dp = self.plan.dp
+        shards = 1 if batch_is_local else dp
         m = self.plan.microbatches if num_microbatches is None else num_microbatches
-        if m < 1 or size % (dp * m):
+        if m < 1 or size % (shards * m):
             raise UserInputError(
-                f"the global batch of {size} does not split into dp={dp} x {m} microbatches; "
-                f"use a batch size that is a multiple of {dp * max(m, 1)}"
+                f"the {'local' if batch_is_local else 'global'} batch of {size} does not split into "
+                f"{'' if batch_is_local else f'dp={dp} x '}{m} microbatches; "
+                f"use a batch size that is a multiple of {shards * max(m, 1)}"
             )
         if self.plan.distributed_optimizer and dp > 1 and not self._grad_sync.holds_grads and not self._warned_plain:
             self._warned_plain = True
-            log.warning("the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
-                        "state over dp=%d); this model trains with a plain optimizer", dp)
+            warn_once(log, "the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
+                      "state over dp=%d); this model trains with a plain optimizer", dp)
         self._grad_sync.begin(m)
-        step = size // (dp * m)
-        first = self._coords.dp_rank * step * m
+        step = size // (shards * m)
+        first = 0 if batch_is_local else self._coords.dp_rank * step * m
         micro = [
             {k: (v[first + i * step : first + (i + 1) * step] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
             for i in range(m)
         ]
         loss_of = loss_fn if loss_fn is not None else (lambda out: out["loss"])  # a dict or a ModelOutput
+        outputs_read = () if loss_fn is not None else LOSS_ONLY
         if self.plan.num_chunks == 1:
             total = torch.zeros((), device=self._device)
             for mb in micro:
-                loss = loss_of(self(**mb))
+                call = self._as_kwargs((), mb)
+                loss = loss_of(self._compiled_for(call, outputs_read).run(**call))
                 (loss / m).backward()
                 total += loss.detach().float()
         else:
-            total = self._pipeline_step(micro, loss_of, schedule or self.plan.schedule_name)
+            total = self._pipeline_step(micro, loss_of, schedule or self.plan.schedule_name, outputs_read)
         self._grad_sync.finish()
         return mean_loss(self.plan, self._coords, total / m)
 
-    def _pipeline_step(self, micro: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str) -> torch.Tensor:
+    def _pipeline_step(self, micro: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str,
+                       outputs_read: tuple[str, ...]) -> torch.Tensor:  # fmt: skip
         pp, vpp = self.plan.pp, self.plan.vpp
         if name == "zbh1" and self._grad_sync.holds_grads:
             raise UserInputError(ZBH1_REFUSED)
         calls = [self._as_kwargs((), mb) for mb in micro]
-        compiled = self._compiled_for(calls[0])
+        compiled = self._compiled_for(calls[0], outputs_read)
         runner = self._runner(compiled)
         runner.measure_busy = self.measure_busy
         total = runner.run_step(lambda rank: schedules.schedule(name, pp, vpp, len(micro), rank), calls, loss_of,
@@ -383,7 +409,7 @@ class ParallelModel(nn.Module):
 
     def unshard_grads(self) -> dict[str, torch.Tensor | None]:
         """Full gradients under every original parameter name (None where no grad)."""
-        if isinstance(self._grad_sync, GradBuffers) and self._grad_sync.reduced:
+        if self._grad_sync.reduced:
             raise UserInputError(
                 "the gradients were reduce-scattered over dp by the DistributedOptimizer (each dp rank holds the mean "
                 "of its 1/dp slice only), so no rank has them whole; read them before the step ends (pm(...) and "
@@ -395,7 +421,7 @@ class ParallelModel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; with a DistributedOptimizer, zero its buffers (``.grad`` stays a view of them)."""
-        if isinstance(self._grad_sync, GradBuffers):
+        if self._grad_sync.holds_grads:
             self._grad_sync.zero_grad()
             return
         super().zero_grad(set_to_none)
@@ -422,14 +448,15 @@ class ParallelModel(nn.Module):
     def norm_counting(self, dp_rank: int | None) -> grad_norm.NormCounting:
         """Which gradient elements this rank counts in a global norm (over dp too, unless ``dp_rank`` is None)."""
         c = self._coords
-        return grad_norm.NormCounting(self.plan, c.tp_rank, c.pp_rank, dp_rank, self._params.layouts, self._params.holders)
+        experts = self._params.experts
+        return grad_norm.NormCounting(self.plan, c.tp_rank, c.pp_rank, dp_rank, self._params.layouts, self._params.holders,
+                                      lambda n: experts.counts_in_norm(n, dp_rank) if experts.is_expert(n) else None)  # fmt: skip
 
-    def clip_grad_norm_(self, max_norm: float, error_if_nonfinite: bool = False, check_replicas_every: int = REPLICA_CHECK_EVERY) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip this rank's gradients by the global L2 norm, each parameter counted once across tp
         shards and replicas, pipeline stages and dp ranks, as ``torch.nn.utils.clip_grad_norm_`` on
         the unmodified model; returns that norm (the same on every rank). Call it after
-        ``train_step``. Every ``check_replicas_every`` calls (the first included) it also runs
-        ``check_replicas``."""
+        ``train_step``."""
         if self._grad_sync.holds_grads:
             raise UserInputError("this model trains with a DistributedOptimizer, which holds the gradients: call opt.clip_grad_norm_")
         counting = self.norm_counting(self._coords.dp_rank)
@@ -438,15 +465,13 @@ class ParallelModel(nn.Module):
         squares = grad_norm.sum_of_squares((part for n, g in present for part in counting.counted(n, g)), self._device)
         norm = grad_norm.global_norm(squares, error_if_nonfinite)
         grad_norm.clip_([g for _, g in present], norm, max_norm)
-        if check_replicas_every and self._clip_calls % check_replicas_every == 0:
-            self.check_replicas()
-        self._clip_calls += 1
         return norm
 
     @torch.no_grad()
     def check_replicas(self) -> list[str]:
         """Compare the parameters that several tp ranks hold (norm weights, shared KV heads) across
-        those ranks by checksum; log a warning naming those that differ, and return them."""
+        those ranks by checksum; log a warning naming those that differ, and return them.
+        ``train_step`` runs it on its first call and every ``check_replicas_every`` calls after."""
         tp = self.plan.tp
         if tp == 1:
             return []
@@ -454,6 +479,8 @@ class ParallelModel(nn.Module):
         named, holders = [], []
         for name in self._params.local_names:
             layout = self._params.layouts[name]
+            if self._params.experts.is_expert(name):
+                continue  # each tp rank may hold other experts
             if layout is None:
                 replicas = tp
             else:

@@ -20,6 +20,7 @@ from autotp.ir import meta_keys
 from autotp.ir.axes import Axis
 from autotp.ir.plan import ParallelPlan, ParamLayout
 from autotp.runtime import collectives
+from autotp.runtime.expert_parallel import ExpertShards
 from autotp.runtime.groups import Coords
 from autotp.runtime.shard_map import ShardSpec, shard_spec
 from autotp.runtime.sharding import shard_tensor, unshard_tensor
@@ -114,9 +115,11 @@ class Parameters:
         self.layouts: dict[str, ParamLayout | None] = {}
         self.local_names: list[str] = []
         self.buffer_names: list[str] = []
+        self.buffer_aliases: dict[str, str] = {}  # every name of a buffer (one module shared by several parents) -> its canonical name
         self.specs: dict[str, ShardSpec] = {}  # every local parameter and buffer
         self.holders: dict[str, list[int]] = {}  # canonical name -> the pipeline ranks that hold it (sorted)
         self.unfilled: set[str] = set()  # allocated for a model on meta; to be loaded or initialized
+        self.experts = ExpertShards(plan, coords.experts)
 
     def bind(self, model: nn.Module, param_chunks: ParamChunks, mine: set[int]) -> None:
         """Register the shard of every parameter that the chunks in ``mine`` read, and every buffer."""
@@ -130,13 +133,17 @@ class Parameters:
         for name, p in tensors.items():
             layouts = [self._plan.layout_of(alias) for alias in self.aliases[name]]
             layout = self.layouts[name] = next((l for l in layouts if l is not None), None)
-            if not self.chunks_of(param_chunks, name) & mine:
+            if not self.chunks_of(param_chunks, name) & mine or not self.experts.held(name):
                 continue
-            spec = self.specs[name] = shard_spec(name, tuple(p.shape), layout, *self._place(layout))
+            spec = self.specs[name] = self.experts.spec(name, tuple(p.shape)) or shard_spec(name, tuple(p.shape), layout, *self._place(layout))
             local = self._local(name, p.detach(), spec, layout)
             set_nested(self._module, name, nn.Parameter(local, requires_grad=p.requires_grad), buffer=False)
             self.local_names.append(name)
-        for name, b in model.named_buffers():
+        first_name: dict[int, str] = {}
+        for name, b in model.named_buffers(remove_duplicate=False):
+            canonical = self.buffer_aliases[name] = first_name.setdefault(id(b), name)
+            if canonical != name:
+                continue
             spec = self.specs[name] = shard_spec(name, tuple(b.shape), None, 0, 1)
             set_nested(self._module, name, self._local(name, b.detach(), spec, None), buffer=True)
             self.buffer_names.append(name)
@@ -154,7 +161,7 @@ class Parameters:
             covered = sum(piece.length for piece in spec.pieces)
             make = torch.empty if covered == spec.local_len else torch.zeros
             return make(spec.local_shape, dtype=full.dtype, device=self.device)
-        local = shard_tensor(full, layout, *self._place(layout)) if layout else full.clone()
+        local = shard_tensor(full, layout, *self._place(layout)) if layout else self.experts.local(name, full).clone()
         return local.to(self.device)
 
     def chunks_of(self, param_chunks: ParamChunks, canonical: str) -> set[int]:
@@ -176,10 +183,11 @@ class Parameters:
         return not holders or holders[0] == self._coords.pp_rank
 
     def canonical(self, name: str) -> str:
+        """The name under which the module holds the parameter or buffer ``name``."""
         for canonical, names in self.aliases.items():
             if name in names:
                 return canonical
-        return name
+        return self.buffer_aliases.get(name, name)
 
     def local_grads(self, names: list[str]) -> dict[str, torch.Tensor | None]:
         """The grads of those of ``names`` that this rank holds."""
@@ -218,6 +226,8 @@ class Parameters:
                 group = collectives.get_group(self._coords.keys[layout.axis])
                 dist.all_gather(parts, local.detach().contiguous(), group=group)
                 full = unshard_tensor(parts, layout, degree)
+        if self.experts.is_expert(name) and self._coords.pp_rank in self.owners(param_chunks, name):
+            full = self.experts.gather(name, full, get_nested(self._source, name), self.device)
         if plan.pp == 1:
             return full
         pipe = self._coords.pipeline
@@ -245,8 +255,8 @@ class Parameters:
                 out.update(dict.fromkeys(self.aliases[name], full))
         if not keep:
             return {}
-        for name in self.buffer_names:
-            out[name] = get_nested(self._module, name).detach().clone()
+        for alias, name in self.buffer_aliases.items():
+            out[alias] = get_nested(self._module, name).detach().clone()
         return {k: out[k] for k in self._source.state_dict(keep_vars=True)}
 
     def unshard_grads(self, param_chunks: ParamChunks) -> dict[str, torch.Tensor | None]:

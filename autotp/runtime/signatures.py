@@ -40,9 +40,9 @@ class CompiledSignature:
             for cg in chunks.values():
                 cg.run = torch.compile(cg.graph)
         if plan.cudagraphs:
-            run = cudagraphs.CapturedGraph(whole.captured, plan.cudagraph_impl)
+            run = cudagraphs.CapturedGraph(whole.captured, plan.cudagraph_impl, compile_graphs)
             for cg in chunks.values():
-                cg.captured = cudagraphs.CapturedGraph(cg.program.captured, plan.cudagraph_impl)
+                cg.captured = cudagraphs.CapturedGraph(cg.program.captured, plan.cudagraph_impl, compile_graphs)
         return CompiledSignature(program, graph, chunks, graph_param_chunks(program.graph), run)
 
     def running(self) -> list[ChunkProgram]:

@@ -1,0 +1,255 @@
+"""Custom ``torch.autograd.Function`` calls during tracing.
+
+Export records a Function's forward as aten ops, and autograd later differentiates those,
+not the Function's own ``backward``: a straight-through estimator or a hand-written router
+backward would silently get other gradients. So ``trace`` runs in two steps:
+
+1. ``custom_functions`` records every Function applied to a floating-point tensor (those
+   in ``torch`` itself, and those that torch generates for ``torch.library`` custom ops,
+   stay as they are), by wrapping the ``forward`` of every Function class. ``opaque_functions`` runs each recorded call on random inputs of the
+   traced shapes, once through the Function and once through its forward's ops, and keeps
+   the Functions whose gradients differ (or that are too large to check): a hand-written
+   backward that is the forward's derivative (Bloom's GELU) is traced through, so the
+   layout rules see its ops.
+2. If any is kept, the model is traced again with ``custom_functions(stack, opaque)``: each
+   call of a kept Function becomes one ``ops.FUNCTION`` node whose autograd is the
+   Function's own (``autotp.ir.custom_functions``). ``mark_elementwise`` then turns the
+   calls that are elementwise in forward and backward (one output, every tensor of the
+   forward and backward the output's shape or a scalar, pointwise ops only) into
+   ``ops.ELEMENTWISE_FUNCTION``, which runs on shards like any pointwise op; the others
+   run on replicated inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.autograd.function import Function, _is_setup_context_defined
+from torch.fx import GraphModule, Node
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autotp.ir import custom_functions as calls
+from autotp.ir import ops
+
+_CHECK_NUMEL = 1 << 22  # elements of the inputs a Function's backward is checked on
+_RTOL, _ATOL = 1e-4, 1e-6
+aten = torch.ops.aten
+# Ops that keep an elementwise computation elementwise although torch does not tag them pointwise.
+_ELEMENTWISE_UNTAGGED = {
+    aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default, aten.to.dtype,
+    aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarOther,
+    aten.where.ScalarSelf, aten.view.default, aten.reshape.default, aten.expand.default,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FunctionUse:
+    """A custom ``autograd.Function`` applied during tracing, and where."""
+
+    cls: type[Function]
+    args: tuple[Any, ...]  # as traced (fake tensors)
+    module: str  # the innermost executing submodule
+    line: str  # the calling source line
+
+    @property
+    def function(self) -> str:
+        return f"{self.cls.__module__}.{self.cls.__qualname__}"
+
+
+@contextmanager
+def custom_functions(stack: list[str], opaque: frozenset[type[Function]] = frozenset()) -> Iterator[list[FunctionUse]]:
+    """Record the custom Functions applied to floating-point tensors while the body runs, and
+    put each call of a Function in ``opaque`` into the graph as one ``ops.FUNCTION`` node.
+
+    Each Function's ``forward`` is wrapped, not ``Function.apply``: autograd calls the
+    class's ``forward`` however ``apply`` was reached (``act = MyFunction.apply`` bound at
+    import time too). ``stack`` is the executing-submodule stack that ``trace`` keeps.
+    """
+    uses: list[FunctionUse] = []
+    originals = {cls: cls.__dict__["forward"] for cls in _function_classes()}
+    for cls, original in originals.items():
+        setattr(cls, "forward", staticmethod(_recording_forward(cls, original, uses, stack, cls in opaque)))
+    try:
+        yield uses
+    finally:
+        for cls, original in originals.items():
+            setattr(cls, "forward", original)
+
+
+def _function_classes() -> list[type[Function]]:
+    """Every subclass of ``Function`` defined outside torch and autotp that has its own ``forward``."""
+    seen: set[type[Function]] = set()
+    todo = list(Function.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.add(cls)
+            todo.extend(cls.__subclasses__())
+    return [c for c in seen if "forward" in c.__dict__ and not c.__module__.startswith(("torch.", "autotp."))]
+
+
+def _recording_forward(cls: type[Function], original: Any, uses: list[FunctionUse], stack: list[str], keep: bool) -> Any:
+    fn = original.__func__ if isinstance(original, staticmethod) else original
+    takes_ctx = not _is_setup_context_defined(cls.setup_context)
+
+    @functools.wraps(fn)  # Function.apply binds default arguments by forward's signature
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if calls.inside_kernel():
+            return fn(*args, **kwargs)
+        inputs = args[1:] if takes_ctx else args
+        if keep:
+            key, tensors = calls.register_call(cls, inputs, kwargs)
+            return calls.call(key).output(ops.FUNCTION(tensors, key, calls.call(key).name))
+        # grad mode is not checked: a graph traced under no_grad may later run for training
+        if any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in torch.utils._pytree.tree_leaves((inputs, kwargs))):
+            uses.append(FunctionUse(cls, inputs, stack[-1] if stack else "<root>", _caller_line()))
+        return fn(*args, **kwargs)
+
+    return forward
+
+
+def _caller_line() -> str:
+    ours = str(Path(__file__).resolve().parents[1])  # the autotp package
+    frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename and not f.filename.startswith(ours)]
+    return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "unknown line"
+
+
+def opaque_functions(uses: list[FunctionUse]) -> dict[type[Function], str]:
+    """The Functions to keep whole, each with why (the first of its calls whose backward is not its
+    forward's derivative, or cannot be checked)."""
+    checked: dict[tuple, str | None] = {}
+    kept: dict[type[Function], str] = {}
+    for use in uses:
+        key = (use.cls, tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a) for a in use.args))
+        if key not in checked:
+            checked[key] = _backward_differs(use)
+        if checked[key] is not None and use.cls not in kept:
+            kept[use.cls] = f"{use.function} in module {use.module} at {use.line}: {checked[key]}"
+    return kept
+
+
+class _Ctx:
+    """What a Function's ``forward`` may call on ``ctx`` when run outside autograd."""
+
+    def __init__(self) -> None:
+        self.saved_tensors: tuple[torch.Tensor, ...] = ()
+        self.needs_input_grad: tuple[bool, ...] = ()
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def mark_dirty(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+
+def _backward_differs(use: FunctionUse) -> str | None:
+    """Why the Function's own backward cannot be replaced by its forward's derivative (None: it can)."""
+    fakes = [a for a in use.args if isinstance(a, torch.Tensor)]
+    if sum(a.numel() for a in fakes) > _CHECK_NUMEL:
+        return "its inputs are too large to check its backward against its forward's derivative"
+    gen = torch.Generator().manual_seed(0)
+
+    def real(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        if not a.is_floating_point():
+            return torch.zeros(a.shape, dtype=a.dtype)
+        return torch.randn(a.shape, generator=gen, dtype=torch.float64).requires_grad_(True)
+
+    args = [real(a) for a in use.args]
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    try:
+        with torch.enable_grad():
+            own = _grads(lambda: use.cls.apply(*args), leaves)
+            if getattr(use.cls, "setup_context", Function.setup_context) is not Function.setup_context:
+                derived = _grads(lambda: use.cls.forward(*args), leaves)
+            else:
+                derived = _grads(lambda: use.cls.forward(_Ctx(), *args), leaves)
+    except Exception as e:  # noqa: BLE001 - reported as the reason
+        return f"its backward could not be checked ({type(e).__name__}: {e})"
+    for i, (a, b) in enumerate(zip(own, derived)):
+        if not torch.allclose(a, b, rtol=_RTOL, atol=_ATOL):
+            return f"its backward differs from its forward's derivative for input {i}"
+    return None
+
+
+def _grads(run: Any, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    outs = [o for o in torch.utils._pytree.tree_leaves(run()) if isinstance(o, torch.Tensor) and o.requires_grad]
+    seed = torch.Generator().manual_seed(1)
+    weights = [torch.randn(o.shape, generator=seed, dtype=o.dtype) for o in outs]
+    grads = torch.autograd.grad(outs, leaves, weights, allow_unused=True)
+    return [torch.zeros_like(l) if g is None else g for g, l in zip(grads, leaves)]
+
+
+def mark_elementwise(gm: GraphModule) -> None:
+    """Turn each ``ops.FUNCTION`` node whose call is elementwise, forward and backward, into an
+    ``ops.ELEMENTWISE_FUNCTION`` node (its one output replaces the ``getitem`` of it)."""
+    for node in list(gm.graph.nodes):
+        if node.target is not ops.FUNCTION or not _is_elementwise(node):
+            continue
+        (getter,) = node.users
+        with gm.graph.inserting_before(node):
+            single = gm.graph.call_function(ops.ELEMENTWISE_FUNCTION, node.args)
+        single.meta = {**node.meta, "val": getter.meta["val"]}
+        getter.replace_all_uses_with(single)
+        gm.graph.erase_node(getter)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _is_elementwise(node: Node) -> bool:
+    """Whether the call at ``node`` maps each element of its inputs to the element at the same
+    position of its one output, forward and backward (traced on fake inputs of its shapes)."""
+    outs = node.meta.get("val")
+    users = list(node.users)
+    if not isinstance(outs, (list, tuple)) or len(outs) != 1 or len(users) != 1 or users[0].target is not operator.getitem:
+        return False
+    shape = tuple(outs[0].shape)
+    inputs = [a.meta.get("val") for a in node.args[0]]
+    if not all(isinstance(v, torch.Tensor) and tuple(v.shape) in (shape, ()) for v in inputs):
+        return False
+    fc = calls.call(node.args[1])
+
+    def joint(xs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+        args, kwargs = fc.arguments(xs)
+        out = fc.cls.apply(*args, **kwargs)
+        (y,) = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        wrt = [x for x in xs if x.requires_grad]
+        if not y.requires_grad or not wrt:
+            return [y]
+        return [y, *(g for g in torch.autograd.grad([y], wrt, [grad], allow_unused=True) if g is not None)]
+
+    try:
+        with FakeTensorMode(), torch.enable_grad():
+            xs = [torch.empty(v.shape, dtype=v.dtype).requires_grad_(v.is_floating_point()) for v in inputs]
+            grad = torch.empty(shape, dtype=outs[0].dtype)
+            graph = make_fx(joint)(xs, grad).graph
+    except Exception:  # noqa: BLE001 - a call that cannot be traced alone is not proven elementwise
+        return False
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and tuple(val.shape) not in (shape, ()):
+            return False
+        if n.op != "call_function":
+            continue
+        tags = getattr(n.target, "tags", ())
+        if torch.Tag.nondeterministic_seeded in tags or (torch.Tag.pointwise not in tags and n.target not in _ELEMENTWISE_UNTAGGED):
+            return False
+    return True

@@ -1,0 +1,249 @@
+"""Layout rules of indexing ops: ``index`` (``x[idx]``), ``index_select``, ``gather``,
+and the writes ``index_put`` (``y[idx] += v``), ``index_add``, ``scatter`` and
+``scatter_add``.
+
+The indexed dim (``dim``, or the dims ``indices`` cover) must be whole on every rank,
+unless the index is a constant run of consecutive positions: that is a slice of it
+(``select_range``). Every other dim keeps its split. Operands that meet along a dim agree on it: a sharded
+dim of one is the same split in the others (``unify``), a replicated operand of full size
+is read through the rank's slice (``Propagation.local_slices``) and a size-1 dim
+broadcasts. Index tensors are never sharded by a layout of their own, only sliced.
+
+Writes are linear in the written tensor and the values jointly: both partial give a
+partial result; any other partial operand is all-reduced first.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx import Node
+
+from autotp.analysis.shapes import norm_dim, shape_of
+from autotp.ir.errors import describe
+from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, select_range, shard, unify
+
+if TYPE_CHECKING:
+    from autotp.analysis.propagation import Walker
+
+aten = torch.ops.aten
+_COPIES = (aten.lift_fresh_copy.default, aten.clone.default, aten._to_copy.default, aten.detach.default, aten.alias.default)
+
+
+def _index_positions(src: tuple[int, ...], indexed: list[int], out_ndim: int) -> dict[int, int]:
+    """Where advanced indexing puts each non-indexed dim of ``src`` in its result."""
+    index_ndim = out_ndim - (len(src) - len(indexed))
+    kept = [d for d in range(len(src)) if d not in indexed]
+    if indexed == list(range(indexed[0], indexed[-1] + 1)):  # adjacent: the index dims stay in place
+        return {d: (d if d < indexed[0] else d - len(indexed) + index_ndim) for d in kept}
+    return {d: index_ndim + kept.index(d) for d in kept}  # apart: the index dims go first
+
+
+def _indices_replicated(w: Walker, node: Node, indices: list[Any]) -> None:
+    for i in indices:
+        if isinstance(i, Node) and not w.concrete(i, node).replicated:
+            raise ShardingConflict(f"{describe(node)}: sharded index tensor", w.get(i).origins())
+
+
+def align(w: Walker, node: Node, dims: dict[int, DimVar], operands: list[tuple[Node, dict[int, int]]]) -> None:
+    """Make each operand agree with the split ``dims`` (output dim -> var); ``dim_map`` maps
+    an output dim to the operand's dim (aligned dims absent from it are not read)."""
+    for t, dim_map in operands:
+        if not isinstance(t, Node):
+            continue
+        lay = w.concrete(t, node)
+        shape = shape_of(t) or ()
+        for od, var in dims.items():
+            d = dim_map.get(od)
+            if d is None or d >= len(shape) or shape[d] == 1:
+                continue
+            if lay.var_at(d) is not None:
+                unify(lay.var_at(d), var, describe(node))
+            elif lay.replicated and not var.find().padded and shape[d] == var.find().size:
+                w.out.local_slices.setdefault(node, []).append((t, d, var))
+            else:
+                raise ShardingConflict(f"{describe(node)}: an operand of {describe(t)} is whole along a sharded dim", var.find().origins, (var,))
+        covered = {dim_map.get(od) for od in dims}
+        for d, v in lay.dims:
+            if d not in covered:
+                raise ShardingConflict(f"{describe(node)}: {describe(t)} is sharded along a dim the result does not keep", v.find().origins, (v,))
+
+
+def _sharded_dims(lays: list[Layout], maps: list[dict[int, int]], where: str) -> dict[int, DimVar]:
+    """The output dims that some operand shards (through each operand's output->own dim map)."""
+    dims: dict[int, DimVar] = {}
+    for lay, dim_map in zip(lays, maps):
+        back = {d: od for od, d in dim_map.items()}
+        for d, v in lay.dims:
+            if d in back:
+                od = back[d]
+                dims[od] = unify(dims[od], v, where) if od in dims else v
+    return dims
+
+
+def _constant_range(w: Walker, idx: Any, size: int) -> tuple[int, int] | None:
+    """``[start, stop)`` when ``idx`` is a constant 1-D index of consecutive positions
+    (Falcon's ``fused[..., [-2], :]``), else None."""
+    while isinstance(idx, Node) and idx.op == "call_function" and idx.target in _COPIES:
+        idx = idx.args[0]
+    if not isinstance(idx, Node) or idx.op != "get_attr":
+        return None
+    try:
+        value = functools.reduce(getattr, str(idx.target).split("."), w.gm)
+    except AttributeError:
+        return None
+    if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor) or value.is_meta or value.dim() != 1 or value.is_floating_point():
+        return None
+    positions = [int(v) % size for v in value.tolist()]
+    if not positions or positions != list(range(positions[0], positions[0] + len(positions))):
+        return None
+    return positions[0], positions[0] + len(positions)
+
+
+def _as_slice(w: Walker, node: Node, lay: Layout, dim: int, idx: Any) -> Layout | None:
+    """An index of a sharded dim by a constant run of positions: a slice of it (the rank
+    graph takes the local slice, ``meta_keys.INDEX_AS_SLICE``)."""
+    var = lay.var_at(dim)
+    found = _constant_range(w, idx, var.find().size) if var is not None else None
+    if found is None:
+        return None
+    part = select_range(var, found[0], found[1], describe(node))
+    w.out.slice_fixups[node] = (var, part)
+    w.out.index_slices[node] = dim
+    return shard({**dict(lay.dims), dim: part})
+
+
+def index(w: Walker, node: Node) -> Any:
+    """``x[..., idx, ...]`` (``None`` entries are whole dims)."""
+    x, indices = node.args[0], list(node.args[1])
+    lay = w.concrete(x, node)
+    _indices_replicated(w, node, indices)
+    if lay.replicated or lay.partial:
+        return lay
+    indexed = [d for d, i in enumerate(indices) if i is not None]
+    if not indexed:
+        return lay
+    if len(indexed) == 1 and lay.var_at(indexed[0]) is not None:
+        sliced = _as_slice(w, node, lay, indexed[0], indices[indexed[0]])
+        if sliced is not None:
+            return sliced
+    if any(lay.var_at(d) is not None for d in indexed):
+        raise ShardingConflict(f"{describe(node)}: indexes a sharded dim", lay.origins(), tuple(lay.var_at(d) for d in indexed if lay.var_at(d)))
+    where = _index_positions(shape_of(x) or (), indexed, len(shape_of(node) or ()))
+    return shard({where[d]: v for d, v in lay.dims})
+
+
+def index_select(w: Walker, node: Node) -> Any:
+    x, dim, idx = node.args[0], node.args[1], node.args[2]
+    lay = w.concrete(x, node)
+    _indices_replicated(w, node, [idx])
+    d = norm_dim(dim, len(shape_of(x) or ()))
+    if lay.var_at(d) is not None:
+        sliced = _as_slice(w, node, lay, d, idx)
+        if sliced is not None:
+            return sliced
+        raise ShardingConflict(f"{describe(node)}: selects rows of a sharded dim", lay.origins(), (lay.var_at(d),))
+    return lay
+
+
+def gather(w: Walker, node: Node) -> Any:
+    """``torch.gather(x, dim, index)``: the result has the index's shape and reads x at the
+    same position along every other dim."""
+    x, dim, idx = node.args[0], node.args[1], node.args[2]
+    nd = len(shape_of(node) or ())
+    d = norm_dim(dim, nd)
+    lays = [w.concrete(x, node), w.concrete(idx, node)]
+    w.reduce_first(node, [x])
+    lays[0] = REPLICATE if lays[0].partial else lays[0]
+    if all(l.replicated for l in lays):
+        return REPLICATE
+    same = {i: i for i in range(nd) if i != d}
+    dims = _sharded_dims(lays, [same, same], describe(node))
+    if lays[0].var_at(d) is not None or lays[1].var_at(d) is not None:
+        raise ShardingConflict(f"{describe(node)}: gathers along a sharded dim", lays[0].origins() | lays[1].origins())
+    xs, out = shape_of(x) or (), shape_of(node) or ()
+    for od, var in dims.items():
+        if xs[od] != out[od]:
+            raise ShardingConflict(f"{describe(node)}: the index covers part of a sharded dim", var.find().origins, (var,))
+    align(w, node, dims, [(x, same), (idx, same)])
+    return shard(dims)
+
+
+def scatter(w: Walker, node: Node) -> Any:
+    """``x.scatter(dim, index, src)`` (and ``scatter_add``, a scalar ``value``): the result
+    is x's; index and src are read at the same position along every other dim."""
+    x, dim, idx = node.args[0], node.args[1], node.args[2]
+    src = node.args[3] if len(node.args) > 3 and isinstance(node.args[3], Node) else None
+    nd = len(shape_of(node) or ())
+    d = norm_dim(dim, nd)
+    operands = [t for t in (x, idx, src) if isinstance(t, Node)]
+    lays = [w.concrete(t, node) for t in operands]
+    if _linear_write(w, node, [x, src]):
+        return PARTIAL
+    lays = [REPLICATE if l.partial else l for l in lays]
+    if all(l.replicated for l in lays):
+        return REPLICATE
+    same = {i: i for i in range(nd) if i != d}
+    dims = _sharded_dims(lays, [same] * len(operands), describe(node))
+    if any(l.var_at(d) is not None for l in lays):
+        raise ShardingConflict(f"{describe(node)}: scatters along a sharded dim", frozenset().union(*(l.origins() for l in lays)))
+    align(w, node, dims, [(t, same) for t in operands])
+    return shard(dims)
+
+
+def index_add(w: Walker, node: Node) -> Any:
+    """``x.index_add(dim, index, source)``: rows of source added into rows of x."""
+    x, dim, idx, source = node.args[0], node.args[1], node.args[2], node.args[3]
+    nd = len(shape_of(node) or ())
+    d = norm_dim(dim, nd)
+    _indices_replicated(w, node, [idx])
+    if _linear_write(w, node, [x, source]):
+        return PARTIAL
+    lays = [w.concrete(t, node) for t in (x, source)]
+    lays = [REPLICATE if l.partial else l for l in lays]
+    if all(l.replicated for l in lays):
+        return REPLICATE
+    same = {i: i for i in range(nd) if i != d}
+    dims = _sharded_dims(lays, [same, same], describe(node))
+    if any(l.var_at(d) is not None for l in lays):
+        raise ShardingConflict(f"{describe(node)}: adds rows along a sharded dim", lays[0].origins() | lays[1].origins())
+    align(w, node, dims, [(x, same), (source, same)])
+    return shard(dims)
+
+
+def index_put(w: Walker, node: Node) -> Any:
+    """``x[indices] = values`` (``+=`` with ``accumulate``): values are laid out like
+    ``x[indices]`` (``index``), aligned from the right."""
+    x, indices, values = node.args[0], list(node.args[1]), node.args[2]
+    _indices_replicated(w, node, indices)
+    if _linear_write(w, node, [x, values]):
+        return PARTIAL
+    lx, lv = (REPLICATE if l.partial else l for l in (w.concrete(x, node), w.concrete(values, node)))
+    if lx.replicated and lv.replicated:
+        return REPLICATE
+    src = shape_of(x) or ()
+    indexed = [d for d, i in enumerate(indices) if i is not None]
+    if any(lx.var_at(d) is not None for d in indexed):
+        raise ShardingConflict(f"{describe(node)}: writes rows of a sharded dim", lx.origins())
+    selected_ndim = len(src) - len(indexed) + max((len(shape_of(i) or ()) for i in indices if isinstance(i, Node)), default=0)
+    where = _index_positions(src, indexed, selected_ndim) if indexed else {d: d for d in range(len(src))}
+    off = selected_ndim - len(shape_of(values) or ())
+    x_map = {d: d for d in range(len(src))}
+    v_map = {d: where[d] - off for d in where if where[d] - off >= 0}
+    dims = _sharded_dims([lx, lv], [x_map, v_map], describe(node))
+    align(w, node, dims, [(x, x_map), (values, v_map)])
+    return shard(dims)
+
+
+def _linear_write(w: Walker, node: Node, operands: list[Any]) -> bool:
+    """Whether a write of partial values into a partial tensor stays partial (a write, or an
+    add, of the sums is the sum of the writes); otherwise partial operands are all-reduced
+    first."""
+    lays = [w.concrete(t, node) if isinstance(t, Node) else REPLICATE for t in operands]
+    if all(l == PARTIAL for l in lays):
+        return True
+    w.reduce_first(node, [t for t in operands if isinstance(t, Node)])
+    return False

@@ -1,0 +1,236 @@
+"""Layout rules of ops that regroup dims: reshapes and views, complex views and
+``repeat_interleave``, by tracking which input dims become which output dims.
+
+``reshape_chunks`` pairs runs of input dims with runs of output dims of equal product.
+A sharded dim survives a reshape when it maps onto whole output factors:
+
+* **split** ``[n] -> [f0, f1, ...]``: one factor carries the split; the dims outside it
+  stay whole on every rank. The outermost factor that tp can split is tried first
+  (``[H*D] -> [H, D]`` shards the heads); a factor ``fi`` further in cuts the dim into
+  ``f0*...*f(i-1)`` segments, each split into ``fi`` blocks (timm's ``reshape(B, N, 3, H,
+  D)`` shards H inside each of q, k and v). A later op that cannot keep the chosen
+  factor sharded (``unbind`` of the 3) makes the planner walk again with that factor
+  avoided (``ShardingConflict.retries``, ``Walker.avoid``).
+* **merge** ``[n0, rest...] -> [m]`` with the split on the outer dim: the merged dim
+  follows n0's blocks (``DimVar.follows``); when an expand made ``rest`` (``repeat_kv``)
+  the expand is recorded instead, and a rank may hold part of the repeats. A merge
+  of unsharded outer dims into a sharded inner one tiles it (``_tile``: one segment per
+  outer element), and splitting that tiled dim back gives the sharded inner dim.
+* **regroup** ``[n0, ...] -> [m0, ...]`` (heads in pairs): the split moves to m0 when one
+  of n0, m0 divides the other, and the finer dim follows the coarser one's blocks.
+
+An input dim that a split cuts into output factors follows the factor that carries the
+split (``layouts.follow``): the projection's features are split in whole heads, and
+whatever a later op asks of the heads (a slice of the query heads, one KV head held
+whole) is the projection's split too.
+
+Complex views keep every dim but the pair of reals; ``repeat_interleave`` along a
+sharded dim repeats each rank's own elements (``repeat_fixups``: the local repeat count).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.fx import Node
+
+from autotp.analysis.propagation_result import ParamView
+from autotp.analysis.shapes import norm_dim, reshape_chunks, shape_of
+from autotp.ir.errors import describe
+from autotp.ir.layouts import DimSharding, DimVar, ShardingConflict, follow, resolve, set_groups, set_segments, shard, unify
+
+if TYPE_CHECKING:
+    from autotp.analysis.propagation import Walker
+
+aten = torch.ops.aten
+
+
+def reshape(w: Walker, node: Node) -> Any:
+    src_lay = w.get(node.args[0])
+    if isinstance(src_lay, ParamView):
+        view = _unit_dims_view(src_lay, shape_of(node.args[0]) or (), shape_of(node) or ())
+        if view is not None:
+            return view
+    lay = w.concrete(node.args[0], node)
+    if lay.partial or not lay.dims:
+        return lay
+    src, dst = shape_of(node.args[0]), shape_of(node)
+    assert src is not None and dst is not None
+    chunks = reshape_chunks(src, dst)
+    if chunks is None:
+        raise ShardingConflict(f"{describe(node)}: cannot map the reshape", lay.origins())
+    dims: dict[int, DimVar] = {}
+    for ca, cb in chunks:
+        vars_in = [(d, lay.var_at(d)) for d in ca if lay.var_at(d) is not None]
+        if not vars_in:
+            continue
+        if len(vars_in) > 1:
+            raise ShardingConflict(f"{describe(node)}: reshape merges two sharded dims", lay.origins())
+        d, var = vars_in[0]
+        assert var is not None
+        inner = _tiled_inner(var, [dst[c] for c in cb]) if len(ca) == 1 else None
+        units = _units_before(dst, cb[0], dims_taken=[c for _, b in chunks for c in b])
+        if len(ca) == 1 and len(cb) == 1 and units:
+            # ``[n] -> [1, n]`` (one KV head): the split may stay on n or go to the unit dim
+            at, out = _split(w, node, var, [1] * len(units) + [dst[cb[0]]])
+            dims[(units + cb)[at]] = out
+        elif len(ca) == 1 and len(cb) == 1:
+            dims[cb[0]] = var
+        elif inner is not None:
+            dims[cb[1]] = inner
+        elif len(ca) == 1:
+            at, out = _split(w, node, var, [dst[c] for c in cb])
+            dims[cb[at]] = out
+        elif len(cb) == 1 and d == ca[-1] and d != ca[0]:
+            dims[cb[0]] = _tile(var, math.prod(src[c] for c in ca[:-1]), describe(node))
+        elif d != ca[0]:
+            raise ShardingConflict(f"{describe(node)}: the sharded dim is not the outer one of a merge", lay.origins(), (var,))
+        elif len(cb) == 1:
+            merged = DimVar(dst[cb[0]], var.find().origins)
+            dims[cb[0]] = merged
+            if not _note_broadcast_merge(w, node.args[0], ca[1:], merged, var):
+                follow(merged, var, describe(node))
+            else:
+                set_groups(merged, var.find().size, describe(node))
+        else:
+            dims[cb[0]] = _regroup(node, var, dst[cb[0]])
+    return shard(dims)
+
+
+def _units_before(dst: tuple[int, ...], at: int, dims_taken: list[int]) -> list[int]:
+    """The size-1 output dims right before ``at`` that no chunk of the reshape holds."""
+    units = []
+    d = at - 1
+    while d >= 0 and dst[d] == 1 and d not in dims_taken:
+        units.insert(0, d)
+        d -= 1
+    return units
+
+
+def _split(w: Walker, node: Node, var: DimVar, sizes: list[int]) -> tuple[int, DimVar]:
+    """``[n] -> sizes``: the factor that carries the split (see the module doc) and its var.
+    A size-1 factor (every rank holds the whole, a replicated block) comes last."""
+    avoid = w.avoid.get(node.name, frozenset())
+    allowed = [i for i, f in enumerate(sizes) if i not in avoid]
+    if not allowed:
+        raise ShardingConflict(f"{describe(node)}: no factor of the reshape can stay sharded", var.find().origins)
+    fits = [i for i in allowed if sizes[i] % w.tp == 0 or w.tp % sizes[i] == 0]
+    at = next((i for i in fits if sizes[i] > 1), fits[0] if fits else allowed[0])
+    if w.plan is not None:  # the plan's split says which factor was chosen
+        fixed = resolve(var, w.tp)
+        at = next((i for i in allowed if _matches(fixed, sizes, i)), at)
+    where = describe(node)
+    out = DimVar(sizes[at], var.find().origins)
+    set_groups(out, sizes[at], where)
+    out.made_by = (node.name, at)
+    outer = math.prod(sizes[:at])
+    for part in set_segments(var, [var.find().size // outer] * outer, where) if outer > 1 else (var,):
+        follow(part, out, where)
+    return at, out
+
+
+def _matches(fixed: DimSharding, sizes: list[int], at: int) -> bool:
+    """Whether the plan's split ``fixed`` can come from splitting factor ``at`` of ``sizes``:
+    the factors outside it whole on every rank (each of the outer ones a segment), blocks
+    made of whole inner elements."""
+    outer, inner = math.prod(sizes[:at]), math.prod(sizes[at + 1 :])
+    if all(g == 1 for g in fixed.groups):  # every rank holds all of it: the size-1 factor
+        return sizes[at] == 1
+    if fixed.padded or (outer > 1 and list(fixed.segments) != [fixed.size // outer] * outer):
+        return False
+    return all(seg % g == 0 and (seg // g) % inner == 0 for seg, g in zip(fixed.segments, fixed.groups))
+
+
+def _regroup(node: Node, var: DimVar, m0: int) -> DimVar:
+    """``[n0, ...] -> [m0, ...]`` with the split on n0: the split moves to m0."""
+    n0, where = var.find().size, describe(node)
+    if n0 % m0 and m0 % n0:
+        raise ShardingConflict(f"{where}: reshape regroups a sharded dim of {n0} into {m0}", var.find().origins, (var,))
+    out = DimVar(m0, var.find().origins)
+    out.made_by = var.find().made_by
+    if n0 % m0 == 0:
+        follow(var, out, where)  # each output element holds n0/m0 whole input elements
+    else:
+        set_groups(out, n0, where)
+        follow(out, var, where)
+    return out
+
+
+def _tile(var: DimVar, count: int, where: str) -> DimVar:
+    """The dim that merges ``count`` unsharded outer elements with sharded ``var``
+    (Bloom's ``[batch, heads] -> batch*heads``): ``count`` segments, each split as ``var``."""
+    tiled = DimVar(count * var.find().size, var.find().origins)
+    for seg in set_segments(tiled, [var.find().size] * count, where):
+        unify(seg, var, where)
+    return tiled
+
+
+def _tiled_inner(var: DimVar, sizes: list[int]) -> DimVar | None:
+    """For a reshape of a ``_tile``d dim into ``[count, size]``: the sharded inner var, else None."""
+    r = var.find()
+    if r.segments is None or len(sizes) != 2 or len(r.segments) != sizes[0]:
+        return None
+    roots = {seg.find() for seg in r.segments}
+    inner = next(iter(roots))
+    return inner if len(roots) == 1 and inner.size == sizes[1] else None
+
+
+def _unit_dims_view(view: ParamView, src: tuple[int, ...], dst: tuple[int, ...]) -> ParamView | None:
+    """An undecided parameter reshaped by adding or dropping size-1 dims only
+    (``scale.view(1, heads, 1, 1)``) stays undecided; None for any other reshape."""
+    kept = [i for i, s in enumerate(src) if s != 1]
+    if [src[i] for i in kept] != [s for s in dst if s != 1]:
+        return None
+    real = iter(kept)
+    return ParamView(view.name, tuple(None if s == 1 else view.dim_map[next(real)] for s in dst))
+
+
+def _note_broadcast_merge(w: Walker, src: Node, inner_dims: list[int], merged: DimVar, outer: DimVar) -> bool:
+    """``repeat_kv``: an expand whose broadcast dims are merged into a sharded dim; each
+    rank may hold part of the repeats. False when the inner dims are data."""
+    producer = src
+    while producer.target in (aten.clone.default, aten.contiguous.default) and isinstance(producer.args[0], Node):
+        producer = producer.args[0]
+    if producer.target is aten.expand.default and len(inner_dims) == 1:
+        w.out.expand_fixups.setdefault(producer, []).append((inner_dims[0], merged, outer))
+        return True
+    return False
+
+
+def view_as_complex(w: Walker, node: Node) -> Any:
+    """``[..., n, 2]`` reals -> ``[..., n]`` complex: the pair dim must be whole."""
+    lay = w.concrete(node.args[0], node)
+    nd = len(shape_of(node) or ())
+    if lay.var_at(nd) is not None:
+        raise ShardingConflict(f"{describe(node)}: the real/imaginary pair dim is sharded", lay.origins())
+    return lay
+
+
+def view_as_real(w: Walker, node: Node) -> Any:
+    """``[..., n]`` complex -> ``[..., n, 2]`` reals: every dim keeps its split."""
+    return w.concrete(node.args[0], node)
+
+
+def repeat_interleave(w: Walker, node: Node) -> Any:
+    """``x.repeat_interleave(r, dim)``: along a sharded dim each rank repeats its own
+    elements (GQA's key/value heads), ``r * local(x) / local(out)`` times fewer when the
+    output is split finer than the repeats (``Propagation.repeat_fixups``)."""
+    x = node.args[0]
+    lay = w.concrete(x, node)
+    src = shape_of(x) or ()
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if lay.partial or not lay.dims:
+        return lay
+    if dim is None:
+        raise ShardingConflict(f"{describe(node)}: repeat_interleave flattens a sharded tensor", lay.origins())
+    d = norm_dim(dim, len(src))
+    var = lay.var_at(d)
+    if var is None:
+        return lay
+    out_size = (shape_of(node) or ())[d]
+    merged = DimVar(out_size, var.find().origins)
+    set_groups(merged, var.find().size, describe(node))
+    w.out.repeat_fixups[node] = (merged, var)
+    return shard({**dict(lay.dims), d: merged})

@@ -1,0 +1,148 @@
+"""Layout rules of reductions and norms, by the dims they reduce.
+
+A reduction keeps the split of every dim it does not reduce. Over a sharded dim:
+
+* ``sum`` (and ``nansum``) of every sharded dim is *partial*: each rank sums its part.
+* ``mean`` likewise, once it divides by the whole dim's count, not the rank's
+  (``NodeRole.SHARDED_REDUCTION``; ``passes/sharded_statistics`` rescales it).
+* ``layer_norm``, ``rms_norm`` and ``linalg_vector_norm`` over a sharded dim are
+  computed from a tp-reduced statistic: each rank sums its part of the statistic, one
+  all-reduce adds them, and the normalized output keeps the split
+  (``NodeRole.SHARDED_NORM``; the pass decomposes the op). A norm weight follows the
+  split of the dim it scales (kind ``bias``). Megatron computes a norm over a
+  sharded hidden dim this way; the planner weighs it against keeping the producer
+  whole (``Walker.allow_statistic``).
+* Anything else (``amax``, ``prod``, ``var``...) needs the dim whole: a conflict.
+
+A statistic over a dim that ranks hold in replicated blocks (KV heads at tp > heads)
+would count those blocks several times; the pass divides by the replica count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.fx import Node
+
+from autotp.analysis.propagation_result import NodeRole, ParamView
+from autotp.analysis.shapes import norm_dim, schema_arg, shape_of
+from autotp.ir.errors import describe
+from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, ShardingConflict, shard, unify
+
+if TYPE_CHECKING:
+    from autotp.analysis.propagation import Walker
+
+aten = torch.ops.aten
+
+SUMS = {aten.sum.dim_IntList, aten.sum.default, aten.nansum.default}
+MEANS = {aten.mean.dim, aten.mean.default}
+VECTOR_NORMS = {aten.linalg_vector_norm.default}
+WHOLE = {
+    aten.prod.dim_int, aten.prod.default, aten.any.dim, aten.any.dims, aten.any.default, aten.all.dim,
+    aten.all.dims, aten.all.default, aten.var.correction, aten.std.correction, aten.var.dim, aten.std.dim,
+    aten.count_nonzero.dim_IntList, aten.count_nonzero.default,
+}  # fmt: skip
+REDUCTIONS = SUMS | MEANS | VECTOR_NORMS | WHOLE
+NORMS = {aten.layer_norm.default, aten.rms_norm.default}
+
+
+def reduced_dims(node: Node, nd: int) -> list[int]:
+    """The dims a reduction reduces (every dim when ``dim`` is None or empty)."""
+    dims = schema_arg(node, "dim")
+    if dims is None:
+        return list(range(nd))
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return [norm_dim(d, nd) for d in dims] or list(range(nd))
+
+
+def _statistic(w: Walker, node: Node, vars_: list[DimVar]) -> None:
+    """A tp-reduced statistic over ``vars_`` at ``node``, if the walk allows it there."""
+    for v in vars_:
+        if v.find().padded:
+            raise ShardingConflict(f"{describe(node)}: a statistic over a padded (vocabulary) dim", v.find().origins, (v,))
+    if not w.allow_statistic(node):
+        origins = frozenset().union(*(v.find().origins for v in vars_))
+        raise ShardingConflict(f"{describe(node)}: reduces over a sharded dim", origins, tuple(vars_), statistic=node.name)
+    w.out.statistics.add(node.name)
+
+
+def reduction(w: Walker, node: Node) -> Any:
+    x = node.args[0]
+    lay = w.concrete(x, node)
+    target = node.target
+    linear = target in SUMS or target in MEANS
+    if lay.partial:
+        if linear:
+            return PARTIAL
+        w.reduce_first(node, [x])
+        lay = REPLICATE
+    nd = len(shape_of(x) or ())
+    reduced = reduced_dims(node, nd)
+    keep = bool(schema_arg(node, "keepdim", False))
+    kept = [d for d in range(nd) if d not in reduced]
+    sharded = [lay.var_at(d) for d in reduced if lay.var_at(d) is not None]
+    if not sharded:
+        return lay if keep else shard({kept.index(d): v for d, v in lay.dims})
+    if not (linear or target in VECTOR_NORMS) or len(sharded) != len(lay.dims):
+        raise ShardingConflict(f"{describe(node)}: reduces over a sharded dim", lay.origins(), tuple(sharded))
+    if target in SUMS:
+        w.out.roles[node] = NodeRole.SHARDED_REDUCTION
+        return PARTIAL
+    _statistic(w, node, sharded)  # type: ignore[arg-type]
+    if target in MEANS:
+        w.out.roles[node] = NodeRole.SHARDED_REDUCTION
+        return PARTIAL
+    order = schema_arg(node, "ord", 2)
+    if not isinstance(order, (int, float)) or order <= 0 or math.isinf(order):
+        raise ShardingConflict(f"{describe(node)}: a norm of order {order} over a sharded dim", lay.origins(), tuple(sharded))
+    w.out.roles[node] = NodeRole.SHARDED_NORM
+    return REPLICATE
+
+
+def norm(w: Walker, node: Node) -> Any:
+    """``layer_norm`` / ``rms_norm`` over the last ``len(normalized_shape)`` dims."""
+    x = node.args[0]
+    lay = w.summed(x, node)
+    nd = len(shape_of(x) or ())
+    first = nd - len(node.args[1])
+    normed = [(d, v) for d, v in lay.dims if d >= first]
+    weights = node.all_input_nodes[1:]
+    if normed and node.target in NORMS:
+        _statistic(w, node, [v for _, v in normed])
+        w.out.roles[node] = NodeRole.SHARDED_NORM
+        for a in weights:
+            _follow(w, node, a, {d - first: v for d, v in normed})
+    elif normed:
+        raise ShardingConflict(f"{describe(node)}: normalizes over a sharded dim", lay.origins(), tuple(v for _, v in normed))
+    else:
+        for a in weights:
+            w.concrete(a, node)
+            w.reduce_first(node, [a])
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return (lay,) + tuple(REPLICATE if not lay.dims else lay for _ in val[1:])
+    return lay
+
+
+def _follow(w: Walker, node: Node, weight: Node, dims: dict[int, DimVar]) -> None:
+    """A norm's weight or bias (shaped like the normalized dims) takes their split."""
+    lay = w.get(weight)
+    if isinstance(lay, ParamView):
+        if len(dims) > 1:
+            raise ShardingConflict(f"{describe(node)}: {lay.name} meets two sharded dims", next(iter(dims.values())).find().origins)
+        ((d, var),) = dims.items()
+        w.param_view_shard(lay, d, var, "bias", node)
+        return
+    w.reduce_first(node, [weight])
+    if lay.partial:
+        lay = REPLICATE
+    for d, var in dims.items():
+        if lay.var_at(d) is not None:
+            unify(lay.var_at(d), var, describe(node))
+        elif lay.replicated:
+            w.out.local_slices.setdefault(node, []).append((weight, d, var))
+        else:
+            raise ShardingConflict(f"{describe(node)}: the norm weight is split differently", lay.origins() | var.find().origins)
+

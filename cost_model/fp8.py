@@ -1,0 +1,138 @@
+"""FP8 training: which GEMMs run in FP8 (``plan_fp8``), and what FP8 GEMMs and casts cost.
+
+**Choice** (``plan_fp8``, on a graph lowered under the plan, so layouts are final). Every
+GEMM site of ``passes/fp8_linear`` gets an ``Fp8Linear`` entry for its weight: the recipe,
+or the model's dtype with a reason, in this order:
+
+* outside the decoder layers (``lm_head``, projections before the first layer):
+  ``FP8_OUTSIDE_LAYERS``, the usual FP8 training default (the logits feed the loss
+  directly and ``lm_head`` is the GEMM most sensitive to precision);
+* a weight that is not a float of 16 or 32 bits: ``FP8_DTYPE``;
+* an input that is a partial sum (the summands would be scaled apart): ``FP8_PARTIAL_INPUT``;
+* a local K or N (this rank's shard) that is not a multiple of ``Recipe.align`` (16:
+  cuBLAS FP8 GEMMs; 128 blockwise), or, blockwise, a shard whose ranges do not start and
+  end on 128-element blocks: ``FP8_DIMS``;
+* blockwise with tokens split over the tp group (a replicated weight in a sequence
+  parallel region): its weight-gradient tiles run along the tokens: ``FP8_TOKEN_SPLIT``.
+
+A weight read by several GEMMs runs in FP8 only if all of them can. With tensorwise and
+sequence parallelism, ``fp8_all_gather`` lets the all-gathers into FP8 GEMMs carry FP8.
+
+**Cost** of one ``fp8_linear`` node (``fp8_node_cost``; ``autotp.cost_model.compute`` uses it):
+
+* GEMMs: FLOPs as the bf16 GEMMs they replace (2·M·K·N each), run at
+  ``HardwareProfile.fp8_matmul_speedup`` times the bf16 rate;
+* casts, memory-bound, outside the GEMM: per quantized operand of n elements of e bytes,
+  an amax pass and a cast pass read it (2·e·n) and the FP8 copy is written (n).
+  Forward: x once and every weight. Backward: each output gradient the same, plus the
+  transposed FP8 copies the other two GEMMs read (weights for dgrad, x and dy for
+  wgrad: 2 bytes moved per element each): ``cast_bytes`` forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch.fx import GraphModule, Node
+
+from autotp.analysis.layers import layer_of
+from autotp.analysis.local_shapes import TensorInfo, local_tensors
+from autotp.cost_model.flops import Tensors
+from autotp.ir import fp8, meta_keys, ops
+from autotp.ir.errors import UserInputError
+from autotp.ir.layouts import Layout, resolve
+from autotp.ir.plan import FP8_DIMS, FP8_DTYPE, FP8_OUTSIDE_LAYERS, FP8_PARTIAL_INPUT, FP8_TOKEN_SPLIT, Fp8Linear, ParallelPlan
+from autotp.passes.fp8_linear import FP8_OPS, GemmSite, gemm_sites, split_bits
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_recipe(recipe: str, backend: str = "torch") -> None:
+    if recipe not in fp8.RECIPES:
+        raise UserInputError(f"fp8={recipe!r} is not an FP8 recipe; use one of {sorted(fp8.RECIPES)} (or True for {fp8.DEFAULT_RECIPE!r})")
+    if backend not in FP8_OPS:
+        raise UserInputError(f"fp8 backend {backend!r} is not registered; registered: {sorted(FP8_OPS)}")
+
+
+def plan_fp8(lowered: GraphModule, plan: ParallelPlan, recipe: str, backend: str = "torch") -> ParallelPlan:
+    """``plan`` with every GEMM weight's FP8 choice (rules in the module docstring);
+    ``lowered`` is the graph compiled under ``sites_plan(plan)`` (any rank, any device)."""
+    check_recipe(recipe, backend)
+    spec = fp8.RECIPES[recipe]
+    decided: dict[str, Fp8Linear] = {}
+    for site in gemm_sites(lowered):
+        entry = _decide(site, spec, plan.tp)
+        if site.param not in decided or (decided[site.param].recipe and not entry.recipe):
+            decided[site.param] = entry
+    gathers = recipe == fp8.TENSORWISE and plan.sequence_parallel and plan.tp > 1
+    return replace(plan, fp8=recipe, fp8_backend=backend, fp8_linears=tuple(decided.values()), fp8_all_gather=gathers)
+
+
+def without_fp8(plan: ParallelPlan) -> ParallelPlan:
+    return replace(plan, fp8="", fp8_linears=(), fp8_all_gather=False)
+
+
+def sites_plan(plan: ParallelPlan) -> ParallelPlan:
+    """The plan to lower for ``plan_fp8``: no FP8 and no ``tp_overlap``, whose fused ops would
+    hide the GEMM sites (``fp8_linear`` runs before ``tp_overlap``, on the same layouts)."""
+    return replace(without_fp8(plan), tp_overlap=())
+
+
+def _decide(site: GemmSite, spec: fp8.Recipe, tp: int) -> Fp8Linear:
+    def keep(reason: str, detail: str) -> Fp8Linear:
+        return Fp8Linear(site.param, "", reason, detail, site.node.name)
+
+    if layer_of(site.node) is None:
+        return keep(FP8_OUTSIDE_LAYERS, "outside the decoder layers (lm_head and the like): kept in the model's dtype")
+    weight = site.weight.meta["val"]
+    if weight.dtype not in _FLOATS:
+        return keep(FP8_DTYPE, f"the weight is {weight.dtype}")
+    lay = site.x.meta.get(meta_keys.LAYOUT)
+    if isinstance(lay, Layout) and lay.partial:
+        return keep(FP8_PARTIAL_INPUT, f"reads {site.x.name}, a partial sum over the tp group")
+    shape = local_tensors(site.weight, tp)[0].shape
+    n, k = (shape[1], shape[0]) if site.kn else shape
+    bad = [f"{name}={size}" for name, size in (("K", k), ("N", n)) if size % spec.align]
+    if bad:
+        return keep(FP8_DIMS, f"local {', '.join(bad)} not a multiple of {spec.align} ({spec.name} FP8 GEMMs)")
+    weight_layout = site.weight.meta.get(meta_keys.LAYOUT)
+    if spec.activation[1] > 1 and isinstance(weight_layout, Layout):  # tiles must not straddle shards
+        for _, var in weight_layout.dims:
+            sharding = resolve(var, tp)
+            ranges = [r for rank in range(tp) for r in sharding.ranges(rank, tp)]
+            if any(start % spec.align or (stop - start) % spec.align for start, stop in ranges):
+                return keep(FP8_DIMS, f"its tp shards are not cut on {spec.align}-element blocks")
+    if spec.activation[1] > 1 and split_bits(site.x) & fp8.X_ROWS:
+        return keep(FP8_TOKEN_SPLIT, "its input's tokens are split over the tp group, across the weight-gradient tiles")
+    return Fp8Linear(site.param, spec.name, node=site.node.name)
+
+
+def node_call(node: Node) -> fp8.Fp8Call:
+    """The ``Fp8Call`` of an ``fp8_linear`` node."""
+    _, _, _, recipe, x_split, n_split, gather_dim, group_size, group = node.args
+    return fp8.call_of(recipe, x_split, n_split, gather_dim, group_size, group)
+
+
+def cast_bytes(node: Node, tensors: Tensors) -> tuple[int, int]:
+    """(forward, backward) bytes that the casts of an ``fp8_linear`` node move (module docstring); 0 for other nodes."""
+    if node.target is not ops.FP8_LINEAR:
+        return 0, 0
+    x, outs = tensors(node.args[0])[0], tensors(node)
+    weights = [tensors(w)[0] for w in node.args[1]]
+    k, m = x.shape[-1], outs[0].numel // outs[0].shape[-1]
+
+    def quantized(t: TensorInfo) -> int:
+        return 2 * t.nbytes + t.numel
+
+    forward = quantized(x) + sum(quantized(w) for w in weights)
+    backward = sum(quantized(o) + 2 * o.numel for o in outs) + sum(w.nbytes + w.numel for w in weights) + 2 * m * k
+    return forward, backward
+
+
+def amax_reduce_bytes(node: Node, tensors: Tensors) -> tuple[int, int]:
+    """(forward, backward) float32 bytes of the amaxes an ``fp8_linear`` node all-reduces (max)."""
+    x = tensors(node.args[0])[0]
+    ns = [tensors(w)[0].shape[0] for w in node.args[1]]
+    forward, backward = fp8.reduced_amaxes(node_call(node), x.numel // x.shape[-1], x.shape[-1], ns)
+    return 4 * forward, 4 * backward

@@ -1,0 +1,190 @@
+"""Compute reductions and norms over a sharded dim from tp-reduced statistics
+(``NodeRole.SHARDED_REDUCTION`` / ``SHARDED_NORM``, ``autotp.analysis.statistic_rules``),
+and contractions over a dim held in replicated blocks.
+
+* A ``sum`` or ``mean`` over a sharded dim is partial: each rank reduces its part. A mean
+  is scaled by local count / whole count, and a block that k ranks hold counts 1/k (a
+  fused dim whose segments are held by different numbers of ranks is scaled segment by
+  segment: ``_summand``).
+* ``layer_norm`` / ``rms_norm`` become their formula around partial statistics (in fp32):
+  ``mean = sum(x)/n``, ``var = sum((x - mean)^2)/n`` (layer norm) or ``ms = sum(x^2)/n``
+  (RMS norm), then ``x_hat * rsqrt(stat + eps) * weight (+ bias)``.
+* ``linalg_vector_norm(x, p)`` becomes ``sum(|x|^p) ** (1/p)``.
+* A row-parallel matmul that contracts a dim ranks hold in replicated blocks (query heads
+  of a KV group shared by two ranks) would add each block ``replicas`` times: its
+  sharded operand is scaled by 1/replicas (backward, each replica then computes its share
+  of the grad of the blocks, which the replica group sums).
+
+The new nodes carry layouts: the statistics are partial and their consumers list them in
+``REDUCE_INPUTS``, so ``insert_collectives`` all-reduces each statistic once forward
+(and, through the f it puts where the replicated statistic meets the sharded values,
+sums its gradient backward). The original node becomes the last op of its formula, so
+its users and metadata stay. Runs after ``slice_replicated`` (a replicated norm weight is
+already read through the rank's slice) and before ``insert_collectives``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from autotp.ir.op_facts import is_matmul
+from autotp.analysis.propagation_result import NodeRole
+from autotp.analysis.shapes import schema_arg, shape_of
+from autotp.analysis.statistic_rules import reduced_dims
+from autotp.ir import meta_keys
+from autotp.ir.layouts import PARTIAL, REPLICATE, Layout, resolve
+from autotp.passes.runner import PassContext
+
+aten = torch.ops.aten
+
+
+def sharded_statistics(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    if ctx.plan.tp == 1:
+        return gm
+    for node in list(gm.graph.nodes):
+        role = node.meta.get(meta_keys.ROLE)
+        if role is NodeRole.SHARDED_REDUCTION:
+            _rescale(gm, node, ctx.plan.tp)
+        elif role is NodeRole.SHARDED_NORM and node.target is aten.linalg_vector_norm.default:
+            _vector_norm(gm, node, ctx.plan.tp)
+        elif role is NodeRole.SHARDED_NORM:
+            _norm(gm, node, ctx.plan.tp)
+        elif node.meta.get(meta_keys.LAYOUT) == PARTIAL and is_matmul(node):
+            _contraction(gm, node, ctx.plan.tp)
+    return gm
+
+
+def _contraction(gm: GraphModule, node: Node, tp: int) -> None:
+    x = node.args[1] if node.target is aten.addmm.default else node.args[0]
+    if not isinstance(x, Node) or not isinstance(x.meta.get(meta_keys.LAYOUT), Layout):
+        return
+    with gm.graph.inserting_before(node):
+        scaled = _summand(gm, node, x, [x.meta["val"].dim() - 1], tp, mean=False)
+    node.replace_input_with(x, scaled)
+
+
+def _replicas(x: Node, d: int, tp: int) -> list[tuple[int, int, int]] | None:
+    """(size, local length, replicas) of each segment along dim ``d`` of ``x``; None if unsplit."""
+    lay = x.meta.get(meta_keys.LAYOUT)
+    var = lay.var_at(d) if isinstance(lay, Layout) else None
+    if var is None:
+        return None
+    sharding = resolve(var, tp)
+    if sharding.padded:
+        return [(sharding.size, sharding.local_size(tp), 1)]
+    return [(seg, seg // g * max(g // tp, 1), max(tp // g, 1)) for seg, g in zip(sharding.segments, sharding.groups)]
+
+
+def _summand(gm: GraphModule, like: Node, x: Node, dims: list[int], tp: int, mean: bool, factor: float = 1.0) -> Node:
+    """``x`` scaled so that summing (or, with ``mean``, averaging) it over ``dims`` on every
+    rank and adding the ranks' results gives the whole sum (or mean) times ``factor``:
+    each block held by k ranks counts 1/k, a mean divides by the whole count."""
+    lay, shape = x.meta.get(meta_keys.LAYOUT), shape_of(x) or ()
+    for d in dims:
+        pieces = _replicas(x, d, tp)
+        if pieces is None:
+            continue
+        if mean:
+            factor *= sum(n for _, n, _ in pieces) / shape[d]
+        if len({k for _, _, k in pieces}) == 1:
+            factor /= pieces[0][2]
+            continue
+        # segments held by different numbers of ranks (query heads split, one KV head on all)
+        split = _emit(gm, like, aten.split_with_sizes.default, (x, [size for size, _, _ in pieces], d), None)
+        split.args = (x, [n for _, n, _ in pieces], d)  # the value is traced whole, the rank splits its part
+        parts = [_emit(gm, like, operator.getitem, (split, i), None) for i in range(len(pieces))]
+        weighted = [_emit(gm, like, aten.mul.Tensor, (p, 1.0 / k), None) if k > 1 else p for p, (_, _, k) in zip(parts, pieces)]
+        x = _emit(gm, like, aten.cat.default, (weighted, d), lay)
+    return x if factor == 1.0 else _emit(gm, like, aten.mul.Tensor, (x, factor), lay)
+
+
+def _emit(gm: GraphModule, like: Node, target: Any, args: tuple, layout: Any, reduce: list[Node] = (), **kwargs: Any) -> Node:
+    """A new node (at the graph's insert point) with its traced value and ``layout``."""
+    new = gm.graph.call_function(target, args, kwargs)
+    vals = torch.utils._pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, Node) else a, args)
+    new.meta["val"] = target(*vals, **kwargs)
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in like.meta:
+            new.meta[key] = like.meta[key]
+    new.meta[meta_keys.LAYOUT] = layout
+    new.meta[meta_keys.NEEDS_GRAD] = like.meta.get(meta_keys.NEEDS_GRAD, False)
+    if reduce:
+        new.meta[meta_keys.REDUCE_INPUTS] = list(reduce)
+    return new
+
+
+def _retarget(node: Node, target: Any, args: tuple) -> None:
+    """Make ``node`` the last op of its formula; its users and metadata stay."""
+    node.target, node.args, node.kwargs = target, args, {}
+    node.meta.pop(meta_keys.ROLE, None)
+
+
+def _rescale(gm: GraphModule, node: Node, tp: int) -> None:
+    x = node.args[0]
+    dims = reduced_dims(node, len(shape_of(x) or ()))
+    with gm.graph.inserting_before(node):
+        scaled = _summand(gm, node, x, dims, tp, node.target in (aten.mean.dim, aten.mean.default))
+    node.replace_input_with(x, scaled)
+
+
+def _partial_sum(gm: GraphModule, like: Node, x: Node, dims: list[int], tp: int, count: int) -> Node:
+    """A rank's summand of ``sum(x, dims) / count``."""
+    return _emit(gm, like, aten.sum.dim_IntList, (_summand(gm, like, x, dims, tp, False, 1.0 / count), dims, True), PARTIAL)
+
+
+def _norm(gm: GraphModule, node: Node, tp: int) -> None:
+    """``layer_norm(x, shape, w, b, eps)`` / ``rms_norm(x, shape, w, eps)``."""
+    x = node.args[0]
+    nd = len(shape_of(x) or ())
+    dims = list(range(nd - len(node.args[1]), nd))
+    count = math.prod((shape_of(x) or ())[d] for d in dims)
+    lay = x.meta.get(meta_keys.LAYOUT)
+    layer = node.target is aten.layer_norm.default
+    weight, bias = schema_arg(node, "weight"), schema_arg(node, "bias") if layer else None
+    eps = schema_arg(node, "eps")
+    dtype = x.meta["val"].dtype
+    if eps is None:
+        eps = torch.finfo(dtype).eps
+    reduce = list(node.meta.get(meta_keys.REDUCE_INPUTS, []))  # a partial weight or bias
+    with gm.graph.inserting_before(node):
+        xf = x if dtype == torch.float32 else _emit(gm, node, aten._to_copy.default, (x,), lay, dtype=torch.float32)
+        if layer:
+            mean = _partial_sum(gm, node, xf, dims, tp, count)
+            xf = _emit(gm, node, aten.sub.Tensor, (xf, mean), lay, [mean])
+        square = _emit(gm, node, aten.mul.Tensor, (xf, xf), lay)
+        stat = _partial_sum(gm, node, square, dims, tp, count)
+        shifted = _emit(gm, node, aten.add.Tensor, (stat, eps), REPLICATE, [stat])
+        out = _emit(gm, node, aten.mul.Tensor, (xf, _emit(gm, node, aten.rsqrt.default, (shifted,), REPLICATE)), lay)
+        if dtype != torch.float32:
+            out = _emit(gm, node, aten._to_copy.default, (out,), lay, dtype=dtype)
+        if isinstance(weight, Node) and isinstance(bias, Node):
+            out = _emit(gm, node, aten.mul.Tensor, (out, weight), lay, reduce)
+    if isinstance(bias, Node):
+        _retarget(node, aten.add.Tensor, (out, bias))
+    elif isinstance(weight, Node):
+        _retarget(node, aten.mul.Tensor, (out, weight))
+    else:
+        _retarget(node, aten.alias.default, (out,))
+
+
+def _vector_norm(gm: GraphModule, node: Node, tp: int) -> None:
+    """``linalg_vector_norm(x, p, dim, keepdim, dtype)`` = ``sum(|x|^p, dim) ** (1/p)``."""
+    x = node.args[0]
+    order = float(schema_arg(node, "ord", 2))
+    dims = reduced_dims(node, len(shape_of(x) or ()))
+    keep = bool(schema_arg(node, "keepdim", False))
+    dtype = schema_arg(node, "dtype")
+    lay = x.meta.get(meta_keys.LAYOUT)
+    with gm.graph.inserting_before(node):
+        source = x if dtype is None else _emit(gm, node, aten._to_copy.default, (x,), lay, dtype=dtype)
+        powered = _emit(gm, node, aten.mul.Tensor, (source, source), lay) if order == 2 else _emit(
+            gm, node, aten.pow.Tensor_Scalar, (_emit(gm, node, aten.abs.default, (source,), lay), order), lay
+        )
+        total = _emit(gm, node, aten.sum.dim_IntList, (_summand(gm, node, powered, dims, tp, False), dims, keep), PARTIAL)
+    _retarget(node, aten.pow.Tensor_Scalar, (total, 1.0 / order))
+    node.meta[meta_keys.REDUCE_INPUTS] = [total]

@@ -1,0 +1,320 @@
+"""FP8 training (``fp8=``): the op against a hand-written reference of each recipe, the plan,
+the pass, the cost model and the errors; on the CPU, where ``torch._scaled_mm`` runs.
+
+The reference below writes each recipe out block by block with plain float32 arithmetic:
+amax of the block, scale = fp8_max / amax (a power of two, rounded down, for rowwise),
+round to FP8, dequantize, matmul. Tensor-parallel equivalence is in ``test_fp8_tp.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import autotp
+from autotp import presets
+from autotp.api import _check_fp8
+from autotp.compiler import trace_for_planning
+from autotp.cost_model.compute import segment_time
+from autotp.cost_model.graph_costs import build_report
+from autotp.cost_model.hardware import H200
+from autotp.cost_model.fp8 import plan_fp8
+from autotp.ir import ops
+from autotp.ir.errors import UserInputError
+from autotp.ir.plan import FP8_DIMS, FP8_OUTSIDE_LAYERS, Fp8Linear, ParallelPlan
+from small_models import build
+
+RTOL, ATOL = 1e-4, 1e-6
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# recipe -> (activation block, weight block, gradient format, power-of-two scales); None = the whole dim
+RECIPES = {
+    "tensorwise": ((None, None), (None, None), E5M2, False),
+    "rowwise": ((1, None), (1, None), E4M3, True),
+    "blockwise": ((1, 128), (128, 128), E4M3, False),
+}
+
+
+def _dequantized(t: torch.Tensor, block: tuple[int | None, int | None], dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    """``t`` (2-d) rounded to FP8 block by block, as float32 again."""
+    rows, cols = t.shape
+    br, bc = block[0] or rows, block[1] or cols
+    fmax = torch.finfo(dtype).max
+    out = torch.empty(rows, cols)
+    for i in range(0, rows, br):
+        for j in range(0, cols, bc):
+            part = t[i : i + br, j : j + bc].float()
+            scale = torch.tensor(fmax, dtype=torch.float32) / part.abs().max().clamp(min=1e-12)
+            if pow2:
+                scale = torch.tensor(2.0 ** math.floor(math.log2(scale.item())))
+            q = (part * scale).clamp(-fmax, fmax).to(dtype)
+            out[i : i + br, j : j + bc] = q.float() * scale.reciprocal()
+    return out
+
+
+class ReferenceFp8(torch.autograd.Function):
+    """y = x·Wᵀ + b with forward, dgrad and wgrad GEMMs on FP8-rounded operands."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, recipe: str) -> torch.Tensor:  # type: ignore[override]
+        act, wgt, _, pow2 = RECIPES[recipe]
+        x2 = x.reshape(-1, x.shape[-1])
+        y = _dequantized(x2, act, E4M3, pow2) @ _dequantized(w, wgt, E4M3, pow2).t()
+        ctx.save_for_backward(x2, w)
+        ctx.recipe, ctx.shape, ctx.bias = recipe, x.shape, b is not None
+        y = y.to(x.dtype) if b is None else y.to(x.dtype) + b
+        return y.reshape(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x2, w = ctx.saved_tensors
+        act, wgt, gdt, pow2 = RECIPES[ctx.recipe]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = _dequantized(dy2, act, gdt, pow2) @ _dequantized(w.t(), wgt, E4M3, pow2).t()
+        dw = _dequantized(dy2.t(), act, gdt, pow2) @ _dequantized(x2.t(), act, E4M3, pow2).t()
+        return dx.reshape(ctx.shape), dw, dy2.sum(0) if ctx.bias else None, None
+
+
+class ReferenceGemm(nn.Module):
+    """A linear (W [out, in]) or GPT-2's Conv1D (``x @ W + b``, W [in, out]) computing the reference recipe."""
+
+    def __init__(self, module: nn.Module, recipe: str) -> None:
+        super().__init__()
+        self.weight, self.bias, self.recipe = module.weight, module.bias, recipe
+        self.kn = not isinstance(module, nn.Linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ReferenceFp8.apply(x, self.weight.t() if self.kn else self.weight, self.bias, self.recipe)
+
+
+def reference_model(model: nn.Module, plan: ParallelPlan) -> nn.Module:
+    """``model`` with each module whose weight the plan runs in FP8 computing the reference recipe."""
+    reference = copy.deepcopy(model)
+    recipes = {e.weight: e.recipe for e in plan.fp8_linears if e.recipe}
+    for name, module in list(reference.named_modules()):
+        recipe = recipes.get(f"{name}.weight")
+        if recipe:
+            parent, _, child = name.rpartition(".")
+            setattr(reference.get_submodule(parent), child, ReferenceGemm(module, recipe))
+    assert sum(isinstance(m, ReferenceGemm) for m in reference.modules()) == len(recipes)
+    return reference
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def check_against_reference(pm: nn.Module, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, what: str) -> float:
+    """Logits, loss and every grad of ``pm`` equal ``model`` with the plan's FP8 GEMMs in the reference recipe."""
+    reference = reference_model(model, pm.plan)
+    out, expected = pm(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+    _close(out.logits, expected.logits, f"{what}: logits")
+    _close(out.loss, expected.loss, f"{what}: loss")
+    out.loss.backward()
+    expected.loss.backward()
+    grads = pm.unshard_grads()
+    for name, p in reference.named_parameters():
+        _close(grads[name], p.grad, f"{what}: grad of {name}")
+    return out.loss.item()
+
+
+def _shapes(recipe: str) -> tuple[int, int, int]:
+    return (256, 128, 384) if recipe == "blockwise" else (64, 32, 48)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_op_equals_the_hand_written_recipe(recipe: str) -> None:
+    """Two weights reading one input (one with a bias): outputs, input, weight and bias grads.
+    48 tokens: the blockwise weight gradient runs on a partial 128-token tile."""
+    torch.manual_seed(0)
+    k, n1, n2 = _shapes(recipe)
+    x = (torch.randn(2, 24, k) * 3).requires_grad_()
+    w1, w2 = torch.randn(n1, k, requires_grad=True), (torch.randn(n2, k) / 10).requires_grad_()
+    b2 = torch.randn(n2, requires_grad=True)
+    y1, y2 = ops.FP8_LINEAR(x, [w1, w2], [None, b2], recipe, 0, [0, 0], -1, 1, "")
+    dy1, dy2 = torch.randn_like(y1), torch.randn_like(y2) * 100
+    grads = torch.autograd.grad([y1, y2], [x, w1, w2, b2], [dy1, dy2])
+
+    xr, w1r, w2r, b2r = (t.detach().clone().requires_grad_() for t in (x, w1, w2, b2))
+    r1, r2 = ReferenceFp8.apply(xr, w1r, None, recipe), ReferenceFp8.apply(xr, w2r, b2r, recipe)
+    expected = torch.autograd.grad([r1, r2], [xr, w1r, w2r, b2r], [dy1, dy2])
+    _close(y1, r1, "output 1")
+    _close(y2, r2, "output 2")
+    for name, a, e in zip(("x", "w1", "w2", "b2"), grads, expected):
+        _close(a, e, f"grad of {name}")
+    assert (y1 - x @ w1.t()).norm() / (x @ w1.t()).norm() > 1e-3  # it did round to FP8
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_op_runs_bf16_on_the_cpu(recipe: str) -> None:
+    """bf16 activations and weights (the CPU's row-scaled kernel writes float32 only): the outputs
+    and grads are the reference's, rounded to bf16."""
+    torch.manual_seed(0)
+    k, n, _ = _shapes(recipe)
+    x, w = torch.randn(2, 24, k, dtype=torch.bfloat16, requires_grad=True), torch.randn(n, k, dtype=torch.bfloat16, requires_grad=True)
+    (y,) = ops.FP8_LINEAR(x, [w], [None], recipe, 0, [0], -1, 1, "")
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad([y], [x, w], [dy])
+    xr, wr = (t.detach().clone().requires_grad_() for t in (x, w))
+    r = ReferenceFp8.apply(xr, wr, None, recipe)
+    expected = torch.autograd.grad([r], [xr, wr], [dy])
+    assert y.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    torch.testing.assert_close(y, r)
+    for a, e in zip(grads, expected):
+        torch.testing.assert_close(a, e.to(torch.bfloat16))
+
+
+def _llama(hidden: int = 64, layers: int = 2, kv_heads: int = 2, vocab: int = 128) -> nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=kv_heads)  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def model_for(recipe: str) -> nn.Module:
+    """A Llama whose decoder GEMMs all fit the recipe at tp=1 and tp=2 (blockwise: 128-aligned shards)."""
+    return _llama(256, kv_heads=8, vocab=256) if recipe == "blockwise" else _llama()
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_tp1_model_equals_the_model_with_reference_fp8_linears(recipe: str) -> None:
+    model = model_for(recipe)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="on the CPU runs torch._scaled_mm"):
+        pm = autotp.parallelize(copy.deepcopy(model), tp=1, example_inputs={"input_ids": ids, "labels": ids}, fp8=recipe)
+    fp8 = [e for e in pm.plan.fp8_linears if e.recipe]
+    assert len(fp8) == 14 and all(e.recipe == recipe for e in fp8)  # q k v o gate up down, 2 layers
+    check_against_reference(pm, model, ids, ids, recipe)
+    targets = [n.target for n in pm.graph_for(input_ids=ids, labels=ids).graph.nodes]
+    assert targets.count(ops.FP8_LINEAR) == 8  # per layer: q/k/v, o, gate/up, down (one op per input)
+    assert targets.count(torch.ops.aten.linear.default) == 1  # lm_head
+
+
+def test_plan_lists_every_gemm_weight_and_round_trips() -> None:
+    """lm_head stays in the model's dtype; at tp=2 the KV projections (2 heads of 8: 8 features per
+    rank) are too narrow for FP8 GEMMs; the entries survive JSON."""
+    model = _llama()
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    plan = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": ids}, fp8=True).plan
+    by_weight = {e.weight: e for e in plan.fp8_linears}
+    assert plan.fp8 == "tensorwise" and len(by_weight) == 15
+    assert by_weight["lm_head.weight"].reason == FP8_OUTSIDE_LAYERS
+    kv = by_weight["model.layers.0.self_attn.k_proj.weight"]
+    assert kv.recipe == "" and kv.reason == FP8_DIMS and "N=8" in kv.detail
+    assert by_weight["model.layers.0.self_attn.q_proj.weight"].recipe == "tensorwise"
+    assert ParallelPlan.from_json(plan.to_json()) == plan
+    assert ParallelPlan.from_json(replace(plan, fp8="", fp8_linears=()).to_json()).fp8_linears == ()
+
+
+def test_blockwise_needs_128_aligned_shards() -> None:
+    model = _llama()  # hidden 64: no GEMM dim is a multiple of 128
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    plan = autotp.compile_rank(model, tp=1, example_inputs={"input_ids": ids}, fp8="blockwise").plan
+    reasons = {e.reason for e in plan.fp8_linears}
+    assert reasons == {FP8_DIMS, FP8_OUTSIDE_LAYERS} and not any(e.recipe for e in plan.fp8_linears)
+
+
+def test_sequence_parallel_all_gathers_carry_fp8_for_tensorwise() -> None:
+    model = model_for("tensorwise")
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    kwargs = {"input_ids": ids, "labels": ids}
+    counts = {}
+    for recipe in ("tensorwise", "rowwise"):
+        compiled = autotp.compile_rank(model, tp=2, example_inputs=kwargs, sequence_parallel=True, fp8=recipe)
+        assert compiled.plan.fp8_all_gather == (recipe == "tensorwise")
+        nodes = [n for n in compiled.graph.graph.nodes if n.op == "call_function"]
+        counts[recipe] = (sum(n.target is ops.ALL_GATHER for n in nodes),
+                          sum(n.target is ops.FP8_LINEAR and n.args[6] >= 0 for n in nodes))  # fmt: skip
+    # per layer, the gate/up gather goes FP8; q/k/v's also feeds the bf16 k/v (8 features per rank)
+    # and stays, as does lm_head's
+    assert counts["tensorwise"] == (3, 2) and counts["rowwise"] == (5, 0)
+
+
+def test_tp_overlap_leaves_the_gemms_to_fp8() -> None:
+    """With ``tp_overlap`` the planner still sees every GEMM (it plans on the graph before the
+    overlap's fusion): the FP8 ones leave their collectives unfused, the rest fuse as before."""
+    model = model_for("tensorwise")
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    kwargs = {"example_inputs": {"input_ids": ids, "labels": ids}, "sequence_parallel": True, "tp_overlap": True}
+    plain = autotp.compile_rank(model, tp=2, fp8="tensorwise", **kwargs)
+    assert [e.weight for e in plain.plan.fp8_linears] == [e.weight for e in autotp.compile_rank(model, tp=2, fp8=True,
+            example_inputs=kwargs["example_inputs"], sequence_parallel=True).plan.fp8_linears]  # fmt: skip
+    targets = [n.target for n in plain.graph.graph.nodes]
+    assert targets.count(ops.FP8_LINEAR) == 8 and ops.MATMUL_REDUCE_SCATTER not in targets
+
+
+def test_gpt2_conv1d_gemms_run_in_fp8() -> None:
+    """GPT-2 multiplies by [in, out] weights (addmm); the op reads them transposed."""
+    model = build("gpt2")
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    compiled = autotp.compile_rank(model, tp=1, example_inputs={"input_ids": ids}, fp8="rowwise")
+    assert sum(1 for e in compiled.plan.fp8_linears if e.recipe) == 8  # c_attn, c_proj, c_fc, mlp c_proj per layer
+    nodes = [n for n in compiled.graph.graph.nodes if n.target is ops.FP8_LINEAR]
+    assert len(nodes) == 8 and not any(n.target is torch.ops.aten.addmm.default for n in compiled.graph.graph.nodes)
+
+
+def test_unknown_recipe_is_refused() -> None:
+    model = _llama()
+    with pytest.raises(UserInputError, match="fp8='int8' is not an FP8 recipe; use one of"):
+        autotp.compile_rank(model, tp=1, example_inputs={"input_ids": torch.zeros(1, 8, dtype=torch.long)}, fp8="int8")
+
+
+def test_gpu_without_fp8_tensor_cores_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(UserInputError, match=r"needs compute capability 8.9 or higher .* A100-SXM4-80GB has 8.0"):
+        _check_fp8(cuda, True, None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    _check_fp8(cuda, "tensorwise", None)
+    with pytest.raises(UserInputError, match=r"blockwise.*9.0 exactly"):
+        _check_fp8(cuda, "blockwise", None)
+
+
+def test_plan_fp8_keeps_partial_inputs_in_the_model_dtype() -> None:
+    """A GEMM reading a partial sum gets no FP8 (each rank would scale its summand alone)."""
+    model = _llama()
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    compiled = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids})
+    gm = compiled.graph
+    site = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default and "o_proj" in str(n.args[1].target))
+    lay = site.args[0].meta["autotp_layout"]
+    site.args[0].meta["autotp_layout"] = replace(lay, dims=(), partial=True)
+    plan = plan_fp8(gm, compiled.plan, "tensorwise")
+    entry = next(e for e in plan.fp8_linears if e.node == site.name)
+    assert entry == Fp8Linear(entry.weight, "", "partial_input", entry.detail, site.name)
+
+
+def test_cost_model_counts_the_amax_all_reduces() -> None:
+    """tp=2 tensorwise: o_proj reads x split on K and a K-split weight (2 amaxes forward, its output
+    grad is whole); q_proj (its KV neighbours stay bf16) splits N (1 amax each way)."""
+    model = _llama()
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    compiled = autotp.compile_rank(model, tp=2, example_inputs={"input_ids": ids, "labels": ids}, fp8="tensorwise")
+    report = build_report(compiled.graph, compiled.plan, 0)
+    by_weight = {str(r.node.args[1][0].target): r for r in report.nodes if r.node.target is ops.FP8_LINEAR}
+    o_proj, q_proj = by_weight["model.layers.0.self_attn.o_proj.weight"], by_weight["model.layers.0.self_attn.q_proj.weight"]
+    assert [(c.kind, c.direction, c.bytes) for c in o_proj.collectives] == [("all_reduce", "forward", 8)]
+    assert [(c.kind, c.direction, c.bytes) for c in q_proj.collectives] == [("all_reduce", "forward", 4), ("all_reduce", "backward", 4)]
+
+
+def test_cost_model_prices_fp8_gemms_and_casts() -> None:
+    """A Llama-3-8B layer on H200: FP8 keeps the GEMM FLOPs, runs them at twice the rate, and adds
+    its casts (q/k/v's forward: x and three weights, each read twice and written in 1 byte)."""
+    costs = trace_for_planning(presets.model_config("llama3-8b"), 1024)
+    bf16, fp8 = costs.rank(1).layers[0], costs.rank(1, fp8="tensorwise").layers[0]
+    assert fp8.flops.sum(axis=0) == pytest.approx(bf16.flops.sum(axis=0))
+    qkv = int(fp8.fp8.argmax())
+    hidden, kv, tokens = 4096, 1024, 2 * 1024
+    quantized = 5 * (tokens * hidden + hidden * hidden + 2 * kv * hidden)  # bf16: 2 reads of 2 bytes, 1 write
+    const, per_sample = fp8.casts[qkv, 0]  # forward; weights are constant, x grows with the batch
+    assert const + 2 * per_sample == quantized
+    time_bf16, time_fp8 = segment_time(bf16, 2, H200, 1), segment_time(fp8, 2, H200, 1)
+    assert time_fp8.compute_s < 0.85 * time_bf16.compute_s
+    no_gain = replace(H200, fp8_matmul_speedup=1.0)
+    assert segment_time(fp8, 2, no_gain, 1).compute_s > time_bf16.compute_s  # the casts cost something

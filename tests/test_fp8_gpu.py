@@ -1,0 +1,72 @@
+"""FP8 on a GPU with FP8 tensor cores: cuBLAS's FP8 GEMMs (operand layouts and scale layouts
+per recipe) give the CPU kernels' numbers, and ``compile=True`` and ``cuda_graphs=True`` run
+the FP8 model as eager does (amaxes stay on the device: no host sync blocks capture)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autotp
+from autotp.ir import ops
+from test_fp8 import model_for
+
+CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(CAPABILITY < (8, 9), reason="needs a GPU with FP8 tensor cores (compute capability 8.9+)"),
+]
+RECIPES = ["tensorwise", "rowwise"] + (["blockwise"] if CAPABILITY[0] == 9 else [])
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_gemms_equal_the_cpu_kernels(recipe: str) -> None:
+    """bf16 inputs, two weights (one with a bias), 300 tokens (not a multiple of 16 or 128: the
+    weight gradient pads them). Same FP8 operands on both devices; the sums differ in order and
+    in the forward's fast accumulation, and the outputs round to bf16."""
+    torch.manual_seed(0)
+    k, n1, n2 = 512, 384, 256
+    cpu = [torch.randn(3, 100, k), torch.randn(n1, k) / 20, torch.randn(n2, k) / 20, torch.randn(n2)]
+    cpu = [t.to(torch.bfloat16).requires_grad_() for t in cpu]
+    gpu = [t.detach().cuda().requires_grad_() for t in cpu]
+    results = []
+    for x, w1, w2, b2 in (cpu, gpu):
+        outs = ops.FP8_LINEAR(x, [w1, w2], [None, b2], recipe, 0, [0, 0], -1, 1, "")
+        dys = [torch.ones_like(o) * torch.linspace(-1, 1, o.shape[-1], device=o.device, dtype=o.dtype) for o in outs]
+        grads = torch.autograd.grad(outs, [x, w1, w2, b2], dys)
+        results.append([t.detach().cpu() for t in (*outs, *grads)])
+    for name, on_cpu, on_gpu in zip(("y1", "y2", "dx", "dw1", "dw2", "db2"), *results):
+        assert _relative(on_gpu, on_cpu) < 1e-2, f"{recipe} {name}: {_relative(on_gpu, on_cpu):.2e}"
+    exact = cpu[0].detach().float() @ cpu[1].detach().float().t()
+    assert 1e-3 < _relative(results[1][0], exact) < 0.1  # FP8 rounding, not a wrong GEMM
+
+
+def _train(pm: torch.nn.Module, ids: torch.Tensor, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
+    losses = []
+    for _ in range(steps):
+        for p in pm.parameters():
+            p.grad = None
+        losses.append(pm.train_step(input_ids=ids, labels=ids).item())
+    return losses, {k: v.float() for k, v in pm.unshard_grads().items()}
+
+
+@pytest.mark.parametrize("mode", ["compile", "cuda_graphs"])
+def test_compiled_and_captured_fp8_equal_eager(mode: str) -> None:
+    model = model_for("blockwise").to("cuda", torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    kwargs = {"input_ids": ids, "labels": ids}
+    eager = autotp.parallelize(copy.deepcopy(model), example_inputs=kwargs, fp8="tensorwise")
+    other = autotp.parallelize(copy.deepcopy(model), example_inputs=kwargs, fp8="tensorwise", **{mode: True})
+    assert any(n.target is ops.FP8_LINEAR for n in other.graph_for(**kwargs).graph.nodes)
+    (l1, g1), (l2, g2) = _train(eager, ids), _train(other, ids)
+    assert l1 == pytest.approx(l2, rel=1e-2)
+    for name, g in g1.items():
+        assert _relative(g2[name], g) < 5e-2, f"{mode}: grad of {name}"
+    if mode == "cuda_graphs":
+        assert other.cudagraph_slots(), "nothing was captured"

@@ -1,0 +1,125 @@
+"""The plain-PyTorch model suite under the strict rule (``autotp.report.strict_rule``).
+
+Every ``tests/plain_models_*.py`` module is picked up. A module provides ``build(name)``
+(an ``nn.Module`` in eval mode with fixed weights) and its names (``NAMES``, or the keys of
+``MODELS``); optionally ``example_inputs(name)`` (default: ``input_ids`` and ``labels`` of
+shape [2, 16] below the module's ``VOCAB``), ``loss_fn(name)`` (None: the outputs hold
+``loss``) and ``MOE`` (names also run with sequence parallelism). A name defined by two
+modules runs once, from the first file in sorted order.
+
+Each configuration runs every model on one set of gloo ranks (fp32, CPU): tp=2, tp=4, pp=2,
+and sequence parallelism at tp=2 for the MoE models. The full sweeps are ``slow``; a few
+models at tp=2 run by default. ``python tests/test_plain_suite.py`` prints the table.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from distributed import run_on_ranks
+
+HERE = Path(__file__).parent
+CONFIGS = {  # name: (tp, pp, sequence_parallel, MoE models only)
+    "tp2": (2, 1, False, False),
+    "tp4": (4, 1, False, False),
+    "pp2": (1, 2, False, False),
+    "sp_tp2": (2, 1, True, True),
+}
+FAST = ("shared_rope", "ste_activation", "fp32_qk_norm", "vit_loss_fn")
+
+
+def suite() -> dict[str, str]:
+    """Every model name -> the module that builds it."""
+    found: dict[str, str] = {}
+    for path in sorted(HERE.glob("plain_models_*.py")):
+        module = importlib.import_module(path.stem)
+        names = getattr(module, "NAMES", None) or list(getattr(module, "MODELS", {}))
+        for name in names:
+            found.setdefault(name, path.stem)
+    return found
+
+
+def _inputs(module: Any, name: str) -> dict[str, torch.Tensor]:
+    if hasattr(module, "example_inputs"):
+        return module.example_inputs(name)
+    gen = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, module.VOCAB, (2, 16), generator=gen) for _ in range(2))
+    return {"input_ids": ids, "labels": labels}
+
+
+def _check_on_rank(rank: int, world: int, models: list[tuple[str, str]], tp: int, pp: int, sp: bool) -> dict[str, Any]:
+    from autotp.report.strict_rule import check_on_rank
+
+    results = {}
+    for module_name, name in models:
+        module = importlib.import_module(module_name)
+        loss_fn = module.loss_fn(name) if hasattr(module, "loss_fn") else None
+        results[name] = check_on_rank(module.build(name), _inputs(module, name), tp=tp, pp=pp, sequence_parallel=sp, loss_fn=loss_fn)
+    return results
+
+
+def run_config(config: str, names: list[str] | None = None) -> dict[str, Any]:
+    """Every model of the suite (or ``names``) at ``config``: name -> combined ``StrictResult``."""
+    from autotp.report.strict_rule import combine
+
+    tp, pp, sp, moe_only = CONFIGS[config]
+    models = [(m, n) for n, m in suite().items() if names is None or n in names]
+    if moe_only:
+        models = [(m, n) for m, n in models if n in getattr(importlib.import_module(m), "MOE", ())]
+    per_rank = run_on_ranks(_check_on_rank, tp * pp, models, tp, pp, sp, timeout_s=3000)
+    return {n: combine([r[n] for r in per_rank]) for _, n in models}
+
+
+def _failures(results: dict[str, Any]) -> str:
+    return "\n".join(f"{n}: {r.reason}" for n, r in results.items() if not r.passed)
+
+
+def test_suite_modules_follow_the_protocol() -> None:
+    found = suite()
+    assert {"shared_rope", "vit_loss_fn", "moe_einsum_dispatch"} <= set(found)
+    for name, module_name in found.items():
+        module = importlib.import_module(module_name)
+        inputs = _inputs(module, name)
+        assert all(isinstance(v, torch.Tensor) for v in inputs.values()), name
+
+
+def test_fast_subset_at_tp2() -> None:
+    results = run_config("tp2", list(FAST))
+    assert set(results) == set(FAST)
+    assert not _failures(results), _failures(results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_suite_under_the_strict_rule(config: str) -> None:
+    results = run_config(config)
+    assert results
+    assert not _failures(results), _failures(results)
+
+
+def table(all_results: dict[str, dict[str, Any]]) -> str:
+    """Markdown: one row per model, one column per configuration (share of the parameters a rank holds, or why it fails)."""
+    configs = list(all_results)
+    names = list(dict.fromkeys(n for r in all_results.values() for n in r))
+    lines = ["| model | " + " | ".join(configs) + " |", "|---" * (len(configs) + 1) + "|"]
+    for name in names:
+        cells = []
+        for c in configs:
+            r = all_results[c].get(name)
+            cells.append("-" if r is None else (f"yes ({r.share:.0%})" if r.passed else f"**no**: {r.reason[:160]}".replace("|", "/")))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    passed = {c: sum(r.passed for r in all_results[c].values()) for c in configs}
+    lines.append("| passed | " + " | ".join(f"{passed[c]}/{len(all_results[c])}" for c in configs) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    chosen = sys.argv[1:] or list(CONFIGS)
+    print(table({c: run_config(c) for c in chosen}))

@@ -1,0 +1,372 @@
+"""Issue 27's constructs on tiny modules, one process, no process group: each is sharded
+(the plan and the per-rank shapes say how), kept whole with a plan entry naming the node,
+the op and the bytes, or refused with one clear error. ``test_plain_models`` checks the
+numerics of whole models built from them on gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import GraphModule
+
+from autotp.analysis.local_shapes import local_shape
+from autotp.analysis.propagation import propagate
+from autotp.analysis.propagation_result import NodeRole
+from autotp.analysis.trace import trace
+from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from autotp.ir import meta_keys
+from autotp.ir.layouts import DimSharding
+from autotp.ir.plan import KEPT_WHOLE_CONFLICT, KEPT_WHOLE_INDIVISIBLE, KEPT_WHOLE_READ_WHOLE, ParallelPlan
+from autotp.compiler import lower
+from plain_models_attention import (
+    DIM,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    LatentAttention,
+    MultiQueryPartialRotary,
+    FalconMultiQuery,
+    PairedHeadsAttention,
+    QKNormAttention,
+    SlicedKeyMultiQuery,
+    RepeatInterleaveAttention,
+    TitanAttention,
+    precompute_freqs_cis,
+)
+from plain_models_mixers import LinearAttention, LoopMoE, StackedExperts, ViTAttention
+
+aten = torch.ops.aten
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, 8, DIM)
+
+
+def _plan(module: nn.Module, tp: int, **inputs: torch.Tensor) -> tuple[GraphModule, ParallelPlan]:
+    gm = trace(module.eval(), inputs or {"x": _x()})
+    return gm, plan_tensor_parallel(gm, tp)
+
+
+def _kinds(plan: ParallelPlan) -> dict[str, tuple[str, DimSharding]]:
+    return {p.name: (p.kind, p.sharding) for p in plan.params}
+
+
+def _rank_graph(gm: GraphModule, plan: ParallelPlan, rank: int = 0) -> GraphModule:
+    return lower(gm, plan, tp_rank=rank, device="cpu", backend="gloo").graph
+
+
+def _kept(plan: ParallelPlan) -> dict[str, tuple[str, str, str, int]]:
+    return {k.name: (k.reason, k.node, k.op, k.bytes) for k in plan.kept_whole}
+
+
+class Titan(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = TitanAttention()
+        self.register_buffer("freqs_cis", precompute_freqs_cis(HEAD_DIM, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, self.freqs_cis)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gqa_by_repeat_interleave_repeats_each_ranks_own_kv_heads(tp: int) -> None:
+    gm, plan = _plan(RepeatInterleaveAttention(), tp)
+    kinds = _kinds(plan)
+    assert kinds["qkv.weight"][0] == "column" and kinds["proj.weight"][0] == "row"
+    # q heads, then k and v heads: each part split by heads; 2 KV heads at tp=4 are held twice
+    assert kinds["qkv.weight"][1] == DimSharding(96, (64, 16, 16), (8, 2, 2))
+    rank = _rank_graph(gm, plan)
+    repeats = [n.args[1] for n in rank.graph.nodes if n.target is aten.repeat_interleave.self_int]
+    assert repeats == [HEADS // tp // max(KV_HEADS // tp, 1)] * 2  # local q heads per local kv head
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_one_kv_head_with_head_dim_slices_replicates_the_kv_head(tp: int) -> None:
+    """A fused QKV with a single KV head, then partial rotary ``k[..., :rot]`` (construct 3)."""
+    gm, plan = _plan(MultiQueryPartialRotary(), tp)
+    kind, sharding = _kinds(plan)["query_key_value.weight"]
+    assert kind == "column" and sharding == DimSharding(80, (64, 8, 8), (8, 1, 1))  # k and v on every rank
+    assert _kinds(plan)["dense.weight"][0] == "row"
+    rank = _rank_graph(gm, plan)
+    expands = [n for n in rank.graph.nodes if n.target is aten.expand.default]
+    assert [list(n.args[1])[1] for n in expands] == [HEADS // tp] * 2  # the one head broadcast to the local heads
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_one_kv_head_taken_by_constant_index_or_sliced_before_its_view(tp: int) -> None:
+    """Falcon-7B's ``fused[..., [-2], :]`` is a slice of the heads; a key cut in halves and
+    joined again (``cat`` along the cut dim) keeps each half its own segment."""
+    for module, name in ((FalconMultiQuery(), "query_key_value.weight"), (SlicedKeyMultiQuery(), "qkv.weight")):
+        gm, plan = _plan(module, tp)
+        kind, sharding = _kinds(plan)[name]
+        assert kind == "column" and sharding.local_size(tp) == 64 // tp + 16, sharding  # local q heads, k and v whole
+    rank = _rank_graph(gm, plan)
+    halves = [n.args[2:4] for n in rank.graph.nodes if n.target is aten.slice.Tensor and n.args[1] == 2]
+    assert halves[:2] == [(0, 4), (4, 8)]
+
+
+def test_complex_rotary_keeps_the_heads_split() -> None:
+    gm, plan = _plan(Titan(), 2)
+    kinds = _kinds(plan)
+    assert {n: k for n, (k, _) in kinds.items()} == {
+        "attention.wq.weight": "column", "attention.wk.weight": "column", "attention.wv.weight": "column",
+        "attention.wo.weight": "row",
+    }  # fmt: skip
+    prop = propagate(gm, 2, plan=plan)
+    (complex_q, _) = [n for n in gm.graph.nodes if n.target is aten.view_as_complex.default]
+    assert prop.layout(complex_q).describe(2) == "Shard(2:4/8)"
+
+
+@pytest.mark.parametrize("beit_bias", [False, True])
+def test_timm_qkv_shards_heads_inside_each_of_q_k_v(beit_bias: bool) -> None:
+    """``reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)``; BEiT's bias ``cat(q_bias, 0, v_bias)``."""
+    gm, plan = _plan(ViTAttention(beit_bias), 2)
+    kinds = _kinds(plan)
+    assert kinds["qkv.weight"] == ("column", DimSharding(3 * DIM, (DIM,) * 3, (HEADS,) * 3))
+    assert kinds["proj.weight"][0] == "row"
+    if beit_bias:  # the assembled bias is read through the rank's slices
+        (linear,) = [n for n in gm.graph.nodes if n.target is aten.linear.default][:1]
+        prop = propagate(gm, 2, plan=plan)
+        assert [(s.name, d) for s, d, _ in prop.local_slices[linear]] == [("cat", 0)]
+        assert _kept(plan)["q_bias"][0] == KEPT_WHOLE_READ_WHOLE
+
+
+class TenClasses(nn.Module):
+    """An MLP and a 10-class output: tp=4 does not split the classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.classes = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM), nn.Linear(DIM, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classes(x + self.down(F.gelu(self.up(x))))
+
+
+def test_an_output_dim_tp_does_not_split_is_kept_whole_with_an_entry() -> None:
+    gm, plan = _plan(TenClasses(), 4)
+    kinds = _kinds(plan)
+    assert kinds["up.weight"][0] == "column" and kinds["down.weight"][0] == "row"
+    reason, node, op, nbytes = _kept(plan)["classes.weight"]
+    assert (reason, op, nbytes) == (KEPT_WHOLE_INDIVISIBLE, "linear", 10 * DIM * 4)
+    assert "tp=4" in next(k.detail for k in plan.kept_whole if k.name == "classes.weight")
+
+
+class FewHeads(nn.Module):
+    """Attention with 3 heads and nothing else: tp=2 cannot split it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(48, 144, bias=False), nn.Linear(48, 48, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 3, 16).transpose(1, 2) for t in self.qkv(x).split(48, dim=-1))
+        return self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, 48))
+
+
+def test_a_model_tp_cannot_split_is_refused_naming_the_op_and_the_degrees_that_work() -> None:
+    gm = trace(FewHeads().eval(), {"x": torch.randn(2, 8, 48)})
+    with pytest.raises(ValueError, match=r"tp=2 cannot shard this model: .*module qkv.*3 blocks .* smallest tp that splits it is 3"):
+        plan_tensor_parallel(gm, 2)
+    assert {p.name for p in plan_tensor_parallel(gm, 3).params} == {"qkv.weight", "o.weight"}
+
+
+class VocabScale(nn.Module):
+    def __init__(self, vocab: int = 130) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, DIM), nn.Linear(DIM, vocab, bias=False)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, vocab))
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.embed(ids)) * (self.scale.float() * 2.0)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+def test_per_vocabulary_vector_is_read_through_the_ranks_padded_slice() -> None:
+    ids = torch.randint(0, 130, (2, 8))
+    gm, plan = _plan(VocabScale(), 4, ids=ids, labels=ids)
+    assert _kinds(plan)["head.weight"] == ("column", DimSharding(130, (130,), (130,), padded=True))
+    last = _rank_graph(gm, plan, rank=3)  # holds rows 99..131: 31 real, 2 padding
+    (pad,) = [n for n in last.graph.nodes if n.target is aten.constant_pad_nd.default]
+    assert list(pad.args[1]) == [0, 2] and pad.args[0].args[2:4] == (99, 132)
+
+
+class ShortConvMixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mixer = LinearAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mixer(x)
+
+
+def test_depthwise_short_convolution_follows_the_channel_split() -> None:
+    gm, plan = _plan(ShortConvMixer(), 2)
+    kinds = _kinds(plan)
+    assert kinds["mixer.q_conv.conv.weight"][0] == "depthwise" and kinds["mixer.q_conv.conv.bias"][0] == "bias"
+    assert kinds["mixer.q_proj.weight"][0] == "column" and kinds["mixer.o_proj.weight"][0] == "row"
+    convs = [n for n in _rank_graph(gm, plan).graph.nodes if n.target is aten.conv1d.default]
+    assert [n.args[6] for n in convs] == [DIM // 2] * 3  # one group per local channel
+
+
+class L2Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.normalize(self.up(x), dim=-1))
+
+
+def test_norms_over_a_sharded_dim_use_a_tp_reduced_statistic() -> None:
+    """``F.normalize`` (``linalg_vector_norm``) over a sharded dim, and q/k norms over all heads."""
+    gm, plan = _plan(L2Norm(), 2)
+    assert _kinds(plan)["up.weight"][0] == "column" and _kinds(plan)["down.weight"][0] == "row"
+    prop = propagate(gm, 2, plan=plan)
+    (norm,) = [n for n in gm.graph.nodes if n.target is aten.linalg_vector_norm.default]
+    assert prop.roles[norm] is NodeRole.SHARDED_NORM
+    rank = _rank_graph(gm, plan)
+    assert not [n for n in rank.graph.nodes if n.target is aten.linalg_vector_norm.default]
+    gm, plan = _plan(QKNormAttention(), 2)
+    kinds = _kinds(plan)
+    assert {n: kinds[n][0] for n in ("q_proj.weight", "k_proj.weight", "q_norm.weight", "k_norm.weight", "o_proj.weight")} == {
+        "q_proj.weight": "column", "k_proj.weight": "column", "q_norm.weight": "bias", "k_norm.weight": "bias",
+        "o_proj.weight": "row",
+    }  # fmt: skip
+
+
+def test_a_statistic_that_would_unshard_the_heads_keeps_its_small_producer_whole() -> None:
+    """Latent attention: a q norm over the low-rank ``wq_a`` output. Sharding ``wq_a`` would
+    make ``wq_b`` row-parallel and the attention replicated; the planner keeps ``wq_a`` whole."""
+    gm, plan = _plan(LatentAttention(), 2)
+    kinds = _kinds(plan)
+    assert {n: kinds[n][0] for n in ("wq_b.weight", "wkv_b.weight", "wo.weight")} == {
+        "wq_b.weight": "column", "wkv_b.weight": "column", "wo.weight": "row",
+    }  # fmt: skip
+    kept = _kept(plan)
+    assert kept["wq_a.weight"][0] == KEPT_WHOLE_CONFLICT and kept["wq_a.weight"][2] == "mean"
+    assert kept["wkv_a.weight"][0] == KEPT_WHOLE_CONFLICT
+
+
+def test_heads_regrouped_in_pairs_stay_split_on_pair_boundaries() -> None:
+    gm, plan = _plan(PairedHeadsAttention(), 4)
+    kinds = _kinds(plan)
+    assert kinds["o.weight"][0] == "row" and kinds["lam"][0] == "bias" and kinds["q.weight"][0] == "column"
+    assert kinds["q.weight"][1].groups == (4,)  # whole pairs of heads
+    gm, plan = _plan(PairedHeadsAttention(), 8)  # one head per rank would split a pair: pairs held twice
+    q = _kinds(plan)["q.weight"][1]
+    assert q.groups == (4,) and q.replicas(8) == 2 and q.ranges(5, 8) == [(32, 48)]
+
+
+class MoE(nn.Module):
+    def __init__(self, combine: str) -> None:
+        super().__init__()
+        self.moe = LoopMoE(combine)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)
+
+
+@pytest.mark.parametrize("combine", ["index_put", "index_add"])
+def test_moe_loop_combined_by_index_put_shards_every_expert(combine: str) -> None:
+    gm, plan = _plan(MoE(combine), 2)
+    kinds = _kinds(plan)
+    for e in range(LoopMoE.EXPERTS):
+        assert kinds[f"moe.experts.{e}.w1.weight"][0] == "column" and kinds[f"moe.experts.{e}.w2.weight"][0] == "row"
+    assert _kept(plan)["moe.gate.weight"][:3] == (KEPT_WHOLE_CONFLICT, "softmax", "softmax")
+
+
+class Stacked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = StackedExperts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)
+
+
+def test_3d_experts_with_biases_and_interleaved_gate_up() -> None:
+    gm, plan = _plan(Stacked(), 4)
+    kinds = _kinds(plan)
+    inter = StackedExperts.INTER
+    assert kinds["moe.gate_up_proj"] == ("column", DimSharding(2 * inter, (2 * inter,), (inter,)))  # (gate, up) pairs stay together
+    assert kinds["moe.gate_up_proj_bias"][0] == "bias" and kinds["moe.down_proj"][0] == "row"
+    assert _kept(plan)["moe.down_proj_bias"][0] == KEPT_WHOLE_READ_WHOLE  # added after the all-reduce
+
+
+def test_every_parameter_kept_whole_has_an_entry_with_node_op_and_bytes() -> None:
+    gm, plan = _plan(MoE("index_put"), 2)
+    sharded = {p.name for p in plan.params}
+    kept = {k.name: k for k in plan.kept_whole}
+    for name, p in gm.named_parameters():
+        assert (name in sharded) != (name in kept), name
+        if name in kept:
+            k = kept[name]
+            assert k.node and k.op and k.bytes == p.numel() * 4 and k.detail, k
+
+
+def test_fixed_mode_takes_the_planned_reshape_choices() -> None:
+    """The plan (one KV head replicated, heads inside each of q, k, v) replays without the
+    planner's retries."""
+    for module in (MultiQueryPartialRotary(), ViTAttention()):
+        gm, plan = _plan(module, 2)
+        prop = propagate(gm, 2, plan=plan)
+        assert not prop.conflicts
+        assert all(meta_keys.LAYOUT in n.meta for n in _rank_graph(gm, plan).graph.nodes if n.op == "call_function")
+
+
+def test_local_shapes_of_a_one_head_kv_segment() -> None:
+    gm, plan = _plan(MultiQueryPartialRotary(), 4)
+    rank = _rank_graph(gm, plan, rank=1)
+    (split,) = [n for n in rank.graph.nodes if n.target is aten.split_with_sizes.default][:1]
+    assert list(split.args[1]) == [16, 8, 8]  # 2 local q heads, the k and v head whole
+    views = [n for n in rank.graph.nodes if n.target is aten.view.default][:3]
+    assert [local_shape(v, 4) for v in views] == [(2, 8, 2, 8), (2, 8, 1, 8), (2, 8, 1, 8)]
+
+
+class InPlaceActivation(nn.Module):
+    """``F.mish(inplace=True)`` (``aten.mish_``, no autotp rule, not tagged pointwise) and
+    ``cumprod`` over the features (which DTensor would gather)."""
+
+    def __init__(self, cumulative: bool) -> None:
+        super().__init__()
+        self.cumulative = cumulative
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.mish(self.up(x), inplace=True)
+        return self.down(h.cumprod(-1) if self.cumulative else h)
+
+
+def test_ops_without_a_rule_take_dtensors_strategy_when_it_keeps_the_split() -> None:
+    from autotp.analysis.op_rules import rule_for
+
+    gm, plan = _plan(InPlaceActivation(cumulative=False), 2)
+    (mish,) = [n for n in gm.graph.nodes if n.target is aten.mish_.default]
+    assert rule_for(mish.target) is None
+    assert propagate(gm, 2, plan=plan).layout(mish).describe(2) == "Shard(2:128/256)"
+    assert _kinds(plan)["up.weight"][0] == "column" and _kinds(plan)["down.weight"][0] == "row"
+    gm, plan = _plan(InPlaceActivation(cumulative=True), 2)  # DTensor would move cumprod's input: opaque
+    (cumprod,) = [n for n in gm.graph.nodes if n.target is aten.cumprod.default]
+    assert _kept(plan)["up.weight"][:3] == (KEPT_WHOLE_CONFLICT, cumprod.name, "cumprod")
+
+
+class EmptySlice(nn.Module):
+    """An empty slice of a split dim (a rotary part of width 0, an empty cache entry)
+    joined back: it used to recurse without end in ``select_range``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        return self.down(torch.cat((h[..., :0], F.gelu(h)), dim=-1))
+
+
+def test_an_empty_slice_of_a_split_dim_does_not_crash() -> None:
+    gm, plan = _plan(EmptySlice(), 2)
+    assert _kinds(plan)["up.weight"][0] == "column" and _kinds(plan)["down.weight"][0] == "row"

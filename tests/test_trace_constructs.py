@@ -1,0 +1,210 @@
+"""The trace side of issue 27, in one process: one module instance shared by several layers,
+custom autograd Functions kept whole with their own backward, grad and autocast regions
+inlined, and the strict rule's pieces. The multi-rank checks of the same models are in
+``test_plain_suite.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import plain_models_structure as structure
+from general_models import _Tanh  # a hand-written backward that is the forward's derivative
+from autotp.analysis import custom_functions
+from autotp.analysis.trace import trace
+from autotp.analysis.trace_regions import REGIONS
+from autotp.ir import ops
+from autotp.report.strict_rule import StrictResult, check_on_rank, combine, matmul_weights
+
+
+def _targets(name: str) -> list[Any]:
+    gm = trace(structure.build(name), structure.example_inputs(name))
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _equal_in_one_process(name: str) -> StrictResult:
+    """tp=1, pp=1: the traced graph run with the model's weights against the model itself."""
+    return check_on_rank(structure.build(name), structure.example_inputs(name), tp=1, loss_fn=structure.loss_fn(name))
+
+
+class _Rope(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.linspace(0.5, 1.5, 64)[:, None].expand(64, 32).clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.cache[: x.shape[1]]
+
+
+class _Layer(nn.Module):
+    def __init__(self, rope: nn.Module) -> None:
+        super().__init__()
+        self.rope, self.q, self.o = rope, nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.o(self.rope(self.q(x)))
+
+
+class _SharedRopeLM(nn.Module):
+    """The issue's repro: two layers built with the same ``Rope()`` instance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        rope = _Rope()
+        self.embed, self.layers, self.head = nn.Embedding(64, 32), nn.ModuleList([_Layer(rope), _Layer(rope)]), nn.Linear(32, 64)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.head(h)
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def test_shared_module_buffer_is_bound_under_every_name() -> None:
+    import autotp
+
+    torch.manual_seed(0)
+    model = _SharedRopeLM()
+    ids = torch.randint(0, 64, (2, 8))
+    result = check_on_rank(model, {"input_ids": ids, "labels": ids}, tp=1)
+    assert result.passed, result.reason
+    pm = autotp.parallelize(_SharedRopeLM(), tp=1, example_inputs={"input_ids": ids, "labels": ids})
+    reads = [n for n in pm.graph_for(input_ids=ids, labels=ids).graph.nodes if n.op == "get_attr" and "rope" in str(n.target)]
+    assert reads
+    for node in reads:
+        held = pm.graph_for(input_ids=ids, labels=ids).get_buffer(str(node.target))
+        assert not isinstance(held, torch._subclasses.fake_tensor.FakeTensor), node.target
+
+
+def test_function_with_its_own_backward_is_one_node_that_runs_it() -> None:
+    """RoundSTE's derivative is zero almost everywhere, its backward the identity: equal grads
+    mean the graph ran the Function's backward. The elementwise ones are pointwise nodes, the
+    router (softmax over the experts) a whole node, and a Function whose backward is its
+    forward's derivative is traced through."""
+    for name in ("ste_activation", "clipped_ste", "quantized_weights"):
+        targets = _targets(name)
+        assert ops.ELEMENTWISE_FUNCTION in targets and ops.FUNCTION not in targets, name
+        assert torch.Tag.pointwise in ops.ELEMENTWISE_FUNCTION.tags
+        result = _equal_in_one_process(name)
+        assert result.passed, f"{name}: {result.reason}"
+    assert ops.FUNCTION in _targets("router_backward") and ops.ELEMENTWISE_FUNCTION not in _targets("router_backward")
+    assert _equal_in_one_process("router_backward").passed
+
+
+class _SplitSTE(torch.autograd.Function):
+    """Two outputs, a non-tensor argument, a backward that is not the derivative."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, at: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.round(x[..., :at]), torch.round(x[..., at:])
+
+    @staticmethod
+    def backward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.cat((a, b), dim=-1), None
+
+
+class _FunctionLM(nn.Module):
+    def __init__(self, act: Any) -> None:
+        super().__init__()
+        self.embed, self.up, self.down, self.head = nn.Embedding(64, 32), nn.Linear(32, 64), nn.Linear(64, 32), nn.Linear(32, 64)
+        self.act = act
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.down(self.act(self.up(self.embed(input_ids)))))
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def _split(x: torch.Tensor) -> torch.Tensor:
+    a, b = _SplitSTE.apply(x, 24)
+    return torch.cat((b, a), dim=-1)
+
+
+_round_ste = structure.RoundSTE.apply  # bound before the trace: the trace sees the call through forward
+
+
+@pytest.mark.parametrize(("act", "node"), [(_Tanh.apply, None), (_split, ops.FUNCTION), (_round_ste, ops.ELEMENTWISE_FUNCTION)])
+def test_functions_traced_through_or_kept(act: Any, node: Any) -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 8))
+    targets = [n.target for n in trace(_FunctionLM(act), {"input_ids": ids, "labels": ids}).graph.nodes]
+    assert (ops.FUNCTION in targets or ops.ELEMENTWISE_FUNCTION in targets) == (node is not None)
+    if node is not None:
+        assert node in targets
+    result = check_on_rank(_FunctionLM(act), {"input_ids": ids, "labels": ids}, tp=1)
+    assert result.passed, result.reason
+
+
+def test_function_too_large_to_check_is_kept_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(custom_functions, "_CHECK_NUMEL", 1)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 8))
+    targets = [n.target for n in trace(_FunctionLM(_Tanh.apply), {"input_ids": ids, "labels": ids}).graph.nodes]
+    assert ops.ELEMENTWISE_FUNCTION in targets
+
+
+@pytest.mark.parametrize("name", ["fp32_qk_norm", "fp32_final_norm", "no_grad_scale"])
+def test_grad_and_autocast_regions_are_inlined(name: str) -> None:
+    targets = _targets(name)
+    assert not set(targets) & REGIONS
+    if name == "no_grad_scale":
+        assert torch.ops.aten.detach.default in targets
+    result = _equal_in_one_process(name)
+    assert result.passed, result.reason
+
+
+def test_inlined_autocast_region_is_refused_under_autocast() -> None:
+    import autotp
+
+    inputs = structure.example_inputs("fp32_final_norm")
+    pm = autotp.parallelize(structure.build("fp32_final_norm"), tp=1, example_inputs=inputs)
+    pm(**inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match=r"Fp32FinalNormLM.*plain_models_structure.py.*torch.autocast"):
+        pm(**inputs)
+
+
+class _Bf16Island(nn.Module):
+    """A bf16 autocast region: autocast changes the linear's dtype there, so the region stays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mid, self.head = nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, 64)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.mid(h)
+        logits = self.head(h.float())
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def test_autocast_region_that_changes_dtypes_is_kept() -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 8))
+    targets = [n.target for n in trace(_Bf16Island(), {"input_ids": ids, "labels": ids}).graph.nodes]
+    assert torch.ops.higher_order.wrap_with_autocast in targets
+    result = check_on_rank(_Bf16Island(), {"input_ids": ids, "labels": ids}, tp=1)
+    assert result.passed, result.reason
+
+
+def test_matmul_weights_are_the_weights_matmuls_read() -> None:
+    gm = trace(structure.build("quantized_weights"), structure.example_inputs("quantized_weights"))
+    weights = matmul_weights(gm)
+    layer = {f"layers.0.{w}.weight" for w in ("attn.q", "attn.k", "attn.v", "attn.o", "ffn.up", "ffn.down")}
+    assert layer <= weights  # ffn.up/down through the fake-quantization Function
+    assert not {n for n in weights if n.endswith("bias") or "norm" in n} and "embed.weight" not in weights
+    moe = trace(structure.build("moe_einsum_dispatch"), structure.example_inputs("moe_einsum_dispatch"))
+    assert {"layers.0.ffn.w_in", "layers.0.ffn.w_out", "layers.0.ffn.gate.weight"} <= matmul_weights(moe)  # einsum reads
+
+
+def test_strict_result_names_each_failure() -> None:
+    ok = StrictResult(share=0.5, limit=0.65)
+    assert ok.passed and ok.reason == ""
+    heavy = StrictResult(share=0.7, limit=0.65, unexplained=("a.weight",))
+    assert not heavy.passed and "70%" in heavy.reason and "a.weight" in heavy.reason
+    both = combine([ok, heavy, StrictResult(mismatch="grad of b: differs", share=0.4, limit=0.65)])
+    assert (both.share, both.unexplained, both.reason) == (0.7, ("a.weight",), "numerics: grad of b: differs")
