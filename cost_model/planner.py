@@ -85,6 +85,7 @@ class PlanEstimate:
     schedule: str | None
     optimizer_s: float
     needs_distributed_optimizer: bool = False
+    expert: ExpertParallelOption | None = None  # the expert parallelism chosen, and its costs
 
     def to_json(self) -> dict:
         return {
@@ -182,6 +183,7 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
         schedule=cfg.schedule,
         optimizer_s=est.optimizer_s,
         needs_distributed_optimizer=est.needs_distributed_optimizer,
+        expert=expert,
     )
 
 

@@ -27,7 +27,7 @@ from autotp.ir.plan import ParallelPlan
 from autotp.ir.program import BucketLayout
 from autotp.runtime import moe_dispatch  # moe_dispatch also registers the dispatch kernels
 from autotp.runtime.grad_buffers import GradBuffers, ParamUse
-from autotp.runtime.grad_sync import GradSync
+from autotp.runtime.grad_sync import GradSyncs
 from autotp.runtime.groups import ExpertGroups
 from autotp.runtime.shard_map import Piece, ShardSpec
 
@@ -100,16 +100,15 @@ def drop_counts(plan: ParallelPlan, reset: bool) -> dict[str, tuple[int, int]]:
     return counts
 
 
-class GradBufferSet(GradSync):
+class GradBufferSet(GradSyncs):
     """The DistributedOptimizer's buffers with expert parallelism: the dense parameters'
     over dp, the expert parameters' over edp (averaged over dp, module docstring), behind
     the one ``GradBuffers`` interface the optimizer and the model call. Buckets are numbered
     across the parts, in order."""
 
-    holds_grads = True
-
     def __init__(self, parts: list[GradBuffers]) -> None:
-        self.parts = parts
+        super().__init__(list(parts))
+        self.buffers = parts
         self.slots = {name: slot for part in parts for name, slot in part.slots.items()}
         self.buckets = [b for part in parts for b in part.buckets]
         self.overlap = parts[0].overlap
@@ -117,43 +116,23 @@ class GradBufferSet(GradSync):
         self._offsets = [sum(len(p.buckets) for p in parts[:i]) for i in range(len(parts))]
 
     @property
-    def reduced(self) -> bool:
-        return self.parts[0].reduced
-
-    @property
     def generation(self) -> int:
-        return self.parts[0].generation
+        return self.buffers[0].generation
 
     def shard_pieces(self) -> list:
-        return [piece for part in self.parts for piece in part.shard_pieces()]
+        return [piece for part in self.buffers for piece in part.shard_pieces()]
 
     def padding(self) -> int:
-        return sum(part.padding() for part in self.parts)
-
-    def begin(self, microbatches: int) -> None:
-        for part in self.parts:
-            part.begin(microbatches)
-
-    def finish(self) -> None:
-        for part in self.parts:
-            part.finish()
-
-    def zero_grad(self) -> None:
-        for part in self.parts:
-            part.zero_grad()
+        return sum(part.padding() for part in self.buffers)
 
     def gather_params(self) -> None:
-        for part in self.parts:
+        for part in self.buffers:
             part.gather_params()
-
-    def wait_params(self) -> None:
-        for part in self.parts:
-            part.wait_params()
 
     def param_buckets(self, aliases: dict[str, list[str]]) -> BucketLayout | None:
         bucket_of: dict[str, int] = {}
         chunks: dict[int, set[int]] = {}
-        for offset, part in zip(self._offsets, self.parts):
+        for offset, part in zip(self._offsets, self.buffers):
             layout = part.param_buckets(aliases)
             if layout is None:
                 continue
@@ -164,11 +143,7 @@ class GradBufferSet(GradSync):
 
     def wait_bucket(self, index: int) -> None:
         part = max(i for i, offset in enumerate(self._offsets) if offset <= index)
-        self.parts[part].wait_bucket(index - self._offsets[part])
-
-    def close(self) -> None:
-        for part in self.parts:
-            part.close()
+        self.buffers[part].wait_bucket(index - self._offsets[part])
 
 
 def grad_buffers(uses: list[ParamUse], plan: ParallelPlan, dp_rank: int, dp_group: dist.ProcessGroup | None,

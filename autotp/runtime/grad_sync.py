@@ -236,17 +236,32 @@ class GradSyncs(GradSync):
     def __init__(self, parts: list[GradSync]) -> None:
         self.parts = parts
 
-    def begin(self, microbatches: int) -> None:
+    @property
+    def holds_grads(self) -> bool:  # type: ignore[override]
+        return any(part.holds_grads for part in self.parts)
+
+    @property
+    def reduced(self) -> bool:  # type: ignore[override]
+        return any(part.reduced for part in self.parts)
+
+    def _each(self, method: str, *args: int) -> None:
         for part in self.parts:
-            part.begin(microbatches)
+            getattr(part, method)(*args)
+
+    def begin(self, microbatches: int) -> None:
+        self._each("begin", microbatches)
 
     def finish(self) -> None:
-        for part in self.parts:
-            part.finish()
+        self._each("finish")
+
+    def zero_grad(self) -> None:
+        self._each("zero_grad")
+
+    def wait_params(self) -> None:
+        self._each("wait_params")
 
     def close(self) -> None:
-        for part in self.parts:
-            part.close()
+        self._each("close")
 
 
 class ExpertGradMean(GradSync):
