@@ -20,9 +20,9 @@ from autotp.ir.fp8 import DEFAULT_RECIPE, RECIPES
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.program import RankProgram
 from autotp.ir.plan_files import load_plan
-from autotp.runtime import cudagraphs, rng
-from autotp.runtime.groups import make_groups
-from autotp.runtime.parallel_model import ParallelModel
+from autotp.runtime.execution import cudagraphs, rng
+from autotp.runtime.processes.groups import make_groups
+from autotp.runtime.execution.parallel_model import ParallelModel
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def parallelize(
     ``compile``, each per-rank graph (or pipeline chunk) also runs through
     ``torch.compile``, which fuses the elementwise work between the collectives. With
     ``cuda_graphs`` (CUDA and NCCL), the regions that the cost model picks are captured
-    as CUDA graphs on the first call and replayed after (``autotp.runtime.cudagraphs``); with
+    as CUDA graphs on the first call and replayed after (``autotp.runtime.execution.cudagraphs``); with
     pp > 1, once per microbatch a stage holds in flight. Both together capture each region's
     compiled code. ``sequence_parallel`` runs the
     norms, residual adds and dropout between the tp regions on 1/tp of the tokens, and
@@ -193,7 +193,7 @@ def parallelize(
 
     ``model`` may be built on ``meta``: each rank then allocates only its shards, reads
     them from ``checkpoint`` (a local HF safetensors folder, this rank's slices only) and
-    initializes the rest with the model's own init (``autotp.runtime.init_meta`` says
+    initializes the rest with the model's own init (``autotp.runtime.state.init_meta`` says
     what that guarantees).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -1,4 +1,4 @@
-"""Alpha-beta costs of collectives (the ops themselves live in ``autotp.runtime.collectives``).
+"""Alpha-beta costs of collectives (the ops themselves live in ``autotp.runtime.processes.collectives``).
 
 A collective over t ranks of a ``Link`` (alpha = ``latency_s``, h = ``hop_latency_s``,
 B = ``bus_bytes_per_s``) moving a tensor of n bytes costs
@@ -18,7 +18,7 @@ point-to-point       ``p2p_s``              0                n
 ==================  ===================  =================  ==========================
 
 **Overlapped** (``overlapped_s``): an all-gather pipelined with the GEMM that consumes it,
-or a reduce-scatter with the GEMM that produces it (``autotp.runtime.overlap``), runs in
+or a reduce-scatter with the GEMM that produces it (``autotp.runtime.execution.overlap``), runs in
 t - 1 steps that each move 1/(t-1) of the collective (time C) while a GEMM chunk, 1/t of
 the GEMM (time M), computes; one chunk computes alone. The pair takes
 (t-1)·max(C/(t-1), M/t) + M/t, so what the GEMM does not hide is

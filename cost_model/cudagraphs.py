@@ -24,7 +24,7 @@ For a region (``region_stats``), with this rank's local shapes:
   intermediates): what the graph pins, an upper bound since intermediates of regions
   captured in order share one memory pool.
 * ``slots``: with pp > 1 a stage holds several microbatches in flight, each in its own
-  capture (``autotp.runtime.cudagraphs``): ``schedules.slots_per_chunk`` under the default
+  capture (``autotp.runtime.execution.cudagraphs``): ``schedules.slots_per_chunk`` under the default
   schedule, ``pp - stage`` for 1F1B. The region pins ``slots · static_bytes``.
 
 ``saved_s`` (``estimate``) = max(launches · launch_s, gpu_s)

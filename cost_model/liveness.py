@@ -39,7 +39,7 @@ the same in its backward, without parameter gradients; ``own_grads[j]`` this seg
 parameter gradients allocated up to node j (first microbatch); ``grad_transient[j]`` the
 parameter gradient node j makes (later microbatches). ``saved`` is what it holds from its
 forward to its backward; ``deferred`` what a zero-bubble schedule holds from its ``B`` to
-its ``W`` (``autotp.runtime.weight_grads``: each linear's input, once per storage, and
+its ``W`` (``autotp.runtime.execution.weight_grads``: each linear's input, once per storage, and
 output gradient).
 """
 

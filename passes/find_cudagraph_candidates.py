@@ -15,7 +15,7 @@ Runs when ``plan.cudagraphs`` is set. Every op node either gets a ``Blocker`` (n
 * **host values**: an op that reads a Python number made by another op (``x * t.item()``);
 * **CPU tensors** read or made in a graph for another device;
 * **RNG not registered for graph-safe replay**: autotp's ``tp_dropout`` in training
-  (its masks come from the tp generators of ``autotp.runtime.rng``, which capture does not
+  (its masks come from the tp generators of ``autotp.runtime.execution.rng``, which capture does not
   register) and any aten RNG op given an explicit ``generator=``. Aten RNG ops on the
   default CUDA generator (``rand``, ``bernoulli``, ``dropout``...) are capturable:
   capture registers that generator, so each replay draws fresh numbers (not the ones
@@ -116,7 +116,7 @@ def _rng_reason(node: Node) -> str | None:
     if node.target is ops.TP_DROPOUT:
         p, train = node.args[1], node.args[2]
         if train and p > 0:
-            return "tp_dropout draws its mask from autotp's tp generators (autotp.runtime.rng), which capture does not register"
+            return "tp_dropout draws its mask from autotp's tp generators (autotp.runtime.execution.rng), which capture does not register"
         return None
     tags = getattr(node.target, "tags", ())
     if torch.Tag.nondeterministic_seeded in tags and node.kwargs.get("generator") is not None:

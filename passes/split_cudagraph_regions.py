@@ -7,7 +7,7 @@ first use; its outputs the values read after it), called where the region's last
 with pp > 1 a region may skip input-derived nodes in its midst, which it can read. The nodes
 between regions stay in the copy and run eagerly (partial capture). The copy is the chunk
 graph's submodule ``cudagraph_split`` (``autotp.ir.program.CAPTURED``), which
-``autotp.runtime.cudagraphs`` captures.
+``autotp.runtime.execution.cudagraphs`` captures.
 """
 
 from __future__ import annotations

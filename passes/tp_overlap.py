@@ -2,7 +2,7 @@
 
 After ``sequence_parallel`` each column-parallel GEMM reads an ``all_gather`` of the
 sequence shard, and each row-parallel GEMM feeds a ``reduce_scatter``. This pass fuses
-each such pair into one op whose kernel pipelines the two (``autotp.runtime.overlap``):
+each such pair into one op whose kernel pipelines the two (``autotp.runtime.execution.overlap``):
 
 * ``all_gather`` (in ``plan.tp_overlap`` as ``all_gather``) whose every user is a GEMM with
   it as the activation -> one ``all_gather_matmul(x, [w1, w2, ...])`` for all of them

@@ -125,8 +125,8 @@ def test_module_imports_have_no_cycle() -> None:
 
 def test_layer_rule_detects_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("from autotp.api import parallelize\nimport autotp.runtime.launcher\n")
-    found = _imports(bad, "autotp.ir.bad", {"autotp.api", "autotp.runtime.launcher"})
+    bad.write_text("from autotp.api import parallelize\nimport autotp.runtime.processes.launcher\n")
+    found = _imports(bad, "autotp.ir.bad", {"autotp.api", "autotp.runtime.processes.launcher"})
     assert [_layer(m) > _layer("autotp.ir.bad") for m, _ in found] == [True, True]
 
 

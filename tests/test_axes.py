@@ -73,8 +73,8 @@ def _groups_on_rank(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from autotp.ir.plan import ParallelPlan
-    from autotp.runtime import collectives
-    from autotp.runtime.groups import make_groups
+    from autotp.runtime.processes import collectives
+    from autotp.runtime.processes.groups import make_groups
 
     plan = ParallelPlan(tp=2, dp=2, ep=2, etp=1)
     coords = make_groups(plan, timeout_s=60)

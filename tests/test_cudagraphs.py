@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import autotp
-from autotp.runtime import cudagraphs
+from autotp.runtime.execution import cudagraphs
 from autotp.ir import meta_keys, ops
 from autotp.ir import schedules
 from autotp.cost_model.cudagraphs import RegionStats, choose_cudagraph_regions, decide

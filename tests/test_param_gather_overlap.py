@@ -47,7 +47,8 @@ def _train(rank: int, world: int, waits_in_graph: bool) -> dict:
     import autotp
     from autotp.ir import program
     from autotp.passes.split_weight_grads import deferred_copy
-    from autotp.runtime import grad_buffers, parallel_model
+    from autotp.runtime.gradients import grad_buffers
+    from autotp.runtime.execution import parallel_model
 
     events: list[tuple[str, int]] = []
     grad_buffers._all_gather = _deferred_all_gather(events)

@@ -34,7 +34,7 @@ def ops_on_rank(rank: int, world: int, device: str = "cpu", impl: str = "ring") 
     """Both ops and their backward against the plain collective and GEMM, in float64."""
     import torch.distributed as dist
 
-    from autotp.runtime import collectives
+    from autotp.runtime.processes import collectives
 
     collectives.register_group("g", dist.group.WORLD)
     gen = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""The split backward of zero-bubble schedules (``autotp.runtime.weight_grads``), in one
+"""The split backward of zero-bubble schedules (``autotp.runtime.execution.weight_grads``), in one
 process: a pipeline chunk's input gradient first, its linear weights' gradients later,
 together equal to the ordinary backward."""
 
@@ -9,8 +9,8 @@ import torch
 
 import autotp
 from autotp.ir import ops
-from autotp.runtime.pipeline import ChunkGraph
-from autotp.runtime.weight_grads import WeightGradStore
+from autotp.runtime.execution.pipeline import ChunkGraph
+from autotp.runtime.execution.weight_grads import WeightGradStore
 from small_models import build, vocab_size
 
 

@@ -22,7 +22,7 @@ from autotp.compiler import trace_for_planning
 from autotp.cost_model.calibrate import SCALE_MODEL, SCALE_LAYERS, fit_profile, scale_config
 from autotp.cost_model.compute import Segment, needs_grad
 from autotp.cost_model.hardware import HardwareProfile
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 from autotp.ir.errors import UserInputError
 
 MESSAGE_BYTES = {"cuda": tuple(2**k for k in range(16, 29, 2)), "cpu": tuple(2**k for k in range(12, 25, 2))}

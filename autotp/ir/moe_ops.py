@@ -25,7 +25,7 @@ Each movement is the other's backward. Two modes, fixed by ``capacity``:
   static and nothing syncs: the layer captures as one CUDA graph. The local experts then
   hold ``ep * capacity`` rows each and their grouped matmuls are batched matmuls.
 
-The kernels (``autotp.runtime.moe_dispatch``) register per device; without a process
+The kernels (``autotp.runtime.processes.moe_dispatch``) register per device; without a process
 group (one rank) the movements are local permutations.
 """
 

@@ -2,8 +2,8 @@
 
 This module holds their schemas, fake kernels (so graphs run on ``meta`` and under
 FakeTensor without any process group) and autograd formulas. The kernels that
-communicate are registered by ``autotp.runtime.collectives`` (and the RNG kernel by
-``autotp.runtime.rng``). Passes, reports and tests compare ``node.target`` with the
+communicate are registered by ``autotp.runtime.processes.collectives`` (and the RNG kernel by
+``autotp.runtime.execution.rng``). Passes, reports and tests compare ``node.target`` with the
 handles below.
 
 Collectives over the group of one parallel axis, named by its key
@@ -25,7 +25,7 @@ named ``*_tp`` all-reduces over whichever group its key names.
   all_gather(x) @ w for w in weights]`` and ``matmul_reduce_scatter(xs, weights, dim,
   group_size, group, impl)`` -> ``reduce_scatter(sum_i xs[i] @ weights[i])``: the sequence
   parallel collective and the GEMM next to it, decomposed so that the communication runs
-  behind the GEMM (``passes/tp_overlap``; kernels in ``autotp.runtime.overlap``). Weights
+  behind the GEMM (``passes/tp_overlap``; kernels in ``autotp.runtime.execution.overlap``). Weights
   are ``[K, N]`` (matmul layout). Each is the other's backward: the grad of the gathered
   input is a matmul-reduce-scatter of the output grads, the grad of a matmul-reduce-scatter's
   input an all-gather-matmul of its output grad, whose gathered grad the weight grads reuse.
@@ -43,7 +43,7 @@ named ``*_tp`` all-reduces over whichever group its key names.
 * ``all_reduce_max(x, group)`` -- the elementwise max over the group (FP8 amaxes; no grad).
 * ``fp8_linear(x, weights, biases, recipe, x_split, n_split, gather_dim, group_size,
   group)`` -> ``[x·Wᵢᵀ + bᵢ]`` with every GEMM in FP8 (``autotp.ir.fp8`` holds the recipes
-  and the composite kernel, which ``autotp.runtime.collectives`` registers); scales of operands the group splits are max-reduced over it,
+  and the composite kernel, which ``autotp.runtime.processes.collectives`` registers); scales of operands the group splits are max-reduced over it,
   and with ``gather_dim >= 0`` x is this rank's tokens, all-gathered in FP8.
 
 Local ops:
@@ -52,7 +52,7 @@ Local ops:
   ``chunk``.
 * ``deferred_linear(x, weight, bias)`` -- ``linear`` whose backward returns the gradients of
   the input and bias only and hands (weight, x, output grad) to the innermost of
-  ``WEIGHT_GRAD_SINKS`` (``autotp.runtime.weight_grads.WeightGradStore``), which computes
+  ``WEIGHT_GRAD_SINKS`` (``autotp.runtime.execution.weight_grads.WeightGradStore``), which computes
   the weight gradient later: a zero-bubble schedule's ``W`` (``passes/split_weight_grads``).
 * ``partial_grad(x, parts)`` -- identity forward; backward divides the gradient by
   ``parts``, so that a gradient every one of ``parts`` ranks holds whole becomes their equal
@@ -60,7 +60,7 @@ Local ops:
   meet before one reduce-scatter).
 * ``tp_dropout(x, p, train, stream)`` -- ``aten.dropout`` drawing its mask from the tp
   RNG stream ``REPLICATED`` or ``SHARDED`` (``tp_rand(like, stream)``: uniform float32 numbers shaped like ``like``; see
-  ``autotp.runtime.rng``).
+  ``autotp.runtime.execution.rng``).
 * ``vocab_parallel_embedding(weight, ids, vocab_start, vocab_stop, vocab_size, padding_idx)`` --
   lookup in rows ``[vocab_start, vocab_stop)``; other ids give zeros (a partial sum).
 

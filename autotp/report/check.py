@@ -36,7 +36,7 @@ from autotp.compiler import example_kwargs
 from autotp.analysis.trace import trace
 from autotp.ir import meta_keys
 from autotp.ir.layouts import Layout, resolve
-from autotp.runtime import collectives
+from autotp.runtime.processes import collectives
 
 RTOL, ATOL = 1e-4, 1e-5
 

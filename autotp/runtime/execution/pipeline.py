@@ -23,8 +23,8 @@ from torch.fx import GraphModule
 from autotp.ir.errors import UserInputError
 from autotp.ir import schedules
 from autotp.ir.program import Boundary, ChunkProgram
-from autotp.runtime.cudagraphs import CapturedGraph
-from autotp.runtime.weight_grads import WeightGradStore
+from autotp.runtime.execution.cudagraphs import CapturedGraph
+from autotp.runtime.execution.weight_grads import WeightGradStore
 
 
 @dataclass

@@ -15,12 +15,12 @@ stages that share a parameter (a tied embedding and lm_head) and averaged over d
 * ``PostStepSync`` (a pipeline, or dp = 1): after the step, sums the gradients of shared
   parameters over their stages and all-reduces every gradient over dp in buckets
   (``all_reduce_buckets``).
-* ``GradBuffers`` (``autotp.runtime.grad_buffers``), which a ``DistributedOptimizer``
+* ``GradBuffers`` (``autotp.runtime.gradients.grad_buffers``), which a ``DistributedOptimizer``
   installs (``ParallelModel.install_grad_sync``): contiguous buffers reduce-scattered over
   dp as the backward runs, for every layout; it ``holds_grads``.
 
 With expert parallelism the expert parameters' gradients are summed over edp instead
-(``autotp.runtime.expert_parallel``: ``ExpertGradMean`` beside one of the first two in a
+(``autotp.runtime.state.expert_parallel``: ``ExpertGradMean`` beside one of the first two in a
 ``GradSyncs``, or ``GradBufferSet``, the buffers per axis).
 """
 
@@ -36,10 +36,10 @@ from torch import nn
 
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.program import BucketLayout
-from autotp.runtime.groups import Coords, all_pipelines
+from autotp.runtime.processes.groups import Coords, all_pipelines
 
 if TYPE_CHECKING:
-    from autotp.runtime.expert_parallel import ExpertShards
+    from autotp.runtime.state.expert_parallel import ExpertShards
 
 
 class GradSync(ABC):

@@ -19,11 +19,11 @@ from torch.fx import GraphModule, Node
 from autotp.ir import meta_keys
 from autotp.ir.axes import Axis
 from autotp.ir.plan import ParallelPlan, ParamLayout
-from autotp.runtime import collectives
-from autotp.runtime.expert_parallel import ExpertShards
-from autotp.runtime.groups import Coords
-from autotp.runtime.shard_map import ShardSpec, shard_spec
-from autotp.runtime.sharding import shard_tensor, unshard_tensor
+from autotp.runtime.processes import collectives
+from autotp.runtime.state.expert_parallel import ExpertShards
+from autotp.runtime.processes.groups import Coords
+from autotp.runtime.state.shard_map import ShardSpec, shard_spec
+from autotp.runtime.state.sharding import shard_tensor, unshard_tensor
 
 ParamChunks = dict[str, set[int]]
 

@@ -12,9 +12,9 @@ from torch.fx import GraphModule
 
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.program import ChunkProgram, RankProgram
-from autotp.runtime import cudagraphs
-from autotp.runtime.parameters import ParamChunks, graph_param_chunks
-from autotp.runtime.pipeline import ChunkGraph
+from autotp.runtime.execution import cudagraphs
+from autotp.runtime.state.parameters import ParamChunks, graph_param_chunks
+from autotp.runtime.execution.pipeline import ChunkGraph
 
 
 @dataclass

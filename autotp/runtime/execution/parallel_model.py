@@ -22,15 +22,18 @@ from autotp.ir.axes import Axis
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.program import RankProgram
 from autotp.ir.rank_log import warn_once
-from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, expert_parallel, export_hf, grad_norm, guards
-from autotp.runtime.grad_sync import GradSync, default_sync, mean_loss, shared_param_groups
-from autotp.runtime.grad_buffers import ParamUse
-from autotp.runtime.groups import Coords
-from autotp.runtime.parameters import Parameters, graph_trained_params
-from autotp.runtime.pipeline import ChunkGraph, PipelineRunner
-from autotp.runtime.signatures import CompiledSignature
+from autotp.runtime.state import checkpoint_dcp, expert_parallel, export_hf
+from autotp.runtime.processes import collectives
+from autotp.runtime.execution import cudagraphs, guards
+from autotp.runtime.gradients import grad_norm
+from autotp.runtime.gradients.grad_sync import GradSync, default_sync, mean_loss, shared_param_groups
+from autotp.runtime.gradients.grad_buffers import ParamUse
+from autotp.runtime.processes.groups import Coords
+from autotp.runtime.state.parameters import Parameters, graph_trained_params
+from autotp.runtime.execution.pipeline import ChunkGraph, PipelineRunner
+from autotp.runtime.execution.signatures import CompiledSignature
 from autotp.ir.errors import UserInputError
-from autotp.runtime.shard_map import ShardedLocal
+from autotp.runtime.state.shard_map import ShardedLocal
 
 log = logging.getLogger(__name__)
 REPLICA_CHECK_EVERY = 100
@@ -59,15 +62,8 @@ class ParallelModel(nn.Module):
     ``plan`` is the plan of the first signature, with the CUDA-graph regions it chose.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        first: RankProgram,
-        first_kwargs: dict[str, Any],
-        coords: Coords,
-        device: torch.device,
-        compile_graphs: bool,
-    ) -> None:
+    def __init__(self, model: nn.Module, first: RankProgram, first_kwargs: dict[str, Any], coords: Coords,
+                 device: torch.device, compile_graphs: bool) -> None:  # fmt: skip
         super().__init__()
         self.plan: ParallelPlan = first.plan
         self._compile_graphs = compile_graphs
@@ -147,7 +143,7 @@ class ParallelModel(nn.Module):
 
     @property
     def grad_sync(self) -> GradSync:
-        """How ``train_step``'s gradients become the step's (``autotp.runtime.grad_sync``)."""
+        """How ``train_step``'s gradients become the step's (``autotp.runtime.gradients.grad_sync``)."""
         return self._grad_sync
 
     def install_grad_sync(self, sync: GradSync) -> None:
@@ -345,7 +341,7 @@ class ParallelModel(nn.Module):
     @property
     def cudagraph_slots(self) -> dict[int, int]:
         """Per chunk of this rank: the CUDA-graph captures made so far, one per microbatch
-        the schedule held in flight (``autotp.runtime.cudagraphs``), summed over input signatures."""
+        the schedule held in flight (``autotp.runtime.execution.cudagraphs``), summed over input signatures."""
         slots: dict[int, int] = {}
         for compiled in self._graphs.values():
             for chunk, captured in compiled.captures().items():
@@ -381,7 +377,7 @@ class ParallelModel(nn.Module):
     def materialize(self, model: nn.Module, checkpoint: str | Path | None, seed: int) -> None:
         """Fill the shards of a model built on meta (``parallelize`` calls this): this rank's
         slices of the HF ``checkpoint``, then the model's own init for the rest."""
-        from autotp.runtime.materialize import materialize
+        from autotp.runtime.state.materialize import materialize
 
         start = time.perf_counter()
         self.checkpoint_bytes_read = materialize(self, self._params, model, checkpoint, seed)

@@ -3,7 +3,7 @@
 The groups are the plan's ``rank_groups`` (Megatron's order; with ep or etp, the expert
 axes fold the same world, seed 001). The groups that graph collectives name (tp, cp, ep,
 etp, and the subgroups of ranks that hold the same slice of a parameter) are registered
-in ``autotp.runtime.collectives`` under their ``group_key``; the others (dp, edp, pp) are
+in ``autotp.runtime.processes.collectives`` under their ``group_key``; the others (dp, edp, pp) are
 handed to the runtime in ``Coords``.
 """
 
@@ -17,14 +17,14 @@ import torch.distributed as dist
 from autotp.ir.axes import Axis, group_key, replica_group_key
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.rank_groups import groups_of
-from autotp.runtime import collectives
-from autotp.runtime.pipeline import PipelineGroups
+from autotp.runtime.processes import collectives
+from autotp.runtime.execution.pipeline import PipelineGroups
 
 
 @dataclass(frozen=True)
 class ExpertGroups:
     """This rank's expert-parallel group (ranks, its index there) and its edp group: the ep and
-    edp groups ``make_groups`` made, for ``autotp.runtime.expert_parallel``."""
+    edp groups ``make_groups`` made, for ``autotp.runtime.state.expert_parallel``."""
 
     ep: int
     ep_rank: int

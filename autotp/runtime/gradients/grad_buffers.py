@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autotp.ir.program import BucketLayout
-from autotp.runtime.grad_sync import GradSync
+from autotp.runtime.gradients.grad_sync import GradSync
 
 ALIGN = 64  # elements per dp slice of a bucket are a multiple of this (aligned NCCL buffers)
 

@@ -1,7 +1,7 @@
 """``DistributedOptimizer``: ZeRO-1 over the data-parallel group, Megatron's distributed optimizer (seed 004).
 
 Gradients live in contiguous buffers and are reduce-scattered over dp in buckets while
-the backward runs (``autotp.runtime.grad_buffers``). Each dp rank owns a 1/dp slice of
+the backward runs (``autotp.runtime.gradients.grad_buffers``). Each dp rank owns a 1/dp slice of
 every bucket; for each parameter that slice covers a flat range ``[start, stop)`` of the
 parameter (this rank's tp shard, flattened), and only for those ranges does the rank keep
 an fp32 master copy (the parameter's own memory when it is fp32) and the optimizer
@@ -44,12 +44,13 @@ from torch import Tensor, nn
 from autotp.ir.rank_log import warn_once
 from autotp.ir.errors import UserInputError
 from autotp.ir.training_step import TrainingStep, runtime_precision
-from autotp.runtime import expert_parallel, grad_norm
-from autotp.runtime.grad_buffers import GradBuffers, Slot
-from autotp.runtime.shard_map import FlatRangeLocal, ShardSpec
+from autotp.runtime.state import expert_parallel
+from autotp.runtime.gradients import grad_norm
+from autotp.runtime.gradients.grad_buffers import GradBuffers, Slot
+from autotp.runtime.state.shard_map import FlatRangeLocal, ShardSpec
 
 if TYPE_CHECKING:
-    from autotp.runtime.parallel_model import ParallelModel
+    from autotp.runtime.execution.parallel_model import ParallelModel
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class DistributedOptimizer:
     def __init__(self, pm: ParallelModel, optimizer_class: type[torch.optim.Optimizer], *, params: Any = None,
                  bucket_bytes: int | None = None, grad_dtype: torch.dtype = torch.float32,
                  overlap_param_gather: bool | None = None, **kwargs: Any) -> None:  # fmt: skip
-        from autotp.runtime.parallel_model import ZBH1_REFUSED, ParallelModel
+        from autotp.runtime.execution.parallel_model import ZBH1_REFUSED, ParallelModel
 
         if not isinstance(pm, ParallelModel):
             raise UserInputError(f"DistributedOptimizer needs the ParallelModel that autotp.parallelize returned, got {type(pm).__name__}")

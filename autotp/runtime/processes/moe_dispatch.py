@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.library import Library
 
 from autotp.ir import moe_ops
-from autotp.runtime.collectives import get_group
+from autotp.runtime.processes.collectives import get_group
 
 _KERNELS = Library(moe_ops.NAMESPACE, "IMPL")
 _DROPS: dict[str, Tensor] = {}  # layer -> [dropped, routed] (int64, on the layer's device)

@@ -19,7 +19,7 @@ from torch.library import Library
 
 from autotp.ir import fp8, ops
 from autotp.ir.errors import UserInputError
-from autotp.runtime import overlap
+from autotp.runtime.execution import overlap
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 _KERNELS = Library(ops.NAMESPACE, "IMPL")
@@ -45,7 +45,7 @@ def get_group(key: str) -> dist.ProcessGroup | None:
         known = ", ".join(sorted(_GROUPS)) or "none"
         raise UserInputError(
             f"no process group is registered as '{key}' (registered: {known}); run the graph on ranks set up "
-            "by autotp.parallelize, or register the group with autotp.runtime.collectives.register_group"
+            "by autotp.parallelize, or register the group with autotp.runtime.processes.collectives.register_group"
         )
     return None if dist.get_world_size(group) == 1 else group
 

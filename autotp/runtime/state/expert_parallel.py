@@ -25,11 +25,11 @@ from autotp.ir.moe_ops import DISPATCH_OPS  # noqa: F401 (the schemas the kernel
 from autotp.ir.moe_plan import MoeLayerPlan, expert_param_owner
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.program import BucketLayout
-from autotp.runtime import moe_dispatch  # moe_dispatch also registers the dispatch kernels
-from autotp.runtime.grad_buffers import GradBuffers, ParamUse
-from autotp.runtime.grad_sync import GradSyncs
-from autotp.runtime.groups import ExpertGroups
-from autotp.runtime.shard_map import Piece, ShardSpec
+from autotp.runtime.processes import moe_dispatch  # moe_dispatch also registers the dispatch kernels
+from autotp.runtime.gradients.grad_buffers import GradBuffers, ParamUse
+from autotp.runtime.gradients.grad_sync import GradSyncs
+from autotp.runtime.processes.groups import ExpertGroups
+from autotp.runtime.state.shard_map import Piece, ShardSpec
 
 
 class ExpertShards:

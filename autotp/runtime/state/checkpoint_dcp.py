@@ -33,9 +33,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from autotp.ir.errors import UserInputError
 from autotp.ir.plan import ParallelPlan
-from autotp.runtime.materialize import on_every_rank
-from autotp.runtime.parameters import Parameters, get_nested
-from autotp.runtime.shard_map import ShardedLocal
+from autotp.runtime.state.materialize import on_every_rank
+from autotp.runtime.state.parameters import Parameters, get_nested
+from autotp.runtime.state.shard_map import ShardedLocal
 
 log = logging.getLogger(__name__)
 
