@@ -72,7 +72,7 @@ import numpy as np
 import torch
 from autotp.cost_model.affine import affine_costs
 from autotp.cost_model.communication import group_collective_s, overlapped_s
-from autotp.cost_model.flops import TensorInfo, global_tensors, node_cost
+from autotp.cost_model.flops import global_tensors, node_cost
 from autotp.cost_model.fp8 import cast_bytes, plan_fp8, sites_plan
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory, simulate
