@@ -206,6 +206,9 @@ def parallelize(
             f"tp={tp} is larger than the world size {world}; start {tp} processes (torchrun --nproc-per-node {tp} "
             f"or autotp run --tp {tp}) or lower tp"
         )
+    if ep > world:
+        raise UserInputError(f"ep={ep} is larger than the world size {world}: each ep rank holds 1/ep of the experts; "
+                             f"start {ep} processes (torchrun --nproc-per-node {ep}) with dp*tp a multiple of {ep}, or lower ep")  # fmt: skip
     if dp is None:
         if world % (tp * pp):
             raise UserInputError(

@@ -66,6 +66,7 @@ MODELS = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab, seq)
 VALIDATION = {  # name: (dims as in MODELS, global batch)
     "llama-8bw-8l": ((4096, 14336, 8, 32, 8, 32000, 2048), 8),
     "llama-3bw-12l": ((3072, 8192, 12, 24, 8, 50304, 1024), 16),
+    "llama-2.5kw-8l-152k": ((2560, 6912, 8, 20, 4, 151936, 1024), 8),  # widths and a vocabulary no run was fitted on
 }
 CPU_VALIDATION = {"tiny-c": ((96, 192, 4, 4, 2, 384, 48), 8)}
 CPU_MODELS = {
@@ -284,13 +285,17 @@ def _sync(on_gpu: bool) -> None:
         torch.cuda.synchronize()
 
 
-def validate(cpu: bool, top: int, json_path: Path | None, gpus: int, snapshots: Path | None = None) -> None:
-    """Plan each held-out workload uncalibrated, run its top plans, then calibrate and re-predict."""
+def validate(cpu: bool, top: int, json_path: Path | None, gpus: int, snapshots: Path | None = None,
+             names: list[str] | None = None) -> None:  # fmt: skip
+    """Plan each held-out workload (those of ``names``, default all) uncalibrated, run its top plans, then
+    calibrate and re-predict. ``json_path`` gets the measurements after each workload."""
     from autotp.cost_model.candidates import Config
     from autotp.cost_model.hardware import get_profile
     from autotp.cost_model.planner import plan as rank_plans
 
     workloads = CPU_VALIDATION if cpu else VALIDATION
+    workloads = {k: v for k, v in workloads.items() if names is None or k in names}
+    setup = f"torch {torch.__version__}, {datetime.date.today().isoformat()}"
     dtype, precision = (torch.float32, "fp32") if cpu else (torch.bfloat16, "bf16-pure")
     builtin = get_profile("cpu" if cpu else _builtin_name(), calibrated=False)
     rows: list[dict] = []
@@ -310,6 +315,8 @@ def validate(cpu: bool, top: int, json_path: Path | None, gpus: int, snapshots: 
                          "train_step_peak_gib": max(r[i]["train_step_peak_gib"] for r in measured)})
             print(f"measured {name} plan {i + 1} ({_config_name(config, p.plan.sequence_parallel, p.plan.tp_overlap)}): {m['measured_s'] * 1e3:.1f} ms, peak "
                   f"{rows[-1]['peak_gib']:.1f} GiB ({rows[-1]['train_step_peak_gib']:.1f} before the optimizer's first step)", flush=True)
+        if json_path:
+            _write(json_path, {"setup": setup, "rows": rows})
     calibration: dict = {}
     if gpus >= 2:  # calibration measures collectives between ranks
         _, calibration = calibrate(gpus)
@@ -323,7 +330,7 @@ def validate(cpu: bool, top: int, json_path: Path | None, gpus: int, snapshots: 
                                            tp_overlap=tuple(row["tp_overlap"])).step_s if calibration else float("nan")  # fmt: skip
     print(validation_report(rows, builtin.name, calibrated.name if calibration else "no calibration (one rank)"))
     if json_path:
-        _write(json_path, {"setup": f"torch {torch.__version__}, {datetime.date.today().isoformat()}", "calibration": calibration, "rows": rows})
+        _write(json_path, {"setup": setup, "calibration": calibration, "rows": rows})
 
 
 def _builtin_name() -> str:
@@ -376,10 +383,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=4, help="plans per held-out workload to run (default: 4)")
     parser.add_argument("--gpus", type=int, default=2, help="ranks of the held-out validation (default: 2)")
     parser.add_argument("--memory-snapshots", type=Path, help="--validate on GPUs: dump a CUDA memory snapshot per plan and rank here")
+    parser.add_argument("--workloads", nargs="+", choices=list(VALIDATION), help="--validate: these held-out workloads only")
     args = parser.parse_args()
     if args.validate:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        validate(args.cpu or not torch.cuda.is_available(), args.top, args.json, args.gpus, args.memory_snapshots)
+        validate(args.cpu or not torch.cuda.is_available(), args.top, args.json, args.gpus, args.memory_snapshots, args.workloads)
         return
     if args.measured:
         saved = json.loads(args.measured.read_text())

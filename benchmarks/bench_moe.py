@@ -16,9 +16,11 @@ Cases, each a training step (forward + backward, ``train_step``, no optimizer) a
   (``cuda_graphs=True`` with ``cost_model.cudagraphs.ALWAYS``). Sync-free uses the
   smallest capacity factor of ``CAPACITY_FACTORS`` that drops no row of the batch, so its
   loss must equal the others'; the capture count and drop counts are reported.
-* ``gemm``: the experts' grouped matmuls at the batch's routing: ``torch._grouped_mm`` on
-  the rows sorted by expert (what HF calls) against autotp's sync-free batched matmul over
-  ``[E, capacity, K]``; TFLOP/s of useful work (and of all work, padding included).
+* ``gemm``: the experts' matmuls at the batch's routing, forward and backward:
+  ``torch._grouped_mm`` called directly on the rows sorted by expert (what HF calls),
+  the same over autotp's sync-free buffer (``E * capacity`` rows, the routed ones packed in
+  front, offsets from the counts), and the batched matmul over ``[E, capacity, K]`` that
+  sync-free ran before; TFLOP/s of useful work.
 * ``ep`` (``--gpus`` > 1, NCCL): tensor-parallel experts (tp = gpus) against expert
   parallelism (ep = gpus, dp = gpus) dropless and sync-free, eager and captured, and FSDP2
   (``fully_shard`` per decoder layer over all GPUs) as the data-parallel baseline; the
@@ -180,6 +182,16 @@ def _run(key: str, step: Any, out: dict[str, Any], losses: dict[str, float], dev
         traceback.print_exc()
 
 
+def _profile(key: str, step: Any, args: argparse.Namespace, device: torch.device) -> None:
+    """Print the CUDA kernels of one step of the variants ``--profile`` names, with their summed
+    time against the span (near it: the GPU sets the pace; far below: the host)."""
+    if device.type == "cuda" and key.split("/")[1] in args.profile:
+        from bench_single_gpu import profile_step
+
+        table, totals = profile_step(step, rows=args.profile_rows)
+        print(f"kernels of one {key} step ({totals}):\n{table}", flush=True)
+
+
 def _layer_case(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     config = _config(name, args.layers, args.seq, args.tiny)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -205,6 +217,7 @@ def _layer_case(name: str, args: argparse.Namespace, device: torch.device) -> di
                                                                   moe_capacity_factor=factor)  # fmt: skip
     for key, step in variants.items():
         _run(key, step, out, losses, device, args)
+        _profile(f"{name}/{key}", step, args, device)
     for key, build in builders.items():
         try:
             pm = build()
@@ -214,6 +227,7 @@ def _layer_case(name: str, args: argparse.Namespace, device: torch.device) -> di
             continue
         pm.moe_drop_counts(reset=True)
         _run(key, _pm_step(pm, batch), out, losses, device, args)
+        _profile(f"{name}/{key}", _pm_step(pm, batch), args, device)
         if "ms" in out[key]:
             out[key].update(_regions(pm, batch), drops=pm.moe_drop_counts(reset=True))
         del pm
@@ -234,33 +248,49 @@ def _layer_case(name: str, args: argparse.Namespace, device: torch.device) -> di
 
 
 def _gemm_case(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """Grouped matmuls of one layer's experts at the batch's routing (random top-k)."""
+    """One layer's expert matmuls at the batch's routing (random top-k), forward and backward:
+    ``torch._grouped_mm`` called directly on the rows sorted by expert (what HF runs); the
+    same op as autotp's sync-free dispatch runs it, over the static ``E * capacity``-row
+    buffer with the received rows packed in front (capacity: the largest expert's count, so
+    nothing drops); and the batched matmul over ``[E, capacity, K]`` that sync-free ran
+    before (every padded row multiplied). TFLOP/s of useful work (the routed rows only)."""
     config = _config(name, 1, args.seq, args.tiny)
     experts = getattr(config, "num_local_experts", None) or config.num_experts
     k, h = config.num_experts_per_tok, config.hidden_size
     ffn = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokens = args.batch * args.seq
-    choice = torch.rand(tokens, experts, device=device).topk(k, dim=-1).indices.reshape(-1)
+    gen = torch.Generator().manual_seed(0)
+    choice = torch.rand(tokens, experts, generator=gen).topk(k, dim=-1).indices.reshape(-1).to(device)
     counts = torch.bincount(choice, minlength=experts)
-    rows = tokens * k
-    out: dict[str, Any] = {"rows": rows, "max_rows_per_expert": int(counts.max())}
+    rows, capacity = tokens * k, int(counts.max())
+    out: dict[str, Any] = {"rows": rows, "max_rows_per_expert": capacity, "buffer_rows": experts * capacity}
+    offs = counts.cumsum(0).to(torch.int32)
     for what, (kk, nn) in {"gate_up": (h, 2 * ffn), "down": (ffn, h)}.items():
-        w = torch.randn(experts, kk, nn, device=device, dtype=dtype) * 0.02
-        x = torch.randn(rows, kk, device=device, dtype=dtype)
-        offs = counts.cumsum(0).to(torch.int32)
-        capacity = int(counts.max())
-        padded = torch.randn(experts, capacity, kk, device=device, dtype=dtype)
-        useful = 2 * rows * kk * nn
+        w = (torch.randn(experts, kk, nn, device=device, dtype=dtype) * 0.02).requires_grad_()
+        x = torch.randn(rows, kk, device=device, dtype=dtype, requires_grad=True)
+        packed = torch.cat([x.detach(), x.new_zeros((experts * capacity - rows, kk))]).requires_grad_()
+        padded = torch.randn(experts, capacity, kk, device=device, dtype=dtype, requires_grad=True)
+        useful = 3 * 2 * rows * kk * nn  # forward + both gradients
+
+        def fwd_bwd(fn: Any) -> Any:
+            def run() -> None:
+                y = fn()
+                y.backward(torch.ones_like(y))
+
+            return run
+
+        runs = {"torch_grouped_mm": fwd_bwd(lambda: torch._grouped_mm(x, w, offs=offs)),
+                "autotp_syncfree_grouped_mm": fwd_bwd(lambda: torch._grouped_mm(packed, w, offs=offs)[:rows]),
+                "bmm_capacity_before": fwd_bwd(lambda: torch.bmm(padded, w))}  # fmt: skip
         result: dict[str, Any] = {}
-        runs = {"bmm_capacity": lambda: torch.bmm(padded, w)}
-        if device.type == "cuda":
-            runs["torch_grouped_mm"] = lambda: torch._grouped_mm(x, w, offs=offs)
         for key, fn in runs.items():
-            t = _time(fn, device, args.warmup, max(args.steps, 20))["ms"] / 1e3
+            try:
+                t = _time(fn, device, args.warmup, max(args.steps, 20))["ms"] / 1e3
+            except Exception as e:  # grouped_mm without a kernel for this device or dtype
+                result[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+                continue
             result[key] = {"ms": t * 1e3, "useful_tflops": useful / t / 1e12}
-            if key == "bmm_capacity":
-                result[key]["executed_tflops"] = 2 * experts * capacity * kk * nn / t / 1e12
         out[what] = result
     return out
 
@@ -335,6 +365,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any
                 results[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if rank == 0:
+                print(_summary({key: results[key]}), flush=True)  # each case as it ends: a run cut short keeps them
     return results
 
 
@@ -350,7 +382,8 @@ def _summary(results: dict[str, Any]) -> str:
         lines.append(f"{key}: {' '.join(cells)} {extra}")
         for what in ("gate_up", "down"):
             if what in r:
-                lines.append(f"  {what}: " + " ".join(f"{k} {v['useful_tflops']:.1f} TFLOP/s useful" for k, v in r[what].items()))
+                lines.append(f"  {what}: " + " ".join(f"{k} {v['ms']:.3f}ms {v['useful_tflops']:.1f} TFLOP/s useful"
+                                                     for k, v in r[what].items() if "ms" in v))  # fmt: skip
     return "\n".join(lines)
 
 
@@ -368,6 +401,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny widths (smoke runs)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--profile", nargs="*", default=[], help="layer variants to profile one step of (CUDA kernels by time)")
+    parser.add_argument("--profile-rows", type=int, default=15)
     parser.add_argument("--timeout", type=float, default=3000)
     args = parser.parse_args()
     backend = "nccl" if args.device == "cuda" else "gloo"

@@ -170,14 +170,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def profile_table(step: Step, rows: int = 25) -> str:
-    """The CUDA kernels of one step, by total time (torch.profiler)."""
+def profile_step(step: Step, rows: int = 25) -> tuple[str, dict]:
+    """The CUDA kernels of one step, by total time (torch.profiler), and their count, summed time and
+    span (first start to last end): a summed time near the span means the GPU, not the host, sets the pace."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e3 if kernels else 0.0
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+    return table, {"kernels": len(kernels), "kernel_ms": busy, "span_ms": span}
 
 
 def measure(shape: Shape, setup: str, device: str, profiled: bool = False) -> dict:
@@ -215,7 +220,9 @@ def measure(shape: Shape, setup: str, device: str, profiled: bool = False) -> di
         seconds = statistics.median(times)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
         if profiled:
-            print(f"kernels of one {setup} step:\n{profile_table(step)}", flush=True)
+            table, kernels = profile_step(step)
+            chosen["profile"] = kernels
+            print(f"kernels of one {setup} step: {kernels}\n{table}", flush=True)
     return {"setup": setup, "step_ms": seconds * 1e3, "mfu": flops / seconds / PEAK_FLOPS, "peak_gib": peak,
             "loss": float(loss.float()), "setup_s": setup_s, **chosen}  # fmt: skip
 

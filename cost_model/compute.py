@@ -22,6 +22,9 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
   fused attention ``max(F/attention_rate, bytes/mem_bw)``; everything else
   ``max(F/matmul_rate, bytes/mem_bw)`` (the roofline of ``flops.compute_time_s``);
   all of it times ``compute_time_scale``, which calibration measures on a whole layer.
+* The fused lm_head and loss (``linear_cross_entropy``) runs its three GEMMs and its loss
+  passes in its forward, one after another: ``3·matmul_time_s(F) + bytes/mem_bw``
+  (``autotp.cost_model.fused_loss``); its backward only scales the two gradients (0).
 * FP8 GEMMs (``fp8_linear``) run their FLOPs at ``fp8_matmul_speedup`` times the rate, and
   their casts add ``autotp.cost_model.fp8.cast_bytes`` / mem_bw forward and backward.
 * Backward: a GEMM's input and weight gradients are two GEMMs of its size (2×);
@@ -94,7 +97,7 @@ CompileFn = Callable[[ParallelPlan], GraphModule]
 PREAMBLE = "preamble"
 MATMUL_BACKWARD_FACTOR = 2.0
 COLLECTIVE_COPY_BYTES = 2
-_MATMUL, _ATTENTION, _OTHER = 1, 2, 0
+_MATMUL, _ATTENTION, _OTHER, _FUSED_LOSS = 1, 2, 0, 3
 _BATCH_MAKERS = {"expand", "new_ones", "new_zeros", "new_full", "new_empty", "ones", "zeros", "full", "empty"}
 _SAVE_NOTHING = {
     "add", "sub", "neg", "to", "_to_copy", "clone", "contiguous", "cat", "stack", "mean", "sum", "where",
@@ -258,6 +261,8 @@ def gemm_pieces(node: Node) -> int:
 
 
 def _kind(node: Node) -> int:
+    if node.target is ops.LINEAR_CROSS_ENTROPY:
+        return _FUSED_LOSS
     kind = op_kind(node.target)
     if kind.is_matmul:
         return _MATMUL
@@ -445,8 +450,11 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
     speed = np.where(seg.fp8[matmul], hw.fp8_matmul_speedup, 1.0) if seg.fp8 is not None else 1.0
     forward[matmul] = np.maximum(pieces * hw.matmul_time_s(flops[matmul] / pieces / speed), memory[matmul])
     forward[attention] = np.maximum(flops[attention] / hw.attention_rate, memory[attention])
+    loss = seg.kinds == _FUSED_LOSS  # all three GEMMs and the loss passes in its forward, one after another
+    forward[loss] = (1 + MATMUL_BACKWARD_FACTOR) * hw.matmul_time_s(flops[loss]) + memory[loss]
     forward *= hw.compute_time_scale
     factor = np.where(attention, hw.attention_backward_factor, np.where(matmul, MATMUL_BACKWARD_FACTOR, hw.elementwise_backward_factor))
+    factor = np.where(loss, 0.0, factor)  # its backward scales the two gradients it computed
     backward = forward * factor
     if seg.casts is not None:  # FP8 casts: memory-bound kernels of their own, beside the GEMMs
         cast_s = (seg.casts[:, :, 0] + seg.casts[:, :, 1] * batch) / hw.memory_bytes_per_s * hw.compute_time_scale

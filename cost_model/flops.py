@@ -15,9 +15,9 @@ gives one rank's. FLOPs are forward only and count a multiply-add as 2.
   The overlapped collectives count their GEMMs: ``all_gather_matmul`` 2·K·Σ numel(product)
   (its first output, the gathered input, is no product), ``matmul_reduce_scatter``
   2·Σ_i rows(x_i)·K_i·N_i. The fused lm_head and loss ``linear_cross_entropy(h [N, H], W [V, H])``
-  counts its logits GEMM, 2·N·H·V (its forward also runs the two gradient GEMMs, which the
-  backward factor of a matmul accounts for, so the step's total is right); bytes: its inputs,
-  outputs, and the logits written and read once. ``fp8_linear`` 2·K·Σ numel(out_i) plus its
+  counts its logits GEMM, 2·N·H·V (its forward also runs the two gradient GEMMs:
+  ``autotp.cost_model.compute`` times all three there); bytes: its inputs, outputs, and its
+  float32 loss passes (``autotp.cost_model.fused_loss.loss_bytes_per_logit`` per logit). ``fp8_linear`` 2·K·Σ numel(out_i) plus its
   biases (its speed and casts: ``autotp.cost_model.fp8``).
 * **attention**, ``scaled_dot_product_attention(q [..., L, D], k [..., S, D], v [..., S, Dv])``:
   FLOPs = 2·BH·L·S·D + 2·BH·L·S·Dv with BH = prod(q.shape[:-2]); the softmax is not
@@ -57,6 +57,7 @@ from torch.fx import Node
 from autotp.analysis.local_shapes import TensorInfo, global_tensors
 from autotp.ir import ops
 from autotp.ir.op_facts import OpKind, is_view, op_kind, op_name
+from autotp.cost_model.fused_loss import loss_bytes_per_logit
 from autotp.cost_model.hardware import HardwareProfile
 
 
@@ -134,7 +135,7 @@ def node_cost(node: Node, tensors: Tensors = global_tensors) -> NodeCost:
     if name == "linear_cross_entropy":
         hidden, weight = tensors(node.args[0])[0], tensors(node.args[1])[0]
         logits = hidden.numel // hidden.shape[-1] * weight.shape[0]
-        return NodeCost(2 * logits * hidden.shape[-1], in_bytes + out_bytes + 2 * logits * weight.dtype.itemsize)
+        return NodeCost(2 * logits * hidden.shape[-1], in_bytes + out_bytes + logits * loss_bytes_per_logit(weight.dtype.itemsize))
     kind = op_kind(node.target)
     if kind.is_matmul:
         return NodeCost(_matmul_flops(node, name, out_numel, tensors), in_bytes + out_bytes)

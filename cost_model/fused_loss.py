@@ -9,11 +9,14 @@ vocabulary columns, hidden size H and 16-bit weights:
   backward, the float32 gradient: about N·V_l·10 bytes at the loss (5.2 GB at Llama-3's 128k
   vocabulary and 4096 tokens). Fused: one chunk, c·V_l·4 bytes of logits and gradient, plus
   the two gradients it computes ahead (N·H·2 + V_l·H·2 bytes), which the backward allocates anyway.
-* **Time.** The same three GEMMs (2·N·H·V_l FLOPs each); the elementwise loss reads the
-  logits twice and writes their gradient once, like the unfused one compiled. Each chunk's
-  weight-gradient GEMM adds its result to the running sum (V_l·H·2 bytes read and written
-  per chunk), so chunks are as large as ``LOSS_CHUNK_BYTES`` of float32 logits allows:
-  c = ``LOSS_CHUNK_BYTES`` // (4·V_l) (2048 tokens at 128k columns).
+* **Time.** The same three GEMMs (2·N·H·V_l FLOPs each), all in the op's forward, and its
+  float32 loss passes after each chunk's logits GEMM, on the same stream (they add to the
+  GEMMs, they do not hide behind them): ``loss_bytes_per_logit`` bytes per logit, counted
+  from ``autotp.ir.fused_loss`` (the op is opaque to inductor, so ``compile=True`` runs the
+  same kernels). Each chunk's weight-gradient GEMM adds its result to the running sum
+  (V_l·H·2 bytes read and written per chunk), so chunks are as large as
+  ``LOSS_CHUNK_BYTES`` of float32 logits allows: c = ``LOSS_CHUNK_BYTES`` // (4·V_l)
+  (2048 tokens at 128k columns).
 
 The fusion never costs memory and keeps the GEMMs, so the plan turns it on wherever the
 graph has a loss to fuse (the pass leaves other graphs alone).
@@ -30,6 +33,21 @@ LOSS_CHUNK_BYTES = 2**30
 """Float32 logits of one chunk of the fused loss."""
 
 _LOSSES = frozenset({torch.ops.aten.cross_entropy_loss.default})
+
+
+def loss_bytes_per_logit(itemsize: int) -> int:
+    """Bytes the fused loss moves per logit of ``itemsize`` bytes, beside its GEMMs' operands.
+
+    Per chunk (``autotp.ir.fused_loss``): the logits GEMM writes them (s); ``_stats`` makes a
+    float32 copy (s read, 4 written; a float32 copy of float32 logits: 4 + 4), takes the row
+    max (4), subtracts it and exponentiates in place (8 + 8) and sums (4); ``_logit_grad``
+    makes the float32 copy again, subtracts the log-sum-exp and exponentiates in place
+    (8 + 8), scales by the token weights (8) and casts back (4 read, s written; nothing for
+    float32); the two gradient GEMMs read the result (2·s).
+    """
+    copy = 8 if itemsize == 4 else itemsize + 4
+    back = 0 if itemsize == 4 else 4 + itemsize
+    return itemsize + (copy + 4 + 16 + 4) + (copy + 16 + 8 + back) + 2 * itemsize
 
 
 def loss_chunk_tokens(gm: GraphModule, tp: int, rows_sharded: set[str]) -> int:

@@ -18,8 +18,9 @@ layers of its pipeline stage (``L = layers / pp``; each with E experts, top-k, h
 * **Imbalance** (``imbalance``): the slowest rank sets the pace. Dropless, uniform random
   routing of R = S·ep rows over ep ranks gives each rank Binomial(R, 1/ep) rows; the
   expected maximum of ep of them is about ``1 + sqrt(2 ln ep · (ep-1)/R)`` times the mean.
-  Trained routers are no better than uniform, so this is a lower bound. Sync-free: every
-  rank computes ``cf`` times the mean, whatever the routing.
+  Trained routers are no better than uniform, so this is a lower bound. Sync-free: the
+  grouped matmuls multiply the rows that arrived (packed, at the received counts' offsets),
+  at most ``cf`` times the mean: ``min(cf, I)``.
   The expert compute ``3·S·f`` (forward + backward) is charged ``(I - 1)`` extra.
 * **Host syncs.** Dropless movements read the counts on the host: four per layer and
   microbatch, ``DROPLESS_SYNC_S`` each (the device queue drains).
@@ -46,6 +47,7 @@ from autotp.cost_model.communication import all_gather_s, all_reduce_s
 from autotp.cost_model.compute import ModelCosts
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.step_estimate import Estimate, Training
+from autotp.ir.moe_plan import ExpertParallelEstimate
 from autotp.ir.training_step import TrainingStep
 
 DROPLESS_SYNC_S = 30e-6
@@ -104,27 +106,9 @@ def imbalance(rows_per_rank: float, ep: int) -> float:
     return 1.0 + math.sqrt(2 * math.log(ep) * (ep - 1) / (rows_per_rank * ep))
 
 
-@dataclass(frozen=True)
-class ExpertParallelOption:
-    """One ep for a plan: its extra step time over tensor-parallel experts and the memory it saves."""
-
-    ep: int
-    dispatch: str
-    capacity_factor: float
-    dispatch_s: float  # all-to-alls, count exchanges and host syncs, per step
-    imbalance: float
-    delta_s: float  # step time minus the tensor-parallel experts' step time
-    saved_bytes: float  # per GPU, against tensor-parallel experts
-
-    def describe(self) -> str:
-        mode = self.dispatch + (f" cf {self.capacity_factor:g}" if self.capacity_factor else "")
-        return (f"ep={self.ep} ({mode}): dispatch {self.dispatch_s * 1e3:.2f} ms/step, imbalance x{self.imbalance:.2f}, "
-                f"{self.delta_s * 1e3:+.2f} ms/step, saves {self.saved_bytes / 2**30:.2f} GiB/GPU")  # fmt: skip
-
-
 def option(facts: MoeFacts, *, tp: int, pp: int, dp: int, microbatch: int, microbatches: int, seq: int, ep: int,
            per_node: int, hw: HardwareProfile, step: TrainingStep, activation_bytes: int = 2, dispatch: str = "dropless",
-           capacity_factor: float = 0.0) -> ExpertParallelOption:  # fmt: skip
+           capacity_factor: float = 0.0) -> ExpertParallelEstimate:  # fmt: skip
     """The cost of expert parallelism over ``ep`` ranks for one plan (module docstring)."""
     layers = facts.layers / pp
     rows = microbatch * seq * facts.top_k / tp
@@ -135,18 +119,18 @@ def option(facts: MoeFacts, *, tp: int, pp: int, dp: int, microbatch: int, micro
     if tp > 1:
         gathered = all_gather_s(moved * tp, tp, hw.intra_node)
         tp_delta = 2 * (gathered - all_reduce_s(microbatch * seq * facts.hidden * activation_bytes, tp, hw.intra_node))
-    ratio = capacity_factor if capacity_factor else imbalance(rows, ep)
+    ratio = min(capacity_factor, imbalance(rows, ep)) if capacity_factor else imbalance(rows, ep)
     compute = 3 * rows * facts.flops_per_row / hw.matmul_flops_per_s
     per_microbatch = movements + syncs + tp_delta + (ratio - 1) * compute
     dispatch_s = layers * microbatches * (movements + syncs)
     edp = tp * dp // ep
     tp_experts = facts.expert_params * layers / tp * step.bytes_per_param(dp)
     ep_experts = facts.expert_params * layers / ep * step.bytes_per_param(edp)
-    return ExpertParallelOption(ep, dispatch, capacity_factor, dispatch_s, ratio, layers * microbatches * per_microbatch,
+    return ExpertParallelEstimate(ep, dispatch, capacity_factor, dispatch_s, ratio, layers * microbatches * per_microbatch,
                                 tp_experts - ep_experts)  # fmt: skip
 
 
-def expert_parallel_options(facts: MoeFacts, **plan: object) -> list[ExpertParallelOption]:
+def expert_parallel_options(facts: MoeFacts, **plan: object) -> list[ExpertParallelEstimate]:
     """Every ep dividing tp·dp and the expert count, dropless (and sync-free at capacity
     factor 1.25 for fused experts), priced against tensor-parallel experts."""
     tp, dp = int(plan["tp"]), int(plan["dp"])  # type: ignore[call-overload]
@@ -161,7 +145,7 @@ def expert_parallel_options(facts: MoeFacts, **plan: object) -> list[ExpertParal
 
 
 
-def with_expert_parallel(facts: MoeFacts, est: Estimate, cluster: Cluster, training: Training, seq: int) -> tuple[Estimate, ExpertParallelOption | None]:
+def with_expert_parallel(facts: MoeFacts, est: Estimate, cluster: Cluster, training: Training, seq: int) -> tuple[Estimate, ExpertParallelEstimate | None]:
     """``est`` with the best expert parallelism for its plan: the fastest option that fits
     when tensor-parallel experts do not, else the fastest of all (tensor-parallel experts included)."""
     cfg = est.config

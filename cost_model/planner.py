@@ -56,9 +56,10 @@ from autotp.cost_model.hardware import (
     profile_key,
 )
 from autotp.cost_model.memory import PRECISIONS
-from autotp.cost_model.moe_costs import ExpertParallelOption, moe_facts, with_expert_parallel
+from autotp.cost_model.moe_costs import moe_facts, with_expert_parallel
 from autotp.cost_model.step_estimate import Estimate, Training, best_estimate, estimate
 
+from autotp.ir.moe_plan import ExpertParallelEstimate
 from autotp.ir.plan import DP_BUCKET_BYTES, KEPT_WHOLE_COMM, KeptWhole, ParallelPlan
 from autotp.analysis.layers import layer_index, with_layer_index
 from autotp.ir.errors import UserInputError
@@ -85,7 +86,6 @@ class PlanEstimate:
     schedule: str | None
     optimizer_s: float
     needs_distributed_optimizer: bool = False
-    expert: ExpertParallelOption | None = None  # the expert parallelism chosen, and its costs
 
     def to_json(self) -> dict:
         return {
@@ -132,7 +132,7 @@ def _expand_layers(costs: ModelCosts, names: tuple) -> tuple:
 
 
 def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwareProfile,
-            expert: ExpertParallelOption | None = None) -> PlanEstimate:  # fmt: skip
+            expert: ExpertParallelEstimate | None = None) -> PlanEstimate:  # fmt: skip
     """The ``ParallelPlan`` of an estimate, with its metrics (and its expert parallelism)."""
     cfg = est.config
     rc: RankCosts = costs.rank(cfg.tp, est.replicate, training.gather_outputs, sequence_parallel=est.sequence_parallel,
@@ -169,7 +169,7 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
     )
     if expert is not None:
         plan = replace(plan, ep=expert.ep, etp=1, moe_dispatch=expert.dispatch, moe_capacity_factor=expert.capacity_factor,
-                       notes=plan.notes + (f"expert parallelism {expert.describe()}",))  # fmt: skip
+                       moe_estimate=expert)  # fmt: skip
     return PlanEstimate(
         plan=plan,
         step_s=est.step_s,
@@ -183,7 +183,6 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
         schedule=cfg.schedule,
         optimizer_s=est.optimizer_s,
         needs_distributed_optimizer=est.needs_distributed_optimizer,
-        expert=expert,
     )
 
 
@@ -270,7 +269,7 @@ def search(
             refused[t] = str(e)
     tell(f"estimating {sum(c.tp in usable for c in configs)} candidate plans")
     estimates = [best_estimate(costs, cluster, training, c, splits=c.tp in splits, exact=False) for c in configs if c.tp in usable]
-    experts: dict[int, ExpertParallelOption] = {}
+    experts: dict[int, ExpertParallelEstimate] = {}
     facts = moe_facts(costs) if expert_parallel else None
     if facts is not None:
         priced = [with_expert_parallel(facts, e, cluster, training, costs.seq) for e in estimates]

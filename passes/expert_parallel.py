@@ -13,9 +13,10 @@ routing, sort, weighting and combine; only the expert computation moves:
   by those experts' own nodes, moved back and split per expert for the original combines.
   The other experts' nodes go: this rank does not hold their parameters.
 
-In sync-free mode (``plan.moe_dispatch == SYNC_FREE``) every local expert holds a static
-``ep * capacity`` rows, so the grouped matmuls become batched matmuls
-(``[E/ep, rows, K] @ [E/ep, K, N]``) and shape constants counting rows become ``-1``.
+In sync-free mode (``plan.moe_dispatch == SYNC_FREE``) the received rows are packed at the
+front of a static ``E * capacity``-row buffer and the local offsets count only them: the
+grouped matmuls keep their op and multiply the rows that arrived, not the padding (rows past
+the last offset are never read downstream). Shape constants counting rows become ``-1``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from autotp.analysis.moe import GROUPED, MoeLayer, find_moe_layers
-from autotp.ir.op_facts import is_grouped_matmul, op_name
+from autotp.ir.op_facts import op_name
 from autotp.ir import meta_keys
 from autotp.ir.errors import UserInputError
 from autotp.ir.moe_ops import MOE_FROM_EXPERTS, MOE_ROUTE, MOE_TO_EXPERTS, SYNC_FREE, received_rows
@@ -119,7 +120,7 @@ def _rewrite_grouped(graph: Graph, layer: MoeLayer, layout: tuple) -> None:
     exit_node = layer.exit
     back = from_experts(graph, exit_node, routed, layer.rows, layout)
     exit_node.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back and u not in body)
-    moved_rows(graph, layer.body, layer.rows, layout)
+    moved_rows(layer.body, layer.rows)
 
 
 def _rewrite_loop(graph: Graph, layer: MoeLayer, layout: tuple, ep_rank: int) -> None:
@@ -194,32 +195,12 @@ def _row_counts(node: Node, gather: Node) -> list[Node]:
     return [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.SymInt) and str(a.meta["val"]) == rows]
 
 
-def moved_rows(graph: Graph, body: list[Node], rows: int, layout: tuple) -> None:
+def moved_rows(body: list[Node], rows: int) -> None:
     """The body now sees the rows this rank received: shape constants that counted the
-    layer's rows are inferred instead; in sync-free mode every local expert holds ``ep *
-    capacity`` rows, so its grouped matmuls are batched ones."""
-    num_experts, capacity, ep, *_ = layout
-    local = num_experts // ep
+    layer's rows are inferred instead."""
     for node in body:
-        if node.op != "call_function":
-            continue
-        if is_grouped_matmul(node.target) and capacity:
-            _as_batched(graph, node, local)
-        elif op_name(node.target) in ("view", "reshape", "_unsafe_view") and list(node.args[1])[:1] == [rows]:
+        if node.op == "call_function" and op_name(node.target) in ("view", "reshape", "_unsafe_view") and list(node.args[1])[:1] == [rows]:
             node.args = (node.args[0], [-1, *node.args[1][1:]], *node.args[2:])
-
-
-def _as_batched(graph: Graph, mm: Node, local: int) -> None:
-    x, w = mm.args[0], mm.args[1]
-    val = x.meta["val"]
-    rows, k = val.shape[0], val.shape[-1]
-    n = w.meta["val"].shape[-1]
-    with graph.inserting_before(mm):
-        grouped = new_node(graph, aten.reshape.default, (x, [local, -1, k]), mm, val.new_empty((local, rows // local, k)))
-        product = new_node(graph, aten.bmm.default, (grouped, w), mm, val.new_empty((local, rows // local, n)))
-        flat = new_node(graph, aten.reshape.default, (product, [-1, n]), mm, mm.meta.get("val"))
-    mm.replace_all_uses_with(flat)
-    graph.erase_node(mm)
 
 
 def moe_layer_plans(layers: list[MoeLayer], tp: int, capacity_factor: float) -> tuple[MoeLayerPlan, ...]:

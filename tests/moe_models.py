@@ -15,9 +15,13 @@ EXPERTS, FFN = 4, 32
 @torch.library.custom_op("moe_test::grouped_mm", mutates_args=())
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Another library's grouped matmul (rows ``[offs[g-1], offs[g])`` times ``w[g]``), for any
-    dtype: ``torch._grouped_mm`` traces only in bf16."""
+    dtype: ``torch._grouped_mm`` traces only in bf16. Rows past the last offset belong to no
+    group: their output is zero, as ``torch._grouped_mm`` leaves them unwritten."""
     starts = [0, *offs.tolist()[:-1]]
-    return torch.cat([x[a:b] @ w[g] for g, (a, b) in enumerate(zip(starts, offs.tolist()))])
+    out = x.new_zeros((x.shape[0], w.shape[-1]))
+    for g, (a, b) in enumerate(zip(starts, offs.tolist())):
+        out[a:b] = x[a:b] @ w[g]
+    return out
 
 
 @grouped_mm.register_fake

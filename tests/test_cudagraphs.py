@@ -275,11 +275,16 @@ def _emulated_make_graphed_callables(
     return modules
 
 
-def _train_captured_and_eager(rank: int, world: int, name: str, sp: bool = False) -> dict[str, float]:
+def _all_memory(pool: Any) -> list[tuple[int, int]]:
+    return [(0, 2**64)]
+
+
+def _train_captured_and_eager(rank: int, world: int, name: str, sp: bool = False, set_to_none: bool = True) -> dict[str, float]:
     import autotp.api
 
     torch.cuda.make_graphed_callables = _emulated_make_graphed_callables  # type: ignore[assignment]
     torch.cuda.graph_pool_handle = lambda: None  # type: ignore[assignment]
+    cudagraphs._pool_ranges = _all_memory  # the emulation's buffers lie anywhere
     autotp.api._check_cuda_graphs = lambda *args: None  # type: ignore[assignment]
     model = build(name)
     ids = torch.randint(0, vocab_size(model), (4, 16), generator=torch.Generator().manual_seed(1))
@@ -295,7 +300,7 @@ def _train_captured_and_eager(rank: int, world: int, name: str, sp: bool = False
         worst = max([worst, (losses[0] - losses[1]).abs().item()] + [(g - grads[1][k]).abs().max().item() for k, g in grads[0].items() if g is not None])
         for opt in optimizers:
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=set_to_none)
     micro = {k: v[:2] for k, v in batch.items()}
     with torch.no_grad():
         first, second = graphed(**micro).logits, graphed(input_ids=ids[2:], labels=ids[2:]).logits
@@ -312,6 +317,26 @@ def test_training_through_replay_buffers_matches_eager(name: str) -> None:
         for result in run_on_ranks(_train_captured_and_eager, world, name):
             assert result["worst"] <= tolerance and result["logits"] <= tolerance, (world, result)
             assert result["kept"], "an earlier call's outputs changed: they must be copies, not static buffers"
+
+
+def test_grads_zeroed_in_place_accumulate_outside_the_replay_buffers() -> None:
+    # zero_grad(set_to_none=False) keeps .grad, which autograd first stored as a replay buffer.
+    for result in run_on_ranks(_train_captured_and_eager, 1, "llama", False, False):
+        assert result["worst"] == 0.0 and result["logits"] == 0.0, result
+
+
+def test_own_grads_copies_only_grads_in_the_pool() -> None:
+    inside, outside = (nn.Parameter(torch.randn(4)) for _ in range(2))
+    buffer = torch.randn(4)
+    inside.grad, outside.grad = buffer, torch.randn(4)
+    kept = outside.grad
+    start = buffer.untyped_storage().data_ptr()
+    cudagraphs._own_grads((inside, outside), [(start, start + buffer.untyped_storage().nbytes())])
+    assert inside.grad is not buffer and inside.grad.data_ptr() != buffer.data_ptr() and torch.equal(inside.grad, buffer)
+    assert outside.grad is kept
+    inside.grad = None
+    cudagraphs._own_grads((inside,), [(0, 2**64)])  # no grad: nothing to copy
+    assert inside.grad is None
 
 
 def test_replay_with_sequence_parallelism_matches_eager() -> None:
@@ -336,6 +361,7 @@ def test_first_call_records_static_inputs_and_later_outputs_are_copies(monkeypat
     given: list[tuple[tuple[nn.Module, ...], tuple[tuple[torch.Tensor, ...], ...], dict[str, Any]]] = []
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", lambda mods, samples, **kw: given.append((mods, samples, kw)) or mods)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(cudagraphs, "_pool_ranges", lambda pool: [(0, 2**64)] if pool == "pool" else [])
     model = build("llama")
     ids = torch.randint(0, vocab_size(model), (2, 16))
     pm = autotp.parallelize(model, tp=1, example_inputs={"input_ids": ids, "labels": ids})
@@ -350,10 +376,13 @@ def test_first_call_records_static_inputs_and_later_outputs_are_copies(monkeypat
     second = captured(input_ids=ids, labels=ids, use_cache=False)
     assert len(given) == 1  # captured once
     assert torch.equal(first.logits, second.logits)
-    # Gradients of captured parameters are copied before autograd stores them.
+    # A gradient stored in the pool (here: all memory) is copied before the next replay.
     second.loss.backward()
     weight = pm.get_parameter("model.layers.0.mlp.up_proj.weight")
-    assert weight.grad is not None and weight._backward_hooks
+    stored = weight.grad
+    assert stored is not None and not weight._backward_hooks  # no per-parameter hook
+    captured(input_ids=ids, labels=ids, use_cache=False)
+    assert weight.grad is not stored and torch.equal(weight.grad, stored)
 
 
 def _pipeline_captured_and_eager(rank: int, world: int, name: str, schedule: str, vpp: int) -> dict[str, Any]:
@@ -361,6 +390,7 @@ def _pipeline_captured_and_eager(rank: int, world: int, name: str, schedule: str
 
     torch.cuda.make_graphed_callables = _emulated_make_graphed_callables  # type: ignore[assignment]
     torch.cuda.graph_pool_handle = lambda: None  # type: ignore[assignment]
+    cudagraphs._pool_ranges = _all_memory  # the emulation's buffers lie anywhere
     autotp.api._check_cuda_graphs = lambda *args: None  # type: ignore[assignment]
     model = build(name, layers=4)
     ids = torch.randint(0, vocab_size(model), (16, 12), generator=torch.Generator().manual_seed(2))

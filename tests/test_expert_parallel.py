@@ -141,7 +141,10 @@ def test_sync_free_at_ep1_matches_and_counts_drops(name: str) -> None:
     graph = pm.graph_for(input_ids=ids, labels=labels).graph
     targets = [n.target for n in graph.nodes]
     assert targets.count(moe_ops.MOE_TO_EXPERTS) == targets.count(moe_ops.MOE_FROM_EXPERTS) == 2
-    assert not any("grouped_mm" in str(t) for t in targets), "sync-free experts run as batched matmuls"
+    local_offsets = {u for n in graph.nodes if n.target is moe_ops.MOE_ROUTE for u in n.users if u.args[1] == 1}
+    grouped = [n for n in graph.nodes if "grouped_mm" in str(n.target)]
+    assert grouped and all(set(n.all_input_nodes) & local_offsets for n in grouped), \
+        "sync-free experts stay grouped matmuls over the received rows, at the received counts' offsets"
     # a capacity below the load drops rows, counted per layer; the loss moves
     small = autotp.parallelize(copy.deepcopy(reference), example_inputs={"input_ids": ids, "labels": labels},
                                moe_dispatch="sync_free", moe_capacity_factor=0.5)  # fmt: skip
@@ -155,7 +158,9 @@ def test_sync_free_layer_has_no_capture_blocker_dropless_has() -> None:
     import autotp
     from autotp.ir import meta_keys
 
-    model = build("mixtral")
+    # bf16: HF's experts call aten._grouped_mm (device offsets); in fp32 they call its
+    # fallback, which reads the offsets on the host and is a blocker of its own (not the dispatch's)
+    model = build("mixtral").to(torch.bfloat16)
     blocked = {}
     for mode in ("sync_free", "dropless"):
         compiled = autotp.compile_rank(model, tp=1, ep=2 if mode == "dropless" else 1, moe_dispatch=mode,
@@ -166,6 +171,25 @@ def test_sync_free_layer_has_no_capture_blocker_dropless_has() -> None:
             assert compiled.plan.cudagraph_regions == (0,), "the whole model, MoE layers included, is one region"
     assert blocked["sync_free"] == []
     assert any("dropless expert dispatch reads the rows per expert on the host" in r for r in blocked["dropless"])
+
+
+def test_explain_reports_padded_all_to_alls_and_unpadded_compute() -> None:
+    import autotp
+    from autotp.report.moe import moe_dispatch_report, moe_dispatch_table
+
+    model = build("mixtral")
+    ids = torch.randint(0, vocab(model), (2, 8))
+    compiled = autotp.compile_rank(model, tp=1, ep=2, moe_dispatch="sync_free", moe_capacity_factor=2.0, device="meta",
+                                   example_inputs={"input_ids": ids})  # fmt: skip
+    entries = moe_dispatch_report(compiled.graph, compiled.plan)
+    assert len(entries) == len(compiled.plan.moe_layers) > 0
+    for e in entries:
+        rows = 2 * 8 * e["top_k"]
+        assert e["rows_sent_per_rank"] == e["rows_computed_per_rank"] == rows, e  # the grouped matmuls skip the padding
+        assert e["capacity"] == 2 * rows // e["experts"] and e["host_syncs_per_step"] == 0, e
+        hidden = model.config.hidden_size
+        assert e["bytes_to_experts"] >= e["experts"] * e["capacity"] * hidden * 4, e  # padded static buffers move
+    assert "capacity" in moe_dispatch_table(entries)
 
 
 # ---- bad input --------------------------------------------------------------------------------
@@ -190,7 +214,12 @@ def test_bad_expert_parallel_input_says_how_to_fix() -> None:
 
 
 def test_degrees_that_do_not_fold_are_refused() -> None:
+    import autotp
     from autotp.cost_model.expert_parallel import check_degrees
+
+    model = build("mixtral")
+    with pytest.raises(ValueError, match="ep=2 is larger than the world size 1: .*start 2 processes"):
+        autotp.parallelize(model, ep=2, example_inputs={"input_ids": torch.randint(0, vocab(model), (2, 8))})
 
     with pytest.raises(ValueError, match="ep=4 does not divide tp\\*dp = 1\\*2 = 2"):
         check_degrees(4, None, tp=1, dp=2)
@@ -206,6 +235,7 @@ def test_unrecognised_router_keeps_tensor_parallel_experts_with_a_warning(caplog
                                        example_inputs={"input_ids": torch.randint(0, 64, (2, 8))})  # fmt: skip
     assert compiled.plan.moe_layers == ()
     assert "blocks.0 keeps tensor-parallel experts" in caplog.text and "not from a router's topk" in caplog.text
+    assert "the expert choice of node 'grouped_mm'" in caplog.text, "the warning names the node"
     assert compiled.plan.layout_of("blocks.0.w_in") is not None  # still sharded over tp
 
 
@@ -231,11 +261,30 @@ def test_cost_model_charges_dispatch_imbalance_and_capacity() -> None:
     dropless = option(facts, ep=8, **plan)
     synced = option(facts, ep=8, dispatch="sync_free", capacity_factor=1.25, **plan)
     assert dropless.saved_bytes > 0 and dropless.saved_bytes == synced.saved_bytes  # 7/8 of the experts' bytes
-    assert synced.imbalance == 1.25 and dropless.imbalance < 1.05
+    # sync-free multiplies only the rows that arrive: the same imbalance, capped by the capacity
+    assert synced.imbalance == dropless.imbalance < 1.05
+    assert option(facts, ep=8, dispatch="sync_free", capacity_factor=1.01, **plan).imbalance == 1.01
     syncs = 32 * 2 * 4 * DROPLESS_SYNC_S  # dropless: 4 host reads per layer and microbatch
     assert synced.dispatch_s > dropless.dispatch_s - syncs  # sync-free moves 25% more bytes (the padding), reads nothing
     assert {(o.ep, o.dispatch) for o in expert_parallel_options(facts, **plan)} == {
         (ep, mode) for ep in (2, 4, 8) for mode in ("dropless", "sync_free")}
+
+
+def test_planned_expert_parallelism_is_a_plan_field() -> None:
+    from autotp import presets
+    from autotp.compiler import trace_for_planning
+    from autotp.cost_model.candidates import Cluster
+    from autotp.cost_model.hardware import H100
+    from autotp.cost_model.planner import plan
+    from autotp.cost_model.step_estimate import Training
+    from autotp.ir.plan import ParallelPlan
+
+    costs = trace_for_planning(presets.model_config("mixtral-8x7b"), 4096)
+    best = plan(costs, Cluster(8, 8, H100), Training(8), top=1)[0].plan
+    assert best.ep > 1 and best.moe_estimate is not None, best
+    assert (best.moe_estimate.ep, best.moe_estimate.dispatch) == (best.ep, best.moe_dispatch)
+    assert not any("expert parallelism" in note for note in best.notes), "the choice is a field, not free text"
+    assert ParallelPlan.from_json(best.to_json()).moe_estimate == best.moe_estimate
 
 
 # ---- multi-rank numerics -----------------------------------------------------------------------

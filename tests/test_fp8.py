@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -318,3 +319,65 @@ def test_cost_model_prices_fp8_gemms_and_casts() -> None:
     assert time_fp8.compute_s < 0.85 * time_bf16.compute_s
     no_gain = replace(H200, fp8_matmul_speedup=1.0)
     assert segment_time(fp8, 2, no_gain, 1).compute_s > time_bf16.compute_s  # the casts cost something
+
+
+def _aten_targets(gm: torch.fx.GraphModule) -> list[object]:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_compile_sees_the_quantization_as_aten_ops(recipe: str) -> None:
+    """Under ``torch.compile`` the op is no kernel of its own: AOT autograd traces its amaxes,
+    scales and casts, forward and backward, into the graphs inductor fuses, with only
+    ``_scaled_mm`` left as the GEMMs (3 per weight: forward, dgrad, wgrad)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, _inputs: object) -> Callable[..., object]:
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    def linear(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> list[torch.Tensor]:
+        return ops.FP8_LINEAR(torch.nn.functional.rms_norm(x, (x.shape[-1],)), [w1, w2], [None, None], recipe, 0, [0, 0], -1, 1, "")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(linear, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)
+    x, w1, w2 = torch.randn(2, 16, 64, requires_grad=True), torch.randn(32, 64, requires_grad=True), torch.randn(48, 64, requires_grad=True)
+    y1, y2 = compiled(x, w1, w2)
+    (y1.sum() + y2.square().sum()).backward()
+    forward, backward = (_aten_targets(gm) for gm in graphs)
+    aten, prims = torch.ops.aten, torch.ops.prims
+    assert forward.count(aten._scaled_mm.default) == 2 and backward.count(aten._scaled_mm.default) == 4
+    for targets in (forward, backward):
+        assert aten.amax.default in targets
+        assert not any(str(t).startswith("autotp.") for t in targets)
+    casts = [n for gm in graphs for n in gm.graph.nodes if n.target in (aten._to_copy.default, prims.convert_element_type.default)]
+    assert {n.meta["val"].dtype for n in casts} >= {E4M3, E5M2 if recipe == "tensorwise" else E4M3}
+    expected = ops.FP8_LINEAR(torch.nn.functional.rms_norm(x, (64,)), [w1, w2], [None, None], recipe, 0, [0, 0], -1, 1, "")
+    for actual, wanted in zip((y1, y2), expected):
+        _close(actual, wanted, "compiled output")
+
+
+def _trained(pm: nn.Module, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    loss = pm.train_step(input_ids=ids, labels=ids, num_microbatches=2).item()
+    return loss, pm.unshard_grads()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_compiled_model_equals_eager(recipe: str) -> None:
+    """``compile=True`` on the CPU (inductor's C++ kernels, the quantization fused into its
+    producers) computes what the eager FP8 model computes: loss and every grad."""
+    model = model_for(recipe)
+    ids = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
+    kwargs = {"example_inputs": {"input_ids": ids[:2], "labels": ids[:2]}, "fp8": recipe}
+    with pytest.warns(UserWarning, match="on the CPU runs torch._scaled_mm"):
+        eager = autotp.parallelize(copy.deepcopy(model), **kwargs)
+        compiled = autotp.parallelize(copy.deepcopy(model), compile=True, **kwargs)
+    torch._dynamo.reset()
+    (loss, grads), (expected_loss, expected_grads) = _trained(compiled, ids), _trained(eager, ids)
+    assert loss == pytest.approx(expected_loss, rel=RTOL)
+    for name, grad in expected_grads.items():
+        _close(grads[name], grad, f"{recipe} compiled: grad of {name}")

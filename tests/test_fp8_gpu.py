@@ -11,7 +11,7 @@ import torch
 
 import autotp
 from autotp.ir import ops
-from test_fp8 import model_for
+from test_fp8 import ReferenceFp8, model_for
 
 CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 pytestmark = [
@@ -25,26 +25,32 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_gpu_gemms_equal_the_cpu_kernels(recipe: str) -> None:
+def gemms_against_reference(recipe: str, device: str) -> None:
     """bf16 inputs, two weights (one with a bias), 300 tokens (not a multiple of 16 or 128: the
-    weight gradient pads them). Same FP8 operands on both devices; the sums differ in order and
-    in the forward's fast accumulation, and the outputs round to bf16."""
+    weight gradient pads them): the op on ``device`` against ``test_fp8``'s reference recipe on
+    the CPU (FP8-rounded operands, float32 GEMMs; it needs no FP8 kernel of the CPU, which torch
+    2.11 has for tensorwise scales only). The sums differ in order and in the forward's fast
+    accumulation, and the outputs round to bf16."""
     torch.manual_seed(0)
     k, n1, n2 = 512, 384, 256
     cpu = [torch.randn(3, 100, k), torch.randn(n1, k) / 20, torch.randn(n2, k) / 20, torch.randn(n2)]
     cpu = [t.to(torch.bfloat16).requires_grad_() for t in cpu]
-    gpu = [t.detach().cuda().requires_grad_() for t in cpu]
-    results = []
-    for x, w1, w2, b2 in (cpu, gpu):
-        outs = ops.FP8_LINEAR(x, [w1, w2], [None, b2], recipe, 0, [0, 0], -1, 1, "")
-        dys = [torch.ones_like(o) * torch.linspace(-1, 1, o.shape[-1], device=o.device, dtype=o.dtype) for o in outs]
-        grads = torch.autograd.grad(outs, [x, w1, w2, b2], dys)
-        results.append([t.detach().cpu() for t in (*outs, *grads)])
-    for name, on_cpu, on_gpu in zip(("y1", "y2", "dx", "dw1", "dw2", "db2"), *results):
-        assert _relative(on_gpu, on_cpu) < 1e-2, f"{recipe} {name}: {_relative(on_gpu, on_cpu):.2e}"
+    x, w1, w2, b2 = (t.detach().to(device).requires_grad_() for t in cpu)
+    outs = ops.FP8_LINEAR(x, [w1, w2], [None, b2], recipe, 0, [0, 0], -1, 1, "")
+    expected = [ReferenceFp8.apply(cpu[0], cpu[1], None, recipe), ReferenceFp8.apply(cpu[0], cpu[2], cpu[3], recipe)]
+    dys = [torch.ones_like(o) * torch.linspace(-1, 1, o.shape[-1], dtype=o.dtype) for o in expected]
+    results = [[*outs, *torch.autograd.grad(outs, [x, w1, w2, b2], [d.to(device) for d in dys])],
+               [*expected, *torch.autograd.grad(expected, cpu, dys)]]  # fmt: skip
+    for name, actual, wanted in zip(("y1", "y2", "dx", "dw1", "dw2", "db2"), *results):
+        error = _relative(actual.detach().cpu(), wanted.detach())
+        assert error < 1e-2, f"{recipe} {name}: {error:.2e}"
     exact = cpu[0].detach().float() @ cpu[1].detach().float().t()
-    assert 1e-3 < _relative(results[1][0], exact) < 0.1  # FP8 rounding, not a wrong GEMM
+    assert 1e-3 < _relative(outs[0].detach().cpu(), exact) < 0.1  # FP8 rounding, not a wrong GEMM
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_gemms_equal_the_reference_recipe(recipe: str) -> None:
+    gemms_against_reference(recipe, "cuda")
 
 
 def _train(pm: torch.nn.Module, ids: torch.Tensor, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -58,7 +64,10 @@ def _train(pm: torch.nn.Module, ids: torch.Tensor, steps: int = 3) -> tuple[list
 
 @pytest.mark.parametrize("mode", ["compile", "cuda_graphs"])
 def test_compiled_and_captured_fp8_equal_eager(mode: str) -> None:
-    model = model_for("blockwise").to("cuda", torch.bfloat16)
+    """Float32 weights: in bf16, inductor's fused kernels round the inputs of the casts
+    differently from eager, and E5M2 gradients amplify each flipped rounding (measured on an
+    H200: the embedding's grad 0.108 apart under compile); float32 isolates the graph's semantics."""
+    model = model_for("blockwise").to("cuda", torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     kwargs = {"input_ids": ids, "labels": ids}
     eager = autotp.parallelize(copy.deepcopy(model), example_inputs=kwargs, fp8="tensorwise")
@@ -69,4 +78,4 @@ def test_compiled_and_captured_fp8_equal_eager(mode: str) -> None:
     for name, g in g1.items():
         assert _relative(g2[name], g) < 5e-2, f"{mode}: grad of {name}"
     if mode == "cuda_graphs":
-        assert other.cudagraph_slots(), "nothing was captured"
+        assert other.cudagraph_slots, "nothing was captured"

@@ -1,8 +1,9 @@
-"""FP8 under tensor parallelism (gloo, CPU, fp32): at tp=2, with and without sequence
-parallelism, loss, logits and every grad equal one process running the same FP8 recipe
-on the same GEMMs (the unmodified model with reference FP8 linears, which the tp=1
-parallel model equals in ``test_fp8.py``). Scales of sharded operands are the group's:
-without the amax reduction the tp=2 numbers differ (``test_unreduced_scales_differ``)."""
+"""FP8 under tensor and pipeline parallelism (gloo, CPU, fp32): at tp=2, with and without
+sequence parallelism, and at pp=2, loss, logits and every grad equal one process running
+the same FP8 recipe on the same GEMMs (the unmodified model with reference FP8 linears,
+which the tp=1 pp=1 parallel model equals in ``test_fp8.py``). Scales of sharded operands
+are the group's: without the amax reduction the tp=2 numbers differ
+(``test_unreduced_scales_differ``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import autotp
 from autotp.ir import ops
 from distributed import run_on_ranks
 from small_models import build
-from test_fp8 import check_against_reference, model_for
+from test_fp8 import _close, check_against_reference, model_for, reference_model
 
 TP, BATCH, SEQ = 2, 4, 16
 
@@ -83,3 +84,30 @@ def _unreduced_on_rank(rank: int, world: int) -> float:
 def test_unreduced_scales_differ() -> None:
     """The comparison above sees the scales: local amaxes give other numbers."""
     assert run_on_ranks(_unreduced_on_rank, TP) == [1.0, 1.0]
+
+
+def _pipeline_on_rank(rank: int, world: int, recipe: str) -> float:
+    """pp=2 (a layer per stage, 2 microbatches: each microbatch's tokens get their own scales,
+    as one process running them one after another) against the reference recipe."""
+    model = model_for(recipe)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(4)
+    ids, labels = torch.randint(0, vocab, (BATCH, SEQ), generator=gen), torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+    micro = {"input_ids": ids[:2], "labels": labels[:2]}
+    pm = autotp.parallelize(copy.deepcopy(model), pp=2, example_inputs=micro, fp8=recipe)
+    assert pm.plan.pp == 2 and sum(1 for e in pm.plan.fp8_linears if e.recipe) == 14
+    assert ops.FP8_LINEAR in [n.target for n in pm.graph_for(**micro).graph.nodes]
+    loss = pm.train_step(input_ids=ids, labels=labels, num_microbatches=2)
+    reference = reference_model(model, pm.plan)
+    expected = sum(reference(input_ids=ids[i : i + 2], labels=labels[i : i + 2]).loss for i in (0, 2)) / 2
+    expected.backward()
+    _close(loss, expected.detach(), f"pp=2 {recipe}: loss")
+    grads = pm.unshard_grads()
+    for name, p in reference.named_parameters():
+        _close(grads[name], p.grad, f"pp=2 {recipe}: grad of {name}")
+    return loss.item()
+
+
+def test_fp8_pp2_equals_one_process_fp8() -> None:
+    results = run_on_ranks(_pipeline_on_rank, 2, "tensorwise", timeout_s=600)
+    assert results[0] == results[1], f"stages disagree on the loss: {results}"

@@ -14,7 +14,7 @@ from torch import nn
 
 import autotp
 from autotp.compiler import LOSS_ONLY, lower
-from autotp.cost_model.fused_loss import LOSS_CHUNK_BYTES, loss_chunk_tokens
+from autotp.cost_model.fused_loss import LOSS_CHUNK_BYTES, loss_bytes_per_logit, loss_chunk_tokens
 from autotp.analysis.trace import trace
 from autotp.ir import ops
 from distributed import run_on_ranks
@@ -169,3 +169,33 @@ def test_cost_model_chunks_a_large_vocabulary() -> None:
     assert loss_chunk_tokens(costs.gm, 1, set()) == LOSS_CHUNK_BYTES // (4 * 128256)
     assert loss_chunk_tokens(costs.gm, 2, {"lm_head.weight"}) == LOSS_CHUNK_BYTES // (4 * 64128)
     assert costs.rank(2, frozenset(), True).plan.loss_chunk_tokens == LOSS_CHUNK_BYTES // (4 * 64128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cost_model_counts_the_bytes_the_loss_moves(dtype: torch.dtype) -> None:
+    """``loss_bytes_per_logit``: what the op's kernels read and write of logit-sized tensors, counted
+    at dispatch (views move nothing; gather and scatter_add touch one logit per token)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    tokens, hidden_size, vocab = 12, 16, 37  # chunks of 5, 5 and 2 tokens; a prime vocabulary: no other tensor's size is a multiple
+    moved = [0]
+
+    def logit_sized(t: object) -> bool:
+        return isinstance(t, torch.Tensor) and t.numel() % vocab == 0 and 0 < t.numel() // vocab < hidden_size
+
+    class CountBytes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view and func.overloadpacket not in (aten.gather, aten.scatter_add_):
+                leaves = torch.utils._pytree.tree_leaves((args, kwargs, out))
+                moved[0] += sum(t.numel() * t.element_size() for t in leaves if logit_sized(t))
+            return out
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=gen).to(dtype).requires_grad_()
+    weight = torch.randn(vocab, hidden_size, generator=gen).to(dtype).requires_grad_()
+    target = torch.randint(0, vocab, (tokens,), generator=gen)
+    with CountBytes():
+        ops.LINEAR_CROSS_ENTROPY(hidden, weight, target, 0, vocab, -100, 1, CHUNK, 1, "unused")
+    assert moved[0] == loss_bytes_per_logit(dtype.itemsize) * tokens * vocab

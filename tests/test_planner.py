@@ -136,20 +136,6 @@ def test_large_linears_stay_sharded_and_the_router_replicated() -> None:
     assert not any(n.endswith("mlp.gate.weight") for n in names)
 
 
-def test_the_expert_parallelism_chosen_is_a_field_of_the_estimate() -> None:
-    """The planner's expert parallelism and its costs are ``PlanEstimate.expert`` (what ``autotp plan``
-    prints), the same degree and dispatch as the plan's fields; no reader parses the plan's notes."""
-    mixtral = trace_for_planning(presets.model_config("mixtral-8x7b"), 4096)
-    training = Training(64, precision="bf16-fp32-grads", distributed_optimizer=None, sequence_parallel=False)
-    plans = planner.search(mixtral, Cluster(16, 8, H100), training, top=20).plans
-    assert any(e.plan.ep > 1 for e in plans)
-    for e in plans:
-        if e.plan.ep > 1:
-            assert e.expert is not None and (e.expert.ep, e.expert.dispatch) == (e.plan.ep, e.plan.moe_dispatch)
-        else:
-            assert e.expert is None
-
-
 def test_llama70b_on_1024_gpus(llama70b: ModelCosts) -> None:
     plans = plan(llama70b, Cluster(1024, 8, H100), Training(1024), top=5)
     assert plans and all(e.plan.tp <= 8 and e.plan.pp > 1 for e in plans)

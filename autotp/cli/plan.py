@@ -108,8 +108,8 @@ def _plan_command(args: argparse.Namespace) -> int:
                   + ("overlapped with the next forward (only its first bucket exposed)" if training.overlap_param_gather
                      else "exposed before the next forward (--no-overlap-param-gather)"))
     for i, e in enumerate(estimates[:3], start=1):
-        if e.expert is not None:
-            print(f"plan {i} expert parallelism {e.expert.describe()}")
+        if e.plan.moe_estimate is not None:
+            print(f"plan {i} expert parallelism {e.plan.moe_estimate.describe()}")
     needed = [str(i) for i, e in enumerate(estimates, start=1) if e.needs_distributed_optimizer]
     if needed:
         print(f"plans {', '.join(needed)} fit only with the distributed optimizer: train them with autotp.DistributedOptimizer")

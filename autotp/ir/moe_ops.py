@@ -10,7 +10,7 @@ rows to the ranks that hold their experts and back:
   expert's rows split evenly over tp), counts them per expert and exchanges the counts
   over the ep group (an all-to-all of ``E`` integers). ``route`` (int64) is ``[tp rank, tp,
   sent per expert (E), received per source rank and local expert (ep x E/ep)]``; ``local_offsets`` are the cumulative row counts of this
-  rank's ``E/ep`` experts in the received rows, the ``offs`` of its grouped matmuls.
+  rank's ``E/ep`` experts in the received rows, the ``offs`` of its grouped matmuls (both modes).
 * ``moe_to_experts(x, route, ...)`` -> the received rows, grouped by local expert, then by
   source rank: the permute and the all-to-all.
 * ``moe_from_experts(y, route, rows, ...)`` -> the ``rows`` rows in their original order
@@ -22,8 +22,9 @@ Each movement is the other's backward. Two modes, fixed by ``capacity``:
   (one sync per movement, a CUDA-graph capture blocker), and the received rows vary.
 * ``capacity > 0``, **sync-free**: every (rank, expert) pair sends exactly ``capacity``
   rows (zero-padded; rows past it are dropped and counted, device-side), so every shape is
-  static and nothing syncs: the layer captures as one CUDA graph. The local experts then
-  hold ``ep * capacity`` rows each and their grouped matmuls are batched matmuls.
+  static and nothing syncs: the layer captures as one CUDA graph. The received rows are
+  packed at the front of the static ``E * capacity``-row output, local expert by local
+  expert, and ``local_offsets`` count only them: the grouped matmuls multiply what arrived.
 
 The kernels (``autotp.runtime.processes.moe_dispatch``) register per device; without a process
 group (one rank) the movements are local permutations.
@@ -58,9 +59,12 @@ DISPATCH_OPS: frozenset[torch._ops.OpOverload] = frozenset({MOE_ROUTE, MOE_TO_EX
 
 
 def received_rows(rows: int, num_experts: int, capacity: int, ep: int, tp: int) -> int:
-    """Rows a rank receives: ``E/ep * ep * capacity`` in sync-free mode; with balanced
-    routing, its tp slice of ``rows`` in dropless mode (the expected value)."""
-    return num_experts * capacity if capacity else rows // tp
+    """Rows a rank receives: in sync-free mode the static ``E/ep * ep * capacity`` (with one
+    ep rank no more than its own tp slice ``ceil(rows/tp)``: nothing arrives from elsewhere);
+    with balanced routing, its tp slice of ``rows`` in dropless mode (the expected value)."""
+    if not capacity:
+        return rows // tp
+    return num_experts * capacity if ep > 1 else min(num_experts * capacity, -(-rows // tp))
 
 
 @torch.library.register_fake(MOE_ROUTE, lib=_LIB)

@@ -57,6 +57,35 @@ class MoeLayerPlan:
                             tuple(d.get("experts_of", ())), d.get("rows", 0), d.get("capacity", 0))  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ExpertParallelEstimate:
+    """The cost model's price of one ep for a plan (``autotp.cost_model.moe_costs``): its extra
+    step time over tensor-parallel experts and the memory it saves. The planner records the
+    chosen one in ``ParallelPlan.moe_estimate``; ``autotp plan`` prints it."""
+
+    ep: int
+    dispatch: str
+    capacity_factor: float
+    dispatch_s: float  # all-to-alls, count exchanges and host syncs, per step
+    imbalance: float
+    delta_s: float  # step time minus the tensor-parallel experts' step time
+    saved_bytes: float  # per GPU, against tensor-parallel experts
+
+    def describe(self) -> str:
+        mode = self.dispatch + (f" cf {self.capacity_factor:g}" if self.capacity_factor else "")
+        return (f"ep={self.ep} ({mode}): dispatch {self.dispatch_s * 1e3:.2f} ms/step, imbalance x{self.imbalance:.2f}, "
+                f"{self.delta_s * 1e3:+.2f} ms/step, saves {self.saved_bytes / 2**30:.2f} GiB/GPU")  # fmt: skip
+
+    def to_json(self) -> dict:
+        return {"ep": self.ep, "dispatch": self.dispatch, "capacity_factor": self.capacity_factor, "dispatch_s": self.dispatch_s,
+                "imbalance": self.imbalance, "delta_s": self.delta_s, "saved_bytes": self.saved_bytes}  # fmt: skip
+
+    @staticmethod
+    def from_json(d: dict) -> ExpertParallelEstimate:
+        return ExpertParallelEstimate(d["ep"], d["dispatch"], d["capacity_factor"], d["dispatch_s"], d["imbalance"],
+                                      d["delta_s"], d["saved_bytes"])  # fmt: skip
+
+
 def capacity_for(rows: int, tp: int, num_experts: int, factor: float) -> int:
     """Sync-free capacity: ``ceil(factor * rows_per_rank / E)`` rows per expert and source rank,
     where a rank dispatches its tp slice ``rows / tp`` of the layer's rows (tokens x top-k).

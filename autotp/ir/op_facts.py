@@ -224,4 +224,6 @@ TAG_COMMUNICATION: dict[CollectiveTag, tuple[Communication, ...]] = {
     CollectiveTag.MATMUL_REDUCE_SCATTER: (
         Communication(Collective.REDUCE_SCATTER, _FWD, True), Communication(Collective.ALL_GATHER, _BWD, True),
     ),
+    # FP8 bytes forward, the model's dtype backward: graph_costs sizes each direction itself
+    CollectiveTag.FP8_ALL_GATHER: (Communication(Collective.ALL_GATHER, _FWD), Communication(Collective.REDUCE_SCATTER, _BWD)),
 }  # fmt: skip

@@ -16,7 +16,7 @@ from autotp.ir.errors import UserInputError
 from autotp.ir.layouts import DimSharding
 from autotp.ir.op_facts import Collective
 from autotp.ir.rank_groups import rank_groups
-from autotp.ir.moe_plan import MoeLayerPlan
+from autotp.ir.moe_plan import ExpertParallelEstimate, MoeLayerPlan
 from autotp.ir.schedules import default_schedule
 
 DEFAULT_HARDWARE = "h200"
@@ -218,6 +218,8 @@ class ParallelPlan:
     fp8_backend: str = "torch"
     fp8_linears: tuple[Fp8Linear, ...] = ()
     fp8_all_gather: bool = False
+    # The planner's price of the chosen expert parallelism (None: not planned by the cost model).
+    moe_estimate: ExpertParallelEstimate | None = None
 
     @property
     def world_size(self) -> int:
@@ -308,6 +310,7 @@ class ParallelPlan:
                 "fp8_backend": self.fp8_backend,
                 "fp8_linears": [f.to_json() for f in self.fp8_linears],
                 "fp8_all_gather": self.fp8_all_gather,
+                "moe_estimate": self.moe_estimate.to_json() if self.moe_estimate else None,
             },
             indent=1,
         )
@@ -354,4 +357,5 @@ class ParallelPlan:
             fp8_backend=d.get("fp8_backend", "torch"),
             fp8_linears=tuple(Fp8Linear.from_json(f) for f in d.get("fp8_linears", ())),
             fp8_all_gather=d.get("fp8_all_gather", False),
+            moe_estimate=ExpertParallelEstimate.from_json(d["moe_estimate"]) if d.get("moe_estimate") else None,
         )

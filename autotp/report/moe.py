@@ -1,8 +1,9 @@
 """``autotp explain``'s expert-parallel section: how each MoE layer dispatches its rows.
 
 Per layer of ``plan.moe_layers``, read from the compiled graph: the experts a rank holds,
-the router, the dispatch mode, the rows a rank sends (its tp slice of tokens x top-k) and,
-sync-free, the capacity per (rank, expert) and the rows a rank computes; the all-to-alls
+the router, the dispatch mode, the rows a rank sends (its tp slice of tokens x top-k), the
+rows it computes with balanced routing (sync-free too: its grouped matmuls skip the
+padding) and, sync-free, the capacity per (rank, expert); the all-to-alls
 (one per moved tensor each way, forward, and as many backward) with their bytes per rank,
 and the host syncs of a dropless dispatch.
 """
@@ -39,16 +40,16 @@ def moe_dispatch_report(gm: GraphModule, plan: ParallelPlan) -> list[dict[str, A
         rows = route.args[1] if isinstance(route.args[1], int) else layer.rows * plan.tp
         capacity = route.args[3]
         sent = -(-rows // plan.tp)
-        received = layer.num_experts * capacity if capacity else sent
+        moved_rows = layer.num_experts * capacity if capacity else sent  # sync-free moves padded buffers
         consumers = {u for n in route.users for u in n.users}
         to_experts = [n for n in consumers if n.target is MOE_TO_EXPERTS]
         back = [n for n in consumers if n.target is MOE_FROM_EXPERTS]
-        moved = sum(_bytes(n.args[0], received if capacity else sent) for n in to_experts)
-        returned = sum(_bytes(n, received if capacity else sent) for n in back)
+        moved = sum(_bytes(n.args[0], moved_rows) for n in to_experts)
+        returned = sum(_bytes(n, moved_rows) for n in back)
         out.append({
             "layer": layer.name, "form": layer.form, "experts": layer.num_experts, "experts_per_rank": layer.num_experts // plan.ep,
             "ep": plan.ep, "top_k": layer.top_k, "router": layer.router, "dispatch": plan.moe_dispatch,
-            "rows_sent_per_rank": sent, "capacity": capacity, "rows_computed_per_rank": received,
+            "rows_sent_per_rank": sent, "capacity": capacity, "rows_computed_per_rank": sent,
             "all_to_alls_forward": len(to_experts) + len(back), "all_to_alls_backward": len(to_experts) + len(back),
             "bytes_to_experts": moved, "bytes_back": returned,
             "host_syncs_per_step": 0 if plan.moe_dispatch == SYNC_FREE else 2 * (len(to_experts) + len(back)),

@@ -18,10 +18,12 @@ run eagerly (partial capture). ``CapturedGraph`` runs that copy:
   are overwritten by the slot's next replay, so one forward per slot may be in flight:
   call its backward (``train_step`` does) before the slot's next forward that needs
   grad. Outputs returned to the caller are cloned, so they survive later calls.
-* **Gradients.** A graphed region returns its parameter gradients in static buffers.
-  Autograd would store the first one as ``.grad`` itself (a later replay would
-  overwrite it, and accumulation over microbatches would double the last one), so a
-  hook on every captured parameter clones the gradient when ``.grad`` is still empty.
+* **Gradients.** A graphed region returns its parameter gradients in static buffers of
+  its memory pool, and autograd stores the first one as ``.grad`` itself (no copy). A
+  later replay would overwrite it (accumulation over microbatches would double the last
+  one), so before each replay every captured parameter whose ``.grad`` lies in one of the
+  capture's pools gets a copy (``_own_grads``). A step whose grads were set to None since
+  (``zero_grad()``, the usual loop) copies nothing: no per-parameter hook or clone runs.
 * **Compiled regions** (``compile=True`` with ``cuda_graphs=True``): after the eager run that
   records the inputs, each region is replaced by its ``torch.compile`` form, which
   ``make_graphed_callables`` warms up (compiling forward and backward once) and then captures:
@@ -56,8 +58,6 @@ from autotp.passes.extract_chunks import whole_copy
 TORCH, TRANSFORMER_ENGINE = "torch", "transformer_engine"
 _WARMUP_ITERS = 3
 
-_hooked: dict[int, weakref.ref[Tensor]] = {}  # by id: tensors compare elementwise
-
 
 def implementation() -> str:
     """Which ``make_graphed_callables`` captures: Transformer Engine's if it imports."""
@@ -86,18 +86,20 @@ def _static_input(value: Tensor, placeholder: Node) -> Tensor:
     return value.detach().clone().requires_grad_(needs_grad)
 
 
-def _clone_first_grad(param: Tensor) -> None:
-    """Make the first gradient stored in ``param.grad`` a copy, not a static buffer."""
-    known = _hooked.get(id(param))
-    if known is not None and known() is param:
-        return
-    ref = _hooked[id(param)] = weakref.ref(param)
+def _pool_ranges(pool: Any) -> list[tuple[int, int]]:
+    """The address ranges ``[start, end)`` of CUDA memory pool ``pool``'s segments."""
+    wanted = tuple(pool)
+    return [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory._snapshot()["segments"]
+            if tuple(s["segment_pool_id"]) == wanted]  # fmt: skip
 
-    def hook(grad: Tensor) -> Tensor:
-        p = ref()
-        return grad.clone() if p is not None and p.grad is None else grad
 
-    param.register_hook(hook)
+def _own_grads(params: tuple[Tensor, ...], ranges: list[tuple[int, int]]) -> None:
+    """Replace every ``.grad`` of ``params`` that lies in ``ranges`` (a static gradient
+    buffer that autograd stored) by a copy, before a replay overwrites it."""
+    for p in params:
+        grad = p.grad
+        if grad is not None and any(start <= grad.data_ptr() < end for start, end in ranges):
+            p.grad = grad.clone()
 
 
 def _make_graphed(impl: str) -> Callable[..., Any]:
@@ -122,6 +124,8 @@ class CapturedGraph:
         self._impl = impl
         self._compile = compile_regions
         self._slots: list[GraphModule] = []  # per slot: the split graph with its regions graphed
+        self._params: tuple[Tensor, ...] = ()  # the captured parameters that take gradients
+        self._ranges: list[tuple[int, int]] = []  # the memory of every slot's pool
         _LIVE.add(self)
 
     def release(self) -> None:
@@ -130,6 +134,7 @@ class CapturedGraph:
             for _, region in regions_of(split):
                 vars(region).pop("forward", None)  # the graphed forward that capture installed, with its static buffers
         self._slots.clear()
+        self._params, self._ranges = (), []
 
     def graphs(self) -> list[GraphModule]:
         """The graph modules of the captures made so far."""
@@ -142,6 +147,7 @@ class CapturedGraph:
 
     def __call__(self, *args: Any, slot: int = 0, **kwargs: Any) -> Any:
         if slot < len(self._slots):
+            _own_grads(self._params, self._ranges)
             return _own(self._slots[slot](*args, **kwargs))
         if slot > len(self._slots):
             raise UserInputError(f"slot {slot} used before slot {len(self._slots)}: slots are taken lowest free first")
@@ -172,18 +178,20 @@ class CapturedGraph:
             regions = regions_of(split)
         if regions:
             modules = tuple(module for _, module in regions)
+            pool = torch.cuda.graph_pool_handle()
             with torch.enable_grad():
                 _make_graphed(self._impl)(
                     modules,
                     tuple(samples[name] for name, _ in regions),
                     num_warmup_iters=_WARMUP_ITERS,
                     allow_unused_input=True,
-                    pool=torch.cuda.graph_pool_handle(),
+                    pool=pool,
                 )
-            for module in modules:
-                for p in module.parameters():
-                    if p.requires_grad:
-                        _clone_first_grad(p)
+            ranges = _pool_ranges(pool)
+            assert ranges, "a capture allocates its static buffers in its pool"
+            self._ranges = self._ranges + ranges
+            trained = {id(p): p for module in modules for p in module.parameters() if p.requires_grad}
+            self._params = tuple({**{id(p): p for p in self._params}, **trained}.values())
         self._slots.append(split)
         return _own(split(*args, **kwargs))
 

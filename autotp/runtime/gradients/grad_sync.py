@@ -163,9 +163,11 @@ class DpMean(GradSync):
     docstring). The hooks sit on ``module``'s parameters of the last ``begin`` (made again if they
     changed); ``module`` is the model, by a weak proxy (it holds this object)."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None, dp: int, bucket_bytes: int,
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None, dp: int, bucket_bytes: Callable[[], int],
                  dense: Callable[[str], bool]) -> None:  # fmt: skip
+        """``bucket_bytes``: the plan's bucket size, read at each ``begin`` (the buckets follow it)."""
         self.module, self.group, self.dp, self.bucket_bytes, self.dense = module, group, dp, bucket_bytes, dense
+        self._bucket_bytes = 0
         self.params: list[nn.Parameter] = []
         self.buckets: list[list[int]] = []
         self._ids: list[int] = []
@@ -182,7 +184,7 @@ class DpMean(GradSync):
     def _hook(self, params: list[nn.Parameter]) -> None:
         self.close()
         self.params = [p for p in reversed(params) if p.requires_grad]
-        self.buckets = _buckets(self.params, self.bucket_bytes)
+        self.buckets = _buckets(self.params, self._bucket_bytes)
         self._bucket_of = {id(p): b for b, members in enumerate(self.buckets) for p in (self.params[i] for i in members)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params]
         self._ids = [id(p) for p in params]
@@ -194,7 +196,9 @@ class DpMean(GradSync):
 
     def begin(self, microbatches: int) -> None:
         params = [p for n, p in self.module.named_parameters() if self.dense(n)]
-        if self._ids != [id(p) for p in params]:  # hooks only on the parameters of now (not on ones since replaced)
+        size = self.bucket_bytes()
+        if self._ids != [id(p) for p in params] or size != self._bucket_bytes:  # hooks on the parameters of now
+            self._bucket_bytes = size
             self._hook(params)
         self._expected, self._counts = microbatches, {}
         self._filled, self._next, self._pending = [0] * len(self.buckets), 0, []
@@ -290,7 +294,7 @@ def default_sync(module: nn.Module, plan: ParallelPlan, coords: Coords, shared: 
     buffers (module docstring). ``module``: the model, by a weak proxy (it holds the sync)."""
     dense = lambda name: not experts.is_expert(name)  # noqa: E731 (the expert gradients: over edp)
     sync: GradSync = (
-        DpMean(module, coords.dp_group, plan.dp, plan.dp_bucket_bytes, dense)
+        DpMean(module, coords.dp_group, plan.dp, lambda: module.plan.dp_bucket_bytes, dense)
         if plan.dp > 1 and plan.num_chunks == 1
         else PostStepSync(module, plan, coords, shared, trained_shared, dense)
     )

@@ -5,7 +5,12 @@ so the rows for each destination are contiguous. The tokens are replicated over 
 rank r dispatches every tp-th row from row r: each expert's rows split evenly over the tp
 ranks (within one), still sorted. Dropless movements read the counts on
 the host to size the all-to-all; sync-free ones place each kept row in a static slot
-``expert * capacity + position`` (``_capacity_slots``) and move fixed-size buffers.
+``expert * capacity + position`` (``_capacity_slots``) and move fixed-size buffers. On
+arrival the kept rows are packed, local expert by local expert (``_packed_slots``), at the
+front of a static ``E * capacity``-row buffer (with one ep rank, of at most the rank's own
+rows): the grouped matmuls read the received counts' offsets on the device and multiply
+only the rows that arrived, not the padding. With one ep rank both maps compose into one
+scatter and one gather.
 
 ``drop_counts`` reports, per layer, the rows the sync-free capacity dropped and the rows
 routed since the last ``reset_drop_counts`` (device tensors, read on demand).
@@ -19,6 +24,7 @@ from torch import Tensor
 from torch.library import Library
 
 from autotp.ir import moe_ops
+from autotp.ir.moe_ops import received_rows
 from autotp.runtime.processes.collectives import get_group
 
 _KERNELS = Library(moe_ops.NAMESPACE, "IMPL")
@@ -66,9 +72,7 @@ def _route(offsets: Tensor, rows: int, num_experts: int, capacity: int, ep: int,
         if counts is None or counts.device != sent.device:
             counts = _DROPS[layer] = torch.zeros(2, dtype=torch.int64, device=sent.device)
         counts.add_(torch.stack([(sent - kept).sum(), sent.sum()]))
-        local_offsets = torch.arange(1, local + 1, device=offsets.device) * (ep * capacity)
-    else:
-        local_offsets = received.view(ep, local).sum(0).cumsum(0)
+    local_offsets = received.view(ep, local).sum(0).cumsum(0)
     header = sent.new_full((2,), tp)  # filled on the device: a host-to-device copy would break a CUDA-graph capture
     header[:1].fill_(r)
     route = torch.cat([header, sent, received])
@@ -108,6 +112,24 @@ def _capacity_slots(sent: Tensor, n: int, num_experts: int, capacity: int) -> Te
     return torch.where(position < capacity, expert * capacity + position, num_experts * capacity)
 
 
+def _packed_slots(received: Tensor, ep: int, local: int, capacity: int, spare: int) -> Tensor:
+    """For each slot of the received buffer (source rank, local expert, position): its row in
+    the packed buffer of ``spare`` rows (local expert by local expert, each expert's rows by
+    source rank), or ``spare`` (a spare row) for padding; one more entry maps the send
+    buffer's spare slot (a dropped row) to that spare row. Device ops only."""
+    counts = received.view(ep, local)
+    expert_major = counts.t().reshape(-1)
+    starts = (expert_major.cumsum(0) - expert_major).view(local, ep).t()
+    position = torch.arange(capacity, device=received.device)
+    slots = starts.unsqueeze(-1) + position
+    packed = torch.where(position < counts.unsqueeze(-1), slots, spare).reshape(-1)
+    return torch.cat([packed, packed.new_full((1,), spare)])
+
+
+def _with_spare(x: Tensor) -> Tensor:
+    return torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
+
+
 def _to_experts(x: Tensor, route: Tensor, num_experts: int, capacity: int, ep: int, ep_group: str, tp: int, tp_group: str) -> Tensor:
     _, r = _rank(tp_group, tp)
     part = x[r::tp]
@@ -115,11 +137,17 @@ def _to_experts(x: Tensor, route: Tensor, num_experts: int, capacity: int, ep: i
     pg, _ = _rank(ep_group, ep)
     local = num_experts // ep
     if capacity:
+        rows = received_rows(x.shape[0], num_experts, capacity, ep, tp)
         slots = _capacity_slots(sent, part.shape[0], num_experts, capacity)
+        packed = _packed_slots(received, ep, local, capacity, rows)
+        out = part.new_zeros((rows + 1, *part.shape[1:]))
+        if pg is None:  # one ep rank: each row straight to its packed slot
+            out[packed[slots]] = part
+            return out[:-1]
         buf = part.new_zeros((num_experts * capacity + 1, *part.shape[1:]))
         buf[slots] = part
-        moved = _all_to_all(buf[:-1], num_experts * capacity, None, None, pg)
-        return moved.view(ep, local, capacity, -1).transpose(0, 1).reshape(local * ep * capacity, *part.shape[1:])
+        out[packed[:-1]] = _all_to_all(buf[:-1], num_experts * capacity, None, None, pg)
+        return out[:-1]
     host = route.tolist()  # dropless: the all-to-all sizes come from the counts
     sent_h, received_h = host[2 : 2 + num_experts], host[2 + num_experts :]
     in_splits = [sum(sent_h[d * local : (d + 1) * local]) for d in range(ep)]
@@ -132,15 +160,17 @@ def _from_experts(y: Tensor, route: Tensor, rows: int, num_experts: int, capacit
                   tp_group: str) -> Tensor:  # fmt: skip
     _, r = _rank(tp_group, tp)
     mine = _taken(rows, r, tp)
-    sent, _ = _counts(route, num_experts)
+    sent, received = _counts(route, num_experts)
     pg, _ = _rank(ep_group, ep)
     local = num_experts // ep
-    tail = y.shape[1:]
     if capacity:
-        source_major = y.reshape(local, ep, capacity, -1).transpose(0, 1).reshape(num_experts * capacity, *tail)
-        back = _all_to_all(source_major, num_experts * capacity, None, None, pg)
-        back = torch.cat([back, back.new_zeros((1, *tail))])
-        part = back[_capacity_slots(sent, mine, num_experts, capacity)]
+        slots = _capacity_slots(sent, mine, num_experts, capacity)
+        packed = _packed_slots(received, ep, local, capacity, y.shape[0])
+        if pg is None:
+            part = _with_spare(y)[packed[slots]]
+        else:
+            back = _all_to_all(_with_spare(y)[packed[:-1]], num_experts * capacity, None, None, pg)
+            part = _with_spare(back)[slots]
     else:
         host = route.tolist()
         sent_h, received_h = host[2 : 2 + num_experts], host[2 + num_experts :]
