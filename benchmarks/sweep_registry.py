@@ -129,7 +129,7 @@ def _check_on_rank(rank: int, world: int, arch: str, mode: str, dtype: torch.dty
 def _cell(arch: str, mode: str, timeout_s: int) -> Cell:
     """``arch`` at ``mode`` on its ranks, a numeric mismatch checked again in float64."""
     from autotp.report.strict_rule import combine
-    from autotp.runtime.launcher import spawn_ranks
+    from autotp.runtime.processes.launcher import spawn_ranks
 
     tp, pp = MODES[mode]
     run = lambda dtype: combine(spawn_ranks(_check_on_rank, tp * pp, arch, mode, dtype, backend="gloo", timeout_s=timeout_s, num_threads=1))  # noqa: E731
