@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from autotp.api import CompiledRank, compile_rank, parallelize
     from autotp.ir.plan import ParallelPlan, ParamLayout
-    from autotp.runtime.distributed_optimizer import DistributedOptimizer
-    from autotp.runtime.launcher import init_distributed
-    from autotp.runtime.parallel_model import ParallelModel
+    from autotp.runtime.gradients.distributed_optimizer import DistributedOptimizer
+    from autotp.runtime.processes.launcher import init_distributed
+    from autotp.runtime.execution.parallel_model import ParallelModel
 
 _PUBLIC = {
     "CompiledRank": "autotp.api",
@@ -21,9 +21,9 @@ _PUBLIC = {
     "parallelize": "autotp.api",
     "ParallelPlan": "autotp.ir.plan",
     "ParamLayout": "autotp.ir.plan",
-    "DistributedOptimizer": "autotp.runtime.distributed_optimizer",
-    "init_distributed": "autotp.runtime.launcher",
-    "ParallelModel": "autotp.runtime.parallel_model",
+    "DistributedOptimizer": "autotp.runtime.gradients.distributed_optimizer",
+    "init_distributed": "autotp.runtime.processes.launcher",
+    "ParallelModel": "autotp.runtime.execution.parallel_model",
 }
 
 __all__ = ["CompiledRank", "DistributedOptimizer", "ParallelModel", "ParallelPlan", "ParamLayout", "compile_rank", "init_distributed", "parallelize"]

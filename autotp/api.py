@@ -14,24 +14,28 @@ from torch import nn
 from torch.fx import GraphModule
 
 from autotp import compiler
+from autotp.ir.axes import Axis
 from autotp.ir.errors import UserInputError
 from autotp.ir.fp8 import DEFAULT_RECIPE, RECIPES
 from autotp.ir.plan import ParallelPlan
+from autotp.ir.program import RankProgram
 from autotp.ir.plan_files import load_plan
-from autotp.runtime import cudagraphs, rng
-from autotp.runtime.groups import make_groups
-from autotp.runtime.parallel_model import ParallelModel
+from autotp.runtime.execution import cudagraphs, rng
+from autotp.runtime.processes.groups import make_groups
+from autotp.runtime.execution.parallel_model import ParallelModel
 
 
 @dataclass(frozen=True)
 class CompiledRank:
-    """One rank's rewritten graph, compiled offline (no process group, nothing run)."""
+    """One rank's rewritten graph, compiled offline (no process group, nothing run), and its
+    program (the chunk graphs the runtime would run)."""
 
     graph: GraphModule
     plan: ParallelPlan
     trace_s: float
     plan_s: float
     pass_s: dict[str, float]
+    program: RankProgram
 
 
 def _default_device(model: nn.Module) -> torch.device:
@@ -122,7 +126,7 @@ def compile_rank(
                                   cudagraph_impl=impl, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, ep=ep,
                                   moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor, fp8=fp8)  # fmt: skip
     lowered = compiler.lower(planned.traced, planned.plan, tp_rank=rank, device=device, dump_dir=dump_dir)
-    return CompiledRank(lowered.graph, lowered.plan, planned.trace_s, planned.plan_s, lowered.pass_s)
+    return CompiledRank(lowered.graph, lowered.plan, planned.trace_s, planned.plan_s, lowered.pass_s, lowered)
 
 
 def parallelize(
@@ -165,7 +169,7 @@ def parallelize(
     ``compile``, each per-rank graph (or pipeline chunk) also runs through
     ``torch.compile``, which fuses the elementwise work between the collectives. With
     ``cuda_graphs`` (CUDA and NCCL), the regions that the cost model picks are captured
-    as CUDA graphs on the first call and replayed after (``autotp.runtime.cudagraphs``); with
+    as CUDA graphs on the first call and replayed after (``autotp.runtime.execution.cudagraphs``); with
     pp > 1, once per microbatch a stage holds in flight. Both together capture each region's
     compiled code. ``sequence_parallel`` runs the
     norms, residual adds and dropout between the tp regions on 1/tp of the tokens, and
@@ -189,7 +193,7 @@ def parallelize(
 
     ``model`` may be built on ``meta``: each rank then allocates only its shards, reads
     them from ``checkpoint`` (a local HF safetensors folder, this rank's slices only) and
-    initializes the rest with the model's own init (``autotp.runtime.init_meta`` says
+    initializes the rest with the model's own init (``autotp.runtime.state.init_meta`` says
     what that guarantees).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -232,8 +236,8 @@ def parallelize(
     coords = make_groups(planned.plan, timeout_s)
     rng.seed_tp_rng(seed + 1009 * (coords.dp_rank + planned.plan.dp * coords.pp_rank), coords.tp_rank)
     backend = dist.get_backend() if dist.is_initialized() else "nccl"
-    ep_rank = coords.experts.ep_rank if coords.experts is not None else 0
-    lowered = compiler.lower(planned.traced, planned.plan, tp_rank=coords.tp_rank, device=device, backend=backend, ep_rank=ep_rank)
+    lowered = compiler.lower(planned.traced, planned.plan, tp_rank=coords.tp_rank, device=device, backend=backend,
+                             ep_rank=coords.rank(Axis.EP))  # fmt: skip
     pm = ParallelModel(model, lowered, planned.kwargs, coords, device, compile)
     pm.materialize(model, checkpoint, seed)
     return pm

@@ -1,12 +1,15 @@
-"""The compile sequence: trace -> plan -> passes, written once.
+"""The compile sequence: trace -> plan -> passes -> rank program, written once.
 
 ``plan_model`` traces a model at its example inputs and chooses its ``ParallelPlan``
-(the caller's, the cost model's, or tp/pp's defaults). ``lower`` runs the passes on
-that trace for one tp rank and records the CUDA-graph regions it chose in the plan it
-returns. ``autotp.compile_rank`` is one ``plan_model`` + ``lower``; ``autotp.parallelize``
-creates the process groups between the two (they depend on the plan; ``lower`` needs
-the rank) and the ``ParallelModel`` calls ``lower_signature`` for each new input
-signature. The cost model compiles candidate plans through ``model_costs``'s callback.
+(the caller's, the cost model's, or tp/pp's defaults). ``lower`` runs the passes and the
+cost model's decision steps (``compile_steps``) on that trace for one tp rank and returns
+its ``RankProgram`` (``autotp.ir.program``): the plan with the decisions made on the way,
+the rank graph and its chunk graphs, ready to run. ``autotp.compile_rank`` is one
+``plan_model`` + ``lower``; ``autotp.parallelize`` creates the process groups between the
+two (they depend on the plan; ``lower`` needs the rank) and the ``ParallelModel`` calls
+``lower_signature`` for each new input signature, and ``with_param_waits`` when a
+DistributedOptimizer overlaps its parameter all-gather. The cost model compiles candidate
+plans through ``model_costs``'s callback.
 
 ``lower`` hands the pass runner a copy of the traced graph that it owns: the passes may
 rewrite that copy in place and the caller's graph is never touched.
@@ -32,9 +35,10 @@ from autotp import presets
 from autotp.analysis.layers import num_layers
 from autotp.analysis.trace import trace
 from autotp.cost_model.compute import ModelCosts
-from autotp.cost_model.cudagraphs import choose_regions
+from autotp.cost_model.cudagraphs import choose_cudagraph_regions
 from autotp.cost_model.expert_parallel import plan_expert_parallel
 from autotp.cost_model.fp8 import check_recipe, plan_fp8, sites_plan, without_fp8
+from autotp.cost_model.hardware import device_hardware
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.planner import auto_plan, auto_sequence_parallel
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
@@ -42,9 +46,13 @@ from autotp.ir import meta_keys
 from autotp.ir.fp8 import DEFAULT_RECIPE
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER, ParallelPlan
 from autotp.ir.rank_log import warn_once
-from autotp.passes import PASSES
+from autotp.passes import PASSES, PROGRAM_PASSES
 from autotp.passes.causal_attention import CAUSAL
-from autotp.passes.runner import PassContext, run_passes
+from autotp.ir.program import BucketLayout, RankProgram
+from autotp.passes.find_cudagraph_candidates import find_cudagraph_candidates
+from autotp.passes.insert_param_waits import insert_param_waits
+from autotp.passes.runner import Pass, PassContext, run_passes
+from autotp.passes.split_weight_grads import split_weight_grads
 from autotp.ir.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -64,15 +72,6 @@ class Planned:
     plan: ParallelPlan
     trace_s: float
     plan_s: float
-
-
-@dataclass(frozen=True)
-class Lowered:
-    """One tp rank's rewritten graph; ``plan`` records the CUDA-graph regions chosen."""
-
-    graph: GraphModule
-    plan: ParallelPlan
-    pass_s: dict[str, float]
 
 
 def example_kwargs(model: nn.Module, example_inputs: dict[str, Any] | None) -> dict[str, Any]:
@@ -205,6 +204,10 @@ def plan_model(
     chosen = choose_plan(traced, tp, pp, dp, vpp, plan, sequence_parallel=fixed_sp, tp_overlap=fixed_overlap, fp8=recipe)
     if cudagraph_impl is not None:
         chosen = replace(chosen, cudagraphs=True, cudagraph_impl=chosen.cudagraph_impl or cudagraph_impl)
+    hardware = device_hardware(torch.device(device))
+    if hardware is not None and hardware != chosen.hardware:
+        log.info("the plan was costed for %s; this rank runs on %s, which the compiler's cost decisions use", chosen.hardware, hardware)
+        chosen = replace(chosen, hardware=hardware)
     if not gather_outputs:
         chosen = replace(chosen, gather_outputs=False)
     if "auto" in (sequence_parallel, tp_overlap) and plan != "auto":
@@ -290,6 +293,14 @@ def _warn_replicated(traced: GraphModule, plan: ParallelPlan) -> None:
         )
 
 
+def compile_steps() -> list[Pass]:
+    """What ``lower`` runs: the passes, with the cost model's decision steps where the passes
+    after them read the decision (the CUDA-graph regions are chosen once the candidates are
+    found), then the passes that build the rank program."""
+    at = PASSES.index(find_cudagraph_candidates) + 1
+    return [*PASSES[:at], choose_cudagraph_regions, *PASSES[at:], *PROGRAM_PASSES]
+
+
 def lower(
     traced: GraphModule,
     plan: ParallelPlan,
@@ -300,38 +311,49 @@ def lower(
     dump_dir: Path | None = None,
     ep_rank: int = 0,
     outputs_read: tuple[str, ...] = (),
-) -> Lowered:
-    """Run the passes on a copy of ``traced`` for tp rank ``tp_rank`` (and expert-parallel
-    rank ``ep_rank``), with the cost model's CUDA-graph region policy bound. ``outputs_read``: the
-    output keys the caller reads (empty: all; the others become None). A rank on the CPU or gloo
+    param_buckets: BucketLayout | None = None,
+) -> RankProgram:
+    """Run ``compile_steps()`` on a copy of ``traced`` for tp rank ``tp_rank`` (and expert-parallel
+    rank ``ep_rank``): the rank's program, whose plan holds the decisions made on the way (the
+    CUDA-graph regions) and the SDPA nodes ``causal_attention`` rewrote. ``outputs_read``: the
+    output keys the caller reads (empty: all; the others become None). ``param_buckets``: make the
+    graphs wait for a DistributedOptimizer's all-gather of those buckets. A rank on the CPU or gloo
     overlaps through the P2P ring whatever the plan asked for; the plan it returns says so."""
     if plan.tp_overlap and (torch.device(device).type == "cpu" or backend == "gloo"):
         plan = replace(plan, tp_overlap_impl="ring")
-    ctx = PassContext(
-        plan=plan,
-        tp_rank=tp_rank,
-        ep_rank=ep_rank,
-        device=torch.device(device),
-        dump_dir=dump_dir,
-        backend=backend,
-        choose_cudagraph_regions=choose_regions,
-        outputs_read=outputs_read,
-    )
-    gm = run_passes(_owned_copy(traced), ctx, PASSES)
-    regions = {n.meta[meta_keys.CUDAGRAPH_REGION] for n in gm.graph.nodes if n.meta.get(meta_keys.CUDAGRAPH_REGION) is not None}
+    ctx = PassContext(plan=plan, tp_rank=tp_rank, ep_rank=ep_rank, device=torch.device(device), dump_dir=dump_dir,
+                      backend=backend, outputs_read=outputs_read, param_buckets=param_buckets)  # fmt: skip
+    gm = _run(_owned_copy(traced), ctx, compile_steps())
     causal = tuple(n.name for n in gm.graph.nodes if n.meta.get(meta_keys.CAUSAL_MASK) == CAUSAL)
-    recorded = replace(plan, cudagraph_regions=tuple(sorted(regions)), causal_attention_nodes=causal)
-    return Lowered(gm, recorded, dict(ctx.timings))
+    return RankProgram.of(gm, replace(ctx.plan, causal_attention_nodes=causal), dict(ctx.timings))
+
+
+WAIT_STEPS = [insert_param_waits, split_weight_grads]
+"""What ``with_param_waits`` runs again on a lowered program: the waits, and the weight-gradient copies that keep them."""
+
+
+def with_param_waits(program: RankProgram, param_buckets: BucketLayout, *, tp_rank: int, device: torch.device, backend: str) -> RankProgram:
+    """``program`` with its chunk graphs waiting for the all-gathers of ``param_buckets``
+    (a DistributedOptimizer made after the program was lowered); rewrites ``program``'s graphs."""
+    ctx = PassContext(plan=program.plan, tp_rank=tp_rank, device=device, backend=backend, param_buckets=param_buckets)
+    gm = _run(program.graph, ctx, WAIT_STEPS)
+    return RankProgram.of(gm, program.plan, {k: program.pass_s.get(k, 0.0) + ctx.timings.get(k, 0.0) for k in program.pass_s | ctx.timings})
+
+
+def _run(gm: GraphModule, ctx: PassContext, steps: list[Pass]) -> GraphModule:
+    """The one place the passes run (``tests/test_architecture.py``)."""
+    return run_passes(gm, ctx, steps)
 
 
 def lower_signature(
     model: nn.Module, kwargs: dict[str, Any], plan: ParallelPlan, *, tp_rank: int, device: torch.device, backend: str,
     ep_rank: int = 0,
     outputs_read: tuple[str, ...] = (),
-) -> Lowered:  # fmt: skip
+    param_buckets: BucketLayout | None = None,
+) -> RankProgram:  # fmt: skip
     """Trace ``model(**kwargs)`` and lower it under an already chosen ``plan``."""
     return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend, ep_rank=ep_rank,
-                 outputs_read=outputs_read)
+                 outputs_read=outputs_read, param_buckets=param_buckets)
 
 
 def _owned_copy(gm: GraphModule) -> GraphModule:

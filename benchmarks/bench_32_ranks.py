@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 
 TP, PP, MICROBATCHES, BATCH, SEQ = 8, 4, 8, 8, 16
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 
 SEQ = 128
 

@@ -53,8 +53,8 @@ from autotp.cost_model.planner import (
 )
 from transformers import LlamaConfig
 
-from autotp.runtime.launcher import spawn_ranks
-from autotp.runtime.live_memory import PeakLiveBytes
+from autotp.runtime.processes.launcher import spawn_ranks
+from autotp.runtime.execution.live_memory import PeakLiveBytes
 
 GPUS_PER_NODE = 4
 WARMUP, STEPS = 3, 10
@@ -364,7 +364,7 @@ def validation_report(rows: list[dict], builtin: str, calibrated: str) -> str:
     with_memory = [r for r in rows if r["peak_gib"]]
     if with_memory:
         lines.append(f"memory MAPE: {statistics.mean(abs(r['predicted_gib'] / r['peak_gib'] - 1) for r in with_memory):.1%} "
-                     "(peak torch.cuda.max_memory_allocated, or on CPU autotp.runtime.live_memory.PeakLiveBytes; AdamW states included)")
+                     "(peak torch.cuda.max_memory_allocated, or on CPU autotp.runtime.execution.live_memory.PeakLiveBytes; AdamW states included)")
     for model in dict.fromkeys(r["model"] for r in rows):
         members = [r for r in rows if r["model"] == model]
         fastest = min(members, key=lambda r: r["measured_s"])

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 
 WARMUP, STEPS = 3, 15
 CASES = ("numerics", "launch", "compute", "moe", "pipeline")

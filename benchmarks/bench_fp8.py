@@ -263,7 +263,7 @@ def curves(shape_name: str, device: torch.device, steps: int, recipes: list[str]
 
 def check(device: torch.device) -> dict[str, float]:
     """Relative error of the op's output and grads on ``device`` against the CPU kernels."""
-    import autotp.runtime.collectives  # noqa: F401 - registers the kernels of autotp's ops
+    import autotp.runtime.processes.collectives  # noqa: F401 - registers the kernels of autotp's ops
     from autotp.ir import ops
 
     out = {}

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 
 CAPACITY_FACTORS = (1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0)
 CASES = ("layer", "gemm", "ep")

@@ -43,7 +43,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 
 SETUPS = ("allreduce-bf16", "allreduce-fp32-master", "distopt", "distopt-no-overlap", "distopt-bf16-grads")
 GLOBAL_BATCH, SEQ, MICROBATCHES, BATCHES = 8, 2048, 2, 4

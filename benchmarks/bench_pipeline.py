@@ -35,7 +35,7 @@ from torch import nn
 
 from autotp.cost_model.bubble import bubble_fraction
 from autotp.cost_model.hardware import H200
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 
 MODELS = {  # name -> (layers, hidden, ffn, heads, kv heads, global batch, sequence)
     "small": (16, 2048, 5632, 16, 8, 16, 1024),

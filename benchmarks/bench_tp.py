@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 from bench_single_gpu import causal_mask_dropped
 
 WARMUP, STEPS = 3, 10

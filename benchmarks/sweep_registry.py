@@ -130,7 +130,7 @@ def _check_on_rank(rank: int, world: int, arch: str, mode: str, dtype: torch.dty
 def _cell(arch: str, mode: str, timeout_s: int) -> Cell:
     """``arch`` at ``mode`` on its ranks, a numeric mismatch checked again in float64."""
     from autotp.report.strict_rule import combine
-    from autotp.runtime.launcher import spawn_ranks
+    from autotp.runtime.processes.launcher import spawn_ranks
 
     tp, pp = MODES[mode]
     preload = (*_PRELOAD, getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch]).__module__)

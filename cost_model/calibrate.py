@@ -53,6 +53,7 @@ from autotp.cost_model.communication import p2p_s, ring_all_reduce_s
 from autotp.cost_model.compute import Segment, segment_time
 from autotp.cost_model.hardware import CPU, H100, HardwareProfile, Link, fit_alpha_beta, profile_for_gpu
 from autotp.ir.errors import UserInputError
+from autotp.ir.op_facts import Collective
 
 SCALE_MODEL = {"hidden": 2560, "ffn": 6912, "heads": 20, "kv_heads": 4, "vocab": 8192, "batch": 8, "seq": 2048}
 SCALE_LAYERS = (2, 4)
@@ -118,9 +119,9 @@ def base_profile(device_name: str) -> HardwareProfile:
 def fit_profile(measured: dict[str, object], ranks: int, scale_layer: Segment | None = None) -> HardwareProfile:
     """The profile of ``autotp calibrate``'s measurements (see the module docstring);
     ``scale_layer`` (see ``fit_compute_time_scale``) is needed when they hold GPU layer runs."""
-    reduces = measured["all_reduce"]
+    reduces = measured[Collective.ALL_REDUCE]
     alpha, bus = fit_alpha_beta([2 * (t - 1) / t * n for t, n, _ in reduces], [s for _, _, s in reduces])
-    p2p_alpha, p2p_bw = fit_alpha_beta([n for n, _ in measured["p2p"]], [s for _, s in measured["p2p"]])
+    p2p_alpha, p2p_bw = fit_alpha_beta([n for n, _ in measured[Collective.P2P]], [s for _, s in measured[Collective.P2P]])
     gemm_latency, gemm_rate = fit_alpha_beta([f for f, _ in measured["gemm"]], [s for _, s in measured["gemm"]])
     name = str(measured["device_name"])
     base = base_profile(name)
@@ -156,8 +157,8 @@ def fit_errors(profile: HardwareProfile, measured: dict[str, object]) -> dict[st
         return max(abs(model / real - 1) for model, real in pairs)
 
     return {
-        "all_reduce": worst([(ring_all_reduce_s(n, t, profile.intra_node), s) for t, n, s in measured["all_reduce"]]),
-        "p2p": worst([(p2p_s(n, profile.p2p_link), s) for n, s in measured["p2p"]]),
+        Collective.ALL_REDUCE: worst([(ring_all_reduce_s(n, t, profile.intra_node), s) for t, n, s in measured[Collective.ALL_REDUCE]]),
+        Collective.P2P: worst([(p2p_s(n, profile.p2p_link), s) for n, s in measured[Collective.P2P]]),
         "gemm": worst([(profile.matmul_latency_s + f / profile.matmul_flops_per_s, s) for f, s in measured["gemm"]]),
     }
 
@@ -167,8 +168,8 @@ def describe(profile: HardwareProfile, measured: dict[str, object]) -> str:
     return "\n".join(
         [
             f"{profile.name}",
-            f"  all-reduce  alpha {profile.collective_latency_s * 1e6:.1f} us, bus {profile.allreduce_bus_bytes_per_s / 1e9:.0f} GB/s (worst fit error {errors['all_reduce']:.0%})",
-            f"  p2p         alpha {profile.p2p_link.latency_s * 1e6:.1f} us, {profile.p2p_link.bus_bytes_per_s / 1e9:.0f} GB/s (worst fit error {errors['p2p']:.0%})",
+            f"  all-reduce  alpha {profile.collective_latency_s * 1e6:.1f} us, bus {profile.allreduce_bus_bytes_per_s / 1e9:.0f} GB/s (worst fit error {errors[Collective.ALL_REDUCE]:.0%})",
+            f"  p2p         alpha {profile.p2p_link.latency_s * 1e6:.1f} us, {profile.p2p_link.bus_bytes_per_s / 1e9:.0f} GB/s (worst fit error {errors[Collective.P2P]:.0%})",
             (
                 f"  GEMM        {profile.matmul_flops_per_s / 1e12:.3g} TFLOP/s + {profile.matmul_latency_s * 1e6:.1f} us "
                 f"(worst fit error {errors['gemm']:.0%}; estimates interpolate the {len(profile.matmul_curve)} measured GEMMs)"

@@ -1,4 +1,4 @@
-"""Alpha-beta costs of collectives (the ops themselves live in ``autotp.runtime.collectives``).
+"""Alpha-beta costs of collectives (the ops themselves live in ``autotp.runtime.processes.collectives``).
 
 A collective over t ranks of a ``Link`` (alpha = ``latency_s``, h = ``hop_latency_s``,
 B = ``bus_bytes_per_s``) moving a tensor of n bytes costs
@@ -18,7 +18,7 @@ point-to-point       ``p2p_s``              0                n
 ==================  ===================  =================  ==========================
 
 **Overlapped** (``overlapped_s``): an all-gather pipelined with the GEMM that consumes it,
-or a reduce-scatter with the GEMM that produces it (``autotp.runtime.overlap``), runs in
+or a reduce-scatter with the GEMM that produces it (``autotp.runtime.execution.overlap``), runs in
 t - 1 steps that each move 1/(t-1) of the collective (time C) while a GEMM chunk, 1/t of
 the GEMM (time M), computes; one chunk computes alone. The pair takes
 (t-1)·max(C/(t-1), M/t) + M/t, so what the GEMM does not hide is
@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 
 from autotp.cost_model.hardware import HardwareProfile, Link
+from autotp.ir.op_facts import Collective
 
 
 def _ceil_log2(n: int) -> int:
@@ -118,12 +119,12 @@ def group_sharded_s(nbytes: float, ranks: int, ranks_per_node: int, hw: Hardware
     return reduce_scatter_s(nbytes, ranks_per_node, hw.intra_node) + reduce_scatter_s(nbytes / ranks_per_node, nodes, hw.inter_node)
 
 
-def group_collective_s(kind: str, nbytes: float, ranks: int, ranks_per_node: int, hw: HardwareProfile) -> float:
+def group_collective_s(kind: Collective, nbytes: float, ranks: int, ranks_per_node: int, hw: HardwareProfile) -> float:
     """An ``all_reduce`` (hierarchical across nodes), ``all_gather`` or ``reduce_scatter``
     (ring over the slowest link) or ``p2p`` send between two ranks of a node."""
-    if kind == "p2p":
+    if kind == Collective.P2P:
         return p2p_s(nbytes, hw.intra_node) if ranks > 1 else 0.0
-    if kind == "all_reduce":
+    if kind == Collective.ALL_REDUCE:
         return group_all_reduce_s(nbytes, ranks, ranks_per_node, hw)
-    assert kind in ("all_gather", "reduce_scatter"), f"unknown collective {kind!r}"
+    assert kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER), f"unknown collective {kind!r}"
     return all_gather_s(nbytes, ranks, hw.intra_node if ranks_per_node >= ranks else hw.inter_node)

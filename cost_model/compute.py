@@ -75,7 +75,7 @@ import numpy as np
 import torch
 from autotp.cost_model.affine import affine_costs
 from autotp.cost_model.communication import group_collective_s, overlapped_s
-from autotp.cost_model.flops import global_tensors, node_cost, op_name
+from autotp.cost_model.flops import global_tensors, node_cost
 from autotp.cost_model.fp8 import cast_bytes, plan_fp8, sites_plan
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory, simulate
@@ -86,7 +86,7 @@ from torch.fx import GraphModule, Node
 
 from autotp.cost_model.graph_costs import GraphReport, assign_layers, build_report
 from autotp.analysis.layers import EMBEDDING, HEAD, LayerKey, num_layers
-from autotp.analysis.op_kinds import OpKind, is_matmul, op_kind
+from autotp.ir.op_facts import Direction, OpKind, is_matmul, op_kind, op_name
 from autotp.ir import ops
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.errors import UserInputError
@@ -467,7 +467,7 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
         t = group_collective_s(c.kind, nbytes, c.ranks, min(c.ranks, tp_ranks_per_node), hw)
         comm[c.direction][c.node] += overlapped_s(t, gemm[c.node], c.ranks) if c.overlapped else t
         host[c.direction][c.node] = hw.collective_host_s
-        (forward if c.direction == "forward" else backward)[c.node] += COLLECTIVE_COPY_BYTES * nbytes / hw.memory_bytes_per_s
+        (forward if c.direction == Direction.FORWARD else backward)[c.node] += COLLECTIVE_COPY_BYTES * nbytes / hw.memory_bytes_per_s
     backs = seg.grad | (comm["backward"] > 0)
     gpu_forward = forward + comm["forward"]
     gpu_backward = (backward + comm["backward"])[backs][::-1]

@@ -24,7 +24,7 @@ For a region (``region_stats``), with this rank's local shapes:
   intermediates): what the graph pins, an upper bound since intermediates of regions
   captured in order share one memory pool.
 * ``slots``: with pp > 1 a stage holds several microbatches in flight, each in its own
-  capture (``autotp.runtime.cudagraphs``): ``schedules.slots_per_chunk`` under the default
+  capture (``autotp.runtime.execution.cudagraphs``): ``schedules.slots_per_chunk`` under the default
   schedule, ``pp - stage`` for 1F1B. The region pins ``slots · static_bytes``.
 
 ``saved_s`` (``estimate``) = max(launches · launch_s, gpu_s)
@@ -35,6 +35,11 @@ with replays = 2 when the region needs grad, else 1.
 ``saved_s > policy.min_saved_s`` whose pinned bytes still fit ``policy.max_static_bytes``
 (a budget per GPU: ``choose_regions`` calls it once per pipeline stage).
 Compute-bound regions save nothing (GPU time dominates both sides) and are declined.
+Times are for ``plan.hardware``, the GPU kind the plan runs on.
+
+``choose_cudagraph_regions`` is the compiler's decision step between the passes
+``find_cudagraph_candidates`` and ``mark_cudagraph_regions``: it writes the chosen candidate
+ids into ``plan.cudagraph_regions``, which the later passes and the runtime read.
 
 Constants (``autotp.ir.plan.CudaGraphPolicy`` defaults). ``launch_s`` = 26 µs is measured: on an H200
 host (torch 2.11, ``benchmarks/bench_cudagraphs.py``, launch case: Llama 24 layers,
@@ -48,23 +53,22 @@ and the launch of an op of a per-rank graph, forward or backward. ``replay_s`` =
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
 from autotp.ir import meta_keys
-from autotp.ir.plan import CudaGraphPolicy, ParallelPlan
+from autotp.ir.plan import DEFAULT_HARDWARE, CudaGraphPolicy, ParallelPlan
 from autotp.cost_model.communication import group_collective_s
 from autotp.cost_model.flops import TensorInfo, compute_time_s, node_cost
 from autotp.cost_model.hardware import PROFILES
-from autotp.passes.mark_cudagraph_regions import region_slots
-from autotp.passes.sequence_parallel import REDUCE_SCATTER_TAG, SCATTER_TAG, SEQUENCE_GATHER_TAG
+from autotp.passes.find_cudagraph_candidates import candidate_regions, region_slots
+from autotp.passes.runner import PassContext
+from autotp.ir.op_facts import TAG_COMMUNICATION
 from autotp.analysis.local_shapes import local_tensors
 
 BACKWARD_LAUNCHES = 2
 BACKWARD_GPU_FACTOR = 2.0
-_COLLECTIVE_KIND = {"all_reduce": "all_reduce", "all_reduce_backward": "all_reduce", "all_gather": "all_gather",
-                    REDUCE_SCATTER_TAG: "reduce_scatter", SEQUENCE_GATHER_TAG: "all_gather", SCATTER_TAG: "all_gather"}
 
 
 ALWAYS = CudaGraphPolicy(min_saved_s=-1.0, max_static_bytes=2**62)
@@ -125,7 +129,9 @@ def region_stats(nodes: Sequence[Node], tensors: Tensors, tp: int, hardware: str
         needs_grad |= grad
         inputs.update(a for a in n.all_input_nodes if a not in inside and not _is_parameter(a))
         cost = node_cost(n, tensors)
-        kind = _COLLECTIVE_KIND.get(n.meta.get(meta_keys.COLLECTIVE, ""))
+        tag = n.meta.get(meta_keys.COLLECTIVE)
+        comm = TAG_COMMUNICATION[tag][0] if tag is not None else None
+        kind = comm.collective if comm is not None and not comm.overlapped else None  # overlapped: costed as its GEMM
         if kind is not None:
             gpu_s += group_collective_s(kind, _bytes(n, tensors), tp, tp, hw)
         elif cost.flops or cost.bytes:
@@ -147,18 +153,18 @@ def region_stats(nodes: Sequence[Node], tensors: Tensors, tp: int, hardware: str
     )
 
 
-def estimate(stats: RegionStats, policy: CudaGraphPolicy) -> Estimate:
-    """Eager and captured time of one region (formula in the module docstring)."""
-    memory_bytes_per_s = PROFILES[policy.hardware].memory_bytes_per_s
+def estimate(stats: RegionStats, policy: CudaGraphPolicy, hardware: str) -> Estimate:
+    """Eager and captured time of one region on ``hardware`` (formula in the module docstring)."""
+    memory_bytes_per_s = PROFILES[hardware].memory_bytes_per_s
     replays = 2 if stats.needs_grad else 1
     eager = max(stats.launches * policy.launch_s, stats.gpu_s)
     graph = max(replays * policy.replay_s, stats.gpu_s + 2 * stats.copy_bytes / memory_bytes_per_s)
     return Estimate(eager, graph)
 
 
-def decide(candidates: Sequence[RegionStats], policy: CudaGraphPolicy) -> list[str | None]:
+def decide(candidates: Sequence[RegionStats], policy: CudaGraphPolicy, hardware: str = DEFAULT_HARDWARE) -> list[str | None]:
     """Per candidate: None to capture it, else why not (the rule in the module docstring)."""
-    estimates = [estimate(s, policy) for s in candidates]
+    estimates = [estimate(s, policy, hardware) for s in candidates]
     verdicts: list[str | None] = [None] * len(candidates)
     order = sorted(range(len(candidates)), key=lambda i: -estimates[i].saved_s / max(candidates[i].pinned_bytes, 1))
     budget = policy.max_static_bytes
@@ -181,15 +187,24 @@ def decide(candidates: Sequence[RegionStats], policy: CudaGraphPolicy) -> list[s
 
 def choose_regions(runs: Sequence[Sequence[Node]], plan: ParallelPlan) -> list[str | None]:
     """The verdict on every candidate run (this rank's nodes, in graph order): None
-    (capture) or why not, under ``plan.cudagraph_policy``. Each pipeline stage has its own
-    memory budget. The compiler binds this as ``PassContext.choose_cudagraph_regions``."""
+    (capture) or why not, under ``plan.cudagraph_policy`` on ``plan.hardware``. Each
+    pipeline stage has its own memory budget."""
     stages: dict[int, list[int]] = {}
     for i, run in enumerate(runs):
         stages.setdefault(plan.pp_rank_of_chunk(run[0].meta.get(meta_keys.CHUNK) or 0), []).append(i)
     verdicts: list[str | None] = [None] * len(runs)
     for indices in stages.values():
-        stats = [region_stats(runs[i], lambda n: local_tensors(n, plan.tp), plan.tp, plan.cudagraph_policy.hardware,
+        stats = [region_stats(runs[i], lambda n: local_tensors(n, plan.tp), plan.tp, plan.hardware,
                               region_slots(list(runs[i]), plan)) for i in indices]  # fmt: skip
-        for i, verdict in zip(indices, decide(stats, plan.cudagraph_policy)):
+        for i, verdict in zip(indices, decide(stats, plan.cudagraph_policy, plan.hardware)):
             verdicts[i] = verdict
     return verdicts
+
+
+def choose_cudagraph_regions(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """The compiler's decision step (module docstring): ``ctx.plan.cudagraph_regions`` becomes
+    the candidates of ``gm`` worth capturing. The graph is left as it is."""
+    if ctx.plan.cudagraphs:
+        verdicts = choose_regions(candidate_regions(gm), ctx.plan)
+        ctx.plan = replace(ctx.plan, cudagraph_regions=tuple(i for i, v in enumerate(verdicts) if v is None))
+    return gm

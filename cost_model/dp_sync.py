@@ -45,7 +45,7 @@ GRAD_SYNC_BUCKET_OPS, GRAD_SYNC_TENSOR_OPS = 3, 4
 
 
 def grad_sync_s(params: int, tensors: int, dp: int, dp_per_node: int, precision_name: str, hw: HardwareProfile) -> float:
-    """``autotp.runtime.grad_sync.all_reduce_buckets`` of one rank's gradients, as a host/GPU queue."""
+    """``autotp.runtime.gradients.grad_sync.all_reduce_buckets`` of one rank's gradients, as a host/GPU queue."""
     if dp == 1:
         return 0.0
     total = params * precision(precision_name).grad

@@ -6,7 +6,7 @@ gives one rank's. FLOPs are forward only and count a multiply-add as 2.
 
 ``node_cost`` applies, by op:
 
-* **matmuls** (``autotp.analysis.op_kinds``): ``aten.linear``, ``addmm``, ``mm``, ``bmm``,
+* **matmuls** (``autotp.ir.op_facts``): ``aten.linear``, ``addmm``, ``mm``, ``bmm``,
   ``matmul`` and every target whose name contains ``grouped_mm`` (``aten._grouped_mm``,
   ``transformers::grouped_mm_fallback``):
   FLOPs = 2 · numel(out) · K, with K the last dim of the first matrix operand (linear's
@@ -27,11 +27,12 @@ gives one rank's. FLOPs are forward only and count a multiply-add as 2.
   kernels do: the L×S scores never reach memory).
 * **embedding** (``aten.embedding``, autotp's vocab-parallel lookup): 0 FLOPs; bytes =
   ids + 2 · output (the rows read, the output written).
-* **views** (``view``, ``transpose``, ``expand``, ``getitem``..., and the identities
-  Megatron's *f*, ``stage_boundary`` and ``partial_grad``): 0 FLOPs, 0 bytes.
+* **views** (``autotp.ir.op_facts.is_view``: ``view``, ``transpose``, ``expand``, ``getitem``...,
+  and the identities Megatron's *f*, ``stage_boundary`` and ``partial_grad``; reshape-likes
+  are counted as views, without the strides that would tell when they copy): 0 FLOPs, 0 bytes.
 * **data movement** (``to``, ``contiguous``, ``cat``, ``index``, ``pad``, factories...):
   0 FLOPs; bytes = inputs + outputs.
-* **collectives** (*g*, the all-gathers, the reduce-scatter, the sequence slice): 0 FLOPs, 0 bytes here;
+* **collectives** (``ops.COMMUNICATION_ONLY``: *g*, the all-gathers, the reduce-scatter, the sequence slice): 0 FLOPs, 0 bytes here;
   ``autotp.cost_model.communication.group_collective_s`` times their communication.
 * **everything else** (elementwise ops, norms, reductions, softmax, the vocab-parallel
   loss): 1 FLOP per element of the largest input or output; bytes = inputs + outputs.
@@ -54,7 +55,8 @@ import torch
 from torch.fx import Node
 
 from autotp.analysis.local_shapes import TensorInfo, global_tensors
-from autotp.analysis.op_kinds import OpKind, op_kind, op_name
+from autotp.ir import ops
+from autotp.ir.op_facts import OpKind, is_view, op_kind, op_name
 from autotp.cost_model.fused_loss import loss_bytes_per_logit
 from autotp.cost_model.hardware import HardwareProfile
 
@@ -67,12 +69,6 @@ class NodeCost:
 
 Tensors = Callable[[Node], list[TensorInfo]]
 
-_VIEWS = {
-    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "unsqueeze", "squeeze",
-    "expand", "expand_as", "slice", "select", "alias", "split", "split_with_sizes", "chunk",
-    "unbind", "getitem", "as_strided", "detach", "narrow", "numpy_T", "mT", "view_as",
-    "unflatten", "flatten", "copy_to_tp", "stage_boundary", "partial_grad",
-}  # fmt: skip
 _DATA_MOVEMENT = {
     "to", "_to_copy", "contiguous", "clone", "copy", "copy_", "cat", "stack", "pad",
     "constant_pad_nd", "index", "index_select", "gather", "scatter", "index_put", "index_put_",
@@ -80,7 +76,6 @@ _DATA_MOVEMENT = {
     "zeros_like", "ones_like", "full_like", "new_ones", "new_zeros", "new_full", "new_empty",
     "scalar_tensor",
 }  # fmt: skip
-_COLLECTIVES = {"reduce_from_tp", "gather_from_tp", "all_gather", "reduce_scatter", "scatter_to_tp"}
 _SDPA_IS_CAUSAL_ARG = 5
 
 
@@ -120,9 +115,9 @@ def node_cost(node: Node, tensors: Tensors = global_tensors) -> NodeCost:
     """Forward FLOPs and memory bytes of one node (formulas in the module docstring)."""
     if node.op != "call_function":
         return NodeCost(0, 0)
-    name = op_name(node.target)
-    if name in _VIEWS or name in _COLLECTIVES:
+    if is_view(node.target) or node.target in ops.COMMUNICATION_ONLY:
         return NodeCost(0, 0)
+    name = op_name(node.target)
     inputs = _input_nodes(node)
     outputs = tensors(node)
     in_bytes, out_bytes = _bytes(inputs, tensors), sum(t.nbytes for t in outputs)

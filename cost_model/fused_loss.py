@@ -2,7 +2,7 @@
 
 ``passes/fused_linear_cross_entropy`` replaces ``linear`` -> (cast) -> ``cross_entropy_loss``
 by one op that computes ``chunk`` tokens' logits at a time, both gradients included
-(``autotp.runtime.fused_loss``). Against the unfused loss, with N tokens, a rank's V_l
+(``autotp.ir.fused_loss``). Against the unfused loss, with N tokens, a rank's V_l
 vocabulary columns, hidden size H and 16-bit weights:
 
 * **Memory.** Unfused, a microbatch holds its logits (N·V_l·2 bytes), their float32 copy and,

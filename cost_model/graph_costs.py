@@ -46,26 +46,24 @@ from torch.fx import GraphModule, Node
 from autotp.ir import meta_keys, ops
 from autotp.analysis.local_shapes import TensorInfo, global_tensors, local_tensors
 from autotp.cost_model.communication import group_collective_s
-from autotp.cost_model.flops import compute_time_s, node_cost, op_name
+from autotp.cost_model.flops import compute_time_s, node_cost
 from autotp.cost_model.fp8 import amax_reduce_bytes
 from autotp.cost_model.hardware import H200, HardwareProfile
 from autotp.analysis.layers import EMBEDDING, HEAD, LayerKey, last_layer_position, layer_of, outside_layers
 from autotp.ir.layouts import Layout
 from autotp.ir.plan import ParallelPlan
-from autotp.passes.sequence_parallel import REDUCE_SCATTER_TAG, SCATTER_TAG, SEQUENCE_GATHER_TAG
-from autotp.passes.fp8_linear import FP8_ALL_GATHER_TAG
-from autotp.passes.tp_overlap import ALL_GATHER_MATMUL_TAG, MATMUL_REDUCE_SCATTER_TAG
+from autotp.ir.op_facts import TAG_COMMUNICATION, Collective, CollectiveTag, Direction, op_name
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
-DIRECTIONS = ("forward", "backward")
+KINDS = (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.P2P)
+DIRECTIONS = tuple(Direction)
 
 _FLOAT32_BYTES = 4
 
 
 @dataclass(frozen=True)
 class CollectiveCost:
-    kind: str
-    direction: str
+    kind: Collective
+    direction: Direction
     bytes: int
     ranks: int
     time_s: float
@@ -150,7 +148,7 @@ def describe_layout(node: Node, tp: int) -> str | None:
 
 
 def _joins_its_user(node: Node) -> bool:
-    if node.meta.get(meta_keys.COLLECTIVE) == "all_reduce_backward":
+    if node.meta.get(meta_keys.COLLECTIVE) == CollectiveTag.ALL_REDUCE_BACKWARD:
         return True
     inserted = meta_keys.COLLECTIVE in node.meta or node.target is ops.STAGE_BOUNDARY
     return inserted and not node.meta.get("nn_module_stack")
@@ -204,48 +202,37 @@ def layer_order(key: LayerKey) -> tuple[int, int]:
 
 
 def _collectives(node: Node, tp: int, hw: HardwareProfile, local: list[TensorInfo]) -> tuple[CollectiveCost, ...]:
-    def cost(kind: str, direction: str, nbytes: int, ranks: int = tp, overlapped: bool = False) -> CollectiveCost:
+    def cost(kind: Collective, direction: Direction, nbytes: int, ranks: int = tp, overlapped: bool = False) -> CollectiveCost:
         return CollectiveCost(kind, direction, nbytes, ranks, group_collective_s(kind, nbytes, ranks, ranks, hw), overlapped)
 
     tag = node.meta.get(meta_keys.COLLECTIVE)
     if node.op == "call_function" and node.target is ops.FP8_LINEAR:
         out = []
-        if tag == FP8_ALL_GATHER_TAG:  # the tokens travel in FP8 (1 byte each); their grad in the model's dtype
+        if tag == CollectiveTag.FP8_ALL_GATHER:  # the tokens travel in FP8 (1 byte each); their grad in the model's dtype
             tokens = global_tensors(node.args[0])[0]
             ranks = node.meta[meta_keys.COLLECTIVE_RANKS]
-            out += [cost("all_gather", "forward", tokens.numel, ranks), cost("reduce_scatter", "backward", tokens.nbytes, ranks)]
+            out += [cost(Collective.ALL_GATHER, Direction.FORWARD, tokens.numel, ranks),
+                    cost(Collective.REDUCE_SCATTER, Direction.BACKWARD, tokens.nbytes, ranks)]  # fmt: skip
         if node.args[-1]:  # the amaxes of split operands, max-reduced once per direction
             forward, backward = amax_reduce_bytes(node, lambda n: local_tensors(n, tp))
-            out += [cost("all_reduce", d, b) for d, b in (("forward", forward), ("backward", backward)) if b]
+            out += [cost(Collective.ALL_REDUCE, d, b) for d, b in ((Direction.FORWARD, forward), (Direction.BACKWARD, backward)) if b]
         return tuple(out)
     if tag is not None:
-        nbytes = sum(t.nbytes for t in global_tensors(node))
+        assert tag in TAG_COMMUNICATION, f"unknown collective tag {tag!r} on {node.name}"
+        # the gathered input of all_gather_matmul is its first output
+        tensors = global_tensors(node)[:1] if tag == CollectiveTag.ALL_GATHER_MATMUL else global_tensors(node)
+        nbytes = sum(t.nbytes for t in tensors)
         ranks = node.meta[meta_keys.COLLECTIVE_RANKS]
-        if tag == "all_reduce":
-            return (cost("all_reduce", "forward", nbytes, ranks),)
-        if tag == "all_gather":
-            return (cost("all_gather", "forward", nbytes, ranks),)
-        if tag == REDUCE_SCATTER_TAG:  # sequence parallelism: g's replacement
-            return (cost("reduce_scatter", "forward", nbytes, ranks), cost("all_gather", "backward", nbytes, ranks))
-        if tag == SEQUENCE_GATHER_TAG:  # f's replacement
-            return (cost("all_gather", "forward", nbytes, ranks), cost("reduce_scatter", "backward", nbytes, ranks))
-        if tag == ALL_GATHER_MATMUL_TAG:  # the gathered input is the first output
-            nbytes = global_tensors(node)[0].nbytes
-            return (cost("all_gather", "forward", nbytes, ranks, True), cost("reduce_scatter", "backward", nbytes, ranks, True))
-        if tag == MATMUL_REDUCE_SCATTER_TAG:
-            return (cost("reduce_scatter", "forward", nbytes, ranks, True), cost("all_gather", "backward", nbytes, ranks, True))
-        if tag == SCATTER_TAG:  # a whole-sequence operand sliced to this rank's tokens
-            return (cost("all_gather", "backward", nbytes, ranks),)
-        assert tag == "all_reduce_backward", f"unknown collective tag {tag!r} on {node.name}"
-        return (cost("all_reduce", "backward", nbytes, ranks),)
+        return tuple(cost(c.collective, c.direction, nbytes, ranks, c.overlapped) for c in TAG_COMMUNICATION[CollectiveTag(tag)])
+    forward, backward = Direction.FORWARD, Direction.BACKWARD
     if node.op == "call_function" and node.target is ops.STAGE_BOUNDARY:
         nbytes = sum(t.nbytes for t in local)
-        return (cost("p2p", "forward", nbytes, 2), cost("p2p", "backward", nbytes, 2))
+        return (cost(Collective.P2P, forward, nbytes, 2), cost(Collective.P2P, backward, nbytes, 2))
     if node.op == "call_function" and node.target is ops.VOCAB_PARALLEL_CROSS_ENTROPY:
         tokens = global_tensors(node.args[1])[0].numel
         return (
-            cost("all_reduce", "forward", tokens * _FLOAT32_BYTES),
-            cost("all_reduce", "forward", 2 * tokens * _FLOAT32_BYTES),
+            cost(Collective.ALL_REDUCE, forward, tokens * _FLOAT32_BYTES),
+            cost(Collective.ALL_REDUCE, forward, 2 * tokens * _FLOAT32_BYTES),
         )
     return ()
 

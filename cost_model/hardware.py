@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from autotp.ir.errors import UserInputError
 
@@ -258,6 +259,21 @@ def profile_for_gpu(device_name: str) -> HardwareProfile | None:
         if key in device_name:
             return profile
     return None
+
+
+def device_hardware(device: torch.device) -> str | None:
+    """The ``PROFILES`` key of the GPU kind of a CUDA ``device`` (None for other devices or unknown GPUs)."""
+    if device.type != "cuda":
+        return None
+    profile = profile_for_gpu(torch.cuda.get_device_name(device))
+    return profile_key(profile) if profile is not None else None
+
+
+def profile_key(profile: HardwareProfile) -> str | None:
+    """The ``PROFILES`` key of a built-in profile, or of the built-in one a calibration measured."""
+    name = profile.name.removesuffix(" (calibrated)")
+    measured = profile_for_gpu(name) or (CPU if name == CPU.name else None)
+    return next((key for key, builtin in PROFILES.items() if builtin in (profile, measured) or builtin.name == name), None)
 
 
 def calibrated_profile_path(device_name: str) -> Path:

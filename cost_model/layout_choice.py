@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from autotp.analysis.op_kinds import is_alias
+from autotp.ir.op_facts import is_alias
 from autotp.analysis.propagation_result import Propagation, param_sharding
 from autotp.analysis.shapes import size_int
 from autotp.cost_model.communication import all_reduce_s

@@ -7,8 +7,9 @@ run on the local shapes and counts the bytes of live tensor storage at every ste
 ``[const, per_sample]``) at microbatch size b, as in ``autotp.cost_model.compute``.
 
 **Forward**, in graph order: a node allocates its output unless it aliases its first
-input (views, ``to`` of the same dtype, in-place ops; ``reshape`` and ``contiguous`` copy
-a non-contiguous input: one made by transpose, permute, expand or slice). A storage dies
+input (``autotp.ir.op_facts``: views, conversions to the same dtype, in-place ops;
+``reshape`` and ``contiguous`` copy a non-contiguous input: one made by transpose, permute,
+expand or slice). A storage dies
 after its last forward use unless a node saves it for backward
 (``compute.saved_inputs``); graph outputs other than the loss die when the forward
 returns. ``cross_entropy_loss`` keeps its log-softmax (input size) and the vocab-parallel
@@ -38,7 +39,7 @@ the same in its backward, without parameter gradients; ``own_grads[j]`` this seg
 parameter gradients allocated up to node j (first microbatch); ``grad_transient[j]`` the
 parameter gradient node j makes (later microbatches). ``saved`` is what it holds from its
 forward to its backward; ``deferred`` what a zero-bubble schedule holds from its ``B`` to
-its ``W`` (``autotp.runtime.weight_grads``: each linear's input, once per storage, and
+its ``W`` (``autotp.runtime.execution.weight_grads``: each linear's input, once per storage, and
 output gradient).
 """
 
@@ -51,16 +52,8 @@ from torch.fx import GraphModule, Node
 
 from autotp.analysis.layers import LayerKey
 from autotp.analysis.local_shapes import TensorInfo
-from autotp.analysis.op_kinds import op_name
+from autotp.ir.op_facts import copies_if_strided, is_conversion, is_inplace, is_view, op_name, strides_output
 
-_VIEWS = {
-    "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten", "alias", "detach",
-    "getitem", "expand", "transpose", "t", "permute", "slice", "select", "narrow", "split", "split_with_sizes",
-    "chunk", "unbind", "as_strided", "contiguous", "view_as", "reshape_as", "expand_as", "lift_fresh",
-    "copy_to_tp", "stage_boundary",
-}  # fmt: skip
-_STRIDED = {"expand", "transpose", "t", "permute", "slice", "select", "narrow", "expand_as", "as_strided"}
-_COPY_IF_STRIDED = {"reshape", "contiguous", "flatten", "reshape_as"}
 _WHOLE_INPUT_GRAD = {"slice", "select", "narrow", "expand", "expand_as", "as_strided"}  # zeros + copy, or a sum
 _PASS_GRAD = {"add", "sub", "neg", "reduce_from_tp", "stage_boundary"}  # the gradient of each input is a view of the output's
 _GRAD_COPIES = {"copy_to_tp"}  # a view forward; its backward all-reduces a copy of the gradient
@@ -90,16 +83,14 @@ class SegmentMemory:
 
 
 def _is_view(node: Node, strided: set[Node]) -> bool:
-    name = op_name(node.target)
-    if name.endswith("_") and not name.startswith("_"):
-        return True  # in place
-    if name in ("to", "_to_copy", "type_as"):
-        src = node.args[0]
+    target, src = node.target, node.args[0] if node.args else None
+    if is_inplace(target):
+        return True
+    if is_conversion(target):
         return isinstance(src, Node) and _dtype(src) == _dtype(node)
-    if name in _COPY_IF_STRIDED:
-        src = node.args[0]
+    if copies_if_strided(target):
         return not (isinstance(src, Node) and src in strided)
-    return name in _VIEWS
+    return is_view(target)
 
 
 def _dtype(node: Node) -> object:
@@ -170,7 +161,7 @@ def simulate(
         src = next((a for a in n.all_input_nodes if a in root), None)
         if _is_view(n, strided) and src is not None:
             root[n] = root[src]
-            if op_name(n.target) in _STRIDED or src in strided:
+            if strides_output(n.target) or src in strided:
                 strided.add(n)
         else:
             root[n] = n

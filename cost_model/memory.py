@@ -51,7 +51,7 @@ and W of ``autotp.ir.schedules``, with what the other microbatches hold then):
 
 plus the CUDA-graph buffers (static inputs and outputs of captured regions; 0 until
 regions are planned), once per microbatch in flight: each has its own capture
-(``autotp.runtime.cudagraphs``).
+(``autotp.runtime.execution.cudagraphs``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch
 from torch.fx import GraphModule
 
 from autotp.analysis.layers import layer_of, num_layers
-from autotp.analysis.op_kinds import is_matmul
+from autotp.ir.op_facts import is_matmul
 from autotp.ir.errors import UserInputError
 
 

@@ -53,6 +53,7 @@ from autotp.cost_model.hardware import (
     get_profile,
     load_profile,
     profile_for_gpu,
+    profile_key,
 )
 from autotp.cost_model.memory import PRECISIONS
 from autotp.cost_model.moe_costs import moe_facts, with_expert_parallel
@@ -164,6 +165,7 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
         dp_bucket_bytes=DP_BUCKET_BYTES,
         precision=training.precision,
         distributed_optimizer=est.distributed_optimizer,
+        hardware=profile_key(hw) or rc.plan.hardware,
     )
     if expert is not None:
         plan = replace(plan, ep=expert.ep, etp=1, moe_dispatch=expert.dispatch, moe_capacity_factor=expert.capacity_factor,

@@ -35,7 +35,7 @@ from dataclasses import replace
 
 from torch.fx import GraphModule, Node
 
-from autotp.analysis.op_kinds import op_name
+from autotp.ir.op_facts import op_name
 from autotp.analysis.propagation import propagate
 from autotp.analysis.propagation_result import NodeRole, Propagation, indivisible, param_sharding
 from autotp.cost_model.fused_loss import loss_chunk_tokens

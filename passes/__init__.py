@@ -3,15 +3,20 @@
 from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.cancel_collectives import cancel_collectives
 from autotp.passes.causal_attention import causal_attention
+from autotp.passes.extract_chunks import extract_chunks
 from autotp.passes.expert_parallel import expert_parallel
 from autotp.passes.drop_unread_outputs import drop_unread_outputs
 from autotp.passes.fused_linear_cross_entropy import fused_linear_cross_entropy
 from autotp.passes.fp8_linear import fp8_linear
 from autotp.passes.insert_collectives import insert_collectives
+from autotp.passes.insert_param_waits import insert_param_waits
+from autotp.passes.find_cudagraph_candidates import find_cudagraph_candidates
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.rewrite_shapes import rewrite_shapes
 from autotp.passes.slice_replicated import slice_replicated
 from autotp.passes.sharded_statistics import sharded_statistics
+from autotp.passes.split_cudagraph_regions import split_cudagraph_regions
+from autotp.passes.split_weight_grads import split_weight_grads
 from autotp.passes.sequence_parallel import sequence_parallel
 from autotp.passes.split_stages import split_stages
 from autotp.passes.runner import Pass
@@ -38,5 +43,14 @@ PASSES: list[Pass] = [
     fp8_linear,
     tp_overlap,
     split_stages,
+    find_cudagraph_candidates,
     mark_cudagraph_regions,
 ]
+
+PROGRAM_PASSES: list[Pass] = [
+    extract_chunks,
+    split_cudagraph_regions,
+    insert_param_waits,
+    split_weight_grads,
+]
+"""The passes after ``PASSES`` that build the rank program's chunk graphs (``autotp.ir.program``)."""

@@ -29,11 +29,12 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from autotp.analysis.moe import GROUPED, MoeLayer, find_moe_layers
-from autotp.analysis.op_kinds import op_name
+from autotp.ir.op_facts import op_name
 from autotp.ir import meta_keys
 from autotp.ir.errors import UserInputError
 from autotp.ir.moe_ops import MOE_FROM_EXPERTS, MOE_ROUTE, MOE_TO_EXPERTS, SYNC_FREE, received_rows
-from autotp.ir.moe_plan import MoeLayerPlan, capacity_for, ep_group_key
+from autotp.ir.axes import Axis, group_key
+from autotp.ir.moe_plan import MoeLayerPlan, capacity_for
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten
@@ -52,7 +53,7 @@ def expert_parallel(gm: GraphModule, ctx: PassContext) -> GraphModule:
             raise UserInputError(f"the plan moves the experts of {entry.name} to ep ranks, but in this graph {why}; "
                                  "re-plan for these inputs (parallelize with plan=None)")  # fmt: skip
         capacity = capacity_for(layer.rows, plan.tp, layer.num_experts, plan.moe_capacity_factor) if plan.moe_dispatch == SYNC_FREE else 0
-        layout = (layer.num_experts, capacity, plan.ep, ep_group_key(plan.ep), plan.tp, ctx.group)
+        layout = (layer.num_experts, capacity, plan.ep, group_key(Axis.EP, plan.ep), plan.tp, ctx.group)
         if layer.form == GROUPED:
             _rewrite_grouped(gm.graph, layer, layout)
         else:

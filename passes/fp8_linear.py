@@ -30,13 +30,11 @@ from torch.fx import Graph, GraphModule, Node
 
 from autotp.ir import fp8, meta_keys, ops
 from autotp.ir.layouts import Layout
+from autotp.ir.op_facts import CollectiveTag
 from autotp.passes.runner import PassContext
-from autotp.passes.sequence_parallel import SEQUENCE_GATHER_TAG
 from autotp.passes.tp_overlap import transposed_weight
 
 aten = torch.ops.aten
-FP8_ALL_GATHER_TAG = "fp8_all_gather"
-"""``meta_keys.COLLECTIVE`` of an ``fp8_linear`` that all-gathers its input (reduce-scatters its grad)."""
 FP8_OPS: dict[str, torch._ops.OpOverload] = {"torch": ops.FP8_LINEAR}
 """``plan.fp8_backend`` -> the op that runs its GEMMs (same schema as ``autotp::fp8_linear``).
 A backend (Transformer Engine's GEMMs, say) registers its op here."""
@@ -132,7 +130,7 @@ def _absorbed_gather(x: Node, sites: list[GemmSite], ctx: PassContext, recipe: s
     """The sequence all-gather ``x`` when its FP8 form replaces it: every user is one of ``sites``."""
     if not ctx.plan.fp8_all_gather or recipe != fp8.TENSORWISE:
         return None
-    if x.op != "call_function" or x.target is not ops.ALL_GATHER or x.meta.get(meta_keys.COLLECTIVE) != SEQUENCE_GATHER_TAG:
+    if x.op != "call_function" or x.target is not ops.ALL_GATHER or x.meta.get(meta_keys.COLLECTIVE) != CollectiveTag.SEQUENCE_ALL_GATHER:
         return None
     return x if set(x.users) == {s.node for s in sites} else None
 
@@ -156,7 +154,7 @@ def _rewrite(graph: Graph, x: Node, recipe: str, sites: list[GemmSite], ctx: Pas
     fused.meta[meta_keys.LAYOUT] = tuple(s.node.meta.get(meta_keys.LAYOUT) for s in sites)
     fused.meta[meta_keys.NEEDS_GRAD] = any(s.node.meta.get(meta_keys.NEEDS_GRAD) for s in sites)
     if gather is not None:
-        fused.meta[meta_keys.COLLECTIVE] = FP8_ALL_GATHER_TAG
+        fused.meta[meta_keys.COLLECTIVE] = CollectiveTag.FP8_ALL_GATHER
         fused.meta[meta_keys.COLLECTIVE_RANKS] = gather.meta[meta_keys.COLLECTIVE_RANKS]
     for i, s in enumerate(sites):
         with graph.inserting_before(s.node):

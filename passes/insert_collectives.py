@@ -25,16 +25,17 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autotp.ir import meta_keys, ops
-from autotp.ir.ops import replica_group_key
+from autotp.ir.axes import replica_group_key
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import shape_of
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimSharding, Layout, fixed_var, resolve
+from autotp.ir.op_facts import CollectiveTag
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten
 
 
-def annotate_collective(new: Node, value: Node, layout: Any, kind: str, ranks: int, located_at: Node | None = None) -> None:
+def annotate_collective(new: Node, value: Node, layout: Any, kind: CollectiveTag, ranks: int, located_at: Node | None = None) -> None:
     """Metadata of a collective over ``ranks`` ranks applied to ``value``; ``located_at``
     names its source location."""
     where = located_at or value
@@ -73,7 +74,7 @@ def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
         for partial in node.meta.get(meta_keys.REDUCE_INPUTS, []):
             with graph.inserting_before(node):
                 g = graph.call_function(ops.REDUCE_FROM_TP, (partial, key), name="reduce_from_tp")
-            annotate_collective(g, partial, REPLICATE, "all_reduce", ctx.plan.tp, located_at=_partial_source(partial))
+            annotate_collective(g, partial, REPLICATE, CollectiveTag.ALL_REDUCE, ctx.plan.tp, located_at=_partial_source(partial))
             node.replace_input_with(partial, g)
         if node.meta.get(meta_keys.ROLE) is NodeRole.ROW_WITH_BIAS:
             _split_row_bias(gm, node, key, ctx.plan.tp)
@@ -85,7 +86,7 @@ def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
             if user.op == "call_function" and _not_replicated(user):
                 with graph.inserting_before(user):
                     f = graph.call_function(ops.COPY_TO_TP, (node, key), name="copy_to_tp")
-                annotate_collective(f, node, lay, "all_reduce_backward", ctx.plan.tp)
+                annotate_collective(f, node, lay, CollectiveTag.ALL_REDUCE_BACKWARD, ctx.plan.tp)
                 user.replace_input_with(node, f)
     _sync_replicated_blocks(gm, ctx)
     if ctx.plan.gather_outputs:
@@ -109,7 +110,7 @@ def _split_row_bias(gm: GraphModule, node: Node, key: str, tp: int) -> None:
         out = graph.call_function(aten.add.Tensor, (g, bias))
     product.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.ROLE})
     product.meta[meta_keys.LAYOUT] = Layout(partial=True)
-    annotate_collective(g, product, REPLICATE, "all_reduce", tp)
+    annotate_collective(g, product, REPLICATE, CollectiveTag.ALL_REDUCE, tp)
     out.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.ROLE})
     node.replace_all_uses_with(out)
     graph.erase_node(node)
@@ -128,7 +129,7 @@ def _sync_replicated_blocks(gm: GraphModule, ctx: PassContext) -> None:
         if len(set(replicas)) == 1:
             with graph.inserting_after(node):
                 f = graph.call_function(ops.COPY_TO_TP, (node, replica_group_key(ctx.group, replicas[0])), name="copy_to_tp")
-            annotate_collective(f, node, node.meta.get(meta_keys.LAYOUT), "all_reduce_backward", replicas[0])
+            annotate_collective(f, node, node.meta.get(meta_keys.LAYOUT), CollectiveTag.ALL_REDUCE_BACKWARD, replicas[0])
             node.replace_all_uses_with(f, delete_user_cb=lambda u: u is not f)
             continue
         _sync_replicated_segments(gm, node, layout, replicas, ctx.group, tp)
@@ -147,7 +148,7 @@ def _sync_replicated_segments(gm: GraphModule, node: Node, layout: Any, replicas
     split.meta["val"] = torch.split(val, list(sharding.segments), dim)
     parts, prev = [], split
     for i, (seg, g, reps) in enumerate(zip(sharding.segments, sharding.groups, replicas)):
-        seg_layout = Layout(((dim, fixed_var(DimSharding(seg, (seg,), (g,)), layout.name)),))
+        seg_layout = Layout(((dim, fixed_var(DimSharding(seg, (seg,), (g,), axis=sharding.axis), layout.name)),))
         with graph.inserting_after(prev):
             part = graph.call_function(operator.getitem, (split, i))
         part.meta["val"], part.meta[meta_keys.LAYOUT] = split.meta["val"][i], seg_layout
@@ -156,7 +157,7 @@ def _sync_replicated_segments(gm: GraphModule, node: Node, layout: Any, replicas
         if reps > 1:
             with graph.inserting_after(part):
                 f = graph.call_function(ops.COPY_TO_TP, (part, replica_group_key(group, reps)), name="copy_to_tp")
-            annotate_collective(f, part, seg_layout, "all_reduce_backward", reps)
+            annotate_collective(f, part, seg_layout, CollectiveTag.ALL_REDUCE_BACKWARD, reps)
             part, prev = f, f
         parts.append(part)
     with graph.inserting_after(prev):
@@ -182,7 +183,7 @@ def _gather_outputs(gm: GraphModule, key: str, tp: int) -> None:
             size = shape[d] if contiguous else sharding.local_size(tp) * tp
             with graph.inserting_before(out_node):
                 value = graph.call_function(ops.GATHER_FROM_TP, (value, d, size, key), name="gather_from_tp")
-            annotate_collective(value, arg, REPLICATE, "all_gather", tp)
+            annotate_collective(value, arg, REPLICATE, CollectiveTag.ALL_GATHER, tp)
             if not contiguous:
                 value = _in_global_order(graph, value, d, sharding, tp, out_node)
         out_node.replace_input_with(arg, value)

@@ -41,6 +41,7 @@ from autotp.ir.errors import UserInputError
 from autotp.analysis.shapes import shape_of
 from autotp.ir import meta_keys, ops
 from autotp.ir.layouts import REPLICATE, DimVar, Layout, shard
+from autotp.ir.op_facts import CollectiveTag, is_reshape
 from autotp.passes.insert_collectives import annotate_collective
 from autotp.passes.runner import PassContext
 
@@ -51,11 +52,7 @@ _CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.clone.default, at
 _REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction,
                          aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int})  # fmt: skip
 _DROPOUTS = frozenset({aten.dropout.default, ops.TP_DROPOUT})
-_VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 # Collective tags (``meta_keys.COLLECTIVE``) of the ops this pass inserts.
-REDUCE_SCATTER_TAG = "reduce_scatter"
-SEQUENCE_GATHER_TAG = "sequence_all_gather"
-SCATTER_TAG = "scatter"
 
 
 def sequence_parallel(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -89,7 +86,7 @@ def sequence_parallel(gm: GraphModule, ctx: PassContext) -> GraphModule:
             with graph.inserting_before(node):
                 rs = graph.call_function(ops.REDUCE_SCATTER, (node.args[0], SEQ, tp, ctx.group), name="reduce_scatter")
             rs.meta.update(node.meta)
-            rs.meta[meta_keys.COLLECTIVE] = REDUCE_SCATTER_TAG
+            rs.meta[meta_keys.COLLECTIVE] = CollectiveTag.REDUCE_SCATTER
             node.replace_all_uses_with(rs)
             graph.erase_node(node)
             region[rs] = region.pop(node)
@@ -119,7 +116,7 @@ def _swap_with_view(graph: Graph, g: Node) -> None:
     chain = [g]
     while len(chain[-1].users) == 1:
         (user,) = chain[-1].users
-        if user.target in _VIEWS and _tokens(user) is not None and shape_of(user)[-1] == shape_of(g)[-1]:
+        if is_reshape(user.target) and _tokens(user) is not None and shape_of(user)[-1] == shape_of(g)[-1]:
             break
         if not _bias_like(user, chain[-1]):
             return
@@ -210,13 +207,13 @@ def _adapt_outside_operands(
         if dim is not None and dim >= 0:
             with graph.inserting_before(node):
                 part = graph.call_function(ops.SCATTER_TO_TP, (a, dim, seq // tp, group), name="scatter_to_tp")
-            annotate_collective(part, a, shard({dim: var}), SCATTER_TAG, tp, located_at=node)
+            annotate_collective(part, a, shard({dim: var}), CollectiveTag.SCATTER, tp, located_at=node)
             node.replace_input_with(a, part)
         elif a.meta.get(meta_keys.NEEDS_GRAD):
             if a not in fs:
                 with graph.inserting_after(a):
                     fs[a] = graph.call_function(ops.COPY_TO_TP, (a, group), name="copy_to_tp")
-                annotate_collective(fs[a], a, a.meta.get(meta_keys.LAYOUT), "all_reduce_backward", tp, located_at=node)
+                annotate_collective(fs[a], a, a.meta.get(meta_keys.LAYOUT), CollectiveTag.ALL_REDUCE_BACKWARD, tp, located_at=node)
             node.replace_input_with(a, fs[a])
 
 
@@ -229,7 +226,7 @@ def _gather_for_outside_users(graph: Graph, node: Node, region: dict[Node, int],
             graph.erase_node(user)
             continue
         fs = list(user.users)
-        if user.target in _VIEWS and fs and all(_is_f(f, group) for f in fs):  # view -> f: gather, then view
+        if is_reshape(user.target) and fs and all(_is_f(f, group) for f in fs):  # view -> f: gather, then view
             user.replace_input_with(node, _all_gather_for(graph, node, fs[0], tp, group))
             for f in fs:
                 f.replace_all_uses_with(user)
@@ -238,7 +235,7 @@ def _gather_for_outside_users(graph: Graph, node: Node, region: dict[Node, int],
         if full is None:
             with graph.inserting_after(node):
                 full = graph.call_function(ops.GATHER_FROM_TP, (node, SEQ, region[node], group), name="gather_from_tp")
-            annotate_collective(full, node, REPLICATE, "all_gather", tp)
+            annotate_collective(full, node, REPLICATE, CollectiveTag.ALL_GATHER, tp)
         user.replace_input_with(node, full)
     return full
 
@@ -251,7 +248,7 @@ def _all_gather_for(graph: Graph, node: Node, f: Node, tp: int, group: str) -> N
     """An all-gather of ``node`` standing where f was (backward: reduce-scatter of the partial grads)."""
     with graph.inserting_after(node):
         gathered = graph.call_function(ops.ALL_GATHER, (node, SEQ, tp, group), name="all_gather")
-    annotate_collective(gathered, node, REPLICATE, SEQUENCE_GATHER_TAG, tp, located_at=f)
+    annotate_collective(gathered, node, REPLICATE, CollectiveTag.SEQUENCE_ALL_GATHER, tp, located_at=f)
     return gathered
 
 
@@ -280,7 +277,7 @@ def _reduce_scatter_partial_grads(graph: Graph, full: Node, group: str, tp: int)
         return
     with graph.inserting_after(full):
         gathered = graph.call_function(ops.ALL_GATHER, (full.args[0], SEQ, tp, group), name="all_gather")
-    annotate_collective(gathered, full.args[0], REPLICATE, SEQUENCE_GATHER_TAG, tp, located_at=full)
+    annotate_collective(gathered, full.args[0], REPLICATE, CollectiveTag.SEQUENCE_ALL_GATHER, tp, located_at=full)
     full.replace_all_uses_with(gathered)
     graph.erase_node(full)
     for node in [gathered, *inside]:
@@ -300,7 +297,7 @@ def _reduce_scatter_partial_grads(graph: Graph, full: Node, group: str, tp: int)
             if a not in fs:
                 with graph.inserting_after(a):
                     fs[a] = graph.call_function(ops.COPY_TO_TP, (a, group), name="copy_to_tp")
-                annotate_collective(fs[a], a, a.meta.get(meta_keys.LAYOUT), "all_reduce_backward", tp, located_at=node)
+                annotate_collective(fs[a], a, a.meta.get(meta_keys.LAYOUT), CollectiveTag.ALL_REDUCE_BACKWARD, tp, located_at=node)
             node.replace_input_with(a, fs[a])
 
 

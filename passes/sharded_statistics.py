@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from autotp.analysis.op_kinds import is_matmul
+from autotp.ir.op_facts import is_matmul
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import schema_arg, shape_of
 from autotp.analysis.statistic_rules import reduced_dims

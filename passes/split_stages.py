@@ -18,7 +18,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from autotp.ir import meta_keys, ops
 from autotp.analysis.layers import HEAD, last_layer_position, layer_of, num_layers, outside_layers
-from autotp.analysis.op_kinds import is_alias, mutated_base, view_root
+from autotp.ir.op_facts import is_alias, mutated_base, view_root
 from autotp.passes.runner import PassContext
 from autotp.ir.errors import UserInputError
 

@@ -1,4 +1,4 @@
-"""Route training-mode dropout through the tp RNG streams (Megatron's rule, see ``autotp.runtime.rng``)."""
+"""Route training-mode dropout through the tp RNG streams (Megatron's rule, see ``autotp.runtime.execution.rng``)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 After ``sequence_parallel`` each column-parallel GEMM reads an ``all_gather`` of the
 sequence shard, and each row-parallel GEMM feeds a ``reduce_scatter``. This pass fuses
-each such pair into one op whose kernel pipelines the two (``autotp.runtime.overlap``):
+each such pair into one op whose kernel pipelines the two (``autotp.runtime.execution.overlap``):
 
 * ``all_gather`` (in ``plan.tp_overlap`` as ``all_gather``) whose every user is a GEMM with
   it as the activation -> one ``all_gather_matmul(x, [w1, w2, ...])`` for all of them
@@ -32,13 +32,11 @@ from torch.fx import Graph, GraphModule, Node
 from autotp.analysis.shapes import shape_of
 from autotp.ir import meta_keys, ops
 from autotp.ir.layouts import Layout
+from autotp.ir.op_facts import CollectiveTag, is_reshape
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten
-ALL_GATHER_MATMUL_TAG = "all_gather_matmul"
-MATMUL_REDUCE_SCATTER_TAG = "matmul_reduce_scatter"
-_VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 
 
 def tp_overlap(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -59,6 +57,10 @@ def tp_overlap(gm: GraphModule, ctx: PassContext) -> GraphModule:
 
 def _is_call(node: object, *targets: object) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _is_reshape(node: object) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and is_reshape(node.target)
 
 
 def _flattens(view: Node, source: Node) -> bool:
@@ -91,7 +93,7 @@ def _consumers(ag: Node) -> list[_Consumer] | None:
             found.append(_Consumer(user, user.args[1], True, bias, False))
         elif _is_call(user, aten.matmul.default) and user.args[0] is ag and _two_d(user.args[1]):
             found.append(_Consumer(user, user.args[1], False, None, False))
-        elif _is_call(user, *_VIEWS) and _flattens(user, ag) and user.users:
+        elif _is_reshape(user) and _flattens(user, ag) and user.users:
             for mm in user.users:
                 if _is_call(mm, aten.mm.default) and mm.args[0] is user and mm.args[1] is not user:
                     found.append(_Consumer(mm, mm.args[1], False, None, True))
@@ -138,7 +140,7 @@ def _fuse_all_gather(graph: Graph, ag: Node, impl: str) -> None:
     fused.meta.update({k: v for k, v in ag.meta.items() if k not in ("val", meta_keys.LAYOUT)})
     _copy_site(fused, first)
     fused.meta["val"], fused.meta[meta_keys.LAYOUT] = vals, tuple(layouts)
-    fused.meta[meta_keys.COLLECTIVE] = ALL_GATHER_MATMUL_TAG
+    fused.meta[meta_keys.COLLECTIVE] = CollectiveTag.ALL_GATHER_MATMUL
     fused.meta[meta_keys.NEEDS_GRAD] = any(n.meta.get(meta_keys.NEEDS_GRAD) for n in (ag, *(c.out for c in consumers)))
     for i, c in enumerate(consumers, start=1):
         with graph.inserting_before(c.out):
@@ -182,10 +184,10 @@ def _producer(y: Node) -> tuple[Node, Node, bool, tuple[Node, ...]] | None:
         return y.args[0], y.args[1], True, (y,)
     if _is_call(y, aten.matmul.default) and _two_d(y.args[1]):
         return y.args[0], y.args[1], False, (y,)
-    if _is_call(y, *_VIEWS) and _is_call(y.args[0], aten.mm.default) and len(y.args[0].users) == 1:
+    if _is_reshape(y) and _is_call(y.args[0], aten.mm.default) and len(y.args[0].users) == 1:
         mm = y.args[0]
         flat = mm.args[0]
-        if _is_call(flat, *_VIEWS) and _flattens(flat, flat.args[0]) and shape_of(flat.args[0])[:-1] == shape_of(y)[:-1]:
+        if _is_reshape(flat) and _flattens(flat, flat.args[0]) and shape_of(flat.args[0])[:-1] == shape_of(y)[:-1]:
             return flat.args[0], mm.args[1], False, (y, mm, flat)
     return None
 
@@ -202,7 +204,7 @@ def _fuse_reduce_scatter(graph: Graph, rs: Node, impl: str) -> None:
         fused = graph.call_function(ops.MATMUL_REDUCE_SCATTER, ([x], [weight], dim, tp, group, impl), name="matmul_reduce_scatter")
     fused.meta.update(rs.meta)
     _copy_site(fused, gone[1] if len(gone) > 1 else gone[0])  # the GEMM
-    fused.meta[meta_keys.COLLECTIVE] = MATMUL_REDUCE_SCATTER_TAG
+    fused.meta[meta_keys.COLLECTIVE] = CollectiveTag.MATMUL_REDUCE_SCATTER
     rs.replace_all_uses_with(fused)
     graph.erase_node(rs)
     for n in gone:

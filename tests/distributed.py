@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 
 T = TypeVar("T")
 
@@ -13,7 +13,7 @@ T = TypeVar("T")
 def run_on_ranks(fn: Callable[..., T], world_size: int, *args: Any, timeout_s: float = 300) -> list[T]:
     """Run module-level `fn(rank, world_size, *args)` on `world_size` gloo ranks; results by rank.
 
-    Raises `autotp.runtime.launcher.RankError` with the rank's traceback if a rank raises, and
+    Raises `autotp.runtime.processes.launcher.RankError` with the rank's traceback if a rank raises, and
     `TimeoutError` after killing every rank if they do not finish in `timeout_s`.
     """
     return spawn_ranks(fn, world_size, *args, backend="gloo", timeout_s=timeout_s, num_threads=1)

@@ -105,7 +105,7 @@ def _train(pm: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, c
 
 def measure_worker(rank: int, world: int, case: Case, dims: tuple[int, ...] = DIMS, steps: int = 2) -> int:
     """This rank's peak live bytes over ``steps`` training steps."""
-    from autotp.runtime.live_memory import PeakLiveBytes
+    from autotp.runtime.execution.live_memory import PeakLiveBytes
 
     pm, opt, ids = _setup(case, dims, torch.device("cpu"))
     with PeakLiveBytes() as tracker:
@@ -138,7 +138,7 @@ def measure_cuda(case: Case, dims: tuple[int, ...] = DIMS) -> int:
     """The fullest rank's ``max_memory_allocated`` (one process per GPU, NCCL, beyond one rank)."""
     if case.world == 1:
         return measure_cuda_worker(0, 1, case, dims)
-    from autotp.runtime.launcher import spawn_ranks
+    from autotp.runtime.processes.launcher import spawn_ranks
 
     return max(spawn_ranks(measure_cuda_worker, case.world, case, dims, backend="nccl", timeout_s=900))
 

@@ -6,6 +6,11 @@
   inside functions count too, only ``if TYPE_CHECKING:`` blocks do not.
 * One compile sequence: ``run_passes`` is called from ``autotp/compiler.py`` alone.
 * No library module is over 500 lines.
+* The runtime runs the compiler's graphs and never rewrites one: nothing under
+  ``autotp/runtime/`` builds or edits an fx graph.
+* No module reads another module's underscore members (autotp's own; torch's ``nn.Module``
+  internals are torch's business).
+* Every step of the compile sequence writes its file under ``autotp dump --dump-dir``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from pathlib import Path
 
 import networkx as nx
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 # Source folder -> package it is installed as (pyproject.toml's package-dir).
@@ -119,8 +125,8 @@ def test_module_imports_have_no_cycle() -> None:
 
 def test_layer_rule_detects_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("from autotp.api import parallelize\nimport autotp.runtime.launcher\n")
-    found = _imports(bad, "autotp.ir.bad", {"autotp.api", "autotp.runtime.launcher"})
+    bad.write_text("from autotp.api import parallelize\nimport autotp.runtime.processes.launcher\n")
+    found = _imports(bad, "autotp.ir.bad", {"autotp.api", "autotp.runtime.processes.launcher"})
     assert [_layer(m) > _layer("autotp.ir.bad") for m, _ in found] == [True, True]
 
 
@@ -143,3 +149,100 @@ def test_no_module_over_the_line_limit(folder: str) -> None:
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines (split them by responsibility): {long}"
+
+
+# Graph edits: a node made, erased, moved or rewired, or a graph built node by node.
+GRAPH_EDITS = {"create_node", "erase_node", "inserting_before", "inserting_after", "replace_all_uses_with",
+               "replace_input_with", "call_function", "call_module", "node_copy", "graph_copy", "placeholder"}
+
+
+def _graph_edits(tree: ast.AST) -> list[tuple[str, int]]:
+    return [(node.attr, node.lineno) for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in GRAPH_EDITS]
+
+
+def test_the_runtime_never_edits_a_graph() -> None:
+    found = []
+    for module, path in _modules().items():
+        if module.startswith("autotp.runtime"):
+            found += [f"{path.relative_to(ROOT)}:{line}: .{name}" for name, line in _graph_edits(ast.parse(path.read_text()))]
+    assert not found, "graph rewrites belong in passes (autotp/passes), which the runner checks and dumps:\n" + "\n".join(found)
+
+
+def test_graph_edit_rule_detects_one() -> None:
+    tree = ast.parse("def f(g, n):\n    with g.inserting_before(n):\n        g.call_function(print, ())\n")
+    assert sorted(name for name, _ in _graph_edits(tree)) == ["call_function", "inserting_before"]
+
+
+TORCH_MODULE_MEMBERS = set(dir(torch.nn.Module)) | set(vars(torch.nn.Module()))
+
+
+def _private_names(tree: ast.AST) -> set[str]:
+    """The underscore names a module defines: functions, classes, module and class variables, ``self._x``."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) \
+                and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _foreign_private_reads(trees: dict[str, ast.AST]) -> list[str]:
+    defined = {module: _private_names(tree) for module, tree in trees.items()}
+    owners: dict[str, set[str]] = {}
+    for module, names in defined.items():
+        for name in names:
+            owners.setdefault(name, set()).add(module)
+    found = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autotp"):
+                found += [f"{module}:{node.lineno}: imports {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            others = owners.get(node.attr, set()) - {module}
+            if others and module not in owners[node.attr] and node.attr not in TORCH_MODULE_MEMBERS:
+                found.append(f"{module}:{node.lineno}: reads .{node.attr} of {', '.join(sorted(others))}")
+    return found
+
+
+def test_no_module_reads_another_modules_underscore_members() -> None:
+    trees = {module: ast.parse(path.read_text()) for module, path in _modules().items()}
+    found = _foreign_private_reads(trees)
+    assert not found, "use a public name (a property, a method, a plan field):\n" + "\n".join(found)
+
+
+def test_private_read_rule_detects_one() -> None:
+    trees = {
+        "autotp.a": ast.parse("class A:\n    def __init__(self):\n        self._state = 1\n        self._parameters = {}\n"),
+        "autotp.b": ast.parse("def f(a):\n    a._parameters.clear()\n    return a._state\n"),
+        "autotp.c": ast.parse("from autotp.a import _helper\n"),
+    }
+    found = _foreign_private_reads(trees)
+    assert len(found) == 2 and "reads ._state of autotp.a" in found[0] and "imports autotp.a._helper" in found[1], found
+
+
+def test_every_compile_step_writes_its_dump(tmp_path: Path) -> None:
+    import autotp
+    from autotp.compiler import compile_steps
+
+    model = autotp.presets.build_model("llama-tiny", device="meta")
+    compiled = autotp.compile_rank(model, tp=2, pp=2, cuda_graphs=True, dump_dir=tmp_path)
+    steps = [p.__name__ for p in compile_steps()]
+    for name in ("extract_chunks", "split_cudagraph_regions", "insert_param_waits", "split_weight_grads"):
+        assert name in steps
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["00_traced.py", *(f"{i:02d}_{name}.py" for i, name in enumerate(steps, start=1))]
+    assert "# ---- chunk_1 ----" in (tmp_path / f"{steps.index('extract_chunks') + 1:02d}_extract_chunks.py").read_text()
+    split = (tmp_path / f"{steps.index('split_cudagraph_regions') + 1:02d}_split_cudagraph_regions.py").read_text()
+    assert "cudagraph_region_" in split and "# ---- chunk_0.cudagraph_split ----" in split
+    deferred = (tmp_path / f"{steps.index('split_weight_grads') + 1:02d}_split_weight_grads.py").read_text()
+    assert "deferred_linear" in deferred
+    assert set(compiled.program.chunks) == {0, 1} and all(c.deferred is not None for c in compiled.program.chunks.values())

@@ -35,7 +35,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 def _record_reads(log: list[tuple[str, tuple]]) -> None:
     """Patch the checkpoint reader so that every read this process makes is logged."""
-    from autotp.runtime import checkpoint_hf
+    from autotp.runtime.state import checkpoint_hf
 
     real = checkpoint_hf.read_box
 
@@ -231,7 +231,7 @@ def _load_after_kill(rank: int, world: int, folder: str) -> int | None:
 
 
 def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path: Path) -> None:
-    from autotp.runtime.launcher import RankError
+    from autotp.runtime.processes.launcher import RankError
 
     with pytest.raises(RankError):
         run_on_ranks(_save_then_die, 1, str(tmp_path))

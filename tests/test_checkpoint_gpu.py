@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 from small_models import build
 
 

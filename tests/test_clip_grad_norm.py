@@ -58,7 +58,7 @@ def test_segments_replicated_on_some_ranks_count_once() -> None:
     """A fused q|k|v weight at tp=2 with one KV head: q is split, k and v are held by both ranks."""
     from autotp.ir.layouts import DimSharding
     from autotp.ir.plan import ParallelPlan, ParamLayout
-    from autotp.runtime.grad_norm import NormCounting
+    from autotp.runtime.gradients.grad_norm import NormCounting
 
     layout = ParamLayout("qkv.weight", "column", 0, DimSharding(48, (32, 8, 8), (4, 1, 1)))
     plan = ParallelPlan(tp=2, params=(layout,))

@@ -21,13 +21,15 @@ import torch
 from torch import nn
 
 import autotp
-from autotp.runtime import cudagraphs
+from autotp.runtime.execution import cudagraphs
 from autotp.ir import meta_keys, ops
 from autotp.ir import schedules
-from autotp.cost_model.cudagraphs import RegionStats, choose_regions, decide
+from autotp.cost_model.cudagraphs import RegionStats, choose_cudagraph_regions, decide
 from autotp.ir.plan import CudaGraphPolicy
 from autotp.report.cudagraphs import cudagraph_report, explain_cudagraphs
-from autotp.passes.mark_cudagraph_regions import COLLECTIVE, HOST_SYNC, HOST_VALUE, mark_cudagraph_regions
+from autotp.passes.find_cudagraph_candidates import COLLECTIVE, HOST_SYNC, HOST_VALUE, find_cudagraph_candidates
+from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
+from autotp.passes.split_cudagraph_regions import region_split
 from autotp.passes.runner import PassContext
 from autotp.ir.plan import ParallelPlan
 from distributed import run_on_ranks
@@ -137,9 +139,10 @@ def test_regions_never_span_stage_boundaries() -> None:
 
 
 def _mark(gm: torch.fx.GraphModule, plan: ParallelPlan, backend: str, device: str = "meta") -> torch.fx.GraphModule:
-    ctx = PassContext(plan=replace(plan, cudagraphs=True), device=torch.device(device), backend=backend,
-                      choose_cudagraph_regions=choose_regions)
-    return mark_cudagraph_regions(gm, ctx)
+    ctx = PassContext(plan=replace(plan, cudagraphs=True), device=torch.device(device), backend=backend)
+    for step in (find_cudagraph_candidates, choose_cudagraph_regions, mark_cudagraph_regions):
+        gm = step(gm, ctx)
+    return gm
 
 
 def test_gloo_collectives_are_blockers() -> None:
@@ -203,7 +206,7 @@ def _split_matches(rank: int, world: int, name: str, backend: str) -> dict[str, 
     ids = torch.randint(0, vocab_size(model), (2, 16), generator=torch.Generator().manual_seed(0))
     pm = autotp.parallelize(model, tp=world, example_inputs={"input_ids": ids, "labels": ids})
     gm = _mark(pm.graph_for(input_ids=ids, labels=ids), pm.plan, backend, "cpu")
-    split = cudagraphs.split_regions(gm)
+    split = region_split(gm)
     expected, expected_grads = _outputs_and_grads(pm, gm, ids)
     out, grads = _outputs_and_grads(pm, split, ids)
     return {
@@ -363,7 +366,7 @@ def test_first_call_records_static_inputs_and_later_outputs_are_copies(monkeypat
     ids = torch.randint(0, vocab_size(model), (2, 16))
     pm = autotp.parallelize(model, tp=1, example_inputs={"input_ids": ids, "labels": ids})
     gm = _mark(pm.graph_for(input_ids=ids, labels=ids), pm.plan, "nccl", "cpu")
-    captured = cudagraphs.CapturedGraph(gm, cudagraphs.TORCH)
+    captured = cudagraphs.CapturedGraph(region_split(gm), cudagraphs.TORCH)
     first = captured(input_ids=ids, labels=ids, use_cache=False)
     (modules, samples, kwargs) = given[0]
     assert kwargs["pool"] == "pool" and kwargs["allow_unused_input"]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 from small_models import build, vocab_size
 
 TOLERANCE = 1e-6

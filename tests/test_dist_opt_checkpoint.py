@@ -22,7 +22,7 @@ MAX_NORM = 0.5
 
 
 def test_flat_ranges_map_onto_global_chunks_exactly() -> None:
-    from autotp.runtime.shard_map import Piece, ShardSpec, _contiguous_boxes, flat_range_chunks
+    from autotp.runtime.state.shard_map import Piece, ShardSpec, _contiguous_boxes, flat_range_chunks
 
     rng = random.Random(0)
     for _ in range(300):
@@ -155,7 +155,7 @@ def _load_after_kill(rank: int, world: int, folder: str) -> dict:
 
 
 def test_killed_save_leaves_previous_distributed_optimizer_checkpoint_loadable(tmp_path: Path) -> None:
-    from autotp.runtime.launcher import RankError
+    from autotp.runtime.processes.launcher import RankError
 
     with pytest.raises(RankError):
         run_on_ranks(_save_then_die, 2, str(tmp_path))

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from distributed import run_on_ranks
 
-from autotp.runtime.launcher import RankError
+from autotp.runtime.processes.launcher import RankError
 
 
 def _all_reduce_rank(rank: int, world_size: int, scale: float) -> torch.Tensor:

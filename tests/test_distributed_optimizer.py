@@ -160,7 +160,7 @@ def _bad_input(rank: int, world: int) -> dict:
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("autotp.runtime.distributed_optimizer").addHandler(handler)
+    logging.getLogger("autotp.runtime.gradients.distributed_optimizer").addHandler(handler)
     pm1 = autotp.parallelize(build("llama"), tp=2, example_inputs={"input_ids": ids[:2], "labels": ids[:2]})
     autotp.DistributedOptimizer(pm1, torch.optim.AdamW, lr=1e-2)
     return {"messages": messages, "replayed": replayed, "dp1_log": records}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 from test_distributed_optimizer import _check, _train
 
 

@@ -20,7 +20,7 @@ from autotp.cli import main
 from autotp.ir import ops
 from autotp.ir.errors import UserInputError
 from autotp.presets import build_model
-from autotp.runtime.launcher import RankError, spawn_ranks
+from autotp.runtime.processes.launcher import RankError, spawn_ranks
 from distributed import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,7 +219,7 @@ def test_a_stage_that_raises_reaches_the_waiting_peer_within_30_s(backend: str, 
 def _failure_then_new_watch(rank: int, world: int) -> tuple[str | None, str | None]:
     import torch.distributed as dist
 
-    from autotp.runtime.guards import FailureWatch
+    from autotp.runtime.execution.guards import FailureWatch
 
     first = FailureWatch()  # a model whose first call failed on rank 1
     if rank == 1:
@@ -264,7 +264,7 @@ def test_rank_error_of_a_user_error_is_one_line_with_a_log() -> None:
 def _capture_then_tear_down(rank: int, world: int) -> float:
     import torch.distributed as dist
 
-    from autotp.runtime import cudagraphs
+    from autotp.runtime.execution import cudagraphs
 
     torch.cuda.set_device(rank)
     model = build_model("llama-tiny", device="cuda", dtype=torch.float32)
@@ -312,7 +312,7 @@ def test_torchrun_prints_a_user_error_once(tmp_path: Path) -> None:
 
 
 def test_traceback_logs_do_not_pile_up(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from autotp.runtime import launcher
+    from autotp.runtime.processes import launcher
 
     monkeypatch.setattr(launcher.tempfile, "gettempdir", lambda: str(tmp_path))
     written = [launcher._write_log(rank, f"traceback {rank}") for rank in range(launcher.KEPT_LOGS + 8)]

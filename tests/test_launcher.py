@@ -5,8 +5,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from autotp.runtime import launcher
-from autotp.runtime.launcher import init_distributed, launch
+from autotp.runtime.processes import launcher
+from autotp.runtime.processes.launcher import init_distributed, launch
 
 
 def _check_env(rank: int, world_size: int) -> None:

@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autotp.analysis.local_shapes import global_tensors
 from autotp.cost_model.compute import needs_grad, saved_inputs
 from autotp.cost_model.liveness import simulate
-from autotp.runtime.live_memory import PeakLiveBytes
+from autotp.runtime.execution.live_memory import PeakLiveBytes
 
 TOLERANCE = 0.10
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 from small_models import build, vocab_size
 
 # bf16 keeps 8 bits of mantissa: compare by relative norm, the way bf16 kernels are judged.

@@ -23,8 +23,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autotp
 from autotp.ir import ops
-from autotp.runtime import collectives, rng
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes import collectives
+from autotp.runtime.execution import rng
+from autotp.runtime.processes.launcher import spawn_ranks
 from distributed import run_on_ranks
 from small_models import build, vocab_size
 

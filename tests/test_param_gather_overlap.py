@@ -45,15 +45,17 @@ def _deferred_all_gather(events: list[tuple[str, int]]) -> object:
 
 def _train(rank: int, world: int, waits_in_graph: bool) -> dict:
     import autotp
-    from autotp.runtime import grad_buffers
-    from autotp.runtime.weight_grads import defer_weight_grads
+    from autotp.ir import program
+    from autotp.passes.split_weight_grads import deferred_copy
+    from autotp.runtime.gradients import grad_buffers
+    from autotp.runtime.execution import parallel_model
 
     events: list[tuple[str, int]] = []
     grad_buffers._all_gather = _deferred_all_gather(events)
     if not waits_in_graph:
-        grad_buffers.GradBuffers.insert_waits = lambda *a, **k: None  # type: ignore[method-assign]
-    graph_wait = grad_buffers.ParamWait.forward
-    grad_buffers.ParamWait.forward = lambda self, b: (events.append(("graph", b)), graph_wait(self, b))[1]  # type: ignore[method-assign]
+        parallel_model.ParallelModel._install_param_waits = lambda *a, **k: None  # type: ignore[method-assign]
+    graph_wait = program.ParamWaits.forward
+    program.ParamWaits.forward = lambda self, b: (events.append(("graph", b)), graph_wait(self, b))[1]  # type: ignore[method-assign]
 
     model = build("llama", layers=2)
     reference = copy.deepcopy(model)
@@ -83,7 +85,7 @@ def _train(rank: int, world: int, waits_in_graph: bool) -> dict:
     call = {"input_ids": batches[0][0][:1], "labels": batches[0][1][:1], "use_cache": False}
     gm = pm.graph_for(**call)
     # zero-bubble schedules run a copy of the graph with deferred weight gradients: it keeps the waits
-    split = defer_weight_grads(gm)
+    split = deferred_copy(gm)
     leaves = [torch.utils._pytree.tree_leaves(g(**call)) for g in (gm, split)]
     out["split"] = {"waits": sum(n.op == "call_module" for n in split.graph.nodes), "same": torch.equal(leaves[0][0], leaves[1][0])}
     kinds = ["wait" if n.op == "call_module" else "compute" for n in gm.graph.nodes if n.op in ("call_module", "call_function")]

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 from small_models import build, vocab_size
 
 REL_TOL = 1e-4  # fp32 without TF32: only the order of sums differs

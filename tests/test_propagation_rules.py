@@ -20,7 +20,7 @@ from autotp.analysis.layers import (
     with_layer_index,
 )
 from autotp.analysis.local_shapes import local_shape, local_slice_bounds, local_tensors
-from autotp.analysis.op_kinds import OpKind, is_matmul, op_kind, op_name
+from autotp.ir.op_facts import OpKind, is_matmul, op_kind, op_name
 from autotp.analysis.op_rules import RULES, rule_for
 from autotp.analysis.propagation import propagate
 from autotp.analysis.propagation_result import NodeRole, Propagation, check_divisible, param_sharding

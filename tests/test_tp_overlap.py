@@ -20,7 +20,7 @@ from autotp.cost_model.compute import ModelCosts, segment_time
 from autotp.cost_model.hardware import H200
 from autotp.cost_model.graph_costs import build_report
 from autotp.cost_model.planner import Cluster, Training, plan
-from autotp.passes.mark_cudagraph_regions import OVERLAP
+from autotp.passes.find_cudagraph_candidates import OVERLAP
 from autotp.report.dump import to_code
 from autotp.report.graph_report import explain_table
 from autotp.ir import meta_keys, ops
@@ -34,7 +34,7 @@ def ops_on_rank(rank: int, world: int, device: str = "cpu", impl: str = "ring") 
     """Both ops and their backward against the plain collective and GEMM, in float64."""
     import torch.distributed as dist
 
-    from autotp.runtime import collectives
+    from autotp.runtime.processes import collectives
 
     collectives.register_group("g", dist.group.WORLD)
     gen = torch.Generator().manual_seed(0)
@@ -196,7 +196,7 @@ def _dp_on_rank(rank: int, world: int, tp: int, bucket_bytes: int) -> dict[str, 
     grads = pm.unshard_grads()
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad of {name}: {m}")
-    return {"buckets": len(pm._dp_mean.buckets), "in_backward": pm._dp_mean.launched_in_backward}
+    return {"buckets": len(pm.grad_sync.buckets), "in_backward": pm.grad_sync.launched_in_backward}
 
 
 @pytest.mark.parametrize(("tp", "bucket_bytes"), [(1, 4096), pytest.param(2, 2**30, marks=pytest.mark.slow)],

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 from small_models import build, vocab_size
 from test_tp_overlap import ops_on_rank
 

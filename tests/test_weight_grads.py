@@ -1,4 +1,4 @@
-"""The split backward of zero-bubble schedules (``autotp.runtime.weight_grads``), in one
+"""The split backward of zero-bubble schedules (``autotp.runtime.execution.weight_grads``), in one
 process: a pipeline chunk's input gradient first, its linear weights' gradients later,
 together equal to the ordinary backward."""
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import autotp
-from autotp.runtime.pipeline import extract_chunks
-from autotp.runtime.weight_grads import WeightGradStore, defer_weight_grads, deferred_linear
+from autotp.ir import ops
+from autotp.runtime.execution.pipeline import ChunkGraph
+from autotp.runtime.execution.weight_grads import WeightGradStore
 from small_models import build, vocab_size
 
 
@@ -18,13 +19,13 @@ def _chunks(name: str) -> tuple[dict, dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab_size(model), (2, 8), generator=gen)
     compiled = autotp.compile_rank(model, tp=1, pp=2, device="cpu", example_inputs={"input_ids": ids, "labels": ids})
-    chunks = extract_chunks(compiled.graph, 2, 1)
+    chunks = {c: ChunkGraph(p) for c, p in compiled.program.chunks.items()}
     real = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
-    for cg in chunks.values():  # compile_rank's graph holds fake tensors: point it at the model's
-        for node in cg.graph.graph.nodes:
+    for gm in (g for cg in chunks.values() for g in cg.program.graphs()):  # compile_rank's graphs hold fake tensors: point them at the model's
+        for node in gm.graph.nodes:
             if node.op == "get_attr" and str(node.target) in real:
                 *path, leaf = str(node.target).split(".")
-                setattr(cg.graph.get_submodule(".".join(path)), leaf, real[str(node.target)])
+                setattr(gm.get_submodule(".".join(path)), leaf, real[str(node.target)])
     return chunks, {"input_ids": ids, "labels": ids}
 
 
@@ -40,7 +41,7 @@ def test_input_gradient_first_weight_gradients_later(name: str) -> None:
     def run(split: bool) -> tuple[torch.Tensor, dict, dict]:
         for cg in (first, last):
             cg.graph.zero_grad(set_to_none=True)
-        graphs = [defer_weight_grads(cg.graph) if split else cg.graph for cg in (first, last)]
+        graphs = [cg.program.deferred if split else cg.graph for cg in (first, last)]
         sent = graphs[0](*[inputs[n] for n in first.input_names])
         received = [t.detach().requires_grad_() for t in sent]
         out = graphs[1](*[inputs[n] for n in last.input_names], *received)
@@ -71,7 +72,7 @@ def test_deferred_linear_outside_a_store_is_an_error() -> None:
     x = torch.randn(3, 4, requires_grad=True)
     w = torch.nn.Parameter(torch.randn(5, 4))
     with pytest.raises(RuntimeError, match="outside WeightGradStore.collecting"):
-        deferred_linear(x, w).sum().backward()
+        ops.DEFERRED_LINEAR(x, w).sum().backward()
 
 
 def test_applied_weight_gradients_carry_no_autograd_history() -> None:
@@ -85,7 +86,7 @@ def test_applied_weight_gradients_carry_no_autograd_history() -> None:
         grad_out = torch.randn(3, 5)
         store = WeightGradStore()
         with store.collecting():
-            deferred_linear(h, w).backward(grad_out)
+            ops.DEFERRED_LINEAR(h, w).backward(grad_out)
         store.apply()
         expected += grad_out.t() @ h.detach()
         assert w.grad.grad_fn is None and not w.grad.requires_grad

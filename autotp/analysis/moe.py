@@ -33,7 +33,7 @@ from torch.fx import GraphModule, Node
 
 from autotp.analysis.moe_router import Router, find_router
 from autotp.analysis.moe_rows import RowCheck
-from autotp.analysis.op_kinds import is_grouped_matmul, op_name
+from autotp.ir.op_facts import is_grouped_matmul, op_name
 from autotp.analysis.shapes import shape_of
 from autotp.ir.errors import describe
 

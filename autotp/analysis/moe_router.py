@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch.fx import Node
 
-from autotp.analysis.op_kinds import op_name
+from autotp.ir.op_facts import op_name
 
 # Ops between an expert-index tensor and the counts/offsets/masks built from it.
 _INDEX_TO_COUNTS = frozenset({

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from autotp.analysis.op_kinds import is_grouped_matmul, op_name
+from autotp.ir.op_facts import is_grouped_matmul, op_name
 from autotp.analysis.shapes import norm_dim, shape_of
 from autotp.ir.errors import describe
 

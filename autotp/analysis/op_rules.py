@@ -3,7 +3,7 @@
 A rule is ``rule(walker, node) -> layout`` (a tuple of layouts for multi-output ops).
 ``rule_for`` looks a target up in ``RULES`` by overload; an op missing there is
 elementwise if it carries ``torch.Tag.pointwise``, a grouped (expert) matmul if
-``op_kinds`` says so, and otherwise derived from DTensor's strategy or opaque
+``autotp.ir.op_facts`` says so, and otherwise derived from DTensor's strategy or opaque
 (``Walker.visit``).
 """
 
@@ -21,7 +21,7 @@ from autotp.analysis import shape_rules as shapes
 from autotp.analysis import sharding_policy as params
 from autotp.analysis import statistic_rules as statistics
 from autotp.analysis import value_rules as values
-from autotp.analysis.op_kinds import is_grouped_matmul
+from autotp.ir.op_facts import is_grouped_matmul
 from autotp.analysis.propagation_result import ParamView
 from autotp.ir import ops
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from autotp.analysis.op_kinds import mutated_base
+from autotp.ir.op_facts import mutated_base
 from autotp.ir.errors import UserInputError, source_line
 
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)

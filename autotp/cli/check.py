@@ -33,7 +33,7 @@ def _check_worker(model_name: str, tp: int, pp: int, batch: int, seq: int, seed:
 def _check_command(args: argparse.Namespace) -> int:
     from autotp.cli.commands import positive_timeout
     from autotp.report.check import ATOL, RTOL
-    from autotp.runtime.launcher import spawn_ranks
+    from autotp.runtime.processes.launcher import spawn_ranks
 
     for name in ("tp", "pp", "batch", "seq"):
         if getattr(args, name) < 1:

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from autotp.ir.errors import UserInputError
 from autotp import presets
 from autotp.api import parallelize
-from autotp.runtime.checkpoint_hf import INDEX_FILE, SINGLE_FILE
-from autotp.runtime.launcher import launch
+from autotp.runtime.state.checkpoint_hf import INDEX_FILE, SINGLE_FILE
+from autotp.runtime.processes.launcher import launch
 
 
 def hf_weights(model: str) -> Path | None:

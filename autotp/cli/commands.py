@@ -22,11 +22,11 @@ from autotp.cost_model.graph_costs import build_report
 from autotp.report.graph_report import explain_json, explain_table, stage_view
 from autotp.report.cudagraphs import explain_cudagraphs
 from autotp.report.moe import moe_dispatch_report, moe_dispatch_table
-from autotp.passes import PASSES
+from autotp.compiler import compile_steps
 from autotp.cli.progress import progress
 
 # The pass runner's dump files: 00_traced.py, then NN_<pass>.py.
-_AFTER = ["traced", *(p.__name__ for p in PASSES)]
+_AFTER = ["traced", *(p.__name__ for p in compile_steps())]
 
 
 def resolve_backend(backend: str, tp: int) -> str:

@@ -16,12 +16,13 @@ import torch.distributed as dist
 
 from autotp import presets
 from autotp.ir import ops
+from autotp.ir.op_facts import Collective
 from autotp.api import parallelize
 from autotp.compiler import trace_for_planning
 from autotp.cost_model.calibrate import SCALE_MODEL, SCALE_LAYERS, fit_profile, scale_config
 from autotp.cost_model.compute import Segment, needs_grad
 from autotp.cost_model.hardware import HardwareProfile
-from autotp.runtime.launcher import spawn_ranks
+from autotp.runtime.processes.launcher import spawn_ranks
 from autotp.ir.errors import UserInputError
 
 MESSAGE_BYTES = {"cuda": tuple(2**k for k in range(16, 29, 2)), "cpu": tuple(2**k for k in range(12, 25, 2))}
@@ -53,7 +54,7 @@ def _median_s(fn: Callable[[], object], device: torch.device, repeats: int = 5, 
 
 
 def _collectives(rank: int, world: int, device: torch.device, dtype: torch.dtype) -> dict[str, list]:
-    out: dict[str, list] = {"all_reduce": [], "p2p": []}
+    out: dict[str, list] = {Collective.ALL_REDUCE: [], Collective.P2P: []}
     for ranks in sorted({2, world}):
         group = dist.new_group(list(range(ranks)))
         for nbytes in MESSAGE_BYTES[device.type]:
@@ -61,12 +62,12 @@ def _collectives(rank: int, world: int, device: torch.device, dtype: torch.dtype
             dist.barrier()
             if rank < ranks:
                 t = _median_s(lambda x=x, group=group: dist.all_reduce(x, group=group), device)
-                out["all_reduce"].append((ranks, nbytes, t))
+                out[Collective.ALL_REDUCE].append((ranks, nbytes, t))
     for nbytes in MESSAGE_BYTES[device.type]:
         x = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
         dist.barrier()
         if rank == 0:
-            out["p2p"].append((nbytes, _median_s(lambda x=x: (dist.send(x, 1), dist.recv(x, 1)), device) / 2))
+            out[Collective.P2P].append((nbytes, _median_s(lambda x=x: (dist.send(x, 1), dist.recv(x, 1)), device) / 2))
         elif rank == 1:
             _median_s(lambda x=x: (dist.recv(x, 0), dist.send(x, 0)), device)
     return out

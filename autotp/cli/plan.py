@@ -12,6 +12,7 @@ from autotp import presets
 from autotp.cli.progress import progress
 from autotp.cost_model.memory import PRECISIONS
 from autotp.ir.errors import UserInputError
+from autotp.ir.op_facts import Collective
 
 if TYPE_CHECKING:
     from autotp.cost_model.compute import ModelCosts
@@ -41,7 +42,7 @@ def format_table(estimates: list[PlanEstimate], moe: bool = False) -> str:
     return "\n".join(rows)
 
 
-_OVERLAP_SHORT = {"all_gather": "ag", "reduce_scatter": "rs"}
+_OVERLAP_SHORT = {Collective.ALL_GATHER: "ag", Collective.REDUCE_SCATTER: "rs"}
 
 
 def _overlap_cell(p) -> str:

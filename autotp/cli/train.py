@@ -41,7 +41,7 @@ from autotp.cost_model.hardware import CPU, HardwareProfile, profile_for_gpu
 from autotp.ir import ops
 from autotp.ir.errors import UserInputError
 from autotp.ir.rank_groups import groups_of, rank_groups
-from autotp.runtime.launcher import launch
+from autotp.runtime.processes.launcher import launch
 
 
 @dataclass(frozen=True)

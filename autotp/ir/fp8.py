@@ -347,7 +347,7 @@ def fp8_linear(
     x: Tensor, weights: list[Tensor], biases: list[Tensor | None], recipe: str, x_split: int, n_split: list[int],
     gather_dim: int, group_size: int, group: str,
 ) -> list[Tensor]:  # fmt: skip
-    """``autotp::fp8_linear``'s composite kernel (``autotp.runtime.collectives`` registers it)."""
+    """``autotp::fp8_linear``'s composite kernel (``autotp.runtime.processes.collectives`` registers it)."""
     call = call_of(recipe, x_split, n_split, gather_dim, group_size, group)
     assert not call.gathers or call.recipe.name == TENSORWISE, "only tensorwise scales survive an FP8 all-gather whole"
     return list(Fp8Linear.apply(x, call, *weights, *biases))

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.library import Library
 
 from autotp.ir import ops
 
@@ -96,4 +97,5 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, vocab_s
     return _LinearCrossEntropy.apply(hidden, weight, target, vocab_start, vocab_size, ignore_index, reduction, chunk, group_size, group)
 
 
-ops._LIB.impl(ops.LINEAR_CROSS_ENTROPY._schema.name.split("::")[1], linear_cross_entropy, "CompositeImplicitAutograd")
+_KERNELS = Library(ops.NAMESPACE, "IMPL")
+_KERNELS.impl(ops.LINEAR_CROSS_ENTROPY._schema.name.split("::")[1], linear_cross_entropy, "CompositeImplicitAutograd")

@@ -1,4 +1,4 @@
-"""Tensor layouts across the tensor-parallel ranks.
+"""Tensor layouts across the ranks of the parallel axes (tensor parallelism unless said otherwise).
 
 A tensor is *replicated* (every rank holds all of it), *partial* (every rank holds a
 summand; the true value is the sum over ranks) or *sharded* on one or more dims.
@@ -15,7 +15,10 @@ Block rule, for a dim of ``size`` elements cut into ``groups`` equal blocks and 
 ranks: if ``groups % tp == 0`` rank r holds blocks ``[r*groups/tp, (r+1)*groups/tp)``;
 if ``tp % groups == 0`` rank r holds block ``r*groups // tp`` and ``tp/groups`` ranks
 share it (Megatron's KV-head replication when tp > num_key_value_heads). Anything else
-cannot be split.
+cannot be split. ``tp`` here is the degree of the dim's axis: every ``DimVar`` and
+``DimSharding`` names the ``autotp.ir.axes.Axis`` it is split over (``Axis.TP`` by
+default), so one tensor can be split on tp along one dim and on ep along another, and
+two dims split over different axes never unify.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from autotp.ir.axes import Axis
 
 
 class ShardingConflict(Exception):
@@ -52,11 +57,12 @@ _ids = itertools.count()
 class DimVar:
     """A sharded tensor dimension whose exact split is still being constrained."""
 
-    def __init__(self, size: int, origins: frozenset[str], *, padded: bool = False) -> None:
+    def __init__(self, size: int, origins: frozenset[str], *, padded: bool = False, axis: Axis = Axis.TP) -> None:
         self.uid = next(_ids)
         self.size = size
         self.origins = origins
         self.padded = padded
+        self.axis = axis
         self.groups: int | None = None
         # (reshape node name, output factor) when a reshape chose which factor carries the
         # split (``ShardingConflict.retries``).
@@ -87,6 +93,8 @@ def unify(a: DimVar, b: DimVar, where: str) -> DimVar:
     origins = ra.origins | rb.origins
     if ra.size != rb.size or ra.padded != rb.padded:
         raise ShardingConflict(f"{where}: sharded dims of size {ra.size} and {rb.size} meet", origins)
+    if ra.axis != rb.axis:
+        raise ShardingConflict(f"{where}: a dim split over {ra.axis} meets one split over {rb.axis}", origins)
     if ra.fixed is not None and rb.fixed is not None and ra.fixed != rb.fixed:
         raise ShardingConflict(f"{where}: two fixed shardings disagree", origins)
     followed = [f for f in (ra.follows, rb.follows) if f is not None]
@@ -195,7 +203,7 @@ def set_segments(var: DimVar, sizes: list[int], where: str) -> tuple[DimVar, ...
             follow(seg, part, where)
         return r.segments
     if r.segments is None:
-        r.segments = tuple(DimVar(s, r.origins) for s in sizes)
+        r.segments = tuple(DimVar(s, r.origins, axis=r.axis) for s in sizes)
         for seg in r.segments:
             seg.made_by = r.made_by  # a conflict on a part may be the reshape's choice too
         for seg, groups in zip(r.segments, _segment_groups(r.size, r.groups, sizes, where, r.origins)):
@@ -209,7 +217,7 @@ def set_segments(var: DimVar, sizes: list[int], where: str) -> tuple[DimVar, ...
             else:
                 raise ShardingConflict(f"{where}: segments {sizes} cut across the plan's {list(fixed.segments)}", r.origins)
             for seg, size, groups in zip(r.segments, sizes, per):
-                seg.fixed = DimSharding(size, (size,), (groups or size,))
+                seg.fixed = DimSharding(size, (size,), (groups or size,), axis=r.axis)
         return r.segments
     have = [s.find().size for s in r.segments]
     if have == sizes:
@@ -261,12 +269,14 @@ def _segment_groups(size: int, groups: int | None, sizes: list[int], where: str,
 
 @dataclass(frozen=True)
 class DimSharding:
-    """How one dimension of a parameter is split over the tp ranks (see module doc)."""
+    """How one dimension of a parameter is split over the ranks of ``axis`` (see module doc;
+    the methods' ``tp`` is that axis's degree)."""
 
     size: int
     segments: tuple[int, ...]
     groups: tuple[int, ...]
     padded: bool = False
+    axis: Axis = Axis.TP
 
     def check(self, tp: int) -> str | None:
         """Why this dim cannot be split over ``tp`` ranks, or None."""
@@ -310,11 +320,12 @@ class DimSharding:
         return out
 
     def to_json(self) -> dict:
-        return {"size": self.size, "segments": list(self.segments), "groups": list(self.groups), "padded": self.padded}
+        return {"size": self.size, "segments": list(self.segments), "groups": list(self.groups), "padded": self.padded,
+                "axis": self.axis.value}  # fmt: skip
 
     @staticmethod
     def from_json(d: dict) -> DimSharding:
-        return DimSharding(d["size"], tuple(d["segments"]), tuple(d["groups"]), d.get("padded", False))
+        return DimSharding(d["size"], tuple(d["segments"]), tuple(d["groups"]), d.get("padded", False), Axis(d.get("axis", Axis.TP)))
 
 
 def resolve(var: DimVar, tp: int, _seen: frozenset[int] = frozenset()) -> DimSharding:
@@ -327,9 +338,9 @@ def resolve(var: DimVar, tp: int, _seen: frozenset[int] = frozenset()) -> DimSha
         inner = r.size // outer.size
         return DimSharding(r.size, tuple(s * inner for s in outer.segments), outer.groups, outer.padded)
     if r.padded:
-        return DimSharding(r.size, (r.size,), (r.size,), padded=True)
+        return DimSharding(r.size, (r.size,), (r.size,), padded=True, axis=r.axis)
     if r.segments is None:
-        return DimSharding(r.size, (r.size,), (r.groups or r.size,))
+        return DimSharding(r.size, (r.size,), (r.groups or r.size,), axis=r.axis)
     sizes: list[int] = []
     groups: list[int] = []
     for seg in r.segments:  # a segment cut again (a slice of a slice) flattens into its parts
@@ -338,7 +349,7 @@ def resolve(var: DimVar, tp: int, _seen: frozenset[int] = frozenset()) -> DimSha
             raise ShardingConflict("a padded dim cannot be a segment", r.origins)
         sizes.extend(s.segments)
         groups.extend(s.groups)
-    return DimSharding(r.size, tuple(sizes), tuple(groups))
+    return DimSharding(r.size, tuple(sizes), tuple(groups), axis=r.axis)
 
 
 def select_range(var: DimVar, start: int, end: int, where: str) -> DimVar:
@@ -394,7 +405,7 @@ def local_size(var: DimVar, tp: int) -> int:
 
 def fixed_var(sharding: DimSharding, origin: str) -> DimVar:
     """A variable already resolved to ``sharding`` (for parameters read from a plan)."""
-    var = DimVar(sharding.size, frozenset({origin}), padded=sharding.padded)
+    var = DimVar(sharding.size, frozenset({origin}), padded=sharding.padded, axis=sharding.axis)
     var.fixed = sharding
     if len(sharding.segments) > 1:
         set_segments(var, list(sharding.segments), origin)
@@ -420,6 +431,10 @@ class Layout:
                 return v
         return None
 
+    def axes(self) -> frozenset[Axis]:
+        """The axes its sharded dims are split over."""
+        return frozenset(v.find().axis for _, v in self.dims)
+
     def origins(self) -> frozenset[str]:
         out: frozenset[str] = frozenset()
         for _, v in self.dims:
@@ -433,8 +448,9 @@ class Layout:
             return "Replicate"
         parts = []
         for d, v in self.dims:
-            size = f"{local_size(v, tp)}/" if tp else ""
-            parts.append(f"{d}:{size}{v.find().size}")
+            on_tp = v.find().axis == Axis.TP  # dims on another axis show it, not their local size
+            size = f"{local_size(v, tp)}/" if tp and on_tp else ""
+            parts.append(f"{d}:{size}{v.find().size}{'' if on_tp else '@' + v.find().axis}")
         return f"Shard({', '.join(parts)})"
 
 

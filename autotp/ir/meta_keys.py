@@ -14,8 +14,9 @@ ROLE = "autotp_role"
 """What the sharding rewrite must do with the node (a ``NodeRole`` value)."""
 
 COLLECTIVE = "autotp_collective"
-"""Set on inserted collective nodes: ``all_reduce``, ``all_reduce_backward`` or ``all_gather``; with
-sequence parallelism also ``reduce_scatter``, ``sequence_all_gather`` and ``scatter`` (``passes/sequence_parallel``)."""
+"""Set on inserted collective nodes: what it does, an ``autotp.ir.op_facts.CollectiveTag`` (``all_reduce``,
+``all_reduce_backward``, ``all_gather``; with sequence parallelism also ``reduce_scatter``,
+``sequence_all_gather`` and ``scatter``; with tp overlap the fused GEMM collectives)."""
 
 COLLECTIVE_RANKS = "autotp_collective_ranks"
 """On inserted collective nodes: how many ranks the collective spans."""
@@ -51,7 +52,7 @@ LAYER = "autotp_layer"
 """Index of the decoder layer the node belongs to (from its module path), or None."""
 
 CUDAGRAPH_BLOCKER = "autotp_cudagraph_blocker"
-"""Why a CUDA graph cannot capture the node (a ``mark_cudagraph_regions.Blocker``)."""
+"""Why a CUDA graph cannot capture the node (a ``passes.find_cudagraph_candidates.Blocker``)."""
 
 CUDAGRAPH_CANDIDATE = "autotp_cudagraph_candidate"
 """Index of the maximal run of capturable nodes (one pipeline chunk, no blocker) holding the node."""

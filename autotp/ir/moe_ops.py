@@ -26,7 +26,7 @@ Each movement is the other's backward. Two modes, fixed by ``capacity``:
   packed at the front of the static ``E * capacity``-row output, local expert by local
   expert, and ``local_offsets`` count only them: the grouped matmuls multiply what arrived.
 
-The kernels (``autotp.runtime.moe_dispatch``) register per device; without a process
+The kernels (``autotp.runtime.processes.moe_dispatch``) register per device; without a process
 group (one rank) the movements are local permutations.
 """
 

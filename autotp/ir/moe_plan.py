@@ -16,11 +16,6 @@ import math
 from dataclasses import dataclass
 
 
-def ep_group_key(ep: int) -> str:
-    """Key of an expert-parallel group of ``ep`` ranks: the one the passes write and the runtime registers."""
-    return f"ep{ep}"
-
-
 @dataclass(frozen=True)
 class MoeLayerPlan:
     """One MoE layer under expert parallelism.

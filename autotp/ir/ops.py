@@ -2,12 +2,14 @@
 
 This module holds their schemas, fake kernels (so graphs run on ``meta`` and under
 FakeTensor without any process group) and autograd formulas. The kernels that
-communicate are registered by ``autotp.runtime.collectives`` (and the RNG kernel by
-``autotp.runtime.rng``). Passes, reports and tests compare ``node.target`` with the
+communicate are registered by ``autotp.runtime.processes.collectives`` (and the RNG kernel by
+``autotp.runtime.execution.rng``). Passes, reports and tests compare ``node.target`` with the
 handles below.
 
-Collectives over a tp group, named by a string key (``tp_group_key``,
-``replica_group_key``) that the runtime maps to a process group:
+Collectives over the group of one parallel axis, named by its key
+(``autotp.ir.axes.group_key(axis, size)``: ``tp2``, ``ep4``; ``replica_group_key``), under which
+the runtime registers a process group. The kernels do not depend on the axis: an op
+named ``*_tp`` all-reduces over whichever group its key names.
 
 * ``copy_to_tp(x, group)`` -- Megatron's *f*: identity forward, ``reduce_from_tp`` of the
   grad backward.
@@ -23,7 +25,7 @@ Collectives over a tp group, named by a string key (``tp_group_key``,
   all_gather(x) @ w for w in weights]`` and ``matmul_reduce_scatter(xs, weights, dim,
   group_size, group, impl)`` -> ``reduce_scatter(sum_i xs[i] @ weights[i])``: the sequence
   parallel collective and the GEMM next to it, decomposed so that the communication runs
-  behind the GEMM (``passes/tp_overlap``; kernels in ``autotp.runtime.overlap``). Weights
+  behind the GEMM (``passes/tp_overlap``; kernels in ``autotp.runtime.execution.overlap``). Weights
   are ``[K, N]`` (matmul layout). Each is the other's backward: the grad of the gathered
   input is a matmul-reduce-scatter of the output grads, the grad of a matmul-reduce-scatter's
   input an all-gather-matmul of its output grad, whose gathered grad the weight grads reuse.
@@ -41,20 +43,24 @@ Collectives over a tp group, named by a string key (``tp_group_key``,
 * ``all_reduce_max(x, group)`` -- the elementwise max over the group (FP8 amaxes; no grad).
 * ``fp8_linear(x, weights, biases, recipe, x_split, n_split, gather_dim, group_size,
   group)`` -> ``[x·Wᵢᵀ + bᵢ]`` with every GEMM in FP8 (``autotp.ir.fp8`` holds the recipes
-  and the composite kernel, which ``autotp.runtime.collectives`` registers); scales of operands the group splits are max-reduced over it,
+  and the composite kernel, which ``autotp.runtime.processes.collectives`` registers); scales of operands the group splits are max-reduced over it,
   and with ``gather_dim >= 0`` x is this rank's tokens, all-gathered in FP8.
 
 Local ops:
 
 * ``stage_boundary(x, chunk)`` -- identity marking ``x`` as crossing into pipeline chunk
   ``chunk``.
+* ``deferred_linear(x, weight, bias)`` -- ``linear`` whose backward returns the gradients of
+  the input and bias only and hands (weight, x, output grad) to the innermost of
+  ``WEIGHT_GRAD_SINKS`` (``autotp.runtime.execution.weight_grads.WeightGradStore``), which computes
+  the weight gradient later: a zero-bubble schedule's ``W`` (``passes/split_weight_grads``).
 * ``partial_grad(x, parts)`` -- identity forward; backward divides the gradient by
   ``parts``, so that a gradient every one of ``parts`` ranks holds whole becomes their equal
   partial summands (``passes/sequence_parallel`` adds it where whole and partial gradients
   meet before one reduce-scatter).
 * ``tp_dropout(x, p, train, stream)`` -- ``aten.dropout`` drawing its mask from the tp
   RNG stream ``REPLICATED`` or ``SHARDED`` (``tp_rand(like, stream)``: uniform float32 numbers shaped like ``like``; see
-  ``autotp.runtime.rng``).
+  ``autotp.runtime.execution.rng``).
 * ``vocab_parallel_embedding(weight, ids, vocab_start, vocab_stop, vocab_size, padding_idx)`` --
   lookup in rows ``[vocab_start, vocab_stop)``; other ids give zeros (a partial sum).
 
@@ -78,6 +84,7 @@ so ``Graph.eliminate_dead_code`` keeps it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,16 +101,6 @@ REPLICATED = "replicated"  # dropout stream seeded alike on every tp rank
 SHARDED = "sharded"  # dropout stream seeded with the tp rank mixed in
 
 _LIB = Library(NAMESPACE, "DEF")
-
-
-def tp_group_key(tp: int) -> str:
-    """Key of a tp group of ``tp`` ranks: the one the passes write and the runtime registers."""
-    return f"tp{tp}"
-
-
-def replica_group_key(group: str, replicas: int) -> str:
-    """Key of the subgroup of ``replicas`` consecutive ranks of ``group`` that hold the same slice."""
-    return f"{group}_replicas{replicas}"
 
 
 def _define(schema: str, tags: tuple[torch.Tag, ...] = ()) -> torch._ops.OpOverload:
@@ -143,6 +140,9 @@ STAGE_BOUNDARY = _define("stage_boundary(Tensor x, int chunk) -> Tensor")
 PARTIAL_GRAD = _define("partial_grad(Tensor x, int parts) -> Tensor")
 TP_RAND = _define("tp_rand(Tensor like, str stream) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
 TP_DROPOUT = _define("tp_dropout(Tensor x, float p, bool train, str stream) -> Tensor")
+DEFERRED_LINEAR = _define("deferred_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+WEIGHT_GRAD_SINKS: list[Callable[[Tensor, Tensor, Tensor], None]] = []
+"""Where ``deferred_linear``'s backward hands (weight, input, output grad): the last one pushed."""
 ALL_REDUCE_MAX = _define("all_reduce_max(Tensor x, str group) -> Tensor")
 FP8_LINEAR = _define(
     "fp8_linear(Tensor x, Tensor[] weights, Tensor?[] biases, str recipe, int x_split, int[] n_split, int gather_dim, "
@@ -161,6 +161,10 @@ COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
 ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {
     VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT, FUNCTION, ELEMENTWISE_FUNCTION,
 }  # fmt: skip
+# Identities forward (views of their input): f, stage boundaries, partial_grad.
+IDENTITIES: frozenset[torch._ops.OpOverload] = frozenset({COPY_TO_TP, STAGE_BOUNDARY, PARTIAL_GRAD})
+# Collectives that only move data forward (no arithmetic but the reduction).
+COMMUNICATION_ONLY: frozenset[torch._ops.OpOverload] = frozenset({REDUCE_FROM_TP, GATHER_FROM_TP, SCATTER_TO_TP, ALL_GATHER, REDUCE_SCATTER})
 
 
 def is_autotp_op(target: Any) -> bool:
@@ -386,6 +390,31 @@ def _stage_boundary(x: Tensor, chunk: int) -> Tensor:
     return x.view_as(x)
 
 
+class _DeferredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, Tensor | None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        if ctx.needs_input_grad[1]:
+            if not WEIGHT_GRAD_SINKS:
+                raise RuntimeError("a deferred linear's backward ran outside WeightGradStore.collecting()")
+            WEIGHT_GRAD_SINKS[-1](weight, x, grad_out)
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_bias = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_x, None, grad_bias
+
+
+def _deferred_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return _DeferredLinear.apply(x, weight, bias)
+
+
 def _partial_grad(x: Tensor, parts: int) -> Tensor:
     return _PartialGrad.apply(x, parts)
 
@@ -446,6 +475,7 @@ for _op, _fn in (
     (COPY_TO_TP, _copy_to_tp),
     (STAGE_BOUNDARY, _stage_boundary),
     (PARTIAL_GRAD, _partial_grad),
+    (DEFERRED_LINEAR, _deferred_linear),
     (TP_DROPOUT, _tp_dropout),
     (VOCAB_PARALLEL_EMBEDDING, _vocab_parallel_embedding),
     (VOCAB_PARALLEL_CROSS_ENTROPY, _vocab_parallel_cross_entropy),

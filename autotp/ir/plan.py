@@ -11,29 +11,34 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from autotp.ir.axes import Axis
+from autotp.ir.errors import UserInputError
 from autotp.ir.layouts import DimSharding
+from autotp.ir.op_facts import Collective
+from autotp.ir.rank_groups import rank_groups
 from autotp.ir.moe_plan import ExpertParallelEstimate, MoeLayerPlan
 from autotp.ir.schedules import default_schedule
 
+DEFAULT_HARDWARE = "h200"
+"""``plan.hardware`` of a plan made without a GPU in sight (offline compiles): an H200."""
 DP_BUCKET_BYTES = 25 * 2**20
 """Default size of the dp gradient all-reduce buckets."""
 
-OVERLAP_ALL_GATHER = "all_gather"
+OVERLAP_ALL_GATHER = Collective.ALL_GATHER
 """``plan.tp_overlap``: the sequence all-gathers before column-parallel GEMMs run as ``all_gather_matmul``."""
-OVERLAP_REDUCE_SCATTER = "reduce_scatter"
+OVERLAP_REDUCE_SCATTER = Collective.REDUCE_SCATTER
 """``plan.tp_overlap``: the reduce-scatters after row-parallel GEMMs run as ``matmul_reduce_scatter``."""
 
 
 @dataclass(frozen=True)
 class CudaGraphPolicy:
     """The cost model's constants for choosing CUDA-graph regions
-    (the rule is in ``autotp.cost_model.cudagraphs``)."""
+    (the rule is in ``autotp.cost_model.cudagraphs``; the hardware is ``ParallelPlan.hardware``)."""
 
     launch_s: float = 26e-6
     replay_s: float = 20e-6
     max_static_bytes: int = 16 * 2**30
     min_saved_s: float = 0.0
-    hardware: str = "h200"
 
     def to_json(self) -> dict:
         return {
@@ -41,17 +46,16 @@ class CudaGraphPolicy:
             "replay_s": self.replay_s,
             "max_static_bytes": self.max_static_bytes,
             "min_saved_s": self.min_saved_s,
-            "hardware": self.hardware,
         }
 
     @staticmethod
     def from_json(d: dict) -> CudaGraphPolicy:
-        return CudaGraphPolicy(**d)
+        return CudaGraphPolicy(**{k: v for k, v in d.items() if k != "hardware"})  # JSON before plan.hardware had it here
 
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """How one parameter is split over the tp ranks.
+    """How one parameter is split over the ranks of one axis (``sharding.axis``, tp by default).
 
     ``kind`` says why, for people reading the plan: ``column``/``row`` (linear
     out/in features), ``vocab`` (embedding rows), ``bias`` (follows its linear),
@@ -65,6 +69,10 @@ class ParamLayout:
 
     def to_json(self) -> dict:
         return {"name": self.name, "kind": self.kind, "dim": self.dim, "sharding": self.sharding.to_json()}
+
+    @property
+    def axis(self) -> Axis:
+        return self.sharding.axis
 
     @staticmethod
     def from_json(d: dict) -> ParamLayout:
@@ -188,6 +196,11 @@ class ParallelPlan:
     distributed_optimizer: bool = False
     ep: int = 1
     kept_whole: tuple[KeptWhole, ...] = ()
+    # Context parallelism (``degree`` has every axis, ``rank_groups`` lays them out: autotp.ir.axes).
+    cp: int = 1
+    # The hardware the plan is costed for (a ``autotp.cost_model.hardware.PROFILES`` key): the
+    # planner's, or the GPU kind the compiler runs on.
+    hardware: str = DEFAULT_HARDWARE
     # Expert parallelism (``passes/expert_parallel``): the expert tensor-parallel degree (0: tp,
     # experts sharded like dense MLPs), how rows reach the experts (``moe_ops.MODES``, "": not
     # rewritten), the sync-free capacity factor and the MoE layers it applies to.
@@ -210,7 +223,32 @@ class ParallelPlan:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    def degree(self, axis: Axis) -> int:
+        """The number of ranks along ``axis`` (edp: what the world leaves the experts, after etp·ep·pp)."""
+        if axis == Axis.ETP:
+            return self.etp or self.tp
+        if axis == Axis.EDP:
+            return self.world_size // (self.degree(Axis.ETP) * self.ep * self.pp)
+        return {Axis.TP: self.tp, Axis.CP: self.cp, Axis.EP: self.ep, Axis.DP: self.dp, Axis.PP: self.pp}[Axis(axis)]
+
+    @property
+    def has_experts_layout(self) -> bool:
+        """Whether the expert layers fold the world differently from the dense ones (ep or etp set)."""
+        return self.ep > 1 or self.etp > 0
+
+    def rank_groups(self, world_size: int) -> dict[Axis, list[list[int]]]:
+        """Every group of every axis of this plan over ``world_size`` ranks (Megatron's order,
+        MoE folding); raises UserInputError when the degrees do not fit the world."""
+        if world_size != self.world_size:
+            raise UserInputError(
+                f"the plan's tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp} = {self.world_size} ranks, but the "
+                f"world has {world_size}; run it on {self.world_size} processes or plan for {world_size}"
+            )
+        experts = self.has_experts_layout
+        return rank_groups(world_size, tp=self.tp, pp=self.pp, cp=self.cp,
+                           ep=self.ep if experts else None, etp=self.degree(Axis.ETP) if experts else None)  # fmt: skip
 
     @property
     def num_chunks(self) -> int:
@@ -261,6 +299,8 @@ class ParallelPlan:
                 "distributed_optimizer": self.distributed_optimizer,
                 "ep": self.ep,
                 "kept_whole": [k.to_json() for k in self.kept_whole],
+                "cp": self.cp,
+                "hardware": self.hardware,
                 "etp": self.etp,
                 "moe_dispatch": self.moe_dispatch,
                 "moe_capacity_factor": self.moe_capacity_factor,
@@ -306,6 +346,8 @@ class ParallelPlan:
             distributed_optimizer=d.get("distributed_optimizer", False),
             ep=d.get("ep", 1),
             kept_whole=tuple(KeptWhole.from_json(k) for k in d.get("kept_whole", ())),
+            cp=d.get("cp", 1),
+            hardware=d.get("hardware", d.get("cudagraph_policy", {}).get("hardware", DEFAULT_HARDWARE)),
             etp=d.get("etp", 0),
             moe_dispatch=d.get("moe_dispatch", ""),
             moe_capacity_factor=d.get("moe_capacity_factor", 0.0),

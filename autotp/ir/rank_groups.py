@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import math
 
+from autotp.ir.axes import DENSE_ORDER, EXPERT_ORDER, Axis
 from autotp.ir.errors import UserInputError
-
-DENSE_ORDER = ("tp", "cp", "dp", "pp")
-EXPERT_ORDER = ("etp", "ep", "edp", "pp")
 
 
 def _orthogonal_groups(sizes: list[int], dim: int) -> list[list[int]]:
@@ -55,8 +53,8 @@ def _data_parallel_size(world_size: int, degrees: dict[str, int], dp_name: str) 
 
 def rank_groups(
     world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int | None = None, etp: int | None = None
-) -> dict[str, list[list[int]]]:
-    """Every group of every parallel dimension, keyed by dimension name.
+) -> dict[Axis, list[list[int]]]:
+    """Every group of every parallel axis, keyed by axis (``Axis`` members are strings).
 
     Keys: ``tp``, ``dp``, ``pp`` always; ``cp`` when cp > 1; ``etp``, ``ep``, ``edp``
     when ``ep`` or ``etp`` is given (``etp`` defaults to ``tp``, ``ep`` to 1).
@@ -68,29 +66,29 @@ def rank_groups(
     dense = {"tp": tp, "cp": cp, "pp": pp}
     dense_sizes = [tp, cp, _data_parallel_size(world_size, dense, "dp"), pp]
     groups = {
-        name: _orthogonal_groups(dense_sizes, dim)
-        for dim, name in enumerate(DENSE_ORDER)
-        if name != "cp" or cp > 1
+        axis: _orthogonal_groups(dense_sizes, dim)
+        for dim, axis in enumerate(DENSE_ORDER)
+        if axis != Axis.CP or cp > 1
     }
     if ep is None and etp is None:
         return groups
     expert = {"etp": tp if etp is None else etp, "ep": 1 if ep is None else ep, "pp": pp}
     expert_sizes = [expert["etp"], expert["ep"], _data_parallel_size(world_size, expert, "edp"), pp]
-    for dim, name in enumerate(EXPERT_ORDER[:-1]):
-        groups[name] = _orthogonal_groups(expert_sizes, dim)
-    assert _orthogonal_groups(expert_sizes, 3) == groups["pp"]
+    for dim, axis in enumerate(EXPERT_ORDER[:-1]):
+        groups[axis] = _orthogonal_groups(expert_sizes, dim)
+    assert _orthogonal_groups(expert_sizes, 3) == groups[Axis.PP]
     return groups
 
 
-def groups_of(rank: int, groups: dict[str, list[list[int]]]) -> dict[str, list[int]]:
-    """The group that holds ``rank`` in each dimension of ``groups``."""
-    world_size = sum(len(g) for g in groups["tp"])
+def groups_of(rank: int, groups: dict[Axis, list[list[int]]]) -> dict[Axis, list[int]]:
+    """The group that holds ``rank`` on each axis of ``groups``."""
+    world_size = sum(len(g) for g in groups[Axis.TP])
     if not 0 <= rank < world_size:
         raise UserInputError(f"rank {rank} is outside the world of {world_size} ranks (0..{world_size - 1})")
     return {name: next(g for g in dim_groups if rank in g) for name, dim_groups in groups.items()}
 
 
-def format_groups(groups: dict[str, list[list[int]]]) -> str:
+def format_groups(groups: dict[Axis, list[list[int]]]) -> str:
     """One line per dimension: its name, how many groups of what size, then the groups."""
     width = max(map(len, groups))
     return "\n".join(

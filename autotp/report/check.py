@@ -36,7 +36,7 @@ from autotp.compiler import example_kwargs
 from autotp.analysis.trace import trace
 from autotp.ir import meta_keys
 from autotp.ir.layouts import Layout, resolve
-from autotp.runtime import collectives
+from autotp.runtime.processes import collectives
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -177,7 +177,7 @@ def _parallel_values(pm: Any, kwargs: dict[str, Any]) -> dict[str, tuple[torch.T
             recorder.run(*_flat_inputs(recorder.module, kwargs))
         nodes = {n.name: n for n in recorder.module.graph.nodes}
         return {name: (v, nodes[name], None) for name, v in recorder.values.items()}
-    chunks = pm._compiled_for(pm._as_kwargs((), kwargs)).chunks
+    chunks = pm.chunks_for(**kwargs)
     recorders = {c: _Recorder(cg.graph) for c, cg in chunks.items()}
     runs = {c: cg.run for c, cg in chunks.items()}
     for c, cg in chunks.items():
@@ -233,7 +233,7 @@ def check_numerics(
     with torch.no_grad():
         rec_ref.run(*_flat_inputs(ref_graph, kwargs))
     values = _parallel_values(pm, kwargs)
-    group = collectives.get_group(pm._coords.tp_key) if tp > 1 else None
+    group = collectives.get_group(pm.coords.tp_key) if tp > 1 else None
     compared: set[str] = set()
     found: list[tuple[int, Divergence]] = []
     for index, node in enumerate(ref_graph.graph.nodes):

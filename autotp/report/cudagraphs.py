@@ -1,6 +1,7 @@
 """What a rank's graph would capture as CUDA graphs: regions, declined regions, blockers.
 
-Reads the tags of ``mark_cudagraph_regions`` (compile with ``cuda_graphs=True``).
+Reads the candidates of ``find_cudagraph_candidates`` and the regions the plan chose
+(``plan.cudagraph_regions``; compile with ``cuda_graphs=True``).
 ``explain_cudagraphs`` is ``autotp explain MODEL --cudagraphs [--format json]``:
 
 * ``cudagraph_regions``: every captured region with its ``id``, pipeline ``chunk``,
@@ -30,7 +31,7 @@ from autotp.api import compile_rank
 from autotp.cost_model.cudagraphs import choose_regions, region_stats
 from autotp.analysis.local_shapes import local_tensors
 from autotp.cost_model.graph_costs import assign_layers, layer_order
-from autotp.passes.mark_cudagraph_regions import Blocker, candidate_regions, region_slots
+from autotp.passes.find_cudagraph_candidates import Blocker, candidate_regions, region_slots
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.errors import UserInputError
 
@@ -44,7 +45,7 @@ def _short(source: str) -> str:
 
 
 def _region(nodes: list[Node], layers: dict[Node, Any], plan: ParallelPlan) -> dict[str, Any]:
-    stats = region_stats(nodes, lambda n: local_tensors(n, plan.tp), plan.tp, plan.cudagraph_policy.hardware, region_slots(nodes, plan))
+    stats = region_stats(nodes, lambda n: local_tensors(n, plan.tp), plan.tp, plan.hardware, region_slots(nodes, plan))
     keys = sorted({layers[n] for n in nodes}, key=layer_order)
     return {
         "id": nodes[0].meta[meta_keys.CUDAGRAPH_CANDIDATE],
@@ -66,12 +67,12 @@ def cudagraph_report(gm: GraphModule, plan: ParallelPlan) -> dict[str, Any]:
     layers = assign_layers(gm)
     regions, declined = [], []
     candidates = candidate_regions(gm)
-    for nodes, verdict in zip(candidates, choose_regions(candidates, plan)):
+    for index, (nodes, verdict) in enumerate(zip(candidates, choose_regions(candidates, plan))):
         entry = _region(nodes, layers, plan)
-        if verdict is None:
+        if index in plan.cudagraph_regions:
             regions.append(entry)
         else:
-            declined.append({**entry, "reason": verdict})
+            declined.append({**entry, "reason": verdict or "not chosen by the plan"})
     blockers = []
     for node in gm.graph.nodes:
         blocker = node.meta.get(meta_keys.CUDAGRAPH_BLOCKER)

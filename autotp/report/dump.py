@@ -21,6 +21,7 @@ import torch
 from torch.fx import Node
 
 from autotp.ir import meta_keys, ops
+from autotp.ir.op_facts import Collective
 from autotp.analysis.layers import LayerKey
 from autotp.cost_model.graph_costs import GraphReport, LayerReport, NodeReport, layer_order
 from autotp.report import DUMP_FORMATS
@@ -223,7 +224,7 @@ def _group_title(layer: LayerReport, pipelined: bool) -> str:
 
 
 def _summary_label(layer: LayerReport, pipelined: bool) -> str:
-    ar, ag, p2p = (layer.collectives[kind] for kind in ("all_reduce", "all_gather", "p2p"))
+    ar, ag, p2p = (layer.collectives[kind] for kind in (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.P2P))
     comm = sum(sum(d.values()) for d in layer.collective_bytes.values())
     lines = [
         f"{_group_title(layer, pipelined)}, collapsed",

@@ -10,6 +10,7 @@ from torch.fx import Node
 
 from autotp.cost_model.graph_costs import DIRECTIONS, GraphReport, LayerReport, by_layer, layer_report
 from autotp.ir import meta_keys, ops
+from autotp.ir.op_facts import Collective, Direction
 from autotp.ir.plan import KeptWhole
 from autotp.ir.errors import UserInputError
 
@@ -57,12 +58,12 @@ def megatron_minimum(report: GraphReport) -> dict[str, Any]:
     against the plan's."""
     decoder = [l for l in report.layers if isinstance(l.layer, int)]
     minimum = 2 * len(decoder) if report.tp > 1 else 0
-    plan = {d: sum(l.collectives["all_reduce"][d] for l in decoder) for d in DIRECTIONS}
+    plan = {d: sum(l.collectives[Collective.ALL_REDUCE][d] for l in decoder) for d in DIRECTIONS}
     return {
         "decoder_layers": len(decoder),
-        "all_reduce": {"forward": minimum, "backward": minimum},
+        Collective.ALL_REDUCE: {d: minimum for d in DIRECTIONS},
         "plan_all_reduce": plan,
-        "meets": plan["forward"] <= minimum and plan["backward"] <= minimum,
+        "meets": all(plan[d] <= minimum for d in DIRECTIONS),
     }
 
 
@@ -124,15 +125,16 @@ def explain_table(report: GraphReport, model: str) -> str:
 
     def cells(name: str, l: LayerReport) -> tuple[str, ...]:
         stage = ("" if l.stage is None else str(l.stage),) if pipelined else ()
-        p2p = (str(l.collectives["p2p"]["forward"]),) if pipelined else ()
+        p2p = (str(l.collectives[Collective.P2P][Direction.FORWARD]),) if pipelined else ()
         return (
             name,
             *stage,
-            str(l.collectives["all_reduce"]["forward"]),
-            str(l.collectives["all_reduce"]["backward"]),
-            str(l.collectives["all_gather"]["forward"]),
-            *((str(l.collectives["all_gather"]["backward"]), str(l.collectives["reduce_scatter"]["forward"]),
-               str(l.collectives["reduce_scatter"]["backward"])) if split else ()),
+            str(l.collectives[Collective.ALL_REDUCE][Direction.FORWARD]),
+            str(l.collectives[Collective.ALL_REDUCE][Direction.BACKWARD]),
+            str(l.collectives[Collective.ALL_GATHER][Direction.FORWARD]),
+            *((str(l.collectives[Collective.ALL_GATHER][Direction.BACKWARD]),
+               str(l.collectives[Collective.REDUCE_SCATTER][Direction.FORWARD]),
+               str(l.collectives[Collective.REDUCE_SCATTER][Direction.BACKWARD])) if split else ()),
             *p2p,
             f"{sum(sum(d.values()) for d in l.collective_bytes.values()) / mb:.1f}",
             f"{l.param_bytes_per_rank / mb:.1f}",
@@ -200,14 +202,14 @@ def _first_layer_all_reduces(report: GraphReport) -> list[str]:
         if r.layer != layers[0]:
             continue
         for c in r.collectives:
-            if c.kind != "all_reduce":
+            if c.kind != Collective.ALL_REDUCE:
                 continue
-            served = r.node.all_input_nodes[0] if c.direction == "forward" else next(iter(r.node.users), r.node)
+            served = r.node.all_input_nodes[0] if c.direction == Direction.FORWARD else next(iter(r.node.users), r.node)
             where = served.meta.get("stack_trace", "").strip().splitlines()
             source = where[-2].strip() if len(where) >= 2 else ""
-            relation = "sums the partial output of" if c.direction == "forward" else "sums the grads of the input of"
+            relation = "sums the partial output of" if c.direction == Direction.FORWARD else "sums the grads of the input of"
             read = r.node.all_input_nodes[0]
-            if c.direction == "backward" and read.op == "get_attr":  # a weight read by rank-local tokens or blocks
+            if c.direction == Direction.BACKWARD and read.op == "get_attr":  # a weight read by rank-local tokens or blocks
                 relation = f"sums the grads of parameter '{read.target}' read by"
             lines.append(f"  {c.direction:8s} {r.node.name}: {relation} '{served.name}' ({served.target}) {source}")
             if meta_keys.KEPT_ALL_REDUCE in r.node.meta:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autotp.analysis.op_kinds import is_alias, is_matmul
+from autotp.ir.op_facts import is_alias, is_matmul
 from autotp.api import parallelize
 from autotp.compiler import example_kwargs
 

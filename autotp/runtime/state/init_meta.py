@@ -34,8 +34,8 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from autotp.ir.errors import UserInputError
-from autotp.runtime.parameters import Parameters, get_nested
-from autotp.runtime.shard_map import ShardSpec
+from autotp.runtime.state.parameters import Parameters, get_nested
+from autotp.runtime.state.shard_map import ShardSpec
 
 
 @contextlib.contextmanager

@@ -1,11 +1,10 @@
-"""Pipeline chunks and their execution.
+"""Pipeline execution of a rank's chunks.
 
-``split_stages`` marks every value that crosses from chunk c-1 to chunk c with a
-``stage_boundary(x, c)`` node (``autotp.ir.ops.STAGE_BOUNDARY``). ``extract_chunks`` cuts the marked graph into one
-``GraphModule`` per chunk: the boundary nodes of chunk c become its inputs, the values
-that feed chunk c+1's boundaries become its outputs, and the last chunk returns the
-model's outputs. ``PipelineRunner`` runs a rank's chunks in schedule order, sending
-activations forward and gradients backward between neighbouring pipeline ranks.
+The compiler cut the rank graph into one graph per chunk (``autotp.ir.program``,
+``passes/extract_chunks``): chunk c receives the values crossing from chunk c-1, sends those
+crossing into chunk c+1, and the last chunk returns the model's outputs. ``PipelineRunner``
+runs a rank's chunks in schedule order, sending activations forward and gradients backward
+between neighbouring pipeline ranks.
 """
 
 from __future__ import annotations
@@ -19,62 +18,61 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import GraphModule
 
 from autotp.ir.errors import UserInputError
-from autotp.analysis.local_shapes import local_shape
-from autotp.analysis.op_kinds import mutated_base
-from autotp.ir import meta_keys, ops, schedules
-from autotp.runtime.cudagraphs import CapturedGraph
-from autotp.runtime.weight_grads import WeightGradStore, defer_weight_grads
-
-
-@dataclass(frozen=True)
-class Boundary:
-    """A value crossing between neighbouring chunks: this rank's shape, dtype, and whether
-    a gradient goes back for it."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    needs_grad: bool
-
-    @staticmethod
-    def of(node: Node, tp: int) -> Boundary:
-        val = node.meta["val"]
-        return Boundary(local_shape(node, tp), val.dtype, bool(node.meta.get(meta_keys.NEEDS_GRAD)) and val.dtype.is_floating_point)
+from autotp.ir import schedules
+from autotp.ir.program import Boundary, ChunkProgram
+from autotp.runtime.execution.cudagraphs import CapturedGraph
+from autotp.runtime.execution.weight_grads import WeightGradStore
 
 
 @dataclass
 class ChunkGraph:
-    """One pipeline chunk: its graph, what it receives, what it sends."""
+    """One pipeline chunk of this rank as it runs: its program (``autotp.ir.program``), its
+    compiled or captured form, and its receive buffers."""
 
-    chunk: int
-    graph: GraphModule
-    input_names: list[str]  # model inputs (placeholders of the traced graph) it reads
-    recv: list[Boundary]  # the values it receives, in order
-    send: list[Boundary]  # the values it sends, in order (none on the last chunk)
-    is_last: bool
+    program: ChunkProgram
     run: Callable[..., Any] | None = None  # torch.compile'd ``graph``, if asked for
-    captured: CapturedGraph | None = None  # ``graph`` with CUDA-graph regions, if asked for
-    _deferred: GraphModule | None = None  # ``graph`` with its weight gradients deferred
+    captured: CapturedGraph | None = None  # the program's region-split graph, captured, if asked for
     # Receive buffers by (gradients?, slot), allocated once and reused by every step.
     _buffers: dict[tuple[bool, int], list[Tensor]] = field(default_factory=dict)
+
+    @property
+    def chunk(self) -> int:
+        return self.program.spec.chunk
+
+    @property
+    def graph(self) -> GraphModule:
+        return self.program.graph
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self.program.spec.input_names
+
+    @property
+    def recv(self) -> tuple[Boundary, ...]:
+        return self.program.spec.recv
+
+    @property
+    def send(self) -> tuple[Boundary, ...]:
+        return self.program.spec.send
+
+    @property
+    def is_last(self) -> bool:
+        return self.program.spec.is_last
 
     def __call__(self, *args: Any, slot: int = 0, split_backward: bool = False) -> Any:
         """``slot``: the CUDA-graph static buffers this microbatch uses (``schedules.buffer_slots``);
         ``split_backward``: record the linear weights' gradients for a later ``W`` (``weight_grads``)."""
         if split_backward:
             assert self.run is None and self.captured is None, "checked by PipelineRunner.run_step"
-            if self._deferred is None:
-                self._deferred = defer_weight_grads(self.graph)
-            return self._deferred(*args)
+            deferred = self.program.deferred
+            assert deferred is not None, "split_weight_grads gives every pipeline chunk its deferred copy"
+            return deferred(*args)
         if self.captured is not None:
             return self.captured(*args, slot=slot)
         return (self.run if self.run is not None else self.graph)(*args)
-
-    def reset_derived(self) -> None:
-        """Forget what was built from ``graph`` (after ``graph`` changed)."""
-        self._deferred = None
 
     def buffers(self, grads: bool, slot: int, device: torch.device) -> list[Tensor]:
         """Receive buffers of ``slot``: the inputs, or the gradients of the outputs that need one."""
@@ -83,61 +81,6 @@ class ChunkGraph:
             values = [b for b in self.send if b.needs_grad] if grads else self.recv
             self._buffers[key] = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in values]
         return self._buffers[key]
-
-
-def extract_chunks(gm: GraphModule, num_chunks: int, tp: int, only: Sequence[int] | None = None) -> dict[int, ChunkGraph]:
-    """Per-chunk graphs of a graph marked by ``split_stages`` (``only``: these chunks)."""
-    nodes = list(gm.graph.nodes)
-    boundaries = {c: [n for n in nodes if n.target is ops.STAGE_BOUNDARY and n.args[1] == c] for c in range(num_chunks)}
-    # In-place writes into a value that every chunk repeats (``labels.new_zeros(...)`` filled
-    # through a view): no node reads them, so each chunk that needs the value repeats its writes.
-    repeated_writes: dict[Node, list[Node]] = {}
-    for n in nodes:
-        base = mutated_base(n) if n.op == "call_function" else None
-        if base is not None and n.meta.get(meta_keys.CHUNK) is None:
-            repeated_writes.setdefault(base, []).append(n)
-    out: dict[int, ChunkGraph] = {}
-    for c in only if only is not None else range(num_chunks):
-        is_last = c == num_chunks - 1
-        sends = [b.args[0] for b in boundaries[c + 1]] if not is_last else []
-        own = {n for n in nodes if n.meta.get(meta_keys.CHUNK) == c and n.op != "placeholder"}
-        needed: set[Node] = set()
-        stack = list(own) + sends
-        while stack:
-            n = stack.pop()
-            if n in needed:
-                continue
-            needed.add(n)
-            if n.target is ops.STAGE_BOUNDARY and n.args[1] == c:
-                continue  # received, not computed
-            stack.extend(a for a in n.all_input_nodes if a.meta.get(meta_keys.CHUNK) is None or a in own)
-            stack.extend(repeated_writes.get(n, []))
-        graph = Graph()
-        env: dict[Node, Node] = {}
-        inputs = [n for n in nodes if n.op == "placeholder" and n in needed]
-        for p in inputs:
-            env[p] = graph.placeholder(p.name)
-            env[p].meta.update(p.meta)
-        for b in boundaries[c]:
-            env[b] = graph.placeholder(f"recv_{b.args[0].name}")
-            env[b].meta.update(b.meta)
-        for n in nodes:
-            if n in needed and n not in env and n.op != "output":
-                env[n] = graph.node_copy(n, lambda a: env[a])
-        if is_last:
-            output = next(n for n in nodes if n.op == "output")
-            graph.output(torch.fx.node.map_arg(output.args[0], lambda a: env[a]))
-        else:
-            graph.output(tuple(env[s] for s in sends))
-        out[c] = ChunkGraph(
-            chunk=c,
-            graph=GraphModule(gm, graph),
-            input_names=[p.name for p in inputs],
-            recv=[Boundary.of(b, tp) for b in boundaries[c]],
-            send=[] if is_last else [Boundary.of(b, tp) for b in boundaries[c + 1]],
-            is_last=is_last,
-        )
-    return out
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """How ``all_gather_matmul`` and ``matmul_reduce_scatter`` (``autotp.ir.ops``) run on a
 process group of several ranks: the sequence-parallel collectives behind the GEMM that
-consumes or produces them (``autotp.runtime.collectives`` registers the kernels).
+consumes or produces them (``autotp.runtime.processes.collectives`` registers the kernels).
 
 **Ring** (``impl="ring"``, and every backend but CUDA + NCCL): the tensor moves between
 neighbours in ``t - 1`` point-to-point steps (``dist.batch_isend_irecv``, asynchronous on

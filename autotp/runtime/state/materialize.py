@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from autotp.ir.errors import UserInputError
-from autotp.runtime.checkpoint_hf import LoadJob, check_architecture, check_job, checkpoint_tensors, model_sources, read_jobs
-from autotp.runtime.init_meta import initialize
-from autotp.runtime.parameters import Parameters, get_nested
+from autotp.runtime.state.checkpoint_hf import LoadJob, check_architecture, check_job, checkpoint_tensors, model_sources, read_jobs
+from autotp.runtime.state.init_meta import initialize
+from autotp.runtime.state.parameters import Parameters, get_nested
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -17,10 +17,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from autotp.ir.errors import UserInputError
-from autotp.runtime.checkpoint_dcp import atomic_dir
-from autotp.runtime.checkpoint_hf import INDEX_FILE, SINGLE_FILE
-from autotp.runtime.materialize import on_every_rank
-from autotp.runtime.parameters import ParamChunks, Parameters, get_nested
+from autotp.runtime.state.checkpoint_dcp import atomic_dir
+from autotp.runtime.state.checkpoint_hf import INDEX_FILE, SINGLE_FILE
+from autotp.runtime.state.materialize import on_every_rank
+from autotp.runtime.state.parameters import ParamChunks, Parameters, get_nested
 
 log = logging.getLogger(__name__)
 

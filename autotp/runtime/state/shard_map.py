@@ -102,16 +102,16 @@ class ShardedLocal(Tensor):
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl
-    _autotp_spec: ShardSpec
+    autotp_spec: ShardSpec
 
     @staticmethod
     def wrap(local: Tensor, spec: ShardSpec) -> ShardedLocal:
         out = Tensor._make_subclass(ShardedLocal, local.detach(), False)
-        out._autotp_spec = spec
+        out.autotp_spec = spec
         return out
 
     def size(self, dim: int | None = None) -> torch.Size | int:  # type: ignore[override]
-        shape = torch.Size(self._autotp_spec.global_shape)
+        shape = torch.Size(self.autotp_spec.global_shape)
         return shape if dim is None else shape[dim]
 
     def _plain(self) -> Tensor:
@@ -120,14 +120,14 @@ class ShardedLocal(Tensor):
     def __create_chunk_list__(self) -> list:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-        spec = self._autotp_spec
+        spec = self.autotp_spec
         return [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in map(spec.box, spec.pieces)]
 
     def __create_write_items__(self, fqn: str, obj: object) -> list:
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-        spec = self._autotp_spec
+        spec = self.autotp_spec
         props = TensorProperties.create_from_tensor(self._plain())
         return [
             WriteItem(
@@ -139,7 +139,7 @@ class ShardedLocal(Tensor):
         ]
 
     def __get_tensor_shard__(self, index: object) -> Tensor:
-        spec = self._autotp_spec
+        spec = self.autotp_spec
         offset = getattr(index, "offset", None)
         for piece in spec.pieces:
             if offset is None or tuple(offset) == spec.box(piece)[0]:

@@ -8,6 +8,7 @@ the pipeline chunks that read it) comes from the compiled graph.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -16,12 +17,13 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from autotp.ir import meta_keys
+from autotp.ir.axes import Axis
 from autotp.ir.plan import ParallelPlan, ParamLayout
-from autotp.runtime import collectives
-from autotp.runtime.expert_parallel import ExpertShards
-from autotp.runtime.groups import Coords
-from autotp.runtime.shard_map import ShardSpec, shard_spec
-from autotp.runtime.sharding import shard_tensor, unshard_tensor
+from autotp.runtime.processes import collectives
+from autotp.runtime.state.expert_parallel import ExpertShards
+from autotp.runtime.processes.groups import Coords
+from autotp.runtime.state.shard_map import ShardSpec, shard_spec
+from autotp.runtime.state.sharding import shard_tensor, unshard_tensor
 
 ParamChunks = dict[str, set[int]]
 
@@ -104,7 +106,7 @@ class Parameters:
     """The parameters and buffers that ``module`` (the ``ParallelModel``) holds for this rank."""
 
     def __init__(self, module: nn.Module, plan: ParallelPlan, coords: Coords, device: torch.device, source: nn.Module) -> None:
-        self._module = module
+        self._module = weakref.proxy(module)  # the module holds this object: no cycle that keeps it alive
         self._plan = plan
         self._coords = coords
         self.device = device
@@ -115,6 +117,7 @@ class Parameters:
         self.buffer_names: list[str] = []
         self.buffer_aliases: dict[str, str] = {}  # every name of a buffer (one module shared by several parents) -> its canonical name
         self.specs: dict[str, ShardSpec] = {}  # every local parameter and buffer
+        self.holders: dict[str, list[int]] = {}  # canonical name -> the pipeline ranks that hold it (sorted)
         self.unfilled: set[str] = set()  # allocated for a model on meta; to be loaded or initialized
         self.experts = ExpertShards(plan, coords.experts)
 
@@ -126,13 +129,13 @@ class Parameters:
             canonical = by_id.setdefault(id(p), name)
             self.aliases.setdefault(canonical, []).append(name)
             tensors.setdefault(canonical, p)
+        self.holders = {name: self.owners(param_chunks, name) for name in tensors}
         for name, p in tensors.items():
             layouts = [self._plan.layout_of(alias) for alias in self.aliases[name]]
             layout = self.layouts[name] = next((l for l in layouts if l is not None), None)
             if not self.chunks_of(param_chunks, name) & mine or not self.experts.held(name):
                 continue
-            spec = self.experts.spec(name, tuple(p.shape)) or shard_spec(name, tuple(p.shape), layout, self._coords.tp_rank, self._plan.tp)
-            self.specs[name] = spec
+            spec = self.specs[name] = self.experts.spec(name, tuple(p.shape)) or shard_spec(name, tuple(p.shape), layout, *self._place(layout))
             local = self._local(name, p.detach(), spec, layout)
             set_nested(self._module, name, nn.Parameter(local, requires_grad=p.requires_grad), buffer=False)
             self.local_names.append(name)
@@ -145,6 +148,11 @@ class Parameters:
             set_nested(self._module, name, self._local(name, b.detach(), spec, None), buffer=True)
             self.buffer_names.append(name)
 
+    def _place(self, layout: ParamLayout | None) -> tuple[int, int]:
+        """This rank's index on the axis ``layout`` splits over, and that axis's degree."""
+        axis = Axis.TP if layout is None else layout.axis
+        return self._coords.rank(axis), self._plan.degree(axis)
+
     def _local(self, name: str, full: torch.Tensor, spec: ShardSpec, layout: ParamLayout | None) -> torch.Tensor:
         """This rank's copy of ``full``; for a tensor on meta, its shard allocated on the device
         (padding rows zero, the rest filled later by a checkpoint or the model's init)."""
@@ -153,7 +161,7 @@ class Parameters:
             covered = sum(piece.length for piece in spec.pieces)
             make = torch.empty if covered == spec.local_len else torch.zeros
             return make(spec.local_shape, dtype=full.dtype, device=self.device)
-        local = shard_tensor(full, layout, self._coords.tp_rank, self._plan.tp) if layout else self.experts.local(name, full).clone()
+        local = shard_tensor(full, layout, *self._place(layout)) if layout else self.experts.local(name, full).clone()
         return local.to(self.device)
 
     def chunks_of(self, param_chunks: ParamChunks, canonical: str) -> set[int]:
@@ -166,6 +174,13 @@ class Parameters:
     def owners(self, param_chunks: ParamChunks, canonical: str) -> list[int]:
         """The pipeline ranks that hold ``canonical`` (sorted)."""
         return sorted({self._plan.pp_rank_of_chunk(c) for c in self.chunks_of(param_chunks, canonical)})
+
+    def writes_state(self, canonical: str) -> bool:
+        """Whether this rank is the first pipeline rank holding ``canonical``: pipeline stages that
+        share a parameter (tied embeddings) lay out its dp ranges differently, so only the first of
+        them writes its sharded optimizer state."""
+        holders = self.holders.get(canonical)
+        return not holders or holders[0] == self._coords.pp_rank
 
     def canonical(self, name: str) -> str:
         """The name under which the module holds the parameter or buffer ``name``."""
@@ -188,6 +203,16 @@ class Parameters:
                 if source in self.local_names or source in self.buffer_names:
                     _set_graph_attr(gm, str(node.target), get_nested(self._module, source))
 
+    @staticmethod
+    def release(graphs: list[GraphModule]) -> None:
+        """Make ``graphs`` let go of the tensors ``attach`` gave them. A graph module and its fx
+        ``Graph`` refer to each other, so only the garbage collector frees them: without this, they
+        would hold the parameters until it runs."""
+        for gm in graphs:
+            for module in gm.modules():
+                for name in [n for n, _ in module.named_parameters(recurse=False)] + [n for n, _ in module.named_buffers(recurse=False)]:
+                    delattr(module, name)
+
     def gather(self, name: str, local: torch.Tensor | None, param_chunks: ParamChunks) -> torch.Tensor | None:
         """The full tensor of parameter ``name`` (or its grad) on every rank."""
         plan = self._plan
@@ -195,10 +220,12 @@ class Parameters:
         full = None
         if local is not None:
             full = local.detach().clone()
-            if layout is not None and plan.tp > 1:
-                parts = [torch.empty_like(local) for _ in range(plan.tp)]
-                dist.all_gather(parts, local.detach().contiguous(), group=collectives.get_group(self._coords.tp_key))
-                full = unshard_tensor(parts, layout, plan.tp)
+            degree = self._place(layout)[1]
+            if layout is not None and degree > 1:
+                parts = [torch.empty_like(local) for _ in range(degree)]
+                group = collectives.get_group(self._coords.keys[layout.axis])
+                dist.all_gather(parts, local.detach().contiguous(), group=group)
+                full = unshard_tensor(parts, layout, degree)
         if self.experts.is_expert(name) and self._coords.pp_rank in self.owners(param_chunks, name):
             full = self.experts.gather(name, full, get_nested(self._source, name), self.device)
         if plan.pp == 1:

@@ -1,8 +1,8 @@
 """Capture a per-rank graph's CUDA-graph regions and replay them (CUDA only).
 
-``mark_cudagraph_regions`` tags the regions. ``split_regions`` turns each into a
-submodule ``cudagraph_region_<id>`` of a copy of the graph; the nodes between regions
-stay in the copy and run eagerly (partial capture). ``CapturedGraph`` runs that copy:
+The compiler gives each chunk a copy of its graph whose regions are submodules
+``cudagraph_region_<id>`` (``passes/split_cudagraph_regions``); the nodes between regions
+run eagerly (partial capture). ``CapturedGraph`` runs that copy:
 
 * **Capture** happens on a slot's first call, which first runs eagerly without grad to record
   every region's inputs; those values become the regions' static input buffers, every region is
@@ -42,19 +42,19 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import operator
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import GraphModule, Node
 
 from autotp.ir import meta_keys
 from autotp.ir.errors import UserInputError
+from autotp.ir.program import CAPTURED, REGION_PREFIX
+from autotp.passes.extract_chunks import whole_copy
 
-PREFIX = "cudagraph_region_"
 TORCH, TRANSFORMER_ENGINE = "torch", "transformer_engine"
 _WARMUP_ITERS = 3
 
@@ -64,73 +64,19 @@ def implementation() -> str:
     return TRANSFORMER_ENGINE if importlib.util.find_spec("transformer_engine") is not None else TORCH
 
 
-def _copy(gm: GraphModule) -> GraphModule:
-    """A copy of ``gm`` with its own graph, sharing parameters, buffers and submodules."""
-    graph = Graph()
-    graph._codegen = gm.graph._codegen
-    env: dict[Node, Node] = {}
-    out = graph.graph_copy(gm.graph, env)
-    graph.output(out)
-    copy = GraphModule(gm, graph)
-    for spec in ("_in_spec", "_out_spec"):
-        if hasattr(gm, spec):
-            setattr(copy, spec, getattr(gm, spec))
-    return copy
-
-
-def _extract(parent: GraphModule, nodes: list[Node], name: str) -> None:
-    """Replace ``nodes`` (a region, in graph order) with a call of submodule ``name``."""
-    inside = set(nodes)
-    graph = Graph()
-    env: dict[Node, Node] = {}
-    inputs: list[Node] = []
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a in inside or a in env:
-                continue
-            if a.op == "get_attr":
-                env[a] = graph.get_attr(str(a.target))
-            else:
-                env[a] = graph.placeholder(a.name)
-                env[a].meta.update(a.meta)
-                inputs.append(a)
-        env[n] = graph.node_copy(n, lambda a: env[a])
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-    graph.output(tuple(env[o] for o in outputs))
-    parent.add_submodule(name, GraphModule(parent, graph, class_name=name))
-    # After the last node: with pp > 1 a region may skip input-derived nodes, which it can read.
-    with parent.graph.inserting_before(nodes[-1].next):
-        call = parent.graph.call_module(name, tuple(inputs))
-        for i, o in enumerate(outputs):
-            got = parent.graph.call_function(operator.getitem, (call, i))
-            got.meta.update(o.meta)
-            o.replace_all_uses_with(got)
-    for n in reversed(nodes):
-        parent.graph.erase_node(n)
-
-
-def split_regions(gm: GraphModule) -> GraphModule:
-    """A copy of ``gm`` whose tagged regions are submodules ``cudagraph_region_<id>``."""
-    copy = _copy(gm)
-    regions: dict[int, list[Node]] = {}
-    for node in copy.graph.nodes:
-        region = node.meta.get(meta_keys.CUDAGRAPH_REGION)
-        if region is not None:
-            regions.setdefault(region, []).append(node)
-    for region, nodes in regions.items():
-        _extract(copy, nodes, f"{PREFIX}{region}")
-    for node in list(copy.graph.nodes):
-        if node.op == "get_attr" and not node.users:
-            copy.graph.erase_node(node)
-    copy.graph.lint()
-    copy.recompile()
-    return copy
-
-
 def regions_of(split: GraphModule) -> list[tuple[str, GraphModule]]:
-    """The region submodules of ``split_regions``' result, in the order they run."""
-    order = [str(n.target) for n in split.graph.nodes if n.op == "call_module" and str(n.target).startswith(PREFIX)]
+    """The region submodules of a region-split graph, in the order they run."""
+    order = [str(n.target) for n in split.graph.nodes if n.op == "call_module" and str(n.target).startswith(REGION_PREFIX)]
     return [(name, getattr(split, name)) for name in order]
+
+
+def _for_slot(split: GraphModule) -> GraphModule:
+    """A copy of ``split`` with region modules of its own (capture replaces their forward),
+    sharing parameters and buffers."""
+    copy = whole_copy(split, CAPTURED)
+    for name, region in regions_of(split):
+        setattr(copy, name, whole_copy(region, name))
+    return copy
 
 
 def _static_input(value: Tensor, placeholder: Node) -> Tensor:
@@ -170,11 +116,11 @@ def _own(value: Any) -> Any:
 
 
 class CapturedGraph:
-    """Calls a per-rank graph with its regions replayed from CUDA graphs (module docstring);
+    """Calls a region-split graph with its regions replayed from CUDA graphs (module docstring);
     with ``compile_regions``, each region runs ``torch.compile``'s code in its graphs."""
 
-    def __init__(self, gm: GraphModule, impl: str, compile_regions: bool = False) -> None:
-        self._gm = gm
+    def __init__(self, split: GraphModule, impl: str, compile_regions: bool = False) -> None:
+        self._split = split
         self._impl = impl
         self._compile = compile_regions
         self._slots: list[GraphModule] = []  # per slot: the split graph with its regions graphed
@@ -184,8 +130,15 @@ class CapturedGraph:
 
     def release(self) -> None:
         """Drop the captured graphs (and with them their memory pools); the next call captures again."""
+        for split in self._slots:
+            for _, region in regions_of(split):
+                vars(region).pop("forward", None)  # the graphed forward that capture installed, with its static buffers
         self._slots.clear()
         self._params, self._ranges = (), []
+
+    def graphs(self) -> list[GraphModule]:
+        """The graph modules of the captures made so far."""
+        return [m for split in self._slots for m in split.modules() if isinstance(m, GraphModule)]
 
     @property
     def slots(self) -> int:
@@ -201,7 +154,7 @@ class CapturedGraph:
         return self._capture(args, kwargs)
 
     def _capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        split = split_regions(self._gm)
+        split = _for_slot(self._split)
         regions = regions_of(split)
         samples: dict[str, tuple[Tensor, ...]] = {}
         handles = []

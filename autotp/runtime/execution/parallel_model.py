@@ -5,8 +5,8 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,30 +16,27 @@ from torch import nn
 from torch.fx import GraphModule
 
 from autotp.analysis.trace import structure_copy
-from autotp.compiler import LOSS_ONLY, Lowered, lower_signature
+from autotp.compiler import LOSS_ONLY, lower_signature, with_param_waits
 from autotp.ir import schedules
+from autotp.ir.axes import Axis
 from autotp.ir.plan import ParallelPlan
+from autotp.ir.program import RankProgram
 from autotp.ir.rank_log import warn_once
-from autotp.runtime import checkpoint_dcp, collectives, cudagraphs, expert_parallel, export_hf, grad_norm, grad_sync, guards
-from autotp.runtime.grad_buffers import GradBuffers, ParamUse
-from autotp.runtime.groups import Coords
-from autotp.runtime.parameters import ParamChunks, Parameters, graph_param_chunks, graph_trained_params
-from autotp.runtime.pipeline import ChunkGraph, PipelineRunner, extract_chunks
+from autotp.runtime.state import checkpoint_dcp, expert_parallel, export_hf
+from autotp.runtime.processes import collectives
+from autotp.runtime.execution import cudagraphs, guards
+from autotp.runtime.gradients import grad_norm
+from autotp.runtime.gradients.grad_sync import GradSync, default_sync, mean_loss, shared_param_groups
+from autotp.runtime.gradients.grad_buffers import ParamUse
+from autotp.runtime.processes.groups import Coords
+from autotp.runtime.state.parameters import Parameters, graph_trained_params
+from autotp.runtime.execution.pipeline import ChunkGraph, PipelineRunner
+from autotp.runtime.execution.signatures import CompiledSignature
 from autotp.ir.errors import UserInputError
-from autotp.runtime.shard_map import ShardedLocal
+from autotp.runtime.state.shard_map import ShardedLocal
 
 log = logging.getLogger(__name__)
 REPLICA_CHECK_EVERY = 100
-
-
-@dataclass
-class _Compiled:
-    """One input signature, compiled: the full per-rank graph and this rank's chunks."""
-
-    graph: GraphModule
-    chunks: dict[int, ChunkGraph]
-    param_chunks: ParamChunks
-    run: Callable[..., Any]  # ``graph``, its torch.compile'd form, or its CUDA-graph capture
 
 
 class _StructureOnly:
@@ -65,15 +62,8 @@ class ParallelModel(nn.Module):
     ``plan`` is the plan of the first signature, with the CUDA-graph regions it chose.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        first: Lowered,
-        first_kwargs: dict[str, Any],
-        coords: Coords,
-        device: torch.device,
-        compile_graphs: bool,
-    ) -> None:
+    def __init__(self, model: nn.Module, first: RankProgram, first_kwargs: dict[str, Any], coords: Coords,
+                 device: torch.device, compile_graphs: bool) -> None:  # fmt: skip
         super().__init__()
         self.plan: ParallelPlan = first.plan
         self._compile_graphs = compile_graphs
@@ -82,7 +72,7 @@ class ParallelModel(nn.Module):
         self._source = _StructureOnly(model)
         self._forward_params = list(inspect.signature(model.forward).parameters)
         self._inject = {"use_cache": False} if "use_cache" in self._forward_params else {}
-        self._graphs: dict[tuple, _Compiled] = {}
+        self._graphs: dict[tuple, CompiledSignature] = {}
         self.pass_timings: dict[str, float] = {}
         self.measure_busy = False
         self.last_busy_s = 0.0  # with measure_busy: this rank's compute time in the last pipeline step
@@ -94,15 +84,12 @@ class ParallelModel(nn.Module):
                                               coords.dp_group if many else None)
         compiled = self._prepare(first)
         self._params.bind(model, compiled.param_chunks, set(self.my_chunks))
-        owners = {name: self._params.owners(compiled.param_chunks, name) for name in self._params.aliases}
-        self._shared_param_groups = grad_sync.shared_param_groups(self.plan, coords, owners)
-        # Shared parameters that some stage trains: a stage that only reads one without grad
-        # (detached) adds a zero gradient to the sum, so that every holder steps it alike.
+        self.shared_param_groups = shared_param_groups(self.plan, coords, self._params.holders)
+        """Per parameter that several pipeline stages hold, the group of its holders in this pipeline."""
         trained = graph_trained_params(compiled.graph)
-        self._trained_shared = [n for n in self._shared_param_groups if any(a in trained for a in self._params.aliases[n])]
-        self._owners = owners
-        self._grad_buffers: GradBuffers | None = None  # set by a DistributedOptimizer
-        self._dp_mean: grad_sync.OverlappedDpMean | None = None  # made by the first train_step with dp > 1, pp = 1
+        trained_shared = [n for n in self.shared_param_groups if any(a in trained for a in self._params.aliases[n])]
+        this = weakref.proxy(self)  # the sync is held by this module: no cycle that keeps it alive
+        self._grad_sync = default_sync(this, self.plan, coords, self.shared_param_groups, trained_shared, self._params.experts)
         self._steps = 0
         self.check_replicas_every = REPLICA_CHECK_EVERY  # train_step runs check_replicas on its 1st, N+1th, ... call; 0: never
         self._warned_plain = False
@@ -113,55 +100,88 @@ class ParallelModel(nn.Module):
     @property
     def ep_rank(self) -> int:
         """This rank's place in its expert-parallel group (0 without expert parallelism)."""
-        return self._coords.experts.ep_rank if self._coords.experts is not None else 0
+        return self._coords.rank(Axis.EP)
 
     def moe_drop_counts(self, reset: bool = False) -> dict[str, tuple[int, int]]:
         """Per MoE layer under sync-free dispatch: (rows its capacity dropped, rows routed) on this rank
         since the last reset (``expert_parallel.drop_counts``; reading syncs with the device)."""
         return expert_parallel.drop_counts(self.plan, reset)
 
+    def __del__(self) -> None:
+        """``del pm`` frees the parameters at once: the graphs (each in a reference cycle with its
+        fx ``Graph``, which only the garbage collector breaks) let go of them, and the gradient
+        hooks and parameter waits that reach them are removed."""
+        for compiled in self.__dict__.get("_graphs", {}).values():
+            Parameters.release(compiled.graphs())
+            compiled.release()
+        if self.__dict__.get("_grad_sync") is not None:
+            self._grad_sync.close()
+
     @property
     def my_chunks(self) -> list[int]:
         return [c for c in range(self.plan.num_chunks) if self.plan.pp_rank_of_chunk(c) == self._coords.pp_rank]
 
+    @property
+    def coords(self) -> Coords:
+        """This rank's place on every axis, and its process groups."""
+        return self._coords
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def compile_graphs(self) -> bool:
+        """Whether the graphs run through ``torch.compile``."""
+        return self._compile_graphs
+
+    @property
+    def shard_map(self) -> Parameters:
+        """Where each local tensor sits in its global tensor (``ShardSpec`` by name), which
+        checkpoints, exports and the optimizer read."""
+        return self._params
+
+    @property
+    def grad_sync(self) -> GradSync:
+        """How ``train_step``'s gradients become the step's (``autotp.runtime.gradients.grad_sync``)."""
+        return self._grad_sync
+
+    def install_grad_sync(self, sync: GradSync) -> None:
+        """Make ``sync`` (a DistributedOptimizer's ``GradBuffers``) sum and average the gradients of
+        ``train_step`` instead of the default, and the graphs wait for its parameter all-gathers."""
+        if self._grad_sync.holds_grads:
+            raise UserInputError("this ParallelModel already has a DistributedOptimizer; create one per model")
+        self._grad_sync.close()
+        self._grad_sync = sync
+        for compiled in self._graphs.values():
+            self._install_param_waits(compiled)
+
     # ---- compilation ---------------------------------------------------------------
 
-    def _prepare(self, lowered: Lowered) -> _Compiled:
-        """This rank's chunks of a lowered graph, and how to run them."""
-        gm = lowered.graph
-        param_chunks = graph_param_chunks(gm)
-        for k, v in lowered.pass_s.items():
+    def _prepare(self, program: RankProgram) -> CompiledSignature:
+        for k, v in program.pass_s.items():
             self.pass_timings[k] = self.pass_timings.get(k, 0.0) + v
-        chunks = extract_chunks(gm, self.plan.num_chunks, self.plan.tp, only=self.my_chunks) if self.plan.num_chunks > 1 else {}
-        run: Callable[..., Any] = gm
-        if self._compile_graphs:
-            run = torch.compile(gm)
-            for cg in chunks.values():
-                cg.run = torch.compile(cg.graph)
-        if self.plan.cudagraphs:
-            run = cudagraphs.CapturedGraph(gm, self.plan.cudagraph_impl, self._compile_graphs)
-            for cg in chunks.values():
-                cg.captured = cudagraphs.CapturedGraph(cg.graph, self.plan.cudagraph_impl, self._compile_graphs)
-        return _Compiled(gm, chunks, param_chunks, run)
+        return CompiledSignature.of(program, self.plan, self.my_chunks, self._compile_graphs)
 
-    def _attach(self, compiled: _Compiled) -> None:
-        self._params.attach([c.graph for c in compiled.chunks.values()] or [compiled.graph])
+    def _attach(self, compiled: CompiledSignature) -> None:
+        self._params.attach([g for chunk in compiled.running() for g in chunk.graphs()])
 
-    def _insert_param_waits(self, compiled: _Compiled) -> None:
+    def _install_param_waits(self, compiled: CompiledSignature) -> None:
         """With a DistributedOptimizer that overlaps its all-gather: each graph waits for a bucket before reading it."""
-        buffers = self._grad_buffers
-        if buffers is None or not buffers.overlap or buffers.dp == 1:
+        layout = self._grad_sync.param_buckets(self._params.aliases)
+        if layout is None:
             return
-        for c, cg in compiled.chunks.items():
-            buffers.insert_waits(cg.graph, self._params.canonical, c)
-            cg.reset_derived()
-        if not compiled.chunks:
-            buffers.insert_waits(compiled.graph, self._params.canonical, 0)
+        if any(chunk.waits is None for chunk in compiled.running()):
+            backend = dist.get_backend() if dist.is_initialized() else "nccl"
+            with_param_waits(compiled.program, layout, tp_rank=self._coords.tp_rank, device=self._device, backend=backend)
+        for chunk in compiled.running():
+            waits = chunk.waits
+            assert waits is not None
+            waits.callback = self._grad_sync.wait_bucket
 
     def _finish_param_gather(self) -> None:
         """Wait for the DistributedOptimizer's all-gather in flight, before reading or writing parameters."""
-        if self._grad_buffers is not None:
-            self._grad_buffers.wait_params()
+        self._grad_sync.wait_params()
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module``'s (``parameters()`` too), after the DistributedOptimizer's all-gather in flight."""
@@ -172,7 +192,11 @@ class ParallelModel(nn.Module):
         """The compiled per-rank graph (all chunks, stage boundaries marked) for these inputs."""
         return self._compiled_for(self._as_kwargs(args, kwargs)).graph
 
-    def _compiled_for(self, call: dict[str, Any], outputs_read: tuple[str, ...] = ()) -> _Compiled:
+    def chunks_for(self, *args: Any, **kwargs: Any) -> dict[int, ChunkGraph]:
+        """This rank's pipeline chunks as they run for these inputs (empty without a pipeline)."""
+        return self._compiled_for(self._as_kwargs(args, kwargs)).chunks
+
+    def _compiled_for(self, call: dict[str, Any], outputs_read: tuple[str, ...] = ()) -> CompiledSignature:
         """The graph of ``call``'s signature; ``outputs_read``: the output keys the caller reads (empty: all)."""
         key = (*guards.signature_key(call, self.training), outputs_read)
         compiled = self._graphs.get(key)
@@ -180,15 +204,16 @@ class ParallelModel(nn.Module):
             self._source.model.train(self.training)
             backend = dist.get_backend() if dist.is_initialized() else "nccl"
             try:
-                lowered = lower_signature(self._source.model, call, self.plan, tp_rank=self._coords.tp_rank,
+                program = lower_signature(self._source.model, call, self.plan, tp_rank=self._coords.tp_rank,
                                           device=self._device, backend=backend, ep_rank=self.ep_rank,
-                                          outputs_read=outputs_read)  # fmt: skip
+                                          outputs_read=outputs_read,
+                                          param_buckets=self._grad_sync.param_buckets(self._params.aliases))  # fmt: skip
             except ValueError as e:
                 guards.explain_retrace_failure(call, list(self._graphs), e)
                 raise
-            compiled = self._prepare(lowered)
+            compiled = self._prepare(program)
             self._attach(compiled)
-            self._insert_param_waits(compiled)
+            self._install_param_waits(compiled)
             self._graphs[key] = compiled
         guards.refuse_autocast(compiled.graph, self._device)
         return compiled
@@ -212,11 +237,11 @@ class ParallelModel(nn.Module):
             return compiled.run(**call)
         return self._pipeline_forward(compiled, call)
 
-    def _pipeline_forward(self, compiled: _Compiled, call: dict[str, Any]) -> Any:
+    def _pipeline_forward(self, compiled: CompiledSignature, call: dict[str, Any]) -> Any:
         leaves = self._runner(compiled).run_forward(call)
         return self._broadcast_outputs(compiled, leaves)
 
-    def _broadcast_outputs(self, compiled: _Compiled, leaves: list[torch.Tensor] | None) -> Any:
+    def _broadcast_outputs(self, compiled: CompiledSignature, leaves: list[torch.Tensor] | None) -> Any:
         """The last stage's outputs on every pipeline rank."""
         pipe = self._coords.pipeline
         assert pipe is not None
@@ -229,7 +254,7 @@ class ParallelModel(nn.Module):
             dist.broadcast(t, src=last, group=pipe.pp_group)
         return torch.utils._pytree.tree_unflatten(leaves, compiled.graph._out_spec)
 
-    def _runner(self, compiled: _Compiled) -> PipelineRunner:
+    def _runner(self, compiled: CompiledSignature) -> PipelineRunner:
         assert self._coords.pipeline is not None
         return PipelineRunner(compiled.chunks, self._coords.pipeline, self._device)
 
@@ -274,18 +299,11 @@ class ParallelModel(nn.Module):
                 f"{'' if batch_is_local else f'dp={dp} x '}{m} microbatches; "
                 f"use a batch size that is a multiple of {shards * max(m, 1)}"
             )
-        if self._grad_buffers is not None:
-            self._grad_buffers.begin(m)
-        else:
-            if self.plan.distributed_optimizer and dp > 1 and not self._warned_plain:
-                self._warned_plain = True
-                warn_once(log, "the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
-                            "state over dp=%d); this model trains with a plain optimizer", dp)
-            if dp > 1 and self.plan.num_chunks == 1:
-                self._arm_dp_mean(m)
-        # Grads of stage-shared parameters already summed by an earlier step, when the caller accumulates.
-        shared = self._params.local_grads(list(self._shared_param_groups)) if self._grad_buffers is None else {}
-        carried = {n: g.clone() for n, g in shared.items() if g is not None}
+        if self.plan.distributed_optimizer and dp > 1 and not self._grad_sync.holds_grads and not self._warned_plain:
+            self._warned_plain = True
+            warn_once(log, "the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
+                      "state over dp=%d); this model trains with a plain optimizer", dp)
+        self._grad_sync.begin(m)
         step = size // (shards * m)
         first = 0 if batch_is_local else self._coords.dp_rank * step * m
         micro = [
@@ -303,13 +321,13 @@ class ParallelModel(nn.Module):
                 total += loss.detach().float()
         else:
             total = self._pipeline_step(micro, loss_of, schedule or self.plan.schedule_name, outputs_read)
-        self._sync_grads(carried)
-        return grad_sync.mean_loss(self.plan, self._coords, total / m)
+        self._grad_sync.finish()
+        return mean_loss(self.plan, self._coords, total / m)
 
     def _pipeline_step(self, micro: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str,
                        outputs_read: tuple[str, ...]) -> torch.Tensor:  # fmt: skip
         pp, vpp = self.plan.pp, self.plan.vpp
-        if name == "zbh1" and self._grad_buffers is not None:
+        if name == "zbh1" and self._grad_sync.holds_grads:
             raise UserInputError(ZBH1_REFUSED)
         calls = [self._as_kwargs((), mb) for mb in micro]
         compiled = self._compiled_for(calls[0], outputs_read)
@@ -320,51 +338,19 @@ class ParallelModel(nn.Module):
         self.last_busy_s = runner.busy_s
         return total
 
-    def _dense_params(self) -> list[nn.Parameter]:
-        """The parameters averaged over dp (expert-parallel ones are summed over edp instead)."""
-        return [p for n, p in self.named_parameters() if not self._params.experts.is_expert(n)]
-
-    def _arm_dp_mean(self, backwards: int) -> None:
-        params = self._dense_params()
-        if self._dp_mean is None or not self._dp_mean.serves(params):
-            if self._dp_mean is not None:
-                self._dp_mean.close()
-            self._dp_mean = grad_sync.OverlappedDpMean(params, self._coords.dp_group, self.plan.dp, self.plan.dp_bucket_bytes)
-        self._dp_mean.begin(backwards)
-
-    def _sync_grads(self, carried: dict[str, torch.Tensor]) -> None:
-        if self._grad_buffers is not None:
-            self._grad_buffers.finish()
-            return
-        for name, grad in self._params.local_grads(self._trained_shared).items():
-            if grad is None:
-                param = self.get_parameter(name)
-                param.grad = torch.zeros_like(param)
-        shared = self._params.local_grads(list(self._shared_param_groups))
-        if self._coords.experts is not None:
-            experts = self._params.local_grads([n for n in self._params.local_names if self._params.experts.is_expert(n)])
-            expert_parallel.sync_expert_grads([g for g in experts.values() if g is not None], self._coords.experts, self.plan.dp)
-        averaged = self._dp_mean is not None and self._dp_mean.armed  # over dp already, as the backward ran
-        if averaged:
-            self._dp_mean.finish()
-        grads = [p.grad for p in self._dense_params() if p.grad is not None] if self.plan.dp > 1 and not averaged else []
-        grad_sync.sync_grads(self.plan, self._coords, shared, self._shared_param_groups, grads, carried)
-
     @property
     def cudagraph_slots(self) -> dict[int, int]:
         """Per chunk of this rank: the CUDA-graph captures made so far, one per microbatch
-        the schedule held in flight (``autotp.runtime.cudagraphs``), summed over input signatures."""
+        the schedule held in flight (``autotp.runtime.execution.cudagraphs``), summed over input signatures."""
         slots: dict[int, int] = {}
         for compiled in self._graphs.values():
-            captures = {c: cg.captured for c, cg in compiled.chunks.items()} or {0: compiled.run}
-            for chunk, captured in captures.items():
-                if isinstance(captured, cudagraphs.CapturedGraph):
-                    slots[chunk] = slots.get(chunk, 0) + captured.slots
+            for chunk, captured in compiled.captures().items():
+                slots[chunk] = slots.get(chunk, 0) + captured.slots
         return slots
 
     # ---- checkpoints ---------------------------------------------------------------
 
-    def _first_compiled(self) -> _Compiled:
+    def _first_compiled(self) -> CompiledSignature:
         return next(iter(self._graphs.values()))
 
     def unshard_state_dict(self, to_rank: int | None = None) -> dict[str, torch.Tensor]:
@@ -391,7 +377,7 @@ class ParallelModel(nn.Module):
     def materialize(self, model: nn.Module, checkpoint: str | Path | None, seed: int) -> None:
         """Fill the shards of a model built on meta (``parallelize`` calls this): this rank's
         slices of the HF ``checkpoint``, then the model's own init for the rest."""
-        from autotp.runtime.materialize import materialize
+        from autotp.runtime.state.materialize import materialize
 
         start = time.perf_counter()
         self.checkpoint_bytes_read = materialize(self, self._params, model, checkpoint, seed)
@@ -419,7 +405,7 @@ class ParallelModel(nn.Module):
 
     def unshard_grads(self) -> dict[str, torch.Tensor | None]:
         """Full gradients under every original parameter name (None where no grad)."""
-        if self._grad_buffers is not None and self._grad_buffers.reduced:
+        if self._grad_sync.reduced:
             raise UserInputError(
                 "the gradients were reduce-scattered over dp by the DistributedOptimizer (each dp rank holds the mean "
                 "of its 1/dp slice only), so no rank has them whole; read them before the step ends (pm(...) and "
@@ -431,12 +417,12 @@ class ParallelModel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; with a DistributedOptimizer, zero its buffers (``.grad`` stays a view of them)."""
-        if self._grad_buffers is not None:
-            self._grad_buffers.zero_grad()
+        if self._grad_sync.holds_grads:
+            self._grad_sync.zero_grad()
             return
         super().zero_grad(set_to_none)
 
-    def _param_uses(self, names: list[str]) -> list[ParamUse]:
+    def param_uses(self, names: list[str]) -> list[ParamUse]:
         """How the gradient buffers lay out ``names``: their chunk, backward passes per microbatch, first use."""
         compiled = self._first_compiled()
         graphs = {c: cg.graph for c, cg in compiled.chunks.items()} or {0: compiled.graph}
@@ -452,13 +438,14 @@ class ParallelModel(nn.Module):
             chunks = self._params.chunks_of(compiled.param_chunks, name) & mine or {min(mine)}
             chunk = min(chunks)
             param = self.get_parameter(name)
-            uses.append(ParamUse(name, param, chunk, len(chunks), order.get((name, chunk), -1), name in self._shared_param_groups))
+            uses.append(ParamUse(name, param, chunk, len(chunks), order.get((name, chunk), -1), name in self.shared_param_groups))
         return uses
 
-    def _norm_counting(self, dp_rank: int | None) -> grad_norm.NormCounting:
+    def norm_counting(self, dp_rank: int | None) -> grad_norm.NormCounting:
+        """Which gradient elements this rank counts in a global norm (over dp too, unless ``dp_rank`` is None)."""
         c = self._coords
         experts = self._params.experts
-        return grad_norm.NormCounting(self.plan, c.tp_rank, c.pp_rank, dp_rank, self._params.layouts, self._owners,
+        return grad_norm.NormCounting(self.plan, c.tp_rank, c.pp_rank, dp_rank, self._params.layouts, self._params.holders,
                                       lambda n: experts.counts_in_norm(n, dp_rank) if experts.is_expert(n) else None)  # fmt: skip
 
     def clip_grad_norm_(self, max_norm: float, error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -466,9 +453,9 @@ class ParallelModel(nn.Module):
         shards and replicas, pipeline stages and dp ranks, as ``torch.nn.utils.clip_grad_norm_`` on
         the unmodified model; returns that norm (the same on every rank). Call it after
         ``train_step``."""
-        if self._grad_buffers is not None:
+        if self._grad_sync.holds_grads:
             raise UserInputError("this model trains with a DistributedOptimizer, which holds the gradients: call opt.clip_grad_norm_")
-        counting = self._norm_counting(self._coords.dp_rank)
+        counting = self.norm_counting(self._coords.dp_rank)
         grads = [(n, self.get_parameter(n).grad) for n in self._params.local_names]
         present = [(n, g) for n, g in grads if g is not None]
         squares = grad_norm.sum_of_squares((part for n, g in present for part in counting.counted(n, g)), self._device)

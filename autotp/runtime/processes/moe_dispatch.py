@@ -25,7 +25,7 @@ from torch.library import Library
 
 from autotp.ir import moe_ops
 from autotp.ir.moe_ops import received_rows
-from autotp.runtime.collectives import get_group
+from autotp.runtime.processes.collectives import get_group
 
 _KERNELS = Library(moe_ops.NAMESPACE, "IMPL")
 _DROPS: dict[str, Tensor] = {}  # layer -> [dropped, routed] (int64, on the layer's device)

@@ -45,7 +45,7 @@ class NormCounting:
                  expert_counts: Callable[[str], bool | None] | None = None) -> None:  # fmt: skip
         """``owners``: parameter -> sorted pipeline ranks holding it; ``dp_rank`` None: every dp rank counts.
         ``expert_counts``: for an expert-parallel parameter, whether this rank counts all of it
-        (``autotp.runtime.expert_parallel``); None for the others."""
+        (``autotp.runtime.state.expert_parallel``); None for the others."""
         self._expert_counts = expert_counts
         self._plan = plan
         self._tp_rank = tp_rank

@@ -25,9 +25,10 @@ bucket (``shard``); the rest of the buffer is stale until ``zero_grad``.
 **All-gather, overlapped with the next forward.** After the optimizer wrote this rank's
 slice of the parameter buffer, ``gather_params`` all-gathers every bucket (one async
 collective per bucket, in order of first use in the forward). With ``overlap`` it
-returns at once: ``insert_waits`` put a ``ParamWait`` call into each graph that runs,
-right before the first node that reads a bucket's parameters, so the forward waits for
-bucket k while buckets k+1, ... are still in flight (Megatron's forward pre-hooks, at
+returns at once: the compiler put a wait into each graph that runs
+(``passes/insert_param_waits``, for the ``bucket_layout``), right before the first node
+that reads a bucket's parameters, whose callback is ``wait_bucket``, so the forward waits
+for bucket k while buckets k+1, ... are still in flight (Megatron's forward pre-hooks, at
 graph-node granularity). Whatever else reads the parameters (checkpoints, unsharding,
 the next step) calls ``wait_params`` first. Without ``overlap`` it waits for every
 bucket before returning.
@@ -41,10 +42,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.fx import GraphModule
+
+from autotp.ir.program import BucketLayout
+from autotp.runtime.gradients.grad_sync import GradSync
 
 ALIGN = 64  # elements per dp slice of a bucket are a multiple of this (aligned NCCL buffers)
-WAIT_MODULE = "autotp_param_wait"  # the submodule a graph calls to wait for a bucket's all-gather
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -98,31 +100,20 @@ class Bucket:
         return t[dp_rank * size : (dp_rank + 1) * size]
 
 
-class ParamWait(nn.Module):
-    """What a graph calls (``WAIT_MODULE``) before it first reads a bucket's parameters."""
-
-    def __init__(self, buffers: GradBuffers) -> None:
-        super().__init__()
-        self.buffers = buffers
-
-    def forward(self, bucket: int) -> None:
-        self.buffers.wait_bucket(bucket)
-
-
-class GradBuffers:
+class GradBuffers(GradSync):
     """This rank's gradient/parameter buffers and their dp collectives (module docstring)."""
+
+    holds_grads = True
 
     def __init__(self, uses: list[ParamUse], dp: int, dp_rank: int, group: dist.ProcessGroup | None,
                  bucket_bytes: int, grad_dtype: torch.dtype | None,
-                 shared_groups: dict[str, dist.ProcessGroup], overlap: bool = False, mean_over: int | None = None,
-                 wait_module: str = "") -> None:  # fmt: skip
+                 shared_groups: dict[str, dist.ProcessGroup], overlap: bool = False, mean_over: int | None = None) -> None:  # fmt: skip
         """``grad_dtype``: of 16-bit parameters' gradients (None: the parameter's dtype; fp32 params keep fp32).
         ``overlap``: leave the parameters' all-gather in flight for the graphs' waits (module docstring).
         ``mean_over``: what the summed gradients are divided by (default ``dp``, the group's size; expert
-        parameters sharded over edp divide by the dense dp); ``wait_module``: the graphs' wait submodule."""
+        parameters sharded over edp divide by the dense dp)."""
         self.dp, self.dp_rank, self.group = dp, dp_rank, group
         self.mean_over = mean_over or dp
-        self.wait_module = wait_module or WAIT_MODULE
         self.overlap = overlap
         self.shared_groups = shared_groups
         self.buckets: list[Bucket] = []
@@ -301,27 +292,16 @@ class GradBuffers:
     def gathering(self) -> bool:
         return any(b.gather is not None for b in self.buckets)
 
-    def insert_waits(self, gm: GraphModule, canonical: Callable[[str], str], chunk: int) -> None:
-        """Make ``gm`` (chunk ``chunk`` of this rank) wait for each bucket right before the first
-        node that reads one of its parameters, and for the chunk's unread buckets before its output."""
-        graph = gm.graph
-        if any(n.op == "call_module" and n.target == self.wait_module for n in graph.nodes):
-            return
-        gm.add_submodule(self.wait_module, ParamWait(self))
-        waited: set[int] = set()
-        for node in list(graph.nodes):
-            if node.op in ("placeholder", "get_attr"):
-                continue
-            if node.op == "output":
-                buckets = sorted({s.bucket for s in self.slots.values() if s.use.chunk == chunk} - waited)
-            else:
-                read = (self.slots.get(canonical(str(a.target))) for a in node.all_input_nodes if a.op == "get_attr")
-                buckets = sorted({s.bucket for s in read if s is not None} - waited)
-            with graph.inserting_before(node):
-                for index in buckets:
-                    graph.call_module(self.wait_module, (index,))
-            waited.update(buckets)
-        gm.recompile()
+    def param_buckets(self, aliases: dict[str, list[str]]) -> BucketLayout | None:
+        """With ``overlap``: the bucket of every name of every parameter here (``aliases``:
+        canonical name -> its names) and the buckets of each chunk, which the graphs wait for."""
+        if not self.overlap or self.dp == 1:
+            return None
+        bucket_of = {alias: slot.bucket for name, slot in self.slots.items() for alias in aliases.get(name, [name])}
+        chunks: dict[int, set[int]] = {}
+        for slot in self.slots.values():
+            chunks.setdefault(slot.use.chunk, set()).add(slot.bucket)
+        return BucketLayout(bucket_of, {c: tuple(sorted(b)) for c, b in chunks.items()})
 
     def shard_pieces(self) -> list[tuple[Slot, int, int]]:
         """(slot, start, stop): the flat ranges of each parameter inside this rank's slices."""
@@ -339,7 +319,7 @@ class GradBuffers:
         """Padding elements of this rank's slices, summed over buckets."""
         return sum(b.grads.numel() // self.dp for b in self.buckets) - sum(stop - start for _, start, stop in self.shard_pieces())
 
-    def remove_hooks(self) -> None:
+    def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -1,7 +1,7 @@
 """``DistributedOptimizer``: ZeRO-1 over the data-parallel group, Megatron's distributed optimizer (seed 004).
 
 Gradients live in contiguous buffers and are reduce-scattered over dp in buckets while
-the backward runs (``autotp.runtime.grad_buffers``). Each dp rank owns a 1/dp slice of
+the backward runs (``autotp.runtime.gradients.grad_buffers``). Each dp rank owns a 1/dp slice of
 every bucket; for each parameter that slice covers a flat range ``[start, stop)`` of the
 parameter (this rank's tp shard, flattened), and only for those ranges does the rank keep
 an fp32 master copy (the parameter's own memory when it is fp32) and the optimizer
@@ -44,12 +44,13 @@ from torch import Tensor, nn
 from autotp.ir.rank_log import warn_once
 from autotp.ir.errors import UserInputError
 from autotp.ir.training_step import TrainingStep, runtime_precision
-from autotp.runtime import expert_parallel, grad_norm
-from autotp.runtime.grad_buffers import GradBuffers, Slot
-from autotp.runtime.shard_map import FlatRangeLocal, ShardSpec
+from autotp.runtime.state import expert_parallel
+from autotp.runtime.gradients import grad_norm
+from autotp.runtime.gradients.grad_buffers import GradBuffers, Slot
+from autotp.runtime.state.shard_map import FlatRangeLocal, ShardSpec
 
 if TYPE_CHECKING:
-    from autotp.runtime.parallel_model import ParallelModel
+    from autotp.runtime.execution.parallel_model import ParallelModel
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class DistributedOptimizer:
     def __init__(self, pm: ParallelModel, optimizer_class: type[torch.optim.Optimizer], *, params: Any = None,
                  bucket_bytes: int | None = None, grad_dtype: torch.dtype = torch.float32,
                  overlap_param_gather: bool | None = None, **kwargs: Any) -> None:  # fmt: skip
-        from autotp.runtime.parallel_model import ZBH1_REFUSED, ParallelModel
+        from autotp.runtime.execution.parallel_model import ZBH1_REFUSED, ParallelModel
 
         if not isinstance(pm, ParallelModel):
             raise UserInputError(f"DistributedOptimizer needs the ParallelModel that autotp.parallelize returned, got {type(pm).__name__}")
@@ -112,15 +113,15 @@ class DistributedOptimizer:
                 "its own 1/dp of the flattened parameters, which only elementwise torch optimizers allow; use one of "
                 f"{', '.join(c.__name__ for c in SUPPORTED)} (subclasses are refused: they may not be elementwise)"
             )
-        if pm._grad_buffers is not None:
+        if pm.grad_sync.holds_grads:
             raise UserInputError("this ParallelModel already has a DistributedOptimizer; create one per model")
         if pm.cudagraph_slots:
             raise UserInputError("create the DistributedOptimizer before the first call of pm: CUDA graphs were captured "
                              "with the parameters where they are now, and the optimizer moves them into its buffers")
-        plan, coords = pm.plan, pm._coords
+        plan, coords = pm.plan, pm.coords
         if plan.pp > 1 and plan.schedule_name == "zbh1":
             raise UserInputError(ZBH1_REFUSED)
-        captured = "torch.compile" if pm._compile_graphs else "CUDA graphs" if plan.cudagraphs else None
+        captured = "torch.compile" if pm.compile_graphs else "CUDA graphs" if plan.cudagraphs else None
         if overlap_param_gather and captured:
             raise UserInputError(f"overlap_param_gather=True waits for the all-gather inside the forward graph, which "
                                  f"{captured} would capture; pass overlap_param_gather=False (or leave it unset)")
@@ -128,16 +129,14 @@ class DistributedOptimizer:
         self._pm = pm
         groups = self._groups(pm, params)
         names = [n for g in groups for n in g["params"]]
-        shared = {n: g for n, g in pm._shared_param_groups.items() if n in names}
+        shared = {n: g for n, g in pm.shared_param_groups.items() if n in names}
         buffer_kw = dict(bucket_bytes=bucket_bytes or plan.dp_bucket_bytes, grad_dtype=grad_dtype, shared_groups=shared, overlap=overlap)
         if coords.experts is None:
-            self.buffers = GradBuffers(pm._param_uses(names), plan.dp, coords.dp_rank, coords.dp_group, **buffer_kw)
+            self.buffers = GradBuffers(pm.param_uses(names), plan.dp, coords.dp_rank, coords.dp_group, **buffer_kw)
         else:
-            self.buffers = expert_parallel.grad_buffers(pm._param_uses(names), plan, coords.dp_rank, coords.dp_group,
-                                                        coords.experts, pm._params.experts, **buffer_kw)  # fmt: skip
-        pm._grad_buffers = self.buffers
-        for compiled in pm._graphs.values():
-            pm._insert_param_waits(compiled)
+            self.buffers = expert_parallel.grad_buffers(pm.param_uses(names), plan, coords.dp_rank, coords.dp_group,
+                                                        coords.experts, pm.shard_map.experts, **buffer_kw)  # fmt: skip
+        pm.install_grad_sync(self.buffers)
         self._pieces: dict[str, _Piece] = {}
         for slot, start, stop in self.buffers.shard_pieces():
             flat = slot.use.param.data.view(-1)[start:stop]
@@ -146,7 +145,7 @@ class DistributedOptimizer:
         inner = [dict(g, params=[self._pieces[n].master for n in g["params"] if n in self._pieces]) for g in groups]
         self.optimizer = optimizer_class(inner, **kwargs)
         self._group_names = [[n for n in g["params"] if n in self._pieces] for g in groups]
-        self._counting = pm._norm_counting(dp_rank=None)
+        self._counting = pm.norm_counting(dp_rank=None)
         self._prepared = -1
         some = next(iter(self.buffers.slots.values()), None)
         master = some is not None and some.use.param.dtype != torch.float32
@@ -217,7 +216,7 @@ class DistributedOptimizer:
                 parts.append(g)
             elif mask is not False:
                 parts.append(g[mask[piece.start : piece.stop]])
-        norm = grad_norm.global_norm(grad_norm.sum_of_squares(parts, self._pm._device), error_if_nonfinite)
+        norm = grad_norm.global_norm(grad_norm.sum_of_squares(parts, self._pm.device), error_if_nonfinite)
         grad_norm.clip_([p.master.grad for p in self._pieces.values()], norm, max_norm)
         return norm
 
@@ -316,7 +315,7 @@ class DistributedOptimizer:
             for k, v in self.optimizer.state.get(piece.master, {}).items():
                 entry[k] = v.detach().clone() if isinstance(v, Tensor) else v
             state[name] = entry
-        plan, coords = self._pm.plan, self._pm._coords
+        plan, coords = self._pm.plan, self._pm.coords
         return {"format": FORMAT, "dp": plan.dp, "dp_rank": coords.dp_rank, "optimizer": type(self.optimizer).__name__,
                 "param_groups": groups, "state": state}  # fmt: skip
 
@@ -335,8 +334,8 @@ class DistributedOptimizer:
             )
         if sd["optimizer"] != type(self.optimizer).__name__:
             raise UserInputError(f"the state is of {sd['optimizer']}, this optimizer steps with {type(self.optimizer).__name__}")
-        if sd["dp_rank"] != self._pm._coords.dp_rank:
-            raise UserInputError(f"the state was saved by dp rank {sd['dp_rank']}; this is dp rank {self._pm._coords.dp_rank}")
+        if sd["dp_rank"] != self._pm.coords.dp_rank:
+            raise UserInputError(f"the state was saved by dp rank {sd['dp_rank']}; this is dp rank {self._pm.coords.dp_rank}")
         if set(sd["state"]) != set(self._pieces) or len(sd["param_groups"]) != len(self.optimizer.param_groups):
             extra = sorted(set(sd["state"]) ^ set(self._pieces))[:3]
             raise UserInputError(f"the state's parameters or groups differ from this optimizer's (e.g. {extra}); load it into the same model")

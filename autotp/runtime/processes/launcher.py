@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autotp.ir.errors import UserInputError
-from autotp.runtime import cudagraphs
+from autotp.runtime.execution import cudagraphs
 
 T = TypeVar("T")
 
@@ -120,7 +120,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300) -> None
     if missing:
         raise UserInputError(
             f"environment variables {missing} are not set; start the program with torchrun "
-            "or through autotp.runtime.launcher.launch"
+            "or through autotp.runtime.processes.launcher.launch"
         )
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))

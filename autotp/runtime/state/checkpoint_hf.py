@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from autotp.ir.errors import UserInputError
-from autotp.runtime.shard_map import ShardSpec
+from autotp.runtime.state.shard_map import ShardSpec
 
 log = logging.getLogger(__name__)
 

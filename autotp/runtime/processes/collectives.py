@@ -1,9 +1,11 @@
 """The process-group registry and the kernels (CPU and CUDA) of autotp's collective ops.
 
 The ops, their fake kernels and autograd formulas are in ``autotp.ir.ops``; graphs name
-a group by a string key (``tp_group_key``, ``replica_group_key``) that the runtime
-registers here. An unregistered key raises; a registered group of one rank makes every
-op local.
+a group by a string key (``autotp.ir.axes.group_key(axis, size)``, ``replica_group_key``)
+that the runtime registers here. An unregistered key raises; a registered group of one
+rank makes every op local. The registry is per process, as torch's own functional
+collectives resolve their group names: a kernel has only the key. A key names one set of
+ranks: registering it again for other ranks raises.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch.library import Library
 
 from autotp.ir import fp8, ops
 from autotp.ir.errors import UserInputError
-from autotp.runtime import overlap
+from autotp.runtime.execution import overlap
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 _KERNELS = Library(ops.NAMESPACE, "IMPL")
@@ -25,6 +27,14 @@ _DEVICES = ("CPU", "CUDA")
 
 
 def register_group(key: str, group: dist.ProcessGroup) -> None:
+    old = _GROUPS.get(key)
+    if isinstance(old, dist.ProcessGroup) and isinstance(group, dist.ProcessGroup):
+        before, now = dist.get_process_group_ranks(old), dist.get_process_group_ranks(group)
+        if before != now:
+            raise UserInputError(
+                f"group key '{key}' names ranks {before} for a model built earlier in this process and ranks {now} "
+                "now; graphs of both would share one key: build models of one layout per process"
+            )
     _GROUPS[key] = group
 
 
@@ -35,7 +45,7 @@ def get_group(key: str) -> dist.ProcessGroup | None:
         known = ", ".join(sorted(_GROUPS)) or "none"
         raise UserInputError(
             f"no process group is registered as '{key}' (registered: {known}); run the graph on ranks set up "
-            "by autotp.parallelize, or register the group with autotp.runtime.collectives.register_group"
+            "by autotp.parallelize, or register the group with autotp.runtime.processes.collectives.register_group"
         )
     return None if dist.get_world_size(group) == 1 else group
 

@@ -10,55 +10,26 @@ the parameters of those expert modules (the others are not held at all).
 holding its expert, so after the backward an expert weight's gradient already sums the
 tokens of its whole ep group. The dense gradients are averaged over dp; for the expert
 ones to match, they are summed over edp (the ranks holding the same experts) and divided
-by dp (``sync_expert_grads``); the DistributedOptimizer reduce-scatters them over edp
+by dp (``grad_sync.ExpertGradMean``); the DistributedOptimizer reduce-scatters them over edp
 and divides by dp (``grad_buffers``).
 """
 
 from __future__ import annotations
 
-import datetime
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.fx import GraphModule
 
 from autotp.ir.moe_ops import DISPATCH_OPS  # noqa: F401 (the schemas the kernels below implement)
-from autotp.ir.moe_plan import MoeLayerPlan, ep_group_key, expert_param_owner
+from autotp.ir.moe_plan import MoeLayerPlan, expert_param_owner
 from autotp.ir.plan import ParallelPlan
-from autotp.ir.rank_groups import groups_of, rank_groups
-from autotp.runtime import collectives, moe_dispatch  # moe_dispatch also registers the dispatch kernels
-from autotp.runtime.grad_buffers import WAIT_MODULE, GradBuffers, ParamUse
-from autotp.runtime.shard_map import Piece, ShardSpec
-
-
-@dataclass(frozen=True)
-class ExpertGroups:
-    """This rank's expert-parallel group (ranks, its index there) and its edp group."""
-
-    ep: int
-    ep_rank: int
-    ep_ranks: tuple[int, ...]
-    ep_group: dist.ProcessGroup | None
-    edp_group: dist.ProcessGroup | None
-
-
-def make_expert_groups(plan: ParallelPlan, world: int, rank: int, timeout: datetime.timedelta) -> ExpertGroups | None:
-    """Create the ep and edp groups (collective) and register the ep group's key; None without ep."""
-    if plan.ep == 1 or world == 1:
-        return None
-    groups = rank_groups(world, tp=plan.tp, pp=plan.pp, ep=plan.ep, etp=plan.etp or plan.tp)
-    mine = groups_of(rank, groups)
-    made: dict[str, dist.ProcessGroup] = {}
-    for name in ("ep", "edp"):
-        for ranks in groups[name]:
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                made[name] = group
-    collectives.register_group(ep_group_key(plan.ep), made["ep"])
-    return ExpertGroups(plan.ep, mine["ep"].index(rank), tuple(mine["ep"]), made["ep"], made["edp"])
+from autotp.ir.program import BucketLayout
+from autotp.runtime.processes import moe_dispatch  # moe_dispatch also registers the dispatch kernels
+from autotp.runtime.gradients.grad_buffers import GradBuffers, ParamUse
+from autotp.runtime.gradients.grad_sync import GradSyncs
+from autotp.runtime.processes.groups import ExpertGroups
+from autotp.runtime.state.shard_map import Piece, ShardSpec
 
 
 class ExpertShards:
@@ -129,68 +100,50 @@ def drop_counts(plan: ParallelPlan, reset: bool) -> dict[str, tuple[int, int]]:
     return counts
 
 
-def sync_expert_grads(grads: list[torch.Tensor], groups: ExpertGroups, dp: int) -> None:
-    """Sum expert gradients over edp and divide by dp (module docstring)."""
-    for g in grads:
-        if groups.edp_group is not None:
-            dist.all_reduce(g, group=groups.edp_group)
-        g /= dp
-
-
-class GradBufferSet:
+class GradBufferSet(GradSyncs):
     """The DistributedOptimizer's buffers with expert parallelism: the dense parameters'
     over dp, the expert parameters' over edp (averaged over dp, module docstring), behind
-    the one ``GradBuffers`` interface the optimizer and the model call."""
+    the one ``GradBuffers`` interface the optimizer and the model call. Buckets are numbered
+    across the parts, in order."""
 
     def __init__(self, parts: list[GradBuffers]) -> None:
-        self.parts = parts
+        super().__init__(list(parts))
+        self.buffers = parts
         self.slots = {name: slot for part in parts for name, slot in part.slots.items()}
         self.buckets = [b for part in parts for b in part.buckets]
         self.overlap = parts[0].overlap
         self.dp = max(part.dp for part in parts)
-
-    @property
-    def reduced(self) -> bool:
-        return self.parts[0].reduced
+        self._offsets = [sum(len(p.buckets) for p in parts[:i]) for i in range(len(parts))]
 
     @property
     def generation(self) -> int:
-        return self.parts[0].generation
+        return self.buffers[0].generation
 
     def shard_pieces(self) -> list:
-        return [piece for part in self.parts for piece in part.shard_pieces()]
+        return [piece for part in self.buffers for piece in part.shard_pieces()]
 
     def padding(self) -> int:
-        return sum(part.padding() for part in self.parts)
-
-    def begin(self, microbatches: int) -> None:
-        for part in self.parts:
-            part.begin(microbatches)
-
-    def finish(self) -> None:
-        for part in self.parts:
-            part.finish()
-
-    def zero_grad(self) -> None:
-        for part in self.parts:
-            part.zero_grad()
+        return sum(part.padding() for part in self.buffers)
 
     def gather_params(self) -> None:
-        for part in self.parts:
+        for part in self.buffers:
             part.gather_params()
 
-    def wait_params(self) -> None:
-        for part in self.parts:
-            part.wait_params()
+    def param_buckets(self, aliases: dict[str, list[str]]) -> BucketLayout | None:
+        bucket_of: dict[str, int] = {}
+        chunks: dict[int, set[int]] = {}
+        for offset, part in zip(self._offsets, self.buffers):
+            layout = part.param_buckets(aliases)
+            if layout is None:
+                continue
+            bucket_of.update({name: offset + b for name, b in layout.bucket_of.items()})
+            for chunk, buckets in layout.chunk_buckets.items():
+                chunks.setdefault(chunk, set()).update(offset + b for b in buckets)
+        return BucketLayout(bucket_of, {c: tuple(sorted(b)) for c, b in chunks.items()}) if bucket_of else None
 
-    def insert_waits(self, gm: GraphModule, canonical: Callable[[str], str], chunk: int) -> None:
-        for part in self.parts:
-            if part.overlap and part.dp > 1:
-                part.insert_waits(gm, canonical, chunk)
-
-    def remove_hooks(self) -> None:
-        for part in self.parts:
-            part.remove_hooks()
+    def wait_bucket(self, index: int) -> None:
+        part = max(i for i, offset in enumerate(self._offsets) if offset <= index)
+        self.buffers[part].wait_bucket(index - self._offsets[part])
 
 
 def grad_buffers(uses: list[ParamUse], plan: ParallelPlan, dp_rank: int, dp_group: dist.ProcessGroup | None,
@@ -204,5 +157,5 @@ def grad_buffers(uses: list[ParamUse], plan: ParallelPlan, dp_rank: int, dp_grou
     if expert:
         shared = {}  # an expert layer lives on one pipeline stage
         parts.append(GradBuffers(expert, edp, edp_rank, groups.edp_group, **dict(kw, shared_groups=shared),
-                                 mean_over=plan.dp, wait_module=WAIT_MODULE + "_experts"))  # fmt: skip
+                                 mean_over=plan.dp))  # fmt: skip
     return GradBufferSet(parts)

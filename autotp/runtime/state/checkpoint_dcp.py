@@ -32,9 +32,10 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from autotp.ir.errors import UserInputError
-from autotp.runtime.materialize import on_every_rank
-from autotp.runtime.parameters import Parameters, get_nested
-from autotp.runtime.shard_map import ShardedLocal
+from autotp.ir.plan import ParallelPlan
+from autotp.runtime.state.materialize import on_every_rank
+from autotp.runtime.state.parameters import Parameters, get_nested
+from autotp.runtime.state.shard_map import ShardedLocal
 
 log = logging.getLogger(__name__)
 
@@ -158,22 +159,13 @@ def _optimizer_name(optimizer: Optimizer) -> str:
     return type(inner).__name__
 
 
-def _first_owner(module: nn.Module, params: Parameters) -> set[str]:
-    """The local parameters whose sharded optimizer state this rank writes: pipeline stages
-    that share a parameter (tied embeddings) lay out its dp ranges differently, so only
-    the first of them writes it."""
-    owners: dict[str, list[int]] = getattr(module, "_owners", {})
-    pp_rank = module._coords.pp_rank  # type: ignore[union-attr]
-    return {n for n in params.local_names if not owners.get(n) or owners[n][0] == pp_rank}
-
-
-def _info(plan: Any, step: int | None, optimizer: Optimizer | None) -> CheckpointInfo:
+def _info(plan: ParallelPlan, step: int | None, optimizer: Optimizer | None) -> CheckpointInfo:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
     return CheckpointInfo(step, {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp},
                           _optimizer_name(optimizer) if optimizer else None, groups)  # fmt: skip
 
 
-def save(module: nn.Module, params: Parameters, plan: Any, source: nn.Module, directory: str | Path,
+def save(module: nn.Module, params: Parameters, plan: ParallelPlan, source: nn.Module, directory: str | Path,
          optimizer: Optimizer | None, step: int | None) -> None:  # fmt: skip
     """Write the checkpoint (and the model's config.json, so that it can be rebuilt from it)."""
     import torch.distributed.checkpoint as dcp
@@ -182,7 +174,7 @@ def save(module: nn.Module, params: Parameters, plan: Any, source: nn.Module, di
     persistent = set(source.state_dict(keep_vars=True))
     state: dict[str, Any] = {"model": _model_state(module, params, persistent), "autotp": _info(plan, step, optimizer)}
     if isinstance(optimizer, ShardedOptimizer):
-        state["optim"] = optimizer.checkpoint_state(params.specs, _first_owner(module, params))
+        state["optim"] = optimizer.checkpoint_state(params.specs, {n for n in params.local_names if params.writes_state(n)})
     elif optimizer is not None:
         state["optim"] = _optimizer_state(module, params, optimizer)
     with atomic_dir(Path(directory)) as tmp:
@@ -217,9 +209,9 @@ def _check_tensors(root: Path, state: dict[str, Any], metadata: Any, prefix: str
     for k, t in state.items():
         if isinstance(t, ShardedLocal):
             size = tuple(getattr(stored[f"{prefix}.{k}"], "size", ()))
-            if size != t._autotp_spec.global_shape:
+            if size != t.autotp_spec.global_shape:
                 raise UserInputError(f"{k}: checkpoint {root} holds shape {list(size)}, the model expects "
-                                 f"{list(t._autotp_spec.global_shape)}")
+                                 f"{list(t.autotp_spec.global_shape)}")
 
 
 def load(module: nn.Module, params: Parameters, persistent: set[str], directory: str | Path,

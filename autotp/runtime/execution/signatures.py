@@ -1,0 +1,68 @@
+"""One input signature of a ``ParallelModel``, ready to run on this rank: its rank program,
+this rank's chunks, and how each runs (eagerly, ``torch.compile``'d or captured as CUDA graphs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from autotp.ir.plan import ParallelPlan
+from autotp.ir.program import ChunkProgram, RankProgram
+from autotp.runtime.execution import cudagraphs
+from autotp.runtime.state.parameters import ParamChunks, graph_param_chunks
+from autotp.runtime.execution.pipeline import ChunkGraph
+
+
+@dataclass
+class CompiledSignature:
+    """One input signature, compiled: its rank program, the graph ``graph_for`` shows (the
+    whole rank graph with a pipeline, else the one that runs) and this rank's chunks."""
+
+    program: RankProgram
+    graph: GraphModule
+    chunks: dict[int, ChunkGraph]  # with a pipeline
+    param_chunks: ParamChunks
+    run: Callable[..., Any]  # without a pipeline: ``graph``, its torch.compile'd form, or its CUDA-graph capture
+
+    @staticmethod
+    def of(program: RankProgram, plan: ParallelPlan, my_chunks: list[int], compile_graphs: bool) -> CompiledSignature:
+        """This rank's chunks of ``program`` (``my_chunks``), and how to run them."""
+        chunks = {c: ChunkGraph(program.chunks[c]) for c in my_chunks} if plan.num_chunks > 1 else {}
+        whole = program.chunks[0]
+        graph = program.graph if chunks else whole.graph
+        run: Callable[..., Any] = graph
+        if compile_graphs:
+            run = torch.compile(graph)
+            for cg in chunks.values():
+                cg.run = torch.compile(cg.graph)
+        if plan.cudagraphs:
+            run = cudagraphs.CapturedGraph(whole.captured, plan.cudagraph_impl, compile_graphs)
+            for cg in chunks.values():
+                cg.captured = cudagraphs.CapturedGraph(cg.program.captured, plan.cudagraph_impl, compile_graphs)
+        return CompiledSignature(program, graph, chunks, graph_param_chunks(program.graph), run)
+
+    def running(self) -> list[ChunkProgram]:
+        """The chunk programs this rank runs."""
+        return [cg.program for cg in self.chunks.values()] or [self.program.chunks[0]]
+
+    def captures(self) -> dict[int, cudagraphs.CapturedGraph]:
+        """This rank's CUDA-graph captures, by chunk."""
+        runs = {c: cg.captured for c, cg in self.chunks.items()} or {0: self.run}
+        return {c: r for c, r in runs.items() if isinstance(r, cudagraphs.CapturedGraph)}
+
+    def graphs(self) -> list[GraphModule]:
+        """Every graph module of the signature: the program's and the captures'."""
+        program = [m for m in self.program.graph.modules() if isinstance(m, GraphModule)]
+        return program + [g for c in self.captures().values() for g in c.graphs()]
+
+    def release(self) -> None:
+        """Let go of the callbacks and the captures (``ParallelModel.__del__``)."""
+        for chunk in self.running():
+            if chunk.waits is not None:
+                chunk.waits.callback = None
+        for capture in self.captures().values():
+            capture.release()

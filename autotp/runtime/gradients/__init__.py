@@ -1,0 +1,1 @@
+"""Gradients across ranks: the one gradient-sync interface and its implementations, the DistributedOptimizer's buffers, global norms."""
