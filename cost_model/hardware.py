@@ -59,11 +59,14 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from autotp.ir.errors import UserInputError
+
+if TYPE_CHECKING:
+    import torch
 
 GiB = 2**30
 log = logging.getLogger(__name__)
@@ -263,6 +266,8 @@ def profile_for_gpu(device_name: str) -> HardwareProfile | None:
 
 def device_hardware(device: torch.device) -> str | None:
     """The ``PROFILES`` key of the GPU kind of a CUDA ``device`` (None for other devices or unknown GPUs)."""
+    import torch  # here: the CLI imports this module for ``--help``, which must not load torch
+
     if device.type != "cuda":
         return None
     profile = profile_for_gpu(torch.cuda.get_device_name(device))

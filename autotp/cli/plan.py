@@ -12,7 +12,6 @@ from autotp import presets
 from autotp.cli.progress import progress
 from autotp.cost_model.memory import PRECISIONS
 from autotp.ir.errors import UserInputError
-from autotp.ir.op_facts import Collective
 
 if TYPE_CHECKING:
     from autotp.cost_model.compute import ModelCosts
@@ -42,13 +41,13 @@ def format_table(estimates: list[PlanEstimate], moe: bool = False) -> str:
     return "\n".join(rows)
 
 
-_OVERLAP_SHORT = {Collective.ALL_GATHER: "ag", Collective.REDUCE_SCATTER: "rs"}
-
-
 def _overlap_cell(p) -> str:
+    from autotp.ir.op_facts import Collective  # imports torch: not at module level (``--help`` stays fast)
+
     if p.tp == 1 or not p.sequence_parallel:
         return "-"
-    return "+".join(_OVERLAP_SHORT[k] for k in p.tp_overlap) or "no"
+    short = {Collective.ALL_GATHER: "ag", Collective.REDUCE_SCATTER: "rs"}
+    return "+".join(short[k] for k in p.tp_overlap) or "no"
 
 
 def explain_values(costs: ModelCosts, best: PlanEstimate, hidden: int, heads: int) -> dict:
