@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -162,3 +164,18 @@ def build(name: str, layers: int = 2) -> nn.Module:
 def vocab_size(model: nn.Module) -> int:
     config = getattr(model, "config", None)
     return config.vocab_size if config is not None else model.head.out_features  # type: ignore[union-attr]
+
+
+def train_side_by_side(reference: Any, other: Any, batch: dict[str, torch.Tensor], steps: int = 3, **step_kwargs: Any) -> dict[str, float]:
+    """``steps`` SGD steps of two parallel models on ``batch``: the largest loss and grad differences."""
+    optimizers = [torch.optim.SGD(pm.parameters(), lr=0.1) for pm in (reference, other)]
+    worst = {"loss": 0.0, "grad": 0.0}
+    for _ in range(steps):
+        losses = [pm.train_step(**batch, **step_kwargs) for pm in (reference, other)]
+        worst["loss"] = max(worst["loss"], (losses[0] - losses[1]).abs().item())
+        grads = [pm.unshard_grads() for pm in (reference, other)]
+        worst["grad"] = max([worst["grad"]] + [(g - grads[1][k]).abs().max().item() for k, g in grads[0].items() if g is not None])
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return worst

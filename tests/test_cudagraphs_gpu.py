@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from autotp.runtime.processes.launcher import spawn_ranks
-from small_models import build, vocab_size
+from small_models import build, train_side_by_side, vocab_size
 
 TOLERANCE = 1e-6
 
@@ -36,16 +36,7 @@ def _compare(rank: int, world: int, pp: int, sp: bool, compile_: bool = False) -
                                    compile=compile_)  # fmt: skip
         graphed = autotp.parallelize(model, tp=world // pp, pp=pp, example_inputs=batch, cuda_graphs=True, sequence_parallel=sp,
                                      compile=compile_)  # fmt: skip
-        optimizers = [torch.optim.SGD(pm.parameters(), lr=0.1) for pm in (eager, graphed)]
-        worst: dict[str, Any] = {"loss": 0.0, "grad": 0.0}
-        for _ in range(3):
-            losses = [pm.train_step(**batch, num_microbatches=2) for pm in (eager, graphed)]
-            worst["loss"] = max(worst["loss"], (losses[0] - losses[1]).abs().item())
-            grads = [pm.unshard_grads() for pm in (eager, graphed)]
-            worst["grad"] = max([worst["grad"]] + [(g - grads[1][k]).abs().max().item() for k, g in grads[0].items() if g is not None])
-            for opt in optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+        worst: dict[str, Any] = dict(train_side_by_side(eager, graphed, batch, num_microbatches=2))
         micro = {k: v[:2] for k, v in batch.items()}
         with torch.no_grad():
             logits = [pm(**micro).logits for pm in (eager, graphed)]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from autotp.runtime.processes.launcher import spawn_ranks
-from small_models import build, vocab_size
+from small_models import build, train_side_by_side, vocab_size
 
 TOLERANCE = 1e-6
 
@@ -33,16 +33,7 @@ def _captured_vs_eager(rank: int, world: int, dispatch: str, dtype: torch.dtype)
     eager = autotp.parallelize(copy.deepcopy(model), example_inputs=batch, **options)
     plan = replace(eager.plan, cudagraph_policy=ALWAYS)
     graphed = autotp.parallelize(model, example_inputs=batch, plan=plan, cuda_graphs=True)
-    optimizers = [torch.optim.SGD(pm.parameters(), lr=0.1) for pm in (eager, graphed)]
-    worst = {"loss": 0.0, "grad": 0.0}
-    for _ in range(3):
-        losses = [pm.train_step(**batch) for pm in (eager, graphed)]
-        worst["loss"] = max(worst["loss"], (losses[0] - losses[1]).abs().item())
-        grads = [pm.unshard_grads() for pm in (eager, graphed)]
-        worst["grad"] = max([worst["grad"]] + [(g - grads[1][k]).abs().max().item() for k, g in grads[0].items() if g is not None])
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    worst = train_side_by_side(eager, graphed, batch)
     report = cudagraph_report(graphed.graph_for(**batch), graphed.plan)
     return {**worst, "regions": len(report["cudagraph_regions"]), "blockers": [b["reason"] for b in report["blockers"]],
             "drops": graphed.moe_drop_counts()}  # fmt: skip
