@@ -250,6 +250,8 @@ class ParallelModel(nn.Module):
         last = pipe.pp_ranks[self.plan.pp_rank_of_chunk(self.plan.num_chunks - 1)]
         if leaves is None:
             leaves = [torch.empty(v.shape, dtype=v.dtype, device=self._device) for v in specs]
+        else:  # a collective sends a tensor's memory as if it were contiguous (a strided view's rows would be garbled)
+            leaves = [t.contiguous() for t in leaves]
         for t in leaves:
             dist.broadcast(t, src=last, group=pipe.pp_group)
         return torch.utils._pytree.tree_unflatten(leaves, compiled.graph._out_spec)
