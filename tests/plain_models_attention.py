@@ -317,6 +317,29 @@ class FalconMultiQuery(nn.Module):
         return self.dense(y.transpose(1, 2).reshape(b, s, HEADS * HEAD_DIM))
 
 
+class FalconBroadcastKV(nn.Module):
+    """HF Falcon: the one key and value head by constant indices, through a reshape that keeps
+    the size-1 head dim, rotary on the whole head, and SDPA broadcasting the one KV head over
+    the query heads (no expand)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query_key_value = nn.Linear(DIM, (HEADS + 2) * HEAD_DIM, bias=False)
+        self.dense = nn.Linear(HEADS * HEAD_DIM, DIM, bias=False)
+        cos, sin = cos_sin(HEAD_DIM, 32)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        fused = self.query_key_value(x).view(b, s, HEADS + 2, HEAD_DIM)
+        q, k, v = fused[..., :-2, :], fused[..., [-2], :], fused[..., [-1], :]
+        q, k, v = (t.transpose(1, 2).reshape(b, t.shape[2], s, HEAD_DIM) for t in (q, k, v))
+        q, k = (t * self.cos[:s] + rotate_half(t) * self.sin[:s] for t in (q, k))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.dense(y.transpose(1, 2).reshape(b, s, HEADS * HEAD_DIM))
+
+
 class SlicedKeyMultiQuery(nn.Module):
     """One KV head; the key's rotary half sliced off before the key is viewed as a head."""
 
@@ -550,6 +573,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "gqa_repeat_interleave": lambda: DecoderLM(lambda: PreNormBlock(RepeatInterleaveAttention())),
     "mqa_partial_rotary": lambda: DecoderLM(lambda: PreNormBlock(MultiQueryPartialRotary())),
     "mqa_falcon_index": lambda: DecoderLM(lambda: PreNormBlock(FalconMultiQuery())),
+    "mqa_broadcast_kv": lambda: DecoderLM(lambda: PreNormBlock(FalconBroadcastKV())),
     "mqa_sliced_key": lambda: DecoderLM(lambda: PreNormBlock(SlicedKeyMultiQuery())),
     "grouped_interleaved_qkv": lambda: DecoderLM(lambda: PreNormBlock(GroupedInterleavedQKV())),
     "neox_interleaved_qkv": lambda: DecoderLM(lambda: PreNormBlock(NeoXInterleavedQKV(), NanoGPTMLP())),

@@ -27,6 +27,7 @@ from plain_models_attention import (
     KV_HEADS,
     LatentAttention,
     MultiQueryPartialRotary,
+    FalconBroadcastKV,
     FalconMultiQuery,
     PairedHeadsAttention,
     QKNormAttention,
@@ -106,6 +107,20 @@ def test_one_kv_head_taken_by_constant_index_or_sliced_before_its_view(tp: int) 
     rank = _rank_graph(gm, plan)
     halves = [n.args[2:4] for n in rank.graph.nodes if n.target is aten.slice.Tensor and n.args[1] == 2]
     assert halves[:2] == [(0, 4), (4, 8)]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_one_kv_head_broadcast_by_attention_keeps_the_query_heads_split(tp: int) -> None:
+    """HF Falcon: the one key and value head pass a reshape that keeps their size-1 head dim
+    and reach SDPA without an expand; the key and value index their own positions."""
+    gm, plan = _plan(FalconBroadcastKV(), tp)
+    kind, sharding = _kinds(plan)["query_key_value.weight"]
+    assert kind == "column" and sharding == DimSharding(80, (64, 8, 8), (HEADS, 1, 1))
+    assert _kinds(plan)["dense.weight"][0] == "row" and not plan.kept_whole
+    rank = _rank_graph(gm, plan)
+    kv = [n.args[2:4] for n in rank.graph.nodes if n.target is aten.slice.Tensor and n.args[1] == 2][:3]
+    local = HEADS // tp
+    assert kv == [(0, local), (local, local + 1), (local + 1, local + 2)]  # q heads, the key head, the value head
 
 
 def test_complex_rotary_keeps_the_heads_split() -> None:

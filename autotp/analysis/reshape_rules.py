@@ -41,7 +41,7 @@ from torch.fx import Node
 from autotp.analysis.propagation_result import ParamView
 from autotp.analysis.shapes import norm_dim, reshape_chunks, shape_of
 from autotp.ir.errors import describe
-from autotp.ir.layouts import DimSharding, DimVar, ShardingConflict, follow, resolve, set_groups, set_segments, shard, unify
+from autotp.ir.layouts import DimSharding, DimVar, Layout, ShardingConflict, follow, resolve, set_groups, set_segments, shard, unify
 
 if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker
@@ -100,7 +100,23 @@ def reshape(w: Walker, node: Node) -> Any:
                 set_groups(merged, var.find().size, describe(node))
         else:
             dims[cb[0]] = _regroup(node, var, dst[cb[0]])
+    dims.update(_unit_dims_kept(lay, src, dst, dims))
     return shard(dims)
+
+
+def _unit_dims_kept(lay: Layout, src: tuple[int, ...], dst: tuple[int, ...], taken: dict[int, DimVar]) -> dict[int, DimVar]:
+    """A split size-1 dim (one KV head every rank holds whole) lands on the size-1 output
+    dim with as many elements before it; none left: the whole tensor is on every rank
+    anyway, and the split is dropped."""
+    kept: dict[int, DimVar] = {}
+    for d, var in lay.dims:
+        if src[d] != 1:
+            continue
+        before = math.prod(src[:d])
+        at = next((j for j, n in enumerate(dst) if n == 1 and j not in taken and j not in kept and math.prod(dst[:j]) == before), None)
+        if at is not None:
+            kept[at] = var
+    return kept
 
 
 def _units_before(dst: tuple[int, ...], at: int, dims_taken: list[int]) -> list[int]:

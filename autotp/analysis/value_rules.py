@@ -140,13 +140,16 @@ def sdpa(w: Walker, node: Node) -> Layout:
             _sdpa_mask(w, node, mask, None)
         return REPLICATE
     heads = [l.var_at(1) for l in lays]
-    if any(len(l.dims) != 1 or l.var_at(1) is None for l in lays):
+    # one KV head every rank holds whole (multi-query attention) broadcasts over the rank's query heads
+    one_head = [(shape_of(t) or (0, 0))[1] == 1 and all(d == 1 for d, _ in l.dims) for t, l in zip((q, k, v), lays)]
+    if any(len(l.dims) != 1 or l.var_at(1) is None for l, whole in zip(lays, [False, *one_head[1:]]) if not whole):
         blame = lays[0].origins() | lays[1].origins() | lays[2].origins()
         wrong = tuple(v for l in lays for d, v in l.dims if d != 1)  # a reshape may put these on the heads instead
         raise ShardingConflict(f"{describe(node)}: attention needs q, k and v sharded on heads", blame, wrong)
-    unify(heads[1], heads[2], describe(node))
-    if heads[0].find().size == heads[1].find().size:
-        unify(heads[0], heads[1], describe(node))
+    if not (one_head[1] or one_head[2]):  # a broadcast head is a whole block, not the other's split
+        unify(heads[1], heads[2], describe(node))
+        if heads[0].find().size == heads[1].find().size:
+            unify(heads[0], heads[1], describe(node))
     if isinstance(mask, Node):
         _sdpa_mask(w, node, mask, heads[0])
     return shard({1: heads[0]})
