@@ -340,6 +340,26 @@ class FalconBroadcastKV(nn.Module):
         return self.dense(y.transpose(1, 2).reshape(b, s, HEADS * HEAD_DIM))
 
 
+class EmptyCacheAttention(nn.Module):
+    """XLM through HF's cache: separate q/k/v projections, the keys and values appended to
+    an empty ``torch.tensor([])`` (``cat`` skips a 1-D empty input) along the sequence dim,
+    scores by ``matmul`` and a float softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_lin, self.k_lin, self.v_lin = (nn.Linear(DIM, HEADS * HEAD_DIM) for _ in range(3))
+        self.out_lin = nn.Linear(HEADS * HEAD_DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (lin(x).view(b, -1, HEADS, HEAD_DIM).transpose(1, 2) for lin in (self.q_lin, self.k_lin, self.v_lin))
+        empty_k, empty_v = torch.tensor([], dtype=x.dtype), torch.tensor([], dtype=x.dtype)
+        k, v = torch.cat([empty_k, k], dim=-2), torch.cat([empty_v, v], dim=-2)
+        scores = torch.matmul(q / math.sqrt(HEAD_DIM), k.transpose(2, 3)) + causal_mask(s, x.device)
+        weights = F.softmax(scores.float(), dim=-1).type_as(scores)
+        return self.out_lin(torch.matmul(weights, v).transpose(1, 2).contiguous().view(b, -1, HEADS * HEAD_DIM))
+
+
 class SlicedKeyMultiQuery(nn.Module):
     """One KV head; the key's rotary half sliced off before the key is viewed as a head."""
 
@@ -574,6 +594,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "mqa_partial_rotary": lambda: DecoderLM(lambda: PreNormBlock(MultiQueryPartialRotary())),
     "mqa_falcon_index": lambda: DecoderLM(lambda: PreNormBlock(FalconMultiQuery())),
     "mqa_broadcast_kv": lambda: DecoderLM(lambda: PreNormBlock(FalconBroadcastKV())),
+    "empty_cache_cat": lambda: DecoderLM(lambda: PreNormBlock(EmptyCacheAttention())),
     "mqa_sliced_key": lambda: DecoderLM(lambda: PreNormBlock(SlicedKeyMultiQuery())),
     "grouped_interleaved_qkv": lambda: DecoderLM(lambda: PreNormBlock(GroupedInterleavedQKV())),
     "neox_interleaved_qkv": lambda: DecoderLM(lambda: PreNormBlock(NeoXInterleavedQKV(), NanoGPTMLP())),

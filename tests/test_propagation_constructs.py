@@ -22,6 +22,7 @@ from autotp.ir.plan import KEPT_WHOLE_CONFLICT, KEPT_WHOLE_INDIVISIBLE, KEPT_WHO
 from autotp.compiler import lower
 from plain_models_attention import (
     DIM,
+    EmptyCacheAttention,
     HEAD_DIM,
     HEADS,
     KV_HEADS,
@@ -121,6 +122,14 @@ def test_one_kv_head_broadcast_by_attention_keeps_the_query_heads_split(tp: int)
     kv = [n.args[2:4] for n in rank.graph.nodes if n.target is aten.slice.Tensor and n.args[1] == 2][:3]
     local = HEADS // tp
     assert kv == [(0, local), (local, local + 1), (local + 1, local + 2)]  # q heads, the key head, the value head
+
+
+def test_cat_onto_an_empty_cache_keeps_the_heads_split() -> None:
+    """``cat([torch.tensor([]), k], dim=-2)``: cat skips the 1-D empty input (XLM's cache)."""
+    gm, plan = _plan(EmptyCacheAttention(), 4)
+    kinds = _kinds(plan)
+    assert [kinds[f"{n}.weight"][0] for n in ("q_lin", "k_lin", "v_lin", "out_lin")] == ["column"] * 3 + ["row"]
+    assert [k.name for k in plan.kept_whole] == ["out_lin.bias"]  # added after the row-parallel sum
 
 
 def test_complex_rotary_keeps_the_heads_split() -> None:

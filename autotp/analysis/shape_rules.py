@@ -241,8 +241,9 @@ def cat(w: Walker, node: Node) -> Any:
     nd = len(shape_of(node) or ())
     d = norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
     stacking = node.target is aten.stack.default
-    # an input empty along the cat dim (an empty cache, a part of width 0) adds nothing
-    tensors = [t for t in node.args[0] if stacking or (shape_of(t) or (1,) * nd)[d:d + 1] != (0,)]
+    # an input empty along the cat dim (an empty cache, a part of width 0) adds nothing, and
+    # cat skips a 1-D empty input of any rank (a cache's first ``torch.tensor([])``)
+    tensors = [t for t in node.args[0] if stacking or ((shape_of(t) or (1,) * nd)[d:d + 1] != (0,) and shape_of(t) != (0,))]
     lays = [w.concrete(t, node) for t in tensors]
     if all(l.replicated for l in lays):
         return REPLICATE
