@@ -234,6 +234,35 @@ class AttentionExperts(nn.Module):
         return sum(w[..., e : e + 1] * expert(x) for e, expert in enumerate(self.experts))
 
 
+class HeadExperts(nn.Module):
+    """JetMoE's mixture of attention heads: each token's top-k experts (``[E, kv*D, DIM]``
+    stacked weights) project its queries for the shared key/value heads, which ``repeat``
+    tiles once per choice; each choice's heads go back through its expert's output
+    projection, weighted by the router's gates."""
+
+    EXPERTS, TOP_K, KV_HEADS = 4, 2, 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = self.KV_HEADS * HEAD_DIM
+        self.router = nn.Linear(DIM, self.EXPERTS, bias=False)
+        self.input_linear = nn.Parameter(torch.randn(self.EXPERTS, width, DIM) * DIM**-0.5)
+        self.output_linear = nn.Parameter(torch.randn(self.EXPERTS, DIM, width) * width**-0.5)
+        self.kv_proj = nn.Linear(DIM, 2 * width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        flat = x.reshape(-1, DIM)
+        gates, chosen = self.router(flat).topk(self.TOP_K, dim=-1)
+        gates, onehot = gates.softmax(-1), F.one_hot(chosen, self.EXPERTS).to(x.dtype)  # [T, k], [T, k, E]
+        q = sum(onehot[..., e, None] * F.linear(flat, self.input_linear[e])[:, None] for e in range(self.EXPERTS))
+        q = q.view(b, s, -1, HEAD_DIM).transpose(1, 2)  # k choices x kv heads
+        k, v = (t.view(b, s, -1, HEAD_DIM).transpose(1, 2).repeat(1, self.TOP_K, 1, 1) for t in self.kv_proj(x).chunk(2, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b * s, self.TOP_K, -1)
+        out = sum((onehot[..., e, None] * gates[..., None] * F.linear(y, self.output_linear[e])).sum(1) for e in range(self.EXPERTS))
+        return out.view(b, s, DIM)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     **ATTENTION_MODELS,
     "vit": VisionTransformer,
@@ -243,6 +272,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "moe_index_add": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), LoopMoE("index_add"))),
     "moe_stacked_experts": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), StackedExperts())),
     "attention_experts": lambda: DecoderLM(lambda: PreNormBlock(AttentionExperts(), SwiGLU())),
+    "attention_head_experts": lambda: DecoderLM(lambda: PreNormBlock(HeadExperts(), SwiGLU(hidden=DIM))),
 }
 VISION = frozenset({"vit", "vit_beit_bias"})
 MOE = frozenset({"moe_index_put", "moe_index_add", "moe_stacked_experts"})

@@ -37,7 +37,7 @@ from plain_models_attention import (
     TitanAttention,
     precompute_freqs_cis,
 )
-from plain_models_mixers import LinearAttention, LoopMoE, StackedExperts, ViTAttention
+from plain_models_mixers import HeadExperts, LinearAttention, LoopMoE, StackedExperts, ViTAttention
 
 aten = torch.ops.aten
 
@@ -130,6 +130,19 @@ def test_cat_onto_an_empty_cache_keeps_the_heads_split() -> None:
     kinds = _kinds(plan)
     assert [kinds[f"{n}.weight"][0] for n in ("q_lin", "k_lin", "v_lin", "out_lin")] == ["column"] * 3 + ["row"]
     assert [k.name for k in plan.kept_whole] == ["out_lin.bias"]  # added after the row-parallel sum
+
+
+def test_key_heads_tiled_by_repeat_meet_the_expert_query_heads() -> None:
+    """JetMoE's attention experts: ``k.repeat(1, top_k, 1, 1)`` tiles the split key heads once
+    per choice, the queries' ``[top_k, kv heads]`` match it, and the output regrouped as
+    ``[tokens, top_k, kv*D]`` is row-parallel into each expert's output projection."""
+    gm, plan = _plan(HeadExperts(), 4)
+    kinds = _kinds(plan)
+    assert kinds["input_linear"][0] == "column" and kinds["kv_proj.weight"][0] == "column"
+    assert kinds["output_linear"][0] == "row"
+    assert [k.name for k in plan.kept_whole] == ["router.weight"]  # top-k over the experts
+    rank = _rank_graph(gm, plan)
+    assert [list(n.args[1]) for n in rank.graph.nodes if n.target is aten.repeat.default] == [[1, 2, 1, 1]] * 2
 
 
 def test_complex_rotary_keeps_the_heads_split() -> None:

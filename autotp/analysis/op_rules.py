@@ -104,6 +104,7 @@ RULES: dict[Any, Rule] = {
     aten.view_as_complex.default: reshapes.view_as_complex,
     aten.view_as_real.default: reshapes.view_as_real,
     aten.repeat_interleave.self_int: reshapes.repeat_interleave,
+    aten.repeat.default: reshapes.repeat,
     aten.expand.default: shapes.expand,
     aten.broadcast_to.default: shapes.expand,
     aten.expand_as.default: shapes.expand_as,

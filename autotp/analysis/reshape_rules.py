@@ -87,7 +87,7 @@ def reshape(w: Walker, node: Node) -> Any:
             dims[cb[at]] = out
         elif len(cb) == 1 and d == ca[-1] and d != ca[0]:
             dims[cb[0]] = _tile(var, math.prod(src[c] for c in ca[:-1]), describe(node))
-        elif d != ca[0] and len(cb) > 1 and (refined := _refine_then_merge(w, node, src, dst, ca, cb, d, var)) is not None:
+        elif (d != ca[0] or _tile_count(var)) and len(cb) > 1 and (refined := _refine_then_merge(w, node, src, dst, ca, cb, d, var)) is not None:
             dims[refined[0]] = refined[1]
         elif d != ca[0]:
             raise ShardingConflict(f"{describe(node)}: the sharded dim is not the outer one of a merge", lay.origins(), (var,))
@@ -133,7 +133,9 @@ def _split(w: Walker, node: Node, var: DimVar, sizes: list[int]) -> tuple[int, D
     """``[n] -> sizes``: the factor that carries the split (see the module doc) and its var.
     A size-1 factor (every rank holds the whole, a replicated block) comes last."""
     avoid = w.avoid.get(node.name, frozenset())
-    allowed = [i for i, f in enumerate(sizes) if i not in avoid]
+    # a tiled dim (``_tile``) holds its copies whole on every rank: the split stays inside each copy
+    tiles = _tile_count(var) or 1
+    allowed = [i for i, f in enumerate(sizes) if i not in avoid and math.prod(sizes[:i]) % tiles == 0]
     if not allowed:
         raise ShardingConflict(f"{describe(node)}: no factor of the reshape can stay sharded", var.find().origins)
     fits = [i for i in allowed if sizes[i] % w.tp == 0 or w.tp % sizes[i] == 0]
@@ -205,6 +207,10 @@ def _refine_then_merge(
                 return cb[j], out
             if g == hi:
                 return cb[j], _tile(out, math.prod(mid[lo:g]), where)
+            if g == lo:  # the outer factor of a merge: the merged dim follows its blocks
+                merged = DimVar(dst[cb[j]], out.find().origins)
+                follow(merged, out, where)
+                return cb[j], merged
             raise ShardingConflict(f"{where}: the sharded factor is not the inner one of a merge", var.find().origins, (out,))
     return None
 
@@ -216,6 +222,14 @@ def _tile(var: DimVar, count: int, where: str) -> DimVar:
     for seg in set_segments(tiled, [var.find().size] * count, where):
         unify(seg, var, where)
     return tiled
+
+
+def _tile_count(var: DimVar) -> int:
+    """How many copies of one split a ``_tile``d dim holds (0: not a tile)."""
+    r = var.find()
+    if r.segments is None or len({seg.find() for seg in r.segments}) != 1:
+        return 0
+    return len(r.segments)
 
 
 def _tiled_inner(var: DimVar, sizes: list[int]) -> DimVar | None:
@@ -278,6 +292,19 @@ def reshape_as(w: Walker, node: Node) -> Any:
 def view_as_real(w: Walker, node: Node) -> Any:
     """``[..., n]`` complex -> ``[..., n, 2]`` reals: every dim keeps its split."""
     return w.concrete(node.args[0], node)
+
+
+def repeat(w: Walker, node: Node) -> Any:
+    """``x.repeat(*reps)`` tiles every dim ``r`` times (JetMoE's key heads repeated for each
+    attention expert): along a split dim each rank tiles its own part, which is the output
+    dim as ``r`` segments each split as the input (``_tile``); the rank's repeat counts stay."""
+    x = node.args[0]
+    lay = w.summed(x, node)
+    if not lay.dims:
+        return lay
+    reps = list(node.args[1])
+    off = len(reps) - len(shape_of(x) or ())
+    return shard({d + off: var if reps[d + off] == 1 else _tile(var, reps[d + off], describe(node)) for d, var in lay.dims})
 
 
 def repeat_interleave(w: Walker, node: Node) -> Any:
