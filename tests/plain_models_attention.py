@@ -360,6 +360,29 @@ class EmptyCacheAttention(nn.Module):
         return self.out_lin(torch.matmul(weights, v).transpose(1, 2).contiguous().view(b, -1, HEADS * HEAD_DIM))
 
 
+class GroupedOutputAttention(nn.Module):
+    """DeepSeek-V4's grouped output projection: the heads' output cut into groups, each
+    projected by its own block of one weight (``weight.view(groups, -1, d_in)`` and
+    ``bmm``), then mixed by one more linear."""
+
+    GROUPS, RANK = 4, 128
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * HEADS * HEAD_DIM, bias=False)
+        self.o_a = nn.Parameter(torch.randn(self.GROUPS * self.RANK, HEADS * HEAD_DIM // self.GROUPS) * 0.2)
+        self.o_b = nn.Linear(self.GROUPS * self.RANK, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, HEADS, HEAD_DIM).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, self.GROUPS, -1)
+        d_in = y.shape[-1]
+        w = self.o_a.view(self.GROUPS, -1, d_in).transpose(1, 2)
+        grouped = torch.bmm(y.reshape(-1, self.GROUPS, d_in).transpose(0, 1), w).transpose(0, 1)
+        return self.o_b(grouped.reshape(b, s, -1))
+
+
 class SlicedKeyMultiQuery(nn.Module):
     """One KV head; the key's rotary half sliced off before the key is viewed as a head."""
 
@@ -595,6 +618,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "mqa_falcon_index": lambda: DecoderLM(lambda: PreNormBlock(FalconMultiQuery())),
     "mqa_broadcast_kv": lambda: DecoderLM(lambda: PreNormBlock(FalconBroadcastKV())),
     "empty_cache_cat": lambda: DecoderLM(lambda: PreNormBlock(EmptyCacheAttention())),
+    "grouped_output_proj": lambda: DecoderLM(lambda: PreNormBlock(GroupedOutputAttention(), SwiGLU(hidden=DIM))),
     "mqa_sliced_key": lambda: DecoderLM(lambda: PreNormBlock(SlicedKeyMultiQuery())),
     "grouped_interleaved_qkv": lambda: DecoderLM(lambda: PreNormBlock(GroupedInterleavedQKV())),
     "neox_interleaved_qkv": lambda: DecoderLM(lambda: PreNormBlock(NeoXInterleavedQKV(), NanoGPTMLP())),

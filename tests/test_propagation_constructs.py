@@ -23,6 +23,7 @@ from autotp.compiler import lower
 from plain_models_attention import (
     DIM,
     EmptyCacheAttention,
+    GroupedOutputAttention,
     HEAD_DIM,
     HEADS,
     KV_HEADS,
@@ -143,6 +144,20 @@ def test_key_heads_tiled_by_repeat_meet_the_expert_query_heads() -> None:
     assert [k.name for k in plan.kept_whole] == ["router.weight"]  # top-k over the experts
     rank = _rank_graph(gm, plan)
     assert [list(n.args[1]) for n in rank.graph.nodes if n.target is aten.repeat.default] == [[1, 2, 1, 1]] * 2
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_grouped_weight_viewed_into_factors_follows_the_split_groups(tp: int) -> None:
+    """DeepSeek-V4's ``o_a_proj``: ``weight.view(groups, -1, d_in)`` before its ``bmm`` with
+    the groups split; the weight's rows are split in whole groups."""
+    gm, plan = _plan(GroupedOutputAttention(), tp)
+    kinds = _kinds(plan)
+    rows = GroupedOutputAttention.GROUPS * GroupedOutputAttention.RANK
+    assert kinds["o_a"] == ("column", DimSharding(rows, (rows,), (GroupedOutputAttention.GROUPS,)))
+    assert kinds["o_b.weight"][0] == "row" and not plan.kept_whole
+    rank = _rank_graph(gm, plan)
+    views = [list(n.args[1]) for n in rank.graph.nodes if n.target is aten.view.default and n.args[0].name == "o_a"]
+    assert [v[0] for v in views] == [GroupedOutputAttention.GROUPS // tp]
 
 
 def test_complex_rotary_keeps_the_heads_split() -> None:

@@ -46,7 +46,7 @@ from autotp.analysis.partials import PartialSums
 from autotp.analysis.propagation_result import ParamDecision, ParamView, Propagation, ShardPolicy, StatisticPolicy
 from autotp.analysis.shapes import is_float, replicated_like
 from autotp.ir.errors import UserInputError, describe
-from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, fixed_var, shard
+from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, fixed_var, follow, shard
 from autotp.ir.plan import ParallelPlan
 
 
@@ -99,7 +99,14 @@ class Walker:
                 return lay
             if dec.dim is None:
                 return REPLICATE
-            return shard({i: dec.var for i, d in enumerate(lay.dim_map) if d == dec.dim})
+            dims = {i: dec.var for i, d in enumerate(lay.dim_map) if d == dec.dim}
+            for i, d in enumerate(lay.dim_map):
+                if isinstance(d, tuple) and d[0] == dec.dim:  # the outer factor: the blocks the parameter dim follows
+                    outer = dec.var.find().follows
+                    if outer is None or outer.find().size * d[1] != dec.var.find().size:
+                        raise ShardingConflict(f"{lay.name} is split where a reshape cuts it into factors", dec.var.find().origins)
+                    dims[i] = outer
+            return shard(dims)
         return lay
 
     def concrete(self, arg: Any, node: Node) -> Layout:
@@ -129,6 +136,10 @@ class Walker:
         pdim = view.dim_map[view_dim]
         if pdim is None:
             raise ShardingConflict(f"{describe(node)}: cannot shard a broadcast dim of {view.name}", var.find().origins)
+        if isinstance(pdim, tuple):  # the outer factor of a parameter dim: the dim is split in its blocks
+            pdim, whole = pdim[0], DimVar(self.params[view.name].shape[pdim[0]], var.find().origins)
+            follow(whole, var, describe(node))
+            var = whole
         self.decide(view.name, ParamDecision(kind, pdim, var), node)
 
     def allowed(self, name: str, kind: str) -> bool:

@@ -34,10 +34,12 @@ class NodeRole(str, Enum):
 @dataclass(frozen=True)
 class ParamView:
     """An undecided parameter seen through views: ``dim_map[i]`` is the parameter dim
-    behind view dim ``i`` (None for inserted dims)."""
+    behind view dim ``i`` (None for inserted dims), or ``(dim, inner)`` when a reshape cut
+    that parameter dim into factors and view dim ``i`` is the outermost one, ``inner``
+    elements each (a grouped weight ``weight.view(groups, -1, d_in)``)."""
 
     name: str
-    dim_map: tuple[int | None, ...]
+    dim_map: tuple[int | tuple[int, int] | None, ...]
 
 
 @dataclass

@@ -53,6 +53,7 @@ def reshape(w: Walker, node: Node) -> Any:
     src_lay = w.get(node.args[0])
     if isinstance(src_lay, ParamView):
         view = _unit_dims_view(src_lay, shape_of(node.args[0]) or (), shape_of(node) or ())
+        view = view or _factor_view(src_lay, shape_of(node.args[0]) or (), shape_of(node) or ())
         if view is not None:
             return view
     lay = w.concrete(node.args[0], node)
@@ -250,6 +251,21 @@ def _unit_dims_view(view: ParamView, src: tuple[int, ...], dst: tuple[int, ...])
         return None
     real = iter(kept)
     return ParamView(view.name, tuple(None if s == 1 else view.dim_map[next(real)] for s in dst))
+
+
+def _factor_view(view: ParamView, src: tuple[int, ...], dst: tuple[int, ...]) -> ParamView | None:
+    """An undecided parameter whose reshape cuts dims into factors (and keeps the others)
+    stays undecided: the outermost factor stands for the parameter dim, in blocks of the
+    inner factors; the inner factors are never split. None for any other reshape."""
+    chunks = reshape_chunks(src, dst)
+    if chunks is None or any(len(ca) != 1 or not isinstance(view.dim_map[ca[0]], (int, type(None))) for ca, _ in chunks):
+        return None
+    dim_map: list[int | tuple[int, int] | None] = [None] * len(dst)
+    for (a,), cb in chunks:
+        pdim = view.dim_map[a]
+        if pdim is not None:
+            dim_map[cb[0]] = pdim if len(cb) == 1 else (pdim, src[a] // dst[cb[0]])  # type: ignore[assignment]
+    return ParamView(view.name, tuple(dim_map))
 
 
 def _note_broadcast_merge(w: Walker, src: Node, inner_dims: list[int], merged: DimVar, outer: DimVar) -> bool:

@@ -55,8 +55,11 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
     lb = w.get(b)
     kind_col = "expert_column" if b_batch_free else "column"
     kind_row = "expert_row" if b_batch_free else "row"
+    batch_split = _batch_split(la, lb, a_nd, b_nd, (b_k, b_n)) if isinstance(lb, ParamView) and ak is None else None
     if isinstance(lb, ParamView):
-        if ak is not None:
+        if batch_split is not None:  # grouped weights met by groups split in the activation
+            w.param_view_shard(lb, batch_split[0], batch_split[1], kind_col, node)
+        elif ak is not None:
             w.param_view_shard(lb, b_k, ak, kind_row, node)
         elif w.allowed(lb.name, "column"):
             var = DimVar(b_shape[b_n], frozenset({lb.name}))
@@ -116,6 +119,16 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
         else:
             _bias_follows(w, node, bias, bn)
     return out
+
+
+def _batch_split(la: Layout, lb: ParamView, a_nd: int, b_nd: int, own: tuple[int, int]) -> tuple[int, DimVar] | None:
+    """A batch dim the activation splits where the undecided weight has a parameter dim of
+    its own: that dim of the weight and its split."""
+    for d, var in la.dims:
+        bd = d - a_nd + b_nd
+        if d != a_nd - 1 and 0 <= bd < b_nd and bd not in own and lb.dim_map[bd] is not None:
+            return bd, var
+    return None
 
 
 def _bias_follows(w: Walker, node: Node, bias: Node, out_var: DimVar | None) -> None:
