@@ -317,18 +317,14 @@ class FalconMultiQuery(nn.Module):
         return self.dense(y.transpose(1, 2).reshape(b, s, HEADS * HEAD_DIM))
 
 
-class FalconBroadcastKV(nn.Module):
+class FalconBroadcastKV(FalconMultiQuery):
     """HF Falcon: the one key and value head by constant indices, through a reshape that keeps
     the size-1 head dim, rotary on the whole head, and SDPA broadcasting the one KV head over
     the query heads (no expand)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.query_key_value = nn.Linear(DIM, (HEADS + 2) * HEAD_DIM, bias=False)
-        self.dense = nn.Linear(HEADS * HEAD_DIM, DIM, bias=False)
-        cos, sin = cos_sin(HEAD_DIM, 32)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.cos, self.sin = cos_sin(HEAD_DIM, 32)  # the whole head rotates
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
