@@ -158,6 +158,7 @@ def test_a_grouped_weight_viewed_into_factors_follows_the_split_groups(tp: int) 
     rank = _rank_graph(gm, plan)
     views = [list(n.args[1]) for n in rank.graph.nodes if n.target is aten.view.default and n.args[0].name == "o_a"]
     assert [v[0] for v in views] == [GroupedOutputAttention.GROUPS // tp]
+    assert "o_a" not in _kinds(plan_tensor_parallel(gm, tp, replicate=["o_a"]))  # the planner's choice to keep it whole holds
 
 
 def test_complex_rotary_keeps_the_heads_split() -> None:

@@ -55,7 +55,8 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
     lb = w.get(b)
     kind_col = "expert_column" if b_batch_free else "column"
     kind_row = "expert_row" if b_batch_free else "row"
-    batch_split = _batch_split(la, lb, a_nd, b_nd, (b_k, b_n)) if isinstance(lb, ParamView) and ak is None else None
+    grouped = isinstance(lb, ParamView) and ak is None and not b_batch_free and w.allowed(lb.name, "column")
+    batch_split = _batch_split(la, lb, a_shape, b_shape, (b_k, b_n)) if grouped else None
     if isinstance(lb, ParamView):
         if batch_split is not None:  # grouped weights met by groups split in the activation
             w.param_view_shard(lb, batch_split[0], batch_split[1], kind_col, node)
@@ -121,12 +122,12 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
     return out
 
 
-def _batch_split(la: Layout, lb: ParamView, a_nd: int, b_nd: int, own: tuple[int, int]) -> tuple[int, DimVar] | None:
+def _batch_split(la: Layout, lb: ParamView, a_shape: tuple[int, ...], b_shape: tuple[int, ...], own: tuple[int, int]) -> tuple[int, DimVar] | None:
     """A batch dim the activation splits where the undecided weight has a parameter dim of
-    its own: that dim of the weight and its split."""
+    its own, of the same size: that dim of the weight and its split."""
     for d, var in la.dims:
-        bd = d - a_nd + b_nd
-        if d != a_nd - 1 and 0 <= bd < b_nd and bd not in own and lb.dim_map[bd] is not None:
+        bd = d - len(a_shape) + len(b_shape)
+        if d != len(a_shape) - 1 and 0 <= bd < len(b_shape) and bd not in own and lb.dim_map[bd] is not None and a_shape[d] == b_shape[bd]:
             return bd, var
     return None
 
