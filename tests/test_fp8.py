@@ -306,13 +306,15 @@ def test_cost_model_counts_the_amax_all_reduces() -> None:
 
 def test_cost_model_prices_fp8_gemms_and_casts() -> None:
     """A Llama-3-8B layer on H200: FP8 keeps the GEMM FLOPs, runs them at twice the rate, and adds
-    its casts (q/k/v's forward: x and three weights, each read twice and written in 1 byte)."""
+    its casts (q/k/v's forward: x and three weights, each read twice and written in 1 byte, and
+    their FP8 copies transposed for the backward, read and written in 1 byte each)."""
     costs = trace_for_planning(presets.model_config("llama3-8b"), 1024)
     bf16, fp8 = costs.rank(1).layers[0], costs.rank(1, fp8="tensorwise").layers[0]
     assert fp8.flops.sum(axis=0) == pytest.approx(bf16.flops.sum(axis=0))
     qkv = int(fp8.fp8.argmax())
     hidden, kv, tokens = 4096, 1024, 2 * 1024
     quantized = 5 * (tokens * hidden + hidden * hidden + 2 * kv * hidden)  # bf16: 2 reads of 2 bytes, 1 write
+    quantized += 2 * (tokens * hidden + hidden * hidden + 2 * kv * hidden)  # FP8 transposes: 1 read, 1 write
     const, per_sample = fp8.casts[qkv, 0]  # forward; weights are constant, x grows with the batch
     assert const + 2 * per_sample == quantized
     time_bf16, time_fp8 = segment_time(bf16, 2, H200, 1), segment_time(fp8, 2, H200, 1)

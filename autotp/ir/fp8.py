@@ -12,7 +12,10 @@ wants (``_scaled_mm``'s second operand column-major):
 ``(rows, cols)`` elements (0: the whole dim), ``amax`` is the largest |value| of a
 block, its scale ``s = fp8_max / max(amax, 1e-12)`` in float32 (``pow2``: rounded down
 to a power of two, so that scaling is exact), the FP8 value ``clamp(v·s, ±fp8_max)``
-rounded to nearest, and the GEMM multiplies by ``1/s``.
+rounded to nearest, and the GEMM multiplies by ``1/s``. A weight whose scale blocks are
+symmetric (tensorwise, blockwise's 128×128) is quantized once per step: the forward
+saves its FP8 copy transposed for dgrad (under ``torch.compile`` the partitioner may
+recompute it in the backward instead; the values are the same).
 
 **Recipes** (``RECIPES``), as torchao's float8 training and DeepSeek-V3 define them:
 
@@ -20,7 +23,8 @@ rounded to nearest, and the GEMM multiplies by ``1/s``.
   hybrid format of torchao's default and Transformer Engine: one scale for a whole
   gradient tensor has to cover its wide range, and E5M2 spans 2^-16..57344 against
   E4M3's 2^-9..448). The forward GEMM uses cuBLAS's fast accumulation, the backward not.
-  The weight gradient reuses the forward's FP8 input and the dgrad's FP8 output gradient.
+  The weight gradient reuses the forward's FP8 input (transposed in the forward, next to
+  its cast) and the dgrad's FP8 output gradient.
 * ``rowwise``: one power-of-two scale per row of each operand along its contraction dim
   (x per token, W per output feature; backward dy per token and W per input feature for
   dgrad, dy and x per feature over the tokens for wgrad). E4M3 throughout.
