@@ -120,6 +120,7 @@ class Parameters:
         self.holders: dict[str, list[int]] = {}  # canonical name -> the pipeline ranks that hold it (sorted)
         self.unfilled: set[str] = set()  # allocated for a model on meta; to be loaded or initialized
         self.experts = ExpertShards(plan, coords.experts)
+        self._unread_chunk = {u.name: u.chunk for u in plan.unread}
 
     def bind(self, model: nn.Module, param_chunks: ParamChunks, mine: set[int]) -> None:
         """Register the shard of every parameter that the chunks in ``mine`` read, and every buffer."""
@@ -165,11 +166,12 @@ class Parameters:
         return local.to(self.device)
 
     def chunks_of(self, param_chunks: ParamChunks, canonical: str) -> set[int]:
-        """The chunks that read ``canonical``; one that no chunk reads is kept by chunk 0."""
+        """The chunks that read ``canonical``; one that no chunk reads is kept by its ``plan.unread``
+        chunk (chunk 0 without one)."""
         chunks: set[int] = set()
         for alias in self.aliases[canonical]:
             chunks |= param_chunks.get(alias, set())
-        return chunks or {0}
+        return chunks or {self._unread_chunk.get(canonical, 0)}
 
     def owners(self, param_chunks: ParamChunks, canonical: str) -> list[int]:
         """The pipeline ranks that hold ``canonical`` (sorted)."""
