@@ -69,6 +69,13 @@ def _train_save_load(rank: int, world: int, tp: int, pp: int, folder: str) -> di
         torch.testing.assert_close(trained[key], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"after a step, {key}: {m}")
     assert torch.equal(trained["vision_tower.patch.weight"], structure.build(NAME).vision_tower.patch.weight.detach())
 
+    zero = autotp.parallelize(structure.build(NAME), tp=tp, pp=pp, example_inputs=inputs)
+    zero_opt = autotp.DistributedOptimizer(zero, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=0.1)
+    zero.train_step(**inputs, num_microbatches=2)
+    zero_opt.step()
+    for key, value in zero.unshard_state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-6, msg=lambda m: f"DistributedOptimizer, {key}: {m}")
+
     pm.save_checkpoint(Path(folder) / "ckpt", optimizer=opt, step=1)
     fresh = structure.build(NAME)
     for p in fresh.parameters():
