@@ -8,10 +8,12 @@ is split over the tp group and held by one pipeline stage:
 * **dim**: the dim whose split leaves the smallest local tensor,
   ``argmin_d ceil(size_d / tp) * numel / size_d`` (the first such dim; padded past the end
   when tp does not divide it). A scalar is held whole (dim -1).
-* **stage**: largest first, each goes to the pipeline rank that holds the fewest parameter
-  bytes so far (greedy), counting the parameters each rank's chunks read at their local
-  size (``ParamLayout.sharding.local_size``) and the unread ones placed before it. A
-  parameter read by several ranks (tied) counts on each.
+* **stage**: with tp > 1, largest first, each goes to the pipeline rank that holds the
+  fewest parameter bytes so far (greedy), counting the parameters each rank's chunks read at
+  their local size (``ParamLayout.sharding.local_size``) and the unread ones placed before
+  it; a parameter read by several ranks (tied) counts on each. With tp = 1 and pp > 1 each is
+  split over the pipeline ranks instead (its layout on axis pp), so that one tower larger than
+  a stage's share is spread too; ``chunk`` 0's stage answers for it when gathered.
 
 The parameters have no grad, so optimizers leave them as they are; ``autotp.ir.plan.UnreadParam``
 records each one.
@@ -26,6 +28,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autotp.analysis.layers import last_layer_position, layer_of, outside_layers, HEAD
+from autotp.ir.axes import Axis
 from autotp.ir.errors import UserInputError
 from autotp.ir.layouts import DimSharding
 from autotp.ir.plan import UNREAD_KIND, ParallelPlan, ParamLayout, UnreadParam
@@ -88,16 +91,18 @@ def plan_unread_params(gm: GraphModule, plan: ParallelPlan) -> ParallelPlan:
         return plan
     params = dict(gm.named_parameters(remove_duplicate=False))
     held = _read_bytes_per_stage(gm, plan)
+    axis = Axis.TP if plan.tp > 1 else Axis.PP
+    ranks = plan.degree(axis)
     layouts, entries = [], []
     for name in sorted(names, key=lambda n: (-params[n].numel(), n)):
         p: torch.Tensor = params[name]
-        dim = split_dim(tuple(p.shape), plan.tp)
+        dim = split_dim(tuple(p.shape), ranks)
         local = p.numel() * p.element_size()
-        if dim >= 0 and plan.tp > 1:
+        if dim >= 0 and ranks > 1:
             size = p.shape[dim]
-            layouts.append(ParamLayout(name, UNREAD_KIND, dim, DimSharding(size, (size,), (size,), padded=size % plan.tp != 0)))
-            local = local * math.ceil(size / plan.tp) // size
-        stage = min(range(plan.pp), key=lambda r: (held[r], r))
+            layouts.append(ParamLayout(name, UNREAD_KIND, dim, DimSharding(size, (size,), (size,), size % ranks != 0, axis)))
+            local = local * math.ceil(size / ranks) // size
+        stage = min(range(plan.pp), key=lambda r: (held[r], r)) if axis == Axis.TP else 0
         held[stage] += local
         entries.append(UnreadParam(name, dim, chunk=stage, bytes=p.numel() * p.element_size(), detail=DETAIL))
     return replace(plan, params=plan.params + tuple(layouts), unread=tuple(entries))

@@ -14,6 +14,7 @@ import plain_models_structure as structure
 from distributed import run_on_ranks
 from autotp.compiler import plan_model
 from autotp.cost_model.unread_params import split_dim
+from autotp.ir.axes import Axis
 from autotp.ir.plan import UNREAD_KIND, ParallelPlan
 
 NAME = "unread_tower"
@@ -37,13 +38,15 @@ def test_every_unread_parameter_is_planned_split_with_an_entry(tp: int, pp: int)
     plan = plan_model(model, structure.example_inputs(NAME), "cpu", tp=tp, pp=pp, dp=1, vpp=1, plan=None).plan
     names = {n for n, _ in model.named_parameters()}
     assert {u.name for u in plan.unread} == {n for n in names if _image_only(n)}
+    axis = Axis.TP if tp > 1 else Axis.PP  # at tp=1 split over the stages
     for u in plan.unread:
         layout = plan.layout_of(u.name)
-        if u.dim < 0 or tp == 1:
+        if u.dim < 0:
             assert layout is None, u.name
         else:
-            assert layout is not None and layout.kind == UNREAD_KIND and layout.dim == u.dim, u.name
-    assert {u.chunk for u in plan.unread} == set(range(pp)), "every stage holds a share"
+            assert layout is not None and layout.kind == UNREAD_KIND and layout.dim == u.dim and layout.axis == axis, u.name
+    if tp > 1:
+        assert {u.chunk for u in plan.unread} == set(range(pp)), "every stage holds a share"
     assert ParallelPlan.from_json(plan.to_json()).unread == plan.unread
 
 

@@ -117,8 +117,9 @@ UNREAD_KIND = "unread"
 @dataclass(frozen=True)
 class UnreadParam:
     """A parameter that no node of the traced forward reads (a vision tower of a text-only
-    forward): stored split over tp by its ``UNREAD_KIND`` layout in ``ParallelPlan.params``
-    (``dim`` -1: a scalar, held whole) and held by the stage of pipeline chunk ``chunk``. It
+    forward): stored split over tp (at tp=1, over pp) by its ``UNREAD_KIND`` layout in
+    ``ParallelPlan.params`` (``dim`` -1: a scalar, held whole) and held by the stage of pipeline
+    chunk ``chunk`` (by every stage when split over pp). It
     has no grad; checkpoints and ``state_dict`` reassemble it whole. ``detail`` is for people."""
 
     name: str

@@ -134,7 +134,8 @@ class Parameters:
         for name, p in tensors.items():
             layouts = [self._plan.layout_of(alias) for alias in self.aliases[name]]
             layout = self.layouts[name] = next((l for l in layouts if l is not None), None)
-            if not self.chunks_of(param_chunks, name) & mine or not self.experts.held(name):
+            every_stage = layout is not None and layout.axis == Axis.PP  # split over the stages (``plan.unread`` at tp=1)
+            if not (every_stage or self.chunks_of(param_chunks, name) & mine) or not self.experts.held(name):
                 continue
             spec = self.specs[name] = self.experts.spec(name, tuple(p.shape)) or shard_spec(name, tuple(p.shape), layout, *self._place(layout))
             local = self._local(name, p.detach(), spec, layout)
@@ -225,7 +226,8 @@ class Parameters:
             degree = self._place(layout)[1]
             if layout is not None and degree > 1:
                 parts = [torch.empty_like(local) for _ in range(degree)]
-                group = collectives.get_group(self._coords.keys[layout.axis])
+                pipe = self._coords.pipeline
+                group = pipe.pp_group if layout.axis == Axis.PP and pipe else collectives.get_group(self._coords.keys[layout.axis])
                 dist.all_gather(parts, local.detach().contiguous(), group=group)
                 full = unshard_tensor(parts, layout, degree)
         if self.experts.is_expert(name) and self._coords.pp_rank in self.owners(param_chunks, name):
