@@ -36,13 +36,18 @@ from autotp.ir.plan import UNREAD_KIND, ParallelPlan, ParamLayout, UnreadParam
 DETAIL = "no node of the forward traced at the example inputs reads it"
 
 
-def unread_names(gm: GraphModule) -> list[str]:
-    """The parameters of ``gm`` (canonical: first name) that no node reads under any of their names."""
-    read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and n.users}
+def _names_per_tensor(gm: GraphModule) -> list[list[str]]:
+    """Every name of each parameter of ``gm`` (tied ones have several; the first is canonical)."""
     groups: dict[int, list[str]] = {}
     for name, p in gm.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
-    return [names[0] for names in groups.values() if not read & set(names)]
+    return list(groups.values())
+
+
+def unread_names(gm: GraphModule) -> list[str]:
+    """The parameters of ``gm`` (canonical names) that no node reads under any of their names."""
+    read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and n.users}
+    return [names[0] for names in _names_per_tensor(gm) if not read & set(names)]
 
 
 def split_dim(shape: tuple[int, ...], tp: int) -> int:
@@ -114,10 +119,7 @@ def refuse_reading_unread(gm: GraphModule, plan: ParallelPlan) -> None:
     unread = {u.name for u in plan.unread}
     if not unread:
         return
-    groups: dict[int, list[str]] = {}
-    for name, p in gm.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    canonical = {alias: names[0] for names in groups.values() for alias in names}
+    canonical = {alias: names[0] for names in _names_per_tensor(gm) for alias in names}
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.users and canonical.get(str(node.target), str(node.target)) in unread:
             raise UserInputError(

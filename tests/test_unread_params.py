@@ -5,6 +5,7 @@ alone by the optimizer and reassembled whole by checkpoints and ``unshard_state_
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from autotp.ir.axes import Axis
 from autotp.ir.plan import UNREAD_KIND, ParallelPlan
 
 NAME = "unread_tower"
+ARCH = "gemma3"  # a vision tower and projector that a text-only forward never reads
 IMAGE_PATH = ("vision_tower.", "projector.", "image_")
 
 
@@ -100,3 +102,35 @@ def test_unread_tower_passes_the_strict_rule_and_round_trips(tmp_path: Path, tp:
     for r in results:
         assert not r["reason"], r["reason"]
         assert r["share"] <= r["limit"]
+
+
+def _hf_round_trip(rank: int, world: int, folder: str, tp: int, pp: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import autotp
+    from sweep_registry import _inputs, build
+
+    path = Path(folder) / "hf"
+    reference = type(build(ARCH)).from_pretrained(path).float().eval()
+    model = build(ARCH)  # on the CPU: on meta, SigLIP's position_ids buffer has no initializer
+    for p in model.parameters():
+        p.data.zero_()
+    pm = autotp.parallelize(model, tp=tp, pp=pp, checkpoint=path, example_inputs=_inputs())
+    assert pm.plan.unread, "the vision tower is never read by a text-only forward"
+    state, expected = pm.unshard_state_dict(), reference.state_dict()
+    assert list(state) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), f"loaded from the HF checkpoint: {key}"
+    pm.save_pretrained(Path(folder) / f"out{tp}{pp}")
+    if rank == 0:
+        saved = type(reference).from_pretrained(Path(folder) / f"out{tp}{pp}").float().state_dict()
+        for key, value in expected.items():
+            assert torch.equal(saved[key], value), f"save_pretrained: {key}"
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_unread_tower_loads_from_and_saves_to_an_hf_checkpoint(tmp_path: Path, tp: int, pp: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from sweep_registry import build
+
+    build(ARCH).save_pretrained(tmp_path / "hf")
+    run_on_ranks(_hf_round_trip, tp * pp, str(tmp_path), tp, pp, timeout_s=600)
