@@ -52,6 +52,17 @@ def test_every_unread_parameter_is_planned_split_with_an_entry(tp: int, pp: int)
     assert ParallelPlan.from_json(plan.to_json()).unread == plan.unread
 
 
+def test_explain_names_the_unread_parameters() -> None:
+    import autotp
+    from autotp.cost_model.graph_costs import build_report
+    from autotp.report.graph_report import explain_table
+
+    compiled = autotp.compile_rank(structure.build(NAME), tp=2, example_inputs=structure.example_inputs(NAME))
+    text = explain_table(build_report(compiled.graph, compiled.plan, 0), NAME)
+    assert f"parameters the traced forward never reads ({len(compiled.plan.unread)}," in text
+    assert "largest: vision_tower.blocks.0.ffn.down.weight" in text
+
+
 def _train_save_load(rank: int, world: int, tp: int, pp: int, folder: str) -> dict[str, object]:
     import autotp
     from autotp.report.strict_rule import check_on_rank
