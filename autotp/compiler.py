@@ -42,6 +42,7 @@ from autotp.cost_model.hardware import device_hardware
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.planner import auto_plan, auto_sequence_parallel
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from autotp.cost_model.unread_params import plan_unread_params, refuse_reading_unread
 from autotp.ir import meta_keys
 from autotp.ir.fp8 import DEFAULT_RECIPE
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER, ParallelPlan
@@ -226,6 +227,8 @@ def plan_model(
             moe_capacity_factor = chosen.moe_capacity_factor or None
         chosen = plan_expert_parallel(traced, chosen, ep=ep, etp=etp, dispatch=moe_dispatch, capacity_factor=moe_capacity_factor)
     chosen = with_fp8(traced, chosen, fp8)
+    if not chosen.unread:
+        chosen = plan_unread_params(traced, chosen)
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)
     log.info("traced in %.2f s, planned in %.2f s: tp=%d pp=%d dp=%d vpp=%d", traced_at - start,
@@ -319,6 +322,7 @@ def lower(
     output keys the caller reads (empty: all; the others become None). ``param_buckets``: make the
     graphs wait for a DistributedOptimizer's all-gather of those buckets. A rank on the CPU or gloo
     overlaps through the P2P ring whatever the plan asked for; the plan it returns says so."""
+    refuse_reading_unread(traced, plan)
     if plan.tp_overlap and (torch.device(device).type == "cpu" or backend == "gloo"):
         plan = replace(plan, tp_overlap_impl="ring")
     ctx = PassContext(plan=plan, tp_rank=tp_rank, ep_rank=ep_rank, device=torch.device(device), dump_dir=dump_dir,

@@ -12,7 +12,9 @@
   with ``torch.compile``, one after another in this process: autotp tp=1 bf16, autotp FP8
   per recipe (``lm_head`` in bf16), HF + torchao float8 training per recipe (``lm_head``
   left out, HF's causal mask patched out so SDPA runs ``is_causal``, as autotp's
-  ``causal_attention`` pass does). Median step time over timed steps after warm-up, MFU
+  ``causal_attention`` pass does; ``torchao`` compiles the whole model, ``torchao_layers``
+  each decoder layer, as torchtitan does). torchao runs first by default, so that a call
+  cut short still has the baseline. Median step time over timed steps after warm-up, MFU
   = (6·params·tokens + causal attention) / time against the **bf16** dense peak (989.4
   TFLOP/s), peak memory (``max_memory_allocated``: weights, grads and activations).
 * ``curve``: 200 AdamW steps of a smaller Llama (8 layers, hidden 1024, byte-level vocab
@@ -51,8 +53,11 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab, batch, seq
     "tiny": (256, 512, 2, 8, 8, 512, 2, 256),
 }
 CURVE = {"8b": (1024, 2816, 8, 16, 4, 256, 16, 1024), "tiny": (256, 512, 2, 8, 8, 256, 4, 128)}
-WARMUP, STEPS = 2, 6
-VARIANT_S = {"8b": 110.0, "tiny": 5.0}  # what one timing variant takes, compile included (to skip in time)
+WARMUP, STEPS = 1, 5  # the first step compiles; the median of the timed ones is reported
+VARIANT_S = {  # what one timing variant takes on an H200, compile included (to skip in time)
+    "8b": {"autotp:bf16": 95.0, "autotp": 215.0, "torchao": 200.0, "torchao_layers": 90.0},
+    "tiny": {"autotp:bf16": 5.0, "autotp": 5.0, "torchao": 5.0, "torchao_layers": 5.0},
+}
 CURVE_S = {"8b": 30.0, "tiny": 5.0}  # one recipe's curve
 
 
@@ -73,10 +78,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_steps(step: Callable[[], torch.Tensor], device: torch.device) -> dict[str, float]:
+def time_steps(step: Callable[[], torch.Tensor], device: torch.device, warmup: int, steps: int) -> dict[str, float]:
     """Median step time, peak memory and last loss of ``step`` (forward + backward)."""
     times, loss, first = [], float("nan"), 0.0
-    for i in range(WARMUP + STEPS):
+    for i in range(warmup + steps):
         _sync(device)
         start = time.perf_counter()
         loss = step().item()
@@ -84,14 +89,15 @@ def time_steps(step: Callable[[], torch.Tensor], device: torch.device) -> dict[s
         elapsed = time.perf_counter() - start
         if i == 0:
             first = elapsed
-        if i >= WARMUP:
+        if i >= warmup:
             times.append(elapsed)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return {"step_ms": statistics.median(times) * 1e3, "first_step_s": first, "peak_gib": peak, "loss": loss}
 
 
 def profile_step(step: Callable[[], torch.Tensor]) -> dict:
-    """GPU time of one step by kernel kind (GEMM, attention, the rest) and its 12 longest kernels."""
+    """GPU time of one step by kernel kind (GEMM, attention, the rest), its 12 longest kernels
+    and the 25 longest of the rest (casts, norms, elementwise)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -107,8 +113,10 @@ def profile_step(step: Callable[[], torch.Tensor]) -> dict:
         kind = "gemm" if any(k in name for k in ("gemm", "xmma", "cutlass", "nvjet", "cublas")) else (
             "attention" if any(k in name for k in ("flash", "fmha", "attention")) else "other")
         kinds[kind] += us / 1e3
-        kernels.append((us / 1e3, e.count, e.key[:90]))
-    return {"ms_by_kind": kinds, "top": sorted(kernels, reverse=True)[:12]}
+        kernels.append((us / 1e3, e.count, e.key[:90], kind))
+    ranked = sorted(kernels, reverse=True)
+    return {"ms_by_kind": kinds, "top": [k[:3] for k in ranked[:12]],
+            "top_other": [k[:3] for k in ranked if k[3] == "other"][:25]}  # fmt: skip
 
 
 def _clear(device: torch.device) -> None:
@@ -124,12 +132,10 @@ def autotp_variant(shape: tuple[int, ...], recipe: str | None, device: torch.dev
 
     *_, batch, seq = shape
     ids = torch.randint(0, shape[5], (batch, seq), device=device, generator=torch.Generator(device).manual_seed(0))
-    model = llama(shape, str(device))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pm = autotp.parallelize(model, tp=1, example_inputs={"input_ids": ids, "labels": ids}, compile=compile,
-                                fp8=recipe or None, gather_outputs=False)  # fmt: skip
-    del model
+        pm = autotp.parallelize(llama(shape, str(device)), tp=1, example_inputs={"input_ids": ids, "labels": ids},
+                                compile=compile, fp8=recipe or None, gather_outputs=False)  # fmt: skip
     if recipe:
         fp8 = sum(1 for e in pm.plan.fp8_linears if e.recipe)
         print(f"  autotp {recipe}: {fp8} of {len(pm.plan.fp8_linears)} GEMM weights in FP8", flush=True)
@@ -142,7 +148,10 @@ def autotp_variant(shape: tuple[int, ...], recipe: str | None, device: torch.dev
     return step
 
 
-def torchao_variant(shape: tuple[int, ...], recipe: str, device: torch.device, compile: bool) -> Callable[[], torch.Tensor]:
+def torchao_variant(shape: tuple[int, ...], recipe: str, device: torch.device, compile: bool,
+                    per_layer: bool = False) -> Callable[[], torch.Tensor]:  # fmt: skip
+    """HF + torchao float8 training, ``torch.compile``'d whole, or (``per_layer``) each decoder
+    layer compiled on its own as torchtitan does (one compile, reused by every layer)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     *_, batch, seq = shape
@@ -150,7 +159,10 @@ def torchao_variant(shape: tuple[int, ...], recipe: str, device: torch.device, c
     model = llama(shape, str(device))
     config = Float8LinearConfig.from_recipe_name(recipe)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn != "lm_head")
-    run = torch.compile(model) if compile else model
+    run = torch.compile(model) if compile and not per_layer else model
+    if compile and per_layer:
+        for layer in model.model.layers:
+            layer.compile()
 
     def step() -> torch.Tensor:
         for p in model.parameters():
@@ -163,23 +175,27 @@ def torchao_variant(shape: tuple[int, ...], recipe: str, device: torch.device, c
 
 
 def timing(shape_name: str, variants: list[str], device: torch.device, compile: bool, deadline: float,
-           rows: list[dict], save: Callable[[], None], profiled: bool = False) -> list[dict]:  # fmt: skip
+           rows: list[dict], save: Callable[[], None], profiled: bool = False, steps: tuple[int, int] = (WARMUP, STEPS),
+           ) -> list[dict]:  # fmt: skip
     """Time each variant, appending its row to ``rows`` and saving after each."""
     shape = SHAPES[shape_name]
     flops = _flops(llama(shape, "meta"), shape[6], shape[7])
     for name in variants:
-        if time.perf_counter() + VARIANT_S[shape_name] > deadline:
+        kind, _, recipe = name.partition(":")
+        needs = VARIANT_S[shape_name].get(name, VARIANT_S[shape_name][kind])
+        if time.perf_counter() + needs > deadline:
             rows.append({"setup": name, "skipped": "out of time"})
             print(f"{name}: skipped, out of time", flush=True)
             continue
         _clear(device)
-        kind, _, recipe = name.partition(":")
         start = time.perf_counter()
         try:
-            with causal_mask_dropped("llama") if kind == "torchao" else contextlib.nullcontext():
-                make = autotp_variant if kind == "autotp" else torchao_variant
-                step = make(shape, None if recipe == "bf16" else recipe, device, compile)
-                row = {"setup": name, **time_steps(step, device)}
+            with causal_mask_dropped("llama") if kind.startswith("torchao") else contextlib.nullcontext():
+                if kind == "autotp":
+                    step = autotp_variant(shape, None if recipe == "bf16" else recipe, device, compile)
+                else:
+                    step = torchao_variant(shape, recipe, device, compile, per_layer=kind == "torchao_layers")
+                row = {"setup": name, **time_steps(step, device, *steps)}
                 if profiled and device.type == "cuda":
                     row["profile"] = profile_step(step)
             del step
@@ -347,7 +363,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--parts", default="check,gemm,timing,curve,timing2")
-    parser.add_argument("--variants", default="autotp:bf16,autotp:tensorwise,torchao:tensorwise")
+    parser.add_argument("--variants", default="torchao:tensorwise,autotp:bf16,autotp:tensorwise",
+                        help="kind:recipe; kinds autotp, torchao (whole model compiled), torchao_layers (each "
+                             "decoder layer compiled)")  # fmt: skip
     parser.add_argument("--more-variants", default="autotp:rowwise,torchao:rowwise,autotp:blockwise",
                         help="what the part timing2 times")  # fmt: skip
     parser.add_argument("--curve-steps", type=int, default=200)
@@ -355,6 +373,8 @@ def main() -> None:
     parser.add_argument("--curve-dtype", default="bfloat16", help="the curve model's weights (float32 on a CPU)")
     parser.add_argument("--budget-s", type=float, default=560.0)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps per variant (the first compiles)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per variant")
     parser.add_argument("--profile", action="store_true", help="also profile one step of each timing variant")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -380,7 +400,7 @@ def main() -> None:
         elif part in ("timing", "timing2"):
             variants = (args.variants if part == "timing" else args.more_variants).split(",")
             timing(args.shape, variants, device, not args.no_compile, deadline, results.setdefault("timing", []), save,
-                   args.profile)  # fmt: skip
+                   args.profile, (args.warmup, args.steps))  # fmt: skip
         elif part == "curve":
             recipes = [r for r in args.curve_recipes.split(",") if r]
             results["curve_dtype"] = args.curve_dtype

@@ -24,9 +24,12 @@ sequence parallelism, ``fp8_all_gather`` lets the all-gathers into FP8 GEMMs car
   ``HardwareProfile.fp8_matmul_speedup`` times the bf16 rate;
 * casts, memory-bound, outside the GEMM: per quantized operand of n elements of e bytes,
   an amax pass and a cast pass read it (2·e·n) and the FP8 copy is written (n).
-  Forward: x once and every weight. Backward: each output gradient the same, plus the
-  transposed FP8 copies the other two GEMMs read (weights for dgrad, x and dy for
-  wgrad: 2 bytes moved per element each): ``cast_bytes`` forward and backward.
+  Forward: x once and every weight, plus the transposed FP8 copies that the backward's
+  GEMMs read and the forward makes (each weight's for dgrad when its scale blocks are
+  symmetric, x's for wgrad under tensorwise: 2 bytes moved per element each). Backward:
+  each output gradient quantized and transposed, plus the transposed copies the forward
+  did not make (a weight's from bf16 for other blocks, e·n + n; x's, 2 per element):
+  ``cast_bytes`` forward and backward.
 """
 
 from __future__ import annotations
@@ -125,8 +128,13 @@ def cast_bytes(node: Node, tensors: Tensors) -> tuple[int, int]:
     def quantized(t: TensorInfo) -> int:
         return 2 * t.nbytes + t.numel
 
-    forward = quantized(x) + sum(quantized(w) for w in weights)
-    backward = sum(quantized(o) + 2 * o.numel for o in outs) + sum(w.nbytes + w.numel for w in weights) + 2 * m * k
+    recipe = node_call(node).recipe
+    symmetric, xt_early = recipe.weight[0] == recipe.weight[1], recipe.name == fp8.TENSORWISE
+    weights_t = sum(2 * w.numel if symmetric else w.nbytes + w.numel for w in weights)
+    forward = quantized(x) + sum(quantized(w) for w in weights) + (weights_t if symmetric else 0)
+    forward += 2 * m * k if xt_early else 0
+    backward = sum(quantized(o) + 2 * o.numel for o in outs) + (0 if symmetric else weights_t)
+    backward += 0 if xt_early else 2 * m * k
     return forward, backward
 
 

@@ -2,7 +2,7 @@
 instance shared by several layers, custom autograd Functions (straight-through estimators,
 weight fake-quantization, a router backward), autocast and no-grad regions inside the
 forward, a patch-embedding vision transformer with a class token and a classification head
-trained through ``loss_fn``, encoder stacks (hand-written and ``nn.TransformerEncoder``),
+trained through ``loss_fn``, a vision tower that a text-only forward never reads, encoder stacks (hand-written and ``nn.TransformerEncoder``),
 weight tying, and MoE layers with a loop over experts and with batched expert GEMMs.
 
 The suite protocol (``tests/test_plain_suite.py``): ``NAMES``, ``build(name)`` (eval mode,
@@ -280,6 +280,27 @@ class ViT(nn.Module):
         return self.head(self.norm(self.blocks(x))[:, 0])
 
 
+class UnreadTowerLM(DecoderLM):
+    """A multimodal decoder trained on text: a vision tower, a projector of a width tp does not
+    divide, an image-newline vector and a scalar that only the image path reads. The forward
+    traced without ``pixel_values`` never reads them."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda i: Block(Attention(Rope())))
+        self.vision_tower = ViT()
+        self.projector = nn.Linear(CLASSES, DIM + 3)
+        self.image_newline = nn.Parameter(torch.randn(DIM + 3))
+        self.image_scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                pixel_values: torch.Tensor | None = None) -> dict[str, Any]:  # fmt: skip
+        out = super().forward(input_ids, labels)
+        if pixel_values is not None:
+            image = (self.projector(self.vision_tower(pixel_values)) + self.image_newline) * self.image_scale
+            out["logits"] = out["logits"] + image[:, :1, None].mean()
+        return out
+
+
 # ---- encoder stacks ------------------------------------------------------------------------
 
 
@@ -392,6 +413,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "tied_embeddings": lambda: DecoderLM(lambda i: Block(Attention(Rope())), tie=True),
     "moe_loop": lambda: DecoderLM(lambda i: Block(ffn=LoopMoE())),
     "moe_einsum_dispatch": lambda: DecoderLM(lambda i: Block(ffn=EinsumDispatchMoE())),
+    "unread_tower": UnreadTowerLM,
 }
 NAMES = tuple(MODELS)
 MOE = frozenset({"moe_loop", "moe_einsum_dispatch"})

@@ -306,13 +306,15 @@ def test_cost_model_counts_the_amax_all_reduces() -> None:
 
 def test_cost_model_prices_fp8_gemms_and_casts() -> None:
     """A Llama-3-8B layer on H200: FP8 keeps the GEMM FLOPs, runs them at twice the rate, and adds
-    its casts (q/k/v's forward: x and three weights, each read twice and written in 1 byte)."""
+    its casts (q/k/v's forward: x and three weights, each read twice and written in 1 byte, and
+    their FP8 copies transposed for the backward, read and written in 1 byte each)."""
     costs = trace_for_planning(presets.model_config("llama3-8b"), 1024)
     bf16, fp8 = costs.rank(1).layers[0], costs.rank(1, fp8="tensorwise").layers[0]
     assert fp8.flops.sum(axis=0) == pytest.approx(bf16.flops.sum(axis=0))
     qkv = int(fp8.fp8.argmax())
     hidden, kv, tokens = 4096, 1024, 2 * 1024
     quantized = 5 * (tokens * hidden + hidden * hidden + 2 * kv * hidden)  # bf16: 2 reads of 2 bytes, 1 write
+    quantized += 2 * (tokens * hidden + hidden * hidden + 2 * kv * hidden)  # FP8 transposes: 1 read, 1 write
     const, per_sample = fp8.casts[qkv, 0]  # forward; weights are constant, x grows with the batch
     assert const + 2 * per_sample == quantized
     time_bf16, time_fp8 = segment_time(bf16, 2, H200, 1), segment_time(fp8, 2, H200, 1)
@@ -358,6 +360,28 @@ def test_compile_sees_the_quantization_as_aten_ops(recipe: str) -> None:
     expected = ops.FP8_LINEAR(torch.nn.functional.rms_norm(x, (64,)), [w1, w2], [None, None], recipe, 0, [0, 0], -1, 1, "")
     for actual, wanted in zip((y1, y2), expected):
         _close(actual, wanted, "compiled output")
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_inductor_compiles_the_op_bit_for_bit(recipe: str) -> None:
+    """Inductor's C++ kernels of the op (amaxes, scales, casts, the FP8 copies that the
+    backward reads) give the eager op's output and grads bit for bit, given the same inputs:
+    what ``test_compiled_model_equals_eager`` can differ in comes from outside the op."""
+
+    def linear(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> list[torch.Tensor]:
+        return ops.FP8_LINEAR(x * 1.5, [w1, w2], [None, None], recipe, 0, [0, 0], -1, 1, "")
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(2, 16, 256), torch.randn(256, 256) / 20, torch.randn(128, 256) / 20]
+    dys = [torch.randn(2, 16, 256), torch.randn(2, 16, 128)]
+    results = []
+    for run in (linear, torch.compile(linear, fullgraph=True)):
+        torch._dynamo.reset()
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        outs = run(*leaves)
+        results.append([*outs, *torch.autograd.grad(outs, leaves, dys)])
+    for name, compiled, eager in zip(("y1", "y2", "dx", "dw1", "dw2"), *results):
+        assert torch.equal(compiled, eager), f"{recipe}: {name} compiled != eager"
 
 
 def _trained(pm: nn.Module, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:

@@ -12,7 +12,10 @@ wants (``_scaled_mm``'s second operand column-major):
 ``(rows, cols)`` elements (0: the whole dim), ``amax`` is the largest |value| of a
 block, its scale ``s = fp8_max / max(amax, 1e-12)`` in float32 (``pow2``: rounded down
 to a power of two, so that scaling is exact), the FP8 value ``clamp(v·s, ±fp8_max)``
-rounded to nearest, and the GEMM multiplies by ``1/s``.
+rounded to nearest, and the GEMM multiplies by ``1/s``. A weight whose scale blocks are
+symmetric (tensorwise, blockwise's 128×128) is quantized once per step: the forward
+saves its FP8 copy transposed for dgrad (under ``torch.compile`` the partitioner may
+recompute it in the backward instead; the values are the same).
 
 **Recipes** (``RECIPES``), as torchao's float8 training and DeepSeek-V3 define them:
 
@@ -20,7 +23,8 @@ rounded to nearest, and the GEMM multiplies by ``1/s``.
   hybrid format of torchao's default and Transformer Engine: one scale for a whole
   gradient tensor has to cover its wide range, and E5M2 spans 2^-16..57344 against
   E4M3's 2^-9..448). The forward GEMM uses cuBLAS's fast accumulation, the backward not.
-  The weight gradient reuses the forward's FP8 input and the dgrad's FP8 output gradient.
+  The weight gradient reuses the forward's FP8 input (transposed in the forward, next to
+  its cast) and the dgrad's FP8 output gradient.
 * ``rowwise``: one power-of-two scale per row of each operand along its contraction dim
   (x per token, W per output feature; backward dy per token and W per input feature for
   dgrad, dy and x per feature over the tokens for wgrad). E4M3 throughout.
@@ -248,14 +252,21 @@ class Fp8Linear(torch.autograd.Function):
         if call.gathers:  # the group's tokens travel in FP8: half the bytes of x
             full = ops.ALL_GATHER(x8.view(x.shape).view(torch.uint8), call.gather_dim, call.group_size, call.group)
             x8, lead = full.view(E4M3).reshape(-1, k), full.shape[:-1]
-        outs = []
+        outs, for_dgrad = [], []
         for w, b, w_amax in zip(weights, biases, w_amaxes):
             w8, sw = cast(w, w_amax, E4M3, recipe.weight, recipe.pow2)
             y = scaled_gemm(x8, sx, recipe.activation, w8, sw, recipe.weight, x.dtype, recipe.fast_accum_forward)
             outs.append((y if b is None else y + b).reshape(*lead, -1))
-        keep = (x8, sx) if recipe.name == TENSORWISE else (x2, sx)
-        ctx.save_for_backward(*keep, *weights, *w_amaxes)
-        ctx.call, ctx.x_shape = call, x.shape
+            # Wᵀ's blocks are W's transposed: its FP8 copy is this one's, made here while
+            # the cast reads W (the backward reads no bf16 weight)
+            for_dgrad += [w8.t().contiguous(), sw.t()] if _symmetric(recipe.weight) else [w, w_amax]
+        if recipe.name == TENSORWISE:  # wgrad's xᵀ: the FP8 x transposed, made with it
+            m_multiple = CUDA_DIM_MULTIPLE if x.device.type == "cuda" else 1
+            keep = (pad_fp8_cols(x8.t().contiguous(), m_multiple), sx)
+        else:
+            keep = (x2, sx)
+        ctx.save_for_backward(*keep, *for_dgrad)
+        ctx.call, ctx.x_shape, ctx.w_dtypes = call, x.shape, [w.dtype for w in weights]
         ctx.bias_grads = [b is not None and b.requires_grad for b in biases]
         return tuple(outs)
 
@@ -263,8 +274,7 @@ class Fp8Linear(torch.autograd.Function):
     def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         call: Fp8Call = ctx.call
         recipe, n = call.recipe, len(call.n_split)
-        xs, sx, *rest = ctx.saved_tensors
-        weights, w_amaxes = rest[:n], rest[n:]
+        xs, sx, *for_dgrad = ctx.saved_tensors
         act, gdt, tensorwise = recipe.activation, recipe.grad_dtype, recipe.name == TENSORWISE
         rows_split = call.rows_split and not call.gathers  # a gathered x holds every token
         present = [i for i, g in enumerate(grads) if g is not None]
@@ -278,7 +288,7 @@ class Fp8Linear(torch.autograd.Function):
         for i in present:
             items.append((dys[i], act, rows_split, call.n_split[i]))
             if not _symmetric(recipe.weight):
-                items.append((weights[i].t(), recipe.weight, call.k_split, call.n_split[i]))
+                items.append((for_dgrad[2 * i].t(), recipe.weight, call.k_split, call.n_split[i]))
             if not tensorwise:
                 items.append((dys[i].t(), act, call.n_split[i], rows_split))
         if not tensorwise:
@@ -286,7 +296,7 @@ class Fp8Linear(torch.autograd.Function):
         amaxes = _reduced_amaxes(items, call.group)
         m_multiple = CUDA_DIM_MULTIPLE if xs.device.type == "cuda" else 1
         if tensorwise:
-            xt8, sxt = pad_fp8_cols(xs.t().contiguous(), m_multiple), sx
+            xt8, sxt = xs, sx
         else:
             xt8, sxt = cast(xs.t(), amaxes.pop(), E4M3, act, recipe.pow2, m_multiple)
         taken = iter(amaxes)
@@ -294,17 +304,19 @@ class Fp8Linear(torch.autograd.Function):
         grad_w: list[Tensor | None] = [None] * n
         grad_b: list[Tensor | None] = [None] * n
         for i in present:
-            dy, w = dys[i], weights[i]
+            dy = dys[i]
             dy8, sdy = cast(dy, next(taken), gdt, act, recipe.pow2)
-            wt_amax = w_amaxes[i].t() if _symmetric(recipe.weight) else next(taken)
-            wt8, swt = cast(w.t(), wt_amax, E4M3, recipe.weight, recipe.pow2)
+            if _symmetric(recipe.weight):
+                wt8, swt = for_dgrad[2 * i], for_dgrad[2 * i + 1]
+            else:
+                wt8, swt = cast(for_dgrad[2 * i].t(), next(taken), E4M3, recipe.weight, recipe.pow2)
             part = scaled_gemm(dy8, sdy, act, wt8, swt, recipe.weight, dy.dtype, False)
             dx = part if dx is None else dx + part
             if tensorwise:
                 dyt8, sdyt = pad_fp8_cols(dy8.t().contiguous(), m_multiple), sdy
             else:
                 dyt8, sdyt = cast(dy.t(), next(taken), gdt, act, recipe.pow2, m_multiple)
-            grad_w[i] = scaled_gemm(dyt8, sdyt, act, xt8, sxt, act, w.dtype, False)
+            grad_w[i] = scaled_gemm(dyt8, sdyt, act, xt8, sxt, act, ctx.w_dtypes[i], False)
             if ctx.bias_grads[i]:
                 grad_b[i] = dy.sum(0)
         lead = list(ctx.x_shape[:-1])

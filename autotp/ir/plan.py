@@ -110,6 +110,32 @@ class KeptWhole:
         return KeptWhole(**d)
 
 
+UNREAD_KIND = "unread"
+"""``ParamLayout.kind`` of a parameter that no node of the traced forward reads (``UnreadParam``)."""
+
+
+@dataclass(frozen=True)
+class UnreadParam:
+    """A parameter that no node of the traced forward reads (a vision tower of a text-only
+    forward): stored split over tp (at tp=1, over pp) by its ``UNREAD_KIND`` layout in
+    ``ParallelPlan.params`` (``dim`` -1: a scalar, held whole) and held by the stage of pipeline
+    chunk ``chunk`` (by every stage when split over pp). It
+    has no grad; checkpoints and ``state_dict`` reassemble it whole. ``detail`` is for people."""
+
+    name: str
+    dim: int
+    chunk: int = 0
+    bytes: int = 0
+    detail: str = ""
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dim": self.dim, "chunk": self.chunk, "bytes": self.bytes, "detail": self.detail}
+
+    @staticmethod
+    def from_json(d: dict) -> UnreadParam:
+        return UnreadParam(**d)
+
+
 FP8_OUTSIDE_LAYERS = "outside_layers"
 """``Fp8Linear.reason``: a GEMM outside the decoder layers (``lm_head``), kept in the model's dtype by default."""
 FP8_DIMS = "dims"
@@ -220,6 +246,8 @@ class ParallelPlan:
     fp8_all_gather: bool = False
     # The planner's price of the chosen expert parallelism (None: not planned by the cost model).
     moe_estimate: ExpertParallelEstimate | None = None
+    # The parameters the traced forward never reads, stored split (``UnreadParam``).
+    unread: tuple[UnreadParam, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -311,6 +339,7 @@ class ParallelPlan:
                 "fp8_linears": [f.to_json() for f in self.fp8_linears],
                 "fp8_all_gather": self.fp8_all_gather,
                 "moe_estimate": self.moe_estimate.to_json() if self.moe_estimate else None,
+                "unread": [u.to_json() for u in self.unread],
             },
             indent=1,
         )
@@ -358,4 +387,5 @@ class ParallelPlan:
             fp8_linears=tuple(Fp8Linear.from_json(f) for f in d.get("fp8_linears", ())),
             fp8_all_gather=d.get("fp8_all_gather", False),
             moe_estimate=ExpertParallelEstimate.from_json(d["moe_estimate"]) if d.get("moe_estimate") else None,
+            unread=tuple(UnreadParam.from_json(u) for u in d.get("unread", ())),
         )

@@ -11,7 +11,7 @@ from torch.fx import Node
 from autotp.cost_model.graph_costs import DIRECTIONS, GraphReport, LayerReport, by_layer, layer_report
 from autotp.ir import meta_keys, ops
 from autotp.ir.op_facts import Collective, Direction
-from autotp.ir.plan import KeptWhole
+from autotp.ir.plan import KeptWhole, UnreadParam
 from autotp.ir.errors import UserInputError
 
 def stage_view(report: GraphReport, stage: int) -> GraphReport:
@@ -187,6 +187,7 @@ def explain_table(report: GraphReport, model: str) -> str:
             megatron,
             *([] if m["meets"] else _first_layer_all_reduces(report)),
             *_replicated_lines(report.plan.kept_whole),
+            *_unread_lines(report.plan.unread),
         ]
     )
 
@@ -226,3 +227,13 @@ def _replicated_lines(kept: tuple[KeptWhole, ...], limit: int = 10) -> list[str]
     return ["", f"replicated parameters ({len(blocked)}), with the node that blocked sharding:"] + [
         f"  {b}" for b in blocked[:limit]
     ] + more
+
+
+def _unread_lines(unread: tuple[UnreadParam, ...], limit: int = 5) -> list[str]:
+    """The parameters the traced forward never reads (stored split, no grad), largest first."""
+    if not unread:
+        return []
+    total = sum(u.bytes for u in unread)
+    largest = ", ".join(u.name for u in sorted(unread, key=lambda u: -u.bytes)[:limit])
+    return ["", f"parameters the traced forward never reads ({len(unread)}, {total / 2**20:.1f} MiB): stored split, no grad "
+            f"(plan.unread); largest: {largest}"]

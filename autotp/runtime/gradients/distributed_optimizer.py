@@ -160,9 +160,12 @@ class DistributedOptimizer:
 
     @staticmethod
     def _groups(pm: ParallelModel, params: Any) -> list[dict[str, Any]]:
-        """Param groups of parameter names; ValueError for tensors not in ``pm`` or trainable ones left out."""
+        """Param groups of parameter names; ValueError for tensors not in ``pm`` or trainable ones left out.
+        Parameters the traced forward never reads (``plan.unread``) get no grad and are left out, so
+        that they stay as they are, as a torch optimizer leaves a parameter without grad."""
         named = {id(p): n for n, p in pm.named_parameters()}
-        trainable = [n for n, p in pm.named_parameters() if p.requires_grad]
+        unread = {u.name for u in pm.plan.unread}
+        trainable = [n for n, p in pm.named_parameters() if p.requires_grad and n not in unread]
         if params is None:
             return [{"params": trainable}]
         given = list(params)
@@ -181,7 +184,8 @@ class DistributedOptimizer:
                 if name in seen:
                     raise UserInputError(f"{name} is in two param groups; put each parameter in one")
                 seen.add(name)
-                names.append(name)
+                if name not in unread:
+                    names.append(name)
             groups.append(dict(group, params=names))
         missing = [n for n in trainable if n not in seen]
         if missing:

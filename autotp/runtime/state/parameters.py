@@ -120,6 +120,7 @@ class Parameters:
         self.holders: dict[str, list[int]] = {}  # canonical name -> the pipeline ranks that hold it (sorted)
         self.unfilled: set[str] = set()  # allocated for a model on meta; to be loaded or initialized
         self.experts = ExpertShards(plan, coords.experts)
+        self._unread_chunk = {u.name: u.chunk for u in plan.unread}
 
     def bind(self, model: nn.Module, param_chunks: ParamChunks, mine: set[int]) -> None:
         """Register the shard of every parameter that the chunks in ``mine`` read, and every buffer."""
@@ -133,7 +134,8 @@ class Parameters:
         for name, p in tensors.items():
             layouts = [self._plan.layout_of(alias) for alias in self.aliases[name]]
             layout = self.layouts[name] = next((l for l in layouts if l is not None), None)
-            if not self.chunks_of(param_chunks, name) & mine or not self.experts.held(name):
+            every_stage = layout is not None and layout.axis == Axis.PP  # split over the stages (``plan.unread`` at tp=1)
+            if not (every_stage or self.chunks_of(param_chunks, name) & mine) or not self.experts.held(name):
                 continue
             spec = self.specs[name] = self.experts.spec(name, tuple(p.shape)) or shard_spec(name, tuple(p.shape), layout, *self._place(layout))
             local = self._local(name, p.detach(), spec, layout)
@@ -165,11 +167,12 @@ class Parameters:
         return local.to(self.device)
 
     def chunks_of(self, param_chunks: ParamChunks, canonical: str) -> set[int]:
-        """The chunks that read ``canonical``; one that no chunk reads is kept by chunk 0."""
+        """The chunks that read ``canonical``; one that no chunk reads is kept by its ``plan.unread``
+        chunk (chunk 0 without one)."""
         chunks: set[int] = set()
         for alias in self.aliases[canonical]:
             chunks |= param_chunks.get(alias, set())
-        return chunks or {0}
+        return chunks or {self._unread_chunk.get(canonical, 0)}
 
     def owners(self, param_chunks: ParamChunks, canonical: str) -> list[int]:
         """The pipeline ranks that hold ``canonical`` (sorted)."""
@@ -223,7 +226,8 @@ class Parameters:
             degree = self._place(layout)[1]
             if layout is not None and degree > 1:
                 parts = [torch.empty_like(local) for _ in range(degree)]
-                group = collectives.get_group(self._coords.keys[layout.axis])
+                pipe = self._coords.pipeline
+                group = pipe.pp_group if layout.axis == Axis.PP and pipe else collectives.get_group(self._coords.keys[layout.axis])
                 dist.all_gather(parts, local.detach().contiguous(), group=group)
                 full = unshard_tensor(parts, layout, degree)
         if self.experts.is_expert(name) and self._coords.pp_rank in self.owners(param_chunks, name):
