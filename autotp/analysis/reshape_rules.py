@@ -72,7 +72,7 @@ def reshape(w: Walker, node: Node) -> Any:
             raise ShardingConflict(f"{describe(node)}: reshape merges two sharded dims", lay.origins())
         d, var = vars_in[0]
         assert var is not None
-        inner = _tiled_inner(var, [dst[c] for c in cb]) if len(ca) == 1 else None
+        inner = _tiled_inner(w, node, var, [dst[c] for c in cb]) if len(ca) == 1 else None
         units = _units_before(dst, cb[0], dims_taken=[c for _, b in chunks for c in b])
         if len(ca) == 1 and len(cb) == 1 and units:
             # ``[n] -> [1, n]`` (one KV head): the split may stay on n or go to the unit dim
@@ -81,7 +81,7 @@ def reshape(w: Walker, node: Node) -> Any:
         elif len(ca) == 1 and len(cb) == 1:
             dims[cb[0]] = var
         elif inner is not None:
-            dims[cb[1]] = inner
+            dims[cb[inner[0]]] = inner[1]
         elif len(ca) == 1:
             at, out = _split(w, node, var, [dst[c] for c in cb])
             dims[cb[at]] = out
@@ -202,14 +202,28 @@ def _tile(var: DimVar, count: int, where: str) -> DimVar:
     return tiled
 
 
-def _tiled_inner(var: DimVar, sizes: list[int]) -> DimVar | None:
-    """For a reshape of a ``_tile``d dim into ``[count, size]``: the sharded inner var, else None."""
+def _tiled_inner(w: Walker, node: Node, var: DimVar, sizes: list[int]) -> tuple[int, DimVar] | None:
+    """For a reshape of a ``_tile``d dim (``count`` segments split alike) into factors whose
+    outer ones multiply to ``count`` (``[B*T*H] -> [B, T, H]``, the inverse of the tiling
+    merge): the output factor that carries the split and its var, else None. The outer
+    factors index the tiles and stay whole; the inner ones split the shared var."""
     r = var.find()
-    if r.segments is None or len(sizes) != 2 or len(r.segments) != sizes[0]:
+    if r.segments is None or len(sizes) < 2:
         return None
     roots = {seg.find() for seg in r.segments}
-    inner = next(iter(roots))
-    return inner if len(roots) == 1 and inner.size == sizes[1] else None
+    if len(roots) != 1:
+        return None
+    shared = next(iter(roots))
+    outer = list(itertools.accumulate(sizes, operator.mul))
+    if len(r.segments) not in outer[:-1]:
+        return None
+    k = outer.index(len(r.segments)) + 1
+    if math.prod(sizes[k:]) != shared.size:
+        return None
+    if k == len(sizes) - 1:
+        return k, shared
+    at, out = _split(w, node, shared, sizes[k:])
+    return k + at, out
 
 
 def _unit_dims_view(view: ParamView, src: tuple[int, ...], dst: tuple[int, ...]) -> ParamView | None:
