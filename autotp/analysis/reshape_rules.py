@@ -72,7 +72,6 @@ def reshape(w: Walker, node: Node) -> Any:
             raise ShardingConflict(f"{describe(node)}: reshape merges two sharded dims", lay.origins())
         d, var = vars_in[0]
         assert var is not None
-        inner = _tiled_inner(w, node, var, [dst[c] for c in cb]) if len(ca) == 1 else None
         units = _units_before(dst, cb[0], dims_taken=[c for _, b in chunks for c in b])
         if len(ca) == 1 and len(cb) == 1 and units:
             # ``[n] -> [1, n]`` (one KV head): the split may stay on n or go to the unit dim
@@ -80,14 +79,12 @@ def reshape(w: Walker, node: Node) -> Any:
             dims[(units + cb)[at]] = out
         elif len(ca) == 1 and len(cb) == 1:
             dims[cb[0]] = var
-        elif inner is not None:
-            dims[cb[inner[0]]] = inner[1]
         elif len(ca) == 1:
             at, out = _split(w, node, var, [dst[c] for c in cb])
             dims[cb[at]] = out
         elif len(cb) == 1 and d == ca[-1] and d != ca[0]:
             dims[cb[0]] = _tile(var, math.prod(src[c] for c in ca[:-1]), describe(node))
-        elif d != ca[0] and len(cb) > 1 and (refined := _refine_then_merge(w, node, src, dst, ca, cb, d, var)) is not None:
+        elif (d != ca[0] or _tiled(var)) and len(cb) > 1 and (refined := _refine_then_merge(w, node, src, dst, ca, cb, d, var)) is not None:
             dims[refined[0]] = refined[1]
         elif d != ca[0]:
             raise ShardingConflict(f"{describe(node)}: the sharded dim is not the outer one of a merge", lay.origins(), (var,))
@@ -115,7 +112,11 @@ def _units_before(dst: tuple[int, ...], at: int, dims_taken: list[int]) -> list[
 
 def _split(w: Walker, node: Node, var: DimVar, sizes: list[int]) -> tuple[int, DimVar]:
     """``[n] -> sizes``: the factor that carries the split (see the module doc) and its var.
-    A size-1 factor (every rank holds the whole, a replicated block) comes last."""
+    A size-1 factor (every rank holds the whole, a replicated block) comes last. A tiled
+    dim (``_tile``) split back into its tiles keeps the split on its inner factors."""
+    tiled = _tiled_inner(w, node, var, sizes)
+    if tiled is not None:
+        return tiled
     avoid = w.avoid.get(node.name, frozenset())
     allowed = [i for i, f in enumerate(sizes) if i not in avoid]
     if not allowed:
@@ -187,6 +188,10 @@ def _refine_then_merge(
         if lo <= g <= hi:
             if lo == g == hi:
                 return cb[j], out
+            if lo == g:  # the split factor is the outer one of the merge (heads into features)
+                merged = DimVar(dst[cb[j]], out.find().origins)
+                follow(merged, out, where)
+                return cb[j], merged
             if g == hi:
                 return cb[j], _tile(out, math.prod(mid[lo:g]), where)
             raise ShardingConflict(f"{where}: the sharded factor is not the inner one of a merge", var.find().origins, (out,))
@@ -202,18 +207,22 @@ def _tile(var: DimVar, count: int, where: str) -> DimVar:
     return tiled
 
 
+def _tiled(var: DimVar) -> bool:
+    """Whether ``var`` is a ``_tile``d dim: segments that are all one sharded var."""
+    r = var.find()
+    return r.segments is not None and len({seg.find() for seg in r.segments}) == 1
+
+
 def _tiled_inner(w: Walker, node: Node, var: DimVar, sizes: list[int]) -> tuple[int, DimVar] | None:
     """For a reshape of a ``_tile``d dim (``count`` segments split alike) into factors whose
     outer ones multiply to ``count`` (``[B*T*H] -> [B, T, H]``, the inverse of the tiling
     merge): the output factor that carries the split and its var, else None. The outer
     factors index the tiles and stay whole; the inner ones split the shared var."""
     r = var.find()
-    if r.segments is None or len(sizes) < 2:
+    if not _tiled(var) or len(sizes) < 2:
         return None
-    roots = {seg.find() for seg in r.segments}
-    if len(roots) != 1:
-        return None
-    shared = next(iter(roots))
+    assert r.segments is not None
+    shared = r.segments[0].find()
     outer = list(itertools.accumulate(sizes, operator.mul))
     if len(r.segments) not in outer[:-1]:
         return None
