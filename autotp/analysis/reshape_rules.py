@@ -208,9 +208,9 @@ def _tile(var: DimVar, count: int, where: str) -> DimVar:
 
 
 def _tiled(var: DimVar) -> bool:
-    """Whether ``var`` is a ``_tile``d dim: segments that are all one sharded var."""
+    """Whether ``var`` is a ``_tile``d dim: two or more segments that are all one sharded var."""
     r = var.find()
-    return r.segments is not None and len({seg.find() for seg in r.segments}) == 1
+    return r.segments is not None and len(r.segments) > 1 and len({seg.find() for seg in r.segments}) == 1
 
 
 def _tiled_inner(w: Walker, node: Node, var: DimVar, sizes: list[int]) -> tuple[int, DimVar] | None:
