@@ -15,7 +15,9 @@ A sharded dim survives a reshape when it maps onto whole output factors:
   follows n0's blocks (``DimVar.follows``); when an expand made ``rest`` (``repeat_kv``)
   the expand is recorded instead, and a rank may hold part of the repeats. A merge
   of unsharded outer dims into a sharded inner one tiles it (``_tile``: one segment per
-  outer element), and splitting that tiled dim back gives the sharded inner dim.
+  outer element), and splitting that tiled dim back gives the sharded inner dim, whether
+  one or several outer factors index the tiles (``[B*T*H] -> [B, T, H]``), also through a
+  common refinement (``[B*T*H, D] -> [B, T, H*D]``, the gated norm of linear attention).
 * **regroup** ``[n0, ...] -> [m0, ...]`` (heads in pairs): the split moves to m0 when one
   of n0, m0 divides the other, and the finer dim follows the coarser one's blocks.
 
