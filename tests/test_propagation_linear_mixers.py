@@ -15,7 +15,7 @@ from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir.layouts import DimSharding
 from autotp.ir.plan import ParallelPlan
 from plain_models_attention import DIM
-from plain_models_linear_mixers import GROUPS, KEY_DIM, KEY_HEADS, STATE, VALUE_DIM, VALUE_HEADS, GatedDeltaNet, Mamba2Mixer
+from plain_models_linear_mixers import GROUPS, KEY_DIM, KEY_HEADS, MODELS, STATE, VALUE_DIM, VALUE_HEADS, GatedDeltaNet, Mamba2Mixer
 
 
 def _plan(module: nn.Module, tp: int) -> ParallelPlan:
@@ -86,3 +86,15 @@ def test_mamba2_norm_groups_and_shared_b_c_follow_the_heads(tp: int) -> None:
     assert _rank_rows(layouts["conv1d.weight"][1], 1, tp) == [
         *range(x, 2 * x), *range(inner + bc, inner + 2 * bc), *range(inner + GROUPS * STATE + bc, inner + GROUPS * STATE + 2 * bc)
     ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["tp2", "tp4", "pp2"])
+def test_linear_mixers_pass_the_strict_rule(config: str) -> None:
+    """Gloo ranks, fp32: loss, logits and every grad equal, each rank at most 1.3/(tp·pp) of
+    the parameters, no matrix kept whole without an entry (``test_plain_suite.run_config``)."""
+    from test_plain_suite import _failures, run_config
+
+    results = run_config(config, sorted(MODELS))
+    assert set(results) == set(MODELS)
+    assert not _failures(results), _failures(results)
