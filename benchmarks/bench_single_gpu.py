@@ -18,7 +18,7 @@ It prints per shape: step time (median), the ratio to the fastest HF setup measu
 MFU (6·params·tokens + causal attention 3·2·b·s²·h·layers, over 989.4 TFLOP/s dense bf16),
 peak memory (``max_memory_allocated`` over the steps, parameters and gradients included), the
 loss of the last step, and the setup time (building the runner and its first step: compile and
-capture). ``--sdpa`` first times SDPA's kernels (forward + backward) at the 8B attention shape,
+capture; for autotp also ``parallelize_s``, the trace, plan and lowering alone). ``--sdpa`` first times SDPA's kernels (forward + backward) at the 8B attention shape,
 torch's own choice among them included (``DEFAULT``: recent torch (2.11 measured) with cuDNN > 9.15 puts cuDNN
 first on Hopper). ``--smoke`` runs tiny shapes on the CPU, eagerly, to test this script::
 
@@ -147,12 +147,15 @@ def autotp_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], setup: 
 
     compile_ = "eager" not in setup and setup != "autotp-cudagraphs"
     graphs = setup.endswith("cudagraphs")
-    plan = plan_model(model, inputs, next(model.parameters()).device, tp=1, pp=1, dp=1, vpp=1, plan=None).plan
     off = {"no-fused-loss": {"loss_chunk_tokens": 0}, "no-causal": {"causal_attention": False}}
-    for suffix, fields in off.items():
-        if setup.endswith(suffix):
-            plan = replace(plan, **fields)
+    fields = next((f for suffix, f in off.items() if setup.endswith(suffix)), None)
+    plan = None  # as chosen: parallelize plans (and traces) once
+    if fields is not None:  # a pass switched off: plan first, then edit the plan
+        plan = replace(plan_model(model, inputs, next(model.parameters()).device, tp=1, pp=1, dp=1, vpp=1, plan=None).plan, **fields)
+    start = time.perf_counter()
     pm = autotp.parallelize(model, tp=1, example_inputs=inputs, plan=plan, compile=compile_, cuda_graphs=graphs)
+    parallelize_s = time.perf_counter() - start
+    plan = pm.plan
 
     def step() -> torch.Tensor:
         loss = pm.train_step(**inputs)
@@ -161,7 +164,7 @@ def autotp_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], setup: 
         return loss
 
     chosen = {"loss_chunk_tokens": plan.loss_chunk_tokens, "causal_attention": plan.causal_attention, "compile": compile_,
-              "cuda_graphs": graphs}  # fmt: skip
+              "cuda_graphs": graphs, "parallelize_s": parallelize_s}  # fmt: skip
     return step, chosen
 
 

@@ -29,7 +29,7 @@ from autotp.ir.plan import CudaGraphPolicy
 from autotp.report.cudagraphs import cudagraph_report, explain_cudagraphs
 from autotp.passes.find_cudagraph_candidates import COLLECTIVE, HOST_SYNC, HOST_VALUE, find_cudagraph_candidates
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
-from autotp.passes.split_cudagraph_regions import region_split
+from autotp.passes.split_cudagraph_regions import _parameter_alias_chain, region_split
 from autotp.passes.runner import PassContext
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.errors import UserInputError
@@ -231,10 +231,30 @@ def test_split_graph_with_eager_gloo_collectives_computes_the_same() -> None:
         assert result["loss"] == result["logits"] == result["grads"] == 0.0, result
 
 
+_EMULATED_POOL: list[tuple[int, int]] = []  # the memory the emulated captures allocated "in their pool"
+
+
+def _in_pool(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        start = t.untyped_storage().data_ptr()
+        _EMULATED_POOL.append((start, start + t.untyped_storage().nbytes()))
+
+
 def _emulate_graph(module: nn.Module, static: tuple[torch.Tensor, ...]) -> None:
+    """Replace ``module.forward`` by ``make_graphed_callables``' replay, with its buffers:
+    outputs and the gradients the backward graph computes lie in the pool; the gradient
+    outputs are buffers outside it, which a returned gradient may alias (the gradient of a
+    parameter view that the region outputs is a view of its gradient output)."""
     params = tuple(module.parameters())
     run = module.forward
-    state: dict[str, Any] = {}
+    surface = (*static, *params)
+    wanted = [t for t in surface if t.requires_grad]
+    with torch.enable_grad():
+        state: dict[str, Any] = {"live": run(*static)}
+    outs = tuple(torch.empty_like(o) for o in state["live"])
+    grad_outs = tuple(torch.empty_like(o) if o.requires_grad else None for o in state["live"])
+    grads = [torch.empty_like(t) for t in wanted]
+    _in_pool(*outs, *grads)
 
     class Replay(torch.autograd.Function):
         @staticmethod
@@ -244,22 +264,24 @@ def _emulate_graph(module: nn.Module, static: tuple[torch.Tensor, ...]) -> None:
                     buffer.copy_(value)
             with torch.enable_grad():
                 state["live"] = run(*static)
-            outs = state.setdefault("outs", tuple(torch.empty_like(o) for o in state["live"]))
             for buffer, value in zip(outs, state["live"]):
                 buffer.copy_(value.detach())
             return tuple(o.detach() for o in outs)
 
         @staticmethod
-        def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-            pairs = [(o, g) for o, g in zip(state["live"], grads) if o.requires_grad]
-            surface = (*static, *params)
-            wanted = [t for t in surface if t.requires_grad]
-            got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-            buffers = state.setdefault("grads", [None if g is None else torch.empty_like(g) for g in got])
-            for buffer, g in zip(buffers, got):
+        def backward(ctx: Any, *incoming: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            for buffer, g in zip(grad_outs, incoming):
                 if buffer is not None:
                     buffer.copy_(g)
-            by_input = dict(zip(map(id, wanted), buffers))
+            pairs = [(o, b) for o, b in zip(state["live"], grad_outs) if b is not None]
+            got = torch.autograd.grad([o for o, _ in pairs], wanted, [b for _, b in pairs], allow_unused=True)
+            kept = {b.untyped_storage().data_ptr() for b in grad_outs if b is not None}
+            returned = []
+            for buffer, g in zip(grads, got):
+                if g is not None and g.untyped_storage().data_ptr() not in kept:
+                    g = buffer.copy_(g)  # computed by the graph: in the pool
+                returned.append(g)
+            by_input = dict(zip(map(id, wanted), returned))
             return tuple(None if by_input.get(id(t)) is None else by_input[id(t)].detach() for t in surface)
 
     module.forward = lambda *args: Replay.apply(*args, *params)  # type: ignore[method-assign]
@@ -276,8 +298,8 @@ def _emulated_make_graphed_callables(
     return modules
 
 
-def _all_memory(pool: Any) -> list[tuple[int, int]]:
-    return [(0, 2**64)]
+def _emulated_pool(pool: Any) -> list[tuple[int, int]]:
+    return list(_EMULATED_POOL)
 
 
 def _train_captured_and_eager(rank: int, world: int, name: str, sp: bool = False, set_to_none: bool = True) -> dict[str, float]:
@@ -285,7 +307,7 @@ def _train_captured_and_eager(rank: int, world: int, name: str, sp: bool = False
 
     torch.cuda.make_graphed_callables = _emulated_make_graphed_callables  # type: ignore[assignment]
     torch.cuda.graph_pool_handle = lambda: None  # type: ignore[assignment]
-    cudagraphs._pool_ranges = _all_memory  # the emulation's buffers lie anywhere
+    cudagraphs._pool_ranges = _emulated_pool
     autotp.api._check_cuda_graphs = lambda *args: None  # type: ignore[assignment]
     model = build(name)
     ids = torch.randint(0, vocab_size(model), (4, 16), generator=torch.Generator().manual_seed(1))
@@ -386,17 +408,48 @@ def test_first_call_records_static_inputs_and_later_outputs_are_copies(monkeypat
     assert weight.grad is not stored and torch.equal(weight.grad, stored)
 
 
-def test_compiled_capture_of_several_regions_is_refused() -> None:
-    # compile=True with cuda_graphs=True matched compile=True alone on GPUs only for graphs of one region.
+def test_no_region_outputs_a_view_of_a_parameter() -> None:
+    # Mixtral's fp32 experts run eagerly and read their weights transposed: the transposes are
+    # recomputed outside the regions, else the weights' grads alias static gradient outputs.
     model = build("mixtral")
     ids = torch.randint(0, vocab_size(model), (2, 16))
     pm = autotp.parallelize(model, tp=1, example_inputs={"input_ids": ids, "labels": ids})
     split = region_split(_mark(pm.graph_for(input_ids=ids, labels=ids), pm.plan, "nccl", "cpu"))
-    regions = len(cudagraphs.regions_of(split))
-    assert regions > 1  # the dropless MoE dispatch's host syncs split the graph
-    cudagraphs.CapturedGraph(split, cudagraphs.TORCH)  # without compile: accepted
-    with pytest.raises(UserInputError, match=f"one region only; this one has {regions}"):
-        cudagraphs.CapturedGraph(split, cudagraphs.TORCH, compile_regions=True)
+    assert len(cudagraphs.regions_of(split)) == 5
+    for name, region in cudagraphs.regions_of(split):
+        (output,) = [n for n in region.graph.nodes if n.op == "output"]
+        aliases = [o.name for o in output.all_input_nodes if _parameter_alias_chain(o)]
+        assert aliases == [], (name, aliases)
+    fallbacks = [n for n in split.graph.nodes if "grouped_mm_fallback" in str(n.target)]
+    assert len(fallbacks) == 4
+    for node in fallbacks:
+        weight = node.args[1]
+        assert weight.target is torch.ops.aten.transpose.int and weight.args[0].op == "get_attr", node.format_node()
+
+
+def test_compiled_capture_of_several_regions_compiles_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    given: list[tuple[nn.Module, ...]] = []
+
+    def record(modules: tuple[nn.Module, ...], samples: Any, **kwargs: Any) -> tuple[nn.Module, ...]:
+        given.append(modules)
+        for module in modules:  # run the region uncompiled: inductor's CPU build is not what is tested here
+            module.forward = module._orig_mod.forward
+        return modules
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", record)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(cudagraphs, "_pool_ranges", lambda pool: [(0, 1)])
+    model = build("mixtral")
+    ids = torch.randint(0, vocab_size(model), (2, 16))
+    pm = autotp.parallelize(model, tp=1, example_inputs={"input_ids": ids, "labels": ids})
+    gm = pm.graph_for(input_ids=ids, labels=ids)
+    split = region_split(_mark(gm, pm.plan, "nccl", "cpu"))
+    captured = cudagraphs.CapturedGraph(split, cudagraphs.TORCH, compile_regions=True)
+    out = captured(input_ids=ids, labels=ids, use_cache=False)
+    (modules,) = given
+    assert len(modules) == 5 and all(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in modules)
+    expected = gm(input_ids=ids, labels=ids, use_cache=False)
+    assert torch.equal(out.logits, expected.logits)
 
 
 def _pipeline_captured_and_eager(rank: int, world: int, name: str, schedule: str, vpp: int) -> dict[str, Any]:
@@ -404,7 +457,7 @@ def _pipeline_captured_and_eager(rank: int, world: int, name: str, schedule: str
 
     torch.cuda.make_graphed_callables = _emulated_make_graphed_callables  # type: ignore[assignment]
     torch.cuda.graph_pool_handle = lambda: None  # type: ignore[assignment]
-    cudagraphs._pool_ranges = _all_memory  # the emulation's buffers lie anywhere
+    cudagraphs._pool_ranges = _emulated_pool
     autotp.api._check_cuda_graphs = lambda *args: None  # type: ignore[assignment]
     model = build(name, layers=4)
     ids = torch.randint(0, vocab_size(model), (16, 12), generator=torch.Generator().manual_seed(2))

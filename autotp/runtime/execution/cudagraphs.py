@@ -120,15 +120,6 @@ class CapturedGraph:
     with ``compile_regions``, each region runs ``torch.compile``'s code in its graphs."""
 
     def __init__(self, split: GraphModule, impl: str, compile_regions: bool = False) -> None:
-        regions = len(regions_of(split))
-        if compile_regions and regions > 1:
-            # On an H200 such a graph (Mixtral with dropless MoE, 5 regions) replayed with
-            # logits 0.05 away from compile=True alone; one region matched to 1e-6.
-            raise UserInputError(
-                f"compile=True with cuda_graphs=True captures a rank graph of one region only; this one has {regions} "
-                "(capture blockers split it: `autotp explain --cudagraphs` names them), and such graphs gave results "
-                "that differ from compile=True alone. Use compile=True or cuda_graphs=True, not both, for this model."
-            )
         self._split = split
         self._impl = impl
         self._compile = compile_regions
