@@ -12,6 +12,7 @@ planner ranks first is within 5% of the fastest measured one:
     python benchmarks/bench_cost_model.py --cpu                    # smoke run: gloo, tiny models
     python benchmarks/bench_cost_model.py --measured out.json      # re-predict saved measurements
     python benchmarks/bench_cost_model.py --validate [--top 4]     # held-out check, on a 2-GPU machine
+    python benchmarks/bench_cost_model.py --repredict h100 saved.json  # re-predict a saved --validate run (CPU)
 
 ``--validate`` keeps fitting and validation apart: it plans models and batches that no
 constant was fitted on (``VALIDATION``: neither the calibration's models nor ``RUNS``)
@@ -333,6 +334,33 @@ def validate(cpu: bool, top: int, json_path: Path | None, gpus: int, snapshots: 
         _write(json_path, {"setup": setup, "calibration": calibration, "rows": rows})
 
 
+def repredict(profile_name: str, path: Path) -> None:
+    """Predict the rows of a saved ``--validate`` run again with today's cost model and the built-in profile
+    ``profile_name`` (the measurements stay as saved: nothing is fitted to them), beside the saved prediction."""
+    from autotp.cost_model.candidates import Config
+    from autotp.cost_model.hardware import get_profile
+
+    saved = json.loads(path.read_text())
+    builtin = get_profile(profile_name, calibrated=False)
+    gpus = max(Config(**r["config"]).tp * Config(**r["config"]).pp * Config(**r["config"]).dp for r in saved["rows"])
+    lines = [f"{path.name}: {gpus} x {builtin.name}, measured {saved['setup']}",
+             f"{'model':20s} {'plan':22s} {'saved ms':>9s} {'now ms':>8s} {'measured ms':>11s} {'err saved':>9s} {'err now':>8s}"]
+    errors: list[tuple[float, float]] = []
+    for name in dict.fromkeys(r["model"] for r in saved["rows"]):
+        dims, global_batch = VALIDATION[name]
+        costs = trace_for_planning(model_config(dims), dims[6], dtype=torch.bfloat16)
+        for row in (r for r in saved["rows"] if r["model"] == name):
+            config = Config(**row["config"])
+            sp, overlap = row.get("sequence_parallel", False), tuple(row.get("tp_overlap", ()))
+            now = estimate(costs, Cluster(gpus, gpus, builtin), Training(global_batch, "bf16-pure", gather_outputs=True),
+                           config, sequence_parallel=sp, tp_overlap=overlap).step_s  # fmt: skip
+            errors.append((row["predicted_s"] / row["measured_s"] - 1, now / row["measured_s"] - 1))
+            lines.append(f"{name:20s} {_config_name(config, sp, overlap):22s} {row['predicted_s'] * 1e3:>9.1f} {now * 1e3:>8.1f} "
+                         f"{row['measured_s'] * 1e3:>11.1f} {errors[-1][0]:>+9.1%} {errors[-1][1]:>+8.1%}")
+    lines.append(f"time MAPE: saved {statistics.mean(abs(e) for e, _ in errors):.1%}, now {statistics.mean(abs(e) for _, e in errors):.1%}")
+    print("\n".join(lines), flush=True)
+
+
 def _builtin_name() -> str:
     from autotp.cost_model.hardware import PROFILES, profile_for_gpu
 
@@ -384,7 +412,11 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=2, help="ranks of the held-out validation (default: 2)")
     parser.add_argument("--memory-snapshots", type=Path, help="--validate on GPUs: dump a CUDA memory snapshot per plan and rank here")
     parser.add_argument("--workloads", nargs="+", choices=list(VALIDATION), help="--validate: these held-out workloads only")
+    parser.add_argument("--repredict", nargs=2, metavar=("PROFILE", "JSON"), help="re-predict a saved --validate run")
     args = parser.parse_args()
+    if args.repredict:
+        repredict(args.repredict[0], Path(args.repredict[1]))
+        return
     if args.validate:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         validate(args.cpu or not torch.cuda.is_available(), args.top, args.json, args.gpus, args.memory_snapshots, args.workloads)

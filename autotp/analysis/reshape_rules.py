@@ -15,7 +15,9 @@ A sharded dim survives a reshape when it maps onto whole output factors:
   follows n0's blocks (``DimVar.follows``); when an expand made ``rest`` (``repeat_kv``)
   the expand is recorded instead, and a rank may hold part of the repeats. A merge
   of unsharded outer dims into a sharded inner one tiles it (``_tile``: one segment per
-  outer element), and splitting that tiled dim back gives the sharded inner dim.
+  outer element), and splitting that tiled dim back gives the sharded inner dim, whether
+  one or several outer factors index the tiles (``[B*T*H] -> [B, T, H]``), also through a
+  common refinement (``[B*T*H, D] -> [B, T, H*D]``, the gated norm of linear attention).
 * **regroup** ``[n0, ...] -> [m0, ...]`` (heads in pairs): the split moves to m0 when one
   of n0, m0 divides the other, and the finer dim follows the coarser one's blocks.
 
@@ -73,7 +75,6 @@ def reshape(w: Walker, node: Node) -> Any:
             raise ShardingConflict(f"{describe(node)}: reshape merges two sharded dims", lay.origins())
         d, var = vars_in[0]
         assert var is not None
-        inner = _tiled_inner(var, [dst[c] for c in cb]) if len(ca) == 1 else None
         units = _units_before(dst, cb[0], dims_taken=[c for _, b in chunks for c in b])
         if len(ca) == 1 and len(cb) == 1 and units:
             # ``[n] -> [1, n]`` (one KV head): the split may stay on n or go to the unit dim
@@ -81,14 +82,12 @@ def reshape(w: Walker, node: Node) -> Any:
             dims[(units + cb)[at]] = out
         elif len(ca) == 1 and len(cb) == 1:
             dims[cb[0]] = var
-        elif inner is not None:
-            dims[cb[1]] = inner
         elif len(ca) == 1:
             at, out = _split(w, node, var, [dst[c] for c in cb])
             dims[cb[at]] = out
         elif len(cb) == 1 and d == ca[-1] and d != ca[0]:
             dims[cb[0]] = _tile(var, math.prod(src[c] for c in ca[:-1]), describe(node))
-        elif (d != ca[0] or _tile_count(var)) and len(cb) > 1 and (refined := _refine_then_merge(w, node, src, dst, ca, cb, d, var)) is not None:
+        elif (d != ca[0] or _tiled(var)) and len(cb) > 1 and (refined := _refine_then_merge(w, node, src, dst, ca, cb, d, var)) is not None:
             dims[refined[0]] = refined[1]
         elif d != ca[0]:
             raise ShardingConflict(f"{describe(node)}: the sharded dim is not the outer one of a merge", lay.origins(), (var,))
@@ -132,11 +131,13 @@ def _units_before(dst: tuple[int, ...], at: int, dims_taken: list[int]) -> list[
 
 def _split(w: Walker, node: Node, var: DimVar, sizes: list[int]) -> tuple[int, DimVar]:
     """``[n] -> sizes``: the factor that carries the split (see the module doc) and its var.
-    A size-1 factor (every rank holds the whole, a replicated block) comes last."""
+    A size-1 factor (every rank holds the whole, a replicated block) comes last. A tiled
+    dim (``_tile``) split back into its tiles keeps the split on its inner factors."""
+    tiled = _tiled_inner(w, node, var, sizes)
+    if tiled is not None:
+        return tiled
     avoid = w.avoid.get(node.name, frozenset())
-    # a tiled dim (``_tile``) holds its copies whole on every rank: the split stays inside each copy
-    tiles = _tile_count(var) or 1
-    allowed = [i for i, f in enumerate(sizes) if i not in avoid and math.prod(sizes[:i]) % tiles == 0]
+    allowed = [i for i, f in enumerate(sizes) if i not in avoid]
     if not allowed:
         raise ShardingConflict(f"{describe(node)}: no factor of the reshape can stay sharded", var.find().origins)
     fits = [i for i in allowed if sizes[i] % w.tp == 0 or w.tp % sizes[i] == 0]
@@ -206,12 +207,12 @@ def _refine_then_merge(
         if lo <= g <= hi:
             if lo == g == hi:
                 return cb[j], out
-            if g == hi:
-                return cb[j], _tile(out, math.prod(mid[lo:g]), where)
-            if g == lo:  # the outer factor of a merge: the merged dim follows its blocks
+            if lo == g:  # the split factor is the outer one of the merge (heads into features)
                 merged = DimVar(dst[cb[j]], out.find().origins)
                 follow(merged, out, where)
                 return cb[j], merged
+            if g == hi:
+                return cb[j], _tile(out, math.prod(mid[lo:g]), where)
             raise ShardingConflict(f"{where}: the sharded factor is not the inner one of a merge", var.find().origins, (out,))
     return None
 
@@ -225,22 +226,32 @@ def _tile(var: DimVar, count: int, where: str) -> DimVar:
     return tiled
 
 
-def _tile_count(var: DimVar) -> int:
-    """How many copies of one split a ``_tile``d dim holds (0: not a tile)."""
+def _tiled(var: DimVar) -> bool:
+    """Whether ``var`` is a ``_tile``d dim: two or more segments that are all one sharded var."""
     r = var.find()
-    if r.segments is None or len({seg.find() for seg in r.segments}) != 1:
-        return 0
-    return len(r.segments)
+    return r.segments is not None and len(r.segments) > 1 and len({seg.find() for seg in r.segments}) == 1
 
 
-def _tiled_inner(var: DimVar, sizes: list[int]) -> DimVar | None:
-    """For a reshape of a ``_tile``d dim into ``[count, size]``: the sharded inner var, else None."""
+def _tiled_inner(w: Walker, node: Node, var: DimVar, sizes: list[int]) -> tuple[int, DimVar] | None:
+    """For a reshape of a ``_tile``d dim (``count`` segments split alike) into factors whose
+    outer ones multiply to ``count`` (``[B*T*H] -> [B, T, H]``, the inverse of the tiling
+    merge): the output factor that carries the split and its var, else None. The outer
+    factors index the tiles and stay whole; the inner ones split the shared var."""
     r = var.find()
-    if r.segments is None or len(sizes) != 2 or len(r.segments) != sizes[0]:
+    if not _tiled(var) or len(sizes) < 2:
         return None
-    roots = {seg.find() for seg in r.segments}
-    inner = next(iter(roots))
-    return inner if len(roots) == 1 and inner.size == sizes[1] else None
+    assert r.segments is not None
+    shared = r.segments[0].find()
+    outer = list(itertools.accumulate(sizes, operator.mul))
+    if len(r.segments) not in outer[:-1]:
+        return None
+    k = outer.index(len(r.segments)) + 1
+    if math.prod(sizes[k:]) != shared.size:
+        return None
+    if k == len(sizes) - 1:
+        return k, shared
+    at, out = _split(w, node, shared, sizes[k:])
+    return k + at, out
 
 
 def _unit_dims_view(view: ParamView, src: tuple[int, ...], dst: tuple[int, ...]) -> ParamView | None:

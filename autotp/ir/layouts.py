@@ -126,7 +126,7 @@ def follow(var: DimVar, outer: DimVar, where: str) -> None:
     if r.size % o.size:
         raise ShardingConflict(f"{where}: a dim of {r.size} cannot follow one of {o.size}", r.origins | o.origins)
     if r.follows is not None and r.follows.find() is not r:
-        unify(r.follows, o, where)
+        _follow_both(r.follows.find(), o, where)
         return
     inner = r.size // o.size
     if o.size == 1:  # one element (one KV head): every rank holds the whole, parts included
@@ -142,6 +142,20 @@ def follow(var: DimVar, outer: DimVar, where: str) -> None:
         if groups is not None:
             _outer_groups(o, groups, r.size, where)
     r.follows = o
+
+
+def _follow_both(a: DimVar, b: DimVar, where: str) -> None:
+    """One dim follows both ``a`` and ``b`` (its heads, and the groups of heads a grouped
+    norm views it in: Mamba2's 128 heads in 8 groups): equal sizes are one split; otherwise
+    the finer one follows the coarser, so the split falls on whole elements of both."""
+    if a.size == b.size:
+        unify(a, b, where)
+    elif a.size % b.size == 0:
+        follow(a, b, where)
+    elif b.size % a.size == 0:
+        follow(b, a, where)
+    else:
+        raise ShardingConflict(f"{where}: sharded dims of size {a.size} and {b.size} meet", a.origins | b.origins)
 
 
 def _make_whole(var: DimVar) -> None:
