@@ -24,8 +24,6 @@ from autotp.cost_model.communication import (
 )
 from autotp.cost_model.compute import ModelCosts, segment_time
 from autotp.cost_model.host_queue import Queue, chain, queue_s
-from autotp.cost_model.candidates import Cluster, Config
-from autotp.cost_model.step_estimate import Training, estimate
 from autotp.cost_model.flops import global_tensors, node_cost
 from autotp.cost_model.hardware import (
     H100,
@@ -360,30 +358,6 @@ def test_host_bound_and_gpu_bound_chains() -> None:
     assert call.then(gemms).finish_s == pytest.approx(3.0 + 0.1 + 10)
     assert Queue.gpu_only(2.0).then(launch).finish_s == pytest.approx(max(2.0 + 1.0, 10.1))
     assert launch.repeat(0) == Queue()
-
-
-def _step_s(costs: ModelCosts, hw: HardwareProfile, microbatches: int) -> float:
-    return estimate(costs, Cluster(1, 1, hw), Training(2 * microbatches), Config(1, 1, 1, 1, 2, microbatches)).step_s
-
-
-def test_each_further_microbatch_adds_the_slower_of_host_and_gpu(llama_tiny: ModelCosts) -> None:
-    """pp=1, microbatches of 2: a step of m+1 microbatches takes max(H, G) of one microbatch longer than one of m
-    (no gradient accumulation bytes: infinite memory bandwidth), and where H and G are close it costs less than
-    restarting the queue for every segment's forward and backward."""
-    rc = llama_tiny.rank(1)
-    segments = [rc.preamble, rc.embedding, *(rc.layers[llama_tiny.traced_index(i)] for i in range(llama_tiny.num_layers)), rc.head]
-    issues = sum(seg.ops + seg.grad_ops for seg in segments) + 50  # host time at 1 s per node and 50 for the call
-    gpu = sum(segment_time(seg, 2, replace(H100, memory_bytes_per_s=1e30), 1).gpu_s for seg in segments)
-    for op_s in (1e-3, 0.0, gpu / issues):  # host-bound, GPU-bound, close
-        hw = replace(H100, op_overhead_s=op_s, backward_op_overhead_s=op_s, call_host_s=50 * op_s, memory_bytes_per_s=1e30)
-        times = [segment_time(seg, 2, hw, 1) for seg in segments]
-        host = sum(t.host_s for t in times) + hw.call_host_s
-        steps = [_step_s(llama_tiny, hw, m) for m in (1, 2, 3)]
-        assert steps[2] - steps[1] == pytest.approx(max(host, gpu), rel=1e-9)
-        assert steps[1] - steps[0] == pytest.approx(max(host, gpu), rel=1e-9)
-        restarted = sum(t.total_s for t in times) + hw.call_host_s
-        assert steps[2] - steps[0] <= 2 * restarted * (1 + 1e-9)
-    assert host == pytest.approx(gpu) and steps[2] - steps[0] < 2 * restarted  # close: the host hides behind the GPU
 
 
 def test_matmul_time_interpolates_the_measured_curve() -> None:
