@@ -12,32 +12,28 @@ busy time is (``bubble_fraction``):
   F, B and W is taken as a third of a chunk's forward+backward (``ZB_H1_SHARE``; a
   decoder layer's backward is two matmuls per forward one, one for each gradient).
 
-With unequal stages (``pipeline_time_s``): let chunk k (k = 0 .. p·v-1, on rank k mod p)
-run one microbatch's forward+backward as a queue ``X_k`` (``host_queue.Queue``: host time
-H_k, GPU time g_k, finish time Q_k from an empty queue; ``step_estimate`` builds it from
-``compute.segment_time``), and ``X_r`` the chain of rank r's chunks, with host time H_r,
-GPU time G_r and finish Q_r. Nothing synchronises between microbatches, so rank r's m
-microbatches take ``Q_r + (m-1)·max(H_r, G_r)`` (``Queue.repeat``): the first from an
-empty queue, each further one the slower of its host and its GPU. Then
+With unequal stages (``pipeline_time_s``): let ``c_k`` be the forward+backward time of
+one microbatch on virtual stage k (k = 0 .. p·v-1, chunk k on rank k mod p), host issue
+included (``compute.segment_time``), ``g_k`` the GPU's busy part of it, and ``S_r``,
+``G_r`` the sums over rank r's chunks. Then
 
-    T = max_r (Q_r + (m-1)·max(H_r, G_r))  +  (p-1) · mean_r(G_r) / v
+    T = m · max_r S_r  +  (p-1) · mean_r(G_r) / v
 
 the busiest rank's work plus the fill and drain, each (p-1) chunk-steps long. The fill
 and drain are GPU time only: the host never waits for a peer (NCCL sends and receives
 are stream-ordered, nothing in a step synchronizes the host), so while a rank's GPU
 waits for its first input the host issues the actions after it, and a chunk-step of
-the fill costs the GPU's time, not the host's. A GPU-bound pipeline (Q_r = G_r >= H_r) gives
-T = m·G·(1 + (p-1)/(m·v)), the fractions above; ``autotp.ir.schedules.simulate`` counts
-the same steps with unit costs. A host-bound one (G << H) is m·H, its host's work.
+the fill costs the GPU's time, not the host's. A GPU-bound pipeline (S = G) gives
+T = m·S·(1 + (p-1)/(m·v)), the fractions above; ``autotp.ir.schedules.simulate`` counts
+the same steps with unit costs. A host-bound one (G << S) is m·S, its host's work.
 Under ZB-H1 the fill and drain shrink to ``ZB_H1_SHARE`` of that:
-T = max_r (Q_r + (m-1)·max(H_r, G_r)) + (p-1) · mean_r(G_r) / 3.
+T = m · max_r S_r + (p-1) · mean_r(G_r) / 3.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autotp.cost_model.host_queue import Queue, chain
 from autotp.ir.schedules import SCHEDULES
 from autotp.ir.errors import UserInputError
 
@@ -57,9 +53,11 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> 
     return _drain_share(schedule) * (pp - 1) / (microbatches * chunks_per_rank)
 
 
-def pipeline_time_s(chunks: Sequence[Queue], pp: int, vpp: int, microbatches: int, schedule: str = "1f1b") -> tuple[float, float]:
-    """(step time, bubble time) from each of the pp·vpp chunks' queue of one microbatch (module docstring)."""
-    assert len(chunks) == pp * vpp, f"{len(chunks)} chunks for pp={pp}, vpp={vpp}"
-    ranks = [chain(chunks[r::pp]).repeat(microbatches) for r in range(pp)]
-    bubble = _drain_share(schedule) * (pp - 1) * sum(q.gpu_s for q in chunks) / pp / vpp
-    return max(q.finish_s for q in ranks) + bubble, bubble
+def pipeline_time_s(
+    chunk_s: Sequence[float], chunk_gpu_s: Sequence[float], pp: int, vpp: int, microbatches: int, schedule: str = "1f1b"
+) -> tuple[float, float]:
+    """(step time, bubble time) from each of the pp·vpp chunks' time per microbatch and its GPU part."""
+    assert len(chunk_s) == len(chunk_gpu_s) == pp * vpp, f"{len(chunk_s)} chunk times for pp={pp}, vpp={vpp}"
+    loads = [sum(chunk_s[r::pp]) for r in range(pp)]
+    bubble = _drain_share(schedule) * (pp - 1) * sum(chunk_gpu_s) / pp / vpp
+    return microbatches * max(loads) + bubble, bubble

@@ -42,15 +42,13 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
   ``backward_op_overhead_s`` for each node that needs a gradient (an autograd node)
   backward; a node with a tp collective costs ``collective_host_s`` instead, in the
   direction of its collective (``autograd.Function`` in Python and a c10d call).
-* Eager execution is a queue (``autotp.cost_model.host_queue``): the host issues nodes one
-  after another, and the GPU starts node i when it is done with node i-1 and the host has
-  issued node i. With H_k the host time to issue nodes 1..k and g_j the GPU time of node
-  j, the GPU finishes at ``max_k (H_k + Σ_{j>=k} g_j)``: long GEMMs hide the issue of the
-  small ops after them, and runs of small ops leave the GPU waiting for the host. The
-  forward runs in graph order, the backward in reverse over the autograd nodes; each is
-  summarised as a ``Queue`` (host time, GPU time, finish time from an empty queue) that
-  ``autotp.cost_model.step_estimate`` chains with its neighbours (nothing synchronises
-  between them); ``total_s`` is the segment alone, forward and backward each from empty.
+* Eager execution is a queue (``queue_s``): the host issues nodes one after another, and
+  the GPU starts node i when it is done with node i-1 and the host has issued node i.
+  With H_k the host time to issue nodes 1..k and g_j the GPU time of node j, the GPU
+  finishes at ``max_k (H_k + Σ_{j>=k} g_j)``: long GEMMs hide the issue of the small ops
+  after them, and runs of small ops leave the GPU waiting for the host. The forward runs
+  in graph order, the backward in reverse over the autograd nodes, each from an empty
+  queue.
 
 **Preamble.** Nodes computed from the inputs and buffers alone (masks, positions,
 rotary tables: what ``autotp.passes.split_stages`` leaves unassigned) form their own
@@ -80,7 +78,6 @@ from autotp.cost_model.communication import group_collective_s, overlapped_s
 from autotp.cost_model.flops import global_tensors, node_cost
 from autotp.cost_model.fp8 import cast_bytes, plan_fp8, sites_plan
 from autotp.cost_model.hardware import HardwareProfile
-from autotp.cost_model.host_queue import Queue
 from autotp.cost_model.liveness import SegmentMemory, simulate
 from autotp.cost_model.pipeline import balanced_cuts, layer_costs
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
@@ -175,15 +172,12 @@ class Segment:
 @dataclass(frozen=True)
 class SegmentTime:
     """Forward + backward of one microbatch through a segment: the queue's time, and the
-    GPU's compute, communication and the host's issue time within it; ``forward`` and
-    ``backward`` summarise each pass for chaining (``host_queue.Queue``)."""
+    GPU's compute, communication and the host's issue time within it."""
 
     total_s: float
     compute_s: float
     comm_s: float
     host_s: float
-    forward: Queue
-    backward: Queue
 
     @property
     def gpu_s(self) -> float:
@@ -478,12 +472,18 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
     gpu_forward = forward + comm["forward"]
     gpu_backward = (backward + comm["backward"])[backs][::-1]
     host_backward = host["backward"][backs][::-1]
-    passes = Queue.of(host["forward"], gpu_forward), Queue.of(host_backward, gpu_backward)
     return SegmentTime(
-        total_s=passes[0].finish_s + passes[1].finish_s,
+        total_s=queue_s(host["forward"], gpu_forward) + queue_s(host_backward, gpu_backward),
         compute_s=float(forward.sum() + backward[backs].sum()),
         comm_s=float(comm["forward"].sum() + comm["backward"].sum()),
-        host_s=passes[0].host_s + passes[1].host_s,
-        forward=passes[0],
-        backward=passes[1],
+        host_s=float(host["forward"].sum() + host_backward.sum()),
     )
+
+
+def queue_s(host: np.ndarray, gpu: np.ndarray) -> float:
+    """When the GPU finishes a queue of nodes: ``max_k (H_k + Σ_{j>=k} g_j)`` (module docstring)."""
+    if not len(gpu):
+        return 0.0
+    issued = np.cumsum(host)
+    remaining = np.cumsum(gpu[::-1])[::-1]
+    return float(np.max(issued + remaining))

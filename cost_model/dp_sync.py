@@ -35,7 +35,7 @@ import math
 import numpy as np
 
 from autotp.cost_model.communication import group_all_reduce_s, group_sharded_s
-from autotp.cost_model.host_queue import queue_s
+from autotp.cost_model.compute import queue_s
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.ir.plan import DP_BUCKET_BYTES
 from autotp.ir.training_step import precision

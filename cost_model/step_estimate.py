@@ -4,25 +4,22 @@
 then dp, then pp):
 
 * stage cuts as ``plan_pipeline`` makes them (``balanced_cuts`` of the layer weights);
-* chunk, per microbatch: one queue (``host_queue.Queue``: host time, GPU time, finish time),
-  the chain of the host's fixed cost of calling the chunk forward and backward
-  (``call_host_s``, host only), the receives of the hidden state b·s·h (forward from the
-  previous chunk, gradient from the next; b·s·h/tp with sequence parallelism) over NVLink
-  when a model replica fits in a node (tp·dp·pp <= G), else over the inter-node link (GPU
-  only), its segments' forwards in order and their backwards in reverse (each
-  ``compute.segment_time``: tp collectives, host issue), the preamble's included (every
-  chunk repeats it), and the gradient accumulation (every microbatch after the first adds
-  its gradients to ``.grad``, 3 gradient bytes moved per parameter: (m-1)/m of that per
-  microbatch; GPU only). Chaining instead of adding the segments' times lets the host
-  issue a segment while the GPU still runs the one before;
-* pipeline time and bubble: ``bubble.pipeline_time_s`` (m microbatches of each rank's
-  chained chunks, the fill and drain from the chunks' GPU time);
+* chunk time, per microbatch = its segments' ``compute.segment_time`` (forward +
+  backward, tp collectives, host issue), the preamble's included (every chunk repeats
+  it) + the receives of the hidden state b·s·h
+  (forward from the previous chunk, gradient from the next; b·s·h/tp with sequence parallelism) over NVLink when a model
+  replica fits in a node (tp·dp·pp <= G), else over the inter-node link + the host's
+  fixed cost of calling the chunk forward and backward (``call_host_s``) + gradient
+  accumulation (every microbatch after the first adds its gradients to ``.grad``, 3
+  gradient bytes moved per parameter: (m-1)/m of that per microbatch);
+* pipeline time and bubble: ``bubble.pipeline_time_s`` (the fill and drain from the
+  chunks' GPU time);
 * gradient sync, plain optimizer (autotp's runtime with a torch optimizer: after the
   backward, not overlapped with it): per 25 MB bucket of n_k tensors, GPU time = an
   all-reduce over the dp group (``communication.group_all_reduce_s``, min(dp, G/tp) of
   its ranks per node) + 6 bytes moved per gradient byte (concatenate, divide, copy back);
   host time = (3 + 4·n_k) ops (cat, all-reduce, divide; per tensor a reshape, a slice, a
-  view and a copy) at ``op_overhead_s``. The buckets run as a ``host_queue.queue_s`` queue:
+  view and a copy) at ``op_overhead_s``. The buckets run as a ``compute.queue_s`` queue:
   the host issues bucket k+1 while the GPU reduces bucket k, so the sync costs max-like,
   not the sum of host and GPU time; tied embeddings with pp > 1 all-reduce their
   gradient between the first and last stages;
@@ -79,7 +76,6 @@ from autotp.cost_model.communication import all_reduce_s, p2p_s
 from autotp.cost_model.compute import ModelCosts, Segment, SegmentTime, segment_time
 from autotp.cost_model.dp_sync import grad_sync_s, sharded_optimizer_s, sharded_sync_s
 from autotp.cost_model.hardware import HardwareProfile
-from autotp.cost_model.host_queue import Queue, chain
 from autotp.cost_model.liveness import SegmentMemory
 from autotp.cost_model.memory import ChunkPeaks, bytes_per_param, chunk_peaks, grad_bytes_per_param, persistent_bytes, rank_peak_bytes
 from autotp.cost_model.memory import moment_arrays
@@ -203,7 +199,7 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
     in_node = config.tp * config.dp * pp <= per_node
     hidden = costs.hidden_bytes * b / (config.tp if rc.plan.sequence_parallel else 1)
     hop = p2p_s(hidden, hw.p2p_link if in_node else hw.inter_node)
-    chunk_queue, chunk_comm, chunk_mem, chunk_params = [], [], [], []
+    chunk_s, chunk_gpu, chunk_comm, chunk_mem, chunk_params = [], [], [], [], []
     layer_ids = {id(seg) for seg in rc.layers}
     alike: dict[tuple, tuple] = {}  # chunks of the same layers, ends and neighbours cost the same
     for c, counts in enumerate(_chunk_layers(costs, chunks)):
@@ -216,15 +212,14 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
             accumulate = (m - 1) / m * 3 * grads / hw.memory_bytes_per_s
             ordered = [(rc.preamble, 1)] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.embedding]
             ordered += [(rc.layers[j], n) for j, n in sorted(counts.items())] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.head]
-            timed_in_order = [(timed(seg), n) for seg, n in ordered]
-            alike[key] = (_microbatch_queue(timed_in_order, recv, accumulate, hw.call_host_s),
+            alike[key] = (sum(n * st.total_s for _, st, n in parts) + recv + accumulate + hw.call_host_s,
+                          sum(n * st.gpu_s for _, st, n in parts) + recv + accumulate,
                           sum(n * st.comm_s for _, st, n in parts) + recv,
                           tuple((seg.memory, n) for seg, n in ordered),
                           [(seg.params, n, id(seg) in layer_ids) for seg, _, n in parts])  # fmt: skip
-        for out, value in zip((chunk_queue, chunk_comm, chunk_mem, chunk_params), alike[key]):
+        for out, value in zip((chunk_s, chunk_gpu, chunk_comm, chunk_mem, chunk_params), alike[key]):
             out.append(value)
-    chunk_gpu = [q.gpu_s for q in chunk_queue]
-    pipeline, bubble = pipeline_time_s(chunk_queue, pp, vpp, m, config.schedule or "1f1b")
+    pipeline, bubble = pipeline_time_s(chunk_s, chunk_gpu, pp, vpp, m, config.schedule or "1f1b")
 
     dp_per_node = max(1, min(config.dp, per_node // config.tp))
     held = [_rank_params(chunk_params[r::pp]) for r in range(pp)]
@@ -248,7 +243,7 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
     if tied and pp > 1:
         nbytes = sum(rc.embedding.params[name] for name in tied) * grad_bytes_per_param(training.precision)
         tied_s = all_reduce_s(nbytes, 2, hw.p2p_link if in_node else hw.inter_node)
-    busiest = max(range(pp), key=lambda r: sum(q.steady_s for q in chunk_queue[r::pp]))
+    busiest = max(range(pp), key=lambda r: sum(chunk_s[r::pp]))
     sync = max(syncs.values()) + tied_s
     step = pipeline + sync + max(optimizers)
     tokens = training.global_batch * costs.seq
@@ -282,14 +277,6 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
     )
     floor = max(persistent_bytes(params, training.precision, v.distributed, config.dp) for params, _ in held)
     return _Draft(draft, memory, floor)
-
-
-def _microbatch_queue(segments: list[tuple[SegmentTime, int]], recv_s: float, accumulate_s: float, call_s: float) -> Queue:
-    """One microbatch through a chunk as one queue (``host_queue``): the call's fixed host cost, the receives,
-    the segments' forwards in order, their backwards in reverse, then the gradient accumulation."""
-    forward = chain(st.forward.repeat(n) for st, n in segments)
-    backward = chain(st.backward.repeat(n) for st, n in reversed(segments))
-    return chain([Queue.host_only(call_s), Queue.gpu_only(recv_s), forward, backward, Queue.gpu_only(accumulate_s)])
 
 
 @functools.lru_cache(maxsize=4096)

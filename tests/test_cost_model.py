@@ -22,8 +22,7 @@ from autotp.cost_model.communication import (
     ring_all_reduce_s,
     tree_all_reduce_s,
 )
-from autotp.cost_model.compute import ModelCosts, segment_time
-from autotp.cost_model.host_queue import Queue, chain, queue_s
+from autotp.cost_model.compute import ModelCosts, queue_s, segment_time
 from autotp.cost_model.flops import global_tensors, node_cost
 from autotp.cost_model.hardware import (
     H100,
@@ -187,7 +186,7 @@ def test_pipeline_time_matches_the_simulated_schedule(pp: int, vpp: int, m: int)
     """Unit forward and backward: the step count of ``simulate`` and the closed form agree."""
     name = schedules.default_schedule(vpp)
     steps = schedules.simulate(pp, vpp, m, lambda r: schedules.schedule(name, pp, vpp, m, r))
-    step, bubble = pipeline_time_s([Queue.gpu_only(2.0)] * (pp * vpp), pp, vpp, m)
+    step, bubble = pipeline_time_s([2.0] * (pp * vpp), [2.0] * (pp * vpp), pp, vpp, m)
     assert step == steps
     assert bubble / (step - bubble) == pytest.approx(bubble_fraction(name, pp, m, vpp))
 
@@ -197,7 +196,7 @@ def test_zbh1_time_and_memory_match_its_simulated_order(pp: int, m: int) -> None
     """F, B and W one step each (a chunk's forward+backward is 3 steps): the closed form
     gives the simulated step count, a third of 1F1B's bubble, and 1F1B's peak memory."""
     steps = schedules.simulate(pp, 1, m, lambda r: schedules.schedule("zbh1", pp, 1, m, r))
-    step, bubble = pipeline_time_s([Queue.gpu_only(3.0)] * pp, pp, 1, m, "zbh1")
+    step, bubble = pipeline_time_s([3.0] * pp, [3.0] * pp, pp, 1, m, "zbh1")
     assert step == steps == 3 * m + pp - 1
     assert bubble / (step - bubble) == pytest.approx(bubble_fraction("zbh1", pp, m)) == pytest.approx(bubble_fraction("1f1b", pp, m) / 3)
     for rank in range(pp):
@@ -210,25 +209,16 @@ def test_zbh1_time_and_memory_match_its_simulated_order(pp: int, m: int) -> None
 
 
 def test_unequal_stages_are_paced_by_the_slowest() -> None:
-    step, bubble = pipeline_time_s([Queue.gpu_only(1.0), Queue.gpu_only(3.0)], 2, 1, 4)
+    step, bubble = pipeline_time_s([1.0, 3.0], [1.0, 3.0], 2, 1, 4)
     assert step == pytest.approx(4 * 3.0 + 1 * 2.0)
     assert bubble == pytest.approx(2.0)
 
 
 def test_fill_and_drain_cost_gpu_time_only() -> None:
-    """Host-bound chunks (GPU busy 0.5 of each 3 s of host): the bubble is (p-1)·mean(G)/v, not of H."""
-    host_bound = Queue(host_s=3.0, gpu_s=0.5, finish_s=3.0)
-    step, bubble = pipeline_time_s([host_bound] * 4, 2, 2, 4)
+    """Host-bound chunks (GPU busy 0.5 of each 3 s): the bubble is (p-1)·mean(G)/v, not of S."""
+    step, bubble = pipeline_time_s([3.0, 3.0, 3.0, 3.0], [0.5, 0.5, 0.5, 0.5], 2, 2, 4)
     assert bubble == pytest.approx(1 * (1.0 + 1.0) / 2 / 2)
     assert step == pytest.approx(4 * 6.0 + 0.5)
-
-
-def test_microbatches_chain_without_restarting_the_queue() -> None:
-    """m microbatches of one rank: the first from an empty queue, each further one max(H, G), not Q again."""
-    close = Queue(host_s=1.0, gpu_s=1.2, finish_s=1.7)  # host and GPU time close: Q well above both
-    step, bubble = pipeline_time_s([close], 1, 1, 8)
-    assert bubble == 0.0
-    assert step == pytest.approx(1.7 + 7 * 1.2)
 
 
 # ---- closed forms ----------------------------------------------------------------------
@@ -324,40 +314,6 @@ def test_queue_is_the_single_stream_recurrence() -> None:
     assert queue_s(np.ones(4), np.zeros(4)) == 4.0  # launch-bound
     assert queue_s(np.zeros(4), np.ones(4)) == 4.0  # GPU-bound
     assert queue_s(np.array([1.0, 1.0]), np.array([5.0, 0.5])) == 6.5  # the GEMM hides the next launch
-
-
-def _random_run(rng: np.random.Generator, n: int, host_scale: float, gpu_scale: float) -> tuple[np.ndarray, np.ndarray]:
-    return rng.exponential(host_scale, n), rng.exponential(gpu_scale, n)
-
-
-@pytest.mark.parametrize(("host_scale", "gpu_scale"), [(1.0, 0.1), (0.1, 1.0), (1.0, 1.0)], ids=["host-bound", "gpu-bound", "close"])
-def test_chained_queues_equal_the_queue_of_the_joined_kernels(host_scale: float, gpu_scale: float) -> None:
-    """Q(A·B) = max(Q(A) + G(B), H(A) + Q(B)) is the recurrence over A's kernels then B's, in any grouping."""
-    rng = np.random.default_rng(1)
-    for _ in range(20):
-        runs = [_random_run(rng, int(rng.integers(1, 12)), host_scale, gpu_scale) for _ in range(3)]
-        a, b, c = (Queue.of(h, g) for h, g in runs)
-        joined = Queue.of(np.concatenate([h for h, _ in runs]), np.concatenate([g for _, g in runs]))
-        for grouped in (a.then(b).then(c), a.then(b.then(c)), chain([a, b, c])):
-            assert grouped.finish_s == pytest.approx(joined.finish_s)
-            assert grouped.host_s == pytest.approx(joined.host_s) and grouped.gpu_s == pytest.approx(joined.gpu_s)
-
-
-def test_host_bound_and_gpu_bound_chains() -> None:
-    """A host-bound chain takes its host time plus the last kernel; a GPU-bound one the first issue plus all GPU time."""
-    launch = Queue.of(np.full(10, 1.0), np.full(10, 0.1))  # H 10, G 1
-    assert launch.finish_s == pytest.approx(10.1)
-    assert launch.repeat(5).finish_s == pytest.approx(5 * 10 + 0.1)
-    assert chain([launch] * 5).finish_s == pytest.approx(launch.repeat(5).finish_s)
-    gemms = Queue.of(np.full(10, 0.1), np.full(10, 1.0))  # H 1, G 10
-    assert gemms.finish_s == pytest.approx(0.1 + 10)
-    assert gemms.repeat(5).finish_s == pytest.approx(0.1 + 50)
-    # a host-only call hides behind the GPU work queued before it, and delays everything when nothing is queued
-    call = Queue.host_only(3.0)
-    assert gemms.then(call).then(gemms).finish_s == pytest.approx(0.1 + 20)
-    assert call.then(gemms).finish_s == pytest.approx(3.0 + 0.1 + 10)
-    assert Queue.gpu_only(2.0).then(launch).finish_s == pytest.approx(max(2.0 + 1.0, 10.1))
-    assert launch.repeat(0) == Queue()
 
 
 def test_matmul_time_interpolates_the_measured_curve() -> None:
