@@ -32,7 +32,7 @@ from torch.fx import GraphModule
 
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
 from autotp.analysis.trace_guards import refuse_parameter_writes, strip_opaque_outputs
-from autotp.analysis.trace_regions import inline_regions, reconnect_unchanged_region_outputs
+from autotp.analysis.trace_regions import inline_regions, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
 from autotp.ir.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def _export(
     # torch.export prints the partial graph of a failed trace to stderr; it goes to the
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
-    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held:
+    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call():
         try:
             with contextlib.redirect_stderr(printed):
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False)
