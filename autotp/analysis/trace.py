@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorExc
 from torch.fx import GraphModule
 
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
+from autotp.analysis.trace_decompose import decompose_parameter_ops
 from autotp.analysis.trace_guards import refuse_parameter_writes, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
 from autotp.ir.errors import UserInputError
@@ -133,6 +134,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     reconnect_unchanged_region_outputs(gm)
     inline_regions(gm)
     _clean(gm)
+    decompose_parameter_ops(gm)
     mark_elementwise(gm)
     refuse_parameter_writes(type(model).__name__, gm)
     return gm
