@@ -21,14 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-VOCAB, DIM, HEADS, KV_HEADS, LAYERS, SEQ = 128, 64, 8, 2, 2, 16
+import plain_models_structure as structure
+from plain_models_structure import CHANNELS, CLASSES, IMAGE, PATCH, VOCAB, lm_loss
+
+DIM, HEADS, KV_HEADS, LAYERS = 64, 8, 2, 2
 HEAD_DIM = DIM // HEADS
 FFN = 2 * DIM
-IMAGE, PATCH, CHANNELS, CLASSES = 16, 4, 3, 16
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 class RMSNorm(nn.Module):
@@ -375,16 +373,9 @@ def build(name: str) -> nn.Module:
 
 
 def example_inputs(name: str, batch: int = 2) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    if name == "torchvision_vit_mha":
-        return {"pixel_values": torch.randn(batch, CHANNELS, IMAGE, IMAGE, generator=gen)}
-    ids, labels = (torch.randint(0, VOCAB, (batch, SEQ), generator=gen) for _ in range(2))
-    return {"input_ids": ids, "labels": labels}
-
-
-def _class_loss(logits: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits, torch.full((logits.shape[0],), 3))
+    """Images for the ViT, token ids and labels for the LMs (the structure suite's inputs)."""
+    return structure.example_inputs("vit_loss_fn" if name == "torchvision_vit_mha" else name, batch)
 
 
 def loss_fn(name: str) -> Callable[[Any], torch.Tensor] | None:
-    return _class_loss if name == "torchvision_vit_mha" else None
+    return structure.loss_fn("vit_loss_fn") if name == "torchvision_vit_mha" else None
