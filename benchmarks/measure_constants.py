@@ -52,13 +52,45 @@ GEMM_KN = ((1024, 1024), (1024, 4096), (4096, 1024), (2048, 2048), (2048, 8192),
 ATTENTION_SHAPES = tuple((b, 16, s, 128) for b in (1, 2, 4, 8) for s in (1024, 2048, 4096) if b * s <= 16384)
 SCALE = {"hidden": 4096, "ffn": 11008, "heads": 32, "kv_heads": 8, "vocab": 8192, "batch": 4, "seq": 2048}
 SCALE_LAYERS = (2, 4)
-HOST_MODEL = {"hidden": 1024, "ffn": 2816, "heads": 16, "kv_heads": 8, "vocab": 32000, "batch": 4, "seq": 256}
+HOST_MODEL = {"hidden": 1024, "ffn": 2816, "heads": 16, "kv_heads": 8, "vocab": 32000, "batch": 4, "seq": 1024}
 OPTIMIZER_TENSORS = (64, 4096, 4096)
 
 
 def llama_config(m: dict[str, int], layers: int) -> LlamaConfig:
     return LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["ffn"], num_hidden_layers=layers,
                        num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"], max_position_embeddings=m["seq"])  # fmt: skip
+
+
+def _gpu_s(fn, device: torch.device, inner: int = 10, repeats: int = 5) -> float | None:
+    """Seconds of GPU time of one ``fn()``: ``inner`` calls captured in a CUDA graph, replayed ``repeats`` times
+    between CUDA events (median), so the host's cost of issuing them is not counted; None where capture fails."""
+    if device.type != "cuda":
+        return None
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        graph.replay()
+        samples = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / inner)
+        del graph
+        return statistics.median(samples)
+    except RuntimeError as e:  # an op that cannot be captured: the caller keeps the host-timed figure
+        print(f"capture failed ({e}); host-timed only", flush=True)
+        return None
 
 
 def _gemms(device: torch.device) -> list[dict]:
@@ -72,7 +104,9 @@ def _gemms(device: torch.device) -> list[dict]:
             rows.append({"m": m, "k": k, "n": n, "flops": 2.0 * m * k * n,
                          "forward_s": _median_s(lambda: torch.nn.functional.linear(x, w), device),
                          "input_grad_s": _median_s(lambda: g @ w, device),
-                         "weight_grad_s": _median_s(lambda: g.t() @ x, device)})  # fmt: skip
+                         "weight_grad_s": _median_s(lambda: g.t() @ x, device),
+                         "gpu_s": [_gpu_s(lambda: torch.nn.functional.linear(x, w), device), _gpu_s(lambda: g @ w, device),
+                                   _gpu_s(lambda: g.t() @ x, device)]})  # fmt: skip
             del x, w, g
     return rows
 
@@ -90,7 +124,9 @@ def _attention(device: torch.device) -> list[dict]:
 
         forward_s = _median_s(forward, device)
         both_s = _median_s(lambda: torch.autograd.grad(forward(), (q, k, v), grad), device)
-        rows.append({"shape": [b, h, s, d], "flops": 2 * b * h * s * s * d, "forward_s": forward_s, "both_s": both_s})
+        rows.append({"shape": [b, h, s, d], "flops": 2 * b * h * s * s * d, "forward_s": forward_s, "both_s": both_s,
+                     "gpu_forward_s": _gpu_s(forward, device),
+                     "gpu_both_s": _gpu_s(lambda: torch.autograd.grad(forward(), (q, k, v), grad), device)})  # fmt: skip
     return rows
 
 
@@ -163,7 +199,9 @@ def _host(device: torch.device) -> dict[str, list]:
         steps += _train_step_runs(config, 4, 16, device, (1, 4))
     m = HOST_MODEL
     medium = [row for layers in (2, 6) for row in _train_step_runs(llama_config(m, layers), m["batch"], m["seq"], device, (1, 4))]
-    return {"tiny": tiny, "tiny_train_step": steps, "medium_train_step": medium}
+    sized = [{"tp": 1, "layers": layers, **_tiny_llama(layers, 1, device, torch.bfloat16, llama_config(m, layers), (1, m["seq"]))}
+             for layers in (2, 6)]  # fmt: skip
+    return {"tiny": tiny, "tiny_train_step": steps, "medium_train_step": medium, "medium": sized}
 
 
 def _layers(device: torch.device) -> list[dict]:
@@ -217,7 +255,11 @@ def _worker(rank: int, world: int, path: str) -> dict:
 
 def gemm_curve(rows: list[dict]) -> tuple[tuple[float, float], ...]:
     """(FLOPs, seconds) bins of the GEMM rows (module docstring): per shape the mean of forward and both gradients."""
-    points = sorted((r["flops"], (r["forward_s"] + r["input_grad_s"] + r["weight_grad_s"]) / 3) for r in rows)
+    def seconds(r: dict) -> float:  # GPU time where the capture ran, else the host-timed figure
+        gpu = r.get("gpu_s") or [None]
+        return sum(gpu) / 3 if None not in gpu else (r["forward_s"] + r["input_grad_s"] + r["weight_grad_s"]) / 3
+
+    points = sorted((r["flops"], seconds(r)) for r in rows)
     bins: dict[int, list[tuple[float, float]]] = {}
     for flops, seconds in points:
         bins.setdefault(math.floor(2 * math.log2(flops)), []).append((flops, seconds))
@@ -230,25 +272,27 @@ def fit(measured: dict) -> dict[str, object]:
     from autotp.cost_model.calibrate import fit_host
     from autotp.cost_model.hardware import HardwareProfile, fit_alpha_beta, profile_for_gpu
 
-    attention = measured["attention"]
+    attention = [(r["flops"] / 2, r.get("gpu_forward_s") or r["forward_s"], r.get("gpu_both_s") or r["both_s"])
+                 for r in measured["attention"]]  # fmt: skip
     curve = gemm_curve(measured["gemm"])
     latency, rate = fit_alpha_beta([f for f, _ in curve], [s for _, s in curve])
     memory = measured["memory"]
-    host = fit_host(measured["host"]["tiny"])
+    host = fit_host(measured["host"].get("medium") or measured["host"]["tiny"])
     per_microbatch = _per_microbatch(measured["host"]["tiny_train_step"])
     layers = measured["host"]["tiny_train_step"]
     small = min((r for r in layers if r["microbatches"] == 1), key=lambda r: r["layers"])
+    tiny = fit_host(measured["host"]["tiny"])
     constants: dict[str, object] = {
         "matmul_curve": curve,
         "matmul_flops_per_s": rate,
         "matmul_latency_s": latency,
-        "attention_flops_per_s": statistics.median(r["flops"] / 2 / r["forward_s"] for r in attention),
-        "attention_backward_factor": statistics.median((r["both_s"] - r["forward_s"]) / r["forward_s"] for r in attention),
+        "attention_flops_per_s": statistics.median(f / forward for f, forward, _ in attention),
+        "attention_backward_factor": statistics.median((both - forward) / forward for _, forward, both in attention),
         "memory_bytes_per_s": memory["add_bytes"] / memory["add_s"],
         "elementwise_backward_factor": memory["elementwise_backward_factor"],
         **host,
-        "train_step_call_host_s": per_microbatch - small["calls"] * host["op_overhead_s"]
-        - small["grad_calls"] * host["backward_op_overhead_s"],
+        "train_step_call_host_s": per_microbatch - small["calls"] * tiny["op_overhead_s"]
+        - small["grad_calls"] * tiny["backward_op_overhead_s"],
     }
     base = profile_for_gpu(measured["device_name"])
     profile = dataclasses.replace(base, **{k: v for k, v in constants.items() if k in HardwareProfile.__dataclass_fields__})
