@@ -24,7 +24,8 @@ repeated calls between device syncs (``autotp.cli.measure._median_s``):
 * **Layer time scale** (``compute_time_scale``, ``cost_model.calibrate.fit_compute_time_scale``): a
   GPU-bound Llama of widths no validation workload has (``SCALE``: h=4096, ffn 11008, 4 x 2048 tokens)
   at 2 and 4 layers, forward + backward.
-* **Optimizer**: ``torch.optim.AdamW(foreach=True)`` on 1.07e9 bf16 parameters in 64 tensors.
+* **Optimizer**: ``torch.optim.AdamW(foreach=True)`` on 1.07e9 bf16 parameters in 64 tensors: the bandwidth
+  its kernels reach on the bytes ``cost_model.dp_sync.adamw_bytes_per_param`` counts (``optimizer_bytes_per_s``).
 
 ``--fit`` turns the JSON into the constants of a ``HardwareProfile`` and prints them beside the
 built-in profile of the same GPU; nothing here reads a validation workload.
@@ -270,6 +271,7 @@ def gemm_curve(rows: list[dict]) -> tuple[tuple[float, float], ...]:
 def fit(measured: dict) -> dict[str, object]:
     """The profile constants of one ``--json`` measurement (module docstring)."""
     from autotp.cost_model.calibrate import fit_host
+    from autotp.cost_model.dp_sync import adamw_bytes_per_param
     from autotp.cost_model.hardware import HardwareProfile, fit_alpha_beta, profile_for_gpu
 
     attention = [(r["flops"] / 2, r.get("gpu_forward_s") or r["forward_s"], r.get("gpu_both_s") or r["both_s"])
@@ -278,21 +280,23 @@ def fit(measured: dict) -> dict[str, object]:
     latency, rate = fit_alpha_beta([f for f, _ in curve], [s for _, s in curve])
     memory = measured["memory"]
     host = fit_host(measured["host"].get("medium") or measured["host"]["tiny"])
-    per_microbatch = _per_microbatch(measured["host"]["tiny_train_step"])
-    layers = measured["host"]["tiny_train_step"]
-    small = min((r for r in layers if r["microbatches"] == 1), key=lambda r: r["layers"])
-    tiny = fit_host(measured["host"]["tiny"])
+    sized = "medium" in measured["host"]  # the probe of realistic widths, where measured
+    steps = measured["host"]["medium_train_step" if sized else "tiny_train_step"]
+    per_microbatch = _per_microbatch(steps)
+    small = min((r for r in steps if r["microbatches"] == 1), key=lambda r: r["layers"])
     constants: dict[str, object] = {
         "matmul_curve": curve,
         "matmul_flops_per_s": rate,
         "matmul_latency_s": latency,
-        "attention_flops_per_s": statistics.median(f / forward for f, forward, _ in attention),
+        **dict(zip(("attention_latency_s", "attention_flops_per_s"),
+                   fit_alpha_beta([f for f, _, _ in attention], [forward for _, forward, _ in attention]))),
         "attention_backward_factor": statistics.median((both - forward) / forward for _, forward, both in attention),
         "memory_bytes_per_s": memory["add_bytes"] / memory["add_s"],
         "elementwise_backward_factor": memory["elementwise_backward_factor"],
+        "optimizer_bytes_per_s": adamw_bytes_per_param("bf16-pure") * measured["optimizer"]["params"] / measured["optimizer"]["wall_s"],
         **host,
-        "train_step_call_host_s": per_microbatch - small["calls"] * tiny["op_overhead_s"]
-        - small["grad_calls"] * tiny["backward_op_overhead_s"],
+        "train_step_call_host_s": per_microbatch - small["calls"] * host["op_overhead_s"]
+        - small["grad_calls"] * host["backward_op_overhead_s"],
     }
     base = profile_for_gpu(measured["device_name"])
     profile = dataclasses.replace(base, **{k: v for k, v in constants.items() if k in HardwareProfile.__dataclass_fields__})
