@@ -4,7 +4,10 @@
     python benchmarks/measure_constants.py --fit out.json      # anywhere: fit, print against the built-in profile
 
 One process (a one-rank NCCL group, as ``autotp calibrate``'s ranks), bf16, each time the median of
-repeated calls between device syncs (``autotp.cli.measure._median_s``):
+repeated calls between device syncs (``autotp.cli.measure._median_s``); GEMMs and attention also as GPU
+time alone (``_gpu_s``: calls captured in a CUDA graph and replayed between CUDA events), which the fit
+takes: the cost model adds the host's cost of issuing a kernel separately (``op_overhead_s``), and
+eager timing of a small kernel counts it in the kernel (a 1024³ GEMM read 73 TFLOP/s eager, 352 replayed):
 
 * **GEMMs** of a grid of transformer shapes (tokens M in 1k..16k, K x N from 1k x 1k to 4k x 32k),
   each as a linear runs them: forward ``x @ W^T``, input gradient ``g @ W``, weight gradient
@@ -12,15 +15,18 @@ repeated calls between device syncs (``autotp.cli.measure._median_s``):
   backward, so the curve holds, per FLOP count, the mean of the three; shapes are merged into bins of
   a factor sqrt(2) in FLOPs (geometric means), which keeps the curve increasing.
 * **Attention**: ``scaled_dot_product_attention(is_causal=True)`` (what the ``causal_attention`` pass
-  runs) over batch 1..8, sequence 1k..4k, 16 heads of 128; the rate counts the causal half of the FLOPs
-  (``cost_model.flops``); the profile takes the median rate and the median backward/forward ratio.
+  runs) over batch 1..8, sequence 1k..4k, 16 heads of 128; FLOPs are the causal half (``cost_model.flops``),
+  fitted to ``attention_latency_s + F / attention_flops_per_s`` (``fit_alpha_beta``: the rate alone went
+  from 112 to 289 TFLOP/s over these shapes), with the median backward/forward ratio.
 * **Memory bandwidth**: an add of 256 MB tensors (3 bytes moved per element byte), and the
   backward/forward ratio of an HF RMSNorm + SwiGLU product (``autotp.cli.measure``).
-* **Host costs** the way ``autotp calibrate`` defines them (``cost_model.calibrate.fit_host``):
-  ``llama-tiny`` at 2 and 6 layers, forward and forward + backward of 16 tokens. Beside it, the same
-  through ``train_step`` with 1 and 4 microbatches (``call_host_s`` as ``train_step`` pays it per
-  microbatch), and a host-bound Llama of realistic widths (h=1024, 256 tokens, 2 and 6 layers) through
-  ``train_step``, timed with and without the final device sync (the host's own time).
+* **Host costs** the way ``autotp calibrate`` defines them (``cost_model.calibrate.fit_host``: forward and
+  forward + backward at 2 and 6 layers, differences per node), on two host-bound models: calibrate's
+  ``llama-tiny`` on 16 tokens, and a Llama of width 1024 on 1024 tokens (``HOST_MODEL``), whose tensors are
+  of the sizes training runs; the fit takes the second. Both also run through ``train_step`` with 1 and
+  4 microbatches, timed with and without the final device sync (host-bound: the two agree); what a
+  further microbatch adds beyond its nodes is printed as ``train_step_call_host_s``, a check of
+  ``call_host_s``.
 * **Layer time scale** (``compute_time_scale``, ``cost_model.calibrate.fit_compute_time_scale``): a
   GPU-bound Llama of widths no validation workload has (``SCALE``: h=4096, ffn 11008, 4 x 2048 tokens)
   at 2 and 4 layers, forward + backward.
@@ -143,9 +149,9 @@ def _memory(device: torch.device) -> dict[str, float]:
 
 def _timed(fn, device: torch.device, repeats: int = 7) -> tuple[float, float]:
     """Median (host seconds until ``fn`` returns, seconds until the device is done) over ``repeats``, after 2 warm-ups."""
-    hosts, walls = [], []
     from autotp.cli.measure import _sync
 
+    hosts, walls = [], []
     for i in range(repeats + 2):
         _sync(device)
         start = time.perf_counter()
@@ -332,9 +338,10 @@ def report(measured: dict) -> str:
         builtin = getattr(base, key, float("nan"))
         lines.append(f"{key:30s} {value:>14.4g} {builtin:>14.4g}")
     lines.append("GEMM curve (TFLOP/s per bin): " + ", ".join(f"{f / 1e9:.0f} GF {f / s / 1e12:.0f}" for f, s in constants["matmul_curve"]))
-    for r in measured["host"]["tiny_train_step"] + measured["host"]["medium_train_step"]:
-        lines.append(f"train_step {r['layers']} layers m{r['microbatches']}: host {r['host_s'] * 1e3:.2f} ms, wall {r['wall_s'] * 1e3:.2f} ms, "
-                     f"{r['calls']} nodes, {r['grad_calls']} autograd")  # fmt: skip
+    for probe in ("tiny_train_step", "medium_train_step"):
+        for r in measured["host"][probe]:
+            lines.append(f"{probe} {r['layers']} layers m{r['microbatches']}: host {r['host_s'] * 1e3:.2f} ms, wall {r['wall_s'] * 1e3:.2f} ms, "
+                         f"{r['calls']} nodes, {r['grad_calls']} autograd")  # fmt: skip
     o = measured["optimizer"]
     lines.append(f"AdamW {o['params'] / 1e9:.2f}e9 bf16 params: {o['wall_s'] * 1e3:.1f} ms ({o['host_s'] * 1e3:.1f} ms host)")
     return "\n".join(lines)
