@@ -134,6 +134,7 @@ def fit_profile(measured: dict[str, object], ranks: int, scale_layer: Segment | 
         matmul_latency_s=gemm_latency,
         memory_bytes_per_s=float(measured["memory_bytes_per_s"]),
         attention_flops_per_s=float(measured["attention_flops_per_s"]),
+        attention_latency_s=0.0,  # one shape measured: its rate stands for the whole time
         attention_backward_factor=float(measured["attention_backward_factor"]),
         elementwise_backward_factor=float(measured["elementwise_backward_factor"]),
         matmul_curve=tuple((float(f), float(t)) for f, t in measured["gemm"]),
