@@ -21,7 +21,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import autotp
 from autotp import presets
 from autotp.api import _check_fp8
-from autotp.compiler import trace_for_planning
+from autotp.analysis.trace import trace
+from autotp.compiler import LOSS_ONLY, lower, trace_for_planning
 from autotp.cost_model.compute import segment_time
 from autotp.cost_model.graph_costs import build_report
 from autotp.cost_model.hardware import H200
@@ -478,3 +479,79 @@ def test_compiled_model_is_an_fp8_rendering_of_eager(recipe: str) -> None:
     the forward's differences)."""
     runs = _fp8_runs(recipe, True, exact=True)
     assert_fp8_rendering(runs["compiled"][1], runs["eager"][1], runs["exact"][1], f"{recipe} compiled")
+
+
+def test_fp8_lm_head_in_the_fused_loss_equals_the_hand_written_recipe() -> None:
+    """``linear_cross_entropy`` with ``fp8_recipe="tensorwise"``, 3 chunks (the last partial),
+    one ignored token: the loss and both grads equal tensorwise FP8 written out (h and W
+    quantized once; each chunk's logit gradient in E5M2 with the chunk's own scale)."""
+    torch.manual_seed(0)
+    tokens, hidden, vocab, chunk = 40, 64, 96, 16
+    h = (torch.randn(tokens, hidden) * 2).requires_grad_()
+    w = (torch.randn(vocab, hidden) / 8).requires_grad_()
+    target = torch.randint(0, vocab, (tokens,))
+    target[5] = -100
+    loss = ops.LINEAR_CROSS_ENTROPY(h, w, target, 0, vocab, -100, 1, chunk, 1, "", "tensorwise")
+    loss.backward()
+
+    hq, wq = _dequantized(h.detach(), (None, None), E4M3, False), _dequantized(w.detach(), (None, None), E4M3, False)
+    valid = target != -100
+    token_weight = valid.float() / valid.sum()
+    expected_loss, dh, dw = torch.zeros(()), torch.empty(tokens, hidden), torch.zeros(vocab, hidden)
+    for start in range(0, tokens, chunk):
+        rows = slice(start, start + chunk)
+        logits = hq[rows] @ wq.t()
+        lse = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(-1, target[rows].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        expected_loss += ((lse - picked) * token_weight[rows]).sum()
+        onehot = torch.nn.functional.one_hot(target[rows].clamp(min=0), vocab) * valid[rows].unsqueeze(-1)
+        g = ((logits - lse.unsqueeze(-1)).exp() - onehot) * token_weight[rows].unsqueeze(-1)
+        gq = _dequantized(g, (None, None), E5M2, False)
+        dh[rows] = gq @ wq
+        dw += gq.t() @ hq[rows]
+    _close(loss, expected_loss, "loss")
+    _close(h.grad, dh, "grad of h")
+    _close(w.grad, dw, "grad of W")
+    exact = torch.nn.functional.cross_entropy(h.detach() @ w.detach().t(), target)
+    assert abs(loss.item() - exact.item()) > 1e-5  # it did round to FP8
+
+
+def with_fp8_lm_head(plan: ParallelPlan) -> ParallelPlan:
+    """``plan`` with the lm_head weight's entry edited to tensorwise FP8 (as a user may)."""
+    edited = [replace(e, recipe="tensorwise", reason="", detail="") if e.weight == "lm_head.weight" else e for e in plan.fp8_linears]
+    assert edited != list(plan.fp8_linears), "the plan lists no lm_head weight"
+    return replace(plan, fp8_linears=tuple(edited))
+
+
+def check_fp8_lm_head(tp: int) -> float:
+    """``train_step`` (the lm_head fused into the loss) with the lm_head in tensorwise FP8: loss and
+    every grad equal the model with reference FP8 linears, the lm_head's among them (one loss
+    chunk: one scale for the logit gradient, as the reference's), and differ from the plan's
+    default (lm_head in the model's dtype)."""
+    model = model_for("tensorwise")
+    gen = torch.Generator().manual_seed(5)
+    ids, labels = torch.randint(0, 128, (2, 16), generator=gen), torch.randint(0, 128, (2, 16), generator=gen)
+    example = {"input_ids": ids, "labels": labels}
+    default = autotp.compile_rank(model, tp=tp, example_inputs=example, fp8="tensorwise").plan
+    plan = with_fp8_lm_head(default)
+    assert plan.loss_chunk_tokens >= ids.numel()
+    step_graph = lower(trace(model, {**example, "use_cache": False}, "meta"), plan, outputs_read=LOSS_ONLY).graph
+    fused = [n for n in step_graph.graph.nodes if n.target is ops.LINEAR_CROSS_ENTROPY]
+    assert [n.args[-1] for n in fused] == ["tensorwise"], "train_step's lm_head is not fused with FP8 GEMMs"
+    pm = autotp.parallelize(copy.deepcopy(model), tp=tp, example_inputs=example, plan=plan)
+    loss = pm.train_step(input_ids=ids, labels=labels)
+    reference = reference_model(model, plan)
+    expected = reference(input_ids=ids, labels=labels).loss
+    expected.backward()
+    _close(loss, expected.detach(), f"tp={tp} FP8 lm_head: loss")
+    grads = pm.unshard_grads()
+    for name, p in reference.named_parameters():
+        _close(grads[name], p.grad, f"tp={tp} FP8 lm_head: grad of {name}")
+    head_in_bf16 = reference_model(model, default)(input_ids=ids, labels=labels).loss
+    assert abs(head_in_bf16.item() - loss.item()) > 1e-6
+    return loss.item()
+
+
+def test_fp8_lm_head_fused_into_the_loss_equals_the_reference() -> None:
+    with pytest.warns(UserWarning, match="on the CPU runs torch._scaled_mm"):
+        check_fp8_lm_head(tp=1)
