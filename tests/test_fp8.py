@@ -555,3 +555,23 @@ def check_fp8_lm_head(tp: int) -> float:
 def test_fp8_lm_head_fused_into_the_loss_equals_the_reference() -> None:
     with pytest.warns(UserWarning, match="on the CPU runs torch._scaled_mm"):
         check_fp8_lm_head(tp=1)
+
+
+def test_cost_model_prices_the_fp8_lm_head_of_the_fused_loss() -> None:
+    """The fused loss with an FP8 lm_head counts as FP8 GEMMs (priced at the FP8 rate) and its
+    forward moves the casts' bytes: h [32, 64] and W [128, 64] (float32: read twice, written
+    and transposed in FP8) and the logit gradient [32, 128] (quantized, transposed)."""
+    from autotp.analysis.local_shapes import local_tensors
+    from autotp.cost_model.fp8 import cast_bytes, has_fp8_gemms
+
+    model = model_for("tensorwise")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
+    example = {"input_ids": ids, "labels": ids}
+    default = autotp.compile_rank(model, tp=1, example_inputs=example, fp8="tensorwise").plan
+    traced = trace(model, {**example, "use_cache": False}, "meta")
+    for plan, fp8 in ((default, False), (with_fp8_lm_head(default), True)):
+        (loss,) = [n for n in lower(traced, plan, outputs_read=LOSS_ONLY).graph.graph.nodes if n.target is ops.LINEAR_CROSS_ENTROPY]
+        assert has_fp8_gemms(loss) == fp8
+        h, w, g = 32 * 64, 128 * 64, 32 * 128
+        expected = (2 * 4 + 1 + 2) * (h + w + g) if fp8 else 0  # each: 2 reads of 4 bytes, 1 write, transposed
+        assert cast_bytes(loss, lambda n: local_tensors(n, 1)) == (expected, 0)
