@@ -75,6 +75,22 @@ def plan_fp8(lowered: GraphModule, plan: ParallelPlan, recipe: str, backend: str
     return replace(plan, fp8=recipe, fp8_backend=backend, fp8_linears=tuple(decided.values()), fp8_all_gather=gathers)
 
 
+def with_fp8_weights(plan: ParallelPlan, weights: list[str], recipe: str = "") -> ParallelPlan:
+    """``plan`` with the GEMMs reading ``weights`` in FP8 (``recipe``, default the plan's),
+    overriding the planner's choice: the user's opt-in for ``lm_head.weight``, which it keeps
+    in the model's dtype (``parallelize(plan=...)`` runs the result)."""
+    recipe = recipe or plan.fp8
+    check_recipe(recipe, plan.fp8_backend)
+    listed = {e.weight for e in plan.fp8_linears}
+    missing = sorted(set(weights) - listed)
+    if missing:
+        raise UserInputError(f"{missing} are not GEMM weights of this plan (plan.fp8_linears lists {sorted(listed)}); "
+                             f"plan with fp8=... first")  # fmt: skip
+    edited = tuple(replace(e, recipe=recipe, reason="", detail="chosen by the user") if e.weight in weights else e
+                   for e in plan.fp8_linears)  # fmt: skip
+    return replace(plan, fp8=plan.fp8 or recipe, fp8_linears=edited)
+
+
 def without_fp8(plan: ParallelPlan) -> ParallelPlan:
     return replace(plan, fp8="", fp8_linears=(), fp8_all_gather=False)
 

@@ -26,7 +26,7 @@ from autotp.compiler import LOSS_ONLY, lower, trace_for_planning
 from autotp.cost_model.compute import segment_time
 from autotp.cost_model.graph_costs import build_report
 from autotp.cost_model.hardware import H200
-from autotp.cost_model.fp8 import plan_fp8
+from autotp.cost_model.fp8 import plan_fp8, with_fp8_weights
 from autotp.ir import ops
 from autotp.ir.errors import UserInputError
 from autotp.ir.plan import FP8_DIMS, FP8_OUTSIDE_LAYERS, Fp8Linear, ParallelPlan
@@ -517,10 +517,17 @@ def test_fp8_lm_head_in_the_fused_loss_equals_the_hand_written_recipe() -> None:
 
 
 def with_fp8_lm_head(plan: ParallelPlan) -> ParallelPlan:
-    """``plan`` with the lm_head weight's entry edited to tensorwise FP8 (as a user may)."""
-    edited = [replace(e, recipe="tensorwise", reason="", detail="") if e.weight == "lm_head.weight" else e for e in plan.fp8_linears]
-    assert edited != list(plan.fp8_linears), "the plan lists no lm_head weight"
-    return replace(plan, fp8_linears=tuple(edited))
+    """``plan`` with the lm_head's GEMMs in tensorwise FP8 (the user's opt-in)."""
+    edited = with_fp8_weights(plan, ["lm_head.weight"], "tensorwise")
+    assert [e.recipe for e in edited.fp8_linears if e.weight == "lm_head.weight"] == ["tensorwise"]
+    return edited
+
+
+def test_fp8_weights_must_be_gemm_weights_of_the_plan() -> None:
+    model = model_for("tensorwise")
+    plan = autotp.compile_rank(model, tp=1, fp8="tensorwise").plan
+    with pytest.raises(UserInputError, match=r"\['model.norm.weight'\] are not GEMM weights"):
+        with_fp8_weights(plan, ["model.norm.weight"])
 
 
 def check_fp8_lm_head(tp: int) -> float:
