@@ -111,6 +111,15 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
 
+def check_step(loss: torch.Tensor, pm: nn.Module, reference: nn.Module, expected: torch.Tensor, what: str) -> None:
+    """``pm``'s training-step loss and every grad equal ``reference``'s (``expected``: its loss, not yet backpropagated)."""
+    expected.backward()
+    _close(loss, expected.detach(), f"{what}: loss")
+    grads = pm.unshard_grads()
+    for name, p in reference.named_parameters():
+        _close(grads[name], p.grad, f"{what}: grad of {name}")
+
+
 def check_against_reference(pm: nn.Module, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, what: str) -> float:
     """Logits, loss and every grad of ``pm`` equal ``model`` with the plan's FP8 GEMMs in the reference recipe."""
     reference = reference_model(model, pm.plan)
@@ -548,12 +557,7 @@ def check_fp8_lm_head(tp: int) -> float:
     pm = autotp.parallelize(copy.deepcopy(model), tp=tp, example_inputs=example, plan=plan)
     loss = pm.train_step(input_ids=ids, labels=labels)
     reference = reference_model(model, plan)
-    expected = reference(input_ids=ids, labels=labels).loss
-    expected.backward()
-    _close(loss, expected.detach(), f"tp={tp} FP8 lm_head: loss")
-    grads = pm.unshard_grads()
-    for name, p in reference.named_parameters():
-        _close(grads[name], p.grad, f"tp={tp} FP8 lm_head: grad of {name}")
+    check_step(loss, pm, reference, reference(input_ids=ids, labels=labels).loss, f"tp={tp} FP8 lm_head")
     head_in_bf16 = reference_model(model, default)(input_ids=ids, labels=labels).loss
     assert abs(head_in_bf16.item() - loss.item()) > 1e-6
     return loss.item()

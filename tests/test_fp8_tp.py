@@ -18,7 +18,7 @@ import autotp
 from autotp.ir import ops
 from distributed import run_on_ranks
 from small_models import build
-from test_fp8 import _close, check_against_reference, check_fp8_lm_head, model_for, reference_model
+from test_fp8 import check_against_reference, check_fp8_lm_head, check_step, model_for, reference_model
 
 TP, BATCH, SEQ = 2, 4, 16
 
@@ -101,11 +101,7 @@ def _pipeline_on_rank(rank: int, world: int, recipe: str) -> float:
     loss = pm.train_step(input_ids=ids, labels=labels, num_microbatches=2)
     reference = reference_model(model, pm.plan)
     expected = sum(reference(input_ids=ids[i : i + 2], labels=labels[i : i + 2]).loss for i in (0, 2)) / 2
-    expected.backward()
-    _close(loss, expected.detach(), f"pp=2 {recipe}: loss")
-    grads = pm.unshard_grads()
-    for name, p in reference.named_parameters():
-        _close(grads[name], p.grad, f"pp=2 {recipe}: grad of {name}")
+    check_step(loss, pm, reference, expected, f"pp=2 {recipe}")
     return loss.item()
 
 
