@@ -464,8 +464,8 @@ def test_rendering_bound_tells_fp8_noise_from_defects() -> None:
             assert_fp8_rendering(defect, eager, exact, "defect")
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", pytest.param("tensorwise", marks=pytest.mark.slow),
-                                    pytest.param("blockwise", marks=pytest.mark.slow)])  # fmt: skip
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_compiled_graphs_equal_eager_bit_for_bit(recipe: str) -> None:
     """``compile="aot_eager"``: the graphs ``torch.compile`` makes of the FP8 model (AOT
     autograd's forward and backward, what they save, the partitioner's recomputation) run
