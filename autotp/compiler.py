@@ -32,6 +32,7 @@ from torch.fx import GraphModule
 from transformers import PretrainedConfig
 
 from autotp import presets
+from autotp.analysis.batch_rows import batch_mixing_node
 from autotp.analysis.layers import num_layers
 from autotp.analysis.trace import trace
 from autotp.cost_model.compute import ModelCosts
@@ -229,11 +230,17 @@ def plan_model(
     chosen = with_fp8(traced, chosen, fp8)
     if not chosen.unread:
         chosen = plan_unread_params(traced, chosen)
+    chosen = replace(chosen, batch_mixing=batch_mixing_node(traced, _batch_size(kwargs)))
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)
     log.info("traced in %.2f s, planned in %.2f s: tp=%d pp=%d dp=%d vpp=%d", traced_at - start,
              planned_at - traced_at, chosen.tp, chosen.pp, chosen.dp, chosen.vpp)  # fmt: skip
     return Planned(traced, kwargs, chosen, traced_at - start, planned_at - traced_at)
+
+
+def _batch_size(kwargs: dict[str, Any]) -> int:
+    """Dim 0 of the first tensor input: the rows ``train_step`` splits."""
+    return next((v.shape[0] for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
 
 
 def _with_fixed_sequence_parallel(plan: ParallelPlan, sequence_parallel: bool | None, tp_overlap: bool | None) -> ParallelPlan:

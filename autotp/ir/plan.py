@@ -248,6 +248,9 @@ class ParallelPlan:
     moe_estimate: ExpertParallelEstimate | None = None
     # The parameters the traced forward never reads, stored split (``UnreadParam``).
     unread: tuple[UnreadParam, ...] = ()
+    # The op whose values mix the rows of the batch (``analysis.batch_rows``), described; ""
+    # when none: ``train_step`` then refuses to split the batch over microbatches or dp ranks.
+    batch_mixing: str = ""
 
     @property
     def world_size(self) -> int:
@@ -340,6 +343,7 @@ class ParallelPlan:
                 "fp8_all_gather": self.fp8_all_gather,
                 "moe_estimate": self.moe_estimate.to_json() if self.moe_estimate else None,
                 "unread": [u.to_json() for u in self.unread],
+                "batch_mixing": self.batch_mixing,
             },
             indent=1,
         )
@@ -388,4 +392,5 @@ class ParallelPlan:
             fp8_all_gather=d.get("fp8_all_gather", False),
             moe_estimate=ExpertParallelEstimate.from_json(d["moe_estimate"]) if d.get("moe_estimate") else None,
             unread=tuple(UnreadParam.from_json(u) for u in d.get("unread", ())),
+            batch_mixing=d.get("batch_mixing", ""),
         )

@@ -286,3 +286,14 @@ def _explain_collective_error(error: RuntimeError) -> RuntimeError:
             f"passed inputs of different shapes (set {CHECK_ENV}=1 to compare inputs on every call). {error}"
         )
     return error
+
+
+def refuse_mixed_batch(plan: Any, pieces: int) -> None:
+    """Refuse to split the batch into ``pieces`` (dp ranks x microbatches) when the forward mixes its rows."""
+    if pieces > 1 and plan.batch_mixing:
+        raise UserInputError(
+            f"the forward mixes the rows of its batch at {plan.batch_mixing}: each row's value depends on "
+            f"other rows, so splitting the batch over dp={plan.dp} ranks x {pieces // plan.dp} microbatches "
+            "would compute another function than the whole batch does. Train with dp=1 and "
+            "num_microbatches=1, or make that op work within each row (e.g. route tokens per row)"
+        )

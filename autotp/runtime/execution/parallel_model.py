@@ -301,6 +301,7 @@ class ParallelModel(nn.Module):
                 f"{'' if batch_is_local else f'dp={dp} x '}{m} microbatches; "
                 f"use a batch size that is a multiple of {shards * max(m, 1)}"
             )
+        guards.refuse_mixed_batch(self.plan, dp * m)
         if self.plan.distributed_optimizer and dp > 1 and not self._grad_sync.holds_grads and not self._warned_plain:
             self._warned_plain = True
             warn_once(log, "the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "

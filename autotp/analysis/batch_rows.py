@@ -1,0 +1,108 @@
+"""Whether a forward keeps the rows of its batch apart, so that microbatches and data
+parallelism compute what the whole batch computes.
+
+``train_step`` splits the global batch over dp ranks and microbatches and averages their
+losses and grads. That equals the whole batch's step only if no row's value depends on
+another row's. A forward may break this: an expert that picks its best tokens from the
+whole batch (``topk`` over tokens), a softmax over tokens, batch norm with batch
+statistics. ``batch_mixing_node`` finds such an op by one more walk of the propagation
+engine (``propagation.Walker``) in which no parameter is split and the batch dim of every
+graph input is the only split: the walk tracks where the batch rows go through views,
+matmuls and the rest, and an op in ``_MIXING`` that selects or normalizes along a dim
+holding them mixes rows. Ordering ops (``sort``, ``argsort``, ``nonzero``, a ``cumsum``
+of slot positions) only move rows and are not counted: their results index, they do not
+weigh. Where the walk loses track of the rows (an op with no rule for a split there) it
+stops looking downstream of it, so the check may miss a case but never refuses a forward
+whose rows stay apart.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from autotp.analysis.dtensor_rules import dtensor_rule
+from autotp.analysis.propagation import Walker
+from autotp.analysis.shapes import is_float, norm_dim, shape_of
+from autotp.ir.errors import describe
+from autotp.ir.layouts import REPLICATE, DimVar, Layout, shard
+from autotp.ir.op_facts import op_name
+
+BATCH_ORIGIN = "<batch rows>"
+# op name -> position of its dim argument and the default when it is absent
+_SELECTING = {"topk": (2, -1), "kthvalue": (2, -1), "max": (1, None), "min": (1, None), "softmax": (1, None),
+              "_softmax": (1, None), "log_softmax": (1, None), "_log_softmax": (1, None), "logsumexp": (1, None)}  # fmt: skip
+_BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"})
+_TRAINING_ARG = 5
+
+
+class _BatchWalker(Walker):
+    """The engine with each input's dim 0 split over a batch var and every parameter whole."""
+
+    def __init__(self, gm: GraphModule, batch: int) -> None:
+        super().__init__(gm, 2, None, lambda name, kind, shape: False)
+        self.batch = batch
+        self.rows = DimVar(batch, frozenset({BATCH_ORIGIN}))
+        self.mixing: Node | None = None
+
+    def visit(self, node: Node) -> Any:
+        if node.op == "placeholder":
+            shape = shape_of(node)
+            return shard({0: self.rows}) if shape and shape[0] == self.batch else REPLICATE
+        if node.op != "call_function" or node.target is operator.getitem:
+            return super().visit(node)
+        if self.mixing is None and self._mixes(node):
+            self.mixing = node
+        if op_name(node.target) == "scaled_dot_product_attention":
+            return self._attention(node)
+        derived = dtensor_rule(self, node)  # DTensor's strategies know batch-split inputs best
+        return derived if derived is not None else super().visit(node)
+
+    def _attention(self, node: Node) -> Layout:
+        """Attention keeps its leading dims (batch, heads) apart: the output has the query's
+        rows where the key and value have them too."""
+        q, k, v = node.args[:3]
+        lead = len(shape_of(q) or ()) - 2
+        rows = {d for d in self._rows_at(q) if d < lead} & self._rows_at(k) & self._rows_at(v)
+        return shard({d: self.rows for d in rows})
+
+    def _rows_at(self, arg: Any) -> set[int]:
+        lay = self.out.layouts.get(arg) if isinstance(arg, Node) else None
+        if not isinstance(lay, Layout):
+            return set()
+        return {d for d, v in lay.dims if BATCH_ORIGIN in v.find().origins}
+
+    def _mixes(self, node: Node) -> bool:
+        name = op_name(node.target)
+        if not node.args:
+            return False
+        rows = self._rows_at(node.args[0])
+        if not rows or not is_float(node.args[0]):  # integer bookkeeping (the longest row's length) sizes, it does not weigh
+            return False
+        shape = shape_of(node.args[0]) or ()
+        if name in _BATCH_NORMS:
+            training = node.args[_TRAINING_ARG] if len(node.args) > _TRAINING_ARG else node.kwargs.get("training", False)
+            return bool(training) and bool(rows - {1})
+        if name not in _SELECTING:
+            return False
+        pos, default = _SELECTING[name]
+        dim = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", default)
+        if dim is None:  # max()/min() over everything, or a name _SELECTING lists without a dim here
+            return name in ("max", "min") and len(node.args) == 1
+        dims = dim if isinstance(dim, (list, tuple)) else [dim]
+        if not all(isinstance(d, int) for d in dims):  # max/min of two tensors: pointwise
+            return False
+        return any(norm_dim(d, len(shape)) in rows for d in dims)
+
+
+def batch_mixing_node(gm: GraphModule, batch: int) -> str:
+    """The op of ``gm`` that makes a row's value depend on other rows of its batch of
+    ``batch`` rows, described; "" when none is found."""
+    if batch < 2:
+        return ""
+    walker = _BatchWalker(gm, batch)
+    walker.run()
+    return describe(walker.mixing) if walker.mixing is not None else ""

@@ -1,0 +1,93 @@
+"""A forward whose rows depend on other rows of the batch is found (``analysis.batch_rows``)
+and ``train_step`` refuses to split its batch; forwards that keep rows apart are not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autotp
+from autotp.analysis.batch_rows import batch_mixing_node
+from autotp.analysis.trace import trace
+from autotp.ir.errors import UserInputError
+
+DIM, VOCAB, TOKENS = 16, 32, 8
+
+
+class ExpertChoice(nn.Module):
+    """Each expert takes its best tokens of the whole batch (``topk`` over the tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.expert = nn.Linear(DIM, 2, bias=False), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, DIM)
+        weights, chosen = self.gate(tokens).softmax(-1).t().topk(TOKENS // 2, dim=-1)
+        y = self.expert(tokens[chosen]) * weights.unsqueeze(-1)
+        return torch.zeros_like(tokens).index_add(0, chosen.reshape(-1), y.reshape(-1, DIM)).view(x.shape)
+
+
+class TokenChoice(nn.Module):
+    """Each token picks its expert (``topk`` over the experts) and attends within its row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.qkv = nn.Linear(DIM, 2, bias=False), nn.Linear(DIM, 3 * DIM)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, DIM // 2).permute(2, 0, 3, 1, 4)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
+        weight, chosen = self.gate(x).softmax(-1).topk(1, dim=-1)
+        return x + sum(e(x) * weight * (chosen == i) for i, e in enumerate(self.experts))
+
+
+class BatchNormed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.transpose(1, 2)).transpose(1, 2)
+
+
+class LM(nn.Module):
+    def __init__(self, mixer: nn.Module) -> None:
+        super().__init__()
+        self.embed, self.mixer, self.head = nn.Embedding(VOCAB, DIM), mixer, nn.Linear(DIM, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.mixer(self.embed(input_ids)))
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {name: torch.randint(0, VOCAB, (2, TOKENS), generator=gen) for name in ("input_ids", "labels")}
+
+
+@pytest.mark.parametrize(
+    ("mixer", "training", "mixing_op"),
+    [(ExpertChoice, False, "topk"), (TokenChoice, False, ""), (BatchNormed, True, "batch_norm"), (BatchNormed, False, "")],
+)
+def test_ops_that_weigh_rows_against_each_other_are_found(mixer: type[nn.Module], training: bool, mixing_op: str) -> None:
+    model = LM(mixer()).train(training)
+    found = batch_mixing_node(trace(model, _inputs()), batch=2)
+    if mixing_op:
+        assert mixing_op in found and "mixer" in found, found
+    else:
+        assert found == ""
+
+
+def test_train_step_refuses_to_split_a_batch_whose_rows_mix() -> None:
+    torch.manual_seed(0)
+    model = LM(ExpertChoice()).eval()
+    pm = autotp.parallelize(model, tp=1, example_inputs=_inputs())
+    assert "topk" in pm.plan.batch_mixing
+    with pytest.raises(UserInputError, match=r"mixes the rows of its batch at node 'topk'.*num_microbatches=1"):
+        pm.train_step(**_inputs(), num_microbatches=2)
+    loss = pm.train_step(**_inputs(), num_microbatches=1)
+    assert torch.allclose(loss, model(**_inputs())["loss"], rtol=1e-5, atol=1e-6)
