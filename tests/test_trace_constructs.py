@@ -160,14 +160,21 @@ def test_grad_and_autocast_regions_are_inlined(name: str) -> None:
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
-def test_activation_checkpointing_is_traced_as_the_call(use_reentrant: bool) -> None:
+def test_activation_checkpointing_is_traced_as_the_call(use_reentrant: bool, caplog: pytest.LogCaptureFixture) -> None:
     """Reentrant checkpointing runs its block under no_grad and recomputes it in backward:
-    traced as it is, no parameter of the block would get a gradient."""
+    traced as it is, no parameter of the block would get a gradient. Either variant is
+    traced as the call, with a warning that the activations are saved."""
+    import torch.utils.checkpoint as checkpoint_module
+
     name = "checkpoint_reentrant" if use_reentrant else "checkpoint_nonreentrant"
     model, inputs = library.build(name), library.example_inputs(name)
-    targets = [n.target for n in trace(model, inputs).graph.nodes]
+    generator = checkpoint_module._checkpoint_without_reentrant_generator
+    with caplog.at_level("WARNING", logger="autotp.analysis.trace_regions"):
+        targets = [n.target for n in trace(model, inputs).graph.nodes]
+    assert "checkpoints activations" in caplog.text and "memory is as without checkpointing" in caplog.text
     assert torch.ops.aten.detach.default not in targets
     assert "apply" not in CheckpointFunction.__dict__  # Function.apply again after the trace
+    assert checkpoint_module._checkpoint_without_reentrant_generator is generator
     result = check_on_rank(model, inputs, tp=1)
     assert result.passed, result.reason
 

@@ -21,7 +21,7 @@ runs ``fn`` under ``no_grad`` and recomputes it in backward, so in value and gra
 plain call. Exported as it is, its body would be a grad-disabled region (no parameter inside
 would get a gradient) and the grad mode ``Function.apply`` restores after it would be lost.
 Export traces the non-reentrant variant as the plain call too; neither variant's
-recomputation is carried into the rank graph.
+recomputation is carried into the rank graph, and the trace warns that it is not.
 
 Before that, ``reconnect_unchanged_region_outputs`` makes reads of a region's output that is
 one of its operands unchanged read the operand (eager ``x.to(torch.float32)`` of an fp32 ``x``
@@ -39,9 +39,11 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
+import torch.utils.checkpoint as checkpoint_module
 from torch.utils.checkpoint import CheckpointFunction
 
 from autotp.ir import meta_keys
+from autotp.ir.rank_log import warn_once
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +59,35 @@ _MAYBE_IDENTITY = {
 
 @contextmanager
 def reentrant_checkpoint_as_call() -> Iterator[None]:
-    """While the body runs, ``CheckpointFunction.apply(fn, preserve_rng_state, *args)`` is ``fn(*args)``."""
+    """While the body runs, ``CheckpointFunction.apply(fn, preserve_rng_state, *args)`` is
+    ``fn(*args)``; a model that checkpoints (either variant) gets a warning that the rank
+    graph saves those activations."""
+    used: list[str] = []
 
     def call(fn: Any, preserve_rng_state: bool, *args: Any) -> Any:
+        used.append(getattr(fn, "__qualname__", type(fn).__name__))
         return fn(*args)
 
+    def without_reentrant(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        used.append(getattr(fn, "__qualname__", type(fn).__name__))
+        return generator(fn, *args, **kwargs)
+
     own = CheckpointFunction.__dict__.get("apply")  # None: it inherits Function.apply
+    generator = checkpoint_module._checkpoint_without_reentrant_generator
     CheckpointFunction.apply = staticmethod(call)  # type: ignore[method-assign,assignment]
+    checkpoint_module._checkpoint_without_reentrant_generator = without_reentrant
     try:
         yield
     finally:
+        checkpoint_module._checkpoint_without_reentrant_generator = generator
         if own is None:
             del CheckpointFunction.apply
         else:
             CheckpointFunction.apply = own  # type: ignore[method-assign]
+    if used:
+        warn_once(log, "the model checkpoints activations (torch.utils.checkpoint around %s, %d calls); autotp traces "
+                  "each as the plain call and the rank graph saves those activations, so memory is as without "
+                  "checkpointing", used[0], len(used))  # fmt: skip
 
 
 def _body(gm: GraphModule, region: Node) -> tuple[int, GraphModule]:
