@@ -115,7 +115,21 @@ def squeeze(w: Walker, node: Node) -> Any:
         drop = {norm_dim(d, len(src)) for d in ds if src[norm_dim(d, len(src))] == 1}
     else:
         drop = {i for i, s in enumerate(src) if s == 1}
+    drop_unit_dims(w.get(node.args[0]), node, drop)
     return _permute_like(w, node, [i for i in range(len(src)) if i not in drop])
+
+
+def drop_unit_dims(lay: Any, node: Node, dims: set[int] | list[int]) -> None:
+    """A split size-1 dim may not vanish (squeezed, reduced): every rank holds it whole
+    and the split only says that each rank uses it for its own slice (one KV head for
+    the rank's query heads), so its gradient is summed over the ranks. Once the dim is
+    gone the tensor reads as replicated, used alike by every rank, and that sum would
+    count its gradient tp times."""
+    if isinstance(lay, ParamView) or lay.partial:
+        return
+    split = [v for d, v in lay.dims if d in dims]
+    if split:
+        raise ShardingConflict(f"{describe(node)}: drops a split size-1 dim", lay.origins(), tuple(split))
 
 
 def transpose(w: Walker, node: Node) -> Any:

@@ -27,6 +27,7 @@ import torch
 from torch.fx import Node
 
 from autotp.analysis.propagation_result import NodeRole, ParamView
+from autotp.analysis.shape_rules import drop_unit_dims
 from autotp.analysis.shapes import norm_dim, schema_arg, shape_of
 from autotp.ir.errors import describe
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, ShardingConflict, shard, unify
@@ -82,6 +83,8 @@ def reduction(w: Walker, node: Node) -> Any:
     reduced = reduced_dims(node, nd)
     keep = bool(schema_arg(node, "keepdim", False))
     kept = [d for d in range(nd) if d not in reduced]
+    shape = shape_of(x) or ()
+    drop_unit_dims(lay, node, [d for d in reduced if shape[d] == 1])
     sharded = [lay.var_at(d) for d in reduced if lay.var_at(d) is not None]
     if not sharded:
         return lay if keep else shard({kept.index(d): v for d, v in lay.dims})

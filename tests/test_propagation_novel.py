@@ -1,0 +1,46 @@
+"""Constructs of the second round of issue 27 (``tests/plain_models_novel.py``) on tiny
+modules, one process: what the planner decides for them. ``test_plain_suite`` checks the
+numerics of the whole models on gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autotp.analysis.trace import trace
+from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from autotp.ir.plan import KEPT_WHOLE_CONFLICT
+
+DIM = 64
+
+
+class TokenRouter(nn.Module):
+    """A one-output router (mixture-of-depths) whose score is used by every rank alike:
+    its size-1 output dim leaves the tensor by ``how``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.router, self.up, self.down = nn.Linear(DIM, 1, bias=False), nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        score = self.router(x)
+        score = {"squeeze": lambda s: s.squeeze(-1), "select": lambda s: s[..., 0], "view": lambda s: s.view(s.shape[0], s.shape[1]),
+                 "flatten": lambda s: s.flatten(1), "sum": lambda s: s.sum(-1)}[self.how](score)  # fmt: skip
+        return x + self.down(torch.relu(self.up(x))) * score.sigmoid().unsqueeze(-1)
+
+
+@pytest.mark.parametrize("how", ["squeeze", "select", "view", "flatten", "sum"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_one_output_router_read_alike_by_every_rank_is_not_split(how: str, tp: int) -> None:
+    """Splitting the router's size-1 output dim holds it whole on every rank, and its grad
+    would be summed over them as if each rank used it differently: the dim must not be
+    dropped (squeeze, select, view) while it carries a split."""
+    gm = trace(TokenRouter(how).eval(), {"x": torch.randn(2, 8, DIM)})
+    plan = plan_tensor_parallel(gm, tp)
+    kinds = {p.name: p.kind for p in plan.params}
+    assert kinds.get("up.weight") == "column" and kinds.get("down.weight") == "row"
+    assert "router.weight" not in kinds
+    kept = {k.name: k.reason for k in plan.kept_whole}
+    assert kept["router.weight"] == KEPT_WHOLE_CONFLICT
