@@ -11,6 +11,9 @@ from torch import nn
 from autotp.analysis.trace import trace
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir.plan import KEPT_WHOLE_CONFLICT
+from autotp.ir.errors import UserInputError
+from plain_models_attention import NanoGPTAttention, PreNormBlock
+from plain_models_novel import MambaBlock, SortedTokenMoE
 
 DIM = 64
 
@@ -44,3 +47,32 @@ def test_a_one_output_router_read_alike_by_every_rank_is_not_split(how: str, tp:
     assert "router.weight" not in kinds
     kept = {k.name: k.reason for k in plan.kept_whole}
     assert kept["router.weight"] == KEPT_WHOLE_CONFLICT
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_mamba1_scan_splits_its_channels_with_dt_read_through_the_ranks_slice(tp: int) -> None:
+    """Mamba1's reference scan: ``einsum("bld,bln,bld->bldn", dt, B, x)`` meets ``x`` split
+    over the inner channels; where ``dt`` is whole it is read through the rank's slice
+    instead of keeping ``in_proj`` whole."""
+    gm = trace(MambaBlock().eval(), {"x": torch.randn(2, 16, DIM)})
+    kinds = {p.name: p.kind for p in plan_tensor_parallel(gm, tp).params}
+    assert kinds["mixer.in_proj.weight"] == "column" and kinds["mixer.out_proj.weight"] == "row"
+    assert kinds["mixer.conv1d.weight"] == "depthwise" and kinds["mixer.x_proj.weight"] == "row"
+
+
+def test_grouped_mm_experts_over_sorted_tokens_split_their_hidden_dim() -> None:
+    """torchtitan's grouped experts (``[E, out, in]`` weights transposed into
+    ``torch._grouped_mm`` at cumulative offsets of ``histc`` counts), traced in bf16 (the
+    dtype PyTorch's meta kernel of that op takes): every expert's hidden dim is split."""
+    block = PreNormBlock(NanoGPTAttention(), SortedTokenMoE()).to(torch.bfloat16).eval()
+    gm = trace(block, {"x": torch.randn(2, 16, DIM, dtype=torch.bfloat16)})
+    for tp in (2, 4):
+        kinds = {p.name: (p.kind, p.dim) for p in plan_tensor_parallel(gm, tp).params}
+        assert kinds["feed_forward.experts.w1"] == kinds["feed_forward.experts.w3"] == ("expert_column", 1)
+        assert kinds["feed_forward.experts.w2"] == ("expert_row", 2)
+
+
+def test_an_fp32_grouped_mm_is_refused_naming_the_module_and_the_meta_kernel() -> None:
+    block = PreNormBlock(NanoGPTAttention(), SortedTokenMoE()).eval()
+    with pytest.raises(UserInputError, match=r"module feed_forward\.experts .*meta kernel \(meta_grouped_mm\).*bf16"):
+        trace(block, {"x": torch.randn(2, 16, DIM)})

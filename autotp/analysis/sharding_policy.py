@@ -279,7 +279,9 @@ def einsum(w: Walker, node: Node) -> Any:
     partial. An undecided parameter follows a letter that an activation shards (kind
     ``row`` if contracted, ``column`` if kept); where no operand is split, the one letter a
     parameter alone has and the output keeps (the experts' hidden dim of ``ecd,edh->ech``)
-    makes it column-parallel; otherwise it is replicated."""
+    makes it column-parallel; otherwise it is replicated. A replicated operand whose letter
+    another operand splits is read through the rank's slice of it (Mamba's ``dt`` meeting
+    its channel-split input), as ``values.pointwise`` does for a broadcast operand."""
     equation, operands = node.args[0], list(node.args[1])
     if "..." in equation or len(operands) != equation.split("->")[0].count(",") + 1:
         return w.opaque(node)
@@ -317,7 +319,9 @@ def einsum(w: Walker, node: Node) -> Any:
         shape = shape_of(t) or ()
         for i, c in enumerate(term):
             if c in letters and lay.var_at(i) is None and shape[i] != 1:
-                raise ShardingConflict(f"{describe(node)}: letter {c} is sharded in one operand only", letters[c].find().origins)
+                if not lay.replicated or letters[c].find().padded:
+                    raise ShardingConflict(f"{describe(node)}: letter {c} is sharded in one operand only", letters[c].find().origins)
+                w.out.local_slices.setdefault(node, []).append((t, i, letters[c]))  # read through the rank's slice
     contracted = [c for c in letters if c not in out]
     if contracted and len(contracted) != len(letters):
         raise ShardingConflict(f"{describe(node)}: contraction and output both sharded", letters[contracted[0]].find().origins)
