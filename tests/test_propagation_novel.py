@@ -8,12 +8,14 @@ import pytest
 import torch
 from torch import nn
 
+from autotp.analysis.layers import layer_of, num_layers
 from autotp.analysis.trace import trace
+from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
-from autotp.ir.plan import KEPT_WHOLE_CONFLICT
 from autotp.ir.errors import UserInputError
+from autotp.ir.plan import KEPT_WHOLE_CONFLICT
 from plain_models_attention import NanoGPTAttention, PreNormBlock
-from plain_models_novel import MambaBlock, SortedTokenMoE
+from plain_models_novel import EncoderDecoder, MambaBlock, SortedTokenMoE, example_inputs
 
 DIM = 64
 
@@ -76,3 +78,12 @@ def test_an_fp32_grouped_mm_is_refused_naming_the_module_and_the_meta_kernel() -
     block = PreNormBlock(NanoGPTAttention(), SortedTokenMoE()).eval()
     with pytest.raises(UserInputError, match=r"module feed_forward\.experts .*meta kernel \(meta_grouped_mm\).*bf16"):
         trace(block, {"x": torch.randn(2, 16, DIM)})
+
+
+def test_layers_of_several_module_lists_are_numbered_in_the_order_they_run() -> None:
+    """An encoder's and a decoder's layers (``encoder.0``, ``decoder.0``) are different
+    layers: numbered in the order they run, the pipeline cuts between them by cost."""
+    gm = trace(EncoderDecoder().eval(), example_inputs("encoder_decoder"))
+    order = [layer_of(n) for n in gm.graph.nodes if n.op == "call_function" and layer_of(n) is not None]
+    assert num_layers(gm) == 4 and order == sorted(order) and set(order) == {0, 1, 2, 3}
+    assert plan_pipeline(gm, 2, 1)[0] == (0, 0, 1, 1)
