@@ -244,11 +244,13 @@ class DeepSeekV3MoE(nn.Module):
 
 
 class DenseFirstLM(DecoderLM):
-    """DeepSeek-V3's layout: the first layer's MLP dense, the others MoE."""
+    """DeepSeek-V3's layout: the first layer's MLP dense, the others MoE (four layers: with
+    two, the MoE layer alone is over 65% of the model and no pp=2 cut can balance it)."""
 
     def __init__(self) -> None:
         super().__init__(lambda: PreNormBlock(NanoGPTAttention(), DeepSeekV3MoE(), norm=RMSNorm), norm=RMSNorm)
-        self.layers[0] = PreNormBlock(NanoGPTAttention(), SwiGLU(), norm=RMSNorm)
+        moe = [PreNormBlock(NanoGPTAttention(), DeepSeekV3MoE(), norm=RMSNorm) for _ in range(3)]
+        self.layers = nn.ModuleList([PreNormBlock(NanoGPTAttention(), SwiGLU(), norm=RMSNorm), *moe])
 
 
 # ---- RWKV-4: token shift and a per-channel recurrence -------------------------------------
