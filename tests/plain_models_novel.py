@@ -500,6 +500,159 @@ class EncoderDecoder(nn.Module):
         return out
 
 
+# ---- MLP-Mixer: token mixing by a linear over the patches -----------------------------------
+
+
+class MixerBlock(nn.Module):
+    """Token mixing (an MLP over the patch dim, channels transposed in front) and channel
+    mixing (an MLP over the channels)."""
+
+    def __init__(self, tokens: int, dim: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.token_fc1, self.token_fc2 = nn.Linear(tokens, 2 * tokens), nn.Linear(2 * tokens, tokens)
+        self.channel_fc1, self.channel_fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm1(x).transpose(1, 2)
+        x = x + self.token_fc2(F.gelu(self.token_fc1(y))).transpose(1, 2)
+        return x + self.channel_fc2(F.gelu(self.channel_fc1(self.norm2(x))))
+
+
+class MlpMixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        tokens = (IMAGE // PATCH) ** 2
+        self.stem = nn.Conv2d(3, DIM, kernel_size=PATCH, stride=PATCH)
+        self.blocks = nn.ModuleList(MixerBlock(tokens, DIM) for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        x = self.stem(pixel_values).flatten(2).transpose(1, 2)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x).mean(dim=1))
+        out: dict[str, Any] = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits, labels)
+        return out
+
+
+# ---- DiT: adaLN-Zero modulation from a class embedding -----------------------------------
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class DiTBlock(nn.Module):
+    """One linear of the conditioning gives shift, scale and gate of both sub-blocks
+    (``chunk(6, dim=1)``); norms without affine weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM, elementwise_affine=False, eps=1e-6)
+        self.norm2 = nn.LayerNorm(DIM, elementwise_affine=False, eps=1e-6)
+        self.attn = NanoGPTAttention()
+        self.fc1, self.fc2 = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(DIM, 6 * DIM))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        return x + gate_mlp.unsqueeze(1) * self.fc2(F.gelu(self.fc1(modulate(self.norm2(x), shift_mlp, scale_mlp)), approximate="tanh"))
+
+
+class DiT(nn.Module):
+    """Patch embedding, a class embedding conditioning every block, a modulated final
+    layer predicting the patches back; the loss is the mean squared error to a target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.x_embedder = nn.Conv2d(3, DIM, kernel_size=PATCH, stride=PATCH)
+        self.y_embedder = nn.Embedding(CLASSES, DIM)
+        self.blocks = nn.ModuleList(DiTBlock() for _ in range(LAYERS))
+        self.final_norm = nn.LayerNorm(DIM, elementwise_affine=False, eps=1e-6)
+        self.final_modulation = nn.Sequential(nn.SiLU(), nn.Linear(DIM, 2 * DIM))
+        self.final_linear = nn.Linear(DIM, PATCH * PATCH * 3)
+
+    def forward(self, pixel_values: torch.Tensor, class_labels: torch.Tensor, target: torch.Tensor | None = None) -> dict[str, Any]:
+        x = self.x_embedder(pixel_values).flatten(2).transpose(1, 2)
+        c = self.y_embedder(class_labels)
+        for block in self.blocks:
+            x = block(x, c)
+        shift, scale = self.final_modulation(c).chunk(2, dim=1)
+        pred = self.final_linear(modulate(self.final_norm(x), shift, scale))
+        out: dict[str, Any] = {"logits": pred}
+        if target is not None:
+            out["loss"] = F.mse_loss(pred, target)
+        return out
+
+
+# ---- Perceiver: a learned latent array cross-attends to the inputs ------------------------
+
+
+class PerceiverLM(nn.Module):
+    """Learned latents query the token embeddings (cross-attention), latent self-attention
+    blocks, then the tokens query the latents back for their logits."""
+
+    LATENTS = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.latents = nn.Parameter(torch.randn(self.LATENTS, DIM) * 0.02)
+        self.encode = CrossAttention(causal=False)
+        self.blocks = nn.ModuleList(EncoderBlock() for _ in range(LAYERS))
+        self.decode = CrossAttention(causal=False)
+        self.norm = nn.LayerNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        x = self.embed(input_ids)
+        z = self.latents.unsqueeze(0).expand(x.shape[0], -1, -1)
+        z = z + self.encode(z, x)
+        for block in self.blocks:
+            z = block(z)
+        logits = self.output(self.norm(x + self.decode(x, z)))
+        out: dict[str, Any] = {"logits": logits}
+        if labels is not None:
+            out["loss"] = lm_loss(logits, labels)
+        return out
+
+
+# ---- differential attention: the difference of two softmax maps --------------------------
+
+
+class DiffAttention(nn.Module):
+    """q and k projected to two maps per head (``view(b, s, 2 * H, D/2)``), ``lambda`` from
+    four learned per-head-dim vectors, the second map subtracted, a per-head RMS norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        half = HEAD_DIM // 2
+        self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (nn.Parameter(torch.randn(half) * 0.1) for _ in range(4))
+        self.subln = RMSNorm(HEAD_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, 2 * HEADS, HEAD_DIM // 2).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, 2 * HEADS, HEAD_DIM // 2).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
+        scores = (q @ k.transpose(-1, -2)) * (HEAD_DIM // 2) ** -0.5
+        scores = scores + torch.full((s, s), float("-inf"), device=x.device).triu(1)
+        probs = scores.softmax(dim=-1).view(b, HEADS, 2, s, s)
+        lam = torch.exp((self.lambda_q1 * self.lambda_k1).sum()) - torch.exp((self.lambda_q2 * self.lambda_k2).sum()) + 0.8
+        out = (probs[:, :, 0] - lam * probs[:, :, 1]) @ v
+        out = self.subln(out.transpose(1, 2)) * (1 - 0.8)
+        return self.out_proj(out.reshape(b, s, DIM))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "swin": SwinTransformer,
     "moe_sorted_loop": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), SortedTokenMoE(loop=True))),
@@ -509,8 +662,18 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "hyper_connections": HyperConnectionLM,
     "mamba1_scan": lambda: DecoderLM(MambaBlock, norm=RMSNorm),
     "encoder_decoder": EncoderDecoder,
+    "mlp_mixer": MlpMixer,
+    "dit_adaln": DiT,
+    "perceiver_latents": PerceiverLM,
+    "diff_attention": lambda: DecoderLM(lambda: PreNormBlock(DiffAttention(), SwiGLU(), norm=RMSNorm), norm=RMSNorm),
 }
 MOE = frozenset({"moe_sorted_loop", "deepseek_v3_routing"})
+
+
+def loss_fn(name: str) -> Callable[[Any], torch.Tensor] | None:
+    """DiT computes its loss from ``target``, not ``labels``: ``train_step`` (pp > 1) is told
+    where the loss is, as its docstring asks of a model called without ``labels``."""
+    return (lambda out: out["loss"]) if name == "dit_adaln" else None
 
 
 def build(name: str) -> nn.Module:
@@ -521,9 +684,12 @@ def build(name: str) -> nn.Module:
 def example_inputs(name: str, batch: int = 2, seq: int = 16) -> dict[str, torch.Tensor]:
     """Keyword inputs of model ``name``, the same on every call."""
     gen = torch.Generator().manual_seed(1)
-    if name == "swin":
+    if name in ("swin", "mlp_mixer"):
         return {"pixel_values": torch.randn(batch, 3, IMAGE, IMAGE, generator=gen),
                 "labels": torch.randint(0, CLASSES, (batch,), generator=gen)}  # fmt: skip
+    if name == "dit_adaln":
+        return {"pixel_values": torch.randn(batch, 3, IMAGE, IMAGE, generator=gen), "class_labels": torch.randint(0, CLASSES, (batch,), generator=gen),
+                "target": torch.randn(batch, (IMAGE // PATCH) ** 2, PATCH * PATCH * 3, generator=gen)}  # fmt: skip
     ids, labels = (torch.randint(0, VOCAB, (batch, seq), generator=gen) for _ in range(2))
     if name == "encoder_decoder":
         return {"input_ids": ids, "decoder_input_ids": labels[:, : seq - 4], "labels": labels[:, 4:]}
