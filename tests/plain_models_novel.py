@@ -653,6 +653,123 @@ class DiffAttention(nn.Module):
         return self.out_proj(out.reshape(b, s, DIM))
 
 
+# ---- expert-choice routing: each expert picks its top tokens ------------------------------
+
+
+class ExpertChoiceMoE(nn.Module):
+    """Router scores transposed to ``[E, T]``; each expert takes its ``CAPACITY`` best
+    tokens (``topk`` over the tokens), runs them (``bmm`` on stacked weights) and adds them
+    back weighted by their scores (``index_add_`` over the flattened choices)."""
+
+    EXPERTS, CAPACITY = 4, 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(DIM, self.EXPERTS, bias=False)
+        self.w_in = nn.Parameter(torch.randn(self.EXPERTS, DIM, 2 * DIM) * DIM**-0.5)
+        self.w_out = nn.Parameter(torch.randn(self.EXPERTS, 2 * DIM, DIM) * (2 * DIM) ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        scores = self.gate(tokens).softmax(dim=-1).t()  # [E, T]
+        weights, chosen = torch.topk(scores, self.CAPACITY, dim=-1)  # [E, C]
+        h = torch.bmm(tokens[chosen], self.w_in)  # [E, C, 2D]
+        y = torch.bmm(F.gelu(h), self.w_out) * weights.unsqueeze(-1)
+        out = torch.zeros_like(tokens).index_add_(0, chosen.reshape(-1), y.reshape(-1, shape[-1]))
+        return out.view(shape)
+
+
+# ---- Conformer's convolution module: GLU over channels, depthwise conv, BatchNorm ---------
+
+
+class ConformerConv(nn.Module):
+    """Pointwise conv to 2C, GLU over the channels, a depthwise conv over time, BatchNorm
+    (running statistics in eval), SiLU, a pointwise conv back."""
+
+    def __init__(self, kernel: int = 5) -> None:
+        super().__init__()
+        self.pointwise1 = nn.Conv1d(DIM, 2 * DIM, 1)
+        self.depthwise = nn.Conv1d(DIM, DIM, kernel, padding=kernel // 2, groups=DIM)
+        self.norm = nn.BatchNorm1d(DIM)
+        self.pointwise2 = nn.Conv1d(DIM, DIM, 1)
+        with torch.no_grad():
+            self.norm.running_mean.uniform_(-0.1, 0.1)
+            self.norm.running_var.uniform_(0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.glu(self.pointwise1(x.transpose(1, 2)), dim=1)
+        y = F.silu(self.norm(self.depthwise(y)))
+        return self.pointwise2(y).transpose(1, 2)
+
+
+class ConformerBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ff1, self.ff2 = SwiGLU(), SwiGLU()
+        self.attn, self.conv = CrossAttention(causal=False), ConformerConv()
+        self.norms = nn.ModuleList(nn.LayerNorm(DIM) for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + 0.5 * self.ff1(self.norms[0](x))
+        x = x + self.attn(self.norms[1](x))
+        x = x + self.conv(self.norms[2](x))
+        x = x + 0.5 * self.ff2(self.norms[3](x))
+        return self.norms[4](x)
+
+
+# ---- RetNet: retention with a per-head decay mask -----------------------------------------
+
+
+class Retention(nn.Module):
+    """Per-head decays ``gamma`` (a buffer), the decay mask ``gamma^(n-m)`` below the
+    diagonal built in the forward, ``(q k^T * D) v``, a group norm per head, a swish gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.out_proj = (nn.Linear(DIM, DIM, bias=False) for _ in range(5))
+        self.register_buffer("gamma", 1 - 2.0 ** (-5 - torch.arange(HEADS, dtype=torch.float32)), persistent=False)
+        self.group_norm = nn.GroupNorm(HEADS, DIM, affine=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, HEADS, HEAD_DIM).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        n = torch.arange(s, device=x.device, dtype=torch.float32)
+        dist = n[:, None] - n[None, :]
+        decay = torch.where(dist >= 0, self.gamma[:, None, None] ** dist.clamp(min=0), torch.zeros((), device=x.device))
+        y = ((q @ k.transpose(-1, -2)) * HEAD_DIM**-0.5 * decay) @ v  # [b, H, s, D]
+        y = self.group_norm(y.transpose(1, 2).reshape(b * s, DIM)).view(b, s, DIM)
+        return self.out_proj(F.silu(self.g_proj(x)) * y)
+
+
+# ---- multi-token prediction: extra heads predict further tokens ---------------------------
+
+
+class MultiTokenLM(DecoderLM):
+    """A shared trunk; each of ``DEPTH`` extra blocks predicts the token ``d`` steps ahead
+    through the shared output head; the loss is the mean over depths."""
+
+    DEPTH = 2
+
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(NanoGPTAttention(), SwiGLU()))
+        self.mtp = nn.ModuleList(PreNormBlock(NanoGPTAttention(), SwiGLU()) for _ in range(self.DEPTH))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.logits(h)
+        out: dict[str, Any] = {"logits": logits}
+        if labels is not None:
+            losses = [lm_loss(logits, labels)]
+            for d, block in enumerate(self.mtp, start=1):
+                h = block(h)
+                losses.append(lm_loss(self.logits(h)[:, :-d], labels[:, d:]))
+            out["loss"] = torch.stack(losses).mean()
+        return out
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "swin": SwinTransformer,
     "moe_sorted_loop": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), SortedTokenMoE(loop=True))),
@@ -666,8 +783,12 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "dit_adaln": DiT,
     "perceiver_latents": PerceiverLM,
     "diff_attention": lambda: DecoderLM(lambda: PreNormBlock(DiffAttention(), SwiGLU(), norm=RMSNorm), norm=RMSNorm),
+    "moe_expert_choice": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), ExpertChoiceMoE())),
+    "conformer": lambda: DecoderLM(ConformerBlock),
+    "retnet": lambda: DecoderLM(lambda: PreNormBlock(Retention(), SwiGLU())),
+    "multi_token_prediction": MultiTokenLM,
 }
-MOE = frozenset({"moe_sorted_loop", "deepseek_v3_routing"})
+MOE = frozenset({"moe_sorted_loop", "deepseek_v3_routing", "moe_expert_choice"})
 
 
 def loss_fn(name: str) -> Callable[[Any], torch.Tensor] | None:

@@ -10,6 +10,7 @@ from torch import nn
 
 from autotp.analysis.layers import layer_of, num_layers
 from autotp.analysis.trace import trace
+from autotp.compiler import lower
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir.errors import UserInputError
@@ -87,3 +88,35 @@ def test_layers_of_several_module_lists_are_numbered_in_the_order_they_run() -> 
     order = [layer_of(n) for n in gm.graph.nodes if n.op == "call_function" and layer_of(n) is not None]
     assert num_layers(gm) == 4 and order == sorted(order) and set(order) == {0, 1, 2, 3}
     assert plan_pipeline(gm, 2, 1)[0] == (0, 0, 1, 1)
+
+
+class HeadGroupNorm(nn.Module):
+    """RetNet's output: heads flattened into channels, a ``GroupNorm`` with one group per
+    head (``groups``), a swish gate, the output projection."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.v, self.g, self.o = nn.Linear(DIM, DIM, bias=False), nn.Linear(DIM, DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+        self.norm = nn.GroupNorm(groups, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        y = self.norm(self.v(x).reshape(b * s, DIM)).view(b, s, DIM)
+        return self.o(torch.nn.functional.silu(self.g(x)) * y)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_group_norm_over_whole_groups_keeps_the_channels_split(tp: int) -> None:
+    gm = trace(HeadGroupNorm(8).eval(), {"x": torch.randn(2, 8, DIM)})
+    kinds = {p.name: p.kind for p in plan_tensor_parallel(gm, tp).params}
+    assert kinds["v.weight"] == kinds["g.weight"] == "column" and kinds["o.weight"] == "row"
+    assert kinds["norm.weight"] == kinds["norm.bias"] == "bias"
+    rank_graph = lower(gm, plan_tensor_parallel(gm, tp), tp_rank=tp - 1, device="cpu", backend="gloo").graph
+    (norm,) = [n for n in rank_graph.graph.nodes if n.target is torch.ops.aten.group_norm.default]
+    assert norm.args[1] == 8 // tp  # the rank's own groups
+
+
+def test_group_norm_with_groups_tp_does_not_divide_keeps_its_input_whole() -> None:
+    gm = trace(HeadGroupNorm(2).eval(), {"x": torch.randn(2, 8, DIM)})
+    plan = plan_tensor_parallel(gm, 4)
+    assert {k.name: k.reason for k in plan.kept_whole}["v.weight"] == KEPT_WHOLE_CONFLICT

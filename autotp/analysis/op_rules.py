@@ -152,6 +152,7 @@ RULES: dict[Any, Rule] = {
     aten.layer_norm.default: statistics.norm,
     aten.native_layer_norm.default: statistics.norm,
     aten.rms_norm.default: statistics.norm,
+    aten.group_norm.default: statistics.group_norm,
     aten.dropout.default: values.dropout,
     aten.where.self: values.pointwise,
     # elementwise, though not tagged so (composite ops, a 0-d fill value)

@@ -129,6 +129,33 @@ def norm(w: Walker, node: Node) -> Any:
     return lay
 
 
+def group_norm(w: Walker, node: Node) -> Any:
+    """``group_norm(x [N, C, *], groups, weight, bias)``: each statistic is over one group of
+    C/groups channels (and the spatial dims) of one sample. A split of C keeps every group
+    on one rank when tp divides the groups (each rank holds C/tp contiguous channels, whole
+    groups: RetNet's and Mamba's norm per head); the affine weight and bias take C's split.
+    The batch dim may be split too; a spatial dim may not."""
+    x = node.args[0]
+    lay = w.summed(x, node)
+    groups = int(node.args[1])
+    var = lay.var_at(1)
+    spatial = [v for d, v in lay.dims if d >= 2]
+    weights = [a for a in node.args[2:4] if isinstance(a, Node)]
+    if spatial:
+        raise ShardingConflict(f"{describe(node)}: normalizes over a sharded dim", lay.origins(), tuple(spatial))
+    if var is None:
+        for a in weights:
+            w.concrete(a, node)
+            w.reduce_first(node, [a])
+        return lay
+    root = var.find()
+    if groups % w.tp or root.padded or root.segments is not None:
+        raise ShardingConflict(f"{describe(node)}: {groups} groups do not stay whole on tp={w.tp} ranks", lay.origins(), (var,))
+    for a in weights:
+        _follow(w, node, a, {0: var})
+    return lay
+
+
 def _follow(w: Walker, node: Node, weight: Node, dims: dict[int, DimVar]) -> None:
     """A norm's weight or bias (shaped like the normalized dims) takes their split."""
     lay = w.get(weight)
