@@ -16,7 +16,7 @@ from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir.errors import UserInputError
 from autotp.ir.plan import KEPT_WHOLE_CONFLICT
 from plain_models_attention import NanoGPTAttention, PreNormBlock
-from plain_models_novel import EncoderDecoder, MambaBlock, SortedTokenMoE, example_inputs
+from plain_models_novel import ConformerConv, EncoderDecoder, MambaBlock, SortedTokenMoE, example_inputs
 
 DIM = 64
 
@@ -120,3 +120,18 @@ def test_group_norm_with_groups_tp_does_not_divide_keeps_its_input_whole() -> No
     gm = trace(HeadGroupNorm(2).eval(), {"x": torch.randn(2, 8, DIM)})
     plan = plan_tensor_parallel(gm, 4)
     assert {k.name: k.reason for k in plan.kept_whole}["v.weight"] == KEPT_WHOLE_CONFLICT
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_conformer_convolution_module_is_split_over_its_channels(tp: int) -> None:
+    """Pointwise conv to 2C, ``glu`` over the channels (two halves split alike), a depthwise
+    conv, eval-mode ``batch_norm`` (per-channel vectors follow), a pointwise conv back:
+    column-parallel in, row-parallel out, its bias added after the all-reduce."""
+    gm = trace(ConformerConv().eval(), {"x": torch.randn(2, 16, DIM)})
+    plan = plan_tensor_parallel(gm, tp)
+    kinds = {p.name: p.kind for p in plan.params}
+    assert kinds["pointwise1.weight"] == "column" and kinds["depthwise.weight"] == "depthwise"
+    assert kinds["norm.weight"] == kinds["norm.bias"] == "bias" and kinds["pointwise2.weight"] == "row"
+    rank_graph = lower(gm, plan, tp_rank=0, device="cpu", backend="gloo").graph
+    (last,) = [n for n in rank_graph.graph.nodes if n.target is torch.ops.aten.conv1d.default and n.args[1].target == "pointwise2.weight"]
+    assert last.args[2] is None and any(u.target is torch.ops.autotp.reduce_from_tp.default for u in last.users)

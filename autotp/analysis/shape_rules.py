@@ -246,6 +246,20 @@ def split(w: Walker, node: Node) -> Any:
     return tuple(shard({**dict(lay.dims), d: seg}) for seg in segs)
 
 
+def glu(w: Walker, node: Node) -> Any:
+    """``glu(x, dim)``: the first half of ``dim`` times the sigmoid of the second. A split
+    ``dim`` is cut into the two halves, split alike (rank r holds part r of each, as a
+    fused gate/up projection), so the rank's ``glu`` pairs its own parts."""
+    lay = w.summed(node.args[0], node)
+    src = shape_of(node.args[0]) or ()
+    d = norm_dim(node.args[1] if len(node.args) > 1 else -1, len(src))
+    var = lay.var_at(d)
+    if var is None:
+        return lay
+    first, second = set_segments(var, [src[d] // 2, src[d] // 2], describe(node))
+    return shard({**dict(lay.dims), d: unify(first, second, describe(node))})
+
+
 def _drop_dim(lay: Layout, d: int) -> Layout:
     return shard({(i if i < d else i - 1): v for i, v in lay.dims if i != d})
 

@@ -174,7 +174,8 @@ def convolution(w: Walker, node: Node) -> Any:
     Replicated input channels and ``groups=1`` make the weight column-parallel over its
     output channels (a patch embedding); input channels split with ``groups`` equal to
     the channels (a depthwise short convolution) keep the split, and the weight, the bias
-    and the local ``groups`` follow it (``rewrite_shapes``).
+    and the local ``groups`` follow it (``rewrite_shapes``); split input channels into a
+    dense convolution make it row-parallel.
     """
     x, weight = node.args[0], node.args[1]
     bias = schema_arg(node, "bias")
@@ -201,6 +202,11 @@ def convolution(w: Walker, node: Node) -> Any:
         if lw.var_at(0) is None:
             raise ShardingConflict(f"{describe(node)}: a depthwise weight kept whole meets split channels", channels.find().origins, (channels,))
         out = unify(lw.var_at(0), channels, describe(node))
+    elif groups == 1 and len(lx.dims) == 1 and (
+        (isinstance(lw, ParamView) and lw.dim_map[1] == 1 and w.allowed(lw.name, "row"))
+        or (isinstance(lw, Layout) and lw.var_at(1) is not None and len(lw.dims) == 1)
+    ):
+        return _row_parallel_convolution(w, node, lw, channels, bias)
     else:
         raise ShardingConflict(f"{describe(node)}: convolves split input channels across groups", lx.origins(), (channels,))
     if any(d != 0 for d, _ in w.concrete(weight, node).dims):
@@ -217,6 +223,23 @@ def convolution(w: Walker, node: Node) -> Any:
     if out is not None:
         dims[1] = out
     return shard(dims)
+
+
+def _row_parallel_convolution(w: Walker, node: Node, lw: ParamView | Layout, channels: DimVar, bias: Any) -> Any:
+    """A dense convolution (``groups=1``) over split input channels: the weight's input
+    channels follow them and each rank's output is a partial sum (Conformer's pointwise
+    convolution after a channel-split depthwise one); a bias is added after the all-reduce."""
+    if isinstance(lw, ParamView):
+        w.param_view_shard(lw, 1, channels, "row", node)
+    else:
+        unify(lw.var_at(1), channels, describe(node))  # type: ignore[arg-type]
+    if not isinstance(bias, Node):
+        return PARTIAL
+    w.concrete(bias, node)
+    if w.get(bias) != REPLICATE:
+        raise ShardingConflict(f"{describe(node)}: bias of a row-parallel convolution is sharded", channels.find().origins)
+    w.out.roles[node] = NodeRole.ROW_WITH_BIAS
+    return REPLICATE
 
 
 def grouped_matmul(w: Walker, node: Node) -> Layout:

@@ -156,6 +156,27 @@ def group_norm(w: Walker, node: Node) -> Any:
     return lay
 
 
+def batch_norm(w: Walker, node: Node) -> Any:
+    """``batch_norm(x [N, C, *], weight, bias, running_mean, running_var, training, ...)``
+    in eval mode: a per-channel affine map from the running statistics, so any split
+    stays, and the four per-channel vectors take C's split. Training mode (statistics of
+    the batch) is left to the fallback."""
+    x = node.args[0]
+    lay = w.summed(x, node)
+    if schema_arg(node, "training", True):
+        return w.opaque(node)
+    var = lay.var_at(1)
+    for a in node.args[1:5]:
+        if not isinstance(a, Node):
+            continue
+        if var is None:
+            w.concrete(a, node)
+            w.reduce_first(node, [a])
+        else:
+            _follow(w, node, a, {0: var})
+    return lay
+
+
 def _follow(w: Walker, node: Node, weight: Node, dims: dict[int, DimVar]) -> None:
     """A norm's weight or bias (shaped like the normalized dims) takes their split."""
     lay = w.get(weight)
