@@ -451,17 +451,6 @@ class CrossAttention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(b, s, DIM))
 
 
-class EncoderBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.self_attn, self.mlp = CrossAttention(causal=False), SwiGLU()
-        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
 class DecoderBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -481,7 +470,7 @@ class EncoderDecoder(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.shared = nn.Embedding(VOCAB, DIM)
-        self.encoder = nn.ModuleList(EncoderBlock() for _ in range(LAYERS))
+        self.encoder = nn.ModuleList(PreNormBlock(CrossAttention(causal=False)) for _ in range(LAYERS))
         self.decoder = nn.ModuleList(DecoderBlock() for _ in range(LAYERS))
         self.encoder_norm, self.decoder_norm = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
 
@@ -607,7 +596,7 @@ class PerceiverLM(nn.Module):
         self.embed = nn.Embedding(VOCAB, DIM)
         self.latents = nn.Parameter(torch.randn(self.LATENTS, DIM) * 0.02)
         self.encode = CrossAttention(causal=False)
-        self.blocks = nn.ModuleList(EncoderBlock() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(PreNormBlock(CrossAttention(causal=False)) for _ in range(LAYERS))
         self.decode = CrossAttention(causal=False)
         self.norm = nn.LayerNorm(DIM)
         self.output = nn.Linear(DIM, VOCAB, bias=False)
@@ -756,9 +745,7 @@ class MultiTokenLM(DecoderLM):
         self.mtp = nn.ModuleList(PreNormBlock(NanoGPTAttention(), SwiGLU()) for _ in range(self.DEPTH))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
-        h = self.embed(input_ids)
-        for layer in self.layers:
-            h = layer(h)
+        h = self.hidden(input_ids)
         logits = self.logits(h)
         out: dict[str, Any] = {"logits": logits}
         if labels is not None:
