@@ -54,9 +54,9 @@ def test_a_one_output_router_read_alike_by_every_rank_is_not_split(how: str, tp:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_mamba1_scan_splits_its_channels_with_dt_read_through_the_ranks_slice(tp: int) -> None:
-    """Mamba1's reference scan: ``einsum("bld,bln,bld->bldn", dt, B, x)`` meets ``x`` split
-    over the inner channels; where ``dt`` is whole it is read through the rank's slice
-    instead of keeping ``in_proj`` whole."""
+    """Mamba1's reference scan: ``einsum("bld,dn->bldn", dt, A)`` meets ``dt`` split over the
+    inner channels and ``A = -exp(A_log)`` whole (read whole at its first use): ``A`` is
+    read through the rank's slice instead of keeping ``in_proj`` whole."""
     gm = trace(MambaBlock().eval(), {"x": torch.randn(2, 16, DIM)})
     kinds = {p.name: p.kind for p in plan_tensor_parallel(gm, tp).params}
     assert kinds["mixer.in_proj.weight"] == "column" and kinds["mixer.out_proj.weight"] == "row"

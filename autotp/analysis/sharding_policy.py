@@ -167,6 +167,21 @@ def _slice_replicated_batch(
             w.out.local_slices.setdefault(node, []).append((t, d, var))
 
 
+def _weights_only(node: Any) -> bool:
+    """Whether ``node`` is computed from parameters, buffers and constants alone (Mamba's
+    ``A = -exp(A_log)``), not from the inputs: reading its slice costs nothing, where an
+    activation replicated by an all-reduce is better split where it is made."""
+    seen: set[Node] = set()
+    stack = [node] if isinstance(node, Node) else []
+    while stack:
+        n = stack.pop()
+        if n.op == "placeholder":
+            return False
+        seen.add(n)
+        stack.extend(a for a in n.all_input_nodes if a not in seen)
+    return True
+
+
 def convolution(w: Walker, node: Node) -> Any:
     """``conv1d/2d``, ``convolution`` (not transposed): channels are dim 1 of the input and
     dim 0 of the weight, the spatial dims must be whole.
@@ -302,9 +317,10 @@ def einsum(w: Walker, node: Node) -> Any:
     partial. An undecided parameter follows a letter that an activation shards (kind
     ``row`` if contracted, ``column`` if kept); where no operand is split, the one letter a
     parameter alone has and the output keeps (the experts' hidden dim of ``ecd,edh->ech``)
-    makes it column-parallel; otherwise it is replicated. A replicated operand whose letter
-    another operand splits is read through the rank's slice of it (Mamba's ``dt`` meeting
-    its channel-split input), as ``values.pointwise`` does for a broadcast operand."""
+    makes it column-parallel; otherwise it is replicated. A replicated operand made from
+    weights alone whose letter another operand splits is read through the rank's slice
+    (Mamba's ``A = -exp(A_log)`` meeting the channel-split ``dt``), as ``values.pointwise``
+    does for a broadcast operand."""
     equation, operands = node.args[0], list(node.args[1])
     if "..." in equation or len(operands) != equation.split("->")[0].count(",") + 1:
         return w.opaque(node)
@@ -342,7 +358,7 @@ def einsum(w: Walker, node: Node) -> Any:
         shape = shape_of(t) or ()
         for i, c in enumerate(term):
             if c in letters and lay.var_at(i) is None and shape[i] != 1:
-                if not lay.replicated or letters[c].find().padded:
+                if not lay.replicated or letters[c].find().padded or not _weights_only(t):
                     raise ShardingConflict(f"{describe(node)}: letter {c} is sharded in one operand only", letters[c].find().origins)
                 w.out.local_slices.setdefault(node, []).append((t, i, letters[c]))  # read through the rank's slice
     contracted = [c for c in letters if c not in out]
