@@ -68,6 +68,7 @@ VALIDATION = {  # name: (dims as in MODELS, global batch)
     "llama-8bw-8l": ((4096, 14336, 8, 32, 8, 32000, 2048), 8),
     "llama-3bw-12l": ((3072, 8192, 12, 24, 8, 50304, 1024), 16),
     "llama-2.5kw-8l-152k": ((2560, 6912, 8, 20, 4, 151936, 1024), 8),  # widths and a vocabulary no run was fitted on
+    "llama-1.5kw-12l-100k": ((1536, 4096, 12, 12, 4, 100352, 2048), 8),  # other widths, vocabulary and sequence
 }
 CPU_VALIDATION = {"tiny-c": ((96, 192, 4, 4, 2, 384, 48), 8)}
 CPU_MODELS = {

@@ -84,15 +84,16 @@ def scale_config(layers: int) -> LlamaConfig:
                        num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"], max_position_embeddings=m["seq"])  # fmt: skip
 
 
-def fit_compute_time_scale(profile: HardwareProfile, runs: list[dict[str, float]], layer: Segment) -> float:
+def fit_compute_time_scale(profile: HardwareProfile, runs: list[dict[str, float]], layer: Segment,
+                           batch: int = SCALE_MODEL["batch"]) -> float:  # fmt: skip
     """The ``compute_time_scale`` at which the cost model predicts the measured time per
     layer of ``runs`` (module docstring); kept within [1/4, 4]. ``layer``: the costs of
-    one traced ``scale_config`` layer at tp 1."""
+    one traced ``scale_config`` layer at tp 1 (or of another model's, run at ``batch`` samples)."""
     small, large = sorted(runs, key=lambda r: r["layers"])
     per_layer = (large["both_s"] - small["both_s"]) / (large["layers"] - small["layers"])
 
     def predicted(scale: float) -> float:
-        return segment_time(layer, SCALE_MODEL["batch"], replace(profile, compute_time_scale=scale), 1).total_s
+        return segment_time(layer, batch, replace(profile, compute_time_scale=scale), 1).total_s
 
     low, high = 0.25, 4.0
     for _ in range(40):
@@ -133,6 +134,7 @@ def fit_profile(measured: dict[str, object], ranks: int, scale_layer: Segment | 
         matmul_latency_s=gemm_latency,
         memory_bytes_per_s=float(measured["memory_bytes_per_s"]),
         attention_flops_per_s=float(measured["attention_flops_per_s"]),
+        attention_latency_s=0.0,  # one shape measured: its rate stands for the whole time
         attention_backward_factor=float(measured["attention_backward_factor"]),
         elementwise_backward_factor=float(measured["elementwise_backward_factor"]),
         matmul_curve=tuple((float(f), float(t)) for f, t in measured["gemm"]),

@@ -19,7 +19,7 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
 
 * GPU time of a node, forward: matmuls ``max(HardwareProfile.matmul_time_s(F), bytes/mem_bw)``
   (a node running its FLOPs as p equal GEMMs, ``gemm_pieces``: p·matmul_time_s(F/p));
-  fused attention ``max(F/attention_rate, bytes/mem_bw)``; everything else
+  fused attention ``max(attention_latency_s + F/attention_rate, bytes/mem_bw)``; everything else
   ``max(F/matmul_rate, bytes/mem_bw)`` (the roofline of ``flops.compute_time_s``);
   all of it times ``compute_time_scale``, which calibration measures on a whole layer.
 * The fused lm_head and loss (``linear_cross_entropy``) runs its three GEMMs and its loss
@@ -449,7 +449,7 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
     pieces = seg.pieces[matmul] if seg.pieces is not None else 1.0
     speed = np.where(seg.fp8[matmul], hw.fp8_matmul_speedup, 1.0) if seg.fp8 is not None else 1.0
     forward[matmul] = np.maximum(pieces * hw.matmul_time_s(flops[matmul] / pieces / speed), memory[matmul])
-    forward[attention] = np.maximum(flops[attention] / hw.attention_rate, memory[attention])
+    forward[attention] = np.maximum(hw.attention_time_s(flops[attention]), memory[attention])
     loss = seg.kinds == _FUSED_LOSS  # all three GEMMs and the loss passes in its forward, one after another
     forward[loss] = (1 + MATMUL_BACKWARD_FACTOR) * hw.matmul_time_s(flops[loss]) + memory[loss]
     forward *= hw.compute_time_scale

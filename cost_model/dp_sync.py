@@ -22,10 +22,17 @@ RS and AG run hierarchically across nodes
 (``communication.group_sharded_s``); together they move the bytes of one all-reduce. The host issues one collective and one divide per
 bucket (``op_overhead_s`` each).
 
-The optimizer step touches this rank's 1/d slice only: per element, the grad, the
-master weights and optimizer state read and written, and the parameter written:
-``2 · bytes_per_param(plain) · params / d`` bytes of memory traffic (the plain
-optimizer's ``2 · bytes_per_param · params``, divided over the d ranks).
+The optimizer step (``optimizer_step_s``) touches this rank's 1/d slice only (d = 1: the
+plain optimizer): ``adamw_bytes_per_param · params / d`` bytes at
+``HardwareProfile.optimizer_rate``. ``torch.optim.AdamW(foreach=True)`` (``_multi_tensor_adam``)
+runs one pass per foreach op over the tensor it steps (w bytes: the fp32 master where kept,
+else the parameter), the two moments (s bytes each) and the gradient it reads (g: the fp32
+copy where kept, else the grad): weight decay ``mul_`` (2w), ``lerp_`` of the first moment
+(2s + g), ``mul_`` (2s) and ``addcmul_`` (2s + 2g) of the second, ``sqrt`` (2s), ``div_``
+(2s), ``add_`` of eps (2s), ``addcdiv_`` into w (2w + 2s): 4w + 14s + 3g (42 bytes for
+bf16-pure, where the old count, every state read and written once, gave 16). A master is
+copied back into the 16-bit parameter (w + param bytes), a grad copy made first (grad +
+copy bytes).
 """
 
 from __future__ import annotations
@@ -83,7 +90,15 @@ def sharded_sync_s(params: int, precision_name: str, dp: int, dp_per_node: int, 
             + host)  # fmt: skip
 
 
-def sharded_optimizer_s(params: int, precision_name: str, dp: int, hw: HardwareProfile) -> float:
-    """Memory time of stepping this rank's 1/dp slice."""
+def adamw_bytes_per_param(precision_name: str) -> int:
+    """Bytes a foreach AdamW step moves per parameter (module docstring)."""
     p = precision(precision_name)
-    return 2 * (p.param + p.grad + p.sharded) * params / dp / hw.memory_bytes_per_s
+    stepped, grad, moment = p.master or p.param, p.grad_copy or p.grad, p.optimizer_state // 2
+    master = stepped + p.param if p.master else 0
+    grad_copy = p.grad + p.grad_copy if p.grad_copy else 0
+    return 4 * stepped + 14 * moment + 3 * grad + master + grad_copy
+
+
+def optimizer_step_s(params: int, precision_name: str, dp: int, hw: HardwareProfile) -> float:
+    """Memory time of stepping this rank's 1/dp slice (dp = 1: the plain optimizer)."""
+    return adamw_bytes_per_param(precision_name) * params / dp / hw.optimizer_rate

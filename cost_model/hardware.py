@@ -6,12 +6,14 @@ A ``HardwareProfile`` is one GPU (or CPU rank) and the links between ranks:
   fixed cost of one GEMM kernel: a GEMM of F FLOPs takes ``matmul_latency_s + F / rate``),
   or, when calibrated, ``matmul_curve``: measured (FLOPs, seconds) of GEMMs of
   transformer shapes, interpolated in log-log space (``matmul_time_s``);
-  ``attention_flops_per_s`` (fused attention kernels, forward) and
+  ``attention_flops_per_s`` (fused attention kernels, forward; one of F FLOPs takes
+  ``attention_latency_s + F / rate``, ``attention_time_s``) and
   ``attention_backward_factor`` (their backward time over forward; 2.5 by default:
   FlashAttention-2's backward runs 5 GEMMs against 2), ``elementwise_backward_factor``
   (backward time over forward of eager memory-bound ops; 2 by default: read the saved
   inputs and the output gradient, write the input gradients), ``memory_bytes_per_s`` (achieved
-  HBM bandwidth), ``peak_flops_per_s`` (the datasheet dense bf16 peak, the MFU
+  HBM bandwidth), ``optimizer_bytes_per_s`` (that of foreach AdamW's kernels, ``cost_model.dp_sync``;
+  0: ``memory_bytes_per_s``), ``peak_flops_per_s`` (the datasheet dense bf16 peak, the MFU
   denominator) and ``compute_time_scale`` (eager kernels' time over what the roofline
   above gives them, for a whole decoder layer: GEMMs of a layer's shapes and its many
   small memory-bound kernels run below the rates of large isolated kernels; 1 unless
@@ -43,8 +45,10 @@ cost of a call, ``compute_time_scale``, attention and elementwise-backward rates
 HBM bandwidth) are ``autotp calibrate``'s fit of 4×H200, torch 2.11.0+cu130, 2026-11-21,
 whose raw measurements are ``benchmarks/results/cost_model_h200x4.json``
 (``python benchmarks/bench_cost_model.py --measured`` refits them; ``compute_time_scale`` was
-fitted before the ``causal_attention`` pass, whose flash kernel the recorded layer runs did not use). H100 is the same chip
-and host software, so it takes the same constants, with HBM scaled by the datasheet ratio.
+fitted before the ``causal_attention`` pass, whose flash kernel the recorded layer runs did not use). **H100 SXM**: its
+single-GPU constants (``H100_MEASURED``) are ``python benchmarks/measure_constants.py``'s measurement of one H100
+(that script's docstring says what each stands for; GEMM and attention as GPU time, without the host's issue, which
+the queue adds), its NVLink and tp-collective host constants H200's.
 Everything else is a datasheet figure or a stated assumption, marked in each profile's
 ``source``. ``autotp calibrate`` on the machine measures all of them and caches the profile
 (``calibrated_profile_path``), where ``get_profile`` and ``parallelize(plan="auto")`` find it.
@@ -98,9 +102,11 @@ class HardwareProfile:
     collective_latency_s: float
     peak_flops_per_s: float = 0.0
     memory_capacity_bytes: float = 80e9
+    optimizer_bytes_per_s: float = 0.0
     reserved_bytes: float = 3 * GiB
     matmul_latency_s: float = 0.0
     attention_flops_per_s: float = 0.0
+    attention_latency_s: float = 0.0
     attention_backward_factor: float = 2.5
     elementwise_backward_factor: float = 2.0
     matmul_curve: tuple[tuple[float, float], ...] = ()
@@ -127,8 +133,16 @@ class HardwareProfile:
         return self.peak_flops_per_s or self.matmul_flops_per_s
 
     @property
+    def optimizer_rate(self) -> float:
+        return self.optimizer_bytes_per_s or self.memory_bytes_per_s
+
+    @property
     def attention_rate(self) -> float:
         return self.attention_flops_per_s or self.matmul_flops_per_s
+
+    def attention_time_s(self, flops: np.ndarray) -> np.ndarray:
+        """Forward time of fused attention kernels of ``flops`` FLOPs each (the causal half where causal)."""
+        return self.attention_latency_s + flops / self.attention_rate
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -190,19 +204,43 @@ H200 = HardwareProfile(
     "45 GB/s per GPU) assumed",
 )
 
+# python benchmarks/measure_constants.py --json on 1x H100 80GB HBM3 SXM (nvidia-h100-x1 lease, 16 host cores, driver
+# 580.159.04), torch 2.11.0+cu130, 2026-11-25 (benchmarks/results/cost_model_constants_h100x1.json; --fit prints these).
+# GEMM and attention times are GPU time (CUDA-graph replays); host costs from the 1024-token probe of width 1024.
+H100_MEASURED = {
+    "matmul_flops_per_s": 712.5e12,
+    "matmul_latency_s": 3.27e-6,
+    "matmul_curve": (
+        (2.147e9, 6.109e-06), (4.295e9, 9.875e-06), (8.59e9, 1.509e-05), (1.718e10, 2.78e-05), (3.436e10, 5.043e-05),
+        (6.872e10, 9.664e-05), (1.203e11, 1.621e-04), (1.374e11, 2.037e-04), (2.495e11, 3.576e-04), (2.749e11, 3.942e-04),
+        (4.99e11, 6.915e-04), (5.498e11, 7.792e-04), (9.979e11, 1.423e-03), (1.996e12, 2.856e-03), (4.295e12, 6.132e-03),
+    ),
+    "attention_flops_per_s": 266e12,
+    "attention_latency_s": 13.5e-6,
+    "attention_backward_factor": 3.21,
+    "memory_bytes_per_s": 3.003e12,
+    "elementwise_backward_factor": 2.21,
+    "op_overhead_s": 10.0e-6,
+    "backward_op_overhead_s": 44.8e-6,
+    "call_host_s": 1.09e-3,
+    "compute_time_scale": 0.958,
+    "optimizer_bytes_per_s": 2.42e12,  # 42 bytes per bf16 parameter (dp_sync.adamw_bytes_per_param) in 18.6 ms per 1.07e9
+}
+
 H100 = HardwareProfile(
     name="H100",
-    matmul_flops_per_s=805e12,
-    memory_bytes_per_s=3.35e12 * ACHIEVED_HBM_SHARE,
     allreduce_bus_bytes_per_s=353e9,
     collective_latency_s=25e-6,
     peak_flops_per_s=989.4e12,
     memory_capacity_bytes=80e9,
     inter_node=_NDR_RAIL,
-    **H200_MEASURED,
-    source="same GH100 chip, NVLink 4 and host software as H200, so H200's measured GEMM, all-reduce, host "
-    "and kernel-efficiency constants; memory bandwidth (times H200's achieved share), capacity and peak "
-    "from NVIDIA's H100 SXM datasheet; inter-node 8x 400 Gb/s NDR (45 GB/s per GPU) assumed",
+    collective_host_s=H200_MEASURED["collective_host_s"],
+    fp8_matmul_speedup=H200_MEASURED["fp8_matmul_speedup"],
+    **H100_MEASURED,
+    source="GEMM curve, attention, HBM, elementwise backward, host costs and the layer time scale measured on 1x H100 "
+    "(benchmarks/measure_constants.py, benchmarks/results/cost_model_constants_h100x1.json); NVLink all-reduce, the "
+    "tp collective's host cost and the FP8 speedup from H200 (same NVLink 4 and host software; one GPU cannot measure "
+    "them); capacity and peak from NVIDIA's H100 SXM datasheet; inter-node 8x 400 Gb/s NDR (45 GB/s per GPU) assumed",
 )
 
 A100 = HardwareProfile(

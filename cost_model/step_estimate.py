@@ -27,9 +27,9 @@ then dp, then pp):
   overlapped with the last microbatch's backward (``BACKWARD_SHARE`` of the rank's chunk
   GPU time), then the parameters' all-gather, overlapped with the next forward (the rest) but
   its first bucket, unless ``overlap_param_gather`` is off or CUDA graphs run (``dp_sync.sharded_sync_s``);
-* optimizer step: 2 · bytes_per_param · params / memory bandwidth (each state read and
-  written once), of the rank's 1/dp slice with the distributed optimizer
-  (``dp_sync.sharded_optimizer_s``); ``train_step`` does not run it, the step time includes it;
+* optimizer step: the bytes a foreach AdamW moves (``dp_sync.adamw_bytes_per_param``) over
+  the rank's parameters, its 1/dp slice with the distributed optimizer, at
+  ``HardwareProfile.optimizer_rate`` (``dp_sync.optimizer_step_s``); ``train_step`` does not run it, the step time includes it;
 * step = pipeline + gradient sync + optimizer; tokens/s = B·s/step;
   MFU = 3 · forward FLOPs of B samples / (step · gpus · peak FLOP/s);
 * memory per GPU: the fullest rank's ``memory.rank_peak_bytes`` (live bytes replayed from the graph);
@@ -74,10 +74,10 @@ from autotp.cost_model.bubble import pipeline_time_s
 from autotp.cost_model.candidates import Cluster, Config
 from autotp.cost_model.communication import all_reduce_s, p2p_s
 from autotp.cost_model.compute import ModelCosts, Segment, SegmentTime, segment_time
-from autotp.cost_model.dp_sync import grad_sync_s, sharded_optimizer_s, sharded_sync_s
+from autotp.cost_model.dp_sync import grad_sync_s, optimizer_step_s, sharded_sync_s
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory
-from autotp.cost_model.memory import ChunkPeaks, bytes_per_param, chunk_peaks, grad_bytes_per_param, persistent_bytes, rank_peak_bytes
+from autotp.cost_model.memory import ChunkPeaks, chunk_peaks, grad_bytes_per_param, persistent_bytes, rank_peak_bytes
 from autotp.cost_model.memory import moment_arrays
 from autotp.ir.errors import UserInputError
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER
@@ -232,12 +232,12 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
             key = (params, backward, forward)
             if key not in syncs:
                 syncs[key] = sharded_sync_s(params, training.precision, config.dp, dp_per_node, backward, hw, forward)
-            optimizers.append(sharded_optimizer_s(params, training.precision, config.dp, hw))
+            optimizers.append(optimizer_step_s(params, training.precision, config.dp, hw))
         else:
             key = (params, tensors)
             if key not in syncs:
                 syncs[key] = grad_sync_s(params, tensors, config.dp, dp_per_node, training.precision, hw)
-            optimizers.append(2 * bytes_per_param(training.precision) * params / hw.memory_bytes_per_s)
+            optimizers.append(optimizer_step_s(params, training.precision, 1, hw))
     tied = set(rc.embedding.params) & set(rc.head.params)
     tied_s = 0.0
     if tied and pp > 1:

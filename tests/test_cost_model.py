@@ -324,19 +324,62 @@ def test_matmul_time_interpolates_the_measured_curve() -> None:
     assert times[1] == pytest.approx(math.sqrt(10e-6 * 200e-6))  # halfway in log-log
     assert times[4] == pytest.approx(6e-3)  # the largest GEMM's rate beyond the curve
     assert times[5] == pytest.approx(10e-6)  # the launch floor below it
-    assert H100.matmul_time_s(np.array([805e12]))[0] == pytest.approx(1.0)
+    assert replace(H100, matmul_curve=(), matmul_latency_s=0.0).matmul_time_s(np.array([805e12]))[0] == pytest.approx(805e12 / 712.5e12)
 
 
 def test_roofline_with_backward_twice_forward(llama_tiny: ModelCosts) -> None:
     layer = llama_tiny.rank(1).layers[0]
     hw = replace(H100, op_overhead_s=0.0, backward_op_overhead_s=0.0, attention_backward_factor=2.0, elementwise_backward_factor=2.0,
-                 compute_time_scale=1.0)
+                 compute_time_scale=1.0, matmul_curve=(), matmul_latency_s=0.0, attention_latency_s=0.0)
     flops = layer.flops[:, 0] + 4 * layer.flops[:, 1]
     nbytes = layer.bytes[:, 0] + 4 * layer.bytes[:, 1]
     rates = [hw.attention_rate if k == 2 else hw.matmul_flops_per_s for k in layer.kinds]
     forward = sum(max(f / rate, b / hw.memory_bytes_per_s) for f, b, rate in zip(flops, nbytes, rates))
     assert segment_time(layer, 4, hw, 1).compute_s == pytest.approx(3 * forward)
     assert math.isfinite(forward) and forward > 0
+
+
+def test_attention_kernels_pay_their_latency_forward_and_backward(llama_tiny: ModelCosts) -> None:
+    layer = llama_tiny.rank(1).layers[0]
+    hw = replace(H100, attention_latency_s=0.0, compute_time_scale=1.0)
+    slow = replace(hw, attention_latency_s=1e-3)  # far above the tiny kernels' FLOP time and bytes
+    attentions = int(np.sum(layer.kinds == 2))
+    assert attentions >= 1
+    extra = segment_time(layer, 4, slow, 1).compute_s - segment_time(layer, 4, hw, 1).compute_s
+    assert extra == pytest.approx(attentions * 1e-3 * (1 + hw.attention_backward_factor), rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16-pure")])
+def test_optimizer_bytes_are_what_foreach_adamw_moves(dtype: torch.dtype, precision: str) -> None:
+    """``adamw_bytes_per_param``: the bytes of parameter-sized tensors torch's foreach AdamW reads and writes
+    per step, counted at dispatch (an in-place op writes its first operand too; views move nothing)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autotp.cost_model.dp_sync import adamw_bytes_per_param
+
+    numel = 37  # a prime: no other tensor of the step has a multiple of it
+    params = [torch.nn.Parameter(torch.randn(numel, dtype=torch.float32).to(dtype)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(numel).to(dtype)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    optimizer.step()  # the first step creates the moments
+    moved = [0]
+
+    def sized(t: object) -> bool:
+        return isinstance(t, torch.Tensor) and t.numel() == numel
+
+    class CountBytes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                leaves = torch.utils._pytree.tree_leaves((args, kwargs, out))
+                written = torch.utils._pytree.tree_leaves(args[0]) if func._schema.name.endswith("_") else []
+                moved[0] += sum(t.numel() * t.element_size() for t in leaves + written if sized(t))
+            return out
+
+    with CountBytes():
+        optimizer.step()
+    assert moved[0] == adamw_bytes_per_param(precision) * numel * len(params)
 
 
 def test_collective_nodes_cost_the_collective_host_time(llama_tiny: ModelCosts) -> None:

@@ -7,6 +7,7 @@ import json
 import re
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from autotp.cost_model import dp_sync, planner, step_estimate
@@ -257,7 +258,25 @@ def test_builtin_h200_host_and_efficiency_constants_are_the_recorded_calibration
     # halves the attention FLOPs the fit sees), while the recorded layer times ran the explicit-mask kernel.
     for field in ("op_overhead_s", "backward_op_overhead_s", "collective_host_s", "call_host_s", "attention_flops_per_s", "attention_backward_factor", "elementwise_backward_factor", "memory_bytes_per_s"):
         assert getattr(builtin, field) == pytest.approx(getattr(fitted, field), rel=5e-3), field
-    assert PROFILES["h100"].call_host_s == builtin.call_host_s
+
+
+def test_builtin_h100_single_gpu_constants_are_the_recorded_measurement() -> None:
+    """The H100 profile's own constants are ``measure_constants.py --fit`` of the saved H100 measurement."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from measure_constants import fit
+
+    from autotp.cost_model.hardware import H100_MEASURED
+
+    fitted = fit(json.loads((Path(__file__).parents[1] / "benchmarks/results/cost_model_constants_h100x1.json").read_text()))
+    for field, value in H100_MEASURED.items():
+        if field == "matmul_curve":
+            assert np.allclose(np.array(value), np.array(fitted[field]), rtol=1e-3), field
+        else:
+            assert value == pytest.approx(fitted[field], rel=5e-3), field
+        assert getattr(PROFILES["h100"], field) == value, field
 
 
 # ---- parallelize(plan="auto") -----------------------------------------------------------

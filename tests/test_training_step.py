@@ -13,7 +13,7 @@ from autotp.cli.plan import add_plan_command
 from autotp.compiler import trace_for_planning
 from autotp.cost_model.communication import group_sharded_s
 from autotp.cost_model.compute import ModelCosts
-from autotp.cost_model.dp_sync import sharded_optimizer_s, sharded_sync_s
+from autotp.cost_model.dp_sync import optimizer_step_s, sharded_sync_s
 from autotp.cost_model.hardware import H100
 from autotp.cost_model.planner import Cluster, Training, plan
 from autotp.ir.training_step import PRECISIONS, TrainingStep, runtime_precision
@@ -49,7 +49,7 @@ def test_reduce_scatter_overlaps_the_backward() -> None:
     gather = sum(group_sharded_s(b / 2, dp, 1, H100) for b in [25 * 2**20] * 305 + [params * 4 - 305 * 25 * 2**20])
     assert exposed[2] >= gather
     assert sharded_sync_s(params, "fp32", 1, 1, 0.0, H100) == 0.0
-    assert sharded_optimizer_s(params, "fp32", 8, H100) == pytest.approx(sharded_optimizer_s(params, "fp32", 1, H100) / 8)
+    assert optimizer_step_s(params, "fp32", 8, H100) == pytest.approx(optimizer_step_s(params, "fp32", 1, H100) / 8)
 
 
 def test_all_gather_overlaps_the_next_forward() -> None:

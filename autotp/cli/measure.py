@@ -100,19 +100,21 @@ def _elementwise_backward_factor(device: torch.device, dtype: torch.dtype) -> fl
     return (both_s - forward_s) / forward_s
 
 
-def _tiny_llama(layers: int, tp: int, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
-    """Host-bound timings of ``llama-tiny`` with ``layers`` layers, parallelized at ``tp``.
+def _tiny_llama(layers: int, tp: int, device: torch.device, dtype: torch.dtype, config: object | None = None,
+                tokens: tuple[int, int] = (1, HOST_TOKENS)) -> dict[str, float]:  # fmt: skip
+    """Host-bound timings of ``llama-tiny`` (or of ``config``) with ``layers`` layers, parallelized at ``tp``,
+    on ``tokens`` (batch, sequence).
 
     Seconds of a forward and of a forward + backward (grads reset to None first, as a
     step of one microbatch finds them), and the counts of the compiled rank graph's call
     nodes, of those that need a gradient, and of its forward (*g*, all-gather) and
     backward (*f*) tp collectives.
     """
-    config = presets.model_config("llama-tiny")
+    config = config or presets.model_config("llama-tiny")
     config.num_hidden_layers = layers
     torch.manual_seed(0)
     model = presets.build_from_config(config, device=device, dtype=dtype)
-    ids = torch.zeros((1, HOST_TOKENS), dtype=torch.long, device=device)
+    ids = torch.zeros(tokens, dtype=torch.long, device=device)
     pm = parallelize(model, tp=tp, example_inputs={"input_ids": ids, "labels": ids})
     params = list(pm.parameters())
 
