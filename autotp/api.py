@@ -57,6 +57,16 @@ def _check_cuda_graphs(device: torch.device) -> None:
         )
 
 
+def _compile_backend(compile: bool | str) -> str | None:
+    """``parallelize(compile=...)`` as a ``torch.compile`` backend name (None: eager)."""
+    if not isinstance(compile, str):
+        return "inductor" if compile else None
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if compile not in known:
+        raise UserInputError(f"compile={compile!r} is not a torch.compile backend; pass True (inductor), False or one of {known}")
+    return compile
+
+
 def _check_fp8(device: torch.device, fp8: str | bool | None, plan: ParallelPlan | str | None) -> None:
     """FP8 needs FP8 tensor cores on a GPU (cuBLAS's blockwise kernels: SM90); the CPU runs it slowly."""
     recipe = fp8 if fp8 is not None else plan.fp8 if isinstance(plan, ParallelPlan) else None
@@ -142,7 +152,7 @@ def parallelize(
     seed: int = 0,
     gather_outputs: bool = True,
     timeout_s: float = 300.0,
-    compile: bool = False,
+    compile: bool | str = False,
     cuda_graphs: bool = False,
     sequence_parallel: bool | str | None = None,
     tp_overlap: bool | str | None = None,
@@ -167,7 +177,9 @@ def parallelize(
     process group, else the CPU. A collective that waits longer
     than ``timeout_s`` (a rank crashed or diverged) raises instead of hanging. With
     ``compile``, each per-rank graph (or pipeline chunk) also runs through
-    ``torch.compile``, which fuses the elementwise work between the collectives. With
+    ``torch.compile``, which fuses the elementwise work between the collectives (a string
+    names the ``torch.compile`` backend: ``"aot_eager"`` runs the same AOT-autograd graphs
+    with eager kernels, which tells inductor's numerics apart from the graphs'). With
     ``cuda_graphs`` (CUDA and NCCL), the regions that the cost model picks are captured
     as CUDA graphs on the first call and replayed after (``autotp.runtime.execution.cudagraphs``); with
     pp > 1, once per microbatch a stage holds in flight. Both together capture each region's
@@ -228,6 +240,7 @@ def parallelize(
     if cuda_graphs:
         _check_cuda_graphs(device)
     _check_fp8(device, fp8, plan)
+    compile_backend = _compile_backend(compile)
     impl = cudagraphs.implementation() if cuda_graphs else None
     planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=dp, vpp=vpp, plan=plan,
                                   cudagraph_impl=impl, gather_outputs=gather_outputs,
@@ -238,6 +251,6 @@ def parallelize(
     backend = dist.get_backend() if dist.is_initialized() else "nccl"
     lowered = compiler.lower(planned.traced, planned.plan, tp_rank=coords.tp_rank, device=device, backend=backend,
                              ep_rank=coords.rank(Axis.EP))  # fmt: skip
-    pm = ParallelModel(model, lowered, planned.kwargs, coords, device, compile)
+    pm = ParallelModel(model, lowered, planned.kwargs, coords, device, compile_backend)
     pm.materialize(model, checkpoint, seed)
     return pm

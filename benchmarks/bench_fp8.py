@@ -55,20 +55,20 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab, batch, seq
 CURVE = {"8b": (1024, 2816, 8, 16, 4, 256, 16, 1024), "tiny": (256, 512, 2, 8, 8, 256, 4, 128)}
 WARMUP, STEPS = 1, 5  # the first step compiles; the median of the timed ones is reported
 VARIANT_S = {  # what one timing variant takes on an H200, compile included (to skip in time)
-    "8b": {"autotp:bf16": 95.0, "autotp": 215.0, "torchao": 200.0, "torchao_layers": 90.0},
+    "8b": {"autotp:bf16": 95.0, "autotp": 215.0, "autotp:tensorwise+lm_head": 230.0, "torchao": 200.0, "torchao_layers": 90.0},
     "tiny": {"autotp:bf16": 5.0, "autotp": 5.0, "torchao": 5.0, "torchao_layers": 5.0},
 }
 CURVE_S = {"8b": 30.0, "tiny": 5.0}  # one recipe's curve
 
 
-def llama(shape: tuple[int, ...], device: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+def llama(shape: tuple[int, ...], device: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, inter, layers, heads, kv, vocab, _, seq = shape
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max(seq, 8192),
                          rope_theta=500000.0)  # fmt: skip
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device(device):
         return LlamaForCausalLM._from_config(config, dtype=dtype)
 
@@ -127,15 +127,26 @@ def _clear(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def autotp_variant(shape: tuple[int, ...], recipe: str | None, device: torch.device, compile: bool) -> Callable[[], torch.Tensor]:
+def parallelized(model: torch.nn.Module, example: dict, recipe: str | None, compile: bool) -> torch.nn.Module:
+    """autotp at tp=1; ``recipe`` "tensorwise+lm_head": the lm_head's GEMMs in FP8 too (the plan edited
+    with ``with_fp8_weights``; inside the fused lm_head + loss)."""
     import autotp
+    from autotp.cost_model.fp8 import with_fp8_weights
 
-    *_, batch, seq = shape
-    ids = torch.randint(0, shape[5], (batch, seq), device=device, generator=torch.Generator(device).manual_seed(0))
+    recipe, _, extra = (recipe or "").partition("+")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pm = autotp.parallelize(llama(shape, str(device)), tp=1, example_inputs={"input_ids": ids, "labels": ids},
-                                compile=compile, fp8=recipe or None, gather_outputs=False)  # fmt: skip
+        plan = None
+        if extra == "lm_head":
+            plan = with_fp8_weights(autotp.compile_rank(model, tp=1, example_inputs=example, fp8=recipe).plan, ["lm_head.weight"])
+        return autotp.parallelize(model, tp=1, example_inputs=example, compile=compile, fp8=None if plan else recipe or None,
+                                  plan=plan, gather_outputs=False)  # fmt: skip
+
+
+def autotp_variant(shape: tuple[int, ...], recipe: str | None, device: torch.device, compile: bool) -> Callable[[], torch.Tensor]:
+    *_, batch, seq = shape
+    ids = torch.randint(0, shape[5], (batch, seq), device=device, generator=torch.Generator(device).manual_seed(0))
+    pm = parallelized(llama(shape, str(device)), {"input_ids": ids, "labels": ids}, recipe, compile)
     if recipe:
         fp8 = sum(1 for e in pm.plan.fp8_linears if e.recipe)
         print(f"  autotp {recipe}: {fp8} of {len(pm.plan.fp8_linears)} GEMM weights in FP8", flush=True)
@@ -227,18 +238,14 @@ def stdlib_bytes(limit: int = 64 * 2**20) -> torch.Tensor:
 
 
 def curve(shape_name: str, recipe: str | None, tokens: torch.Tensor, device: torch.device, steps: int,
-          dtype: torch.dtype) -> list[float]:  # fmt: skip
-    import autotp
-
+          dtype: torch.dtype, seed: int = 0) -> list[float]:  # fmt: skip
+    """``seed`` picks the initialization and the batches (seed 0: the earlier rounds' curves)."""
     shape = CURVE[shape_name]
     *_, batch, seq = shape
-    gen = torch.Generator().manual_seed(1)
-    model = llama(shape, str(device), dtype)
+    gen = torch.Generator().manual_seed(1 + seed)
+    model = llama(shape, str(device), dtype, seed)
     example = tokens[: batch * seq].view(batch, seq).to(device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = autotp.parallelize(model, example_inputs={"input_ids": example, "labels": example}, fp8=recipe or None,
-                                gather_outputs=False)  # fmt: skip
+    pm = parallelized(model, {"input_ids": example, "labels": example}, recipe, False)
     del model
     optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     losses = []
@@ -255,22 +262,25 @@ def curve(shape_name: str, recipe: str | None, tokens: torch.Tensor, device: tor
 
 
 def curves(shape_name: str, device: torch.device, steps: int, recipes: list[str], deadline: float, out: dict,
-           save: Callable[[], None], dtype: torch.dtype = torch.bfloat16) -> dict[str, dict]:  # fmt: skip
+           save: Callable[[], None], dtype: torch.dtype = torch.bfloat16, seeds: tuple[int, ...] = (0,)) -> dict[str, dict]:  # fmt: skip
+    """One curve per recipe (bf16 first) and seed, keyed ``recipe`` for seed 0, ``recipe@seed`` else."""
     tokens = stdlib_bytes()
     print(f"curve data: {tokens.numel() / 2**20:.1f} MiB of stdlib sources", flush=True)
-    for recipe in ["bf16", *recipes]:
-        if time.perf_counter() + CURVE_S[shape_name] > deadline:
-            out[recipe] = {"skipped": "out of time"}
-            continue
-        _clear(device)
-        start = time.perf_counter()
-        try:
-            losses = curve(shape_name, None if recipe == "bf16" else recipe, tokens, device, steps, dtype)
-            out[recipe] = {"losses": losses, "final": statistics.mean(losses[-20:]), "wall_s": time.perf_counter() - start}
-        except Exception as e:  # noqa: BLE001
-            out[recipe] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-        save()
-        print(recipe, {k: v for k, v in out[recipe].items() if k != "losses"}, flush=True)
+    for seed in seeds:
+        for recipe in ["bf16", *recipes]:
+            key = recipe if seed == 0 else f"{recipe}@{seed}"
+            if time.perf_counter() + CURVE_S[shape_name] > deadline:
+                out[key] = {"skipped": "out of time"}
+                continue
+            _clear(device)
+            start = time.perf_counter()
+            try:
+                losses = curve(shape_name, None if recipe == "bf16" else recipe, tokens, device, steps, dtype, seed)
+                out[key] = {"losses": losses, "final": statistics.mean(losses[-20:]), "wall_s": time.perf_counter() - start}
+            except Exception as e:  # noqa: BLE001
+                out[key] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            save()
+            print(key, {k: v for k, v in out[key].items() if k != "losses"}, flush=True)
     return out
 
 
@@ -349,10 +359,11 @@ def report(results: dict) -> str:
         vt = f"{ao['step_ms'] / r['step_ms']:.3f}x" if ao else "-"
         lines.append(f"{r['setup']:22s} {r['step_ms']:>8.1f} {vs:>14s} {vt:>13s} {r['mfu_bf16_peak']:>12.1%} {r['peak_gib']:>6.1f} {r['loss']:>8.4f}")
     if "curve" in results:
-        bf16 = results["curve"].get("bf16", {}).get("final")
         for recipe, c in results["curve"].items():
+            seed = recipe.partition("@")[2]
+            bf16 = results["curve"].get(f"bf16@{seed}" if seed else "bf16", {}).get("final")
             if "final" in c and c.get("losses"):
-                rel = f" ({(c['final'] / bf16 - 1):+.2%} vs bf16)" if bf16 else ""
+                rel = f" ({(c['final'] / bf16 - 1):+.2%} vs bf16 of its seed)" if bf16 else ""
                 lines.append(f"curve {recipe:10s}: final loss {c['final']:.4f}{rel}, first {c['losses'][0]:.3f}")
             else:
                 lines.append(f"curve {recipe:10s}: {c.get('error') or c.get('skipped')}")
@@ -371,6 +382,7 @@ def main() -> None:
     parser.add_argument("--curve-steps", type=int, default=200)
     parser.add_argument("--curve-recipes", default=",".join(RECIPES))
     parser.add_argument("--curve-dtype", default="bfloat16", help="the curve model's weights (float32 on a CPU)")
+    parser.add_argument("--curve-seeds", default="0", help="initialization and batch seeds, one curve per recipe each")
     parser.add_argument("--budget-s", type=float, default=560.0)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps per variant (the first compiles)")
@@ -405,7 +417,7 @@ def main() -> None:
             recipes = [r for r in args.curve_recipes.split(",") if r]
             results["curve_dtype"] = args.curve_dtype
             curves(args.shape, device, args.curve_steps, recipes, deadline, results.setdefault("curve", {}), save,
-                   getattr(torch, args.curve_dtype))  # fmt: skip
+                   getattr(torch, args.curve_dtype), tuple(int(s) for s in args.curve_seeds.split(",")))  # fmt: skip
         print(part, "done at", f"{time.perf_counter() - start:.0f} s", {k: v for k, v in results.items() if k in ("check", "gemm_tflops")}, flush=True)
         save()
     for r in results.get("timing", []):

@@ -25,7 +25,8 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
 * The fused lm_head and loss (``linear_cross_entropy``) runs its three GEMMs and its loss
   passes in its forward, one after another: ``3·matmul_time_s(F) + bytes/mem_bw``
   (``autotp.cost_model.fused_loss``); its backward only scales the two gradients (0).
-* FP8 GEMMs (``fp8_linear``) run their FLOPs at ``fp8_matmul_speedup`` times the rate, and
+* FP8 GEMMs (``fp8_linear``, and a fused loss whose lm_head runs in FP8) run their FLOPs at
+  ``fp8_matmul_speedup`` times the rate, and
   their casts add ``autotp.cost_model.fp8.cast_bytes`` / mem_bw forward and backward.
 * Backward: a GEMM's input and weight gradients are two GEMMs of its size (2×);
   memory-bound ops ``elementwise_backward_factor`` × forward; attention
@@ -76,7 +77,7 @@ import torch
 from autotp.cost_model.affine import affine_costs
 from autotp.cost_model.communication import group_collective_s, overlapped_s
 from autotp.cost_model.flops import global_tensors, node_cost
-from autotp.cost_model.fp8 import cast_bytes, plan_fp8, sites_plan
+from autotp.cost_model.fp8 import cast_bytes, has_fp8_gemms, plan_fp8, sites_plan
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory, simulate
 from autotp.cost_model.pipeline import balanced_cuts, layer_costs
@@ -409,7 +410,7 @@ class ModelCosts:
             kinds = np.array([_kind(n) for n in calls], dtype=int)
             pieces = np.array([gemm_pieces(n) for n in calls], dtype=float)
             needs = np.array([n in grad for n in calls], dtype=bool)
-            fp8 = np.array([n.target is ops.FP8_LINEAR for n in calls], dtype=bool)
+            fp8 = np.array([has_fp8_gemms(n) for n in calls], dtype=bool)
             casts = affine_costs(calls, tensors, dependent, self.batch, cast_bytes) if fp8.any() else None
             return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), memory.get(key, SegmentMemory.empty()),
                            pieces, fp8, casts)  # fmt: skip
@@ -451,7 +452,8 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
     forward[matmul] = np.maximum(pieces * hw.matmul_time_s(flops[matmul] / pieces / speed), memory[matmul])
     forward[attention] = np.maximum(hw.attention_time_s(flops[attention]), memory[attention])
     loss = seg.kinds == _FUSED_LOSS  # all three GEMMs and the loss passes in its forward, one after another
-    forward[loss] = (1 + MATMUL_BACKWARD_FACTOR) * hw.matmul_time_s(flops[loss]) + memory[loss]
+    loss_speed = np.where(seg.fp8[loss], hw.fp8_matmul_speedup, 1.0) if seg.fp8 is not None else 1.0
+    forward[loss] = (1 + MATMUL_BACKWARD_FACTOR) * hw.matmul_time_s(flops[loss] / loss_speed) + memory[loss]
     forward *= hw.compute_time_scale
     factor = np.where(attention, hw.attention_backward_factor, np.where(matmul, MATMUL_BACKWARD_FACTOR, hw.elementwise_backward_factor))
     factor = np.where(loss, 0.0, factor)  # its backward scales the two gradients it computed

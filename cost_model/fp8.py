@@ -30,6 +30,9 @@ sequence parallelism, ``fp8_all_gather`` lets the all-gathers into FP8 GEMMs car
   each output gradient quantized and transposed, plus the transposed copies the forward
   did not make (a weight's from bf16 for other blocks, e·n + n; x's, 2 per element):
   ``cast_bytes`` forward and backward.
+* a fused lm_head + loss with an FP8 lm_head (``plan.fp8_linears`` says so for its weight):
+  its GEMMs at the FP8 rate, and in its forward h and W quantized (2·e·n + n each) and
+  transposed (2·n), each logit gradient element quantized and transposed (2·e + 3 per element).
 """
 
 from __future__ import annotations
@@ -70,6 +73,22 @@ def plan_fp8(lowered: GraphModule, plan: ParallelPlan, recipe: str, backend: str
             decided[site.param] = entry
     gathers = recipe == fp8.TENSORWISE and plan.sequence_parallel and plan.tp > 1
     return replace(plan, fp8=recipe, fp8_backend=backend, fp8_linears=tuple(decided.values()), fp8_all_gather=gathers)
+
+
+def with_fp8_weights(plan: ParallelPlan, weights: list[str], recipe: str = "") -> ParallelPlan:
+    """``plan`` with the GEMMs reading ``weights`` in FP8 (``recipe``, default the plan's),
+    overriding the planner's choice: the user's opt-in for ``lm_head.weight``, which it keeps
+    in the model's dtype (``parallelize(plan=...)`` runs the result)."""
+    recipe = recipe or plan.fp8
+    check_recipe(recipe, plan.fp8_backend)
+    listed = {e.weight for e in plan.fp8_linears}
+    missing = sorted(set(weights) - listed)
+    if missing:
+        raise UserInputError(f"{missing} are not GEMM weights of this plan (plan.fp8_linears lists {sorted(listed)}); "
+                             f"plan with fp8=... first")  # fmt: skip
+    edited = tuple(replace(e, recipe=recipe, reason="", detail="chosen by the user") if e.weight in weights else e
+                   for e in plan.fp8_linears)  # fmt: skip
+    return replace(plan, fp8=plan.fp8 or recipe, fp8_linears=edited)
 
 
 def without_fp8(plan: ParallelPlan) -> ParallelPlan:
@@ -117,8 +136,20 @@ def node_call(node: Node) -> fp8.Fp8Call:
     return fp8.call_of(recipe, x_split, n_split, gather_dim, group_size, group)
 
 
+def has_fp8_gemms(node: Node) -> bool:
+    """Whether ``node`` runs GEMMs in FP8: an ``fp8_linear``, or a fused loss with an FP8 lm_head."""
+    return node.target is ops.FP8_LINEAR or (node.target is ops.LINEAR_CROSS_ENTROPY and bool(_loss_recipe(node)))
+
+
+def _loss_recipe(node: Node) -> str:
+    return node.args[10] if len(node.args) > 10 else node.kwargs.get("fp8_recipe", "")
+
+
 def cast_bytes(node: Node, tensors: Tensors) -> tuple[int, int]:
-    """(forward, backward) bytes that the casts of an ``fp8_linear`` node move (module docstring); 0 for other nodes."""
+    """(forward, backward) bytes that the casts of an ``fp8_linear`` node, or of a fused loss
+    with an FP8 lm_head, move (module docstring); 0 for other nodes."""
+    if node.target is ops.LINEAR_CROSS_ENTROPY and _loss_recipe(node):
+        return _fused_loss_cast_bytes(node, tensors), 0
     if node.target is not ops.FP8_LINEAR:
         return 0, 0
     x, outs = tensors(node.args[0])[0], tensors(node)
@@ -136,6 +167,14 @@ def cast_bytes(node: Node, tensors: Tensors) -> tuple[int, int]:
     backward = sum(quantized(o) + 2 * o.numel for o in outs) + (0 if symmetric else weights_t)
     backward += 0 if xt_early else 2 * m * k
     return forward, backward
+
+
+def _fused_loss_cast_bytes(node: Node, tensors: Tensors) -> int:
+    """h and W quantized (read twice, FP8 written), W's and every chunk's h transposed (2 per
+    element), the logit gradient [tokens, V] quantized from the weight's dtype and transposed."""
+    h, w = tensors(node.args[0])[0], tensors(node.args[1])[0]
+    logit_grads = (h.numel // h.shape[-1]) * w.shape[0]
+    return 2 * h.nbytes + 3 * h.numel + 2 * w.nbytes + 3 * w.numel + logit_grads * (2 * w.nbytes // w.numel + 3)
 
 
 def amax_reduce_bytes(node: Node, tensors: Tensors) -> tuple[int, int]:

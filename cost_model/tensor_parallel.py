@@ -4,6 +4,8 @@ The layout walk (``autotp.analysis.propagation``) proposes Megatron's column/row
 vocab-parallel embeddings and the vocab-parallel loss straight from the graph. This
 module decides what to keep, walking again until the proposal is sound:
 
+* A matmul weight computed from parameters alone (weight norm) that the walk read whole
+  is walked again with those parameters split as the matmul asks (``Propagation.hints``).
 * A reshape whose chosen output factor meets an op that cannot keep it sharded (timm's
   ``reshape(B, N, 3, H, D)`` then ``unbind`` of the 3) is walked again with that factor
   avoided (``ShardingConflict.retries``).
@@ -80,9 +82,18 @@ class _Search:
             return shape[0] >= MIN_EMBEDDING_ROWS_PER_RANK * tp if kind == "vocab" else True
 
         tried: set[tuple[str, int]] = set()
+        hints: dict[str, tuple[str, int]] = {}
         undo: tuple[dict[str, frozenset[int]], list[ShardingConflict]] | None = None
         for _ in range(MAX_PLANNING_ROUNDS):
-            prop = propagate(self.gm, tp, policy=policy, avoid=avoid, statistics=lambda n: n.name not in no_statistic)
+            prop = propagate(self.gm, tp, policy=policy, avoid=avoid, statistics=lambda n: n.name not in no_statistic, hints=hints)
+            new_hints = {name: h for name, h in prop.hints.items() if name not in hints and policy(name, "column", ())}
+            if new_hints:  # weight reparametrizations: their parameters (in every layer) split from the start
+                places = {_generic(name): h for name, h in new_hints.items()}
+                for name, p in self.params.items():
+                    h = places.get(_generic(name))
+                    if h is not None and name not in hints and policy(name, "column", ()) and p.dim() > h[1]:
+                        hints[name] = h
+                continue
             for place, names in _statistic_places(prop).items():
                 self.statistic_places[place] = self.statistic_places.get(place, frozenset()) | names
             if undo is not None and len(prop.conflicts) >= len(undo[1]):

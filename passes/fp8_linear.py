@@ -53,7 +53,7 @@ class GemmSite:
     bias: Node | None
 
 
-def _param(node: object, params: set[str]) -> str | None:
+def param_of(node: object, params: set[str]) -> str | None:
     """The parameter ``node`` reads, directly or through *f*."""
     if isinstance(node, Node) and node.op == "call_function" and node.target is ops.COPY_TO_TP:
         node = node.args[0]
@@ -82,7 +82,7 @@ def gemm_site(node: Node, params: set[str]) -> GemmSite | None:
         kn = True
     else:
         return None
-    name = _param(w, params)
+    name = param_of(w, params)
     if name is None or not isinstance(x, Node) or not _two_d(w) or x is w:
         return None
     return GemmSite(node, x, w, name, kn, bias if isinstance(bias, Node) else None)

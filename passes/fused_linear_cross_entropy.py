@@ -18,6 +18,10 @@ smoothing, fuse. ``plan.loss_chunk_tokens`` = 0 switches the pass off; the cost 
 With the vocabulary sharded over tp (a column-parallel lm_head), the loss takes the
 vocab-parallel loss's range and group; a replicated lm_head (every rank holds the whole
 vocabulary) needs no communication.
+
+Where ``plan.fp8_linears`` runs the lm_head weight in FP8 (a user's edit: the planner keeps
+it in the model's dtype), the fused op runs its GEMMs in FP8 with that recipe; it has
+tensorwise only, so another recipe leaves the lm_head unfused, to ``passes/fp8_linear``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 import autotp.ir.fused_loss  # noqa: F401 (registers the implementation of the op this pass inserts)
-from autotp.ir import meta_keys, ops
+from autotp.ir import fp8, meta_keys, ops
+from autotp.ir.errors import UserInputError
+from autotp.passes.fp8_linear import param_of
 from autotp.passes.runner import PassContext
 
 log = logging.getLogger(__name__)
@@ -59,9 +65,26 @@ def fused_linear_cross_entropy(gm: GraphModule, ctx: PassContext) -> GraphModule
         if not _shapes_fit(hidden, weight, target, logits):
             log.debug("%s keeps its logits: the loss does not read one row per token of %s", node.name, linear.name)
             continue
-        args = (hidden, weight, target, vocab_start, vocab_size, ignore_index, reduction, chunk, ctx.plan.tp, group)
+        recipe = _fp8_recipe(gm, weight, ctx)
+        if recipe not in ("", fp8.TENSORWISE):
+            log.debug("%s keeps its logits: the fused loss has no %s FP8 GEMMs", node.name, recipe)
+            continue
+        args = (hidden, weight, target, vocab_start, vocab_size, ignore_index, reduction, chunk, ctx.plan.tp, group, recipe)
         _fuse(gm, node, linear, chain, args)
     return gm
+
+
+def _fp8_recipe(gm: GraphModule, weight: Node, ctx: PassContext) -> str:
+    """The FP8 recipe that ``plan.fp8_linears`` gives the lm_head weight ("": its own dtype)."""
+    if not ctx.plan.fp8:
+        return ""
+    name = param_of(weight, {n for n, _ in gm.named_parameters(remove_duplicate=False)})
+    recipe = next((e.recipe for e in ctx.plan.fp8_linears if e.weight == name), "")
+    shape = weight.meta["val"].shape
+    if recipe and any(d % fp8.CUDA_DIM_MULTIPLE for d in shape):
+        raise UserInputError(f"plan.fp8_linears runs {name} in FP8, but its local shape {tuple(shape)} is not a multiple "
+                             f"of {fp8.CUDA_DIM_MULTIPLE} (FP8 GEMMs): set its recipe to \"\"")  # fmt: skip
+    return recipe
 
 
 def _loss_args(node: Node, ctx: PassContext) -> tuple | None:

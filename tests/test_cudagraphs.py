@@ -444,7 +444,7 @@ def test_compiled_capture_of_several_regions_compiles_each(monkeypatch: pytest.M
     pm = autotp.parallelize(model, tp=1, example_inputs={"input_ids": ids, "labels": ids})
     gm = pm.graph_for(input_ids=ids, labels=ids)
     split = region_split(_mark(gm, pm.plan, "nccl", "cpu"))
-    captured = cudagraphs.CapturedGraph(split, cudagraphs.TORCH, compile_regions=True)
+    captured = cudagraphs.CapturedGraph(split, cudagraphs.TORCH, compile_backend="inductor")
     out = captured(input_ids=ids, labels=ids, use_cache=False)
     (modules,) = given
     assert len(modules) == 5 and all(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in modules)

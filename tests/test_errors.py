@@ -63,6 +63,11 @@ def test_vpp_without_a_pipeline_is_refused() -> None:
         autotp.compile_rank(build_model("llama-tiny"), tp=2, vpp=2)
 
 
+def test_unknown_compile_backend_is_refused() -> None:
+    with pytest.raises(UserInputError, match="compile='inductr' is not a torch.compile backend"):
+        autotp.parallelize(nn.Linear(4, 4), example_inputs={"input": torch.randn(2, 4)}, compile="inductr")
+
+
 def test_world_size_error_shows_no_inferred_dp() -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore

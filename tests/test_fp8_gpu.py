@@ -11,7 +11,7 @@ import torch
 
 import autotp
 from autotp.ir import ops
-from test_fp8 import ReferenceFp8, model_for
+from test_fp8 import ReferenceFp8, assert_fp8_rendering, model_for
 
 CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 pytestmark = [
@@ -64,18 +64,19 @@ def _train(pm: torch.nn.Module, ids: torch.Tensor, steps: int = 3) -> tuple[list
 
 @pytest.mark.parametrize("mode", ["compile", "cuda_graphs"])
 def test_compiled_and_captured_fp8_equal_eager(mode: str) -> None:
-    """Float32 weights: in bf16, inductor's fused kernels round the inputs of the casts
-    differently from eager, and E5M2 gradients amplify each flipped rounding (measured on an
-    H200: the embedding's grad 0.108 apart under compile); float32 isolates the graph's semantics."""
+    """Float32 weights (in bf16 the roundings of the non-FP8 work add to the differences).
+    Inductor's CUDA kernels reorder the float32 work upstream of the casts, so some FP8
+    roundings flip: every grad must be an FP8 rendering of the model no further from eager
+    FP8's than two independent renderings (``test_fp8.assert_fp8_rendering`` derives the
+    bound), against the same model run eagerly without FP8."""
     model = model_for("blockwise").to("cuda", torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     kwargs = {"input_ids": ids, "labels": ids}
+    exact = autotp.parallelize(copy.deepcopy(model), example_inputs=kwargs)
     eager = autotp.parallelize(copy.deepcopy(model), example_inputs=kwargs, fp8="tensorwise")
     other = autotp.parallelize(copy.deepcopy(model), example_inputs=kwargs, fp8="tensorwise", **{mode: True})
     assert any(n.target is ops.FP8_LINEAR for n in other.graph_for(**kwargs).graph.nodes)
-    (l1, g1), (l2, g2) = _train(eager, ids), _train(other, ids)
-    assert l1 == pytest.approx(l2, rel=1e-2)
-    for name, g in g1.items():
-        assert _relative(g2[name], g) < 5e-2, f"{mode}: grad of {name}"
+    (_, g0), (_, g1), (_, g2) = _train(exact, ids), _train(eager, ids), _train(other, ids)
+    assert_fp8_rendering(g2, g1, g0, mode)
     if mode == "cuda_graphs":
         assert other.cudagraph_slots, "nothing was captured"

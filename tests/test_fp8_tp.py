@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
+import pytest
 import torch
 from torch import nn
 
@@ -17,7 +18,7 @@ import autotp
 from autotp.ir import ops
 from distributed import run_on_ranks
 from small_models import build
-from test_fp8 import _close, check_against_reference, model_for, reference_model
+from test_fp8 import check_against_reference, check_fp8_lm_head, check_step, model_for, reference_model
 
 TP, BATCH, SEQ = 2, 4, 16
 
@@ -70,14 +71,14 @@ def _unreduced_on_rank(rank: int, world: int) -> float:
     """The tp=2 tensorwise model with every amax left local (a group of one rank, no reduction)."""
     from autotp.ir import fp8
 
-    real = fp8._reduced_amaxes
-    fp8._reduced_amaxes = lambda items, group: real(items, "")
+    real = fp8.group_amaxes
+    fp8.group_amaxes = lambda items, group: real(items, "")
     try:
         _compare("llama", "tensorwise", False)
     except AssertionError as e:
         return 1.0 if "not close" in str(e) else 0.0
     finally:
-        fp8._reduced_amaxes = real
+        fp8.group_amaxes = real
     return 0.0
 
 
@@ -100,14 +101,22 @@ def _pipeline_on_rank(rank: int, world: int, recipe: str) -> float:
     loss = pm.train_step(input_ids=ids, labels=labels, num_microbatches=2)
     reference = reference_model(model, pm.plan)
     expected = sum(reference(input_ids=ids[i : i + 2], labels=labels[i : i + 2]).loss for i in (0, 2)) / 2
-    expected.backward()
-    _close(loss, expected.detach(), f"pp=2 {recipe}: loss")
-    grads = pm.unshard_grads()
-    for name, p in reference.named_parameters():
-        _close(grads[name], p.grad, f"pp=2 {recipe}: grad of {name}")
+    check_step(loss, pm, reference, expected, f"pp=2 {recipe}")
     return loss.item()
 
 
 def test_fp8_pp2_equals_one_process_fp8() -> None:
     results = run_on_ranks(_pipeline_on_rank, 2, "tensorwise", timeout_s=600)
     assert results[0] == results[1], f"stages disagree on the loss: {results}"
+
+
+def _lm_head_on_rank(rank: int, world: int) -> float:
+    return check_fp8_lm_head(TP)
+
+
+@pytest.mark.slow
+def test_fp8_lm_head_tp2_equals_the_reference() -> None:
+    """The lm_head in FP8 inside the vocab-parallel fused loss: W's and each chunk's logit-gradient
+    amaxes are max-reduced over the vocabulary shards."""
+    results = run_on_ranks(_lm_head_on_rank, TP, timeout_s=600)
+    assert results[0] == results[1], f"ranks disagree on the loss: {results}"

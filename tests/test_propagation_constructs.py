@@ -38,6 +38,7 @@ from plain_models_attention import (
     TitanAttention,
     precompute_freqs_cis,
 )
+from plain_models_library import ParallelBlock, WeightNormMLP
 from plain_models_mixers import HeadExperts, LinearAttention, LoopMoE, StackedExperts, ViTAttention
 
 aten = torch.ops.aten
@@ -123,6 +124,55 @@ def test_one_kv_head_broadcast_by_attention_keeps_the_query_heads_split(tp: int)
     kv = [n.args[2:4] for n in rank.graph.nodes if n.target is aten.slice.Tensor and n.args[1] == 2][:3]
     local = HEADS // tp
     assert kv == [(0, local), (local, local + 1), (local + 1, local + 2)]  # q heads, the key head, the value head
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_one_kv_head_expanded_to_all_heads_is_held_whole_and_read_by_the_ranks_heads(tp: int) -> None:
+    """A parallel block (GPT-J / PaLM): one projection for q, one k and one v head, gate and up;
+    k and v expanded to every query head before SDPA. Their segments are held whole, the rank
+    reads its heads of the expanded k and v."""
+    gm, plan = _plan(ParallelBlock(), tp)
+    kind, sharding = _kinds(plan)["fused.weight"]
+    assert kind == "column" and sharding.segments == (64, 8, 8, 128, 128) and sharding.groups[1:3] == (1, 1), sharding
+    assert sharding.local_size(tp) == 64 // tp + 16 + 256 // tp
+    assert _kinds(plan)["attn_out.weight"][0] == _kinds(plan)["ff_out.weight"][0] == "row"
+    assert "fused.weight" not in _kept(plan)
+    local = HEADS // tp
+    for rank in range(tp):
+        heads = [n.args[2:4] for n in _rank_graph(gm, plan, rank).graph.nodes if n.target is aten.slice.Tensor and n.args[1] == 1]
+        assert heads == [(rank * local, (rank + 1) * local)] * 2  # of the expanded key, of the value
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_weight_norm_reparametrized_linears_get_megatrons_column_row_pair(tp: int) -> None:
+    """``parametrizations.weight_norm``: ``_weight_norm(v, g)`` becomes ``v * g / ‖v‖`` over each
+    row; the up projection's v and g split on its rows, the down projection's v on its
+    columns with a tp-reduced norm statistic, g whole."""
+    gm, plan = _plan(WeightNormMLP(), tp)
+    assert aten._weight_norm.default not in [n.target for n in gm.graph.nodes]
+    kinds = {name.replace("parametrizations.weight.", ""): (kind, s.groups) for name, (kind, s) in _kinds(plan).items()}
+    assert kinds["up.original1"][0] == "column" and kinds["up.original0"][0] == "bias" and kinds["up.bias"][0] == "bias"
+    assert kinds["down.original1"][0] == "row" and "down.parametrizations.weight.original1" not in _kept(plan)
+    rank = _rank_graph(gm, plan)
+    weights = [tuple(local_shape(n.args[1], tp)) for n in rank.graph.nodes if n.target is aten.linear.default]
+    assert weights == [(128 // tp, DIM), (DIM, 128 // tp)]
+
+
+def test_only_ops_of_parameters_alone_are_decomposed() -> None:
+    """``group_norm`` reads an activation: it stays one op; the weight norm of a parameter does not."""
+
+    class GroupNormed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.GroupNorm(4, DIM)
+            self.proj = nn.utils.parametrizations.weight_norm(nn.Linear(DIM, DIM))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(self.norm(x.transpose(1, 2)).transpose(1, 2))
+
+    targets = {n.target for n in trace(GroupNormed().eval(), {"x": _x()}).graph.nodes}
+    assert aten.group_norm.default in targets and aten.linalg_vector_norm.default in targets
+    assert aten._weight_norm.default not in targets
 
 
 def test_cat_onto_an_empty_cache_keeps_the_heads_split() -> None:

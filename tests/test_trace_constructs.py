@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointFunction
 
+import plain_models_library as library
 import plain_models_structure as structure
 from general_models import _Tanh  # a hand-written backward that is the forward's derivative
 from autotp.analysis import custom_functions
@@ -154,6 +156,19 @@ def test_grad_and_autocast_regions_are_inlined(name: str) -> None:
     if name == "no_grad_scale":
         assert torch.ops.aten.detach.default in targets
     result = _equal_in_one_process(name)
+    assert result.passed, result.reason
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_activation_checkpointing_is_traced_as_the_call(use_reentrant: bool) -> None:
+    """Reentrant checkpointing runs its block under no_grad and recomputes it in backward:
+    traced as it is, no parameter of the block would get a gradient."""
+    name = "checkpoint_reentrant" if use_reentrant else "checkpoint_nonreentrant"
+    model, inputs = library.build(name), library.example_inputs(name)
+    targets = [n.target for n in trace(model, inputs).graph.nodes]
+    assert torch.ops.aten.detach.default not in targets
+    assert "apply" not in CheckpointFunction.__dict__  # Function.apply again after the trace
+    result = check_on_rank(model, inputs, tp=1)
     assert result.passed, result.reason
 
 

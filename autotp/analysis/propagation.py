@@ -56,7 +56,9 @@ class Walker:
 
     ``avoid`` maps a reshape node's name to output factors it must not shard
     (``reshape_rules._split``); ``statistics`` decides whether a reduction or norm over a
-    sharded dim may use a tp-reduced statistic at a node (always, with a plan).
+    sharded dim may use a tp-reduced statistic at a node (always, with a plan); ``hints``
+    decides parameters at their read, before their first use (``Propagation.hints``: the
+    parameters of a weight reparametrization, split as the matmul reading the weight asks).
     """
 
     def __init__(
@@ -67,8 +69,10 @@ class Walker:
         policy: ShardPolicy | None,
         avoid: dict[str, frozenset[int]] | None = None,
         statistics: StatisticPolicy | None = None,
+        hints: dict[str, tuple[str, int]] | None = None,
     ) -> None:
         self.gm = gm
+        self.hints = hints or {}
         self.tp = tp
         self.plan = plan
         self.policy = policy or (lambda name, kind, shape: True)
@@ -202,6 +206,11 @@ class Walker:
                 return REPLICATE
             if self.plan is not None:
                 return self.fixed_vars.get(name, REPLICATE)
+            if name in self.hints and self.allowed(name, "column"):
+                kind, dim = self.hints[name]
+                var = DimVar(self.params[name].shape[dim], frozenset({name}))
+                self.decide(name, ParamDecision(kind, dim, var), node)
+                return shard({dim: var})
             ndim = self.params[name].dim()
             return ParamView(name, tuple(range(ndim)))
         if node.op == "output":
@@ -242,6 +251,7 @@ def propagate(
     policy: ShardPolicy | None = None,
     avoid: dict[str, frozenset[int]] | None = None,
     statistics: StatisticPolicy | None = None,
+    hints: dict[str, tuple[str, int]] | None = None,
 ) -> Propagation:
     """Walk ``gm`` once; see the module docstring for the two modes."""
-    return Walker(gm, tp, plan, policy, avoid, statistics).run()
+    return Walker(gm, tp, plan, policy, avoid, statistics, hints).run()

@@ -86,6 +86,9 @@ class Propagation:
     index_slices: dict[Node, int] = field(default_factory=dict)
     # names of the nodes that reduce over a sharded dim with a tp-reduced statistic
     statistics: set[str] = field(default_factory=set)
+    # parameter -> (kind, dim): the first matmul weight of the walk computed from it alone (a
+    # reparametrization) was read whole; split from the start, it would be that matmul's (``Walker.hints``)
+    hints: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     def layout(self, node: Node) -> Layout:
         lay = self.layouts.get(node, REPLICATE)

@@ -57,6 +57,8 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
     kind_row = "expert_row" if b_batch_free else "row"
     grouped = isinstance(lb, ParamView) and ak is None and not b_batch_free and w.allowed(lb.name, "column")
     batch_split = _batch_split(la, lb, a_shape, b_shape, (b_k, b_n)) if grouped else None
+    if w.plan is None and not b_batch_free and isinstance(lb, Layout) and lb.replicated and isinstance(b, Node):
+        _hint_reparametrized(w, b, (b_k, kind_row) if ak is not None else (b_n, kind_col))
     if isinstance(lb, ParamView):
         if batch_split is not None:  # grouped weights met by groups split in the activation
             w.param_view_shard(lb, batch_split[0], batch_split[1], kind_col, node)
@@ -120,6 +122,32 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
         else:
             _bias_follows(w, node, bias, bn)
     return out
+
+
+def _hint_reparametrized(w: Walker, weight: Node, split: tuple[int, str]) -> None:
+    """A replicated weight computed from parameters alone (weight norm's ``v * g / ‖v‖``):
+    hint its parameters of the weight's own shape, read whole by their first use, to be
+    split as this matmul asks (``Propagation.hints``); the planner walks again with them.
+    Only the first such matmul of a walk hints: the splits of later ones depend on it."""
+    if w.out.hints:
+        return
+    dim, kind = split
+    shape, seen, todo, found = shape_of(weight), set(), [weight], []
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            found.append(str(n.target))
+        elif n.op == "call_function":
+            todo.extend(n.all_input_nodes)
+        else:  # an input: the weight depends on an activation
+            return
+    for name in found:
+        dec = w.out.decisions.get(name)
+        if name in w.params and tuple(w.params[name].shape) == shape and dec is not None and dec.dim is None:
+            w.out.hints.setdefault(name, (kind, dim))
 
 
 def _batch_split(la: Layout, lb: ParamView, a_shape: tuple[int, ...], b_shape: tuple[int, ...], own: tuple[int, int]) -> tuple[int, DimVar] | None:

@@ -31,8 +31,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorExc
 from torch.fx import GraphModule
 
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
+from autotp.analysis.trace_decompose import decompose_parameter_ops
 from autotp.analysis.trace_guards import refuse_parameter_writes, strip_opaque_outputs
-from autotp.analysis.trace_regions import inline_regions, reconnect_unchanged_region_outputs
+from autotp.analysis.trace_regions import inline_regions, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
 from autotp.ir.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     reconnect_unchanged_region_outputs(gm)
     inline_regions(gm)
     _clean(gm)
+    decompose_parameter_ops(gm)
     mark_elementwise(gm)
     refuse_parameter_writes(type(model).__name__, gm)
     return gm
@@ -145,7 +147,7 @@ def _export(
     # torch.export prints the partial graph of a failed trace to stderr; it goes to the
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
-    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held:
+    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call():
         try:
             with contextlib.redirect_stderr(printed):
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False)

@@ -15,6 +15,14 @@ meaning stays the same:
   it: the inlined nodes carry ``meta_keys.AUTOCAST_INLINED`` and ``ParallelModel`` refuses to
   run them under one. A region that autocast does change keeps its node.
 
+Reentrant activation checkpointing (``checkpoint(fn, *args, use_reentrant=True)``) is traced
+as the call ``fn(*args)`` (``reentrant_checkpoint_as_call``): torch's ``CheckpointFunction``
+runs ``fn`` under ``no_grad`` and recomputes it in backward, so in value and gradient it is the
+plain call. Exported as it is, its body would be a grad-disabled region (no parameter inside
+would get a gradient) and the grad mode ``Function.apply`` restores after it would be lost.
+Export traces the non-reentrant variant as the plain call too; neither variant's
+recomputation is carried into the rank graph.
+
 Before that, ``reconnect_unchanged_region_outputs`` makes reads of a region's output that is
 one of its operands unchanged read the operand (eager ``x.to(torch.float32)`` of an fp32 ``x``
 returns ``x`` itself, gradient and all, even under ``no_grad``).
@@ -24,10 +32,14 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
+from torch.utils.checkpoint import CheckpointFunction
 
 from autotp.ir import meta_keys
 
@@ -41,6 +53,24 @@ _MAYBE_IDENTITY = {
     torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
     torch.ops.aten.to.other, torch.ops.aten.contiguous.default,
 }  # fmt: skip
+
+
+@contextmanager
+def reentrant_checkpoint_as_call() -> Iterator[None]:
+    """While the body runs, ``CheckpointFunction.apply(fn, preserve_rng_state, *args)`` is ``fn(*args)``."""
+
+    def call(fn: Any, preserve_rng_state: bool, *args: Any) -> Any:
+        return fn(*args)
+
+    own = CheckpointFunction.__dict__.get("apply")  # None: it inherits Function.apply
+    CheckpointFunction.apply = staticmethod(call)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if own is None:
+            del CheckpointFunction.apply
+        else:
+            CheckpointFunction.apply = own  # type: ignore[method-assign]
 
 
 def _body(gm: GraphModule, region: Node) -> tuple[int, GraphModule]:

@@ -19,7 +19,7 @@ from autotp.analysis.propagation_result import ParamView
 from autotp.analysis.shapes import norm_dim, shape_of
 from autotp.analysis.sharding_policy import matmul
 from autotp.ir.errors import describe
-from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
+from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, local_size, make_whole, shard, unify
 
 if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker
@@ -142,6 +142,12 @@ def sdpa(w: Walker, node: Node) -> Layout:
     heads = [l.var_at(1) for l in lays]
     # one KV head every rank holds whole (multi-query attention) broadcasts over the rank's query heads
     one_head = [(shape_of(t) or (0, 0))[1] == 1 and all(d == 1 for d, _ in l.dims) for t, l in zip((q, k, v), lays)]
+    for i, t in ((1, k), (2, v)):
+        if _whole_heads_of(w, q, t, lays[0], lays[i]):  # k/v of all the query heads held whole: the rank's heads of it
+            for _, var in lays[i].dims:
+                make_whole(var)
+            w.out.local_slices.setdefault(node, []).append((t, 1, heads[0]))
+            lays[i], heads[i] = shard({1: heads[0]}), heads[0]
     if any(len(l.dims) != 1 or l.var_at(1) is None for l, whole in zip(lays, [False, *one_head[1:]]) if not whole):
         blame = lays[0].origins() | lays[1].origins() | lays[2].origins()
         wrong = tuple(v for l in lays for d, v in l.dims if d != 1)  # a reshape may put these on the heads instead
@@ -153,6 +159,23 @@ def sdpa(w: Walker, node: Node) -> Layout:
     if isinstance(mask, Node):
         _sdpa_mask(w, node, mask, heads[0])
     return shard({1: heads[0]})
+
+
+def _whole_heads_of(w: Walker, q: Node, t: Any, q_lay: Layout, t_lay: Layout) -> bool:
+    """Whether ``t`` (k or v) holds every one of q's heads, not split on them, while q is split
+    on them (one KV head of a fused projection expanded to all heads): each head attends on
+    its own, so ``t`` is held whole (a split of its other dims, e.g. its segment of the fused
+    projection, becomes one block every rank holds) and the rank reads the heads it holds."""
+    q_heads = q_lay.var_at(1)
+    if q_heads is None or len(q_lay.dims) != 1 or q_heads.find().padded or t_lay.var_at(1) is not None:
+        return False
+    for _, v in t_lay.dims:
+        if v.find().padded or v.find().made_by is not None:  # a reshape may put that split on the heads instead
+            return False
+        if w.plan is not None and local_size(v, w.tp) != v.find().size:  # a plan that splits it does not hold t whole
+            return False
+    qs, ts = shape_of(q) or (), shape_of(t) or ()
+    return len(ts) == len(qs) and ts[1] == qs[1] > 1
 
 
 def _sdpa_mask(w: Walker, node: Node, mask: Node, heads: DimVar | None) -> None:

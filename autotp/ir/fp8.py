@@ -218,7 +218,7 @@ class Fp8Call:
         return self.gather_dim >= 0
 
 
-def _reduced_amaxes(items: list[tuple[Tensor, Block, bool, bool]], group: str) -> list[Tensor]:
+def group_amaxes(items: list[tuple[Tensor, Block, bool, bool]], group: str) -> list[Tensor]:
     """The amax of each (2-d tensor, block, rows split, cols split); those spanning a split
     dim are max-reduced over ``group`` in one collective."""
     amaxes = [amax(t, block) for t, block, _, _ in items]
@@ -246,7 +246,7 @@ class Fp8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, k)
         items = [(x2, recipe.activation, call.rows_split, call.k_split)]
         items += [(w, recipe.weight, split, call.k_split) for w, split in zip(weights, call.n_split)]
-        x_amax, *w_amaxes = _reduced_amaxes(items, call.group)
+        x_amax, *w_amaxes = group_amaxes(items, call.group)
         x8, sx = cast(x2, x_amax, E4M3, recipe.activation, recipe.pow2)
         lead = x.shape[:-1]
         if call.gathers:  # the group's tokens travel in FP8: half the bytes of x
@@ -293,7 +293,7 @@ class Fp8Linear(torch.autograd.Function):
                 items.append((dys[i].t(), act, call.n_split[i], rows_split))
         if not tensorwise:
             items.append((xs.t(), act, call.k_split, rows_split))
-        amaxes = _reduced_amaxes(items, call.group)
+        amaxes = group_amaxes(items, call.group)
         m_multiple = CUDA_DIM_MULTIPLE if xs.device.type == "cuda" else 1
         if tensorwise:
             xt8, sxt = xs, sx

@@ -14,6 +14,13 @@ For each chunk of c tokens (h: [c, H], this rank's weight rows W: [V_l, H], colu
 * ``grad_hidden[chunk] = g @ W`` (this rank's partial sum: the ``copy_to_tp`` before the
   lm_head all-reduces it backward) and ``grad_weight += g.T @ h``.
 
+With ``fp8`` = ``"tensorwise"`` (``plan.fp8_linears`` lists the lm_head weight with that recipe;
+off by default) the three GEMMs run in FP8 as ``autotp.ir.fp8``'s tensorwise recipe does: h
+and W quantized once (E4M3, one scale each, W's amax max-reduced over the tp group that splits
+the vocabulary), each chunk's logit gradient g in E5M2 with its own scale (its amax
+max-reduced over the group: g is split on the vocabulary), ``dh = g8 · W8`` and
+``dW += g8ᵀ · h8`` reading the FP8 copies transposed.
+
 At most one chunk of logits and its gradient are alive (the elementwise steps work in place on
 one float32 copy), and no GEMM runs twice: the backward only scales the two saved gradients by
 the loss's gradient. The op is ``CompositeImplicitAutograd`` around an ``autograd.Function``, so
@@ -28,9 +35,44 @@ import torch
 from torch import Tensor
 from torch.library import Library
 
-from autotp.ir import ops
+from autotp.ir import fp8, ops
 
 _MEAN = 1
+
+
+class _HeadGemms:
+    """The fused loss's three GEMMs per chunk, in the weight's dtype or (``recipe``) in FP8."""
+
+    def __init__(self, h: Tensor, weight: Tensor, recipe: str, vocab_split: bool, group: str) -> None:
+        self.h, self.weight = h, weight
+        self.recipe = fp8.RECIPES[recipe] if recipe else None
+        self.vocab_split, self.group = vocab_split, group
+        if self.recipe is None:
+            return
+        assert self.recipe.name == fp8.TENSORWISE, "the fused loss runs tensorwise FP8 only"
+        h_amax, w_amax = fp8.group_amaxes([(h, fp8.WHOLE, False, False), (weight, fp8.WHOLE, vocab_split, False)], group)
+        self.h8, self.sh = fp8.cast(h, h_amax, fp8.E4M3, fp8.WHOLE, False)
+        self.w8, self.sw = fp8.cast(weight, w_amax, fp8.E4M3, fp8.WHOLE, False)
+        self.wt8 = self.w8.t().contiguous()  # [H, V]: dgrad's second operand
+        self.m_multiple = fp8.CUDA_DIM_MULTIPLE if h.device.type == "cuda" else 1
+
+    def logits(self, start: int, stop: int) -> Tensor:
+        if self.recipe is None:
+            return self.h[start:stop] @ self.weight.t()
+        return fp8.scaled_gemm(self.h8[start:stop], self.sh, fp8.WHOLE, self.w8, self.sw, fp8.WHOLE, self.weight.dtype,
+                               self.recipe.fast_accum_forward)  # fmt: skip
+
+    def backward(self, g: Tensor, start: int, stop: int, grad_weight: Tensor) -> Tensor:
+        """This chunk's ``g @ W``; adds ``gᵀ @ h`` to ``grad_weight``."""
+        if self.recipe is None:
+            grad_weight.addmm_(g.t(), self.h[start:stop])
+            return g @ self.weight
+        (g_amax,) = fp8.group_amaxes([(g, fp8.WHOLE, False, self.vocab_split)], self.group)
+        g8, sg = fp8.cast(g, g_amax, self.recipe.grad_dtype, fp8.WHOLE, False)
+        gt8 = fp8.pad_fp8_cols(g8.t().contiguous(), self.m_multiple)
+        ht8 = fp8.pad_fp8_cols(self.h8[start:stop].t().contiguous(), self.m_multiple)
+        grad_weight.add_(fp8.scaled_gemm(gt8, sg, fp8.WHOLE, ht8, self.sh, fp8.WHOLE, grad_weight.dtype, False))
+        return fp8.scaled_gemm(g8, sg, fp8.WHOLE, self.wt8, self.sw, fp8.WHOLE, g.dtype, False)
 
 
 def _stats(logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, group_size: int, group: str,
@@ -61,7 +103,7 @@ def _logit_grad(logits: Tensor, target: Tensor, lse: Tensor, weight: Tensor, voc
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, target: Tensor, vocab_start: int, vocab_size: int,  # type: ignore[override]
-                ignore_index: int, reduction: int, chunk: int, group_size: int, group: str) -> Tensor:  # fmt: skip
+                ignore_index: int, reduction: int, chunk: int, group_size: int, group: str, fp8_recipe: str) -> Tensor:  # fmt: skip
         h = hidden.reshape(-1, hidden.shape[-1])
         t = target.reshape(-1)
         valid = t != ignore_index
@@ -70,15 +112,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         whole = vocab_start == 0 and weight.shape[0] >= vocab_size  # a replicated lm_head: nothing to combine
         losses, grads_hidden = [], []
         grad_weight = torch.zeros_like(weight)
+        gemms = _HeadGemms(h, weight, fp8_recipe, not whole, "" if whole else group)
         for start in range(0, h.shape[0], chunk):
-            hc, tc, wc = h[start : start + chunk], t[start : start + chunk], token_weight[start : start + chunk]
-            logits = hc @ weight.t()
+            stop = start + chunk
+            tc, wc = t[start:stop], token_weight[start:stop]
+            logits = gemms.logits(start, stop)
             lse, picked = _stats(logits, tc, vocab_start, vocab_size, group_size, group, whole)
             losses.append((lse - picked) * wc)
             g = _logit_grad(logits, tc, lse, wc, vocab_start, vocab_size)
             del logits
-            grads_hidden.append(g @ weight)
-            grad_weight.addmm_(g.t(), hc)
+            grads_hidden.append(gemms.backward(g, start, min(stop, h.shape[0]), grad_weight))
         ctx.save_for_backward(torch.cat(grads_hidden).view_as(hidden), grad_weight)
         return torch.cat(losses).sum()
 
@@ -88,13 +131,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden_needs, weight_needs = ctx.needs_input_grad[:2]
         return (grad_hidden * grad.to(grad_hidden.dtype) if hidden_needs else None,
                 grad_weight * grad.to(grad_weight.dtype) if weight_needs else None,
-                None, None, None, None, None, None, None, None)  # fmt: skip
+                None, None, None, None, None, None, None, None, None)  # fmt: skip
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, vocab_start: int, vocab_size: int, ignore_index: int,
-                         reduction: int, chunk: int, group_size: int, group: str) -> Tensor:  # fmt: skip
+                         reduction: int, chunk: int, group_size: int, group: str, fp8_recipe: str = "") -> Tensor:  # fmt: skip
     """The op's implementation; ``reduction`` is aten's code, mean (1) or sum (2)."""
-    return _LinearCrossEntropy.apply(hidden, weight, target, vocab_start, vocab_size, ignore_index, reduction, chunk, group_size, group)
+    return _LinearCrossEntropy.apply(hidden, weight, target, vocab_start, vocab_size, ignore_index, reduction, chunk, group_size,
+                                     group, fp8_recipe)  # fmt: skip
 
 
 _KERNELS = Library(ops.NAMESPACE, "IMPL")

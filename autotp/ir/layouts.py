@@ -130,7 +130,7 @@ def follow(var: DimVar, outer: DimVar, where: str) -> None:
         return
     inner = r.size // o.size
     if o.size == 1:  # one element (one KV head): every rank holds the whole, parts included
-        _make_whole(r)
+        make_whole(r)
     elif r.segments is not None:
         sizes = [seg.find().size for seg in r.segments]
         if any(size % inner for size in sizes):
@@ -158,12 +158,12 @@ def _follow_both(a: DimVar, b: DimVar, where: str) -> None:
         raise ShardingConflict(f"{where}: sharded dims of size {a.size} and {b.size} meet", a.origins | b.origins)
 
 
-def _make_whole(var: DimVar) -> None:
+def make_whole(var: DimVar) -> None:
     """One block that every rank holds (a replicated whole satisfies any block constraint)."""
     r = var.find()
     r.groups = 1
     for seg in r.segments or ():
-        _make_whole(seg)
+        make_whole(seg)
 
 
 def _outer_groups(outer: DimVar, groups: int, size: int, where: str) -> None:

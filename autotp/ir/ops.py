@@ -35,9 +35,10 @@ named ``*_tp`` all-reduces over whichever group its key names.
   reduction, group)`` -- ``aten.cross_entropy_loss`` on logits sharded on the class dim:
   only per-token max, sum-exp and target logit cross ranks (``vocab_parallel_nll``).
 * ``linear_cross_entropy(hidden, weight, target, vocab_start, vocab_size, ignore_index,
-  reduction, chunk, group_size, group)`` -- the same loss on ``linear(hidden, weight)`` (the
+  reduction, chunk, group_size, group, fp8_recipe="")`` -- the same loss on ``linear(hidden, weight)`` (the
   weight's rows: columns ``vocab_start...`` of the class dim), ``chunk`` tokens at a time, so
-  the logits are never whole; its forward also computes the gradients of ``hidden`` and
+  the logits are never whole (its GEMMs in FP8 with ``fp8_recipe``, tensorwise); its
+  forward also computes the gradients of ``hidden`` and
   ``weight`` (implemented in ``autotp.ir.fused_loss``, which the pass that inserts it,
   ``passes/fused_linear_cross_entropy``, imports).
 * ``all_reduce_max(x, group)`` -- the elementwise max over the group (FP8 amaxes; no grad).
@@ -130,7 +131,7 @@ VOCAB_PARALLEL_CROSS_ENTROPY = _define(
 )
 LINEAR_CROSS_ENTROPY = _define(
     "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, int vocab_start, int vocab_size, "
-    "int ignore_index, int reduction, int chunk, int group_size, str group) -> Tensor"
+    "int ignore_index, int reduction, int chunk, int group_size, str group, str fp8_recipe=\"\") -> Tensor"
 )
 VOCAB_PARALLEL_EMBEDDING = _define(
     "vocab_parallel_embedding(Tensor weight, Tensor ids, int vocab_start, int vocab_stop, int vocab_size, "

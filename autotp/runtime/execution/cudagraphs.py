@@ -117,12 +117,12 @@ def _own(value: Any) -> Any:
 
 class CapturedGraph:
     """Calls a region-split graph with its regions replayed from CUDA graphs (module docstring);
-    with ``compile_regions``, each region runs ``torch.compile``'s code in its graphs."""
+    with ``compile_backend``, each region runs ``torch.compile``'s code (of that backend) in its graphs."""
 
-    def __init__(self, split: GraphModule, impl: str, compile_regions: bool = False) -> None:
+    def __init__(self, split: GraphModule, impl: str, compile_backend: str | None = None) -> None:
         self._split = split
         self._impl = impl
-        self._compile = compile_regions
+        self._compile = compile_backend
         self._slots: list[GraphModule] = []  # per slot: the split graph with its regions graphed
         self._params: tuple[Tensor, ...] = ()  # the captured parameters that take gradients
         self._ranges: list[tuple[int, int]] = []  # the memory of every slot's pool
@@ -174,7 +174,7 @@ class CapturedGraph:
             handle.remove()
         if self._compile:
             for name, module in regions:
-                setattr(split, name, torch.compile(module))
+                setattr(split, name, torch.compile(module, backend=self._compile))
             regions = regions_of(split)
         if regions:
             modules = tuple(module for _, module in regions)

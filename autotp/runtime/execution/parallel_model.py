@@ -63,10 +63,10 @@ class ParallelModel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, first: RankProgram, first_kwargs: dict[str, Any], coords: Coords,
-                 device: torch.device, compile_graphs: bool) -> None:  # fmt: skip
+                 device: torch.device, compile_backend: str | None) -> None:  # fmt: skip
         super().__init__()
         self.plan: ParallelPlan = first.plan
-        self._compile_graphs = compile_graphs
+        self._compile_backend = compile_backend
         self._coords = coords
         self._device = device
         self._source = _StructureOnly(model)
@@ -133,7 +133,7 @@ class ParallelModel(nn.Module):
     @property
     def compile_graphs(self) -> bool:
         """Whether the graphs run through ``torch.compile``."""
-        return self._compile_graphs
+        return self._compile_backend is not None
 
     @property
     def shard_map(self) -> Parameters:
@@ -161,7 +161,7 @@ class ParallelModel(nn.Module):
     def _prepare(self, program: RankProgram) -> CompiledSignature:
         for k, v in program.pass_s.items():
             self.pass_timings[k] = self.pass_timings.get(k, 0.0) + v
-        return CompiledSignature.of(program, self.plan, self.my_chunks, self._compile_graphs)
+        return CompiledSignature.of(program, self.plan, self.my_chunks, self._compile_backend)
 
     def _attach(self, compiled: CompiledSignature) -> None:
         self._params.attach([g for chunk in compiled.running() for g in chunk.graphs()])

@@ -29,20 +29,21 @@ class CompiledSignature:
     run: Callable[..., Any]  # without a pipeline: ``graph``, its torch.compile'd form, or its CUDA-graph capture
 
     @staticmethod
-    def of(program: RankProgram, plan: ParallelPlan, my_chunks: list[int], compile_graphs: bool) -> CompiledSignature:
-        """This rank's chunks of ``program`` (``my_chunks``), and how to run them."""
+    def of(program: RankProgram, plan: ParallelPlan, my_chunks: list[int], compile_backend: str | None) -> CompiledSignature:
+        """This rank's chunks of ``program`` (``my_chunks``), and how to run them (through
+        ``torch.compile`` with ``compile_backend``, if one is named)."""
         chunks = {c: ChunkGraph(program.chunks[c]) for c in my_chunks} if plan.num_chunks > 1 else {}
         whole = program.chunks[0]
         graph = program.graph if chunks else whole.graph
         run: Callable[..., Any] = graph
-        if compile_graphs:
-            run = torch.compile(graph)
+        if compile_backend:
+            run = torch.compile(graph, backend=compile_backend)
             for cg in chunks.values():
-                cg.run = torch.compile(cg.graph)
+                cg.run = torch.compile(cg.graph, backend=compile_backend)
         if plan.cudagraphs:
-            run = cudagraphs.CapturedGraph(whole.captured, plan.cudagraph_impl, compile_graphs)
+            run = cudagraphs.CapturedGraph(whole.captured, plan.cudagraph_impl, compile_backend)
             for cg in chunks.values():
-                cg.captured = cudagraphs.CapturedGraph(cg.program.captured, plan.cudagraph_impl, compile_graphs)
+                cg.captured = cudagraphs.CapturedGraph(cg.program.captured, plan.cudagraph_impl, compile_backend)
         return CompiledSignature(program, graph, chunks, graph_param_chunks(program.graph), run)
 
     def running(self) -> list[ChunkProgram]:
