@@ -94,13 +94,23 @@ def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
     return gm
 
 
+_CONVOLUTIONS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default}
+
+
 def _split_row_bias(gm: GraphModule, node: Node, key: str, tp: int) -> None:
-    """``linear(x, W, b)`` / ``addmm(b, x, W)`` with partial product -> ``g(x @ W) + b``."""
+    """``linear(x, W, b)`` / ``addmm(b, x, W)`` / a convolution with partial product -> ``g(x @ W) + b``."""
     graph = gm.graph
     if node.target is aten.linear.default:
         x, w = node.args[0], node.args[1]
         bias = node.args[2] if len(node.args) > 2 else node.kwargs["bias"]
         target, args = aten.linear.default, (x, w)
+    elif node.target in _CONVOLUTIONS:  # conv(x, W, b, ...) -> g(conv(x, W, None, ...)) + b[:, None...]
+        bias, target = node.args[2], node.target
+        args = (node.args[0], node.args[1], None, *node.args[3:])
+        shape = [-1] + [1] * (node.meta["val"].dim() - 2)
+        with graph.inserting_before(node):
+            bias = graph.call_function(aten.view.default, (bias, shape))
+        bias.meta.update({"val": bias.args[0].meta["val"].view(shape), meta_keys.LAYOUT: REPLICATE})
     else:
         bias, x, w = node.args[0], node.args[1], node.args[2]
         target, args = aten.mm.default, (x, w)

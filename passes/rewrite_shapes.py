@@ -1,5 +1,6 @@
 """Rewrite the shape constants that sharding changes (views, expands, ``new_*`` sizes, split sizes,
-slice bounds, ``repeat_interleave`` counts, the ``groups`` of a depthwise convolution).
+slice bounds, ``repeat_interleave`` counts, the ``groups`` of a depthwise convolution and
+of a group norm).
 
 ``torch.export`` bakes concrete sizes into ``view``/``reshape``/``expand`` arguments,
 some of which count heads or hidden features. Every dim that the layout pass marked as
@@ -48,6 +49,10 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "output_size"}
         elif node.target in _CONVOLUTIONS:
             _local_groups(node, tp)
+        elif node.target is aten.group_norm.default and isinstance(src := node.args[0].meta.get(meta_keys.LAYOUT), Layout) and src.var_at(1):
+            # each rank holds whole groups of its channels (``statistic_rules.group_norm``)
+            channels = node.args[0].meta["val"].shape[1]
+            node.args = (node.args[0], node.args[1] * local_size(src.var_at(1), tp) // channels, *node.args[2:])
         elif meta_keys.INDEX_AS_SLICE in node.meta:
             start, end = local_slice_bounds(node, tp)
             node.target, node.args, node.kwargs = aten.slice.Tensor, (node.args[0], node.meta[meta_keys.INDEX_AS_SLICE], start, end), {}

@@ -92,11 +92,14 @@ class DecoderLM(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(h))
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
         for layer in self.layers:
             h = layer(h)
-        logits = self.logits(h)
+        return h
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        logits = self.logits(self.hidden(input_ids))
         out: dict[str, Any] = {"logits": logits}
         if labels is not None:
             out["loss"] = lm_loss(logits, labels)

@@ -2,7 +2,10 @@
 
 * A node's **layer** is the first integer component of the innermost module path of its
   ``nn_module_stack`` that has one: ``model.layers.3.mlp`` -> 3, ``transformer.h.3`` -> 3.
-  A parameter name is read the same way (``layer_index``).
+  A parameter name is read the same way (``layer_index``). Where the layers come from
+  several module lists (``encoder.0`` ... ``decoder.0`` ..., Swin's ``stage1.0`` ...
+  ``stage2.0``), each list's indices would name the same layer twice: the layers are
+  numbered instead in the order the graph first runs them.
 * Nodes outside every layer belong to the **embedding** section before the last node of
   the last layer and to the **head** after it (``outside_layers``).
 """
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 
 EMBEDDING, HEAD = "embedding", "head"
 LayerKey = int | str
@@ -34,12 +37,39 @@ def with_layer_index(path: str, index: int) -> str:
     return path[: match.start(1)] + str(index) + path[match.end(1) :]
 
 
-def layer_of(node: Node) -> int | None:
+def _layer_path(node: Node) -> tuple[str, int] | None:
+    """(the module path through its first integer component, that integer) of the innermost
+    module of ``node`` that has one: ``model.layers.3.mlp`` -> (``model.layers.3``, 3)."""
     for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
-        index = layer_index(path)
-        if index is not None:
-            return index
+        match = _LAYER_INDEX.search(path)
+        if match:
+            return path[: match.end(1)], int(match.group(1))
     return None
+
+
+def _ordinals(graph: Graph) -> dict[str, int]:
+    """Layer numbers of a graph whose layers come from several module lists (an encoder's
+    and a decoder's, the stages of a hierarchical vision model): every layer path numbered
+    in the order the graph first runs it. Empty for one list: its indices number it."""
+    cached = getattr(graph, "_autotp_layer_ordinals", None)
+    if cached is not None and cached[0] == len(graph.nodes):
+        return cached[1]
+    seen: dict[str, int] = {}
+    for node in graph.nodes:
+        found = _layer_path(node)
+        if found is not None and found[0] not in seen:
+            seen[found[0]] = len(seen)
+    lists = {path.rsplit(".", 1)[0] if "." in path else "" for path in seen}
+    ordinals = seen if len(lists) > 1 else {}
+    graph._autotp_layer_ordinals = (len(graph.nodes), ordinals)  # type: ignore[attr-defined]
+    return ordinals
+
+
+def layer_of(node: Node) -> int | None:
+    found = _layer_path(node)
+    if found is None:
+        return None
+    return _ordinals(node.graph).get(found[0], found[1])
 
 
 def num_layers(gm: GraphModule) -> int:

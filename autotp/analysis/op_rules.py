@@ -126,6 +126,7 @@ RULES: dict[Any, Rule] = {
     aten.split.Tensor: shapes.split,
     aten.split_with_sizes.default: shapes.split,
     aten.chunk.default: shapes.split,
+    aten.glu.default: shapes.glu,
     aten.unbind.int: shapes.split,
     aten.cat.default: shapes.cat,
     aten.stack.default: shapes.cat,
@@ -152,6 +153,8 @@ RULES: dict[Any, Rule] = {
     aten.layer_norm.default: statistics.norm,
     aten.native_layer_norm.default: statistics.norm,
     aten.rms_norm.default: statistics.norm,
+    aten.group_norm.default: statistics.group_norm,
+    aten.batch_norm.default: statistics.batch_norm,
     aten.dropout.default: values.dropout,
     aten.where.self: values.pointwise,
     # elementwise, though not tagged so (composite ops, a 0-d fill value)

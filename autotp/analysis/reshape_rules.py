@@ -100,22 +100,24 @@ def reshape(w: Walker, node: Node) -> Any:
                 set_groups(merged, var.find().size, describe(node))
         else:
             dims[cb[0]] = _regroup(node, var, dst[cb[0]])
-    dims.update(_unit_dims_kept(lay, src, dst, dims))
+    dims.update(_unit_dims_kept(node, lay, src, dst, dims))
     return shard(dims)
 
 
-def _unit_dims_kept(lay: Layout, src: tuple[int, ...], dst: tuple[int, ...], taken: dict[int, DimVar]) -> dict[int, DimVar]:
+def _unit_dims_kept(node: Node, lay: Layout, src: tuple[int, ...], dst: tuple[int, ...], taken: dict[int, DimVar]) -> dict[int, DimVar]:
     """A split size-1 dim (one KV head every rank holds whole) lands on the size-1 output
-    dim with as many elements before it; none left: the whole tensor is on every rank
-    anyway, and the split is dropped."""
+    dim with as many elements before it. None left is a conflict: every rank holds the
+    whole tensor, but its gradient is summed over the ranks as if each used it for its
+    own slice (``shape_rules.drop_unit_dims``)."""
     kept: dict[int, DimVar] = {}
     for d, var in lay.dims:
         if src[d] != 1:
             continue
         before = math.prod(src[:d])
         at = next((j for j, n in enumerate(dst) if n == 1 and j not in taken and j not in kept and math.prod(dst[:j]) == before), None)
-        if at is not None:
-            kept[at] = var
+        if at is None:
+            raise ShardingConflict(f"{describe(node)}: drops a split size-1 dim", lay.origins(), (var,))
+        kept[at] = var
     return kept
 
 

@@ -115,7 +115,21 @@ def squeeze(w: Walker, node: Node) -> Any:
         drop = {norm_dim(d, len(src)) for d in ds if src[norm_dim(d, len(src))] == 1}
     else:
         drop = {i for i, s in enumerate(src) if s == 1}
+    drop_unit_dims(w.get(node.args[0]), node, drop)
     return _permute_like(w, node, [i for i in range(len(src)) if i not in drop])
+
+
+def drop_unit_dims(lay: Any, node: Node, dims: set[int] | list[int]) -> None:
+    """A split size-1 dim may not vanish (squeezed, reduced): every rank holds it whole
+    and the split only says that each rank uses it for its own slice (one KV head for
+    the rank's query heads), so its gradient is summed over the ranks. Once the dim is
+    gone the tensor reads as replicated, used alike by every rank, and that sum would
+    count its gradient tp times."""
+    if isinstance(lay, ParamView) or lay.partial:
+        return
+    split = [v for d, v in lay.dims if d in dims]
+    if split:
+        raise ShardingConflict(f"{describe(node)}: drops a split size-1 dim", lay.origins(), tuple(split))
 
 
 def transpose(w: Walker, node: Node) -> Any:
@@ -230,6 +244,20 @@ def split(w: Walker, node: Node) -> Any:
     sizes = [int(o.shape[d]) for o in outs]
     segs = set_segments(var, sizes, describe(node))
     return tuple(shard({**dict(lay.dims), d: seg}) for seg in segs)
+
+
+def glu(w: Walker, node: Node) -> Any:
+    """``glu(x, dim)``: the first half of ``dim`` times the sigmoid of the second. A split
+    ``dim`` is cut into the two halves, split alike (rank r holds part r of each, as a
+    fused gate/up projection), so the rank's ``glu`` pairs its own parts."""
+    lay = w.summed(node.args[0], node)
+    src = shape_of(node.args[0]) or ()
+    d = norm_dim(node.args[1] if len(node.args) > 1 else -1, len(src))
+    var = lay.var_at(d)
+    if var is None:
+        return lay
+    first, second = set_segments(var, [src[d] // 2, src[d] // 2], describe(node))
+    return shard({**dict(lay.dims), d: unify(first, second, describe(node))})
 
 
 def _drop_dim(lay: Layout, d: int) -> Layout:

@@ -195,6 +195,21 @@ def _slice_replicated_batch(
             w.out.local_slices.setdefault(node, []).append((t, d, var))
 
 
+def _weights_only(node: Any) -> bool:
+    """Whether ``node`` is computed from parameters, buffers and constants alone (Mamba's
+    ``A = -exp(A_log)``), not from the inputs: reading its slice costs nothing, where an
+    activation replicated by an all-reduce is better split where it is made."""
+    seen: set[Node] = set()
+    stack = [node] if isinstance(node, Node) else []
+    while stack:
+        n = stack.pop()
+        if n.op == "placeholder":
+            return False
+        seen.add(n)
+        stack.extend(a for a in n.all_input_nodes if a not in seen)
+    return True
+
+
 def convolution(w: Walker, node: Node) -> Any:
     """``conv1d/2d``, ``convolution`` (not transposed): channels are dim 1 of the input and
     dim 0 of the weight, the spatial dims must be whole.
@@ -202,7 +217,8 @@ def convolution(w: Walker, node: Node) -> Any:
     Replicated input channels and ``groups=1`` make the weight column-parallel over its
     output channels (a patch embedding); input channels split with ``groups`` equal to
     the channels (a depthwise short convolution) keep the split, and the weight, the bias
-    and the local ``groups`` follow it (``rewrite_shapes``).
+    and the local ``groups`` follow it (``rewrite_shapes``); split input channels into a
+    dense convolution make it row-parallel.
     """
     x, weight = node.args[0], node.args[1]
     bias = schema_arg(node, "bias")
@@ -229,6 +245,11 @@ def convolution(w: Walker, node: Node) -> Any:
         if lw.var_at(0) is None:
             raise ShardingConflict(f"{describe(node)}: a depthwise weight kept whole meets split channels", channels.find().origins, (channels,))
         out = unify(lw.var_at(0), channels, describe(node))
+    elif groups == 1 and len(lx.dims) == 1 and (
+        (isinstance(lw, ParamView) and lw.dim_map[1] == 1 and w.allowed(lw.name, "row"))
+        or (isinstance(lw, Layout) and lw.var_at(1) is not None and len(lw.dims) == 1)
+    ):
+        return _row_parallel_convolution(w, node, lw, channels, bias)
     else:
         raise ShardingConflict(f"{describe(node)}: convolves split input channels across groups", lx.origins(), (channels,))
     if any(d != 0 for d, _ in w.concrete(weight, node).dims):
@@ -245,6 +266,23 @@ def convolution(w: Walker, node: Node) -> Any:
     if out is not None:
         dims[1] = out
     return shard(dims)
+
+
+def _row_parallel_convolution(w: Walker, node: Node, lw: ParamView | Layout, channels: DimVar, bias: Any) -> Any:
+    """A dense convolution (``groups=1``) over split input channels: the weight's input
+    channels follow them and each rank's output is a partial sum (Conformer's pointwise
+    convolution after a channel-split depthwise one); a bias is added after the all-reduce."""
+    if isinstance(lw, ParamView):
+        w.param_view_shard(lw, 1, channels, "row", node)
+    else:
+        unify(lw.var_at(1), channels, describe(node))  # type: ignore[arg-type]
+    if not isinstance(bias, Node):
+        return PARTIAL
+    w.concrete(bias, node)
+    if w.get(bias) != REPLICATE:
+        raise ShardingConflict(f"{describe(node)}: bias of a row-parallel convolution is sharded", channels.find().origins)
+    w.out.roles[node] = NodeRole.ROW_WITH_BIAS
+    return REPLICATE
 
 
 def grouped_matmul(w: Walker, node: Node) -> Layout:
@@ -307,7 +345,10 @@ def einsum(w: Walker, node: Node) -> Any:
     partial. An undecided parameter follows a letter that an activation shards (kind
     ``row`` if contracted, ``column`` if kept); where no operand is split, the one letter a
     parameter alone has and the output keeps (the experts' hidden dim of ``ecd,edh->ech``)
-    makes it column-parallel; otherwise it is replicated."""
+    makes it column-parallel; otherwise it is replicated. A replicated operand made from
+    weights alone whose letter another operand splits is read through the rank's slice
+    (Mamba's ``A = -exp(A_log)`` meeting the channel-split ``dt``), as ``values.pointwise``
+    does for a broadcast operand."""
     equation, operands = node.args[0], list(node.args[1])
     if "..." in equation or len(operands) != equation.split("->")[0].count(",") + 1:
         return w.opaque(node)
@@ -345,7 +386,9 @@ def einsum(w: Walker, node: Node) -> Any:
         shape = shape_of(t) or ()
         for i, c in enumerate(term):
             if c in letters and lay.var_at(i) is None and shape[i] != 1:
-                raise ShardingConflict(f"{describe(node)}: letter {c} is sharded in one operand only", letters[c].find().origins)
+                if not lay.replicated or letters[c].find().padded or not _weights_only(t):
+                    raise ShardingConflict(f"{describe(node)}: letter {c} is sharded in one operand only", letters[c].find().origins)
+                w.out.local_slices.setdefault(node, []).append((t, i, letters[c]))  # read through the rank's slice
     contracted = [c for c in letters if c not in out]
     if contracted and len(contracted) != len(letters):
         raise ShardingConflict(f"{describe(node)}: contraction and output both sharded", letters[contracted[0]].find().origins)

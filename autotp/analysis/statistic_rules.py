@@ -27,6 +27,7 @@ import torch
 from torch.fx import Node
 
 from autotp.analysis.propagation_result import NodeRole, ParamView
+from autotp.analysis.shape_rules import drop_unit_dims
 from autotp.analysis.shapes import norm_dim, schema_arg, shape_of
 from autotp.ir.errors import describe
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, ShardingConflict, shard, unify
@@ -82,6 +83,8 @@ def reduction(w: Walker, node: Node) -> Any:
     reduced = reduced_dims(node, nd)
     keep = bool(schema_arg(node, "keepdim", False))
     kept = [d for d in range(nd) if d not in reduced]
+    shape = shape_of(x) or ()
+    drop_unit_dims(lay, node, [d for d in reduced if shape[d] == 1])
     sharded = [lay.var_at(d) for d in reduced if lay.var_at(d) is not None]
     if not sharded:
         return lay if keep else shard({kept.index(d): v for d, v in lay.dims})
@@ -123,6 +126,54 @@ def norm(w: Walker, node: Node) -> Any:
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):
         return (lay,) + tuple(REPLICATE if not lay.dims else lay for _ in val[1:])
+    return lay
+
+
+def group_norm(w: Walker, node: Node) -> Any:
+    """``group_norm(x [N, C, *], groups, weight, bias)``: each statistic is over one group of
+    C/groups channels (and the spatial dims) of one sample. A split of C keeps every group
+    on one rank when tp divides the groups (each rank holds C/tp contiguous channels, whole
+    groups: RetNet's and Mamba's norm per head); the affine weight and bias take C's split.
+    The batch dim may be split too; a spatial dim may not."""
+    x = node.args[0]
+    lay = w.summed(x, node)
+    groups = int(node.args[1])
+    var = lay.var_at(1)
+    spatial = [v for d, v in lay.dims if d >= 2]
+    weights = [a for a in node.args[2:4] if isinstance(a, Node)]
+    if spatial:
+        raise ShardingConflict(f"{describe(node)}: normalizes over a sharded dim", lay.origins(), tuple(spatial))
+    if var is None:
+        for a in weights:
+            w.concrete(a, node)
+            w.reduce_first(node, [a])
+        return lay
+    root = var.find()
+    if groups % w.tp or root.padded or root.segments is not None:
+        raise ShardingConflict(f"{describe(node)}: {groups} groups do not stay whole on tp={w.tp} ranks", lay.origins(), (var,))
+    for a in weights:
+        _follow(w, node, a, {0: var})
+    return lay
+
+
+def batch_norm(w: Walker, node: Node) -> Any:
+    """``batch_norm(x [N, C, *], weight, bias, running_mean, running_var, training, ...)``
+    in eval mode: a per-channel affine map from the running statistics, so any split
+    stays, and the four per-channel vectors take C's split. Training mode (statistics of
+    the batch) is left to the fallback."""
+    x = node.args[0]
+    lay = w.summed(x, node)
+    if schema_arg(node, "training", True):
+        return w.opaque(node)
+    var = lay.var_at(1)
+    for a in node.args[1:5]:
+        if not isinstance(a, Node):
+            continue
+        if var is None:
+            w.concrete(a, node)
+            w.reduce_first(node, [a])
+        else:
+            _follow(w, node, a, {0: var})
     return lay
 
 

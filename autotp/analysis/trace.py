@@ -181,7 +181,21 @@ def _missing_fake_kernel(error: BaseException) -> str | None:
     return None
 
 
+def _refusing_meta_kernel(error: BaseException) -> str | None:
+    """The name of PyTorch's meta kernel that raised ``error``, if one did."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename.endswith("_meta_registrations.py")]
+    return next((f.name for f in frames if f.name.startswith("meta_")), frames[0].name if frames else None)
+
+
 def _advice(error: BaseException) -> str:
+    meta = _refusing_meta_kernel(error)
+    if meta is not None:
+        return (
+            f"PyTorch's meta kernel ({meta}), which tracing runs instead of the real one, refused these inputs; it can be "
+            "stricter than the eager kernel (torch._grouped_mm's takes only bf16 there, its CPU kernel also fp32). Give that op "
+            "inputs its meta kernel accepts (e.g. bf16), or take another path for the rest (torchtitan's and transformers' fp32 "
+            "expert paths loop over the experts)."
+        )
     op = _missing_fake_kernel(error)
     if op is not None:
         return (
