@@ -295,5 +295,6 @@ def refuse_mixed_batch(plan: Any, pieces: int) -> None:
             f"the forward mixes the rows of its batch at {plan.batch_mixing}: each row's value depends on "
             f"other rows, so splitting the batch over dp={plan.dp} ranks x {pieces // plan.dp} microbatches "
             "would compute another function than the whole batch does. Train with dp=1 and "
-            "num_microbatches=1, or make that op work within each row (e.g. route tokens per row)"
+            "num_microbatches=1 (schedule='gpipe' when pp > 1), or make that op work within each row "
+            "(e.g. route tokens per row)"
         )
