@@ -3,6 +3,9 @@ and ``train_step`` refuses to split its batch; forwards that keep rows apart are
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,3 +94,19 @@ def test_train_step_refuses_to_split_a_batch_whose_rows_mix() -> None:
         pm.train_step(**_inputs(), num_microbatches=2)
     loss = pm.train_step(**_inputs(), num_microbatches=1)
     assert torch.allclose(loss, model(**_inputs())["loss"], rtol=1e-5, atol=1e-6)
+
+
+def test_the_given_model_is_freed_by_reference_counting() -> None:
+    """The walks store the conflicts they meet; a conflict's traceback would hold the frames of
+    ``parallelize`` and so the caller's model until the garbage collector runs (GiBs on a GPU)."""
+    model = LM(TokenChoice())
+    weight = weakref.ref(model.embed.weight)
+    gc.collect()
+    gc.disable()
+    try:
+        pm = autotp.parallelize(model, tp=1, example_inputs=_inputs())
+        del model
+        assert weight() is None
+    finally:
+        gc.enable()
+    assert pm.plan.batch_mixing == ""

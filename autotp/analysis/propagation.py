@@ -166,7 +166,7 @@ class Walker:
                     c.retries = self.input_choices(node)
                 if self.plan is not None:
                     raise UserInputError(f"the plan does not fit the graph at {describe(node)}: {c}") from c
-                self.out.conflicts.append(c)
+                self.out.conflicts.append(c.with_traceback(None))  # its frames would hold the caller's model until gc
                 lay = replicated_like(node)
             self.out.layouts[node] = lay
             self.out.needs_grad[node] = self.grad_of(node)
