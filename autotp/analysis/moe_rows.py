@@ -18,7 +18,7 @@ import torch
 from torch.fx import Node
 
 from autotp.ir.op_facts import is_grouped_matmul, op_name
-from autotp.analysis.shapes import norm_dim, shape_of
+from autotp.analysis.shapes import norm_dim, reads_input, shape_of
 from autotp.ir.errors import describe
 
 _COPIES = frozenset({"to", "_to_copy", "clone", "contiguous", "alias", "detach", "type_as", "dropout", "native_dropout",
@@ -32,20 +32,6 @@ _DIM_ARG = {"chunk": (2, 0), "split": (2, 0), "split_with_sizes": (2, 0), "slice
 _REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "prod", "var", "std", "norm", "linalg_vector_norm", "any", "all"})
 _NORMS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"})
 _VIEWS = frozenset({"view", "reshape", "_unsafe_view", "expand", "flatten", "permute", "transpose"})
-
-
-def _has_input(node: Node) -> bool:
-    """Whether ``node`` depends on a graph input (else it is made of parameters and constants)."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n.op == "placeholder":
-            return True
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return False
 
 
 class RowCheck:
@@ -62,7 +48,7 @@ class RowCheck:
             if a in self.inside or a in self.ignore or a in self.row_inputs or a.op == "get_attr":
                 continue
             shape = shape_of(a)
-            if shape and shape[0] == self.rows and _has_input(a):
+            if shape and shape[0] == self.rows and reads_input(a):
                 self.row_inputs.append(a)
         if node.target is operator.getitem or node.op != "call_function":
             return ""

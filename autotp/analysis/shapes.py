@@ -1,5 +1,5 @@
-"""Shape helpers shared by the analysis modules: a node's traced shape, dim arithmetic,
-and how a reshape pairs input dims with output dims."""
+"""Node helpers shared by the analysis modules: a node's traced shape and the graph nodes
+it is computed from, dim arithmetic, and how a reshape pairs input dims with output dims."""
 
 from __future__ import annotations
 
@@ -22,6 +22,26 @@ def size_int(size: int | torch.SymInt) -> int:
         return size
     hint = size.node.hint  # None for an unbacked size (torch's optimization_hint is newer than torch 2.11)
     return UNBACKED_SIZE if hint is None else int(hint)
+
+
+def sources(node: Node) -> list[Node]:
+    """The graph inputs (placeholders) and parameters, buffers and constants (get_attr)
+    that ``node`` is computed from."""
+    seen, stack, found = {node}, [node], []
+    while stack:
+        n = stack.pop()
+        if n.op in ("placeholder", "get_attr"):
+            found.append(n)
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return found
+
+
+def reads_input(node: Node) -> bool:
+    """Whether ``node`` depends on a graph input (else on parameters and constants alone)."""
+    return any(n.op == "placeholder" for n in sources(node))
 
 
 def shape_of(node: Any) -> tuple[int, ...] | None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from torch.fx import Node
 
 from autotp.analysis.propagation_result import NodeRole, ParamDecision, ParamView
-from autotp.analysis.shapes import schema_arg, shape_of
+from autotp.analysis.shapes import reads_input, schema_arg, shape_of, sources
 from autotp.ir.errors import describe
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
 
@@ -132,19 +132,11 @@ def _hint_reparametrized(w: Walker, weight: Node, split: tuple[int, str]) -> Non
     if w.out.hints:
         return
     dim, kind = split
-    shape, seen, todo, found = shape_of(weight), set(), [weight], []
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "get_attr":
-            found.append(str(n.target))
-        elif n.op == "call_function":
-            todo.extend(n.all_input_nodes)
-        else:  # an input: the weight depends on an activation
-            return
-    for name in found:
+    found = sources(weight)
+    if any(n.op == "placeholder" for n in found):  # the weight depends on an activation
+        return
+    shape = shape_of(weight)
+    for name in (str(n.target) for n in found):
         dec = w.out.decisions.get(name)
         if name in w.params and tuple(w.params[name].shape) == shape and dec is not None and dec.dim is None:
             w.out.hints.setdefault(name, (kind, dim))
@@ -193,21 +185,6 @@ def _slice_replicated_batch(
             if not lay.replicated or var.find().padded:
                 raise ShardingConflict(f"{describe(node)}: a batch dim is sharded in one operand only", var.find().origins)
             w.out.local_slices.setdefault(node, []).append((t, d, var))
-
-
-def _weights_only(node: Any) -> bool:
-    """Whether ``node`` is computed from parameters, buffers and constants alone (Mamba's
-    ``A = -exp(A_log)``), not from the inputs: reading its slice costs nothing, where an
-    activation replicated by an all-reduce is better split where it is made."""
-    seen: set[Node] = set()
-    stack = [node] if isinstance(node, Node) else []
-    while stack:
-        n = stack.pop()
-        if n.op == "placeholder":
-            return False
-        seen.add(n)
-        stack.extend(a for a in n.all_input_nodes if a not in seen)
-    return True
 
 
 def convolution(w: Walker, node: Node) -> Any:
@@ -386,7 +363,8 @@ def einsum(w: Walker, node: Node) -> Any:
         shape = shape_of(t) or ()
         for i, c in enumerate(term):
             if c in letters and lay.var_at(i) is None and shape[i] != 1:
-                if not lay.replicated or letters[c].find().padded or not _weights_only(t):
+                # a weight-made operand's slice costs nothing; an activation is better split where it is made
+                if not lay.replicated or letters[c].find().padded or reads_input(t):
                     raise ShardingConflict(f"{describe(node)}: letter {c} is sharded in one operand only", letters[c].find().origins)
                 w.out.local_slices.setdefault(node, []).append((t, i, letters[c]))  # read through the rank's slice
     contracted = [c for c in letters if c not in out]
