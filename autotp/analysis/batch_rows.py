@@ -43,7 +43,7 @@ class _BatchWalker(Walker):
     """The engine with each input's dim 0 split over a batch var and every parameter whole."""
 
     def __init__(self, gm: GraphModule, batch: int) -> None:
-        super().__init__(gm, 2, None, lambda name, kind, shape: False)
+        super().__init__(gm, 2, None, lambda name, kind, shape: False)  # any degree > 1 lets DTensor place a split
         self.batch = batch
         self.rows = DimVar(batch, frozenset({BATCH_ORIGIN}))
         self.mixing: Node | None = None
