@@ -44,19 +44,51 @@ come from the built-in profile of the same GPU, and the profile's ``source`` say
 from __future__ import annotations
 
 import datetime
+import math
+import statistics
 from dataclasses import replace
 
+import numpy as np
 import torch
 from transformers import LlamaConfig
 
 from autotp.cost_model.communication import p2p_s, ring_all_reduce_s
 from autotp.cost_model.compute import Segment, segment_time
+from autotp.cost_model.flops import attention_flops
 from autotp.cost_model.hardware import CPU, H100, HardwareProfile, Link, fit_alpha_beta, profile_for_gpu
 from autotp.ir.errors import UserInputError
 from autotp.ir.op_facts import Collective
 
 SCALE_MODEL = {"hidden": 2560, "ffn": 6912, "heads": 20, "kv_heads": 4, "vocab": 8192, "batch": 8, "seq": 2048}
 SCALE_LAYERS = (2, 4)
+HOST_MODEL = {"hidden": 1024, "ffn": 2816, "heads": 16, "kv_heads": 8, "vocab": 32000, "batch": 1, "seq": 1024}
+"""The host probe on GPUs: tensors of the sizes training runs, still host-bound at 1024 tokens."""
+
+
+def gemm_curve(rows: list[dict]) -> tuple[tuple[float, float], ...]:
+    """(FLOPs, seconds) of GEMM rows (``autotp.cli.measure.gemm_row``): per shape the mean of forward and both
+    gradients, as GPU time where it was captured; shapes merged into bins of a factor sqrt(2) in FLOPs
+    (geometric means), which keeps the curve increasing."""
+    def seconds(r: dict) -> float:
+        gpu = r.get("gpu_s") or [None]
+        return sum(gpu) / 3 if None not in gpu else (r["forward_s"] + r["input_grad_s"] + r["weight_grad_s"]) / 3
+
+    bins: dict[int, list[tuple[float, float]]] = {}
+    for flops, t in sorted((r["flops"], seconds(r)) for r in rows):
+        bins.setdefault(math.floor(2 * math.log2(flops)), []).append((flops, t))
+    return tuple((float(np.exp(np.mean(np.log([f for f, _ in b])))), float(np.exp(np.mean(np.log([t for _, t in b])))))
+                 for _, b in sorted(bins.items()))  # fmt: skip
+
+
+def fit_attention(rows: list[dict]) -> dict[str, float]:
+    """``attention_latency_s``, ``attention_flops_per_s`` and ``attention_backward_factor`` of causal attention rows
+    (``autotp.cli.measure.attention_row``): F = ``flops.attention_flops`` (what the cost model counts for the node),
+    forward time = latency + F / rate (``fit_alpha_beta``), the median backward/forward ratio; GPU time where captured."""
+    points = [(attention_flops(*(tuple(r["shape"]),) * 3, causal=True), r.get("gpu_forward_s") or r["forward_s"],
+               r.get("gpu_both_s") or r["both_s"]) for r in rows]  # fmt: skip
+    latency, rate = fit_alpha_beta([f for f, _, _ in points], [forward for _, forward, _ in points])
+    backward = statistics.median((both - forward) / forward for _, forward, both in points)
+    return {"attention_latency_s": latency, "attention_flops_per_s": rate, "attention_backward_factor": backward}
 
 
 def fit_host(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -71,15 +103,21 @@ def fit_host(runs: list[dict[str, float]]) -> dict[str, float]:
     backward = max(d["both_s"] - d["forward_s"], 0.0) / d["grad_calls"]
     small = min((r for r in runs if r["tp"] == 1), key=lambda r: r["layers"])
     call = max(small["both_s"] - small["calls"] * forward - small["grad_calls"] * backward, 0.0)
+    host = {"op_overhead_s": forward, "backward_op_overhead_s": backward, "call_host_s": call}
     t = delta(max(r["tp"] for r in runs))
-    ordinary = (t["calls"] - t["forward_collectives"]) * forward + (t["grad_calls"] - t["backward_collectives"]) * backward
     collectives_ = t["forward_collectives"] + t["backward_collectives"]
-    collective = max(t["both_s"] - ordinary, 0.0) / collectives_ if collectives_ else 0.0
-    return {"op_overhead_s": forward, "backward_op_overhead_s": backward, "collective_host_s": collective, "call_host_s": call}
+    if collectives_:  # one rank measures no tp collective: the base profile's cost stays
+        ordinary = (t["calls"] - t["forward_collectives"]) * forward + (t["grad_calls"] - t["backward_collectives"]) * backward
+        host["collective_host_s"] = max(t["both_s"] - ordinary, 0.0) / collectives_
+    return host
 
 
 def scale_config(layers: int) -> LlamaConfig:
-    m = SCALE_MODEL
+    return llama_config(SCALE_MODEL, layers)
+
+
+def llama_config(m: dict[str, int], layers: int) -> LlamaConfig:
+    """A Llama of the widths in ``m`` (``SCALE_MODEL``, ``HOST_MODEL``) with ``layers`` layers."""
     return LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["ffn"], num_hidden_layers=layers,
                        num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"], max_position_embeddings=m["seq"])  # fmt: skip
 
@@ -120,31 +158,37 @@ def base_profile(device_name: str) -> HardwareProfile:
 def fit_profile(measured: dict[str, object], ranks: int, scale_layer: Segment | None = None) -> HardwareProfile:
     """The profile of ``autotp calibrate``'s measurements (see the module docstring);
     ``scale_layer`` (see ``fit_compute_time_scale``) is needed when they hold GPU layer runs."""
-    reduces = measured[Collective.ALL_REDUCE]
-    alpha, bus = fit_alpha_beta([2 * (t - 1) / t * n for t, n, _ in reduces], [s for _, _, s in reduces])
-    p2p_alpha, p2p_bw = fit_alpha_beta([n for n, _ in measured[Collective.P2P]], [s for _, s in measured[Collective.P2P]])
-    gemm_latency, gemm_rate = fit_alpha_beta([f for f, _ in measured["gemm"]], [s for _, s in measured["gemm"]])
     name = str(measured["device_name"])
     base = base_profile(name)
     stamp = datetime.date.today().isoformat()
+    fields: dict[str, object] = {}
+    if Collective.ALL_REDUCE in measured:  # one rank measures no link: the base profile's stay
+        reduces = measured[Collective.ALL_REDUCE]
+        alpha, bus = fit_alpha_beta([2 * (t - 1) / t * n for t, n, _ in reduces], [s for _, _, s in reduces])
+        p2p_alpha, p2p_bw = fit_alpha_beta([n for n, _ in measured[Collective.P2P]], [s for _, s in measured[Collective.P2P]])
+        fields.update(allreduce_bus_bytes_per_s=bus, collective_latency_s=alpha, p2p=Link(p2p_alpha, p2p_bw))
+    gemm = measured["gemm"]
+    curve = gemm_curve(gemm) if gemm and isinstance(gemm[0], dict) else tuple((float(f), float(t)) for f, t in gemm)
+    gemm_latency, gemm_rate = fit_alpha_beta([f for f, _ in curve], [t for _, t in curve])
+    if "attention" in measured:
+        fields.update(fit_attention(measured["attention"]))
+    else:  # measured before the attention rows: one shape's rate stands for the whole time
+        fields.update(attention_flops_per_s=float(measured["attention_flops_per_s"]), attention_latency_s=0.0,
+                      attention_backward_factor=float(measured["attention_backward_factor"]))  # fmt: skip
+    links = "" if Collective.ALL_REDUCE in measured else ", the links (one rank measures none)"
     profile = replace(
         base,
         name=f"{name} (calibrated)",
         matmul_flops_per_s=gemm_rate,
         matmul_latency_s=gemm_latency,
         memory_bytes_per_s=float(measured["memory_bytes_per_s"]),
-        attention_flops_per_s=float(measured["attention_flops_per_s"]),
-        attention_latency_s=0.0,  # one shape measured: its rate stands for the whole time
-        attention_backward_factor=float(measured["attention_backward_factor"]),
         elementwise_backward_factor=float(measured["elementwise_backward_factor"]),
-        matmul_curve=tuple((float(f), float(t)) for f, t in measured["gemm"]),
-        allreduce_bus_bytes_per_s=bus,
-        collective_latency_s=alpha,
-        p2p=Link(p2p_alpha, p2p_bw),
+        matmul_curve=curve,
+        **fields,
         **_host_fields(measured),
         memory_capacity_bytes=float(measured["memory_capacity_bytes"]),
         source=f"autotp calibrate on {ranks} x {name}, torch {torch.__version__}, {stamp}; peak FLOP/s, reserved "
-        f"memory and the inter-node link from the built-in {base.name} profile",
+        f"memory{links} and the inter-node link from the built-in {base.name} profile",
     )
     if "layers" in measured:
         if scale_layer is None:
@@ -154,29 +198,33 @@ def fit_profile(measured: dict[str, object], ranks: int, scale_layer: Segment | 
 
 
 def fit_errors(profile: HardwareProfile, measured: dict[str, object]) -> dict[str, float]:
-    """Largest relative error of the fitted alpha-beta models against the measurements."""
+    """Largest relative error of the fitted alpha-beta models against the measurements (the links where measured)."""
     def worst(pairs: list[tuple[float, float]]) -> float:
         return max(abs(model / real - 1) for model, real in pairs)
 
-    return {
-        Collective.ALL_REDUCE: worst([(ring_all_reduce_s(n, t, profile.intra_node), s) for t, n, s in measured[Collective.ALL_REDUCE]]),
-        Collective.P2P: worst([(p2p_s(n, profile.p2p_link), s) for n, s in measured[Collective.P2P]]),
-        "gemm": worst([(profile.matmul_latency_s + f / profile.matmul_flops_per_s, s) for f, s in measured["gemm"]]),
-    }
+    errors = {"gemm": worst([(profile.matmul_latency_s + f / profile.matmul_flops_per_s, s) for f, s in profile.matmul_curve])}
+    if Collective.ALL_REDUCE in measured:
+        errors[Collective.ALL_REDUCE] = worst([(ring_all_reduce_s(n, t, profile.intra_node), s) for t, n, s in measured[Collective.ALL_REDUCE]])
+        errors[Collective.P2P] = worst([(p2p_s(n, profile.p2p_link), s) for n, s in measured[Collective.P2P]])
+    return errors
 
 
 def describe(profile: HardwareProfile, measured: dict[str, object]) -> str:
     errors = fit_errors(profile, measured)
+    links = [
+        f"  all-reduce  alpha {profile.collective_latency_s * 1e6:.1f} us, bus {profile.allreduce_bus_bytes_per_s / 1e9:.0f} GB/s (worst fit error {errors[Collective.ALL_REDUCE]:.0%})",
+        f"  p2p         alpha {profile.p2p_link.latency_s * 1e6:.1f} us, {profile.p2p_link.bus_bytes_per_s / 1e9:.0f} GB/s (worst fit error {errors[Collective.P2P]:.0%})",
+    ] if Collective.ALL_REDUCE in errors else ["  links       not measured (one rank): the built-in profile's"]  # fmt: skip
     return "\n".join(
         [
             f"{profile.name}",
-            f"  all-reduce  alpha {profile.collective_latency_s * 1e6:.1f} us, bus {profile.allreduce_bus_bytes_per_s / 1e9:.0f} GB/s (worst fit error {errors[Collective.ALL_REDUCE]:.0%})",
-            f"  p2p         alpha {profile.p2p_link.latency_s * 1e6:.1f} us, {profile.p2p_link.bus_bytes_per_s / 1e9:.0f} GB/s (worst fit error {errors[Collective.P2P]:.0%})",
+            *links,
             (
                 f"  GEMM        {profile.matmul_flops_per_s / 1e12:.3g} TFLOP/s + {profile.matmul_latency_s * 1e6:.1f} us "
                 f"(worst fit error {errors['gemm']:.0%}; estimates interpolate the {len(profile.matmul_curve)} measured GEMMs)"
             ),
-            f"  attention   {profile.attention_flops_per_s / 1e12:.3g} TFLOP/s forward, backward {profile.attention_backward_factor:.2f}x",
+            f"  attention   {profile.attention_latency_s * 1e6:.1f} us + FLOPs at {profile.attention_flops_per_s / 1e12:.3g} TFLOP/s "
+            f"forward, backward {profile.attention_backward_factor:.2f}x",
             f"  elementwise backward {profile.elementwise_backward_factor:.2f}x forward",
             f"  memory      {profile.memory_bytes_per_s / 1e12:.2f} TB/s, {profile.memory_capacity_bytes / 2**30:.0f} GiB",
             f"  layer       eager kernels take {profile.compute_time_scale:.3f}x the roofline's time",

@@ -439,8 +439,8 @@ def _params_by_segment(gm: GraphModule, report: GraphReport) -> dict[LayerKey, d
     return owned
 
 
-def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_node: int) -> SegmentTime:
-    """Forward + backward of ``batch`` samples through ``seg`` (formulas in the module docstring)."""
+def node_times(seg: Segment, batch: int, hw: HardwareProfile) -> tuple[np.ndarray, np.ndarray]:
+    """GPU compute seconds of each node of ``seg`` at ``batch`` samples, (forward, backward), without collectives."""
     flops = seg.flops[:, 0] + seg.flops[:, 1] * batch
     nbytes = seg.bytes[:, 0] + seg.bytes[:, 1] * batch
     memory = nbytes / hw.memory_bytes_per_s
@@ -461,6 +461,12 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
     if seg.casts is not None:  # FP8 casts: memory-bound kernels of their own, beside the GEMMs
         cast_s = (seg.casts[:, :, 0] + seg.casts[:, :, 1] * batch) / hw.memory_bytes_per_s * hw.compute_time_scale
         forward, backward = forward + cast_s[:, 0], backward + cast_s[:, 1]
+    return forward, backward
+
+
+def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_node: int) -> SegmentTime:
+    """Forward + backward of ``batch`` samples through ``seg`` (formulas in the module docstring)."""
+    forward, backward = node_times(seg, batch, hw)
     comm = {"forward": np.zeros(seg.ops), "backward": np.zeros(seg.ops)}
     host = {"forward": np.full(seg.ops, hw.op_overhead_s), "backward": np.full(seg.ops, hw.backward_op_overhead_s)}
     gemm = forward.copy()
