@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_cost_model import VALIDATION, model_config
+from bench_cost_model import VALIDATION, build_model, model_config
 
 ATTENTION_KERNELS = ("flash", "fmha", "sdpa", "attention", "attn")
 GEMM_KERNELS = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90_", "sm80_")
@@ -101,16 +101,12 @@ def _top(ops: dict[str, float], terms: dict[str, float], count: int = 20) -> lis
 def measured(name: str, planned_plan) -> dict[str, object]:
     """One profiled step of ``planned_plan`` on the GPU: seconds per term, memory-bound seconds per op, wall time."""
     from torch.profiler import ProfilerActivity, profile, record_function
-    from transformers import LlamaForCausalLM
-
     import autotp
     from autotp.ir import fused_loss
 
     dims, global_batch = VALIDATION[name]
     device = torch.device("cuda")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(model_config(dims)).to(torch.bfloat16)
-    model = model.to_empty(device=device)
+    model = build_model(dims, device, torch.bfloat16)
     ids = torch.randint(0, dims[5], (global_batch, dims[6]), generator=torch.Generator().manual_seed(0)).to(device)
     micro = ids[: planned_plan.microbatch_size]
     pm = autotp.parallelize(model, plan=planned_plan.plan, example_inputs={"input_ids": micro, "labels": micro})
