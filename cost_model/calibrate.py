@@ -1,25 +1,31 @@
 """Fitting a ``HardwareProfile`` to ``autotp calibrate``'s measurements.
 
-The measuring harness is ``autotp.cli.measure``, the command ``autotp.cli.calibrate``. One process per
-GPU (NCCL; on a machine without GPUs, ranks on the CPU with gloo) measures, each time
-as the median of repeated calls between device syncs:
+The measuring harness is ``autotp.cli.measure``, the command ``autotp.cli.calibrate``; ``benchmarks/measure_constants.py``
+(the built-in H100 profile's measurement) runs the same GEMM, attention and layer measurements on more shapes and
+fits them with the same functions. One process per GPU (NCCL; on a machine without GPUs, ranks on the CPU with
+gloo) measures, each time as the median of repeated calls between device syncs unless said otherwise:
 
-* all-reduce of 64 KB .. 256 MB (4 KB .. 16 MB on CPU) over the first 2 ranks and over
+* with 2 ranks or more: all-reduce of 64 KB .. 256 MB (4 KB .. 16 MB on CPU) over the first 2 ranks and over
   all of them, fitted jointly to ``time = alpha + 2(t-1)/t · n / B``
   (``fit_alpha_beta``): ``intra_node``;
-* point-to-point send/receive between ranks 0 and 1 (half a round trip), fitted to
-  ``alpha + n / B``: ``p2p``;
-* on rank 0: GEMMs of transformer shapes (tokens x k @ k x n; bf16 on GPU, fp32 on CPU),
-  kept as ``matmul_curve`` and fitted to ``matmul_latency + FLOPs / rate``; an
+  point-to-point send/receive between ranks 0 and 1 (half a round trip), fitted to
+  ``alpha + n / B``: ``p2p``. One GPU measures no link: those, and the tp collective's host cost, stay the
+  built-in profile's (the profile's ``source`` says so);
+* on rank 0: GEMMs of transformer shapes as a linear runs them (forward, input and weight gradient;
+  ``autotp.cli.measure.gemm_row``), as GPU time (``gpu_time_s``: calls captured in a CUDA graph and replayed
+  between CUDA events; the queue model adds the host's issue cost, and timing eager calls counted it in the
+  kernel: a 1024³ GEMM read 73 TFLOP/s eager against 352 replayed on an H100), binned into ``matmul_curve``
+  (``gemm_curve``) and fitted to ``matmul_latency + FLOPs / rate``; causal attention
+  (``is_causal=True``, what the ``causal_attention`` pass runs) over a few shapes, fitted to
+  ``attention_latency_s + F / attention_flops_per_s`` with F the FLOPs ``cost_model.flops`` counts for the node
+  (``fit_attention``; one rate alone ran 112..289 TFLOP/s across shapes on an H100); an
   elementwise add of large tensors (3 bytes moved per element byte) for the memory
   bandwidth; an HF-style RMSNorm and SwiGLU product, forward and backward, for the
-  backward/forward ratio of eager memory-bound ops; ``scaled_dot_product_attention``
-  with an explicit mask, as HF calls it, forward and backward, for the attention rate
-  and backward factor;
+  backward/forward ratio of eager memory-bound ops;
 * on every rank at once (ranks share the host, as in training): host costs of eager
-  execution, from ``llama-tiny`` parallelized by autotp with L1 = 2 and L2 = 6 layers,
-  at tp 1 and tp = all ranks, forward and forward + backward on one 16-token sequence
-  (its GPU work is negligible, so the wall time is the host's). Differences between
+  execution, from a host-bound Llama (on GPUs ``HOST_MODEL``, width 1024 on one 1024-token sequence: tensors
+  of the sizes training runs; on CPU ranks ``llama-tiny`` on 16 tokens) parallelized by autotp with L1 = 2
+  and L2 = 6 layers, at tp 1 and tp = all ranks, forward and forward + backward (wall time: the host's). Differences between
   the two layer counts cancel the fixed costs of a call (embedding, loss, output
   structures, starting the autograd engine) and leave what a layer's nodes cost
   (``fit_host``): with ΔT the time difference and ΔN the node-count difference,
@@ -29,10 +35,13 @@ as the median of repeated calls between device syncs:
   ΔN_g)·op_overhead_s - (ΔN_grad - ΔN_f)·backward_op_overhead_s) / (ΔN_g + ΔN_f)``.
   What the nodes do not explain is the fixed cost of a call: ``call_host_s = T_both -
   N_calls·op_overhead_s - N_grad·backward_op_overhead_s`` of the smaller model at tp 1.
+  These are this machine's seconds: the host costs move between machines of one kind (an H100's per-node
+  forward cost read 10 and 28 µs on two leases), so plans of many small microbatches are predicted
+  from the machine at hand only after calibrating it;
 * on every GPU at once (not on CPU ranks, where it stays 1): ``compute_time_scale``,
   from a GPU-bound Llama of a shape no benchmark uses (``SCALE_MODEL``: h=2560, 8 x 2048
-  tokens), parallelized by autotp at tp 1 with 2 and 4 layers, forward + backward. The
-  time difference over the layer difference is what one decoder layer takes;
+  tokens, HF's random initialization), at tp 1 with 2 and 4 layers, one ``train_step`` each
+  (``autotp.cli.measure.layer_runs``). The time difference over the layer difference is what one decoder layer takes;
   ``fit_compute_time_scale`` finds the scale of the roofline GPU times at which
   ``compute.segment_time`` of that traced layer, host queue included, predicts it
   (bisection: the prediction grows with the scale).

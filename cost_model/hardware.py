@@ -207,6 +207,8 @@ H200 = HardwareProfile(
 # python benchmarks/measure_constants.py --json on 1x H100 80GB HBM3 SXM (nvidia-h100-x1 lease, 16 host cores, driver
 # 580.159.04), torch 2.11.0+cu130, 2026-11-25 (benchmarks/results/cost_model_constants_h100x1.json; --fit prints these).
 # GEMM and attention times are GPU time (CUDA-graph replays); host costs from the 1024-token probe of width 1024.
+# The attention rate is per FLOP as cost_model.flops counts the node, and compute_time_scale is refitted whenever
+# the model of a layer changes (tests/test_planner.py refits the file: gradient sums included, 2026-11-25 r5).
 H100_MEASURED = {
     "matmul_flops_per_s": 712.5e12,
     "matmul_latency_s": 3.27e-6,
@@ -223,7 +225,7 @@ H100_MEASURED = {
     "op_overhead_s": 10.0e-6,
     "backward_op_overhead_s": 44.8e-6,
     "call_host_s": 1.09e-3,
-    "compute_time_scale": 1.014,
+    "compute_time_scale": 0.977,
     "optimizer_bytes_per_s": 2.42e12,  # 42 bytes per bf16 parameter (dp_sync.adamw_bytes_per_param) in 18.6 ms per 1.07e9
 }
 
