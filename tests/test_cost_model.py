@@ -436,3 +436,14 @@ def test_preamble_holds_the_repeated_nodes_once(llama_tiny: ModelCosts) -> None:
     segments = (rc.embedding, *rc.layers, rc.head, rc.preamble)
     lowered = compiler.lower(llama_tiny.gm, rc.plan, outputs_read=compiler.LOSS_ONLY).graph  # what the segments were measured on
     assert sum(seg.ops for seg in segments) == sum(n.op == "call_function" for n in lowered.graph.nodes)
+
+
+def test_the_estimate_says_how_long_the_gpu_waits_for_the_host(llama_tiny: ModelCosts) -> None:
+    """A tiny model is host-bound: most of its step is the GPU waiting for the host; without host costs, none."""
+    from autotp.cost_model.planner import Cluster, Config, Training, estimate
+
+    config = Config(tp=1, pp=1, dp=1, vpp=1, microbatch_size=1, microbatches=2)
+    bound = estimate(llama_tiny, Cluster(1, 1, H100), Training(2), config)
+    assert 0.5 < bound.host_wait_s / bound.step_s < 1
+    free = replace(H100, op_overhead_s=0.0, backward_op_overhead_s=0.0, call_host_s=0.0, collective_host_s=0.0)
+    assert estimate(llama_tiny, Cluster(1, 1, free), Training(2), config).host_wait_s == pytest.approx(0.0, abs=1e-12)
