@@ -88,3 +88,17 @@ def test_one_gpu_calibration_keeps_the_links_it_cannot_measure() -> None:
     assert profile.attention_flops_per_s == pytest.approx(H100.attention_flops_per_s, rel=1e-6)
     assert Collective.ALL_REDUCE not in calibrate.fit_errors(profile, measured)
     assert "links       not measured" in calibrate.describe(profile, measured)
+
+
+def test_layer_runs_time_train_step_at_each_layer_count() -> None:
+    """The layer scale's runs go through ``train_step`` (the path training takes); on CPU ranks too."""
+    from autotp import presets
+    from autotp.cli.measure import layer_runs
+
+    def config(layers: int) -> object:
+        c = presets.model_config("llama-tiny")
+        c.num_hidden_layers = layers
+        return c
+
+    runs = layer_runs(config, (1, 2), (1, 16), torch.device("cpu"), torch.float32)
+    assert [r["layers"] for r in runs] == [1, 2] and all(r["both_s"] > 0 for r in runs)
