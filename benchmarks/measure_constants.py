@@ -5,7 +5,7 @@
 
 One process (a one-rank NCCL group, as ``autotp calibrate``'s ranks), bf16, each time the median of
 repeated calls between device syncs (``autotp.cli.measure._median_s``); GEMMs and attention also as GPU
-time alone (``_gpu_s``: calls captured in a CUDA graph and replayed between CUDA events), which the fit
+time alone (``autotp.cli.measure.gpu_time_s``: calls captured in a CUDA graph and replayed between CUDA events), which the fit
 takes: the cost model adds the host's cost of issuing a kernel separately (``op_overhead_s``), and
 eager timing of a small kernel counts it in the kernel (a 1024³ GEMM read 73 TFLOP/s eager, 352 replayed):
 
@@ -15,7 +15,9 @@ eager timing of a small kernel counts it in the kernel (a 1024³ GEMM read 73 TF
   backward, so the curve holds, per FLOP count, the mean of the three; shapes are merged into bins of
   a factor sqrt(2) in FLOPs (geometric means), which keeps the curve increasing.
 * **Attention**: ``scaled_dot_product_attention(is_causal=True)`` (what the ``causal_attention`` pass
-  runs) over batch 1..8, sequence 1k..4k, 16 heads of 128; FLOPs are the causal half (``cost_model.flops``),
+  runs) over batch 1..8, sequence 1k..4k, 16 heads of 128; FLOPs are those the cost model counts for the node
+  (``cost_model.flops.attention_flops``: the causal half of QKᵀ and PV, 2·b·h·s²·d; the fit once halved that
+  again, which made every attention kernel cost twice its measured time),
   fitted to ``attention_latency_s + F / attention_flops_per_s`` (``fit_alpha_beta``: the rate alone went
   from 112 to 289 TFLOP/s over these shapes), with the median backward/forward ratio.
 * **Memory bandwidth**: an add of 256 MB tensors (3 bytes moved per element byte), and the
@@ -29,7 +31,8 @@ eager timing of a small kernel counts it in the kernel (a 1024³ GEMM read 73 TF
   ``call_host_s``.
 * **Layer time scale** (``compute_time_scale``, ``cost_model.calibrate.fit_compute_time_scale``): a
   GPU-bound Llama of widths no validation workload has (``SCALE``: h=4096, ffn 11008, 4 x 2048 tokens)
-  at 2 and 4 layers, forward + backward.
+  at 2 and 4 layers, one ``train_step`` each (``autotp.cli.measure.layer_runs``; the JSON of 2026-11-25 timed
+  ``pm(...).loss.backward()`` instead, a graph that also returns the logits).
 * **Optimizer**: ``torch.optim.AdamW(foreach=True)`` on 1.07e9 bf16 parameters in 64 tensors: the bandwidth
   its kernels reach on the bytes ``cost_model.dp_sync.adamw_bytes_per_param`` counts (``optimizer_bytes_per_s``).
 
@@ -43,15 +46,14 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig
+from autotp.cost_model import calibrate
+from autotp.cost_model.calibrate import llama_config
 
 GEMM_TOKENS = (1024, 2048, 4096, 8192, 16384)
 GEMM_KN = ((1024, 1024), (1024, 4096), (4096, 1024), (2048, 2048), (2048, 8192), (8192, 2048), (4096, 4096),
@@ -59,82 +61,20 @@ GEMM_KN = ((1024, 1024), (1024, 4096), (4096, 1024), (2048, 2048), (2048, 8192),
 ATTENTION_SHAPES = tuple((b, 16, s, 128) for b in (1, 2, 4, 8) for s in (1024, 2048, 4096) if b * s <= 16384)
 SCALE = {"hidden": 4096, "ffn": 11008, "heads": 32, "kv_heads": 8, "vocab": 8192, "batch": 4, "seq": 2048}
 SCALE_LAYERS = (2, 4)
-HOST_MODEL = {"hidden": 1024, "ffn": 2816, "heads": 16, "kv_heads": 8, "vocab": 32000, "batch": 4, "seq": 1024}
+HOST_MODEL = {**calibrate.HOST_MODEL, "batch": 4}  # train_step with 1 and 4 microbatches of one sequence
 OPTIMIZER_TENSORS = (64, 4096, 4096)
 
 
-def llama_config(m: dict[str, int], layers: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["ffn"], num_hidden_layers=layers,
-                       num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"], max_position_embeddings=m["seq"])  # fmt: skip
-
-
-def _gpu_s(fn, device: torch.device, inner: int = 10, repeats: int = 5) -> float | None:
-    """Seconds of GPU time of one ``fn()``: ``inner`` calls captured in a CUDA graph, replayed ``repeats`` times
-    between CUDA events (median), so the host's cost of issuing them is not counted; None where capture fails."""
-    if device.type != "cuda":
-        return None
-    try:
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(inner):
-                fn()
-        graph.replay()
-        samples = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3 / inner)
-        del graph
-        return statistics.median(samples)
-    except RuntimeError as e:  # an op that cannot be captured: the caller keeps the host-timed figure
-        print(f"capture failed ({e}); host-timed only", flush=True)
-        return None
-
-
 def _gemms(device: torch.device) -> list[dict]:
-    from autotp.cli.measure import _median_s
+    from autotp.cli.measure import gemm_row
 
-    rows = []
-    for m in GEMM_TOKENS:
-        for k, n in GEMM_KN:
-            x, w = torch.randn(m, k, dtype=torch.bfloat16, device=device), torch.randn(n, k, dtype=torch.bfloat16, device=device)
-            g = torch.randn(m, n, dtype=torch.bfloat16, device=device)
-            rows.append({"m": m, "k": k, "n": n, "flops": 2.0 * m * k * n,
-                         "forward_s": _median_s(lambda: torch.nn.functional.linear(x, w), device),
-                         "input_grad_s": _median_s(lambda: g @ w, device),
-                         "weight_grad_s": _median_s(lambda: g.t() @ x, device),
-                         "gpu_s": [_gpu_s(lambda: torch.nn.functional.linear(x, w), device), _gpu_s(lambda: g @ w, device),
-                                   _gpu_s(lambda: g.t() @ x, device)]})  # fmt: skip
-            del x, w, g
-    return rows
+    return [gemm_row(m, k, n, device, torch.bfloat16) for m in GEMM_TOKENS for k, n in GEMM_KN]
 
 
 def _attention(device: torch.device) -> list[dict]:
-    from autotp.cli.measure import _median_s
+    from autotp.cli.measure import attention_row
 
-    rows = []
-    for b, h, s, d in ATTENTION_SHAPES:
-        q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16, device=device, requires_grad=True) for _ in range(3))
-        grad = torch.ones(b, h, s, d, dtype=torch.bfloat16, device=device)
-
-        def forward() -> torch.Tensor:
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-        forward_s = _median_s(forward, device)
-        both_s = _median_s(lambda: torch.autograd.grad(forward(), (q, k, v), grad), device)
-        rows.append({"shape": [b, h, s, d], "flops": 2 * b * h * s * s * d, "forward_s": forward_s, "both_s": both_s,
-                     "gpu_forward_s": _gpu_s(forward, device),
-                     "gpu_both_s": _gpu_s(lambda: torch.autograd.grad(forward(), (q, k, v), grad), device)})  # fmt: skip
-    return rows
+    return [attention_row(shape, device, torch.bfloat16) for shape in ATTENTION_SHAPES]
 
 
 def _memory(device: torch.device) -> dict[str, float]:
@@ -164,7 +104,7 @@ def _timed(fn, device: torch.device, repeats: int = 7) -> tuple[float, float]:
     return statistics.median(hosts), statistics.median(walls)
 
 
-def _train_step_runs(config: LlamaConfig, batch: int, seq: int, device: torch.device, microbatches: tuple[int, ...]) -> list[dict]:
+def _train_step_runs(config: object, batch: int, seq: int, device: torch.device, microbatches: tuple[int, ...]) -> list[dict]:
     """``train_step`` of ``config`` on ``batch`` x ``seq`` tokens with each count of microbatches: host and wall seconds,
     and the rank graph's call nodes and autograd nodes."""
     from autotp import parallelize, presets
@@ -212,26 +152,9 @@ def _host(device: torch.device) -> dict[str, list]:
 
 
 def _layers(device: torch.device) -> list[dict]:
-    from autotp import parallelize, presets
-    from autotp.cli.measure import _median_s
+    from autotp.cli.measure import layer_runs
 
-    runs = []
-    for layers in SCALE_LAYERS:
-        torch.manual_seed(0)
-        model = presets.build_from_config(llama_config(SCALE, layers), device=device, dtype=torch.bfloat16)
-        ids = torch.zeros((SCALE["batch"], SCALE["seq"]), dtype=torch.long, device=device)
-        pm = parallelize(model, tp=1, example_inputs={"input_ids": ids, "labels": ids})
-        params = list(pm.parameters())
-
-        def both(pm=pm, params=params) -> None:
-            for p in params:
-                p.grad = None
-            pm(input_ids=ids, labels=ids).loss.backward()
-
-        runs.append({"layers": layers, "both_s": _median_s(both, device, repeats=5, inner=3)})
-        del pm, model, params
-        torch.cuda.empty_cache()
-    return runs
+    return layer_runs(lambda layers: llama_config(SCALE, layers), SCALE_LAYERS, (SCALE["batch"], SCALE["seq"]), device, torch.bfloat16)
 
 
 def _optimizer(device: torch.device) -> dict[str, float]:
@@ -260,28 +183,12 @@ def _worker(rank: int, world: int, path: str) -> dict:
     return out
 
 
-def gemm_curve(rows: list[dict]) -> tuple[tuple[float, float], ...]:
-    """(FLOPs, seconds) bins of the GEMM rows (module docstring): per shape the mean of forward and both gradients."""
-    def seconds(r: dict) -> float:  # GPU time where the capture ran, else the host-timed figure
-        gpu = r.get("gpu_s") or [None]
-        return sum(gpu) / 3 if None not in gpu else (r["forward_s"] + r["input_grad_s"] + r["weight_grad_s"]) / 3
-
-    points = sorted((r["flops"], seconds(r)) for r in rows)
-    bins: dict[int, list[tuple[float, float]]] = {}
-    for flops, seconds in points:
-        bins.setdefault(math.floor(2 * math.log2(flops)), []).append((flops, seconds))
-    return tuple((float(np.exp(np.mean(np.log([f for f, _ in b])))), float(np.exp(np.mean(np.log([s for _, s in b])))))
-                 for _, b in sorted(bins.items()))  # fmt: skip
-
-
 def fit(measured: dict) -> dict[str, object]:
     """The profile constants of one ``--json`` measurement (module docstring)."""
-    from autotp.cost_model.calibrate import fit_host
+    from autotp.cost_model.calibrate import fit_attention, fit_host, gemm_curve
     from autotp.cost_model.dp_sync import adamw_bytes_per_param
     from autotp.cost_model.hardware import HardwareProfile, fit_alpha_beta, profile_for_gpu
 
-    attention = [(r["flops"] / 2, r.get("gpu_forward_s") or r["forward_s"], r.get("gpu_both_s") or r["both_s"])
-                 for r in measured["attention"]]  # fmt: skip
     curve = gemm_curve(measured["gemm"])
     latency, rate = fit_alpha_beta([f for f, _ in curve], [s for _, s in curve])
     memory = measured["memory"]
@@ -294,9 +201,7 @@ def fit(measured: dict) -> dict[str, object]:
         "matmul_curve": curve,
         "matmul_flops_per_s": rate,
         "matmul_latency_s": latency,
-        **dict(zip(("attention_latency_s", "attention_flops_per_s"),
-                   fit_alpha_beta([f for f, _, _ in attention], [forward for _, forward, _ in attention]))),
-        "attention_backward_factor": statistics.median((both - forward) / forward for _, forward, both in attention),
+        **fit_attention(measured["attention"]),
         "memory_bytes_per_s": memory["add_bytes"] / memory["add_s"],
         "elementwise_backward_factor": memory["elementwise_backward_factor"],
         "optimizer_bytes_per_s": adamw_bytes_per_param("bf16-pure") * measured["optimizer"]["params"] / measured["optimizer"]["wall_s"],

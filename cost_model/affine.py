@@ -9,11 +9,23 @@ doubled gives both coefficients exactly, since no node is quadratic in b.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from torch.fx import Node
 
 from autotp.cost_model.flops import Tensors, TensorInfo, global_tensors, node_cost
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``const + per_sample·b``: a cost at microbatch size b."""
+
+    const: float
+    per_sample: float
+
+    def at(self, batch: float) -> float:
+        return self.const + self.per_sample * batch
 
 
 def _doubled(infos: list[TensorInfo]) -> list[TensorInfo]:

@@ -30,7 +30,8 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
   their casts add ``autotp.cost_model.fp8.cast_bytes`` / mem_bw forward and backward.
 * Backward: a GEMM's input and weight gradients are two GEMMs of its size (2×);
   memory-bound ops ``elementwise_backward_factor`` × forward; attention
-  ``attention_backward_factor`` × forward (both of the ``HardwareProfile``).
+  ``attention_backward_factor`` × forward (both of the ``HardwareProfile``); a node whose
+  output several differentiable nodes read adds the gradient sums' bytes / mem_bw (``gradient_sums``).
 * Collectives (forward all-reduce *g*, backward all-reduce *f*, all-gathers) cost
   ``communication.group_collective_s`` at their node, plus one copy of their tensor
   (autotp's collectives clone before an all-reduce and concatenate after an
@@ -74,10 +75,11 @@ import functools
 
 import numpy as np
 import torch
-from autotp.cost_model.affine import affine_costs
+from autotp.cost_model.affine import Affine, affine_costs
 from autotp.cost_model.communication import group_collective_s, overlapped_s
 from autotp.cost_model.flops import global_tensors, node_cost
 from autotp.cost_model.fp8 import cast_bytes, has_fp8_gemms, plan_fp8, sites_plan
+from autotp.cost_model.gradient_sums import gradient_sum_bytes
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory, simulate
 from autotp.cost_model.pipeline import balanced_cuts, layer_costs
@@ -114,17 +116,6 @@ _SAVE_FIRST_INPUT = {
 
 
 @dataclass(frozen=True)
-class Affine:
-    """``const + per_sample·b``: a cost at microbatch size b."""
-
-    const: float
-    per_sample: float
-
-    def at(self, batch: float) -> float:
-        return self.const + self.per_sample * batch
-
-
-@dataclass(frozen=True)
 class Collective:
     """A collective of the node at position ``node`` of its segment (forward, or in its backward)."""
 
@@ -156,6 +147,7 @@ class Segment:
     pieces: np.ndarray | None = None
     fp8: np.ndarray | None = None  # FP8 GEMM nodes; their casts' bytes [nodes, (fwd, bwd), (const, per_sample)]:
     casts: np.ndarray | None = None
+    grad_sums: np.ndarray | None = None  # [nodes, 2]: bytes of the backward's gradient sums (``gradient_sums``)
 
     @property
     def ops(self) -> int:
@@ -412,8 +404,9 @@ class ModelCosts:
             needs = np.array([n in grad for n in calls], dtype=bool)
             fp8 = np.array([has_fp8_gemms(n) for n in calls], dtype=bool)
             casts = affine_costs(calls, tensors, dependent, self.batch, cast_bytes) if fp8.any() else None
+            sums = affine_costs(calls, tensors, dependent, self.batch, lambda n, t: gradient_sum_bytes(n, t, grad))[:, 0]
             return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), memory.get(key, SegmentMemory.empty()),
-                           pieces, fp8, casts)  # fmt: skip
+                           pieces, fp8, casts, sums)  # fmt: skip
 
         layers = tuple(segment(i) for i in range(self.traced_layers))
         return RankCosts(plan, segment(EMBEDDING), layers, segment(HEAD), segment(PREAMBLE))
@@ -439,8 +432,8 @@ def _params_by_segment(gm: GraphModule, report: GraphReport) -> dict[LayerKey, d
     return owned
 
 
-def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_node: int) -> SegmentTime:
-    """Forward + backward of ``batch`` samples through ``seg`` (formulas in the module docstring)."""
+def node_times(seg: Segment, batch: int, hw: HardwareProfile) -> tuple[np.ndarray, np.ndarray]:
+    """GPU compute seconds of each node of ``seg`` at ``batch`` samples, (forward, backward), without collectives."""
     flops = seg.flops[:, 0] + seg.flops[:, 1] * batch
     nbytes = seg.bytes[:, 0] + seg.bytes[:, 1] * batch
     memory = nbytes / hw.memory_bytes_per_s
@@ -461,6 +454,14 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
     if seg.casts is not None:  # FP8 casts: memory-bound kernels of their own, beside the GEMMs
         cast_s = (seg.casts[:, :, 0] + seg.casts[:, :, 1] * batch) / hw.memory_bytes_per_s * hw.compute_time_scale
         forward, backward = forward + cast_s[:, 0], backward + cast_s[:, 1]
+    if seg.grad_sums is not None:
+        backward = backward + (seg.grad_sums[:, 0] + seg.grad_sums[:, 1] * batch) / hw.memory_bytes_per_s * hw.compute_time_scale
+    return forward, backward
+
+
+def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_node: int) -> SegmentTime:
+    """Forward + backward of ``batch`` samples through ``seg`` (formulas in the module docstring)."""
+    forward, backward = node_times(seg, batch, hw)
     comm = {"forward": np.zeros(seg.ops), "backward": np.zeros(seg.ops)}
     host = {"forward": np.full(seg.ops, hw.op_overhead_s), "backward": np.full(seg.ops, hw.backward_op_overhead_s)}
     gemm = forward.copy()

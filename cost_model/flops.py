@@ -104,11 +104,16 @@ def _matmul_flops(node: Node, name: str, out: int, tensors: Tensors) -> int:
     return 2 * out * k + (out if bias else 0)
 
 
-def _attention_flops(node: Node, tensors: Tensors) -> int:
-    q, k, v = (tensors(a)[0].shape for a in node.args[:3])
+def attention_flops(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], causal: bool) -> int:
+    """FLOPs of ``scaled_dot_product_attention`` on q, k, v of these shapes (module docstring)."""
     bh, length, source = math.prod(q[:-2]), q[-2], k[-2]
     flops = 2 * bh * length * source * q[-1] + 2 * bh * length * source * v[-1]
-    return flops // 2 if _arg(node, _SDPA_IS_CAUSAL_ARG, "is_causal") else flops
+    return flops // 2 if causal else flops
+
+
+def _attention_flops(node: Node, tensors: Tensors) -> int:
+    q, k, v = (tuple(tensors(a)[0].shape) for a in node.args[:3])
+    return attention_flops(q, k, v, bool(_arg(node, _SDPA_IS_CAUSAL_ARG, "is_causal")))
 
 
 def node_cost(node: Node, tensors: Tensors = global_tensors) -> NodeCost:

@@ -207,6 +207,8 @@ H200 = HardwareProfile(
 # python benchmarks/measure_constants.py --json on 1x H100 80GB HBM3 SXM (nvidia-h100-x1 lease, 16 host cores, driver
 # 580.159.04), torch 2.11.0+cu130, 2026-11-25 (benchmarks/results/cost_model_constants_h100x1.json; --fit prints these).
 # GEMM and attention times are GPU time (CUDA-graph replays); host costs from the 1024-token probe of width 1024.
+# The attention rate is per FLOP as cost_model.flops counts the node, and compute_time_scale is refitted whenever
+# the model of a layer changes (tests/test_planner.py refits the file: gradient sums included, 2026-11-25 r5).
 H100_MEASURED = {
     "matmul_flops_per_s": 712.5e12,
     "matmul_latency_s": 3.27e-6,
@@ -215,7 +217,7 @@ H100_MEASURED = {
         (6.872e10, 9.664e-05), (1.203e11, 1.621e-04), (1.374e11, 2.037e-04), (2.495e11, 3.576e-04), (2.749e11, 3.942e-04),
         (4.99e11, 6.915e-04), (5.498e11, 7.792e-04), (9.979e11, 1.423e-03), (1.996e12, 2.856e-03), (4.295e12, 6.132e-03),
     ),
-    "attention_flops_per_s": 266e12,
+    "attention_flops_per_s": 532e12,  # FLOPs as cost_model.flops counts them (the causal half of QK^T and PV)
     "attention_latency_s": 13.5e-6,
     "attention_backward_factor": 3.21,
     "memory_bytes_per_s": 3.003e12,
@@ -223,7 +225,7 @@ H100_MEASURED = {
     "op_overhead_s": 10.0e-6,
     "backward_op_overhead_s": 44.8e-6,
     "call_host_s": 1.09e-3,
-    "compute_time_scale": 0.958,
+    "compute_time_scale": 0.977,
     "optimizer_bytes_per_s": 2.42e12,  # 42 bytes per bf16 parameter (dp_sync.adamw_bytes_per_param) in 18.6 ms per 1.07e9
 }
 

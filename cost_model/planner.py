@@ -86,6 +86,7 @@ class PlanEstimate:
     schedule: str | None
     optimizer_s: float
     needs_distributed_optimizer: bool = False
+    host_share: float = 0.0  # of the step, the GPU waiting for the host (``Estimate.host_wait_s``)
 
     def to_json(self) -> dict:
         return {
@@ -103,6 +104,7 @@ class PlanEstimate:
             "bubble_share": self.bubble_share,
             "comm_share": self.comm_share,
             "optimizer_s": self.optimizer_s,
+            "host_share": self.host_share,
             "precision": self.plan.precision,
             "distributed_optimizer": self.plan.distributed_optimizer,
             "needs_distributed_optimizer": self.needs_distributed_optimizer,
@@ -183,6 +185,7 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
         schedule=cfg.schedule,
         optimizer_s=est.optimizer_s,
         needs_distributed_optimizer=est.needs_distributed_optimizer,
+        host_share=est.host_wait_s / est.step_s,
     )
 
 

@@ -30,7 +30,9 @@ then dp, then pp):
 * optimizer step: the bytes a foreach AdamW moves (``dp_sync.adamw_bytes_per_param``) over
   the rank's parameters, its 1/dp slice with the distributed optimizer, at
   ``HardwareProfile.optimizer_rate`` (``dp_sync.optimizer_step_s``); ``train_step`` does not run it, the step time includes it;
-* step = pipeline + gradient sync + optimizer; tokens/s = B·s/step;
+* step = pipeline + gradient sync + optimizer; tokens/s = B·s/step; host wait = m · Σ (chunk time − chunk GPU
+  time) over the busiest rank's chunks: how long its GPU waits for the host (the plan's ``host_share`` of the step,
+  which the machine's host constants decide: ``autotp calibrate`` measures them);
   MFU = 3 · forward FLOPs of B samples / (step · gpus · peak FLOP/s);
 * memory per GPU: the fullest rank's ``memory.rank_peak_bytes`` (live bytes replayed from the graph);
 * small linears: a linear whose sharding saves less compute per microbatch,
@@ -137,6 +139,7 @@ class Estimate:
     needs_distributed_optimizer: bool = False  # the plain optimizer would not fit
     sequence_parallel: bool = False
     tp_overlap: tuple[str, ...] = ()
+    host_wait_s: float = 0.0  # of the busiest rank's chunks, the time its GPU waits for the host to issue work
 
 
 def small_linears(costs: ModelCosts, tp: int, batch: int, hw: HardwareProfile) -> frozenset[str]:
@@ -274,6 +277,7 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
         distributed_optimizer=v.distributed,
         sequence_parallel=rc.plan.sequence_parallel,
         tp_overlap=v.tp_overlap if rc.plan.sequence_parallel else (),
+        host_wait_s=m * sum(s - g for s, g in zip(chunk_s[busiest::pp], chunk_gpu[busiest::pp])),
     )
     floor = max(persistent_bytes(params, training.precision, v.distributed, config.dp) for params, _ in held)
     return _Draft(draft, memory, floor)

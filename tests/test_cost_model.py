@@ -335,8 +335,45 @@ def test_roofline_with_backward_twice_forward(llama_tiny: ModelCosts) -> None:
     nbytes = layer.bytes[:, 0] + 4 * layer.bytes[:, 1]
     rates = [hw.attention_rate if k == 2 else hw.matmul_flops_per_s for k in layer.kinds]
     forward = sum(max(f / rate, b / hw.memory_bytes_per_s) for f, b, rate in zip(flops, nbytes, rates))
-    assert segment_time(layer, 4, hw, 1).compute_s == pytest.approx(3 * forward)
-    assert math.isfinite(forward) and forward > 0
+    sums = float(np.sum(layer.grad_sums[:, 0] + 4 * layer.grad_sums[:, 1])) / hw.memory_bytes_per_s
+    assert segment_time(layer, 4, hw, 1).compute_s == pytest.approx(3 * forward + sums)
+    assert math.isfinite(forward) and forward > 0 and sums > 0
+
+
+def test_backward_sums_the_gradients_of_a_tensor_read_by_several_ops() -> None:
+    """A tensor read by k differentiable ops costs k - 1 gradient adds in the backward (3 bytes moved per byte),
+    as autograd runs them: counted at dispatch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autotp.cost_model.compute import needs_grad
+    from autotp.cost_model.gradient_sums import gradient_sum_bytes
+
+    class ThreeReaders(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = (torch.nn.Linear(8, 8, bias=False) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(x @ self.a.weight)  # needs a gradient: read by three linears
+            return (self.a(h) + self.b(h) + self.c(h)).sum()
+
+    x = torch.randn(5, 8)
+    gm = torch.export.export(ThreeReaders(), (x,)).module()
+    grad = needs_grad(gm)
+    relu = next(n for n in gm.graph.nodes if "relu" in str(n.target))
+    assert gradient_sum_bytes(relu, global_tensors, grad) == (3 * 2 * x.nbytes,)
+    sums = [0]
+
+    class CountSums(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor) and args[0].shape == x.shape:
+                sums[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    loss = ThreeReaders()(x)
+    with CountSums():
+        loss.backward()
+    assert sums[0] == 2
 
 
 def test_attention_kernels_pay_their_latency_forward_and_backward(llama_tiny: ModelCosts) -> None:
@@ -399,3 +436,14 @@ def test_preamble_holds_the_repeated_nodes_once(llama_tiny: ModelCosts) -> None:
     segments = (rc.embedding, *rc.layers, rc.head, rc.preamble)
     lowered = compiler.lower(llama_tiny.gm, rc.plan, outputs_read=compiler.LOSS_ONLY).graph  # what the segments were measured on
     assert sum(seg.ops for seg in segments) == sum(n.op == "call_function" for n in lowered.graph.nodes)
+
+
+def test_the_estimate_says_how_long_the_gpu_waits_for_the_host(llama_tiny: ModelCosts) -> None:
+    """A tiny model is host-bound: most of its step is the GPU waiting for the host; without host costs, none."""
+    from autotp.cost_model.planner import Cluster, Config, Training, estimate
+
+    config = Config(tp=1, pp=1, dp=1, vpp=1, microbatch_size=1, microbatches=2)
+    bound = estimate(llama_tiny, Cluster(1, 1, H100), Training(2), config)
+    assert 0.5 < bound.host_wait_s / bound.step_s < 1
+    free = replace(H100, op_overhead_s=0.0, backward_op_overhead_s=0.0, call_host_s=0.0, collective_host_s=0.0)
+    assert estimate(llama_tiny, Cluster(1, 1, free), Training(2), config).host_wait_s == pytest.approx(0.0, abs=1e-12)

@@ -190,7 +190,7 @@ def test_plan_command_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "tracing one decoder layer" in captured.err and "candidate plans" in captured.err  # progress, not silence
     lines = out.splitlines()
     assert lines[0].startswith("llama3-8b on 16 x H100 (2 nodes of 8), global batch 64 x 2048 tokens")
-    assert lines[1].split() == ["#", "tp", "pp", "dp", "vpp", "mbs", "m", "step", "s", "tokens/s", "MFU", "GiB/GPU", "bubble", "comm", "dist-opt", "SP", "overlap"]
+    assert lines[1].split() == ["#", "tp", "pp", "dp", "vpp", "mbs", "m", "step", "s", "tokens/s", "MFU", "GiB/GPU", "bubble", "comm", "host", "dist-opt", "SP", "overlap"]
     assert [l.split()[0] for l in lines[2:5]] == ["1", "2", "3"]
     assert "tp all-reduce time per layer" in out and "bubble / compute, interleaved 1f1b" in out
     # --explain agrees with the table: the bytes of the step it assumed, and what its bubble column is
@@ -203,7 +203,7 @@ def test_plan_command_table(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plan_command_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert _run("plan", "llama-tiny", "--gpus", "4", "--gpus-per-node", "4", "--global-batch", "8", "--seq", "32", "--format", "json") == 0
     plans = json.loads(capsys.readouterr().out)
-    assert plans and all({"tp", "pp", "dp", "step_s", "mem_bytes_per_gpu", "plan"} <= set(p) for p in plans)
+    assert plans and all({"tp", "pp", "dp", "step_s", "mem_bytes_per_gpu", "host_share", "plan"} <= set(p) for p in plans)
     assert [p["step_s"] for p in plans] == sorted(p["step_s"] for p in plans)
     assert all(p["tp"] * p["pp"] * p["dp"] == 4 for p in plans)
 

@@ -19,7 +19,7 @@ from autotp.ir import ops
 from autotp.ir.op_facts import Collective
 from autotp.api import parallelize
 from autotp.compiler import trace_for_planning
-from autotp.cost_model.calibrate import SCALE_MODEL, SCALE_LAYERS, fit_profile, scale_config
+from autotp.cost_model.calibrate import HOST_MODEL, SCALE_LAYERS, SCALE_MODEL, fit_profile, llama_config, scale_config
 from autotp.cost_model.compute import Segment, needs_grad
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.runtime.processes.launcher import spawn_ranks
@@ -29,6 +29,10 @@ MESSAGE_BYTES = {"cuda": tuple(2**k for k in range(16, 29, 2)), "cpu": tuple(2**
 GEMM_SHAPES = {  # (tokens, k, n)
     "cuda": tuple((m, k, n) for m in (1024, 4096, 16384) for k, n in ((1024, 1024), (2048, 2048), (4096, 4096), (2048, 8192), (8192, 2048))),
     "cpu": tuple((m, k, n) for m in (64, 256) for k, n in ((64, 64), (256, 256), (256, 1024))),
+}
+ATTENTION_SHAPES = {  # (batch, heads, sequence, head dim) of causal attention: enough spread to fit latency + rate
+    "cuda": ((1, 16, 1024, 128), (4, 16, 1024, 128), (2, 16, 2048, 128), (8, 16, 2048, 128), (2, 16, 4096, 128)),
+    "cpu": ((1, 4, 128, 64), (2, 4, 256, 64), (1, 4, 512, 64)),
 }
 ELEMENTWISE_SHAPE = {"cuda": (16384, 4096), "cpu": (1024, 256)}
 HOST_LAYERS, HOST_TOKENS = (2, 6), 16
@@ -73,13 +77,64 @@ def _collectives(rank: int, world: int, device: torch.device, dtype: torch.dtype
     return out
 
 
-def _gemm_curve(device: torch.device, dtype: torch.dtype) -> list[tuple[float, float]]:
-    """(FLOPs, seconds) of GEMMs, sorted by FLOPs; shapes with equal FLOPs averaged."""
-    times: dict[float, list[float]] = {}
-    for m, k, n in GEMM_SHAPES[device.type]:
-        a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
-        times.setdefault(2.0 * m * k * n, []).append(_median_s(lambda a=a, b=b: a @ b, device))
-    return [(flops, statistics.mean(ts)) for flops, ts in sorted(times.items())]
+def gpu_time_s(fn: Callable[[], object], device: torch.device, inner: int = 10, repeats: int = 5) -> float | None:
+    """Seconds of GPU time of one ``fn()``: ``inner`` calls captured in a CUDA graph, replayed ``repeats`` times
+    between CUDA events (median), so the host's cost of issuing them is not counted (the cost model adds that
+    separately, ``op_overhead_s``); None on CPU or where capture fails."""
+    if device.type != "cuda":
+        return None
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        graph.replay()
+        samples = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / inner)
+        del graph
+        return statistics.median(samples)
+    except RuntimeError as e:  # an op that cannot be captured: the caller keeps the host-timed figure
+        print(f"capture failed ({e}); host-timed only", flush=True)
+        return None
+
+
+def gemm_row(m: int, k: int, n: int, device: torch.device, dtype: torch.dtype) -> dict[str, object]:
+    """One GEMM shape as a linear runs it: forward ``x @ W^T``, input gradient ``g @ W``, weight gradient
+    ``g^T @ x``, each timed by the host (median of back-to-back calls) and as GPU time (``gpu_time_s``)."""
+    x, w = torch.randn(m, k, dtype=dtype, device=device), torch.randn(n, k, dtype=dtype, device=device)
+    g = torch.randn(m, n, dtype=dtype, device=device)
+    calls = (lambda: torch.nn.functional.linear(x, w), lambda: g @ w, lambda: g.t() @ x)
+    host = [_median_s(call, device) for call in calls]
+    return {"m": m, "k": k, "n": n, "flops": 2.0 * m * k * n, "forward_s": host[0], "input_grad_s": host[1],
+            "weight_grad_s": host[2], "gpu_s": [gpu_time_s(call, device) for call in calls]}  # fmt: skip
+
+
+def attention_row(shape: tuple[int, int, int, int], device: torch.device, dtype: torch.dtype) -> dict[str, object]:
+    """Causal ``scaled_dot_product_attention`` (what the ``causal_attention`` pass runs) on q, k, v of ``shape``:
+    forward and forward + backward, host-timed and as GPU time."""
+    q, k, v = (torch.randn(*shape, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+    grad = torch.ones(*shape, dtype=dtype, device=device)
+
+    def forward() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def both() -> object:
+        return torch.autograd.grad(forward(), (q, k, v), grad)
+
+    return {"shape": list(shape), "forward_s": _median_s(forward, device), "both_s": _median_s(both, device),
+            "gpu_forward_s": gpu_time_s(forward, device), "gpu_both_s": gpu_time_s(both, device)}  # fmt: skip
 
 
 def _elementwise_backward_factor(device: torch.device, dtype: torch.dtype) -> float:
@@ -141,30 +196,42 @@ def _tiny_llama(layers: int, tp: int, device: torch.device, dtype: torch.dtype, 
 
 
 def _host_runs(world: int, device: torch.device, dtype: torch.dtype) -> list[dict[str, float]]:
-    """``_tiny_llama`` at each of ``HOST_LAYERS`` layer counts, at tp 1 and tp ``world``,
-    every rank running at once (as in training, ranks share the host)."""
-    return [{"tp": tp, "layers": layers, **_tiny_llama(layers, tp, device, dtype)} for tp in (1, world) for layers in HOST_LAYERS]
+    """``_tiny_llama`` at each of ``HOST_LAYERS`` layer counts, at tp 1 and tp ``world``, every rank running at once
+    (as in training, ranks share the host): on GPUs of ``HOST_MODEL`` on one sequence of its length (tensors of
+    the sizes training runs, still host-bound), on CPU ranks of ``llama-tiny`` on 16 tokens."""
+    def run(layers: int, tp: int) -> dict[str, float]:
+        if device.type != "cuda":
+            return _tiny_llama(layers, tp, device, dtype)
+        return _tiny_llama(layers, tp, device, dtype, llama_config(HOST_MODEL, layers), (HOST_MODEL["batch"], HOST_MODEL["seq"]))
+
+    return [{"tp": tp, "layers": layers, **run(layers, tp)} for tp in sorted({1, world}) for layers in HOST_LAYERS]
 
 
-def _layer_runs(device: torch.device, dtype: torch.dtype) -> list[dict[str, float]]:
-    """Seconds of forward + backward of ``SCALE_MODEL`` at each of ``SCALE_LAYERS`` layer counts (tp 1)."""
+def layer_runs(config_of: Callable[[int], object], layer_counts: tuple[int, ...], tokens: tuple[int, int],
+               device: torch.device, dtype: torch.dtype) -> list[dict[str, float]]:  # fmt: skip
+    """Seconds of one ``train_step`` (one microbatch, gradients reset to None first, as a step finds them) of the
+    model ``config_of(layers)`` at each layer count, parallelized at tp 1, on ``tokens`` (batch, sequence): the
+    path a user trains on (``bench_cost_model --validate`` times it too). Forward + backward through ``pm(...)``
+    lowers a graph that also returns the logits and caches, a different program."""
     runs = []
-    for layers in SCALE_LAYERS:
+    for layers in layer_counts:
         torch.manual_seed(0)
-        model = presets.build_from_config(scale_config(layers), device=device, dtype=dtype)
-        ids = torch.zeros((SCALE_MODEL["batch"], SCALE_MODEL["seq"]), dtype=torch.long, device=device)
+        model = presets.build_from_config(config_of(layers), device=device, dtype=dtype)
+        ids = torch.zeros(tokens, dtype=torch.long, device=device)
         pm = parallelize(model, tp=1, example_inputs={"input_ids": ids, "labels": ids})
         params = list(pm.parameters())
 
-        def both(pm: torch.nn.Module = pm, params: list[torch.Tensor] = params) -> None:
+        def step(pm: torch.nn.Module = pm, params: list[torch.Tensor] = params) -> None:
             for p in params:
                 p.grad = None
-            pm(input_ids=ids, labels=ids).loss.backward()
+            pm.train_step(input_ids=ids, labels=ids, num_microbatches=1)
 
-        dist.barrier()
-        runs.append({"layers": layers, "both_s": _median_s(both, device, repeats=5, inner=3)})
+        if dist.is_initialized():
+            dist.barrier()
+        runs.append({"layers": layers, "both_s": _median_s(step, device, repeats=5, inner=3)})
         del pm, model, params
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return runs
 
 
@@ -172,27 +239,16 @@ def _compute(device: torch.device, dtype: torch.dtype) -> dict[str, object]:
     elements = (256 if device.type == "cuda" else 16) * 2**20 // dtype.itemsize
     x, y, z = (torch.ones(elements, dtype=dtype, device=device) for _ in range(3))
     add_s = _median_s(lambda: torch.add(x, y, out=z), device)
-    batch, heads, seq, dim = (4, 16, 2048, 128) if device.type == "cuda" else (1, 4, 256, 64)
-    q, k, v = (torch.randn(batch, heads, seq, dim, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
-    mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril().expand(batch, 1, seq, seq)
-
-    def attention() -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-    attention_s = _median_s(attention, device)
-    grad = torch.ones(batch, heads, seq, dim, dtype=dtype, device=device)
-    attention_backward_s = _median_s(lambda: torch.autograd.grad(attention(), (q, k, v), grad), device) - attention_s
     memory = (
         torch.cuda.get_device_properties(device).total_memory
         if device.type == "cuda"
         else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     )
     return {
-        "gemm": _gemm_curve(device, dtype),
+        "gemm": [gemm_row(m, k, n, device, dtype) for m, k, n in GEMM_SHAPES[device.type]],
+        "attention": [attention_row(shape, device, dtype) for shape in ATTENTION_SHAPES[device.type]],
         "memory_bytes_per_s": 3 * elements * dtype.itemsize / add_s,
         "elementwise_backward_factor": _elementwise_backward_factor(device, dtype),
-        "attention_flops_per_s": 4 * batch * heads * seq * seq * dim / attention_s,
-        "attention_backward_factor": attention_backward_s / attention_s,
         "memory_capacity_bytes": memory,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
     }
@@ -202,10 +258,10 @@ def _worker(rank: int, world: int) -> dict[str, object]:
     on_gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    measured: dict[str, object] = dict(_collectives(rank, world, device, dtype))
+    measured: dict[str, object] = dict(_collectives(rank, world, device, dtype)) if world > 1 else {}
     measured["host"] = _host_runs(world, device, dtype)
     if on_gpu:
-        measured["layers"] = _layer_runs(device, dtype)
+        measured["layers"] = layer_runs(scale_config, SCALE_LAYERS, (SCALE_MODEL["batch"], SCALE_MODEL["seq"]), device, dtype)
     if rank == 0:
         measured.update(_compute(device, dtype))
     dist.barrier()
@@ -213,11 +269,12 @@ def _worker(rank: int, world: int) -> dict[str, object]:
 
 
 def calibrate(ranks: int | None = None, timeout_s: float = 600) -> tuple[HardwareProfile, dict[str, object]]:
-    """Measure ``ranks`` local ranks (default: every GPU, else 2 CPU ranks): the fitted profile and the raw measurements."""
+    """Measure ``ranks`` local ranks (default: every GPU, else 2 CPU ranks): the fitted profile and the raw measurements.
+    One GPU measures everything but the links, which stay the built-in profile's."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    ranks = ranks or max(gpus, 2)
-    if ranks < 2:
-        raise UserInputError(f"calibration measures collectives between ranks; use --ranks 2 or more, got {ranks}")
+    ranks = ranks or (gpus or 2)
+    if ranks < (1 if gpus else 2):
+        raise UserInputError(f"calibration on CPU measures collectives between ranks; use --ranks 2 or more, got {ranks}")
     if gpus and ranks > gpus:
         raise UserInputError(f"{ranks} ranks asked but {gpus} GPUs are visible; use --ranks {gpus} or less")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
