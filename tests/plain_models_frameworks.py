@@ -201,7 +201,7 @@ class ScaleNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps, self.scale = eps, dim**-0.5
-        self.g = nn.Parameter(torch.ones(1) * dim**0.5)
+        self.g = nn.Parameter(torch.ones(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norm = torch.norm(x, dim=-1, keepdim=True) * self.scale
@@ -555,6 +555,15 @@ class BertPretraining(nn.Module):
         self.decoder = nn.Linear(DIM, VOCAB, bias=False)
         self.decoder_bias = nn.Parameter(torch.linspace(-0.1, 0.1, VOCAB))
         self.decoder.weight = self.word_embeddings.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        """BERT's initializer (``initializer_range`` 0.02); the tied decoder shares the embedding's."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.data.normal_(mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            module.bias.data.zero_()
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, attention_mask: torch.Tensor,
                 labels: torch.Tensor | None = None, next_sentence_label: torch.Tensor | None = None) -> dict[str, Any]:  # fmt: skip
