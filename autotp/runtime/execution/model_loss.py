@@ -24,7 +24,7 @@ LossFn = Callable[[Any], Tensor]
 def returned_loss(outputs: Any) -> Tensor:
     """The loss the model returned in ``outputs`` (see the module docstring)."""
     try:
-        loss = outputs["loss"]
+        loss = None if isinstance(outputs, Tensor) else outputs["loss"]
     except (KeyError, TypeError, IndexError):
         loss = None
     if isinstance(loss, Tensor):
