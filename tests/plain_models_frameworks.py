@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plain_models_attention import DecoderLM
+
 VOCAB, DIM, HEADS, HEAD_DIM, KV_HEADS, LAYERS, SEQ = 128, 64, 8, 8, 2, 2, 16
 
 
@@ -466,25 +468,6 @@ class SSDBlock(nn.Module):
         return x + self.mixer(self.norm(x))
 
 
-class SimpleLM(nn.Module):
-    def __init__(self, block: Callable[[], nn.Module]) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(block() for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
-        h = self.embed(input_ids)
-        for layer in self.layers:
-            h = layer(h)
-        logits = self.head(self.norm(h))
-        out: dict[str, Any] = {"logits": logits}
-        if labels is not None:
-            out["loss"] = _ce(logits, labels)
-        return out
-
-
 # ---- RetNet-style retention: decay exp(log_gamma * (n - m)) masked_fill, F.group_norm with weights ----
 
 
@@ -676,11 +659,11 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "llama_reference_kv_cache": LlamaReference,
     "xtransformers_sequential": XTransformer,
     "dit_unpatchify_timestep": DiTUnpatchify,
-    "mamba2_ssd_chunked": lambda: SimpleLM(SSDBlock),
-    "retention_exp_decay": lambda: SimpleLM(RetBlock),
+    "mamba2_ssd_chunked": lambda: DecoderLM(SSDBlock),
+    "retention_exp_decay": lambda: DecoderLM(RetBlock),
     "bert_pretraining": BertPretraining,
     "perceiver_classifier": PerceiverClassifier,
-    "olmo_parallel_clip": lambda: SimpleLM(OlmoParallelBlock),
+    "olmo_parallel_clip": lambda: DecoderLM(OlmoParallelBlock),
 }
 
 
