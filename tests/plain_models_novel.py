@@ -12,7 +12,8 @@ the module, ``tests/test_propagation_novel.py``), and bf16 does not meet the str
 fp32 tolerances; ``moe_sorted_loop`` runs the same routing through torchtitan's for-loop path.
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
-fixed weights), ``example_inputs(name)``, ``loss_fn(name)`` and ``MOE``.
+fixed weights), ``example_inputs(name)`` and ``MOE`` (DiT returns the loss it computes from ``target``;
+``train_step`` finds it without a ``loss_fn``).
 """
 
 from __future__ import annotations
@@ -776,12 +777,6 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "multi_token_prediction": MultiTokenLM,
 }
 MOE = frozenset({"moe_sorted_loop", "deepseek_v3_routing", "moe_expert_choice"})
-
-
-def loss_fn(name: str) -> Callable[[Any], torch.Tensor] | None:
-    """DiT computes its loss from ``target``, not ``labels``: ``train_step`` (pp > 1) is told
-    where the loss is, as its docstring asks of a model called without ``labels``."""
-    return (lambda out: out["loss"]) if name == "dit_adaln" else None
 
 
 def build(name: str) -> nn.Module:

@@ -32,6 +32,11 @@ CONFIGS = {  # name: (tp, pp, sequence_parallel, MoE models only)
     "sp_tp2": (2, 1, True, True),
 }
 FAST = ("shared_rope", "ste_activation", "fp32_qk_norm", "vit_loss_fn")
+KNOWN_GAPS = {  # (config, model): why it fails today; the sweep fails if it passes or fails otherwise
+    ("pp2", "perceiver_classifier"): "a rank holds",  # the pipeline cuts only between the layers of module
+    # lists: the one cross-attention block and its feed-forward before the latent stack stay on stage 0
+    # with the embedding (69% of the parameters; a cut after them would leave 39% / 60%)
+}
 
 
 def suite() -> dict[str, str]:
@@ -100,7 +105,10 @@ def test_fast_subset_at_tp2() -> None:
 def test_suite_under_the_strict_rule(config: str) -> None:
     results = run_config(config)
     assert results
-    assert not _failures(results), _failures(results)
+    gaps = {n: why for (c, n), why in KNOWN_GAPS.items() if c == config}
+    assert not _failures({n: r for n, r in results.items() if n not in gaps}), _failures(results)
+    for name, why in gaps.items():
+        assert not results[name].passed and why in results[name].reason, f"{name} at {config}: {results[name].reason or 'passes'}"
 
 
 def table(all_results: dict[str, dict[str, Any]]) -> str:

@@ -288,13 +288,14 @@ class VocabScale(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
 
-def test_per_vocabulary_vector_is_read_through_the_ranks_padded_slice() -> None:
+def test_per_vocabulary_vector_is_split_with_the_padded_vocabulary() -> None:
+    """``scale.float() * 2.0`` is computed from the parameter alone: it is split with the
+    vocab-parallel logits from its read (padded alike), not read whole and sliced."""
     ids = torch.randint(0, 130, (2, 8))
-    gm, plan = _plan(VocabScale(), 4, ids=ids, labels=ids)
-    assert _kinds(plan)["head.weight"] == ("column", DimSharding(130, (130,), (130,), padded=True))
-    last = _rank_graph(gm, plan, rank=3)  # holds rows 99..131: 31 real, 2 padding
-    (pad,) = [n for n in last.graph.nodes if n.target is aten.constant_pad_nd.default]
-    assert list(pad.args[1]) == [0, 2] and pad.args[0].args[2:4] == (99, 132)
+    _, plan = _plan(VocabScale(), 4, ids=ids, labels=ids)
+    padded = DimSharding(130, (130,), (130,), padded=True)
+    assert _kinds(plan)["head.weight"] == ("column", padded) and _kinds(plan)["scale"] == ("bias", padded)
+    assert not plan.kept_whole
 
 
 class ShortConvMixer(nn.Module):

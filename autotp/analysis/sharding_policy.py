@@ -58,7 +58,7 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
     grouped = isinstance(lb, ParamView) and ak is None and not b_batch_free and w.allowed(lb.name, "column")
     batch_split = _batch_split(la, lb, a_shape, b_shape, (b_k, b_n)) if grouped else None
     if w.plan is None and not b_batch_free and isinstance(lb, Layout) and lb.replicated and isinstance(b, Node):
-        _hint_reparametrized(w, b, (b_k, kind_row) if ak is not None else (b_n, kind_col))
+        hint_reparametrized(w, b, (b_k, kind_row) if ak is not None else (b_n, kind_col))
     if isinstance(lb, ParamView):
         if batch_split is not None:  # grouped weights met by groups split in the activation
             w.param_view_shard(lb, batch_split[0], batch_split[1], kind_col, node)
@@ -124,11 +124,12 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
     return out
 
 
-def _hint_reparametrized(w: Walker, weight: Node, split: tuple[int, str]) -> None:
-    """A replicated weight computed from parameters alone (weight norm's ``v * g / ‖v‖``):
-    hint its parameters of the weight's own shape, read whole by their first use, to be
-    split as this matmul asks (``Propagation.hints``); the planner walks again with them.
-    Only the first such matmul of a walk hints: the splits of later ones depend on it."""
+def hint_reparametrized(w: Walker, weight: Node, split: tuple[int, str]) -> None:
+    """A replicated tensor computed from parameters alone (weight norm's ``v * g / ‖v‖``,
+    Mamba's ``-exp(A_log)``) that meets a split: hint its parameters of the tensor's own
+    shape, read whole by their first use, to be split as that op asks (``Propagation.hints``:
+    a matmul's weight, or a per-head vector read through the rank's slice); the planner
+    walks again with them. Only the first such op of a walk hints: later splits depend on it."""
     if w.out.hints:
         return
     dim, kind = split

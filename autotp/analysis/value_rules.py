@@ -17,7 +17,7 @@ from torch.fx import Node
 from autotp.analysis.partials import linear_in_partial
 from autotp.analysis.propagation_result import ParamView
 from autotp.analysis.shapes import norm_dim, shape_of
-from autotp.analysis.sharding_policy import matmul
+from autotp.analysis.sharding_policy import hint_reparametrized, matmul
 from autotp.ir.errors import describe
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, local_size, make_whole, shard, unify
 
@@ -96,6 +96,7 @@ def pointwise(w: Walker, node: Node, tensor_args: list[Any] | None = None) -> La
                     )
                 # a replicated operand (a per-head bias, a buffer): each rank reads its own slice
                 w.out.local_slices.setdefault(node, []).append((a, d, var))
+                hint_reparametrized(w, a, (d, "bias"))
     for a in args:
         lay = w.get(a)
         if isinstance(lay, ParamView):

@@ -30,6 +30,7 @@ from torch.fx import GraphModule
 from autotp.ir.op_facts import is_alias, is_matmul
 from autotp.api import parallelize
 from autotp.compiler import example_kwargs
+from autotp.runtime.execution.model_loss import returned_logits, returned_loss
 
 RTOL, ATOL = 1e-4, 1e-6
 SLACK = 1.3
@@ -105,7 +106,7 @@ def check_on_rank(
 ) -> StrictResult:
     """Parallelize ``model`` at (tp, pp) on this rank and check the strict rule against an
     unmodified copy. ``loss_fn(outputs)`` is the loss of a model whose outputs hold none
-    (else ``outputs["loss"]``). Exceptions become ``StrictResult.error``."""
+    (else the loss forward returned, as ``train_step`` finds it). Exceptions become ``StrictResult.error``."""
     limit = SLACK / (tp * pp)
     try:
         reference = copy.deepcopy(model)
@@ -136,13 +137,7 @@ def check_on_rank(
 
 
 def _loss_logits(out: Any, loss_fn: LossFn | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    loss = loss_fn(out) if loss_fn is not None else out["loss"]
-    if isinstance(out, torch.Tensor):
-        return loss, out
-    try:
-        return loss, out["logits"]
-    except (KeyError, TypeError):
-        return loss, None
+    return (loss_fn(out) if loss_fn is not None else returned_loss(out)), returned_logits(out)
 
 
 def _first_mismatch(

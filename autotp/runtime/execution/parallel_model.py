@@ -32,6 +32,7 @@ from autotp.runtime.processes.groups import Coords
 from autotp.runtime.state.parameters import Parameters, graph_trained_params
 from autotp.runtime.execution.pipeline import ChunkGraph, PipelineRunner
 from autotp.runtime.execution.signatures import CompiledSignature
+from autotp.runtime.execution.model_loss import returned_loss
 from autotp.ir.errors import UserInputError
 from autotp.runtime.state.shard_map import ShardedLocal
 
@@ -278,15 +279,14 @@ class ParallelModel(nn.Module):
         ``batch_is_local=True`` each dp rank passes its own shard instead, of the same size
         on every dp rank (DDP's convention: a ``DistributedSampler`` over dp ranks); the
         ranks of one replica (tp, pp) pass the same shard. Returns the mean loss over the global
-        batch (detached), identical on every rank. Without ``labels``,
-        ``loss_fn(outputs) -> scalar`` supplies the loss (on the last pipeline stage).
+        batch (detached), identical on every rank. The loss is the one forward returns
+        (``model_loss.returned_loss``: ``outputs["loss"]``, else its only scalar output), or
+        ``loss_fn(outputs) -> scalar`` (on the last pipeline stage).
         Gradients are accumulated into ``.grad`` and averaged over dp ranks; the caller
         steps and zeroes the optimizer. ``num_microbatches`` and ``schedule`` (``1f1b``,
         ``gpipe``, ``interleaved`` or ``zbh1``) default to the plan's ``microbatches`` and
         ``schedule_name`` (``1f1b``, or ``interleaved`` when vpp > 1, unless planned).
         """
-        if labels is None and loss_fn is None:
-            raise UserInputError("train_step needs labels= or loss_fn=")
         if self.check_replicas_every and self._steps % self.check_replicas_every == 0:
             self.check_replicas()
         self._steps += 1
@@ -313,7 +313,7 @@ class ParallelModel(nn.Module):
             {k: (v[first + i * step : first + (i + 1) * step] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
             for i in range(m)
         ]
-        loss_of = loss_fn if loss_fn is not None else (lambda out: out["loss"])  # a dict or a ModelOutput
+        loss_of = loss_fn if loss_fn is not None else returned_loss
         outputs_read = () if loss_fn is not None else LOSS_ONLY
         if self.plan.num_chunks == 1:
             total = torch.zeros((), device=self._device)

@@ -12,7 +12,7 @@ from torch.fx import GraphModule
 
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.program import ChunkProgram, RankProgram
-from autotp.runtime.execution import cudagraphs
+from autotp.runtime.execution import buffer_history, cudagraphs
 from autotp.runtime.state.parameters import ParamChunks, graph_param_chunks
 from autotp.runtime.execution.pipeline import ChunkGraph
 
@@ -36,6 +36,9 @@ class CompiledSignature:
         whole = program.chunks[0]
         graph = program.graph if chunks else whole.graph
         run: Callable[..., Any] = graph
+        runs = [cg_graph for cg in chunks.values() for cg_graph in (cg.graph, cg.program.deferred)] if chunks else [graph]
+        for gm in {id(g): g for g in runs if g is not None}.values():
+            buffer_history.cut_history_on_call(gm)
         if compile_backend:
             run = torch.compile(graph, backend=compile_backend)
             for cg in chunks.values():
