@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 RNG_STATE_HOOKS: list[tuple[Callable[[], object], Callable[[object], None]]] = []
 """``(snapshot, restore)`` of generators that ``checkpoint`` does not restore itself."""
@@ -58,6 +58,22 @@ def _rng_contexts() -> tuple[Any, Any]:
     return forward(), recompute()
 
 
+def _keep_random(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_random_numbers() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_keep_random)
+
+
 def run_recomputed(region: GraphModule, *inputs: Any) -> Any:
-    """``region(*inputs)``, its activations recomputed in the backward (module docstring)."""
+    """``region(*inputs)``, its activations recomputed in the backward (module docstring).
+    Under ``torch.compile`` the checkpoint becomes AOT autograd's recompute tags, and the
+    partitioner would draw a random op's numbers again: a selective-checkpoint policy saves
+    the output of every op tagged ``nondeterministic_seeded`` (``autotp::tp_rand``, float32
+    numbers the size of the dropped tensor) and recomputes the rest."""
+    if torch.compiler.is_compiling():
+        return checkpoint(region, *inputs, use_reentrant=False, context_fn=_save_random_numbers)
     return checkpoint(region, *inputs, use_reentrant=False, preserve_rng_state=True, context_fn=_rng_contexts)
