@@ -117,6 +117,7 @@ def compile_rank(
     moe_dispatch: str | None = None,
     moe_capacity_factor: float | None = None,
     fp8: str | bool | None = None,
+    recompute: str | bool | list[int] | None = None,
 ) -> CompiledRank:
     """Trace, plan and rewrite the graph of tp rank ``rank`` without any process group.
 
@@ -125,7 +126,7 @@ def compile_rank(
     ``cuda_graphs`` the plan asks for CUDA graphs and the nodes carry their regions and
     blockers, as a GPU rank on NCCL would capture them. With ``ep`` (and ``moe_dispatch``,
     ``moe_capacity_factor``, as ``parallelize`` takes them) the graph is ep rank 0's, dp the
-    smallest that ep folds onto.
+    smallest that ep folds onto. ``recompute`` as ``parallelize`` takes it.
     """
     _check_degrees(tp, pp, vpp)
     plan = load_plan(plan)

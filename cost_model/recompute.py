@@ -1,4 +1,9 @@
-"""Which decoder layers recompute their activations in the backward (``plan.recompute_layers``).
+"""Which decoder layers recompute their activations in the backward (``plan.recompute_layers``),
+and what that costs (``recomputed``: the memory; ``compute.segment_time(recompute=True)``: the
+time, the forward run again with its collectives). The planner (``step_estimate.best_estimate``)
+weighs every layer recomputed against none for a candidate that does not fit without: a
+recomputing candidate is slower, so it wins only where it fits and the others do not, or where
+a larger microbatch or fewer microbatches (less bubble) pay for the second forward.
 
 ``with_recompute`` settles the field from what the caller asked (``parallelize(recompute=...)``):
 
@@ -11,14 +16,17 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
 from torch.fx import GraphModule
 
 from autotp.analysis.layers import num_layers
 from autotp.analysis.trace_regions import checkpointed_layers
+from autotp.cost_model.liveness import SegmentMemory
 from autotp.ir.errors import UserInputError
 from autotp.ir.plan import RECOMPUTE_MODEL, RECOMPUTE_USER, ParallelPlan
 
@@ -49,3 +57,34 @@ def with_recompute(traced: GraphModule, plan: ParallelPlan, recompute: Recompute
     else:
         raise UserInputError(f"recompute={recompute!r}: give 'none', 'full', True, False or a list of decoder-layer indices")
     return replace(plan, recompute_layers=chosen, recompute_reason=RECOMPUTE_USER if chosen else "")
+
+
+def recomputed(memory: SegmentMemory, inputs_per_sample: float) -> SegmentMemory:
+    """A decoder layer's live bytes when it recomputes (``liveness.SegmentMemory`` rows):
+
+    * saved from its forward to its backward: only its input, ``inputs_per_sample`` bytes a
+      sample (the hidden states it reads; parameters and the masks every layer shares are
+      held anyway);
+    * its forward: as without (an upper bound: the checkpointed forward frees each
+      activation once no later node reads it);
+    * its backward: the forward again (its rows, with its output's gradient, as big as its
+      input, alive), then its backward as without, whose rows already count its own
+      activations, now recomputed.
+
+    Its time is ``compute.segment_time(..., recompute=True)``: the forward runs twice."""
+    return _recomputed(memory, inputs_per_sample)
+
+
+@functools.lru_cache(maxsize=1024)
+def _recomputed(memory: SegmentMemory, inputs_per_sample: float) -> SegmentMemory:
+    inputs = np.array([0.0, inputs_per_sample])
+    zeros = np.zeros_like(memory.forward)
+    return SegmentMemory(
+        saved=inputs,
+        forward=memory.forward,
+        backward=np.vstack([memory.forward + inputs, memory.backward]),
+        own_grads=np.vstack([zeros, memory.own_grads]),
+        grad_transient=np.vstack([zeros, memory.grad_transient]),
+        param_grads=memory.param_grads,
+        deferred=memory.deferred,
+    )
