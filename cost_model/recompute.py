@@ -59,12 +59,13 @@ def with_recompute(traced: GraphModule, plan: ParallelPlan, recompute: Recompute
     return replace(plan, recompute_layers=chosen, recompute_reason=RECOMPUTE_USER if chosen else "")
 
 
-def recomputed(memory: SegmentMemory, inputs_per_sample: float) -> SegmentMemory:
+@functools.lru_cache(maxsize=1024)
+def recomputed(memory: SegmentMemory) -> SegmentMemory:
     """A decoder layer's live bytes when it recomputes (``liveness.SegmentMemory`` rows):
 
-    * saved from its forward to its backward: only its input, ``inputs_per_sample`` bytes a
-      sample (the hidden states it reads; parameters and the masks every layer shares are
-      held anyway);
+    * saved from its forward to its backward: only its inputs (``memory.inputs``: the hidden
+      states and the tables it reads from outside, such as rotary ones, counted once per layer
+      although the layers share them; parameters are held anyway);
     * its forward: as without (an upper bound: the checkpointed forward frees each
       activation once no later node reads it);
     * its backward: the forward again (its rows, with its output's gradient, as big as its
@@ -72,12 +73,7 @@ def recomputed(memory: SegmentMemory, inputs_per_sample: float) -> SegmentMemory
       activations, now recomputed.
 
     Its time is ``compute.segment_time(..., recompute=True)``: the forward runs twice."""
-    return _recomputed(memory, inputs_per_sample)
-
-
-@functools.lru_cache(maxsize=1024)
-def _recomputed(memory: SegmentMemory, inputs_per_sample: float) -> SegmentMemory:
-    inputs = np.array([0.0, inputs_per_sample])
+    inputs = memory.inputs
     zeros = np.zeros_like(memory.forward)
     return SegmentMemory(
         saved=inputs,
@@ -87,4 +83,5 @@ def _recomputed(memory: SegmentMemory, inputs_per_sample: float) -> SegmentMemor
         grad_transient=np.vstack([zeros, memory.grad_transient]),
         param_grads=memory.param_grads,
         deferred=memory.deferred,
+        inputs=memory.inputs,
     )

@@ -203,7 +203,7 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
     in_node = config.tp * config.dp * pp <= per_node
     hidden = costs.hidden_bytes * b / (config.tp if rc.plan.sequence_parallel else 1)
     hop = p2p_s(hidden, hw.p2p_link if in_node else hw.inter_node)
-    layer_memory = {id(seg): recomputed(seg.memory, hidden / b) if v.recompute else seg.memory for seg in rc.layers}
+    layer_memory = {id(seg): recomputed(seg.memory) if v.recompute else seg.memory for seg in rc.layers}
     chunk_s, chunk_gpu, chunk_comm, chunk_mem, chunk_params = [], [], [], [], []
     layer_ids = {id(seg) for seg in rc.layers}
     alike: dict[tuple, tuple] = {}  # chunks of the same layers, ends and neighbours cost the same
