@@ -167,11 +167,11 @@ def estimate(
     costs: ModelCosts, cluster: Cluster, training: Training, config: Config, replicate: frozenset[str] = frozenset(),
     distributed: bool = False, *, sequence_parallel: bool | None = None, tp_overlap: tuple[str, ...] | None = None,
 ) -> Estimate:  # fmt: skip
-    """Predicted step time and memory of ``config`` (formulas in the module docstring); ``sequence_parallel``
-    and ``tp_overlap`` None follow ``training`` (its None: off)."""
+    """Predicted step time and memory of ``config`` (formulas in the module docstring); ``sequence_parallel``,
+    ``tp_overlap`` None and the recompute follow ``training`` (its None: off)."""
     sp = bool(training.sequence_parallel) if sequence_parallel is None else sequence_parallel
     overlap = (OVERLAP_BOTH if sp and training.tp_overlap else ()) if tp_overlap is None else tp_overlap
-    draft = _draft(costs, cluster, training, config, Variant(replicate, distributed, sp, overlap))
+    draft = _draft(costs, cluster, training, config, Variant(replicate, distributed, sp, overlap, bool(training.recompute)))
     return replace(draft.estimate, mem_bytes_per_gpu=draft.memory())
 
 

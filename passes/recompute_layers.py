@@ -36,11 +36,10 @@ RECOMPUTE_PREFIX = "recompute_layer_"
 def _after_layer(nodes: list[Node], inside: set[Node]) -> list[Node]:
     """The nodes between the layer's first and last node that read its values: they move after
     its call. Raises when the layer also reads one of them."""
-    first, last = nodes[0], nodes[-1]
     moved: list[Node] = []
     reached = set(inside)
-    n = first.next
-    while n is not last:
+    n = nodes[0]
+    while n is not nodes[-1]:
         if n not in inside and any(a in reached for a in n.all_input_nodes):
             reached.add(n)
             moved.append(n)
