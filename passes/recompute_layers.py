@@ -7,8 +7,9 @@ non-reentrant ``checkpoint``, which keeps the layer's inputs (activations, and t
 it reads, passed in so ``insert_param_waits`` still sees them read) and runs the layer again
 in the backward, its dropout masks replayed. Its inputs are the values it reads from outside,
 in order of first use; its outputs the values read after it. A node between the layer's
-first and last node that reads the layer's values runs after the call; one that the layer
-reads and that reads the layer cannot, and the layer is refused.
+first and last node that no module owns (a collective a pass inserted) and that lies on a
+path from the layer back into it is part of the layer; one that reads the layer's values and
+that the layer does not read runs after the call.
 
 Refused with a ``UserInputError`` (the plan asks for something this pass cannot make
 correct): a layer that writes in place into a tensor it did not make (the recomputation
@@ -33,30 +34,39 @@ from autotp.passes.subgraphs import standalone
 RECOMPUTE_PREFIX = "recompute_layer_"
 
 
-def _after_layer(nodes: list[Node], inside: set[Node]) -> list[Node]:
-    """The nodes between the layer's first and last node that read its values: they move after
-    its call. Raises when the layer also reads one of them."""
-    moved: list[Node] = []
-    reached = set(inside)
-    n = nodes[0]
+def _sandwiched_and_after(nodes: list[Node]) -> tuple[list[Node], list[Node]]:
+    """Of the nodes between the layer's first and last node that are not its own (collectives and
+    other nodes the passes inserted carry no module): those on a path from the layer back into it,
+    which are part of its computation, and those that read its values and that it does not read,
+    which run after its call."""
+    inside = set(nodes)
+    window: list[Node] = []
+    n = nodes[0].next
     while n is not nodes[-1]:
-        if n not in inside and any(a in reached for a in n.all_input_nodes):
-            reached.add(n)
-            moved.append(n)
+        if n not in inside:
+            window.append(n)
         n = n.next
-    for n in nodes:
-        blocked = next((a for a in n.all_input_nodes if a in moved), None)
-        if blocked is not None:
-            raise UserInputError(
-                f"plan.recompute_layers: layer {layer_of(n)} cannot be recomputed as one region: its node {n.name} "
-                f"reads {blocked.name}, computed outside the layer from the layer's own values; drop the layer from "
-                "recompute_layers"
-            )
-    return moved
+    between = set(window)
+    reads_layer = set(inside)
+    for n in window:
+        if any(a in reads_layer for a in n.all_input_nodes):
+            reads_layer.add(n)
+    read_by_layer: set[Node] = set()
+    stack = [a for n in nodes for a in n.all_input_nodes if a in between]
+    while stack:
+        a = stack.pop()
+        if a not in read_by_layer:
+            read_by_layer.add(a)
+            stack.extend(x for x in a.all_input_nodes if x in between)
+    sandwiched = [n for n in window if n in reads_layer and n in read_by_layer]
+    after = [n for n in window if n in reads_layer and n not in read_by_layer]
+    return sandwiched, after
 
 
 def _outline(chunk: GraphModule, layer: int, nodes: list[Node]) -> None:
-    inside = set(nodes)
+    sandwiched, moved = _sandwiched_and_after(nodes)
+    inside = set(nodes) | set(sandwiched)
+    nodes = [n for n in chunk.graph.nodes if n in inside]
     for n in nodes:
         base = mutated_base(n)
         if base is not None and base not in inside:
@@ -64,7 +74,6 @@ def _outline(chunk: GraphModule, layer: int, nodes: list[Node]) -> None:
                 f"plan.recompute_layers: layer {layer} writes in place into {base.name} (node {n.name}, {n.target}), a tensor "
                 "made outside the layer: recomputing it would write twice; drop the layer from recompute_layers"
             )
-    moved = _after_layer(nodes, inside)
     inputs: list[Node] = []
     for n in nodes:
         inputs.extend(a for a in n.all_input_nodes if a not in inside and a not in inputs)
