@@ -123,14 +123,19 @@ def main() -> None:
             row["oom"] = True
         except Exception as e:  # noqa: BLE001 - a failing row is reported, the others still run
             row["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
-        print(json.dumps(row), flush=True)
         results["rows"].append(row)
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=1))
-        torch._dynamo.reset()
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        _keep(results, row, args.json, device)
+
+
+def _keep(results: dict, row: dict, path: Path | None, device: str) -> None:
+    """Print the row, write every row so far, and free what the row's model left (compiled code, cached blocks)."""
+    print(json.dumps(row), flush=True)
+    if path:
+        path.write_text(json.dumps(results, indent=1))
+    torch._dynamo.reset()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -87,26 +87,37 @@ def test_recompute_keeps_every_number_and_saves_less(recompute: Any) -> None:
             assert abs(predicted - measured) <= TOLERANCE * measured, (predicted, measured)
 
 
-@pytest.mark.parametrize("compile_backend", [False, pytest.param("aot_eager", marks=pytest.mark.slow)])
-def test_recomputed_dropout_draws_the_forward_mask(compile_backend: Any) -> None:
-    """The tp RNG streams are replayed in the recomputation (eager) or the masks saved (compiled): two
-    steps with recompute equal two without, bit for bit, so the streams also advance alike."""
+def _dropout_runs(tp: int, steps: int, **kwargs: Any) -> list[tuple[list[float], list[torch.Tensor]]]:
+    """(losses, gradients) of ``steps`` steps of a GPT-2 with dropout on, without and with recompute."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=64, resid_pdrop=0.3,
                                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)).train()  # fmt: skip
     inputs = _batch()
     runs = []
     for recompute in ("none", "full"):
-        pm = autotp.parallelize(copy.deepcopy(model), tp=1, example_inputs=inputs, recompute=recompute, compile=compile_backend, seed=3)
+        pm = autotp.parallelize(copy.deepcopy(model), tp=tp, example_inputs=inputs, recompute=recompute, seed=3, **kwargs)
         losses = []
-        for _ in range(2):
+        for _ in range(steps):
             loss = pm(**inputs)["loss"]
             loss.backward()
             losses.append(loss.item())
         runs.append((losses, [p.grad.clone() for p in pm.parameters()]))
+    return runs
+
+
+def _assert_equal_runs(runs: list[tuple[list[float], list[torch.Tensor]]]) -> None:
     (losses, grads), (losses_rc, grads_rc) = runs
-    assert losses == losses_rc and losses[0] != losses[1]
+    assert losses == losses_rc
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_rc, strict=True))
+
+
+@pytest.mark.parametrize("compile_backend", [False, pytest.param("aot_eager", marks=pytest.mark.slow)])
+def test_recomputed_dropout_draws_the_forward_mask(compile_backend: Any) -> None:
+    """The tp RNG streams are replayed in the recomputation (eager) or the masks saved (compiled): two
+    steps with recompute equal two without, bit for bit, so the streams also advance alike."""
+    runs = _dropout_runs(1, 2, compile=compile_backend)
+    _assert_equal_runs(runs)
+    assert runs[0][0][0] != runs[0][0][1]  # dropout on: the two steps draw different masks
 
 
 def test_model_checkpointing_is_carried_into_the_rank_graph() -> None:
@@ -211,22 +222,11 @@ def test_recompute_at_tp2_and_pp2_meets_the_strict_rule(name: str, tp: int, pp: 
     assert run_on_ranks(_strict_worker, tp * pp, name, tp, pp) == [""] * (tp * pp)
 
 
-def _dropout_worker(rank: int, world: int) -> list[Any]:
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.3,
-                                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)).train()  # fmt: skip
-    inputs = _batch()
-    out = []
-    for recompute in ("none", "full"):
-        pm = autotp.parallelize(copy.deepcopy(model), tp=2, example_inputs=inputs, recompute=recompute, seed=5)
-        loss = pm(**inputs)["loss"]
-        loss.backward()
-        out.append((loss.item(), [p.grad.clone() for p in pm.parameters()]))
-    return out
+def _dropout_worker(rank: int, world: int) -> list[tuple[list[float], list[torch.Tensor]]]:
+    return _dropout_runs(2, 1)
 
 
 @pytest.mark.slow
 def test_recomputed_tp_dropout_draws_the_forward_mask_at_tp2() -> None:
-    for (loss, grads), (loss_rc, grads_rc) in run_on_ranks(_dropout_worker, 2):
-        assert loss == loss_rc
-        assert all(torch.equal(a, b) for a, b in zip(grads, grads_rc, strict=True))
+    for runs in run_on_ranks(_dropout_worker, 2):
+        _assert_equal_runs(runs)

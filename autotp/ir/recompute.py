@@ -27,11 +27,11 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 RNG_STATE_HOOKS: list[tuple[Callable[[], object], Callable[[object], None]]] = []
 """``(snapshot, restore)`` of generators that ``checkpoint`` does not restore itself."""
 
-def _snapshot() -> list[object]:
+def _hooked_states() -> list[object]:
     return [snapshot() for snapshot, _ in RNG_STATE_HOOKS]
 
 
-def _restore(states: list[object]) -> None:
+def _restore_hooked(states: list[object]) -> None:
     for (_, restore), state in zip(RNG_STATE_HOOKS, states, strict=True):
         restore(state)
 
@@ -43,17 +43,17 @@ def _rng_contexts() -> tuple[Any, Any]:
 
     @contextmanager
     def forward() -> Iterator[None]:
-        taken.append(_snapshot())
+        taken.append(_hooked_states())
         yield
 
     @contextmanager
     def recompute() -> Iterator[None]:
-        now = _snapshot()
-        _restore(taken[0])
+        now = _hooked_states()
+        _restore_hooked(taken[0])
         try:
             yield
         finally:
-            _restore(now)
+            _restore_hooked(now)
 
     return forward(), recompute()
 

@@ -52,11 +52,11 @@ for _device in ("CPU", "CUDA"):
     _KERNELS.impl("tp_rand", _tp_rand, _device)
 
 
-def _snapshot() -> dict[tuple[str, torch.device], Tensor]:
+def _stream_states() -> dict[tuple[str, torch.device], Tensor]:
     return {key: gen.get_state() for key, gen in _generators.items()}
 
 
-def _restore(states: dict[tuple[str, torch.device], Tensor]) -> None:
+def _restore_streams(states: dict[tuple[str, torch.device], Tensor]) -> None:
     """Back to ``states``; a generator made after the snapshot is dropped, so it is made
     again from its seed, as it was."""
     for key in list(_generators):
@@ -66,4 +66,4 @@ def _restore(states: dict[tuple[str, torch.device], Tensor]) -> None:
             del _generators[key]
 
 
-recompute.RNG_STATE_HOOKS.append((_snapshot, _restore))
+recompute.RNG_STATE_HOOKS.append((_stream_states, _restore_streams))
