@@ -210,8 +210,8 @@ def test_planner_recomputes_where_nothing_fits_without() -> None:
 # ---- multi-rank: tp=2 and pp=2, a dense and an MoE model (slow) -----------------------------------
 
 
-def _strict_worker(rank: int, world: int, name: str, tp: int, pp: int) -> str:
-    result = check_on_rank(small_models.build(name, layers=4), _batch(), tp=tp, pp=pp, recompute="full")
+def _strict_worker(rank: int, world: int, name: str, tp: int, pp: int, compile_backend: Any = False) -> str:
+    result = check_on_rank(small_models.build(name, layers=4), _batch(), tp=tp, pp=pp, recompute="full", compile=compile_backend)
     return "" if result.passed else result.reason
 
 
@@ -220,6 +220,12 @@ def _strict_worker(rank: int, world: int, name: str, tp: int, pp: int) -> str:
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
 def test_recompute_at_tp2_and_pp2_meets_the_strict_rule(name: str, tp: int, pp: int) -> None:
     assert run_on_ranks(_strict_worker, tp * pp, name, tp, pp) == [""] * (tp * pp)
+
+
+@pytest.mark.slow
+def test_recompute_compiled_at_tp2_meets_the_strict_rule() -> None:
+    """Under compile the recomputed layer's tp collectives are AOT autograd's to run again."""
+    assert run_on_ranks(_strict_worker, 2, "llama", 2, 1, "aot_eager") == ["", ""]
 
 
 def _dropout_worker(rank: int, world: int) -> list[tuple[list[float], list[torch.Tensor]]]:
