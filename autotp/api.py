@@ -117,6 +117,7 @@ def compile_rank(
     moe_dispatch: str | None = None,
     moe_capacity_factor: float | None = None,
     fp8: str | bool | None = None,
+    recompute: str | bool | list[int] | None = None,
 ) -> CompiledRank:
     """Trace, plan and rewrite the graph of tp rank ``rank`` without any process group.
 
@@ -125,7 +126,7 @@ def compile_rank(
     ``cuda_graphs`` the plan asks for CUDA graphs and the nodes carry their regions and
     blockers, as a GPU rank on NCCL would capture them. With ``ep`` (and ``moe_dispatch``,
     ``moe_capacity_factor``, as ``parallelize`` takes them) the graph is ep rank 0's, dp the
-    smallest that ep folds onto.
+    smallest that ep folds onto. ``recompute`` as ``parallelize`` takes it.
     """
     _check_degrees(tp, pp, vpp)
     plan = load_plan(plan)
@@ -134,7 +135,8 @@ def compile_rank(
     impl = cudagraphs.implementation() if cuda_graphs else None
     planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=ep // math.gcd(ep, tp), vpp=vpp, plan=plan,
                                   cudagraph_impl=impl, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, ep=ep,
-                                  moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor, fp8=fp8)  # fmt: skip
+                                  moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor, fp8=fp8,
+                                  recompute=recompute)  # fmt: skip
     lowered = compiler.lower(planned.traced, planned.plan, tp_rank=rank, device=device, dump_dir=dump_dir)
     return CompiledRank(lowered.graph, lowered.plan, planned.trace_s, planned.plan_s, lowered.pass_s, lowered)
 
@@ -162,6 +164,7 @@ def parallelize(
     moe_dispatch: str | None = None,
     moe_capacity_factor: float | None = None,
     fp8: str | bool | None = None,
+    recompute: str | bool | list[int] | None = None,
 ) -> ParallelModel:
     """Compile ``model`` into this rank's ``ParallelModel``; tp·pp·dp must be the world size.
 
@@ -194,6 +197,10 @@ def parallelize(
     ``"tensorwise"`` (True), ``"rowwise"`` or ``"blockwise"`` (``autotp.ir.fp8``), with
     scales that tp ranks share; ``plan.fp8_linears`` says which GEMMs stay in the model's
     dtype and why. It needs FP8 tensor cores (compute capability 8.9+; blockwise 9.0).
+    ``recompute`` recomputes decoder layers' activations in the backward instead of keeping
+    them (``passes/recompute_layers``): ``"full"`` (True) every layer, a list of layer indices,
+    ``"none"`` (False) none, None the plan's (a new plan: the layers the model checkpoints
+    itself with ``torch.utils.checkpoint``; ``plan="auto"``: the planner's, where memory needs it).
 
     ``ep`` spreads the experts of MoE layers over ep ranks (MoE folding: expert layers run on
     ``etp-ep-edp-pp`` over the ranks dense layers use as ``tp-dp-pp``; ep divides tp*dp and
@@ -245,7 +252,8 @@ def parallelize(
     planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=dp, vpp=vpp, plan=plan,
                                   cudagraph_impl=impl, gather_outputs=gather_outputs,
                                   sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, ep=ep, etp=etp,
-                                  moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor, fp8=fp8)  # fmt: skip
+                                  moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor, fp8=fp8,
+                                  recompute=recompute)  # fmt: skip
     coords = make_groups(planned.plan, timeout_s)
     rng.seed_tp_rng(seed + 1009 * (coords.dp_rank + planned.plan.dp * coords.pp_rank), coords.tp_rank)
     backend = dist.get_backend() if dist.is_initialized() else "nccl"

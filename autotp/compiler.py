@@ -42,6 +42,7 @@ from autotp.cost_model.fp8 import check_recipe, plan_fp8, sites_plan, without_fp
 from autotp.cost_model.hardware import device_hardware
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.planner import auto_plan, auto_sequence_parallel
+from autotp.cost_model.recompute import RecomputeArg, with_recompute
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.cost_model.unread_params import plan_unread_params, refuse_reading_unread
 from autotp.ir import meta_keys
@@ -178,6 +179,7 @@ def plan_model(
     moe_dispatch: str | None = None,
     moe_capacity_factor: float | None = None,
     fp8: str | bool | None = None,
+    recompute: RecomputeArg = None,
 ) -> Planned:
     """Trace ``model`` on ``device`` and choose its plan. ``cudagraph_impl`` (the capture
     implementation) turns CUDA graphs on, keeping an implementation the plan names.
@@ -186,7 +188,8 @@ def plan_model(
     planner weighs them with the degrees). ``tp_overlap=True`` overlaps both kinds of
     sequence-parallel collective and needs sequence parallelism. ``fp8``: an FP8 recipe
     (``autotp.ir.fp8.RECIPES``; True: the default one) for the GEMMs ``plan_fp8`` admits,
-    False for none, None keeps the plan's."""
+    False for none, None keeps the plan's. ``recompute``: the decoder layers whose activations
+    the backward recomputes (``cost_model.recompute.with_recompute``)."""
     for name, value in (("sequence_parallel", sequence_parallel), ("tp_overlap", tp_overlap)):
         if value is not None and not isinstance(value, bool) and value != "auto":
             raise UserInputError(f"{name} must be True, False or 'auto', got {value!r}")
@@ -231,6 +234,7 @@ def plan_model(
     if not chosen.unread:
         chosen = plan_unread_params(traced, chosen)
     chosen = replace(chosen, batch_mixing=batch_mixing_node(traced, _batch_size(kwargs)))
+    chosen = with_recompute(traced, chosen, recompute, planned_here=not isinstance(plan, ParallelPlan))
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)
     log.info("traced in %.2f s, planned in %.2f s: tp=%d pp=%d dp=%d vpp=%d", traced_at - start,

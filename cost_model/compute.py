@@ -459,8 +459,9 @@ def node_times(seg: Segment, batch: int, hw: HardwareProfile) -> tuple[np.ndarra
     return forward, backward
 
 
-def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_node: int) -> SegmentTime:
-    """Forward + backward of ``batch`` samples through ``seg`` (formulas in the module docstring)."""
+def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_node: int, recompute: bool = False) -> SegmentTime:
+    """Forward + backward of ``batch`` samples through ``seg`` (formulas in the module docstring);
+    ``recompute``: the backward runs the forward again first, collectives included."""
     forward, backward = node_times(seg, batch, hw)
     comm = {"forward": np.zeros(seg.ops), "backward": np.zeros(seg.ops)}
     host = {"forward": np.full(seg.ops, hw.op_overhead_s), "backward": np.full(seg.ops, hw.backward_op_overhead_s)}
@@ -475,11 +476,12 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
     gpu_forward = forward + comm["forward"]
     gpu_backward = (backward + comm["backward"])[backs][::-1]
     host_backward = host["backward"][backs][::-1]
+    runs = 1 + recompute  # times the forward runs
     return SegmentTime(
-        total_s=queue_s(host["forward"], gpu_forward) + queue_s(host_backward, gpu_backward),
-        compute_s=float(forward.sum() + backward[backs].sum()),
-        comm_s=float(comm["forward"].sum() + comm["backward"].sum()),
-        host_s=float(host["forward"].sum() + host_backward.sum()),
+        total_s=runs * queue_s(host["forward"], gpu_forward) + queue_s(host_backward, gpu_backward),
+        compute_s=float(runs * forward.sum() + backward[backs].sum()),
+        comm_s=float(runs * comm["forward"].sum() + comm["backward"].sum()),
+        host_s=float(runs * host["forward"].sum() + host_backward.sum()),
     )
 
 

@@ -40,12 +40,13 @@ parameter gradients allocated up to node j (first microbatch); ``grad_transient[
 parameter gradient node j makes (later microbatches). ``saved`` is what it holds from its
 forward to its backward; ``deferred`` what a zero-bubble schedule holds from its ``B`` to
 its ``W`` (``autotp.runtime.execution.weight_grads``: each linear's input, once per storage, and
-output gradient).
+output gradient); ``inputs`` the storages it reads from other segments (what it keeps when it
+recomputes, ``autotp.cost_model.recompute``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from torch.fx import GraphModule, Node
@@ -75,6 +76,7 @@ class SegmentMemory:
     grad_transient: np.ndarray
     param_grads: np.ndarray
     deferred: np.ndarray  # what a zero-bubble W keeps after B: each weight linear's input and output gradient
+    inputs: np.ndarray = field(default_factory=lambda: np.zeros(2))  # the activations it reads from other segments (what a recomputed segment keeps)
 
     @staticmethod
     def empty() -> SegmentMemory:
@@ -249,9 +251,16 @@ def simulate(
             if root[n.args[0]] not in inputs_held:
                 inputs_held.add(root[n.args[0]])
                 deferred[segment_of[n]] += storage(root[n.args[0]])
+    inputs = {k: np.zeros(2) for k in segments}
+    read_from: dict[LayerKey, set[Node]] = {k: set() for k in segments}
+    for n in calls:
+        for a in n.all_input_nodes:
+            if a in root and segment_of[a] != segment_of[n] and root[a] not in read_from[segment_of[n]]:
+                read_from[segment_of[n]].add(root[a])
+                inputs[segment_of[n]] += storage(root[a])
     out = {}
     for k in segments:
         arr = {key: np.array(v) if v else np.zeros((1, 2)) for key, v in rows[k].items()}
         out[k] = SegmentMemory(saved[k], arr["forward"], arr["backward"], arr["own"], arr["transient"], param_grads[k],
-                               deferred[k])
+                               deferred[k], inputs[k])
     return out

@@ -60,7 +60,7 @@ from autotp.cost_model.moe_costs import moe_facts, with_expert_parallel
 from autotp.cost_model.step_estimate import Estimate, Training, best_estimate, estimate
 
 from autotp.ir.moe_plan import ExpertParallelEstimate
-from autotp.ir.plan import DP_BUCKET_BYTES, KEPT_WHOLE_COMM, KeptWhole, ParallelPlan
+from autotp.ir.plan import DP_BUCKET_BYTES, KEPT_WHOLE_COMM, RECOMPUTE_MEMORY, KeptWhole, ParallelPlan
 from autotp.analysis.layers import layer_index, with_layer_index
 from autotp.ir.errors import UserInputError
 
@@ -145,8 +145,9 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
     if cfg.tp > 1:
         overlap = f", {' and '.join(est.tp_overlap)} overlapped with the GEMMs" if est.tp_overlap else ""
         sequence = f", sequence parallelism {'on' if est.sequence_parallel else 'off'}{overlap}"
+    recompute = ", every layer recomputed in the backward" if est.recompute else ""
     note = (
-        f"planned for {hw.name}: microbatch size {cfg.microbatch_size}, {cfg.microbatches} microbatches{schedule}{sequence}; "
+        f"planned for {hw.name}: microbatch size {cfg.microbatch_size}, {cfg.microbatches} microbatches{schedule}{sequence}{recompute}; "
         f"predicted {est.step_s:.4g} s per step, {est.mem_bytes_per_gpu / GiB:.1f} GiB per GPU"
     )
     kept = tuple(KeptWhole(n, KEPT_WHOLE_COMM) for n in sorted(est.replicate))
@@ -168,6 +169,8 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
         precision=training.precision,
         distributed_optimizer=est.distributed_optimizer,
         hardware=profile_key(hw) or rc.plan.hardware,
+        recompute_layers=tuple(range(costs.num_layers)) if est.recompute else (),
+        recompute_reason=RECOMPUTE_MEMORY if est.recompute else "",
     )
     if expert is not None:
         plan = replace(plan, ep=expert.ep, etp=1, moe_dispatch=expert.dispatch, moe_capacity_factor=expert.capacity_factor,

@@ -81,6 +81,7 @@ from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory
 from autotp.cost_model.memory import ChunkPeaks, chunk_peaks, grad_bytes_per_param, persistent_bytes, rank_peak_bytes
 from autotp.cost_model.memory import moment_arrays
+from autotp.cost_model.recompute import recomputed
 from autotp.ir.errors import UserInputError
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER
 
@@ -103,6 +104,7 @@ class Training:
     sequence_parallel: bool | None = None  # with tp > 1 (``ParallelPlan.sequence_parallel``)
     tp_overlap: bool | None = None  # with sequence parallelism (``ParallelPlan.tp_overlap``)
     fp8: str = ""  # the FP8 recipe of the decoder GEMMs ("": none; ``ParallelPlan.fp8``)
+    recompute: bool | None = None  # every decoder layer recomputed in the backward (None: where a candidate needs it)
 
     def __post_init__(self) -> None:
         if self.tp_overlap and self.sequence_parallel is False:
@@ -120,6 +122,7 @@ class Variant:
     distributed: bool = False
     sequence_parallel: bool = False
     tp_overlap: tuple[str, ...] = ()
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class Estimate:
     sequence_parallel: bool = False
     tp_overlap: tuple[str, ...] = ()
     host_wait_s: float = 0.0  # of the busiest rank's chunks, the time its GPU waits for the host to issue work
+    recompute: bool = False  # every decoder layer recomputes its activations in the backward
 
 
 def small_linears(costs: ModelCosts, tp: int, batch: int, hw: HardwareProfile) -> frozenset[str]:
@@ -166,11 +170,11 @@ def estimate(
     costs: ModelCosts, cluster: Cluster, training: Training, config: Config, replicate: frozenset[str] = frozenset(),
     distributed: bool = False, *, sequence_parallel: bool | None = None, tp_overlap: tuple[str, ...] | None = None,
 ) -> Estimate:  # fmt: skip
-    """Predicted step time and memory of ``config`` (formulas in the module docstring); ``sequence_parallel``
-    and ``tp_overlap`` None follow ``training`` (its None: off)."""
+    """Predicted step time and memory of ``config`` (formulas in the module docstring); ``sequence_parallel``,
+    ``tp_overlap`` None and the recompute follow ``training`` (its None: off)."""
     sp = bool(training.sequence_parallel) if sequence_parallel is None else sequence_parallel
     overlap = (OVERLAP_BOTH if sp and training.tp_overlap else ()) if tp_overlap is None else tp_overlap
-    draft = _draft(costs, cluster, training, config, Variant(replicate, distributed, sp, overlap))
+    draft = _draft(costs, cluster, training, config, Variant(replicate, distributed, sp, overlap, bool(training.recompute)))
     return replace(draft.estimate, mem_bytes_per_gpu=draft.memory())
 
 
@@ -192,16 +196,17 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
     b, m, pp, vpp = config.microbatch_size, config.microbatches, config.pp, config.vpp
     chunks = pp * vpp
 
-    def timed(seg: Segment) -> SegmentTime:
-        return _segment_time(seg, b, hw, min(config.tp, per_node))
+    def timed(seg: Segment, recompute: bool = False) -> SegmentTime:
+        return _segment_time(seg, b, hw, min(config.tp, per_node), recompute)
 
-    layers = [timed(seg) for seg in rc.layers]
+    layers = [timed(seg, v.recompute) for seg in rc.layers]
     preamble = timed(rc.preamble)
     ends: dict[int, list] = {0: [(rc.embedding, timed(rc.embedding))]}
     ends.setdefault(chunks - 1, []).append((rc.head, timed(rc.head)))
     in_node = config.tp * config.dp * pp <= per_node
     hidden = costs.hidden_bytes * b / (config.tp if rc.plan.sequence_parallel else 1)
     hop = p2p_s(hidden, hw.p2p_link if in_node else hw.inter_node)
+    layer_memory = {id(seg): recomputed(seg.memory) if v.recompute else seg.memory for seg in rc.layers}
     chunk_s, chunk_gpu, chunk_comm, chunk_mem, chunk_params = [], [], [], [], []
     layer_ids = {id(seg) for seg in rc.layers}
     alike: dict[tuple, tuple] = {}  # chunks of the same layers, ends and neighbours cost the same
@@ -218,7 +223,7 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
             alike[key] = (sum(n * st.total_s for _, st, n in parts) + recv + accumulate + hw.call_host_s,
                           sum(n * st.gpu_s for _, st, n in parts) + recv + accumulate,
                           sum(n * st.comm_s for _, st, n in parts) + recv,
-                          tuple((seg.memory, n) for seg, n in ordered),
+                          tuple((layer_memory.get(id(seg), seg.memory), n) for seg, n in ordered),
                           [(seg.params, n, id(seg) in layer_ids) for seg, _, n in parts])  # fmt: skip
         for out, value in zip((chunk_s, chunk_gpu, chunk_comm, chunk_mem, chunk_params), alike[key]):
             out.append(value)
@@ -278,15 +283,16 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
         sequence_parallel=rc.plan.sequence_parallel,
         tp_overlap=v.tp_overlap if rc.plan.sequence_parallel else (),
         host_wait_s=m * sum(s - g for s, g in zip(chunk_s[busiest::pp], chunk_gpu[busiest::pp])),
+        recompute=v.recompute,
     )
     floor = max(persistent_bytes(params, training.precision, v.distributed, config.dp) for params, _ in held)
     return _Draft(draft, memory, floor)
 
 
 @functools.lru_cache(maxsize=4096)
-def _segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_node: int) -> SegmentTime:
+def _segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_node: int, recompute: bool = False) -> SegmentTime:
     """``segment_time``, once per segment and microbatch size: candidates of one tp share their segments."""
-    return segment_time(seg, batch, hw, tp_ranks_per_node)
+    return segment_time(seg, batch, hw, tp_ranks_per_node, recompute)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -343,16 +349,22 @@ def best_estimate(
     layouts = [frozenset(), small] if small else [frozenset()]
     sequence = sequence_options(training, config.tp, splits)
     capacity = cluster.hardware.usable_memory_bytes
-    found = {
-        d: _fastest_fitting(
-            [_draft(costs, cluster, training, config, Variant(r, d, sp, o)) for r in layouts for sp, o in sequence], capacity,
-            exact,
-        )
-        for d in options
-    }
-    allowed = [e for d, e in found.items() if forced is None or d == forced]
-    fitting = [e for e in allowed if e.mem_bytes_per_gpu <= capacity] or allowed
-    best = min(fitting, key=lambda e: (e.step_s, e.mem_bytes_per_gpu))
+    for recompute in [False, True] if training.recompute is None else [training.recompute]:
+        found = {
+            d: _fastest_fitting(
+                [_draft(costs, cluster, training, config, Variant(r, d, sp, o, recompute)) for r in layouts for sp, o in sequence],
+                capacity, exact,
+            )  # fmt: skip
+            for d in options
+        }
+        allowed = [e for d, e in found.items() if forced is None or d == forced]
+        fitting = [e for e in allowed if e.mem_bytes_per_gpu <= capacity] or allowed
+        best = min(fitting, key=lambda e: (e.step_s, e.mem_bytes_per_gpu))
+        if best.mem_bytes_per_gpu <= capacity:
+            break
+        lean = Variant(best.replicate, best.distributed_optimizer, best.sequence_parallel, best.tp_overlap)
+        if _draft(costs, cluster, training, config, lean).floor > capacity:
+            break  # its parameters and optimizer state alone do not fit: recomputing activations cannot help
     needs = best.distributed_optimizer and False in found and found[False].mem_bytes_per_gpu > capacity
     return replace(best, needs_distributed_optimizer=needs)
 

@@ -12,6 +12,7 @@ from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.insert_param_waits import insert_param_waits
 from autotp.passes.find_cudagraph_candidates import find_cudagraph_candidates
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
+from autotp.passes.recompute_layers import recompute_layers
 from autotp.passes.rewrite_shapes import rewrite_shapes
 from autotp.passes.slice_replicated import slice_replicated
 from autotp.passes.sharded_statistics import sharded_statistics
@@ -49,6 +50,7 @@ PASSES: list[Pass] = [
 
 PROGRAM_PASSES: list[Pass] = [
     extract_chunks,
+    recompute_layers,
     split_cudagraph_regions,
     insert_param_waits,
     split_weight_grads,

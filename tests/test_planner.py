@@ -190,7 +190,7 @@ def test_plan_command_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "tracing one decoder layer" in captured.err and "candidate plans" in captured.err  # progress, not silence
     lines = out.splitlines()
     assert lines[0].startswith("llama3-8b on 16 x H100 (2 nodes of 8), global batch 64 x 2048 tokens")
-    assert lines[1].split() == ["#", "tp", "pp", "dp", "vpp", "mbs", "m", "step", "s", "tokens/s", "MFU", "GiB/GPU", "bubble", "comm", "host", "dist-opt", "SP", "overlap"]
+    assert lines[1].split() == ["#", "tp", "pp", "dp", "vpp", "mbs", "m", "step", "s", "tokens/s", "MFU", "GiB/GPU", "bubble", "comm", "host", "dist-opt", "SP", "overlap", "recomp"]
     assert [l.split()[0] for l in lines[2:5]] == ["1", "2", "3"]
     assert "tp all-reduce time per layer" in out and "bubble / compute, interleaved 1f1b" in out
     # --explain agrees with the table: the bytes of the step it assumed, and what its bubble column is

@@ -17,8 +17,9 @@ import plain_models_library as library
 import plain_models_structure as structure
 from general_models import _Tanh  # a hand-written backward that is the forward's derivative
 from autotp.analysis import custom_functions
+from autotp.analysis.layers import num_layers
 from autotp.analysis.trace import trace
-from autotp.analysis.trace_regions import REGIONS
+from autotp.analysis.trace_regions import REGIONS, checkpointed_layers
 from autotp.ir import ops
 from autotp.report.strict_rule import StrictResult, check_on_rank, combine, matmul_weights
 
@@ -160,21 +161,21 @@ def test_grad_and_autocast_regions_are_inlined(name: str) -> None:
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
-def test_activation_checkpointing_is_traced_as_the_call(use_reentrant: bool, caplog: pytest.LogCaptureFixture) -> None:
+def test_activation_checkpointing_is_traced_as_the_call_and_carried(use_reentrant: bool) -> None:
     """Reentrant checkpointing runs its block under no_grad and recomputes it in backward:
     traced as it is, no parameter of the block would get a gradient. Either variant is
-    traced as the call, with a warning that the activations are saved."""
+    traced as the call, its nodes marked, and the plan recomputes the layers holding them."""
     import torch.utils.checkpoint as checkpoint_module
 
     name = "checkpoint_reentrant" if use_reentrant else "checkpoint_nonreentrant"
     model, inputs = library.build(name), library.example_inputs(name)
     generator = checkpoint_module._checkpoint_without_reentrant_generator
-    with caplog.at_level("WARNING", logger="autotp.analysis.trace_regions"):
-        targets = [n.target for n in trace(model, inputs).graph.nodes]
-    assert "checkpoints activations" in caplog.text and "memory is as without checkpointing" in caplog.text
+    gm = trace(model, inputs)
+    targets = [n.target for n in gm.graph.nodes]
     assert torch.ops.aten.detach.default not in targets
     assert "apply" not in CheckpointFunction.__dict__  # Function.apply again after the trace
     assert checkpoint_module._checkpoint_without_reentrant_generator is generator
+    assert checkpointed_layers(gm) == tuple(range(num_layers(gm)))
     result = check_on_rank(model, inputs, tp=1)
     assert result.passed, result.reason
 

@@ -33,7 +33,7 @@ from torch.fx import GraphModule
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
 from autotp.analysis.trace_decompose import decompose_parameter_ops
 from autotp.analysis.trace_guards import refuse_parameter_writes, strip_opaque_outputs
-from autotp.analysis.trace_regions import inline_regions, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
+from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
 from autotp.ir.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
         log.info("custom autograd Functions kept whole (their backward is their own): %s", "; ".join(kept.values()))
         ep, _ = _export(model, fake_model, fake_kwargs, frozenset(kept))
     gm = ep.module()
+    mark_checkpointed(gm)
     reconnect_unchanged_region_outputs(gm)
     inline_regions(gm)
     _clean(gm)

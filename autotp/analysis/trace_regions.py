@@ -20,8 +20,11 @@ as the call ``fn(*args)`` (``reentrant_checkpoint_as_call``): torch's ``Checkpoi
 runs ``fn`` under ``no_grad`` and recomputes it in backward, so in value and gradient it is the
 plain call. Exported as it is, its body would be a grad-disabled region (no parameter inside
 would get a gradient) and the grad mode ``Function.apply`` restores after it would be lost.
-Export traces the non-reentrant variant as the plain call too; neither variant's
-recomputation is carried into the rank graph, and the trace warns that it is not.
+Export traces the non-reentrant variant as the plain call too. Both variants' nodes carry
+``meta_keys.CHECKPOINTED`` (an ``fx.traceback.annotate`` around the call, moved out of export's
+``custom`` meta by ``mark_checkpointed``): the planner recomputes the decoder layers holding them
+(``checkpointed_layers``, ``ParallelPlan.recompute_layers``), so the rank graph keeps what the
+model's own checkpointing kept.
 
 Before that, ``reconnect_unchanged_region_outputs`` makes reads of a region's output that is
 one of its operands unchanged read the operand (eager ``x.to(torch.float32)`` of an fp32 ``x``
@@ -37,13 +40,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 import torch.utils.checkpoint as checkpoint_module
 from torch.utils.checkpoint import CheckpointFunction
 
+from autotp.analysis.layers import layer_of
 from autotp.ir import meta_keys
-from autotp.ir.rank_log import warn_once
 
 log = logging.getLogger(__name__)
 
@@ -58,19 +62,32 @@ _MAYBE_IDENTITY = {
 
 
 @contextmanager
+def _checkpointed() -> Iterator[None]:
+    """The nodes traced inside carry ``CHECKPOINTED`` in their ``custom`` meta."""
+    with fx_traceback.preserve_node_meta(), fx_traceback.annotate({meta_keys.CHECKPOINTED: True}):
+        yield
+
+
+@contextmanager
 def reentrant_checkpoint_as_call() -> Iterator[None]:
     """While the body runs, ``CheckpointFunction.apply(fn, preserve_rng_state, *args)`` is
-    ``fn(*args)``; a model that checkpoints (either variant) gets a warning that the rank
-    graph saves those activations."""
+    ``fn(*args)``; the nodes either variant of ``checkpoint`` traces are marked checkpointed."""
     used: list[str] = []
 
     def call(fn: Any, preserve_rng_state: bool, *args: Any) -> Any:
         used.append(getattr(fn, "__qualname__", type(fn).__name__))
-        return fn(*args)
+        with _checkpointed():
+            return fn(*args)
 
     def without_reentrant(fn: Any, *args: Any, **kwargs: Any) -> Any:
         used.append(getattr(fn, "__qualname__", type(fn).__name__))
-        return generator(fn, *args, **kwargs)
+        inner = generator(fn, *args, **kwargs)
+
+        def marked() -> Iterator[None]:  # checkpoint runs fn between the generator's two steps
+            with _checkpointed():
+                yield from inner
+
+        return marked()
 
     own = CheckpointFunction.__dict__.get("apply")  # None: it inherits Function.apply
     generator = checkpoint_module._checkpoint_without_reentrant_generator
@@ -85,9 +102,24 @@ def reentrant_checkpoint_as_call() -> Iterator[None]:
         else:
             CheckpointFunction.apply = own  # type: ignore[method-assign]
     if used:
-        warn_once(log, "the model checkpoints activations (torch.utils.checkpoint around %s, %d calls); autotp traces "
-                  "each as the plain call and the rank graph saves those activations, so memory is as without "
-                  "checkpointing", used[0], len(used))  # fmt: skip
+        log.info("the model checkpoints activations (torch.utils.checkpoint around %s, %d calls); the plan recomputes "
+                 "the layers holding them", used[0], len(used))  # fmt: skip
+
+
+def mark_checkpointed(gm: GraphModule) -> None:
+    """Move the ``CHECKPOINTED`` annotation from export's ``custom`` meta onto the node."""
+    for gm_ in gm.modules():
+        if not isinstance(gm_, GraphModule):
+            continue
+        for n in gm_.graph.nodes:
+            custom = n.meta.get("custom")
+            if custom and custom.pop(meta_keys.CHECKPOINTED, False):
+                n.meta[meta_keys.CHECKPOINTED] = True
+
+
+def checkpointed_layers(gm: GraphModule) -> tuple[int, ...]:
+    """The decoder layers some of whose nodes the model checkpointed itself."""
+    return tuple(sorted({l for n in gm.graph.nodes if n.meta.get(meta_keys.CHECKPOINTED) and (l := layer_of(n)) is not None}))
 
 
 def _body(gm: GraphModule, region: Node) -> tuple[int, GraphModule]:

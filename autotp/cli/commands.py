@@ -95,7 +95,7 @@ def _compile_for_inspection(args: argparse.Namespace, rank: int, dump_dir: Path 
     progress(f"tracing, planning and compiling tp rank {rank} of {args.model} (tp={args.tp}, pp={args.pp})")
     return compile_rank(model, tp=args.tp, rank=rank, pp=args.pp, example_inputs=inputs, dump_dir=dump_dir,
                         sequence_parallel=args.sequence_parallel, ep=args.ep, moe_dispatch=args.moe_dispatch,
-                        moe_capacity_factor=args.moe_capacity_factor)  # fmt: skip
+                        moe_capacity_factor=args.moe_capacity_factor, recompute=args.recompute)  # fmt: skip
 
 
 def dump_command(args: argparse.Namespace) -> int:

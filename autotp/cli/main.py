@@ -74,6 +74,8 @@ def _add_inspection_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe-dispatch", choices=("dropless", "sync_free"), help="how rows reach their experts "
                         "(default: dropless with --ep > 1)")
     parser.add_argument("--moe-capacity-factor", type=float, help="sync-free capacity factor (default: 1.25)")
+    parser.add_argument("--recompute", choices=("none", "full"), help="recompute every decoder layer's activations in the "
+                        "backward (full) or none (default: the layers the model checkpoints itself)")
 
 
 def _parser() -> argparse.ArgumentParser:

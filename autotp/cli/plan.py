@@ -25,11 +25,12 @@ def format_table(estimates: list[PlanEstimate], moe: bool = False) -> str:
     ``overlap``: the tp collectives run behind GEMMs (``ag`` all-gathers,
     ``rs`` reduce-scatters); ``-`` at tp=1; ``ep``: expert-parallel degree of the MoE layers (``sf``:
     sync-free dispatch; 1: tensor-parallel experts, etp = tp), ``etp`` the experts' tensor-parallel degree
-    (both only for a model with MoE layers, ``moe``)."""
+    (both only for a model with MoE layers, ``moe``); ``recomp``: every decoder layer recomputes its
+    activations in the backward (``all``), chosen where the plan does not fit without."""
     from autotp.cost_model.hardware import GiB
 
     header = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'vpp':>3} {'mbs':>4} {'m':>5} {'step s':>9} {'tokens/s':>10} "
-              f"{'MFU':>6} {'GiB/GPU':>8} {'bubble':>7} {'comm':>6} {'host':>6} {'dist-opt':>8} {'SP':>3} {'overlap':>7}" + (f" {'ep':>5} {'etp':>3}" if moe else ""))
+              f"{'MFU':>6} {'GiB/GPU':>8} {'bubble':>7} {'comm':>6} {'host':>6} {'dist-opt':>8} {'SP':>3} {'overlap':>7} {'recomp':>6}" + (f" {'ep':>5} {'etp':>3}" if moe else ""))
     rows = [header]
     for i, e in enumerate(estimates, start=1):
         p = e.plan
@@ -37,7 +38,7 @@ def format_table(estimates: list[PlanEstimate], moe: bool = False) -> str:
             f"{i:>3} {p.tp:>3} {p.pp:>3} {p.dp:>5} {p.vpp:>3} {e.microbatch_size:>4} {e.microbatches:>5} {e.step_s:>9.4g} "
             f"{e.tokens_per_s:>10.4g} {e.mfu:>6.1%} {e.mem_bytes_per_gpu / GiB:>8.1f} {e.bubble_share:>7.1%} {e.comm_share:>6.1%} {e.host_share:>6.1%} "
             f"{('needed' if e.needs_distributed_optimizer else 'yes') if p.distributed_optimizer else 'no':>8} "
-            f"{'-' if p.tp == 1 else 'on' if p.sequence_parallel else 'off':>3} {_overlap_cell(p):>7}"
+            f"{'-' if p.tp == 1 else 'on' if p.sequence_parallel else 'off':>3} {_overlap_cell(p):>7} {'all' if p.recompute_layers else 'no':>6}"
             + (f" {str(p.ep) + ('sf' if p.moe_dispatch == 'sync_free' else ''):>5} {p.etp or p.tp:>3}" if moe else "")
         )
     return "\n".join(rows)

@@ -73,3 +73,6 @@ AUTOCAST_INLINED = "autotp_autocast_inlined"
 """On the nodes of an inlined ``torch.autocast`` region (``analysis.trace_regions``): they run as
 the region ran only when no autocast is active around the graph, so ``ParallelModel`` refuses
 to run such a graph under one."""
+
+CHECKPOINTED = "autotp_checkpointed"
+"""On a traced node that the model computed inside ``torch.utils.checkpoint`` (``analysis.trace_regions``)."""

@@ -168,6 +168,12 @@ class Fp8Linear:
         return Fp8Linear(**d)
 
 
+RECOMPUTE_MODEL, RECOMPUTE_MEMORY, RECOMPUTE_USER = "model", "memory", "user"
+RECOMPUTE_REASONS = (RECOMPUTE_MODEL, RECOMPUTE_MEMORY, RECOMPUTE_USER)
+"""Why ``ParallelPlan.recompute_layers`` holds its layers: the model checkpointed them itself,
+the planner recomputes them so the plan fits (or a larger microbatch wins), or the user asked."""
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """Degrees of parallelism and the layout of every sharded parameter.
@@ -251,6 +257,17 @@ class ParallelPlan:
     # The op whose values mix the rows of the batch (``analysis.batch_rows``), described; ""
     # when none: ``train_step`` then refuses to split the batch over microbatches or dp ranks.
     batch_mixing: str = ""
+    # Activation recomputation (``passes/recompute_layers``): the decoder layers whose forward runs
+    # again in the backward instead of keeping its activations, and why (``RECOMPUTE_REASONS``).
+    recompute_layers: tuple[int, ...] = ()
+    recompute_reason: str = ""
+
+    def __post_init__(self) -> None:
+        layers = self.recompute_layers
+        if any(not isinstance(i, int) or i < 0 for i in layers) or len(set(layers)) != len(layers):
+            raise UserInputError(f"plan.recompute_layers {list(layers)}: give distinct decoder-layer indices (0, 1, ...)")
+        if layers and self.recompute_reason not in RECOMPUTE_REASONS:
+            raise UserInputError(f"plan.recompute_reason {self.recompute_reason!r}: one of {', '.join(RECOMPUTE_REASONS)}")
 
     @property
     def world_size(self) -> int:
@@ -344,6 +361,8 @@ class ParallelPlan:
                 "moe_estimate": self.moe_estimate.to_json() if self.moe_estimate else None,
                 "unread": [u.to_json() for u in self.unread],
                 "batch_mixing": self.batch_mixing,
+                "recompute_layers": list(self.recompute_layers),
+                "recompute_reason": self.recompute_reason,
             },
             indent=1,
         )
@@ -393,4 +412,6 @@ class ParallelPlan:
             moe_estimate=ExpertParallelEstimate.from_json(d["moe_estimate"]) if d.get("moe_estimate") else None,
             unread=tuple(UnreadParam.from_json(u) for u in d.get("unread", ())),
             batch_mixing=d.get("batch_mixing", ""),
+            recompute_layers=tuple(d.get("recompute_layers", ())),
+            recompute_reason=d.get("recompute_reason", ""),
         )

@@ -11,7 +11,7 @@ from torch.fx import Node
 from autotp.cost_model.graph_costs import DIRECTIONS, GraphReport, LayerReport, by_layer, layer_report
 from autotp.ir import meta_keys, ops
 from autotp.ir.op_facts import Collective, Direction
-from autotp.ir.plan import KeptWhole, UnreadParam
+from autotp.ir.plan import RECOMPUTE_MEMORY, RECOMPUTE_MODEL, RECOMPUTE_USER, KeptWhole, ParallelPlan, UnreadParam
 from autotp.ir.errors import UserInputError
 
 def stage_view(report: GraphReport, stage: int) -> GraphReport:
@@ -188,6 +188,7 @@ def explain_table(report: GraphReport, model: str) -> str:
             *([] if m["meets"] else _first_layer_all_reduces(report)),
             *_replicated_lines(report.plan.kept_whole),
             *_unread_lines(report.plan.unread),
+            *_recompute_lines(report.plan),
         ]
     )
 
@@ -237,3 +238,26 @@ def _unread_lines(unread: tuple[UnreadParam, ...], limit: int = 5) -> list[str]:
     largest = ", ".join(u.name for u in sorted(unread, key=lambda u: -u.bytes)[:limit])
     return ["", f"parameters the traced forward never reads ({len(unread)}, {total / 2**20:.1f} MiB): stored split, no grad "
             f"(plan.unread); largest: {largest}"]
+
+
+_RECOMPUTE_WHY = {RECOMPUTE_MODEL: "the model checkpoints them itself", RECOMPUTE_MEMORY: "the planner's, so the plan fits",
+                  RECOMPUTE_USER: "asked for"}
+
+
+def _recompute_lines(plan: ParallelPlan) -> list[str]:
+    """The decoder layers whose activations the backward recomputes (plan.recompute_layers), and why."""
+    if not plan.recompute_layers:
+        return []
+    return ["", f"recomputed in the backward: decoder layers {_spans(plan.recompute_layers)} "
+            f"({_RECOMPUTE_WHY[plan.recompute_reason]}; plan.recompute_layers)"]
+
+
+def _spans(indices: tuple[int, ...]) -> str:
+    """``0-3, 6``: runs of consecutive indices."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)

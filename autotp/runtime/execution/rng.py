@@ -5,7 +5,9 @@ replicas drift apart); a sharded activation must use different random numbers on
 rank (otherwise every shard repeats the same mask). Two generator streams per device
 implement that: ``REPLICATED`` is seeded the same on all tp ranks, ``SHARDED`` is
 seeded with the tp rank mixed in. This module registers the kernel of
-``autotp::tp_rand``, which ``autotp::tp_dropout`` draws its mask from.
+``autotp::tp_rand``, which ``autotp::tp_dropout`` draws its mask from, and the snapshot and
+restore of both streams that a recomputed region replays its dropout masks with
+(``autotp.ir.recompute.RNG_STATE_HOOKS``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.library import Library
 
-from autotp.ir import ops
+from autotp.ir import ops, recompute
 from autotp.ir.ops import REPLICATED, SHARDED
 
 _SHARDED_SEED_OFFSET = 2718
@@ -48,3 +50,20 @@ def _tp_rand(like: Tensor, stream: str) -> Tensor:
 
 for _device in ("CPU", "CUDA"):
     _KERNELS.impl("tp_rand", _tp_rand, _device)
+
+
+def _stream_states() -> dict[tuple[str, torch.device], Tensor]:
+    return {key: gen.get_state() for key, gen in _generators.items()}
+
+
+def _restore_streams(states: dict[tuple[str, torch.device], Tensor]) -> None:
+    """Back to ``states``; a generator made after the snapshot is dropped, so it is made
+    again from its seed, as it was."""
+    for key in list(_generators):
+        if key in states:
+            _generators[key].set_state(states[key])
+        else:
+            del _generators[key]
+
+
+recompute.RNG_STATE_HOOKS.append((_stream_states, _restore_streams))
