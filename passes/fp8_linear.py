@@ -16,8 +16,9 @@ this rank's tokens, quantizes them with the group's scale and all-gathers the FP
 (half of bf16's); its backward reduce-scatters the input gradient as the all-gather's did.
 
 A delayed recipe's op reads and updates an amax history (``autotp.ir.fp8_delayed``): each op
-gets its own, a float32 buffer of the graph (``fp8_amax_history_<i>``, zeros,
-``plan.fp8_amax_history`` rows) on the rank's device, passed as the op's ``history``.
+gets its own, a float32 buffer of the graph named after its first weight
+(``fp8_delayed.history_name``; zeros, ``plan.fp8_amax_history`` rows) on the rank's device,
+passed as the op's ``history``; the runtime shares it between signatures.
 
 Runs after ``sequence_parallel`` (which recognises plain linears) and before
 ``tp_overlap``, which fuses only the plain GEMMs left: the FP8 ops' collectives are not
@@ -125,15 +126,15 @@ def fp8_linear(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for site in gemm_sites(gm):
         if site.param in recipes:
             groups.setdefault((site.x, recipes[site.param]), []).append(site)
-    for i, ((x, recipe), sites) in enumerate(groups.items()):
-        history = _new_history(gm, i, len(sites), ctx) if fp8.RECIPES[recipe].delayed else None
+    for (x, recipe), sites in groups.items():
+        history = _new_history(gm, sites, ctx) if fp8.RECIPES[recipe].delayed else None
         _rewrite(gm.graph, x, recipe, sites, ctx, target, history)
     return gm
 
 
-def _new_history(gm: GraphModule, index: int, n_weights: int, ctx: PassContext) -> str:
-    name = f"{fp8_delayed.HISTORY_PREFIX}{index}"
-    gm.register_buffer(name, fp8_delayed.new_history(ctx.plan.fp8_amax_history, n_weights, ctx.device))
+def _new_history(gm: GraphModule, sites: list[GemmSite], ctx: PassContext) -> str:
+    name = fp8_delayed.history_name(sites[0].param)
+    gm.register_buffer(name, fp8_delayed.new_history(ctx.plan.fp8_amax_history, len(sites), ctx.device))
     return name
 
 

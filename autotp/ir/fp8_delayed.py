@@ -18,11 +18,17 @@ values its cast reads and max-reduced over the tp group where the dynamic recipe
 reads it back on the host: the op traces through ``torch.compile`` and CUDA graphs, and under
 inductor the producer, the cast and the amax become one pass over the producer's output.
 
-**Seeding.** A history that has recorded nothing gives no scale. The first call of a rank
-graph runs eagerly inside ``seeding()`` (``autotp.runtime.execution.signatures``): each op
-then scales from this step's amaxes, as the dynamic recipe does (step 1 computes what
-``tensorwise`` computes), and fills every row with them. The op reads the flag when its
-forward runs and keeps it for its backward; a compiled graph traced outside it never seeds.
+**Seeding.** A history that has recorded nothing (zeros) gives no scale. The first call of
+every rank graph runs eagerly inside ``seeding()`` (``autotp.runtime.execution.signatures``):
+there an operand whose column is empty scales from this step's amax, as the dynamic recipe
+does (step 1 computes what ``tensorwise`` computes), and fills every row with it; a column
+already filled (a checkpoint loaded, another signature ran first) goes on delayed. The op
+reads the flag when its forward runs and keeps it for its backward; a compiled graph, traced
+outside it, never seeds.
+
+**Ownership.** The histories are named after each op's first weight (``history_name``): the
+``ParallelModel`` holds them as buffers (``autotp.runtime.state.parameters``), shared by every
+signature's graphs and saved with its ``state_dict`` (so checkpoints carry them).
 """
 
 from __future__ import annotations
@@ -57,6 +63,11 @@ def seeding_now() -> bool:
     return _seeding
 
 
+def history_name(first_weight: str) -> str:
+    """The buffer name of the history of the op whose first weight is ``first_weight``."""
+    return HISTORY_PREFIX + first_weight.replace(".", "_")
+
+
 def history_columns(n_weights: int) -> int:
     """Columns of one op's history: x, each weight, each output gradient."""
     return 1 + 2 * n_weights
@@ -72,19 +83,19 @@ def window(history: Tensor, column: int) -> Tensor:
     return history[:, column].amax().reshape(1, 1)
 
 
-def record(history: Tensor, column: int, amax: Tensor, seed: bool) -> None:
-    """Push this step's ``amax`` of ``column`` into row 0 (``seed``: into every row)."""
+def scale_amax_then_record(history: Tensor, column: int, amax: Tensor, seed: bool) -> Tensor:
+    """The amax the cast of ``column`` scales by: the window's, read before this step's ``amax``
+    is pushed into row 0. With ``seed``, an empty column takes ``amax`` itself, in every row."""
+    used = window(history, column)
     now = amax.reshape(1).float()
+    pushed = torch.cat([now, history[:-1, column]])
     if seed:
-        history[:, column].copy_(now.expand(history.shape[0]))
-    else:
-        history[:, column].copy_(torch.cat([now, history[:-1, column]]))
+        empty = used == 0
+        used = torch.where(empty, now.reshape(1, 1), used)
+        pushed = torch.where(empty.reshape(1), now.expand(history.shape[0]), pushed)
+    history[:, column].copy_(pushed)
+    return used
 
 
 def scales_then_record(history: Tensor, columns: list[int], amaxes: list[Tensor], seed: bool) -> list[Tensor]:
-    """The amaxes the casts of ``columns`` scale by (the window's; this step's when seeding),
-    read before this step's ``amaxes`` are recorded."""
-    used = list(amaxes) if seed else [window(history, c) for c in columns]
-    for column, amax in zip(columns, amaxes):
-        record(history, column, amax, seed)
-    return used
+    return [scale_amax_then_record(history, c, a, seed) for c, a in zip(columns, amaxes)]
