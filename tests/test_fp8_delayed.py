@@ -6,6 +6,7 @@ model and the refusals."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 import copy
 from dataclasses import replace
 
@@ -112,6 +113,7 @@ def _batches(vocab: int, steps: int = 3) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (2, 16), generator=gen) for _ in range(steps)]
 
 
+@pytest.mark.slow
 def test_compiled_model_equals_eager_over_steps() -> None:
     """``compile="aot_eager"`` (the AOT graphs, history updates as graph mutations) equals eager
     bit for bit over 3 optimizer steps; the histories moved."""
@@ -213,3 +215,44 @@ def test_cost_model_prices_one_pass_casts() -> None:
     read_once = x.numel() * x.element_size() + sum(w.numel() * w.element_size() for w in weights)
     assert costs["tensorwise"][0] - costs[DELAYED][0] == read_once
     assert costs["tensorwise"][1] - costs[DELAYED][1] == sum(o.numel() * o.element_size() for o in node.meta["val"])
+
+
+def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path) -> None:
+    """Two steps, save (histories, parameters, optimizer), a third step; a new model loaded from
+    the checkpoint takes the same third step: loss, parameters and histories bit for bit. A
+    checkpoint without histories (saved without FP8) loads too: they stay empty, to be seeded."""
+    model, batches = _llama(), _batches(128)
+    example = {"input_ids": batches[0], "labels": batches[0]}
+
+    def build(recipe: str | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = autotp.parallelize(copy.deepcopy(model), tp=1, example_inputs=example, fp8=recipe)
+        return pm, torch.optim.AdamW(pm.parameters(), lr=1e-3)
+
+    def step(pm: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = pm.train_step(input_ids=ids, labels=ids).item()
+        optimizer.step()
+        return loss
+
+    pm, optimizer = build(DELAYED)
+    for ids in batches[:2]:
+        step(pm, optimizer, ids)
+    pm.save_checkpoint(tmp_path / "ckpt", optimizer, step=2)
+    expected = step(pm, optimizer, batches[2]), dict(pm.named_parameters()), _histories(pm)
+    loaded, optimizer = build(DELAYED)
+    assert loaded.load_checkpoint(tmp_path / "ckpt", optimizer) == 2
+    assert all(h.any() for h in _histories(loaded).values())
+    actual = step(loaded, optimizer, batches[2]), dict(loaded.named_parameters()), _histories(loaded)
+    assert actual[0] == expected[0]
+    for got, want in zip(actual[1:], expected[1:]):
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+    plain, _ = build(None)
+    plain.save_checkpoint(tmp_path / "plain")
+    fresh, _ = build(DELAYED)
+    fresh.load_checkpoint(tmp_path / "plain")
+    assert not any(h.any() for h in _histories(fresh).values())
+    step(fresh, torch.optim.SGD(fresh.parameters()), batches[0])
+    assert all(h.any() for h in _histories(fresh).values())  # seeded by that step

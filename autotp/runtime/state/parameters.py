@@ -117,6 +117,7 @@ class Parameters:
         self.buffer_names: list[str] = []
         self.buffer_aliases: dict[str, str] = {}  # every name of a buffer (one module shared by several parents) -> its canonical name
         self.specs: dict[str, ShardSpec] = {}  # every local parameter and buffer
+        self.histories: list[str] = []  # FP8 amax histories the graphs made (``autotp.ir.fp8_delayed``), whole on every rank
         self.holders: dict[str, list[int]] = {}  # canonical name -> the pipeline ranks that hold it (sorted)
         self.unfilled: set[str] = set()  # allocated for a model on meta; to be loaded or initialized
         self.experts = ExpertShards(plan, coords.experts)
@@ -213,7 +214,10 @@ class Parameters:
     def _adopt_history(self, gm: GraphModule, name: str) -> None:
         held = self._module._buffers.get(name)
         if held is None:
-            self._module.register_buffer(name, getattr(gm, name))
+            history = getattr(gm, name)
+            self._module.register_buffer(name, history)
+            self.histories.append(name)
+            self.specs[name] = shard_spec(name, tuple(history.shape), None, 0, 1)
         else:
             _set_graph_attr(gm, name, held)
 
