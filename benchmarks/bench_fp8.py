@@ -264,12 +264,14 @@ def curve(shape_name: str, recipe: str | None, tokens: torch.Tensor, device: tor
 
 
 def curves(shape_name: str, device: torch.device, steps: int, recipes: list[str], deadline: float, out: dict,
-           save: Callable[[], None], dtype: torch.dtype = torch.bfloat16, seeds: tuple[int, ...] = (0,)) -> dict[str, dict]:  # fmt: skip
-    """One curve per recipe (bf16 first) and seed, keyed ``recipe`` for seed 0, ``recipe@seed`` else."""
+           save: Callable[[], None], dtype: torch.dtype = torch.bfloat16, seeds: tuple[int, ...] = (0,),
+           baseline: bool = True) -> dict[str, dict]:  # fmt: skip
+    """One curve per recipe (bf16 first, unless not ``baseline``) and seed, keyed ``recipe`` for
+    seed 0, ``recipe@seed`` else."""
     tokens = stdlib_bytes()
     print(f"curve data: {tokens.numel() / 2**20:.1f} MiB of stdlib sources", flush=True)
     for seed in seeds:
-        for recipe in ["bf16", *recipes]:
+        for recipe in ["bf16", *recipes] if baseline else recipes:
             key = recipe if seed == 0 else f"{recipe}@{seed}"
             if time.perf_counter() + CURVE_S[shape_name] > deadline:
                 out[key] = {"skipped": "out of time"}
@@ -385,6 +387,7 @@ def main() -> None:
     parser.add_argument("--curve-recipes", default=",".join(RECIPES))
     parser.add_argument("--curve-dtype", default="bfloat16", help="the curve model's weights (float32 on a CPU)")
     parser.add_argument("--curve-seeds", default="0", help="initialization and batch seeds, one curve per recipe each")
+    parser.add_argument("--curve-skip-bf16", action="store_true", help="no bf16 curves (an earlier run's serve)")
     parser.add_argument("--budget-s", type=float, default=560.0)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps per variant (the first compiles)")
@@ -419,7 +422,8 @@ def main() -> None:
             recipes = [r for r in args.curve_recipes.split(",") if r]
             results["curve_dtype"] = args.curve_dtype
             curves(args.shape, device, args.curve_steps, recipes, deadline, results.setdefault("curve", {}), save,
-                   getattr(torch, args.curve_dtype), tuple(int(s) for s in args.curve_seeds.split(",")))  # fmt: skip
+                   getattr(torch, args.curve_dtype), tuple(int(s) for s in args.curve_seeds.split(",")),
+                   not args.curve_skip_bf16)  # fmt: skip
         print(part, "done at", f"{time.perf_counter() - start:.0f} s", {k: v for k, v in results.items() if k in ("check", "gemm_tflops")}, flush=True)
         save()
     for r in results.get("timing", []):
