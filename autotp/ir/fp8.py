@@ -121,11 +121,14 @@ def _padded(t: Tensor, rows: int, cols: int) -> Tensor:
     return F.pad(t, (0, pad_c, 0, pad_r)) if pad_r or pad_c else t
 
 
-def amax(t: Tensor, block: Block) -> Tensor:
-    """Float32 [row blocks, col blocks]: the largest |value| of each block of 2-d ``t``."""
+def amax(t: Tensor, block: Block, by_rows: bool = False) -> Tensor:
+    """Float32 [row blocks, col blocks]: the largest |value| of each block of 2-d ``t``.
+    ``by_rows``: a whole block's through each row's first (the same value), a reduction over
+    the cast's own iteration space, so that inductor can compute it in the cast's kernel when
+    the cast does not wait for it (delayed scaling)."""
     a = t.detach().abs()
     if block == WHOLE:
-        return a.amax().float().reshape(1, 1)
+        return (a.amax(dim=1).amax() if by_rows else a.amax()).float().reshape(1, 1)
     if block == ROW:
         return a.amax(dim=1, keepdim=True).float()
     br, bc, nr, nc = _grid(t, block)
@@ -226,10 +229,10 @@ class Fp8Call:
         return self.gather_dim >= 0
 
 
-def group_amaxes(items: list[tuple[Tensor, Block, bool, bool]], group: str) -> list[Tensor]:
+def group_amaxes(items: list[tuple[Tensor, Block, bool, bool]], group: str, by_rows: bool = False) -> list[Tensor]:
     """The amax of each (2-d tensor, block, rows split, cols split); those spanning a split
     dim are max-reduced over ``group`` in one collective."""
-    amaxes = [amax(t, block) for t, block, _, _ in items]
+    amaxes = [amax(t, block, by_rows) for t, block, _, _ in items]
     spanning = [i for i, (_, block, rows, cols) in enumerate(items) if spans_split(block, rows, cols)]
     if group and spanning:
         flat = ops.ALL_REDUCE_MAX(torch.cat([amaxes[i].reshape(-1) for i in spanning]), group)
@@ -255,7 +258,7 @@ class Fp8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, k)
         items = [(x2, recipe.activation, call.rows_split, call.k_split)]
         items += [(w, recipe.weight, split, call.k_split) for w, split in zip(weights, call.n_split)]
-        amaxes = group_amaxes(items, call.group)
+        amaxes = group_amaxes(items, call.group, recipe.delayed)
         ctx.history, ctx.seed = history, fp8_delayed.seeding_now()
         if history is not None:
             amaxes = fp8_delayed.scales_then_record(history, list(range(n + 1)), amaxes, ctx.seed)
@@ -306,7 +309,7 @@ class Fp8Linear(torch.autograd.Function):
                 items.append((dys[i].t(), act, call.n_split[i], rows_split))
         if not tensorwise:
             items.append((xs.t(), act, call.k_split, rows_split))
-        amaxes = group_amaxes(items, call.group)
+        amaxes = group_amaxes(items, call.group, recipe.delayed)
         if ctx.history is not None:  # tensorwise: one amax per output gradient
             amaxes = fp8_delayed.scales_then_record(ctx.history, [1 + n + i for i in present], amaxes, ctx.seed)
         m_multiple = CUDA_DIM_MULTIPLE if xs.device.type == "cuda" else 1
