@@ -71,8 +71,9 @@ def test_compiled_and_captured_fp8_equal_eager(mode: str, recipe: str) -> None:
     FP8's than two independent renderings (``test_fp8.assert_fp8_rendering`` derives the
     bound), against the same model run eagerly without FP8. Delayed scaling: the first of the 3
     steps seeds the histories eagerly, the others run compiled or captured (scales from the
-    histories, updated on the device); the histories' amaxes are eager's up to the reordered
-    float32 work."""
+    histories, updated on the device); every recorded amax is eager's to within an E5M2
+    rounding step (1/4): it is the largest element of an operand computed from FP8 roundings,
+    some of which flip (the CPU's inductor run of this test: 2.5% at most)."""
     model = model_for("blockwise").to("cuda", torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     kwargs = {"input_ids": ids, "labels": ids}
@@ -85,6 +86,7 @@ def test_compiled_and_captured_fp8_equal_eager(mode: str, recipe: str) -> None:
     histories = [{n: b for n, b in pm.named_buffers() if n.startswith(fp8_delayed.HISTORY_PREFIX)} for pm in (eager, other)]
     assert len(histories[1]) == (8 if recipe == "tensorwise-delayed" else 0)
     for name, history in histories[0].items():
-        torch.testing.assert_close(histories[1][name], history, rtol=1e-3, atol=0, msg=lambda m: f"{name}: {m}")
+        assert bool((history > 0).all()) and bool((histories[1][name] > 0).all()), f"{name}: a step recorded no amax"
+        torch.testing.assert_close(histories[1][name], history, rtol=0.25, atol=0, msg=lambda m: f"{name}: {m}")
     if mode == "cuda_graphs":
         assert other.cudagraph_slots, "nothing was captured"
