@@ -11,6 +11,7 @@ import torch
 from torch.fx import GraphModule
 
 from autotp.ir import fp8_delayed
+from autotp.ir.errors import UserInputError
 from autotp.ir.fp8 import RECIPES
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.program import ChunkProgram, RankProgram
@@ -47,7 +48,9 @@ class CompiledSignature:
             for cg in chunks.values():
                 cg.captured = cudagraphs.CapturedGraph(cg.program.captured, plan.cudagraph_impl, compile_backend)
         if any(RECIPES[e.recipe].delayed for e in plan.fp8_linears if e.recipe):
-            assert not chunks, "plan_fp8 refuses delayed FP8 scaling with a pipeline"
+            if chunks:  # plan_fp8 refuses it; a plan edited by hand can still ask
+                raise UserInputError(f"plan.fp8_linears asks for delayed FP8 scaling with a pipeline (pp={plan.pp}): "
+                                     "not supported; plan with another fp8 recipe or pp=1")  # fmt: skip
             run = SeededRun(graph, run)
         return CompiledSignature(program, graph, chunks, graph_param_chunks(program.graph), run)
 
