@@ -219,6 +219,7 @@ class Parameters:
             self.histories.append(name)
             self.specs[name] = shard_spec(name, tuple(history.shape), None, 0, 1)
         else:
+            assert held.shape == getattr(gm, name).shape, f"{name}: another signature made it {tuple(held.shape)}"
             _set_graph_attr(gm, name, held)
 
     @staticmethod
