@@ -194,8 +194,9 @@ def parallelize(
     weighs both at the plan's degrees) or None (the plan's: off by default; with
     ``plan="auto"`` the planner weighs both with the degrees and records its choice).
     ``fp8`` runs the GEMMs of the decoder layers in FP8 (``passes/fp8_linear``): a recipe,
-    ``"tensorwise"`` (True), ``"rowwise"`` or ``"blockwise"`` (``autotp.ir.fp8``), with
-    scales that tp ranks share; ``plan.fp8_linears`` says which GEMMs stay in the model's
+    ``"tensorwise"`` (True), ``"rowwise"``, ``"blockwise"`` (``autotp.ir.fp8``) or
+    ``"tensorwise-delayed"`` (scales from earlier steps' amaxes, ``autotp.ir.fp8_delayed``;
+    pp=1), with scales that tp ranks share; ``plan.fp8_linears`` says which GEMMs stay in the model's
     dtype and why. It needs FP8 tensor cores (compute capability 8.9+; blockwise 9.0).
     ``recompute`` recomputes decoder layers' activations in the backward instead of keeping
     them (``passes/recompute_layers``): ``"full"`` (True) every layer, a list of layer indices,

@@ -46,14 +46,14 @@ import torch
 from bench_attention_mask import PEAK_FLOPS, _flops
 from bench_single_gpu import causal_mask_dropped
 
-RECIPES = ("tensorwise", "rowwise", "blockwise")
+RECIPES = ("tensorwise", "rowwise", "blockwise")  # the op check and GEMM rates; curves and timing take tensorwise-delayed too
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab, batch, seq
     "8b": (4096, 14336, 32, 32, 8, 128256, 2, 4096),
     "tiny": (256, 512, 2, 8, 8, 512, 2, 256),
 }
 CURVE = {"8b": (1024, 2816, 8, 16, 4, 256, 16, 1024), "tiny": (256, 512, 2, 8, 8, 256, 4, 128)}
-WARMUP, STEPS = 1, 5  # the first step compiles; the median of the timed ones is reported
+WARMUP, STEPS = 2, 5  # the first step compiles (a delayed recipe: the second, its first seeds eagerly); the median of the timed ones is reported
 VARIANT_S = {  # what one timing variant takes on an H200, compile included (to skip in time)
     "8b": {"autotp:bf16": 95.0, "autotp": 215.0, "autotp:tensorwise+lm_head": 230.0, "torchao": 200.0, "torchao_layers": 90.0},
     "tiny": {"autotp:bf16": 5.0, "autotp": 5.0, "torchao": 5.0, "torchao_layers": 5.0},
@@ -129,7 +129,8 @@ def _clear(device: torch.device) -> None:
 
 def parallelized(model: torch.nn.Module, example: dict, recipe: str | None, compile: bool) -> torch.nn.Module:
     """autotp at tp=1; ``recipe`` "tensorwise+lm_head": the lm_head's GEMMs in FP8 too (the plan edited
-    with ``with_fp8_weights``; inside the fused lm_head + loss)."""
+    with ``with_fp8_weights``; inside the fused lm_head + loss, dynamic tensorwise whatever the
+    layers' recipe: the fused loss has no delayed scaling)."""
     import autotp
     from autotp.cost_model.fp8 import with_fp8_weights
 
@@ -138,7 +139,8 @@ def parallelized(model: torch.nn.Module, example: dict, recipe: str | None, comp
         warnings.simplefilter("ignore")
         plan = None
         if extra == "lm_head":
-            plan = with_fp8_weights(autotp.compile_rank(model, tp=1, example_inputs=example, fp8=recipe).plan, ["lm_head.weight"])
+            plan = with_fp8_weights(autotp.compile_rank(model, tp=1, example_inputs=example, fp8=recipe).plan, ["lm_head.weight"],
+                                    "tensorwise")  # fmt: skip
         return autotp.parallelize(model, tp=1, example_inputs=example, compile=compile, fp8=None if plan else recipe or None,
                                   plan=plan, gather_outputs=False)  # fmt: skip
 
@@ -262,12 +264,14 @@ def curve(shape_name: str, recipe: str | None, tokens: torch.Tensor, device: tor
 
 
 def curves(shape_name: str, device: torch.device, steps: int, recipes: list[str], deadline: float, out: dict,
-           save: Callable[[], None], dtype: torch.dtype = torch.bfloat16, seeds: tuple[int, ...] = (0,)) -> dict[str, dict]:  # fmt: skip
-    """One curve per recipe (bf16 first) and seed, keyed ``recipe`` for seed 0, ``recipe@seed`` else."""
+           save: Callable[[], None], dtype: torch.dtype = torch.bfloat16, seeds: tuple[int, ...] = (0,),
+           baseline: bool = True) -> dict[str, dict]:  # fmt: skip
+    """One curve per recipe (bf16 first, unless not ``baseline``) and seed, keyed ``recipe`` for
+    seed 0, ``recipe@seed`` else."""
     tokens = stdlib_bytes()
     print(f"curve data: {tokens.numel() / 2**20:.1f} MiB of stdlib sources", flush=True)
     for seed in seeds:
-        for recipe in ["bf16", *recipes]:
+        for recipe in ["bf16", *recipes] if baseline else recipes:
             key = recipe if seed == 0 else f"{recipe}@{seed}"
             if time.perf_counter() + CURVE_S[shape_name] > deadline:
                 out[key] = {"skipped": "out of time"}
@@ -383,6 +387,7 @@ def main() -> None:
     parser.add_argument("--curve-recipes", default=",".join(RECIPES))
     parser.add_argument("--curve-dtype", default="bfloat16", help="the curve model's weights (float32 on a CPU)")
     parser.add_argument("--curve-seeds", default="0", help="initialization and batch seeds, one curve per recipe each")
+    parser.add_argument("--curve-skip-bf16", action="store_true", help="no bf16 curves (an earlier run's serve)")
     parser.add_argument("--budget-s", type=float, default=560.0)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps per variant (the first compiles)")
@@ -417,7 +422,8 @@ def main() -> None:
             recipes = [r for r in args.curve_recipes.split(",") if r]
             results["curve_dtype"] = args.curve_dtype
             curves(args.shape, device, args.curve_steps, recipes, deadline, results.setdefault("curve", {}), save,
-                   getattr(torch, args.curve_dtype), tuple(int(s) for s in args.curve_seeds.split(",")))  # fmt: skip
+                   getattr(torch, args.curve_dtype), tuple(int(s) for s in args.curve_seeds.split(",")),
+                   not args.curve_skip_bf16)  # fmt: skip
         print(part, "done at", f"{time.perf_counter() - start:.0f} s", {k: v for k, v in results.items() if k in ("check", "gemm_tflops")}, flush=True)
         save()
     for r in results.get("timing", []):

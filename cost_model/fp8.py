@@ -24,6 +24,8 @@ sequence parallelism, ``fp8_all_gather`` lets the all-gathers into FP8 GEMMs car
   ``HardwareProfile.fp8_matmul_speedup`` times the bf16 rate;
 * casts, memory-bound, outside the GEMM: per quantized operand of n elements of e bytes,
   an amax pass and a cast pass read it (2·e·n) and the FP8 copy is written (n).
+  A delayed recipe (``autotp.ir.fp8_delayed``) reads it once: the cast does not wait for
+  this step's amax, which the same pass computes (e·n + n).
   Forward: x once and every weight, plus the transposed FP8 copies that the backward's
   GEMMs read and the forward makes (each weight's for dgrad when its scale blocks are
   symmetric, x's for wgrad under tensorwise: 2 bytes moved per element each). Backward:
@@ -66,6 +68,9 @@ def plan_fp8(lowered: GraphModule, plan: ParallelPlan, recipe: str, backend: str
     ``lowered`` is the graph compiled under ``sites_plan(plan)`` (any rank, any device)."""
     check_recipe(recipe, backend)
     spec = fp8.RECIPES[recipe]
+    if spec.delayed and plan.pp > 1:
+        raise UserInputError(f"fp8={recipe!r} is not supported with a pipeline (pp={plan.pp}): its first step must "
+                             f"seed the amax histories eagerly; use fp8={fp8.TENSORWISE!r} or pp=1")  # fmt: skip
     decided: dict[str, Fp8Linear] = {}
     for site in gemm_sites(lowered):
         entry = _decide(site, spec, plan.tp)
@@ -132,7 +137,7 @@ def _decide(site: GemmSite, spec: fp8.Recipe, tp: int) -> Fp8Linear:
 
 def node_call(node: Node) -> fp8.Fp8Call:
     """The ``Fp8Call`` of an ``fp8_linear`` node."""
-    _, _, _, recipe, x_split, n_split, gather_dim, group_size, group = node.args
+    _, _, _, recipe, x_split, n_split, gather_dim, group_size, group = node.args[:9]
     return fp8.call_of(recipe, x_split, n_split, gather_dim, group_size, group)
 
 
@@ -156,11 +161,13 @@ def cast_bytes(node: Node, tensors: Tensors) -> tuple[int, int]:
     weights = [tensors(w)[0] for w in node.args[1]]
     k, m = x.shape[-1], outs[0].numel // outs[0].shape[-1]
 
-    def quantized(t: TensorInfo) -> int:
-        return 2 * t.nbytes + t.numel
-
     recipe = node_call(node).recipe
-    symmetric, xt_early = recipe.weight[0] == recipe.weight[1], recipe.name == fp8.TENSORWISE
+    reads = 1 if recipe.delayed else 2  # a delayed cast takes its amax in the same pass
+
+    def quantized(t: TensorInfo) -> int:
+        return reads * t.nbytes + t.numel
+
+    symmetric, xt_early = recipe.weight[0] == recipe.weight[1], recipe.whole
     weights_t = sum(2 * w.numel if symmetric else w.nbytes + w.numel for w in weights)
     forward = quantized(x) + sum(quantized(w) for w in weights) + (weights_t if symmetric else 0)
     forward += 2 * m * k if xt_early else 0

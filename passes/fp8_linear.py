@@ -15,6 +15,11 @@ a sequence-parallel ``all_gather`` read only by such sites is absorbed: the op t
 this rank's tokens, quantizes them with the group's scale and all-gathers the FP8 bytes
 (half of bf16's); its backward reduce-scatters the input gradient as the all-gather's did.
 
+A delayed recipe's op reads and updates an amax history (``autotp.ir.fp8_delayed``): each op
+gets its own, a float32 buffer of the graph named after its first weight
+(``fp8_delayed.history_name``; zeros, ``plan.fp8_amax_history`` rows) on the rank's device,
+passed as the op's ``history``; the runtime shares it between signatures.
+
 Runs after ``sequence_parallel`` (which recognises plain linears) and before
 ``tp_overlap``, which fuses only the plain GEMMs left: the FP8 ops' collectives are not
 overlapped with their GEMMs.
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from autotp.ir import fp8, meta_keys, ops
+from autotp.ir import fp8, fp8_delayed, meta_keys, ops
 from autotp.ir.layouts import Layout
 from autotp.ir.op_facts import CollectiveTag
 from autotp.passes.runner import PassContext
@@ -122,8 +127,15 @@ def fp8_linear(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if site.param in recipes:
             groups.setdefault((site.x, recipes[site.param]), []).append(site)
     for (x, recipe), sites in groups.items():
-        _rewrite(gm.graph, x, recipe, sites, ctx, target)
+        history = _new_history(gm, sites, ctx) if fp8.RECIPES[recipe].delayed else None
+        _rewrite(gm.graph, x, recipe, sites, ctx, target, history)
     return gm
+
+
+def _new_history(gm: GraphModule, sites: list[GemmSite], ctx: PassContext) -> str:
+    name = fp8_delayed.history_name(sites[0].param)
+    gm.register_buffer(name, fp8_delayed.new_history(ctx.plan.fp8_amax_history, len(sites), ctx.device))
+    return name
 
 
 def _absorbed_gather(x: Node, sites: list[GemmSite], ctx: PassContext, recipe: str) -> Node | None:
@@ -135,7 +147,8 @@ def _absorbed_gather(x: Node, sites: list[GemmSite], ctx: PassContext, recipe: s
     return x if set(x.users) == {s.node for s in sites} else None
 
 
-def _rewrite(graph: Graph, x: Node, recipe: str, sites: list[GemmSite], ctx: PassContext, target: object) -> None:
+def _rewrite(graph: Graph, x: Node, recipe: str, sites: list[GemmSite], ctx: PassContext, target: object,
+             history: str | None) -> None:  # fmt: skip
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min((s.node for s in sites), key=order.__getitem__)
     gather = _absorbed_gather(x, sites, ctx, recipe)
@@ -148,6 +161,8 @@ def _rewrite(graph: Graph, x: Node, recipe: str, sites: list[GemmSite], ctx: Pas
         weights = [_as_nk(graph, s) for s in sites]
         args = (source, weights, [s.bias for s in sites], recipe, bits, [int(n_split(s)) for s in sites],
                 *gather_args, group)  # fmt: skip
+        if history is not None:
+            args += (graph.get_attr(history),)
         fused = graph.call_function(target, args, name="fp8_linear")
     fused.meta.update({k: v for k, v in first.meta.items() if k not in ("val", meta_keys.LAYOUT)})
     fused.meta["val"] = [s.node.meta["val"] for s in sites]

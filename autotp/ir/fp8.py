@@ -49,11 +49,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from autotp.ir import ops
+from autotp.ir import fp8_delayed, ops
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 TENSORWISE, ROWWISE, BLOCKWISE = "tensorwise", "rowwise", "blockwise"
+DELAYED = "tensorwise-delayed"
 DEFAULT_RECIPE = TENSORWISE
 BLOCK = 128
 EPS = 1e-12
@@ -82,10 +83,17 @@ class Recipe:
     fast_accum_forward: bool
     min_capability: tuple[int, int]
     max_capability: tuple[int, int] | None = None
+    delayed: bool = False  # scales from earlier steps' amaxes (``autotp.ir.fp8_delayed``)
+
+    @property
+    def whole(self) -> bool:
+        """One scale per operand (tensorwise): the FP8 copies serve every GEMM, transposed."""
+        return self.activation == WHOLE and self.weight == WHOLE
 
 
 RECIPES: dict[str, Recipe] = {
     TENSORWISE: Recipe(TENSORWISE, WHOLE, WHOLE, E5M2, False, 16, True, FP8_MIN_CAPABILITY),
+    DELAYED: Recipe(DELAYED, WHOLE, WHOLE, E5M2, False, 16, True, FP8_MIN_CAPABILITY, delayed=True),
     ROWWISE: Recipe(ROWWISE, ROW, ROW, E4M3, True, 16, True, FP8_MIN_CAPABILITY),
     BLOCKWISE: Recipe(BLOCKWISE, TILE, SQUARE, E4M3, False, BLOCK, False, (9, 0), (9, 0)),
 }
@@ -113,11 +121,14 @@ def _padded(t: Tensor, rows: int, cols: int) -> Tensor:
     return F.pad(t, (0, pad_c, 0, pad_r)) if pad_r or pad_c else t
 
 
-def amax(t: Tensor, block: Block) -> Tensor:
-    """Float32 [row blocks, col blocks]: the largest |value| of each block of 2-d ``t``."""
+def amax(t: Tensor, block: Block, by_rows: bool = False) -> Tensor:
+    """Float32 [row blocks, col blocks]: the largest |value| of each block of 2-d ``t``.
+    ``by_rows``: a whole block's through each row's first (the same value), a reduction over
+    the cast's own iteration space, so that inductor can compute it in the cast's kernel when
+    the cast does not wait for it (delayed scaling)."""
     a = t.detach().abs()
     if block == WHOLE:
-        return a.amax().float().reshape(1, 1)
+        return (a.amax(dim=1).amax() if by_rows else a.amax()).float().reshape(1, 1)
     if block == ROW:
         return a.amax(dim=1, keepdim=True).float()
     br, bc, nr, nc = _grid(t, block)
@@ -218,10 +229,10 @@ class Fp8Call:
         return self.gather_dim >= 0
 
 
-def group_amaxes(items: list[tuple[Tensor, Block, bool, bool]], group: str) -> list[Tensor]:
+def group_amaxes(items: list[tuple[Tensor, Block, bool, bool]], group: str, by_rows: bool = False) -> list[Tensor]:
     """The amax of each (2-d tensor, block, rows split, cols split); those spanning a split
     dim are max-reduced over ``group`` in one collective."""
-    amaxes = [amax(t, block) for t, block, _, _ in items]
+    amaxes = [amax(t, block, by_rows) for t, block, _, _ in items]
     spanning = [i for i, (_, block, rows, cols) in enumerate(items) if spans_split(block, rows, cols)]
     if group and spanning:
         flat = ops.ALL_REDUCE_MAX(torch.cat([amaxes[i].reshape(-1) for i in spanning]), group)
@@ -236,17 +247,22 @@ def _symmetric(block: Block) -> bool:
 
 
 class Fp8Linear(torch.autograd.Function):
-    """``[x·Wᵢᵀ + bᵢ]`` with every GEMM (forward, dgrad, wgrad) in FP8 under ``call.recipe``."""
+    """``[x·Wᵢᵀ + bᵢ]`` with every GEMM (forward, dgrad, wgrad) in FP8 under ``call.recipe``;
+    a delayed recipe scales from and records into ``history`` (``autotp.ir.fp8_delayed``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, call: Fp8Call, *params: Tensor | None) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx, x: Tensor, call: Fp8Call, history: Tensor | None, *params: Tensor | None) -> tuple[Tensor, ...]:  # type: ignore[override]
         n = len(call.n_split)
         weights, biases = params[:n], params[n:]
         recipe, k = call.recipe, x.shape[-1]
         x2 = x.reshape(-1, k)
         items = [(x2, recipe.activation, call.rows_split, call.k_split)]
         items += [(w, recipe.weight, split, call.k_split) for w, split in zip(weights, call.n_split)]
-        x_amax, *w_amaxes = group_amaxes(items, call.group)
+        amaxes = group_amaxes(items, call.group, recipe.delayed)
+        ctx.history, ctx.seed = history, fp8_delayed.seeding_now()
+        if history is not None:
+            amaxes = fp8_delayed.scales_then_record(history, list(range(n + 1)), amaxes, ctx.seed)
+        x_amax, *w_amaxes = amaxes
         x8, sx = cast(x2, x_amax, E4M3, recipe.activation, recipe.pow2)
         lead = x.shape[:-1]
         if call.gathers:  # the group's tokens travel in FP8: half the bytes of x
@@ -260,7 +276,7 @@ class Fp8Linear(torch.autograd.Function):
             # Wᵀ's blocks are W's transposed: its FP8 copy is this one's, made here while
             # the cast reads W (the backward reads no bf16 weight)
             for_dgrad += [w8.t().contiguous(), sw.t()] if _symmetric(recipe.weight) else [w, w_amax]
-        if recipe.name == TENSORWISE:  # wgrad's xᵀ: the FP8 x transposed, made with it
+        if recipe.whole:  # wgrad's xᵀ: the FP8 x transposed, made with it
             m_multiple = CUDA_DIM_MULTIPLE if x.device.type == "cuda" else 1
             keep = (pad_fp8_cols(x8.t().contiguous(), m_multiple), sx)
         else:
@@ -275,11 +291,11 @@ class Fp8Linear(torch.autograd.Function):
         call: Fp8Call = ctx.call
         recipe, n = call.recipe, len(call.n_split)
         xs, sx, *for_dgrad = ctx.saved_tensors
-        act, gdt, tensorwise = recipe.activation, recipe.grad_dtype, recipe.name == TENSORWISE
+        act, gdt, tensorwise = recipe.activation, recipe.grad_dtype, recipe.whole
         rows_split = call.rows_split and not call.gathers  # a gathered x holds every token
         present = [i for i, g in enumerate(grads) if g is not None]
         if not present:
-            return (None,) * (2 + 2 * n)
+            return (None,) * (3 + 2 * n)
         dys = {i: grads[i].reshape(-1, grads[i].shape[-1]) for i in present}
         # Every amax the backward needs, reduced in one call: per output, dy (dgrad A), Wᵀ
         # (dgrad Bt, unless its blocks are W's) and dyᵀ (wgrad A); then xᵀ (wgrad Bt).
@@ -293,7 +309,9 @@ class Fp8Linear(torch.autograd.Function):
                 items.append((dys[i].t(), act, call.n_split[i], rows_split))
         if not tensorwise:
             items.append((xs.t(), act, call.k_split, rows_split))
-        amaxes = group_amaxes(items, call.group)
+        amaxes = group_amaxes(items, call.group, recipe.delayed)
+        if ctx.history is not None:  # tensorwise: one amax per output gradient
+            amaxes = fp8_delayed.scales_then_record(ctx.history, [1 + n + i for i in present], amaxes, ctx.seed)
         m_multiple = CUDA_DIM_MULTIPLE if xs.device.type == "cuda" else 1
         if tensorwise:
             xt8, sxt = xs, sx
@@ -323,7 +341,7 @@ class Fp8Linear(torch.autograd.Function):
         if call.gathers:  # the grad of the gathered tokens goes back to their ranks, summed
             lead[call.gather_dim] *= call.group_size
             dx = ops.REDUCE_SCATTER(dx.reshape(*lead, -1), call.gather_dim, call.group_size, call.group)
-        return (dx.reshape(ctx.x_shape), None, *grad_w, *grad_b)
+        return (dx.reshape(ctx.x_shape), None, None, *grad_w, *grad_b)
 
 
 def reduced_amaxes(call: Fp8Call, m: int, k: int, ns: list[int]) -> tuple[int, int]:
@@ -337,7 +355,7 @@ def reduced_amaxes(call: Fp8Call, m: int, k: int, ns: list[int]) -> tuple[int, i
         return math.ceil(rows / (block[0] or rows)) * math.ceil(cols / (block[1] or cols))
 
     r = call.recipe
-    act, tensorwise = r.activation, r.name == TENSORWISE
+    act, tensorwise = r.activation, r.whole
     forward = count(m, k, act, call.rows_split, call.k_split)
     forward += sum(count(n, k, r.weight, split, call.k_split) for n, split in zip(ns, call.n_split))
     rows = call.rows_split and not call.gathers
@@ -357,9 +375,10 @@ def call_of(recipe: str, x_split: int, n_split: list[int], gather_dim: int, grou
 
 def fp8_linear(
     x: Tensor, weights: list[Tensor], biases: list[Tensor | None], recipe: str, x_split: int, n_split: list[int],
-    gather_dim: int, group_size: int, group: str,
+    gather_dim: int, group_size: int, group: str, history: Tensor | None = None,
 ) -> list[Tensor]:  # fmt: skip
     """``autotp::fp8_linear``'s composite kernel (``autotp.runtime.processes.collectives`` registers it)."""
     call = call_of(recipe, x_split, n_split, gather_dim, group_size, group)
     assert not call.gathers or call.recipe.name == TENSORWISE, "only tensorwise scales survive an FP8 all-gather whole"
-    return list(Fp8Linear.apply(x, call, *weights, *biases))
+    assert (history is not None) == call.recipe.delayed, f"{recipe}: an amax history goes with a delayed recipe"
+    return list(Fp8Linear.apply(x, call, history, *weights, *biases))

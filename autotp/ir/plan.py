@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from autotp.ir.axes import Axis
 from autotp.ir.errors import UserInputError
+from autotp.ir.fp8_delayed import DEFAULT_LENGTH
 from autotp.ir.layouts import DimSharding
 from autotp.ir.op_facts import Collective
 from autotp.ir.rank_groups import rank_groups
@@ -250,6 +251,8 @@ class ParallelPlan:
     fp8_backend: str = "torch"
     fp8_linears: tuple[Fp8Linear, ...] = ()
     fp8_all_gather: bool = False
+    # Delayed FP8 scaling (``autotp.ir.fp8_delayed``): steps in each operand's amax window (max over them).
+    fp8_amax_history: int = DEFAULT_LENGTH
     # The planner's price of the chosen expert parallelism (None: not planned by the cost model).
     moe_estimate: ExpertParallelEstimate | None = None
     # The parameters the traced forward never reads, stored split (``UnreadParam``).
@@ -358,6 +361,7 @@ class ParallelPlan:
                 "fp8_backend": self.fp8_backend,
                 "fp8_linears": [f.to_json() for f in self.fp8_linears],
                 "fp8_all_gather": self.fp8_all_gather,
+                "fp8_amax_history": self.fp8_amax_history,
                 "moe_estimate": self.moe_estimate.to_json() if self.moe_estimate else None,
                 "unread": [u.to_json() for u in self.unread],
                 "batch_mixing": self.batch_mixing,
@@ -409,6 +413,7 @@ class ParallelPlan:
             fp8_backend=d.get("fp8_backend", "torch"),
             fp8_linears=tuple(Fp8Linear.from_json(f) for f in d.get("fp8_linears", ())),
             fp8_all_gather=d.get("fp8_all_gather", False),
+            fp8_amax_history=d.get("fp8_amax_history", DEFAULT_LENGTH),
             moe_estimate=ExpertParallelEstimate.from_json(d["moe_estimate"]) if d.get("moe_estimate") else None,
             unread=tuple(UnreadParam.from_json(u) for u in d.get("unread", ())),
             batch_mixing=d.get("batch_mixing", ""),

@@ -10,6 +10,9 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
+from autotp.ir import fp8_delayed
+from autotp.ir.errors import UserInputError
+from autotp.ir.fp8 import RECIPES
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.program import ChunkProgram, RankProgram
 from autotp.runtime.execution import buffer_history, cudagraphs
@@ -47,6 +50,11 @@ class CompiledSignature:
             run = cudagraphs.CapturedGraph(whole.captured, plan.cudagraph_impl, compile_backend)
             for cg in chunks.values():
                 cg.captured = cudagraphs.CapturedGraph(cg.program.captured, plan.cudagraph_impl, compile_backend)
+        if any(RECIPES[e.recipe].delayed for e in plan.fp8_linears if e.recipe):
+            if chunks:  # plan_fp8 refuses it; a plan edited by hand can still ask
+                raise UserInputError(f"plan.fp8_linears asks for delayed FP8 scaling with a pipeline (pp={plan.pp}): "
+                                     "not supported; plan with another fp8 recipe or pp=1")  # fmt: skip
+            run = SeededRun(graph, run)
         return CompiledSignature(program, graph, chunks, graph_param_chunks(program.graph), run)
 
     def running(self) -> list[ChunkProgram]:
@@ -55,7 +63,7 @@ class CompiledSignature:
 
     def captures(self) -> dict[int, cudagraphs.CapturedGraph]:
         """This rank's CUDA-graph captures, by chunk."""
-        runs = {c: cg.captured for c, cg in self.chunks.items()} or {0: self.run}
+        runs = {c: cg.captured for c, cg in self.chunks.items()} or {0: self.run.run if isinstance(self.run, SeededRun) else self.run}
         return {c: r for c, r in runs.items() if isinstance(r, cudagraphs.CapturedGraph)}
 
     def graphs(self) -> list[GraphModule]:
@@ -70,3 +78,18 @@ class CompiledSignature:
                 chunk.waits.callback = None
         for capture in self.captures().values():
             capture.release()
+
+
+class SeededRun:
+    """Runs ``graph`` eagerly inside ``fp8_delayed.seeding()`` on the first call (its FP8 ops fill
+    their amax histories from that step's amaxes), then ``run`` (compiled or captured) forever."""
+
+    def __init__(self, graph: GraphModule, run: Callable[..., Any]) -> None:
+        self.graph, self.run, self.seeded = graph, run, False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.seeded:
+            return self.run(*args, **kwargs)
+        self.seeded = True
+        with fp8_delayed.seeding():
+            return self.graph(*args, **kwargs)

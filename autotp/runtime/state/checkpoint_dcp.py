@@ -117,7 +117,7 @@ def _dcp(call: Callable[[], object], what: str, note: str = "") -> None:
 
 
 def _model_state(module: nn.Module, params: Parameters, persistent: set[str]) -> dict[str, torch.Tensor]:
-    names = params.local_names + [b for b in params.buffer_names if b in persistent]
+    names = params.local_names + [b for b in params.buffer_names if b in persistent] + params.histories
     return {n: ShardedLocal.wrap(get_nested(module, n), params.specs[n]) for n in names}
 
 
@@ -214,6 +214,16 @@ def _check_tensors(root: Path, state: dict[str, Any], metadata: Any, prefix: str
                                  f"{list(t.autotp_spec.global_shape)}")
 
 
+def _drop_absent_histories(model_state: dict[str, Any], histories: list[str], stored: dict[str, Any]) -> None:
+    """FP8 amax histories that the checkpoint lacks (saved without delayed scaling, or with other
+    FP8 ops) are not loaded: they stay empty and the first step seeds them."""
+    for name in histories:
+        size = tuple(getattr(stored.get(f"model.{name}"), "size", ()))
+        if size != tuple(model_state[name].shape):
+            log.info("%s: not in the checkpoint (or another shape), seeded by the first step", name)
+            del model_state[name]
+
+
 def load(module: nn.Module, params: Parameters, persistent: set[str], directory: str | Path,
          optimizer: Optimizer | None) -> int | None:  # fmt: skip
     """Load a checkpoint written by ``save`` at any (tp, pp, dp); returns its step."""
@@ -233,6 +243,7 @@ def load(module: nn.Module, params: Parameters, persistent: set[str], directory:
         if optimizer is not None and len(info.param_groups) != len(optimizer.param_groups):
             raise UserInputError(f"checkpoint {root} holds {len(info.param_groups)} param groups, the optimizer has "
                                  f"{len(optimizer.param_groups)}; build it with the same groups")
+        _drop_absent_histories(model_state, params.histories, metadata.state_dict_metadata)
         _check_tensors(root, model_state, metadata, "model")
         return info, metadata.state_dict_metadata
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from autotp.ir import meta_keys
+from autotp.ir import fp8_delayed, meta_keys
 from autotp.ir.axes import Axis
 from autotp.ir.plan import ParallelPlan, ParamLayout
 from autotp.runtime.processes import collectives
@@ -117,6 +117,7 @@ class Parameters:
         self.buffer_names: list[str] = []
         self.buffer_aliases: dict[str, str] = {}  # every name of a buffer (one module shared by several parents) -> its canonical name
         self.specs: dict[str, ShardSpec] = {}  # every local parameter and buffer
+        self.histories: list[str] = []  # FP8 amax histories the graphs made (``autotp.ir.fp8_delayed``), whole on every rank
         self.holders: dict[str, list[int]] = {}  # canonical name -> the pipeline ranks that hold it (sorted)
         self.unfilled: set[str] = set()  # allocated for a model on meta; to be loaded or initialized
         self.experts = ExpertShards(plan, coords.experts)
@@ -197,14 +198,29 @@ class Parameters:
         return {n: get_nested(self._module, n).grad for n in names if n in self.local_names}
 
     def attach(self, graphs: list[GraphModule]) -> None:
-        """Point the graphs' parameters and buffers at the module's tensors."""
+        """Point the graphs' parameters and buffers at the module's tensors. A graph's FP8 amax
+        history (``autotp.ir.fp8_delayed``) becomes the module's buffer, if it has none of that name yet."""
         for gm in graphs:
             for node in gm.graph.nodes:
                 if node.op != "get_attr":
                     continue
+                if str(node.target).startswith(fp8_delayed.HISTORY_PREFIX):
+                    self._adopt_history(gm, str(node.target))
+                    continue
                 source = self.canonical(str(node.target))
                 if source in self.local_names or source in self.buffer_names:
                     _set_graph_attr(gm, str(node.target), get_nested(self._module, source))
+
+    def _adopt_history(self, gm: GraphModule, name: str) -> None:
+        held = self._module._buffers.get(name)
+        if held is None:
+            history = getattr(gm, name)
+            self._module.register_buffer(name, history)
+            self.histories.append(name)
+            self.specs[name] = shard_spec(name, tuple(history.shape), None, 0, 1)
+        else:
+            assert held.shape == getattr(gm, name).shape, f"{name}: another signature made it {tuple(held.shape)}"
+            _set_graph_attr(gm, name, held)
 
     @staticmethod
     def release(graphs: list[GraphModule]) -> None:

@@ -1,0 +1,101 @@
+"""Delayed scaling (``fp8="tensorwise-delayed"``, Transformer Engine's default): every FP8
+operand's scale comes from the amaxes of earlier steps, so its cast need not wait for this
+step's amax.
+
+**State.** One float32 *amax history* per ``fp8_linear`` op, ``[length, 1 + 2n]`` for its n
+weights (``ParallelPlan.fp8_amax_history`` rows): column 0 is x, columns 1..n the weights,
+n+1..2n the output gradients; row 0 the latest step. ``passes/fp8_linear`` makes it a buffer
+of the rank graph (``HISTORY_PREFIX``), which the op mutates in place, forward and backward.
+
+**Scale** of an operand: ``fp8_max / max(window)``, the window being its column's rows (the
+max over the last ``length`` steps), exactly as the dynamic recipe's scale of one amax
+(``fp8.to_scale``). The cast clamps to ±fp8_max: a value past the window's amax saturates
+instead of overflowing, and the next step's scale covers it.
+
+**Update.** Each step records every operand's amax of this step, computed from the same
+values its cast reads and max-reduced over the tp group where the dynamic recipe reduces it
+(``fp8.group_amaxes``), into row 0, shifting older rows down (the oldest drops out). Nothing
+reads it back on the host: the op traces through ``torch.compile`` and CUDA graphs, and under
+inductor the producer, the cast and the amax become one pass over the producer's output.
+
+**Seeding.** A history that has recorded nothing (zeros) gives no scale. The first call of
+every rank graph runs eagerly inside ``seeding()`` (``autotp.runtime.execution.signatures``):
+there an operand whose column is empty scales from this step's amax, as the dynamic recipe
+does (step 1 computes what ``tensorwise`` computes), and fills every row with it; a column
+already filled (a checkpoint loaded, another signature ran first) goes on delayed. The op
+reads the flag when its forward runs and keeps it for its backward; a compiled graph, traced
+outside it, never seeds.
+
+**Ownership.** The histories are named after each op's first weight (``history_name``): the
+``ParallelModel`` holds them as buffers (``autotp.runtime.state.parameters``), shared by every
+signature's graphs and saved with its ``state_dict`` (so checkpoints carry them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+HISTORY_PREFIX = "fp8_amax_history_"
+"""Name prefix of the rank graph's amax-history buffers (one per ``fp8_linear`` op)."""
+DEFAULT_LENGTH = 16
+"""Steps in the window (Transformer Engine's ``amax_history_len`` default is 1024 with
+``"max"``; torchao's delayed scaling used 16: a short window follows a shrinking gradient)."""
+
+_seeding = False
+
+
+@contextmanager
+def seeding() -> Iterator[None]:
+    """Ops that run inside scale from this step's amaxes and fill their histories with them."""
+    global _seeding
+    before, _seeding = _seeding, True
+    try:
+        yield
+    finally:
+        _seeding = before
+
+
+def seeding_now() -> bool:
+    return _seeding
+
+
+def history_name(first_weight: str) -> str:
+    """The buffer name of the history of the op whose first weight is ``first_weight``."""
+    return HISTORY_PREFIX + first_weight.replace(".", "_")
+
+
+def history_columns(n_weights: int) -> int:
+    """Columns of one op's history: x, each weight, each output gradient."""
+    return 1 + 2 * n_weights
+
+
+def new_history(length: int, n_weights: int, device: torch.device) -> Tensor:
+    """An empty history (zeros: never recorded; the first step seeds it)."""
+    return torch.zeros(length, history_columns(n_weights), dtype=torch.float32, device=device)
+
+
+def window(history: Tensor, column: int) -> Tensor:
+    """The largest amax recorded for ``column`` over the window, [1, 1]."""
+    return history[:, column].amax().reshape(1, 1)
+
+
+def scale_amax_then_record(history: Tensor, column: int, amax: Tensor, seed: bool) -> Tensor:
+    """The amax the cast of ``column`` scales by: the window's, read before this step's ``amax``
+    is pushed into row 0. With ``seed``, an empty column takes ``amax`` itself, in every row."""
+    used = window(history, column)
+    now = amax.reshape(1).float()
+    pushed = torch.cat([now, history[:-1, column]])
+    if seed:
+        empty = used == 0
+        used = torch.where(empty, now.reshape(1, 1), used)
+        pushed = torch.where(empty.reshape(1), now.expand(history.shape[0]), pushed)
+    history[:, column].copy_(pushed)
+    return used
+
+
+def scales_then_record(history: Tensor, columns: list[int], amaxes: list[Tensor], seed: bool) -> list[Tensor]:
+    return [scale_amax_then_record(history, c, a, seed) for c, a in zip(columns, amaxes)]
