@@ -16,6 +16,7 @@ from torch.fx import GraphModule
 from autotp import compiler
 from autotp.ir.axes import Axis
 from autotp.ir.errors import UserInputError
+from autotp.ir import fp8_delayed
 from autotp.ir.fp8 import DEFAULT_RECIPE, RECIPES
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.program import RankProgram
@@ -67,7 +68,7 @@ def _compile_backend(compile: bool | str) -> str | None:
     return compile
 
 
-def _check_fp8(device: torch.device, fp8: str | bool | None, plan: ParallelPlan | str | None) -> None:
+def _check_fp8(device: torch.device, fp8: str | bool | None, plan: ParallelPlan | str | None, cuda_graphs: bool) -> None:
     """FP8 needs FP8 tensor cores on a GPU (cuBLAS's blockwise kernels: SM90); the CPU runs it slowly."""
     recipe = fp8 if fp8 is not None else plan.fp8 if isinstance(plan, ParallelPlan) else None
     if not recipe:
@@ -75,6 +76,8 @@ def _check_fp8(device: torch.device, fp8: str | bool | None, plan: ParallelPlan 
     spec = RECIPES.get(DEFAULT_RECIPE if recipe is True else recipe)
     if spec is None:
         return  # the compiler names the recipes
+    if spec.delayed and cuda_graphs:
+        raise UserInputError(fp8_delayed.CUDA_GRAPHS_REFUSAL)
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         low, high = spec.min_capability, spec.max_capability
@@ -245,9 +248,9 @@ def parallelize(
         device = _default_device(model)
     device = torch.device(device)
     cuda_graphs = cuda_graphs or (isinstance(plan, ParallelPlan) and plan.cudagraphs)
+    _check_fp8(device, fp8, plan, cuda_graphs)
     if cuda_graphs:
         _check_cuda_graphs(device)
-    _check_fp8(device, fp8, plan)
     compile_backend = _compile_backend(compile)
     impl = cudagraphs.implementation() if cuda_graphs else None
     planned = compiler.plan_model(model, example_inputs, device, tp=tp, pp=pp, dp=dp, vpp=vpp, plan=plan,

@@ -202,6 +202,14 @@ def test_pipeline_is_refused() -> None:
         autotp.compile_rank(model, tp=1, pp=2, example_inputs={"input_ids": ids, "labels": ids}, fp8=DELAYED)
 
 
+def test_cuda_graphs_are_refused() -> None:
+    """Captured regions copy the histories in as static inputs and would never advance them."""
+    model = _llama()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(UserInputError, match="cuda_graphs=True is not supported"):
+        autotp.parallelize(model, example_inputs={"input_ids": ids, "labels": ids}, fp8=DELAYED, cuda_graphs=True)
+
+
 def test_cost_model_prices_one_pass_casts() -> None:
     """A delayed cast reads its operand once (the dynamic one twice: amax, then cast)."""
     model = _llama()

@@ -41,6 +41,11 @@ from torch import Tensor
 
 HISTORY_PREFIX = "fp8_amax_history_"
 """Name prefix of the rank graph's amax-history buffers (one per ``fp8_linear`` op)."""
+CUDA_GRAPHS_REFUSAL = (
+    "fp8='tensorwise-delayed' with cuda_graphs=True is not supported: a captured region takes each amax "
+    "history as a static input (a copy) and never writes its updates back, so every scale would stay the "
+    "first step's; use compile=True without cuda_graphs, or fp8='tensorwise' with cuda_graphs=True")
+"""Why delayed scaling is refused under CUDA graphs (``parallelize`` and a hand-made plan)."""
 DEFAULT_LENGTH = 16
 """Steps in the window (Transformer Engine's ``amax_history_len`` default is 1024 with
 ``"max"``; torchao's delayed scaling used 16: a short window follows a shrinking gradient)."""

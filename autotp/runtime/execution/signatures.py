@@ -54,6 +54,8 @@ class CompiledSignature:
             if chunks:  # plan_fp8 refuses it; a plan edited by hand can still ask
                 raise UserInputError(f"plan.fp8_linears asks for delayed FP8 scaling with a pipeline (pp={plan.pp}): "
                                      "not supported; plan with another fp8 recipe or pp=1")  # fmt: skip
+            if plan.cudagraphs:
+                raise UserInputError(fp8_delayed.CUDA_GRAPHS_REFUSAL)
             run = SeededRun(graph, run)
         return CompiledSignature(program, graph, chunks, graph_param_chunks(program.graph), run)
 
