@@ -19,7 +19,8 @@ from plain_models_frameworks import DIM, SSDMixer
 def test_returned_loss_from_a_dict_a_tuple_or_refused() -> None:
     logits, loss = torch.randn(2, 4, 8), torch.tensor(1.5)
     assert returned_loss({"logits": logits, "loss": loss}) is loss
-    assert returned_loss((logits, loss)) is loss  # minGPT: forward(idx, targets) -> (logits, loss)
+    with pytest.warns(UserWarning, match="auxiliary loss"):  # a lone aux loss would look the same: said
+        assert returned_loss((logits, loss)) is loss  # minGPT: forward(idx, targets) -> (logits, loss)
     assert returned_logits((logits, loss)) is logits
     with pytest.raises(UserInputError, match="loss_fn="):
         returned_loss((logits, None))  # called without the targets: no loss to train on

@@ -4,12 +4,14 @@ Models compute their loss in ``forward`` from whichever keyword they take (``lab
 ``targets``, ``noise``...) and return it the way their code base does: under ``"loss"`` of a
 dict or ``ModelOutput``, or as an element of a tuple (minGPT's ``(logits, loss)``). Without a
 ``loss_fn``, the loss is ``outputs["loss"]`` where the outputs have that key, else the only
-0-dim floating tensor among them (a loss is a scalar; logits are not). Anything else is
+0-dim floating tensor among them (a loss is a scalar; logits are not), with a warning (an
+auxiliary loss returned alone would look the same). Anything else is
 ambiguous and raises, naming what to pass. On a pipeline this runs on the last stage's outputs.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +34,9 @@ def returned_loss(outputs: Any) -> Tensor:
     leaves = torch.utils._pytree.tree_leaves(outputs)
     scalars = [t for t in leaves if isinstance(t, Tensor) and t.dim() == 0 and t.is_floating_point()]
     if len(scalars) == 1:
+        warnings.warn(
+            f"train_step trains on the only scalar tensor of the model's outputs ({type(outputs).__name__}) as its loss; "
+            "if that is an auxiliary loss, pass the inputs forward computes its loss from, or loss_fn=", stacklevel=2)
         return scalars[0]
     raise UserInputError(
         f"the model's outputs ({type(outputs).__name__}) hold no 'loss' and {len(scalars)} scalar tensors, so the loss "
