@@ -68,7 +68,7 @@ def _compile_backend(compile: bool | str) -> str | None:
     return compile
 
 
-def _check_fp8(device: torch.device, fp8: str | bool | None, plan: ParallelPlan | str | None, cuda_graphs: bool) -> None:
+def _check_fp8(device: torch.device, fp8: str | bool | None, plan: ParallelPlan | str | None, cuda_graphs: bool = False) -> None:
     """FP8 needs FP8 tensor cores on a GPU (cuBLAS's blockwise kernels: SM90); the CPU runs it slowly."""
     recipe = fp8 if fp8 is not None else plan.fp8 if isinstance(plan, ParallelPlan) else None
     if not recipe:

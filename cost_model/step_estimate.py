@@ -104,7 +104,9 @@ class Training:
     sequence_parallel: bool | None = None  # with tp > 1 (``ParallelPlan.sequence_parallel``)
     tp_overlap: bool | None = None  # with sequence parallelism (``ParallelPlan.tp_overlap``)
     fp8: str = ""  # the FP8 recipe of the decoder GEMMs ("": none; ``ParallelPlan.fp8``)
-    recompute: bool | None = None  # every decoder layer recomputed in the backward (None: where a candidate needs it)
+    # every decoder layer recomputed in the backward; None: where a candidate needs it to fit. Off unless asked: the
+    # candidates it rescues win at scale through comm and host terms that no multi-GPU run has checked yet
+    recompute: bool | None = False
 
     def __post_init__(self) -> None:
         if self.tp_overlap and self.sequence_parallel is False:

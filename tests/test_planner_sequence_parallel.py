@@ -108,8 +108,8 @@ def test_plan_command_shows_the_choice_per_row(capsys: pytest.CaptureFixture[str
     assert _run(*base, "--pp", "2", "--top", "3") == 0
     lines = capsys.readouterr().out.splitlines()
     assert "sequence parallelism auto, tp overlap auto" in lines[0]
-    assert lines[1].split()[-2:] == ["SP", "overlap"]
-    assert lines[2].split()[-2:] == ["on", "ag+rs"]  # activations bind at tp=4 x pp=2 on H100
+    assert lines[1].split()[-3:] == ["SP", "overlap", "recomp"]
+    assert lines[2].split()[-3:] == ["on", "ag+rs", "no"]  # activations bind at tp=4 x pp=2 on H100
     assert _run(*base, "--sequence-parallel", "off", "--format", "json", "--top", "3") == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows and all(r["sequence_parallel"] is False and r["plan"]["sequence_parallel"] is False for r in rows)

@@ -198,12 +198,12 @@ def test_planner_recomputes_where_nothing_fits_without() -> None:
     """Llama-3-8B at 8192 tokens on one GPU: bf16 states fit, activations do not without recomputing."""
     costs = trace_for_planning(presets.model_config("llama3-8b"), 8192)
     tight = Cluster(1, 1, replace(H100, memory_capacity_bytes=110e9))
-    best = plan(costs, tight, Training(4, "bf16-pure"), top=1)[0]
+    best = plan(costs, tight, Training(4, "bf16-pure", recompute=None), top=1)[0]
     assert best.plan.recompute_layers == tuple(range(32)) and best.plan.recompute_reason == RECOMPUTE_MEMORY
     assert "recomputed" in best.plan.notes[-1]
     with pytest.raises(ValueError, match="does not fit"):
         plan(costs, tight, Training(4, "bf16-pure", recompute=False), top=1)
-    roomy = plan(costs, Cluster(1, 1, replace(H100, memory_capacity_bytes=400e9)), Training(4, "bf16-pure"), top=1)[0]
+    roomy = plan(costs, Cluster(1, 1, replace(H100, memory_capacity_bytes=400e9)), Training(4, "bf16-pure", recompute=None), top=1)[0]
     assert roomy.plan.recompute_layers == ()
     config = Config(1, 1, 1, 1, 1, 4)
     without, with_ = (step_estimate.estimate(costs, tight, Training(4, "bf16-pure", recompute=r), config) for r in (False, True))

@@ -84,7 +84,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     choice = {"auto": None, "on": True, "off": False}
     training = Training(args.global_batch, args.precision, choice[args.distributed_optimizer],
                         overlap_param_gather=not args.no_overlap_param_gather,
-                        sequence_parallel=choice[args.sequence_parallel], tp_overlap=choice[args.tp_overlap])  # fmt: skip
+                        sequence_parallel=choice[args.sequence_parallel], tp_overlap=choice[args.tp_overlap],
+                        recompute=choice[args.recompute])  # fmt: skip
     found = search(costs, cluster, training, tp=args.tp, pp=args.pp, top=args.top, progress=progress)
     estimates = found.plans
     elapsed = time.perf_counter() - start
@@ -160,6 +161,9 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     command.add_argument("--tp-overlap", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                          help="with sequence parallelism, run its all-gathers and reduce-scatters behind the GEMMs next "
                          "to them: on (needs sequence parallelism), off, or auto (default: per plan)")
+    command.add_argument("--recompute", nargs="?", const="on", default="off", choices=("auto", "on", "off"),
+                         help="recompute every decoder layer's activations in the backward: on, off (default), or auto "
+                         "(per plan, where it makes the plan fit)")
     command.add_argument("--no-overlap-param-gather", action="store_true",
                          help="charge the distributed optimizer's parameter all-gather as exposed, as "
                          "DistributedOptimizer(overlap_param_gather=False) runs it (default: hidden behind the next forward)")
