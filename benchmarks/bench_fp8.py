@@ -30,12 +30,15 @@ script in seconds, also on the CPU without compile (``--no-compile``), to check 
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import gc
+import gzip
 import json
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -119,6 +122,69 @@ def profile_step(step: Callable[[], torch.Tensor]) -> dict:
             "top_other": [k[:3] for k in ranked if k[3] == "other"][:25]}  # fmt: skip
 
 
+def gaps_of_step(step: Callable[[], torch.Tensor], trace: Path | None = None, shown: int = 15) -> dict:
+    """Where the GPU idles during one step: the idle time between kernels, and for the longest
+    gaps the kernels before and after each, the innermost host op that launched the latter and
+    how long it was queued (~0: the GPU waited for the host). ``trace``: the Chrome trace, gzipped, is kept."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        raw = path.read_bytes()
+    if trace is not None:
+        trace.write_bytes(gzip.compress(raw))
+    return idle_gaps(json.loads(raw)["traceEvents"], shown)
+
+
+def idle_gaps(events: list[dict], shown: int = 15, min_us: float = 20.0) -> dict:
+    """``gaps_of_step``'s analysis of a Chrome trace's events: gaps over ``min_us`` counted one by one."""
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])  # fmt: skip
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}  # fmt: skip
+    host_ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")),
+                      key=lambda e: e["ts"])  # fmt: skip
+    starts = [e["ts"] for e in host_ops]
+
+    def launched_by(kernel: dict) -> str:
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        if launch is None:
+            return "?"
+        inner = "?"
+        for op in host_ops[max(0, bisect.bisect_right(starts, launch["ts"]) - 400) : bisect.bisect_right(starts, launch["ts"])]:
+            if op["ts"] <= launch["ts"] <= op["ts"] + op.get("dur", 0):
+                inner = op["name"]
+        return inner
+
+    def queued_ms(kernel: dict) -> float | None:
+        """How long the kernel waited between its launch and its start: ~0 where the GPU waited for the host."""
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        return None if launch is None else round((kernel["ts"] - launch["ts"]) / 1e3, 3)
+
+    gaps, busy_until, idle_all, before = [], None, 0.0, ""
+    for k in kernels:
+        if busy_until is not None and k["ts"] > busy_until:
+            idle_all += k["ts"] - busy_until
+        if busy_until is not None and k["ts"] - busy_until > min_us:
+            gaps.append((k["ts"] - busy_until, k, before))
+        if k["ts"] + k.get("dur", 0.0) > (busy_until or 0.0):
+            busy_until, before = k["ts"] + k.get("dur", 0.0), k["name"][:60]
+    span = (busy_until - kernels[0]["ts"]) / 1e3 if kernels else 0.0
+    by_op: dict[str, float] = {}
+    for us, k, _ in gaps:
+        op = launched_by(k)
+        by_op[op] = by_op.get(op, 0.0) + us / 1e3
+    top = sorted(gaps, key=lambda g: g[0], reverse=True)[:shown]
+    return {"kernels": len(kernels), "span_ms": span, "busy_ms": sum(k.get("dur", 0.0) for k in kernels) / 1e3,
+            "idle_ms": sum(g[0] for g in gaps) / 1e3, "gaps": len(gaps), "idle_ms_any_gap": idle_all / 1e3,
+            "idle_ms_by_launching_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:shown]),
+            "longest": [(round(us / 1e3, 3), after, k["name"][:80], launched_by(k), queued_ms(k)) for us, k, after in top]}  # fmt: skip
+
+
 def _clear(device: torch.device) -> None:
     torch._dynamo.reset()
     gc.collect()
@@ -128,28 +194,30 @@ def _clear(device: torch.device) -> None:
 
 
 def parallelized(model: torch.nn.Module, example: dict, recipe: str | None, compile: bool) -> torch.nn.Module:
-    """autotp at tp=1; ``recipe`` "tensorwise+lm_head": the lm_head's GEMMs in FP8 too (the plan edited
-    with ``with_fp8_weights``; inside the fused lm_head + loss, dynamic tensorwise whatever the
-    layers' recipe: the fused loss has no delayed scaling)."""
+    """autotp at tp=1. ``recipe`` may carry options after ``+``: ``lm_head``, the lm_head's GEMMs
+    in FP8 too (the plan edited with ``with_fp8_weights``; inside the fused lm_head + loss, dynamic
+    tensorwise whatever the layers' recipe: the fused loss has no delayed scaling); ``graphs``,
+    ``cuda_graphs=True`` (with ``compile``, the compiled regions are captured)."""
     import autotp
     from autotp.cost_model.fp8 import with_fp8_weights
 
-    recipe, _, extra = (recipe or "").partition("+")
+    recipe, *extras = (recipe or "").split("+")
+    graphs = "graphs" in extras
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = None
-        if extra == "lm_head":
-            plan = with_fp8_weights(autotp.compile_rank(model, tp=1, example_inputs=example, fp8=recipe).plan, ["lm_head.weight"],
-                                    "tensorwise")  # fmt: skip
+        if "lm_head" in extras:
+            plan = with_fp8_weights(autotp.compile_rank(model, tp=1, example_inputs=example, fp8=recipe or None,
+                                                        cuda_graphs=graphs).plan, ["lm_head.weight"], "tensorwise")  # fmt: skip
         return autotp.parallelize(model, tp=1, example_inputs=example, compile=compile, fp8=None if plan else recipe or None,
-                                  plan=plan, gather_outputs=False)  # fmt: skip
+                                  plan=plan, gather_outputs=False, cuda_graphs=graphs)  # fmt: skip
 
 
 def autotp_variant(shape: tuple[int, ...], recipe: str | None, device: torch.device, compile: bool) -> Callable[[], torch.Tensor]:
     *_, batch, seq = shape
     ids = torch.randint(0, shape[5], (batch, seq), device=device, generator=torch.Generator(device).manual_seed(0))
     pm = parallelized(llama(shape, str(device)), {"input_ids": ids, "labels": ids}, recipe, compile)
-    if recipe:
+    if pm.plan.fp8_linears:
         fp8 = sum(1 for e in pm.plan.fp8_linears if e.recipe)
         print(f"  autotp {recipe}: {fp8} of {len(pm.plan.fp8_linears)} GEMM weights in FP8", flush=True)
 
@@ -189,7 +257,7 @@ def torchao_variant(shape: tuple[int, ...], recipe: str, device: torch.device, c
 
 def timing(shape_name: str, variants: list[str], device: torch.device, compile: bool, deadline: float,
            rows: list[dict], save: Callable[[], None], profiled: bool = False, steps: tuple[int, int] = (WARMUP, STEPS),
-           ) -> list[dict]:  # fmt: skip
+           gaps_dir: Path | None = None) -> list[dict]:  # fmt: skip
     """Time each variant, appending its row to ``rows`` and saving after each."""
     shape = SHAPES[shape_name]
     flops = _flops(llama(shape, "meta"), shape[6], shape[7])
@@ -205,12 +273,15 @@ def timing(shape_name: str, variants: list[str], device: torch.device, compile: 
         try:
             with causal_mask_dropped("llama") if kind.startswith("torchao") else contextlib.nullcontext():
                 if kind == "autotp":
-                    step = autotp_variant(shape, None if recipe == "bf16" else recipe, device, compile)
+                    step = autotp_variant(shape, recipe.removeprefix("bf16") or None, device, compile)  # "bf16+graphs": no FP8
                 else:
                     step = torchao_variant(shape, recipe, device, compile, per_layer=kind == "torchao_layers")
                 row = {"setup": name, **time_steps(step, device, *steps)}
                 if profiled and device.type == "cuda":
                     row["profile"] = profile_step(step)
+                if gaps_dir is not None and device.type == "cuda":
+                    row["gaps"] = gaps_of_step(step, gaps_dir / f"trace_{name.replace(':', '_').replace('+', '_')}.json.gz")
+                    print(f"{name} GPU idle:", json.dumps(row["gaps"], indent=1), flush=True)
             del step
         except Exception as e:  # noqa: BLE001 - one variant's failure is a finding, the others still run
             row = {"setup": name, "error": f"{type(e).__name__}: {str(e)[:400]}"}
@@ -393,6 +464,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps per variant (the first compiles)")
     parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per variant")
     parser.add_argument("--profile", action="store_true", help="also profile one step of each timing variant")
+    parser.add_argument("--gaps", type=Path, metavar="DIR",
+                        help="also trace one step of each timing variant: its GPU idle gaps and the host ops before them, "
+                             "the Chrome trace gzipped into DIR")  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     start = time.perf_counter()
@@ -417,7 +491,7 @@ def main() -> None:
         elif part in ("timing", "timing2"):
             variants = (args.variants if part == "timing" else args.more_variants).split(",")
             timing(args.shape, variants, device, not args.no_compile, deadline, results.setdefault("timing", []), save,
-                   args.profile, (args.warmup, args.steps))  # fmt: skip
+                   args.profile, (args.warmup, args.steps), args.gaps)  # fmt: skip
         elif part == "curve":
             recipes = [r for r in args.curve_recipes.split(",") if r]
             results["curve_dtype"] = args.curve_dtype

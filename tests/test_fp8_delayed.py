@@ -5,7 +5,6 @@ model and the refusals."""
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 import copy
 from dataclasses import replace
@@ -70,8 +69,7 @@ def test_op_equals_the_hand_written_recipe_over_steps() -> None:
     for step, gain in enumerate((1.0, 4.0, 0.5, 0.25, 2.0)):
         x = (torch.randn(40, 32) * gain).requires_grad_()
         wp = w.clone().requires_grad_()
-        with fp8_delayed.seeding() if step == 0 else contextlib.nullcontext():
-            (y,) = ops.FP8_LINEAR(x, [wp], [None], DELAYED, 0, [0], -1, 1, "", history)
+        (y,) = ops.FP8_LINEAR(x, [wp], [None], DELAYED, 0, [0], -1, 1, "", history)
         dy = torch.randn_like(y) * gain
         dx, dw = torch.autograd.grad([y], [x, wp], [dy])
         ey, edx, edw = reference.step(x.detach(), w, dy)
@@ -89,12 +87,27 @@ def test_first_step_equals_the_dynamic_recipe() -> None:
     (dynamic,) = ops.FP8_LINEAR(x, [w], [None], "tensorwise", 0, [0], -1, 1, "")
     expected = (dynamic, *torch.autograd.grad([dynamic], [x, w], [dy]))
     history = fp8_delayed.new_history(4, 1, torch.device("cpu"))
-    with fp8_delayed.seeding():
-        (y,) = ops.FP8_LINEAR(x, [w], [None], DELAYED, 0, [0], -1, 1, "", history)
+    (y,) = ops.FP8_LINEAR(x, [w], [None], DELAYED, 0, [0], -1, 1, "", history)
     actual = (y, *torch.autograd.grad([y], [x, w], [dy]))
     for a, e in zip(actual, expected):
         assert torch.equal(a, e)
     assert bool((history[0] > 0).all()) and bool((history == history[0]).all())  # every row seeded
+
+
+def test_compiled_first_step_seeds_the_histories_as_the_dynamic_recipe_scales() -> None:
+    """The first step runs compiled (``aot_eager``: the AOT graphs, eager kernels), no eager
+    seeding step: it computes what ``tensorwise`` computes, bit for bit, and fills every row."""
+    model, (ids,) = _llama(), _batches(128, 1)
+    example = {"input_ids": ids, "labels": ids}
+    runs = {}
+    for recipe, backend in (("tensorwise", False), (DELAYED, "aot_eager")):
+        with pytest.warns(UserWarning, match="on the CPU"):
+            pm = autotp.parallelize(copy.deepcopy(model), tp=1, example_inputs=example, fp8=recipe, compile=backend)
+        runs[recipe] = pm.train_step(**example).item(), pm.unshard_grads(), _histories(pm)
+    (dynamic_loss, dynamic_grads, _), (loss, grads, histories) = runs["tensorwise"], runs[DELAYED]
+    assert loss == dynamic_loss
+    assert all(torch.equal(grads[n], dynamic_grads[n]) for n in dynamic_grads)
+    assert len(histories) == 8 and all(bool((h > 0).all()) and torch.equal(h, h[0].expand_as(h)) for h in histories.values())
 
 
 def _steps(pm: nn.Module, batches: list[torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -71,8 +71,8 @@ def test_compiled_and_captured_fp8_equal_eager(mode: str, recipe: str) -> None:
     roundings flip: every grad must be an FP8 rendering of the model no further from eager
     FP8's than two independent renderings (``test_fp8.assert_fp8_rendering`` derives the
     bound), against the same model run eagerly without FP8. Delayed scaling: the first of the 3
-    steps seeds the histories eagerly, the others run compiled (scales from the histories,
-    updated on the device; CUDA graphs are refused with it); every recorded amax is eager's to within an E5M2
+    steps seeds the histories inside the compiled graph, the others scale from the histories,
+    updated on the device (CUDA graphs are refused with it); every recorded amax is eager's to within an E5M2
     rounding step (1/4): it is the largest element of an operand computed from FP8 roundings,
     some of which flip (the CPU's inductor run of this test: 2.5% at most)."""
     model = model_for("blockwise").to("cuda", torch.float32)

@@ -259,9 +259,9 @@ class Fp8Linear(torch.autograd.Function):
         items = [(x2, recipe.activation, call.rows_split, call.k_split)]
         items += [(w, recipe.weight, split, call.k_split) for w, split in zip(weights, call.n_split)]
         amaxes = group_amaxes(items, call.group, recipe.delayed)
-        ctx.history, ctx.seed = history, fp8_delayed.seeding_now()
+        ctx.history = history
         if history is not None:
-            amaxes = fp8_delayed.scales_then_record(history, list(range(n + 1)), amaxes, ctx.seed)
+            amaxes = fp8_delayed.scales_then_record(history, list(range(n + 1)), amaxes)
         x_amax, *w_amaxes = amaxes
         x8, sx = cast(x2, x_amax, E4M3, recipe.activation, recipe.pow2)
         lead = x.shape[:-1]
@@ -311,7 +311,7 @@ class Fp8Linear(torch.autograd.Function):
             items.append((xs.t(), act, call.k_split, rows_split))
         amaxes = group_amaxes(items, call.group, recipe.delayed)
         if ctx.history is not None:  # tensorwise: one amax per output gradient
-            amaxes = fp8_delayed.scales_then_record(ctx.history, [1 + n + i for i in present], amaxes, ctx.seed)
+            amaxes = fp8_delayed.scales_then_record(ctx.history, [1 + n + i for i in present], amaxes)
         m_multiple = CUDA_DIM_MULTIPLE if xs.device.type == "cuda" else 1
         if tensorwise:
             xt8, sxt = xs, sx

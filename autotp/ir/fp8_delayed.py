@@ -18,13 +18,13 @@ values its cast reads and max-reduced over the tp group where the dynamic recipe
 reads it back on the host: the op traces through ``torch.compile`` and CUDA graphs, and under
 inductor the producer, the cast and the amax become one pass over the producer's output.
 
-**Seeding.** A history that has recorded nothing (zeros) gives no scale. The first call of
-every rank graph runs eagerly inside ``seeding()`` (``autotp.runtime.execution.signatures``):
-there an operand whose column is empty scales from this step's amax, as the dynamic recipe
-does (step 1 computes what ``tensorwise`` computes), and fills every row with it; a column
-already filled (a checkpoint loaded, another signature ran first) goes on delayed. The op
-reads the flag when its forward runs and keeps it for its backward; a compiled graph, traced
-outside it, never seeds.
+**Seeding.** A column that has recorded nothing (zeros: a fresh history, or one a checkpoint
+without FP8 left empty) gives no scale: there the operand scales from this step's amax, as
+the dynamic recipe does, and that amax fills every row of the column. The choice is made on
+the device, per column (``torch.where`` on the window's max), inside the compiled graph: the
+first step runs compiled like every other, computes what ``tensorwise`` computes, and needs
+no host sync; a column already filled (a checkpoint loaded, another signature ran first)
+goes on delayed.
 
 **Ownership.** The histories are named after each op's first weight (``history_name``): the
 ``ParallelModel`` holds them as buffers (``autotp.runtime.state.parameters``), shared by every
@@ -32,9 +32,6 @@ signature's graphs and saved with its ``state_dict`` (so checkpoints carry them)
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -49,23 +46,6 @@ CUDA_GRAPHS_REFUSAL = (
 DEFAULT_LENGTH = 16
 """Steps in the window (Transformer Engine's ``amax_history_len`` default is 1024 with
 ``"max"``; torchao's delayed scaling used 16: a short window follows a shrinking gradient)."""
-
-_seeding = False
-
-
-@contextmanager
-def seeding() -> Iterator[None]:
-    """Ops that run inside scale from this step's amaxes and fill their histories with them."""
-    global _seeding
-    before, _seeding = _seeding, True
-    try:
-        yield
-    finally:
-        _seeding = before
-
-
-def seeding_now() -> bool:
-    return _seeding
 
 
 def history_name(first_weight: str) -> str:
@@ -88,19 +68,17 @@ def window(history: Tensor, column: int) -> Tensor:
     return history[:, column].amax().reshape(1, 1)
 
 
-def scale_amax_then_record(history: Tensor, column: int, amax: Tensor, seed: bool) -> Tensor:
+def scale_amax_then_record(history: Tensor, column: int, amax: Tensor) -> Tensor:
     """The amax the cast of ``column`` scales by: the window's, read before this step's ``amax``
-    is pushed into row 0. With ``seed``, an empty column takes ``amax`` itself, in every row."""
+    is pushed into row 0; an empty column (module docstring) takes ``amax`` itself, in every row."""
     used = window(history, column)
     now = amax.reshape(1).float()
-    pushed = torch.cat([now, history[:-1, column]])
-    if seed:
-        empty = used == 0
-        used = torch.where(empty, now.reshape(1, 1), used)
-        pushed = torch.where(empty.reshape(1), now.expand(history.shape[0]), pushed)
+    empty = used == 0
+    used = torch.where(empty, now.reshape(1, 1), used)
+    pushed = torch.where(empty.reshape(1), now.expand(history.shape[0]), torch.cat([now, history[:-1, column]]))
     history[:, column].copy_(pushed)
     return used
 
 
-def scales_then_record(history: Tensor, columns: list[int], amaxes: list[Tensor], seed: bool) -> list[Tensor]:
-    return [scale_amax_then_record(history, c, a, seed) for c, a in zip(columns, amaxes)]
+def scales_then_record(history: Tensor, columns: list[int], amaxes: list[Tensor]) -> list[Tensor]:
+    return [scale_amax_then_record(history, c, a) for c, a in zip(columns, amaxes)]

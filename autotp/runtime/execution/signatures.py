@@ -56,7 +56,6 @@ class CompiledSignature:
                                      "not supported; plan with another fp8 recipe or pp=1")  # fmt: skip
             if plan.cudagraphs:
                 raise UserInputError(fp8_delayed.CUDA_GRAPHS_REFUSAL)
-            run = SeededRun(graph, run)
         return CompiledSignature(program, graph, chunks, graph_param_chunks(program.graph), run)
 
     def running(self) -> list[ChunkProgram]:
@@ -65,7 +64,7 @@ class CompiledSignature:
 
     def captures(self) -> dict[int, cudagraphs.CapturedGraph]:
         """This rank's CUDA-graph captures, by chunk."""
-        runs = {c: cg.captured for c, cg in self.chunks.items()} or {0: self.run.run if isinstance(self.run, SeededRun) else self.run}
+        runs = {c: cg.captured for c, cg in self.chunks.items()} or {0: self.run}
         return {c: r for c, r in runs.items() if isinstance(r, cudagraphs.CapturedGraph)}
 
     def graphs(self) -> list[GraphModule]:
@@ -80,18 +79,3 @@ class CompiledSignature:
                 chunk.waits.callback = None
         for capture in self.captures().values():
             capture.release()
-
-
-class SeededRun:
-    """Runs ``graph`` eagerly inside ``fp8_delayed.seeding()`` on the first call (its FP8 ops fill
-    their amax histories from that step's amaxes), then ``run`` (compiled or captured) forever."""
-
-    def __init__(self, graph: GraphModule, run: Callable[..., Any]) -> None:
-        self.graph, self.run, self.seeded = graph, run, False
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.seeded:
-            return self.run(*args, **kwargs)
-        self.seeded = True
-        with fp8_delayed.seeding():
-            return self.graph(*args, **kwargs)
