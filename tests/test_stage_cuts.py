@@ -10,6 +10,7 @@ from torch import nn
 
 from autotp.analysis.trace import trace
 from autotp.cost_model.pipeline import plan_pipeline
+from autotp.ir.plan import ParallelPlan
 from autotp.report.strict_rule import StrictResult, check_on_rank, combine
 from distributed import run_on_ranks
 
@@ -90,6 +91,8 @@ def test_the_cut_falls_between_blocks_outside_the_stack() -> None:
     assert before.layer_chunks == (1, 1) and before.module_chunks == (("small", 1),)
     after = plan_pipeline(trace(_build("after"), _inputs("after")), 2, 1)
     assert after.layer_chunks == (0, 0) and after.module_chunks == (("post", 0),)
+    plan = ParallelPlan(pp=2, **after._asdict())
+    assert ParallelPlan.from_json(plan.to_json()) == plan
 
 
 def _strict_on_rank(rank: int, world: int, name: str) -> StrictResult:
