@@ -155,9 +155,7 @@ def choose_plan(
             f"use pp*vpp <= {layers}"
         )
     chosen = plan_tensor_parallel(traced, tp)
-    layer_chunks, embedding_chunk, head_chunk = plan_pipeline(traced, pp, vpp)
-    return replace(chosen, pp=pp, dp=dp, vpp=vpp, layer_chunks=layer_chunks,
-                   embedding_chunk=embedding_chunk, head_chunk=head_chunk)  # fmt: skip
+    return replace(chosen, pp=pp, dp=dp, vpp=vpp, **plan_pipeline(traced, pp, vpp)._asdict())
 
 
 def plan_model(

@@ -309,12 +309,14 @@ class ModelCosts:
         return layer % self.traced_layers
 
     def layer_chunks(self, chunks: int) -> tuple[int, ...]:
-        """The chunk of every model layer, cut as ``plan_pipeline`` cuts them (cached)."""
+        """The chunk of every model layer, the layers balanced by matmul weight (``balanced_cuts``;
+        ``plan_pipeline`` also cuts around the blocks outside them, weighing parameters too; cached)."""
         if chunks == 1:
             return (0,) * self.num_layers
         if chunks not in self._cuts:
             weights = [self.layer_weights[self.traced_index(i)] for i in range(self.num_layers)]
-            self._cuts[chunks] = balanced_cuts(weights, self.head_weight, chunks)
+            weights[-1] += self.head_weight  # the last layer and the head share the last chunk
+            self._cuts[chunks] = balanced_cuts(weights, chunks)
         return self._cuts[chunks]
 
     def total_params(self) -> int:

@@ -1,43 +1,82 @@
-"""Where to cut the pipeline: contiguous chunks of decoder layers with balanced cost.
+"""Where to cut the pipeline: contiguous chunks of units with balanced loads.
 
-The cost of a layer is its matmul work, proportional to the weight elements its
-matmuls read (2·tokens·weights FLOPs; tokens is the same for every layer, so it drops
-out). The embedding lookup costs nothing; the lm_head and loss cost their weights like a
-layer. ``balanced_cuts`` finds the contiguous partition of the layer sequence into
-``pp·vpp`` chunks that minimizes the largest chunk cost (dynamic programming, O(L²·C), vectorized over L²),
-with the embedding on the first chunk and the head on the last. Every cut lies on a
-layer boundary, where only the hidden state [b, s, h] crosses, the fewest bytes any cut
-of a decoder stack moves.
+A unit (``autotp.analysis.pipeline_units``) is a decoder layer, or a block outside the
+layers: the embedding, a cross-attention before a latent stack, the lm_head. It has two
+costs (``unit_costs``): its matmul work, proportional to the weight elements its matmuls
+read (2·tokens·weights FLOPs; tokens is the same for every unit, so it drops out; the
+embedding lookup costs nothing), and the parameter elements it reads; a node of no unit
+counts for the unit in progress, where it runs. A chunk's load is the larger of its shares
+of the two totals, ``max(work_c / work, params_c / params)``: the slowest stage sets the
+step time and the fullest its memory. ``balanced_cuts`` finds the contiguous partition of
+a unit sequence into ``pp·vpp`` chunks that minimizes the largest load (dynamic
+programming, O(U²·C), vectorized over U²). ``plan_pipeline`` cuts the graph's units in the
+order they run, so a cut lies on a layer boundary (where only the hidden state [b, s, h]
+crosses, the fewest bytes any cut of a decoder stack moves) or between the blocks around
+the stack. The planner (``ModelCosts.layer_chunks``) cuts its extrapolated layers by their
+work alone (``layer_costs``: the matmuls outside the layers on the last chunk).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch.fx import GraphModule
 
-from autotp.analysis.layers import layer_of, num_layers
+from autotp.analysis.layers import HEAD, last_layer_position, layer_of, num_layers, outside_layers
+from autotp.analysis.pipeline_units import Unit, units
 from autotp.ir.op_facts import is_matmul
 from autotp.ir.errors import UserInputError
 
 
+class StageCuts(NamedTuple):
+    """The plan's pipeline fields (``ParallelPlan.layer_chunks`` and friends)."""
+
+    layer_chunks: tuple[int, ...]
+    embedding_chunk: int
+    head_chunk: int
+    module_chunks: tuple[tuple[str, int], ...]
+
+
+def _weight_elems(node: torch.fx.Node, params: dict[str, torch.nn.Parameter]) -> int:
+    return sum(params[str(a.target)].numel() for a in _param_inputs(node) if str(a.target) in params)
+
 
 def layer_costs(gm: GraphModule) -> tuple[list[float], float]:
-    """(cost of each decoder layer, cost of everything after the last layer)."""
-    layers = num_layers(gm)
-    costs = [0.0] * layers
+    """(cost of each decoder layer, cost of the matmuls outside the layers)."""
+    costs = [0.0] * num_layers(gm)
     head = 0.0
     params = dict(gm.named_parameters(remove_duplicate=False))
     for node in gm.graph.nodes:
         if not is_matmul(node):
             continue
-        weight_elems = sum(params[str(a.target)].numel() for a in _param_inputs(node) if str(a.target) in params)
         layer = layer_of(node)
         if layer is None:
-            head += weight_elems
+            head += _weight_elems(node, params)
         else:
-            costs[layer] += weight_elems
+            costs[layer] += _weight_elems(node, params)
     return costs, head
+
+
+def unit_costs(gm: GraphModule, of: dict[torch.fx.Node, Unit]) -> dict[Unit, tuple[float, float]]:
+    """(matmul work, parameter elements) of every unit of ``gm`` (``of``: ``units(gm)``), in
+    the order the graph first runs them; a parameter read by several units counts in each."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    work: dict[Unit, float] = dict.fromkeys(dict.fromkeys(of.values()), 0.0)
+    held: dict[Unit, dict[int, int]] = {unit: {} for unit in work}
+    current = next(iter(work), None)
+    for node in gm.graph.nodes:
+        current = of.get(node, current)
+        if current is None or node.op != "call_function":
+            continue
+        if is_matmul(node):
+            work[current] += _weight_elems(node, params)
+        for a in node.all_input_nodes:
+            if a.op == "get_attr" and str(a.target) in params:
+                held[current][id(params[str(a.target)])] = params[str(a.target)].numel()
+    return {unit: (work[unit], float(sum(held[unit].values()))) for unit in work}
 
 
 def _param_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -51,42 +90,57 @@ def _param_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return out
 
 
-def balanced_cuts(costs: list[float], head: float, chunks: int) -> tuple[int, ...]:
-    """The chunk of every layer: contiguous, every chunk non-empty, max cost minimal."""
-    layers = len(costs)
-    if chunks > layers:
+def balanced_cuts(costs: Sequence[float] | Sequence[Sequence[float]], chunks: int) -> tuple[int, ...]:
+    """The chunk of every unit of ``costs`` (one cost, or one per resource, each unit):
+    contiguous, every chunk non-empty, the largest load minimal; a chunk's load is its
+    largest share of a resource's total."""
+    n = len(costs)
+    if chunks > n:
         raise UserInputError(
-            f"cannot cut {layers} layers into {chunks} pipeline chunks (pp*vpp); use pp*vpp <= {layers}"
+            f"cannot cut {n} layers into {chunks} pipeline chunks (pp*vpp); use pp*vpp <= {n}"
         )
-    prefix = np.concatenate([[0.0], np.cumsum(costs, dtype=float)])
-    # span[i, j]: cost of layers i..j-1, plus the head on the last chunk
-    span = prefix[None, :] - prefix[:, None]
-    span[:, layers] += head
-    later = np.triu(np.ones((layers + 1, layers + 1), dtype=bool), k=1)  # i < j
-    best = np.full((chunks + 1, layers + 1), np.inf)
-    cut = np.zeros((chunks + 1, layers + 1), dtype=int)
+    per_unit = np.asarray(costs, dtype=float).reshape(n, -1)
+    totals = per_unit.sum(axis=0)
+    prefix = np.concatenate([np.zeros((1, per_unit.shape[1])), np.cumsum(per_unit, axis=0)])
+    # span[i, j]: load of units i..j-1 (shares of the differences, so equal sums tie exactly)
+    span = ((prefix[None, :, :] - prefix[:, None, :]) / np.where(totals > 0, totals, 1.0)).max(axis=-1)
+    later = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)  # i < j
+    best = np.full((chunks + 1, n + 1), np.inf)
+    cut = np.zeros((chunks + 1, n + 1), dtype=int)
     best[0, 0] = 0.0
     for c in range(1, chunks + 1):
         values = np.where(later, np.maximum(best[c - 1][:, None], span), np.inf)
         cut[c] = np.argmin(values, axis=0)  # the first minimum, as a left-to-right scan keeps
-        best[c] = values[cut[c], np.arange(layers + 1)]
-    assignment = [0] * layers
-    j = layers
+        best[c] = values[cut[c], np.arange(n + 1)]
+    assignment = [0] * n
+    j = n
     for c in range(chunks, 0, -1):
         i = cut[c][j]
-        for layer in range(i, j):
-            assignment[layer] = c - 1
+        for unit in range(i, j):
+            assignment[unit] = c - 1
         j = i
     return tuple(assignment)
 
 
-def plan_pipeline(gm: GraphModule, pp: int, vpp: int) -> tuple[tuple[int, ...], int, int]:
-    """(layer_chunks, embedding_chunk, head_chunk) for ``pp*vpp`` chunks."""
+def plan_pipeline(gm: GraphModule, pp: int, vpp: int) -> StageCuts:
+    """The stage cuts of ``gm`` for ``pp*vpp`` chunks: its units balanced, the first on the
+    first chunk, the last on the last."""
     chunks = pp * vpp
     if chunks == 1:
-        return (), 0, 0
-    costs, head = layer_costs(gm)
-    if not costs:
+        return StageCuts((), 0, 0, ())
+    if not num_layers(gm):
         raise UserInputError("pipeline parallelism needs a model with numbered decoder layers (model.layers.N ...)")
-    assignment = balanced_cuts(costs, head, chunks)
-    return assignment, 0, chunks - 1
+    of = units(gm)
+    costs = unit_costs(gm, of)
+    chunk_of = dict(zip(costs, balanced_cuts(list(costs.values()), chunks)))
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    first_at: dict[Unit, int] = {}
+    for node, unit in of.items():
+        first_at.setdefault(unit, position[node])
+    last_layer_at, head = last_layer_position(nodes), chunks - 1
+    moved = tuple(
+        (unit, chunk) for unit, chunk in chunk_of.items()
+        if isinstance(unit, str) and chunk != (head if outside_layers(first_at[unit], last_layer_at) == HEAD else 0)
+    )  # fmt: skip
+    return StageCuts(tuple(chunk_of[i] for i in range(num_layers(gm))), 0, head, moved)

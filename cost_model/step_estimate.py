@@ -3,7 +3,7 @@
 **Estimate** of one candidate (``estimate``), ranks in Megatron's order (tp fastest,
 then dp, then pp):
 
-* stage cuts as ``plan_pipeline`` makes them (``balanced_cuts`` of the layer weights);
+* stage cuts between layers (``ModelCosts.layer_chunks``: ``balanced_cuts`` of the layer weights);
 * chunk time, per microbatch = its segments' ``compute.segment_time`` (forward +
   backward, tp collectives, host issue), the preamble's included (every chunk repeats
   it) + the receives of the hidden state b·s·h

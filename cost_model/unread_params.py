@@ -25,9 +25,9 @@ import math
 from dataclasses import replace
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
-from autotp.analysis.layers import last_layer_position, layer_of, outside_layers, HEAD
+from autotp.analysis.pipeline_units import chunk_bases
 from autotp.ir.axes import Axis
 from autotp.ir.errors import UserInputError
 from autotp.ir.layouts import DimSharding
@@ -57,20 +57,10 @@ def split_dim(shape: tuple[int, ...], tp: int) -> int:
     return min(range(len(shape)), key=lambda d: (math.ceil(shape[d] / tp) * math.prod(shape) // max(shape[d], 1), d))
 
 
-def _chunk_of(node: Node, plan: ParallelPlan, last_layer_at: int, position: dict[Node, int]) -> int:
-    layer = layer_of(node)
-    if layer is not None and plan.layer_chunks:
-        return plan.layer_chunks[layer]
-    if layer is not None:
-        return 0
-    return plan.head_chunk if outside_layers(position[node], last_layer_at) == HEAD else plan.embedding_chunk
-
-
 def _read_bytes_per_stage(gm: GraphModule, plan: ParallelPlan) -> list[float]:
     """The parameter bytes each pipeline rank's chunks read, at their local size."""
     nodes = list(gm.graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
-    last = last_layer_position(nodes)
+    bases = chunk_bases(gm, plan)
     params = dict(gm.named_parameters(remove_duplicate=False))
     held = [0.0] * plan.pp
     seen: set[tuple[int, int]] = set()
@@ -81,7 +71,7 @@ def _read_bytes_per_stage(gm: GraphModule, plan: ParallelPlan) -> list[float]:
         layout = plan.layout_of(str(node.target))
         share = layout.sharding.local_size(plan.degree(layout.axis)) / layout.sharding.size if layout else 1.0
         for user in node.users:
-            stage = plan.pp_rank_of_chunk(_chunk_of(user, plan, last, position))
+            stage = plan.pp_rank_of_chunk(bases.get(user, plan.head_chunk))
             if (id(p), stage) not in seen:
                 seen.add((id(p), stage))
                 held[stage] += p.numel() * p.element_size() * share

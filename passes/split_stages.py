@@ -1,5 +1,7 @@
 """Assign every node to a pipeline chunk and put ``stage_boundary`` nodes on the values
-that cross from one chunk to the next (reads ``plan.layer_chunks`` and friends).
+that cross from one chunk to the next (reads ``plan.layer_chunks``, ``plan.module_chunks``
+and friends through ``autotp.analysis.pipeline_units.chunk_bases``: a node runs in its
+unit's chunk, or a later one that one of its inputs runs in).
 
 Cheap values computed from the inputs alone (attention masks, position ids, rotary
 tables) and parameter reads are not assigned: every chunk that needs them repeats them,
@@ -17,7 +19,8 @@ from __future__ import annotations
 from torch.fx import Graph, GraphModule, Node
 
 from autotp.ir import meta_keys, ops
-from autotp.analysis.layers import HEAD, last_layer_position, layer_of, num_layers, outside_layers
+from autotp.analysis.layers import layer_of, num_layers
+from autotp.analysis.pipeline_units import chunk_bases
 from autotp.ir.op_facts import is_alias, mutated_base, view_root
 from autotp.passes.runner import PassContext
 from autotp.ir.errors import UserInputError
@@ -88,25 +91,19 @@ def split_stages(gm: GraphModule, ctx: PassContext) -> GraphModule:
             f"the plan places {len(plan.layer_chunks)} layers but the graph has {layers}; plan for this model"
         )
     nodes = list(gm.graph.nodes)
-    last_layer_at = last_layer_position(nodes)
+    bases = chunk_bases(gm, plan)
     repeat, written = _repeated(nodes)
     for node in nodes:
         if mutated_base(node) in written:
             node.replace_all_uses_with(node.args[0])  # its readers read what it wrote, in order
     chunk_of: dict[Node, int] = {}
     written_in: dict[Node, int] = {}  # value in ``written`` -> the last chunk that wrote it so far
-    for i, node in enumerate(nodes):
+    for node in nodes:
         if node in repeat:
             node.meta[meta_keys.CHUNK] = None
             continue
-        layer = layer_of(node)
-        node.meta[meta_keys.LAYER] = layer
-        if layer is not None:
-            base = plan.layer_chunks[layer]
-        elif outside_layers(i, last_layer_at) == HEAD:
-            base = plan.head_chunk
-        else:
-            base = plan.embedding_chunk
+        node.meta[meta_keys.LAYER] = layer_of(node)
+        base = bases.get(node, plan.embedding_chunk)
         inputs = [chunk_of[a] for a in node.all_input_nodes if a in chunk_of]
         # a read of a written value comes after its writes: in their chunk or a later one
         writes = [written_in[view_root(a)] for a in node.all_input_nodes if view_root(a) in written_in]

@@ -8,6 +8,8 @@
   numbered instead in the order the graph first runs them.
 * Nodes outside every layer belong to the **embedding** section before the last node of
   the last layer and to the **head** after it (``outside_layers``).
+
+A pipeline cuts between these layers and the modules around them (``pipeline_units``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def with_layer_index(path: str, index: int) -> str:
     return path[: match.start(1)] + str(index) + path[match.end(1) :]
 
 
-def _layer_path(node: Node) -> tuple[str, int] | None:
+def layer_path(node: Node) -> tuple[str, int] | None:
     """(the module path through its first integer component, that integer) of the innermost
     module of ``node`` that has one: ``model.layers.3.mlp`` -> (``model.layers.3``, 3)."""
     for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
@@ -56,7 +58,7 @@ def _ordinals(graph: Graph) -> dict[str, int]:
         return cached[1]
     seen: dict[str, int] = {}
     for node in graph.nodes:
-        found = _layer_path(node)
+        found = layer_path(node)
         if found is not None and found[0] not in seen:
             seen[found[0]] = len(seen)
     lists = {path.rsplit(".", 1)[0] if "." in path else "" for path in seen}
@@ -66,7 +68,7 @@ def _ordinals(graph: Graph) -> dict[str, int]:
 
 
 def layer_of(node: Node) -> int | None:
-    found = _layer_path(node)
+    found = layer_path(node)
     if found is None:
         return None
     return _ordinals(node.graph).get(found[0], found[1])

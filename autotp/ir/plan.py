@@ -191,10 +191,14 @@ class ParallelPlan:
     notes: tuple[str, ...] = field(default=())
     vpp: int = 1
     # Pipeline chunk (0 .. pp*vpp-1) of every decoder layer, and of the nodes before the
-    # first layer (embedding) and after the last one (final norm, lm_head, loss).
+    # first layer (embedding) and after the last one (final norm, lm_head, loss);
+    # ``module_chunks``: (module path, chunk) of each module outside the layers placed off
+    # its section's chunk (``autotp.analysis.pipeline_units``: a block before the layers cut
+    # from the embedding, one after them cut from the head).
     layer_chunks: tuple[int, ...] = ()
     embedding_chunk: int = 0
     head_chunk: int = 0
+    module_chunks: tuple[tuple[str, int], ...] = ()
     # CUDA graphs: whether to capture regions on GPU, which ``make_graphed_callables``
     # captures them (``torch`` or ``transformer_engine``), and the cost model's rule for
     # which regions are worth it.
@@ -333,6 +337,7 @@ class ParallelPlan:
                 "layer_chunks": list(self.layer_chunks),
                 "embedding_chunk": self.embedding_chunk,
                 "head_chunk": self.head_chunk,
+                "module_chunks": [list(m) for m in self.module_chunks],
                 "cudagraphs": self.cudagraphs,
                 "cudagraph_impl": self.cudagraph_impl,
                 "cudagraph_policy": self.cudagraph_policy.to_json(),
@@ -385,6 +390,7 @@ class ParallelPlan:
             layer_chunks=tuple(d.get("layer_chunks", ())),
             embedding_chunk=d.get("embedding_chunk", 0),
             head_chunk=d.get("head_chunk", 0),
+            module_chunks=tuple((path, chunk) for path, chunk in d.get("module_chunks", ())),
             cudagraphs=d.get("cudagraphs", False),
             cudagraph_impl=d.get("cudagraph_impl", ""),
             cudagraph_policy=CudaGraphPolicy.from_json(d["cudagraph_policy"]) if "cudagraph_policy" in d else CudaGraphPolicy(),
