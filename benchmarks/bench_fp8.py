@@ -20,7 +20,10 @@
 * ``curve``: 200 AdamW steps of a smaller Llama (8 layers, hidden 1024, byte-level vocab
   256, batch 16 × 1024 tokens; eager, bf16 weights) on byte-level tokens of the Python
   standard library's sources (offline everywhere), bf16 and each FP8 recipe from the same
-  initialization and batches; the final loss is the mean of the last 20 steps.
+  initialization and batches, the learning rate decayed by a cosine (``--curve-schedule``);
+  the final loss is the mean of the last 20 steps, and the held-out loss the mean over 8
+  fixed batches of the data's last 16th, which no step trains on (less noisy than the last
+  steps' losses: the same batches for every recipe).
 
 Parts run in the order asked (``timing2`` times ``--more-variants``); a timing variant or
 curve that would not finish before ``--budget-s`` is skipped and reported as such. ``--shape tiny`` (2 layers, small widths) runs the whole
@@ -35,6 +38,7 @@ import contextlib
 import gc
 import gzip
 import json
+import math
 import statistics
 import sys
 import sysconfig
@@ -310,12 +314,20 @@ def stdlib_bytes(limit: int = 64 * 2**20) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
 
 
+HELD_OUT = 1 / 16  # the tail of the curve data, never trained on: the held-out loss's batches
+EVAL_BATCHES = 8
+
+
 def curve(shape_name: str, recipe: str | None, tokens: torch.Tensor, device: torch.device, steps: int,
-          dtype: torch.dtype, seed: int = 0) -> list[float]:  # fmt: skip
-    """``seed`` picks the initialization and the batches (seed 0: the earlier rounds' curves)."""
+          dtype: torch.dtype, seed: int = 0, schedule: str = "constant") -> tuple[list[float], float]:  # fmt: skip
+    """The training losses, and the mean loss over ``EVAL_BATCHES`` fixed batches of the held-out
+    tail after the last step. ``seed`` picks the initialization and the batches (seed 0 with the
+    ``constant`` schedule: the earlier rounds' curves, but for the held-out tail). ``schedule``:
+    20 warm-up steps, then a constant rate, or a cosine decay to a tenth of it at the last step."""
     shape = CURVE[shape_name]
     *_, batch, seq = shape
     gen = torch.Generator().manual_seed(1 + seed)
+    train = tokens.numel() - int(tokens.numel() * HELD_OUT)
     model = llama(shape, str(device), dtype, seed)
     example = tokens[: batch * seq].view(batch, seq).to(device)
     pm = parallelized(model, {"input_ids": example, "labels": example}, recipe, False)
@@ -323,20 +335,26 @@ def curve(shape_name: str, recipe: str | None, tokens: torch.Tensor, device: tor
     optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     losses = []
     for i in range(steps):
-        starts = torch.randint(0, tokens.numel() - seq - 1, (batch,), generator=gen)
+        starts = torch.randint(0, train - seq - 1, (batch,), generator=gen)
         ids = torch.stack([tokens[s : s + seq] for s in starts]).to(device)
+        decay = 0.55 + 0.45 * math.cos(math.pi * i / max(1, steps - 1)) if schedule == "cosine" else 1.0
         for group in optimizer.param_groups:
-            group["lr"] = 1e-3 * min(1.0, (i + 1) / 20)
+            group["lr"] = 1e-3 * min(1.0, (i + 1) / 20) * decay
         optimizer.zero_grad(set_to_none=True)
         losses.append(pm.train_step(input_ids=ids, labels=ids).item())
         torch.nn.utils.clip_grad_norm_(list(pm.parameters()), 1.0)
         optimizer.step()
-    return losses
+    held = torch.Generator().manual_seed(12345)  # the same batches for every recipe and seed
+    with torch.no_grad():
+        evals = [pm(input_ids=ids, labels=ids).loss.item()
+                 for ids in (torch.stack([tokens[s : s + seq] for s in torch.randint(train, tokens.numel() - seq, (batch,), generator=held)])
+                             .to(device) for _ in range(EVAL_BATCHES))]  # fmt: skip
+    return losses, statistics.mean(evals)
 
 
 def curves(shape_name: str, device: torch.device, steps: int, recipes: list[str], deadline: float, out: dict,
            save: Callable[[], None], dtype: torch.dtype = torch.bfloat16, seeds: tuple[int, ...] = (0,),
-           baseline: bool = True) -> dict[str, dict]:  # fmt: skip
+           baseline: bool = True, schedule: str = "constant") -> dict[str, dict]:  # fmt: skip
     """One curve per recipe (bf16 first, unless not ``baseline``) and seed, keyed ``recipe`` for
     seed 0, ``recipe@seed`` else."""
     tokens = stdlib_bytes()
@@ -350,8 +368,10 @@ def curves(shape_name: str, device: torch.device, steps: int, recipes: list[str]
             _clear(device)
             start = time.perf_counter()
             try:
-                losses = curve(shape_name, None if recipe == "bf16" else recipe, tokens, device, steps, dtype, seed)
-                out[key] = {"losses": losses, "final": statistics.mean(losses[-20:]), "wall_s": time.perf_counter() - start}
+                losses, held_out = curve(shape_name, None if recipe == "bf16" else recipe, tokens, device, steps, dtype, seed,
+                                         schedule)  # fmt: skip
+                out[key] = {"losses": losses, "final": statistics.mean(losses[-20:]), "held_out": held_out,
+                            "schedule": schedule, "wall_s": time.perf_counter() - start}  # fmt: skip
             except Exception as e:  # noqa: BLE001
                 out[key] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
             save()
@@ -436,10 +456,12 @@ def report(results: dict) -> str:
     if "curve" in results:
         for recipe, c in results["curve"].items():
             seed = recipe.partition("@")[2]
-            bf16 = results["curve"].get(f"bf16@{seed}" if seed else "bf16", {}).get("final")
+            bf16 = results["curve"].get(f"bf16@{seed}" if seed else "bf16", {})
             if "final" in c and c.get("losses"):
-                rel = f" ({(c['final'] / bf16 - 1):+.2%} vs bf16 of its seed)" if bf16 else ""
-                lines.append(f"curve {recipe:10s}: final loss {c['final']:.4f}{rel}, first {c['losses'][0]:.3f}")
+                rel = f" ({(c['final'] / bf16['final'] - 1):+.2%} vs bf16 of its seed)" if "final" in bf16 else ""
+                held = f", held-out {c['held_out']:.4f}" if "held_out" in c else ""
+                held += f" ({(c['held_out'] / bf16['held_out'] - 1):+.2%})" if held and "held_out" in bf16 else ""
+                lines.append(f"curve {recipe:10s}: final loss {c['final']:.4f}{rel}{held}, first {c['losses'][0]:.3f}")
             else:
                 lines.append(f"curve {recipe:10s}: {c.get('error') or c.get('skipped')}")
     return "\n".join(lines)
@@ -459,6 +481,8 @@ def main() -> None:
     parser.add_argument("--curve-dtype", default="bfloat16", help="the curve model's weights (float32 on a CPU)")
     parser.add_argument("--curve-seeds", default="0", help="initialization and batch seeds, one curve per recipe each")
     parser.add_argument("--curve-skip-bf16", action="store_true", help="no bf16 curves (an earlier run's serve)")
+    parser.add_argument("--curve-schedule", choices=("constant", "cosine"), default="cosine",
+                        help="learning rate after the warm-up: constant (the rounds before 2026-11-28) or a cosine decay to 0.1x")
     parser.add_argument("--budget-s", type=float, default=560.0)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps per variant (the first compiles)")
@@ -497,7 +521,7 @@ def main() -> None:
             results["curve_dtype"] = args.curve_dtype
             curves(args.shape, device, args.curve_steps, recipes, deadline, results.setdefault("curve", {}), save,
                    getattr(torch, args.curve_dtype), tuple(int(s) for s in args.curve_seeds.split(",")),
-                   not args.curve_skip_bf16)  # fmt: skip
+                   not args.curve_skip_bf16, args.curve_schedule)  # fmt: skip
         print(part, "done at", f"{time.perf_counter() - start:.0f} s", {k: v for k, v in results.items() if k in ("check", "gemm_tflops")}, flush=True)
         save()
     for r in results.get("timing", []):
