@@ -57,6 +57,7 @@ regions are planned), once per microbatch in flight: each has its own capture
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,7 +71,7 @@ from autotp.ir.training_step import precision as _precision
 if TYPE_CHECKING:  # liveness imports torch, which `autotp plan --help` must not load
     from autotp.cost_model.liveness import SegmentMemory
 
-__all__ = ["PRECISIONS", "ChunkPeaks", "bytes_per_param", "chunk_peaks", "grad_bytes_per_param", "in_flight", "rank_peak_bytes", "schedule_moments"]
+__all__ = ["PRECISIONS", "ChunkPeaks", "bytes_per_param", "chunk_peaks", "grad_bytes_per_param", "in_flight", "peak_with_states", "rank_peak_bytes", "schedule_moments", "schedule_peak_bytes"]
 
 
 def bytes_per_param(precision: str, distributed_optimizer: bool = False, dp: int = 1) -> float:
@@ -169,23 +170,23 @@ def schedule_moments(name: str | None, pp: int, vpp: int, microbatches: int, ran
         actions = schedules.schedule(name, pp, vpp, microbatches, rank)
     chunks = vpp if name == "interleaved" else 1
     held, deferred, grads = [0] * chunks, [0] * chunks, [False] * chunks
-    moments: dict[Moment, None] = {}
+    moments: dict[tuple, None] = {}  # Moment's fields, in order
     for a in actions:
         c = a.chunk
         if a.kind == "F":
-            moments[Moment("F", c, tuple(held), tuple(deferred), tuple(grads), False)] = None
+            moments["F", c, tuple(held), tuple(deferred), tuple(grads), False] = None
             held[c] += 1
             continue
         if a.kind == "B":
             held[c] -= 1
         else:
             deferred[c] -= 1
-        moments[Moment(a.kind, c, tuple(held), tuple(deferred), tuple(grads), not grads[c])] = None
+        moments[a.kind, c, tuple(held), tuple(deferred), tuple(grads), not grads[c]] = None
         if a.kind == "B" and name == "zbh1":
             deferred[c] += 1
         else:
             grads[c] = True
-    return tuple(moments)
+    return tuple(Moment(*fields) for fields in moments)
 
 
 @dataclass(frozen=True, eq=False)
@@ -232,8 +233,14 @@ def rank_peak_bytes(
 ) -> float:
     """Peak live bytes of a rank holding ``params`` parameter elements and its ``chunks``
     (in local order), over the ``moments`` of its schedule (module docstring)."""
-    plain = not distributed  # the distributed optimizer's gradient buffer is persistent
-    optimizer = params * _precision(precision).grad * plain + optimizer_transient_bytes(params, precision, distributed, dp)
+    activations = schedule_peak_bytes(chunks, moments, not distributed)
+    return peak_with_states(activations, params, precision, distributed, dp, moments.in_flight, cuda_graph_bytes)
+
+
+def schedule_peak_bytes(chunks: Sequence[ChunkPeaks], moments: MomentArrays, plain: bool) -> float:
+    """The most live bytes at any of the ``moments`` beyond the persistent ones: what the other microbatches hold
+    plus the running action's own (module docstring); ``plain``: the parameter gradients are allocated by the
+    backward (the distributed optimizer's gradient buffer is persistent)."""
     saved, forward, first_backward, later_backward, deferred, grads = (
         np.array([getattr(k, field) for k in chunks]) for field in ("saved", "forward", "first_backward", "later_backward", "deferred", "grads")
     )  # fmt: skip
@@ -241,5 +248,12 @@ def rank_peak_bytes(
     c = moments.chunk
     backward = np.where(plain & moments.first, first_backward[c], later_backward[c])
     own = np.where(moments.forward, forward[c], np.where(moments.weight, deferred[c] + plain * moments.first * grads[c], backward))
-    peak = max(optimizer, float((held + own).max()))
-    return persistent_bytes(params, precision, distributed, dp) + peak + moments.in_flight * cuda_graph_bytes
+    return float((held + own).max())
+
+
+def peak_with_states(activations: float, params: float, precision: str, distributed: bool, dp: int, in_flight: int,
+                     cuda_graph_bytes: float = 0.0) -> float:  # fmt: skip
+    """``rank_peak_bytes`` from its ``schedule_peak_bytes`` and the most microbatch-chunks in flight."""
+    plain = not distributed
+    optimizer = params * _precision(precision).grad * plain + optimizer_transient_bytes(params, precision, distributed, dp)
+    return persistent_bytes(params, precision, distributed, dp) + max(optimizer, activations) + in_flight * cuda_graph_bytes
