@@ -36,7 +36,7 @@ and add each new one in place (a transient of its size).
 
 **A rank's peak** (``rank_peak_bytes``) is its persistent bytes (parameters and
 optimizer state, the distributed optimizer's gradient buffer; ``persistent_bytes``)
-plus the largest of, over the moments of its schedule (``schedule_moments``: each F, B
+plus the largest of, over the moments of its schedule (``moment_arrays``: each F, B
 and W of ``autotp.ir.schedules``, with what the other microbatches hold then):
 
 * what the others hold: the saved bytes of every microbatch-chunk whose forward ran and
@@ -71,7 +71,7 @@ from autotp.ir.training_step import precision as _precision
 if TYPE_CHECKING:  # liveness imports torch, which `autotp plan --help` must not load
     from autotp.cost_model.liveness import SegmentMemory
 
-__all__ = ["PRECISIONS", "ChunkPeaks", "bytes_per_param", "chunk_peaks", "grad_bytes_per_param", "in_flight", "peak_with_states", "rank_peak_bytes", "schedule_moments", "schedule_peak_bytes"]
+__all__ = ["PRECISIONS", "ChunkPeaks", "bytes_per_param", "chunk_peaks", "grad_bytes_per_param", "in_flight", "peak_with_states", "moment_arrays", "rank_peak_bytes", "schedule_peak_bytes"]
 
 
 def bytes_per_param(precision: str, distributed_optimizer: bool = False, dp: int = 1) -> float:
@@ -145,55 +145,13 @@ def optimizer_transient_bytes(params: float, precision: str, distributed: bool, 
     return params * _precision(precision).optimizer_state / 2 / (dp if distributed else 1)
 
 
-@dataclass(frozen=True)
-class Moment:
-    """One action of a rank's schedule: what the other microbatches hold while it runs.
-
-    ``held[k]``: microbatches whose forward of local chunk k ran and backward did not;
-    ``deferred[k]``: zero-bubble backwards of chunk k waiting for their W; ``grads[k]``:
-    chunk k's parameter gradients exist; ``first``: this B or W allocates them."""
-
-    kind: str
-    chunk: int
-    held: tuple[int, ...]
-    deferred: tuple[int, ...]
-    grads: tuple[bool, ...]
-    first: bool
-
-
-@functools.lru_cache(maxsize=8192)
-def schedule_moments(name: str | None, pp: int, vpp: int, microbatches: int, rank: int) -> tuple[Moment, ...]:
-    """The distinct moments of rank ``rank``'s schedule (``None``: no pipeline, F then B per microbatch)."""
-    if name is None or pp == 1:
-        actions = [Action(kind, 0, i) for i in range(microbatches) for kind in "FB"]
-    else:
-        actions = schedules.schedule(name, pp, vpp, microbatches, rank)
-    chunks = vpp if name == "interleaved" else 1
-    held, deferred, grads = [0] * chunks, [0] * chunks, [False] * chunks
-    moments: dict[tuple, None] = {}  # Moment's fields, in order
-    for a in actions:
-        c = a.chunk
-        if a.kind == "F":
-            moments["F", c, tuple(held), tuple(deferred), tuple(grads), False] = None
-            held[c] += 1
-            continue
-        if a.kind == "B":
-            held[c] -= 1
-        else:
-            deferred[c] -= 1
-        moments[a.kind, c, tuple(held), tuple(deferred), tuple(grads), not grads[c]] = None
-        if a.kind == "B" and name == "zbh1":
-            deferred[c] += 1
-        else:
-            grads[c] = True
-    return tuple(Moment(*fields) for fields in moments)
-
-
 @dataclass(frozen=True, eq=False)
 class MomentArrays:
-    """``schedule_moments`` as arrays, one row per moment: its chunk, kind (F, B or W), whether
-    it allocates the chunk's gradients, and per chunk the microbatches held, the deferred W's
-    and whether the gradients exist."""
+    """The distinct moments of a rank's schedule, one row each: the action's chunk, kind (F, B
+    or W), whether it allocates the chunk's gradients (``first``: a B or W before which the chunk
+    has none), and per local chunk what the other microbatches hold while it runs: ``held``,
+    microbatches whose forward of the chunk ran and backward did not; ``deferred``, zero-bubble
+    backwards waiting for their W; ``grads``, whether the chunk's parameter gradients exist."""
 
     chunk: np.ndarray
     forward: np.ndarray
@@ -207,18 +165,38 @@ class MomentArrays:
 
 @functools.lru_cache(maxsize=8192)
 def moment_arrays(name: str | None, pp: int, vpp: int, microbatches: int, rank: int) -> MomentArrays:
-    moments = schedule_moments(name, pp, vpp, microbatches, rank)
-    kinds = np.array([mo.kind for mo in moments])
-    held = np.array([mo.held for mo in moments], dtype=float)
+    """The moments of rank ``rank``'s schedule (``None``: no pipeline, F then B per microbatch), in order of first
+    occurrence. The state an action sees is the one before it, except that a B sees its own microbatch released
+    and a W its own deferral ended: running sums over the actions of each change."""
+    if name is None or pp == 1:
+        actions = [Action(kind, 0, i) for i in range(microbatches) for kind in "FB"]
+    else:
+        actions = schedules.schedule(name, pp, vpp, microbatches, rank)
+    chunks = vpp if name == "interleaved" else 1
+    kinds = np.array([a.kind for a in actions])
+    chunk = np.array([a.chunk for a in actions])
+    forward, backward, weight = kinds == "F", kinds == "B", kinds == "W"
+    defers = backward if name == "zbh1" else np.zeros_like(backward)  # a zero-bubble B leaves its W for later
+    allocates = (backward & ~defers) | weight
+    one_hot = np.zeros((len(actions), chunks), dtype=int)
+    one_hot[np.arange(len(actions)), chunk] = 1
+    held = np.cumsum(one_hot * (forward.astype(int) - backward)[:, None], axis=0) - one_hot * forward[:, None]
+    deferred = np.cumsum(one_hot * (defers.astype(int) - weight)[:, None], axis=0) - one_hot * defers[:, None]
+    grads = (np.cumsum(one_hot * allocates[:, None], axis=0) - one_hot * allocates[:, None]) > 0
+    first = ~forward & ~grads[np.arange(len(actions)), chunk]
+    rows = np.column_stack([np.where(forward, 0, np.where(backward, 1, 2)), chunk, first, held, deferred, grads])
+    _, index = np.unique(rows.view(np.dtype((np.void, rows.itemsize * rows.shape[1]))).ravel(), return_index=True)
+    keep = np.sort(index)
+    held_kept = held[keep].astype(float)
     return MomentArrays(
-        chunk=np.array([mo.chunk for mo in moments]),
-        forward=kinds == "F",
-        weight=kinds == "W",
-        first=np.array([mo.first for mo in moments]),
-        held=held,
-        deferred=np.array([mo.deferred for mo in moments], dtype=float),
-        grads=np.array([mo.grads for mo in moments], dtype=float),
-        in_flight=int(max(held.sum(axis=1) + (kinds == "F"))),
+        chunk=chunk[keep],
+        forward=forward[keep],
+        weight=weight[keep],
+        first=first[keep],
+        held=held_kept,
+        deferred=deferred[keep].astype(float),
+        grads=grads[keep].astype(float),
+        in_flight=int(max(held_kept.sum(axis=1) + forward[keep])),
     )
 
 
@@ -241,9 +219,9 @@ def schedule_peak_bytes(chunks: Sequence[ChunkPeaks], moments: MomentArrays, pla
     """The most live bytes at any of the ``moments`` beyond the persistent ones: what the other microbatches hold
     plus the running action's own (module docstring); ``plain``: the parameter gradients are allocated by the
     backward (the distributed optimizer's gradient buffer is persistent)."""
-    saved, forward, first_backward, later_backward, deferred, grads = (
-        np.array([getattr(k, field) for k in chunks]) for field in ("saved", "forward", "first_backward", "later_backward", "deferred", "grads")
-    )  # fmt: skip
+    saved, forward, first_backward, later_backward, deferred, grads = np.array(
+        [(k.saved, k.forward, k.first_backward, k.later_backward, k.deferred, k.grads) for k in chunks]
+    ).T
     held = moments.held @ saved + moments.deferred @ deferred + plain * (moments.grads @ grads)
     c = moments.chunk
     backward = np.where(plain & moments.first, first_backward[c], later_backward[c])

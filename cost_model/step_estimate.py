@@ -304,7 +304,7 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
         else:
             key = (params, tensors)
             if key not in syncs:
-                syncs[key] = grad_sync_s(params, tensors, config.dp, dp_per_node, training.precision, hw)
+                syncs[key] = _grad_sync_s(params, tensors, config.dp, dp_per_node, training.precision, hw)
         if params not in optimizers:
             optimizers[params] = optimizer_step_s(params, training.precision, config.dp if v.distributed else 1, hw)
     busiest = max(range(pp), key=ch.rank_s.__getitem__)
@@ -348,6 +348,12 @@ def _segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_no
 
 
 @functools.lru_cache(maxsize=4096)
+def _grad_sync_s(params: int, tensors: int, dp: int, dp_per_node: int, precision: str, hw: HardwareProfile) -> float:
+    """``grad_sync_s``, once per rank's parameters: the sequence-parallel variants of a candidate hold the same."""
+    return grad_sync_s(params, tensors, dp, dp_per_node, precision, hw)
+
+
+@functools.lru_cache(maxsize=4096)
 def _chunk_peaks(parts: tuple[tuple[SegmentMemory, int], ...], batch: int) -> ChunkPeaks:
     """``chunk_peaks``, once per chunk layout and microbatch size."""
     return chunk_peaks(list(parts), batch)
@@ -355,7 +361,7 @@ def _chunk_peaks(parts: tuple[tuple[SegmentMemory, int], ...], batch: int) -> Ch
 
 @functools.lru_cache(maxsize=65536)
 def _schedule_peak_bytes(peaks: tuple[ChunkPeaks, ...], schedule: tuple[str | None, int, int, int, int], plain: bool) -> float:
-    """``schedule_peak_bytes`` of rank ``schedule[-1]`` of ``schedule_moments(*schedule)``, once per distinct input
+    """``schedule_peak_bytes`` of rank ``schedule[-1]`` of ``moment_arrays(*schedule)``, once per distinct input
     (variants whose chunks hold the same bytes, ranks holding the same chunks at the same moments)."""
     return schedule_peak_bytes(peaks, moment_arrays(*schedule), plain)
 
