@@ -71,7 +71,7 @@ from autotp.ir.training_step import precision as _precision
 if TYPE_CHECKING:  # liveness imports torch, which `autotp plan --help` must not load
     from autotp.cost_model.liveness import SegmentMemory
 
-__all__ = ["PRECISIONS", "ChunkPeaks", "bytes_per_param", "chunk_peaks", "grad_bytes_per_param", "in_flight", "peak_with_states", "moment_arrays", "rank_peak_bytes", "schedule_peak_bytes"]
+__all__ = ["PRECISIONS", "ChunkPeaks", "bytes_per_param", "chunk_peaks", "grad_bytes_per_param", "held_in_flight", "in_flight", "peak_with_states", "moment_arrays", "rank_peak_bytes", "schedule_peak_bytes", "schedule_peak_floor"]
 
 
 def bytes_per_param(precision: str, distributed_optimizer: bool = False, dp: int = 1) -> float:
@@ -95,6 +95,13 @@ def in_flight(schedule: str | None, pp: int, vpp: int, microbatches: int, rank: 
         return min(pp, microbatches)
     assert schedule == "interleaved", f"unknown schedule {schedule!r}"
     return min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, microbatches * vpp)
+
+
+def held_in_flight(schedule: str | None, pp: int, vpp: int, microbatches: int, rank: int) -> int:
+    """The most microbatch-chunks whose activations rank ``rank`` holds at once, the running forward's included
+    (``MomentArrays.in_flight``): ``in_flight``, but under ZB-H1 that of 1F1B, its order of F and B (the deferred
+    W's hold no activations)."""
+    return in_flight("1f1b" if schedule == "zbh1" else schedule, pp, vpp, microbatches, rank)
 
 
 @dataclass(frozen=True)
@@ -227,6 +234,14 @@ def schedule_peak_bytes(chunks: Sequence[ChunkPeaks], moments: MomentArrays, pla
     backward = np.where(plain & moments.first, first_backward[c], later_backward[c])
     own = np.where(moments.forward, forward[c], np.where(moments.weight, deferred[c] + plain * moments.first * grads[c], backward))
     return float((held + own).max())
+
+
+def schedule_peak_floor(chunks: Sequence[ChunkPeaks], in_flight: int) -> float:
+    """At most ``schedule_peak_bytes`` of a schedule whose ``MomentArrays.in_flight`` is ``in_flight``: at its
+    fullest moment the other microbatch-chunks hold in_flight - 1 chunks' saved bytes while a forward runs (its own
+    peak), or in_flight of them while a B or W runs; every term is at least the smallest of its kind."""
+    saved = min(k.saved for k in chunks)
+    return (in_flight - 1) * saved + min(saved, min(k.forward for k in chunks))
 
 
 def peak_with_states(activations: float, params: float, precision: str, distributed: bool, dp: int, in_flight: int,

@@ -80,7 +80,7 @@ from autotp.cost_model.dp_sync import grad_sync_s, optimizer_step_s, sharded_syn
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory
 from autotp.cost_model.memory import ChunkPeaks, chunk_peaks, grad_bytes_per_param, persistent_bytes, peak_with_states
-from autotp.cost_model.memory import moment_arrays, schedule_peak_bytes
+from autotp.cost_model.memory import held_in_flight, moment_arrays, schedule_peak_bytes, schedule_peak_floor
 from autotp.cost_model.recompute import recomputed
 from autotp.ir.errors import UserInputError
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER
@@ -188,11 +188,13 @@ def estimate(
 @dataclass(frozen=True)
 class _Draft:
     """An ``Estimate`` without its memory; ``memory()`` computes it (the slower half), ``floor`` is at most that:
-    the fullest rank's parameters and optimizer state (``memory.persistent_bytes``)."""
+    the fullest rank's parameters and optimizer state (``memory.persistent_bytes``); ``bound()`` too, and at least
+    ``floor``: each rank's with the activations its schedule holds at the least (``memory.schedule_peak_floor``)."""
 
     estimate: Estimate
     memory: Callable[[], float]
     floor: float
+    bound: Callable[[], float]
 
 
 @dataclass(frozen=True, eq=False)
@@ -321,6 +323,14 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
             for (params, peaks), r in ch.memory_ranks.items()
         )  # fmt: skip
 
+    def bound() -> float:
+        in_flight = {r: held_in_flight(config.schedule, pp, vpp, m, r) for r in ch.memory_ranks.values()}
+        return max(
+            peak_with_states(schedule_peak_floor(peaks, in_flight[r]), params, training.precision, v.distributed, config.dp,
+                             in_flight[r], training.cuda_graph_bytes)
+            for (params, peaks), r in ch.memory_ranks.items()
+        )  # fmt: skip
+
     draft = Estimate(
         config=config,
         replicate=v.replicate,
@@ -338,7 +348,7 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
         recompute=v.recompute,
     )
     floor = max(persistent_bytes(params, training.precision, v.distributed, config.dp) for params in optimizers)
-    return _Draft(draft, memory, floor)
+    return _Draft(draft, memory, floor, bound)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -392,9 +402,12 @@ def sequence_options(training: Training, tp: int, splits: bool = True) -> list[t
 
 def best_estimate(
     costs: ModelCosts, cluster: Cluster, training: Training, config: Config, *, splits: bool = True, exact: bool = True,
+    bound_activations: bool = False,
 ) -> Estimate:  # fmt: skip
     """The fastest fitting variant of ``config`` (module docstring); ``splits``: sequence parallelism can split its
-    sequence. Without ``exact``, a candidate that fits in no variant may carry a lower bound of its memory."""
+    sequence. Without ``exact``, a candidate that fits in no variant may carry a lower bound of its memory: its
+    parameters and optimizer state, and with ``bound_activations`` also the activations its schedule holds at the
+    least (``_Draft.bound``)."""
     forced = training.distributed_optimizer
     if config.dp == 1:
         options = [bool(forced)]
@@ -412,7 +425,7 @@ def best_estimate(
         found = {
             d: _fastest_fitting(
                 [_draft(costs, cluster, training, config, replace(v, distributed=d), ch) for v, ch in zip(graphs, shared)],
-                capacity, exact,
+                capacity, exact, bound_activations,
             )  # fmt: skip
             for d in options
         }
@@ -428,16 +441,22 @@ def best_estimate(
     return replace(best, needs_distributed_optimizer=needs)
 
 
-def _fastest_fitting(drafts: list[_Draft], capacity: float, exact: bool) -> Estimate:
+def _fastest_fitting(drafts: list[_Draft], capacity: float, exact: bool, bound_activations: bool = False) -> Estimate:
     """The fastest draft whose memory fits (ties: the leaner), else the leanest; memory is computed in order of step
-    time, and not where its floor already exceeds ``capacity`` unless ``exact``."""
+    time, and not where its floor (with ``bound_activations``, its bound) already exceeds ``capacity`` unless
+    ``exact``."""
     measured: list[Estimate] = []
     fits: Estimate | None = None
     for draft in sorted(drafts, key=lambda d: d.estimate.step_s):
         if fits is not None and draft.estimate.step_s > fits.step_s:
             break
-        over = not exact and draft.floor > capacity
-        est = replace(draft.estimate, mem_bytes_per_gpu=draft.floor if over else draft.memory())
+        if not exact and draft.floor > capacity:
+            memory = draft.floor
+        elif not exact and bound_activations and (bound := draft.bound()) > capacity:
+            memory = bound
+        else:
+            memory = draft.memory()
+        est = replace(draft.estimate, mem_bytes_per_gpu=memory)
         measured.append(est)
         if est.mem_bytes_per_gpu <= capacity and (fits is None or est.mem_bytes_per_gpu < fits.mem_bytes_per_gpu):
             fits = est

@@ -207,7 +207,7 @@ def test_moment_arrays_are_the_schedules_distinct_moments_in_order(name: str | N
             rows = [(str(k), int(c), tuple(map(int, h)), tuple(map(int, d)), tuple(map(bool, g)), bool(f))
                     for k, c, h, d, g, f in zip(kinds, arrays.chunk, arrays.held, arrays.deferred, arrays.grads, arrays.first)]  # fmt: skip
             assert rows == _moments_by_walking(name, pp, vpp, m, rank), (name, pp, vpp, m, rank)
-            assert arrays.in_flight == max(sum(r[2]) + (r[0] == "F") for r in rows)
+            assert arrays.in_flight == max(sum(r[2]) + (r[0] == "F") for r in rows) == memory.held_in_flight(name, pp, vpp, m, rank)
 
 
 # ---- bubble ----------------------------------------------------------------------------
