@@ -71,7 +71,7 @@ from autotp.ir.training_step import precision as _precision
 if TYPE_CHECKING:  # liveness imports torch, which `autotp plan --help` must not load
     from autotp.cost_model.liveness import SegmentMemory
 
-__all__ = ["PRECISIONS", "ChunkPeaks", "bytes_per_param", "chunk_peaks", "grad_bytes_per_param", "held_in_flight", "in_flight", "peak_with_states", "moment_arrays", "rank_peak_bytes", "schedule_peak_bytes", "schedule_peak_floor"]
+__all__ = ["PRECISIONS", "ChunkPeaks", "bytes_per_param", "chunk_peaks", "grad_bytes_per_param", "held_in_flight", "in_flight", "moment_arrays", "rank_peak_bytes", "schedule_peak_bytes", "schedule_peak_floor"]
 
 
 def bytes_per_param(precision: str, distributed_optimizer: bool = False, dp: int = 1) -> float:
@@ -207,21 +207,6 @@ def moment_arrays(name: str | None, pp: int, vpp: int, microbatches: int, rank: 
     )
 
 
-def rank_peak_bytes(
-    params: float,
-    precision: str,
-    distributed: bool,
-    dp: int,
-    chunks: list[ChunkPeaks],
-    moments: MomentArrays,
-    cuda_graph_bytes: float = 0.0,
-) -> float:
-    """Peak live bytes of a rank holding ``params`` parameter elements and its ``chunks``
-    (in local order), over the ``moments`` of its schedule (module docstring)."""
-    activations = schedule_peak_bytes(chunks, moments, not distributed)
-    return peak_with_states(activations, params, precision, distributed, dp, moments.in_flight, cuda_graph_bytes)
-
-
 def schedule_peak_bytes(chunks: Sequence[ChunkPeaks], moments: MomentArrays, plain: bool) -> float:
     """The most live bytes at any of the ``moments`` beyond the persistent ones: what the other microbatches hold
     plus the running action's own (module docstring); ``plain``: the parameter gradients are allocated by the
@@ -244,9 +229,11 @@ def schedule_peak_floor(chunks: Sequence[ChunkPeaks], in_flight: int) -> float:
     return (in_flight - 1) * saved + min(saved, min(k.forward for k in chunks))
 
 
-def peak_with_states(activations: float, params: float, precision: str, distributed: bool, dp: int, in_flight: int,
-                     cuda_graph_bytes: float = 0.0) -> float:  # fmt: skip
-    """``rank_peak_bytes`` from its ``schedule_peak_bytes`` and the most microbatch-chunks in flight."""
+def rank_peak_bytes(params: float, precision: str, distributed: bool, dp: int, activations: float, in_flight: int,
+                    cuda_graph_bytes: float = 0.0) -> float:  # fmt: skip
+    """Peak live bytes of a rank holding ``params`` parameter elements, whose schedule holds at most ``activations``
+    bytes beyond them (``schedule_peak_bytes``; a ``schedule_peak_floor`` gives a lower bound) and ``in_flight``
+    microbatch-chunks at once (``MomentArrays.in_flight``; module docstring)."""
     plain = not distributed
     optimizer = params * _precision(precision).grad * plain + optimizer_transient_bytes(params, precision, distributed, dp)
     return persistent_bytes(params, precision, distributed, dp) + max(optimizer, activations) + in_flight * cuda_graph_bytes

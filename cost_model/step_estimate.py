@@ -34,7 +34,8 @@ then dp, then pp):
   time) over the busiest rank's chunks: how long its GPU waits for the host (the plan's ``host_share`` of the step,
   which the machine's host constants decide: ``autotp calibrate`` measures them);
   MFU = 3 · forward FLOPs of B samples / (step · gpus · peak FLOP/s);
-* memory per GPU: the fullest rank's ``memory.rank_peak_bytes`` (live bytes replayed from the graph);
+* memory per GPU: the fullest rank's ``memory.rank_peak_bytes`` (live bytes replayed from the graph over its
+  schedule, ``memory.schedule_peak_bytes``);
 * small linears: a linear whose sharding saves less compute per microbatch,
   (1 - 1/t) · 3 · its forward FLOPs / GEMM rate, than one tp all-reduce's latency costs
   is replicated (``plan_tensor_parallel(replicate=...)``) in one of the variants below.
@@ -59,7 +60,8 @@ compiled for it (``ModelCosts.rank``):
 
 For each optimizer, the fastest variant that fits in ``HardwareProfile.usable_memory_bytes``
 wins (memory is computed in order of step time, until one fits, and in ``search`` skipped where the
-rank's parameters and optimizer state alone exceed it: ``memory.persistent_bytes``), else the leanest; of the
+rank's parameters and optimizer state alone exceed it, ``memory.persistent_bytes``, or those plus the
+activations its schedule holds at the least, ``memory.schedule_peak_floor``), else the leanest; of the
 two optimizers, the faster that fits (``PlanEstimate.needs_distributed_optimizer``: only
 the distributed one fits). A user's ``True``/``False`` for any of them fixes it.
 """
@@ -79,7 +81,7 @@ from autotp.cost_model.compute import ModelCosts, Segment, SegmentTime, segment_
 from autotp.cost_model.dp_sync import grad_sync_s, optimizer_step_s, sharded_sync_s
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory
-from autotp.cost_model.memory import ChunkPeaks, chunk_peaks, grad_bytes_per_param, persistent_bytes, peak_with_states
+from autotp.cost_model.memory import ChunkPeaks, chunk_peaks, grad_bytes_per_param, persistent_bytes, rank_peak_bytes
 from autotp.cost_model.memory import held_in_flight, moment_arrays, schedule_peak_bytes, schedule_peak_floor
 from autotp.cost_model.recompute import recomputed
 from autotp.ir.errors import UserInputError
@@ -317,17 +319,17 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
 
     def memory() -> float:
         return max(
-            peak_with_states(_schedule_peak_bytes(peaks, (config.schedule, pp, vpp, m, r), not v.distributed), params,
-                             training.precision, v.distributed, config.dp, moment_arrays(config.schedule, pp, vpp, m, r).in_flight,
-                             training.cuda_graph_bytes)
+            rank_peak_bytes(params, training.precision, v.distributed, config.dp,
+                            _schedule_peak_bytes(peaks, (config.schedule, pp, vpp, m, r), not v.distributed),
+                            moment_arrays(config.schedule, pp, vpp, m, r).in_flight, training.cuda_graph_bytes)
             for (params, peaks), r in ch.memory_ranks.items()
         )  # fmt: skip
 
     def bound() -> float:
         in_flight = {r: held_in_flight(config.schedule, pp, vpp, m, r) for r in ch.memory_ranks.values()}
         return max(
-            peak_with_states(schedule_peak_floor(peaks, in_flight[r]), params, training.precision, v.distributed, config.dp,
-                             in_flight[r], training.cuda_graph_bytes)
+            rank_peak_bytes(params, training.precision, v.distributed, config.dp, schedule_peak_floor(peaks, in_flight[r]),
+                            in_flight[r], training.cuda_graph_bytes)
             for (params, peaks), r in ch.memory_ranks.items()
         )  # fmt: skip
 
