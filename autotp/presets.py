@@ -183,6 +183,7 @@ def build_from_config(
 
 
 def _auto_class(config: PretrainedConfig) -> type:
+    """The auto class that builds ``config``'s model: with a language-modelling head where transformers has one."""
     from transformers import AutoModel, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
