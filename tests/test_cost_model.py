@@ -198,7 +198,7 @@ def _moments_by_walking(name: str | None, pp: int, vpp: int, m: int, rank: int) 
 
 @pytest.mark.parametrize("name", [None, "gpipe", "1f1b", "zbh1", "interleaved"])
 def test_moment_arrays_are_the_schedules_distinct_moments_in_order(name: str | None) -> None:
-    for pp, vpp, m in [(1, 1, 3), (2, 1, 4), (4, 1, 2), (4, 1, 9), (2, 2, 4), (4, 3, 8), (3, 5, 6)]:
+    for pp, vpp, m in [(1, 1, 3), (2, 1, 4), (4, 1, 2), (4, 1, 9), (8, 1, 32), (2, 2, 4), (4, 3, 8), (3, 5, 6), (4, 10, 16)]:
         if (name is None) != (pp == 1) or (vpp > 1) != (name == "interleaved") or (name != "gpipe" and m < pp) or (name == "interleaved" and m % pp):
             continue
         for rank in range(pp):
