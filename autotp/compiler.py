@@ -105,8 +105,8 @@ def _default_inputs(model: nn.Module) -> dict[str, Any]:
 
 def model_costs(gm: GraphModule, num_layers_total: int | None = None) -> ModelCosts:
     """The cost model of ``gm``, compiling candidate plans as tp rank 0 on meta, as ``train_step`` runs them
-    (reading only the loss)."""
-    return ModelCosts(gm, num_layers_total, compile_fn=lambda plan: lower(gm, plan, device="meta", outputs_read=LOSS_ONLY).graph)
+    (reading only the loss; ``rank_graph``)."""
+    return ModelCosts(gm, num_layers_total, compile_fn=lambda plan: rank_graph(gm, plan, outputs_read=LOSS_ONLY))
 
 
 def trace_for_planning(config: PretrainedConfig, seq: int, *, dtype: torch.dtype = torch.bfloat16, traced_layers: int = 1) -> ModelCosts:
@@ -305,12 +305,12 @@ def _warn_replicated(traced: GraphModule, plan: ParallelPlan) -> None:
         )
 
 
-def compile_steps() -> list[Pass]:
+def compile_steps(program: bool = True) -> list[Pass]:
     """What ``lower`` runs: the passes, with the cost model's decision steps where the passes
     after them read the decision (the CUDA-graph regions are chosen once the candidates are
-    found), then the passes that build the rank program."""
+    found), then, with ``program``, the passes that build the rank program's chunk graphs."""
     at = PASSES.index(find_cudagraph_candidates) + 1
-    return [*PASSES[:at], choose_cudagraph_regions, *PASSES[at:], *PROGRAM_PASSES]
+    return [*PASSES[:at], choose_cudagraph_regions, *PASSES[at:], *(PROGRAM_PASSES if program else [])]
 
 
 def lower(
@@ -339,6 +339,14 @@ def lower(
     gm = _run(_owned_copy(traced), ctx, compile_steps())
     causal = tuple(n.name for n in gm.graph.nodes if n.meta.get(meta_keys.CAUSAL_MASK) == CAUSAL)
     return RankProgram.of(gm, replace(ctx.plan, causal_attention_nodes=causal), dict(ctx.timings))
+
+
+def rank_graph(traced: GraphModule, plan: ParallelPlan, *, outputs_read: tuple[str, ...] = ()) -> GraphModule:
+    """The rank graph ``lower`` makes for tp rank 0 on meta, without its chunk graphs (``PROGRAM_PASSES`` only add
+    those, and leave the rank graph as it is): what the cost model reads of a candidate plan."""
+    refuse_reading_unread(traced, plan)
+    ctx = PassContext(plan=plan, device=torch.device("meta"), outputs_read=outputs_read)
+    return _run(_owned_copy(traced), ctx, compile_steps(program=False))
 
 
 WAIT_STEPS = [insert_param_waits, split_weight_grads]

@@ -175,14 +175,29 @@ def build_from_config(
 ) -> torch.nn.Module:
     """``build_model`` for a config object."""
     import torch
+
+    config.use_cache = False
+    with torch.device(device):
+        model = _auto_class(config).from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def _auto_class(config: PretrainedConfig) -> type:
+    """The auto class that builds ``config``'s model: with a language-modelling head where transformers has one."""
     from transformers import AutoModel, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    config.use_cache = False
-    auto_class = AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else AutoModel
-    with torch.device(device):
-        model = auto_class.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
+    return AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else AutoModel
+
+
+def model_class(config: PretrainedConfig) -> type | None:
+    """The transformers class ``build_from_config`` builds for ``config``, importing its modeling code (which happens
+    on first use otherwise: a caller can time building and tracing apart from importing); None if no auto class
+    knows the config."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
+
+    mapping = next((m for m in (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING) if type(config) in m), None)
+    return None if mapping is None else mapping[type(config)]
 
 
 def example_inputs(model: torch.nn.Module, batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:

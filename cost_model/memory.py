@@ -36,7 +36,7 @@ and add each new one in place (a transient of its size).
 
 **A rank's peak** (``rank_peak_bytes``) is its persistent bytes (parameters and
 optimizer state, the distributed optimizer's gradient buffer; ``persistent_bytes``)
-plus the largest of, over the moments of its schedule (``schedule_moments``: each F, B
+plus the largest of, over the moments of its schedule (``moment_arrays``: each F, B
 and W of ``autotp.ir.schedules``, with what the other microbatches hold then):
 
 * what the others hold: the saved bytes of every microbatch-chunk whose forward ran and
@@ -57,6 +57,7 @@ regions are planned), once per microbatch in flight: each has its own capture
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,7 +71,7 @@ from autotp.ir.training_step import precision as _precision
 if TYPE_CHECKING:  # liveness imports torch, which `autotp plan --help` must not load
     from autotp.cost_model.liveness import SegmentMemory
 
-__all__ = ["PRECISIONS", "ChunkPeaks", "bytes_per_param", "chunk_peaks", "grad_bytes_per_param", "in_flight", "rank_peak_bytes", "schedule_moments"]
+__all__ = ["PRECISIONS", "ChunkPeaks", "bytes_per_param", "chunk_peaks", "grad_bytes_per_param", "held_in_flight", "in_flight", "moment_arrays", "rank_peak_bytes", "schedule_peak_bytes", "schedule_peak_floor"]
 
 
 def bytes_per_param(precision: str, distributed_optimizer: bool = False, dp: int = 1) -> float:
@@ -94,6 +95,13 @@ def in_flight(schedule: str | None, pp: int, vpp: int, microbatches: int, rank: 
         return min(pp, microbatches)
     assert schedule == "interleaved", f"unknown schedule {schedule!r}"
     return min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, microbatches * vpp)
+
+
+def held_in_flight(schedule: str | None, pp: int, vpp: int, microbatches: int, rank: int) -> int:
+    """The most microbatch-chunks whose activations rank ``rank`` holds at once, the running forward's included
+    (``MomentArrays.in_flight``): ``in_flight``, but under ZB-H1 that of 1F1B, its order of F and B (the deferred
+    W's hold no activations)."""
+    return in_flight("1f1b" if schedule == "zbh1" else schedule, pp, vpp, microbatches, rank)
 
 
 @dataclass(frozen=True)
@@ -144,55 +152,13 @@ def optimizer_transient_bytes(params: float, precision: str, distributed: bool, 
     return params * _precision(precision).optimizer_state / 2 / (dp if distributed else 1)
 
 
-@dataclass(frozen=True)
-class Moment:
-    """One action of a rank's schedule: what the other microbatches hold while it runs.
-
-    ``held[k]``: microbatches whose forward of local chunk k ran and backward did not;
-    ``deferred[k]``: zero-bubble backwards of chunk k waiting for their W; ``grads[k]``:
-    chunk k's parameter gradients exist; ``first``: this B or W allocates them."""
-
-    kind: str
-    chunk: int
-    held: tuple[int, ...]
-    deferred: tuple[int, ...]
-    grads: tuple[bool, ...]
-    first: bool
-
-
-@functools.lru_cache(maxsize=8192)
-def schedule_moments(name: str | None, pp: int, vpp: int, microbatches: int, rank: int) -> tuple[Moment, ...]:
-    """The distinct moments of rank ``rank``'s schedule (``None``: no pipeline, F then B per microbatch)."""
-    if name is None or pp == 1:
-        actions = [Action(kind, 0, i) for i in range(microbatches) for kind in "FB"]
-    else:
-        actions = schedules.schedule(name, pp, vpp, microbatches, rank)
-    chunks = vpp if name == "interleaved" else 1
-    held, deferred, grads = [0] * chunks, [0] * chunks, [False] * chunks
-    moments: dict[Moment, None] = {}
-    for a in actions:
-        c = a.chunk
-        if a.kind == "F":
-            moments[Moment("F", c, tuple(held), tuple(deferred), tuple(grads), False)] = None
-            held[c] += 1
-            continue
-        if a.kind == "B":
-            held[c] -= 1
-        else:
-            deferred[c] -= 1
-        moments[Moment(a.kind, c, tuple(held), tuple(deferred), tuple(grads), not grads[c])] = None
-        if a.kind == "B" and name == "zbh1":
-            deferred[c] += 1
-        else:
-            grads[c] = True
-    return tuple(moments)
-
-
 @dataclass(frozen=True, eq=False)
 class MomentArrays:
-    """``schedule_moments`` as arrays, one row per moment: its chunk, kind (F, B or W), whether
-    it allocates the chunk's gradients, and per chunk the microbatches held, the deferred W's
-    and whether the gradients exist."""
+    """The distinct moments of a rank's schedule, one row each: the action's chunk, kind (F, B
+    or W), whether it allocates the chunk's gradients (``first``: a B or W before which the chunk
+    has none), and per local chunk what the other microbatches hold while it runs: ``held``,
+    microbatches whose forward of the chunk ran and backward did not; ``deferred``, zero-bubble
+    backwards waiting for their W; ``grads``, whether the chunk's parameter gradients exist."""
 
     chunk: np.ndarray
     forward: np.ndarray
@@ -206,40 +172,68 @@ class MomentArrays:
 
 @functools.lru_cache(maxsize=8192)
 def moment_arrays(name: str | None, pp: int, vpp: int, microbatches: int, rank: int) -> MomentArrays:
-    moments = schedule_moments(name, pp, vpp, microbatches, rank)
-    kinds = np.array([mo.kind for mo in moments])
-    held = np.array([mo.held for mo in moments], dtype=float)
+    """The moments of rank ``rank``'s schedule (``None``: no pipeline, F then B per microbatch), in order of first
+    occurrence. The state an action sees is the one before it, except that a B sees its own microbatch released
+    and a W its own deferral ended: running sums over the actions of each change."""
+    if name is None or pp == 1:
+        actions = [Action(kind, 0, i) for i in range(microbatches) for kind in "FB"]
+    else:
+        actions = schedules.schedule(name, pp, vpp, microbatches, rank)
+    chunks = vpp if name == "interleaved" else 1
+    kinds = np.array([a.kind for a in actions])
+    chunk = np.array([a.chunk for a in actions])
+    forward, backward, weight = kinds == "F", kinds == "B", kinds == "W"
+    defers = backward if name == "zbh1" else np.zeros_like(backward)  # a zero-bubble B leaves its W for later
+    allocates = (backward & ~defers) | weight
+    one_hot = np.zeros((len(actions), chunks), dtype=int)
+    one_hot[np.arange(len(actions)), chunk] = 1
+    held = np.cumsum(one_hot * (forward.astype(int) - backward)[:, None], axis=0) - one_hot * forward[:, None]
+    deferred = np.cumsum(one_hot * (defers.astype(int) - weight)[:, None], axis=0) - one_hot * defers[:, None]
+    grads = (np.cumsum(one_hot * allocates[:, None], axis=0) - one_hot * allocates[:, None]) > 0
+    first = ~forward & ~grads[np.arange(len(actions)), chunk]
+    rows = np.column_stack([np.where(forward, 0, np.where(backward, 1, 2)), chunk, first, held, deferred, grads])
+    _, index = np.unique(rows.view(np.dtype((np.void, rows.itemsize * rows.shape[1]))).ravel(), return_index=True)
+    keep = np.sort(index)
+    held_kept = held[keep].astype(float)
     return MomentArrays(
-        chunk=np.array([mo.chunk for mo in moments]),
-        forward=kinds == "F",
-        weight=kinds == "W",
-        first=np.array([mo.first for mo in moments]),
-        held=held,
-        deferred=np.array([mo.deferred for mo in moments], dtype=float),
-        grads=np.array([mo.grads for mo in moments], dtype=float),
-        in_flight=int(max(held.sum(axis=1) + (kinds == "F"))),
+        chunk=chunk[keep],
+        forward=forward[keep],
+        weight=weight[keep],
+        first=first[keep],
+        held=held_kept,
+        deferred=deferred[keep].astype(float),
+        grads=grads[keep].astype(float),
+        in_flight=int(max(held_kept.sum(axis=1) + forward[keep])),
     )
 
 
-def rank_peak_bytes(
-    params: float,
-    precision: str,
-    distributed: bool,
-    dp: int,
-    chunks: list[ChunkPeaks],
-    moments: MomentArrays,
-    cuda_graph_bytes: float = 0.0,
-) -> float:
-    """Peak live bytes of a rank holding ``params`` parameter elements and its ``chunks``
-    (in local order), over the ``moments`` of its schedule (module docstring)."""
-    plain = not distributed  # the distributed optimizer's gradient buffer is persistent
-    optimizer = params * _precision(precision).grad * plain + optimizer_transient_bytes(params, precision, distributed, dp)
-    saved, forward, first_backward, later_backward, deferred, grads = (
-        np.array([getattr(k, field) for k in chunks]) for field in ("saved", "forward", "first_backward", "later_backward", "deferred", "grads")
-    )  # fmt: skip
+def schedule_peak_bytes(chunks: Sequence[ChunkPeaks], moments: MomentArrays, plain: bool) -> float:
+    """The most live bytes at any of the ``moments`` beyond the persistent ones: what the other microbatches hold
+    plus the running action's own (module docstring); ``plain``: the parameter gradients are allocated by the
+    backward (the distributed optimizer's gradient buffer is persistent)."""
+    saved, forward, first_backward, later_backward, deferred, grads = np.array(
+        [(k.saved, k.forward, k.first_backward, k.later_backward, k.deferred, k.grads) for k in chunks]
+    ).T
     held = moments.held @ saved + moments.deferred @ deferred + plain * (moments.grads @ grads)
     c = moments.chunk
     backward = np.where(plain & moments.first, first_backward[c], later_backward[c])
     own = np.where(moments.forward, forward[c], np.where(moments.weight, deferred[c] + plain * moments.first * grads[c], backward))
-    peak = max(optimizer, float((held + own).max()))
-    return persistent_bytes(params, precision, distributed, dp) + peak + moments.in_flight * cuda_graph_bytes
+    return float((held + own).max())
+
+
+def schedule_peak_floor(chunks: Sequence[ChunkPeaks], in_flight: int) -> float:
+    """At most ``schedule_peak_bytes`` of a schedule whose ``MomentArrays.in_flight`` is ``in_flight``: at its
+    fullest moment the other microbatch-chunks hold in_flight - 1 chunks' saved bytes while a forward runs (its own
+    peak), or in_flight of them while a B or W runs; every term is at least the smallest of its kind."""
+    saved = min(k.saved for k in chunks)
+    return (in_flight - 1) * saved + min(saved, min(k.forward for k in chunks))
+
+
+def rank_peak_bytes(params: float, precision: str, distributed: bool, dp: int, activations: float, in_flight: int,
+                    cuda_graph_bytes: float = 0.0) -> float:  # fmt: skip
+    """Peak live bytes of a rank holding ``params`` parameter elements, whose schedule holds at most ``activations``
+    bytes beyond them (``schedule_peak_bytes``; a ``schedule_peak_floor`` gives a lower bound) and ``in_flight``
+    microbatch-chunks at once (``MomentArrays.in_flight``; module docstring)."""
+    plain = not distributed
+    optimizer = params * _precision(precision).grad * plain + optimizer_transient_bytes(params, precision, distributed, dp)
+    return persistent_bytes(params, precision, distributed, dp) + max(optimizer, activations) + in_flight * cuda_graph_bytes

@@ -274,9 +274,13 @@ def search(
                 raise
             refused[t] = str(e)
     tell(f"estimating {sum(c.tp in usable for c in configs)} candidate plans")
-    estimates = [best_estimate(costs, cluster, training, c, splits=c.tp in splits, exact=False) for c in configs if c.tp in usable]
-    experts: dict[int, ExpertParallelEstimate] = {}
     facts = moe_facts(costs) if expert_parallel else None
+    # A candidate that fits in no variant is only counted, unless expert parallelism subtracts what it saves from its
+    # memory or its leanest variant decides whether recomputation is tried: then it carries its exact memory or floor.
+    bound = facts is None and training.recompute is not None
+    estimates = [best_estimate(costs, cluster, training, c, splits=c.tp in splits, exact=False, bound_activations=bound)
+                 for c in configs if c.tp in usable]  # fmt: skip
+    experts: dict[int, ExpertParallelEstimate] = {}
     if facts is not None:
         priced = [with_expert_parallel(facts, e, cluster, training, costs.seq) for e in estimates]
         estimates = [e for e, _ in priced]

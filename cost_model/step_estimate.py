@@ -34,7 +34,8 @@ then dp, then pp):
   time) over the busiest rank's chunks: how long its GPU waits for the host (the plan's ``host_share`` of the step,
   which the machine's host constants decide: ``autotp calibrate`` measures them);
   MFU = 3 · forward FLOPs of B samples / (step · gpus · peak FLOP/s);
-* memory per GPU: the fullest rank's ``memory.rank_peak_bytes`` (live bytes replayed from the graph);
+* memory per GPU: the fullest rank's ``memory.rank_peak_bytes`` (live bytes replayed from the graph over its
+  schedule, ``memory.schedule_peak_bytes``);
 * small linears: a linear whose sharding saves less compute per microbatch,
   (1 - 1/t) · 3 · its forward FLOPs / GEMM rate, than one tp all-reduce's latency costs
   is replicated (``plan_tensor_parallel(replicate=...)``) in one of the variants below.
@@ -59,7 +60,8 @@ compiled for it (``ModelCosts.rank``):
 
 For each optimizer, the fastest variant that fits in ``HardwareProfile.usable_memory_bytes``
 wins (memory is computed in order of step time, until one fits, and in ``search`` skipped where the
-rank's parameters and optimizer state alone exceed it: ``memory.persistent_bytes``), else the leanest; of the
+rank's parameters and optimizer state alone exceed it, ``memory.persistent_bytes``, or those plus the
+activations its schedule holds at the least, ``memory.schedule_peak_floor``), else the leanest; of the
 two optimizers, the faster that fits (``PlanEstimate.needs_distributed_optimizer``: only
 the distributed one fits). A user's ``True``/``False`` for any of them fixes it.
 """
@@ -80,7 +82,7 @@ from autotp.cost_model.dp_sync import grad_sync_s, optimizer_step_s, sharded_syn
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory
 from autotp.cost_model.memory import ChunkPeaks, chunk_peaks, grad_bytes_per_param, persistent_bytes, rank_peak_bytes
-from autotp.cost_model.memory import moment_arrays
+from autotp.cost_model.memory import held_in_flight, moment_arrays, schedule_peak_bytes, schedule_peak_floor
 from autotp.cost_model.recompute import recomputed
 from autotp.ir.errors import UserInputError
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER
@@ -160,12 +162,17 @@ def small_linears(costs: ModelCosts, tp: int, batch: int, hw: HardwareProfile) -
 
 
 @functools.lru_cache(maxsize=256)
-def _chunk_layers(costs: ModelCosts, chunks: int) -> tuple[Counter, ...]:
-    """For each chunk, how many model layers of each traced layer it holds (cached)."""
-    out: list[Counter] = [Counter() for _ in range(chunks)]
+def _chunk_keys(costs: ModelCosts, chunks: int) -> tuple[tuple[tuple, ...], dict[tuple, tuple[tuple[int, int], ...]]]:
+    """Each chunk's key (the traced layers it holds and how often, whether it is the first and the last) and, per
+    distinct key, the (traced layer, copies) of its first chunk in the order the chunk reaches them (cached)."""
+    counts: list[Counter] = [Counter() for _ in range(chunks)]
     for layer, chunk in enumerate(costs.layer_chunks(chunks)):
-        out[chunk][costs.traced_index(layer)] += 1
-    return tuple(out)
+        counts[chunk][costs.traced_index(layer)] += 1
+    keys = tuple((tuple(sorted(n.items())), c == 0, c == chunks - 1) for c, n in enumerate(counts))
+    layers: dict[tuple, tuple[tuple[int, int], ...]] = {}
+    for key, n in zip(keys, counts):
+        layers.setdefault(key, tuple(n.items()))
+    return keys, layers
 
 
 def estimate(
@@ -183,14 +190,49 @@ def estimate(
 @dataclass(frozen=True)
 class _Draft:
     """An ``Estimate`` without its memory; ``memory()`` computes it (the slower half), ``floor`` is at most that:
-    the fullest rank's parameters and optimizer state (``memory.persistent_bytes``)."""
+    the fullest rank's parameters and optimizer state (``memory.persistent_bytes``); ``bound()`` too, and at least
+    ``floor``: each rank's with the activations its schedule holds at the least (``memory.schedule_peak_floor``)."""
 
     estimate: Estimate
     memory: Callable[[], float]
     floor: float
+    bound: Callable[[], float]
 
 
-def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Config, v: Variant) -> _Draft:
+@dataclass(frozen=True, eq=False)
+class _Chunks:
+    """What the variants of a candidate that share a rank graph (``_chunks``) share, whichever optimizer: per chunk its
+    time, GPU time and communication per microbatch and its segments' memory, per pipeline rank the parameters it
+    holds and the sums of its chunks' times; the pipeline and its bubble."""
+
+    config: Config
+    sequence_parallel: bool  # what the rank graph runs (False at tp = 1)
+    chunk_s: list[float]
+    chunk_gpu: list[float]
+    chunk_comm: list[float]
+    chunk_mem: list[tuple]
+    held: list[tuple[int, int]]  # per rank (parameter elements, tensors)
+    rank_s: list[float]
+    rank_gpu: list[float]
+    pipeline_s: float
+    bubble_s: float
+    tied_s: float
+
+    @functools.cached_property
+    def memory_ranks(self) -> dict[tuple, int]:
+        """The first rank of each group of ranks holding the same parameters and chunks, by (parameters, chunk peaks).
+
+        Ranks holding the same bytes differ only in the microbatches in flight, which no schedule gives a later rank
+        more of than an earlier one: the first rank of each group has the group's peak."""
+        pp, b = self.config.pp, self.config.microbatch_size
+        peaks = [_chunk_peaks(parts, b) for parts in self.chunk_mem]
+        first: dict[tuple, int] = {}
+        for r in range(pp):
+            first.setdefault((self.held[r][0], tuple(peaks[r::pp])), r)
+        return first
+
+
+def _chunks(costs: ModelCosts, cluster: Cluster, training: Training, config: Config, v: Variant) -> _Chunks:
     hw = cluster.hardware
     per_node = min(cluster.gpus, cluster.gpus_per_node)
     rc = costs.rank(config.tp, v.replicate, training.gather_outputs, sequence_parallel=v.sequence_parallel,
@@ -209,86 +251,106 @@ def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Conf
     hidden = costs.hidden_bytes * b / (config.tp if rc.plan.sequence_parallel else 1)
     hop = p2p_s(hidden, hw.p2p_link if in_node else hw.inter_node)
     layer_memory = {id(seg): recomputed(seg.memory) if v.recompute else seg.memory for seg in rc.layers}
-    chunk_s, chunk_gpu, chunk_comm, chunk_mem, chunk_params = [], [], [], [], []
     layer_ids = {id(seg) for seg in rc.layers}
+    keys, layers_of = _chunk_keys(costs, chunks)
     alike: dict[tuple, tuple] = {}  # chunks of the same layers, ends and neighbours cost the same
-    for c, counts in enumerate(_chunk_layers(costs, chunks)):
-        key = (tuple(sorted(counts.items())), c == 0, c == chunks - 1)
-        if key not in alike:
-            parts = [(rc.layers[j], layers[j], n) for j, n in counts.items()] + [(seg, st, 1) for seg, st in ends.get(c, [])]
-            parts.append((rc.preamble, preamble, 1))
-            recv = hop * ((c > 0) + (c < chunks - 1))
-            grads = sum(n * seg.param_numel for seg, _, n in parts) * grad_bytes_per_param(training.precision)
-            accumulate = (m - 1) / m * 3 * grads / hw.memory_bytes_per_s
-            ordered = [(rc.preamble, 1)] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.embedding]
-            ordered += [(rc.layers[j], n) for j, n in sorted(counts.items())] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.head]
-            alike[key] = (sum(n * st.total_s for _, st, n in parts) + recv + accumulate + hw.call_host_s,
-                          sum(n * st.gpu_s for _, st, n in parts) + recv + accumulate,
-                          sum(n * st.comm_s for _, st, n in parts) + recv,
-                          tuple((layer_memory.get(id(seg), seg.memory), n) for seg, n in ordered),
-                          [(seg.params, n, id(seg) in layer_ids) for seg, _, n in parts])  # fmt: skip
-        for out, value in zip((chunk_s, chunk_gpu, chunk_comm, chunk_mem, chunk_params), alike[key]):
-            out.append(value)
+    for key in dict.fromkeys(keys):
+        c = 0 if key[1] else chunks - 1 if key[2] else 1
+        counts = layers_of[key]
+        parts = [(rc.layers[j], layers[j], n) for j, n in counts] + [(seg, st, 1) for seg, st in ends.get(c, [])]
+        parts.append((rc.preamble, preamble, 1))
+        recv = hop * ((c > 0) + (c < chunks - 1))
+        grads = sum(n * seg.param_numel for seg, _, n in parts) * grad_bytes_per_param(training.precision)
+        accumulate = (m - 1) / m * 3 * grads / hw.memory_bytes_per_s
+        ordered = [(rc.preamble, 1)] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.embedding]
+        ordered += [(rc.layers[j], n) for j, n in sorted(counts)] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.head]
+        alike[key] = (sum(n * st.total_s for _, st, n in parts) + recv + accumulate + hw.call_host_s,
+                      sum(n * st.gpu_s for _, st, n in parts) + recv + accumulate,
+                      sum(n * st.comm_s for _, st, n in parts) + recv,
+                      tuple((layer_memory.get(id(seg), seg.memory), n) for seg, n in ordered),
+                      [(seg.params, n, id(seg) in layer_ids) for seg, _, n in parts])  # fmt: skip
+    chunk_s, chunk_gpu, chunk_comm, chunk_mem, chunk_params = (list(column) for column in zip(*(alike[key] for key in keys)))
     pipeline, bubble = pipeline_time_s(chunk_s, chunk_gpu, pp, vpp, m, config.schedule or "1f1b")
-
-    dp_per_node = max(1, min(config.dp, per_node // config.tp))
-    held = [_rank_params(chunk_params[r::pp]) for r in range(pp)]
-    syncs: dict[tuple, float] = {}  # ranks holding the same parameters and GPU time sync alike
-    optimizers = []
-    for r, (params, tensors) in enumerate(held):
-        if v.distributed:
-            backward = BACKWARD_SHARE * sum(chunk_gpu[r::pp])
-            forward = (1 - BACKWARD_SHARE) * sum(chunk_gpu[r::pp]) if training.overlap_param_gather and not training.cuda_graph_bytes else 0.0
-            key = (params, backward, forward)
-            if key not in syncs:
-                syncs[key] = sharded_sync_s(params, training.precision, config.dp, dp_per_node, backward, hw, forward)
-            optimizers.append(optimizer_step_s(params, training.precision, config.dp, hw))
-        else:
-            key = (params, tensors)
-            if key not in syncs:
-                syncs[key] = grad_sync_s(params, tensors, config.dp, dp_per_node, training.precision, hw)
-            optimizers.append(optimizer_step_s(params, training.precision, 1, hw))
+    held_by: dict[tuple, tuple[int, int]] = {}  # ranks holding chunks of the same keys hold the same parameters
+    held = []
+    for r in range(pp):
+        mine = keys[r::pp]
+        if mine not in held_by:
+            held_by[mine] = _rank_params(chunk_params[r::pp])
+        held.append(held_by[mine])
     tied = set(rc.embedding.params) & set(rc.head.params)
     tied_s = 0.0
     if tied and pp > 1:
         nbytes = sum(rc.embedding.params[name] for name in tied) * grad_bytes_per_param(training.precision)
         tied_s = all_reduce_s(nbytes, 2, hw.p2p_link if in_node else hw.inter_node)
-    busiest = max(range(pp), key=lambda r: sum(chunk_s[r::pp]))
-    sync = max(syncs.values()) + tied_s
-    step = pipeline + sync + max(optimizers)
+    return _Chunks(config, rc.plan.sequence_parallel, chunk_s, chunk_gpu, chunk_comm, chunk_mem, held,
+                   [sum(chunk_s[r::pp]) for r in range(pp)], [sum(chunk_gpu[r::pp]) for r in range(pp)], pipeline, bubble,
+                   tied_s)  # fmt: skip
+
+
+def _draft(costs: ModelCosts, cluster: Cluster, training: Training, config: Config, v: Variant,
+           shared: _Chunks | None = None) -> _Draft:  # fmt: skip
+    """The draft of variant ``v``; ``shared``: its ``_chunks``, if already made for a variant of the same rank graph."""
+    hw = cluster.hardware
+    per_node = min(cluster.gpus, cluster.gpus_per_node)
+    ch = shared if shared is not None else _chunks(costs, cluster, training, config, v)
+    m, pp, vpp = config.microbatches, config.pp, config.vpp
+    dp_per_node = max(1, min(config.dp, per_node // config.tp))
+    syncs: dict[tuple, float] = {}  # ranks holding the same parameters and GPU time sync alike
+    optimizers: dict[int, float] = {}
+    for r, (params, tensors) in enumerate(ch.held):
+        if v.distributed:
+            backward = BACKWARD_SHARE * ch.rank_gpu[r]
+            forward = (1 - BACKWARD_SHARE) * ch.rank_gpu[r] if training.overlap_param_gather and not training.cuda_graph_bytes else 0.0
+            key = (params, backward, forward)
+            if key not in syncs:
+                syncs[key] = sharded_sync_s(params, training.precision, config.dp, dp_per_node, backward, hw, forward)
+        else:
+            key = (params, tensors)
+            if key not in syncs:
+                syncs[key] = _grad_sync_s(params, tensors, config.dp, dp_per_node, training.precision, hw)
+        if params not in optimizers:
+            optimizers[params] = optimizer_step_s(params, training.precision, config.dp if v.distributed else 1, hw)
+    busiest = max(range(pp), key=ch.rank_s.__getitem__)
+    sync = max(syncs.values()) + ch.tied_s
+    optimizer = max(optimizers.values())
+    step = ch.pipeline_s + sync + optimizer
     tokens = training.global_batch * costs.seq
 
     def memory() -> float:
-        peaks = [_chunk_peaks(parts, b) for parts in chunk_mem]
-        # Ranks holding the same bytes differ only in the microbatches in flight, which no schedule gives a later rank
-        # more of than an earlier one: the first rank of each such group has the group's peak.
-        first: dict[tuple, int] = {}
-        for r in range(pp):
-            first.setdefault((held[r][0], tuple(peaks[r::pp])), r)
         return max(
-            _rank_peak_bytes(params, training.precision, v.distributed, config.dp, peaks_r, (config.schedule, pp, vpp, m, r),
-                             training.cuda_graph_bytes)
-            for (params, peaks_r), r in first.items()
+            rank_peak_bytes(params, training.precision, v.distributed, config.dp,
+                            _schedule_peak_bytes(peaks, (config.schedule, pp, vpp, m, r), not v.distributed),
+                            moment_arrays(config.schedule, pp, vpp, m, r).in_flight, training.cuda_graph_bytes)
+            for (params, peaks), r in ch.memory_ranks.items()
+        )  # fmt: skip
+
+    def bound() -> float:
+        in_flight = {r: held_in_flight(config.schedule, pp, vpp, m, r) for r in ch.memory_ranks.values()}
+        return max(
+            rank_peak_bytes(params, training.precision, v.distributed, config.dp, schedule_peak_floor(peaks, in_flight[r]),
+                            in_flight[r], training.cuda_graph_bytes)
+            for (params, peaks), r in ch.memory_ranks.items()
         )  # fmt: skip
 
     draft = Estimate(
         config=config,
         replicate=v.replicate,
         step_s=step,
-        bubble_s=bubble,
-        comm_s=m * sum(chunk_comm[busiest::pp]) + sync,
-        optimizer_s=max(optimizers),
+        bubble_s=ch.bubble_s,
+        comm_s=m * sum(ch.chunk_comm[busiest::pp]) + sync,
+        optimizer_s=optimizer,
         mem_bytes_per_gpu=math.nan,
         tokens_per_s=tokens / step,
         mfu=3 * costs.forward_flops(training.global_batch) / (step * cluster.gpus * hw.mfu_flops_per_s),
         distributed_optimizer=v.distributed,
-        sequence_parallel=rc.plan.sequence_parallel,
-        tp_overlap=v.tp_overlap if rc.plan.sequence_parallel else (),
-        host_wait_s=m * sum(s - g for s, g in zip(chunk_s[busiest::pp], chunk_gpu[busiest::pp])),
+        sequence_parallel=ch.sequence_parallel,
+        tp_overlap=v.tp_overlap if ch.sequence_parallel else (),
+        host_wait_s=m * sum(s - g for s, g in zip(ch.chunk_s[busiest::pp], ch.chunk_gpu[busiest::pp])),
         recompute=v.recompute,
     )
-    floor = max(persistent_bytes(params, training.precision, v.distributed, config.dp) for params, _ in held)
-    return _Draft(draft, memory, floor)
+    floor = max(persistent_bytes(params, training.precision, v.distributed, config.dp) for params in optimizers)
+    return _Draft(draft, memory, floor, bound)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -298,17 +360,22 @@ def _segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_no
 
 
 @functools.lru_cache(maxsize=4096)
+def _grad_sync_s(params: int, tensors: int, dp: int, dp_per_node: int, precision: str, hw: HardwareProfile) -> float:
+    """``grad_sync_s``, once per rank's parameters: the sequence-parallel variants of a candidate hold the same."""
+    return grad_sync_s(params, tensors, dp, dp_per_node, precision, hw)
+
+
+@functools.lru_cache(maxsize=4096)
 def _chunk_peaks(parts: tuple[tuple[SegmentMemory, int], ...], batch: int) -> ChunkPeaks:
     """``chunk_peaks``, once per chunk layout and microbatch size."""
     return chunk_peaks(list(parts), batch)
 
 
 @functools.lru_cache(maxsize=65536)
-def _rank_peak_bytes(params: int, precision: str, distributed: bool, dp: int, peaks: tuple[ChunkPeaks, ...],
-                     schedule: tuple[str | None, int, int, int, int], cuda_graph_bytes: float) -> float:  # fmt: skip
-    """``rank_peak_bytes`` of rank ``schedule[-1]`` of ``schedule_moments(*schedule)``, once per distinct input
+def _schedule_peak_bytes(peaks: tuple[ChunkPeaks, ...], schedule: tuple[str | None, int, int, int, int], plain: bool) -> float:
+    """``schedule_peak_bytes`` of rank ``schedule[-1]`` of ``moment_arrays(*schedule)``, once per distinct input
     (variants whose chunks hold the same bytes, ranks holding the same chunks at the same moments)."""
-    return rank_peak_bytes(params, precision, distributed, dp, list(peaks), moment_arrays(*schedule), cuda_graph_bytes)
+    return schedule_peak_bytes(peaks, moment_arrays(*schedule), plain)
 
 
 def _rank_params(chunks: list[list[tuple[dict[str, int], int, bool]]]) -> tuple[int, int]:
@@ -337,9 +404,12 @@ def sequence_options(training: Training, tp: int, splits: bool = True) -> list[t
 
 def best_estimate(
     costs: ModelCosts, cluster: Cluster, training: Training, config: Config, *, splits: bool = True, exact: bool = True,
+    bound_activations: bool = False,
 ) -> Estimate:  # fmt: skip
     """The fastest fitting variant of ``config`` (module docstring); ``splits``: sequence parallelism can split its
-    sequence. Without ``exact``, a candidate that fits in no variant may carry a lower bound of its memory."""
+    sequence. Without ``exact``, a candidate that fits in no variant may carry a lower bound of its memory: its
+    parameters and optimizer state, and with ``bound_activations`` also the activations its schedule holds at the
+    least (``_Draft.bound``)."""
     forced = training.distributed_optimizer
     if config.dp == 1:
         options = [bool(forced)]
@@ -352,10 +422,12 @@ def best_estimate(
     sequence = sequence_options(training, config.tp, splits)
     capacity = cluster.hardware.usable_memory_bytes
     for recompute in [False, True] if training.recompute is None else [training.recompute]:
+        graphs = [Variant(r, False, sp, o, recompute) for r in layouts for sp, o in sequence]
+        shared = [_chunks(costs, cluster, training, config, v) for v in graphs]
         found = {
             d: _fastest_fitting(
-                [_draft(costs, cluster, training, config, Variant(r, d, sp, o, recompute)) for r in layouts for sp, o in sequence],
-                capacity, exact,
+                [_draft(costs, cluster, training, config, replace(v, distributed=d), ch) for v, ch in zip(graphs, shared)],
+                capacity, exact, bound_activations,
             )  # fmt: skip
             for d in options
         }
@@ -371,16 +443,22 @@ def best_estimate(
     return replace(best, needs_distributed_optimizer=needs)
 
 
-def _fastest_fitting(drafts: list[_Draft], capacity: float, exact: bool) -> Estimate:
+def _fastest_fitting(drafts: list[_Draft], capacity: float, exact: bool, bound_activations: bool = False) -> Estimate:
     """The fastest draft whose memory fits (ties: the leaner), else the leanest; memory is computed in order of step
-    time, and not where its floor already exceeds ``capacity`` unless ``exact``."""
+    time, and not where its floor (with ``bound_activations``, its bound) already exceeds ``capacity`` unless
+    ``exact``."""
     measured: list[Estimate] = []
     fits: Estimate | None = None
     for draft in sorted(drafts, key=lambda d: d.estimate.step_s):
         if fits is not None and draft.estimate.step_s > fits.step_s:
             break
-        over = not exact and draft.floor > capacity
-        est = replace(draft.estimate, mem_bytes_per_gpu=draft.floor if over else draft.memory())
+        if not exact and draft.floor > capacity:
+            memory = draft.floor
+        elif not exact and bound_activations and (bound := draft.bound()) > capacity:
+            memory = bound
+        else:
+            memory = draft.memory()
+        est = replace(draft.estimate, mem_bytes_per_gpu=memory)
         measured.append(est)
         if est.mem_bytes_per_gpu <= capacity and (fits is None or est.mem_bytes_per_gpu < fits.mem_bytes_per_gpu):
             fits = est

@@ -97,7 +97,8 @@ def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> Gra
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)
         (ctx.dump_dir / "00_traced.py").write_text(_code(gm))
-    counts = _op_counts(gm)
+    debug = log.isEnabledFor(logging.DEBUG)
+    counts = _op_counts(gm) if debug else Counter()
     for i, p in enumerate(passes, start=1):
         name = p.__name__
         start = time.perf_counter()
@@ -119,9 +120,10 @@ def run_passes(gm: GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> Gra
         elapsed = time.perf_counter() - start
         ctx.timings[name] = ctx.timings.get(name, 0.0) + elapsed
         done.append(name)
-        after = _op_counts(gm)
-        log.debug("pass %s (%.3f s): %s", name, elapsed, _diff(counts, after))
-        counts = after
+        if debug:
+            after = _op_counts(gm)
+            log.debug("pass %s (%.3f s): %s", name, elapsed, _diff(counts, after))
+            counts = after
         if ctx.dump_dir is not None:
             (ctx.dump_dir / f"{i:02d}_{name}.py").write_text(_code(gm))
     for _, g in _graphs(gm):

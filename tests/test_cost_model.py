@@ -36,10 +36,12 @@ from autotp.cost_model.hardware import (
     profile_from_json,
     save_profile,
 )
+from autotp.cost_model import memory
 from autotp.cost_model.memory import bytes_per_param, in_flight
 
 from autotp import presets
 from autotp.ir import schedules
+from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER
 from autotp.analysis.trace import trace
 from autotp import compiler
 from autotp.compiler import model_costs
@@ -168,6 +170,44 @@ def test_in_flight_formulas() -> None:
     assert in_flight("interleaved", 4, 2, 16, 0) == (4 - 0 - 1) * 2 + (2 - 1) * 4 + 1
     assert in_flight("gpipe", 4, 1, 16, 0) == 16
     assert in_flight(None, 1, 1, 16, 0) == 1
+
+
+def _moments_by_walking(name: str | None, pp: int, vpp: int, m: int, rank: int) -> list[tuple]:
+    """The distinct (kind, chunk, held, deferred, grads, first) of a rank's schedule, one action at a time."""
+    actions = [schedules.Action(k, 0, i) for i in range(m) for k in "FB"] if name is None else schedules.schedule(name, pp, vpp, m, rank)
+    chunks = vpp if name == "interleaved" else 1
+    held, deferred, grads = [0] * chunks, [0] * chunks, [False] * chunks
+    seen: dict[tuple, None] = {}
+    for a in actions:
+        c = a.chunk
+        if a.kind == "F":
+            seen["F", c, tuple(held), tuple(deferred), tuple(grads), False] = None
+            held[c] += 1
+            continue
+        if a.kind == "B":
+            held[c] -= 1
+        else:
+            deferred[c] -= 1
+        seen[a.kind, c, tuple(held), tuple(deferred), tuple(grads), not grads[c]] = None
+        if a.kind == "B" and name == "zbh1":
+            deferred[c] += 1
+        else:
+            grads[c] = True
+    return list(seen)
+
+
+@pytest.mark.parametrize("name", [None, "gpipe", "1f1b", "zbh1", "interleaved"])
+def test_moment_arrays_are_the_schedules_distinct_moments_in_order(name: str | None) -> None:
+    for pp, vpp, m in [(1, 1, 3), (2, 1, 4), (4, 1, 2), (4, 1, 9), (8, 1, 32), (2, 2, 4), (4, 3, 8), (3, 5, 6), (4, 10, 16)]:
+        if (name is None) != (pp == 1) or (vpp > 1) != (name == "interleaved") or (name != "gpipe" and m < pp) or (name == "interleaved" and m % pp):
+            continue
+        for rank in range(pp):
+            arrays = memory.moment_arrays(name, pp, vpp, m, rank)
+            kinds = np.where(arrays.forward, "F", np.where(arrays.weight, "W", "B"))
+            rows = [(str(k), int(c), tuple(map(int, h)), tuple(map(int, d)), tuple(map(bool, g)), bool(f))
+                    for k, c, h, d, g, f in zip(kinds, arrays.chunk, arrays.held, arrays.deferred, arrays.grads, arrays.first)]  # fmt: skip
+            assert rows == _moments_by_walking(name, pp, vpp, m, rank), (name, pp, vpp, m, rank)
+            assert arrays.in_flight == max(sum(r[2]) + (r[0] == "F") for r in rows) == memory.held_in_flight(name, pp, vpp, m, rank)
 
 
 # ---- bubble ----------------------------------------------------------------------------
@@ -436,6 +476,16 @@ def test_preamble_holds_the_repeated_nodes_once(llama_tiny: ModelCosts) -> None:
     segments = (rc.embedding, *rc.layers, rc.head, rc.preamble)
     lowered = compiler.lower(llama_tiny.gm, rc.plan, outputs_read=compiler.LOSS_ONLY).graph  # what the segments were measured on
     assert sum(seg.ops for seg in segments) == sum(n.op == "call_function" for n in lowered.graph.nodes)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_the_cost_model_reads_the_rank_graph_lower_makes(llama_tiny: ModelCosts, sequence_parallel: bool) -> None:
+    """``rank_graph`` skips only the chunk programs: the rank graph is the one ``lower`` returns, node for node."""
+    overlap = (OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER) if sequence_parallel else ()
+    plan = replace(llama_tiny.rank(2).plan, sequence_parallel=sequence_parallel, tp_overlap=overlap)
+    planned = compiler.rank_graph(llama_tiny.gm, plan, outputs_read=compiler.LOSS_ONLY)
+    lowered = compiler.lower(llama_tiny.gm, plan, outputs_read=compiler.LOSS_ONLY).graph
+    assert planned.code == lowered.code and not any(name.startswith("chunk_") for name, _ in planned.named_children())
 
 
 def test_the_estimate_says_how_long_the_gpu_waits_for_the_host(llama_tiny: ModelCosts) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 from dataclasses import replace
@@ -369,3 +370,16 @@ def test_rank_params_count_a_traced_layer_once_per_chunk_it_stands_for() -> None
     # interleaved: two chunks on the rank, each one copy of the same traced layer; the tied embedding in both
     chunks = [[(layer, 1, True), (embedding, 1, False)], [(layer, 1, True), (embedding, 1, False)]]
     assert _rank_params(chunks) == (210, 3)
+
+
+def test_the_memory_bounds_that_drop_candidates_are_lower_bounds(llama8b: ModelCosts) -> None:
+    """``search`` counts a draft over memory by its floor or bound when either exceeds the capacity: both are at
+    most the memory it replays, on every candidate and variant, with CUDA-graph buffers too."""
+    from autotp.cost_model.step_estimate import Variant, _draft, sequence_options
+
+    cluster = Cluster(64, 8, H100)
+    for training in (Training(256, "bf16-fp32-grads", None), Training(256, "fp32", None, cuda_graph_bytes=1e8)):
+        for config in candidates(llama8b.num_layers, cluster, training.global_batch):
+            for (sp, overlap), distributed in itertools.product(sequence_options(training, config.tp), [False, True][: 1 + (config.dp > 1)]):
+                draft = _draft(llama8b, cluster, training, config, Variant(frozenset(), distributed, sp, overlap))
+                assert draft.floor <= draft.bound() <= draft.memory(), (config, sp, overlap, distributed)

@@ -211,7 +211,6 @@ def mark_elementwise(gm: GraphModule) -> None:
         gm.graph.erase_node(getter)
         gm.graph.erase_node(node)
     gm.graph.lint()
-    gm.recompile()
 
 
 def _is_elementwise(node: Node) -> bool:

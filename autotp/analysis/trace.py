@@ -137,6 +137,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     _clean(gm)
     decompose_parameter_ops(gm)
     mark_elementwise(gm)
+    gm.recompile()  # once, after the rewrites above
     refuse_parameter_writes(type(model).__name__, gm)
     return gm
 
@@ -221,4 +222,3 @@ def _clean(gm: GraphModule) -> None:
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
     graph.lint()
-    gm.recompile()

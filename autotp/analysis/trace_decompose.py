@@ -72,7 +72,6 @@ def decompose_parameter_ops(gm: GraphModule) -> None:
         log.debug("decomposed %s (%s) of parameters alone", node.name, node.target)
         _inline(gm, node, body, [leaves[i] for i in at])
     gm.graph.lint()
-    gm.recompile()
 
 
 def _inline(gm: GraphModule, node: Node, body: GraphModule, inputs: list[Node]) -> None:

@@ -185,7 +185,6 @@ def inline_regions(gm: GraphModule) -> None:
             gm.graph.erase_node(owner)
             delattr(gm, str(owner.target))
     gm.graph.lint()
-    gm.recompile()
 
 
 def _inline(gm: GraphModule, region: Node, sub: GraphModule, operands: list[object], detach: bool) -> None:
