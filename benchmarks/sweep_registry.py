@@ -1,8 +1,9 @@
 """Sweep every causal-LM architecture of the installed transformers under the strict rule.
 
 For each ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: build the model from a
-tiny config (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 128; fp32, eval) and run it
-unmodified once (a model that fails here "does not build"), then on gloo ranks check it at
+tiny config (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 128; fp32, eval; where those
+sizes alone leave a config inconsistent, also the sizes that follow from them, ``TINY_DERIVED``)
+and run it unmodified once (a model that fails here "does not build"), then on gloo ranks check it at
 tp=2, tp=4 and pp=2 under the strict rule (``autotp.report.strict_rule``: loss, logits and
 every grad equal to the unmodified model's, each rank holding at most 1.3/(tp*pp) of the
 parameters, no matmul weight kept whole without a ``kept_whole`` plan entry). Any failure
@@ -21,6 +22,7 @@ Prints the summary: of the architectures that build, how many pass at each degre
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import signal
@@ -46,6 +48,29 @@ TINY = dict(
     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     dropout=0.0, pad_token_id=0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
     vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, encoder_hash_byte_group_vocab=VOCAB,
+    mamba_n_heads=8, mamba_d_head=16, mamba_d_ssm=128, mamba_d_state=16, mamba_chunk_size=16,  # hybrids' Mamba2 mixers, 128 wide
+)  # fmt: skip
+# What a config takes where the TINY sizes alone leave it inconsistent (its model does not build or
+# run on them; ``_needs_derived``): sizes that follow from TINY's hidden 64 / 4 heads of 16 / 2 layers,
+# under the names TINY lacks. Only such a config takes them, so the configs of the architectures that
+# TINY builds stay as they were. ``tiny_config`` also shrinks ``layer_types`` to the 2 layers keeping
+# each layer type, and fills RoPE fields a sub-config lacks from the top-level config.
+TINY_DERIVED = dict(
+    # latent attention (MLA): ranks and head dims of 16-wide heads, a key head per query head (the
+    # latent is expanded to every head), one dense layer before the MoE ones, one expert group
+    num_key_value_heads=4, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=32, q_lora_rank=32,
+    index_head_dim=32, index_n_heads=4, n_group=1, topk_group=1, first_k_dense_replace=1, num_dense_layers=1,
+    n_shared_experts=1, zero_expert_num=2,
+    # a rotary part of the 16-wide heads (GPT-J, CodeGen); 16-wide XLNet heads
+    rotary_dim=8, d_head=16,
+    # encoder/decoder heads and widths, FFN widths and the layer count under other names
+    encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+    ffn_hidden_size=128, d_inner=128, hidden_size_global=64, num_layers=2,
+    # a 128-wide SSM (Mamba2): 8 heads of 16, a 16-wide state, one group, chunks of 16
+    num_heads=8, state_size=16, n_groups=1, chunk_size=16,
+    # one global/local pair (the pattern GPT-Neo repeats); no layer reading another's KV cache (2 layers
+    # have none to share); DBRX's published qkv clip (its default None reaches a clamp that needs a bound)
+    attention_types=[[["global", "local"], 1]], num_kv_shared_layers=0, clip_qkv=8.0,
 )  # fmt: skip
 
 
@@ -75,9 +100,9 @@ class Row:
         return mode in self.cells and self.cells[mode].passed
 
 
-def _tiny_kwargs(cls: type[transformers.PretrainedConfig], sub: bool = False) -> dict[str, object]:
-    """The TINY sizes ``cls`` takes, and its sub-configs (text, vision, audio...) made tiny
-    alike (where a sub-config's field has the type of the TINY value)."""
+def _tiny_kwargs(cls: type[transformers.PretrainedConfig], sub: bool = False, sizes: dict[str, object] = TINY) -> dict[str, object]:
+    """The ``sizes`` ``cls`` takes, and its sub-configs (text, vision, audio...) made tiny
+    alike (where a sub-config's field has the type of the size)."""
     default = cls()
 
     def takes(k: str, v: object) -> bool:
@@ -87,32 +112,95 @@ def _tiny_kwargs(cls: type[transformers.PretrainedConfig], sub: bool = False) ->
             return False
         return not isinstance(getattr(cls, k, None), property) and (not sub or current is None or type(current) is type(v))
 
-    kwargs: dict[str, object] = {k: v for k, v in TINY.items() if takes(k, v)}
+    kwargs: dict[str, object] = {k: v for k, v in sizes.items() if takes(k, v)}
     for name in getattr(cls, "sub_configs", None) or {}:
         config = getattr(default, name, None)
         if isinstance(config, transformers.PretrainedConfig):
-            kwargs[name] = {"model_type": config.model_type, **_tiny_kwargs(type(config), sub=True)}
+            kwargs[name] = {"model_type": config.model_type, **_tiny_kwargs(type(config), sub=True, sizes=sizes)}
     return kwargs
 
 
-def tiny_config(arch: str) -> transformers.PretrainedConfig:
+def tiny_config(arch: str, derived: bool | None = None) -> transformers.PretrainedConfig:
+    """``arch``'s config at the TINY sizes; with ``derived``, also at the ``TINY_DERIVED`` ones
+    (by default only where the TINY sizes alone do not build)."""
+    if derived is None:
+        derived = _needs_derived(arch)
     cls = getattr(transformers, CONFIG_MAPPING_NAMES[arch])
-    config = cls(**_tiny_kwargs(cls))
-    text = config.get_text_config()
-    if isinstance(getattr(text, "layer_types", None), list):
-        text.layer_types = text.layer_types[: text.num_hidden_layers]
+    kwargs = _tiny_kwargs(cls, sizes={**TINY, **TINY_DERIVED} if derived else TINY)
+    layers = TINY["num_hidden_layers"]
+    default = cls()
+    types = getattr(default, "layer_types", None)
+    if derived and types is None and hasattr(default, "layer_types"):  # a model that reads the types the default leaves out
+        types = ["full_attention"] * layers
+    if derived and isinstance(types, list) and not _read_only(default, "layer_types"):
+        # a config that checks it against the layer count, or derives fields from it, under the name it stores
+        kwargs[default.attribute_map.get("layer_types", "layer_types")] = _shrink(types, layers)
+        if getattr(default, "rope_parameters", None) == {}:  # no RoPE in the default: the default RoPE per layer type
+            kwargs["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": 10000.0} for t in set(types)}
+    config = cls(**kwargs)
+    if derived:  # a sub-config lacking the RoPE fields its model still reads takes the top-level ones
+        for name in getattr(config, "sub_configs", None) or {}:
+            sub = getattr(config, name, None)
+            for k, v in (getattr(config, "rope_parameters", None) or {}).items():
+                if isinstance(sub, transformers.PretrainedConfig) and not hasattr(sub, k):
+                    setattr(sub, k, v)
+    text = _model_config(arch, config).get_text_config()
+    if isinstance(getattr(text, "layer_types", None), list) and not _read_only(text, "layer_types"):
+        text.layer_types = _shrink(text.layer_types, text.num_hidden_layers) if derived else text.layer_types[: text.num_hidden_layers]
     return config
 
 
-def build(arch: str) -> torch.nn.Module:
+def _shrink(types: list[str], n: int) -> list[str]:
+    """A per-layer list cut to ``n`` layers: its first ``n``, or, where those drop a layer type,
+    the first layer of each type (a hybrid model keeps its attention and its recurrent layers)."""
+    firsts = sorted({t: i for i, t in reversed(list(enumerate(types)))}.values())
+    return types[:n] if len(set(types[:n])) == len(firsts) or len(firsts) > n else [types[i] for i in firsts] + types[len(firsts) : n]
+
+
+def _read_only(config: transformers.PretrainedConfig, name: str) -> bool:
+    """Whether ``config.name`` (or the field it is an alias of) is a property without a setter:
+    derived from other fields (the layer count), so it follows them."""
+    attr = getattr(type(config), getattr(config, "attribute_map", {}).get(name, name), None)
+    return isinstance(attr, property) and attr.fset is None
+
+
+def _model_config(arch: str, config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """The config ``arch``'s causal-LM class takes: ``config``, or its sub-config of the class's
+    ``config_class`` (the text or decoder config of a composite one)."""
+    want = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch]).config_class
+    subs = [getattr(config, name, None) for name in getattr(config, "sub_configs", None) or {}]
+    return next((sub for sub in subs if want is not None and not isinstance(config, want) and isinstance(sub, want)), config)
+
+
+def _build(config: transformers.PretrainedConfig, arch: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch])
-    return model_cls(tiny_config(arch)).float().eval()
+    return model_cls(_model_config(arch, config)).float().eval()
+
+
+def build(arch: str) -> torch.nn.Module:
+    return _build(tiny_config(arch), arch)
+
+
+@functools.cache
+def _needs_derived(arch: str) -> bool:
+    """Whether the TINY sizes alone leave ``arch``'s config inconsistent: its model does not
+    build or run on them (then ``tiny_config`` adds the ``TINY_DERIVED`` ones)."""
+    from autotp.compiler import example_kwargs
+
+    try:
+        model = _build(tiny_config(arch, derived=False), arch)
+        with torch.no_grad():
+            model(**example_kwargs(model, _inputs()))
+        return False
+    except Exception:  # noqa: BLE001 - any failure: try the derived sizes
+        return True
 
 
 def _reason(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300].replace("|", "/")
+    text = [line.strip() for line in str(e).strip().splitlines()]
+    first = " ".join(text[:2]) if len(text) > 1 and text[0].endswith(":") else text[0] if text else ""  # a header line names no cause
+    return f"{type(e).__name__}: {first}"[:300].replace("|", "/")
 
 
 def _inputs() -> dict[str, torch.Tensor]:
