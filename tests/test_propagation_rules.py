@@ -28,7 +28,7 @@ from autotp.analysis.shapes import reshape_chunks
 from autotp.analysis.trace import trace
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir.plan import KEPT_WHOLE_CONFLICT
-from autotp.ir.layouts import PARTIAL, REPLICATE
+from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, resolve, set_segments
 from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.runner import PassContext
 
@@ -163,6 +163,18 @@ class TwoSlices(nn.Module):
 
 
 # ---- propagation: layouts, roles, decisions --------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_an_empty_part_of_a_split_dim_constrains_nothing(tp: int) -> None:
+    """A head's features cut into a rotary half, its other half and an empty rest (an indexer whose
+    head dim is its rotary dim: ``split([rope_dim, head_dim - rope_dim])``): the empty part is one
+    empty block on every rank. It gave blocks of 0 elements, and checking them divided by zero."""
+    features = DimVar(16, frozenset({"q.weight"}))
+    halves = set_segments(features, [8, 8, 0], "split")
+    sharding = resolve(features, tp)
+    assert sharding.groups[2] == 1 and sharding.check(tp) is None and sharding.local_size(tp) >= 0
+    assert resolve(halves[2], tp).check(tp) is None
 
 
 def test_mlp_is_a_column_row_pair() -> None:

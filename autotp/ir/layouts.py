@@ -231,7 +231,7 @@ def set_segments(var: DimVar, sizes: list[int], where: str) -> tuple[DimVar, ...
             else:
                 raise ShardingConflict(f"{where}: segments {sizes} cut across the plan's {list(fixed.segments)}", r.origins)
             for seg, size, groups in zip(r.segments, sizes, per):
-                seg.fixed = DimSharding(size, (size,), (groups or size,), axis=r.axis)
+                seg.fixed = DimSharding(size, (size,), (groups or size or 1,), axis=r.axis)
         return r.segments
     have = [s.find().size for s in r.segments]
     if have == sizes:
@@ -354,7 +354,7 @@ def resolve(var: DimVar, tp: int, _seen: frozenset[int] = frozenset()) -> DimSha
     if r.padded:
         return DimSharding(r.size, (r.size,), (r.size,), padded=True, axis=r.axis)
     if r.segments is None:
-        return DimSharding(r.size, (r.size,), (r.groups or r.size,), axis=r.axis)
+        return DimSharding(r.size, (r.size,), (r.groups or r.size or 1,), axis=r.axis)  # an empty dim: one empty block
     sizes: list[int] = []
     groups: list[int] = []
     for seg in r.segments:  # a segment cut again (a slice of a slice) flattens into its parts
