@@ -1,4 +1,4 @@
-"""Rewrite the shape constants that sharding changes (views, expands, ``new_*`` sizes, split sizes,
+"""Rewrite the shape constants that sharding changes (views, expands, ``new_*`` and factory sizes, split sizes,
 slice bounds, ``repeat_interleave`` counts, the ``groups`` of a depthwise convolution and
 of a group norm).
 
@@ -16,6 +16,7 @@ from torch.fx import GraphModule, Node
 from autotp.analysis.local_shapes import local_sizes, local_slice_bounds, local_tensors
 from autotp.ir import meta_keys
 from autotp.analysis.shapes import schema_arg
+from autotp.analysis.value_rules import UNIFORM_FACTORIES
 from autotp.ir.layouts import Layout, local_size
 from autotp.passes.runner import PassContext
 
@@ -37,6 +38,10 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 continue
             shape = [local[d] if d in local and s != -1 else s for d, s in enumerate(node.args[1])]
             node.args = (node.args[0], shape, *node.args[2:])
+        elif node.target in UNIFORM_FACTORIES:
+            local = local_sizes(node, tp, lay if isinstance(lay, Layout) else None)
+            if local:
+                node.args = ([local.get(d, s) for d, s in enumerate(node.args[0])], *node.args[1:])
         elif node.target is aten.unflatten.int:
             local = local_sizes(node, tp, lay if isinstance(lay, Layout) else None)
             x, dim, sizes = node.args[0], node.args[1], node.args[2]

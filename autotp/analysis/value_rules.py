@@ -90,11 +90,12 @@ def pointwise(w: Walker, node: Node, tensor_args: list[Any] | None = None) -> La
                     raise ShardingConflict(f"{describe(node)}: {lay.name} meets two sharded dims", var.find().origins)
                 w.param_view_shard(lay, d, var, "bias", node)
             elif lay.var_at(d) is None:
-                if not lay.replicated or partial:
+                if not lay.replicated:
                     raise ShardingConflict(
                         f"{describe(node)}: an operand of full size meets a sharded dim", var.find().origins, (var,)
                     )
-                # a replicated operand (a per-head bias, a buffer): each rank reads its own slice
+                # a replicated operand (a per-head bias, a buffer; a partial one summed first):
+                # each rank reads its own slice
                 w.out.local_slices.setdefault(node, []).append((a, d, var))
                 hint_reparametrized(w, a, (d, "bias"))
     for a in args:
@@ -222,18 +223,39 @@ def new_factory(w: Walker, node: Node) -> Layout:
     return shard({d: v for d, v in lay.dims if src[d] == dst[d]})
 
 
+UNIFORM_FACTORIES = (aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format)
+"""Ops that make a tensor of one value (or none) from sizes alone: any split of it is the same
+tensor at the rank's size (``rewrite_shapes`` makes the size the rank's)."""
+
+
+def _unread_before(dst: Node, node: Node) -> bool:
+    """Whether nothing reads ``dst`` between its making and ``node``."""
+    step = node.prev
+    while step is not dst and step.op != "root":
+        if step in dst.users:
+            return False
+        step = step.prev
+    return step is dst
+
+
 def copy_into(w: Walker, node: Node) -> Layout:
     """``dst.copy_(src)``, ``copy(dst, src)``: src's values, broadcast, in dst's shape and
     storage, so the result is split where dst is. src must be split alike on those dims (a
-    replicated src of full size is read through the rank's slice) and nowhere else."""
+    replicated src of full size is read through the rank's slice) and nowhere else. A dst
+    made by a ``UNIFORM_FACTORIES`` op and unread so far (a state buffer of zeros that a
+    forward fills: a convolution's cache) takes src's split instead of holding it whole."""
     dst, src = node.args[0], node.args[1]
     dlay, slay = w.concrete(dst, node), w.concrete(src, node)
     if slay.partial:
         w.reduce_first(node, [src])
         slay = REPLICATE
-    dims = {} if dlay.partial else dict(dlay.dims)  # a partial dst is overwritten whole
     shp = shape_of(src) or ()
     off = len(shape_of(node) or ()) - len(shp)
+    if isinstance(dst, Node) and dst.target in UNIFORM_FACTORIES and dlay.replicated and _unread_before(dst, node):
+        whole = shape_of(dst) or ()
+        dlay = shard({d + off: var for d, var in slay.dims if shp[d] == whole[d + off]})
+        w.out.layouts[dst] = dlay
+    dims = {} if dlay.partial else dict(dlay.dims)  # a partial dst is overwritten whole
     for d, var in slay.dims:
         if d + off not in dims:
             raise ShardingConflict(f"{describe(node)}: copies a split tensor into a whole one", var.find().origins, (var,))
