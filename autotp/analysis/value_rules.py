@@ -90,7 +90,7 @@ def pointwise(w: Walker, node: Node, tensor_args: list[Any] | None = None) -> La
                     raise ShardingConflict(f"{describe(node)}: {lay.name} meets two sharded dims", var.find().origins)
                 w.param_view_shard(lay, d, var, "bias", node)
             elif lay.var_at(d) is None:
-                if not lay.replicated:
+                if not lay.replicated or (partial and var.find().size != shp[d]):
                     raise ShardingConflict(
                         f"{describe(node)}: an operand of full size meets a sharded dim", var.find().origins, (var,)
                     )
