@@ -154,20 +154,15 @@ def idle_gaps(events: list[dict], shown: int = 15, min_us: float = 20.0) -> dict
                       key=lambda e: e["ts"])  # fmt: skip
     starts = [e["ts"] for e in host_ops]
 
-    def launched_by(kernel: dict) -> str:
+    def launch_of(kernel: dict) -> tuple[str, float | None]:
+        """The innermost host op around the kernel's launch, and how long the kernel waited between its
+        launch and its start (~0 where the GPU waited for the host)."""
         launch = launches.get(kernel.get("args", {}).get("correlation"))
         if launch is None:
-            return "?"
-        inner = "?"
-        for op in host_ops[max(0, bisect.bisect_right(starts, launch["ts"]) - 400) : bisect.bisect_right(starts, launch["ts"])]:
-            if op["ts"] <= launch["ts"] <= op["ts"] + op.get("dur", 0):
-                inner = op["name"]
-        return inner
-
-    def queued_ms(kernel: dict) -> float | None:
-        """How long the kernel waited between its launch and its start: ~0 where the GPU waited for the host."""
-        launch = launches.get(kernel.get("args", {}).get("correlation"))
-        return None if launch is None else round((kernel["ts"] - launch["ts"]) / 1e3, 3)
+            return "?", None
+        at = bisect.bisect_right(starts, launch["ts"])
+        inner = next((op["name"] for op in reversed(host_ops[max(0, at - 400) : at]) if launch["ts"] <= op["ts"] + op.get("dur", 0)), "?")
+        return inner, round((kernel["ts"] - launch["ts"]) / 1e3, 3)
 
     gaps, busy_until, idle_all, before = [], None, 0.0, ""
     for k in kernels:
@@ -179,14 +174,14 @@ def idle_gaps(events: list[dict], shown: int = 15, min_us: float = 20.0) -> dict
             busy_until, before = k["ts"] + k.get("dur", 0.0), k["name"][:60]
     span = (busy_until - kernels[0]["ts"]) / 1e3 if kernels else 0.0
     by_op: dict[str, float] = {}
-    for us, k, _ in gaps:
-        op = launched_by(k)
+    launched = [launch_of(k) for _, k, _ in gaps]
+    for (us, _, _), (op, _) in zip(gaps, launched):
         by_op[op] = by_op.get(op, 0.0) + us / 1e3
-    top = sorted(gaps, key=lambda g: g[0], reverse=True)[:shown]
+    top = sorted(zip(gaps, launched), key=lambda g: g[0][0], reverse=True)[:shown]
     return {"kernels": len(kernels), "span_ms": span, "busy_ms": sum(k.get("dur", 0.0) for k in kernels) / 1e3,
             "idle_ms": sum(g[0] for g in gaps) / 1e3, "gaps": len(gaps), "idle_ms_any_gap": idle_all / 1e3,
             "idle_ms_by_launching_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:shown]),
-            "longest": [(round(us / 1e3, 3), after, k["name"][:80], launched_by(k), queued_ms(k)) for us, k, after in top]}  # fmt: skip
+            "longest": [(round(us / 1e3, 3), after, k["name"][:80], op, queued) for (us, k, after), (op, queued) in top]}  # fmt: skip
 
 
 def _clear(device: torch.device) -> None:
@@ -319,7 +314,7 @@ EVAL_BATCHES = 8
 
 
 def curve(shape_name: str, recipe: str | None, tokens: torch.Tensor, device: torch.device, steps: int,
-          dtype: torch.dtype, seed: int = 0, schedule: str = "constant") -> tuple[list[float], float]:  # fmt: skip
+          dtype: torch.dtype, seed: int = 0, schedule: str = "cosine") -> tuple[list[float], float]:  # fmt: skip
     """The training losses, and the mean loss over ``EVAL_BATCHES`` fixed batches of the held-out
     tail after the last step. ``seed`` picks the initialization and the batches (seed 0 with the
     ``constant`` schedule: the earlier rounds' curves, but for the held-out tail). ``schedule``:
@@ -345,16 +340,18 @@ def curve(shape_name: str, recipe: str | None, tokens: torch.Tensor, device: tor
         torch.nn.utils.clip_grad_norm_(list(pm.parameters()), 1.0)
         optimizer.step()
     held = torch.Generator().manual_seed(12345)  # the same batches for every recipe and seed
+    evals = []
     with torch.no_grad():
-        evals = [pm(input_ids=ids, labels=ids).loss.item()
-                 for ids in (torch.stack([tokens[s : s + seq] for s in torch.randint(train, tokens.numel() - seq, (batch,), generator=held)])
-                             .to(device) for _ in range(EVAL_BATCHES))]  # fmt: skip
+        for _ in range(EVAL_BATCHES):
+            starts = torch.randint(train, tokens.numel() - seq, (batch,), generator=held)
+            ids = torch.stack([tokens[s : s + seq] for s in starts]).to(device)
+            evals.append(pm(input_ids=ids, labels=ids).loss.item())
     return losses, statistics.mean(evals)
 
 
 def curves(shape_name: str, device: torch.device, steps: int, recipes: list[str], deadline: float, out: dict,
            save: Callable[[], None], dtype: torch.dtype = torch.bfloat16, seeds: tuple[int, ...] = (0,),
-           baseline: bool = True, schedule: str = "constant") -> dict[str, dict]:  # fmt: skip
+           baseline: bool = True, schedule: str = "cosine") -> dict[str, dict]:  # fmt: skip
     """One curve per recipe (bf16 first, unless not ``baseline``) and seed, keyed ``recipe`` for
     seed 0, ``recipe@seed`` else."""
     tokens = stdlib_bytes()
