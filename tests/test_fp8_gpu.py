@@ -95,3 +95,42 @@ def test_compiled_and_captured_fp8_equal_eager(mode: str, recipe: str) -> None:
         torch.testing.assert_close(histories[1][name], history, rtol=0.25, atol=0, msg=lambda m: f"{name}: {m}")
     if mode == "cuda_graphs":
         assert other.cudagraph_slots, "nothing was captured"
+
+
+def _tp2_on_gpu(rank: int, world: int, recipe: str, compile_: bool) -> dict[str, object]:
+    """This rank's GPU runs the unmodified model, one-GPU FP8 and the tp=2 FP8 model with
+    sequence parallelism on NCCL (float32 weights, as above); returns what the test checks."""
+    torch.cuda.set_device(rank)
+    model = model_for("blockwise").to("cuda", torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    kwargs = {"input_ids": ids, "labels": ids}
+    exact = autotp.parallelize(copy.deepcopy(model), tp=1, example_inputs=kwargs)
+    one_gpu = autotp.parallelize(copy.deepcopy(model), tp=1, example_inputs=kwargs, fp8=recipe)
+    parallel = autotp.parallelize(copy.deepcopy(model), tp=world, example_inputs=kwargs, fp8=recipe,
+                                  sequence_parallel=True, compile=compile_)  # fmt: skip
+    gathers = [n for n in parallel.graph_for(**kwargs).graph.nodes if n.target is ops.FP8_LINEAR and n.args[6] >= 0]
+    (_, g0), (_, g1), (l2, g2) = _train(exact, ids), _train(one_gpu, ids), _train(parallel, ids)
+    return {"backend": torch.distributed.get_backend(), "fp8_all_gather": parallel.plan.fp8_all_gather,
+            "gathering_ops": len(gathers), "losses": l2, "grads": (g2, g1, g0)}  # fmt: skip
+
+
+TP2_CASES = [("tensorwise", False), ("tensorwise", True), ("tensorwise-delayed", True)]
+
+
+@pytest.mark.parametrize(("recipe", "compile_"), TP2_CASES, ids=[f"{r}-{'compile' if c else 'eager'}" for r, c in TP2_CASES])
+def test_fp8_tp2_with_fp8_all_gathers_on_nccl(recipe: str, compile_: bool) -> None:
+    """tp=2 with sequence parallelism on two GPUs: the tensorwise all-gathers into FP8 GEMMs
+    carry FP8 over NCCL, each sharded operand's scale is the group's (one max all-reduce), and
+    every gradient is an FP8 rendering of the model no further from one GPU's FP8 than two
+    independent renderings (``assert_fp8_rendering``: the row-parallel partial sums and the
+    reduced scales round in another order than one GPU's GEMMs)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
+    from autotp.runtime.processes.launcher import spawn_ranks
+
+    results = spawn_ranks(_tp2_on_gpu, 2, recipe, compile_, backend="nccl", timeout_s=540)
+    assert results[0]["losses"] == results[1]["losses"], f"ranks disagree on the losses: {results[0]['losses']} {results[1]['losses']}"
+    for r in results:
+        assert r["backend"] == "nccl"
+        assert r["fp8_all_gather"] == (recipe == "tensorwise") and (r["gathering_ops"] > 0) == r["fp8_all_gather"]
+        assert_fp8_rendering(*r["grads"], f"tp=2 {recipe}")
