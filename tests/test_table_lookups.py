@@ -98,14 +98,14 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """Token embedding plus a learned position table of ``POSITIONS`` rows (the largest
     parameter: kept whole, a rank would hold more than its share at tp=4), read by
-    ``positions``: ``index`` (``weight[position_ids]``, Whisper's decoder), ``index_select``
-    or ``none``."""
+    ``positions``: ``index`` (``weight[position_ids]``, Whisper's decoder) or ``index_select``;
+    ``rows`` that tp does not divide pad the table's split."""
 
-    def __init__(self, attention: type[nn.Module], positions: str) -> None:
+    def __init__(self, attention: type[nn.Module], positions: str, rows: int = POSITIONS) -> None:
         super().__init__()
         self.positions = positions
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.pos = nn.Parameter(torch.randn(POSITIONS, DIM) * 0.1)
+        self.pos = nn.Parameter(torch.randn(rows, DIM) * 0.1)
         self.layers = nn.ModuleList(Block(attention) for _ in range(2))
         self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)
 
@@ -114,7 +114,7 @@ class Decoder(nn.Module):
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         if self.positions == "index":
             x = x + self.pos[position_ids.expand_as(input_ids)]
-        elif self.positions == "index_select":
+        else:
             x = x + torch.index_select(self.pos, 0, position_ids)
         for layer in self.layers:
             x = layer(x)
@@ -124,7 +124,7 @@ class Decoder(nn.Module):
 
 MODELS = {
     "position_index": (LinearAttention, "index"),
-    "position_index_select": (LinearAttention, "index_select"),
+    "position_index_select": (LinearAttention, "index_select", POSITIONS - 2),
     "relative_bias_index": (RelativeBiasAttention, "index"),
     "einsum_attention": (EinsumAttention, "index"),
 }
