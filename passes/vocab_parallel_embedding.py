@@ -22,12 +22,13 @@ def vocab_parallel_embedding(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if node.meta.get(meta_keys.ROLE) is not NodeRole.VOCAB_EMBEDDING:
             continue
         weight, ids, padding_idx = _lookup(node)
+        wrap = node.target is torch.ops.aten.index.Tensor  # ``table[ids]`` reads a negative id from the end
         layout = ctx.plan.layout_of(str(weight.target))
         assert layout is not None and layout.dim == 0, f"{weight.target} is not vocab-sharded in the plan"
         (start, stop), = layout.sharding.ranges(ctx.tp_rank, ctx.plan.tp)
         stop = min(stop, layout.sharding.size)
         node.target = ops.VOCAB_PARALLEL_EMBEDDING
-        node.args = (weight, ids, start, stop, layout.sharding.size, padding_idx)
+        node.args = (weight, ids, start, stop, layout.sharding.size, padding_idx, wrap)
         node.kwargs = {}
     return gm
 

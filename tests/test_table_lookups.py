@@ -47,7 +47,8 @@ class LinearAttention(nn.Module):
 
 
 class RelativeBiasAttention(LinearAttention):
-    """A learned bias per head and relative distance, T5-style but read by ``table[buckets]``."""
+    """A learned bias per head and relative distance, T5-style but read by ``table[buckets]``;
+    a negative distance reads its row from the end of the table, as Python indexing does."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,7 +56,7 @@ class RelativeBiasAttention(LinearAttention):
 
     def scores_bias(self, s: int) -> torch.Tensor:
         pos = torch.arange(s, device=self.rel.device)
-        buckets = (pos[None, :] - pos[:, None]).clamp(-(BUCKETS // 2), BUCKETS // 2 - 1) + BUCKETS // 2
+        buckets = (pos[None, :] - pos[:, None]).clamp(-(BUCKETS // 2), BUCKETS // 2 - 1)
         return self.rel[buckets].permute(2, 0, 1)  # [heads, s, s]
 
 

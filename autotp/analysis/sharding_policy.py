@@ -343,9 +343,9 @@ def einsum(w: Walker, node: Node) -> Any:
     ``row`` if contracted, ``column`` if kept); where no operand is split, a letter a
     parameter alone has and the output keeps (the experts' hidden dim of ``ecd,edh->ech``,
     XLNet's heads of ``ibh,hnd->ibnd``: ``_own_letter``) makes it column-parallel;
-    otherwise it is replicated. A replicated operand made from weights alone whose letter another operand splits is read through the rank's slice
-    (Mamba's ``A = -exp(A_log)`` meeting the channel-split ``dt``), as ``values.pointwise``
-    does for a broadcast operand."""
+    otherwise it is replicated. A replicated operand made from weights alone whose letter
+    another operand splits is read through the rank's slice (Mamba's ``A = -exp(A_log)``
+    meeting the channel-split ``dt``), as ``values.pointwise`` does for a broadcast operand."""
     equation, operands = node.args[0], list(node.args[1])
     if "..." in equation or len(operands) != equation.split("->")[0].count(",") + 1:
         return w.opaque(node)
