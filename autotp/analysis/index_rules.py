@@ -9,6 +9,11 @@ dim of one is the same split in the others (``unify``), a replicated operand of 
 is read through the rank's slice (``Propagation.local_slices``) and a size-1 dim
 broadcasts. Index tensors are never sharded by a layout of their own, only sliced.
 
+An integer index of a 2-D parameter's rows made from the inputs and constants alone
+(``table[ids]``, ``index_select(table, 0, ids)``: position tables, relative-position
+buckets, token types) is an embedding lookup: the table may become vocab-parallel
+(``sharding_policy.row_lookup``).
+
 Writes are linear in the written tensor and the values jointly: both partial give a
 partial result; any other partial operand is all-reduced first.
 """
@@ -22,7 +27,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Node
 
-from autotp.analysis.shapes import norm_dim, shape_of
+from autotp.analysis.propagation_result import ParamView
+from autotp.analysis.shapes import norm_dim, shape_of, sources
+from autotp.analysis.sharding_policy import row_lookup
 from autotp.ir.errors import describe
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, select_range, shard, unify
 
@@ -116,9 +123,29 @@ def _as_slice(w: Walker, node: Node, lay: Layout, dim: int, idx: Any) -> Layout 
     return shard({**dict(lay.dims), dim: part})
 
 
+def _table_rows(w: Walker, x: Any, idx: Any) -> bool:
+    """Whether ``x[idx]`` along dim 0 looks up rows of a 2-D parameter by an integer tensor
+    made from the inputs and constants alone (token, position, bucket ids; not the rows of
+    the experts a router picked, whose consumer wants them split as the experts are), the
+    table undecided or vocab-parallel: an embedding lookup (``row_lookup``)."""
+    if not (isinstance(x, Node) and x.op == "get_attr" and str(x.target) in w.params and isinstance(idx, Node)):
+        return False
+    name, ids = str(x.target), idx.meta.get("val")
+    if w.params[name].dim() != 2 or not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        return False
+    if any(n.op == "get_attr" and str(n.target) in w.params for n in sources(idx)):
+        return False
+    if isinstance(w.get(x), ParamView):
+        return True
+    decided = w.plan.layout_of(name) if w.plan is not None else w.out.decisions.get(name)
+    return decided is not None and decided.kind == "vocab"
+
+
 def index(w: Walker, node: Node) -> Any:
     """``x[..., idx, ...]`` (``None`` entries are whole dims)."""
     x, indices = node.args[0], list(node.args[1])
+    if len(indices) == 1 and _table_rows(w, x, indices[0]):
+        return row_lookup(w, node, x, indices[0])
     lay = w.concrete(x, node)
     _indices_replicated(w, node, indices)
     if lay.replicated or lay.partial:
@@ -138,9 +165,11 @@ def index(w: Walker, node: Node) -> Any:
 
 def index_select(w: Walker, node: Node) -> Any:
     x, dim, idx = node.args[0], node.args[1], node.args[2]
+    d = norm_dim(dim, len(shape_of(x) or ()))
+    if d == 0 and _table_rows(w, x, idx):
+        return row_lookup(w, node, x, idx)
     lay = w.concrete(x, node)
     _indices_replicated(w, node, [idx])
-    d = norm_dim(dim, len(shape_of(x) or ()))
     if lay.var_at(d) is not None:
         sliced = _as_slice(w, node, lay, d, idx)
         if sliced is not None:

@@ -6,8 +6,9 @@
   features, or, under a row-parallel matmul, stays replicated and is added after the
   all-reduce (``NodeRole.ROW_WITH_BIAS``). Expert weights (``grouped_mm``) take the
   ``expert_column``/``expert_row`` kinds.
-* ``embedding``: a 2-D table becomes vocab-parallel (padded rows allowed); the lookup
-  is partial (``NodeRole.VOCAB_EMBEDDING``).
+* ``embedding``, and a parameter's rows read by an integer index (``row_lookup``): a 2-D
+  table becomes vocab-parallel (padded rows allowed); the lookup is partial
+  (``NodeRole.VOCAB_EMBEDDING``).
 * ``convolution``: a patch embedding's weight is column-parallel over its output
   channels; a depthwise convolution's follows the split of its channels.
 * ``cross_entropy``: logits sharded on the classes give a vocab-parallel loss
@@ -270,7 +271,14 @@ def grouped_matmul(w: Walker, node: Node) -> Layout:
 
 
 def embedding(w: Walker, node: Node) -> Layout:
-    weight, ids = node.args[0], node.args[1]
+    return row_lookup(w, node, node.args[0], node.args[1])
+
+
+def row_lookup(w: Walker, node: Node, weight: Node, ids: Any) -> Layout:
+    """``weight[ids]``: rows of a 2-D table picked by an integer tensor (``embedding``, and
+    ``index``/``index_select`` of a parameter's rows: position tables, bias buckets). An
+    undecided table becomes vocab-parallel; each rank looks up the rows it holds, zero
+    elsewhere, and the output is partial."""
     if not w.concrete(ids, node).replicated:
         raise ShardingConflict(f"{describe(node)}: sharded embedding indices", w.get(ids).origins())
     lw = w.get(weight)
@@ -317,16 +325,27 @@ def cross_entropy(w: Walker, node: Node) -> Layout:
 
 
 
+def _own_letter(w: Walker, node: Node, term: str, terms: list[str], out: str, shape: tuple[int, ...]) -> tuple[int | None, bool]:
+    """The dim of a parameter's ``term`` that a column split takes: a letter no other operand
+    has and the output keeps. Of several (the heads and head dim of ``ibh,hnd->ibnd``) the
+    outermost that tp divides, as a reshape into factors picks, and whether that was a choice:
+    a walk may then avoid it (``Walker.avoid``) after it met a conflict."""
+    avoid = w.avoid.get(node.name, frozenset())
+    own = [i for i, c in enumerate(term) if c in out and sum(c in other for other in terms) == 1]
+    left = [i for i in own if i not in avoid]
+    return next((i for i in left if shape[i] % w.tp == 0), left[0] if left else None), len(own) > 1
+
+
 def einsum(w: Walker, node: Node) -> Any:
     """``aten.einsum(equation, operands)``: every letter is one dim, sharded alike in every
     operand that has it; a sharded letter missing from the output makes the result
     partial. An undecided parameter follows a letter that an activation shards (kind
-    ``row`` if contracted, ``column`` if kept); where no operand is split, the one letter a
-    parameter alone has and the output keeps (the experts' hidden dim of ``ecd,edh->ech``)
-    makes it column-parallel; otherwise it is replicated. A replicated operand made from
-    weights alone whose letter another operand splits is read through the rank's slice
-    (Mamba's ``A = -exp(A_log)`` meeting the channel-split ``dt``), as ``values.pointwise``
-    does for a broadcast operand."""
+    ``row`` if contracted, ``column`` if kept); where no operand is split, a letter a
+    parameter alone has and the output keeps (the experts' hidden dim of ``ecd,edh->ech``,
+    XLNet's heads of ``ibh,hnd->ibnd``: ``_own_letter``) makes it column-parallel;
+    otherwise it is replicated. A replicated operand made from weights alone whose letter
+    another operand splits is read through the rank's slice (Mamba's ``A = -exp(A_log)``
+    meeting the channel-split ``dt``), as ``values.pointwise`` does for a broadcast operand."""
     equation, operands = node.args[0], list(node.args[1])
     if "..." in equation or len(operands) != equation.split("->")[0].count(",") + 1:
         return w.opaque(node)
@@ -345,10 +364,12 @@ def einsum(w: Walker, node: Node) -> Any:
                 letters[term[d]] = unify(letters[term[d]], var, describe(node)) if term[d] in letters else var
     if not letters:  # no operand split: a parameter's own output letter goes column-parallel, as in ``matmul``
         for t, term, lay in zip(operands, terms, lays):
-            own = [i for i, c in enumerate(term) if c in out and sum(c in other for other in terms) == 1]
-            if isinstance(lay, ParamView) and len(own) == 1 and w.allowed(lay.name, "column"):
-                letters[term[own[0]]] = DimVar((shape_of(t) or ())[own[0]], frozenset({lay.name}))
-                break
+            if isinstance(lay, ParamView) and w.allowed(lay.name, "column"):
+                own, choice = _own_letter(w, node, term, terms, out, shape_of(t) or ())
+                if own is not None:
+                    letters[term[own]] = DimVar((shape_of(t) or ())[own], frozenset({lay.name}))
+                    letters[term[own]].made_by = (node.name, own) if choice else None
+                    break
     for t, term, lay in zip(operands, terms, lays):
         if not isinstance(lay, ParamView):
             continue

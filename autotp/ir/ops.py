@@ -64,8 +64,9 @@ Local ops:
 * ``tp_dropout(x, p, train, stream)`` -- ``aten.dropout`` drawing its mask from the tp
   RNG stream ``REPLICATED`` or ``SHARDED`` (``tp_rand(like, stream)``: uniform float32 numbers shaped like ``like``; see
   ``autotp.runtime.execution.rng``).
-* ``vocab_parallel_embedding(weight, ids, vocab_start, vocab_stop, vocab_size, padding_idx)`` --
-  lookup in rows ``[vocab_start, vocab_stop)``; other ids give zeros (a partial sum).
+* ``vocab_parallel_embedding(weight, ids, vocab_start, vocab_stop, vocab_size, padding_idx, wrap)`` --
+  lookup in rows ``[vocab_start, vocab_stop)``; other ids give zeros (a partial sum). ``wrap``:
+  a negative id counts from the end, as ``table[ids]`` reads it.
 
 * ``function(inputs, key, name)`` -- a custom ``torch.autograd.Function`` kept whole, whose
   backward is the Function's own (``autotp.ir.custom_functions`` holds its kernels and the
@@ -137,7 +138,7 @@ LINEAR_CROSS_ENTROPY = _define(
 )
 VOCAB_PARALLEL_EMBEDDING = _define(
     "vocab_parallel_embedding(Tensor weight, Tensor ids, int vocab_start, int vocab_stop, int vocab_size, "
-    "int padding_idx) -> Tensor"
+    "int padding_idx, bool wrap=False) -> Tensor"
 )
 STAGE_BOUNDARY = _define("stage_boundary(Tensor x, int chunk) -> Tensor")
 PARTIAL_GRAD = _define("partial_grad(Tensor x, int parts) -> Tensor")
@@ -450,8 +451,10 @@ def check_ids(ids: Tensor, vocab_size: int, what: str, skip: Tensor | None = Non
 
 
 def _vocab_parallel_embedding(
-    weight: Tensor, ids: Tensor, vocab_start: int, vocab_stop: int, vocab_size: int, padding_idx: int
+    weight: Tensor, ids: Tensor, vocab_start: int, vocab_stop: int, vocab_size: int, padding_idx: int, wrap: bool = False
 ) -> Tensor:
+    if wrap:
+        ids = torch.where(ids < 0, ids + vocab_size, ids)
     check_ids(ids, vocab_size, "token ids")
     outside = (ids < vocab_start) | (ids >= vocab_stop)
     local_ids = (ids - vocab_start).masked_fill(outside, 0)
