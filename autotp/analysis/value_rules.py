@@ -91,8 +91,9 @@ def pointwise(w: Walker, node: Node, tensor_args: list[Any] | None = None) -> La
                 w.param_view_shard(lay, d, var, "bias", node)
             elif lay.var_at(d) is None:
                 if not lay.replicated or (partial and var.find().size != shp[d]):
+                    # an operand split elsewhere: a reshape may put its split on this dim instead
                     raise ShardingConflict(
-                        f"{describe(node)}: an operand of full size meets a sharded dim", var.find().origins, (var,)
+                        f"{describe(node)}: an operand of full size meets a sharded dim", var.find().origins, tuple(v for _, v in lay.dims) or (var,)
                     )
                 # a replicated operand (a per-head bias, a buffer; a partial one summed first):
                 # each rank reads its own slice
