@@ -5,7 +5,12 @@ repeated to the heads (``repeat_interleave``), a recurrence over time. x, z, dt 
 convolution channels are split by heads; the B and C segments are held whole on every rank
 (their groups go on the size-1 factor of ``view(b, s, groups, state)`` when a rank cannot
 hold whole groups) and each rank repeats them to its own heads, instead of the projection
-being kept whole."""
+being kept whole.
+
+Zamba's mixer (one Mamba per head, a Python loop over its heads) has its per-head projections
+on the left of the matmul, ``x_proj[:, None] @ x``: the loop's ``select`` keeps the heads whole,
+so the channels split inside each head, ``x_proj`` is row-parallel over them and ``dt_proj``
+column-parallel, as a right-hand weight would be."""
 
 from __future__ import annotations
 
@@ -54,11 +59,30 @@ class GroupedSsm(nn.Module):
         return self.out_proj(y.reshape(b, s, INNER) * F.silu(z))
 
 
+MAMBA_HEADS, RANK = 2, 8
+
+
+class PerHeadProjections(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(DIM, INNER)
+        self.x_proj = nn.Parameter(torch.randn(MAMBA_HEADS, RANK, INNER // MAMBA_HEADS) * 0.2)
+        self.dt_proj = nn.Parameter(torch.randn(MAMBA_HEADS, INNER // MAMBA_HEADS, RANK) * 0.2)
+        self.out_proj = nn.Linear(INNER, DIM)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        b, s, _ = u.shape
+        h = F.silu(self.in_proj(u)).transpose(1, 2).reshape(b, MAMBA_HEADS, -1, s).transpose(0, 1)  # [heads, b, head_dim, s]
+        low = self.x_proj[:, None] @ h  # [heads, b, rank, s]
+        outs = [h[i] * torch.sigmoid(self.dt_proj[i] @ low[i]) for i in range(MAMBA_HEADS)]
+        return self.out_proj(torch.cat(outs, dim=1).transpose(1, 2))
+
+
 class Lm(nn.Module):
     def __init__(self, groups: int) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(GroupedSsm(groups) for _ in range(2))
+        self.layers = nn.ModuleList(GroupedSsm(groups) if groups else PerHeadProjections() for _ in range(2))
         self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -95,6 +119,15 @@ def test_the_groups_are_held_whole_and_the_heads_split(groups: int, tp: int) -> 
     assert not [k for k in plan.kept_whole if k.name.startswith("layers.")], plan.kept_whole
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_weights_on_the_left_split_inside_each_head(tp: int) -> None:
+    plan = plan_tensor_parallel(trace(_build(0), _inputs()), tp)
+    kinds = {p.name: (p.kind, p.dim) for p in plan.params}
+    assert kinds["layers.0.in_proj.weight"] == ("column", 0) and kinds["layers.0.out_proj.weight"] == ("row", 1), kinds
+    assert kinds["layers.0.x_proj"] == ("row", 2) and kinds["layers.0.dt_proj"] == ("column", 1), kinds
+    assert not [k for k in plan.kept_whole if k.name.startswith("layers.") and not k.name.endswith("out_proj.bias")], plan.kept_whole
+
+
 def _strict_on_rank(rank: int, world: int, groups: int) -> StrictResult:
     return check_on_rank(_build(groups), _inputs(), tp=world, pp=1)
 
@@ -102,6 +135,6 @@ def _strict_on_rank(rank: int, world: int, groups: int) -> StrictResult:
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_the_mixer_passes_the_strict_rule(tp: int) -> None:
-    for groups in (1, 2):
+    for groups in (1, 2, 0):  # 0: the per-head projections
         result = combine(run_on_ranks(_strict_on_rank, tp, groups, timeout_s=400))
         assert result.passed, f"{groups} group(s) at tp={tp}: {result.reason}"

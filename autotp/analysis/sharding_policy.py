@@ -39,6 +39,8 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
     """
     la = w.get(a)
     if isinstance(la, ParamView):
+        if not b_t and not b_batch_free:
+            _left_weight(w, node, la, a, b)
         la = w.concrete(a, node)
     if la == PARTIAL:
         w.reduce_first(node, [a])
@@ -122,6 +124,20 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
         else:
             _bias_follows(w, node, bias, bn)
     return out
+
+
+def _left_weight(w: Walker, node: Node, la: ParamView, a: Node, b: Any) -> None:
+    """``W @ x`` with the weight on the left (Zamba's per-head ``x_proj_weight[:, None] @ x``):
+    row-parallel over its last dim where x is split on the contracted dim, column-parallel
+    over its rows (the output's rows) where x is whole. Otherwise it stays undecided."""
+    lb, a_shape, b_shape = w.get(b), shape_of(a) or (), shape_of(b) or ()
+    if not isinstance(lb, Layout) or len(a_shape) < 2 or len(b_shape) < 2:
+        return
+    bk = lb.var_at(len(b_shape) - 2)
+    if bk is not None and bk.find().size == a_shape[-1]:
+        w.param_view_shard(la, len(a_shape) - 1, bk, "row", node)
+    elif (lb.partial or lb.replicated) and w.allowed(la.name, "column"):
+        w.param_view_shard(la, len(a_shape) - 2, DimVar(a_shape[-2], frozenset({la.name})), "column", node)
 
 
 def hint_reparametrized(w: Walker, weight: Node, split: tuple[int, str]) -> None:
