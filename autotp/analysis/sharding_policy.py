@@ -5,7 +5,8 @@
   it becomes row-parallel, and the output is partial. A bias follows its weight's out
   features, or, under a row-parallel matmul, stays replicated and is added after the
   all-reduce (``NodeRole.ROW_WITH_BIAS``). Expert weights (``grouped_mm``) take the
-  ``expert_column``/``expert_row`` kinds.
+  ``expert_column``/``expert_row`` kinds. A weight on the left (``W @ x``) is row-parallel
+  over its last dim or column-parallel over its rows, as the activation on its right asks.
 * ``embedding``: a 2-D table becomes vocab-parallel (padded rows allowed); the lookup
   is partial (``NodeRole.VOCAB_EMBEDDING``).
 * ``convolution``: a patch embedding's weight is column-parallel over its output
