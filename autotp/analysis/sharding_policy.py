@@ -134,10 +134,10 @@ def _left_weight(w: Walker, node: Node, la: ParamView, a: Node, b: Any) -> None:
     lb, a_shape, b_shape = w.get(b), shape_of(a) or (), shape_of(b) or ()
     if not isinstance(lb, Layout) or len(a_shape) < 2 or len(b_shape) < 2:
         return
-    bk = lb.var_at(len(b_shape) - 2)
-    if bk is not None and bk.find().size == a_shape[-1]:
+    bk, rows, cols = lb.var_at(len(b_shape) - 2), la.dim_map[-2], la.dim_map[-1]
+    if bk is not None and cols is not None and bk.find().size == a_shape[-1]:
         w.param_view_shard(la, len(a_shape) - 1, bk, "row", node)
-    elif (lb.partial or lb.replicated) and w.allowed(la.name, "column"):
+    elif (lb.partial or lb.replicated) and rows is not None and w.allowed(la.name, "column"):
         w.param_view_shard(la, len(a_shape) - 2, DimVar(a_shape[-2], frozenset({la.name})), "column", node)
 
 
