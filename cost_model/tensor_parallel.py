@@ -96,18 +96,20 @@ class _Search:
                 continue
             for place, names in _statistic_places(prop).items():
                 self.statistic_places[place] = self.statistic_places.get(place, frozenset()) | names
-            if undo is not None and len(prop.conflicts) >= len(undo[1]):
+            retries = {r for c in _first_kind(prop.conflicts) for r in c.retries} - tried if prop.conflicts else set()
+            worse = undo is not None and len(prop.conflicts) >= len(undo[1])
+            if worse and not retries:
                 # the other factors did no better: take the choices back, keep the parameters whole
                 avoid, conflicts = undo
                 undo = None
                 for c in _first_kind(conflicts):
                     self._ban(banned, c.origins, KEPT_WHOLE_CONFLICT, str(c), c.node)
                 continue
-            undo = None
+            if not worse:
+                undo = None
             if prop.conflicts:
-                retries = {r for c in prop.conflicts for r in c.retries} - tried
-                if retries:
-                    undo = (dict(avoid), list(prop.conflicts))
+                if retries:  # after a retry that did no better, the choices behind its first conflict join it
+                    undo = undo or (dict(avoid), list(prop.conflicts))
                     for node_name, factor in retries:
                         avoid[node_name] = avoid.get(node_name, frozenset()) | {factor}
                     tried |= retries

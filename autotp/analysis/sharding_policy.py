@@ -5,7 +5,8 @@
   it becomes row-parallel, and the output is partial. A bias follows its weight's out
   features, or, under a row-parallel matmul, stays replicated and is added after the
   all-reduce (``NodeRole.ROW_WITH_BIAS``). Expert weights (``grouped_mm``) take the
-  ``expert_column``/``expert_row`` kinds.
+  ``expert_column``/``expert_row`` kinds. A weight on the left (``W @ x``) is row-parallel
+  over its last dim or column-parallel over its rows, as the activation on its right asks.
 * ``embedding``, and a parameter's rows read by an integer index (``row_lookup``): a 2-D
   table becomes vocab-parallel (padded rows allowed); the lookup is partial
   (``NodeRole.VOCAB_EMBEDDING``).
@@ -40,6 +41,8 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
     """
     la = w.get(a)
     if isinstance(la, ParamView):
+        if not b_t and not b_batch_free:
+            _left_weight(w, node, la, a, b)
         la = w.concrete(a, node)
     if la == PARTIAL:
         w.reduce_first(node, [a])
@@ -123,6 +126,20 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
         else:
             _bias_follows(w, node, bias, bn)
     return out
+
+
+def _left_weight(w: Walker, node: Node, la: ParamView, a: Node, b: Any) -> None:
+    """``W @ x`` with the weight on the left (Zamba's per-head ``x_proj_weight[:, None] @ x``):
+    row-parallel over its last dim where x is split on the contracted dim, column-parallel
+    over its rows (the output's rows) where x is whole. Otherwise it stays undecided."""
+    lb, a_shape, b_shape = w.get(b), shape_of(a) or (), shape_of(b) or ()
+    if not isinstance(lb, Layout) or len(a_shape) < 2 or len(b_shape) < 2:
+        return
+    bk, rows, cols = lb.var_at(len(b_shape) - 2), la.dim_map[-2], la.dim_map[-1]
+    if bk is not None and cols is not None and bk.find().size == a_shape[-1]:
+        w.param_view_shard(la, len(a_shape) - 1, bk, "row", node)
+    elif (lb.partial or lb.replicated) and rows is not None and w.allowed(la.name, "column"):
+        w.param_view_shard(la, len(a_shape) - 2, DimVar(a_shape[-2], frozenset({la.name})), "column", node)
 
 
 def hint_reparametrized(w: Walker, weight: Node, split: tuple[int, str]) -> None:

@@ -9,6 +9,7 @@ sharded dim is read through a rank-local slice (``Propagation.local_slices``).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,6 +77,7 @@ def pointwise(w: Walker, node: Node, tensor_args: list[Any] | None = None) -> La
                     arg_ndim = len(shape_of(a) or ())
             od = d + nd - (arg_ndim or nd)
             dims[od] = unify(dims[od], v, describe(node)) if od in dims else v
+    _split_elsewhere(node, args, lays, dims, nd)
     for a, lay in zip(args, lays):
         shp = shape_of(a) or ()
         off = nd - len(shp)
@@ -90,10 +92,8 @@ def pointwise(w: Walker, node: Node, tensor_args: list[Any] | None = None) -> La
                     raise ShardingConflict(f"{describe(node)}: {lay.name} meets two sharded dims", var.find().origins)
                 w.param_view_shard(lay, d, var, "bias", node)
             elif lay.var_at(d) is None:
-                if not lay.replicated or (partial and var.find().size != shp[d]):
-                    raise ShardingConflict(
-                        f"{describe(node)}: an operand of full size meets a sharded dim", var.find().origins, (var,)
-                    )
+                if partial and var.find().size != shp[d]:
+                    raise ShardingConflict(f"{describe(node)}: an operand of full size meets a sharded dim", var.find().origins, (var,))
                 # a replicated operand (a per-head bias, a buffer; a partial one summed first):
                 # each rank reads its own slice
                 w.out.local_slices.setdefault(node, []).append((a, d, var))
@@ -103,6 +103,25 @@ def pointwise(w: Walker, node: Node, tensor_args: list[Any] | None = None) -> La
         if isinstance(lay, ParamView):
             w.concrete(a, node)
     return shard(dims)
+
+
+def _split_elsewhere(node: Node, args: list[Any], lays: list[Any], dims: dict[int, DimVar], nd: int) -> None:
+    """Raise where an operand split on other dims is of full size on a dim the op splits: the
+    output would need both splits. The smallest such operand (the one broadcast into the
+    others: Mamba2's ``B`` and ``C`` of one group against the per-head state) is blamed with
+    its own split, which a reshape may put on this dim instead (``ShardingConflict.retries``)."""
+    found = []
+    for a, lay in zip(args, lays):
+        if not isinstance(lay, Layout) or lay.replicated:
+            continue
+        shp = shape_of(a) or ()
+        off = nd - len(shp)
+        met = [var for od, var in dims.items() if od >= off and shp[od - off] != 1 and lay.var_at(od - off) is None]
+        if met:
+            found.append((math.prod(shp), met[0], lay))
+    if found:
+        _, var, lay = min(found, key=lambda f: f[0])
+        raise ShardingConflict(f"{describe(node)}: an operand of full size meets a sharded dim", var.find().origins, tuple(v for _, v in lay.dims))
 
 
 def needs_whole_dim(w: Walker, node: Node) -> Any:
