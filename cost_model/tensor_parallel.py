@@ -41,7 +41,7 @@ from autotp.ir.op_facts import op_name
 from autotp.analysis.propagation import propagate
 from autotp.analysis.propagation_result import NodeRole, ParamView, Propagation, indivisible, param_sharding
 from autotp.cost_model.fused_loss import loss_chunk_tokens
-from autotp.cost_model.layout_choice import footprint, gather_s, gathered_bytes
+from autotp.cost_model.layout_choice import PARAM_STATE_COPIES, TIE, footprint, gather_s, gathered_bytes
 from autotp.ir.errors import UserInputError, describe
 from autotp.ir.layouts import Layout, ShardingConflict
 from autotp.ir.plan import (
@@ -70,6 +70,8 @@ class _Search:
         self.params = dict(gm.named_parameters(remove_duplicate=False))
         # every place that took a tp-reduced statistic in some walk (``choose_statistics``)
         self.statistic_places: dict[tuple[str, str], frozenset[str]] = {}
+        # converge's results by its arguments: the walks that weigh a conflict repeat them
+        self.walked: dict[tuple[frozenset[str], frozenset[str], frozenset[str], bool], tuple[Propagation, dict[str, KeptWhole]]] = {}
         # gathered value -> (node, op, why) of the conflict that chose it (``_settle``)
         self.gather_reasons: dict[str, tuple[str, str, str]] = {}
 
@@ -80,7 +82,15 @@ class _Search:
         whole so far, with their entries; ``gathers``: values gathered whole so far. With
         ``weigh``, each conflict weighs gathering its split inputs against keeping its
         parameters whole (``_settle``); without, it keeps them whole."""
-        banned = dict(banned or {})
+        key = (no_statistic, frozenset(banned or {}), gathers, weigh)
+        if key not in self.walked:
+            self.walked[key] = self._converge(no_statistic, dict(banned or {}), gathers, weigh)
+        prop, done = self.walked[key]
+        return prop, dict(done)
+
+    def _converge(
+        self, no_statistic: frozenset[str], banned: dict[str, KeptWhole], gathers: frozenset[str], weigh: bool
+    ) -> tuple[Propagation, dict[str, KeptWhole]]:
         avoid: dict[str, frozenset[int]] = {}
         tp = self.tp
 
@@ -137,6 +147,8 @@ class _Search:
         settled by keeping whole."""
         conflicts = _first_kind(prop.conflicts)
         options = [o for o in _gather_options(prop, conflicts) if not set(o) <= gathers] if weigh else []
+        if options and self.kept_bytes(conflicts) < TIE * footprint(prop, self.gm).held_bytes:
+            options = []  # keeping them whole ties in bytes, and costs no collective
         if options:
             kept = dict(banned)
             for c in conflicts:
@@ -153,6 +165,12 @@ class _Search:
         for c in conflicts:
             self._ban(banned, c.origins, KEPT_WHOLE_CONFLICT, str(c), c.node)
         return gathers
+
+    def kept_bytes(self, conflicts: list[ShardingConflict]) -> float:
+        """What a rank would hold more of by keeping the parameters behind ``conflicts`` whole."""
+        names = {n for c in conflicts for n in c.origins} - self.replicate
+        unique = {id(self.params[n]): self.params[n] for n in names}
+        return PARAM_STATE_COPIES * (1 - 1 / self.tp) * sum(p.numel() * p.dtype.itemsize for p in unique.values())
 
     def _ban(self, banned: dict[str, KeptWhole], origins: Iterable[str], reason: str, detail: str, node: Node | None) -> None:
         for name in sorted(set(origins) - self.replicate):
