@@ -11,7 +11,9 @@ module decides what to keep, walking again until the proposal is sound:
   avoided (``ShardingConflict.retries``).
 * Any other proposal that leads to an op that needs the sharded dim whole (a softmax over
   the MoE router's experts, an unbind of the heads...) is dropped: those parameters stay
-  whole (``KEPT_WHOLE_CONFLICT``, naming the node and op).
+  whole (``KEPT_WHOLE_CONFLICT``, naming the node and op); or the split value is gathered
+  whole on its way to that op (a ``Gathered`` entry naming the value, the node, the op and
+  the cost), whichever ``layout_choice.footprint`` finds better (``_Search._settle``).
 * A sharded dim that tp does not split (a 10-class head at tp=4) keeps the parameters that
   made it whole (``KEPT_WHOLE_INDIVISIBLE``). If that leaves a rank more than
   ``MAX_SHARE_FACTOR``/tp of the parameters, the model cannot be sharded at this tp: a

@@ -98,7 +98,7 @@ class Walker:
         if not isinstance(arg, Node):
             return REPLICATE
         lay = self.out.layouts.get(arg, REPLICATE)
-        if arg.name in self.gathers and isinstance(lay, Layout) and lay.dims and arg is not self.current:
+        if arg.name in self.gathers and isinstance(lay, Layout) and lay.dims:
             self.out.gathered[arg] = lay
             return REPLICATE
         if lay == PARTIAL and self.current is not None and self.partials.reduce_at_source(arg):
