@@ -164,7 +164,7 @@ class _Search:
                 for name, c in chosen.items():
                     self.gather_reasons[name] = (c.node.name, op_name(c.node.target), str(c))
                 return gathers | set(chosen)
-        for c in conflicts if weigh else prop.conflicts:  # an option's walk to the end keeps every conflict whole at once
+        for c in conflicts:
             self._ban(banned, c.origins, KEPT_WHOLE_CONFLICT, str(c), c.node)
         return gathers
 
