@@ -134,3 +134,33 @@ def test_the_blocks_pass_the_strict_rule(tp: int) -> None:
     for name in BLOCKS:
         result = combine(run_on_ranks(_strict_on_rank, tp, name, timeout_s=400))
         assert result.passed, f"{name} at tp={tp}: {result.reason}"
+
+
+class RotateHalfOverSplit(nn.Module):
+    """A rotary embedding by ``rotate_half`` (``cat(-x[..., n/2:], x[..., :n/2])``) with full-size
+    cos/sin buffers, on a column-split projection's output (MiniCPM3's key rope part, split
+    when its latent projection is split and the value gathered after the rope)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide, self.down = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+        angles = torch.arange(SEQ, dtype=torch.float32)[:, None] * torch.arange(DIM)[None] / 10
+        self.register_buffer("cos", torch.cat((angles, angles), -1).cos())
+        self.register_buffer("sin", torch.cat((angles, angles), -1).sin())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.wide(x)
+        rotated = torch.cat((-h[..., DIM:], h[..., :DIM]), dim=-1)
+        return self.down(h * self.cos + rotated * self.sin)
+
+
+def _rotate_half_on_rank(rank: int, world: int) -> StrictResult:
+    torch.manual_seed(0)
+    return check_on_rank(Lm(RotateHalfOverSplit).eval(), _inputs(), tp=world, pp=1)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known bug, on main before the gather: rotate_half over a split dim gives a wrong loss at tp=2")
+def test_rotate_half_over_a_split_dim() -> None:
+    result = combine(run_on_ranks(_rotate_half_on_rank, 2, timeout_s=400))
+    assert result.passed, result.reason
