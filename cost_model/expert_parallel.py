@@ -91,5 +91,5 @@ def plan_expert_parallel(gm: GraphModule, plan: ParallelPlan, *, ep: int, etp: i
         experts = {p for e in entries for p in e.params}
         slower = tuple(k for k in plan.kept_whole if k.reason == KEPT_WHOLE_COMM)
         dense = plan_tensor_parallel(gm, plan.tp, replicate=experts | {k.name for k in slower})
-        chosen = replace(chosen, params=dense.params, kept_whole=dense.kept_whole + slower)
+        chosen = replace(chosen, params=dense.params, kept_whole=dense.kept_whole + slower, gathered=dense.gathered)
     return chosen

@@ -8,6 +8,9 @@ patch embedding would pull the residual stream and the next projections into odd
 (keep the small producer whole). The walk's result is scored by what one rank holds and
 how long it computes and communicates, on ``hardware.H200``:
 
+A split activation gathered whole where an op needs it whole (instead of keeping the
+parameters behind it whole) adds its whole bytes and one all-gather.
+
 * ``held_bytes`` = sum over parameters of ``PARAM_STATE_COPIES`` x their local bytes
   (weight, gradient, two Adam moments) + sum over computed tensors of their local bytes
   (a sharded tensor holds 1/tp, a partial or replicated one all of it; views hold none);
@@ -31,7 +34,7 @@ from torch.fx import GraphModule, Node
 from autotp.ir.op_facts import is_alias
 from autotp.analysis.propagation_result import Propagation, param_sharding
 from autotp.analysis.shapes import size_int
-from autotp.cost_model.communication import all_reduce_s
+from autotp.cost_model.communication import all_gather_s, all_reduce_s
 from autotp.cost_model.flops import NodeCost, compute_time_s, node_cost
 from autotp.cost_model.hardware import H200
 from autotp.ir.layouts import PARTIAL, Layout
@@ -74,6 +77,16 @@ def _nbytes(node: Node) -> float:
     return total
 
 
+def gathered_bytes(node: Node) -> float:
+    """Bytes of a value gathered whole (its whole tensor)."""
+    return _nbytes(node)
+
+
+def gather_s(node: Node, tp: int) -> float:
+    """One all-gather of ``node``'s value over tp ranks (its backward keeps the rank's slice: no communication)."""
+    return all_gather_s(_nbytes(node), tp, H200.intra_node)
+
+
 def footprint(prop: Propagation, gm: GraphModule) -> Footprint:
     tp, hw = prop.tp, H200
     link = hw.intra_node
@@ -99,4 +112,7 @@ def footprint(prop: Propagation, gm: GraphModule) -> Footprint:
         if lay is not None and _share(lay, tp) == 1.0 and prop.needs_grad.get(node):
             if any(_share(prop.layouts.get(u), tp) < 1.0 for u in node.users):
                 step += all_reduce_s(_nbytes(node), tp, link)
+    for node in prop.gathered:  # the whole copy every reader gets, and its all-gather
+        held += _nbytes(node)
+        step += gather_s(node, tp)
     return Footprint(held, step)

@@ -11,7 +11,9 @@ module decides what to keep, walking again until the proposal is sound:
   avoided (``ShardingConflict.retries``).
 * Any other proposal that leads to an op that needs the sharded dim whole (a softmax over
   the MoE router's experts, an unbind of the heads...) is dropped: those parameters stay
-  whole (``KEPT_WHOLE_CONFLICT``, naming the node and op).
+  whole (``KEPT_WHOLE_CONFLICT``, naming the node and op); or the split value is gathered
+  whole on its way to that op (a ``Gathered`` entry naming the value, the node, the op and
+  the cost), whichever ``layout_choice.footprint`` finds better (``_Search._settle``).
 * A sharded dim that tp does not split (a 10-class head at tp=4) keeps the parameters that
   made it whole (``KEPT_WHOLE_INDIVISIBLE``). If that leaves a rank more than
   ``MAX_SHARE_FACTOR``/tp of the parameters, the model cannot be sharded at this tp: a
@@ -39,15 +41,16 @@ from torch.fx import GraphModule, Node
 
 from autotp.ir.op_facts import op_name
 from autotp.analysis.propagation import propagate
-from autotp.analysis.propagation_result import NodeRole, Propagation, indivisible, param_sharding
+from autotp.analysis.propagation_result import NodeRole, ParamView, Propagation, indivisible, param_sharding
 from autotp.cost_model.fused_loss import loss_chunk_tokens
-from autotp.cost_model.layout_choice import footprint
+from autotp.cost_model.layout_choice import PARAM_STATE_COPIES, TIE, footprint, gather_s, gathered_bytes
 from autotp.ir.errors import UserInputError, describe
-from autotp.ir.layouts import ShardingConflict
+from autotp.ir.layouts import Layout, ShardingConflict
 from autotp.ir.plan import (
     KEPT_WHOLE_CONFLICT,
     KEPT_WHOLE_INDIVISIBLE,
     KEPT_WHOLE_READ_WHOLE,
+    Gathered,
     KeptWhole,
     ParallelPlan,
     ParamLayout,
@@ -55,6 +58,7 @@ from autotp.ir.plan import (
 
 MIN_EMBEDDING_ROWS_PER_RANK = 16
 MAX_PLANNING_ROUNDS = 64
+MAX_GATHER_CHAIN = 8
 MAX_SHARE_FACTOR = 1.3
 """A rank holding more than this over tp of the parameters because tp cannot split them
 means the model cannot be sharded at that tp (the strict rule the tests apply)."""
@@ -68,11 +72,27 @@ class _Search:
         self.params = dict(gm.named_parameters(remove_duplicate=False))
         # every place that took a tp-reduced statistic in some walk (``choose_statistics``)
         self.statistic_places: dict[tuple[str, str], frozenset[str]] = {}
+        # converge's results by its arguments: the walks that weigh a conflict repeat them
+        self.walked: dict[tuple[frozenset[str], frozenset[str], frozenset[str], bool], tuple[Propagation, dict[str, KeptWhole]]] = {}
+        # gathered value -> (node, op, why) of the conflict that chose it (``_settle``)
+        self.gather_reasons: dict[str, tuple[str, str, str]] = {}
 
-    def converge(self, no_statistic: frozenset[str], banned: dict[str, KeptWhole] | None = None) -> tuple[Propagation, dict[str, KeptWhole]]:
+    def converge(
+        self, no_statistic: frozenset[str], banned: dict[str, KeptWhole] | None = None, gathers: frozenset[str] = frozenset(), weigh: bool = True
+    ) -> tuple[Propagation, dict[str, KeptWhole]]:
         """Walk until no conflict and no indivisible dim is left; ``banned``: parameters kept
-        whole so far, with their entries."""
-        banned = dict(banned or {})
+        whole so far, with their entries; ``gathers``: values gathered whole so far. With
+        ``weigh``, each conflict weighs gathering its split inputs against keeping its
+        parameters whole (``_settle``); without, it keeps them whole."""
+        key = (no_statistic, frozenset(banned or {}), gathers, weigh)
+        if key not in self.walked:
+            self.walked[key] = self._converge(no_statistic, dict(banned or {}), gathers, weigh)
+        prop, done = self.walked[key]
+        return prop, dict(done)
+
+    def _converge(
+        self, no_statistic: frozenset[str], banned: dict[str, KeptWhole], gathers: frozenset[str], weigh: bool
+    ) -> tuple[Propagation, dict[str, KeptWhole]]:
         avoid: dict[str, frozenset[int]] = {}
         tp = self.tp
 
@@ -83,9 +103,9 @@ class _Search:
 
         tried: set[tuple[str, int]] = set()
         hints: dict[str, tuple[str, int]] = {}
-        undo: tuple[dict[str, frozenset[int]], list[ShardingConflict]] | None = None
+        undo: tuple[dict[str, frozenset[int]], Propagation] | None = None
         for _ in range(MAX_PLANNING_ROUNDS):
-            prop = propagate(self.gm, tp, policy=policy, avoid=avoid, statistics=lambda n: n.name not in no_statistic, hints=hints)
+            prop = propagate(self.gm, tp, policy=policy, avoid=avoid, statistics=lambda n: n.name not in no_statistic, hints=hints, gathers=gathers)
             new_hints = {name: h for name, h in prop.hints.items() if name not in hints and policy(name, "column", ())}
             if new_hints:  # weight reparametrizations: their parameters (in every layer) split from the start
                 places = {_generic(name): h for name, h in new_hints.items()}
@@ -97,25 +117,23 @@ class _Search:
             for place, names in _statistic_places(prop).items():
                 self.statistic_places[place] = self.statistic_places.get(place, frozenset()) | names
             retries = {r for c in _first_kind(prop.conflicts) for r in c.retries} - tried if prop.conflicts else set()
-            worse = undo is not None and len(prop.conflicts) >= len(undo[1])
+            worse = undo is not None and len(prop.conflicts) >= len(undo[1].conflicts)
             if worse and not retries:
-                # the other factors did no better: take the choices back, keep the parameters whole
-                avoid, conflicts = undo
+                # the other factors did no better: take the choices back, settle the first conflict
+                avoid, before = undo
                 undo = None
-                for c in _first_kind(conflicts):
-                    self._ban(banned, c.origins, KEPT_WHOLE_CONFLICT, str(c), c.node)
+                gathers = self._settle(before, banned, gathers, no_statistic, weigh)
                 continue
             if not worse:
                 undo = None
             if prop.conflicts:
                 if retries:  # after a retry that did no better, the choices behind its first conflict join it
-                    undo = undo or (dict(avoid), list(prop.conflicts))
+                    undo = undo or (dict(avoid), prop)
                     for node_name, factor in retries:
                         avoid[node_name] = avoid.get(node_name, frozenset()) | {factor}
                     tried |= retries
                     continue
-                for c in _first_kind(prop.conflicts):
-                    self._ban(banned, c.origins, KEPT_WHOLE_CONFLICT, str(c), c.node)
+                gathers = self._settle(prop, banned, gathers, no_statistic, weigh)
                 continue
             bad = indivisible(prop)
             if not bad:
@@ -123,6 +141,40 @@ class _Search:
             for b in bad:
                 self._ban(banned, b.origins, KEPT_WHOLE_INDIVISIBLE, f"dim {b.dim} of {describe(b.node)}: {b.why}", b.node)
         raise AssertionError(f"layout planning did not converge in {MAX_PLANNING_ROUNDS} walks")
+
+    def _settle(
+        self, prop: Propagation, banned: dict[str, KeptWhole], gathers: frozenset[str], no_statistic: frozenset[str], weigh: bool
+    ) -> frozenset[str]:
+        """Settle the first conflict of ``prop`` (and its repeats in the other layers): keep
+        the parameters behind it whole (into ``banned``), or gather a split value on its way
+        whole (the gathers returned), whichever ``footprint`` finds better once the rest is
+        settled by keeping whole."""
+        conflicts = _first_kind(prop.conflicts)
+        options = [o for o in _gather_options(prop, conflicts) if not set(o) <= gathers] if weigh else []
+        if options and self.kept_bytes(conflicts) < TIE * footprint(prop, self.gm).held_bytes:
+            options = []  # keeping them whole ties in bytes, and costs no collective
+        if options:
+            kept = dict(banned)
+            for c in conflicts:
+                self._ban(kept, c.origins, KEPT_WHOLE_CONFLICT, str(c), c.node)
+            best, chosen = footprint(self.converge(no_statistic, kept, gathers, weigh=False)[0], self.gm), None
+            for option in options:
+                fp = footprint(self.converge(no_statistic, banned, gathers | set(option), weigh=False)[0], self.gm)
+                if fp.better(best):
+                    best, chosen = fp, option
+            if chosen is not None:
+                for name, c in chosen.items():
+                    self.gather_reasons[name] = (c.node.name, op_name(c.node.target), str(c))
+                return gathers | set(chosen)
+        for c in conflicts:
+            self._ban(banned, c.origins, KEPT_WHOLE_CONFLICT, str(c), c.node)
+        return gathers
+
+    def kept_bytes(self, conflicts: list[ShardingConflict]) -> float:
+        """What a rank would hold more of by keeping the parameters behind ``conflicts`` whole."""
+        names = {n for c in conflicts for n in c.origins} - self.replicate
+        unique = {id(self.params[n]): self.params[n] for n in names}
+        return PARAM_STATE_COPIES * (1 - 1 / self.tp) * sum(p.numel() * p.dtype.itemsize for p in unique.values())
 
     def _ban(self, banned: dict[str, KeptWhole], origins: Iterable[str], reason: str, detail: str, node: Node | None) -> None:
         for name in sorted(set(origins) - self.replicate):
@@ -158,15 +210,23 @@ class _Search:
         """Keep whole what the passes' walk of the plan cannot place, until it places all."""
         for _ in range(MAX_PLANNING_ROUNDS):
             try:
-                propagate(self.gm, self.tp, plan=_plan(prop, self.tp, ()))
+                propagate(self.gm, self.tp, plan=_plan(prop, self.tp, (), self.gathered(prop)))
                 return prop, banned
             except UserInputError as e:
                 cause = e.__cause__
                 if not isinstance(cause, ShardingConflict):
                     raise
                 self._ban(banned, cause.origins, KEPT_WHOLE_CONFLICT, str(cause), cause.node)
-                prop, banned = self.converge(frozenset(), banned)
+                prop, banned = self.converge(frozenset(), banned, frozenset(n.name for n in prop.gathered))
         raise AssertionError("the plan does not fit its own graph")
+
+    def gathered(self, prop: Propagation) -> tuple[Gathered, ...]:
+        """The plan's entries for the values ``prop`` gathers whole."""
+        entries = []
+        for node in prop.gathered:
+            at, op, why = self.gather_reasons.get(node.name, ("", "", ""))
+            entries.append(Gathered(node.name, at, op, int(gathered_bytes(node)), gather_s(node, self.tp), why))
+        return tuple(sorted(entries, key=lambda g: g.tensor))
 
 
 def _generic(path: str) -> str:
@@ -200,13 +260,54 @@ def _first_kind(conflicts: list[ShardingConflict]) -> list[ShardingConflict]:
     return [c for c in conflicts if kind(c) == first]
 
 
-def _plan(prop: Propagation, tp: int, kept: tuple[KeptWhole, ...]) -> ParallelPlan:
+def _split(prop: Propagation, node: Node) -> bool:
+    """Whether ``node``'s value (a parameter once decided, every output of a tuple) is split somewhere."""
+    lay = prop.layouts.get(node)
+    if isinstance(lay, ParamView):
+        dec = prop.decisions.get(lay.name)
+        return dec is not None and dec.dim is not None
+    return any(isinstance(l, Layout) and bool(l.dims) for l in (lay if isinstance(lay, tuple) else (lay,)))
+
+
+def _carrier(prop: Propagation, node: Node) -> bool:
+    """A value that can be gathered whole: one split tensor an op computed, not yet gathered."""
+    lay = prop.layouts.get(node)
+    return node.op == "call_function" and isinstance(lay, Layout) and bool(lay.dims) and node not in prop.gathered
+
+
+def _gather_options(prop: Propagation, conflicts: list[ShardingConflict]) -> list[dict[str, ShardingConflict]]:
+    """Values to gather whole so the conflicting ops read no split input, each with the
+    conflict it settles. At each conflict, every split input starts a chain up through the
+    ops it came from, as long as one input carries the split (a split of a matmul's output,
+    through pointwise ops and views); option ``k`` gathers the ``k``-th value of every chain
+    (its last where shorter): option 0 gathers the conflicting op's inputs."""
+    chains: list[tuple[ShardingConflict, list[Node]]] = []
+    for c in conflicts:
+        for a in c.node.all_input_nodes if c.node is not None else ():
+            chain = [a] if _carrier(prop, a) else []
+            while chain and len(chain) < MAX_GATHER_CHAIN:
+                up = [b for b in chain[-1].all_input_nodes if _split(prop, b)]
+                if len(up) != 1 or not _carrier(prop, up[0]):
+                    break
+                chain.append(up[0])
+            if chain:
+                chains.append((c, chain))
+    if len({id(c) for c, _ in chains}) < len(conflicts):
+        return []
+    options: dict[frozenset[str], dict[str, ShardingConflict]] = {}
+    for k in range(max(len(ch) for _, ch in chains)):
+        option = {ch[min(k, len(ch) - 1)].name: c for c, ch in chains}
+        options.setdefault(frozenset(option), option)
+    return list(options.values())
+
+
+def _plan(prop: Propagation, tp: int, kept: tuple[KeptWhole, ...], gathered: tuple[Gathered, ...]) -> ParallelPlan:
     params = []
     for name in sorted(prop.decisions):
         found = param_sharding(prop, name)
         if found is not None:
             params.append(ParamLayout(name, *found))
-    return ParallelPlan(tp=tp, params=tuple(params), kept_whole=kept)
+    return ParallelPlan(tp=tp, params=tuple(params), kept_whole=kept, gathered=gathered)
 
 
 def _check_shardable(search: _Search, prop: Propagation, banned: dict[str, KeptWhole]) -> None:
@@ -268,6 +369,6 @@ def plan_tensor_parallel(gm: GraphModule, tp: int, *, replicate: Iterable[str] =
                 planned.add(id(p))
     order = {KEPT_WHOLE_CONFLICT: 0, KEPT_WHOLE_INDIVISIBLE: 0}
     entries = sorted(kept.values(), key=lambda k: (order.get(k.reason, 1), -k.bytes, k.name))
-    plan = _plan(prop, tp, tuple(entries))
+    plan = _plan(prop, tp, tuple(entries), search.gathered(prop))
     return replace(plan, loss_chunk_tokens=loss_chunk_tokens(gm, tp, {p.name for p in plan.params if p.dim == 0}))
 

@@ -6,6 +6,7 @@ from autotp.passes.causal_attention import causal_attention
 from autotp.passes.extract_chunks import extract_chunks
 from autotp.passes.expert_parallel import expert_parallel
 from autotp.passes.drop_unread_outputs import drop_unread_outputs
+from autotp.passes.gather_activations import gather_activations
 from autotp.passes.fused_linear_cross_entropy import fused_linear_cross_entropy
 from autotp.passes.fp8_linear import fp8_linear
 from autotp.passes.insert_collectives import insert_collectives
@@ -35,6 +36,7 @@ PASSES: list[Pass] = [
     tp_dropout,
     slice_replicated,
     sharded_statistics,
+    gather_activations,
     insert_collectives,
     cancel_collectives,
     expert_parallel,

@@ -184,19 +184,25 @@ def _gather_outputs(gm: GraphModule, key: str, tp: int) -> None:
         lay = arg.meta.get(meta_keys.LAYOUT)
         if not isinstance(lay, Layout) or not lay.dims:
             continue
-        shape = shape_of(arg)
-        assert shape is not None
-        value = arg
-        for d, var in lay.dims:
-            sharding = resolve(var, tp)
-            contiguous = sharding.padded or (len(sharding.segments) == 1 and sharding.replicas(tp) == 1)
-            size = shape[d] if contiguous else sharding.local_size(tp) * tp
-            with graph.inserting_before(out_node):
-                value = graph.call_function(ops.GATHER_FROM_TP, (value, d, size, key), name="gather_from_tp")
-            annotate_collective(value, arg, REPLICATE, CollectiveTag.ALL_GATHER, tp)
-            if not contiguous:
-                value = _in_global_order(graph, value, d, sharding, tp, out_node)
-        out_node.replace_input_with(arg, value)
+        out_node.replace_input_with(arg, gather_whole(graph, arg, lay, key, tp, out_node))
+
+
+def gather_whole(graph: Any, arg: Node, lay: Layout, key: str, tp: int, before: Node) -> Node:
+    """``arg``'s value gathered whole on every rank (``gather_from_tp`` on each split dim, in
+    global order), inserted before ``before``; backward, each rank keeps its slice of the grad."""
+    shape = shape_of(arg)
+    assert shape is not None
+    value = arg
+    for d, var in lay.dims:
+        sharding = resolve(var, tp)
+        contiguous = sharding.padded or (len(sharding.segments) == 1 and sharding.replicas(tp) == 1)
+        size = shape[d] if contiguous else sharding.local_size(tp) * tp
+        with graph.inserting_before(before):
+            value = graph.call_function(ops.GATHER_FROM_TP, (value, d, size, key), name="gather_from_tp")
+        annotate_collective(value, arg, REPLICATE, CollectiveTag.ALL_GATHER, tp)
+        if not contiguous:
+            value = _in_global_order(graph, value, d, sharding, tp, before)
+    return value
 
 
 def _in_global_order(graph: Any, gathered: Node, d: int, sharding: DimSharding, tp: int, before: Node) -> Node:

@@ -283,9 +283,17 @@ def test_op_that_needs_a_sharded_dim_whole_is_a_conflict_blamed_on_its_producer(
     assert conflict.origins == {"up.weight"}
     (softmax,) = _nodes(gm, aten._softmax.default, aten.softmax.int)
     assert prop.layout(softmax) == REPLICATE  # the walk goes on as if replicated
-    # the planner replicates the culprit and walks again
+    # the planner gathers the softmax's input (16 tokens: fewer bytes than up.weight's state)
     plan = plan_tensor_parallel(gm, 2)
-    assert {p.name: p.kind for p in plan.params} == {"down.weight": "column", "down.bias": "bias"}
+    assert {p.name: p.kind for p in plan.params}["up.weight"] == "column"
+    (gathered,) = plan.gathered
+    linear = softmax.args[0]
+    assert (gathered.tensor, gathered.node, gathered.op, gathered.bytes) == (linear.name, softmax.name, "softmax", 2 * 8 * 4 * D * 4)
+    # with 1024 tokens the gathered activation outweighs the weight: the culprit is kept whole
+    gm = _trace(SoftmaxOverShardedDim(), x=torch.randn(4, 256, D))
+    (softmax,) = _nodes(gm, aten._softmax.default, aten.softmax.int)
+    plan = plan_tensor_parallel(gm, 2)
+    assert {p.name: p.kind for p in plan.params} == {"down.weight": "column", "down.bias": "bias"} and not plan.gathered
     kept = {k.name: k for k in plan.kept_whole}
     assert kept["up.weight"].reason == KEPT_WHOLE_CONFLICT and kept["up.weight"].node == softmax.name
     assert kept["up.weight"].op == "softmax" and kept["up.weight"].bytes == 4 * D * D * 4

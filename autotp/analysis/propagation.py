@@ -58,7 +58,9 @@ class Walker:
     (``reshape_rules._split``); ``statistics`` decides whether a reduction or norm over a
     sharded dim may use a tp-reduced statistic at a node (always, with a plan); ``hints``
     decides parameters at their read, before their first use (``Propagation.hints``: the
-    parameters of a weight reparametrization, split as the matmul reading the weight asks).
+    parameters of a weight reparametrization, split as the matmul reading the weight asks);
+    ``gathers`` names nodes whose split value every reader gets whole (all-gathered:
+    ``Propagation.gathered``; with a plan, its ``gathered`` entries).
     """
 
     def __init__(
@@ -70,8 +72,10 @@ class Walker:
         avoid: dict[str, frozenset[int]] | None = None,
         statistics: StatisticPolicy | None = None,
         hints: dict[str, tuple[str, int]] | None = None,
+        gathers: frozenset[str] = frozenset(),
     ) -> None:
         self.gm = gm
+        self.gathers = frozenset(g.tensor for g in plan.gathered) if plan is not None else gathers
         self.hints = hints or {}
         self.tp = tp
         self.plan = plan
@@ -94,6 +98,9 @@ class Walker:
         if not isinstance(arg, Node):
             return REPLICATE
         lay = self.out.layouts.get(arg, REPLICATE)
+        if arg.name in self.gathers and isinstance(lay, Layout) and lay.dims:
+            self.out.gathered[arg] = lay
+            return REPLICATE
         if lay == PARTIAL and self.current is not None and self.partials.reduce_at_source(arg):
             self.reduce_first(self.current, [arg])
             return REPLICATE
@@ -252,6 +259,7 @@ def propagate(
     avoid: dict[str, frozenset[int]] | None = None,
     statistics: StatisticPolicy | None = None,
     hints: dict[str, tuple[str, int]] | None = None,
+    gathers: frozenset[str] = frozenset(),
 ) -> Propagation:
     """Walk ``gm`` once; see the module docstring for the two modes."""
-    return Walker(gm, tp, plan, policy, avoid, statistics, hints).run()
+    return Walker(gm, tp, plan, policy, avoid, statistics, hints, gathers).run()

@@ -89,6 +89,8 @@ class Propagation:
     # parameter -> (kind, dim): the first matmul weight of the walk computed from it alone (a
     # reparametrization) was read whole; split from the start, it would be that matmul's (``Walker.hints``)
     hints: dict[str, tuple[str, int]] = field(default_factory=dict)
+    # node -> its split layout: a value its readers get whole, all-gathered (``Walker.gathers``)
+    gathered: dict[Node, Layout] = field(default_factory=dict)
 
     def layout(self, node: Node) -> Layout:
         lay = self.layouts.get(node, REPLICATE)

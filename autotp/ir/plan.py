@@ -111,6 +111,29 @@ class KeptWhole:
         return KeptWhole(**d)
 
 
+@dataclass(frozen=True)
+class Gathered:
+    """A split activation all-gathered to whole where an op needs it whole, instead of
+    keeping the parameters behind it whole (``passes/gather_activations``): ``tensor`` is the
+    node whose value is gathered (every later reader gets it whole), ``node`` and ``op`` the
+    op that needed it whole, ``bytes`` the whole tensor's size and ``comm_s`` the estimated
+    all-gather time per step (on ``ParallelPlan.hardware``). ``detail`` is for people."""
+
+    tensor: str
+    node: str
+    op: str
+    bytes: int = 0
+    comm_s: float = 0.0
+    detail: str = ""
+
+    def to_json(self) -> dict:
+        return {"tensor": self.tensor, "node": self.node, "op": self.op, "bytes": self.bytes, "comm_s": self.comm_s, "detail": self.detail}
+
+    @staticmethod
+    def from_json(d: dict) -> Gathered:
+        return Gathered(**d)
+
+
 UNREAD_KIND = "unread"
 """``ParamLayout.kind`` of a parameter that no node of the traced forward reads (``UnreadParam``)."""
 
@@ -233,6 +256,8 @@ class ParallelPlan:
     distributed_optimizer: bool = False
     ep: int = 1
     kept_whole: tuple[KeptWhole, ...] = ()
+    # Split activations gathered whole where an op needs them whole (the other sound fallback).
+    gathered: tuple[Gathered, ...] = ()
     # Context parallelism (``degree`` has every axis, ``rank_groups`` lays them out: autotp.ir.axes).
     cp: int = 1
     # The hardware the plan is costed for (a ``autotp.cost_model.hardware.PROFILES`` key): the
@@ -355,6 +380,7 @@ class ParallelPlan:
                 "distributed_optimizer": self.distributed_optimizer,
                 "ep": self.ep,
                 "kept_whole": [k.to_json() for k in self.kept_whole],
+                "gathered": [g.to_json() for g in self.gathered],
                 "cp": self.cp,
                 "hardware": self.hardware,
                 "etp": self.etp,
@@ -408,6 +434,7 @@ class ParallelPlan:
             distributed_optimizer=d.get("distributed_optimizer", False),
             ep=d.get("ep", 1),
             kept_whole=tuple(KeptWhole.from_json(k) for k in d.get("kept_whole", ())),
+            gathered=tuple(Gathered.from_json(g) for g in d.get("gathered", ())),
             cp=d.get("cp", 1),
             hardware=d.get("hardware", d.get("cudagraph_policy", {}).get("hardware", DEFAULT_HARDWARE)),
             etp=d.get("etp", 0),

@@ -11,7 +11,7 @@ from torch.fx import Node
 from autotp.cost_model.graph_costs import DIRECTIONS, GraphReport, LayerReport, by_layer, layer_report
 from autotp.ir import meta_keys, ops
 from autotp.ir.op_facts import Collective, Direction
-from autotp.ir.plan import RECOMPUTE_MEMORY, RECOMPUTE_MODEL, RECOMPUTE_USER, KeptWhole, ParallelPlan, UnreadParam
+from autotp.ir.plan import RECOMPUTE_MEMORY, RECOMPUTE_MODEL, RECOMPUTE_USER, Gathered, KeptWhole, ParallelPlan, UnreadParam
 from autotp.ir.errors import UserInputError
 
 def stage_view(report: GraphReport, stage: int) -> GraphReport:
@@ -187,6 +187,7 @@ def explain_table(report: GraphReport, model: str) -> str:
             megatron,
             *([] if m["meets"] else _first_layer_all_reduces(report)),
             *_replicated_lines(report.plan.kept_whole),
+            *_gathered_lines(report.plan.gathered),
             *_unread_lines(report.plan.unread),
             *_recompute_lines(report.plan),
         ]
@@ -227,6 +228,16 @@ def _replicated_lines(kept: tuple[KeptWhole, ...], limit: int = 10) -> list[str]
     more = [f"  ... and {len(blocked) - limit} more"] if len(blocked) > limit else []
     return ["", f"replicated parameters ({len(blocked)}), with the node that blocked sharding:"] + [
         f"  {b}" for b in blocked[:limit]
+    ] + more
+
+
+def _gathered_lines(gathered: tuple[Gathered, ...], limit: int = 10) -> list[str]:
+    """The split activations the planner gathers whole, each with the op that needs it whole."""
+    if not gathered:
+        return []
+    more = [f"  ... and {len(gathered) - limit} more"] if len(gathered) > limit else []
+    return ["", f"activations gathered whole ({len(gathered)}), with the op that needs them whole:"] + [
+        f"  {g.tensor} at {g.node} ({g.op}): {g.bytes} bytes, all-gather {g.comm_s * 1e6:.1f} us" for g in gathered[:limit]
     ] + more
 
 
