@@ -118,7 +118,7 @@ def _as_slice(w: Walker, node: Node, lay: Layout, dim: int, idx: Any) -> Layout 
     if found is None:
         return None
     part = select_range(var, found[0], found[1], describe(node))
-    w.out.slice_fixups[node] = (var, part)
+    w.out.slice_fixups[node] = (var, part, found[0])
     w.out.index_slices[node] = dim
     return shard({**dict(lay.dims), dim: part})
 

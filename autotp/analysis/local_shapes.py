@@ -78,6 +78,6 @@ def local_shape(node: Node, tp: int) -> tuple[int, ...]:
 
 def local_slice_bounds(node: Node, tp: int) -> tuple[int, int]:
     """(start, end) on one rank of a slice with a ``meta_keys.SLICE_FIXUP``."""
-    whole, part = node.meta[meta_keys.SLICE_FIXUP]
-    start = local_offset(whole, part, tp)
+    whole, part, at = node.meta[meta_keys.SLICE_FIXUP]
+    start = local_offset(whole, at, tp)
     return start, start + local_size(part, tp)

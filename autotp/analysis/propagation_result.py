@@ -74,8 +74,9 @@ class Propagation:
     # expand node -> [(dim, merged var, outer var)]: the broadcast dim that a later
     # reshape merges into a sharded dim gets local size local(merged) / local(outer).
     expand_fixups: dict[Node, list[tuple[int, DimVar, DimVar]]] = field(default_factory=dict)
-    # slice node -> (sliced var, selected segment): its bounds become local offsets.
-    slice_fixups: dict[Node, tuple[DimVar, DimVar]] = field(default_factory=dict)
+    # slice node -> (sliced var, selected segment, its global start): its bounds become local
+    # offsets, found by position (two segments of one size may have been unified into one var).
+    slice_fixups: dict[Node, tuple[DimVar, DimVar, int]] = field(default_factory=dict)
     # node -> [(replicated input, dim, var)]: the node reads that input's local slice along
     # dim as var shards it (a per-head vector or a buffer meeting sharded heads).
     local_slices: dict[Node, list[tuple[Node, int, DimVar]]] = field(default_factory=dict)

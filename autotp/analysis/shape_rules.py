@@ -178,7 +178,7 @@ def slice_(w: Walker, node: Node) -> Any:
         return shard({**dict(lay.dims), d: _strided(node, var, start, end, step)})
     part = select_range(var, start, end, describe(node))
     if part is not var.find():
-        w.out.slice_fixups[node] = (var, part)
+        w.out.slice_fixups[node] = (var, part, start)
     return shard({**dict(lay.dims), d: part})
 
 

@@ -390,27 +390,25 @@ def select_range(var: DimVar, start: int, end: int, where: str) -> DimVar:
     raise ShardingConflict(f"{where}: the slice [{start}, {end}) crosses a segment boundary", r.origins)
 
 
-def local_offset(var: DimVar, part: DimVar, tp: int) -> int:
-    """Where ``part`` (a segment of ``var``, at any depth) starts in ``var``'s local shard."""
-    target = part.find()
-
-    def walk(v: DimVar) -> tuple[int, bool]:
-        r = v.find()
-        if r is target:
-            return 0, True
-        if r.segments is None:
-            return local_size(r, tp), False
-        total = 0
-        for seg in r.segments:
-            inside, found = walk(seg)
-            if found:
-                return total + inside, True
-            total += inside
-        return total, False
-
-    offset, found = walk(var)
-    assert found, "part is not a segment of var"
-    return offset
+def local_offset(var: DimVar, start: int, tp: int) -> int:
+    """Where the segment of ``var`` (at any depth) that starts at global position ``start``
+    starts in ``var``'s local shard. Found by position, not by the segment's variable: two
+    segments of one size that an elementwise op lined up (``cat(-x2, x1) * x``) are one
+    variable, at two positions."""
+    r = var.find()
+    if start == 0:
+        return 0
+    if r.segments is None:
+        assert local_size(r, tp) == r.size, f"position {start} is inside a split dim of {r.size}, not at a segment"
+        return start
+    seen = local = 0
+    for seg in r.segments:
+        size = seg.find().size
+        if start < seen + size:
+            return local + local_offset(seg, start - seen, tp)
+        seen += size
+        local += local_size(seg, tp)
+    raise AssertionError(f"position {start} is past the dim of {r.size}")
 
 
 def local_size(var: DimVar, tp: int) -> int:
