@@ -30,6 +30,13 @@ _CONVOLUTIONS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, 
 
 def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
     tp = ctx.plan.tp
+    gathered = {g.tensor for g in ctx.plan.gathered}
+
+    def read_layout(x: Node) -> object:
+        """The layout in which a reader gets ``x``: whole where the plan gathers it
+        (``passes/gather_activations``, later), else the layout ``x`` was computed in."""
+        return None if x.name in gathered else x.meta.get(meta_keys.LAYOUT)
+
     for node in gm.graph.nodes:
         lay = node.meta.get(meta_keys.LAYOUT)
         if node.target in _SHAPE_OPS:
@@ -53,8 +60,8 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
             node.args = (node.args[0], repeats, *node.args[2:3])
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "output_size"}
         elif node.target in _CONVOLUTIONS:
-            _local_groups(node, tp)
-        elif node.target is aten.group_norm.default and isinstance(src := node.args[0].meta.get(meta_keys.LAYOUT), Layout) and src.var_at(1):
+            _local_groups(node, read_layout(node.args[0]), tp)
+        elif node.target is aten.group_norm.default and isinstance(src := read_layout(node.args[0]), Layout) and src.var_at(1):
             # each rank holds whole groups of its channels (``statistic_rules.group_norm``)
             channels = node.args[0].meta["val"].shape[1]
             node.args = (node.args[0], node.args[1] * local_size(src.var_at(1), tp) // channels, *node.args[2:])
@@ -65,7 +72,7 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
             start, end = local_slice_bounds(node, tp)
             node.args = (node.args[0], node.args[1], start, end, *node.args[4:])
         elif node.target in _SPLIT_OPS and isinstance(lay, tuple):
-            src = node.args[0].meta.get(meta_keys.LAYOUT)
+            src = read_layout(node.args[0])
             ndim = node.args[0].meta["val"].dim()
             d = node.args[2] if len(node.args) > 2 else 0
             d = d + ndim if d < 0 else d
@@ -82,10 +89,9 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
     return gm
 
 
-def _local_groups(node: Node, tp: int) -> None:
-    """A depthwise convolution over split channels has one group per local channel."""
+def _local_groups(node: Node, lay: object, tp: int) -> None:
+    """A grouped convolution over split channels (``lay``: its input's) has the groups of its local channels."""
     x = node.args[0]
-    lay = x.meta.get(meta_keys.LAYOUT)
     groups = schema_arg(node, "groups", 1)
     if not isinstance(lay, Layout) or lay.var_at(1) is None or groups == 1:
         return

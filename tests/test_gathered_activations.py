@@ -8,7 +8,10 @@ gloo, the strict rule of ``autotp.report.strict_rule``:
   latent gathered before its norm, the up-projection column-parallel over the heads;
 * a wide projection followed by a softmax over its features (an attention over channels):
   the projection is column-split and its output gathered at the softmax, instead of keeping
-  the wide weight whole."""
+  the wide weight whole;
+* a depthwise convolution over split channels before a grouped one whose groups no tp
+  splits: the depthwise output is gathered, and the grouped convolution keeps its global
+  ``groups`` (``passes/rewrite_shapes`` reads a gathered input as whole)."""
 
 from __future__ import annotations
 
@@ -68,6 +71,23 @@ class ChannelSoftmax(nn.Module):
         return self.down(F.gelu(h) * torch.softmax(h, dim=-1))
 
 
+class GroupedConvMixer(nn.Module):
+    """A causal depthwise convolution over a projection's channels, then a grouped one of 3
+    groups (which no tp of 2 or 4 splits), then an MLP: the depthwise output is gathered for
+    the grouped convolution, which keeps its global ``groups`` (ZAYA's query/key convolutions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, 48)
+        self.depthwise = nn.Conv1d(48, 48, kernel_size=2, groups=48)
+        self.grouped = nn.Conv1d(48, 48, kernel_size=1, groups=3)
+        self.up, self.down = nn.Linear(48, 8 * DIM), nn.Linear(8 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.pad(self.proj(x).transpose(1, 2), (1, 0))
+        return self.down(F.gelu(self.up(self.grouped(self.depthwise(h)).transpose(1, 2))))
+
+
 class Lm(nn.Module):
     def __init__(self, block: type[nn.Module]) -> None:
         super().__init__()
@@ -83,7 +103,7 @@ class Lm(nn.Module):
         return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
 
 
-BLOCKS = {"latent_attention": LatentAttention, "channel_softmax": ChannelSoftmax}
+BLOCKS = {"latent_attention": LatentAttention, "channel_softmax": ChannelSoftmax, "grouped_conv": GroupedConvMixer}
 
 
 def _build(name: str) -> nn.Module:
@@ -118,6 +138,14 @@ def test_the_wide_projection_is_split_and_gathered_at_the_softmax(tp: int) -> No
     kinds = {p.name: p.kind for p in plan.params}
     assert kinds["layers.0.wide.weight"] == "column", kinds
     assert [g.op for g in plan.gathered] and not [k for k in plan.kept_whole if k.name.endswith("wide.weight")], plan
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_grouped_convolution_reads_the_gathered_channels(tp: int) -> None:
+    plan = _plan("grouped_conv", tp)
+    kinds = {p.name: p.kind for p in plan.params}
+    assert kinds["layers.0.proj.weight"] == "column" and kinds["layers.0.depthwise.weight"] == "depthwise", kinds
+    assert plan.gathered and {g.op for g in plan.gathered} == {"conv1d"}, plan.gathered
 
 
 def test_the_gathers_round_trip_through_the_plan_json() -> None:

@@ -399,3 +399,20 @@ def test_layers_and_sections_of_nodes() -> None:
     assert nodes[last].meta["nn_module_stack"] and layer_of(nodes[last]) == 1
     assert outside_layers(nodes.index(embedding), last) == EMBEDDING
     assert outside_layers(nodes.index(linears[-1]), last) == HEAD
+
+
+def test_repeated_heads_must_repeat_the_ranks_own_heads() -> None:
+    """``repeat_kv`` (expand, then a reshape merging the repeats into the heads) runs on each
+    rank's part only where the rank's query heads repeat its own key heads: 8 query heads over 4
+    KV heads at tp=4 and at tp=8 (each KV head on two ranks) do; KV heads held whole on every
+    rank beside query heads in two blocks of two do not (ZAYA's values at tp=4, which the rank
+    graphs otherwise computed with the wrong value heads), and the planner keeps those
+    parameters whole."""
+    from autotp.analysis.propagation_result import misaligned_repeats
+    from autotp.ir.layouts import DimSharding
+
+    gqa = DimSharding(8, (8,), (8,)), DimSharding(4, (4,), (4,))
+    assert misaligned_repeats(*gqa, 4) is None and misaligned_repeats(*gqa, 8) is None
+    whole_heads = DimSharding(2, (1, 1), (1, 1))
+    assert "do not repeat" in misaligned_repeats(DimSharding(4, (4,), (2,)), whole_heads, 4)
+    assert misaligned_repeats(DimSharding(4, (2, 2), (2, 2)), whole_heads, 4) is None  # heads 0 and 2: one of each

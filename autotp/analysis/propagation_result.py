@@ -127,7 +127,34 @@ def indivisible(prop: Propagation) -> list[Indivisible]:
                 why = resolve(r, prop.tp).check(prop.tp)
                 if why:
                     found.append(Indivisible(node, d, why, frozenset(r.origins)))
+    if found:
+        return found
+    for node, fixups in prop.expand_fixups.items():
+        for d, merged, outer in fixups:
+            why = misaligned_repeats(resolve(merged, prop.tp), resolve(outer, prop.tp), prop.tp)
+            if why:
+                found.append(Indivisible(node, d, why, frozenset(outer.find().origins)))
     return found
+
+
+def misaligned_repeats(merged: DimSharding, outer: DimSharding, tp: int) -> str | None:
+    """Why the broadcast of ``repeat_kv`` (an expand whose repeats a reshape merges with the
+    ``outer`` dim into ``merged``) cannot run on the ranks' parts, or None. Each rank repeats
+    its own outer entries ``local(merged) / local(outer)`` times, which gives the merged
+    entries the rank holds only where each of them, in order, repeats the outer entry there
+    (key heads held whole on every rank beside query heads split two ways do not)."""
+    if merged.padded or outer.padded:
+        return None
+    n_rep = merged.size // outer.size
+    for rank in range(tp):
+        mine = [i for start, stop in merged.ranges(rank, tp) for i in range(start, stop)]
+        theirs = [i for start, stop in outer.ranges(rank, tp) for i in range(start, stop)]
+        if not theirs or len(mine) % len(theirs):
+            return f"rank {rank} holds {len(mine)} of the {merged.size} repeated entries but {len(theirs)} of the {outer.size} it repeats"
+        local_rep = len(mine) // len(theirs)
+        if any(theirs[p // local_rep] != i // n_rep for p, i in enumerate(mine)):
+            return f"rank {rank}'s {len(mine)} of the {merged.size} repeated entries do not repeat its {len(theirs)} of the {outer.size} entries"
+    return None
 
 
 def check_divisible(prop: Propagation, gm: GraphModule) -> None:
