@@ -13,12 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from block_lm import BlockLm
+from distributed import run_on_ranks
 from torch import nn
 
 from autotp.analysis.trace import trace
-from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.report.strict_rule import StrictResult, check_on_rank, combine
-from distributed import run_on_ranks
 
 DIM, CHANNELS, VOCAB, SEQ, KERNEL = 32, 64, 16, 8, 4
 
@@ -57,27 +58,12 @@ class GatedBySum(nn.Module):
         return self.down(h * self.mix(h))
 
 
-class Lm(nn.Module):
-    def __init__(self, block: type[nn.Module]) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(block() for _ in range(2))
-        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = x + layer(x)
-        logits = self.head(self.norm(x))
-        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
-
-
 BLOCKS = {"cached_convolution": CachedConvolution, "gated_by_sum": GatedBySum}
 
 
 def _build(name: str) -> nn.Module:
     torch.manual_seed(0)
-    return Lm(BLOCKS[name]).eval()
+    return BlockLm(BLOCKS[name], VOCAB, DIM).eval()
 
 
 def _inputs() -> dict[str, torch.Tensor]:

@@ -18,13 +18,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from block_lm import BlockLm
+from distributed import run_on_ranks
 from torch import nn
 
 from autotp.analysis.trace import trace
-from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir.plan import ParallelPlan
 from autotp.report.strict_rule import StrictResult, check_on_rank, combine
-from distributed import run_on_ranks
 
 DIM, HEADS, HEAD_DIM, RANK, VOCAB, SEQ = 64, 4, 16, 32, 32, 8
 
@@ -88,27 +89,12 @@ class GroupedConvMixer(nn.Module):
         return self.down(F.gelu(self.up(self.grouped(self.depthwise(h)).transpose(1, 2))))
 
 
-class Lm(nn.Module):
-    def __init__(self, block: type[nn.Module]) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(block() for _ in range(2))
-        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = x + layer(x)
-        logits = self.head(self.norm(x))
-        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
-
-
 BLOCKS = {"latent_attention": LatentAttention, "channel_softmax": ChannelSoftmax, "grouped_conv": GroupedConvMixer}
 
 
 def _build(name: str) -> nn.Module:
     torch.manual_seed(0)
-    return Lm(BLOCKS[name]).eval()
+    return BlockLm(BLOCKS[name], VOCAB, DIM).eval()
 
 
 def _inputs() -> dict[str, torch.Tensor]:
@@ -184,7 +170,7 @@ class RotateHalfOverSplit(nn.Module):
 
 def _rotate_half_on_rank(rank: int, world: int) -> StrictResult:
     torch.manual_seed(0)
-    return check_on_rank(Lm(RotateHalfOverSplit).eval(), _inputs(), tp=world, pp=1)
+    return check_on_rank(BlockLm(RotateHalfOverSplit, VOCAB, DIM).eval(), _inputs(), tp=world, pp=1)
 
 
 def test_rotate_half_over_a_split_dim() -> None:

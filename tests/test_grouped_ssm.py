@@ -17,12 +17,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from block_lm import BlockLm
+from distributed import run_on_ranks
 from torch import nn
 
 from autotp.analysis.trace import trace
-from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.report.strict_rule import StrictResult, check_on_rank, combine
-from distributed import run_on_ranks
 
 DIM, HEADS, HEAD_DIM, STATE, KERNEL, VOCAB, SEQ = 32, 8, 4, 4, 4, 64, 6
 INNER = HEADS * HEAD_DIM
@@ -78,24 +79,9 @@ class PerHeadProjections(nn.Module):
         return self.out_proj(torch.cat(outs, dim=1).transpose(1, 2))
 
 
-class Lm(nn.Module):
-    def __init__(self, groups: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(GroupedSsm(groups) if groups else PerHeadProjections() for _ in range(2))
-        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = x + layer(x)
-        logits = self.head(self.norm(x))
-        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
-
-
 def _build(groups: int) -> nn.Module:
     torch.manual_seed(0)
-    return Lm(groups).eval()
+    return BlockLm(lambda: GroupedSsm(groups) if groups else PerHeadProjections(), VOCAB, DIM).eval()
 
 
 def _inputs() -> dict[str, torch.Tensor]:
