@@ -196,8 +196,8 @@ def parallelized(model: torch.nn.Module, example: dict, recipe: str | None, comp
     """autotp at tp=1. ``recipe`` may carry options after ``+``: ``lm_head``, the lm_head's GEMMs
     in FP8 too (the plan edited with ``with_fp8_weights``; inside the fused lm_head + loss, dynamic
     tensorwise whatever the layers' recipe: the fused loss has no delayed scaling); ``graphs``,
-    ``cuda_graphs=True`` (with ``compile``, the compiled regions are captured); ``unfused``, a
-    delayed recipe cast through ``fp8.cast`` instead of ``autotp.ir.fp8_cast``'s one-pass op
+    ``cuda_graphs=True`` (with ``compile``, the compiled regions are captured); ``onepass``, a
+    delayed recipe cast through ``autotp.ir.fp8_cast``'s one-pass op instead of ``fp8.cast``
     (``timing`` sets the switch around the variant's steps, when its graphs are traced)."""
     import autotp
     from autotp.cost_model.fp8 import with_fp8_weights
@@ -275,7 +275,7 @@ def timing(shape_name: str, variants: list[str], device: torch.device, compile: 
             from autotp.ir import fp8_cast
 
             masked = causal_mask_dropped("llama") if kind.startswith("torchao") else contextlib.nullcontext()
-            with masked, fp8_cast.fused("unfused" not in recipe.split("+")):
+            with masked, fp8_cast.fused("onepass" in recipe.split("+")):
                 if kind == "autotp":
                     step = autotp_variant(shape, recipe.removeprefix("bf16") or None, device, compile)  # "bf16+graphs": no FP8
                 else:

@@ -68,11 +68,12 @@ def test_one_pass_is_used_only_without_an_amax_to_reduce() -> None:
     """A split operand's amax is max-reduced over the group before it is recorded: those calls
     keep the cast of ``fp8.cast``."""
     history = torch.zeros(2, 3)
-    split = fp8.call_of(DELAYED, fp8.X_ROWS, [0], -1, 2, "tp")
-    assert not fp8._one_pass(split, history)
-    assert fp8._one_pass(fp8.call_of(DELAYED, 0, [0], -1, 2, "tp"), history)
-    assert fp8._one_pass(fp8.call_of(DELAYED, fp8.X_ROWS, [1], -1, 1, ""), history)
-    assert not fp8._one_pass(fp8.call_of("tensorwise", 0, [0], -1, 1, ""), None)
+    with fp8_cast.fused(True):
+        assert not fp8._one_pass(fp8.call_of(DELAYED, fp8.X_ROWS, [0], -1, 2, "tp"), history)
+        assert fp8._one_pass(fp8.call_of(DELAYED, 0, [0], -1, 2, "tp"), history)
+        assert fp8._one_pass(fp8.call_of(DELAYED, fp8.X_ROWS, [1], -1, 1, ""), history)
+        assert not fp8._one_pass(fp8.call_of("tensorwise", 0, [0], -1, 1, ""), None)
+    assert not fp8._one_pass(fp8.call_of(DELAYED, 0, [0], -1, 1, ""), history)  # off by default
 
 
 HAS_TRITON = fp8_cast.triton is not None and torch.cuda.is_available()
@@ -100,3 +101,20 @@ def test_triton_kernels_equal_the_reference(compiled: bool) -> None:
 def test_delayed_recipe_through_the_triton_op_equals_it_without_on_cuda() -> None:
     for a, b in zip(_delayed_steps(True, "cuda"), _delayed_steps(False, "cuda"), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_kernel_compiles_for_hopper_with_inductors_float64_scalar() -> None:
+    """Inductor passes a Python float to a user kernel as float64 (Triton's launcher as
+    float32); the kernel must compile either way (an H200 run failed on it: ``div_rn`` takes
+    float32 only). Triton's compiler needs no GPU for this."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for limit in ("fp32", "fp64"):
+        sig = {"t_ptr": "*bf16", "window_ptr": "*fp32", "seed_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv",
+               "inv_ptr": "*fp32", "amax_ptr": "*fp32", "M": "i32", "N": "i32", "Mp": "i32", "stride_m": "i32",
+               "stride_n": "i32", "limit": limit, "BM": "constexpr", "BN": "constexpr"}  # fmt: skip
+        src = ASTSource(fp8_cast._cast_transpose_kernel.fn, signature=sig, constexprs={"BM": 64, "BN": 64})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ptx.count("div.rn.f32") == 2
