@@ -196,9 +196,7 @@ def parallelized(model: torch.nn.Module, example: dict, recipe: str | None, comp
     """autotp at tp=1. ``recipe`` may carry options after ``+``: ``lm_head``, the lm_head's GEMMs
     in FP8 too (the plan edited with ``with_fp8_weights``; inside the fused lm_head + loss, dynamic
     tensorwise whatever the layers' recipe: the fused loss has no delayed scaling); ``graphs``,
-    ``cuda_graphs=True`` (with ``compile``, the compiled regions are captured); ``onepass``, a
-    delayed recipe cast through ``autotp.ir.fp8_cast``'s one-pass op instead of ``fp8.cast``
-    (``timing`` sets the switch around the variant's steps, when its graphs are traced)."""
+    ``cuda_graphs=True`` (with ``compile``, the compiled regions are captured)."""
     import autotp
     from autotp.cost_model.fp8 import with_fp8_weights
 
@@ -272,10 +270,7 @@ def timing(shape_name: str, variants: list[str], device: torch.device, compile: 
         _clear(device)
         start = time.perf_counter()
         try:
-            from autotp.ir import fp8_cast
-
-            masked = causal_mask_dropped("llama") if kind.startswith("torchao") else contextlib.nullcontext()
-            with masked, fp8_cast.fused("onepass" in recipe.split("+")):
+            with causal_mask_dropped("llama") if kind.startswith("torchao") else contextlib.nullcontext():
                 if kind == "autotp":
                     step = autotp_variant(shape, recipe.removeprefix("bf16") or None, device, compile)  # "bf16+graphs": no FP8
                 else:

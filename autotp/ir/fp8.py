@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from autotp.ir import fp8_cast, fp8_delayed, ops
+from autotp.ir import fp8_delayed, ops
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -241,24 +241,6 @@ def group_amaxes(items: list[tuple[Tensor, Block, bool, bool]], group: str, by_r
     return amaxes
 
 
-def _one_pass(call: Fp8Call, history: Tensor | None) -> bool:
-    """Whether the op casts through ``fp8_cast``'s one-pass op: delayed scaling (the cast needs
-    no amax of this step) and no amax to reduce over the group (nothing split, or no group)."""
-    split = call.rows_split or call.k_split or any(call.n_split)
-    return fp8_cast.FUSED and history is not None and call.recipe.whole and not call.gathers and not (call.group and split)
-
-
-def _cast_in_one_pass(history: Tensor, columns: list[int], tensors: list[Tensor], dtype: torch.dtype,
-                      cols_multiples: list[int]) -> list[tuple[Tensor, Tensor, Tensor]]:  # fmt: skip
-    """(FP8 t, its transposed copy, inverse scale) of each tensor, scaled by its history
-    column's window; this step's amaxes recorded."""
-    windows = [fp8_delayed.window(history, c) for c in columns]
-    outs = [fp8_cast.CAST_TRANSPOSE(t, w, dtype, m) for t, w, m in zip(tensors, windows, cols_multiples)]
-    for c, w, (_, _, _, amax_) in zip(columns, windows, outs):
-        fp8_delayed.record(history, c, amax_, w)
-    return [(q, qt, inv) for q, qt, inv, _ in outs]
-
-
 def _symmetric(block: Block) -> bool:
     """A block shape whose blocks of Wᵀ are those of W transposed (its amax is reused)."""
     return block[0] == block[1]
@@ -274,37 +256,29 @@ class Fp8Linear(torch.autograd.Function):
         weights, biases = params[:n], params[n:]
         recipe, k = call.recipe, x.shape[-1]
         x2 = x.reshape(-1, k)
-        m_multiple = CUDA_DIM_MULTIPLE if x.device.type == "cuda" else 1
+        items = [(x2, recipe.activation, call.rows_split, call.k_split)]
+        items += [(w, recipe.weight, split, call.k_split) for w, split in zip(weights, call.n_split)]
+        amaxes = group_amaxes(items, call.group, recipe.delayed)
         ctx.history = history
-        xt8 = None
-        if _one_pass(call, history):
-            (x8, xt8, sx), *casts = _cast_in_one_pass(history, list(range(n + 1)), [x2, *weights], E4M3, [m_multiple] + [1] * n)
-            w_fp8 = [(w8, sw, w8t, None) for w8, w8t, sw in casts]
-        else:
-            items = [(x2, recipe.activation, call.rows_split, call.k_split)]
-            items += [(w, recipe.weight, split, call.k_split) for w, split in zip(weights, call.n_split)]
-            amaxes = group_amaxes(items, call.group, recipe.delayed)
-            if history is not None:
-                amaxes = fp8_delayed.scales_then_record(history, list(range(n + 1)), amaxes)
-            x_amax, *w_amaxes = amaxes
-            x8, sx = cast(x2, x_amax, E4M3, recipe.activation, recipe.pow2)
-            w_fp8 = []
-            for w, w_amax in zip(weights, w_amaxes):
-                w8, sw = cast(w, w_amax, E4M3, recipe.weight, recipe.pow2)
-                # Wᵀ's blocks are W's transposed: its FP8 copy is this one's, made here while
-                # the cast reads W (the backward reads no bf16 weight)
-                w_fp8.append((w8, sw, w8.t().contiguous() if _symmetric(recipe.weight) else None, w_amax))
+        if history is not None:
+            amaxes = fp8_delayed.scales_then_record(history, list(range(n + 1)), amaxes)
+        x_amax, *w_amaxes = amaxes
+        x8, sx = cast(x2, x_amax, E4M3, recipe.activation, recipe.pow2)
         lead = x.shape[:-1]
         if call.gathers:  # the group's tokens travel in FP8: half the bytes of x
             full = ops.ALL_GATHER(x8.view(x.shape).view(torch.uint8), call.gather_dim, call.group_size, call.group)
             x8, lead = full.view(E4M3).reshape(-1, k), full.shape[:-1]
         outs, for_dgrad = [], []
-        for w, b, (w8, sw, w8t, w_amax) in zip(weights, biases, w_fp8):
+        for w, b, w_amax in zip(weights, biases, w_amaxes):
+            w8, sw = cast(w, w_amax, E4M3, recipe.weight, recipe.pow2)
             y = scaled_gemm(x8, sx, recipe.activation, w8, sw, recipe.weight, x.dtype, recipe.fast_accum_forward)
             outs.append((y if b is None else y + b).reshape(*lead, -1))
-            for_dgrad += [w8t, sw.t()] if w8t is not None else [w, w_amax]
+            # Wᵀ's blocks are W's transposed: its FP8 copy is this one's, made here while
+            # the cast reads W (the backward reads no bf16 weight)
+            for_dgrad += [w8.t().contiguous(), sw.t()] if _symmetric(recipe.weight) else [w, w_amax]
         if recipe.whole:  # wgrad's xᵀ: the FP8 x transposed, made with it
-            keep = (pad_fp8_cols(x8.t().contiguous(), m_multiple) if xt8 is None else xt8, sx)
+            m_multiple = CUDA_DIM_MULTIPLE if x.device.type == "cuda" else 1
+            keep = (pad_fp8_cols(x8.t().contiguous(), m_multiple), sx)
         else:
             keep = (x2, sx)
         ctx.save_for_backward(*keep, *for_dgrad)
@@ -323,17 +297,11 @@ class Fp8Linear(torch.autograd.Function):
         if not present:
             return (None,) * (3 + 2 * n)
         dys = {i: grads[i].reshape(-1, grads[i].shape[-1]) for i in present}
-        m_multiple = CUDA_DIM_MULTIPLE if xs.device.type == "cuda" else 1
-        one_pass = _one_pass(call, ctx.history)
-        dy_fp8 = {}
-        if one_pass:
-            casts = _cast_in_one_pass(ctx.history, [1 + n + i for i in present], [dys[i] for i in present], gdt, [m_multiple] * len(present))
-            dy_fp8 = dict(zip(present, casts))
         # Every amax the backward needs, reduced in one call: per output, dy (dgrad A), Wᵀ
         # (dgrad Bt, unless its blocks are W's) and dyᵀ (wgrad A); then xᵀ (wgrad Bt).
         # Tensorwise reuses the FP8 dy and x for the weight gradient (same single scale).
         items: list[tuple[Tensor, Block, bool, bool]] = []
-        for i in present if not one_pass else []:
+        for i in present:
             items.append((dys[i], act, rows_split, call.n_split[i]))
             if not _symmetric(recipe.weight):
                 items.append((for_dgrad[2 * i].t(), recipe.weight, call.k_split, call.n_split[i]))
@@ -342,8 +310,9 @@ class Fp8Linear(torch.autograd.Function):
         if not tensorwise:
             items.append((xs.t(), act, call.k_split, rows_split))
         amaxes = group_amaxes(items, call.group, recipe.delayed)
-        if ctx.history is not None and not one_pass:  # tensorwise: one amax per output gradient
+        if ctx.history is not None:  # tensorwise: one amax per output gradient
             amaxes = fp8_delayed.scales_then_record(ctx.history, [1 + n + i for i in present], amaxes)
+        m_multiple = CUDA_DIM_MULTIPLE if xs.device.type == "cuda" else 1
         if tensorwise:
             xt8, sxt = xs, sx
         else:
@@ -354,19 +323,14 @@ class Fp8Linear(torch.autograd.Function):
         grad_b: list[Tensor | None] = [None] * n
         for i in present:
             dy = dys[i]
-            if one_pass:
-                dy8, dyt8, sdy = dy_fp8[i]
-            else:
-                dy8, sdy = cast(dy, next(taken), gdt, act, recipe.pow2)
+            dy8, sdy = cast(dy, next(taken), gdt, act, recipe.pow2)
             if _symmetric(recipe.weight):
                 wt8, swt = for_dgrad[2 * i], for_dgrad[2 * i + 1]
             else:
                 wt8, swt = cast(for_dgrad[2 * i].t(), next(taken), E4M3, recipe.weight, recipe.pow2)
             part = scaled_gemm(dy8, sdy, act, wt8, swt, recipe.weight, dy.dtype, False)
             dx = part if dx is None else dx + part
-            if one_pass:
-                sdyt = sdy
-            elif tensorwise:
+            if tensorwise:
                 dyt8, sdyt = pad_fp8_cols(dy8.t().contiguous(), m_multiple), sdy
             else:
                 dyt8, sdyt = cast(dy.t(), next(taken), gdt, act, recipe.pow2, m_multiple)

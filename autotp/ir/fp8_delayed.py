@@ -72,16 +72,12 @@ def scale_amax_then_record(history: Tensor, column: int, amax: Tensor) -> Tensor
     """The amax the cast of ``column`` scales by: the window's, read before this step's ``amax``
     is pushed into row 0; an empty column (module docstring) takes ``amax`` itself, in every row."""
     used = window(history, column)
-    record(history, column, amax, used)
-    return torch.where(used == 0, amax.reshape(1, 1).float(), used)
-
-
-def record(history: Tensor, column: int, amax: Tensor, used: Tensor) -> None:
-    """Push this step's ``amax`` into row 0 of ``column``, whose window before this step was
-    ``used`` (``window``); an empty one takes ``amax`` in every row."""
     now = amax.reshape(1).float()
-    pushed = torch.where((used == 0).reshape(1), now.expand(history.shape[0]), torch.cat([now, history[:-1, column]]))
+    empty = used == 0
+    used = torch.where(empty, now.reshape(1, 1), used)
+    pushed = torch.where(empty.reshape(1), now.expand(history.shape[0]), torch.cat([now, history[:-1, column]]))
     history[:, column].copy_(pushed)
+    return used
 
 
 def scales_then_record(history: Tensor, columns: list[int], amaxes: list[Tensor]) -> list[Tensor]:
