@@ -76,6 +76,8 @@ class _Search:
         self.walked: dict[tuple[frozenset[str], frozenset[str], frozenset[str], bool], tuple[Propagation, dict[str, KeptWhole]]] = {}
         # gathered value -> (node, op, why) of the conflict that chose it (``_settle``)
         self.gather_reasons: dict[str, tuple[str, str, str]] = {}
+        # node name -> the nodes at the same place of every layer (``repeated``)
+        self.repeats: dict[str, list[str]] | None = None
 
     def converge(
         self, no_statistic: frozenset[str], banned: dict[str, KeptWhole] | None = None, gathers: frozenset[str] = frozenset(), weigh: bool = True
@@ -116,7 +118,7 @@ class _Search:
                 continue
             for place, names in _statistic_places(prop).items():
                 self.statistic_places[place] = self.statistic_places.get(place, frozenset()) | names
-            retries = {r for c in _first_kind(prop.conflicts) for r in c.retries} - tried if prop.conflicts else set()
+            retries = {r for c in _first_kind(prop.conflicts) for r in self.repeated(c.retries)} - tried if prop.conflicts else set()
             worse = undo is not None and len(prop.conflicts) >= len(undo[1].conflicts)
             if worse and not retries:
                 # the other factors did no better: take the choices back, settle the first conflict
@@ -169,6 +171,22 @@ class _Search:
         for c in conflicts:
             self._ban(banned, c.origins, KEPT_WHOLE_CONFLICT, str(c), c.node)
         return gathers
+
+    def repeated(self, retries: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
+        """The same reshape choices at the same places of the other layers: the first
+        conflict's repeats are settled together (``_first_kind``), and so are its retries."""
+        if self.repeats is None:
+            by_place: dict[tuple[str, str], list[str]] = {}
+            for node in self.gm.graph.nodes:
+                if node.op == "call_function":
+                    stack = list((node.meta.get("nn_module_stack") or {}).values())
+                    by_place.setdefault((stack[-1][0] if stack else "", op_name(node.target)), []).append(node.name)
+            groups: dict[tuple[str, str, int], list[str]] = {}
+            for (path, op), names in by_place.items():
+                for i, name in enumerate(names):
+                    groups.setdefault((_generic(path), op, i), []).append(name)
+            self.repeats = {name: group for group in groups.values() for name in group}
+        return {(other, factor) for name, factor in retries for other in self.repeats.get(name, [name])}
 
     def kept_bytes(self, conflicts: list[ShardingConflict]) -> float:
         """What a rank would hold more of by keeping the parameters behind ``conflicts`` whole."""

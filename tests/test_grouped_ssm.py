@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from autotp.cost_model.tensor_parallel import _Search, plan_tensor_parallel
 from block_lm import BlockLm
 from distributed import run_on_ranks
 from torch import nn
@@ -124,3 +124,24 @@ def test_the_mixer_passes_the_strict_rule(tp: int) -> None:
     for groups in (1, 2, 0):  # 0: the per-head projections
         result = combine(run_on_ranks(_strict_on_rank, tp, groups, timeout_s=400))
         assert result.passed, f"{groups} group(s) at tp={tp}: {result.reason}"
+
+
+def test_a_reshape_retry_is_repeated_in_every_layer() -> None:
+    """The planner settles a conflict and its repeats in the other layers together, and so it
+    retries their reshapes' choices together: in a deep model (Zamba's 76 tiny layers) one
+    layer at a time ran out of walks."""
+    torch.manual_seed(0)
+    gm = trace(BlockLm(lambda: GroupedSsm(1), VOCAB, DIM, layers=3).eval(), _inputs())
+    search = _Search(gm, 4, set())
+
+    def module(name: str) -> str:
+        node = next(n for n in gm.graph.nodes if n.name == name)
+        return list(node.meta["nn_module_stack"].values())[-1][0]
+
+    views = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.view.default and module(n.name) == "layers.0"]
+    assert len(views) >= 2
+    for i, name in enumerate(views):
+        repeats = search.repeated({(name, 1)})
+        assert {module(n) for n, _ in repeats} == {"layers.0", "layers.1", "layers.2"} and {f for _, f in repeats} == {1}
+        # the i-th view of each layer, not every view there
+        assert all(v not in {n for n, _ in repeats} for v in views if v != name)

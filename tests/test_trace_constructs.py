@@ -231,3 +231,67 @@ def test_strict_result_names_each_failure() -> None:
     assert not heavy.passed and "70%" in heavy.reason and "a.weight" in heavy.reason
     both = combine([ok, heavy, StrictResult(mismatch="grad of b: differs", share=0.4, limit=0.65)])
     assert (both.share, both.unexplained, both.reason) == (0.7, ("a.weight",), "numerics: grad of b: differs")
+
+
+class _EntropyWeightedLM(nn.Module):
+    """Tokens weighted by the entropy of a distribution over a small head's logits, built with
+    ``torch.distributions`` (BLT's patcher), whose argument checks branch on values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mid, self.scorer, self.head = nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, 8), nn.Linear(32, 64)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.mid(self.embed(input_ids))
+        entropy = torch.distributions.Categorical(logits=self.scorer(h)).entropy()
+        logits = self.head(h * entropy[..., None])
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def test_distribution_argument_checks_are_left_out_of_the_trace() -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 8))
+    validating = torch.distributions.Distribution._validate_args
+    trace(_EntropyWeightedLM(), {"input_ids": ids, "labels": ids})
+    assert torch.distributions.Distribution._validate_args == validating  # restored after the trace
+    result = check_on_rank(_EntropyWeightedLM(), {"input_ids": ids, "labels": ids}, tp=1)
+    assert result.passed, result.reason
+
+
+class _RunTimeSliceLM(nn.Module):
+    """An MLP over the first tokens, how many known only at run time (``x[:, :k]`` with a
+    tensor ``k``: BLT's patch lengths): a slice bound the trace holds as a node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.up, self.down, self.head = nn.Embedding(64, 32), nn.Linear(32, 64), nn.Linear(64, 32), nn.Linear(32, 64)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        u = self.up(h)[:, : (input_ids[:, 0] % 4).max() + 1]
+        h = h + F.pad(self.down(F.gelu(u)), (0, 0, 0, h.shape[1] - u.shape[1]))
+        logits = self.head(h)
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def _run_time_slice_inputs() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _run_time_slice_on_rank(rank: int, world: int) -> StrictResult:
+    torch.manual_seed(0)
+    return check_on_rank(_RunTimeSliceLM(), _run_time_slice_inputs(), tp=world)
+
+
+def test_slice_bounds_known_at_run_time_leave_the_other_dims_split() -> None:
+    from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+    from distributed import run_on_ranks
+
+    torch.manual_seed(0)
+    gm = trace(_RunTimeSliceLM(), _run_time_slice_inputs())
+    assert any(isinstance(a, torch.fx.Node) for n in gm.graph.nodes if n.target == torch.ops.aten.slice.Tensor for a in n.args[2:])
+    kinds = {p.name: p.kind for p in plan_tensor_parallel(gm, 2).params}
+    assert kinds["up.weight"] == "column" and kinds["down.weight"] == "row", kinds
+    result = combine(run_on_ranks(_run_time_slice_on_rank, 2, timeout_s=120))
+    assert result.passed, result.reason

@@ -41,6 +41,7 @@ class RowCheck:
     def __init__(self, rows: int, inside: set[Node], ignore: set[Node]) -> None:
         self.rows, self.inside, self.ignore = rows, inside, ignore
         self.row_inputs: list[Node] = []
+        self.input_readers: dict[Node, bool] = {}
 
     def visit(self, node: Node) -> str:
         """Why ``node`` is not row-wise ("" when it is); records its row inputs."""
@@ -48,7 +49,7 @@ class RowCheck:
             if a in self.inside or a in self.ignore or a in self.row_inputs or a.op == "get_attr":
                 continue
             shape = shape_of(a)
-            if shape and shape[0] == self.rows and reads_input(a):
+            if shape and shape[0] == self.rows and reads_input(a, self.input_readers):
                 self.row_inputs.append(a)
         if node.target is operator.getitem or node.op != "call_function":
             return ""

@@ -122,6 +122,7 @@ RULES: dict[Any, Rule] = {
     aten.numpy_T.default: shapes.reverse_dims,
     aten.mT.default: shapes.reverse_dims,
     aten.slice.Tensor: shapes.slice_,
+    aten.sym_size.int: shapes.sym_size,
     aten.select.int: shapes.select,
     aten.split.Tensor: shapes.split,
     aten.split_with_sizes.default: shapes.split,

@@ -87,6 +87,7 @@ class Walker:
         self.params: dict[str, torch.nn.Parameter] = dict(gm.named_parameters(remove_duplicate=False))
         self.fixed_vars: dict[str, Layout] = {}
         self.current: Node | None = None
+        self.input_readers: dict[Node, bool] = {}  # ``shapes.reads_input``'s answers for this graph
         if plan is not None:
             for pl in plan.params:
                 self.fixed_vars[pl.name] = shard({pl.dim: fixed_var(pl.sharding, pl.name)})

@@ -165,6 +165,12 @@ def slice_(w: Walker, node: Node) -> Any:
     start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
     end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else src[d]
     step = node.args[4] if len(node.args) > 4 else 1
+    if not all(isinstance(b, int) for b in (start, end, step)):  # bounds computed at run time (BLT's patch lengths)
+        lay = w.concrete(node.args[0], node)
+        var = lay.var_at(d)
+        if var is not None:
+            raise ShardingConflict(f"{describe(node)}: a slice with bounds known only at run time of a sharded dim", var.find().origins, (var,))
+        return lay
     start, end = norm_dim(start, src[d]), min(norm_dim(end, src[d]) if end < 0 else end, src[d])
     if isinstance(w.get(node.args[0]), ParamView) and (start, end, step) == (0, src[d], 1):
         return w.get(node.args[0])  # ``bias[:, None, :]`` keeps a parameter undecided
@@ -180,6 +186,16 @@ def slice_(w: Walker, node: Node) -> Any:
     if part is not var.find():
         w.out.slice_fixups[node] = (var, part, start)
     return shard({**dict(lay.dims), d: part})
+
+
+def sym_size(w: Walker, node: Node) -> Any:
+    """``x.shape[d]`` where it is known only at run time: the same on every rank where dim
+    ``d`` is whole; a rank's size of a split dim is not the model's."""
+    lay = w.get(node.args[0])
+    var = lay.var_at(norm_dim(node.args[1], len(shape_of(node.args[0]) or ()))) if isinstance(lay, Layout) else None
+    if var is not None:
+        raise ShardingConflict(f"{describe(node)}: reads the size of a sharded dim", var.find().origins, (var,))
+    return REPLICATE
 
 
 def _strided(node: Node, var: DimVar, start: int, end: int, step: int) -> DimVar:

@@ -39,9 +39,24 @@ def sources(node: Node) -> list[Node]:
     return found
 
 
-def reads_input(node: Node) -> bool:
-    """Whether ``node`` depends on a graph input (else on parameters and constants alone)."""
-    return any(n.op == "placeholder" for n in sources(node))
+def reads_input(node: Node, memo: dict[Node, bool] | None = None) -> bool:
+    """Whether ``node`` depends on a graph input (else on parameters and constants alone).
+    ``memo`` keeps the answers for every node visited, for callers that ask of many nodes
+    of a graph that does not change meanwhile."""
+    memo = {} if memo is None else memo
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
+            continue
+        pending = [a for a in n.all_input_nodes if a not in memo]
+        if pending:
+            stack.extend(pending)
+            continue
+        memo[n] = n.op == "placeholder" or any(memo[a] for a in n.all_input_nodes)
+        stack.pop()
+    return memo[node]
 
 
 def shape_of(node: Any) -> tuple[int, ...] | None:

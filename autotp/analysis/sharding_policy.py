@@ -151,11 +151,10 @@ def hint_reparametrized(w: Walker, weight: Node, split: tuple[int, str]) -> None
     if w.out.hints:
         return
     dim, kind = split
-    found = sources(weight)
-    if any(n.op == "placeholder" for n in found):  # the weight depends on an activation
+    if reads_input(weight, w.input_readers):  # the weight depends on an activation
         return
     shape = shape_of(weight)
-    for name in (str(n.target) for n in found):
+    for name in (str(n.target) for n in sources(weight)):
         dec = w.out.decisions.get(name)
         if name in w.params and tuple(w.params[name].shape) == shape and dec is not None and dec.dim is None:
             w.out.hints.setdefault(name, (kind, dim))
@@ -403,7 +402,7 @@ def einsum(w: Walker, node: Node) -> Any:
         for i, c in enumerate(term):
             if c in letters and lay.var_at(i) is None and shape[i] != 1:
                 # a weight-made operand's slice costs nothing; an activation is better split where it is made
-                if not lay.replicated or letters[c].find().padded or reads_input(t):
+                if not lay.replicated or letters[c].find().padded or reads_input(t, w.input_readers):
                     raise ShardingConflict(f"{describe(node)}: letter {c} is sharded in one operand only", letters[c].find().origins)
                 w.out.local_slices.setdefault(node, []).append((t, i, letters[c]))  # read through the rank's slice
     contracted = [c for c in letters if c not in out]

@@ -118,6 +118,19 @@ def _held_log(name: str) -> Iterator[list[logging.LogRecord]]:
         logger.removeFilter(hold)
 
 
+@contextmanager
+def _distribution_checks_off() -> Iterator[None]:
+    """``torch.distributions`` checks its arguments by value (``if not valid.all(): raise``),
+    a data-dependent branch that export cannot trace; the trace runs without those checks,
+    which only raise and compute nothing the model reads."""
+    saved = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(saved)
+
+
 def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str = "cpu") -> GraphModule:
     """Export ``model(**kwargs)`` (non-strict) on a fake copy living on ``device``.
 
@@ -149,7 +162,7 @@ def _export(
     # torch.export prints the partial graph of a failed trace to stderr; it goes to the
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
-    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call():
+    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off():
         try:
             with contextlib.redirect_stderr(printed):
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False)
