@@ -100,6 +100,19 @@ def dims_whole(w: Walker, node: Node) -> Any:
     return lay
 
 
+def unfold(w: Walker, node: Node) -> Any:
+    """``x.unfold(dim, size, step)`` (sliding windows): ``dim`` becomes the window count and a
+    new last dim the positions within a window, so ``dim`` must be whole; every other dim
+    keeps its split (a view: linear in a partial input)."""
+    lay = w.concrete(node.args[0], node)
+    if lay.partial:
+        return lay
+    d = norm_dim(node.args[1], len(shape_of(node.args[0]) or ()))
+    if lay.var_at(d) is not None:
+        raise ShardingConflict(f"{describe(node)}: unfolds a sharded dim", lay.origins(), (lay.var_at(d),))
+    return lay
+
+
 def unsqueeze(w: Walker, node: Node) -> Any:
     nd = len(shape_of(node) or ())
     d = norm_dim(node.args[1], nd)
