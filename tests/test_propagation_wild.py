@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+from autotp.analysis.layers import repeated_modules
 from autotp.analysis.trace import trace
+from autotp.compiler import choose_plan
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
-from plain_models_wild import DIM, UnfoldWindowAttention
+from autotp.ir.errors import UserInputError
+from plain_models_attention import LAYERS
+from plain_models_wild import DIM, Albert, UnfoldWindowAttention, example_inputs
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -21,3 +26,12 @@ def test_sliding_windows_by_unfold_keep_the_heads_split(tp: int) -> None:
     kinds = {p.name: p.kind for p in plan.params}
     assert kinds["qkv.weight"] == "column" and kinds["proj.weight"] == "row"
     assert {k.name for k in plan.kept_whole} <= {"proj.bias"}  # a row-parallel bias is added after the all-reduce
+
+
+def test_a_pipeline_over_one_shared_layer_is_refused_naming_it() -> None:
+    """ALBERT runs one layer module ``LAYERS + 1`` times: no numbered layers to cut between,
+    and every stage would hold the shared layer whole. The error names the module and the fix."""
+    gm = trace(Albert().eval(), example_inputs("albert_shared_layer"))
+    assert repeated_modules(gm.graph) == {"shared": LAYERS + 1}
+    with pytest.raises(UserInputError, match=r"0 layers; .*module 'shared' runs 3 times .*cross-layer sharing.*use pp=1"):
+        choose_plan(gm, 1, 2, 1, 1, None)
