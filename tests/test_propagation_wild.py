@@ -28,6 +28,30 @@ def test_sliding_windows_by_unfold_keep_the_heads_split(tp: int) -> None:
     assert {k.name for k in plan.kept_whole} <= {"proj.bias"}  # a row-parallel bias is added after the all-reduce
 
 
+class CrossAttentionLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerDecoderLayer(DIM, 8, 2 * DIM, dropout=0.0, batch_first=True)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, memory)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_packed_in_projection_split_into_query_and_key_value_parts_is_column_parallel(tp: int) -> None:
+    """``nn.MultiheadAttention`` as cross-attention splits its packed ``in_proj_weight`` (and
+    bias) ``[E, 2E]`` before the two linears: the parameter is split in those segments, each
+    over its heads, instead of read whole on every rank."""
+    gm = trace(CrossAttentionLayer().eval(), {"x": torch.randn(2, 8, DIM), "memory": torch.randn(2, 6, DIM)})
+    plan = plan_tensor_parallel(gm, tp)
+    params = {p.name: p for p in plan.params}
+    packed = params["layer.multihead_attn.in_proj_weight"]
+    assert packed.dim == 0 and packed.sharding.segments == (DIM, DIM, DIM)  # q, k, v, each over its heads
+    assert params["layer.multihead_attn.in_proj_bias"].sharding.segments == (DIM, DIM, DIM)
+    assert params["layer.multihead_attn.out_proj.weight"].kind == "row"
+    assert not {k.name for k in plan.kept_whole} & {"layer.multihead_attn.in_proj_weight", "layer.self_attn.in_proj_weight"}
+
+
 def test_a_pipeline_over_one_shared_layer_is_refused_naming_it() -> None:
     """ALBERT runs one layer module ``LAYERS + 1`` times: no numbered layers to cut between,
     and every stage would hold the shared layer whole. The error names the module and the fix."""
