@@ -113,6 +113,7 @@ RULES: dict[Any, Rule] = {
     aten.flip.default: shapes.dims_whole,
     aten.roll.default: shapes.dims_whole,
     aten.unfold.default: shapes.unfold,
+    aten.as_strided.default: shapes.as_strided,
     aten.unsqueeze.default: shapes.unsqueeze,
     aten.squeeze.dim: shapes.squeeze,
     aten.squeeze.dims: shapes.squeeze,

@@ -17,7 +17,7 @@ import torch
 from torch.fx import Node
 
 from autotp.analysis.propagation_result import ParamView
-from autotp.analysis.shapes import norm_dim, schema_arg, shape_of
+from autotp.analysis.shapes import norm_dim, schema_arg, shape_of, strided_walk
 from autotp.ir.errors import describe
 from autotp.ir.op_facts import is_matmul
 from autotp.ir.layouts import (
@@ -113,6 +113,25 @@ def unfold(w: Walker, node: Node) -> Any:
     if lay.var_at(d) is not None:
         raise ShardingConflict(f"{describe(node)}: unfolds a sharded dim", lay.origins(), (lay.var_at(d),))
     return lay
+
+
+def as_strided(w: Walker, node: Node) -> Any:
+    """``as_strided`` (sliding windows built by hand): where it reads ``x`` by summing output
+    indices along input dims (``shapes.strided_walk``), a split input dim walked by exactly
+    one output dim of its whole size keeps its split there (the rank's strides and sizes
+    are rewritten, ``passes/rewrite_shapes``); any other split dim conflicts."""
+    lay = w.concrete(node.args[0], node)
+    if lay.partial or not lay.dims:
+        return lay  # linear in a partial input
+    walk = strided_walk(node)
+    src = shape_of(node.args[0]) or ()
+    dims = {}
+    for d, var in lay.dims:
+        steps = [j for j, i in enumerate(walk or ()) if i == d]
+        if len(steps) != 1 or node.args[1][steps[0]] != src[d]:
+            raise ShardingConflict(f"{describe(node)}: reads a sharded dim through strides that mix it", lay.origins(), (var,))
+        dims[steps[0]] = var
+    return shard(dims)
 
 
 def unsqueeze(w: Walker, node: Node) -> Any:
