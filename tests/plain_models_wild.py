@@ -513,6 +513,86 @@ class SwitchMoE(nn.Module):
         return out * router_probs
 
 
+# ---- NSA-style top-k block-sparse attention: compressed block keys pick the blocks -------
+
+
+class TopKBlockAttention(nn.Module):
+    """Native-sparse-attention's selection branch: keys mean-pooled per block of ``BLOCK``
+    positions score the blocks for each query; its ``TOPK`` best (causal) blocks are
+    gathered (``topk`` + ``gather`` of block indices) and attended to, causally masked."""
+
+    BLOCK, TOPK = 4, 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        n_blocks, blk = s // self.BLOCK, self.BLOCK
+        k_cmp = k.view(b, HEADS, n_blocks, blk, HEAD_DIM).mean(3)  # [B, H, N, D]
+        block_scores = q @ k_cmp.transpose(-1, -2)  # [B, H, S, N]
+        pos = torch.arange(s, device=x.device)
+        block_start = torch.arange(n_blocks, device=x.device) * blk
+        block_scores = block_scores.masked_fill(block_start[None, :] > pos[:, None], float("-inf"))
+        block_scores = block_scores.masked_fill((pos[:, None] // blk) == torch.arange(n_blocks, device=x.device), float("inf"))  # own block always
+        chosen = block_scores.topk(self.TOPK, dim=-1).indices  # [B, H, S, K]
+        idx = (chosen[..., None] * blk + torch.arange(blk, device=x.device)).flatten(-2)  # [B, H, S, K*blk]
+        k_sel = torch.gather(k[:, :, None].expand(-1, -1, s, -1, -1), 3, idx[..., None].expand(-1, -1, -1, -1, HEAD_DIM))
+        v_sel = torch.gather(v[:, :, None].expand(-1, -1, s, -1, -1), 3, idx[..., None].expand(-1, -1, -1, -1, HEAD_DIM))
+        scores = torch.einsum("bhsd,bhskd->bhsk", q, k_sel) * HEAD_DIM**-0.5
+        scores = scores.masked_fill(idx > pos[:, None], float("-inf"))
+        return self.o_proj(merge(torch.einsum("bhsk,bhskd->bhsd", scores.softmax(-1), v_sel)))
+
+
+# ---- minLoRA: LoRA as a torch.nn.utils.parametrize parametrization ------------------------
+
+
+class LoRAParametrization(nn.Module):
+    """minLoRA's ``LoRAParametrization``: ``weight + (B @ A) * scale`` computed in the forward."""
+
+    def __init__(self, fan_in: int, fan_out: int, rank: int = 4, alpha: int = 8) -> None:
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.randn(rank, fan_in) * fan_in**-0.5)
+        self.lora_B = nn.Parameter(torch.randn(fan_out, rank) * 0.05)
+        self.scale = alpha / rank
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight + torch.matmul(self.lora_B, self.lora_A).view(weight.shape) * self.scale
+
+
+def minlora_lm() -> nn.Module:
+    model = DecoderLM(lambda: PreNormBlock(_SplitAttention(), SwiGLU()))
+    for module in list(model.modules()):
+        if isinstance(module, nn.Linear) and module is not model.output:
+            out_f, in_f = module.weight.shape
+            nn.utils.parametrize.register_parametrization(module, "weight", LoRAParametrization(in_f, out_f))
+            module.parametrizations.weight.original.requires_grad_(False)
+    return model
+
+
+# ---- sliding windows by as_strided ---------------------------------------------------------
+
+
+class StridedWindowAttention(UnfoldWindowAttention):
+    """The unfold windows built by hand with ``as_strided`` on the padded keys and values."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        w = self.WINDOW
+
+        def windows(t: torch.Tensor) -> torch.Tensor:
+            t = F.pad(t, (0, 0, w - 1, 0)).contiguous()
+            b, h, s, d = t.shape
+            return t.as_strided((b, h, s - w + 1, w, d), (h * s * d, s * d, d, d, 1))  # [B, H, S, W, D]
+
+        scores = torch.einsum("bhsd,bhswd->bhsw", q, windows(k)) * HEAD_DIM**-0.5
+        pos = torch.arange(x.shape[1], device=x.device)[:, None] - (w - 1) + torch.arange(w, device=x.device)
+        scores = scores.masked_fill(pos < 0, float("-inf"))
+        return self.proj(merge(torch.einsum("bhsw,bhswd->bhsd", scores.softmax(-1), windows(v))))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "hyena_fft_conv": lambda: DecoderLM(lambda: PreNormBlock(HyenaOperator())),
     "xlstm_mlstm": lambda: DecoderLM(lambda: PreNormBlock(MLSTMCell())),
@@ -526,6 +606,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "griffin_rglru": lambda: DecoderLM(lambda: PreNormBlock(RecurrentBlock())),
     "gla_cumsum": lambda: DecoderLM(lambda: PreNormBlock(GatedLinearAttention())),
     "switch_capacity": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), SwitchMoE())),
+    "topk_block_sparse": lambda: DecoderLM(lambda: PreNormBlock(TopKBlockAttention())),
+    "minlora_parametrize": minlora_lm,
+    "as_strided_windows": lambda: DecoderLM(lambda: PreNormBlock(StridedWindowAttention())),
 }
 MOE = frozenset({"switch_capacity"})
 
