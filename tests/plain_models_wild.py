@@ -39,6 +39,10 @@ def merge(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).reshape(b, s, -1)
 
 
+def lm_outputs(logits: torch.Tensor, labels: torch.Tensor | None) -> dict[str, Any]:
+    return {"logits": logits} if labels is None else {"logits": logits, "loss": lm_loss(logits, labels)}
+
+
 # ---- Hyena: an implicit long filter applied by FFT over the sequence ----------------------
 
 
@@ -177,10 +181,7 @@ class NGPT(nn.Module):
         for layer in self.layers:
             h = layer(h)
         logits = self.output(h) * self.sz()
-        out: dict[str, Any] = {"logits": logits}
-        if labels is not None:
-            out["loss"] = lm_loss(logits, labels)
-        return out
+        return lm_outputs(logits, labels)
 
 
 # ---- ALBERT: a factorized embedding and one layer applied LAYERS times --------------------
@@ -228,10 +229,7 @@ class Albert(nn.Module):
             x = self.shared(x, mask)
         h = self.head_norm(F.gelu(self.dense(x), approximate="tanh"))
         logits = F.linear(h, self.word.weight, self.decoder_bias)
-        out: dict[str, Any] = {"logits": logits}
-        if labels is not None:
-            out["loss"] = lm_loss(logits, labels)
-        return out
+        return lm_outputs(logits, labels)
 
 
 # ---- peft-style LoRA: A/B adapters beside a frozen base linear ----------------------------
@@ -408,10 +406,7 @@ class TorchTransformer(nn.Module):
         tgt_mask = nn.Transformer.generate_square_subsequent_mask(decoder_input_ids.shape[1], device=input_ids.device)
         y = self.transformer(self.embed(input_ids), self.embed(decoder_input_ids), tgt_mask=tgt_mask, tgt_is_causal=True)
         logits = self.output(y)
-        out: dict[str, Any] = {"logits": logits}
-        if labels is not None:
-            out["loss"] = lm_loss(logits, labels)
-        return out
+        return lm_outputs(logits, labels)
 
 
 # ---- Griffin / RecurrentGemma: RG-LRU with a Python loop over time ------------------------
