@@ -33,7 +33,7 @@ from transformers import PretrainedConfig
 
 from autotp import presets
 from autotp.analysis.batch_rows import batch_mixing_node
-from autotp.analysis.layers import num_layers
+from autotp.analysis.layers import num_layers, repeated_modules
 from autotp.analysis.trace import trace
 from autotp.cost_model.compute import ModelCosts
 from autotp.cost_model.cudagraphs import choose_cudagraph_regions
@@ -150,12 +150,19 @@ def choose_plan(
                          fp8=fp8)  # fmt: skip
     layers = num_layers(traced)
     if pp * vpp > 1 and pp * vpp > layers:
-        raise UserInputError(
-            f"pp*vpp = {pp}*{vpp} = {pp * vpp} pipeline chunks but the model has {layers} layers; "
-            f"use pp*vpp <= {layers}"
-        )
+        raise UserInputError(f"pp*vpp = {pp}*{vpp} = {pp * vpp} pipeline chunks but the model has {layers} layers; " + _too_few_layers(traced, layers))
     chosen = plan_tensor_parallel(traced, tp)
     return replace(chosen, pp=pp, dp=dp, vpp=vpp, **plan_pipeline(traced, pp, vpp)._asdict())
+
+
+def _too_few_layers(traced: GraphModule, layers: int) -> str:
+    """The fix for a pipeline deeper than the model's layers."""
+    if layers:
+        return f"use pp*vpp <= {layers}"
+    shared = "".join(f"; module '{path}' runs {n} times with the same parameters (cross-layer sharing), so every stage would hold "
+                     "all of them and pipelining saves no memory" for path, n in list(repeated_modules(traced.graph).items())[:1])  # fmt: skip
+    return ("autotp cuts between the modules of a numbered list (model.layers.0, model.layers.1, ...) and none runs in this one"
+            f"{shared}; use pp=1 (tp shards it)")
 
 
 def plan_model(

@@ -1,5 +1,5 @@
 """Rewrite the shape constants that sharding changes (views, expands, ``new_*`` and factory sizes, split sizes,
-slice bounds, ``repeat_interleave`` counts, the ``groups`` of a depthwise convolution and
+slice bounds, ``as_strided`` sizes and strides, ``repeat_interleave`` counts, the ``groups`` of a depthwise convolution and
 of a group norm).
 
 ``torch.export`` bakes concrete sizes into ``view``/``reshape``/``expand`` arguments,
@@ -15,7 +15,7 @@ from torch.fx import GraphModule, Node
 
 from autotp.analysis.local_shapes import local_sizes, local_slice_bounds, local_tensors
 from autotp.ir import meta_keys
-from autotp.analysis.shapes import schema_arg
+from autotp.analysis.shapes import contiguous_strides, schema_arg, shape_of, strided_walk
 from autotp.analysis.value_rules import UNIFORM_FACTORIES
 from autotp.ir.layouts import Layout, local_size
 from autotp.passes.runner import PassContext
@@ -59,6 +59,8 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
             repeats = local_size(out, tp) // local_size(source, tp)
             node.args = (node.args[0], repeats, *node.args[2:3])
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "output_size"}
+        elif node.target is aten.as_strided.default and isinstance(src := read_layout(node.args[0]), Layout) and src.dims:
+            _local_strides(node, src, tp)
         elif node.target in _CONVOLUTIONS:
             _local_groups(node, read_layout(node.args[0]), tp)
         elif node.target is aten.group_norm.default and isinstance(src := read_layout(node.args[0]), Layout) and src.var_at(1):
@@ -87,6 +89,20 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 node.target = aten.split_with_sizes.default
                 node.args = (node.args[0], sizes, d)
     return gm
+
+
+def _local_strides(node: Node, src: Layout, tp: int) -> None:
+    """``as_strided`` of a split input (``shape_rules.as_strided``): the output dim walking a
+    split input dim takes its local size, and every stride that of its input dim in the
+    rank's contiguous input."""
+    walk = strided_walk(node)
+    assert walk is not None, f"{node.name}: as_strided of a split input without a plain walk"
+    shape = list(shape_of(node.args[0]) or ())
+    for d, size in local_sizes(node.args[0], tp, src).items():
+        shape[d] = size
+    strides = contiguous_strides(shape)
+    sizes = [shape[i] if i is not None and src.var_at(i) is not None else n for n, i in zip(node.args[1], walk)]
+    node.args = (node.args[0], sizes, [t if i is None else strides[i] for t, i in zip(node.args[2], walk)], *node.args[3:])
 
 
 def _local_groups(node: Node, lay: object, tp: int) -> None:

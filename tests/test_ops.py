@@ -113,6 +113,19 @@ def test_gather_backward_keeps_this_ranks_slice_padded(group_of: Any) -> None:
     assert torch.equal(x.grad, torch.tensor([[1.0, 2, 3, 0], [4, 5, 6, 0]]))
 
 
+@pytest.mark.parametrize("size", [3, 4])
+def test_a_gathered_value_can_be_written_in_place(group_of: Any, size: int) -> None:
+    """A reader may write into the gathered value (a Switch MoE's ``out = x.clone();
+    out[mask] = expert(...)`` with ``x`` gathered from sequence parallelism): the op's
+    output must not be a view, which autograd forbids modifying in place."""
+    group_of(1)
+    x = torch.randn(2, 4, requires_grad=True)
+    y = ops.GATHER_FROM_TP(x, 1, size, KEY)
+    y[:, 0] = 0.0
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.tensor([[0.0] + [1.0] * (size - 1) + [0.0] * (4 - size)] * 2))
+
+
 @pytest.mark.parametrize("reduction", [0, 1, 2])
 def test_vocab_parallel_cross_entropy_on_one_rank_is_cross_entropy(group_of: Any, reduction: int) -> None:
     group_of(1)

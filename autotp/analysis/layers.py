@@ -88,3 +88,16 @@ def outside_layers(position: int, last_layer_at: int) -> str:
     """The section of a node outside the layers at ``position``: ``HEAD`` after the last
     layer (``last_layer_position``), ``EMBEDDING`` before."""
     return HEAD if position > last_layer_at else EMBEDDING
+
+
+def repeated_modules(graph: Graph) -> dict[str, int]:
+    """Module paths the forward calls more than once (``torch.export`` keys each further call
+    ``path@1``, ``path@2``...): path -> number of calls, outermost first (ALBERT's one
+    shared layer run ``N`` times)."""
+    calls: dict[str, set[str]] = {}
+    for node in graph.nodes:
+        for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+            if path:
+                calls.setdefault(path, set()).add(key)
+    return {path: len(keys) for path, keys in calls.items() if len(keys) > 1 and not any(
+        path.startswith(outer + ".") and len(calls[outer]) > 1 for outer in calls)}

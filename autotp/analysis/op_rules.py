@@ -112,6 +112,8 @@ RULES: dict[Any, Rule] = {
     aten.triu.default: shapes.dims_whole,
     aten.flip.default: shapes.dims_whole,
     aten.roll.default: shapes.dims_whole,
+    aten.unfold.default: shapes.unfold,
+    aten.as_strided.default: shapes.as_strided,
     aten.unsqueeze.default: shapes.unsqueeze,
     aten.squeeze.dim: shapes.squeeze,
     aten.squeeze.dims: shapes.squeeze,

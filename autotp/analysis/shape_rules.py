@@ -10,14 +10,16 @@ replicated block fills (one KV head held by every rank) may take any split.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.fx import Node
 
 from autotp.analysis.propagation_result import ParamView
-from autotp.analysis.shapes import norm_dim, schema_arg, shape_of
+from autotp.analysis.shapes import norm_dim, schema_arg, shape_of, strided_walk
 from autotp.ir.errors import describe
+from autotp.ir.op_facts import is_matmul
 from autotp.ir.layouts import (
     PARTIAL,
     REPLICATE,
@@ -98,6 +100,38 @@ def dims_whole(w: Walker, node: Node) -> Any:
         if var is not None:
             raise ShardingConflict(f"{describe(node)}: acts along a sharded dim", lay.origins(), (var,))
     return lay
+
+
+def unfold(w: Walker, node: Node) -> Any:
+    """``x.unfold(dim, size, step)`` (sliding windows): ``dim`` becomes the window count and a
+    new last dim the positions within a window, so ``dim`` must be whole; every other dim
+    keeps its split (a view: linear in a partial input)."""
+    lay = w.concrete(node.args[0], node)
+    if lay.partial:
+        return lay
+    d = norm_dim(node.args[1], len(shape_of(node.args[0]) or ()))
+    if lay.var_at(d) is not None:
+        raise ShardingConflict(f"{describe(node)}: unfolds a sharded dim", lay.origins(), (lay.var_at(d),))
+    return lay
+
+
+def as_strided(w: Walker, node: Node) -> Any:
+    """``as_strided`` (sliding windows built by hand): where it reads ``x`` by summing output
+    indices along input dims (``shapes.strided_walk``), a split input dim walked by exactly
+    one output dim of its whole size keeps its split there (the rank's strides and sizes
+    are rewritten, ``passes/rewrite_shapes``); any other split dim conflicts."""
+    lay = w.concrete(node.args[0], node)
+    if lay.partial or not lay.dims:
+        return lay  # linear in a partial input
+    walk = strided_walk(node)
+    src = shape_of(node.args[0]) or ()
+    dims = {}
+    for d, var in lay.dims:
+        steps = [j for j, i in enumerate(walk or ()) if i == d]
+        if len(steps) != 1 or node.args[1][steps[0]] != src[d]:
+            raise ShardingConflict(f"{describe(node)}: reads a sharded dim through strides that mix it", lay.origins(), (var,))
+        dims[steps[0]] = var
+    return shard(dims)
 
 
 def unsqueeze(w: Walker, node: Node) -> Any:
@@ -237,7 +271,6 @@ def pad(w: Walker, node: Node) -> Any:
 
 
 def split(w: Walker, node: Node) -> Any:
-    lay = w.concrete(node.args[0], node)
     src = shape_of(node.args[0]) or ()
     outs = node.meta.get("val")
     n_out = len(outs) if isinstance(outs, (list, tuple)) else 1
@@ -248,6 +281,9 @@ def split(w: Walker, node: Node) -> Any:
         d = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(src))
     else:
         d = norm_dim(node.args[2] if len(node.args) > 2 else 0, len(src))
+    if target is not aten.unbind.int:
+        _split_packed_parameter(w, node, d)
+    lay = w.concrete(node.args[0], node)
     if lay.partial:
         return tuple(PARTIAL for _ in range(n_out))
     var = lay.var_at(d)
@@ -260,6 +296,23 @@ def split(w: Walker, node: Node) -> Any:
     sizes = [int(o.shape[d]) for o in outs]
     segs = set_segments(var, sizes, describe(node))
     return tuple(shard({**dict(lay.dims), d: seg}) for seg in segs)
+
+
+def _split_packed_parameter(w: Walker, node: Node, d: int) -> None:
+    """An undecided parameter cut into parts along dim ``d``, every part read only by matmuls
+    (``nn.MultiheadAttention``'s packed ``in_proj_weight`` and bias split into the query's
+    and the key/value's for cross-attention): dim ``d`` is split, the parts its segments, so
+    each matmul shards its part as it would a weight of its own (column-parallel over the
+    heads). Read whole, the packed weight stays on every rank. A matmul that cannot use
+    the split is a conflict naming the parameter, which the planner then keeps whole."""
+    view = w.get(node.args[0])
+    if not isinstance(view, ParamView) or not isinstance(view.dim_map[d], int) or not w.allowed(view.name, "column"):
+        return
+    parts = [p for p in node.users if p.target is operator.getitem]
+    if len(parts) < 2 or len(parts) != len(node.users) or not all(u.users and all(is_matmul(r) for r in u.users) for u in parts):
+        return
+    size = (shape_of(node.args[0]) or ())[d]
+    w.param_view_shard(view, d, DimVar(size, frozenset({view.name})), "column", node)
 
 
 def glu(w: Walker, node: Node) -> Any:

@@ -127,3 +127,37 @@ def schema_arg(node: Node, name: str, default: Any = None) -> Any:
             if arg.name == name:
                 return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
     return node.kwargs.get(name, default)
+
+
+def contiguous_strides(shape: tuple[int, ...] | list[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
+def strided_walk(node: Node) -> list[int | None] | None:
+    """For ``as_strided(x, size, stride, offset)`` of a contiguous ``x`` that starts its
+    storage: the input dim each output dim steps along (None: a size-1 or stride-0 dim),
+    when every element it reads is ``x[..., sum of the output indices along that dim, ...]``
+    (each stride is one input dim's, and the indices along one input dim never carry past
+    its size: sliding windows over the sequence). None when the strides mix dims otherwise."""
+    x = node.args[0]
+    val = x.meta.get("val") if isinstance(x, Node) else None
+    offset = schema_arg(node, "storage_offset", None)
+    if not isinstance(val, torch.Tensor) or not val.is_contiguous() or val.storage_offset() != 0 or offset:
+        return None
+    shape = [size_int(d) for d in val.shape]
+    by_stride = {st: i for i, (st, n) in enumerate(zip(contiguous_strides(shape), shape)) if n > 1}
+    walk: list[int | None] = []
+    reach = [0] * len(shape)
+    for size, stride in zip(node.args[1], node.args[2]):
+        if size == 1 or stride == 0:
+            walk.append(None)
+        elif stride in by_stride:
+            walk.append(by_stride[stride])
+            reach[by_stride[stride]] += size - 1
+        else:
+            return None
+    return walk if all(r < max(n, 1) for r, n in zip(reach, shape)) else None

@@ -82,7 +82,8 @@ def _all_reduce_max(x: Tensor, group: str) -> Tensor:
 def _gather_from_tp(x: Tensor, dim: int, size: int, group: str) -> Tensor:
     pg = get_group(group)
     full = x.clone() if pg is None else _gathered(x, dim, pg)
-    return full.narrow(dim, 0, size)
+    # never a view: autograd forbids writing in place into a custom op's view output (a MoE's ``out[mask] = ...``)
+    return full if full.shape[dim] == size else full.narrow(dim, 0, size).clone()
 
 
 def _scatter_to_tp(x: Tensor, dim: int, local: int, group: str) -> Tensor:
