@@ -179,8 +179,7 @@ class _Search:
             by_place: dict[tuple[str, str], list[str]] = {}
             for node in self.gm.graph.nodes:
                 if node.op == "call_function":
-                    stack = list((node.meta.get("nn_module_stack") or {}).values())
-                    by_place.setdefault((stack[-1][0] if stack else "", op_name(node.target)), []).append(node.name)
+                    by_place.setdefault((_module_path(node), op_name(node.target)), []).append(node.name)
             groups: dict[tuple[str, str, int], list[str]] = {}
             for (path, op), names in by_place.items():
                 for i, name in enumerate(names):
@@ -252,10 +251,15 @@ def _generic(path: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", path)
 
 
+def _module_path(node: Node) -> str:
+    """The path of the innermost module ``node`` was traced in ("" at the root)."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    return stack[-1][0] if stack else ""
+
+
 def _place(node: Node) -> tuple[str, str]:
     """Where a node is in the model, the same in every layer: module path and op."""
-    stack = list((node.meta.get("nn_module_stack") or {}).values())
-    return (_generic(stack[-1][0]) if stack else "", op_name(node.target))
+    return (_generic(_module_path(node)), op_name(node.target))
 
 
 def _statistic_places(prop: Propagation) -> dict[tuple[str, str], frozenset[str]]:

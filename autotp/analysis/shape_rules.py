@@ -90,15 +90,22 @@ def expand_as(w: Walker, node: Node) -> Any:
 def dims_whole(w: Walker, node: Node) -> Any:
     """Ops that act along some dims and elementwise elsewhere (``tril``/``triu`` on the last
     two, ``flip``/``roll`` on ``dims``): those dims must be whole; linear in a partial input."""
+    nd = len(shape_of(node.args[0]) or ())
+    acting = schema_arg(node, "dims", [nd - 2, nd - 1])
+    acting = [acting] if isinstance(acting, int) else list(acting) or list(range(nd))
+    return _whole_along(w, node, acting, "acts along a sharded dim")
+
+
+def _whole_along(w: Walker, node: Node, dims: list[int], why: str) -> Any:
+    """The layout of ``node``'s input, which must be whole along ``dims`` (the op acts along
+    them and elementwise elsewhere, so every other dim keeps its split)."""
     x = node.args[0]
     lay = w.concrete(x, node)
     nd = len(shape_of(x) or ())
-    acting = schema_arg(node, "dims", [nd - 2, nd - 1])
-    acting = [acting] if isinstance(acting, int) else list(acting) or list(range(nd))
-    for d in acting:
+    for d in dims:
         var = lay.var_at(norm_dim(d, nd))
         if var is not None:
-            raise ShardingConflict(f"{describe(node)}: acts along a sharded dim", lay.origins(), (var,))
+            raise ShardingConflict(f"{describe(node)}: {why}", lay.origins(), (var,))
     return lay
 
 
@@ -106,13 +113,7 @@ def unfold(w: Walker, node: Node) -> Any:
     """``x.unfold(dim, size, step)`` (sliding windows): ``dim`` becomes the window count and a
     new last dim the positions within a window, so ``dim`` must be whole; every other dim
     keeps its split (a view: linear in a partial input)."""
-    lay = w.concrete(node.args[0], node)
-    if lay.partial:
-        return lay
-    d = norm_dim(node.args[1], len(shape_of(node.args[0]) or ()))
-    if lay.var_at(d) is not None:
-        raise ShardingConflict(f"{describe(node)}: unfolds a sharded dim", lay.origins(), (lay.var_at(d),))
-    return lay
+    return _whole_along(w, node, [node.args[1]], "unfolds a sharded dim")
 
 
 def as_strided(w: Walker, node: Node) -> Any:
@@ -200,11 +201,7 @@ def slice_(w: Walker, node: Node) -> Any:
     end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else src[d]
     step = node.args[4] if len(node.args) > 4 else 1
     if not all(isinstance(b, int) for b in (start, end, step)):  # bounds computed at run time (BLT's patch lengths)
-        lay = w.concrete(node.args[0], node)
-        var = lay.var_at(d)
-        if var is not None:
-            raise ShardingConflict(f"{describe(node)}: a slice with bounds known only at run time of a sharded dim", var.find().origins, (var,))
-        return lay
+        return _whole_along(w, node, [d], "a slice with bounds known only at run time of a sharded dim")
     start, end = norm_dim(start, src[d]), min(norm_dim(end, src[d]) if end < 0 else end, src[d])
     if isinstance(w.get(node.args[0]), ParamView) and (start, end, step) == (0, src[d], 1):
         return w.get(node.args[0])  # ``bias[:, None, :]`` keeps a parameter undecided
