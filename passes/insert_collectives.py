@@ -12,6 +12,9 @@ looking for sharing; ``cancel_collectives`` merges the duplicates afterwards.
 * f over the replica group: on parameters that several ranks hold whole (KV heads
   replicated when tp > num_key_value_heads), so their partial grads are summed; on the
   replicated segments only of a fused weight whose other segments are split.
+  An f whose result the graph writes in place (through views: an accumulator sliced to
+  the rank's part, then ``index_add_``) is followed by a clone: autograd forbids writing
+  into what a custom Function returned as is.
 * ``gather_from_tp``: on sharded graph outputs, so the user sees full tensors (put back in
   global order when the split has segments or replicated blocks).
 """
@@ -29,7 +32,7 @@ from autotp.ir.axes import replica_group_key
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import shape_of
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimSharding, Layout, fixed_var, resolve
-from autotp.ir.op_facts import CollectiveTag
+from autotp.ir.op_facts import CollectiveTag, mutated_base
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten
@@ -88,6 +91,7 @@ def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
                     f = graph.call_function(ops.COPY_TO_TP, (node, key), name="copy_to_tp")
                 annotate_collective(f, node, lay, CollectiveTag.ALL_REDUCE_BACKWARD, ctx.plan.tp)
                 user.replace_input_with(node, f)
+    _clone_written_copies(gm)
     _sync_replicated_blocks(gm, ctx)
     if ctx.plan.gather_outputs:
         _gather_outputs(gm, key, ctx.plan.tp)
@@ -95,6 +99,16 @@ def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
 
 
 _CONVOLUTIONS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default}
+
+
+def _clone_written_copies(gm: GraphModule) -> None:
+    graph = gm.graph
+    written = {mutated_base(n) for n in graph.nodes if n.op == "call_function"}
+    for f in [n for n in graph.nodes if n.target is ops.COPY_TO_TP and n in written]:
+        with graph.inserting_after(f):
+            copy = graph.call_function(aten.clone.default, (f,))
+        copy.meta.update({k: v for k, v in f.meta.items() if k not in (meta_keys.COLLECTIVE, meta_keys.COLLECTIVE_RANKS)})
+        f.replace_all_uses_with(copy, delete_user_cb=lambda u: u is not copy)
 
 
 def _split_row_bias(gm: GraphModule, node: Node, key: str, tp: int) -> None:

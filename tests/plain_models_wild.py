@@ -5,8 +5,9 @@ and that no other suite module covers (issue 27, third round): Hyena's long conv
 ``LAYERS`` times, a factorized embedding), peft-style LoRA adapters beside frozen base
 weights, spectral-norm parametrizations, sliding-window attention by ``Tensor.unfold``, ToMe
 token merging (``argsort`` + ``scatter_reduce``), PyTorch's own ``nn.Transformer``, Griffin's
-RG-LRU (a Python loop over time, block-diagonal gates), gated linear attention by ``cumsum``
-and a Switch MoE whose capacity factor drops tokens.
+RG-LRU (a Python loop over time, block-diagonal gates), gated linear attention by ``cumsum``,
+a Switch MoE whose capacity factor drops tokens, and MoE layers that loop over the experts
+hit (``for e in mask.nonzero()``: a trip count known only at run time).
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)`` and ``MOE``.
@@ -508,6 +509,60 @@ class SwitchMoE(nn.Module):
         return out * router_probs
 
 
+# ---- MoE loops over the experts hit: a trip count known only at run time -------------------
+
+
+class ExpertHitLoop(nn.Module):
+    """HF's eager experts (DBRX, Mixtral before grouped GEMMs): 3-D expert weights, a
+    ``one_hot`` with a spare class, ``for e in expert_hit`` over its nonzero rows (the spare
+    class is never hit, and ``gate_up[e]`` would be out of range for it), ``index_add_``."""
+
+    EXPERTS, TOP_K, HIDDEN = 4, 2, 2 * DIM
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, self.EXPERTS, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(self.EXPERTS, 2 * self.HIDDEN, DIM) * DIM**-0.5)
+        self.down = nn.Parameter(torch.randn(self.EXPERTS, DIM, self.HIDDEN) * self.HIDDEN**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, DIM)
+        weights, chosen = self.router(tokens).softmax(-1).topk(self.TOP_K, -1)
+        out = torch.zeros_like(tokens)
+        with torch.no_grad():
+            mask = F.one_hot(chosen, num_classes=self.EXPERTS + 1).permute(2, 1, 0)  # [E + 1, K, T]
+            expert_hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert in expert_hit:
+            e = expert[0]
+            slot, rows = torch.where(mask[e])
+            gate, up = F.linear(tokens[rows], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y)
+        return out.view_as(x)
+
+
+class ArgwhereExperts(nn.Module):
+    """Experts as an ``nn.ModuleList`` picked by ``int(e)`` for ``e`` in the one-argument
+    ``torch.where`` of the per-expert counts, combined by ``out[rows] += ...``."""
+
+    EXPERTS, TOP_K = 4, 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, self.EXPERTS, bias=False)
+        self.experts = nn.ModuleList(SwiGLU() for _ in range(self.EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, DIM)
+        weights, chosen = self.router(tokens).softmax(-1).topk(self.TOP_K, -1)
+        out = torch.zeros_like(tokens)
+        counts = F.one_hot(chosen, self.EXPERTS).sum(dim=(0, 1))
+        for e in torch.where(counts > 0)[0]:
+            rows, slot = torch.where(chosen == e)
+            out[rows] += weights[rows, slot, None] * self.experts[int(e)](tokens[rows])
+        return out.view_as(x)
+
+
 # ---- NSA-style top-k block-sparse attention: compressed block keys pick the blocks -------
 
 
@@ -604,8 +659,10 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "topk_block_sparse": lambda: DecoderLM(lambda: PreNormBlock(TopKBlockAttention())),
     "minlora_parametrize": minlora_lm,
     "as_strided_windows": lambda: DecoderLM(lambda: PreNormBlock(StridedWindowAttention())),
+    "expert_hit_loop": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), ExpertHitLoop())),
+    "argwhere_experts": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), ArgwhereExperts())),
 }
-MOE = frozenset({"switch_capacity"})
+MOE = frozenset({"switch_capacity", "expert_hit_loop", "argwhere_experts"})
 
 
 def build(name: str) -> nn.Module:

@@ -295,3 +295,125 @@ def test_slice_bounds_known_at_run_time_leave_the_other_dims_split() -> None:
     assert kinds["up.weight"] == "column" and kinds["down.weight"] == "row", kinds
     result = combine(run_on_ranks(_run_time_slice_on_rank, 2, timeout_s=120))
     assert result.passed, result.reason
+
+
+# ---- loops over a data-dependent index list (autotp/analysis/trace_loops.py) -----------------
+
+
+def test_loop_over_the_experts_hit_is_unrolled_with_the_spare_class_asserted_away() -> None:
+    """``for e in expert_hit`` (a nonzero result) traces; ``gate_up[e]`` for the spare
+    one-hot class is out of range, so that iteration becomes a run-time assertion."""
+    import plain_models_wild as wild
+
+    gm = trace(wild.build("expert_hit_loop"), wild.example_inputs("expert_hit_loop"))
+    asserts = [n for n in gm.graph.nodes if n.target is torch.ops.aten._assert_async.msg]
+    assert len(asserts) == 2 and all("index (4,)" in n.args[1] for n in asserts), [n.args for n in asserts]  # one per layer
+    for name in ("expert_hit_loop", "argwhere_experts"):
+        result = check_on_rank(wild.build(name), wild.example_inputs(name), tp=1)
+        assert result.passed, (name, result.reason)
+
+
+class _MaskedWritesLM(nn.Module):
+    """A loop over the channels whose mean is positive, whose body writes whether or not
+    the channel is in the list: a dense ``add_``, a ``__setitem__`` and a ``mul_``. Unrolled
+    over every channel, only the predicate keeps the channels not in the list from writing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.proj, self.head = nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, 64)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def positive(self, h: torch.Tensor) -> torch.Tensor:
+        return h.mean(dim=(0, 1))[:8] > 0
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        out = self.proj(h)
+        for c in self.positive(h).nonzero():
+            out.add_(h * self.scale[c])
+            out[:, 0] = out[:, 0] * 0.5
+            out.mul_(1.25)
+        logits = self.head(out)
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def test_unrolled_iterations_not_in_the_list_write_nothing() -> None:
+    torch.manual_seed(0)
+    model, ids = _MaskedWritesLM(), torch.randint(0, 64, (2, 8))
+    hit = model.positive(model.embed(ids))
+    assert 0 < int(hit.sum()) < 8  # some iterations run, some must not
+    result = check_on_rank(model, {"input_ids": ids, "labels": ids}, tp=1)
+    assert result.passed, result.reason
+
+
+class _LoopLM(nn.Module):
+    """A body in each of the forms the unrolling refuses (``form``)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form, self.embed, self.head = form, nn.Embedding(64, 32), nn.Linear(32, 64)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        out, ys = torch.zeros_like(h), []
+        hit = (h.mean(dim=(0, 1)) > 0).nonzero()
+        if self.form == "python values":
+            for c in [int(c) for c in hit]:
+                out[..., c] += h[..., c]
+        else:
+            for c in hit:
+                if self.form == "break" and int(c) > 3:
+                    break
+                y = h * c
+                ys.append(y)
+                out += y
+            if self.form == "escaping tensor":
+                out = out + torch.stack(ys).sum(0)
+        logits = self.head(out)
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+@pytest.mark.parametrize(("form", "words"), [("break", "leaves it early"), ("escaping tensor", "read after that iteration"), ("python values", "writes no tensor in place")])
+def test_loops_the_unrolling_cannot_keep_exact_are_refused(form: str, words: str) -> None:
+    from autotp.ir.errors import UserInputError
+
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(UserInputError, match=words) as raised:
+        trace(_LoopLM(form), {"input_ids": ids, "labels": ids})
+    assert "test_trace_constructs.py" in str(raised.value)  # the loop's line
+
+
+class _NarrowExpertsLM(nn.Module):
+    """Experts looped over the experts hit whose hidden size (6) tp=4 does not divide."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.router, self.head = nn.Embedding(32, 8), nn.Linear(8, 4), nn.Linear(8, 32)
+        self.gate_up, self.down = nn.Parameter(torch.randn(4, 12, 8) * 0.3), nn.Parameter(torch.randn(4, 8, 6) * 0.3)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.embed(input_ids).flatten(0, 1)
+        weights, chosen = self.router(x).softmax(-1).topk(2, -1)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(chosen, num_classes=4).permute(2, 1, 0)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            slot, rows = torch.where(mask[e[0]])
+            gate, up = F.linear(x[rows], self.gate_up[e[0]]).chunk(2, -1)
+            out.index_add_(0, rows, F.linear(F.silu(gate) * up, self.down[e[0]]) * weights[rows, slot, None])
+        logits = self.head(x + out)
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels.flatten())}
+
+
+def _written_copy_on_rank(rank: int, world: int) -> StrictResult:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    return check_on_rank(_NarrowExpertsLM(), {"input_ids": ids, "labels": ids}, tp=world)
+
+
+def test_an_accumulator_written_in_place_after_f_equals_the_model() -> None:
+    """With gate_up whole, each rank adds its slice of the accumulator in place; f
+    (``copy_to_tp``) returns its input as is, so it is cloned before that write."""
+    from distributed import run_on_ranks
+
+    result = combine(run_on_ranks(_written_copy_on_rank, 4, timeout_s=300))
+    assert result.equal, result.reason

@@ -32,6 +32,7 @@ from torch.fx import GraphModule
 
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
 from autotp.analysis.trace_decompose import decompose_parameter_ops
+from autotp.analysis.trace_loops import refuse_broken_loops, unrolled_index_loops
 from autotp.analysis.trace_guards import refuse_parameter_writes, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
 from autotp.ir.errors import UserInputError
@@ -156,18 +157,27 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
 
 
 def _export(
-    model: nn.Module, fake_model: nn.Module, fake_kwargs: dict[str, Any], opaque: frozenset[type] = frozenset()
+    model: nn.Module,
+    fake_model: nn.Module,
+    fake_kwargs: dict[str, Any],
+    opaque: frozenset[type] = frozenset(),
+    unreachable: frozenset[tuple[str, tuple[int, ...]]] = frozenset(),
 ) -> tuple[torch.export.ExportedProgram, list[FunctionUse]]:
-    """Non-strict export of ``fake_model(**fake_kwargs)``, with the custom Functions it applied."""
+    """Non-strict export of ``fake_model(**fake_kwargs)``, with the custom Functions it applied;
+    ``unreachable``: iterations of unrolled loops asserted not to run (``trace_loops``)."""
     # torch.export prints the partial graph of a failed trace to stderr; it goes to the
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
-    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off():
+    retry = None
+    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), unrolled_index_loops(fake_model, unreachable) as loops:
         try:
             with contextlib.redirect_stderr(printed):
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False)
             sys.stderr.write(printed.getvalue())
         except Exception as e:  # noqa: BLE001 - re-raised with location
+            if loops.failed is not None and loops.failed not in unreachable:
+                log.info("the iteration for index %s of the loop at %s indexes out of range; traced again with it asserted not to run", loops.failed[1], loops.failed[0])
+                retry = unreachable | {loops.failed}
             log.debug("torch.export printed:\n%s", printed.getvalue())
             for record in held:
                 log.debug("%s logged: %s", _FAKE_TENSOR_LOG, record.getMessage())
@@ -176,10 +186,14 @@ def _export(
             where = f"{model_frames[-1].filename}:{model_frames[-1].lineno} ({model_frames[-1].line})" if model_frames else "unknown line"
             module = stack[-1] if stack else f"<root> ({type(model).__name__})"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserInputError(
-                f"autotp could not trace {type(model).__name__}: an operation in module {module} at {where} "
-                f"failed under torch.export: {type(e).__name__}: {first}. Fix: {_advice(e)}"
-            ) from e
+            if retry is None:
+                raise UserInputError(
+                    f"autotp could not trace {type(model).__name__}: an operation in module {module} at {where} "
+                    f"failed under torch.export: {type(e).__name__}: {first}. Fix: {_advice(e)}"
+                ) from e
+    if retry is not None:
+        return _export(model, fake_model, fake_kwargs, opaque, retry)
+    refuse_broken_loops(loops)
     return ep, uses
 
 
