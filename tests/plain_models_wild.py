@@ -541,6 +541,26 @@ class ExpertHitLoop(nn.Module):
         return out.view_as(x)
 
 
+class ExpertHitSkipEmpty(ExpertHitLoop):
+    """The same experts as written before grouped GEMMs (LongCat-Flash's, HF's older
+    Mixtral): the expert's index as a Python int, and an expert without rows skipped by
+    ``if rows.numel() == 0: continue``, a branch on a row count known only at run time."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, DIM)
+        weights, chosen = self.router(tokens).softmax(-1).topk(self.TOP_K, -1)
+        out = torch.zeros_like(tokens)
+        mask = F.one_hot(chosen, num_classes=self.EXPERTS).permute(2, 1, 0)
+        for expert in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero(as_tuple=False):
+            e = int(expert.item())
+            slot, rows = torch.where(mask[e])
+            if rows.numel() == 0:
+                continue
+            gate, up = F.linear(tokens[rows], self.gate_up[e]).chunk(2, dim=-1)
+            out.index_add_(0, rows, F.linear(F.silu(gate) * up, self.down[e]) * weights[rows, slot, None])
+        return out.view_as(x)
+
+
 class ArgwhereExperts(nn.Module):
     """Experts as an ``nn.ModuleList`` picked by ``int(e)`` for ``e`` in the one-argument
     ``torch.where`` of the per-expert counts, combined by ``out[rows] += ...``."""
@@ -661,8 +681,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "as_strided_windows": lambda: DecoderLM(lambda: PreNormBlock(StridedWindowAttention())),
     "expert_hit_loop": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), ExpertHitLoop())),
     "argwhere_experts": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), ArgwhereExperts())),
+    "expert_hit_skip_empty": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), ExpertHitSkipEmpty())),
 }
-MOE = frozenset({"switch_capacity", "expert_hit_loop", "argwhere_experts"})
+MOE = frozenset({"switch_capacity", "expert_hit_loop", "argwhere_experts", "expert_hit_skip_empty"})
 
 
 def build(name: str) -> nn.Module:

@@ -308,7 +308,7 @@ def test_loop_over_the_experts_hit_is_unrolled_with_the_spare_class_asserted_awa
     gm = trace(wild.build("expert_hit_loop"), wild.example_inputs("expert_hit_loop"))
     asserts = [n for n in gm.graph.nodes if n.target is torch.ops.aten._assert_async.msg]
     assert len(asserts) == 2 and all("index (4,)" in n.args[1] for n in asserts), [n.args for n in asserts]  # one per layer
-    for name in ("expert_hit_loop", "argwhere_experts"):
+    for name in ("expert_hit_loop", "argwhere_experts", "expert_hit_skip_empty"):
         result = check_on_rank(wild.build(name), wild.example_inputs(name), tp=1)
         assert result.passed, (name, result.reason)
 
@@ -402,6 +402,50 @@ class _NarrowExpertsLM(nn.Module):
             out.index_add_(0, rows, F.linear(F.silu(gate) * up, self.down[e[0]]) * weights[rows, slot, None])
         logits = self.head(x + out)
         return {"logits": logits, "loss": F.cross_entropy(logits, labels.flatten())}
+
+
+class _RowCountBranchLM(nn.Module):
+    """A loop over the tokens present, each adding its rows unless it has ``skip`` rows:
+    a branch on a row count inside an unrolled iteration."""
+
+    def __init__(self, skip: int) -> None:
+        super().__init__()
+        self.skip, self.embed, self.head = skip, nn.Embedding(8, 16), nn.Linear(16, 8)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids).flatten(0, 1)
+        out = torch.zeros_like(h)
+        for token in (F.one_hot(input_ids.flatten(), 8).sum(0) > 0).nonzero():
+            rows = torch.where(input_ids.flatten() == token[0])[0]
+            if rows.numel() == self.skip:
+                continue
+            out.index_add_(0, rows, h[rows] * 2)
+        logits = self.head(h + out)
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels.flatten())}
+
+
+def test_a_branch_on_an_iteration_row_count_is_asserted_at_run_time() -> None:
+    """``rows.numel() == 0`` is taken as false (a row count is at least 2 to the trace) and
+    holds in every iteration that runs; ``== 1`` does not when a token occurs once, and
+    the traced graph refuses to go on rather than compute the other side."""
+    ids = torch.tensor([[0, 1, 1, 2, 2, 2, 3, 3]])
+    torch.manual_seed(0)
+    assert check_on_rank(_RowCountBranchLM(skip=0), {"input_ids": ids, "labels": ids}, tp=1).passed
+    torch.manual_seed(0)
+    result = check_on_rank(_RowCountBranchLM(skip=1), {"input_ids": ids, "labels": ids}, tp=1)
+    assert "went the other way than the trace took it" in result.error, result
+
+
+def test_a_branch_on_a_run_time_value_outside_a_loop_still_fails_the_trace() -> None:
+    from autotp.ir.errors import UserInputError
+
+    class SkipsEmpty(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            rows = torch.where(x > 0)[0]
+            return x if rows.numel() == 0 else x.index_add(0, rows, x[rows])
+
+    with pytest.raises(UserInputError, match="GuardOnDataDependentSymNode"):
+        trace(SkipsEmpty(), {"x": torch.randn(4)})
 
 
 def _written_copy_on_rank(rank: int, world: int) -> StrictResult:

@@ -30,6 +30,12 @@ there if its predicate ever holds. The trace is taken again with that iteration 
 by a run-time assertion that its predicate is false (``unreachable``, keyed by the loop's
 line and the index, so one retry covers every layer running the same code).
 
+A branch inside an iteration on a value known only at run time (``if rows.numel() == 0:
+continue``) takes the side PyTorch's size-oblivious reasoning gives (a row count is at
+least 2), under a run-time assertion that the branch goes that way whenever the
+iteration's predicate holds; when it does not hold, the iteration's writes are masked
+whichever side it took.
+
 Python state the body changes (a counter in a plain ``int``) is not seen.
 """
 
@@ -39,12 +45,14 @@ import inspect
 import itertools
 import linecache
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, guard_size_oblivious
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -57,6 +65,7 @@ MAX_UNROLLED_ENTRIES = 1024
 _NONZERO = {torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere}
 _ACCUMULATING = {"add_": 1, "__iadd__": 1, "sub_": 1, "__isub__": 1, "index_add_": 3, "scatter_add_": 3}
 _ORIGINAL_ITER = torch.Tensor.__iter__
+_ORIGINAL_BOOL = torch.SymBool.__bool__
 
 
 @dataclass
@@ -200,6 +209,19 @@ class _LoopWatch(TorchFunctionMode):
         target.copy_(torch.where(p, new, target))
         return target
 
+    def assumed(self, condition: torch.SymBool, where: str) -> bool:
+        """The side of a branch on ``condition`` (data-dependent) inside an iteration, asserted
+        at run time for the iterations whose predicates hold."""
+        with warnings.catch_warnings():  # its replacements (guard_or_false/true) do not reason size-obliviously
+            warnings.simplefilter("ignore", FutureWarning)
+            side = guard_size_oblivious(condition)
+        live = self.stack[0].predicate
+        for it in self.stack[1:]:
+            live = live & it.predicate
+        value = torch.scalar_tensor(torch.sym_ite(condition, 1, 0), dtype=torch.int64, device=live.device)
+        torch._assert_async(~live | (value == int(side)), f"the branch at {where} inside the loop at {self.stack[-1].loop} went the other way than the trace took it ({side})")
+        return side
+
     def unrolled(self, hit: torch.Tensor, source: torch.Tensor, coordinate: int | None, where: str) -> Iterator[torch.Tensor]:
         loop = _Loop(where)
         self.loops.append(loop)
@@ -254,7 +276,16 @@ def unrolled_index_loops(model: torch.nn.Module, unreachable: frozenset[tuple[st
             return _ORIGINAL_ITER(self)
         return watch.unrolled(self, found[0], found[1], _caller_line())
 
+    def branch(self: torch.SymBool) -> bool:
+        try:
+            return _ORIGINAL_BOOL(self)
+        except GuardOnDataDependentSymNode:
+            if not watch.stack:
+                raise
+            return watch.assumed(self, _caller_line())
+
     torch.Tensor.__iter__ = iterate  # type: ignore[method-assign]
+    torch.SymBool.__bool__ = branch  # type: ignore[method-assign]
     hook = model.register_forward_hook(check_outputs)
     try:
         with watch:
@@ -262,6 +293,7 @@ def unrolled_index_loops(model: torch.nn.Module, unreachable: frozenset[tuple[st
     finally:
         hook.remove()
         torch.Tensor.__iter__ = _ORIGINAL_ITER  # type: ignore[method-assign]
+        torch.SymBool.__bool__ = _ORIGINAL_BOOL  # type: ignore[method-assign]
 
 
 def refuse_broken_loops(watch: _LoopWatch) -> None:
