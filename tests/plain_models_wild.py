@@ -6,8 +6,8 @@ and that no other suite module covers (issue 27, third round): Hyena's long conv
 weights, spectral-norm parametrizations, sliding-window attention by ``Tensor.unfold``, ToMe
 token merging (``argsort`` + ``scatter_reduce``), PyTorch's own ``nn.Transformer``, Griffin's
 RG-LRU (a Python loop over time, block-diagonal gates), gated linear attention by ``cumsum``,
-a Switch MoE whose capacity factor drops tokens, and MoE layers that loop over the experts
-hit (``for e in mask.nonzero()``: a trip count known only at run time).
+a Switch MoE whose capacity factor drops tokens, and MoE layers whose loops depend on the
+routing (``for e in mask.nonzero()``, ``if counts[i] == 0: continue``).
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)`` and ``MOE``.
@@ -561,6 +561,35 @@ class ExpertHitSkipEmpty(ExpertHitLoop):
         return out.view_as(x)
 
 
+class ReferenceExperts(nn.Module):
+    """DeepSeek-V3's reference MoE (its inference code, which other releases copy): the
+    experts' counts by ``bincount(...).tolist()``, ``for i in range(E): if counts[i] == 0:
+    continue``, the combine by ``y[idx] += expert(x[idx]) * weights[idx, top, None]``, and a
+    shared expert."""
+
+    EXPERTS, TOP_K = 4, 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(DIM, self.EXPERTS, bias=False)
+        self.experts = nn.ModuleList(SwiGLU() for _ in range(self.EXPERTS))
+        self.shared_experts = SwiGLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.size()
+        x = x.view(-1, DIM)
+        weights, indices = torch.topk(self.gate(x).softmax(dim=-1), self.TOP_K, dim=-1)
+        y = torch.zeros_like(x)
+        counts = torch.bincount(indices.flatten(), minlength=self.EXPERTS).tolist()
+        for i in range(self.EXPERTS):
+            if counts[i] == 0:
+                continue
+            expert = self.experts[i]
+            idx, top = torch.where(indices == i)
+            y[idx] += expert(x[idx]) * weights[idx, top, None]
+        return (y + self.shared_experts(x)).view(shape)
+
+
 class ArgwhereExperts(nn.Module):
     """Experts as an ``nn.ModuleList`` picked by ``int(e)`` for ``e`` in the one-argument
     ``torch.where`` of the per-expert counts, combined by ``out[rows] += ...``."""
@@ -682,8 +711,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "expert_hit_loop": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), ExpertHitLoop())),
     "argwhere_experts": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), ArgwhereExperts())),
     "expert_hit_skip_empty": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), ExpertHitSkipEmpty())),
+    "reference_moe_counts": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), ReferenceExperts())),
 }
-MOE = frozenset({"switch_capacity", "expert_hit_loop", "argwhere_experts", "expert_hit_skip_empty"})
+MOE = frozenset({"switch_capacity", "expert_hit_loop", "argwhere_experts", "expert_hit_skip_empty", "reference_moe_counts"})
 
 
 def build(name: str) -> nn.Module:

@@ -297,7 +297,7 @@ def test_slice_bounds_known_at_run_time_leave_the_other_dims_split() -> None:
     assert result.passed, result.reason
 
 
-# ---- loops over a data-dependent index list (autotp/analysis/trace_loops.py) -----------------
+# ---- control flow on run-time values (autotp/analysis/trace_control_flow.py) -----------------
 
 
 def test_loop_over_the_experts_hit_is_unrolled_with_the_spare_class_asserted_away() -> None:
@@ -308,7 +308,7 @@ def test_loop_over_the_experts_hit_is_unrolled_with_the_spare_class_asserted_awa
     gm = trace(wild.build("expert_hit_loop"), wild.example_inputs("expert_hit_loop"))
     asserts = [n for n in gm.graph.nodes if n.target is torch.ops.aten._assert_async.msg]
     assert len(asserts) == 2 and all("index (4,)" in n.args[1] for n in asserts), [n.args for n in asserts]  # one per layer
-    for name in ("expert_hit_loop", "argwhere_experts", "expert_hit_skip_empty"):
+    for name in ("expert_hit_loop", "argwhere_experts", "expert_hit_skip_empty", "reference_moe_counts"):
         result = check_on_rank(wild.build(name), wild.example_inputs(name), tp=1)
         assert result.passed, (name, result.reason)
 
@@ -373,7 +373,7 @@ class _LoopLM(nn.Module):
         return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
 
 
-@pytest.mark.parametrize(("form", "words"), [("break", "leaves it early"), ("escaping tensor", "read after that iteration"), ("python values", "writes no tensor in place")])
+@pytest.mark.parametrize(("form", "words"), [("break", "leaves it early"), ("escaping tensor", "is read after it"), ("python values", "writes no tensor in place")])
 def test_loops_the_unrolling_cannot_keep_exact_are_refused(form: str, words: str) -> None:
     from autotp.ir.errors import UserInputError
 
@@ -424,19 +424,63 @@ class _RowCountBranchLM(nn.Module):
         return {"logits": logits, "loss": F.cross_entropy(logits, labels.flatten())}
 
 
-def test_a_branch_on_an_iteration_row_count_is_asserted_at_run_time() -> None:
-    """``rows.numel() == 0`` is taken as false (a row count is at least 2 to the trace) and
-    holds in every iteration that runs; ``== 1`` does not when a token occurs once, and
-    the traced graph refuses to go on rather than compute the other side."""
+@pytest.mark.parametrize("skip", [0, 1])
+def test_a_branch_skipping_an_iteration_is_traced_on_its_working_side(skip: int) -> None:
+    """``if rows.numel() == skip: continue`` is traced on the side that goes on; its writes
+    are masked by the branch's condition at run time, so the tokens that occur once are
+    skipped (``skip=1``) as the model skips them."""
     ids = torch.tensor([[0, 1, 1, 2, 2, 2, 3, 3]])
     torch.manual_seed(0)
-    assert check_on_rank(_RowCountBranchLM(skip=0), {"input_ids": ids, "labels": ids}, tp=1).passed
+    result = check_on_rank(_RowCountBranchLM(skip), {"input_ids": ids, "labels": ids}, tp=1)
+    assert result.passed, result.reason
+
+
+class _BranchLM(nn.Module):
+    """A branch on a row count, in each form the tracing takes (``form``) or refuses."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form, self.embed, self.head = form, nn.Embedding(8, 16), nn.Linear(16, 8)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids).flatten(0, 1)
+        rows = torch.where(input_ids.flatten() < 2)[0]
+        if self.form == "body":
+            if rows.numel():
+                h.mul_(1.5)
+        elif self.form == "both sides":
+            if rows.numel() > 0:
+                h = h * 2
+            else:
+                h = h * 3
+        elif self.form == "and":
+            for k in range(2):
+                if rows.numel() == 0 and k == 0:
+                    continue
+                h.add_(1.0)
+        logits = self.head(h)
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels.flatten())}
+
+
+def test_a_branch_whose_body_works_is_masked_by_its_condition() -> None:
+    ids = torch.tensor([[0, 1, 5, 6], [7, 5, 6, 7]])
     torch.manual_seed(0)
-    result = check_on_rank(_RowCountBranchLM(skip=1), {"input_ids": ids, "labels": ids}, tp=1)
-    assert "went the other way than the trace took it" in result.error, result
+    assert check_on_rank(_BranchLM("body"), {"input_ids": ids, "labels": ids}, tp=1).passed
+    torch.manual_seed(0)
+    none = torch.tensor([[2, 3, 5, 6], [7, 5, 6, 7]])  # no rows: the body's write masked
+    assert check_on_rank(_BranchLM("body"), {"input_ids": none, "labels": none}, tp=1).passed
 
 
-def test_a_branch_on_a_run_time_value_outside_a_loop_still_fails_the_trace() -> None:
+@pytest.mark.parametrize("form", ["both sides", "and"])
+def test_branches_without_an_idle_side_or_with_combined_tests_still_fail_the_trace(form: str) -> None:
+    from autotp.ir.errors import UserInputError
+
+    ids = torch.tensor([[0, 1, 5, 6]])
+    with pytest.raises(UserInputError, match="GuardOnDataDependentSymNode"):
+        trace(_BranchLM(form), {"input_ids": ids, "labels": ids})
+
+
+def test_a_conditional_expression_on_a_run_time_value_still_fails_the_trace() -> None:
     from autotp.ir.errors import UserInputError
 
     class SkipsEmpty(nn.Module):
@@ -446,6 +490,23 @@ def test_a_branch_on_a_run_time_value_outside_a_loop_still_fails_the_trace() -> 
 
     with pytest.raises(UserInputError, match="GuardOnDataDependentSymNode"):
         trace(SkipsEmpty(), {"x": torch.randn(4)})
+
+
+def test_counts_of_router_indices_have_the_experts_size() -> None:
+    """``bincount(topk indices, minlength=E)`` has E entries (the indices are below E), so it
+    is traced at that size; counts of other values keep the size the values give."""
+    import plain_models_wild as wild
+
+    gm = trace(wild.build("reference_moe_counts"), wild.example_inputs("reference_moe_counts"))
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.ops.aten.bincount.default not in targets and torch.ops.aten.scatter_add_.default in targets
+
+    class CountsIds(nn.Module):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return torch.bincount(ids.flatten(), minlength=4).float().sum()
+
+    gm = trace(CountsIds(), {"ids": torch.tensor([[1, 7]])})
+    assert torch.ops.aten.bincount.default in {n.target for n in gm.graph.nodes}
 
 
 def _written_copy_on_rank(rank: int, world: int) -> StrictResult:

@@ -32,7 +32,7 @@ from torch.fx import GraphModule
 
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
 from autotp.analysis.trace_decompose import decompose_parameter_ops
-from autotp.analysis.trace_loops import refuse_broken_loops, unrolled_index_loops
+from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
 from autotp.analysis.trace_guards import refuse_parameter_writes, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
 from autotp.ir.errors import UserInputError
@@ -164,12 +164,12 @@ def _export(
     unreachable: frozenset[tuple[str, tuple[int, ...]]] = frozenset(),
 ) -> tuple[torch.export.ExportedProgram, list[FunctionUse]]:
     """Non-strict export of ``fake_model(**fake_kwargs)``, with the custom Functions it applied;
-    ``unreachable``: iterations of unrolled loops asserted not to run (``trace_loops``)."""
+    ``unreachable``: iterations of unrolled loops asserted not to run (``trace_control_flow``)."""
     # torch.export prints the partial graph of a failed trace to stderr; it goes to the
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
     retry = None
-    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), unrolled_index_loops(fake_model, unreachable) as loops:
+    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable) as loops:
         try:
             with contextlib.redirect_stderr(printed):
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False)
