@@ -210,7 +210,14 @@ class _Search:
         all statistics and none, then each place flipped in turn."""
         if not self.statistic_places:
             return prop, banned
-        places = list(self.statistic_places.values())
+        # each place flipped in every layer (also where no walk so far took a statistic), then
+        # in the layers the walks found, where they differ (layers of other kinds than the first)
+        every_layer: dict[tuple[str, str], set[str]] = {}
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function" and _place(node) in self.statistic_places:
+                every_layer.setdefault(_place(node), set()).add(node.name)
+        places = [frozenset(every_layer[place]) for place in self.statistic_places]
+        places += [found for place, found in self.statistic_places.items() if found != every_layer[place]]
         every = frozenset().union(*places)
         best = (prop, banned, footprint(prop, self.gm), frozenset())
         for no_statistic in [every] + [None] * len(places):

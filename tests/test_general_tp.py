@@ -66,3 +66,19 @@ def test_concatenations_of_other_ranks_keep_the_sharding(arch: str, share: float
     sharded = {p.name for p in plan.params}
     total = sum(p.numel() for p in model.parameters())
     assert sum(p.numel() for n, p in model.named_parameters() if n in sharded) / total >= share
+
+
+def test_a_statistic_choice_holds_for_its_place_in_every_layer() -> None:
+    """LongCat-Flash's two latent attentions per layer: the walks first met the query latent's
+    norm in one attention only. Flipping that place (no tp-reduced statistic, the latent kept
+    whole) must flip it in all four, so every attention keeps its heads split."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from autotp.analysis.trace import trace
+    from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+    from sweep_registry import _inputs, build
+
+    plan = plan_tensor_parallel(trace(build("longcat_flash"), _inputs()), 4)
+    split = {p.name for p in plan.params}
+    for layer, attention in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        for proj in ("q_b_proj", "kv_b_proj", "o_proj"):
+            assert f"model.layers.{layer}.self_attn.{attention}.{proj}.weight" in split, (layer, attention, proj)
