@@ -139,11 +139,11 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     """
     fake_model, fake_kwargs = _fake_copy(model, kwargs, torch.device(device))
     fake_model.register_forward_hook(strip_opaque_outputs)
-    ep, uses = _export(model, fake_model, fake_kwargs)
+    ep, uses, unreachable = _export(model, fake_model, fake_kwargs)
     kept = opaque_functions(uses)
     if kept:  # again, with each call of those Functions one node that runs the Function itself
         log.info("custom autograd Functions kept whole (their backward is their own): %s", "; ".join(kept.values()))
-        ep, _ = _export(model, fake_model, fake_kwargs, frozenset(kept))
+        ep, _, _ = _export(model, fake_model, fake_kwargs, frozenset(kept), unreachable)
     gm = ep.module()
     mark_checkpointed(gm)
     reconnect_unchanged_region_outputs(gm)
@@ -162,9 +162,10 @@ def _export(
     fake_kwargs: dict[str, Any],
     opaque: frozenset[type] = frozenset(),
     unreachable: frozenset[tuple[str, tuple[int, ...]]] = frozenset(),
-) -> tuple[torch.export.ExportedProgram, list[FunctionUse]]:
-    """Non-strict export of ``fake_model(**fake_kwargs)``, with the custom Functions it applied;
-    ``unreachable``: iterations of unrolled loops asserted not to run (``trace_control_flow``)."""
+) -> tuple[torch.export.ExportedProgram, list[FunctionUse], frozenset[tuple[str, tuple[int, ...]]]]:
+    """Non-strict export of ``fake_model(**fake_kwargs)``, with the custom Functions it applied
+    and the iterations of unrolled loops asserted not to run (``unreachable`` and those this
+    trace found, ``trace_control_flow``)."""
     # torch.export prints the partial graph of a failed trace to stderr; it goes to the
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
@@ -194,7 +195,7 @@ def _export(
     if retry is not None:
         return _export(model, fake_model, fake_kwargs, opaque, retry)
     refuse_broken_loops(loops)
-    return ep, uses
+    return ep, uses, unreachable
 
 
 def _missing_fake_kernel(error: BaseException) -> str | None:
