@@ -40,23 +40,43 @@ class StageCuts(NamedTuple):
     module_chunks: tuple[tuple[str, int], ...]
 
 
-def _weight_elems(node: torch.fx.Node, params: dict[str, torch.nn.Parameter]) -> int:
-    return sum(params[str(a.target)].numel() for a in _param_inputs(node) if str(a.target) in params)
+def weight_operands(gm: GraphModule) -> dict[torch.fx.Node, int]:
+    """Elements of every value computed from parameters alone (no input in its ancestry, a
+    parameter in it): a weight as a matmul reads it, directly, transposed, or rebuilt in the
+    forward (a fake-quantized, normalized or LoRA-merged weight)."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    sizes: dict[torch.fx.Node, int] = {}
+    constant: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            constant.add(node)
+            if str(node.target) in params:
+                sizes[node] = params[str(node.target)].numel()
+        elif node.op == "call_function" and node.all_input_nodes and all(a in constant for a in node.all_input_nodes):
+            constant.add(node)
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and any(a in sizes for a in node.all_input_nodes):
+                sizes[node] = val.numel()
+    return sizes
+
+
+def _weight_elems(node: torch.fx.Node, weights: dict[torch.fx.Node, int]) -> int:
+    return sum(weights.get(a, 0) for a in node.all_input_nodes)
 
 
 def layer_costs(gm: GraphModule) -> tuple[list[float], float]:
     """(cost of each decoder layer, cost of the matmuls outside the layers)."""
     costs = [0.0] * num_layers(gm)
     head = 0.0
-    params = dict(gm.named_parameters(remove_duplicate=False))
+    weights = weight_operands(gm)
     for node in gm.graph.nodes:
         if not is_matmul(node):
             continue
         layer = layer_of(node)
         if layer is None:
-            head += _weight_elems(node, params)
+            head += _weight_elems(node, weights)
         else:
-            costs[layer] += _weight_elems(node, params)
+            costs[layer] += _weight_elems(node, weights)
     return costs, head
 
 
@@ -64,6 +84,7 @@ def unit_costs(gm: GraphModule, of: dict[torch.fx.Node, Unit]) -> dict[Unit, tup
     """(matmul work, parameter elements) of every unit of ``gm`` (``of``: ``units(gm)``), in
     the order the graph first runs them; a parameter read by several units counts in each."""
     params = dict(gm.named_parameters(remove_duplicate=False))
+    weights = weight_operands(gm)
     work: dict[Unit, float] = dict.fromkeys(dict.fromkeys(of.values()), 0.0)
     held: dict[Unit, dict[int, int]] = {unit: {} for unit in work}
     current = next(iter(work), None)
@@ -72,22 +93,11 @@ def unit_costs(gm: GraphModule, of: dict[torch.fx.Node, Unit]) -> dict[Unit, tup
         if current is None or node.op != "call_function":
             continue
         if is_matmul(node):
-            work[current] += _weight_elems(node, params)
+            work[current] += _weight_elems(node, weights)
         for a in node.all_input_nodes:
             if a.op == "get_attr" and str(a.target) in params:
                 held[current][id(params[str(a.target)])] = params[str(a.target)].numel()
     return {unit: (work[unit], float(sum(held[unit].values()))) for unit in work}
-
-
-def _param_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """get_attr inputs of ``node``, directly or through one transpose (MoE experts, ``x @ W.T``)."""
-    out = []
-    for n in node.all_input_nodes:
-        if n.op == "call_function" and len(n.all_input_nodes) == 1:
-            n = n.all_input_nodes[0]
-        if n.op == "get_attr":
-            out.append(n)
-    return out
 
 
 def balanced_cuts(costs: Sequence[float] | Sequence[Sequence[float]], chunks: int) -> tuple[int, ...]:

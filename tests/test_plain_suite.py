@@ -4,7 +4,8 @@ Every ``tests/plain_models_*.py`` module is picked up. A module provides ``build
 (an ``nn.Module`` in eval mode with fixed weights) and its names (``NAMES``, or the keys of
 ``MODELS``); optionally ``example_inputs(name)`` (default: ``input_ids`` and ``labels`` of
 shape [2, 16] below the module's ``VOCAB``), ``loss_fn(name)`` (None: the outputs hold
-``loss``) and ``MOE`` (names also run with sequence parallelism). A name defined by two
+``loss``), ``MOE`` (names also run with sequence parallelism) and ``MICROBATCHES`` (name ->
+microbatches of its pipeline step, default 2). A name defined by two
 modules runs once, from the first file in sorted order.
 
 Each configuration runs every model on one set of gloo ranks (fp32, CPU): tp=2, tp=4, pp=2,
@@ -35,7 +36,15 @@ FAST = ("shared_rope", "ste_activation", "fp32_qk_norm", "vit_loss_fn", "torch_n
 KNOWN_GAPS: dict[tuple[str, str], str] = {  # (config, model): why it fails today; the sweep fails if it passes or fails otherwise
     # one layer module run LAYERS + 1 times: every stage would hold it whole, so pp saves nothing; refused naming it
     ("pp2", "albert_shared_layer"): "module 'shared' runs 3 times with the same parameters",
+    # each stage draws from its own process's generator, so the second stage's draws are not the
+    # ones the unmodified model makes after the first stage's (docs/propagation.md, "Random draws")
+    ("pp2", "stochastic_units"): "numerics: loss",
 }
+# fp32 rounding only, which depends on the platform's kernels: a mismatch is allowed, nothing else.
+# The all-reduced sums of row-parallel projections round otherwise, and Gemma's post-norms and soft
+# caps magnify it past 1e-6 on a few logits (2.7e-6 on torch 2.13 CPU); equal in float64
+# (test_propagation_research.py::test_gemma_reference_is_the_unmodified_model_in_float64).
+FP32_ROUNDING = {("tp2", "gemma_reference"), ("tp4", "gemma_reference")}
 
 
 def suite() -> dict[str, str]:
@@ -64,7 +73,10 @@ def _check_on_rank(rank: int, world: int, models: list[tuple[str, str]], tp: int
     for module_name, name in models:
         module = importlib.import_module(module_name)
         loss_fn = module.loss_fn(name) if hasattr(module, "loss_fn") else None
-        results[name] = check_on_rank(module.build(name), _inputs(module, name), tp=tp, pp=pp, sequence_parallel=sp, loss_fn=loss_fn)
+        microbatches = getattr(module, "MICROBATCHES", {}).get(name, 2)
+        results[name] = check_on_rank(
+            module.build(name), _inputs(module, name), tp=tp, pp=pp, sequence_parallel=sp, loss_fn=loss_fn, microbatches=microbatches
+        )
     return results
 
 
@@ -105,7 +117,8 @@ def test_suite_under_the_strict_rule(config: str) -> None:
     results = run_config(config)
     assert results
     gaps = {n: why for (c, n), why in KNOWN_GAPS.items() if c == config}
-    assert not _failures({n: r for n, r in results.items() if n not in gaps}), _failures(results)
+    rounding = {n for c, n in FP32_ROUNDING if c == config and not results[n].error and results[n].share <= results[n].limit and not results[n].unexplained}
+    assert not _failures({n: r for n, r in results.items() if n not in gaps and n not in rounding}), _failures(results)
     for name, why in gaps.items():
         assert not results[name].passed and why in results[name].reason, f"{name} at {config}: {results[name].reason or 'passes'}"
 

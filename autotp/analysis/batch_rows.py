@@ -35,6 +35,8 @@ BATCH_ORIGIN = "<batch rows>"
 # op name -> position of its dim argument and the default when it is absent
 _SELECTING = {"topk": (2, -1), "kthvalue": (2, -1), "max": (1, None), "min": (1, None), "softmax": (1, None),
               "_softmax": (1, None), "log_softmax": (1, None), "_log_softmax": (1, None), "logsumexp": (1, None)}  # fmt: skip
+_MATMULS = frozenset({"mm", "bmm", "matmul", "linear"})
+_CLASS_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"})
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"})
 _TRAINING_ARG = 5
 
@@ -86,6 +88,10 @@ class _BatchWalker(Walker):
         if name in _BATCH_NORMS:
             training = node.args[_TRAINING_ARG] if len(node.args) > _TRAINING_ARG else node.kwargs.get("training", False)
             return bool(training) and bool(rows - {1})
+        if name in _MATMULS:
+            return self._matmul_mixes(node)
+        if name in _CLASS_LOSSES:  # a softmax over dim 1, the classes (dim 0 of one sample's logits)
+            return (1 if len(shape) > 1 else 0) in rows
         if name not in _SELECTING:
             return False
         pos, default = _SELECTING[name]
@@ -96,6 +102,26 @@ class _BatchWalker(Walker):
         if not all(isinstance(d, int) for d in dims):  # max/min of two tensors: pointwise
             return False
         return any(norm_dim(d, len(shape)) in rows for d in dims)
+
+
+    def _matmul_mixes(self, node: Node) -> bool:
+        """A matmul mixes rows where it sums over them (a row dim contracted: a Gram matrix over
+        the batch) or pairs rows of one operand with rows of the other anywhere but on the batch
+        dims they share (``image @ text.t()``, a contrastive loss's logits)."""
+        a, b = node.args[0], node.args[1]
+        sa, sb = shape_of(a) or (), shape_of(b) or ()
+        if len(sa) < 2 or len(sb) < 2:
+            return bool(self._rows_at(a) or self._rows_at(b))  # a vector is contracted whole
+        ra, rb = self._rows_at(a), self._rows_at(b)
+        linear = op_name(node.target) == "linear"  # b is [n, k]
+        if len(sa) - 1 in ra or (len(sb) - 1 if linear else len(sb) - 2) in rb:
+            return True
+        if not (ra and rb):
+            return False
+        lead = max(len(sa), len(sb)) - 2  # batch dims, aligned from the right
+        shared_a = {d + lead - (len(sa) - 2) for d in ra if d < len(sa) - 2}
+        shared_b = {d + lead - (len(sb) - 2) for d in rb if d < len(sb) - 2}
+        return len(shared_a) != len(ra) or len(shared_b) != len(rb) or shared_a != shared_b
 
 
 def batch_mixing_node(gm: GraphModule, batch: int) -> str:

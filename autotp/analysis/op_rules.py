@@ -186,6 +186,8 @@ def rule_for(target: Any) -> Rule | None:
     rule = RULES.get(target)
     if rule is not None:
         return rule
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+        return values.random_draw
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return values.pointwise
     if is_grouped_matmul(target):

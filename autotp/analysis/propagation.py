@@ -43,10 +43,10 @@ from torch.fx import GraphModule, Node
 from autotp.analysis.dtensor_rules import dtensor_rule
 from autotp.analysis.op_rules import rule_for
 from autotp.analysis.partials import PartialSums
-from autotp.analysis.propagation_result import ParamDecision, ParamView, Propagation, ShardPolicy, StatisticPolicy
+from autotp.analysis.propagation_result import ParamDecision, ParamView, Propagation, ShardPolicy, StatisticPolicy, Tiled
 from autotp.analysis.shapes import is_float, replicated_like
 from autotp.ir.errors import UserInputError, describe
-from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, fixed_var, follow, shard
+from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, fixed_var, follow, shard, tile, unify
 from autotp.ir.plan import ParallelPlan
 
 
@@ -88,6 +88,7 @@ class Walker:
         self.fixed_vars: dict[str, Layout] = {}
         self.current: Node | None = None
         self.input_readers: dict[Node, bool] = {}  # ``shapes.reads_input``'s answers for this graph
+        self._tiles: dict[tuple[str, int], DimVar] = {}
         if plan is not None:
             for pl in plan.params:
                 self.fixed_vars[pl.name] = shard({pl.dim: fixed_var(pl.sharding, pl.name)})
@@ -113,6 +114,8 @@ class Walker:
                 return REPLICATE
             dims = {i: dec.var for i, d in enumerate(lay.dim_map) if d == dec.dim}
             for i, d in enumerate(lay.dim_map):
+                if isinstance(d, Tiled) and d.dim == dec.dim:
+                    dims[i] = self._tiled_param(lay.name, d.count, dec.var, lay.name)
                 if isinstance(d, tuple) and d[0] == dec.dim:  # the outer factor: the blocks the parameter dim follows
                     outer = dec.var.find().follows
                     if outer is None or outer.find().size * d[1] != dec.var.find().size:
@@ -152,7 +155,18 @@ class Walker:
             pdim, whole = pdim[0], DimVar(self.params[view.name].shape[pdim[0]], var.find().origins)
             follow(whole, var, describe(node))
             var = whole
+        elif isinstance(pdim, Tiled):  # parameter dims merged: the inner one is split, once per outer element
+            whole = DimVar(self.params[view.name].shape[pdim.dim], var.find().origins)
+            unify(self._tiled_param(view.name, pdim.count, whole, describe(node)), var, describe(node))
+            pdim, var = pdim.dim, whole
         self.decide(view.name, ParamDecision(kind, pdim, var), node)
+
+    def _tiled_param(self, name: str, count: int, var: DimVar, where: str) -> DimVar:
+        """The one tiled dim (``layouts.tile``) of parameter ``name`` split by ``var``, merged with ``count`` outer elements."""
+        key = (name, count)
+        if key not in self._tiles:
+            self._tiles[key] = tile(var, count, where)
+        return self._tiles[key]
 
     def allowed(self, name: str, kind: str) -> bool:
         return self.policy(name, kind, tuple(self.params[name].shape))

@@ -32,14 +32,25 @@ class NodeRole(str, Enum):
 
 
 @dataclass(frozen=True)
+class Tiled:
+    """A view dim that merges ``count`` whole outer elements with parameter dim ``dim``
+    (``layouts.tile``: split, it is ``count`` segments each split as ``dim``)."""
+
+    dim: int
+    count: int
+
+
+@dataclass(frozen=True)
 class ParamView:
     """An undecided parameter seen through views: ``dim_map[i]`` is the parameter dim
     behind view dim ``i`` (None for inserted dims), or ``(dim, inner)`` when a reshape cut
     that parameter dim into factors and view dim ``i`` is the outermost one, ``inner``
-    elements each (a grouped weight ``weight.view(groups, -1, d_in)``)."""
+    elements each (a grouped weight ``weight.view(groups, -1, d_in)``), or ``Tiled`` when a
+    reshape merged outer parameter dims into that dim (a stacked ``[3, H*D, D]`` QKV
+    weight flattened)."""
 
     name: str
-    dim_map: tuple[int | tuple[int, int] | None, ...]
+    dim_map: tuple[int | tuple[int, int] | Tiled | None, ...]
 
 
 @dataclass

@@ -14,7 +14,7 @@ A sharded dim survives a reshape when it maps onto whole output factors:
 * **merge** ``[n0, rest...] -> [m]`` with the split on the outer dim: the merged dim
   follows n0's blocks (``DimVar.follows``); when an expand made ``rest`` (``repeat_kv``)
   the expand is recorded instead, and a rank may hold part of the repeats. A merge
-  of unsharded outer dims into a sharded inner one tiles it (``_tile``: one segment per
+  of unsharded outer dims into a sharded inner one tiles it (``layouts.tile``: one segment per
   outer element), and splitting that tiled dim back gives the sharded inner dim, whether
   one or several outer factors index the tiles (``[B*T*H] -> [B, T, H]``), also through a
   common refinement (``[B*T*H, D] -> [B, T, H*D]``, the gated norm of linear attention).
@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import Node
 
-from autotp.analysis.propagation_result import ParamView
+from autotp.analysis.propagation_result import ParamView, Tiled
 from autotp.analysis.shapes import norm_dim, reshape_chunks, shape_of
 from autotp.ir.errors import describe
-from autotp.ir.layouts import DimSharding, DimVar, Layout, ShardingConflict, follow, resolve, set_groups, set_segments, shard, unify
+from autotp.ir.layouts import DimSharding, DimVar, Layout, ShardingConflict, follow, resolve, set_groups, set_segments, shard, tile, unify
 
 if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker
@@ -56,6 +56,7 @@ def reshape(w: Walker, node: Node) -> Any:
     if isinstance(src_lay, ParamView):
         view = _unit_dims_view(src_lay, shape_of(node.args[0]) or (), shape_of(node) or ())
         view = view or _factor_view(src_lay, shape_of(node.args[0]) or (), shape_of(node) or ())
+        view = view or _merged_view(src_lay, shape_of(node.args[0]) or (), shape_of(node) or ())
         if view is not None:
             return view
     lay = w.concrete(node.args[0], node)
@@ -86,7 +87,7 @@ def reshape(w: Walker, node: Node) -> Any:
             at, out = _split(w, node, var, [dst[c] for c in cb])
             dims[cb[at]] = out
         elif len(cb) == 1 and d == ca[-1] and d != ca[0]:
-            dims[cb[0]] = _tile(var, math.prod(src[c] for c in ca[:-1]), describe(node))
+            dims[cb[0]] = tile(var, math.prod(src[c] for c in ca[:-1]), describe(node))
         elif (d != ca[0] or _tiled(var)) and len(cb) > 1 and (refined := _refine_then_merge(w, node, src, dst, ca, cb, d, var)) is not None:
             dims[refined[0]] = refined[1]
         elif d != ca[0]:
@@ -134,7 +135,7 @@ def _units_before(dst: tuple[int, ...], at: int, dims_taken: list[int]) -> list[
 def _split(w: Walker, node: Node, var: DimVar, sizes: list[int]) -> tuple[int, DimVar]:
     """``[n] -> sizes``: the factor that carries the split (see the module doc) and its var.
     A size-1 factor (every rank holds the whole, a replicated block) comes last. A tiled
-    dim (``_tile``) split back into its tiles keeps the split on its inner factors."""
+    dim (``layouts.tile``) split back into its tiles keeps the split on its inner factors."""
     tiled = _tiled_inner(w, node, var, sizes)
     if tiled is not None:
         return tiled
@@ -190,7 +191,7 @@ def _refine_then_merge(
     """Runs of several dims on both sides (``[B, H*D] -> [B*H, D]``, torch's MultiheadAttention)
     as two reshapes through their common refinement (``[B, H, D]``): the sharded dim ``d`` splits
     into its factors, and the one carrying the split lands alone on an output dim or as the
-    inner factor of a merge (``_tile``). None where the runs have no common refinement."""
+    inner factor of a merge (``layouts.tile``). None where the runs have no common refinement."""
     where = describe(node)
     src_cuts, dst_cuts = (list(itertools.accumulate((shape[i] for i in run), operator.mul)) for shape, run in ((src, ca), (dst, cb)))
     cuts = [1, *sorted(set(src_cuts) | set(dst_cuts))]
@@ -214,28 +215,19 @@ def _refine_then_merge(
                 follow(merged, out, where)
                 return cb[j], merged
             if g == hi:
-                return cb[j], _tile(out, math.prod(mid[lo:g]), where)
+                return cb[j], tile(out, math.prod(mid[lo:g]), where)
             raise ShardingConflict(f"{where}: the sharded factor is not the inner one of a merge", var.find().origins, (out,))
     return None
 
 
-def _tile(var: DimVar, count: int, where: str) -> DimVar:
-    """The dim that merges ``count`` unsharded outer elements with sharded ``var``
-    (Bloom's ``[batch, heads] -> batch*heads``): ``count`` segments, each split as ``var``."""
-    tiled = DimVar(count * var.find().size, var.find().origins)
-    for seg in set_segments(tiled, [var.find().size] * count, where):
-        unify(seg, var, where)
-    return tiled
-
-
 def _tiled(var: DimVar) -> bool:
-    """Whether ``var`` is a ``_tile``d dim: two or more segments that are all one sharded var."""
+    """Whether ``var`` is a ``layouts.tile``d dim: two or more segments that are all one sharded var."""
     r = var.find()
     return r.segments is not None and len(r.segments) > 1 and len({seg.find() for seg in r.segments}) == 1
 
 
 def _tiled_inner(w: Walker, node: Node, var: DimVar, sizes: list[int]) -> tuple[int, DimVar] | None:
-    """For a reshape of a ``_tile``d dim (``count`` segments split alike) into factors whose
+    """For a reshape of a ``layouts.tile``d dim (``count`` segments split alike) into factors whose
     outer ones multiply to ``count`` (``[B*T*H] -> [B, T, H]``, the inverse of the tiling
     merge): the output factor that carries the split and its var, else None. The outer
     factors index the tiles and stay whole; the inner ones split the shared var."""
@@ -278,6 +270,23 @@ def _factor_view(view: ParamView, src: tuple[int, ...], dst: tuple[int, ...]) ->
         pdim = view.dim_map[a]
         if pdim is not None:
             dim_map[cb[0]] = pdim if len(cb) == 1 else (pdim, src[a] // dst[cb[0]])  # type: ignore[assignment]
+    return ParamView(view.name, tuple(dim_map))
+
+
+def _merged_view(view: ParamView, src: tuple[int, ...], dst: tuple[int, ...]) -> ParamView | None:
+    """An undecided parameter whose reshape merges dims (``qkv_w.flatten(0, 1)`` of a stacked
+    ``[3, H*D, D]`` weight, experts ``[E, I, H] -> [E*I, H]``) and keeps the others stays
+    undecided: a merged dim may be split only on its innermost parameter dim, which it tiles
+    (``Tiled``; the outer ones stay whole). None for any other reshape."""
+    chunks = reshape_chunks(src, dst)
+    if chunks is None or any(len(cb) != 1 or not all(isinstance(view.dim_map[a], int) for a in ca) for ca, cb in chunks if len(ca) > 1):
+        return None
+    if any(len(ca) == 1 and (len(cb) != 1 or isinstance(view.dim_map[ca[0]], tuple)) for ca, cb in chunks):
+        return None
+    dim_map: list[int | tuple[int, int] | Tiled | None] = [None] * len(dst)
+    for ca, (b,) in chunks:
+        inner = view.dim_map[ca[-1]]
+        dim_map[b] = inner if len(ca) == 1 else Tiled(inner, math.prod(src[a] for a in ca[:-1]))  # type: ignore[arg-type]
     return ParamView(view.name, tuple(dim_map))
 
 
@@ -326,14 +335,14 @@ def view_as_real(w: Walker, node: Node) -> Any:
 def repeat(w: Walker, node: Node) -> Any:
     """``x.repeat(*reps)`` tiles every dim ``r`` times (JetMoE's key heads repeated for each
     attention expert): along a split dim each rank tiles its own part, which is the output
-    dim as ``r`` segments each split as the input (``_tile``); the rank's repeat counts stay."""
+    dim as ``r`` segments each split as the input (``layouts.tile``); the rank's repeat counts stay."""
     x = node.args[0]
     lay = w.summed(x, node)
     if not lay.dims:
         return lay
     reps = list(node.args[1])
     off = len(reps) - len(shape_of(x) or ())
-    return shard({d + off: var if reps[d + off] == 1 else _tile(var, reps[d + off], describe(node)) for d, var in lay.dims})
+    return shard({d + off: var if reps[d + off] == 1 else tile(var, reps[d + off], describe(node)) for d, var in lay.dims})
 
 
 def repeat_interleave(w: Walker, node: Node) -> Any:

@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorExc
 from torch.fx import GraphModule
 
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
-from autotp.analysis.trace_decompose import decompose_parameter_ops
+from autotp.analysis.trace_decompose import decompose_parameter_ops, draw_by_size
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
 from autotp.analysis.trace_guards import refuse_parameter_writes, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
@@ -150,6 +150,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     inline_regions(gm)
     _clean(gm)
     decompose_parameter_ops(gm)
+    draw_by_size(gm)
     mark_elementwise(gm)
     gm.recompile()  # once, after the rewrites above
     refuse_parameter_writes(type(model).__name__, gm)
@@ -195,7 +196,18 @@ def _export(
     if retry is not None:
         return _export(model, fake_model, fake_kwargs, opaque, retry)
     refuse_broken_loops(loops)
-    return ep, uses, unreachable
+    return _lower_vmap(ep), uses, unreachable
+
+
+def _lower_vmap(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``torch.vmap`` in the forward stays as functorch's batching markers (``_add_batch_dim``)
+    in the exported graph, opaque to the layout rules. Run once more through the dispatcher
+    with no decomposition (every other op is kept as it is), they become the batched aten ops
+    the rules know (experts batched over stacked weights: ``matmul`` of ``[E, ...]`` operands)."""
+    if not any(n.op == "call_function" and getattr(n.target, "__name__", "") == "_add_batch_dim" for n in ep.graph.nodes):
+        return ep
+    log.info("lowering torch.vmap in the traced forward to batched aten ops")
+    return ep.run_decompositions({})
 
 
 def _missing_fake_kernel(error: BaseException) -> str | None:

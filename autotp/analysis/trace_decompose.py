@@ -8,6 +8,11 @@ replaces each such node by PyTorch's own decomposition of the op (its
 leads to, again only those without a rule), traced on the node's fake values: the norm
 becomes ``linalg_vector_norm``, which the statistic rules split. Ops reading an
 activation are left as they are, and so are in-place and random ops.
+
+``draw_by_size`` rewrites a random draw shaped like a tensor (``randn_like(x)``) into the
+draw of x's size (``randn(x.shape)``), which reads no tensor: the same numbers, from the
+same generator calls, and a draw the walk can keep whole while x is split
+(``value_rules.random_draw``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,37 @@ def _decomposition(target: Any) -> Callable[..., Any] | None:
     if torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"):
         return target.decompose
     return None
+
+
+aten = torch.ops.aten
+# a draw shaped like its first argument -> (the same draw by size, its arguments before the size)
+_DRAWS_BY_SIZE: dict[Any, tuple[Any, int]] = {
+    aten.rand_like.default: (aten.rand.default, 0),
+    aten.randn_like.default: (aten.randn.default, 0),
+    aten.randint_like.default: (aten.randint.default, 1),
+    aten.randint_like.low_dtype: (aten.randint.low, 2),
+}
+
+
+def draw_by_size(gm: GraphModule) -> None:
+    """Replace ``rand_like``/``randn_like``/``randint_like`` of a contiguous tensor of static
+    shape by the same draw at that tensor's size, dtype and device (in place). A draw into a
+    template of other strides fills it in memory order, other numbers than by size: kept."""
+    for node in list(gm.graph.nodes):
+        by_size = _DRAWS_BY_SIZE.get(node.target) if node.op == "call_function" else None
+        like = node.args[0].meta.get("val") if by_size is not None else None
+        if not isinstance(like, torch.Tensor) or not all(isinstance(d, int) for d in like.shape):
+            continue
+        if node.kwargs.get("memory_format") not in (None, torch.contiguous_format) and not like.is_contiguous():
+            continue
+        target, before = by_size
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "memory_format"}
+        kwargs = {"dtype": like.dtype, "device": like.device, **{k: v for k, v in kwargs.items() if v is not None}}
+        with gm.graph.inserting_before(node):
+            drawn = gm.graph.call_function(target, (*node.args[1 : 1 + before], list(like.shape)), kwargs)
+        drawn.meta.update(node.meta)
+        node.replace_all_uses_with(drawn)
+        gm.graph.erase_node(node)
 
 
 def _of_parameters_alone(node: Node, params: set[str]) -> bool:

@@ -225,6 +225,19 @@ def _sdpa_mask(w: Walker, node: Node, mask: Node, heads: DimVar | None) -> None:
         w.out.local_slices.setdefault(node, []).append((mask, hd, heads))
 
 
+def random_draw(w: Walker, node: Node) -> Layout:
+    """Ops that draw random numbers (``rand``, ``bernoulli``, ``normal``, ``multinomial``,
+    ``x.uniform_()``...). A rank drawing only its part of a split result would draw the first
+    numbers of the generator, the same on every rank, not the part of the whole draw the
+    unmodified model makes. So the draw is whole: every tensor it reads is whole, every rank
+    draws the same whole tensor, and a reader of a split takes its slice."""
+    for a in node.all_input_nodes:
+        lay = w.summed(a, node)
+        if lay.dims:
+            raise ShardingConflict(f"{describe(node)}: draws random numbers shaped by a split tensor", lay.origins(), tuple(v for _, v in lay.dims))
+    return REPLICATE
+
+
 def like_factory(w: Walker, node: Node) -> Layout:
     lay = w.concrete(node.args[0], node)
     return REPLICATE if lay.partial else lay

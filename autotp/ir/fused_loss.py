@@ -77,11 +77,11 @@ class _HeadGemms:
 
 def _stats(logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, group_size: int, group: str,
            whole: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Per token of the chunk: log-sum-exp over the whole vocabulary and the target's logit (float32)."""
+    """Per token of the chunk: log-sum-exp over the whole vocabulary and the target's logit (in ``ops.loss_dtype``)."""
     in_range, local_target = ops.target_in_range(target, vocab_start, logits.shape[-1])
-    picked = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float().masked_fill(~in_range, 0.0)
+    picked = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).to(ops.loss_dtype(logits.dtype)).masked_fill(~in_range, 0.0)
     x = ops.local_logits(logits, vocab_start, vocab_size)
-    x = x.clone() if x is logits else x  # float32 logits: work on a copy
+    x = x.clone() if x is logits else x  # logits already in the loss dtype: work on a copy
     row_max = x.amax(dim=-1, keepdim=True)
     lse = x.sub_(row_max).exp_().sum(dim=-1).log_().add_(row_max.squeeze(-1))
     if whole:
@@ -108,7 +108,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         t = target.reshape(-1)
         valid = t != ignore_index
         ops.check_ids(t, vocab_size, "labels (other than ignore_index)", skip=~valid)
-        token_weight = valid.float() / valid.sum() if reduction == _MEAN else valid.float()
+        counted = valid.to(ops.loss_dtype(hidden.dtype))
+        token_weight = counted / valid.sum() if reduction == _MEAN else counted
         whole = vocab_start == 0 and weight.shape[0] >= vocab_size  # a replicated lm_head: nothing to combine
         losses, grads_hidden = [], []
         grad_weight = torch.zeros_like(weight)

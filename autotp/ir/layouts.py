@@ -201,6 +201,15 @@ def set_groups(var: DimVar, groups: int, where: str) -> None:
     r.groups = fine
 
 
+def tile(var: DimVar, count: int, where: str) -> DimVar:
+    """The dim that merges ``count`` unsharded outer elements with sharded ``var``
+    (Bloom's ``[batch, heads] -> batch*heads``): ``count`` segments, each split as ``var``."""
+    tiled = DimVar(count * var.find().size, var.find().origins)
+    for seg in set_segments(tiled, [var.find().size] * count, where):
+        unify(seg, var, where)
+    return tiled
+
+
 def set_segments(var: DimVar, sizes: list[int], where: str) -> tuple[DimVar, ...]:
     """Cut ``var`` into consecutive segments that are sharded one by one."""
     r = var.find()

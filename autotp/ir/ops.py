@@ -242,7 +242,7 @@ def _matmul_reduce_scatter_fake(xs: list[Tensor], weights: list[Tensor], dim: in
 
 @torch.library.register_fake(VOCAB_PARALLEL_NLL, lib=_LIB)
 def _vocab_parallel_nll_fake(logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, group: str) -> tuple[Tensor, ...]:
-    return tuple(logits.new_empty(target.shape, dtype=torch.float32) for _ in range(3))
+    return tuple(logits.new_empty(target.shape, dtype=loss_dtype(logits.dtype)) for _ in range(3))
 
 
 @torch.library.register_fake(TP_RAND, lib=_LIB)
@@ -325,9 +325,14 @@ torch.library.register_autograd(ALL_GATHER_MATMUL, _all_gather_matmul_backward, 
 torch.library.register_autograd(MATMUL_REDUCE_SCATTER, _matmul_reduce_scatter_backward, setup_context=_keep_matmul, lib=_LIB)
 
 
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a vocab-parallel loss computes in: float32, or the logits' own if wider (float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def local_logits(logits: Tensor, vocab_start: int, vocab_size: int) -> Tensor:
-    """This rank's logits in float32, with the padded vocabulary columns at -inf (they never win)."""
-    x = logits.float()
+    """This rank's logits in ``loss_dtype``, with the padded vocabulary columns at -inf (they never win)."""
+    x = logits.to(loss_dtype(logits.dtype))
     n_local = x.shape[-1]
     if vocab_start + n_local > vocab_size:
         pad = torch.arange(n_local, device=x.device) + vocab_start >= vocab_size

@@ -35,6 +35,7 @@ from autotp.runtime.execution.model_loss import returned_logits, returned_loss
 RTOL, ATOL = 1e-4, 1e-6
 SLACK = 1.3
 """A rank may hold at most ``SLACK / (tp * pp)`` of the parameters."""
+RNG_SEED = 0  # both sides draw the same random numbers (a forward that samples: masks, noise)
 
 LossFn = Callable[[Any], torch.Tensor]
 _CASTS = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.type_as.default,
@@ -111,9 +112,11 @@ def check_on_rank(
     try:
         reference = copy.deepcopy(model)
         pm = parallelize(model, tp=tp, pp=pp, example_inputs=inputs, sequence_parallel=sequence_parallel, **parallelize_kwargs)
+        torch.manual_seed(RNG_SEED)
         ref_out = reference(**example_kwargs(reference, inputs))
         ref_loss, ref_logits = _loss_logits(ref_out, loss_fn)
         ref_loss.backward()
+        torch.manual_seed(RNG_SEED)
         if pp == 1:
             out = pm(**inputs)
             loss, logits = _loss_logits(out, loss_fn)
@@ -121,8 +124,10 @@ def check_on_rank(
         else:
             with torch.no_grad():
                 _, logits = _loss_logits(pm(**inputs), loss_fn)
+            torch.manual_seed(RNG_SEED)
             # a forward that mixes its batch's rows trains the batch whole, as train_step's refusal asks
-            split = {"num_microbatches": 1, "schedule": "gpipe"} if pm.plan.batch_mixing else {"num_microbatches": microbatches}
+            whole = pm.plan.batch_mixing or microbatches == 1
+            split = {"num_microbatches": 1, "schedule": "gpipe"} if whole else {"num_microbatches": microbatches}
             loss = pm.train_step(**inputs, loss_fn=loss_fn, **split)
         mismatch = _first_mismatch(
             [("loss", loss, ref_loss), ("logits", logits, ref_logits)], reference, pm.unshard_grads(), rtol, atol
