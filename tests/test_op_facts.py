@@ -13,6 +13,7 @@ from autotp.ir.op_facts import (
     CollectiveTag,
     Direction,
     copies_if_strided,
+    draws_random,
     is_conversion,
     is_inplace,
     is_reshape,
@@ -58,3 +59,17 @@ def test_every_collective_tag_says_what_it_communicates() -> None:
     assert forward[CollectiveTag.SEQUENCE_ALL_GATHER] == [Collective.ALL_GATHER]
     assert all(c.overlapped for c in TAG_COMMUNICATION[CollectiveTag.ALL_GATHER_MATMUL])
     assert CollectiveTag.ALL_REDUCE == "all_reduce"  # tags are strings in node meta and JSON
+
+
+def test_random_draws_come_from_the_seeded_tag_and_an_eval_dropout_draws_nothing() -> None:
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    calls = {
+        "rand": graph.call_function(aten.rand.default, ([2, 3],)),
+        "bernoulli": graph.call_function(aten.bernoulli.default, (x,)),
+        "feature_dropout_train": graph.call_function(aten.feature_dropout.default, (x, 0.1, True)),
+        "feature_dropout_eval": graph.call_function(aten.feature_dropout.default, (x, 0.1, False)),
+        "dropout_eval_kw": graph.call_function(aten.dropout.default, (x, 0.1), {"train": False}),
+        "add": graph.call_function(aten.add.Tensor, (x, x)),
+    }
+    assert {name for name, node in calls.items() if draws_random(node)} == {"rand", "bernoulli", "feature_dropout_train"}

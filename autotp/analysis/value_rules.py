@@ -20,6 +20,7 @@ from autotp.analysis.propagation_result import ParamView
 from autotp.analysis.shapes import norm_dim, shape_of
 from autotp.analysis.sharding_policy import hint_reparametrized, matmul
 from autotp.ir.errors import describe
+from autotp.ir.op_facts import draws_random
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, local_size, make_whole, shard, unify
 
 if TYPE_CHECKING:
@@ -230,7 +231,10 @@ def random_draw(w: Walker, node: Node) -> Layout:
     ``x.uniform_()``...). A rank drawing only its part of a split result would draw the first
     numbers of the generator, the same on every rank, not the part of the whole draw the
     unmodified model makes. So the draw is whole: every tensor it reads is whole, every rank
-    draws the same whole tensor, and a reader of a split takes its slice."""
+    draws the same whole tensor, and a reader of a split takes its slice. A dropout in eval
+    mode draws nothing: the identity."""
+    if not draws_random(node):
+        return dropout(w, node)
     for a in node.all_input_nodes:
         lay = w.summed(a, node)
         if lay.dims:

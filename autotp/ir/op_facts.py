@@ -109,6 +109,19 @@ def _returned_alias(target: Any) -> Any:
     return schema.returns[0].alias_info
 
 
+def draws_random(node: Node) -> bool:
+    """Whether ``node`` draws from a random generator: an op tagged ``nondeterministic_seeded``
+    (``rand``, ``bernoulli``, dropout...) unless its ``train`` argument is False (dropout in eval mode)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    names = [a.name for a in target._schema.arguments]
+    if "train" not in names:
+        return True
+    at = names.index("train")
+    return (node.args[at] if at < len(node.args) else node.kwargs.get("train", True)) is not False
+
+
 def is_inplace(target: Any) -> bool:
     """An op that writes its first input and returns it (``add_``, ``index_put_``, ``copy_``)."""
     info = _returned_alias(target)
