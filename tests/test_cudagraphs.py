@@ -331,7 +331,7 @@ def _train_captured_and_eager(rank: int, world: int, name: str, sp: bool = False
     return {"worst": worst, "logits": (first - expected).abs().max().item(), "kept": float(not torch.equal(first, second))}
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_training_through_replay_buffers_matches_eager(name: str) -> None:
     # Spawned: the emulation patches torch.cuda for the whole process. One rank is exact;
     # with gloo, collectives split the graph into regions whose gradient sums associate

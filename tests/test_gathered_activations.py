@@ -143,7 +143,7 @@ def _strict_on_rank(rank: int, world: int, name: str) -> StrictResult:
     return check_on_rank(_build(name), _inputs(), tp=world, pp=1)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_the_blocks_pass_the_strict_rule(tp: int) -> None:
     for name in BLOCKS:
         result = combine(run_on_ranks(_strict_on_rank, tp, name, timeout_s=400))

@@ -70,6 +70,10 @@ def test_random_draws_come_from_the_seeded_tag_and_an_eval_dropout_draws_nothing
         "feature_dropout_train": graph.call_function(aten.feature_dropout.default, (x, 0.1, True)),
         "feature_dropout_eval": graph.call_function(aten.feature_dropout.default, (x, 0.1, False)),
         "dropout_eval_kw": graph.call_function(aten.dropout.default, (x, 0.1), {"train": False}),
+        "dropout_p0": graph.call_function(aten.dropout.default, (x, 0.0, True)),
+        "attention": graph.call_function(aten.scaled_dot_product_attention.default, (x, x, x)),
+        "attention_dropout": graph.call_function(aten.scaled_dot_product_attention.default, (x, x, x), {"dropout_p": 0.1}),
         "add": graph.call_function(aten.add.Tensor, (x, x)),
     }
-    assert {name for name, node in calls.items() if draws_random(node)} == {"rand", "bernoulli", "feature_dropout_train"}
+    drawing = {name for name, node in calls.items() if draws_random(node)}
+    assert drawing == {"rand", "bernoulli", "feature_dropout_train", "attention_dropout"}

@@ -111,15 +111,20 @@ def _returned_alias(target: Any) -> Any:
 
 def draws_random(node: Node) -> bool:
     """Whether ``node`` draws from a random generator: an op tagged ``nondeterministic_seeded``
-    (``rand``, ``bernoulli``, dropout...) unless its ``train`` argument is False (dropout in eval mode)."""
+    (``rand``, ``bernoulli``, dropout, attention with dropout...) unless its arguments turn the
+    draw off: ``train=False`` or ``p=0`` of a dropout, ``dropout_p=0`` of attention."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
         return False
-    names = [a.name for a in target._schema.arguments]
-    if "train" not in names:
-        return True
-    at = names.index("train")
-    return (node.args[at] if at < len(node.args) else node.kwargs.get("train", True)) is not False
+    schema = {a.name: (i, a.default_value) for i, a in enumerate(target._schema.arguments)}
+
+    def arg(name: str) -> Any:
+        i, default = schema[name]
+        return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
+
+    if "train" in schema:
+        return arg("train") is not False and arg("p") != 0
+    return "dropout_p" not in schema or arg("dropout_p") != 0
 
 
 def is_inplace(target: Any) -> bool:
