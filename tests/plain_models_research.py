@@ -771,6 +771,117 @@ class VQTransformer(nn.Module):
         return {"logits": logits, "loss": lm_loss(logits, labels) + 0.25 * commitment}
 
 
+# ---- Deformable DETR's attention: values sampled at learned offsets by grid_sample ----------
+
+
+class DeformableAttention(nn.Module):
+    """One feature level, ``POINTS`` sampling points per head: offsets and weights from the
+    query, values sampled by ``F.grid_sample`` with the heads folded into the batch."""
+
+    POINTS = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sampling_offsets = nn.Linear(DIM, HEADS * self.POINTS * 2)
+        self.attention_weights = nn.Linear(DIM, HEADS * self.POINTS)
+        self.value_proj = nn.Linear(DIM, DIM)
+        self.output_proj = nn.Linear(DIM, DIM)
+
+    def forward(self, query: torch.Tensor, reference: torch.Tensor, value: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        b, lq, _ = query.shape
+        v = self.value_proj(value).view(b, h * w, HEADS, HEAD_DIM)
+        offsets = self.sampling_offsets(query).view(b, lq, HEADS, self.POINTS, 2)
+        weights = self.attention_weights(query).view(b, lq, HEADS, self.POINTS).softmax(-1)
+        locations = reference[:, :, None, None, :] + offsets / torch.tensor([w, h], dtype=query.dtype)
+        grid = 2 * locations - 1  # [b, lq, H, P, 2] in [-1, 1]
+        v = v.flatten(2).transpose(1, 2).reshape(b * HEADS, HEAD_DIM, h, w)
+        grid = grid.transpose(1, 2).flatten(0, 1)  # [b*H, lq, P, 2]
+        sampled = F.grid_sample(v, grid, mode="bilinear", padding_mode="zeros", align_corners=False)  # [b*H, D, lq, P]
+        weights = weights.transpose(1, 2).reshape(b * HEADS, 1, lq, self.POINTS)
+        out = (sampled * weights).sum(-1).view(b, HEADS * HEAD_DIM, lq)
+        return self.output_proj(out.transpose(1, 2))
+
+
+class DeformableEncoder(nn.Module):
+    GRID = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_proj = nn.Conv2d(CHANNELS, DIM, PATCH, PATCH)
+        self.layers = nn.ModuleList([DeformableAttention() for _ in range(LAYERS // 2)])
+        self.norms = nn.ModuleList([nn.LayerNorm(DIM) for _ in range(LAYERS // 2)])
+        self.ffns = nn.ModuleList([ReluSquaredMLP() for _ in range(LAYERS // 2)])
+        self.head = nn.Linear(DIM, CLASSES)
+        ys, xs = torch.meshgrid(torch.linspace(0.5, self.GRID - 0.5, self.GRID), torch.linspace(0.5, self.GRID - 0.5, self.GRID), indexing="ij")
+        self.register_buffer("reference", torch.stack([xs.flatten() / self.GRID, ys.flatten() / self.GRID], -1)[None], persistent=False)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.input_proj(pixel_values)
+        h, w = x.shape[-2:]
+        x = x.flatten(2).transpose(1, 2)
+        reference = self.reference.expand(x.shape[0], -1, -1)
+        for attn, norm, ffn in zip(self.layers, self.norms, self.ffns):
+            x = norm(x + attn(x, reference, x, h, w))
+            x = x + ffn(x)
+        logits = self.head(x.mean(dim=1))
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+# ---- memory tokens: learned slots prepended to every segment (RMT-style) --------------------
+
+
+class MemoryTokenLM(nn.Module):
+    MEMORY = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.memory = nn.Parameter(torch.randn(self.MEMORY, DIM) * 0.02)
+        self.layers = nn.ModuleList([PreNormBlock(NanoGPTAttention()) for _ in range(LAYERS)])
+        self.norm = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.embed(input_ids)
+        x = torch.cat([self.memory.expand(x.shape[0], -1, -1), x], dim=1)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.lm_head(self.norm(x[:, self.MEMORY :]))
+        return {"logits": logits, "loss": lm_loss(logits, labels)}
+
+
+# ---- MEGABYTE-style: a global model over patches, a local model within each ----------------
+
+
+class PatchLM(nn.Module):
+    PATCH_LEN = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.global_embed = nn.Embedding(VOCAB, DIM // self.PATCH_LEN)
+        self.local_embed = nn.Embedding(VOCAB, DIM)
+        self.global_layers = nn.ModuleList([PreNormBlock(NanoGPTAttention()) for _ in range(LAYERS // 2)])
+        self.global_to_local = nn.Linear(DIM // self.PATCH_LEN, DIM)
+        self.local_layers = nn.ModuleList([PreNormBlock(NanoGPTAttention()) for _ in range(LAYERS // 2)])
+        self.norm = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        b, s = input_ids.shape
+        p = self.PATCH_LEN
+        patches = self.global_embed(input_ids).reshape(b, s // p, DIM)  # each patch's bytes concatenated
+        patches = F.pad(patches, (0, 0, 1, -1))  # shift by one patch: a patch sees the ones before it
+        for layer in self.global_layers:
+            patches = layer(patches)
+        context = self.global_to_local(patches.reshape(b, s, DIM // p)).reshape(b * s // p, p, DIM)
+        local = self.local_embed(input_ids).reshape(b * s // p, p, DIM)
+        local = F.pad(local, (0, 0, 1, -1)) + context  # shift by one byte within the patch
+        for layer in self.local_layers:
+            local = layer(local)
+        logits = self.lm_head(self.norm(local)).reshape(b, s, VOCAB)
+        return {"logits": logits, "loss": lm_loss(logits, labels)}
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "speedrun_gpt": SpeedrunGPT,
     "bitnet_b158": BitNetLM,
@@ -787,6 +898,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "module_per_head": lambda: DecoderLM(lambda: PreNormBlock(MultiHeadAttention())),
     "vmap_experts": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), VmapExperts())),
     "vq_bottleneck": VQTransformer,
+    "deformable_attention": DeformableEncoder,
+    "memory_tokens": MemoryTokenLM,
+    "megabyte_patches": PatchLM,
 }
 MOE = frozenset({"soft_moe_encoder", "where_tuple_moe", "vmap_experts"})
 # A forward that draws its mask per call draws other numbers for half the batch than for the
@@ -806,7 +920,7 @@ def example_inputs(name: str, batch: int = 2, seq: int = SEQ) -> dict[str, torch
         return {"input_features": torch.randn(batch, MELS, FRAMES, generator=gen), "labels": torch.randint(0, VOCAB, (batch, FRAMES // 2), generator=gen)}
     if name == "mae_random_masking":
         return {"pixel_values": torch.randn(batch, CHANNELS, IMAGE, IMAGE, generator=gen)}
-    if name == "pvt_spatial_reduction":
+    if name in ("pvt_spatial_reduction", "deformable_attention"):
         return {"pixel_values": torch.randn(batch, CHANNELS, IMAGE, IMAGE, generator=gen), "labels": torch.randint(0, CLASSES, (batch,), generator=gen)}
     if name == "clip_two_towers":
         return {"input_ids": torch.randint(0, VOCAB, (batch, SEQ), generator=gen), "pixel_values": torch.randn(batch, CHANNELS, IMAGE, IMAGE, generator=gen)}
