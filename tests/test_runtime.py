@@ -61,6 +61,68 @@ def test_dropout_follows_megatron_rng_rule() -> None:
     assert r0["loss"] == r1["loss"]  # replicas stayed in sync through the dropped-out residuals
 
 
+class _DropoutAttention(torch.nn.Module):
+    """Attention with SDPA's own dropout in training (GPT-2's ``attn_pdrop``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(64, 192), torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5 if self.training else 0.0, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, 64))
+
+
+def _attention_dropout(rank: int, world: int) -> dict[str, object]:
+    import autotp
+    from autotp.ir import ops
+    from plain_models_attention import DecoderLM, PreNormBlock
+
+    model = DecoderLM(lambda: PreNormBlock(_DropoutAttention())).train()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    pm = autotp.parallelize(model, tp=world, example_inputs={"input_ids": ids, "labels": ids}, seed=7)
+    graph = pm.graph_for(input_ids=ids, labels=ids)
+    streams = [n.args[-1] for n in graph.graph.nodes if n.target is ops.TP_ATTENTION_DROPOUT]
+    loss = pm(input_ids=ids, labels=ids)["loss"]
+    loss.backward()
+    q = torch.randn(1, 2, 6, 16, generator=torch.Generator().manual_seed(1))
+    return {"streams": streams, "loss": loss.item(), "dropped": ops.TP_ATTENTION_DROPOUT(q, q, q, None, 0.5, True, None, False, ops.SHARDED)}
+
+
+def test_attention_dropout_over_split_heads_draws_from_the_sharded_stream() -> None:
+    """SDPA draws its dropout from the default generator, the same on every rank: each rank
+    would drop the same positions of its own heads. Over split heads it runs as its math with
+    the mask from the sharded stream, other on each rank; the replicas stay in sync."""
+    r0, r1 = run_on_ranks(_attention_dropout, 2)
+    assert r0["streams"] == ["sharded"] * 2
+    assert r0["loss"] == r1["loss"]
+    assert not torch.equal(r0["dropped"], r1["dropped"])
+
+
+def test_attention_dropout_op_is_sdpa_without_dropout_and_drops_the_probabilities_with_it() -> None:
+    from autotp.ir import ops
+    from autotp.runtime.execution import rng
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=gen) for _ in range(3))
+    kv = k[:, :2], v[:, :2]
+    mask = torch.rand(6, 6, generator=gen) > 0.3
+    mask.fill_diagonal_(True)
+    for args, kwargs in (((q, k, v), {"is_causal": True}), ((q, k, v), {"attn_mask": mask, "scale": 0.3}), ((q, *kv), {"enable_gqa": True})):
+        expected = torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+        got = ops.TP_ATTENTION_DROPOUT(*args, kwargs.get("attn_mask"), 0.0, kwargs.get("is_causal", False), kwargs.get("scale"),
+                                       kwargs.get("enable_gqa", False), ops.SHARDED)  # fmt: skip
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    rng.seed_tp_rng(5, 0)
+    dropped = ops.TP_ATTENTION_DROPOUT(q, k, v, None, 0.25, True, None, False, ops.SHARDED)
+    rng.seed_tp_rng(5, 0)
+    keep = ops.TP_RAND(torch.empty(2, 4, 6, 6), ops.SHARDED) >= 0.25  # the stream's numbers, shaped as the probabilities
+    scores = (q @ k.transpose(-2, -1) / 8**0.5).masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(dropped, (scores.softmax(-1) * keep / 0.75) @ v, rtol=1e-5, atol=1e-6)
+
+
 def _bad_degrees(rank: int, world: int) -> list[str]:
     import autotp
 

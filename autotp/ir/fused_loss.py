@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.library import Library
 
 from autotp.ir import fp8, ops
+from autotp.ir.vocab_logits import local_logits, loss_dtype, target_in_range
 
 _MEAN = 1
 
@@ -78,9 +79,9 @@ class _HeadGemms:
 def _stats(logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, group_size: int, group: str,
            whole: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Per token of the chunk: log-sum-exp over the whole vocabulary and the target's logit (in ``ops.loss_dtype``)."""
-    in_range, local_target = ops.target_in_range(target, vocab_start, logits.shape[-1])
-    picked = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).to(ops.loss_dtype(logits.dtype)).masked_fill(~in_range, 0.0)
-    x = ops.local_logits(logits, vocab_start, vocab_size)
+    in_range, local_target = target_in_range(target, vocab_start, logits.shape[-1])
+    picked = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).to(loss_dtype(logits.dtype)).masked_fill(~in_range, 0.0)
+    x = local_logits(logits, vocab_start, vocab_size)
     x = x.clone() if x is logits else x  # logits already in the loss dtype: work on a copy
     row_max = x.amax(dim=-1, keepdim=True)
     lse = x.sub_(row_max).exp_().sum(dim=-1).log_().add_(row_max.squeeze(-1))
@@ -92,10 +93,10 @@ def _stats(logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, gr
 
 def _logit_grad(logits: Tensor, target: Tensor, lse: Tensor, weight: Tensor, vocab_start: int, vocab_size: int) -> Tensor:
     """``(softmax - onehot(target)) * weight`` per token on this rank's columns, in the logits' dtype."""
-    x = ops.local_logits(logits, vocab_start, vocab_size)
+    x = local_logits(logits, vocab_start, vocab_size)
     x = x.clone() if x is logits else x
     g = x.sub_(lse.unsqueeze(-1)).exp_()
-    in_range, local_target = ops.target_in_range(target, vocab_start, x.shape[-1])
+    in_range, local_target = target_in_range(target, vocab_start, x.shape[-1])
     g.scatter_add_(-1, local_target.unsqueeze(-1), -in_range.to(g.dtype).unsqueeze(-1))
     return g.mul_(weight.unsqueeze(-1)).to(logits.dtype)
 
@@ -108,7 +109,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         t = target.reshape(-1)
         valid = t != ignore_index
         ops.check_ids(t, vocab_size, "labels (other than ignore_index)", skip=~valid)
-        counted = valid.to(ops.loss_dtype(hidden.dtype))
+        counted = valid.to(loss_dtype(hidden.dtype))
         token_weight = counted / valid.sum() if reduction == _MEAN else counted
         whole = vocab_start == 0 and weight.shape[0] >= vocab_size  # a replicated lm_head: nothing to combine
         losses, grads_hidden = [], []

@@ -44,7 +44,7 @@ aten = torch.ops.aten
 
 MATMUL_NAMES = frozenset({"linear", "addmm", "mm", "bmm", "matmul", "all_gather_matmul", "matmul_reduce_scatter",
                           "linear_cross_entropy", "fp8_linear"})  # fmt: skip
-ATTENTION_NAME = "scaled_dot_product_attention"
+ATTENTION_NAMES = frozenset({"scaled_dot_product_attention", "tp_attention_dropout"})
 EMBEDDING_NAMES = frozenset({"embedding", "vocab_parallel_embedding"})
 
 
@@ -79,7 +79,7 @@ def op_kind(target: Any) -> OpKind:
         return OpKind.MATMUL
     if is_grouped_matmul(target):
         return OpKind.GROUPED_MATMUL
-    if name == ATTENTION_NAME:
+    if name in ATTENTION_NAMES:
         return OpKind.ATTENTION
     if name in EMBEDDING_NAMES:
         return OpKind.EMBEDDING

@@ -64,6 +64,9 @@ Local ops:
 * ``tp_dropout(x, p, train, stream)`` -- ``aten.dropout`` drawing its mask from the tp
   RNG stream ``REPLICATED`` or ``SHARDED`` (``tp_rand(like, stream)``: uniform float32 numbers shaped like ``like``; see
   ``autotp.runtime.execution.rng``).
+* ``tp_attention_dropout(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, stream)`` --
+  SDPA with dropout as its math, the probabilities dropped by ``tp_dropout`` from ``stream``
+  (SDPA's own dropout draws the same numbers on every rank: ``passes/tp_dropout.py``).
 * ``vocab_parallel_embedding(weight, ids, vocab_start, vocab_stop, vocab_size, padding_idx, wrap)`` --
   lookup in rows ``[vocab_start, vocab_stop)``; other ids give zeros (a partial sum). ``wrap``:
   a negative id counts from the end, as ``table[ids]`` reads it.
@@ -99,6 +102,7 @@ from torch.library import Library
 
 from autotp.ir import moe_ops
 from autotp.ir.errors import UserInputError
+from autotp.ir.vocab_logits import local_logits, loss_dtype, target_in_range
 
 NAMESPACE = "autotp"
 REPLICATED = "replicated"  # dropout stream seeded alike on every tp rank
@@ -144,6 +148,10 @@ STAGE_BOUNDARY = _define("stage_boundary(Tensor x, int chunk) -> Tensor")
 PARTIAL_GRAD = _define("partial_grad(Tensor x, int parts) -> Tensor")
 TP_RAND = _define("tp_rand(Tensor like, str stream) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
 TP_DROPOUT = _define("tp_dropout(Tensor x, float p, bool train, str stream) -> Tensor")
+TP_ATTENTION_DROPOUT = _define(
+    "tp_attention_dropout(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float dropout_p, bool is_causal, "
+    "float? scale, bool enable_gqa, str stream) -> Tensor"
+)
 DEFERRED_LINEAR = _define("deferred_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
 WEIGHT_GRAD_SINKS: list[Callable[[Tensor, Tensor, Tensor], None]] = []
 """Where ``deferred_linear``'s backward hands (weight, input, output grad): the last one pushed."""
@@ -163,7 +171,8 @@ COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
     ALL_REDUCE_MAX, FP8_LINEAR,
 }) | moe_ops.DISPATCH_OPS  # fmt: skip
 ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {
-    VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT, FUNCTION, ELEMENTWISE_FUNCTION,
+    VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT, TP_ATTENTION_DROPOUT, FUNCTION,
+    ELEMENTWISE_FUNCTION,
 }  # fmt: skip
 # Identities forward (views of their input): f, stage boundaries, partial_grad.
 IDENTITIES: frozenset[torch._ops.OpOverload] = frozenset({COPY_TO_TP, STAGE_BOUNDARY, PARTIAL_GRAD})
@@ -325,27 +334,6 @@ torch.library.register_autograd(ALL_GATHER_MATMUL, _all_gather_matmul_backward, 
 torch.library.register_autograd(MATMUL_REDUCE_SCATTER, _matmul_reduce_scatter_backward, setup_context=_keep_matmul, lib=_LIB)
 
 
-def loss_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a vocab-parallel loss computes in: float32, or the logits' own if wider (float64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def local_logits(logits: Tensor, vocab_start: int, vocab_size: int) -> Tensor:
-    """This rank's logits in ``loss_dtype``, with the padded vocabulary columns at -inf (they never win)."""
-    x = logits.to(loss_dtype(logits.dtype))
-    n_local = x.shape[-1]
-    if vocab_start + n_local > vocab_size:
-        pad = torch.arange(n_local, device=x.device) + vocab_start >= vocab_size
-        x = x.masked_fill(pad, float("-inf"))
-    return x
-
-
-def target_in_range(target: Tensor, vocab_start: int, n_local: int) -> tuple[Tensor, Tensor]:
-    """Whether each target is one of this rank's columns, and its local column (0 if not)."""
-    in_range = (target >= vocab_start) & (target < vocab_start + n_local)
-    return in_range, (target - vocab_start).masked_fill(~in_range, 0)
-
-
 def _nll_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
     logits, target, ctx.vocab_start, ctx.vocab_size, _ = inputs
     _, row_max, sum_exp = output
@@ -437,6 +425,20 @@ def _tp_dropout(x: Tensor, p: float, train: bool, stream: str) -> Tensor:
     return x * keep.to(x.dtype) / (1.0 - p)
 
 
+def _tp_attention_dropout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool,
+                          scale: float | None, enable_gqa: bool, stream: str) -> Tensor:  # fmt: skip
+    """SDPA's math: ``softmax(q k^T * scale + mask)``, dropped out from ``stream``, times ``v``."""
+    if enable_gqa:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return _tp_dropout(scores.softmax(dim=-1), dropout_p, True, stream) @ v
+
+
 def check_ids(ids: Tensor, vocab_size: int, what: str, skip: Tensor | None = None) -> None:
     """Refuse ids outside ``[0, vocab_size)`` (where ``skip`` is False).
 
@@ -488,6 +490,7 @@ for _op, _fn in (
     (PARTIAL_GRAD, _partial_grad),
     (DEFERRED_LINEAR, _deferred_linear),
     (TP_DROPOUT, _tp_dropout),
+    (TP_ATTENTION_DROPOUT, _tp_attention_dropout),
     (VOCAB_PARALLEL_EMBEDDING, _vocab_parallel_embedding),
     (VOCAB_PARALLEL_CROSS_ENTROPY, _vocab_parallel_cross_entropy),
 ):

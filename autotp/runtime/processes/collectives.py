@@ -19,6 +19,7 @@ from torch.library import Library
 
 from autotp.ir import fp8, ops
 from autotp.ir.errors import UserInputError
+from autotp.ir.vocab_logits import local_logits, target_in_range
 from autotp.runtime.execution import overlap
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
@@ -132,10 +133,10 @@ def _vocab_parallel_nll(logits: Tensor, target: Tensor, vocab_start: int, vocab_
     """Per-token ``logsumexp - target logit`` over the whole vocabulary, with the global
     row max and sum of exps (which the backward reuses)."""
     pg = get_group(group)
-    x = ops.local_logits(logits, vocab_start, vocab_size)
+    x = local_logits(logits, vocab_start, vocab_size)
     row_max = _all_reduce_(x.max(dim=-1).values, pg, dist.ReduceOp.MAX)
     shifted = x - row_max.unsqueeze(-1)
-    in_range, local_target = ops.target_in_range(target, vocab_start, x.shape[-1])
+    in_range, local_target = target_in_range(target, vocab_start, x.shape[-1])
     picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
     sum_exp, target_logit = _all_reduce_(torch.stack([shifted.exp().sum(dim=-1), picked]), pg)
     return sum_exp.log() - target_logit, row_max, sum_exp
