@@ -179,3 +179,17 @@ def train_side_by_side(reference: Any, other: Any, batch: dict[str, torch.Tensor
             opt.step()
             opt.zero_grad(set_to_none=True)
     return worst
+
+
+class DropoutAttention(torch.nn.Module):
+    """Attention with SDPA's own dropout in training (GPT-2's ``attn_pdrop``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(64, 192), torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5 if self.training else 0.0, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, 64))

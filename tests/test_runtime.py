@@ -8,7 +8,7 @@ import time
 import torch
 
 from distributed import run_on_ranks
-from small_models import PlainTransformer, build
+from small_models import DropoutAttention, PlainTransformer, build
 
 
 def _new_shapes(rank: int, world: int) -> int:
@@ -61,26 +61,12 @@ def test_dropout_follows_megatron_rng_rule() -> None:
     assert r0["loss"] == r1["loss"]  # replicas stayed in sync through the dropped-out residuals
 
 
-class _DropoutAttention(torch.nn.Module):
-    """Attention with SDPA's own dropout in training (GPT-2's ``attn_pdrop``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv, self.proj = torch.nn.Linear(64, 192), torch.nn.Linear(64, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, 4, 16).permute(2, 0, 3, 1, 4)
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5 if self.training else 0.0, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, s, 64))
-
-
 def _attention_dropout(rank: int, world: int) -> dict[str, object]:
     import autotp
     from autotp.ir import ops
     from plain_models_attention import DecoderLM, PreNormBlock
 
-    model = DecoderLM(lambda: PreNormBlock(_DropoutAttention())).train()
+    model = DecoderLM(lambda: PreNormBlock(DropoutAttention())).train()
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     pm = autotp.parallelize(model, tp=world, example_inputs={"input_ids": ids, "labels": ids}, seed=7)
     graph = pm.graph_for(input_ids=ids, labels=ids)
