@@ -59,3 +59,31 @@ def test_gemma_reference_is_the_unmodified_model_in_float64() -> None:
     names it a known gap); in float64 tp=2 is the unmodified model to 1e-9. This also checks
     that the vocab-parallel loss computes in float64 for a float64 model (it cast to float32)."""
     assert run_on_ranks(_float64_check, 2, "gemma_reference") == ["", ""]
+
+
+class _RowsApart(torch.nn.Module):
+    """Per-row matmuls: a vector weight, attention-like batched scores, a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8))
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        scores = h @ h.transpose(-1, -2)  # [B, S, S]: rows meet only their own
+        return (scores @ h @ self.w).sum()
+
+
+class _Contrastive(_RowsApart):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.proj(x).mean(1), x.mean(1)
+        return (a @ b.t()).pow(2).mean()  # [B, B]: every row against every other
+
+
+def test_a_matmul_that_pairs_rows_of_two_operands_mixes_the_batch() -> None:
+    from autotp.analysis.batch_rows import batch_mixing_node
+
+    x = torch.randn(4, 6, 8)
+    assert batch_mixing_node(trace(_RowsApart(), {"x": x}), 4) == ""
+    assert "matmul" in batch_mixing_node(trace(_Contrastive(), {"x": x}), 4)

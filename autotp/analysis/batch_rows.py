@@ -110,13 +110,11 @@ class _BatchWalker(Walker):
         dims they share (``image @ text.t()``, a contrastive loss's logits)."""
         a, b = node.args[0], node.args[1]
         sa, sb = shape_of(a) or (), shape_of(b) or ()
-        if len(sa) < 2 or len(sb) < 2:
-            return bool(self._rows_at(a) or self._rows_at(b))  # a vector is contracted whole
         ra, rb = self._rows_at(a), self._rows_at(b)
         linear = op_name(node.target) == "linear"  # b is [n, k]
-        if len(sa) - 1 in ra or (len(sb) - 1 if linear else len(sb) - 2) in rb:
+        if len(sa) - 1 in ra or (len(sb) - 1 if linear or len(sb) == 1 else len(sb) - 2) in rb:
             return True
-        if not (ra and rb):
+        if len(sa) < 2 or len(sb) < 2 or not (ra and rb):  # a vector's other operand keeps its rows where they are
             return False
         lead = max(len(sa), len(sb)) - 2  # batch dims, aligned from the right
         shared_a = {d + lead - (len(sa) - 2) for d in ra if d < len(sa) - 2}

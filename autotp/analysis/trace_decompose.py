@@ -66,7 +66,7 @@ def draw_by_size(gm: GraphModule) -> None:
         like = node.args[0].meta.get("val") if by_size is not None else None
         if not isinstance(like, torch.Tensor) or not all(isinstance(d, int) for d in like.shape):
             continue
-        if node.kwargs.get("memory_format") not in (None, torch.contiguous_format) and not like.is_contiguous():
+        if node.kwargs.get("memory_format", torch.preserve_format) is not torch.contiguous_format and not like.is_contiguous():
             continue
         target, before = by_size
         kwargs = {k: v for k, v in node.kwargs.items() if k != "memory_format"}

@@ -78,7 +78,7 @@ class _HeadGemms:
 
 def _stats(logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, group_size: int, group: str,
            whole: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Per token of the chunk: log-sum-exp over the whole vocabulary and the target's logit (in ``ops.loss_dtype``)."""
+    """Per token of the chunk: log-sum-exp over the whole vocabulary and the target's logit (in ``vocab_logits.loss_dtype``)."""
     in_range, local_target = target_in_range(target, vocab_start, logits.shape[-1])
     picked = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).to(loss_dtype(logits.dtype)).masked_fill(~in_range, 0.0)
     x = local_logits(logits, vocab_start, vocab_size)
