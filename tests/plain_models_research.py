@@ -14,7 +14,8 @@ token grid), mistral-inference's MoE (``torch.where`` over the routed (token, sl
 ``results[batch_idx] += ...``), Transformer-XL's relative shift (pad, view with two dims
 swapped, drop a row), cross-layer attention (odd layers reuse the keys and values of the
 layer before), Gemma's reference code ((1 + w) norms, soft-capped attention and logits, a head
-tied through ``embedder.weight.t()``) and stochastic
+tied through ``embedder.weight.t()``), Swin V2's cosine attention, an encoder-decoder with a
+padding mask and Flamingo-style gated cross-attention, and stochastic
 units (a VAE's ``randn_like`` reparametrization, ``bernoulli`` units) drawn from split
 projections. Models that draw in the forward match the unmodified model only from the same
 generator state: the strict rule seeds both sides alike.
@@ -882,6 +883,66 @@ class PatchLM(nn.Module):
         return {"logits": logits, "loss": lm_loss(logits, labels)}
 
 
+# ---- Swin V2's cosine attention: normalized q and k, a clamped learned scale per head ---------
+
+
+class CosineAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.rand(HEADS, 1, 1) + 1))
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+        attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        attn = attn * torch.clamp(self.logit_scale, max=math.log(100.0)).exp()
+        causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+        return self.proj((attn.masked_fill(causal, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+# ---- an encoder-decoder with a padding mask and Flamingo-style gated cross-attention --------
+
+
+class GatedCrossAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv, self.o = nn.Linear(DIM, DIM), nn.Linear(DIM, 2 * DIM), nn.Linear(DIM, DIM)
+        self.gate = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, memory_mask: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
+        k, v = (t.view(b, memory.shape[1], HEADS, HEAD_DIM).transpose(1, 2) for t in self.kv(memory).chunk(2, dim=-1))
+        scores = (q @ k.transpose(-1, -2)) * HEAD_DIM**-0.5
+        scores = scores.masked_fill(~memory_mask[:, None, None, :], float("-inf"))
+        return torch.tanh(self.gate) * self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, DIM))
+
+
+class PaddedEncoderDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.encoder = nn.ModuleList([PreNormBlock(NanoGPTAttention()) for _ in range(LAYERS // 2)])
+        self.decoder = nn.ModuleList([PreNormBlock(NanoGPTAttention()) for _ in range(LAYERS // 2)])
+        self.cross = nn.ModuleList([GatedCrossAttention() for _ in range(LAYERS // 2)])
+        self.cross_norm = nn.ModuleList([nn.LayerNorm(DIM) for _ in range(LAYERS // 2)])
+        self.norm = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, decoder_input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        memory = self.embed(input_ids)
+        for layer in self.encoder:
+            memory = layer(memory)
+        x = self.embed(decoder_input_ids)
+        for layer, cross, norm in zip(self.decoder, self.cross, self.cross_norm):
+            x = layer(x)
+            x = x + cross(norm(x), memory, attention_mask)
+        logits = self.lm_head(self.norm(x))
+        return {"logits": logits, "loss": lm_loss(logits, labels)}
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "speedrun_gpt": SpeedrunGPT,
     "bitnet_b158": BitNetLM,
@@ -901,6 +962,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "deformable_attention": DeformableEncoder,
     "memory_tokens": MemoryTokenLM,
     "megabyte_patches": PatchLM,
+    "swinv2_cosine_attention": lambda: DecoderLM(lambda: PreNormBlock(CosineAttention())),
+    "padded_encoder_decoder": PaddedEncoderDecoder,
 }
 MOE = frozenset({"soft_moe_encoder", "where_tuple_moe", "vmap_experts"})
 # A forward that draws its mask per call draws other numbers for half the batch than for the
@@ -924,6 +987,10 @@ def example_inputs(name: str, batch: int = 2, seq: int = SEQ) -> dict[str, torch
         return {"pixel_values": torch.randn(batch, CHANNELS, IMAGE, IMAGE, generator=gen), "labels": torch.randint(0, CLASSES, (batch,), generator=gen)}
     if name == "clip_two_towers":
         return {"input_ids": torch.randint(0, VOCAB, (batch, SEQ), generator=gen), "pixel_values": torch.randn(batch, CHANNELS, IMAGE, IMAGE, generator=gen)}
+    if name == "padded_encoder_decoder":
+        lengths = torch.tensor([seq, seq // 2])[:batch]
+        return {"input_ids": torch.randint(0, VOCAB, (batch, seq), generator=gen), "attention_mask": torch.arange(seq)[None] < lengths[:, None],
+                "decoder_input_ids": torch.randint(0, VOCAB, (batch, seq // 2), generator=gen), "labels": torch.randint(0, VOCAB, (batch, seq // 2), generator=gen)}
     ids = torch.randint(0, VOCAB, (batch, seq), generator=gen)
     labels = torch.randint(0, CLASSES, (batch,), generator=gen) if name == "soft_moe_encoder" else torch.randint(0, VOCAB, (batch, seq), generator=gen)
     return {"input_ids": ids, "labels": labels}
