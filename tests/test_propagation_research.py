@@ -87,3 +87,13 @@ def test_a_matmul_that_pairs_rows_of_two_operands_mixes_the_batch() -> None:
     x = torch.randn(4, 6, 8)
     assert batch_mixing_node(trace(_RowsApart(), {"x": x}), 4) == ""
     assert "matmul" in batch_mixing_node(trace(_Contrastive(), {"x": x}), 4)
+
+
+def test_experts_batched_by_vmap_are_split_like_stacked_experts() -> None:
+    """``torch.vmap`` over stacked ``[E, D, F]`` / ``[E, F, D]`` weights: lowered at the trace to
+    batched matmuls, the first is split on F (column) and the second on F (row); before, the
+    batching markers were opaque and both stayed whole."""
+    gm = trace(build("vmap_experts"), example_inputs("vmap_experts"))
+    assert not any("batch_dim" in str(n.target) for n in gm.graph.nodes)
+    dims = {p.name: p.dim for p in plan_tensor_parallel(gm, 2).params}
+    assert (dims["layers.0.feed_forward.w1"], dims["layers.0.feed_forward.w2"]) == (2, 1)
