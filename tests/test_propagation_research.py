@@ -97,3 +97,12 @@ def test_experts_batched_by_vmap_are_split_like_stacked_experts() -> None:
     assert not any("batch_dim" in str(n.target) for n in gm.graph.nodes)
     dims = {p.name: p.dim for p in plan_tensor_parallel(gm, 2).params}
     assert (dims["layers.0.feed_forward.w1"], dims["layers.0.feed_forward.w2"]) == (2, 1)
+
+
+def test_a_draw_shaped_like_a_split_projection_leaves_the_projection_split() -> None:
+    """``randn_like(mu)`` of a ``chunk`` of a column-parallel output (a view, not contiguous, but
+    ``empty_like`` of it is) is drawn by size, so at tp=4 the projection stays split and each
+    rank reads its slice of the whole draw."""
+    gm = trace(build("stochastic_units"), example_inputs("stochastic_units"))
+    assert not any(n.target is torch.ops.aten.randn_like.default for n in gm.graph.nodes)
+    assert "layers.0.to_stats.weight" in {p.name for p in plan_tensor_parallel(gm, 4).params}

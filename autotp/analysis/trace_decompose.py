@@ -58,15 +58,16 @@ _DRAWS_BY_SIZE: dict[Any, tuple[Any, int]] = {
 
 
 def draw_by_size(gm: GraphModule) -> None:
-    """Replace ``rand_like``/``randn_like``/``randint_like`` of a contiguous tensor of static
-    shape by the same draw at that tensor's size, dtype and device (in place). A draw into a
-    template of other strides fills it in memory order, other numbers than by size: kept."""
+    """Replace ``rand_like``/``randn_like``/``randint_like`` of a tensor of static shape by the
+    same draw at that tensor's size, dtype and device (in place), where the draw fills a
+    contiguous tensor. One into a tensor of other strides (``preserve_format`` of a transposed
+    dense tensor) fills it in memory order, other numbers than by size: kept."""
     for node in list(gm.graph.nodes):
         by_size = _DRAWS_BY_SIZE.get(node.target) if node.op == "call_function" else None
         like = node.args[0].meta.get("val") if by_size is not None else None
         if not isinstance(like, torch.Tensor) or not all(isinstance(d, int) for d in like.shape):
             continue
-        if node.kwargs.get("memory_format", torch.preserve_format) is not torch.contiguous_format and not like.is_contiguous():
+        if not _fills_in_order(like, node.kwargs.get("memory_format", torch.preserve_format)):
             continue
         target, before = by_size
         kwargs = {k: v for k, v in node.kwargs.items() if k != "memory_format"}
@@ -76,6 +77,16 @@ def draw_by_size(gm: GraphModule) -> None:
         drawn.meta.update(node.meta)
         node.replace_all_uses_with(drawn)
         gm.graph.erase_node(node)
+
+
+def _fills_in_order(like: torch.Tensor, memory_format: torch.memory_format) -> bool:
+    """Whether ``empty_like(like, memory_format)`` is contiguous, so a draw into it gives the
+    numbers of the draw by size (a split or sliced view is, a transposed dense one is not)."""
+    mode = getattr(like, "fake_mode", None)
+    if mode is None:
+        return like.is_contiguous()
+    with mode:
+        return torch.empty_like(like, memory_format=memory_format).is_contiguous()
 
 
 def _of_parameters_alone(node: Node, params: set[str]) -> bool:
