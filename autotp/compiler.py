@@ -363,6 +363,7 @@ def lower(
     ctx = PassContext(plan=plan, tp_rank=tp_rank, ep_rank=ep_rank, device=torch.device(device), dump_dir=dump_dir,
                       backend=backend, outputs_read=outputs_read, param_buckets=param_buckets)  # fmt: skip
     gm = _run(_owned_copy(traced), ctx, compile_steps())
+    gm.meta[meta_keys.BATCH_DENOMINATORS] = traced.meta.get(meta_keys.BATCH_DENOMINATORS, ())
     causal = tuple(n.name for n in gm.graph.nodes if n.meta.get(meta_keys.CAUSAL_MASK) == CAUSAL)
     return RankProgram.of(gm, replace(ctx.plan, causal_attention_nodes=causal), dict(ctx.timings))
 
@@ -397,9 +398,11 @@ def lower_signature(
     ep_rank: int = 0,
     outputs_read: tuple[str, ...] = (),
     param_buckets: BucketLayout | None = None,
+    split_batch: bool = False,
 ) -> RankProgram:  # fmt: skip
-    """Trace ``model(**kwargs)`` and lower it under an already chosen ``plan``."""
-    return lower(trace(model, kwargs, device), plan, tp_rank=tp_rank, device=device, backend=backend, ep_rank=ep_rank,
+    """Trace ``model(**kwargs)`` (one piece of a split step, with ``split_batch``) and lower it
+    under an already chosen ``plan``."""
+    return lower(trace(model, kwargs, device, split_batch), plan, tp_rank=tp_rank, device=device, backend=backend, ep_rank=ep_rank,
                  outputs_read=outputs_read, param_buckets=param_buckets)
 
 

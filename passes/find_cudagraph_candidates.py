@@ -12,7 +12,8 @@ Runs when ``plan.cudagraphs`` is set. Every op node either gets a ``Blocker`` (n
   offsets with ``offs.tolist()``; bf16 weights take ``aten._grouped_mm`` instead, which
   does not);
 * **data-dependent output shapes**: a value whose shape holds an unbacked symbol;
-* **host values**: an op that reads a Python number made by another op (``x * t.item()``);
+* **host values**: an op that reads a Python number made by another op (``x * t.item()``),
+  and ``batch_denominator``, whose value ``train_step`` sets for each step;
 * **CPU tensors** read or made in a graph for another device;
 * **RNG not registered for graph-safe replay**: autotp's ``tp_dropout`` in training
   (its masks come from the tp generators of ``autotp.runtime.execution.rng``, which capture does not
@@ -50,6 +51,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from autotp.ir.batch_denominators import BATCH_DENOMINATOR
 from autotp.ir.op_facts import mutated_base
 from autotp.ir import meta_keys, moe_ops, ops
 from autotp.ir import schedules
@@ -170,6 +172,8 @@ def _blocker(node: Node, ctx: PassContext, opaque: dict[Any, str], blocked: set[
     reason = _rng_reason(node)
     if reason is not None:
         return make(RNG, reason)
+    if node.target is BATCH_DENOMINATOR:
+        return make(HOST_VALUE, "batch_denominator takes the whole batch's denominator that train_step sets on the host each step")
     if node.target in _OVERLAPPED and ctx.plan.tp > 1:
         return make(OVERLAP, f"{node.target.__name__.removesuffix('.default')} pipelines its collective with its GEMM "
                     "(symmetric-memory barriers, or the ring's P2P waits), which autotp does not capture; it runs eagerly "

@@ -109,7 +109,10 @@ def test_leaves_other_losses_alone_and_matches_them(reduction: str, cap: bool, f
 
 def _train_step_matches(rank: int, world: int, name: str, tp: int, pp: int) -> dict[str, float]:
     """``train_step`` (2 microbatches, ignored labels, chunks of ``CHUNK`` tokens) against the
-    unmodified model: loss and every gradient."""
+    unmodified model on the whole batch: loss and every gradient. The first microbatch counts 5
+    tokens fewer, so its mean weighs less than half (``autotp.ir.batch_denominators``). A
+    router's load-balancing loss (mixtral_aux) is a product of means over the tokens, which
+    train_step computes per microbatch, as Megatron and HF's Trainer do."""
     model = build(name)
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(1)
@@ -121,7 +124,12 @@ def _train_step_matches(rank: int, world: int, name: str, tp: int, pp: int) -> d
     pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs=micro, plan=replace(planned, loss_chunk_tokens=CHUNK))
     loss = pm.train_step(input_ids=ids, labels=labels, num_microbatches=2)
     fused = len(_fused_nodes(pm._compiled_for(pm._as_kwargs((), micro), LOSS_ONLY).graph))
-    expected = sum(reference(input_ids=ids[i : i + 2], labels=labels[i : i + 2]).loss for i in (0, 2)) / 2
+    whole = reference(input_ids=ids, labels=labels)
+    expected = whole.loss
+    if getattr(whole, "aux_loss", None) is not None:
+        coef = reference.config.router_aux_loss_coef
+        per_micro = [reference(input_ids=ids[i : i + 2], labels=labels[i : i + 2]).aux_loss for i in (0, 2)]
+        expected = expected - coef * whole.aux_loss + coef * sum(per_micro) / 2
     expected.backward()
     _close(loss, expected.detach(), "loss")
     grads = pm.unshard_grads()

@@ -13,7 +13,8 @@ holding them mixes rows. Ordering ops (``sort``, ``argsort``, ``nonzero``, a ``c
 of slot positions) only move rows and are not counted: their results index, they do not
 weigh. Where the walk loses track of the rows (an op with no rule for a split there) it
 stops looking downstream of it, so the check may miss a case but never refuses a forward
-whose rows stay apart.
+whose rows stay apart. A loss divided by a statistic of the batch that
+``loss_denominators`` could not make the whole batch's (``labels.max()``) mixes rows too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.fx import GraphModule, Node
 from autotp.analysis.dtensor_rules import dtensor_rule
 from autotp.analysis.propagation import Walker
 from autotp.analysis.shapes import is_float, norm_dim, shape_of
+from autotp.analysis.loss_denominators import unnormalized_division
 from autotp.ir.errors import describe
 from autotp.ir.layouts import REPLICATE, DimVar, Layout, shard
 from autotp.ir.op_facts import op_name
@@ -127,6 +129,9 @@ def batch_mixing_node(gm: GraphModule, batch: int) -> str:
     ``batch`` rows, described; "" when none is found."""
     if batch < 2:
         return ""
+    division = unnormalized_division(gm)
+    if division:
+        return f"{division}, which divides by a statistic of the whole batch"
     walker = _BatchWalker(gm, batch)
     walker.run()
     return describe(walker.mixing) if walker.mixing is not None else ""

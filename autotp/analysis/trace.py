@@ -30,6 +30,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
 from torch.fx import GraphModule
 
+from autotp.analysis.loss_denominators import normalize_loss_denominators
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
 from autotp.analysis.trace_decompose import decompose_parameter_ops, draw_by_size
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
@@ -132,8 +133,10 @@ def _distribution_checks_off() -> Iterator[None]:
         torch.distributions.Distribution.set_default_validate_args(saved)
 
 
-def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str = "cpu") -> GraphModule:
-    """Export ``model(**kwargs)`` (non-strict) on a fake copy living on ``device``.
+def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str = "cpu", split_batch: bool = False) -> GraphModule:
+    """Export ``model(**kwargs)`` (non-strict) on a fake copy living on ``device``. With
+    ``split_batch`` the graph is one piece of a split step: its loss divides by the whole
+    batch's denominators (``loss_denominators``).
 
     Raises ``UserInputError`` naming the submodule and source line that could not trace.
     """
@@ -151,6 +154,8 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     _clean(gm)
     decompose_parameter_ops(gm)
     draw_by_size(gm)
+    if split_batch:
+        normalize_loss_denominators(gm)
     mark_elementwise(gm)
     gm.recompile()  # once, after the rewrites above
     refuse_parameter_writes(type(model).__name__, gm)

@@ -76,3 +76,7 @@ to run such a graph under one."""
 
 CHECKPOINTED = "autotp_checkpointed"
 """On a traced node that the model computed inside ``torch.utils.checkpoint`` (``analysis.trace_regions``)."""
+
+BATCH_DENOMINATORS = "autotp_batch_denominators"
+"""On a traced graph module's ``meta``: the ``batch_denominators.DenominatorProgram`` of each
+``batch_denominator`` the trace inserted (``analysis.loss_denominators``)."""

@@ -17,14 +17,14 @@ from torch.fx import GraphModule
 
 from autotp.analysis.trace import structure_copy
 from autotp.compiler import LOSS_ONLY, lower_signature, with_param_waits
-from autotp.ir import schedules
+from autotp.ir import batch_denominators, meta_keys, schedules
 from autotp.ir.axes import Axis
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.program import RankProgram
 from autotp.ir.rank_log import warn_once
 from autotp.runtime.state import checkpoint_dcp, expert_parallel, export_hf
 from autotp.runtime.processes import collectives
-from autotp.runtime.execution import cudagraphs, guards
+from autotp.runtime.execution import batch_pieces, guards
 from autotp.runtime.gradients import grad_norm
 from autotp.runtime.gradients.grad_sync import GradSync, default_sync, mean_loss, shared_param_groups
 from autotp.runtime.gradients.grad_buffers import ParamUse
@@ -96,7 +96,7 @@ class ParallelModel(nn.Module):
         self._warned_plain = False
         self._attach(compiled)
         self.train(model.training)
-        self._graphs[(*guards.signature_key(first_kwargs, model.training), ())] = compiled
+        self._graphs[(*guards.signature_key(first_kwargs, model.training), (), False)] = compiled
 
     @property
     def ep_rank(self) -> int:
@@ -112,7 +112,7 @@ class ParallelModel(nn.Module):
         """``del pm`` frees the parameters at once: the graphs (each in a reference cycle with its
         fx ``Graph``, which only the garbage collector breaks) let go of them, and the gradient
         hooks and parameter waits that reach them are removed."""
-        for compiled in self.__dict__.get("_graphs", {}).values():
+        for compiled in {id(c): c for c in self.__dict__.get("_graphs", {}).values()}.values():
             Parameters.release(compiled.graphs())
             compiled.release()
         if self.__dict__.get("_grad_sync") is not None:
@@ -154,7 +154,7 @@ class ParallelModel(nn.Module):
             raise UserInputError("this ParallelModel already has a DistributedOptimizer; create one per model")
         self._grad_sync.close()
         self._grad_sync = sync
-        for compiled in self._graphs.values():
+        for compiled in self._signatures():
             self._install_param_waits(compiled)
 
     # ---- compilation ---------------------------------------------------------------
@@ -197,9 +197,10 @@ class ParallelModel(nn.Module):
         """This rank's pipeline chunks as they run for these inputs (empty without a pipeline)."""
         return self._compiled_for(self._as_kwargs(args, kwargs)).chunks
 
-    def _compiled_for(self, call: dict[str, Any], outputs_read: tuple[str, ...] = ()) -> CompiledSignature:
-        """The graph of ``call``'s signature; ``outputs_read``: the output keys the caller reads (empty: all)."""
-        key = (*guards.signature_key(call, self.training), outputs_read)
+    def _compiled_for(self, call: dict[str, Any], outputs_read: tuple[str, ...] = (), split_batch: bool = False) -> CompiledSignature:
+        """The graph of ``call``'s signature; ``outputs_read``: the output keys the caller reads (empty: all);
+        ``split_batch``: ``call`` is one piece of a split step (``autotp.ir.batch_denominators``)."""
+        key = (*guards.signature_key(call, self.training), outputs_read, split_batch)
         compiled = self._graphs.get(key)
         if compiled is None:
             self._source.model.train(self.training)
@@ -207,14 +208,18 @@ class ParallelModel(nn.Module):
             try:
                 program = lower_signature(self._source.model, call, self.plan, tp_rank=self._coords.tp_rank,
                                           device=self._device, backend=backend, ep_rank=self.ep_rank,
-                                          outputs_read=outputs_read,
+                                          outputs_read=outputs_read, split_batch=split_batch,
                                           param_buckets=self._grad_sync.param_buckets(self._params.aliases))  # fmt: skip
             except ValueError as e:
                 guards.explain_retrace_failure(call, list(self._graphs), e)
                 raise
-            compiled = self._prepare(program)
-            self._attach(compiled)
-            self._install_param_waits(compiled)
+            unsplit = self._graphs.get((*key[:-1], False))
+            if unsplit is not None and not program.graph.meta.get(meta_keys.BATCH_DENOMINATORS):
+                compiled = unsplit  # the split graph is the same graph
+            else:
+                compiled = self._prepare(program)
+                self._attach(compiled)
+                self._install_param_waits(compiled)
             self._graphs[key] = compiled
         guards.refuse_autocast(compiled.graph, self._device)
         return compiled
@@ -291,52 +296,43 @@ class ParallelModel(nn.Module):
             self.check_replicas()
         self._steps += 1
         batch = {k: v for k, v in dict(kwargs, input_ids=input_ids, labels=labels).items() if v is not None}
-        size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
         dp = self.plan.dp
-        shards = 1 if batch_is_local else dp
         m = self.plan.microbatches if num_microbatches is None else num_microbatches
-        if m < 1 or size % (shards * m):
-            raise UserInputError(
-                f"the {'local' if batch_is_local else 'global'} batch of {size} does not split into "
-                f"{'' if batch_is_local else f'dp={dp} x '}{m} microbatches; "
-                f"use a batch size that is a multiple of {shards * max(m, 1)}"
-            )
+        micro = batch_pieces.microbatches(batch, dp, self._coords.dp_rank, m, batch_is_local)
         guards.refuse_mixed_batch(self.plan, dp * m)
         if self.plan.distributed_optimizer and dp > 1 and not self._grad_sync.holds_grads and not self._warned_plain:
             self._warned_plain = True
             warn_once(log, "the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
                       "state over dp=%d); this model trains with a plain optimizer", dp)
         self._grad_sync.begin(m)
-        step = size // (shards * m)
-        first = 0 if batch_is_local else self._coords.dp_rank * step * m
-        micro = [
-            {k: (v[first + i * step : first + (i + 1) * step] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-            for i in range(m)
-        ]
         loss_of = loss_fn if loss_fn is not None else returned_loss
         outputs_read = () if loss_fn is not None else LOSS_ONLY
-        if self.plan.num_chunks == 1:
-            total = torch.zeros((), device=self._device)
-            for mb in micro:
-                call = self._as_kwargs((), mb)
-                loss = loss_of(self._compiled_for(call, outputs_read).run(**call))
-                (loss / m).backward()
-                total += loss.detach().float()
-        else:
-            total = self._pipeline_step(micro, loss_of, schedule or self.plan.schedule_name, outputs_read)
+        calls = [self._as_kwargs((), mb) for mb in micro]
+        split = dp * m > 1
+        denominators = {} if not split else batch_pieces.whole_batch_denominators(
+            self._compiled_for(calls[0], outputs_read, split).program, calls, dp * m, self._params, self._device,
+            self._coords.dp_group if dp > 1 else None)  # fmt: skip
+        with batch_denominators.whole_batch(denominators):
+            if self.plan.num_chunks == 1:
+                total = torch.zeros((), device=self._device)
+                for call in calls:
+                    loss = loss_of(self._compiled_for(call, outputs_read, split).run(**call))
+                    (loss / m).backward()
+                    total += loss.detach().float()
+            else:
+                total = self._pipeline_step(calls, loss_of, schedule or self.plan.schedule_name, outputs_read, split)
         self._grad_sync.finish()
         return mean_loss(self.plan, self._coords, total / m)
 
-    def _pipeline_step(self, micro: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str,
-                       outputs_read: tuple[str, ...]) -> torch.Tensor:  # fmt: skip
+    def _pipeline_step(self, calls: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str,
+                       outputs_read: tuple[str, ...], split: bool) -> torch.Tensor:  # fmt: skip
         pp, vpp = self.plan.pp, self.plan.vpp
         if name == "zbh1" and self._grad_sync.holds_grads:
             raise UserInputError(ZBH1_REFUSED)
-        calls = [self._as_kwargs((), mb) for mb in micro]
-        compiled = self._compiled_for(calls[0], outputs_read)
+        compiled = self._compiled_for(calls[0], outputs_read, split)
         runner = self._runner(compiled)
         runner.measure_busy = self.measure_busy
-        total = runner.run_step(lambda rank: schedules.schedule(name, pp, vpp, len(micro), rank), calls, loss_of,
+        total = runner.run_step(lambda rank: schedules.schedule(name, pp, vpp, len(calls), rank), calls, loss_of,
                                 compiled.graph._out_spec)  # fmt: skip
         self.last_busy_s = runner.busy_s
         return total
@@ -346,12 +342,16 @@ class ParallelModel(nn.Module):
         """Per chunk of this rank: the CUDA-graph captures made so far, one per microbatch
         the schedule held in flight (``autotp.runtime.execution.cudagraphs``), summed over input signatures."""
         slots: dict[int, int] = {}
-        for compiled in self._graphs.values():
+        for compiled in self._signatures():
             for chunk, captured in compiled.captures().items():
                 slots[chunk] = slots.get(chunk, 0) + captured.slots
         return slots
 
     # ---- checkpoints ---------------------------------------------------------------
+
+    def _signatures(self) -> list[CompiledSignature]:
+        """Each compiled signature once (a split step's graph may be an unsplit one's)."""
+        return list({id(c): c for c in self._graphs.values()}.values())
 
     def _first_compiled(self) -> CompiledSignature:
         return next(iter(self._graphs.values()))

@@ -1,0 +1,285 @@
+"""Find a traced loss's data-dependent denominators and make them the whole batch's.
+
+A split step (``train_step`` over dp ranks x microbatches) averages the pieces' losses;
+``autotp.ir.batch_denominators`` explains why a denominator that depends on the data (a count
+of the labels that are not ignored, a sum of class weights, ``mask.sum()``) must then be
+the whole batch's. This module rewrites the traced graph (in place, before planning):
+
+* a class loss with ``reduction="mean"`` and class-index targets (``cross_entropy``,
+  ``nll_loss``) becomes its ``reduction="sum"`` divided by ``batch_denominator`` of its
+  count: the targets that are not ``ignore_index``, each weighted by its class weight;
+* ``n / d``, where ``d`` is a scalar computed from the inputs alone (no parameter) and ``n``
+  a sum or mean over the rows (through sums and scalings), divides by ``batch_denominator(d)``,
+  where ``d`` is a sum or mean over the batch (its *core*) followed by ``clamp``, casts and
+  scalar arithmetic.
+
+Each rewrite keeps a ``DenominatorProgram`` in ``gm.meta`` (``meta_keys.BATCH_DENOMINATORS``):
+the core computed from a piece's inputs, and the ops after it. The rewrite is made only
+for the graphs of split steps (``trace(..., split_batch=True)``): elsewhere the graph stays
+as the model wrote it. A division by another statistic of the batch (``labels.max()``)
+cannot be split: ``unnormalized_division`` names it, and ``batch_rows`` refuses to split
+such a forward.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx import Graph, GraphModule, Node
+from torch.utils._pytree import tree_map, tree_structure
+
+from autotp.ir import meta_keys
+from autotp.ir.batch_denominators import BATCH_DENOMINATOR, MEAN, SUM, DenominatorProgram
+from autotp.ir.errors import describe
+
+aten = torch.ops.aten
+
+_MEAN_REDUCTION, _SUM_REDUCTION = 1, 2
+_WEIGHT, _REDUCTION, _IGNORE = 2, 3, 4  # argument positions of the class losses below
+_CLASS_LOSSES = frozenset({aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default, aten.nll_loss2d.default})
+_REDUCTIONS = {aten.sum.default: SUM, aten.sum.dim_IntList: SUM, aten.count_nonzero.default: SUM,
+               aten.count_nonzero.dim_IntList: SUM, aten.mean.default: MEAN, aten.mean.dim: MEAN}  # fmt: skip
+_CASTS = frozenset({aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.alias.default})
+_SCALED = frozenset({aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar})
+_SHIFTED = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.clamp.default,
+                      aten.clamp_min.default, aten.clamp_max.default, aten.maximum.default, aten.minimum.default})  # fmt: skip
+
+
+def normalize_loss_denominators(gm: GraphModule) -> None:
+    """Rewrite ``gm`` for a split step (module docstring)."""
+    graph = gm.graph
+    programs: list[DenominatorProgram] = []
+    for node, found in _divisions(gm):
+        if found is None:
+            programs.append(_class_loss_as_sum(gm, node))
+            continue
+        d, core, kind, per_piece = found
+        with graph.inserting_after(d):
+            den = _add(graph, BATCH_DENOMINATOR, (d, d.name), like=d)
+        node.replace_input_with(d, den)
+        programs.append(_program(gm, d.name, core, kind, d, per_piece))
+    if programs:
+        gm.meta[meta_keys.BATCH_DENOMINATORS] = tuple(programs)
+    graph.lint()
+
+
+def unnormalized_division(gm: GraphModule) -> str:
+    """The first division by a statistic of the batch that a split step cannot make the whole
+    batch's (described; "" if there is none)."""
+    reads = _Reads(gm)
+    for node in gm.graph.nodes:
+        division = node.op == "call_function" and node.target is aten.div.Tensor and isinstance(node.args[1], Node)
+        if division and reads.is_batch_statistic(node.args[1]) and _normalizable(node, reads) is None:
+            return describe(node)
+        weight = _arg(node, _WEIGHT, "weight", None) if node.target in _CLASS_LOSSES else None
+        if isinstance(weight, Node) and reads.of(weight)[1] and _reduction(node) == _MEAN_REDUCTION:
+            return f"{describe(node)} (its mean over the class weights, which are trained)"
+    return ""
+
+
+def _is_mean_class_loss(node: Node, reads: _Reads) -> bool:
+    """A class loss averaged over its counted targets, whose class weights (if any) are not trained."""
+    if node.target not in _CLASS_LOSSES or _reduction(node) != _MEAN_REDUCTION or not _has_class_targets(node):
+        return False
+    weight = _arg(node, _WEIGHT, "weight", None)
+    return not (isinstance(weight, Node) and reads.of(weight)[1])
+
+
+def _divisions(gm: GraphModule) -> list[tuple[Node, tuple[Node, Node, str, bool] | None]]:
+    """The nodes to rewrite: each mean class loss (None), and each division by a statistic of
+    the batch with (its denominator, the denominator's core, the core's kind, whether the
+    numerator sums over the rows)."""
+    reads, found = _Reads(gm), []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if _is_mean_class_loss(node, reads):
+            found.append((node, None))
+        elif node.target is aten.div.Tensor and isinstance(node.args[1], Node) and reads.is_batch_statistic(node.args[1]):
+            normalizable = _normalizable(node, reads)
+            if normalizable is not None:
+                found.append((node, normalizable))
+    return found
+
+
+def _normalizable(div: Node, reads: _Reads) -> tuple[Node, Node, str, bool] | None:
+    n, d = div.args[0], div.args[1]
+    core, kind = _core(d)
+    numerator = _numerator_kind(n, reads) if isinstance(n, Node) else None
+    return None if core is None or numerator is None else (d, core, kind, numerator == SUM)
+
+
+class _Reads:
+    """Per node of a graph, whether its value reads the graph's inputs and whether it reads a parameter."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+        self._memo: dict[Node, tuple[bool, bool]] = {}
+        for n in gm.graph.nodes:  # in topological order
+            inputs = [self._memo[a] for a in n.all_input_nodes]
+            self._memo[n] = (n.op == "placeholder" or any(i for i, _ in inputs),
+                             (n.op == "get_attr" and str(n.target) in params) or any(p for _, p in inputs))  # fmt: skip
+
+    def of(self, node: Node) -> tuple[bool, bool]:
+        return self._memo[node]
+
+    def is_batch_statistic(self, node: Node) -> bool:
+        """A scalar computed from the inputs and no parameter."""
+        val = node.meta.get("val")
+        reads_input, reads_param = self.of(node)
+        return isinstance(val, torch.Tensor) and val.dim() == 0 and reads_input and not reads_param
+
+    def is_constant(self, arg: Any) -> bool:
+        """A Python number, or a tensor computed from no input (a parameter, a buffer)."""
+        return not isinstance(arg, Node) or not self.of(arg)[0]
+
+
+def _reduction(node: Node) -> int:
+    return node.args[_REDUCTION] if len(node.args) > _REDUCTION else node.kwargs.get("reduction", _MEAN_REDUCTION)
+
+
+def _arg(node: Node, pos: int, name: str, default: Any) -> Any:
+    return node.args[pos] if len(node.args) > pos else node.kwargs.get(name, default)
+
+
+def _has_class_targets(node: Node) -> bool:
+    target = node.args[1].meta.get("val") if isinstance(node.args[1], Node) else None
+    return isinstance(target, torch.Tensor) and not target.is_floating_point()
+
+
+def _add(graph: Graph, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *, like: Node) -> Node:
+    """A new node of ``target``, with its fake value and ``like``'s source."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    fake = like.meta["val"].fake_mode if isinstance(like.meta.get("val"), FakeTensor) else None
+    values = tree_map(lambda a: a.meta.get("val") if isinstance(a, Node) else a, (args, kwargs))
+    if fake is not None:
+        with fake:
+            node.meta["val"] = target(*values[0], **values[1])
+    for k in ("stack_trace", "nn_module_stack"):
+        if k in like.meta:
+            node.meta[k] = like.meta[k]
+    return node
+
+
+def _class_loss_as_sum(gm: GraphModule, node: Node) -> DenominatorProgram:
+    """``loss(mean)`` -> ``loss(sum) / batch_denominator(count)``."""
+    graph = gm.graph
+    target, weight = node.args[1], _arg(node, _WEIGHT, "weight", None)
+    ignore = _arg(node, _IGNORE, "ignore_index", -100)
+    with graph.inserting_after(node):
+        counted = _add(graph, aten.ne.Scalar, (target, ignore), like=node)
+        if isinstance(weight, Node):
+            with graph.inserting_after(counted):
+                safe = _add(graph, aten.where.ScalarOther, (counted, target, 0), like=node)
+            with graph.inserting_after(safe):
+                picked = _add(graph, aten.index.Tensor, (weight, [safe]), like=node)
+            with graph.inserting_after(picked):
+                counted = _add(graph, aten.mul.Tensor, (picked, counted), like=node)
+        with graph.inserting_after(counted):
+            core = _add(graph, aten.sum.default, (counted,), like=node)
+        with graph.inserting_after(core):
+            den = _add(graph, BATCH_DENOMINATOR, (core, core.name), like=node)
+        with graph.inserting_after(den):
+            mean = _add(graph, aten.div.Tensor, (node, den), like=node)
+    node.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not mean)
+    args = list(node.args) + [None] * (_REDUCTION + 1 - len(node.args))
+    args[_WEIGHT] = weight
+    args[_REDUCTION] = _SUM_REDUCTION
+    node.args, node.kwargs = tuple(args), {k: v for k, v in node.kwargs.items() if k not in ("weight", "reduction")}
+    return _program(gm, core.name, core, SUM, core, True)
+
+
+def _core(d: Node) -> tuple[Node | None, str]:
+    """The sum or mean over the batch that ``d`` is computed from by casts and scalar
+    arithmetic, and which of the two; (None, "") if there is none."""
+    node = d
+    while node.target not in _REDUCTIONS:
+        if node.target not in _CASTS | _SCALED | _SHIFTED:
+            return None, ""
+        tensors = [a for a in node.all_input_nodes]
+        if len(tensors) != 1 or tensors[0] is not node.args[0]:
+            return None, ""
+        node = tensors[0]
+    val = node.meta.get("val")
+    return (node, _REDUCTIONS[node.target]) if isinstance(val, torch.Tensor) and val.dim() == 0 else (None, "")
+
+
+def _numerator_kind(n: Node, reads: _Reads) -> str | None:
+    """``SUM`` if ``n`` is a sum over the rows (through scalings by constants, sums and casts),
+    ``MEAN`` if a mean; None otherwise."""
+    if n.target in _REDUCTIONS:
+        return _REDUCTIONS[n.target]
+    if n.target in _CLASS_LOSSES:
+        return {_SUM_REDUCTION: SUM, _MEAN_REDUCTION: MEAN}.get(_reduction(n))
+    if n.target in _CASTS or n.target is aten.neg.default:
+        return _numerator_kind(n.args[0], reads) if isinstance(n.args[0], Node) else None
+    if n.target in _SCALED:
+        a, b = n.args[0], n.args[1]
+        if isinstance(a, Node) and reads.is_constant(b):
+            return _numerator_kind(a, reads)
+        if n.target is aten.mul.Tensor and isinstance(b, Node) and reads.is_constant(a):
+            return _numerator_kind(b, reads)
+        return None
+    if n.target in (aten.add.Tensor, aten.sub.Tensor) and all(isinstance(a, Node) for a in n.args[:2]):
+        kinds = {_numerator_kind(a, reads) for a in n.args[:2]}
+        return kinds.pop() if len(kinds) == 1 else None
+    return None
+
+
+def _program(gm: GraphModule, key: str, core: Node, combine: str, d: Node, per_piece: bool) -> DenominatorProgram:
+    return DenominatorProgram(key, _core_program(gm, core), combine, _post(core, d), per_piece)
+
+
+def _core_program(gm: GraphModule, core: Node) -> GraphModule:
+    """``core`` computed from the traced graph's inputs (called like ``gm``, with a piece's
+    inputs). The buffers it reads hold the trace's values until the runtime attaches the rank's."""
+    needed: set[Node] = set()
+    stack = [core]
+    while stack:
+        n = stack.pop()
+        if n not in needed:
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+    root, graph, env = nn.Module(), Graph(), {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or n in needed:
+            env[n] = graph.node_copy(n, env.__getitem__)
+            if n.op == "get_attr":
+                _set_attr(root, str(n.target), operator.attrgetter(str(n.target))(gm))
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None:
+        graph.output(env[core])
+    else:  # called with a piece's keyword inputs, as gm is
+        graph.output((env[core],))
+        graph._codegen = type(gm.graph._codegen)(info._replace(out_spec=tree_structure(0)))
+    return GraphModule(root, graph)
+
+
+def _post(core: Node, d: Node) -> GraphModule:
+    """The ops from ``core`` to ``d``, as a graph of one input (the whole batch's core)."""
+    chain = []
+    node = d
+    while node is not core:
+        chain.append(node)
+        node = node.args[0]
+    graph = Graph()
+    env = {core: graph.placeholder("core")}
+    for n in reversed(chain):
+        env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(env[d])
+    return GraphModule(nn.Module(), graph)
+
+
+def _set_attr(root: nn.Module, target: str, value: torch.Tensor) -> None:
+    *path, name = target.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    module.register_buffer(name, value)

@@ -1,0 +1,62 @@
+"""How ``train_step`` cuts a batch into pieces (dp ranks x microbatches), and what each piece
+must know of the whole batch: the whole batch's loss denominators (``autotp.ir.batch_denominators``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
+
+from autotp.ir import batch_denominators, meta_keys
+from autotp.ir.errors import UserInputError
+from autotp.ir.program import RankProgram
+from autotp.runtime.state.parameters import Parameters
+
+
+def microbatches(batch: dict[str, Any], dp: int, dp_rank: int, m: int, batch_is_local: bool) -> list[dict[str, Any]]:
+    """This dp rank's ``m`` microbatches of ``batch`` (its own shard with ``batch_is_local``)."""
+    size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+    shards = 1 if batch_is_local else dp
+    if m < 1 or size % (shards * m):
+        raise UserInputError(
+            f"the {'local' if batch_is_local else 'global'} batch of {size} does not split into "
+            f"{'' if batch_is_local else f'dp={dp} x '}{m} microbatches; "
+            f"use a batch size that is a multiple of {shards * max(m, 1)}"
+        )
+    step = size // (shards * m)
+    first = 0 if batch_is_local else dp_rank * step * m
+    return [
+        {k: (v[first + i * step : first + (i + 1) * step] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        for i in range(m)
+    ]
+
+
+def whole_batch_denominators(program: RankProgram, calls: list[dict[str, Any]], pieces: int, params: Parameters,
+                             device: torch.device, dp_group: Any) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The whole batch's value of each ``batch_denominator`` of ``program`` (a split step's) for a
+    step of ``pieces`` pieces, of which ``calls`` are this rank's; the other pieces are the
+    other ranks' of ``dp_group`` (None: no other)."""
+    programs = program.graph.meta.get(meta_keys.BATCH_DENOMINATORS, ())
+    if not programs:
+        return {}
+    cores = [p.core for p in programs]
+    params.attach(cores)
+    try:
+        for core in cores:
+            for name, t in core.named_buffers():
+                if isinstance(t, FakeTensor) or t.device.type == "meta":
+                    raise UserInputError(f"the loss divides by a statistic of the batch that reads '{name}', which this "
+                                         "rank does not hold; train with dp=1 and num_microbatches=1")  # fmt: skip
+
+        def over_dp(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(device)
+            if dp_group is not None:
+                dist.all_reduce(t, group=dp_group)
+            return t
+
+        with torch.no_grad():
+            return batch_denominators.whole_batch_values(programs, calls, pieces, over_dp)
+    finally:
+        Parameters.release(cores)

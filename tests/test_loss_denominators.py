@@ -1,0 +1,128 @@
+"""A loss normalized by the data, split over microbatches and dp ranks (``autotp.ir.batch_denominators``,
+``autotp.analysis.loss_denominators``): ``train_step`` computes the whole batch's loss and
+gradients when the pieces count different tokens (padding, ``ignore_index``, class weights, a
+mask's sum), and refuses a split it cannot make exact (fp32, CPU)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_on_ranks
+from small_models import build, vocab_size
+from torch import nn
+
+import autotp
+from autotp.analysis.trace import trace
+from autotp.ir.batch_denominators import BATCH_DENOMINATOR, whole_batch
+from autotp.ir.errors import UserInputError
+
+RTOL, ATOL = 1e-4, 1e-6
+VOCAB, DIM = 32, 16
+IGNORE = -100
+
+
+class TinyLM(nn.Module):
+    """An embedding and a head whose loss is ``loss(logits, labels)``."""
+
+    def __init__(self, loss: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.mix, self.head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, VOCAB)
+        self.register_buffer("class_weight", torch.linspace(0.5, 1.5, VOCAB))
+        self.loss = loss
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.tanh(self.mix(self.embed(input_ids))))
+        flat, target = logits.reshape(-1, VOCAB), labels.reshape(-1)
+        kept = (labels != IGNORE).float()
+        per_token = F.cross_entropy(flat, target, reduction="none").view_as(labels)
+        losses = {
+            "mean": lambda: F.cross_entropy(flat, target),
+            "class_weighted": lambda: F.cross_entropy(flat, target, weight=self.class_weight, label_smoothing=0.1),
+            "masked_sum": lambda: (per_token * kept).sum() / kept.sum().clamp(min=1),
+            "ratio_of_means": lambda: (per_token * kept).mean() / kept.mean(),
+            "mean_plus_z_loss": lambda: F.cross_entropy(flat, target) + 1e-3 * logits.logsumexp(-1).pow(2).mean(),
+            "by_max": lambda: per_token.sum() / labels.max(),
+        }
+        return {"logits": logits, "loss": losses[self.loss]()}
+
+
+def _batch(rows: int = 4, seq: int = 6) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (rows, seq), generator=gen)
+    labels = torch.randint(0, VOCAB, (rows, seq), generator=gen)
+    labels[0, 1:] = IGNORE  # the first microbatch counts far fewer tokens than the second
+    labels[1, 4:] = IGNORE
+    return {"input_ids": ids, "labels": labels}
+
+
+def _assert_whole_batch(pm: autotp.ParallelModel, reference: nn.Module, loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+    expected = reference(**batch)["loss"]
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=RTOL, atol=ATOL)
+    grads = pm.unshard_grads()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("loss", ["mean", "class_weighted", "masked_sum", "ratio_of_means", "mean_plus_z_loss"])
+def test_microbatches_compute_the_whole_batch(loss: str) -> None:
+    model = TinyLM(loss)
+    reference = copy.deepcopy(model)
+    batch = _batch()
+    pm = autotp.parallelize(model, tp=1, example_inputs={k: v[:2] for k, v in batch.items()})
+    _assert_whole_batch(pm, reference, pm.train_step(**batch, num_microbatches=2), batch)
+
+
+def test_an_hf_model_with_padded_labels_computes_the_whole_batch() -> None:
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab_size(model), (4, 12), generator=gen)
+    labels = ids.clone()
+    labels[:2, 3:] = IGNORE  # short sequences, padded, in the first microbatch
+    batch = {"input_ids": ids, "labels": labels}
+    pm = autotp.parallelize(model, tp=1, example_inputs={k: v[:2] for k, v in batch.items()})
+    _assert_whole_batch(pm, reference, pm.train_step(**batch, num_microbatches=2), batch)
+
+
+def test_only_a_split_step_traces_the_denominators() -> None:
+    model, batch = TinyLM("masked_sum"), _batch()
+    plain, split = trace(model, batch), trace(model, batch, split_batch=True)
+    assert not [n for n in plain.graph.nodes if n.target is BATCH_DENOMINATOR]
+    assert len([n for n in split.graph.nodes if n.target is BATCH_DENOMINATOR]) == 1
+    count = torch.tensor(7)
+    assert BATCH_DENOMINATOR(count, "any").dtype == torch.float32 and BATCH_DENOMINATOR(count, "any").item() == 7.0  # outside a step: d
+    with whole_batch({"any": torch.tensor(2.5, dtype=torch.float64)}):
+        assert BATCH_DENOMINATOR(count, "any").item() == 2.5 and BATCH_DENOMINATOR(count, "other").item() == 7.0
+
+
+def test_a_denominator_that_does_not_split_is_refused() -> None:
+    model = TinyLM("by_max")
+    reference = copy.deepcopy(model)
+    batch = _batch()
+    pm = autotp.parallelize(model, tp=1, example_inputs=batch)
+    assert "div" in pm.plan.batch_mixing and "statistic of the whole batch" in pm.plan.batch_mixing
+    with pytest.raises(UserInputError, match="mixes the rows of its batch"):
+        pm.train_step(**batch, num_microbatches=2)
+    _assert_whole_batch(pm, reference, pm.train_step(**batch, num_microbatches=1), batch)
+
+
+def _dp_local_batches(rank: int, world: int, loss: str) -> dict[str, Any]:
+    model = TinyLM(loss)
+    reference = copy.deepcopy(model)
+    batch = _batch(rows=8)
+    pm = autotp.parallelize(model, tp=1, example_inputs={k: v[:2] for k, v in batch.items()})
+    assert pm.plan.dp == world
+    mine = {k: v[4 * rank : 4 * rank + 4] for k, v in batch.items()}  # rank 0's rows count fewer tokens
+    _assert_whole_batch(pm, reference, pm.train_step(**mine, num_microbatches=2, batch_is_local=True), batch)
+    return {"ok": True}
+
+
+@pytest.mark.parametrize("loss", ["class_weighted", "masked_sum"])
+def test_dp_ranks_with_their_own_batches_compute_the_whole_batch(loss: str) -> None:
+    assert all(r["ok"] for r in run_on_ranks(_dp_local_batches, 2, loss))
