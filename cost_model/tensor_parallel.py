@@ -374,6 +374,12 @@ def _working_degrees(search: _Search, entry: KeptWhole) -> list[int]:
     return works
 
 
+def _first_reader(gm: GraphModule, name: str) -> Node | None:
+    """The first op that reads parameter ``name`` (in a list argument too: ``aten.lstm``'s weights)."""
+    users = [u for n in gm.graph.nodes if n.op == "get_attr" and str(n.target) == name for u in n.users]
+    return min(users, key=list(gm.graph.nodes).index, default=None)
+
+
 def plan_tensor_parallel(gm: GraphModule, tp: int, *, replicate: Iterable[str] = ()) -> ParallelPlan:
     """A ``ParallelPlan`` for ``tp`` ranks; ``replicate`` names parameters to keep whole."""
     if tp < 1:
@@ -393,8 +399,9 @@ def plan_tensor_parallel(gm: GraphModule, tp: int, *, replicate: Iterable[str] =
             if p is None or id(p) in planned:
                 continue  # a tied weight is planned under its other name
             if dec.dim is None and name not in search.replicate and p.numel() > 1:
-                where = f"its first use, {describe(dec.node)}, reads it whole" if dec.node is not None else "no op reads it"
-                kept[name] = search.entry(name, KEPT_WHOLE_READ_WHOLE, where, dec.node)
+                reader = dec.node or _first_reader(gm, name)
+                where = f"its first use, {describe(reader)}, reads it whole" if reader is not None else "no op reads it"
+                kept[name] = search.entry(name, KEPT_WHOLE_READ_WHOLE, where, reader)
                 planned.add(id(p))
     order = {KEPT_WHOLE_CONFLICT: 0, KEPT_WHOLE_INDIVISIBLE: 0}
     entries = sorted(kept.values(), key=lambda k: (order.get(k.reason, 1), -k.bytes, k.name))

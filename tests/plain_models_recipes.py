@@ -9,6 +9,14 @@ model's logits and a teacher head's), an embedding with a ``padding_idx``, a hea
 hashed n-gram ``EmbeddingBag``, DoRA (a LoRA update whose weight is renormalized per output
 row), stochastic depth (``bernoulli_`` of an empty tensor), attention in the sequence-first
 layout of Megatron (``[S, B, H]``, ``baddbmm``), and a frozen, ``no_grad`` teacher head.
+Then mixers and heads written other ways: SegFormer's Mix-FFN (a depthwise ``Conv2d`` over the
+token grid between the FFN's linears), FastSpeech's convolutional FFN, heads made by
+``stack(chunk(...))`` and by ``unflatten``, sigmoid attention, ``nn.MultiheadAttention`` with
+``kdim``/``vdim`` (separate q, k, v weights) sequence-first, a tied head with its own bias,
+talking-heads attention (learned mixes across the heads), a top-1 MoE gathering each token's
+expert weights (``w1[expert_ids]``, ``bmm``), attention over chunks of queries in a loop, and a
+parallel block with one fused input projection and one output projection over
+``cat([attention, ffn])``.
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)``, ``loss_fn(name)``.
@@ -22,18 +30,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from plain_models_attention import (
-    DIM,
-    HEAD_DIM,
-    HEADS,
-    VOCAB,
-    DecoderLM,
-    NanoGPTAttention,
-    PreNormBlock,
-)
 from torch import nn
 
+from plain_models_attention import DIM, HEAD_DIM, HEADS, VOCAB, DecoderLM, NanoGPTAttention, PreNormBlock, SwiGLU
+
 SEQ = 16
+GRID = 4  # the 16 tokens as a 4 x 4 grid
 IGNORE = -100
 
 
@@ -266,6 +268,150 @@ class SequenceFirstLM(DecoderLM):
         return h.transpose(0, 1)
 
 
+# ---- mixers and heads written other ways ---------------------------------------------------
+
+
+class MixFFN(nn.Module):
+    """SegFormer's Mix-FFN: fc1, a depthwise 3x3 conv over the token grid, GELU, fc2."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+        self.dwconv = nn.Conv2d(4 * DIM, 4 * DIM, 3, padding=1, groups=4 * DIM)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        h = self.fc1(x).transpose(1, 2).reshape(B, 4 * DIM, GRID, GRID)
+        h = self.dwconv(h).flatten(2).transpose(1, 2)
+        return self.fc2(F.gelu(h))
+
+
+class ConvFFN(nn.Module):
+    """FastSpeech's FFT block FFN: Conv1d(k=3) up, ReLU, Conv1d(k=1) down, over channels."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Conv1d(DIM, 4 * DIM, 3, padding=1)
+        self.w2 = nn.Conv1d(4 * DIM, DIM, 1)
+
+    def forward(self, x):
+        return self.w2(F.relu(self.w1(x.transpose(1, 2)))).transpose(1, 2)
+
+
+class StackedChunkHeads(nn.Module):
+    """Heads made by ``torch.stack(q.chunk(H, -1), 1)`` and merged back by ``torch.cat(unbind)``."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        q, k, v = (torch.stack(p(x).chunk(HEADS, dim=-1), dim=1) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(torch.cat(y.unbind(1), dim=-1))
+
+
+class UnflattenSigmoidAttention(nn.Module):
+    """Heads by ``unflatten``; sigmoid attention (no softmax) with a causal mask and a bias."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.register_buffer("mask", torch.ones(SEQ, SEQ).tril(), persistent=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, HEADS, HEAD_DIM)).permute(2, 0, 3, 1, 4)
+        s = torch.sigmoid(q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM) - math.log(SEQ)) * self.mask[: x.shape[1], : x.shape[1]]
+        return self.o((s @ v).transpose(1, 2).flatten(2))
+
+
+class MHAKdimBlock(nn.Module):
+    """``nn.MultiheadAttention`` with separate q/k/v weights (kdim/vdim set), sequence-first."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn = nn.MultiheadAttention(DIM, HEADS, kdim=DIM, vdim=DIM)
+        self.mlp = SwiGLU()
+        self.register_buffer("causal", torch.ones(SEQ, SEQ).triu(1).bool(), persistent=False)
+
+    def forward(self, x):
+        h = self.norm1(x).transpose(0, 1)
+        a, _ = self.attn(h, h, h, attn_mask=self.causal, need_weights=False)
+        x = x + a.transpose(0, 1)
+        return x + self.mlp(self.norm2(x))
+
+
+class BiasTiedLM(DecoderLM):
+    """A head tied to the embedding, with its own output bias, logits by ``F.linear``."""
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(NanoGPTAttention()))
+        del self.output
+        self.out_bias = nn.Parameter(torch.randn(VOCAB) * 0.1)
+
+    def logits(self, h):
+        return F.linear(self.norm(h), self.embed.weight, self.out_bias)
+
+
+class TalkingHeads(nn.Module):
+    """Talking-heads attention: learned [H, H] mixes of the heads' logits before and after the softmax."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.pre, self.post = nn.Parameter(torch.eye(HEADS) + 0.1 * torch.randn(HEADS, HEADS)), nn.Parameter(torch.eye(HEADS) + 0.1 * torch.randn(HEADS, HEADS))
+        self.register_buffer("causal", torch.ones(SEQ, SEQ).triu(1).bool(), persistent=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
+        s = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(HEAD_DIM)
+        s = torch.einsum("bhij,hg->bgij", s, self.pre).masked_fill(self.causal[:T, :T], float("-inf"))
+        p = torch.einsum("bhij,hg->bgij", s.softmax(-1), self.post)
+        return self.o(torch.einsum("bhij,bhjd->bihd", p, v).reshape(B, T, DIM))
+
+
+class GatheredExpertWeights(nn.Module):
+    """Top-1 MoE by gathering each token's expert weights (``w[idx]``) and a batched matmul."""
+    def __init__(self, experts: int = 4, hidden: int = 128) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, DIM, hidden) / math.sqrt(DIM))
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, DIM) / math.sqrt(hidden))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        gate, idx = self.router(flat).softmax(-1).max(-1)
+        h = F.gelu(torch.bmm(flat.unsqueeze(1), self.w1[idx]))
+        return (torch.bmm(h, self.w2[idx]).squeeze(1) * gate.unsqueeze(-1)).view(B, T, C)
+
+
+class ChunkedQueryAttention(NanoGPTAttention):
+    """Attention computed over chunks of queries in a Python loop (memory-saving code), with an explicit mask."""
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, HEADS, HEAD_DIM).transpose(1, 2) for t in self.c_attn(x).split(DIM, dim=2))
+        out = []
+        for i in range(0, T, 4):
+            mask = torch.ones(4, T, dtype=torch.bool).tril(i)
+            out.append(F.scaled_dot_product_attention(q[:, :, i : i + 4], k, v, attn_mask=mask))
+        return self.c_proj(torch.cat(out, dim=2).transpose(1, 2).reshape(B, T, C))
+
+
+class FusedParallelBlock(nn.Module):
+    """A parallel block with one fused input projection (q, k, v, gate, up) and one output
+    projection over ``cat([attention, ffn])``."""
+    FF = 2 * DIM
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.in_proj = nn.Linear(DIM, 3 * DIM + 2 * self.FF, bias=False)
+        self.out_proj = nn.Linear(DIM + self.FF, DIM, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v, gate, up = self.in_proj(self.norm(x)).split([DIM, DIM, DIM, self.FF, self.FF], -1)
+        q, k, v = (t.view(B, T, HEADS, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, DIM)
+        return x + self.out_proj(torch.cat([a, F.silu(gate) * up], dim=-1))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "label_smoothing_ce": lambda: LossVariantLM(label_smoothing),
     "z_loss": lambda: LossVariantLM(z_loss),
@@ -280,7 +426,18 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "dora": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), DoRAMLP())),
     "drop_path": lambda: DecoderLM(DropPathBlock),
     "sequence_first_megatron": SequenceFirstLM,
+    "segformer_mix_ffn": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), MixFFN())),
+    "fastspeech_conv_ffn": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), ConvFFN())),
+    "stacked_chunk_heads": lambda: DecoderLM(lambda: PreNormBlock(StackedChunkHeads())),
+    "unflatten_sigmoid_attention": lambda: DecoderLM(lambda: PreNormBlock(UnflattenSigmoidAttention())),
+    "mha_kdim_seq_first": lambda: DecoderLM(MHAKdimBlock),
+    "tied_head_with_bias": BiasTiedLM,
+    "talking_heads": lambda: DecoderLM(lambda: PreNormBlock(TalkingHeads())),
+    "gathered_expert_weights": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), GatheredExpertWeights())),
+    "chunked_query_attention": lambda: DecoderLM(lambda: PreNormBlock(ChunkedQueryAttention())),
+    "fused_parallel_block": lambda: DecoderLM(FusedParallelBlock),
 }
+MOE = frozenset({"gathered_expert_weights"})
 MICROBATCHES = {"drop_path": 1}
 
 

@@ -78,6 +78,19 @@ def test_microbatches_compute_the_whole_batch(loss: str) -> None:
     _assert_whole_batch(pm, reference, pm.train_step(**batch, num_microbatches=2), batch)
 
 
+@pytest.mark.parametrize("loss", ["mean", "class_weighted", "masked_sum"])
+def test_a_microbatch_with_nothing_to_count_adds_nothing(loss: str) -> None:
+    """Its own mean is NaN (0 / 0); the whole batch's loss and gradients are finite."""
+    model = TinyLM(loss)
+    reference = copy.deepcopy(model)
+    batch = _batch()
+    batch["labels"][:2] = IGNORE
+    pm = autotp.parallelize(model, tp=1, example_inputs={k: v[:2] for k, v in batch.items()})
+    loss_value = pm.train_step(**batch, num_microbatches=2)
+    assert loss_value.isfinite()
+    _assert_whole_batch(pm, reference, loss_value, batch)
+
+
 def test_an_hf_model_with_padded_labels_computes_the_whole_batch() -> None:
     model = build("llama")
     reference = copy.deepcopy(model)

@@ -9,6 +9,10 @@ dim of one is the same split in the others (``unify``), a replicated operand of 
 is read through the rank's slice (``Propagation.local_slices``) and a size-1 dim
 broadcasts. Index tensors are never sharded by a layout of their own, only sliced.
 
+An undecided parameter indexed along whole dims by replicated indices (``w1[expert_ids]``,
+each token's expert weights) stays undecided: a view whose gathered dims split nothing and
+whose other dims its first matmul may split, as ``select`` does for one expert.
+
 An integer index of a 2-D parameter's rows made from the inputs and constants alone
 (``table[ids]``, ``index_select(table, 0, ids)``: position tables, relative-position
 buckets, token types) is an embedding lookup: the table may become vocab-parallel
@@ -141,11 +145,30 @@ def _table_rows(w: Walker, x: Any, idx: Any) -> bool:
     return decided is not None and decided.kind == "vocab"
 
 
+def _gathered_view(w: Walker, node: Node, view: Any, indexed: list[int], indices: list[Any]) -> ParamView | None:
+    """An undecided parameter's entries gathered along whole dims by replicated indices (each
+    token's expert weights, ``w1[expert_ids]``): a view of the parameter whose other dims
+    its first matmul may still split; the gathered dims split nothing."""
+    if not isinstance(view, ParamView) or not indexed or any(not isinstance(view.dim_map[d], int) for d in indexed):
+        return None
+    _indices_replicated(w, node, indices)
+    out_ndim = len(shape_of(node) or ())
+    where = _index_positions(tuple(range(len(view.dim_map))), indexed, out_ndim)
+    dim_map: list[Any] = [None] * out_ndim
+    for d, p in enumerate(view.dim_map):
+        if d not in indexed:
+            dim_map[where[d]] = p
+    return ParamView(view.name, tuple(dim_map))
+
+
 def index(w: Walker, node: Node) -> Any:
     """``x[..., idx, ...]`` (``None`` entries are whole dims)."""
     x, indices = node.args[0], list(node.args[1])
     if len(indices) == 1 and _table_rows(w, x, indices[0]):
         return row_lookup(w, node, x, indices[0])
+    gathered = _gathered_view(w, node, w.get(x), [d for d, i in enumerate(indices) if i is not None], indices)
+    if gathered is not None:
+        return gathered
     lay = w.concrete(x, node)
     _indices_replicated(w, node, indices)
     if lay.replicated or lay.partial:
@@ -168,6 +191,10 @@ def index_select(w: Walker, node: Node) -> Any:
     d = norm_dim(dim, len(shape_of(x) or ()))
     if d == 0 and _table_rows(w, x, idx):
         return row_lookup(w, node, x, idx)
+    view = w.get(x)
+    if isinstance(view, ParamView) and isinstance(view.dim_map[d], int):
+        _indices_replicated(w, node, [idx])
+        return ParamView(view.name, view.dim_map[:d] + (None,) + view.dim_map[d + 1 :])
     lay = w.concrete(x, node)
     _indices_replicated(w, node, [idx])
     if lay.var_at(d) is not None:

@@ -6,12 +6,15 @@ of the labels that are not ignored, a sum of class weights, ``mask.sum()``) must
 the whole batch's. This module rewrites the traced graph (in place, before planning):
 
 * a class loss with ``reduction="mean"`` and class-index targets (``cross_entropy``,
-  ``nll_loss``) becomes its ``reduction="sum"`` divided by ``batch_denominator`` of its
-  count: the targets that are not ``ignore_index``, each weighted by its class weight;
-* ``n / d``, where ``d`` is a scalar computed from the inputs alone (no parameter) and ``n``
-  a sum or mean over the rows (through sums and scalings), divides by ``batch_denominator(d)``,
-  where ``d`` is a sum or mean over the batch (its *core*) followed by ``clamp``, casts and
-  scalar arithmetic.
+  ``nll_loss``), whose denominator is its count (the targets that are not ``ignore_index``,
+  each weighted by its class weight), is rescaled to the whole batch's count;
+* so is ``n / d``, where ``d`` is a scalar computed from the inputs alone (no parameter) and
+  ``n`` a sum or mean over the rows (through sums and scalings), and ``d`` is a sum or mean
+  over the batch (its *core*) followed by ``clamp``, casts and scalar arithmetic.
+
+A piece's ``n / d`` becomes ``(n / d) * (d / batch_denominator(d))`` (``_rescaled``): where
+every piece counts alike the factor is exactly 1, so the common case computes what the
+unsplit graph computes to the bit.
 
 Each rewrite keeps a ``DenominatorProgram`` in ``gm.meta`` (``meta_keys.BATCH_DENOMINATORS``):
 the core computed from a piece's inputs, and the ops after it. The rewrite is made only
@@ -55,16 +58,32 @@ def normalize_loss_denominators(gm: GraphModule) -> None:
     programs: list[DenominatorProgram] = []
     for node, found in _divisions(gm):
         if found is None:
-            programs.append(_class_loss_as_sum(gm, node))
+            programs.append(_class_loss_rescaled(gm, node))
             continue
         d, core, kind, per_piece = found
-        with graph.inserting_after(d):
-            den = _add(graph, BATCH_DENOMINATOR, (d, d.name), like=d)
-        node.replace_input_with(d, den)
+        n = node.args[0]
+        with graph.inserting_before(node.next):
+            nonzero = _add(graph, aten.ne.Scalar, (d, 0), like=node)
+            safe = _add(graph, aten.where.ScalarOther, (nonzero, d, 1), like=node)
+            quotient = _add(graph, aten.div.Tensor, (n, safe), like=node)
+            out = _rescaled(graph, quotient, d, d.name, node)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
         programs.append(_program(gm, d.name, core, kind, d, per_piece))
     if programs:
         gm.meta[meta_keys.BATCH_DENOMINATORS] = tuple(programs)
     graph.lint()
+
+
+def _rescaled(graph: Graph, value: Node, d: Node, key: str, like: Node) -> Node:
+    """``value * (d / batch_denominator(d))``, 0 where ``d`` is 0: the piece's ``n / d`` as
+    ``n / whole``. Where the piece's denominator is the whole batch's per piece, the factor is
+    exactly 1 and the loss and its gradients are the unsplit graph's to the bit."""
+    whole = _add(graph, BATCH_DENOMINATOR, (d, key), like=like)
+    factor = _add(graph, aten.div.Tensor, (d, whole), like=like)
+    scaled = _add(graph, aten.mul.Tensor, (value, factor), like=like)
+    counted = _add(graph, aten.ne.Scalar, (d, 0), like=like)
+    return _add(graph, aten.where.ScalarOther, (counted, scaled, 0.0), like=like)
 
 
 def unnormalized_division(gm: GraphModule) -> str:
@@ -166,31 +185,23 @@ def _add(graph: Graph, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any
     return node
 
 
-def _class_loss_as_sum(gm: GraphModule, node: Node) -> DenominatorProgram:
-    """``loss(mean)`` -> ``loss(sum) / batch_denominator(count)``."""
+def _class_loss_rescaled(gm: GraphModule, node: Node) -> DenominatorProgram:
+    """``loss(mean)`` -> ``loss(mean) * count / batch_denominator(count)``, 0 where nothing is
+    counted (the mean is NaN there; its backward writes no gradient for ignored targets)."""
     graph = gm.graph
     target, weight = node.args[1], _arg(node, _WEIGHT, "weight", None)
     ignore = _arg(node, _IGNORE, "ignore_index", -100)
-    with graph.inserting_after(node):
+    users = list(node.users)
+    with graph.inserting_before(node.next):
         counted = _add(graph, aten.ne.Scalar, (target, ignore), like=node)
         if isinstance(weight, Node):
-            with graph.inserting_after(counted):
-                safe = _add(graph, aten.where.ScalarOther, (counted, target, 0), like=node)
-            with graph.inserting_after(safe):
-                picked = _add(graph, aten.index.Tensor, (weight, [safe]), like=node)
-            with graph.inserting_after(picked):
-                counted = _add(graph, aten.mul.Tensor, (picked, counted), like=node)
-        with graph.inserting_after(counted):
-            core = _add(graph, aten.sum.default, (counted,), like=node)
-        with graph.inserting_after(core):
-            den = _add(graph, BATCH_DENOMINATOR, (core, core.name), like=node)
-        with graph.inserting_after(den):
-            mean = _add(graph, aten.div.Tensor, (node, den), like=node)
-    node.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not mean)
-    args = list(node.args) + [None] * (_REDUCTION + 1 - len(node.args))
-    args[_WEIGHT] = weight
-    args[_REDUCTION] = _SUM_REDUCTION
-    node.args, node.kwargs = tuple(args), {k: v for k, v in node.kwargs.items() if k not in ("weight", "reduction")}
+            safe = _add(graph, aten.where.ScalarOther, (counted, target, 0), like=node)
+            picked = _add(graph, aten.index.Tensor, (weight, [safe]), like=node)
+            counted = _add(graph, aten.mul.Tensor, (picked, counted), like=node)
+        core = _add(graph, aten.sum.default, (counted,), like=node)
+        out = _rescaled(graph, node, core, core.name, node)
+    for user in users:
+        user.replace_input_with(node, out)
     return _program(gm, core.name, core, SUM, core, True)
 
 

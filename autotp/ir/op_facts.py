@@ -111,8 +111,9 @@ def _returned_alias(target: Any) -> Any:
 
 def draws_random(node: Node) -> bool:
     """Whether ``node`` draws from a random generator: an op tagged ``nondeterministic_seeded``
-    (``rand``, ``bernoulli``, dropout, attention with dropout...) unless its arguments turn the
-    draw off: ``train=False`` or ``p=0`` of a dropout, ``dropout_p=0`` of attention."""
+    (``rand``, ``bernoulli``, dropout, attention with dropout, an RNN's dropout between
+    layers...) unless its arguments turn the draw off: ``train=False``, or a dropout
+    probability (``p``, ``dropout_p``, ``dropout``) of 0."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
         return False
@@ -122,9 +123,9 @@ def draws_random(node: Node) -> bool:
         i, default = schema[name]
         return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
 
-    if "train" in schema:
-        return arg("train") is not False and arg("p") != 0
-    return "dropout_p" not in schema or arg("dropout_p") != 0
+    if "train" in schema and arg("train") is False:
+        return False
+    return all(arg(p) != 0 for p in ("p", "dropout_p", "dropout") if p in schema)
 
 
 def is_inplace(target: Any) -> bool:
