@@ -47,8 +47,16 @@ class TinyLM(nn.Module):
             "ratio_of_means": lambda: (per_token * kept).mean() / kept.mean(),
             "mean_plus_z_loss": lambda: F.cross_entropy(flat, target) + 1e-3 * logits.logsumexp(-1).pow(2).mean(),
             "by_max": lambda: per_token.sum() / labels.max(),
+            "targets_written_in_place": lambda: F.cross_entropy(flat, self.shifted(labels).reshape(-1)),
         }
         return {"logits": logits, "loss": losses[self.loss]()}
+
+    @staticmethod
+    def shifted(labels: torch.Tensor) -> torch.Tensor:
+        """Next-token targets written into a new tensor in place: the count reads the writes."""
+        targets = labels.new_full(labels.shape, IGNORE)
+        targets[:, :-1] = labels[:, 1:]
+        return targets
 
 
 def _batch(rows: int = 4, seq: int = 6) -> dict[str, torch.Tensor]:
@@ -69,7 +77,7 @@ def _assert_whole_batch(pm: autotp.ParallelModel, reference: nn.Module, loss: to
         torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
-@pytest.mark.parametrize("loss", ["mean", "class_weighted", "masked_sum", "ratio_of_means", "mean_plus_z_loss"])
+@pytest.mark.parametrize("loss", ["mean", "class_weighted", "masked_sum", "ratio_of_means", "mean_plus_z_loss", "targets_written_in_place"])
 def test_microbatches_compute_the_whole_batch(loss: str) -> None:
     model = TinyLM(loss)
     reference = copy.deepcopy(model)
@@ -100,6 +108,17 @@ def test_an_hf_model_with_padded_labels_computes_the_whole_batch() -> None:
     labels[:2, 3:] = IGNORE  # short sequences, padded, in the first microbatch
     batch = {"input_ids": ids, "labels": labels}
     pm = autotp.parallelize(model, tp=1, example_inputs={k: v[:2] for k, v in batch.items()})
+    _assert_whole_batch(pm, reference, pm.train_step(**batch, num_microbatches=2), batch)
+
+
+def test_compiled_graphs_take_the_whole_batch_denominator() -> None:
+    """``torch.compile``'s graphs call the op each step (its value is set on the host)."""
+    model = TinyLM("masked_sum")
+    reference = copy.deepcopy(model)
+    batch = _batch()
+    pm = autotp.parallelize(model, tp=1, compile="aot_eager", example_inputs={k: v[:2] for k, v in batch.items()})
+    pm.train_step(**{k: v.flip(0) for k, v in batch.items()}, num_microbatches=2)  # another split: other counts
+    pm.zero_grad()
     _assert_whole_batch(pm, reference, pm.train_step(**batch, num_microbatches=2), batch)
 
 

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_map, tree_structure
 from autotp.ir import meta_keys
 from autotp.ir.batch_denominators import BATCH_DENOMINATOR, MEAN, SUM, DenominatorProgram
 from autotp.ir.errors import describe
+from autotp.ir.op_facts import mutated_base
 
 aten = torch.ops.aten
 
@@ -133,15 +134,22 @@ def _normalizable(div: Node, reads: _Reads) -> tuple[Node, Node, str, bool] | No
 
 
 class _Reads:
-    """Per node of a graph, whether its value reads the graph's inputs and whether it reads a parameter."""
+    """Per node of a graph, whether its value reads the graph's inputs and whether it reads a
+    parameter, the in-place writes into it included (``targets[:, :-1] = labels[:, 1:]``)."""
 
     def __init__(self, gm: GraphModule) -> None:
         params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+        writes = _writes(gm)
         self._memo: dict[Node, tuple[bool, bool]] = {}
-        for n in gm.graph.nodes:  # in topological order
-            inputs = [self._memo[a] for a in n.all_input_nodes]
-            self._memo[n] = (n.op == "placeholder" or any(i for i, _ in inputs),
-                             (n.op == "get_attr" and str(n.target) in params) or any(p for _, p in inputs))  # fmt: skip
+        changed = True
+        while changed:  # a write comes after the tensor it writes: again until nothing changes
+            changed = False
+            for n in gm.graph.nodes:  # in topological order
+                inputs = [self._memo.get(a, (False, False)) for a in [*n.all_input_nodes, *writes.get(n, ())]]
+                reads = (n.op == "placeholder" or any(i for i, _ in inputs),
+                         (n.op == "get_attr" and str(n.target) in params) or any(p for _, p in inputs))  # fmt: skip
+                changed |= self._memo.get(n) != reads
+                self._memo[n] = reads
 
     def of(self, node: Node) -> tuple[bool, bool]:
         return self._memo[node]
@@ -249,13 +257,14 @@ def _program(gm: GraphModule, key: str, core: Node, combine: str, d: Node, per_p
 def _core_program(gm: GraphModule, core: Node) -> GraphModule:
     """``core`` computed from the traced graph's inputs (called like ``gm``, with a piece's
     inputs). The buffers it reads hold the trace's values until the runtime attaches the rank's."""
+    writes = _writes(gm)
     needed: set[Node] = set()
     stack = [core]
     while stack:
         n = stack.pop()
         if n not in needed:
             needed.add(n)
-            stack.extend(n.all_input_nodes)
+            stack.extend([*n.all_input_nodes, *writes.get(n, ())])
     root, graph, env = nn.Module(), Graph(), {}
     for n in gm.graph.nodes:
         if n.op == "placeholder" or n in needed:
@@ -269,6 +278,16 @@ def _core_program(gm: GraphModule, core: Node) -> GraphModule:
         graph.output((env[core],))
         graph._codegen = type(gm.graph._codegen)(info._replace(out_spec=tree_structure(0)))
     return GraphModule(root, graph)
+
+
+def _writes(gm: GraphModule) -> dict[Node, list[Node]]:
+    """The in-place writes into each node's tensor (through views)."""
+    writes: dict[Node, list[Node]] = {}
+    for n in gm.graph.nodes:
+        base = mutated_base(n) if n.op == "call_function" else None
+        if base is not None:
+            writes.setdefault(base, []).append(n)
+    return writes
 
 
 def _post(core: Node, d: Node) -> GraphModule:

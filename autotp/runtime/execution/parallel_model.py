@@ -283,11 +283,12 @@ class ParallelModel(nn.Module):
         on the first calls: different batches on the dp ranks raise). With
         ``batch_is_local=True`` each dp rank passes its own shard instead, of the same size
         on every dp rank (DDP's convention: a ``DistributedSampler`` over dp ranks); the
-        ranks of one replica (tp, pp) pass the same shard. Returns the mean loss over the global
-        batch (detached), identical on every rank. The loss is the one forward returns
-        (``model_loss.returned_loss``: ``outputs["loss"]``, else its only scalar output), or
-        ``loss_fn(outputs) -> scalar`` (on the last pipeline stage).
-        Gradients are accumulated into ``.grad`` and averaged over dp ranks; the caller
+        ranks of one replica (tp, pp) pass the same shard. Returns the global batch's loss
+        (detached), identical on every rank: the pieces' mean, each piece's own mean over the
+        data (labels not ignored) rescaled to the whole batch's (``autotp.ir.batch_denominators``).
+        The loss is the one forward returns (``model_loss.returned_loss``: ``outputs["loss"]``,
+        else its only scalar output), or ``loss_fn(outputs) -> scalar`` (on the last pipeline
+        stage, averaged over pieces as it is). Gradients accumulate into ``.grad``; the caller
         steps and zeroes the optimizer. ``num_microbatches`` and ``schedule`` (``1f1b``,
         ``gpipe``, ``interleaved`` or ``zbh1``) default to the plan's ``microbatches`` and
         ``schedule_name`` (``1f1b``, or ``interleaved`` when vpp > 1, unless planned).
