@@ -32,9 +32,10 @@ from torch.fx import GraphModule
 from transformers import PretrainedConfig
 
 from autotp import presets
-from autotp.analysis.batch_rows import batch_mixing_node
+from autotp.analysis.batch_rows import batch_mixing_node, batch_size
 from autotp.analysis.layers import num_layers, repeated_modules
 from autotp.analysis.trace import trace
+from autotp.analysis.trace_guards import sparse_gradient_node
 from autotp.cost_model.compute import ModelCosts
 from autotp.cost_model.cudagraphs import choose_cudagraph_regions
 from autotp.cost_model.expert_parallel import plan_expert_parallel
@@ -239,19 +240,19 @@ def plan_model(
     chosen = with_fp8(traced, chosen, fp8)
     if not chosen.unread:
         chosen = plan_unread_params(traced, chosen)
-    chosen = replace(chosen, batch_mixing=batch_mixing_node(traced, _batch_size(kwargs)))
+    chosen = replace(chosen, batch_mixing=batch_mixing_node(traced, batch_size(kwargs)))
     chosen = with_recompute(traced, chosen, recompute, planned_here=not isinstance(plan, ParallelPlan))
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)
     _warn_staged_draws(traced, chosen)
+    sparse = sparse_gradient_node(traced)
+    if sparse is not None and chosen.tp * chosen.pp * chosen.dp > 1:
+        raise UserInputError(f"{describe(sparse)} gives its weight a sparse gradient (sparse=True), which autotp does not "
+                             f"shard, send between pipeline stages or average over dp ranks (tp={chosen.tp}, pp={chosen.pp}, "
+                             f"dp={chosen.dp}); make the embedding with sparse=False")  # fmt: skip
     log.info("traced in %.2f s, planned in %.2f s: tp=%d pp=%d dp=%d vpp=%d", traced_at - start,
              planned_at - traced_at, chosen.tp, chosen.pp, chosen.dp, chosen.vpp)  # fmt: skip
     return Planned(traced, kwargs, chosen, traced_at - start, planned_at - traced_at)
-
-
-def _batch_size(kwargs: dict[str, Any]) -> int:
-    """Dim 0 of the first tensor input: the rows ``train_step`` splits."""
-    return next((v.shape[0] for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
 
 
 def _with_fixed_sequence_parallel(plan: ParallelPlan, sequence_parallel: bool | None, tp_overlap: bool | None) -> ParallelPlan:

@@ -16,7 +16,9 @@ token grid between the FFN's linears), FastSpeech's convolutional FFN, heads mad
 talking-heads attention (learned mixes across the heads), a top-1 MoE gathering each token's
 expert weights (``w1[expert_ids]``, ``bmm``), attention over chunks of queries in a loop, and a
 parallel block with one fused input projection and one output projection over
-``cat([attention, ffn])``.
+``cat([attention, ffn])``, and a sparse autoencoder whose decoder is its encoder's transpose. Then inputs and outputs written other ways: ``forward(batch)`` with a
+dict of tensors, forward hooks and pre-hooks, a loss on the rows a boolean mask selects, and
+SDPA on batch and heads merged into one dim.
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)``, ``loss_fn(name)``.
@@ -342,6 +344,7 @@ class BiasTiedLM(DecoderLM):
     def __init__(self) -> None:
         super().__init__(lambda: PreNormBlock(NanoGPTAttention()))
         del self.output
+        nn.init.normal_(self.embed.weight, std=0.02)  # GPT-2's init of a table that is also the head
         self.out_bias = nn.Parameter(torch.randn(VOCAB) * 0.1)
 
     def logits(self, h):
@@ -412,6 +415,69 @@ class FusedParallelBlock(nn.Module):
         return x + self.out_proj(torch.cat([a, F.silu(gate) * up], dim=-1))
 
 
+class TiedAutoencoderLM(DecoderLM):
+    """A sparse-autoencoder bottleneck on the residual stream whose decoder is its encoder's transpose."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(NanoGPTAttention()))
+        self.w_enc = nn.Parameter(torch.randn(DIM, 4 * DIM) / DIM**0.5)
+        self.b_enc = nn.Parameter(torch.zeros(4 * DIM))
+
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = super().hidden(input_ids)
+        return h + F.relu(h @ self.w_enc + self.b_enc) @ self.w_enc.t()
+
+
+# ---- inputs and outputs written other ways ----------------------------------------------------
+
+
+class BatchDictLM(DecoderLM):
+    """``forward(batch)`` with a dict of tensors (Lightning-style training code)."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(NanoGPTAttention()))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        logits = self.logits(self.hidden(batch["input_ids"]))
+        return {"logits": logits, "loss": F.cross_entropy(_flat(logits), batch["labels"].reshape(-1))}
+
+
+class HookedLM(DecoderLM):
+    """Forward hooks that rescale each attention's output and shift each FFN's input."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(NanoGPTAttention()))
+        for layer in self.layers:
+            layer.attention.register_forward_hook(lambda module, args, out: out * 0.5)
+            layer.feed_forward.register_forward_pre_hook(lambda module, args: (args[0] + 1.0,))
+
+
+class SelectedRowsLM(DecoderLM):
+    """The loss on the labelled rows only, selected by a boolean mask (``logits[labels != -100]``)."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(NanoGPTAttention()))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        logits = self.logits(self.hidden(input_ids))
+        keep = labels != IGNORE
+        return {"logits": logits, "loss": F.cross_entropy(logits[keep], labels[keep])}
+
+
+class MergedHeadsAttention(nn.Module):
+    """SDPA on 3-D ``[B*H, S, D]`` tensors: batch and heads merged into one dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (t.reshape(B, T, HEADS, HEAD_DIM).transpose(1, 2).reshape(B * HEADS, T, HEAD_DIM) for t in self.qkv(x).chunk(3, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.view(B, HEADS, T, HEAD_DIM).transpose(1, 2).reshape(B, T, DIM))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "label_smoothing_ce": lambda: LossVariantLM(label_smoothing),
     "z_loss": lambda: LossVariantLM(z_loss),
@@ -436,6 +502,11 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "gathered_expert_weights": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), GatheredExpertWeights())),
     "chunked_query_attention": lambda: DecoderLM(lambda: PreNormBlock(ChunkedQueryAttention())),
     "fused_parallel_block": lambda: DecoderLM(FusedParallelBlock),
+    "batch_dict_input": BatchDictLM,
+    "forward_hooks": HookedLM,
+    "selected_rows_loss": SelectedRowsLM,
+    "merged_heads_sdpa": lambda: DecoderLM(lambda: PreNormBlock(MergedHeadsAttention())),
+    "tied_autoencoder": TiedAutoencoderLM,
 }
 MOE = frozenset({"gathered_expert_weights"})
 MICROBATCHES = {"drop_path": 1}
@@ -449,6 +520,11 @@ def build(name: str) -> nn.Module:
 def example_inputs(name: str, batch: int = 2, seq: int = SEQ) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (batch, seq), generator=gen)
+    labels = torch.randint(0, VOCAB, (batch, seq), generator=gen)
     if name == "padding_idx_einsum_tied":
         ids[:, -3:] = 0
-    return {"input_ids": ids, "labels": torch.randint(0, VOCAB, (batch, seq), generator=gen)}
+    if name in ("selected_rows_loss", "batch_dict_input"):
+        labels[0, 2:] = IGNORE  # the first microbatch counts 2 tokens, the second 16
+    if name == "batch_dict_input":
+        return {"batch": {"input_ids": ids, "labels": labels}}
+    return {"input_ids": ids, "labels": labels}

@@ -53,3 +53,61 @@ def test_dp_ranks_with_their_own_batches_are_refused_or_taken_as_local() -> None
         assert abs(out["loss"] - out["expected"]) < 1e-5
         assert out["grad_errors"] == []
         assert out["local_sizes"].startswith("UserInputError") and "input shapes" in out["local_sizes"]
+
+
+class _BatchDictLM(torch.nn.Module):
+    """``forward(batch)`` with a dict of tensors, as Lightning-style training code passes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        h = self.embed(batch["input_ids"])
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        logits = self.head(h)
+        return {"logits": logits, "loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())}
+
+
+def _nested_batch(step: int) -> dict:
+    gen = torch.Generator().manual_seed(step)
+    ids, labels = (torch.randint(0, 32, (4, 8), generator=gen) for _ in range(2))
+    labels[0, 2:] = -100
+    return {"batch": {"input_ids": ids, "labels": labels}}
+
+
+def _nested_train(rank: int, world: int, pp: int) -> dict:
+    import autotp
+    from autotp.runtime.execution.guards import signature_key
+
+    model = _BatchDictLM()
+    reference = copy.deepcopy(model)
+    first = _nested_batch(0)
+    pm = autotp.parallelize(model, tp=1, pp=pp, example_inputs={"batch": {k: v[:2] for k, v in first["batch"].items()}})
+    for step in range(2):
+        pm.zero_grad()
+        loss = pm.train_step(**_nested_batch(step), num_microbatches=2)
+    expected = reference(**_nested_batch(1))["loss"]
+    expected.backward()
+    grads = pm.unshard_grads()
+    return {"loss": loss.item(), "expected": expected.item(),
+            "grad_errors": [n for n, p in reference.named_parameters() if not torch.allclose(grads[n], p.grad, rtol=1e-4, atol=1e-6)],
+            "signatures": [{item[0]: item[1:] for item in key[1]} for key in pm._graphs],
+            "half": signature_key({"batch": {k: v[:2] for k, v in first["batch"].items()}}, True)}  # fmt: skip
+
+
+def test_tensors_nested_in_the_inputs_are_split_and_keyed_by_shape() -> None:
+    """``train_step(batch={...})``: every nested tensor is cut into the microbatches, and a graph
+    is traced per shape, not per value (two steps of other values trace nothing new)."""
+    out = _nested_train(0, 1, 1)
+    assert abs(out["loss"] - out["expected"]) < 1e-5 and out["grad_errors"] == []
+    assert len(out["signatures"]) == 2, out["signatures"]  # the example inputs' graph and the split step's
+    assert all(s["batch.input_ids"][0] == (2, 8) for s in out["signatures"])
+
+
+def test_nested_inputs_reach_every_pipeline_stage() -> None:
+    for out in run_on_ranks(_nested_train, 2, 2):
+        assert abs(out["loss"] - out["expected"]) < 1e-5 and out["grad_errors"] == [], out

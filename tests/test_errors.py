@@ -63,6 +63,29 @@ def test_vpp_without_a_pipeline_is_refused() -> None:
         autotp.compile_rank(build_model("llama-tiny"), tp=2, vpp=2)
 
 
+class _Lazy(nn.Module):
+    def __init__(self, sparse: bool = False) -> None:
+        super().__init__()
+        self.embed, self.proj = nn.Embedding(16, 8, sparse=sparse), nn.LazyLinear(8) if not sparse else nn.Linear(8, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.proj(self.embed(input_ids))
+        for layer in self.layers:
+            h = layer(h)
+        return h.sum()
+
+
+def test_a_lazy_module_that_has_not_run_is_named() -> None:
+    with pytest.raises(UserInputError, match=r"weight of module proj \(LazyLinear\) has no shape yet.*run the model once"):
+        autotp.compile_rank(_Lazy(), tp=2, example_inputs={"input_ids": torch.zeros(2, 4, dtype=torch.long)}, device="meta")
+
+
+def test_sparse_embedding_gradients_are_refused_when_split() -> None:
+    with pytest.raises(UserInputError, match=r"module embed \(Embedding\).*sparse gradient.*make the embedding with sparse=False"):
+        autotp.compile_rank(_Lazy(sparse=True), tp=1, pp=2, example_inputs={"input_ids": torch.zeros(2, 4, dtype=torch.long)}, device="meta")
+
+
 def test_unknown_compile_backend_is_refused() -> None:
     with pytest.raises(UserInputError, match="compile='inductr' is not a torch.compile backend"):
         autotp.parallelize(nn.Linear(4, 4), example_inputs={"input": torch.randn(2, 4)}, compile="inductr")

@@ -124,6 +124,11 @@ class _BatchWalker(Walker):
         return len(shared_a) != len(ra) or len(shared_b) != len(rb) or shared_a != shared_b
 
 
+def batch_size(call: dict[str, Any]) -> int:
+    """Dim 0 of the first tensor of ``call`` (nested ones included) with a dim: the rows a split step cuts."""
+    return next((v.shape[0] for v in torch.utils._pytree.tree_leaves(call) if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
+
+
 def batch_mixing_node(gm: GraphModule, batch: int) -> str:
     """The op of ``gm`` that makes a row's value depend on other rows of its batch of
     ``batch`` rows, described; "" when none is found."""

@@ -34,7 +34,7 @@ from autotp.analysis.loss_denominators import normalize_loss_denominators
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
 from autotp.analysis.trace_decompose import decompose_parameter_ops, draw_by_size
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
-from autotp.analysis.trace_guards import refuse_parameter_writes, strip_opaque_outputs
+from autotp.analysis.trace_guards import refuse_lazy_parameters, refuse_parameter_writes, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
 from autotp.ir.errors import UserInputError
 
@@ -140,6 +140,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
 
     Raises ``UserInputError`` naming the submodule and source line that could not trace.
     """
+    refuse_lazy_parameters(model)
     fake_model, fake_kwargs = _fake_copy(model, kwargs, torch.device(device))
     fake_model.register_forward_hook(strip_opaque_outputs)
     ep, uses, unreachable = _export(model, fake_model, fake_kwargs)

@@ -4,6 +4,10 @@
   rescales its weights under ``no_grad`` the first time it runs in eval mode, behind a
   Python flag that the trace cannot see) would write it again on every call and every
   pipeline microbatch of the traced graph; ``refuse_parameter_writes`` refuses it.
+* **Lazy modules not yet run.** ``nn.LazyLinear`` and the other lazy modules have no shapes
+  until their first forward; ``refuse_lazy_parameters`` names the module.
+* **Sparse gradients.** An embedding made with ``sparse=True`` gives its weight a sparse
+  gradient, which no collective of a split model carries; ``sparse_gradient_node`` finds it.
 * **Non-tensor outputs.** A forward that returns a cache object (or any other value that
   is neither a tensor nor a Python scalar) cannot be exported; ``strip_opaque_outputs``
   is a forward hook that replaces such values by ``None`` in the root's output.
@@ -20,6 +24,29 @@ from autotp.ir.op_facts import mutated_base
 from autotp.ir.errors import UserInputError, source_line
 
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def refuse_lazy_parameters(model: torch.nn.Module) -> None:
+    """Refuse a model holding a parameter or buffer that a lazy module has not sized yet."""
+    for module_name, module in model.named_modules():
+        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if torch.nn.parameter.is_lazy(t):
+                raise UserInputError(
+                    f"{name} of module {module_name or '<root>'} ({type(module).__name__}) has no shape yet: a lazy module "
+                    "sizes its parameters in its first forward; run the model once on example inputs before autotp.parallelize"
+                )
+
+
+_SPARSE_ARG = {torch.ops.aten.embedding.default: 4, torch.ops.aten._embedding_bag.default: 5}
+
+
+def sparse_gradient_node(gm: GraphModule) -> Node | None:
+    """The first embedding (or ``EmbeddingBag``) whose weight gets a sparse gradient (``sparse=True``)."""
+    for node in gm.graph.nodes:
+        pos = _SPARSE_ARG.get(node.target) if node.op == "call_function" else None
+        if pos is not None and (node.args[pos] if len(node.args) > pos else node.kwargs.get("sparse", False)):
+            return node
+    return None
 
 
 def strip_opaque_outputs(module: torch.nn.Module, args: Any, output: Any) -> Any:

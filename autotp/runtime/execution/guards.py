@@ -55,8 +55,7 @@ _EXIT_AFTER_S = 10.0
 
 def _signature(call: dict[str, Any]) -> str:
     parts = []
-    for k in sorted(call):
-        v = call[k]
+    for k, v in flat_call(call).items():
         if isinstance(v, torch.Tensor):
             parts.append(f"{k}: {str(v.dtype).removeprefix('torch.')}{list(v.shape)}")
         elif v is None or isinstance(v, (bool, int, float, str)):
@@ -66,8 +65,7 @@ def _signature(call: dict[str, Any]) -> str:
 
 def _checksum(call: dict[str, Any]) -> float:
     total = 0.0
-    for k in sorted(call):
-        v = call[k]
+    for v in flat_call(call).values():
         if isinstance(v, torch.Tensor) and v.numel():
             flat = v.detach().reshape(-1).double()
             weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64) % 1021 + 1
@@ -115,11 +113,18 @@ _SAME_GLOBAL = ("train_step takes one global batch that every rank passes alike 
 _SAME_SIZE = "with batch_is_local=True every dp rank passes a shard of the same size (and its tp and pp ranks the same one)"
 
 
+def flat_call(call: dict[str, Any]) -> dict[str, Any]:
+    """Each leaf of ``call`` (keyword arguments, tensors nested in dicts, lists and tuples
+    included) under its path, ``batch.input_ids``, sorted."""
+    leaves, _ = torch.utils._pytree.tree_flatten_with_path(call)
+    named = {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): v for path, v in leaves}
+    return dict(sorted(named.items()))
+
+
 def signature_key(kwargs: dict[str, Any], training: bool) -> tuple:
-    """What a traced graph is cached by: train/eval, and each argument's shape and dtype (or repr)."""
+    """What a traced graph is cached by: train/eval, and each input's shape and dtype (or repr)."""
     items = []
-    for k in sorted(kwargs):
-        v = kwargs[k]
+    for k, v in flat_call(kwargs).items():
         items.append((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v)))
     return (training, tuple(items))
 
@@ -127,7 +132,7 @@ def signature_key(kwargs: dict[str, Any], training: bool) -> tuple:
 def explain_retrace_failure(call: dict[str, Any], traced: list[tuple], error: Exception) -> None:
     """Raise naming the argument whose dtype kind or number of dims differs from the
     signatures traced before (``signature_key``s), when tracing a new one failed."""
-    for name, value in call.items():
+    for name, value in flat_call(call).items():
         known = [item for _, items, *_ in traced for item in items if item[0] == name and len(item) == 3]
         if not isinstance(value, torch.Tensor) or not known:
             continue

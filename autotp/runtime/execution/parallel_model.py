@@ -264,7 +264,7 @@ class ParallelModel(nn.Module):
 
     def _runner(self, compiled: CompiledSignature) -> PipelineRunner:
         assert self._coords.pipeline is not None
-        return PipelineRunner(compiled.chunks, self._coords.pipeline, self._device)
+        return PipelineRunner(compiled.chunks, self._coords.pipeline, self._device, compiled.graph)
 
     @guards.guarded(step=True)
     def train_step(

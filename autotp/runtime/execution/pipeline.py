@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.fx import GraphModule
+from torch.fx._pytree import tree_flatten_spec
 
 from autotp.ir.errors import UserInputError
 from autotp.ir import schedules
@@ -169,8 +170,10 @@ class PipelineRunner:
     all but the linears' inputs and output gradients by ``B`` and those by ``W``.
     """
 
-    def __init__(self, chunks: dict[int, ChunkGraph], groups: PipelineGroups, device: torch.device) -> None:
+    def __init__(self, chunks: dict[int, ChunkGraph], groups: PipelineGroups, device: torch.device, graph: GraphModule) -> None:
         self.chunks = chunks
+        self._placeholders = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
+        self._in_spec = graph._in_spec
         self.groups = groups
         self.device = device
         self._sends: list[tuple[list[dist.Work], list[Tensor]]] = []
@@ -249,7 +252,8 @@ class PipelineRunner:
         cg = self.chunks[chunk]
         received = self._received("F", chunk, microbatch)
         leaves = [t.detach().requires_grad_(grad and b.needs_grad) for t, b in zip(received, cg.recv)]
-        args = [inputs[name] for name in cg.input_names] + leaves
+        named = dict(zip(self._placeholders, tree_flatten_spec(((), inputs), self._in_spec)))  # batch["ids"] -> batch_ids
+        args = [named[name] for name in cg.input_names] + leaves
         start = self._sync() if self.measure_busy else 0.0
         with torch.set_grad_enabled(grad):
             outputs = cg(*args, slot=slot, split_backward=split_backward)
