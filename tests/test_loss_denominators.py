@@ -48,6 +48,7 @@ class TinyLM(nn.Module):
             "mean_plus_z_loss": lambda: F.cross_entropy(flat, target) + 1e-3 * logits.logsumexp(-1).pow(2).mean(),
             "by_max": lambda: per_token.sum() / labels.max(),
             "targets_written_in_place": lambda: F.cross_entropy(flat, self.shifted(labels).reshape(-1)),
+            "mean_of_row_means": lambda: torch.stack([F.cross_entropy(row, t) for row, t in zip(logits, labels)]).mean(),
         }
         return {"logits": logits, "loss": losses[self.loss]()}
 
@@ -77,13 +78,20 @@ def _assert_whole_batch(pm: autotp.ParallelModel, reference: nn.Module, loss: to
         torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
-@pytest.mark.parametrize("loss", ["mean", "class_weighted", "masked_sum", "ratio_of_means", "mean_plus_z_loss", "targets_written_in_place"])
-def test_microbatches_compute_the_whole_batch(loss: str) -> None:
+LOSSES = ["mean", "class_weighted", "masked_sum", "ratio_of_means", "mean_plus_z_loss", "targets_written_in_place", "mean_of_row_means"]
+
+
+@pytest.mark.parametrize("microbatches", [2, 4], ids=["rows2", "rows1"])
+@pytest.mark.parametrize("loss", LOSSES)
+def test_microbatches_compute_the_whole_batch(loss: str, microbatches: int) -> None:
+    """Pieces of two rows, and of one row (whose trace cannot tell a sum over the rows from a
+    sum over one row: the rows come from a trace of the batch doubled). A mean of each row's
+    own mean (mean_of_row_means) weighs rows alike and must stay as it is."""
     model = TinyLM(loss)
     reference = copy.deepcopy(model)
     batch = _batch()
     pm = autotp.parallelize(model, tp=1, example_inputs={k: v[:2] for k, v in batch.items()})
-    _assert_whole_batch(pm, reference, pm.train_step(**batch, num_microbatches=2), batch)
+    _assert_whole_batch(pm, reference, pm.train_step(**batch, num_microbatches=microbatches), batch)
 
 
 @pytest.mark.parametrize("loss", ["mean", "class_weighted", "masked_sum"])

@@ -20,6 +20,7 @@ whose rows stay apart. A loss divided by a statistic of the batch that
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,6 +63,8 @@ class _BatchWalker(Walker):
             self.mixing = node
         if op_name(node.target) == "scaled_dot_product_attention":
             return self._attention(node)
+        if self._selects_rows(node):
+            return shard({0: DimVar(self.batch, frozenset({BATCH_ORIGIN}))})
         derived = dtensor_rule(self, node)  # DTensor's strategies know batch-split inputs best
         return derived if derived is not None else super().visit(node)
 
@@ -72,6 +75,16 @@ class _BatchWalker(Walker):
         lead = len(shape_of(q) or ()) - 2
         rows = {d for d in self._rows_at(q) if d < lead} & self._rows_at(k) & self._rows_at(v)
         return shard({d: self.rows for d in rows})
+
+    def _selects_rows(self, node: Node) -> bool:
+        """``x[mask]`` by a boolean mask over x's leading dims, the first holding rows
+        (``logits[labels != -100]``): each selected element stays in its row, so the result's
+        dim 0 holds rows (of a size known at run time)."""
+        if node.target is not torch.ops.aten.index.Tensor or len(node.args[1]) != 1 or not isinstance(node.args[1][0], Node):
+            return False
+        mask, x = node.args[1][0], node.args[0]
+        val = mask.meta.get("val")
+        return isinstance(val, torch.Tensor) and val.dtype == torch.bool and 0 in self._rows_at(mask) and 0 in self._rows_at(x)
 
     def _rows_at(self, arg: Any) -> set[int]:
         lay = self.out.layouts.get(arg) if isinstance(arg, Node) else None
@@ -129,14 +142,21 @@ def batch_size(call: dict[str, Any]) -> int:
     return next((v.shape[0] for v in torch.utils._pytree.tree_leaves(call) if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
 
 
+def batch_rows_at(gm: GraphModule, batch: int) -> Callable[[Node], set[int]]:
+    """Where each node of ``gm`` holds the rows of its batch of ``batch`` rows (its dims)."""
+    walker = _BatchWalker(gm, batch)
+    walker.run()
+    return walker._rows_at
+
+
 def batch_mixing_node(gm: GraphModule, batch: int) -> str:
     """The op of ``gm`` that makes a row's value depend on other rows of its batch of
     ``batch`` rows, described; "" when none is found."""
     if batch < 2:
         return ""
-    division = unnormalized_division(gm)
-    if division:
-        return f"{division}, which divides by a statistic of the whole batch"
     walker = _BatchWalker(gm, batch)
     walker.run()
+    division = unnormalized_division(gm, walker._rows_at)
+    if division:
+        return f"{division}, which divides by a statistic of the whole batch"
     return describe(walker.mixing) if walker.mixing is not None else ""

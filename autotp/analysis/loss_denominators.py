@@ -27,6 +27,7 @@ such a forward.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from torch.utils._pytree import tree_map, tree_structure
 from autotp.ir import meta_keys
 from autotp.ir.batch_denominators import BATCH_DENOMINATOR, MEAN, SUM, DenominatorProgram
 from autotp.ir.errors import describe
-from autotp.ir.op_facts import mutated_base
+from autotp.ir.op_facts import is_alias, mutated_base
 
 aten = torch.ops.aten
 
@@ -50,14 +51,16 @@ _REDUCTIONS = {aten.sum.default: SUM, aten.sum.dim_IntList: SUM, aten.count_nonz
 _CASTS = frozenset({aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.alias.default})
 _SCALED = frozenset({aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar})
 _SHIFTED = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.clamp.default,
-                      aten.clamp_min.default, aten.clamp_max.default, aten.maximum.default, aten.minimum.default})  # fmt: skip
+                      aten.clamp_min.default, aten.clamp_max.default})  # fmt: skip
+RowsAt = Callable[[Node], set[int]]
 
 
-def normalize_loss_denominators(gm: GraphModule) -> None:
-    """Rewrite ``gm`` for a split step (module docstring)."""
+def normalize_loss_denominators(gm: GraphModule, rows_at: RowsAt) -> None:
+    """Rewrite ``gm`` for a split step (module docstring); ``rows_at(node)``: the dims of
+    ``node`` that hold the batch's rows (``batch_rows.batch_rows_at``)."""
     graph = gm.graph
     programs: list[DenominatorProgram] = []
-    for node, found in _divisions(gm):
+    for node, found in _divisions(gm, rows_at):
         if found is None:
             programs.append(_class_loss_rescaled(gm, node))
             continue
@@ -87,29 +90,47 @@ def _rescaled(graph: Graph, value: Node, d: Node, key: str, like: Node) -> Node:
     return _add(graph, aten.where.ScalarOther, (counted, scaled, 0.0), like=like)
 
 
-def unnormalized_division(gm: GraphModule) -> str:
-    """The first division by a statistic of the batch that a split step cannot make the whole
-    batch's (described; "" if there is none)."""
+def unnormalized_division(gm: GraphModule, rows_at: RowsAt) -> str:
+    """The first division by a statistic of the batch rows that a split step cannot make the
+    whole batch's (described; "" if there is none)."""
     reads = _Reads(gm)
     for node in gm.graph.nodes:
         division = node.op == "call_function" and node.target is aten.div.Tensor and isinstance(node.args[1], Node)
-        if division and reads.is_batch_statistic(node.args[1]) and _normalizable(node, reads) is None:
-            return describe(node)
+        if division and reads.is_batch_statistic(node.args[1]) and _normalizable(node, reads, rows_at) is None:
+            if _reduces_rows(node.args[1], rows_at):
+                return describe(node)
         weight = _arg(node, _WEIGHT, "weight", None) if node.target in _CLASS_LOSSES else None
-        if isinstance(weight, Node) and reads.of(weight)[1] and _reduction(node) == _MEAN_REDUCTION:
+        if isinstance(weight, Node) and reads.of(weight)[1] and _reduction(node) == _MEAN_REDUCTION and rows_at(node.args[1]):
             return f"{describe(node)} (its mean over the class weights, which are trained)"
     return ""
 
 
-def _is_mean_class_loss(node: Node, reads: _Reads) -> bool:
-    """A class loss averaged over its counted targets, whose class weights (if any) are not trained."""
+def _reduces_rows(d: Node, rows_at: RowsAt) -> bool:
+    """Whether ``d`` is computed through an op that folds batch rows together (a sum, a max...
+    over them), not from one row alone (``mask[i].sum()``)."""
+    seen, stack = set(), [d]
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        inputs = [a for a in n.all_input_nodes if rows_at(a)]
+        if inputs and not rows_at(n) and not is_alias(n):
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _is_mean_class_loss(node: Node, reads: _Reads, rows_at: RowsAt) -> bool:
+    """A class loss averaged over its counted targets, which hold the batch's rows, and whose
+    class weights (if any) are not trained."""
     if node.target not in _CLASS_LOSSES or _reduction(node) != _MEAN_REDUCTION or not _has_class_targets(node):
         return False
     weight = _arg(node, _WEIGHT, "weight", None)
-    return not (isinstance(weight, Node) and reads.of(weight)[1])
+    return bool(rows_at(node.args[1])) and not (isinstance(weight, Node) and reads.of(weight)[1])
 
 
-def _divisions(gm: GraphModule) -> list[tuple[Node, tuple[Node, Node, str, bool] | None]]:
+def _divisions(gm: GraphModule, rows_at: RowsAt) -> list[tuple[Node, tuple[Node, Node, str, bool] | None]]:
     """The nodes to rewrite: each mean class loss (None), and each division by a statistic of
     the batch with (its denominator, the denominator's core, the core's kind, whether the
     numerator sums over the rows)."""
@@ -117,25 +138,30 @@ def _divisions(gm: GraphModule) -> list[tuple[Node, tuple[Node, Node, str, bool]
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if _is_mean_class_loss(node, reads):
+        if _is_mean_class_loss(node, reads, rows_at):
             found.append((node, None))
         elif node.target is aten.div.Tensor and isinstance(node.args[1], Node) and reads.is_batch_statistic(node.args[1]):
-            normalizable = _normalizable(node, reads)
+            normalizable = _normalizable(node, reads, rows_at)
             if normalizable is not None:
                 found.append((node, normalizable))
     return found
 
 
-def _normalizable(div: Node, reads: _Reads) -> tuple[Node, Node, str, bool] | None:
+def _normalizable(div: Node, reads: _Reads, rows_at: RowsAt) -> tuple[Node, Node, str, bool] | None:
+    """``n / d`` whose ``d`` is a sum or mean over the batch rows (through casts and scalar
+    arithmetic) and whose ``n`` is one too: (d, its core, the core's kind, whether n sums)."""
     n, d = div.args[0], div.args[1]
     core, kind = _core(d)
-    numerator = _numerator_kind(n, reads) if isinstance(n, Node) else None
-    return None if core is None or numerator is None else (d, core, kind, numerator == SUM)
+    numerator = _numerator_kind(n, reads, rows_at) if isinstance(n, Node) else None
+    if core is None or numerator is None or not rows_at(core.args[0]):
+        return None
+    return d, core, kind, numerator == SUM
 
 
 class _Reads:
-    """Per node of a graph, whether its value reads the graph's inputs and whether it reads a
-    parameter, the in-place writes into it included (``targets[:, :-1] = labels[:, 1:]``)."""
+    """Per node of a graph, whether its value reads the batch's inputs (those with a dim) and
+    whether it reads a parameter, the in-place writes into it included (``targets[:, :-1] =
+    labels[:, 1:]``)."""
 
     def __init__(self, gm: GraphModule) -> None:
         params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
@@ -146,7 +172,8 @@ class _Reads:
             changed = False
             for n in gm.graph.nodes:  # in topological order
                 inputs = [self._memo.get(a, (False, False)) for a in [*n.all_input_nodes, *writes.get(n, ())]]
-                reads = (n.op == "placeholder" or any(i for i, _ in inputs),
+                batch_input = n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0
+                reads = (batch_input or any(i for i, _ in inputs),
                          (n.op == "get_attr" and str(n.target) in params) or any(p for _, p in inputs))  # fmt: skip
                 changed |= self._memo.get(n) != reads
                 self._memo[n] = reads
@@ -155,7 +182,7 @@ class _Reads:
         return self._memo[node]
 
     def is_batch_statistic(self, node: Node) -> bool:
-        """A scalar computed from the inputs and no parameter."""
+        """A scalar computed from the batch's inputs and no parameter."""
         val = node.meta.get("val")
         reads_input, reads_param = self.of(node)
         return isinstance(val, torch.Tensor) and val.dim() == 0 and reads_input and not reads_param
@@ -228,24 +255,24 @@ def _core(d: Node) -> tuple[Node | None, str]:
     return (node, _REDUCTIONS[node.target]) if isinstance(val, torch.Tensor) and val.dim() == 0 else (None, "")
 
 
-def _numerator_kind(n: Node, reads: _Reads) -> str | None:
+def _numerator_kind(n: Node, reads: _Reads, rows_at: RowsAt) -> str | None:
     """``SUM`` if ``n`` is a sum over the rows (through scalings by constants, sums and casts),
     ``MEAN`` if a mean; None otherwise."""
-    if n.target in _REDUCTIONS:
-        return _REDUCTIONS[n.target]
-    if n.target in _CLASS_LOSSES:
-        return {_SUM_REDUCTION: SUM, _MEAN_REDUCTION: MEAN}.get(_reduction(n))
+    if n.target in _REDUCTIONS or n.target in _CLASS_LOSSES:
+        if not isinstance(n.args[0], Node) or not rows_at(n.args[0]):
+            return None
+        return _REDUCTIONS[n.target] if n.target in _REDUCTIONS else {_SUM_REDUCTION: SUM, _MEAN_REDUCTION: MEAN}.get(_reduction(n))
     if n.target in _CASTS or n.target is aten.neg.default:
-        return _numerator_kind(n.args[0], reads) if isinstance(n.args[0], Node) else None
+        return _numerator_kind(n.args[0], reads, rows_at) if isinstance(n.args[0], Node) else None
     if n.target in _SCALED:
         a, b = n.args[0], n.args[1]
         if isinstance(a, Node) and reads.is_constant(b):
-            return _numerator_kind(a, reads)
+            return _numerator_kind(a, reads, rows_at)
         if n.target is aten.mul.Tensor and isinstance(b, Node) and reads.is_constant(a):
-            return _numerator_kind(b, reads)
+            return _numerator_kind(b, reads, rows_at)
         return None
     if n.target in (aten.add.Tensor, aten.sub.Tensor) and all(isinstance(a, Node) for a in n.args[:2]):
-        kinds = {_numerator_kind(a, reads) for a in n.args[:2]}
+        kinds = {_numerator_kind(a, reads, rows_at) for a in n.args[:2]}
         return kinds.pop() if len(kinds) == 1 else None
     return None
 

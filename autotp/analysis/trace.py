@@ -21,15 +21,17 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
+from torch.utils._pytree import tree_map
 
+from autotp.analysis.batch_rows import batch_rows_at, batch_size
 from autotp.analysis.loss_denominators import normalize_loss_denominators
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
 from autotp.analysis.trace_decompose import decompose_parameter_ops, draw_by_size
@@ -156,11 +158,23 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     decompose_parameter_ops(gm)
     draw_by_size(gm)
     if split_batch:
-        normalize_loss_denominators(gm)
+        normalize_loss_denominators(gm, _rows_by_name(gm, model, kwargs, device))
     mark_elementwise(gm)
     gm.recompile()  # once, after the rewrites above
     refuse_parameter_writes(type(model).__name__, gm)
     return gm
+
+
+def _rows_by_name(gm: GraphModule, model: nn.Module, kwargs: dict[str, Any], device: torch.device | str) -> Callable[[Node], set[int]]:
+    """Where each node of ``gm`` holds the batch's rows (``batch_rows.batch_rows_at``). A batch of
+    one row cannot tell a sum over the rows from a sum over one row, so the rows are then found
+    in a trace of the batch doubled, node by node of the same name."""
+    if batch_size(kwargs) >= 2:
+        return batch_rows_at(gm, batch_size(kwargs))
+    doubled = tree_map(lambda v: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() else v, kwargs)
+    twice = trace(model, doubled, device)
+    rows, nodes = batch_rows_at(twice, 2), {n.name: n for n in twice.graph.nodes}
+    return lambda node: rows(nodes[node.name]) if node.name in nodes else set()
 
 
 def _export(
