@@ -3,14 +3,17 @@
 A split step (``train_step`` over dp ranks x microbatches) averages the pieces' losses;
 ``autotp.ir.batch_denominators`` explains why a denominator that depends on the data (a count
 of the labels that are not ignored, a sum of class weights, ``mask.sum()``) must then be
-the whole batch's. This module rewrites the traced graph (in place, before planning):
+the whole batch's. This module rewrites a split step's traced graph (in place):
 
-* a class loss with ``reduction="mean"`` and class-index targets (``cross_entropy``,
-  ``nll_loss``), whose denominator is its count (the targets that are not ``ignore_index``,
-  each weighted by its class weight), is rescaled to the whole batch's count;
-* so is ``n / d``, where ``d`` is a scalar computed from the inputs alone (no parameter) and
-  ``n`` a sum or mean over the rows (through sums and scalings), and ``d`` is a sum or mean
-  over the batch (its *core*) followed by ``clamp``, casts and scalar arithmetic.
+* a class loss with ``reduction="mean"`` and class-index targets that hold the batch's rows
+  (``cross_entropy``, ``nll_loss``), whose denominator is its count (the targets that are not
+  ``ignore_index``, each weighted by its class weight), is rescaled to the whole batch's count;
+* so is ``n / d``, where ``d`` is a scalar computed from the inputs alone (no parameter), a
+  sum or mean over the rows (its *core*) followed by ``clamp``, casts and scalar arithmetic,
+  and ``n`` a sum or mean over the rows too (through sums and scalings).
+
+Where the rows are, ``rows_at`` says (``batch_rows.batch_rows_at``): a loss over one row
+(``cross_entropy(logits[i], labels[i])``, averaged over the rows) is not rescaled.
 
 A piece's ``n / d`` becomes ``(n / d) * (d / batch_denominator(d))`` (``_rescaled``): where
 every piece counts alike the factor is exactly 1, so the common case computes what the
@@ -247,7 +250,7 @@ def _core(d: Node) -> tuple[Node | None, str]:
     while node.target not in _REDUCTIONS:
         if node.target not in _CASTS | _SCALED | _SHIFTED:
             return None, ""
-        tensors = [a for a in node.all_input_nodes]
+        tensors = list(node.all_input_nodes)
         if len(tensors) != 1 or tensors[0] is not node.args[0]:
             return None, ""
         node = tensors[0]

@@ -7,11 +7,12 @@ normalized the way the whole batch's is. A mean over the tokens whose label is n
 ``mask.sum()`` divide each piece by its own count, so pieces with fewer counted tokens weigh
 more than they do in the whole batch: a padded batch trains another function.
 
-The trace (``autotp.analysis.loss_denominators``) puts such a denominator ``d`` behind
-``batch_denominator(d, key)`` and keeps a ``DenominatorProgram`` that computes it from a
-piece's inputs alone. Outside a split step the op is ``d``. In a split step ``train_step``
-first evaluates every program on each piece (``whole_batch``), so each piece divides by
-what gives the whole batch's loss once the pieces are averaged:
+The trace of a split step's graphs (``autotp.analysis.loss_denominators``) rescales such a
+piece's ``n / d`` by ``d / batch_denominator(d, key)`` and keeps a ``DenominatorProgram`` that
+computes ``d`` from a piece's inputs alone. Outside a step the op is ``d``. In a split step
+``train_step`` first evaluates every program on each piece (``whole_batch_values``) and sets
+the op (``whole_batch``) to the denominator that gives the whole batch's loss once the pieces
+are averaged:
 
 * the program's *core* is a sum (or a mean) over the batch rows; the whole batch's core is
   the pieces' sum (or their mean), summed over the dp group;
@@ -66,16 +67,13 @@ _LIB.impl("batch_denominator", _batch_denominator, "CompositeExplicitAutograd")
 class DenominatorProgram:
     """How ``train_step`` computes the whole batch's value of one ``batch_denominator``:
     ``core(**piece inputs)`` per piece, combined by ``combine`` (``SUM`` or ``MEAN``) over the
-    pieces, ``post(whole core)``, divided by the number of pieces where ``per_piece``. ``missing``
-    names what the program cannot read (a buffer that is not materialized); such a
-    denominator refuses a split step."""
+    pieces, ``post(whole core)``, divided by the number of pieces where ``per_piece``."""
 
     key: str
-    core: GraphModule | None
+    core: GraphModule
     combine: str
     post: GraphModule
     per_piece: bool
-    missing: str = ""
 
 
 def whole_batch_values(programs: Sequence[DenominatorProgram], pieces: Sequence[dict[str, Any]], count: int,
