@@ -21,7 +21,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from autotp.analysis.local_shapes import local_shape
 from autotp.ir import meta_keys, ops
-from autotp.ir.op_facts import mutated_base
+from autotp.ir.op_facts import writes_by_base
 from autotp.ir.program import CHUNK_PREFIX, CHUNK_SPEC, Boundary, ChunkSpec
 from autotp.passes.runner import PassContext
 from autotp.passes.subgraphs import standalone
@@ -85,11 +85,7 @@ def extract_chunks(gm: GraphModule, ctx: PassContext) -> GraphModule:
         whole.meta[CHUNK_SPEC] = ChunkSpec(0, (), (), (), is_last=True, whole=True)
         gm.add_submodule(f"{CHUNK_PREFIX}0", whole)
         return gm
-    repeated_writes: dict[Node, list[Node]] = {}
-    for n in gm.graph.nodes:
-        base = mutated_base(n) if n.op == "call_function" else None
-        if base is not None and n.meta.get(meta_keys.CHUNK) is None:
-            repeated_writes.setdefault(base, []).append(n)
+    repeated_writes = writes_by_base(n for n in gm.graph.nodes if n.meta.get(meta_keys.CHUNK) is None)
     for c in range(num_chunks):
         gm.add_submodule(f"{CHUNK_PREFIX}{c}", _chunk(gm, c, num_chunks, ctx.plan.tp, repeated_writes))
     return gm

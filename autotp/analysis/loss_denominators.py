@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_map, tree_structure
 from autotp.ir import meta_keys
 from autotp.ir.batch_denominators import BATCH_DENOMINATOR, MEAN, SUM, DenominatorProgram
 from autotp.ir.errors import describe
-from autotp.ir.op_facts import is_alias, mutated_base
+from autotp.ir.op_facts import is_alias, writes_by_base
 
 aten = torch.ops.aten
 
@@ -168,7 +168,7 @@ class _Reads:
 
     def __init__(self, gm: GraphModule) -> None:
         params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-        writes = _writes(gm)
+        writes = writes_by_base(gm.graph.nodes)
         self._memo: dict[Node, tuple[bool, bool]] = {}
         changed = True
         while changed:  # a write comes after the tensor it writes: again until nothing changes
@@ -287,7 +287,7 @@ def _program(gm: GraphModule, key: str, core: Node, combine: str, d: Node, per_p
 def _core_program(gm: GraphModule, core: Node) -> GraphModule:
     """``core`` computed from the traced graph's inputs (called like ``gm``, with a piece's
     inputs). The buffers it reads hold the trace's values until the runtime attaches the rank's."""
-    writes = _writes(gm)
+    writes = writes_by_base(gm.graph.nodes)
     needed: set[Node] = set()
     stack = [core]
     while stack:
@@ -308,16 +308,6 @@ def _core_program(gm: GraphModule, core: Node) -> GraphModule:
         graph.output((env[core],))
         graph._codegen = type(gm.graph._codegen)(info._replace(out_spec=tree_structure(0)))
     return GraphModule(root, graph)
-
-
-def _writes(gm: GraphModule) -> dict[Node, list[Node]]:
-    """The in-place writes into each node's tensor (through views)."""
-    writes: dict[Node, list[Node]] = {}
-    for n in gm.graph.nodes:
-        base = mutated_base(n) if n.op == "call_function" else None
-        if base is not None:
-            writes.setdefault(base, []).append(n)
-    return writes
 
 
 def _post(core: Node, d: Node) -> GraphModule:

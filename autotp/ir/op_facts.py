@@ -33,6 +33,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 from enum import Enum, StrEnum
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -171,6 +172,16 @@ def mutated_base(node: Node) -> Node | None:
     if schema is None or not schema.is_mutable or not node.args or not isinstance(node.args[0], Node):
         return None
     return view_root(node.args[0])
+
+
+def writes_by_base(nodes: Iterable[Node]) -> dict[Node, list[Node]]:
+    """The in-place writes among ``nodes``, under the node that made the tensor each writes (``mutated_base``)."""
+    writes: dict[Node, list[Node]] = {}
+    for n in nodes:
+        base = mutated_base(n) if n.op == "call_function" else None
+        if base is not None:
+            writes.setdefault(base, []).append(n)
+    return writes
 
 
 def view_root(node: Node) -> Node:

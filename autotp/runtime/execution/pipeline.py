@@ -252,8 +252,7 @@ class PipelineRunner:
         cg = self.chunks[chunk]
         received = self._received("F", chunk, microbatch)
         leaves = [t.detach().requires_grad_(grad and b.needs_grad) for t, b in zip(received, cg.recv)]
-        named = dict(zip(self._placeholders, tree_flatten_spec(((), inputs), self._in_spec)))  # batch["ids"] -> batch_ids
-        args = [named[name] for name in cg.input_names] + leaves
+        args = [inputs[name] for name in cg.input_names] + leaves
         start = self._sync() if self.measure_busy else 0.0
         with torch.set_grad_enabled(grad):
             outputs = cg(*args, slot=slot, split_backward=split_backward)
@@ -311,8 +310,13 @@ class PipelineRunner:
 
     # ---- steps ---------------------------------------------------------------------------
 
+    def _by_placeholder(self, call: dict[str, Any]) -> dict[str, Any]:
+        """``call``'s tensors under the names the chunks read them by (``batch["ids"]`` -> ``batch_ids``)."""
+        return dict(zip(self._placeholders, tree_flatten_spec(((), call), self._in_spec)))
+
     def run_forward(self, call: dict[str, Any]) -> list[Tensor] | None:
         """Forward only, one microbatch through this rank's chunks: the last chunk's outputs (if here)."""
+        call = self._by_placeholder(call)
         self._connect()
         leaves = None
         with torch.no_grad():
@@ -341,6 +345,7 @@ class PipelineRunner:
         ``order_of(r)``; returns the sum of the losses computed here (zero off the last
         stage). Gradients accumulate into ``.grad``, each loss scaled by 1/microbatches."""
         pp, rank = self.groups.pp, self.groups.pp_rank
+        calls = [self._by_placeholder(c) for c in calls]
         times = schedules.timeline(pp, len(self.chunks), len(calls), order_of)
         actions = order_of(rank)
         slots = schedules.buffer_slots(actions)
