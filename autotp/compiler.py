@@ -34,6 +34,7 @@ from transformers import PretrainedConfig
 from autotp import presets
 from autotp.analysis.batch_rows import batch_mixing_node, batch_size
 from autotp.analysis.layers import num_layers, repeated_modules
+from autotp.analysis.pipeline_units import units
 from autotp.analysis.trace import trace
 from autotp.analysis.trace_guards import sparse_gradient_node
 from autotp.cost_model.compute import ModelCosts
@@ -151,16 +152,20 @@ def choose_plan(
                          vpp=vpp if vpp > 1 else None, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap,
                          fp8=fp8)  # fmt: skip
     layers = num_layers(traced)
-    if pp * vpp > 1 and pp * vpp > layers:
-        raise UserInputError(f"pp*vpp = {pp}*{vpp} = {pp * vpp} pipeline chunks but the model has {layers} layers; " + _too_few_layers(traced, layers))
+    blocks = 0 if layers or repeated_modules(traced.graph) else len(set(units(traced).values()))  # cut between blocks without a layer list
+    if pp * vpp > 1 and pp * vpp > max(layers, blocks):
+        raise UserInputError(f"pp*vpp = {pp}*{vpp} = {pp * vpp} pipeline chunks but the model has {layers} layers; " + _too_few_layers(traced, layers, blocks))
     chosen = plan_tensor_parallel(traced, tp)
     return replace(chosen, pp=pp, dp=dp, vpp=vpp, **plan_pipeline(traced, pp, vpp)._asdict())
 
 
-def _too_few_layers(traced: GraphModule, layers: int) -> str:
-    """The fix for a pipeline deeper than the model's layers."""
+def _too_few_layers(traced: GraphModule, layers: int, blocks: int) -> str:
+    """The fix for a pipeline deeper than the model's layers (or, without a layer list, its blocks)."""
     if layers:
         return f"use pp*vpp <= {layers}"
+    if blocks:
+        return (f"without a numbered list of layers autotp cuts between the {blocks} modules the forward runs one after another; "
+                f"use pp*vpp <= {blocks}")
     shared = "".join(f"; module '{path}' runs {n} times with the same parameters (cross-layer sharing), so every stage would hold "
                      "all of them and pipelining saves no memory" for path, n in list(repeated_modules(traced.graph).items())[:1])  # fmt: skip
     return ("autotp cuts between the modules of a numbered list (model.layers.0, model.layers.1, ...) and none runs in this one"

@@ -138,9 +138,9 @@ def plan_pipeline(gm: GraphModule, pp: int, vpp: int) -> StageCuts:
     chunks = pp * vpp
     if chunks == 1:
         return StageCuts((), 0, 0, ())
-    if not num_layers(gm):
-        raise UserInputError("pipeline parallelism needs a model with numbered decoder layers (model.layers.N ...)")
     of = units(gm)
+    if len(set(of.values())) < chunks:
+        raise UserInputError(f"{chunks} pipeline chunks need as many modules to cut between (numbered decoder layers, model.layers.N ..., or blocks the forward runs one after another); the model has {len(set(of.values()))}")
     costs = unit_costs(gm, of)
     chunk_of = dict(zip(costs, balanced_cuts(list(costs.values()), chunks)))
     nodes = list(gm.graph.nodes)

@@ -273,7 +273,7 @@ def _statistic_places(prop: Propagation) -> dict[tuple[str, str], frozenset[str]
     """Nodes that took a tp-reduced statistic, grouped by place."""
     places: dict[tuple[str, str], set[str]] = {}
     for node, role in prop.roles.items():
-        if role in (NodeRole.SHARDED_NORM, NodeRole.SHARDED_REDUCTION) and node.name in prop.statistics:
+        if role in (NodeRole.SHARDED_NORM, NodeRole.SHARDED_REDUCTION, NodeRole.SHARDED_EXTREMUM) and node.name in prop.statistics:
             places.setdefault(_place(node), set()).add(node.name)
     return {k: frozenset(v) for k, v in places.items()}
 

@@ -10,6 +10,8 @@ and contractions over a dim held in replicated blocks.
   ``mean = sum(x)/n``, ``var = sum((x - mean)^2)/n`` (layer norm) or ``ms = sum(x^2)/n``
   (RMS norm), then ``x_hat * rsqrt(stat + eps) * weight (+ bias)``.
 * ``linalg_vector_norm(x, p)`` becomes ``sum(|x|^p) ** (1/p)``.
+* ``amax`` / ``amin`` of a value that takes no gradient: the rank's extremum, then
+  ``autotp::all_reduce_max`` over the group (of the negated minimum for ``amin``).
 * A row-parallel matmul that contracts a dim ranks hold in replicated blocks (query heads
   of a KV group shared by two ranks) would add each block ``replicas`` times: its
   sharded operand is scaled by 1/replicas (backward, each replica then computes its share
@@ -35,8 +37,8 @@ from torch.fx import GraphModule, Node
 from autotp.ir.op_facts import is_matmul
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import schema_arg, shape_of
-from autotp.analysis.statistic_rules import reduced_dims
-from autotp.ir import meta_keys
+from autotp.analysis.statistic_rules import EXTREMA, reduced_dims
+from autotp.ir import meta_keys, ops
 from autotp.ir.layouts import PARTIAL, REPLICATE, Layout, resolve
 from autotp.passes.runner import PassContext
 
@@ -54,6 +56,8 @@ def sharded_statistics(gm: GraphModule, ctx: PassContext) -> GraphModule:
             _vector_norm(gm, node, ctx.plan.tp)
         elif role is NodeRole.SHARDED_NORM:
             _norm(gm, node, ctx.plan.tp)
+        elif role is NodeRole.SHARDED_EXTREMUM:
+            _extremum(gm, node, ctx.group)
         elif node.meta.get(meta_keys.LAYOUT) == PARTIAL and is_matmul(node):
             _contraction(gm, node, ctx.plan.tp)
     return gm
@@ -188,3 +192,20 @@ def _vector_norm(gm: GraphModule, node: Node, tp: int) -> None:
         total = _emit(gm, node, aten.sum.dim_IntList, (_summand(gm, node, powered, dims, tp, False), dims, keep), PARTIAL)
     _retarget(node, aten.pow.Tensor_Scalar, (total, 1.0 / order))
     node.meta[meta_keys.REDUCE_INPUTS] = [total]
+
+
+def _extremum(gm: GraphModule, node: Node, group: str) -> None:
+    """The rank's ``amax`` / ``amin``, max-reduced over ``group`` for every user."""
+    users = list(node.users)
+    node.meta.pop(meta_keys.ROLE, None)
+    with gm.graph.inserting_after(node):
+        if EXTREMA[node.target] == "max":
+            whole = _emit(gm, node, ops.ALL_REDUCE_MAX, (node, group), REPLICATE)
+        else:
+            negated = _emit(gm, node, aten.neg.default, (node,), REPLICATE)
+            with gm.graph.inserting_after(negated):
+                reduced = _emit(gm, node, ops.ALL_REDUCE_MAX, (negated, group), REPLICATE)
+            with gm.graph.inserting_after(reduced):
+                whole = _emit(gm, node, aten.neg.default, (reduced,), REPLICATE)
+    for user in users:
+        user.replace_input_with(node, whole)

@@ -57,6 +57,38 @@ class BatchNormed(nn.Module):
         return self.norm(x.transpose(1, 2)).transpose(1, 2)
 
 
+class ScaledByBatchAmax(nn.Module):
+    """Dynamic quantization's scale: the activation over its own ``amax()``, which the rows share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return h / h.detach().abs().amax().clamp(min=1e-6)
+
+
+class BatchNormByHand(nn.Module):
+    """``(x - mean) / std`` over the batch and sequence dims, written with ``mean`` and ``var``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean(dim=(0, 1), keepdim=True)) * torch.rsqrt(x.var(dim=(0, 1), keepdim=True) + 1e-5)
+
+
+class PerRowStatistics(nn.Module):
+    """Statistics over each row's own tokens, and a mean over the rows that only reaches the
+    loss (an auxiliary term): the rows stay apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return h / h.abs().amax(dim=(1, 2), keepdim=True) - h.mean(dim=1, keepdim=True)
+
+
 class LM(nn.Module):
     def __init__(self, mixer: nn.Module) -> None:
         super().__init__()
@@ -74,7 +106,9 @@ def _inputs() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("mixer", "training", "mixing_op"),
-    [(ExpertChoice, False, "topk"), (TokenChoice, False, ""), (BatchNormed, True, "batch_norm"), (BatchNormed, False, "")],
+    [(ExpertChoice, False, "topk"), (TokenChoice, False, ""), (BatchNormed, True, "batch_norm"), (BatchNormed, False, ""),
+     (ScaledByBatchAmax, False, "statistic over the batch's rows (node 'amax'"), (BatchNormByHand, False, "statistic over the batch's rows (node 'mean'"),
+     (PerRowStatistics, False, "")],  # fmt: skip
 )
 def test_ops_that_weigh_rows_against_each_other_are_found(mixer: type[nn.Module], training: bool, mixing_op: str) -> None:
     model = LM(mixer()).train(training)

@@ -29,6 +29,7 @@ from torch.fx import GraphModule, Node
 from autotp.analysis.dtensor_rules import dtensor_rule
 from autotp.analysis.propagation import Walker
 from autotp.analysis.shapes import is_float, norm_dim, shape_of
+from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
 from autotp.analysis.loss_denominators import unnormalized_division
 from autotp.ir.errors import describe
 from autotp.ir.layouts import REPLICATE, DimVar, Layout, shard
@@ -42,6 +43,11 @@ _MATMULS = frozenset({"mm", "bmm", "matmul", "linear"})
 _CLASS_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"})
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"})
 _TRAINING_ARG = 5
+_ROW_STATISTICS = REDUCTIONS | {
+    torch.ops.aten.amax.default, torch.ops.aten.amin.default, torch.ops.aten.aminmax.default, torch.ops.aten.max.default,
+    torch.ops.aten.min.default, torch.ops.aten.logsumexp.default, torch.ops.aten.var_mean.correction,
+    torch.ops.aten.std_mean.correction, torch.ops.aten.norm.ScalarOpt_dim,
+}  # fmt: skip
 
 
 class _BatchWalker(Walker):
@@ -159,4 +165,32 @@ def batch_mixing_node(gm: GraphModule, batch: int) -> str:
     division = unnormalized_division(gm, walker._rows_at)
     if division:
         return f"{division}, which divides by a statistic of the whole batch"
-    return describe(walker.mixing) if walker.mixing is not None else ""
+    if walker.mixing is not None:
+        return describe(walker.mixing)
+    meeting = _statistic_meets_rows(gm, walker._rows_at)
+    if meeting is not None:
+        node, statistic = meeting
+        return f"{describe(node)}, where a statistic over the batch's rows ({describe(statistic)}) meets each row's values"
+    return ""
+
+
+def _statistic_meets_rows(gm: GraphModule, rows_at: Callable[[Node], set[int]]) -> tuple[Node, Node] | None:
+    """The first op that combines a float statistic over the batch rows with float values
+    that still hold rows, so that each row's result depends on the other rows of its piece,
+    and the reduction the statistic comes from. A statistic that only meets other statistics
+    (a mean loss, an auxiliary loss of per-expert means) keeps the rows apart."""
+    source: dict[Node, Node] = {}  # a node computed from a statistic over rows -> that reduction
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        tainted = [a for a in node.all_input_nodes if a in source]
+        if tainted:
+            stats = [a for a in tainted if is_float(a)]
+            rows = [a for a in node.all_input_nodes if a not in source and is_float(a) and rows_at(a)]
+            if stats and rows and rows_at(node):
+                return node, source[stats[0]]
+            source[node] = source[tainted[0]]
+        elif node.target in _ROW_STATISTICS and is_float(node.args[0]):
+            if set(reduced_dims(node, len(shape_of(node.args[0]) or ()))) & rows_at(node.args[0]):
+                source[node] = node
+    return None

@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, GraphModule, Node
 from torch.utils._pytree import tree_map, tree_structure
 
+from autotp.analysis.shapes import schema_arg
 from autotp.ir import meta_keys
 from autotp.ir.batch_denominators import BATCH_DENOMINATOR, MEAN, SUM, DenominatorProgram
 from autotp.ir.errors import describe
@@ -55,6 +56,8 @@ _CASTS = frozenset({aten._to_copy.default, aten.to.dtype, aten.clone.default, at
 _SCALED = frozenset({aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar})
 _SHIFTED = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.clamp.default,
                       aten.clamp_min.default, aten.clamp_max.default})  # fmt: skip
+_ZEROS = frozenset({aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default})
+_FULLS = frozenset({aten.full.default, aten.new_full.default, aten.full_like.default})
 RowsAt = Callable[[Node], set[int]]
 
 
@@ -275,9 +278,16 @@ def _numerator_kind(n: Node, reads: _Reads, rows_at: RowsAt) -> str | None:
             return _numerator_kind(b, reads, rows_at)
         return None
     if n.target in (aten.add.Tensor, aten.sub.Tensor) and all(isinstance(a, Node) for a in n.args[:2]):
-        kinds = {_numerator_kind(a, reads, rows_at) for a in n.args[:2]}
+        kinds = {_numerator_kind(a, reads, rows_at) for a in n.args[:2] if not _is_zero(a)}  # a loop's sum starts from 0
         return kinds.pop() if len(kinds) == 1 else None
     return None
+
+
+def _is_zero(n: Node) -> bool:
+    """A tensor of zeros made from no value (``x.new_zeros(())``, ``torch.zeros(())``)."""
+    if n.target in _ZEROS:
+        return True
+    return n.target in _FULLS and schema_arg(n, "fill_value") == 0
 
 
 def _program(gm: GraphModule, key: str, core: Node, combine: str, d: Node, per_piece: bool) -> DenominatorProgram:

@@ -29,6 +29,9 @@ class NodeRole(str, Enum):
     # layer_norm / rms_norm / linalg_vector_norm over a sharded dim: decomposed around a
     # tp-reduced statistic in ``passes/sharded_statistics``
     SHARDED_NORM = "sharded_norm"
+    # amax / amin of a value with no gradient over a sharded dim: the rank's extremum,
+    # max-reduced over the group in ``passes/sharded_statistics``
+    SHARDED_EXTREMUM = "sharded_extremum"
 
 
 @dataclass(frozen=True)

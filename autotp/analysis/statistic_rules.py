@@ -12,7 +12,13 @@ A reduction keeps the split of every dim it does not reduce. Over a sharded dim:
   split of the dim it scales (kind ``bias``). Megatron computes a norm over a
   sharded hidden dim this way; the planner weighs it against keeping the producer
   whole (``Walker.allow_statistic``).
-* Anything else (``amax``, ``prod``, ``var``...) needs the dim whole: a conflict.
+* ``amax`` / ``amin`` (and ``max()`` / ``min()`` of everything) of a value that takes no
+  gradient (a quantization scale) over a sharded dim: each rank's extremum, max-reduced
+  over the group (``NodeRole.SHARDED_EXTREMUM``). With a gradient it would flow to the
+  maxima of every rank that ties, so the dim stays whole.
+* ``group_norm`` over channels split in whole groups; per-channel affine ops
+  (``fake_quantize_per_channel_affine``) whose scales follow the channel dim's split.
+* Anything else (``prod``, ``var``...) needs the dim whole: a conflict.
 
 A statistic over a dim that ranks hold in replicated blocks (KV heads at tp > heads)
 would count those blocks several times; the pass divides by the replica count.
@@ -46,6 +52,9 @@ WHOLE = {
     aten.count_nonzero.dim_IntList, aten.count_nonzero.default,
 }  # fmt: skip
 REDUCTIONS = SUMS | MEANS | VECTOR_NORMS | WHOLE
+EXTREMA = {aten.amax.default: "max", aten.amin.default: "min", aten.max.default: "max", aten.min.default: "min"}
+PER_CHANNEL = {aten.fake_quantize_per_channel_affine.default, aten._fake_quantize_learnable_per_channel_affine.default}
+PER_TENSOR = {aten.fake_quantize_per_tensor_affine.tensor_qparams, aten._fake_quantize_learnable_per_tensor_affine.default}
 NORMS = {aten.layer_norm.default, aten.rms_norm.default}
 
 
@@ -116,7 +125,7 @@ def norm(w: Walker, node: Node) -> Any:
         _statistic(w, node, [v for _, v in normed])
         w.out.roles[node] = NodeRole.SHARDED_NORM
         for a in weights:
-            _follow(w, node, a, {d - first: v for d, v in normed})
+            follow_split(w, node, a, {d - first: v for d, v in normed})
     elif normed:
         raise ShardingConflict(f"{describe(node)}: normalizes over a sharded dim", lay.origins(), tuple(v for _, v in normed))
     else:
@@ -152,7 +161,7 @@ def group_norm(w: Walker, node: Node) -> Any:
     if groups % w.tp or root.padded or root.segments is not None:
         raise ShardingConflict(f"{describe(node)}: {groups} groups do not stay whole on tp={w.tp} ranks", lay.origins(), (var,))
     for a in weights:
-        _follow(w, node, a, {0: var})
+        follow_split(w, node, a, {0: var})
     return lay
 
 
@@ -173,12 +182,13 @@ def batch_norm(w: Walker, node: Node) -> Any:
             w.concrete(a, node)
             w.reduce_first(node, [a])
         else:
-            _follow(w, node, a, {0: var})
+            follow_split(w, node, a, {0: var})
     return lay
 
 
-def _follow(w: Walker, node: Node, weight: Node, dims: dict[int, DimVar]) -> None:
-    """A norm's weight or bias (shaped like the normalized dims) takes their split."""
+def follow_split(w: Walker, node: Node, weight: Node, dims: dict[int, DimVar]) -> None:
+    """A per-channel operand (a norm's weight or bias, a quantizer's scales: shaped like the
+    dims it scales) takes their split."""
     lay = w.get(weight)
     if isinstance(lay, ParamView):
         if len(dims) > 1:
@@ -197,3 +207,48 @@ def _follow(w: Walker, node: Node, weight: Node, dims: dict[int, DimVar]) -> Non
         else:
             raise ShardingConflict(f"{describe(node)}: the norm weight is split differently", lay.origins() | var.find().origins)
 
+
+
+def extremum(w: Walker, node: Node) -> Any:
+    """``amax`` / ``amin`` / ``max()`` / ``min()``: the split of every dim it keeps; over a
+    sharded dim, a tp-reduced statistic where the value takes no gradient."""
+    x = node.args[0]
+    lay = w.summed(x, node)
+    nd = len(shape_of(x) or ())
+    reduced = reduced_dims(node, nd)
+    shape = shape_of(x) or ()
+    drop_unit_dims(lay, node, [d for d in reduced if shape[d] == 1])
+    sharded = [lay.var_at(d) for d in reduced if lay.var_at(d) is not None]
+    if not sharded:
+        kept = [d for d in range(nd) if d not in reduced]
+        return lay if schema_arg(node, "keepdim", False) else shard({kept.index(d): v for d, v in lay.dims})
+    if w.grad_of(node) or len(sharded) != len(lay.dims):
+        raise ShardingConflict(f"{describe(node)}: needs a sharded dim whole", lay.origins(), tuple(sharded))
+    _statistic(w, node, sharded)  # type: ignore[arg-type]
+    w.out.roles[node] = NodeRole.SHARDED_EXTREMUM
+    return REPLICATE
+
+
+def per_channel(w: Walker, node: Node) -> Any:
+    """``fake_quantize_per_channel_affine(x, scale, zero_point, axis, ...)``: elementwise in x,
+    with ``scale`` and ``zero_point`` along ``axis``, which take that dim's split."""
+    x = node.args[0]
+    lay = w.summed(x, node)
+    var = lay.var_at(norm_dim(schema_arg(node, "axis"), len(shape_of(x) or ())))
+    for a in node.args[1:3]:
+        if var is not None:
+            follow_split(w, node, a, {0: var})
+            continue
+        w.reduce_first(node, [a])
+        if w.concrete(a, node).dims:
+            raise ShardingConflict(f"{describe(node)}: per-channel parameters split where the channels are whole", w.concrete(a, node).origins())
+    return lay
+
+
+def per_tensor(w: Walker, node: Node) -> Any:
+    """``fake_quantize_per_tensor_affine(x, scale, zero_point, ...)``: elementwise in x with one
+    scale for the whole tensor, which every rank holds whole."""
+    for a in node.args[1:3]:
+        w.concrete(a, node)
+        w.reduce_first(node, [a])
+    return w.summed(node.args[0], node)
