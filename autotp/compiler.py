@@ -49,7 +49,6 @@ from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.cost_model.unread_params import plan_unread_params, refuse_reading_unread
 from autotp.ir import meta_keys
 from autotp.ir.fp8 import DEFAULT_RECIPE
-from autotp.ir.op_facts import draws_random
 from autotp.ir.plan import OVERLAP_ALL_GATHER, OVERLAP_REDUCE_SCATTER, ParallelPlan
 from autotp.ir.rank_log import warn_once
 from autotp.passes import PASSES, PROGRAM_PASSES
@@ -249,7 +248,6 @@ def plan_model(
     chosen = with_recompute(traced, chosen, recompute, planned_here=not isinstance(plan, ParallelPlan))
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)
-    _warn_staged_draws(traced, chosen)
     sparse = sparse_gradient_node(traced)
     if sparse is not None and chosen.tp * chosen.pp * chosen.dp > 1:
         raise UserInputError(f"{describe(sparse)} gives its weight a sparse gradient (sparse=True), which autotp does not "
@@ -317,23 +315,6 @@ def _warn_replicated(traced: GraphModule, plan: ParallelPlan) -> None:
             "a tp rank holds %.0f%% of the parameters (tp=%d; at most %.0f%% expected): the largest replicated "
             "parameters are %s; `autotp explain` and `autotp dump` show the op that kept them whole",
             100 * held, plan.tp, 100 * REPLICATED_SLACK / plan.tp, largest,
-        )
-
-
-def _warn_staged_draws(traced: GraphModule, plan: ParallelPlan) -> None:
-    """Log a warning when a pipeline's forward draws random numbers from the default generator
-    (dropout's tp streams are seeded per stage, ``runtime/execution/rng.py``): each stage draws
-    from its own process's generator, not where one process would be after the earlier stages."""
-    if plan.pp == 1:
-        return
-    draw = next((n for n in traced.graph.nodes if draws_random(n) and n.target is not torch.ops.aten.dropout.default), None)
-    if draw is not None:
-        warn_once(
-            log,
-            "the forward draws random numbers (%s); under pp=%d each stage draws from its own process's generator, "
-            "so the numbers differ from one process's run of the model (seed each rank differently, e.g. by its "
-            "pp rank, so stages do not repeat each other's numbers)",
-            describe(draw), plan.pp,
         )
 
 

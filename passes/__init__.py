@@ -1,6 +1,7 @@
 """Graph passes: plain functions ``pass_fn(gm, ctx) -> gm``, one per file."""
 
 from autotp.passes.annotate_layouts import annotate_layouts
+from autotp.passes.batch_draws import batch_draws
 from autotp.passes.cancel_collectives import cancel_collectives
 from autotp.passes.causal_attention import causal_attention
 from autotp.passes.extract_chunks import extract_chunks
@@ -30,6 +31,7 @@ from autotp.passes.vocab_parallel_embedding import vocab_parallel_embedding
 PASSES: list[Pass] = [
     causal_attention,
     annotate_layouts,
+    batch_draws,
     rewrite_shapes,
     vocab_parallel_embedding,
     vocab_parallel_cross_entropy,

@@ -52,6 +52,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autotp.ir.batch_denominators import BATCH_DENOMINATOR
+from autotp.ir.batch_draws import BATCH_DRAW
 from autotp.ir.op_facts import mutated_base
 from autotp.ir import meta_keys, moe_ops, ops
 from autotp.ir import schedules
@@ -174,6 +175,8 @@ def _blocker(node: Node, ctx: PassContext, opaque: dict[Any, str], blocked: set[
         return make(RNG, reason)
     if node.target is BATCH_DENOMINATOR:
         return make(HOST_VALUE, "batch_denominator takes the whole batch's denominator that train_step sets on the host each step")
+    if node.target is BATCH_DRAW:
+        return make(HOST_VALUE, "batch_draw takes its piece of the step's draw, which the runtime makes on the host before the step")
     if node.target in _OVERLAPPED and ctx.plan.tp > 1:
         return make(OVERLAP, f"{node.target.__name__.removesuffix('.default')} pipelines its collective with its GEMM "
                     "(symmetric-memory barriers, or the ring's P2P waits), which autotp does not capture; it runs eagerly "

@@ -509,7 +509,6 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "tied_autoencoder": TiedAutoencoderLM,
 }
 MOE = frozenset({"gathered_expert_weights"})
-MICROBATCHES = {"drop_path": 1}
 
 
 def build(name: str) -> nn.Module:

@@ -21,7 +21,7 @@ projections. Models that draw in the forward match the unmodified model only fro
 generator state: the strict rule seeds both sides alike.
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
-fixed weights), ``example_inputs(name)``, ``loss_fn(name)``, ``MOE`` and ``MICROBATCHES``.
+fixed weights), ``example_inputs(name)``, ``loss_fn(name)`` and ``MOE``.
 """
 
 from __future__ import annotations
@@ -966,9 +966,6 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "padded_encoder_decoder": PaddedEncoderDecoder,
 }
 MOE = frozenset({"soft_moe_encoder", "where_tuple_moe", "vmap_experts"})
-# A forward that draws its mask per call draws other numbers for half the batch than for the
-# whole one (as dropout does under gradient accumulation): its pipeline runs the batch whole.
-MICROBATCHES = {"mae_random_masking": 1}
 
 
 def build(name: str) -> nn.Module:

@@ -36,9 +36,6 @@ FAST = ("shared_rope", "ste_activation", "fp32_qk_norm", "vit_loss_fn", "torch_n
 KNOWN_GAPS: dict[tuple[str, str], str] = {  # (config, model): why it fails today; the sweep fails if it passes or fails otherwise
     # one layer module run LAYERS + 1 times: every stage would hold it whole, so pp saves nothing; refused naming it
     ("pp2", "albert_shared_layer"): "module 'shared' runs 3 times with the same parameters",
-    # each stage draws from its own process's generator, so the second stage's draws are not the
-    # ones the unmodified model makes after the first stage's (docs/architecture.md, "Random draws in the forward")
-    ("pp2", "stochastic_units"): "numerics: loss",
 }
 # fp32 rounding only, which depends on the platform's kernels: a mismatch is allowed, nothing else.
 # The all-reduced sums of row-parallel projections round otherwise, and Gemma's post-norms and soft

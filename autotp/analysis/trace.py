@@ -38,7 +38,9 @@ from autotp.analysis.trace_decompose import decompose_parameter_ops, draw_by_siz
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
 from autotp.analysis.trace_guards import refuse_lazy_parameters, refuse_parameter_writes, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
+from autotp.ir import meta_keys
 from autotp.ir.errors import UserInputError
+from autotp.ir.op_facts import draws_random
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +161,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     draw_by_size(gm)
     if split_batch:
         normalize_loss_denominators(gm, _rows_by_name(gm, model, kwargs, device))
+        _mark_draw_rows(gm, model, kwargs, device)
     mark_elementwise(gm)
     gm.recompile()  # once, after the rewrites above
     refuse_parameter_writes(type(model).__name__, gm)
@@ -171,10 +174,32 @@ def _rows_by_name(gm: GraphModule, model: nn.Module, kwargs: dict[str, Any], dev
     in a trace of the batch doubled, node by node of the same name."""
     if batch_size(kwargs) >= 2:
         return batch_rows_at(gm, batch_size(kwargs))
-    doubled = tree_map(lambda v: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() else v, kwargs)
-    twice = trace(model, doubled, device)
+    twice = _doubled(model, kwargs, device)
     rows, nodes = batch_rows_at(twice, 2), {n.name: n for n in twice.graph.nodes}
     return lambda node: rows(nodes[node.name]) if node.name in nodes else set()
+
+
+def _doubled(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str) -> GraphModule:
+    """The trace of ``model`` on every input's rows twice."""
+    return trace(model, tree_map(lambda v: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() else v, kwargs), device)
+
+
+def _mark_draw_rows(gm: GraphModule, model: nn.Module, kwargs: dict[str, Any], device: torch.device | str) -> None:
+    """Mark each random draw with the dims of it that hold the batch's rows
+    (``meta_keys.BATCH_DRAW_ROWS``): those whose size doubles in a trace of the batch doubled
+    (a draw's size comes from the inputs' shapes, not their rows, so the walk cannot tell)."""
+    draws = [n for n in gm.graph.nodes if n.op == "call_function" and draws_random(n)]
+    if not draws:
+        return
+    twice = {n.name: n.meta.get("val") for n in _doubled(model, kwargs, device).graph.nodes}
+    for node in draws:
+        val, other = node.meta.get("val"), twice.get(node.name)
+        if not isinstance(val, torch.Tensor) or not isinstance(other, torch.Tensor) or other.dim() != val.dim():
+            node.meta[meta_keys.BATCH_DRAW_ROWS] = None
+            continue
+        grown = [d for d in range(val.dim()) if other.shape[d] != val.shape[d]]
+        doubles = all(other.shape[d] == 2 * val.shape[d] for d in grown)
+        node.meta[meta_keys.BATCH_DRAW_ROWS] = tuple(grown) if doubles else None
 
 
 def _export(

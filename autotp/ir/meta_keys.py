@@ -80,3 +80,11 @@ CHECKPOINTED = "autotp_checkpointed"
 BATCH_DENOMINATORS = "autotp_batch_denominators"
 """On a traced graph module's ``meta``: the ``batch_denominators.DenominatorProgram`` of each
 ``batch_denominator`` the trace inserted (``analysis.loss_denominators``)."""
+
+BATCH_DRAW_ROWS = "autotp_batch_draw_rows"
+"""On a random draw of a traced piece of a split step: the dims of the draw that hold the batch's
+rows (found in a trace of the batch doubled; None: not found). ``passes/batch_draws`` reads it."""
+
+BATCH_DRAWS = "autotp_batch_draws"
+"""On a rank graph module's ``meta``: the ``batch_draws.DrawProgram`` of each ``batch_draw``
+(``passes/batch_draws``), in the forward's order."""

@@ -1,8 +1,10 @@
 """How ``train_step`` cuts a batch into pieces (dp ranks x microbatches), and what each piece
-must know of the whole batch: the whole batch's loss denominators (``autotp.ir.batch_denominators``)."""
+must know of the whole batch: the whole batch's loss denominators (``autotp.ir.batch_denominators``)
+and its random draws (``autotp.ir.batch_draws``)."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -11,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
 from autotp.analysis.batch_rows import batch_size
-from autotp.ir import batch_denominators, meta_keys
+from autotp.ir import batch_denominators, batch_draws, meta_keys
 from autotp.ir.errors import UserInputError
 from autotp.ir.program import RankProgram
 from autotp.runtime.state.parameters import Parameters
@@ -63,3 +65,9 @@ def whole_batch_denominators(program: RankProgram, calls: list[dict[str, Any]], 
             return batch_denominators.whole_batch_values(programs, calls, pieces, over_dp)
     finally:
         Parameters.release(cores)
+
+
+def step_draws(program: RankProgram, pieces: int, first: int, count: int) -> AbstractContextManager[None]:
+    """``program``'s random draws made once for a step of ``pieces`` pieces, of which this
+    rank runs ``count`` from piece ``first`` on (``batch_draws.step_draws``)."""
+    return batch_draws.step_draws(program.graph.meta.get(meta_keys.BATCH_DRAWS, ()), pieces, range(first, first + count))

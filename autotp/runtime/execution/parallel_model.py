@@ -214,7 +214,7 @@ class ParallelModel(nn.Module):
                 guards.explain_retrace_failure(call, list(self._graphs), e)
                 raise
             unsplit = self._graphs.get((*key[:-1], False))
-            if unsplit is not None and not program.graph.meta.get(meta_keys.BATCH_DENOMINATORS):
+            if unsplit is not None and not any(program.graph.meta.get(k) for k in (meta_keys.BATCH_DENOMINATORS, meta_keys.BATCH_DRAWS)):
                 compiled = unsplit  # the split graph is the same graph
             else:
                 compiled = self._prepare(program)
@@ -244,7 +244,8 @@ class ParallelModel(nn.Module):
         return self._pipeline_forward(compiled, call)
 
     def _pipeline_forward(self, compiled: CompiledSignature, call: dict[str, Any]) -> Any:
-        leaves = self._runner(compiled).run_forward(call)
+        with batch_pieces.step_draws(compiled.program, 1, 0, 1):
+            leaves = self._runner(compiled).run_forward(call)
         return self._broadcast_outputs(compiled, leaves)
 
     def _broadcast_outputs(self, compiled: CompiledSignature, leaves: list[torch.Tensor] | None) -> Any:
@@ -309,11 +310,10 @@ class ParallelModel(nn.Module):
         loss_of = loss_fn if loss_fn is not None else returned_loss
         outputs_read = () if loss_fn is not None else LOSS_ONLY
         calls = [self._as_kwargs((), mb) for mb in micro]
-        split = dp * m > 1
+        split, program = dp * m > 1, self._compiled_for(calls[0], outputs_read, dp * m > 1).program
         denominators = {} if not split else batch_pieces.whole_batch_denominators(
-            self._compiled_for(calls[0], outputs_read, split).program, calls, dp * m, self._params, self._device,
-            self._coords.dp_group if dp > 1 else None)  # fmt: skip
-        with batch_denominators.whole_batch(denominators):
+            program, calls, dp * m, self._params, self._device, self._coords.dp_group if dp > 1 else None)
+        with batch_denominators.whole_batch(denominators), batch_pieces.step_draws(program, dp * m, self._coords.dp_rank * m, m):
             if self.plan.num_chunks == 1:
                 total = torch.zeros((), device=self._device)
                 for call in calls:

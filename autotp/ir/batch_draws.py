@@ -1,0 +1,140 @@
+"""Random draws of the forward as one process draws them, when a step runs as pieces.
+
+A forward that draws from the default generator (an MAE's masks, a VAE's noise, stochastic
+units) draws, in one process, one tensor per draw for the whole batch, in the forward's order.
+A pipeline stage draws from its own process's generator, and a piece of a split step (dp
+ranks x microbatches) draws its own smaller tensor: other numbers than the unmodified model's.
+
+``passes/batch_draws`` replaces each such draw of a pipelined or split graph by
+``batch_draw(key, size, dtype, device)`` and keeps a ``DrawProgram`` per draw, in the forward's
+order. Before a step (or a pipelined forward) the runtime makes every draw once at the whole
+batch's size, in that order, on the default generator (``step_draws``): the generator is
+then where one process's forward leaves it. Each piece's ``batch_draw`` takes its own rows of
+that tensor (dim ``rows`` of the draw, the pieces in order; a draw without rows is the same
+for every piece). Outside such a step the op draws by itself, as the draw it replaced.
+
+A piece's draws are handed out in the order the piece's forwards run, per key; a recomputed
+region takes the piece it took in its forward again (``recompute.RNG_STATE_HOOKS``). The op is
+not captured by CUDA graphs (its value is chosen on the host, ``passes/find_cudagraph_candidates``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.library import Library
+
+from autotp.ir import recompute
+
+NAMESPACE = "autotp"
+
+_LIB = Library(NAMESPACE, "FRAGMENT")
+_LIB.define("batch_draw(str key, SymInt[] size, ScalarType dtype, Device device) -> Tensor")
+BATCH_DRAW = torch.ops.autotp.batch_draw.default
+
+
+@dataclass(frozen=True)
+class DrawProgram:
+    """One draw of the forward: ``target(*args, **kwargs)`` with ``SIZE`` in ``args`` (or the
+    tensor to fill, ``FILL``) standing for the drawn tensor's size; ``size``, ``dtype`` and
+    ``device``: one piece's draw; ``rows``: the dim that holds the batch's rows (None: the draw
+    has none, or the graph runs the batch whole)."""
+
+    key: str
+    target: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    size: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    rows: int | None
+
+    def draw(self, size: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+        def place(a: Any) -> Any:
+            if a is SIZE:
+                return list(size)
+            if a is FILL:
+                return torch.empty(list(size), dtype=dtype, device=device)
+            return a
+
+        return self.target(*[place(a) for a in self.args], **self.kwargs)
+
+
+class _Marker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+SIZE, FILL = _Marker("SIZE"), _Marker("FILL")
+
+_programs: dict[str, DrawProgram] = {}
+_pieces: dict[str, list[Tensor]] = {}  # key -> this process's pieces of the step's draw, in order
+_taken: dict[str, int] = {}  # key -> pieces handed out so far
+_keys = itertools.count()
+
+
+def register(name: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], like: Tensor, rows: int | None) -> DrawProgram:
+    """A program with a key of its own (the op's kernel finds it by it), drawing like ``like``."""
+    program = DrawProgram(f"{name}#{next(_keys)}", target, args, kwargs, tuple(like.shape), like.dtype, like.device, rows)
+    _programs[program.key] = program
+    return program
+
+
+@torch.library.register_fake(BATCH_DRAW, lib=_LIB)
+def _fake(key: str, size: Sequence[Any], dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.empty(list(size), dtype=dtype, device=device)
+
+
+def _batch_draw(key: str, size: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    pieces = _pieces.get(key)
+    if pieces is None:
+        return _programs[key].draw(size, dtype, device)
+    taken = _taken.get(key, 0)
+    if taken >= len(pieces):
+        raise RuntimeError(f"batch_draw '{key}': {taken + 1} forwards in a step of {len(pieces)} pieces on this process")
+    _taken[key] = taken + 1
+    return pieces[taken]
+
+
+_LIB.impl("batch_draw", _batch_draw, "CompositeExplicitAutograd")
+
+
+@contextmanager
+def step_draws(programs: Sequence[DrawProgram], pieces: int, mine: Sequence[int]) -> Iterator[None]:
+    """Inside, each program's ``batch_draw`` hands out this process's pieces ``mine`` (indices
+    among ``pieces``, in the order its forwards run) of one draw at the whole batch's size.
+    The draws are made here, in ``programs``' order."""
+    for program in programs:
+        whole = list(program.size)
+        if program.rows is not None:
+            whole[program.rows] *= pieces
+        drawn = program.draw(whole, program.dtype, program.device)
+        parts = drawn.chunk(pieces, program.rows) if program.rows is not None else [drawn] * pieces
+        _pieces[program.key] = [parts[i] for i in mine]
+        _taken[program.key] = 0
+    try:
+        yield
+    finally:
+        for program in programs:
+            _pieces.pop(program.key, None)
+            _taken.pop(program.key, None)
+
+
+def _pieces_taken() -> dict[str, int]:
+    return dict(_taken)
+
+
+def _restore_taken(taken: dict[str, int]) -> None:
+    _taken.update(taken)
+
+
+recompute.RNG_STATE_HOOKS.append((_pieces_taken, _restore_taken))

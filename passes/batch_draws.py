@@ -1,0 +1,136 @@
+"""Draw a pipelined or split graph's random numbers as the unmodified forward draws them
+(``autotp.ir.batch_draws``).
+
+In a graph that runs as pipeline chunks, or as one piece of a split step (the trace marked
+each draw with the dim that holds the batch's rows, ``meta_keys.BATCH_DRAW_ROWS``), each draw
+from the default generator becomes ``batch_draw`` with a ``DrawProgram`` (in the graph's
+order, ``meta_keys.BATCH_DRAWS`` on the graph):
+
+* a draw by size (``rand``, ``randn``, ``randint``...) draws that size;
+* a fill of a tensor whose values it ignores (``x.uniform_()``, ``x.bernoulli_(0.5)``,
+  ``torch.bernoulli(x, p=0.5)``...) fills one of the whole size; an in-place fill copies the
+  drawn values into its tensor;
+* ``bernoulli(p)`` of a tensor of probabilities is ``rand(p.shape) < p``, and ``normal(mean,
+  std)`` of tensors ``randn(shape) * std + mean`` (no gradient to either, as torch's): the
+  kernels' own formulas (the same numbers on the CPU), so that the draw does not read the
+  piece's values.
+
+Dropout has the tp streams (``passes/tp_dropout``). Other draws (``multinomial``, a draw whose
+rows the trace could not place) stay as they are, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from autotp.ir import meta_keys
+from autotp.ir.batch_draws import BATCH_DRAW, FILL, SIZE, DrawProgram, register
+from autotp.ir.errors import describe
+from autotp.ir.layouts import REPLICATE
+from autotp.ir.rank_log import warn_once
+from autotp.ir.op_facts import draws_random
+from autotp.passes.runner import PassContext
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+_BY_SIZE = frozenset({aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low})
+_FILLS = frozenset({
+    aten.uniform_.default, aten.normal_.default, aten.exponential_.default, aten.cauchy_.default, aten.log_normal_.default,
+    aten.geometric_.default, aten.random_.default, aten.random_.to, getattr(aten.random_, "from"), aten.bernoulli_.float,
+    aten.uniform.default, aten.exponential.default, aten.bernoulli.p,
+})  # fmt: skip
+_BY_FORMULA = frozenset({aten.bernoulli.default, aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor})
+
+
+def batch_draws(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    every = [n for n in gm.graph.nodes if n.op == "call_function" and draws_random(n) and n.target is not aten.dropout.default]
+    split = any(meta_keys.BATCH_DRAW_ROWS in n.meta for n in every)
+    if not every or (ctx.plan.num_chunks == 1 and not split):
+        return gm
+    draws = [n for n in every if replayable(n)]
+    left = next((n for n in every if n not in draws), None)
+    if left is not None:
+        warn_once(log, "the forward draws random numbers (%s) that autotp cannot draw for the whole batch at once: each "
+                  "pipeline stage and each piece of a split step draws them itself, other numbers than one process's run", describe(left))
+    programs = []
+    for node in draws:
+        rows = node.meta.get(meta_keys.BATCH_DRAW_ROWS, ())
+        if node.target in _BY_FORMULA:
+            node = _by_formula(gm, node)
+        programs.append(_through_op(gm, node, rows[0] if rows else None))
+    gm.meta[meta_keys.BATCH_DRAWS] = programs
+    gm.recompile()
+    return gm
+
+
+def replayable(node: Node) -> bool:
+    """Whether ``batch_draws`` draws ``node``'s numbers as the unmodified forward does."""
+    rows = node.meta.get(meta_keys.BATCH_DRAW_ROWS, ())
+    if rows is None or len(rows) > 1 or node.kwargs.get("generator") is not None:
+        return False
+    if not isinstance(node.meta.get("val"), torch.Tensor):
+        return False
+    if node.target in _BY_SIZE:
+        return not any(isinstance(a, Node) for a in node.args) and (not rows or _size_arg(node) is not None)
+    if node.target in _FILLS:
+        return not any(isinstance(a, Node) for a in node.args[1:])
+    return node.target in _BY_FORMULA
+
+
+def _size_arg(node: Node) -> int | None:
+    """The position of the argument that is the drawn size."""
+    shape = list(node.meta["val"].shape)
+    return next((i for i, a in enumerate(node.args) if isinstance(a, (list, tuple)) and list(a) == shape), None)
+
+
+def _by_formula(gm: GraphModule, node: Node) -> Node:
+    """``bernoulli(p)`` -> ``rand < p``; ``normal(mean, std)`` -> ``randn * std + mean``: the
+    new draw node by size, with ``node``'s rows; ``node`` becomes the formula's last op."""
+    val = node.meta["val"]
+    with gm.graph.inserting_before(node):
+        drawn = gm.graph.call_function(aten.rand.default if node.target is aten.bernoulli.default else aten.randn.default,
+                                       (list(val.shape),), {"dtype": val.dtype, "device": val.device})  # fmt: skip
+        drawn.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.ROLE})
+        drawn.meta[meta_keys.NEEDS_GRAD] = False
+        if node.target is aten.bernoulli.default:
+            below = _emit(gm, node, aten.lt.Tensor, (drawn, node.args[0]), val.to(torch.bool))
+            node.target, node.args, node.kwargs = aten._to_copy.default, (below,), {"dtype": val.dtype}
+        else:  # torch.normal has no gradient for its mean or std
+            mean, std = (_emit(gm, node, aten.detach.default, (a,), a.meta["val"]) if isinstance(a, Node) else a for a in node.args[:2])
+            scaled = _emit(gm, node, aten.mul.Tensor, (drawn, std), val)
+            node.target, node.args, node.kwargs = aten.add.Tensor, (scaled, mean), {}
+    return drawn
+
+
+def _emit(gm: GraphModule, like: Node, target: Any, args: tuple, val: torch.Tensor) -> Node:
+    new = gm.graph.call_function(target, args)
+    new.meta.update({k: v for k, v in like.meta.items() if k not in (meta_keys.ROLE, meta_keys.BATCH_DRAW_ROWS)})
+    new.meta["val"] = val
+    new.meta[meta_keys.LAYOUT] = REPLICATE
+    return new
+
+
+def _through_op(gm: GraphModule, node: Node, rows: int | None) -> DrawProgram:
+    """``node`` draws through ``batch_draw``; its program."""
+    val = node.meta["val"]
+    kwargs = {k: v for k, v in node.kwargs.items() if k not in ("generator", "memory_format")}
+    if node.target in _BY_SIZE:
+        at = _size_arg(node)
+        args = tuple(SIZE if i == at else a for i, a in enumerate(node.args))
+    else:
+        args = (FILL, *node.args[1:])
+    program = register(node.name, node.target, args, kwargs, val, rows)
+    call = (program.key, list(val.shape), val.dtype, val.device)
+    if node.target in _FILLS and node.target.overloadpacket.__name__.endswith("_"):  # in place: its tensor takes the drawn values
+        with gm.graph.inserting_before(node):
+            drawn = _emit(gm, node, BATCH_DRAW, call, val)
+        node.target, node.args, node.kwargs = aten.copy_.default, (node.args[0], drawn), {}
+    else:
+        node.target, node.args, node.kwargs = BATCH_DRAW, call, {}
+    node.meta.pop(meta_keys.BATCH_DRAW_ROWS, None)
+    return program
