@@ -28,13 +28,16 @@ class NoisyLayer(nn.Module):
     filled in place (``new_empty(...).bernoulli_(0.8)``), an MAE's shuffle by ``argsort`` of
     ``rand``, and one scalar for the whole batch (``torch.rand(())``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, units: bool = True) -> None:
         super().__init__()
         self.up, self.down = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+        self.units = units
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
-        h = h + 0.1 * torch.randn_like(h) + torch.bernoulli(torch.sigmoid(h)).detach() * 0.1
+        h = h + 0.1 * torch.randn_like(h)
+        if self.units:
+            h = h + torch.bernoulli(torch.sigmoid(h)).detach() * 0.1
         h = torch.normal(h, 0.05 + h.abs().detach() * 0.01)
         keep = x.new_empty(x.shape[0], 1, 1).bernoulli_(0.8)
         order = torch.rand(x.shape[0], x.shape[1], device=x.device).argsort(dim=1)
@@ -43,10 +46,10 @@ class NoisyLayer(nn.Module):
 
 
 class NoisyLM(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, units: bool = True) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.embed, self.layers, self.head = nn.Embedding(VOCAB, DIM), nn.ModuleList(NoisyLayer() for _ in range(4)), nn.Linear(DIM, VOCAB)
+        self.embed, self.layers, self.head = nn.Embedding(VOCAB, DIM), nn.ModuleList(NoisyLayer(units) for _ in range(4)), nn.Linear(DIM, VOCAB)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         h = self.embed(input_ids)
@@ -66,7 +69,7 @@ def _reference(model: nn.Module, batch: dict[str, torch.Tensor], seed: int) -> t
     torch.manual_seed(seed)
     loss = model(**batch)["loss"]
     loss.backward()
-    after = torch.rand(4)
+    after = torch.rand(4, device=loss.device)
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, after
 
 
