@@ -11,7 +11,7 @@ order, ``meta_keys.BATCH_DRAWS`` on the graph):
   ``torch.bernoulli(x, p=0.5)``...) fills one of the whole size; an in-place fill copies the
   drawn values into its tensor;
 * ``bernoulli(p)`` of a tensor of probabilities is ``rand(p.shape) < p``, and ``normal(mean,
-  std)`` of tensors ``randn(shape) * std + mean`` (no gradient to either, as torch's): the
+  std)`` of tensors ``randn(shape) * std + mean`` (a zero gradient to each, as torch's): the
   kernels' own formulas (the same numbers on the CPU), so that the draw does not read the
   piece's values.
 
@@ -90,25 +90,32 @@ def _size_arg(node: Node) -> int | None:
 
 def _by_formula(gm: GraphModule, node: Node) -> Node:
     """``bernoulli(p)`` -> ``rand < p``; ``normal(mean, std)`` -> ``randn * std + mean``: the
-    new draw node by size, with ``node``'s rows; ``node`` becomes the formula's last op."""
+    new draw node by size, with ``node``'s rows; ``node`` becomes the formula's last op. As
+    torch's own ops, the result gives its tensor inputs a zero gradient (not none): the value
+    is computed from them detached and selected by ``where`` over each of them."""
     val = node.meta["val"]
+    inputs = [a for a in node.args[:2] if isinstance(a, Node)]
     with gm.graph.inserting_before(node):
         drawn = gm.graph.call_function(aten.rand.default if node.target is aten.bernoulli.default else aten.randn.default,
                                        (list(val.shape),), {"dtype": val.dtype, "device": val.device})  # fmt: skip
         drawn.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.ROLE})
         drawn.meta[meta_keys.NEEDS_GRAD] = False
+        detached = {a: _emit(gm, node, aten.detach.default, (a,), a.meta["val"]) for a in inputs}
+        args = [detached.get(a, a) for a in node.args[:2]]
         if node.target is aten.bernoulli.default:
-            below = _emit(gm, node, aten.lt.Tensor, (drawn, node.args[0]), val.to(torch.bool))
-            node.target, node.args, node.kwargs = aten._to_copy.default, (below,), {"dtype": val.dtype}
-        else:  # torch.normal has no gradient for its mean or std
-            mean, std = (_emit(gm, node, aten.detach.default, (a,), a.meta["val"]) if isinstance(a, Node) else a for a in node.args[:2])
-            scaled = _emit(gm, node, aten.mul.Tensor, (drawn, std), val)
-            node.target, node.args, node.kwargs = aten.add.Tensor, (scaled, mean), {}
+            below = _emit(gm, node, aten.lt.Tensor, (drawn, args[0]), val.to(torch.bool))
+            value = _emit(gm, node, aten._to_copy.default, (below,), val, dtype=val.dtype)
+        else:
+            value = _emit(gm, node, aten.add.Tensor, (_emit(gm, node, aten.mul.Tensor, (drawn, args[1]), val), args[0]), val)
+        true = _emit(gm, node, aten.full.default, ([], True), torch.ones((), dtype=torch.bool, device=val.device), dtype=torch.bool, device=val.device)
+        for a in inputs[1:]:
+            value = _emit(gm, node, aten.where.self, (true, value, a), val)
+    node.target, node.args, node.kwargs = aten.where.self, (true, value, inputs[0]), {}
     return drawn
 
 
-def _emit(gm: GraphModule, like: Node, target: Any, args: tuple, val: torch.Tensor) -> Node:
-    new = gm.graph.call_function(target, args)
+def _emit(gm: GraphModule, like: Node, target: Any, args: tuple, val: torch.Tensor, **kwargs: Any) -> Node:
+    new = gm.graph.call_function(target, args, kwargs)
     new.meta.update({k: v for k, v in like.meta.items() if k not in (meta_keys.ROLE, meta_keys.BATCH_DRAW_ROWS)})
     new.meta["val"] = val
     new.meta[meta_keys.LAYOUT] = REPLICATE

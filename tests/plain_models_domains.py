@@ -364,13 +364,13 @@ class FakeQuantLinear(nn.Linear):
         return F.linear(x, w, self.bias)
 
 
-class FakeQuantMLP(nn.Module):
-    def __init__(self) -> None:
+class QuantizedMLP(nn.Module):
+    def __init__(self, linear: type[nn.Linear], act: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
-        self.up, self.down = FakeQuantLinear(DIM, 4 * DIM), FakeQuantLinear(4 * DIM, DIM)
+        self.up, self.down, self.act = linear(DIM, 4 * DIM), linear(4 * DIM, DIM), act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
+        return self.down(self.act(self.up(x)))
 
 
 # ---- a ViT with 2-D axial rotary embeddings (EVA-02, ViT-RoPE) ------------------------------
@@ -432,15 +432,6 @@ class LearnedScaleLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = torch._fake_quantize_learnable_per_channel_affine(self.weight, self.w_scale, self.w_zero, 0, -8, 7, 1.0)
         return F.linear(x, w, self.bias)
-
-
-class LearnedScaleMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = LearnedScaleLinear(DIM, 4 * DIM), LearnedScaleLinear(4 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.relu(self.up(x)).square())
 
 
 class ConvNeXtBlock(nn.Module):
@@ -619,9 +610,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "hourglass_shortening": HourglassLM,
     "chunked_loss_loop": ChunkedLossLM,
     "deep_supervision": DeepSupervisionLM,
-    "fake_quant_qat": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), FakeQuantMLP())),
+    "fake_quant_qat": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), QuantizedMLP(FakeQuantLinear, F.gelu))),
     "axial_rope_vit": AxialRopeViT,
-    "lsq_learned_scales": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), LearnedScaleMLP())),
+    "lsq_learned_scales": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), QuantizedMLP(LearnedScaleLinear, lambda h: F.relu(h).square()))),
     "unfold_convnext_vit": UnfoldViT,
     "moe_scatter_reduce": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), ScatterReduceMoE())),
     "vlm_masked_scatter": TinyVLM,

@@ -84,9 +84,8 @@ def _step(rank: int, world: int, tp: int, pp: int, microbatches: int, options: d
     after = torch.rand(4)
     grads = pm.unshard_grads()
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
-    for name, want in grads_ref.items():
-        if grads.get(name) is not None:
-            torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6, msg=name)
+    for name, want in grads_ref.items():  # torch.normal gives the up projections a zero gradient, not none
+        torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6, msg=name)
     torch.testing.assert_close(after, after_ref, rtol=0, atol=0)
     if pp > 1:  # a pipelined forward draws as the unmodified forward too
         torch.manual_seed(6)

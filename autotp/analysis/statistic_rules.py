@@ -208,7 +208,6 @@ def follow_split(w: Walker, node: Node, weight: Node, dims: dict[int, DimVar]) -
             raise ShardingConflict(f"{describe(node)}: the norm weight is split differently", lay.origins() | var.find().origins)
 
 
-
 def extremum(w: Walker, node: Node) -> Any:
     """``amax`` / ``amin`` / ``max()`` / ``min()``: the split of every dim it keeps; over a
     sharded dim, a tp-reduced statistic where the value takes no gradient."""
@@ -240,8 +239,9 @@ def per_channel(w: Walker, node: Node) -> Any:
             follow_split(w, node, a, {0: var})
             continue
         w.reduce_first(node, [a])
-        if w.concrete(a, node).dims:
-            raise ShardingConflict(f"{describe(node)}: per-channel parameters split where the channels are whole", w.concrete(a, node).origins())
+        split = w.concrete(a, node)
+        if split.dims:
+            raise ShardingConflict(f"{describe(node)}: per-channel parameters split where the channels are whole", split.origins())
     return lay
 
 

@@ -55,12 +55,14 @@ class DrawProgram:
     device: torch.device
     rows: int | None
 
-    def draw(self, size: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    def draw(self, size: Sequence[int]) -> Tensor:
+        """The draw at ``size`` (the program's dtype and device), from the default generator."""
+
         def place(a: Any) -> Any:
             if a is SIZE:
                 return list(size)
             if a is FILL:
-                return torch.empty(list(size), dtype=dtype, device=device)
+                return torch.empty(list(size), dtype=self.dtype, device=self.device)
             return a
 
         return self.target(*[place(a) for a in self.args], **self.kwargs)
@@ -97,7 +99,7 @@ def _fake(key: str, size: Sequence[Any], dtype: torch.dtype, device: torch.devic
 def _batch_draw(key: str, size: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
     pieces = _pieces.get(key)
     if pieces is None:
-        return _programs[key].draw(size, dtype, device)
+        return _programs[key].draw(size)
     taken = _taken.get(key, 0)
     if taken >= len(pieces):
         raise RuntimeError(f"batch_draw '{key}': {taken + 1} forwards in a step of {len(pieces)} pieces on this process")
@@ -117,7 +119,7 @@ def step_draws(programs: Sequence[DrawProgram], pieces: int, mine: Sequence[int]
         whole = list(program.size)
         if program.rows is not None:
             whole[program.rows] *= pieces
-        drawn = program.draw(whole, program.dtype, program.device)
+        drawn = program.draw(whole)
         parts = drawn.chunk(pieces, program.rows) if program.rows is not None else [drawn] * pieces
         _pieces[program.key] = [parts[i] for i in mine]
         _taken[program.key] = 0
