@@ -77,8 +77,10 @@ def replayable(node: Node) -> bool:
         return False
     if node.target in _BY_SIZE:
         return not any(isinstance(a, Node) for a in node.args) and (not rows or _size_arg(node) is not None)
-    if node.target in _FILLS:
-        return not any(isinstance(a, Node) for a in node.args[1:])
+    if node.target in _FILLS:  # a fill of a strided view fills in another order than a new tensor
+        filled = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+        contiguous = isinstance(filled, torch.Tensor) and filled.is_contiguous()
+        return contiguous and not any(isinstance(a, Node) for a in node.args[1:])
     return node.target in _BY_FORMULA
 
 

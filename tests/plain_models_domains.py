@@ -13,8 +13,10 @@ that shortens the sequence by a linear over pairs of tokens and lengthens it by
 einsum over a group dim; quantization-aware training by ``torch.fake_quantize_*``; 2-D axial
 rotary embeddings in a ViT; deep supervision (one tied head read after every layer); LSQ's
 trained per-channel scales; a ViT with ``F.unfold`` patches, a ConvNeXt block, a position table
-resized by bicubic ``F.interpolate`` and einsums with ``...``; and a top-2 MoE summing its
-experts back by ``scatter_reduce``.
+resized by bicubic ``F.interpolate`` and einsums with ``...``; a top-2 MoE summing its
+experts back by ``scatter_reduce``; a LLaVA-style merge by ``masked_scatter``; ``nn.PReLU``;
+scans in log space; embeddings by ``one_hot`` and ``embedding_bag``; the DDPM training step
+drawing its noise and timesteps in the forward; and Gumbel-softmax routing.
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)``.
@@ -114,6 +116,26 @@ class TinyUNet(nn.Module):
         h = self.up(torch.cat([h, skip], dim=1), temb)
         pred = self.conv_out(F.silu(self.norm_out(h)))
         return {"logits": pred, "loss": F.mse_loss(pred.float(), noise.float())}
+
+
+class DiffusionTraining(nn.Module):
+    """The DDPM training step inside the forward: timesteps by ``randint`` and noise by
+    ``randn_like``, each sample's noise level gathered from a schedule buffer by its timestep."""
+
+    STEPS = 1000
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unet = TinyUNet()
+        betas = torch.linspace(1e-4, 0.02, self.STEPS)
+        self.register_buffer("alphas_cumprod", torch.cumprod(1 - betas, dim=0), persistent=False)
+
+    def forward(self, latents: torch.Tensor) -> dict[str, Any]:
+        noise = torch.randn_like(latents)
+        timesteps = torch.randint(0, self.STEPS, (latents.shape[0],), device=latents.device)
+        level = self.alphas_cumprod[timesteps][:, None, None, None]
+        noisy = level.sqrt() * latents + (1 - level).sqrt() * noise
+        return self.unet(noisy, timesteps, noise)
 
 
 # ---- packed documents ---------------------------------------------------------------------
@@ -598,6 +620,24 @@ class OneHotEmbeddingLM(DecoderLM):
         return {"logits": logits, "loss": lm_loss(logits, torch.take_along_dim(labels, keep, dim=1))}
 
 
+class GumbelRoutedMoE(nn.Module):
+    """Each token's expert by a hard Gumbel-softmax of the router's logits (noise from
+    ``exponential_``), the straight-through one-hot weighing the stacked experts' outputs."""
+
+    EXPERTS = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, self.EXPERTS, bias=False)
+        self.w_in = nn.Parameter(torch.randn(self.EXPERTS, DIM, 2 * DIM) * DIM**-0.5)
+        self.w_out = nn.Parameter(torch.randn(self.EXPERTS, 2 * DIM, DIM) * (2 * DIM) ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates = F.gumbel_softmax(self.router(x), tau=0.5, hard=True)  # [B, S, E], one-hot forward
+        hidden = F.gelu(torch.einsum("bsd,edf->bsef", x, self.w_in))
+        return torch.einsum("bsef,efd,bse->bsd", hidden, self.w_out, gates)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "diffusion_unet": TinyUNet,
     "packed_documents": PackedDocumentsLM,
@@ -619,8 +659,10 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "prelu_in_place": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), PReLUMLP())),
     "log_space_scans": lambda: DecoderLM(lambda: PreNormBlock(LogSpaceGatedMixer())),
     "one_hot_embedding_bag": OneHotEmbeddingLM,
+    "diffusion_training_step": DiffusionTraining,
+    "gumbel_router_moe": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), GumbelRoutedMoE())),
 }
-MOE = frozenset({"moe_scatter_reduce"})
+MOE = frozenset({"moe_scatter_reduce", "gumbel_router_moe"})
 
 
 def build(name: str) -> nn.Module:
@@ -633,6 +675,8 @@ def example_inputs(name: str, batch: int = 2, seq: int = SEQ) -> dict[str, torch
     if name == "diffusion_unet":
         return {"sample": torch.randn(batch, 4, 8, 8, generator=gen), "timestep": torch.randint(0, 1000, (batch,), generator=gen),
                 "noise": torch.randn(batch, 4, 8, 8, generator=gen)}  # fmt: skip
+    if name == "diffusion_training_step":
+        return {"latents": torch.randn(batch, 4, 8, 8, generator=gen)}
     if name == "simmim_pixel_shuffle":
         masked = torch.rand(batch, IMAGE // PATCH, IMAGE // PATCH, generator=gen) < 0.5
         masked[0, 0, :] = True  # the rows count different numbers of masked pixels
