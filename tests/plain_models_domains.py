@@ -16,7 +16,8 @@ trained per-channel scales; a ViT with ``F.unfold`` patches, a ConvNeXt block, a
 resized by bicubic ``F.interpolate`` and einsums with ``...``; a top-2 MoE summing its
 experts back by ``scatter_reduce``; a LLaVA-style merge by ``masked_scatter``; ``nn.PReLU``;
 scans in log space; embeddings by ``one_hot`` and ``embedding_bag``; the DDPM training step
-drawing its noise and timesteps in the forward; and Gumbel-softmax routing.
+drawing its noise and timesteps in the forward; Gumbel-softmax routing; and a loss weighted
+per sample over the weights' sum, with left padding.
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)``.
@@ -372,6 +373,26 @@ class DeepSupervisionLM(DecoderLM):
         return {"logits": logits, "loss": loss}
 
 
+class SampleWeightedLM(DecoderLM):
+    """Left-padded rows: positions from the mask (``cumsum - 1``, written in place where padded),
+    a per-row mean of the token losses weighted by each sample's weight over the weights' sum."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(NanoGPTAttention()))
+        self.position = nn.Embedding(SEQ, DIM)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, sample_weight: torch.Tensor) -> dict[str, Any]:
+        positions = attention_mask.long().cumsum(-1) - 1
+        positions.masked_fill_(attention_mask == 0, 0)
+        h = self.embed(input_ids) + self.position(positions)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.logits(h)
+        per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+        per_row = (per_token * attention_mask).sum(1) / attention_mask.sum(1)
+        return {"logits": logits, "loss": (per_row * sample_weight).sum() / sample_weight.sum()}
+
+
 # ---- quantization-aware training ----------------------------------------------------------
 
 
@@ -661,6 +682,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "one_hot_embedding_bag": OneHotEmbeddingLM,
     "diffusion_training_step": DiffusionTraining,
     "gumbel_router_moe": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), GumbelRoutedMoE())),
+    "sample_weighted_loss": SampleWeightedLM,
 }
 MOE = frozenset({"moe_scatter_reduce", "gumbel_router_moe"})
 
@@ -693,6 +715,10 @@ def example_inputs(name: str, batch: int = 2, seq: int = SEQ) -> dict[str, torch
         ids[:, 2 : 2 + IMAGE_TOKENS] = IMAGE_TOKEN
         labels[:, : 2 + IMAGE_TOKENS] = IGNORE
         return {"input_ids": ids, "pixel_values": torch.randn(batch, 3, IMAGE, IMAGE, generator=gen), "labels": labels}
+    if name == "sample_weighted_loss":
+        mask = torch.ones_like(ids)
+        mask[0, :5] = 0  # left padding in the first row
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels, "sample_weight": torch.tensor([0.5, 2.0])[:batch]}
     if name == "chunked_loss_loop":
         labels[1, 3:] = IGNORE
     return {"input_ids": ids, "labels": labels}
