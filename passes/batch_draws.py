@@ -28,7 +28,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autotp.ir import meta_keys
-from autotp.ir.batch_draws import BATCH_DRAW, FILL, SIZE, DrawProgram, register
+from autotp.ir.batch_draws import BATCH_DRAW, BY_FORMULA, BY_SIZE, FILL, FILLS, SIZE, DrawProgram, register
 from autotp.ir.errors import describe
 from autotp.ir.layouts import REPLICATE
 from autotp.ir.rank_log import warn_once
@@ -38,13 +38,6 @@ from autotp.passes.runner import PassContext
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-_BY_SIZE = frozenset({aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low})
-_FILLS = frozenset({
-    aten.uniform_.default, aten.normal_.default, aten.exponential_.default, aten.cauchy_.default, aten.log_normal_.default,
-    aten.geometric_.default, aten.random_.default, aten.random_.to, getattr(aten.random_, "from"), aten.bernoulli_.float,
-    aten.uniform.default, aten.exponential.default, aten.bernoulli.p,
-})  # fmt: skip
-_BY_FORMULA = frozenset({aten.bernoulli.default, aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor})
 
 
 def batch_draws(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -60,7 +53,7 @@ def batch_draws(gm: GraphModule, ctx: PassContext) -> GraphModule:
     programs = []
     for node in draws:
         rows = node.meta.get(meta_keys.BATCH_DRAW_ROWS, ())
-        if node.target in _BY_FORMULA:
+        if node.target in BY_FORMULA:
             node = _by_formula(gm, node)
         programs.append(_through_op(gm, node, rows[0] if rows else None))
     gm.meta[meta_keys.BATCH_DRAWS] = programs
@@ -75,13 +68,13 @@ def replayable(node: Node) -> bool:
         return False
     if not isinstance(node.meta.get("val"), torch.Tensor):
         return False
-    if node.target in _BY_SIZE:
+    if node.target in BY_SIZE:
         return not any(isinstance(a, Node) for a in node.args) and (not rows or _size_arg(node) is not None)
-    if node.target in _FILLS:  # a fill of a strided view fills in another order than a new tensor
+    if node.target in FILLS:  # a fill of a strided view fills in another order than a new tensor
         filled = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
         contiguous = isinstance(filled, torch.Tensor) and filled.is_contiguous()
         return contiguous and not any(isinstance(a, Node) for a in node.args[1:])
-    return node.target in _BY_FORMULA
+    return node.target in BY_FORMULA
 
 
 def _size_arg(node: Node) -> int | None:
@@ -128,14 +121,14 @@ def _through_op(gm: GraphModule, node: Node, rows: int | None) -> DrawProgram:
     """``node`` draws through ``batch_draw``; its program."""
     val = node.meta["val"]
     kwargs = {k: v for k, v in node.kwargs.items() if k not in ("generator", "memory_format")}
-    if node.target in _BY_SIZE:
+    if node.target in BY_SIZE:
         at = _size_arg(node)
         args = tuple(SIZE if i == at else a for i, a in enumerate(node.args))
     else:
         args = (FILL, *node.args[1:])
     program = register(node.name, node.target, args, kwargs, val, rows)
     call = (program.key, list(val.shape), val.dtype, val.device)
-    if node.target in _FILLS and node.target.overloadpacket.__name__.endswith("_"):  # in place: its tensor takes the drawn values
+    if node.target in FILLS and node.target.overloadpacket.__name__.endswith("_"):  # in place: its tensor takes the drawn values
         with gm.graph.inserting_before(node):
             drawn = _emit(gm, node, BATCH_DRAW, call, val)
         node.target, node.args, node.kwargs = aten.copy_.default, (node.args[0], drawn), {}

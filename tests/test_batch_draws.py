@@ -119,3 +119,25 @@ def test_the_draws_become_ops_only_where_the_graph_runs_in_pieces() -> None:
     program = lower_signature(model, batch, pm.plan, tp_rank=0, device=torch.device("cpu"), backend="gloo", split_batch=True)
     programs = program.graph.meta[meta_keys.BATCH_DRAWS]
     assert len(programs) == 4 * 6 and [p.rows for p in programs[:6]] == [0, 0, 0, 0, 0, None]  # torch.rand(()) has no rows
+
+
+class Sampled(nn.Module):
+    """``multinomial`` of the forward's own probabilities: no formula draws it apart from them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.embed(input_ids))
+        picked = torch.multinomial(logits.detach().softmax(-1).flatten(0, 1), 1).view_as(labels)
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), torch.where(picked > VOCAB // 2, labels, picked).flatten())}
+
+
+def test_a_draw_it_cannot_replay_is_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    model, batch = Sampled().eval(), _batch(rows=4)
+    pm = autotp.parallelize(model, tp=1, example_inputs=batch)
+    with caplog.at_level("WARNING"):
+        pm.train_step(**batch, num_microbatches=2)
+    assert "multinomial" in caplog.text and "cannot draw for the whole batch" in caplog.text

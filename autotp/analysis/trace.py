@@ -39,6 +39,7 @@ from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_brok
 from autotp.analysis.trace_guards import refuse_lazy_parameters, refuse_parameter_writes, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
 from autotp.ir import meta_keys
+from autotp.ir.batch_draws import REPLAYED
 from autotp.ir.errors import UserInputError
 from autotp.ir.op_facts import draws_random
 
@@ -188,11 +189,14 @@ def _mark_draw_rows(gm: GraphModule, model: nn.Module, kwargs: dict[str, Any], d
     """Mark each random draw with the dims of it that hold the batch's rows
     (``meta_keys.BATCH_DRAW_ROWS``): those whose size doubles in a trace of the batch doubled
     (a draw's size comes from the inputs' shapes, not their rows, so the walk cannot tell)."""
-    draws = [n for n in gm.graph.nodes if n.op == "call_function" and draws_random(n)]
-    if not draws:
+    draws = [n for n in gm.graph.nodes if n.op == "call_function" and draws_random(n) and n.target is not torch.ops.aten.dropout.default]
+    for node in draws:  # dropout has its own streams; a draw the pass does not replay has no rows to find
+        node.meta[meta_keys.BATCH_DRAW_ROWS] = None
+    replayed = [n for n in draws if n.target in REPLAYED]
+    if not replayed:
         return
     twice = {n.name: n.meta.get("val") for n in _doubled(model, kwargs, device).graph.nodes}
-    for node in draws:
+    for node in replayed:
         val, other = node.meta.get("val"), twice.get(node.name)
         if not isinstance(val, torch.Tensor) or not isinstance(other, torch.Tensor) or other.dim() != val.dim():
             node.meta[meta_keys.BATCH_DRAW_ROWS] = None

@@ -34,6 +34,18 @@ from autotp.ir import recompute
 
 NAMESPACE = "autotp"
 
+aten = torch.ops.aten
+# the draws ``passes/batch_draws`` replays: by size; fills of a tensor whose values they ignore;
+# draws whose kernels' formulas it writes out (so they do not read a piece's values)
+BY_SIZE = frozenset({aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low})
+FILLS = frozenset({
+    aten.uniform_.default, aten.normal_.default, aten.exponential_.default, aten.cauchy_.default, aten.log_normal_.default,
+    aten.geometric_.default, aten.random_.default, aten.random_.to, getattr(aten.random_, "from"), aten.bernoulli_.float,
+    aten.uniform.default, aten.exponential.default, aten.bernoulli.p,
+})  # fmt: skip
+BY_FORMULA = frozenset({aten.bernoulli.default, aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor})
+REPLAYED = BY_SIZE | FILLS | BY_FORMULA
+
 _LIB = Library(NAMESPACE, "FRAGMENT")
 _LIB.define("batch_draw(str key, SymInt[] size, ScalarType dtype, Device device) -> Tensor")
 BATCH_DRAW = torch.ops.autotp.batch_draw.default
