@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 
-
 def batch_draws(gm: GraphModule, ctx: PassContext) -> GraphModule:
     every = [n for n in gm.graph.nodes if n.op == "call_function" and draws_random(n) and n.target is not aten.dropout.default]
     split = any(meta_keys.BATCH_DRAW_ROWS in n.meta for n in every)
