@@ -28,11 +28,10 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autotp.ir import meta_keys
-from autotp.ir.batch_draws import BATCH_DRAW, BY_FORMULA, BY_SIZE, FILL, FILLS, SIZE, DrawProgram, register
+from autotp.ir.batch_draws import BATCH_DRAW, BY_FORMULA, BY_SIZE, FILL, FILLS, SIZE, DrawProgram, from_default_generator, register
 from autotp.ir.errors import describe
 from autotp.ir.layouts import REPLICATE
 from autotp.ir.rank_log import warn_once
-from autotp.ir.op_facts import draws_random
 from autotp.passes.runner import PassContext
 
 log = logging.getLogger(__name__)
@@ -40,7 +39,7 @@ aten = torch.ops.aten
 
 
 def batch_draws(gm: GraphModule, ctx: PassContext) -> GraphModule:
-    every = [n for n in gm.graph.nodes if n.op == "call_function" and draws_random(n) and n.target is not aten.dropout.default]
+    every = [n for n in gm.graph.nodes if n.op == "call_function" and from_default_generator(n)]
     split = any(meta_keys.BATCH_DRAW_ROWS in n.meta for n in every)
     if not every or (ctx.plan.num_chunks == 1 and not split):
         return gm

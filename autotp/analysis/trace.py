@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import logging
 import os
@@ -39,9 +40,8 @@ from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_brok
 from autotp.analysis.trace_guards import refuse_lazy_parameters, refuse_parameter_writes, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
 from autotp.ir import meta_keys
-from autotp.ir.batch_draws import REPLAYED
+from autotp.ir.batch_draws import REPLAYED, from_default_generator
 from autotp.ir.errors import UserInputError
-from autotp.ir.op_facts import draws_random
 
 log = logging.getLogger(__name__)
 
@@ -161,21 +161,22 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     decompose_parameter_ops(gm)
     draw_by_size(gm)
     if split_batch:
-        normalize_loss_denominators(gm, _rows_by_name(gm, model, kwargs, device))
-        _mark_draw_rows(gm, model, kwargs, device)
+        doubled = functools.cache(lambda: _doubled(model, kwargs, device))  # traced once, if either needs it
+        normalize_loss_denominators(gm, _rows_by_name(gm, kwargs, doubled))
+        _mark_draw_rows(gm, doubled)
     mark_elementwise(gm)
     gm.recompile()  # once, after the rewrites above
     refuse_parameter_writes(type(model).__name__, gm)
     return gm
 
 
-def _rows_by_name(gm: GraphModule, model: nn.Module, kwargs: dict[str, Any], device: torch.device | str) -> Callable[[Node], set[int]]:
+def _rows_by_name(gm: GraphModule, kwargs: dict[str, Any], doubled: Callable[[], GraphModule]) -> Callable[[Node], set[int]]:
     """Where each node of ``gm`` holds the batch's rows (``batch_rows.batch_rows_at``). A batch of
     one row cannot tell a sum over the rows from a sum over one row, so the rows are then found
     in a trace of the batch doubled, node by node of the same name."""
     if batch_size(kwargs) >= 2:
         return batch_rows_at(gm, batch_size(kwargs))
-    twice = _doubled(model, kwargs, device)
+    twice = doubled()
     rows, nodes = batch_rows_at(twice, 2), {n.name: n for n in twice.graph.nodes}
     return lambda node: rows(nodes[node.name]) if node.name in nodes else set()
 
@@ -185,17 +186,17 @@ def _doubled(model: nn.Module, kwargs: dict[str, Any], device: torch.device | st
     return trace(model, tree_map(lambda v: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() else v, kwargs), device)
 
 
-def _mark_draw_rows(gm: GraphModule, model: nn.Module, kwargs: dict[str, Any], device: torch.device | str) -> None:
+def _mark_draw_rows(gm: GraphModule, doubled: Callable[[], GraphModule]) -> None:
     """Mark each random draw with the dims of it that hold the batch's rows
     (``meta_keys.BATCH_DRAW_ROWS``): those whose size doubles in a trace of the batch doubled
     (a draw's size comes from the inputs' shapes, not their rows, so the walk cannot tell)."""
-    draws = [n for n in gm.graph.nodes if n.op == "call_function" and draws_random(n) and n.target is not torch.ops.aten.dropout.default]
-    for node in draws:  # dropout has its own streams; a draw the pass does not replay has no rows to find
+    draws = [n for n in gm.graph.nodes if n.op == "call_function" and from_default_generator(n)]
+    for node in draws:  # a draw the pass does not replay has no rows to find
         node.meta[meta_keys.BATCH_DRAW_ROWS] = None
     replayed = [n for n in draws if n.target in REPLAYED]
     if not replayed:
         return
-    twice = {n.name: n.meta.get("val") for n in _doubled(model, kwargs, device).graph.nodes}
+    twice = {n.name: n.meta.get("val") for n in doubled().graph.nodes}
     for node in replayed:
         val, other = node.meta.get("val"), twice.get(node.name)
         if not isinstance(val, torch.Tensor) or not isinstance(other, torch.Tensor) or other.dim() != val.dim():

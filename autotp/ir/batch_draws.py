@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.library import Library
 
 from autotp.ir import recompute
+from autotp.ir.op_facts import draws_random
 
 NAMESPACE = "autotp"
 
@@ -45,6 +46,12 @@ FILLS = frozenset({
 })  # fmt: skip
 BY_FORMULA = frozenset({aten.bernoulli.default, aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor})
 REPLAYED = BY_SIZE | FILLS | BY_FORMULA
+
+
+def from_default_generator(node: Any) -> bool:
+    """Whether an fx node draws from the default generator (dropout draws from the tp streams,
+    ``passes/tp_dropout``)."""
+    return draws_random(node) and node.target is not aten.dropout.default
 
 _LIB = Library(NAMESPACE, "FRAGMENT")
 _LIB.define("batch_draw(str key, SymInt[] size, ScalarType dtype, Device device) -> Tensor")
