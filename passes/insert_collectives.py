@@ -32,7 +32,7 @@ from autotp.ir.axes import replica_group_key
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import shape_of
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimSharding, Layout, fixed_var, resolve
-from autotp.ir.op_facts import CollectiveTag, mutated_base
+from autotp.ir.op_facts import CONVOLUTIONS, CollectiveTag, mutated_base
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten
@@ -98,7 +98,6 @@ def insert_collectives(gm: GraphModule, ctx: PassContext) -> GraphModule:
     return gm
 
 
-_CONVOLUTIONS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default}
 
 
 def _clone_written_copies(gm: GraphModule) -> None:
@@ -118,7 +117,7 @@ def _split_row_bias(gm: GraphModule, node: Node, key: str, tp: int) -> None:
         x, w = node.args[0], node.args[1]
         bias = node.args[2] if len(node.args) > 2 else node.kwargs["bias"]
         target, args = aten.linear.default, (x, w)
-    elif node.target in _CONVOLUTIONS:  # conv(x, W, b, ...) -> g(conv(x, W, None, ...)) + b[:, None...]
+    elif node.target in CONVOLUTIONS:  # conv(x, W, b, ...) -> g(conv(x, W, None, ...)) + b[:, None...]
         bias, target = node.args[2], node.target
         args = (node.args[0], node.args[1], None, *node.args[3:])
         shape = [-1] + [1] * (node.meta["val"].dim() - 2)

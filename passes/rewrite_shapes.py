@@ -15,6 +15,7 @@ from torch.fx import GraphModule, Node
 
 from autotp.analysis.local_shapes import local_sizes, local_slice_bounds, local_tensors
 from autotp.ir import meta_keys
+from autotp.ir.op_facts import CONVOLUTIONS
 from autotp.analysis.shapes import contiguous_strides, schema_arg, shape_of, strided_walk
 from autotp.analysis.value_rules import UNIFORM_FACTORIES
 from autotp.ir.layouts import Layout, local_size
@@ -25,7 +26,6 @@ _SHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default
               aten.broadcast_to.default, aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
               aten.new_full.default}
 _SPLIT_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
-_CONVOLUTIONS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default}
 
 
 def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -61,7 +61,7 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "output_size"}
         elif node.target is aten.as_strided.default and isinstance(src := read_layout(node.args[0]), Layout) and src.dims:
             _local_strides(node, src, tp)
-        elif node.target in _CONVOLUTIONS:
+        elif node.target in CONVOLUTIONS:
             _local_groups(node, read_layout(node.args[0]), tp)
         elif node.target is aten.group_norm.default and isinstance(src := read_layout(node.args[0]), Layout) and src.var_at(1):
             # each rank holds whole groups of its channels (``statistic_rules.group_norm``)

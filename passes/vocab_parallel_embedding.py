@@ -13,6 +13,7 @@ from torch.fx import GraphModule, Node
 
 from autotp.ir import meta_keys, ops
 from autotp.analysis.propagation_result import NodeRole
+from autotp.analysis.shapes import schema_arg
 from autotp.passes.runner import PassContext
 from autotp.ir.errors import UserInputError
 
@@ -21,25 +22,35 @@ def vocab_parallel_embedding(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for node in gm.graph.nodes:
         if node.meta.get(meta_keys.ROLE) is not NodeRole.VOCAB_EMBEDDING:
             continue
-        weight, ids, padding_idx = _lookup(node)
+        weight, ids, padding_idx, by_frequency = _lookup(node)
         wrap = node.target is torch.ops.aten.index.Tensor  # ``table[ids]`` reads a negative id from the end
-        layout = ctx.plan.layout_of(str(weight.target))
-        assert layout is not None and layout.dim == 0, f"{weight.target} is not vocab-sharded in the plan"
+        table = _parameter_behind(weight)
+        layout = ctx.plan.layout_of(str(table.target))
+        assert layout is not None and layout.dim == 0, f"{table.target} is not vocab-sharded in the plan"
         (start, stop), = layout.sharding.ranges(ctx.tp_rank, ctx.plan.tp)
         stop = min(stop, layout.sharding.size)
         node.target = ops.VOCAB_PARALLEL_EMBEDDING
-        node.args = (weight, ids, start, stop, layout.sharding.size, padding_idx, wrap)
+        node.args = (weight, ids, start, stop, layout.sharding.size, padding_idx, wrap, by_frequency)
         node.kwargs = {}
     return gm
 
 
-def _lookup(node: Node) -> tuple[Node, Node, int]:
-    """The table, the row ids and the padding row of a lookup (-1: none)."""
+def _parameter_behind(table: Node) -> Node:
+    """The parameter a lookup's table is made from: a frozen table is read through ``detach``,
+    a cast through ``_to_copy``, whose rows are the parameter's."""
+    while table.op == "call_function" and len(table.all_input_nodes) == 1:
+        table = table.all_input_nodes[0]
+    return table
+
+
+def _lookup(node: Node) -> tuple[Node, Node, int, bool]:
+    """The table, the row ids, the padding row of a lookup (-1: none) and whether its
+    gradient is scaled by the ids' frequency."""
     if node.target is torch.ops.aten.index.Tensor:
-        return node.args[0], node.args[1][0], -1
+        return node.args[0], node.args[1][0], -1, False
     if node.target is torch.ops.aten.index_select.default:
-        return node.args[0], node.args[2], -1
+        return node.args[0], node.args[2], -1, False
     weight = node.args[0]
-    if node.kwargs.get("sparse", False) or (len(node.args) > 4 and node.args[4]):
+    if schema_arg(node, "sparse", False):
         raise UserInputError(f"sparse embedding gradients are not supported with a vocab-parallel table ({weight.target})")
-    return weight, node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+    return weight, node.args[1], schema_arg(node, "padding_idx", -1), schema_arg(node, "scale_grad_by_freq", False)

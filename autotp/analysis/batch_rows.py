@@ -13,7 +13,8 @@ holding them mixes rows. Ordering ops (``sort``, ``argsort``, ``nonzero``, a ``c
 of slot positions) only move rows and are not counted: their results index, they do not
 weigh. Where the walk loses track of the rows (an op with no rule for a split there) it
 stops looking downstream of it, so the check may miss a case but never refuses a forward
-whose rows stay apart. A loss divided by a statistic of the batch that
+whose rows stay apart. A lookup with ``scale_grad_by_freq`` mixes rows in its backward: each
+table row's gradient is divided by its id's count over the whole batch. A loss divided by a statistic of the batch that
 ``loss_denominators`` could not make the whole batch's (``labels.max()``) mixes rows too.
 """
 
@@ -28,7 +29,7 @@ from torch.fx import GraphModule, Node
 
 from autotp.analysis.dtensor_rules import dtensor_rule
 from autotp.analysis.propagation import Walker
-from autotp.analysis.shapes import is_float, norm_dim, shape_of
+from autotp.analysis.shapes import is_float, norm_dim, schema_arg, shape_of
 from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
 from autotp.analysis.loss_denominators import unnormalized_division
 from autotp.ir.errors import describe
@@ -43,6 +44,7 @@ _MATMULS = frozenset({"mm", "bmm", "matmul", "linear"})
 _CLASS_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"})
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"})
 _TRAINING_ARG = 5
+_FREQUENCY_SCALED = frozenset({"embedding", "embedding_bag", "_embedding_bag"})
 _ROW_STATISTICS = REDUCTIONS | {
     torch.ops.aten.amax.default, torch.ops.aten.amin.default, torch.ops.aten.aminmax.default, torch.ops.aten.max.default,
     torch.ops.aten.min.default, torch.ops.aten.logsumexp.default, torch.ops.aten.var_mean.correction,
@@ -102,6 +104,8 @@ class _BatchWalker(Walker):
         name = op_name(node.target)
         if not node.args:
             return False
+        if name in _FREQUENCY_SCALED and schema_arg(node, "scale_grad_by_freq", False):
+            return bool(self._rows_at(node.args[1]))  # each row's gradient divided by its id's count in the batch
         rows = self._rows_at(node.args[0])
         if not rows or not is_float(node.args[0]):  # integer bookkeeping (the longest row's length) sizes, it does not weigh
             return False
@@ -144,8 +148,16 @@ class _BatchWalker(Walker):
 
 
 def batch_size(call: dict[str, Any]) -> int:
-    """Dim 0 of the first tensor of ``call`` (nested ones included) with a dim: the rows a split step cuts."""
-    return next((v.shape[0] for v in torch.utils._pytree.tree_leaves(call) if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
+    """The rows a split step cuts: the dim 0 that most tensors of ``call`` with a dim share (nested
+    ones included; of equals, the first). A tensor of another length (gpt-fast's ``input_pos``)
+    is every row's."""
+    sizes = [v.shape[0] for v in torch.utils._pytree.tree_leaves(call) if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return max(sizes, key=sizes.count) if sizes else 0
+
+
+def holds_rows(value: Any, size: int) -> bool:
+    """Whether ``value`` is a tensor of the batch's ``size`` rows along dim 0."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size
 
 
 def batch_rows_at(gm: GraphModule, batch: int) -> Callable[[Node], set[int]]:

@@ -21,7 +21,7 @@ from autotp.analysis import shape_rules as shapes
 from autotp.analysis import sharding_policy as params
 from autotp.analysis import statistic_rules as statistics
 from autotp.analysis import value_rules as values
-from autotp.ir.op_facts import is_grouped_matmul
+from autotp.ir.op_facts import CONVOLUTIONS, is_grouped_matmul
 from autotp.analysis.propagation_result import ParamView
 from autotp.ir import ops
 
@@ -88,10 +88,8 @@ RULES: dict[Any, Rule] = {
     aten.embedding.default: params.embedding,
     aten.cross_entropy_loss.default: params.cross_entropy,
     aten.einsum.default: params.einsum,
-    aten.conv1d.default: params.convolution,
-    aten.conv2d.default: params.convolution,
-    aten.conv3d.default: params.convolution,
-    aten.convolution.default: params.convolution,
+    aten.bilinear.default: params.bilinear,
+    **{conv: params.convolution for conv in CONVOLUTIONS},
     ops.ELEMENTWISE_FUNCTION: _elementwise_function,
     # shape ops
     aten.view.default: reshapes.reshape,

@@ -28,6 +28,7 @@ from torch.fx import Node
 from autotp.analysis.propagation_result import NodeRole, ParamDecision, ParamView
 from autotp.analysis.shapes import reads_input, schema_arg, shape_of, sources
 from autotp.ir.errors import describe
+from autotp.ir.op_facts import is_transposed_convolution
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
 
 if TYPE_CHECKING:
@@ -206,20 +207,22 @@ def _slice_replicated_batch(
 
 
 def convolution(w: Walker, node: Node) -> Any:
-    """``conv1d/2d``, ``convolution`` (not transposed): channels are dim 1 of the input and
-    dim 0 of the weight, the spatial dims must be whole.
+    """``conv1d/2d/3d``, ``conv_transpose1d/2d/3d``, ``convolution``: channels are dim 1 of the
+    input; the weight's output and input channels are its dims 0 and 1 (1 and 0 transposed);
+    the spatial dims must be whole.
 
     Replicated input channels and ``groups=1`` make the weight column-parallel over its
-    output channels (a patch embedding); input channels split with ``groups`` equal to
-    the channels (a depthwise short convolution) keep the split, and the weight, the bias
-    and the local ``groups`` follow it (``rewrite_shapes``); split input channels into a
-    dense convolution make it row-parallel.
+    output channels (a patch embedding, a decoder's upsampler); input channels split with
+    ``groups`` equal to the channels (a depthwise short convolution) keep the split, and the
+    weight, the bias and the local ``groups`` follow it (``rewrite_shapes``); split input
+    channels into a dense convolution make it row-parallel.
     """
     x, weight = node.args[0], node.args[1]
     bias = schema_arg(node, "bias")
     groups = schema_arg(node, "groups", 1)
-    if schema_arg(node, "transposed", False) or not isinstance(weight, Node):
+    if not isinstance(weight, Node):
         return w.opaque(node)
+    w_out, w_in = (1, 0) if is_transposed_convolution(node) else (0, 1)
     lx = w.summed(x, node)
     xs, ws = shape_of(x) or (), shape_of(weight) or ()
     for d, v in lx.dims:
@@ -228,12 +231,14 @@ def convolution(w: Walker, node: Node) -> Any:
     channels = lx.var_at(1)
     lw = w.get(weight)
     if channels is None:
-        if isinstance(lw, ParamView) and groups == 1 and lw.dim_map[0] == 0 and w.allowed(lw.name, "column"):
-            w.param_view_shard(lw, 0, DimVar(ws[0], frozenset({lw.name})), "column", node)
-        out = w.concrete(weight, node).var_at(0)
+        split = w_out
+        if isinstance(lw, ParamView) and groups == 1 and lw.dim_map[w_out] == w_out and w.allowed(lw.name, "column"):
+            w.param_view_shard(lw, w_out, DimVar(ws[w_out], frozenset({lw.name})), "column", node)
+        out = w.concrete(weight, node).var_at(w_out)
         if out is not None and groups != 1:
             raise ShardingConflict(f"{describe(node)}: a grouped convolution with split output channels", w.get(weight).origins(), (out,))
-    elif groups == xs[1] and ws[0] == xs[1]:
+    elif groups == xs[1] and ws[0] == xs[1] and (w_out == 0 or ws[1] == 1):
+        split = 0
         if isinstance(lw, ParamView):
             w.param_view_shard(lw, 0, channels, "depthwise", node)
         lw = w.concrete(weight, node)
@@ -241,13 +246,13 @@ def convolution(w: Walker, node: Node) -> Any:
             raise ShardingConflict(f"{describe(node)}: a depthwise weight kept whole meets split channels", channels.find().origins, (channels,))
         out = unify(lw.var_at(0), channels, describe(node))
     elif groups == 1 and len(lx.dims) == 1 and (
-        (isinstance(lw, ParamView) and lw.dim_map[1] == 1 and w.allowed(lw.name, "row"))
-        or (isinstance(lw, Layout) and lw.var_at(1) is not None and len(lw.dims) == 1)
+        (isinstance(lw, ParamView) and lw.dim_map[w_in] == w_in and w.allowed(lw.name, "row"))
+        or (isinstance(lw, Layout) and lw.var_at(w_in) is not None and len(lw.dims) == 1)
     ):
-        return _row_parallel_convolution(w, node, lw, channels, bias)
+        return _row_parallel_convolution(w, node, lw, w_in, channels, bias)
     else:
         raise ShardingConflict(f"{describe(node)}: convolves split input channels across groups", lx.origins(), (channels,))
-    if any(d != 0 for d, _ in w.concrete(weight, node).dims):
+    if any(d != split for d, _ in w.concrete(weight, node).dims):
         raise ShardingConflict(f"{describe(node)}: the weight is split along a kernel dim", w.get(weight).origins())
     if isinstance(bias, Node):
         lb = w.get(bias)
@@ -263,14 +268,14 @@ def convolution(w: Walker, node: Node) -> Any:
     return shard(dims)
 
 
-def _row_parallel_convolution(w: Walker, node: Node, lw: ParamView | Layout, channels: DimVar, bias: Any) -> Any:
+def _row_parallel_convolution(w: Walker, node: Node, lw: ParamView | Layout, w_in: int, channels: DimVar, bias: Any) -> Any:
     """A dense convolution (``groups=1``) over split input channels: the weight's input
     channels follow them and each rank's output is a partial sum (Conformer's pointwise
     convolution after a channel-split depthwise one); a bias is added after the all-reduce."""
     if isinstance(lw, ParamView):
-        w.param_view_shard(lw, 1, channels, "row", node)
+        w.param_view_shard(lw, w_in, channels, "row", node)
     else:
-        unify(lw.var_at(1), channels, describe(node))  # type: ignore[arg-type]
+        unify(lw.var_at(w_in), channels, describe(node))  # type: ignore[arg-type]
     if not isinstance(bias, Node):
         return PARTIAL
     w.concrete(bias, node)
@@ -366,9 +371,37 @@ def einsum(w: Walker, node: Node) -> Any:
     if "..." in equation or len(operands) != equation.split("->")[0].count(",") + 1:
         return w.opaque(node)
     lhs, out = equation.replace(" ", "").split("->") if "->" in equation else (equation.replace(" ", ""), None)
-    terms = lhs.split(",")
     if out is None:
         out = "".join(sorted(c for c in set(lhs) - {","} if lhs.count(c) == 1))
+    return _contraction(w, node, lhs.split(","), out, operands)
+
+
+def bilinear(w: Walker, node: Node) -> Any:
+    """``aten.bilinear(x1, x2, weight, bias)``: the contraction ``...i,oij,...j->...o`` (einsum's
+    rule: ``nn.Bilinear``'s weight goes column-parallel over ``o`` where no input is split), and
+    a bias over ``o`` that follows its split. A split input makes the form a partial sum, which
+    a bias would join on every rank: that is a conflict."""
+    x1, x2, weight = node.args[:3]
+    bias = schema_arg(node, "bias")
+    lead = "abcdefgh"[: len(shape_of(x1) or ()) - 1]
+    out = _contraction(w, node, [f"{lead}i", "oij", f"{lead}j"], f"{lead}o", [x1, weight, x2])
+    if not isinstance(bias, Node):
+        return out
+    if out == PARTIAL:
+        raise ShardingConflict(f"{describe(node)}: a bilinear form of a split input adds a bias", w.get(weight).origins())
+    o_var = out.var_at(len(lead))
+    lb = w.get(bias)
+    if isinstance(lb, ParamView) and o_var is not None:
+        w.param_view_shard(lb, 0, o_var, "bias", node)
+    elif isinstance(lb, ParamView):
+        w.concrete(bias, node)
+    else:
+        _bias_follows(w, node, bias, o_var)
+    return out
+
+
+def _contraction(w: Walker, node: Node, terms: list[str], out: str, operands: list[Any]) -> Any:
+    """The layout of an einsum of ``operands`` over index ``terms`` into ``out`` (``einsum``)."""
     lays = [w.get(t) for t in operands]
     if any(l == PARTIAL for l in lays):
         w.reduce_first(node, operands)

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode, UnsupportedOperatorException
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_map
 
-from autotp.analysis.batch_rows import batch_rows_at, batch_size
+from autotp.analysis.batch_rows import batch_rows_at, batch_size, holds_rows
 from autotp.analysis.loss_denominators import normalize_loss_denominators
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
 from autotp.analysis.trace_decompose import decompose_parameter_ops, draw_by_size
@@ -183,7 +183,8 @@ def _rows_by_name(gm: GraphModule, kwargs: dict[str, Any], doubled: Callable[[],
 
 def _doubled(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str) -> GraphModule:
     """The trace of ``model`` on every input's rows twice."""
-    return trace(model, tree_map(lambda v: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() else v, kwargs), device)
+    size = batch_size(kwargs)
+    return trace(model, tree_map(lambda v: torch.cat([v, v]) if holds_rows(v, size) else v, kwargs), device)
 
 
 def _mark_draw_rows(gm: GraphModule, doubled: Callable[[], GraphModule]) -> None:
@@ -262,15 +263,27 @@ def _lower_vmap(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgra
 
 def _missing_fake_kernel(error: BaseException) -> str | None:
     """The custom op that has no fake (meta) kernel, if that is why tracing failed."""
-    seen: BaseException | None = error
-    while seen is not None:
+    for seen in _causes(error):
         if isinstance(seen, UnsupportedOperatorException) and seen.args:
             return str(seen.args[0]).removesuffix(".default")
         found = re.search(r"no fake impl registered for <CustomOpDef\((\S+)\)>", str(seen))
         if found:
             return found.group(1)
-        seen = seen.__cause__ or seen.__context__
     return None
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    seen: BaseException | None = error
+    while seen is not None:
+        yield seen
+        seen = seen.__cause__ or seen.__context__
+
+
+def _shaped_by_data(error: BaseException) -> str | None:
+    """The op whose output shape depends on its inputs' values, if that is why tracing failed
+    (``aten._ctc_loss``'s log-alphas, sized by the longest target)."""
+    found = next((e for e in _causes(error) if isinstance(e, DynamicOutputShapeException) and e.args), None)
+    return None if found is None else str(found.args[0]).removesuffix(".default")
 
 
 def _refusing_meta_kernel(error: BaseException) -> str | None:
@@ -294,6 +307,13 @@ def _advice(error: BaseException) -> str:
             f"the custom op {op} has no fake kernel, so tracing cannot tell its output's shape and dtype; "
             f"register one with @torch.library.register_fake(\"{op.replace('.', '::', 1)}\") returning an empty "
             "tensor of the output's shape (e.g. torch.empty_like(x))."
+        )
+    shaped_by_data = _shaped_by_data(error)
+    if shaped_by_data is not None:
+        return (
+            f"{shaped_by_data} makes an output whose shape depends on the values of its inputs, which torch.export cannot "
+            "trace; move it out of the forward (return what it reads, e.g. the logits, and compute it on the outputs of the "
+            "parallelized model), or replace it by ops of static shapes."
         )
     return (
         "make that module traceable (no data-dependent Python control flow or .item() on tensors), "

@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.library import Library
 
 from autotp.ir import fp8, ops
-from autotp.ir.vocab_logits import local_logits, loss_dtype, target_in_range
+from autotp.ir.vocab_logits import check_ids, local_logits, loss_dtype, target_in_range
 
 _MEAN = 1
 
@@ -108,7 +108,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h = hidden.reshape(-1, hidden.shape[-1])
         t = target.reshape(-1)
         valid = t != ignore_index
-        ops.check_ids(t, vocab_size, "labels (other than ignore_index)", skip=~valid)
+        check_ids(t, vocab_size, "labels (other than ignore_index)", skip=~valid)
         counted = valid.to(loss_dtype(hidden.dtype))
         token_weight = counted / valid.sum() if reduction == _MEAN else counted
         whole = vocab_start == 0 and weight.shape[0] >= vocab_size  # a replicated lm_head: nothing to combine

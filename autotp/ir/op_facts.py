@@ -47,6 +47,19 @@ MATMUL_NAMES = frozenset({"linear", "addmm", "mm", "bmm", "matmul", "all_gather_
                           "linear_cross_entropy", "fp8_linear"})  # fmt: skip
 ATTENTION_NAMES = frozenset({"scaled_dot_product_attention", "tp_attention_dropout"})
 EMBEDDING_NAMES = frozenset({"embedding", "vocab_parallel_embedding"})
+# input channels are dim 1 of the input; the bias is argument 2
+CONVOLUTIONS = frozenset({
+    aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
+    aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input,
+})  # fmt: skip
+_TRANSPOSED_CONVOLUTIONS = frozenset({aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input})
+
+
+def is_transposed_convolution(node: Node) -> bool:
+    """A convolution whose weight is stored [in, out / groups, *kernel] (the others: [out, in / groups, *kernel])."""
+    if node.target in _TRANSPOSED_CONVOLUTIONS:
+        return True
+    return node.target is aten.convolution.default and bool(node.args[6] if len(node.args) > 6 else node.kwargs.get("transposed", False))
 
 
 class OpKind(Enum):

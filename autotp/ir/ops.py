@@ -67,9 +67,11 @@ Local ops:
 * ``tp_attention_dropout(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, stream)`` --
   SDPA with dropout as its math, the probabilities dropped by ``tp_dropout`` from ``stream``
   (SDPA's own dropout draws the same numbers on every rank: ``passes/tp_dropout.py``).
-* ``vocab_parallel_embedding(weight, ids, vocab_start, vocab_stop, vocab_size, padding_idx, wrap)`` --
-  lookup in rows ``[vocab_start, vocab_stop)``; other ids give zeros (a partial sum). ``wrap``:
-  a negative id counts from the end, as ``table[ids]`` reads it.
+* ``vocab_parallel_embedding(weight, ids, vocab_start, vocab_stop, vocab_size, padding_idx, wrap,
+  scale_grad_by_freq)`` -- lookup in rows ``[vocab_start, vocab_stop)``; other ids give zeros (a
+  partial sum). ``wrap``: a negative id counts from the end, as ``table[ids]`` reads it.
+  ``scale_grad_by_freq``: each lookup's gradient divided by its id's count in all of ``ids``
+  (the local lookup's own counts would count the other ranks' ids as row 0).
 
 * ``function(inputs, key, name)`` -- a custom ``torch.autograd.Function`` kept whole, whose
   backward is the Function's own (``autotp.ir.custom_functions`` holds its kernels and the
@@ -96,13 +98,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.node import has_side_effect
 from torch.library import Library
 
 from autotp.ir import moe_ops
 from autotp.ir.errors import UserInputError
-from autotp.ir.vocab_logits import local_logits, loss_dtype, target_in_range
+from autotp.ir.vocab_logits import check_ids, local_logits, loss_dtype, target_in_range
 
 NAMESPACE = "autotp"
 REPLICATED = "replicated"  # dropout stream seeded alike on every tp rank
@@ -142,7 +143,7 @@ LINEAR_CROSS_ENTROPY = _define(
 )
 VOCAB_PARALLEL_EMBEDDING = _define(
     "vocab_parallel_embedding(Tensor weight, Tensor ids, int vocab_start, int vocab_stop, int vocab_size, "
-    "int padding_idx, bool wrap=False) -> Tensor"
+    "int padding_idx, bool wrap=False, bool scale_grad_by_freq=False) -> Tensor"
 )
 STAGE_BOUNDARY = _define("stage_boundary(Tensor x, int chunk) -> Tensor")
 PARTIAL_GRAD = _define("partial_grad(Tensor x, int parts) -> Tensor")
@@ -439,27 +440,10 @@ def _tp_attention_dropout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | N
     return _tp_dropout(scores.softmax(dim=-1), dropout_p, True, stream) @ v
 
 
-def check_ids(ids: Tensor, vocab_size: int, what: str, skip: Tensor | None = None) -> None:
-    """Refuse ids outside ``[0, vocab_size)`` (where ``skip`` is False).
-
-    On the CPU the check raises at once with the offending values. On a GPU, and while
-    tracing, it is ``torch._assert_async``: a device-side assert that fails the next
-    synchronizing call, so the step never waits for the device to check.
-    """
-    bad = (ids < 0) | (ids >= vocab_size)
-    if skip is not None:
-        bad = bad & ~skip
-    hint = f"{what} must lie in [0, {vocab_size}), the model's vocabulary; check the tokenizer or the model's vocab_size"
-    if ids.device.type != "cpu" or isinstance(ids, FakeTensor) or torch.compiler.is_compiling():
-        torch._assert_async(~bad.any(), f"autotp: {hint}")
-    elif bad.any():
-        wrong = ids[bad]
-        raise UserInputError(f"{wrong.numel()} {what} are outside the vocabulary (from {wrong.min().item()} to {wrong.max().item()}); {hint}")
-
-
 def _vocab_parallel_embedding(
-    weight: Tensor, ids: Tensor, vocab_start: int, vocab_stop: int, vocab_size: int, padding_idx: int, wrap: bool = False
-) -> Tensor:
+    weight: Tensor, ids: Tensor, vocab_start: int, vocab_stop: int, vocab_size: int, padding_idx: int, wrap: bool = False,
+    scale_grad_by_freq: bool = False,
+) -> Tensor:  # fmt: skip
     if wrap:
         ids = torch.where(ids < 0, ids + vocab_size, ids)
     check_ids(ids, vocab_size, "token ids")
@@ -467,6 +451,10 @@ def _vocab_parallel_embedding(
     local_ids = (ids - vocab_start).masked_fill(outside, 0)
     local_pad = padding_idx - vocab_start if vocab_start <= padding_idx < vocab_stop else -1
     out = torch.embedding(weight, local_ids, local_pad)
+    if scale_grad_by_freq:
+        counts = torch.bincount(ids.flatten(), minlength=vocab_size)[ids].unsqueeze(-1)
+        held = out.detach()
+        out = held + (out - held) / counts  # the same values; the gradient divided by the count
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 

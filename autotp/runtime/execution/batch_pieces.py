@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
-from autotp.analysis.batch_rows import batch_size
+from autotp.analysis.batch_rows import batch_size, holds_rows
 from autotp.ir import batch_denominators, batch_draws, meta_keys
 from autotp.ir.errors import UserInputError
 from autotp.ir.program import RankProgram
@@ -21,7 +21,7 @@ from autotp.runtime.state.parameters import Parameters
 
 def microbatches(batch: dict[str, Any], dp: int, dp_rank: int, m: int, batch_is_local: bool) -> list[dict[str, Any]]:
     """This dp rank's ``m`` microbatches of ``batch`` (its own shard with ``batch_is_local``):
-    every tensor with dims, nested ones included, cut along dim 0."""
+    every tensor of the batch's rows, nested ones included, cut along dim 0 (``holds_rows``)."""
     size = batch_size(batch)
     shards = 1 if batch_is_local else dp
     if m < 1 or size % (shards * m):
@@ -33,7 +33,7 @@ def microbatches(batch: dict[str, Any], dp: int, dp_rank: int, m: int, batch_is_
     step = size // (shards * m)
     first = 0 if batch_is_local else dp_rank * step * m
     return [
-        tree_map(lambda v, i=i: v[first + i * step : first + (i + 1) * step] if isinstance(v, torch.Tensor) and v.dim() else v, batch)
+        tree_map(lambda v, i=i: v[first + i * step : first + (i + 1) * step] if holds_rows(v, size) else v, batch)
         for i in range(m)
     ]
 

@@ -1,0 +1,106 @@
+"""Constructs of the seventh round of issue 27 (``tests/plain_models_ports.py``): the layouts
+the planner gives them in one process, the pieces a split step cuts, the refusals, and the
+numerics on ranks. ``test_plain_suite`` checks the whole models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autotp.analysis.batch_rows import batch_mixing_node, batch_size
+from autotp.analysis.trace import trace
+from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from autotp.ir.errors import UserInputError
+from autotp.runtime.execution.batch_pieces import microbatches
+from distributed import run_on_ranks
+from plain_models_ports import CHARS, FEATURES, FRAMES_AUDIO, TARGET, CtcSpeech, build, example_inputs
+
+
+def _layouts(name: str, tp: int) -> dict[str, tuple[str, int | None]]:
+    plan = plan_tensor_parallel(trace(build(name), example_inputs(name)), tp)
+    return {p.name: (p.kind, p.dim) for p in plan.params}
+
+
+def test_a_bilinear_weight_is_column_parallel_over_its_outputs() -> None:
+    """``nn.Bilinear``'s weight [out, in1, in2] splits its outputs and its bias follows; the down
+    projection behind it goes row-parallel (it was read whole: 98% of the model on a rank)."""
+    layouts = _layouts("bilinear_context", 2)
+    assert layouts["layers.0.feed_forward.bilinear.weight"] == ("column", 0)
+    assert layouts["layers.0.feed_forward.bilinear.bias"] == ("bias", 0)
+    assert layouts["layers.0.feed_forward.down.weight"][0] == "row"
+
+
+def test_transposed_convolutions_split_their_stored_output_and_input_channels() -> None:
+    """``ConvTranspose1d`` stores its weight [in, out, k]: the first upsampler splits its outputs
+    (dim 1), the second its inputs (dim 0, row-parallel, its bias added after the all-reduce)."""
+    layouts = _layouts("conv_transpose_decoder", 4)
+    assert layouts["up1.weight"] == ("column", 1) and layouts["up1.bias"] == ("bias", 0)
+    assert layouts["up2.weight"] == ("row", 0) and "up2.bias" not in layouts
+
+
+def test_a_lookup_with_frequency_scaled_gradients_mixes_the_batch() -> None:
+    """``scale_grad_by_freq`` divides each table row's gradient by its id's count in the whole
+    batch: microbatches would count their own ids, so a split step is refused."""
+    found = batch_mixing_node(trace(build("scale_grad_by_freq"), example_inputs("scale_grad_by_freq")), batch=2)
+    assert "embedding" in found, found
+    assert batch_mixing_node(trace(build("odd_ffn_width"), example_inputs("odd_ffn_width")), batch=2) == ""
+
+
+def test_a_split_step_cuts_only_the_tensors_of_the_batch_rows() -> None:
+    """gpt-fast's ``input_pos`` [S] is every row's: each microbatch gets it whole (it was cut
+    along its dim 0 like the batch, and the microbatch's trace failed)."""
+    inputs = example_inputs("gpt_fast_input_pos", batch=4)
+    assert batch_size(inputs) == 4
+    pieces = microbatches(inputs, dp=1, dp_rank=0, m=2, batch_is_local=False)
+    assert [tuple(p["idx"].shape) for p in pieces] == [(2, 16), (2, 16)]
+    assert all(torch.equal(p["input_pos"], inputs["input_pos"]) for p in pieces)
+    assert torch.equal(pieces[1]["labels"], inputs["labels"][2:])
+
+
+def test_an_ffn_width_tp_does_not_divide_is_refused_naming_the_degrees_that_work() -> None:
+    with pytest.raises(UserInputError, match=r"tp=4 cannot shard this model: .*feed_forward\.w1.*170 blocks .* The smallest tp that splits it is 2"):
+        plan_tensor_parallel(trace(build("odd_ffn_width"), example_inputs("odd_ffn_width")), 4)
+
+
+def test_an_op_whose_output_shape_depends_on_the_data_is_named_with_the_fix() -> None:
+    with pytest.raises(UserInputError, match=r"aten\._ctc_loss\S* makes an output whose shape depends on the values .* compute it on the outputs"):
+        trace(CtcSpeech().eval(), _ctc_inputs())
+
+
+class _CtcLogits(nn.Module):
+    """The CTC model returning its logits; the loss is computed on the parallel model's outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = CtcSpeech()
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        x = self.inner.frontend(features.transpose(1, 2)).transpose(1, 2)
+        for layer in self.inner.layers:
+            x = layer(x)
+        return self.inner.ctc_head(self.inner.norm(x))
+
+
+def _ctc_inputs() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return {"features": torch.randn(2, FRAMES_AUDIO, FEATURES, generator=gen), "feature_lengths": torch.tensor([FRAMES_AUDIO, FRAMES_AUDIO - 6]),
+            "targets": torch.randint(1, CHARS, (2, TARGET), generator=gen), "target_lengths": torch.tensor([TARGET, TARGET - 2])}  # fmt: skip
+
+
+def _ctc_loss(logits: torch.Tensor) -> torch.Tensor:
+    data = _ctc_inputs()
+    frames = (data["feature_lengths"] + 1) // 2
+    return F.ctc_loss(logits.log_softmax(-1).transpose(0, 1), data["targets"], frames, data["target_lengths"], zero_infinity=True)
+
+
+def _ctc_on_rank(rank: int, world: int) -> str:
+    from autotp.report.strict_rule import check_on_rank
+
+    torch.manual_seed(0)
+    return check_on_rank(_CtcLogits().eval(), {"features": _ctc_inputs()["features"]}, tp=world, loss_fn=_ctc_loss).reason
+
+
+def test_a_ctc_loss_on_the_outputs_of_the_parallel_model_equals_the_unmodified_one() -> None:
+    assert run_on_ranks(_ctc_on_rank, 2) == ["", ""]
