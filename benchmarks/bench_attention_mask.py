@@ -34,7 +34,7 @@ WARMUP, STEPS = 3, 10
 def _model(layers: int, device: str = "cuda") -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+    config = LlamaConfig(use_cache=False, vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192)  # fmt: skip
     torch.manual_seed(0)
     with torch.device(device):

@@ -53,7 +53,7 @@ PIPELINE_MICROBATCHES = (4, 8)
 def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, seq: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+    config = LlamaConfig(use_cache=False, vocab_size=32000, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=seq)  # fmt: skip
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -63,7 +63,7 @@ def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, seq: int) ->
 def _mixtral(seq: int) -> torch.nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+    config = MixtralConfig(use_cache=False, vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
                            num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
                            max_position_embeddings=seq)  # fmt: skip
     torch.manual_seed(0)

@@ -72,7 +72,7 @@ def llama(shape: tuple[int, ...], device: str, dtype: torch.dtype = torch.bfloat
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, inter, layers, heads, kv, vocab, _, seq = shape
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+    config = LlamaConfig(use_cache=False, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max(seq, 8192),
                          rope_theta=500000.0)  # fmt: skip
     torch.manual_seed(seed)

@@ -55,7 +55,7 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12}
 def _model() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+    config = LlamaConfig(use_cache=False, vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                          num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=SEQ)  # fmt: skip
     torch.manual_seed(0)
     with torch.device("cuda"):

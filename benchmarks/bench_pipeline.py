@@ -56,7 +56,7 @@ def _model(name: str) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     layers, hidden, ffn, heads, kv, _, seq = MODELS[name]
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+    config = LlamaConfig(use_cache=False, vocab_size=VOCAB, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=seq)  # fmt: skip
     torch.manual_seed(0)
     with torch.device(DEVICE):

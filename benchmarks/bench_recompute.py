@@ -48,7 +48,7 @@ def predict(shape: Shape, recompute: bool, hardware: str) -> dict:
     from autotp.cost_model.hardware import get_profile
     from autotp.cost_model.planner import Cluster, Training
 
-    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=shape.layers,
+    config = LlamaConfig(use_cache=False, vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=shape.layers,
                          num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, max_position_embeddings=shape.seq,
                          rope_theta=500000.0)  # fmt: skip
     costs = trace_for_planning(config, shape.seq)

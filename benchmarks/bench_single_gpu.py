@@ -83,7 +83,7 @@ SMOKE_SETUPS = ("hf-eager", "autotp-eager", "autotp-eager-no-fused-loss")
 def build(shape: Shape, device: str) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=shape.layers,
+    common = dict(use_cache=False, vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=shape.layers,
                   num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, max_position_embeddings=shape.seq)  # fmt: skip
     if shape.family == "mixtral":
         config, cls = MixtralConfig(**common, num_local_experts=shape.experts, num_experts_per_tok=2), MixtralForCausalLM

@@ -33,6 +33,10 @@ for the full sequence and ``create_causal_mask`` returns None, so SDPA runs
 ``is_causal=True`` (the flash kernel). autotp gets no patch: its ``causal_attention`` pass
 drops the mask it proves causal.
 
+Every model is built with ``use_cache=False``, as a training run sets it: with HF's default a
+training step fills a KV cache, and a decoder layer compiled on its own then recompiles per
+layer (the cache update reads its ``layer_idx``), past dynamo's limit of 8, and runs eager.
+
 MFU = (6·N·tokens + 6·layers·b·s²·h, causal attention fwd+bwd) / (step · GPUs · 989 TFLOP/s).
 It prints step time, tokens/s, ratios, MFU and peak memory, checks every loss against the
 first row's, and writes JSON. The strong suite also profiles ``PROFILED_STEPS`` steps of
@@ -86,7 +90,7 @@ SHAPES = {"small": Shape(4, 32000, 4, 2048), "8b": Shape(32, 128256, 2, 4096)}
 def _model(shape: Shape) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=14336,
+    config = LlamaConfig(use_cache=False, vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=14336,
                          num_hidden_layers=shape.layers, num_attention_heads=32, num_key_value_heads=8,
                          max_position_embeddings=shape.seq)  # fmt: skip
     torch.manual_seed(0)
