@@ -13,9 +13,13 @@ frozen parameters; gpt-fast's ``input_pos`` indexing the rotary table and the ma
 model reading each row's last token; ``F.embedding(scale_grad_by_freq=True)``;
 ``nn.MultiheadAttention`` with ``add_bias_kv`` and ``add_zero_attn``; noisy top-k gating; an
 audio LM with a head per codebook; a ``torch.stft`` front end; ``ConvTranspose1d`` upsamplers;
-a weight formed by a low-rank update in the forward; and a CTC speech model (not in
-``MODELS``: ``F.ctc_loss`` cannot be traced, ``tests/test_propagation_ports.py`` computes it on
-the parallel model's outputs).
+a weight formed by a low-rank update in the forward; a product-key memory read by
+``EmbeddingBag``; selective activation checkpointing; a hypernetwork's per-sample weights;
+ALiBi as SDPA's float mask; wav2vec2's grouped, weight-normed positional convolution. Two are not
+in ``MODELS``, as torch.export cannot trace them: a CTC speech model (``F.ctc_loss``'s output is
+shaped by the data; ``tests/test_propagation_ports.py`` computes it on the parallel model's
+outputs) and packed documents attended in a loop over ``lengths.tolist()`` (shapes from values;
+the refusal names the fix).
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)``.
@@ -584,6 +588,169 @@ class LowRankMLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+# ---- a product-key memory layer (Lample et al.; Meta's memory layers) --------------------------
+
+MEMORY_KEYS, MEMORY_TOP = 16, 4  # 16 x 16 = 256 memory slots
+
+
+class ProductKeyMemory(nn.Module):
+    """The query split in halves, each scored against its own sub-keys; the top-k of each half
+    combined into the top-k of the product keys, whose values a sum ``EmbeddingBag`` reads
+    with the softmaxed scores as ``per_sample_weights``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        half = DIM // 2
+        self.query = nn.Linear(DIM, DIM, bias=False)
+        self.sub_keys = nn.Parameter(torch.randn(2, MEMORY_KEYS, half) * half**-0.5)
+        self.values = nn.EmbeddingBag(MEMORY_KEYS * MEMORY_KEYS, DIM, mode="sum")
+        self.out = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.query(x).flatten(0, 1)  # [T, D]
+        q1, q2 = q.chunk(2, dim=-1)
+        s1, i1 = (q1 @ self.sub_keys[0].t()).topk(MEMORY_TOP, dim=-1)
+        s2, i2 = (q2 @ self.sub_keys[1].t()).topk(MEMORY_TOP, dim=-1)
+        scores = (s1[:, :, None] + s2[:, None, :]).flatten(1)  # [T, k * k]
+        slots = (i1[:, :, None] * MEMORY_KEYS + i2[:, None, :]).flatten(1)
+        best, pick = scores.topk(MEMORY_TOP, dim=-1)
+        read = self.values(slots.gather(1, pick), per_sample_weights=best.softmax(-1))
+        return self.out(read).view_as(x)
+
+
+# ---- selective activation checkpointing (torchtitan's op-level policy) -------------------------
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class SelectiveCheckpointBlock(PreNormBlock):
+    """Each block under ``checkpoint(use_reentrant=False)`` with a ``context_fn`` that saves the
+    matmuls' outputs and recomputes the rest."""
+
+    def __init__(self) -> None:
+        super().__init__(NanoGPTAttention())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from functools import partial
+
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        return checkpoint(super().forward, x, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls))
+
+
+# ---- a hypernetwork: per-sample weights made by a linear ----------------------------------------
+
+HYPER_RANK = 8
+
+
+class HyperAdapter(nn.Module):
+    """A per-sample low-rank adapter whose down and up matrices a hypernetwork makes from the
+    sequence's mean (``bmm`` with generated weights), added to an MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = SwiGLU()
+        self.make_down = nn.Linear(DIM, DIM * HYPER_RANK)
+        self.make_up = nn.Linear(DIM, HYPER_RANK * DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        context = x.mean(1)  # [B, D]
+        down = self.make_down(context).view(-1, DIM, HYPER_RANK) * 0.1
+        up = self.make_up(context).view(-1, HYPER_RANK, DIM) * 0.1
+        return self.mlp(x) + torch.bmm(torch.bmm(x, down), up)
+
+
+# ---- SDPA with an ALiBi bias tensor over the heads ----------------------------------------------
+
+
+class AlibiSdpaAttention(nn.Module):
+    """ALiBi as a float ``attn_mask`` [1, H, S, S] (slopes buffer times distances, plus the causal
+    mask) into SDPA: the bias is read per head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+        self.register_buffer("slopes", 2.0 ** (-8.0 * torch.arange(1, HEADS + 1) / HEADS), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        pos = torch.arange(s, device=x.device)
+        bias = self.slopes[:, None, None] * (pos[None, :] - pos[:, None]).float() + causal_mask(s, x.device)
+        q, k, v = (_heads(t, HEADS) for t in self.qkv(x).chunk(3, -1))
+        return self.out(_merge(F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None])))
+
+
+# ---- varlen attention by a loop over packed documents --------------------------------------------
+
+
+class DocumentLoopAttention(nn.Module):
+    """Packed documents without a varlen kernel: the sequence cut at the documents' lengths
+    (``split(..., lengths.tolist())``) and each document attended on its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        q, k, v = (_heads(t, HEADS) for t in self.qkv(x).chunk(3, -1))
+        pieces = [F.scaled_dot_product_attention(*doc, is_causal=True)
+                  for doc in zip(*(t.split(lengths.tolist(), dim=2) for t in (q, k, v)))]  # fmt: skip
+        return self.out(_merge(torch.cat(pieces, dim=2)))
+
+
+class PackedLoopLM(DecoderLM):
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(DocumentLoopAttention()))
+
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer.attention(layer.attention_norm(h), lengths) + h
+            h = h + layer.feed_forward(layer.ffn_norm(h))
+        logits = self.logits(h)
+        return {"logits": logits, "loss": lm_loss(logits, labels)}
+
+
+# ---- wav2vec2's grouped positional convolution ---------------------------------------------------
+
+CONV_GROUPS = 4
+
+
+class GroupedPositionalConv(nn.Module):
+    """A convolution over the sequence in ``groups`` of the channels, weight-normed over its
+    kernel dim, added to its input (wav2vec2 / HuBERT's relative positions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        conv = nn.Conv1d(DIM, DIM, kernel_size=5, padding=2, groups=CONV_GROUPS)
+        self.conv = nn.utils.parametrizations.weight_norm(conv, name="weight", dim=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.gelu(self.conv(x.transpose(1, 2))).transpose(1, 2)
+
+
+class PositionalConvEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.pos_conv = GroupedPositionalConv()
+        self.layers = nn.ModuleList(PreNormBlock(BidirectionalAttention()) for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        h = self.pos_conv(self.embed(input_ids))
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.output(self.norm(h))
+        return {"logits": logits, "loss": lm_loss(logits, labels)}
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "custom_op_attention": lambda: DecoderLM(lambda: PreNormBlock(CustomOpAttention())),
     "fused_linear_cross_entropy": FusedLossLM,
@@ -603,6 +770,11 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "stft_frontend": SpectrogramClassifier,
     "conv_transpose_decoder": ConvTransposeAutoencoder,
     "low_rank_updated_weight": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), LowRankMLP())),
+    "product_key_memory": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), ProductKeyMemory())),
+    "selective_checkpoint": lambda: DecoderLM(SelectiveCheckpointBlock),
+    "hypernetwork_adapter": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), HyperAdapter())),
+    "sdpa_alibi_bias": lambda: DecoderLM(lambda: PreNormBlock(AlibiSdpaAttention())),
+    "grouped_positional_conv": PositionalConvEncoder,
 }
 MOE = frozenset({"noisy_topk_moe"})
 

@@ -104,3 +104,22 @@ def _ctc_on_rank(rank: int, world: int) -> str:
 
 def test_a_ctc_loss_on_the_outputs_of_the_parallel_model_equals_the_unmodified_one() -> None:
     assert run_on_ranks(_ctc_on_rank, 2) == ["", ""]
+
+
+def test_a_bag_table_is_column_parallel_over_its_features() -> None:
+    """A product-key memory's ``EmbeddingBag`` (sum, ``per_sample_weights``) splits its value table's
+    features, and the projection reading the bags goes row-parallel (the table was read whole:
+    67% of the model on a rank at tp=2)."""
+    layouts = _layouts("product_key_memory", 4)
+    assert layouts["layers.0.feed_forward.values.weight"] == ("column", 1)
+    assert layouts["layers.0.feed_forward.out.weight"][0] == "row"
+
+
+def test_shapes_read_from_tensor_values_are_refused_naming_static_shapes() -> None:
+    """Packed documents attended in a loop over ``lengths.tolist()``: each document's length is a
+    value, and SDPA guards on it; the refusal names the module and what to write instead."""
+    from plain_models_ports import PackedLoopLM
+
+    inputs = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "lengths": torch.tensor([5, 8, 3]), "labels": torch.zeros(2, 16, dtype=torch.long)}
+    with pytest.raises(UserInputError, match=r"module layers\.0\.attention \(DocumentLoopAttention\).*shapes there depend on the values of a tensor.*block-diagonal mask"):
+        trace(PackedLoopLM().eval(), inputs)

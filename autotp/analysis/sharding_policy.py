@@ -323,6 +323,29 @@ def row_lookup(w: Walker, node: Node, weight: Node, ids: Any) -> Layout:
     return PARTIAL
 
 
+def embedding_bag(w: Walker, node: Node) -> tuple[Layout, ...]:
+    """``embedding_bag(weight, indices, offsets, ...)``: each bag reduces its rows feature by
+    feature (sum, mean or max), so a table split over its features gives the bags' outputs split
+    alike; an undecided table goes column-parallel over them. The ids, offsets and
+    ``per_sample_weights`` stay whole (each rank's gradient of the weights sums its own features:
+    the all-reduce a whole input of a split op takes, ``insert_collectives``)."""
+    weight = node.args[0]
+    for t in node.all_input_nodes[1:]:
+        if not w.summed(t, node).replicated:
+            raise ShardingConflict(f"{describe(node)}: split bag ids or weights", w.get(t).origins())
+    lw = w.get(weight)
+    if isinstance(lw, ParamView):
+        if lw.dim_map == (0, 1) and w.allowed(lw.name, "column"):
+            w.param_view_shard(lw, 1, DimVar(w.params[lw.name].shape[1], frozenset({lw.name})), "column", node)
+        else:
+            w.decide(lw.name, ParamDecision("replicate"), node)
+    lw = w.summed(weight, node)
+    if lw.var_at(0) is not None:
+        raise ShardingConflict(f"{describe(node)}: a bag table split over its rows", lw.origins())
+    features = lw.var_at(1)
+    return (shard({1: features}) if features is not None else REPLICATE, REPLICATE, REPLICATE, REPLICATE)
+
+
 def cross_entropy(w: Walker, node: Node) -> Layout:
     logits, target = node.args[0], node.args[1]
     lay = w.concrete(logits, node)

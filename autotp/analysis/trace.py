@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode, UnsupportedOperatorException
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_map
 
 from autotp.analysis.batch_rows import batch_rows_at, batch_size, holds_rows
@@ -314,6 +315,12 @@ def _advice(error: BaseException) -> str:
             f"{shaped_by_data} makes an output whose shape depends on the values of its inputs, which torch.export cannot "
             "trace; move it out of the forward (return what it reads, e.g. the logits, and compute it on the outputs of the "
             "parallelized model), or replace it by ops of static shapes."
+        )
+    if any(isinstance(e, GuardOnDataDependentSymNode) for e in _causes(error)):
+        return (
+            "shapes there depend on the values of a tensor (sizes read by .tolist() or .item()), which one traced graph "
+            "cannot follow; compute with static shapes (one block-diagonal mask over packed documents rather than a loop "
+            "over them), or state what export asks with torch._check(...) as the error above suggests."
         )
     return (
         "make that module traceable (no data-dependent Python control flow or .item() on tensors), "
