@@ -751,6 +751,269 @@ class PositionalConvEncoder(nn.Module):
         return {"logits": logits, "loss": lm_loss(logits, labels)}
 
 
+# ---- a verbalizer: class logits from the embedding rows of label words --------------------------
+
+LABEL_WORDS = (3, 17, 42, 99)
+
+
+class VerbalizerClassifier(DecoderLM):
+    """Prompt-based classification: the last token's hidden state against the (tied) embedding
+    rows of one label word per class, read by constant ids."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(NanoGPTAttention()))
+        self.register_buffer("label_words", torch.tensor(LABEL_WORDS), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        h = self.norm(self.hidden(input_ids))[:, -1]
+        logits = h @ self.embed.weight[self.label_words].t()
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+# ---- ViTDet's simple feature pyramid ------------------------------------------------------------
+
+PYRAMID_IMAGE, PYRAMID_PATCH = 16, 4
+
+
+class SimpleFeaturePyramid(nn.Module):
+    """A plain ViT's last feature map taken to four scales: two ``ConvTranspose2d`` (x4), one (x2),
+    itself, and a max-pool (x1/2), each through a 1x1 and a 3x3 convolution; a dense target per
+    scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.patch = nn.Conv2d(3, DIM, PYRAMID_PATCH, stride=PYRAMID_PATCH)
+        self.layers = nn.ModuleList(PreNormBlock(BidirectionalAttention()) for _ in range(LAYERS))
+        self.up4 = nn.Sequential(nn.ConvTranspose2d(DIM, DIM // 2, 2, stride=2), nn.GELU(), nn.ConvTranspose2d(DIM // 2, DIM // 4, 2, stride=2))
+        self.up2 = nn.ConvTranspose2d(DIM, DIM // 2, 2, stride=2)
+        self.down2 = nn.MaxPool2d(2)
+        self.heads = nn.ModuleList(nn.Sequential(nn.Conv2d(c, 8, 1), nn.Conv2d(8, 8, 3, padding=1)) for c in (DIM // 4, DIM // 2, DIM, DIM))
+
+    def forward(self, pixel_values: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+        x = self.patch(pixel_values)
+        b, d, h, w = x.shape
+        t = x.flatten(2).transpose(1, 2)
+        for layer in self.layers:
+            t = layer(t)
+        x = t.transpose(1, 2).reshape(b, d, h, w)
+        maps = [head(m) for head, m in zip(self.heads, (self.up4(x), self.up2(x), x, self.down2(x)))]
+        loss = sum(F.mse_loss(m.mean(1), F.adaptive_avg_pool2d(targets, m.shape[-2:]).squeeze(1)) for m in maps)
+        return {"logits": maps[0], "loss": loss}
+
+
+# ---- an expert bias updated by the forward (aux-loss-free balancing) -----------------------------
+
+
+class BiasBalancedMoE(nn.Module):
+    """DeepSeek-V3's aux-loss-free balancing written into the forward: the routing bias buffer is
+    moved toward balance by each forward's expert loads, under ``no_grad``."""
+
+    EXPERTS, TOP, RATE = 4, 2, 0.01
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, self.EXPERTS, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(DIM, 2 * DIM) for _ in range(self.EXPERTS))
+        self.register_buffer("expert_bias", torch.zeros(self.EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(0, 1)
+        scores = self.router(flat).sigmoid()
+        _, top = (scores + self.expert_bias).topk(self.TOP, dim=-1)
+        weights = scores.gather(1, top)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(top == e)
+            out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
+        with torch.no_grad():
+            load = F.one_hot(top, self.EXPERTS).sum((0, 1)).float()
+            self.expert_bias += self.RATE * torch.sign(load.mean() - load)
+        return out.view_as(x)
+
+
+# ---- overlapping windows summed back by F.fold ---------------------------------------------------
+
+WINDOW, STRIDE = 4, 2
+
+
+class FoldedWindowMixer(nn.Module):
+    """Overlapping windows of the sequence (``F.unfold``), mixed by a linear over each window's
+    positions, summed back by ``F.fold`` and divided by the overlap count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(WINDOW, WINDOW)
+        self.up, self.down = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.up(x)).transpose(1, 2).unsqueeze(-1)  # [B, C, S, 1]
+        s = h.shape[2]
+        cols = F.unfold(h, (WINDOW, 1), stride=(STRIDE, 1))  # [B, C * W, L]
+        c = h.shape[1]
+        cols = self.mix(cols.unflatten(1, (c, WINDOW)).transpose(2, 3)).transpose(2, 3).flatten(1, 2)
+        ones = F.unfold(torch.ones_like(h[:1, :1]), (WINDOW, 1), stride=(STRIDE, 1))
+        count = F.fold(ones, (s, 1), (WINDOW, 1), stride=(STRIDE, 1))
+        mixed = F.fold(cols, (s, 1), (WINDOW, 1), stride=(STRIDE, 1)) / count
+        return self.down(mixed.squeeze(-1).transpose(1, 2))
+
+
+# ---- native sparse attention (DeepSeek NSA): compressed, selected and sliding branches -----------
+
+BLOCK, SELECTED, WINDOW_NSA = 4, 2, 4
+
+
+class NativeSparseAttention(nn.Module):
+    """Keys and values compressed per block by an MLP, each query's top blocks (by its group's
+    compressed scores) gathered whole, a sliding window; the three outputs mixed by per-head
+    sigmoid gates. GQA with 2 query heads per KV head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv_heads, self.group = HEADS // 2, 2
+        self.q = nn.Linear(DIM, HEADS * HEAD_DIM, bias=False)
+        self.kv = nn.Linear(DIM, 2 * self.kv_heads * HEAD_DIM, bias=False)
+        self.compress = nn.Linear(BLOCK * HEAD_DIM, HEAD_DIM)
+        self.gates = nn.Linear(DIM, 3 * HEADS)
+        self.out = nn.Linear(HEADS * HEAD_DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        n = s // BLOCK
+        q = self.q(x).view(b, s, self.kv_heads, self.group, HEAD_DIM).permute(0, 2, 3, 1, 4)  # [B, K, G, S, D]
+        k, v = (t.view(b, s, self.kv_heads, HEAD_DIM).transpose(1, 2) for t in self.kv(x).chunk(2, -1))  # [B, K, S, D]
+        kc, vc = (self.compress(t.reshape(b, self.kv_heads, n, BLOCK * HEAD_DIM)) for t in (k, v))  # [B, K, n, D]
+        pos = torch.arange(s, device=x.device)
+        block_end = torch.arange(n, device=x.device) * BLOCK + BLOCK - 1
+        scale = HEAD_DIM**-0.5
+        sc = torch.einsum("bkgsd,bknd->bkgsn", q, kc) * scale
+        sc = sc.masked_fill(block_end[None, :] > pos[:, None], float("-inf"))
+        pc = torch.nan_to_num(sc.softmax(-1))
+        o_cmp = torch.einsum("bkgsn,bknd->bkgsd", pc, vc)
+        importance = pc.sum(2)  # [B, K, S, n]: a KV group's queries pick the same blocks
+        own = pos[:, None] // BLOCK == torch.arange(n, device=x.device)[None, :]
+        chosen = importance.masked_fill(own, float("inf")).topk(SELECTED, dim=-1).indices  # [B, K, S, sel]
+        token = (chosen[..., None] * BLOCK + torch.arange(BLOCK, device=x.device)).flatten(-2)  # [B, K, S, sel * BLOCK]
+        ks, vs = (torch.gather(t[:, :, None].expand(-1, -1, s, -1, -1), 3, token[..., None].expand(-1, -1, -1, -1, HEAD_DIM)) for t in (k, v))
+        ss = torch.einsum("bkgsd,bkstd->bkgst", q, ks) * scale
+        ss = ss.masked_fill(token[:, :, None] > pos[None, None, None, :, None], float("-inf"))
+        o_sel = torch.einsum("bkgst,bkstd->bkgsd", ss.softmax(-1), vs)
+        local = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < WINDOW_NSA)
+        sw = torch.einsum("bkgsd,bktd->bkgst", q, k) * scale
+        o_win = torch.einsum("bkgst,bktd->bkgsd", sw.masked_fill(~local, float("-inf")).softmax(-1), v)
+        g = self.gates(x).sigmoid().view(b, s, 3, self.kv_heads, self.group).permute(2, 0, 3, 4, 1)[..., None]  # [3, B, K, G, S, 1]
+        o = g[0] * o_cmp + g[1] * o_sel + g[2] * o_win
+        return self.out(o.permute(0, 3, 1, 2, 4).reshape(b, s, HEADS * HEAD_DIM))
+
+
+# ---- a test-time-training layer (TTT-Linear, dual form over one mini-batch) ------------------------
+
+
+class TTTLinear(nn.Module):
+    """Each head's inner linear model ``W0`` [H, D, D] takes one gradient step per token on the
+    reconstruction ``k W -> v``; in the dual form the output is ``q W0 - eta * tril(q k^T) (k W0 - v)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.inner = nn.Parameter(torch.eye(HEAD_DIM).repeat(HEADS, 1, 1) + 0.01 * torch.randn(HEADS, HEAD_DIM, HEAD_DIM))
+        self.eta = nn.Parameter(torch.full((HEADS, 1, 1), 0.1))
+        self.norm = nn.LayerNorm(HEAD_DIM)
+        self.out = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (_heads(t, HEADS) for t in self.qkv(x).chunk(3, -1))  # [B, H, S, D]
+        error = torch.einsum("bhsd,hde->bhse", k, self.inner) - v
+        attn = torch.tril(q @ k.transpose(-2, -1))
+        z = torch.einsum("bhsd,hde->bhse", q, self.inner) - self.eta * (attn @ error)
+        return self.out(_merge(self.norm(z)))
+
+
+# ---- keys and values pooled along the sequence, the output upsampled back -----------------------
+
+POOL = 2
+
+
+class PooledKVAttention(nn.Module):
+    """Keys and values average-pooled along the sequence (``F.avg_pool1d`` over channels-first
+    projections), bidirectional attention over the pooled ones, and a branch at half resolution
+    brought back by ``F.interpolate`` (Funnel / pooling attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv = nn.Linear(DIM, DIM, bias=False), nn.Linear(DIM, 2 * DIM, bias=False)
+        self.out = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kv = F.avg_pool1d(self.kv(x).transpose(1, 2), POOL).transpose(1, 2)  # [B, S / 2, 2D]
+        k, v = (_heads(t, HEADS) for t in kv.chunk(2, -1))
+        coarse = F.scaled_dot_product_attention(_heads(self.q(x[:, ::POOL]), HEADS), k, v)  # [B, H, S / 2, D]
+        fine = F.interpolate(_merge(coarse).transpose(1, 2), scale_factor=POOL, mode="linear", align_corners=False)
+        return self.out(fine.transpose(1, 2))
+
+
+# ---- rotary embeddings with a base per head ---------------------------------------------------------
+
+
+class PerHeadRopeAttention(nn.Module):
+    """Each head rotates with its own base (a ``[H, S, D/2]`` angle buffer): short- and
+    long-range heads side by side."""
+
+    def __init__(self, max_len: int = 32) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+        bases = torch.logspace(2, 5, HEADS)  # 100 ... 100000
+        inv = 1.0 / bases[:, None] ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)  # [H, D/2]
+        self.register_buffer("angles", torch.arange(max_len).float()[None, :, None] * inv[:, None, :], persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        q, k, v = (_heads(t, HEADS) for t in self.qkv(x).chunk(3, -1))
+        cos, sin = self.angles[:, :s].cos(), self.angles[:, :s].sin()
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:
+            t1, t2 = t[..., ::2], t[..., 1::2]
+            return torch.stack((t1 * cos - t2 * sin, t1 * sin + t2 * cos), dim=-1).flatten(-2)
+
+        return self.out(_merge(F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)))
+
+
+# ---- a residual vector quantizer (SoundStream / EnCodec) ------------------------------------------------
+
+CODEBOOK_SIZE, QUANTIZERS = 16, 3
+
+
+class ResidualVQAutoencoder(nn.Module):
+    """An encoder, then ``QUANTIZERS`` codebooks each quantizing what the ones before left
+    (``cdist`` + ``argmin``, straight-through), commitment and codebook losses, a decoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.encoder = nn.ModuleList(PreNormBlock(BidirectionalAttention()) for _ in range(LAYERS))
+        self.codebooks = nn.Parameter(torch.randn(QUANTIZERS, CODEBOOK_SIZE, DIM))
+        self.decoder = nn.ModuleList(PreNormBlock(BidirectionalAttention()) for _ in range(LAYERS))
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        z = self.embed(input_ids)
+        for layer in self.encoder:
+            z = layer(z)
+        residual, quantized, vq_loss = z, torch.zeros_like(z), z.new_zeros(())
+        for codebook in self.codebooks:
+            codes = torch.cdist(residual.flatten(0, 1), codebook).argmin(-1).view(residual.shape[:2])
+            chosen = codebook[codes]
+            vq_loss = vq_loss + F.mse_loss(chosen, residual.detach()) + 0.25 * F.mse_loss(residual, chosen.detach())
+            quantized = quantized + residual + (chosen - residual).detach()
+            residual = residual - chosen.detach()
+        h = quantized
+        for layer in self.decoder:
+            h = layer(h)
+        logits = self.output(h)
+        return {"logits": logits, "loss": lm_loss(logits, labels) + vq_loss}
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "custom_op_attention": lambda: DecoderLM(lambda: PreNormBlock(CustomOpAttention())),
     "fused_linear_cross_entropy": FusedLossLM,
@@ -775,8 +1038,17 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "hypernetwork_adapter": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), HyperAdapter())),
     "sdpa_alibi_bias": lambda: DecoderLM(lambda: PreNormBlock(AlibiSdpaAttention())),
     "grouped_positional_conv": PositionalConvEncoder,
+    "verbalizer_head": VerbalizerClassifier,
+    "vitdet_pyramid": SimpleFeaturePyramid,
+    "bias_balanced_moe": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), BiasBalancedMoE())),
+    "fold_overlap_windows": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), FoldedWindowMixer())),
+    "native_sparse_attention": lambda: DecoderLM(lambda: PreNormBlock(NativeSparseAttention())),
+    "ttt_linear": lambda: DecoderLM(lambda: PreNormBlock(TTTLinear())),
+    "pooled_kv_attention": lambda: DecoderLM(lambda: PreNormBlock(PooledKVAttention())),
+    "per_head_rope_bases": lambda: DecoderLM(lambda: PreNormBlock(PerHeadRopeAttention())),
+    "residual_vq": ResidualVQAutoencoder,
 }
-MOE = frozenset({"noisy_topk_moe"})
+MOE = frozenset({"noisy_topk_moe", "bias_balanced_moe"})
 
 
 def build(name: str) -> nn.Module:
@@ -800,6 +1072,10 @@ def example_inputs(name: str, batch: int = 2, seq: int = SEQ) -> dict[str, torch
     if name == "scale_grad_by_freq":
         ids = torch.randint(0, 8, (batch, seq), generator=gen)  # few distinct tokens, each repeated
         return {"input_ids": ids, "labels": torch.randint(0, VOCAB, (batch, seq), generator=gen)}
+    if name == "verbalizer_head":
+        return {"input_ids": torch.randint(0, VOCAB, (batch, seq), generator=gen), "labels": torch.randint(0, len(LABEL_WORDS), (batch,), generator=gen)}
+    if name == "vitdet_pyramid":
+        return {"pixel_values": torch.randn(batch, 3, PYRAMID_IMAGE, PYRAMID_IMAGE, generator=gen), "targets": torch.randn(batch, 1, 16, 16, generator=gen)}
     if name == "multi_codebook_heads":
         return {"codes": torch.randint(0, CODES, (batch, CODEBOOKS, seq), generator=gen), "labels": torch.randint(0, CODES, (batch, CODEBOOKS, seq), generator=gen)}
     if name == "stft_frontend":

@@ -45,7 +45,9 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {  # (config, model): why it fails toda
 # The all-reduced sums of row-parallel projections round otherwise, and Gemma's post-norms and soft
 # caps magnify it past 1e-6 on a few logits (2.7e-6 on torch 2.13 CPU); equal in float64
 # (test_propagation_research.py::test_gemma_reference_is_the_unmodified_model_in_float64).
-FP32_ROUNDING = {("tp2", "gemma_reference"), ("tp4", "gemma_reference")}
+# The verbalizer's class logits are dot products that cancel (a logit of 6e-3 from terms near 1):
+# 2.1e-6 apart at tp=4, equal in float64 (test_propagation_ports.py).
+FP32_ROUNDING = {("tp2", "gemma_reference"), ("tp4", "gemma_reference"), ("tp4", "verbalizer_head")}
 
 
 def suite() -> dict[str, str]:

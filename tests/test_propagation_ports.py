@@ -123,3 +123,38 @@ def test_shapes_read_from_tensor_values_are_refused_naming_static_shapes() -> No
     inputs = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "lengths": torch.tensor([5, 8, 3]), "labels": torch.zeros(2, 16, dtype=torch.long)}
     with pytest.raises(UserInputError, match=r"module layers\.0\.attention \(DocumentLoopAttention\).*shapes there depend on the values of a tensor.*block-diagonal mask"):
         trace(PackedLoopLM().eval(), inputs)
+
+
+def _verbalizer_in_float64(rank: int, world: int) -> str:
+    from autotp.report.strict_rule import check_on_rank
+
+    return check_on_rank(build("verbalizer_head").double(), example_inputs("verbalizer_head"), tp=world).reason
+
+
+def test_the_verbalizer_at_tp4_is_the_unmodified_model_in_float64() -> None:
+    """Its fp32 logits differ at tp=4 by rounding alone (the suite's ``FP32_ROUNDING``): in float64
+    the parallel model equals the unmodified one."""
+    assert run_on_ranks(_verbalizer_in_float64, 4) == [""] * 4
+
+
+def test_a_buffer_the_forward_moves_from_its_own_value_refuses_a_split_step() -> None:
+    """Aux-loss-free balancing written into the forward reads its routing bias, then moves it:
+    split into microbatches, the second would route with the bias the first moved (the loss was
+    1.3e-4 off at pp=2, silently). A KV cache filled by slice assignment before it is read is not
+    refused (the reference Llama's)."""
+    from plain_models_frameworks import build as build_framework, example_inputs as framework_inputs
+
+    found = batch_mixing_node(trace(build("bias_balanced_moe"), example_inputs("bias_balanced_moe")), batch=2)
+    assert "updates buffer layers.0.feed_forward.expert_bias from its value before the forward" in found, found
+    cache = "llama_reference_kv_cache"
+    assert batch_mixing_node(trace(build_framework(cache), framework_inputs(cache)), batch=2) == ""
+
+
+def test_pooling_and_interpolation_keep_the_channel_split() -> None:
+    """Keys and values average-pooled along the sequence and a branch brought back by
+    ``F.interpolate``: each channel's plane is pooled alone, so the projections keep Megatron's
+    layout (the ops were opaque: the projections' outputs were gathered around them)."""
+    plan = plan_tensor_parallel(trace(build("pooled_kv_attention"), example_inputs("pooled_kv_attention")), 4)
+    layouts = {p.name: (p.kind, p.dim) for p in plan.params}
+    assert layouts["layers.0.attention.kv.weight"] == ("column", 0) and layouts["layers.0.attention.out.weight"] == ("row", 1)
+    assert plan.gathered == ()

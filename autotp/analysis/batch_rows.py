@@ -14,8 +14,10 @@ of slot positions) only move rows and are not counted: their results index, they
 weigh. Where the walk loses track of the rows (an op with no rule for a split there) it
 stops looking downstream of it, so the check may miss a case but never refuses a forward
 whose rows stay apart. A lookup with ``scale_grad_by_freq`` mixes rows in its backward: each
-table row's gradient is divided by its id's count over the whole batch. A loss divided by a statistic of the batch that
-``loss_denominators`` could not make the whole batch's (``labels.max()``) mixes rows too.
+table row's gradient is divided by its id's count over the whole batch. A loss divided by a
+statistic of the batch that ``loss_denominators`` could not make the whole batch's
+(``labels.max()``) mixes rows too, and so does a buffer the forward updates from its own
+earlier value (``carried_buffer_write``): each piece would read what the piece before it wrote.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
 from autotp.analysis.loss_denominators import unnormalized_division
 from autotp.ir.errors import describe
 from autotp.ir.layouts import REPLICATE, DimVar, Layout, shard
-from autotp.ir.op_facts import op_name
+from autotp.ir.op_facts import is_alias, op_name, writes_by_base
 
 BATCH_ORIGIN = "<batch rows>"
 # op name -> position of its dim argument and the default when it is absent
@@ -183,7 +185,53 @@ def batch_mixing_node(gm: GraphModule, batch: int) -> str:
     if meeting is not None:
         node, statistic = meeting
         return f"{describe(node)}, where a statistic over the batch's rows ({describe(statistic)}) meets each row's values"
+    carried = carried_buffer_write(gm)
+    if carried is not None:
+        node, name = carried
+        return f"{describe(node)}, which updates buffer {name} from its value before the forward (each piece of a split batch would read what the piece before it wrote)"
     return ""
+
+
+# in-place ops whose result does not read what they overwrite
+_OVERWRITES = frozenset({"copy_", "fill_", "zero_", "masked_fill_", "index_fill_", "index_copy_", "masked_scatter_"})
+
+
+def carried_buffer_write(gm: GraphModule) -> tuple[Node, str] | None:
+    """An in-place write of a buffer whose value from before the forward the forward reads: a read
+    of it before its first write (a routing bias, a running statistic), or a write that reads what
+    it writes (``bias += ...``). Pieces of a split batch run the forward one after another, each
+    reading what the piece before it wrote, where the whole batch reads the value it started with.
+    A buffer overwritten before it is read (a KV cache filled by slice assignment) carries nothing.
+    The write and the buffer's name."""
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for base, writes in writes_by_base(gm.graph.nodes).items():
+        if base.op != "get_attr" or str(base.target) in params:
+            continue
+        rewrite = next((w for w in writes if not _overwrites(w)), None)
+        first = min(writes, key=order.__getitem__)
+        if rewrite is not None or any(order[r] < order[first] for r in _reads(base)):
+            return rewrite or first, str(base.target)
+    return None
+
+
+def _overwrites(write: Node) -> bool:
+    name = op_name(write.target)
+    return name in _OVERWRITES or (name == "index_put_" and not schema_arg(write, "accumulate", False))
+
+
+def _reads(base: Node) -> list[Node]:
+    """The nodes that read ``base``'s elements: users of it or of its views (and in-place results)
+    that are neither views of it nor writes to it."""
+    reads, stack = [], [base]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if is_alias(user) and user.args[0] is node:
+                stack.append(user)
+            else:
+                reads.append(user)
+    return reads
 
 
 def _statistic_meets_rows(gm: GraphModule, rows_at: Callable[[Node], set[int]]) -> tuple[Node, Node] | None:

@@ -11,6 +11,7 @@ replicated block fills (one KV head held by every rank) may take any split.
 from __future__ import annotations
 
 import operator
+import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +20,7 @@ from torch.fx import Node
 from autotp.analysis.propagation_result import ParamView
 from autotp.analysis.shapes import norm_dim, schema_arg, shape_of, strided_walk
 from autotp.ir.errors import describe
-from autotp.ir.op_facts import is_matmul
+from autotp.ir.op_facts import is_matmul, op_name
 from autotp.ir.layouts import (
     PARTIAL,
     REPLICATE,
@@ -107,6 +108,35 @@ def _whole_along(w: Walker, node: Node, dims: list[int], why: str) -> Any:
         if var is not None:
             raise ShardingConflict(f"{describe(node)}: {why}", lay.origins(), (var,))
     return lay
+
+
+# pooling and interpolation, by op name; the digit of "1d"/"2d"/"3d" counts the spatial dims
+_PLANEWISE_LINEAR = frozenset({
+    "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+    "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+    "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d",
+    "upsample_bilinear2d", "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
+})  # fmt: skip
+_PLANEWISE_MAX = frozenset({
+    "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices",
+    "max_pool3d_with_indices", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
+})  # fmt: skip
+PLANEWISE = _PLANEWISE_LINEAR | _PLANEWISE_MAX
+
+
+def planewise(w: Walker, node: Node) -> Any:
+    """Pooling and interpolation (``avg_pool2d``, ``adaptive_max_pool1d``, ``upsample_bilinear2d``...):
+    each plane of an input ``[(N,) C, *spatial]`` maps to its own output plane, so every dim
+    before the spatial ones keeps its split and the spatial dims must be whole. Averaging and
+    interpolating are linear in a partial input; a maximum is taken of the summed value."""
+    name = op_name(node.target)
+    if name in _PLANEWISE_MAX:
+        w.summed(node.args[0], node)
+    nd = len(shape_of(node.args[0]) or ())
+    spatial = int(re.search(r"(\d)d", name).group(1))
+    lay = _whole_along(w, node, list(range(nd - spatial, nd)), "pools or resizes along a sharded dim")
+    val = node.meta.get("val")
+    return tuple(lay for _ in val) if isinstance(val, (tuple, list)) else lay
 
 
 def unfold(w: Walker, node: Node) -> Any:

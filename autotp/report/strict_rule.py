@@ -122,8 +122,11 @@ def check_on_rank(
             loss, logits = _loss_logits(out, loss_fn)
             loss.backward()
         else:
+            entry = {name: b.clone() for name, b in pm.named_buffers()}
             with torch.no_grad():
                 _, logits = _loss_logits(pm(**inputs), loss_fn)
+                for name, b in pm.named_buffers():  # the step starts from the state the one reference forward saw
+                    b.copy_(entry[name])
             torch.manual_seed(RNG_SEED)
             # a forward that mixes its batch's rows trains the batch whole, as train_step's refusal asks
             whole = pm.plan.batch_mixing or microbatches == 1
