@@ -1014,6 +1014,50 @@ class ResidualVQAutoencoder(nn.Module):
         return {"logits": logits, "loss": lm_loss(logits, labels) + vq_loss}
 
 
+# ---- attention by einsums with an ellipsis (lucidrains' style) ------------------------------------
+
+
+class EllipsisEinsumAttention(nn.Module):
+    """Scores by ``einsum("...id,...jd->...ij")`` and the values by ``einsum("...ij,...jd->...id")``
+    over ``[B, H, S, D]``, rotary angles by ``einsum("...,f->...f")``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        q, k, v = (_heads(t, HEADS) for t in self.qkv(x).chunk(3, -1))
+        angles = torch.einsum("...,f->...f", torch.arange(s, device=x.device).float(), self.inv_freq)
+        angles = torch.cat((angles, angles), -1)
+        q, k = (t * angles.cos() + torch.cat((-t[..., HEAD_DIM // 2 :], t[..., : HEAD_DIM // 2]), -1) * angles.sin() for t in (q, k))
+        scores = torch.einsum("...id,...jd->...ij", q, k) * HEAD_DIM**-0.5 + causal_mask(s, x.device)
+        return self.out(_merge(torch.einsum("...ij,...jd->...id", scores.softmax(-1), v)))
+
+
+# ---- a short convolution per head, the heads folded into the batch ---------------------------------
+
+SHORT_KERNEL = 3
+
+
+class HeadsIntoBatchConv(nn.Module):
+    """Values convolved along the sequence by one depthwise kernel shared by every head, the heads
+    folded into the batch (``[B, H, D, S] -> [B * H, D, S]``), then attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+        self.kernel = nn.Parameter(torch.randn(HEAD_DIM, 1, SHORT_KERNEL) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (_heads(t, HEADS) for t in self.qkv(x).chunk(3, -1))
+        folded = v.transpose(2, 3).reshape(b * HEADS, HEAD_DIM, s)
+        v = F.conv1d(folded, self.kernel, padding=SHORT_KERNEL - 1, groups=HEAD_DIM)[..., :s].reshape(b, HEADS, HEAD_DIM, s).transpose(2, 3)
+        return self.out(_merge(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "custom_op_attention": lambda: DecoderLM(lambda: PreNormBlock(CustomOpAttention())),
     "fused_linear_cross_entropy": FusedLossLM,
@@ -1047,6 +1091,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "pooled_kv_attention": lambda: DecoderLM(lambda: PreNormBlock(PooledKVAttention())),
     "per_head_rope_bases": lambda: DecoderLM(lambda: PreNormBlock(PerHeadRopeAttention())),
     "residual_vq": ResidualVQAutoencoder,
+    "ellipsis_einsum_attention": lambda: DecoderLM(lambda: PreNormBlock(EllipsisEinsumAttention())),
+    "heads_into_batch_conv": lambda: DecoderLM(lambda: PreNormBlock(HeadsIntoBatchConv())),
 }
 MOE = frozenset({"noisy_topk_moe", "bias_balanced_moe"})
 

@@ -158,3 +158,12 @@ def test_pooling_and_interpolation_keep_the_channel_split() -> None:
     layouts = {p.name: (p.kind, p.dim) for p in plan.params}
     assert layouts["layers.0.attention.kv.weight"] == ("column", 0) and layouts["layers.0.attention.out.weight"] == ("row", 1)
     assert plan.gathered == ()
+
+
+def test_einsums_with_an_ellipsis_keep_the_heads_split() -> None:
+    """``einsum("...id,...jd->...ij")`` over ``[B, H, S, D]``: the ellipsis stands for the leading
+    dims, heads among them, as letters of their own (it was opaque: q/k/v gathered before it)."""
+    plan = plan_tensor_parallel(trace(build("ellipsis_einsum_attention"), example_inputs("ellipsis_einsum_attention")), 4)
+    layouts = {p.name: (p.kind, p.dim) for p in plan.params}
+    assert layouts["layers.0.attention.qkv.weight"] == ("column", 0) and layouts["layers.0.attention.out.weight"] == ("row", 1)
+    assert plan.gathered == ()

@@ -21,6 +21,7 @@ follows from an already sharded activation.
 
 from __future__ import annotations
 
+import string
 from typing import TYPE_CHECKING, Any
 
 from torch.fx import Node
@@ -390,13 +391,36 @@ def einsum(w: Walker, node: Node) -> Any:
     otherwise it is replicated. A replicated operand made from weights alone whose letter
     another operand splits is read through the rank's slice (Mamba's ``A = -exp(A_log)``
     meeting the channel-split ``dt``), as ``values.pointwise`` does for a broadcast operand."""
-    equation, operands = node.args[0], list(node.args[1])
-    if "..." in equation or len(operands) != equation.split("->")[0].count(",") + 1:
+    equation, operands = node.args[0].replace(" ", ""), list(node.args[1])
+    lhs, out = equation.split("->") if "->" in equation else (equation, None)
+    terms = lhs.split(",")
+    if len(operands) != len(terms):
         return w.opaque(node)
-    lhs, out = equation.replace(" ", "").split("->") if "->" in equation else (equation.replace(" ", ""), None)
+    lead = ""
+    if "..." in equation:
+        expanded = _without_ellipsis(terms, out, operands)
+        if expanded is None:
+            return w.opaque(node)
+        terms, out, lead = expanded
     if out is None:
-        out = "".join(sorted(c for c in set(lhs) - {","} if lhs.count(c) == 1))
-    return _contraction(w, node, lhs.split(","), out, operands)
+        letters = "".join(terms)
+        out = lead + "".join(sorted(c for c in set(letters) - set(lead) if letters.count(c) == 1))
+    return _contraction(w, node, terms, out, operands)
+
+
+def _without_ellipsis(terms: list[str], out: str | None, operands: list[Any]) -> tuple[list[str], str | None, str] | None:
+    """The terms and output with each ``...`` written as letters of its own, the dims it
+    stands for aligned from the right as they broadcast (``...id,...jd->...ij`` over
+    ``[B, H, S, D]``: ``abid,abjd->abij``), and those letters; None for an operand of unknown rank."""
+    used = set("".join(terms) + (out or ""))
+    fresh = [c for c in string.ascii_letters if c not in used]
+    ranks = [len(shape_of(t)) if isinstance(t, Node) and shape_of(t) is not None else None for t in operands]
+    if any(r is None for term, r in zip(terms, ranks) if "..." in term):
+        return None
+    hidden = [r - (len(term) - 3) if "..." in term else 0 for term, r in zip(terms, ranks)]
+    lead = "".join(fresh[: max(hidden)])
+    terms = [term.replace("...", lead[len(lead) - k :] if k else "") for term, k in zip(terms, hidden)]
+    return terms, None if out is None else out.replace("...", lead), lead
 
 
 def bilinear(w: Walker, node: Node) -> Any:
