@@ -113,20 +113,13 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
     else:
         out = shard(dims)
     if bias is not None and isinstance(bias, Node):
-        lbias = w.get(bias)
         if out == PARTIAL:
             w.concrete(bias, node)
             if w.get(bias) != REPLICATE:
                 raise ShardingConflict(f"{describe(node)}: bias of a row-parallel matmul is sharded", lb.origins())
             w.out.roles[node] = NodeRole.ROW_WITH_BIAS
             return REPLICATE
-        if isinstance(lbias, ParamView):
-            if bn is not None:
-                w.param_view_shard(lbias, len(lbias.dim_map) - 1, bn, "bias", node)
-            else:
-                w.concrete(bias, node)
-        else:
-            _bias_follows(w, node, bias, bn)
+        _output_bias(w, node, bias, bn)
     return out
 
 
@@ -170,6 +163,18 @@ def _batch_split(la: Layout, lb: ParamView, a_shape: tuple[int, ...], b_shape: t
         if d != len(a_shape) - 1 and 0 <= bd < len(b_shape) and bd not in own and lb.dim_map[bd] is not None and a_shape[d] == b_shape[bd]:
             return bd, var
     return None
+
+
+def _output_bias(w: Walker, node: Node, bias: Node, out_var: DimVar | None) -> None:
+    """A bias over the output features (their split ``out_var``, None when whole): a parameter
+    takes that split on its last dim or stays whole; another tensor follows (``_bias_follows``)."""
+    lay = w.get(bias)
+    if isinstance(lay, ParamView) and out_var is not None:
+        w.param_view_shard(lay, len(lay.dim_map) - 1, out_var, "bias", node)
+    elif isinstance(lay, ParamView):
+        w.concrete(bias, node)
+    else:
+        _bias_follows(w, node, bias, out_var)
 
 
 def _bias_follows(w: Walker, node: Node, bias: Node, out_var: DimVar | None) -> None:
@@ -256,13 +261,7 @@ def convolution(w: Walker, node: Node) -> Any:
     if any(d != split for d, _ in w.concrete(weight, node).dims):
         raise ShardingConflict(f"{describe(node)}: the weight is split along a kernel dim", w.get(weight).origins())
     if isinstance(bias, Node):
-        lb = w.get(bias)
-        if isinstance(lb, ParamView) and out is not None:
-            w.param_view_shard(lb, 0, out, "bias", node)
-        elif isinstance(lb, ParamView):
-            w.concrete(bias, node)
-        else:
-            _bias_follows(w, node, bias, out)
+        _output_bias(w, node, bias, out)
     dims = {d: v for d, v in lx.dims if d == 0}
     if out is not None:
         dims[1] = out
@@ -436,14 +435,7 @@ def bilinear(w: Walker, node: Node) -> Any:
         return out
     if out == PARTIAL:
         raise ShardingConflict(f"{describe(node)}: a bilinear form of a split input adds a bias", w.get(weight).origins())
-    o_var = out.var_at(len(lead))
-    lb = w.get(bias)
-    if isinstance(lb, ParamView) and o_var is not None:
-        w.param_view_shard(lb, 0, o_var, "bias", node)
-    elif isinstance(lb, ParamView):
-        w.concrete(bias, node)
-    else:
-        _bias_follows(w, node, bias, o_var)
+    _output_bias(w, node, bias, out.var_at(len(lead)))
     return out
 
 
