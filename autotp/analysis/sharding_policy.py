@@ -343,7 +343,11 @@ def embedding_bag(w: Walker, node: Node) -> tuple[Layout, ...]:
     if lw.var_at(0) is not None:
         raise ShardingConflict(f"{describe(node)}: a bag table split over its rows", lw.origins())
     features = lw.var_at(1)
-    return (shard({1: features}) if features is not None else REPLICATE, REPLICATE, REPLICATE, REPLICATE)
+    out = shard({1: features}) if features is not None else REPLICATE
+    vals = node.meta.get("val") or ()
+    # the bags' outputs, the bag bookkeeping, and ``max_indices``, shaped as the outputs in mode "max"
+    argmax = out if len(vals) == 4 and vals[3].shape == vals[0].shape else REPLICATE
+    return (out, REPLICATE, REPLICATE, argmax)
 
 
 def cross_entropy(w: Walker, node: Node) -> Layout:
