@@ -167,3 +167,15 @@ def test_einsums_with_an_ellipsis_keep_the_heads_split() -> None:
     layouts = {p.name: (p.kind, p.dim) for p in plan.params}
     assert layouts["layers.0.attention.qkv.weight"] == ("column", 0) and layouts["layers.0.attention.out.weight"] == ("row", 1)
     assert plan.gathered == ()
+
+
+def _strict_at_tp(rank: int, world: int, names: list[str]) -> list[str]:
+    from autotp.report.strict_rule import check_on_rank
+
+    return [check_on_rank(build(name), example_inputs(name), tp=world).reason for name in names]
+
+
+def test_frequency_scaled_and_frozen_tables_at_tp2_equal_the_unmodified_model() -> None:
+    """The vocab-parallel lookup keeps ``scale_grad_by_freq`` (every gradient was 7x off) and
+    finds a frozen teacher's table behind ``detach`` (the rewrite failed an assertion)."""
+    assert run_on_ranks(_strict_at_tp, 2, ["scale_grad_by_freq", "ema_teacher"]) == [["", ""], ["", ""]]
