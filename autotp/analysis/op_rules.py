@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import Node
 
+from autotp.analysis import contraction_rules as contractions
 from autotp.analysis import index_rules as indexing
 from autotp.analysis import reshape_rules as reshapes
 from autotp.analysis import shape_rules as shapes
@@ -90,8 +91,9 @@ RULES: dict[Any, Rule] = {
     aten.embedding_bag.padding_idx: params.embedding_bag,
     aten._embedding_bag.default: params.embedding_bag,
     aten.cross_entropy_loss.default: params.cross_entropy,
-    aten.einsum.default: params.einsum,
-    aten.bilinear.default: params.bilinear,
+    aten.einsum.default: contractions.einsum,
+    aten.tensordot.default: contractions.tensordot,
+    aten.bilinear.default: contractions.bilinear,
     **{conv: params.convolution for conv in CONVOLUTIONS},
     ops.ELEMENTWISE_FUNCTION: _elementwise_function,
     # shape ops

@@ -21,7 +21,6 @@ follows from an already sharded activation.
 
 from __future__ import annotations
 
-import string
 from typing import TYPE_CHECKING, Any
 
 from torch.fx import Node
@@ -119,7 +118,7 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
                 raise ShardingConflict(f"{describe(node)}: bias of a row-parallel matmul is sharded", lb.origins())
             w.out.roles[node] = NodeRole.ROW_WITH_BIAS
             return REPLICATE
-        _output_bias(w, node, bias, bn)
+        output_bias(w, node, bias, bn)
     return out
 
 
@@ -165,7 +164,7 @@ def _batch_split(la: Layout, lb: ParamView, a_shape: tuple[int, ...], b_shape: t
     return None
 
 
-def _output_bias(w: Walker, node: Node, bias: Node, out_var: DimVar | None) -> None:
+def output_bias(w: Walker, node: Node, bias: Node, out_var: DimVar | None) -> None:
     """A bias over the output features (their split ``out_var``, None when whole): a parameter
     takes that split on its last dim or stays whole; another tensor follows (``_bias_follows``)."""
     lay = w.get(bias)
@@ -261,7 +260,7 @@ def convolution(w: Walker, node: Node) -> Any:
     if any(d != split for d, _ in w.concrete(weight, node).dims):
         raise ShardingConflict(f"{describe(node)}: the weight is split along a kernel dim", w.get(weight).origins())
     if isinstance(bias, Node):
-        _output_bias(w, node, bias, out)
+        output_bias(w, node, bias, out)
     dims = {d: v for d, v in lx.dims if d == 0}
     if out is not None:
         dims[1] = out
@@ -369,121 +368,3 @@ def cross_entropy(w: Walker, node: Node) -> Layout:
         vocab.padded = True  # the loss masks padded classes, so V % tp may be nonzero
     w.out.roles[node] = NodeRole.VOCAB_CROSS_ENTROPY
     return REPLICATE
-
-
-
-
-def _own_letter(w: Walker, node: Node, term: str, terms: list[str], out: str, shape: tuple[int, ...]) -> tuple[int | None, bool]:
-    """The dim of a parameter's ``term`` that a column split takes: a letter no other operand
-    has and the output keeps. Of several (the heads and head dim of ``ibh,hnd->ibnd``) the
-    outermost that tp divides, as a reshape into factors picks, and whether that was a choice:
-    a walk may then avoid it (``Walker.avoid``) after it met a conflict."""
-    avoid = w.avoid.get(node.name, frozenset())
-    own = [i for i, c in enumerate(term) if c in out and sum(c in other for other in terms) == 1]
-    left = [i for i in own if i not in avoid]
-    return next((i for i in left if shape[i] % w.tp == 0), left[0] if left else None), len(own) > 1
-
-
-def einsum(w: Walker, node: Node) -> Any:
-    """``aten.einsum(equation, operands)``: every letter is one dim, sharded alike in every
-    operand that has it; a sharded letter missing from the output makes the result
-    partial. An undecided parameter follows a letter that an activation shards (kind
-    ``row`` if contracted, ``column`` if kept); where no operand is split, a letter a
-    parameter alone has and the output keeps (the experts' hidden dim of ``ecd,edh->ech``,
-    XLNet's heads of ``ibh,hnd->ibnd``: ``_own_letter``) makes it column-parallel;
-    otherwise it is replicated. A replicated operand made from weights alone whose letter
-    another operand splits is read through the rank's slice (Mamba's ``A = -exp(A_log)``
-    meeting the channel-split ``dt``), as ``values.pointwise`` does for a broadcast operand."""
-    equation, operands = node.args[0].replace(" ", ""), list(node.args[1])
-    lhs, out = equation.split("->") if "->" in equation else (equation, None)
-    terms = lhs.split(",")
-    if len(operands) != len(terms):
-        return w.opaque(node)
-    lead = ""
-    if "..." in equation:
-        expanded = _without_ellipsis(terms, out, operands)
-        if expanded is None:
-            return w.opaque(node)
-        terms, out, lead = expanded
-    if out is None:
-        letters = "".join(terms)
-        out = lead + "".join(sorted(c for c in set(letters) - set(lead) if letters.count(c) == 1))
-    return _contraction(w, node, terms, out, operands)
-
-
-def _without_ellipsis(terms: list[str], out: str | None, operands: list[Any]) -> tuple[list[str], str | None, str] | None:
-    """The terms and output with each ``...`` written as letters of its own, the dims it
-    stands for aligned from the right as they broadcast (``...id,...jd->...ij`` over
-    ``[B, H, S, D]``: ``abid,abjd->abij``), and those letters; None for an operand of unknown rank."""
-    used = set("".join(terms) + (out or ""))
-    fresh = [c for c in string.ascii_letters if c not in used]
-    ranks = [len(shape_of(t)) if isinstance(t, Node) and shape_of(t) is not None else None for t in operands]
-    if any(r is None for term, r in zip(terms, ranks) if "..." in term):
-        return None
-    hidden = [r - (len(term) - 3) if "..." in term else 0 for term, r in zip(terms, ranks)]
-    lead = "".join(fresh[: max(hidden)])
-    terms = [term.replace("...", lead[len(lead) - k :] if k else "") for term, k in zip(terms, hidden)]
-    return terms, None if out is None else out.replace("...", lead), lead
-
-
-def bilinear(w: Walker, node: Node) -> Any:
-    """``aten.bilinear(x1, x2, weight, bias)``: the contraction ``...i,oij,...j->...o`` (einsum's
-    rule: ``nn.Bilinear``'s weight goes column-parallel over ``o`` where no input is split), and
-    a bias over ``o`` that follows its split. A split input makes the form a partial sum, which
-    a bias would join on every rank: that is a conflict."""
-    x1, x2, weight = node.args[:3]
-    bias = schema_arg(node, "bias")
-    lead = "abcdefgh"[: len(shape_of(x1) or ()) - 1]
-    out = _contraction(w, node, [f"{lead}i", "oij", f"{lead}j"], f"{lead}o", [x1, weight, x2])
-    if not isinstance(bias, Node):
-        return out
-    if out == PARTIAL:
-        raise ShardingConflict(f"{describe(node)}: a bilinear form of a split input adds a bias", w.get(weight).origins())
-    _output_bias(w, node, bias, out.var_at(len(lead)))
-    return out
-
-
-def _contraction(w: Walker, node: Node, terms: list[str], out: str, operands: list[Any]) -> Any:
-    """The layout of an einsum of ``operands`` over index ``terms`` into ``out`` (``einsum``)."""
-    lays = [w.get(t) for t in operands]
-    if any(l == PARTIAL for l in lays):
-        w.reduce_first(node, operands)
-        lays = [REPLICATE if l == PARTIAL else l for l in lays]
-    letters: dict[str, DimVar] = {}
-    for term, lay in zip(terms, lays):
-        if isinstance(lay, Layout):
-            for d, var in lay.dims:
-                letters[term[d]] = unify(letters[term[d]], var, describe(node)) if term[d] in letters else var
-    if not letters:  # no operand split: a parameter's own output letter goes column-parallel, as in ``matmul``
-        for t, term, lay in zip(operands, terms, lays):
-            if isinstance(lay, ParamView) and w.allowed(lay.name, "column"):
-                own, choice = _own_letter(w, node, term, terms, out, shape_of(t) or ())
-                if own is not None:
-                    letters[term[own]] = DimVar((shape_of(t) or ())[own], frozenset({lay.name}))
-                    letters[term[own]].made_by = (node.name, own) if choice else None
-                    break
-    for t, term, lay in zip(operands, terms, lays):
-        if not isinstance(lay, ParamView):
-            continue
-        sharded = [i for i, c in enumerate(term) if c in letters]
-        if len(sharded) == 1 and letters[term[sharded[0]]].find().size == shape_of(t)[sharded[0]]:
-            kind = "column" if term[sharded[0]] in out else "row"
-            w.param_view_shard(lay, sharded[0], letters[term[sharded[0]]], kind, node)
-        else:
-            w.concrete(t, node)
-    for t, term in zip(operands, terms):
-        lay = w.get(t)
-        assert isinstance(lay, Layout)
-        shape = shape_of(t) or ()
-        for i, c in enumerate(term):
-            if c in letters and lay.var_at(i) is None and shape[i] != 1:
-                # a weight-made operand's slice costs nothing; an activation is better split where it is made
-                if not lay.replicated or letters[c].find().padded or reads_input(t, w.input_readers):
-                    raise ShardingConflict(f"{describe(node)}: letter {c} is sharded in one operand only", letters[c].find().origins)
-                w.out.local_slices.setdefault(node, []).append((t, i, letters[c]))  # read through the rank's slice
-    contracted = [c for c in letters if c not in out]
-    if contracted and len(contracted) != len(letters):
-        raise ShardingConflict(f"{describe(node)}: contraction and output both sharded", letters[contracted[0]].find().origins)
-    if contracted:
-        return PARTIAL
-    return shard({out.index(c): var for c, var in letters.items()})
