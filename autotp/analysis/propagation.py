@@ -43,10 +43,10 @@ from torch.fx import GraphModule, Node
 from autotp.analysis.dtensor_rules import dtensor_rule
 from autotp.analysis.op_rules import rule_for
 from autotp.analysis.partials import PartialSums
-from autotp.analysis.propagation_result import ParamDecision, ParamView, Propagation, ShardPolicy, StatisticPolicy, Tiled
+from autotp.analysis.propagation_result import ParamDecision, ParamView, Propagation, ShardPolicy, Sliced, StatisticPolicy, Tiled
 from autotp.analysis.shapes import is_float, replicated_like
 from autotp.ir.errors import UserInputError, describe
-from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, fixed_var, follow, shard, tile, unify
+from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, fixed_var, follow, select_range, shard, tile, unify
 from autotp.ir.plan import ParallelPlan
 
 
@@ -116,6 +116,8 @@ class Walker:
             for i, d in enumerate(lay.dim_map):
                 if isinstance(d, Tiled) and d.dim == dec.dim:
                     dims[i] = self._tiled_param(lay.name, d.count, dec.var, lay.name)
+                if isinstance(d, Sliced) and d.dim == dec.dim:
+                    dims[i] = select_range(dec.var, d.start, d.end, describe(d.node))
                 if isinstance(d, tuple) and d[0] == dec.dim:  # the outer factor: the blocks the parameter dim follows
                     outer = dec.var.find().follows
                     if outer is None or outer.find().size * d[1] != dec.var.find().size:
@@ -158,6 +160,12 @@ class Walker:
         elif isinstance(pdim, Tiled):  # parameter dims merged: the inner one is split, once per outer element
             whole = DimVar(self.params[view.name].shape[pdim.dim], var.find().origins)
             unify(self._tiled_param(view.name, pdim.count, whole, describe(node)), var, describe(node))
+            pdim, var = pdim.dim, whole
+        elif isinstance(pdim, Sliced):  # a range of the parameter dim: one segment of it, split as ``var``
+            whole = DimVar(self.params[view.name].shape[pdim.dim], var.find().origins)
+            part = select_range(whole, pdim.start, pdim.end, describe(pdim.node))
+            unify(part, var, describe(node))
+            self.out.slice_fixups[pdim.node] = (whole, part, pdim.start)
             pdim, var = pdim.dim, whole
         self.decide(view.name, ParamDecision(kind, pdim, var), node)
 

@@ -44,16 +44,28 @@ class Tiled:
 
 
 @dataclass(frozen=True)
+class Sliced:
+    """A view dim that is elements ``[start, end)`` of parameter dim ``dim``, cut by the slice
+    ``node`` (MatFormer's ``weight[:k]``): split, the parameter dim is segments of which this
+    range is one, and ``node`` reads the rank's part of it."""
+
+    dim: int
+    start: int
+    end: int
+    node: Node
+
+
+@dataclass(frozen=True)
 class ParamView:
     """An undecided parameter seen through views: ``dim_map[i]`` is the parameter dim
     behind view dim ``i`` (None for inserted dims), or ``(dim, inner)`` when a reshape cut
     that parameter dim into factors and view dim ``i`` is the outermost one, ``inner``
     elements each (a grouped weight ``weight.view(groups, -1, d_in)``), or ``Tiled`` when a
     reshape merged outer parameter dims into that dim (a stacked ``[3, H*D, D]`` QKV
-    weight flattened)."""
+    weight flattened), or ``Sliced`` when a slice kept a range of it."""
 
     name: str
-    dim_map: tuple[int | tuple[int, int] | Tiled | None, ...]
+    dim_map: tuple[int | tuple[int, int] | Tiled | Sliced | None, ...]
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import Node
 
-from autotp.analysis.propagation_result import ParamView
+from autotp.analysis.propagation_result import ParamView, Sliced
 from autotp.analysis.shapes import norm_dim, schema_arg, shape_of, strided_walk
 from autotp.ir.errors import describe
 from autotp.ir.op_facts import is_matmul, op_name
@@ -233,8 +233,11 @@ def slice_(w: Walker, node: Node) -> Any:
     if not all(isinstance(b, int) for b in (start, end, step)):  # bounds computed at run time (BLT's patch lengths)
         return _whole_along(w, node, [d], "a slice with bounds known only at run time of a sharded dim")
     start, end = norm_dim(start, src[d]), min(norm_dim(end, src[d]) if end < 0 else end, src[d])
-    if isinstance(w.get(node.args[0]), ParamView) and (start, end, step) == (0, src[d], 1):
-        return w.get(node.args[0])  # ``bias[:, None, :]`` keeps a parameter undecided
+    view = w.get(node.args[0])
+    if isinstance(view, ParamView) and (start, end, step) == (0, src[d], 1):
+        return view  # ``bias[:, None, :]`` keeps a parameter undecided
+    if isinstance(view, ParamView) and isinstance(view.dim_map[d], int) and step == 1 and start < end:
+        return ParamView(view.name, view.dim_map[:d] + (Sliced(view.dim_map[d], start, end, node),) + view.dim_map[d + 1 :])
     lay = w.concrete(node.args[0], node)
     var = lay.var_at(d)
     if var is None:
