@@ -32,10 +32,10 @@ from torch.fx import GraphModule
 from transformers import PretrainedConfig
 
 from autotp import presets
-from autotp.analysis.batch_rows import batch_mixing_node, batch_size
+from autotp.analysis.batch_rows import batch_mixing_node, batch_size, input_row_dims
 from autotp.analysis.layers import num_layers, repeated_modules
 from autotp.analysis.pipeline_units import units
-from autotp.analysis.trace import trace
+from autotp.analysis.trace import input_batch_dims, trace
 from autotp.analysis.trace_guards import sparse_gradient_node
 from autotp.cost_model.compute import ModelCosts
 from autotp.cost_model.cudagraphs import choose_cudagraph_regions
@@ -244,7 +244,9 @@ def plan_model(
     chosen = with_fp8(traced, chosen, fp8)
     if not chosen.unread:
         chosen = plan_unread_params(traced, chosen)
-    chosen = replace(chosen, batch_mixing=batch_mixing_node(traced, batch_size(kwargs)))
+    batch_dims = tuple(input_batch_dims(model, kwargs, device).items())
+    rows = input_row_dims(kwargs, dict(batch_dims))
+    chosen = replace(chosen, input_batch_dims=batch_dims, batch_mixing=batch_mixing_node(traced, batch_size(kwargs), rows))
     chosen = with_recompute(traced, chosen, recompute, planned_here=not isinstance(plan, ParallelPlan))
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)
@@ -389,7 +391,7 @@ def lower_signature(
 ) -> RankProgram:  # fmt: skip
     """Trace ``model(**kwargs)`` (one piece of a split step, with ``split_batch``) and lower it
     under an already chosen ``plan``."""
-    return lower(trace(model, kwargs, device, split_batch), plan, tp_rank=tp_rank, device=device, backend=backend, ep_rank=ep_rank,
+    return lower(trace(model, kwargs, device, split_batch, dict(plan.input_batch_dims)), plan, tp_rank=tp_rank, device=device, backend=backend, ep_rank=ep_rank,
                  outputs_read=outputs_read, param_buckets=param_buckets)
 
 

@@ -23,11 +23,13 @@ earlier value (``carried_buffer_write``): each piece would read what the piece b
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from autotp.analysis.dtensor_rules import dtensor_rule
 from autotp.analysis.propagation import Walker
@@ -55,18 +57,23 @@ _ROW_STATISTICS = REDUCTIONS | {
 
 
 class _BatchWalker(Walker):
-    """The engine with each input's dim 0 split over a batch var and every parameter whole."""
+    """The engine with each input's rows (``input_row_dims``; None: dim 0 where it has the
+    batch's size) split over a batch var and every parameter whole."""
 
-    def __init__(self, gm: GraphModule, batch: int) -> None:
+    def __init__(self, gm: GraphModule, batch: int, row_dims: list[int | None] | None) -> None:
         super().__init__(gm, 2, None, lambda name, kind, shape: False)  # any degree > 1 lets DTensor place a split
         self.batch = batch
         self.rows = DimVar(batch, frozenset({BATCH_ORIGIN}))
         self.mixing: Node | None = None
+        inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if row_dims is None:
+            row_dims = [0 if (shape_of(n) or (None,))[0] == batch else None for n in inputs]
+        self.input_rows = {n: d for n, d in zip(inputs, row_dims) if d is not None and d != UNKNOWN_ROWS}
 
     def visit(self, node: Node) -> Any:
         if node.op == "placeholder":
-            shape = shape_of(node)
-            return shard({0: self.rows}) if shape and shape[0] == self.batch else REPLICATE
+            dim = self.input_rows.get(node)
+            return REPLICATE if dim is None else shard({dim: self.rows})
         if node.op != "call_function" or node.target is operator.getitem:
             return super().visit(node)
         if self.mixing is None and self._mixes(node):
@@ -157,24 +164,43 @@ def batch_size(call: dict[str, Any]) -> int:
     return max(sizes, key=sizes.count) if sizes else 0
 
 
-def holds_rows(value: Any, size: int) -> bool:
-    """Whether ``value`` is a tensor of the batch's ``size`` rows along dim 0."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size
+UNKNOWN_ROWS = -1
+"""An input's entry in ``ParallelPlan.input_batch_dims`` when the trace could not tell which
+of its dims holds the batch's rows: a split step is refused."""
 
 
-def batch_rows_at(gm: GraphModule, batch: int) -> Callable[[Node], set[int]]:
-    """Where each node of ``gm`` holds the rows of its batch of ``batch`` rows (its dims)."""
-    walker = _BatchWalker(gm, batch)
+def input_row_dims(call: dict[str, Any], batch_dims: Mapping[str, int] = MappingProxyType({})) -> list[int | None]:
+    """Per leaf of ``call``, in pytree order (that of the traced graph's inputs): the dim that
+    holds the batch's rows. ``batch_dims`` (``ParallelPlan.input_batch_dims``) names inputs whose
+    rows lie elsewhere than dim 0 (Qwen2-VL's ``position_ids`` [3, B, S]: dim 1); any other
+    tensor holds them on dim 0 where it has the batch's size (``batch_size``), or is every
+    row's (None)."""
+    size = batch_size(call)
+    dims: list[int | None] = []
+    for path, value in tree_flatten_with_path(call)[0]:
+        given = batch_dims.get(keystr(path))
+        if given is not None:
+            dims.append(given)
+        else:
+            dims.append(0 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size else None)
+    return dims
+
+
+def batch_rows_at(gm: GraphModule, batch: int, row_dims: list[int | None]) -> Callable[[Node], set[int]]:
+    """Where each node of ``gm`` holds the rows of its batch of ``batch`` rows (its dims), the
+    graph's inputs holding them at ``row_dims`` (``input_row_dims``)."""
+    walker = _BatchWalker(gm, batch, row_dims)
     walker.run()
     return walker._rows_at
 
 
-def batch_mixing_node(gm: GraphModule, batch: int) -> str:
+def batch_mixing_node(gm: GraphModule, batch: int, row_dims: list[int | None] | None = None) -> str:
     """The op of ``gm`` that makes a row's value depend on other rows of its batch of
-    ``batch`` rows, described; "" when none is found."""
+    ``batch`` rows (on the inputs' ``row_dims``; None: dim 0 of those of ``batch`` rows),
+    described; "" when none is found."""
     if batch < 2:
         return ""
-    walker = _BatchWalker(gm, batch)
+    walker = _BatchWalker(gm, batch, row_dims)
     walker.run()
     division = unnormalized_division(gm, walker._rows_at)
     if division:

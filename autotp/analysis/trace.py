@@ -22,8 +22,9 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -31,9 +32,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode, UnsupportedOperatorException
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
-from autotp.analysis.batch_rows import batch_rows_at, batch_size, holds_rows
+from autotp.analysis.batch_rows import UNKNOWN_ROWS, batch_rows_at, batch_size, input_row_dims
 from autotp.analysis.loss_denominators import normalize_loss_denominators
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
 from autotp.analysis.trace_decompose import decompose_parameter_ops, draw_by_size
@@ -89,7 +90,7 @@ def _module_stack(model: nn.Module) -> Iterator[list[str]]:
     handles = []
     for name, mod in model.named_modules():
         label = f"{name or '<root>'} ({type(mod).__name__})"
-        handles.append(mod.register_forward_pre_hook(lambda m, a, label=label: stack.append(label)))
+        handles.append(mod.register_forward_pre_hook(lambda m, a, label=label: _push(stack, label)))
         handles.append(mod.register_forward_hook(lambda m, a, o: _pop(stack)))
     try:
         yield stack
@@ -98,9 +99,15 @@ def _module_stack(model: nn.Module) -> Iterator[list[str]]:
             h.remove()
 
 
+def _push(stack: list[str], label: str) -> None:
+    # Inside a higher-order op's body (torch.cond) dynamo refuses writes to outside state.
+    if not torch.compiler.is_dynamo_compiling():
+        stack.append(label)
+
+
 def _pop(stack: list[str]) -> None:
     # A forward hook that returns a value would replace the module's output.
-    if stack:
+    if stack and not torch.compiler.is_dynamo_compiling():
         stack.pop()
 
 
@@ -139,10 +146,12 @@ def _distribution_checks_off() -> Iterator[None]:
         torch.distributions.Distribution.set_default_validate_args(saved)
 
 
-def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str = "cpu", split_batch: bool = False) -> GraphModule:
+def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str = "cpu", split_batch: bool = False,
+          batch_dims: Mapping[str, int] = MappingProxyType({})) -> GraphModule:  # fmt: skip
     """Export ``model(**kwargs)`` (non-strict) on a fake copy living on ``device``. With
     ``split_batch`` the graph is one piece of a split step: its loss divides by the whole
-    batch's denominators (``loss_denominators``).
+    batch's denominators (``loss_denominators``); ``batch_dims`` names the inputs whose rows
+    lie past dim 0 (``input_batch_dims``).
 
     Raises ``UserInputError`` naming the submodule and source line that could not trace.
     """
@@ -162,8 +171,8 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     decompose_parameter_ops(gm)
     draw_by_size(gm)
     if split_batch:
-        doubled = functools.cache(lambda: _doubled(model, kwargs, device))  # traced once, if either needs it
-        normalize_loss_denominators(gm, _rows_by_name(gm, kwargs, doubled))
+        doubled = functools.cache(lambda: _doubled(model, kwargs, device, batch_dims))  # traced once, if either needs it
+        normalize_loss_denominators(gm, _rows_by_name(gm, kwargs, doubled, batch_dims))
         _mark_draw_rows(gm, doubled)
     mark_elementwise(gm)
     gm.recompile()  # once, after the rewrites above
@@ -171,21 +180,67 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     return gm
 
 
-def _rows_by_name(gm: GraphModule, kwargs: dict[str, Any], doubled: Callable[[], GraphModule]) -> Callable[[Node], set[int]]:
+def _rows_by_name(gm: GraphModule, kwargs: dict[str, Any], doubled: Callable[[], GraphModule],
+                  batch_dims: Mapping[str, int]) -> Callable[[Node], set[int]]:  # fmt: skip
     """Where each node of ``gm`` holds the batch's rows (``batch_rows.batch_rows_at``). A batch of
     one row cannot tell a sum over the rows from a sum over one row, so the rows are then found
     in a trace of the batch doubled, node by node of the same name."""
     if batch_size(kwargs) >= 2:
-        return batch_rows_at(gm, batch_size(kwargs))
+        return batch_rows_at(gm, batch_size(kwargs), input_row_dims(kwargs, batch_dims))
     twice = doubled()
-    rows, nodes = batch_rows_at(twice, 2), {n.name: n for n in twice.graph.nodes}
+    rows = batch_rows_at(twice, 2, input_row_dims(_twice(kwargs, batch_dims), batch_dims))
+    nodes = {n.name: n for n in twice.graph.nodes}
     return lambda node: rows(nodes[node.name]) if node.name in nodes else set()
 
 
-def _doubled(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str) -> GraphModule:
+def _twice(kwargs: dict[str, Any], batch_dims: Mapping[str, int]) -> dict[str, Any]:
+    """``kwargs`` with every input's rows repeated twice along their dim."""
+    leaves, spec = tree_flatten_with_path(kwargs)
+    dims = input_row_dims(kwargs, batch_dims)
+    return tree_unflatten([v if d is None or d == UNKNOWN_ROWS else torch.cat([v, v], d) for (_, v), d in zip(leaves, dims)], spec)
+
+
+def _doubled(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str, batch_dims: Mapping[str, int]) -> GraphModule:
     """The trace of ``model`` on every input's rows twice."""
+    return trace(model, _twice(kwargs, batch_dims), device)
+
+
+def input_batch_dims(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str) -> dict[str, int]:
+    """The inputs whose batch rows lie past dim 0, by pytree key path: the dim, or
+    ``UNKNOWN_ROWS``. Only an input with the batch's size on a later dim and not on dim 0 is
+    asked about (Qwen2-VL's ``position_ids`` [3, B, S]); then ``model`` is traced once more with
+    every dim of the batch's size symbolic, and a dim that the trace finds equal to the
+    batch's dim 0 holds rows (an input with none is every row's)."""
     size = batch_size(kwargs)
-    return trace(model, tree_map(lambda v: torch.cat([v, v]) if holds_rows(v, size) else v, kwargs), device)
+    leaves = tree_flatten_with_path(kwargs)[0]
+    rows = input_row_dims(kwargs)
+    asked = [keystr(p) for (p, v), d in zip(leaves, rows)
+             if d is None and isinstance(v, torch.Tensor) and size in tuple(v.shape)[1:]]  # fmt: skip
+    if size < 2 or not asked:
+        return {}
+    auto = torch.export.Dim.AUTO
+    dynamic = tree_unflatten(
+        [{d: auto for d, n in enumerate(v.shape) if n == size} if isinstance(v, torch.Tensor) else None for _, v in leaves],
+        tree_flatten_with_path(kwargs)[1],
+    )
+    fake_model, fake_kwargs = _fake_copy(model, kwargs, torch.device(device))
+    try:
+        ep, _, _ = _export(model, fake_model, fake_kwargs, dynamic_shapes=dynamic)
+    except UserInputError as e:
+        log.info("the batch dims of %s could not be traced (%s); a split step will be refused", ", ".join(asked), e)
+        return dict.fromkeys(asked, UNKNOWN_ROWS)
+    shapes = [n.meta.get("val") for n in ep.module().graph.nodes if n.op == "placeholder"]
+    batch = {str(s.shape[0]) if isinstance(s.shape[0], torch.SymInt) else None for s, d in zip(shapes, rows) if d == 0}
+    found: dict[str, int] = {}
+    for (path, _), s in zip(leaves, shapes):
+        if keystr(path) not in asked:
+            continue
+        dims = [d for d, n in enumerate(s.shape) if isinstance(n, torch.SymInt) and str(n) in batch]
+        if len(batch) != 1 or None in batch or len(dims) > 1:  # the batch specialized, or several dims equal to it
+            found[keystr(path)] = UNKNOWN_ROWS
+        elif dims:
+            found[keystr(path)] = dims[0]
+    return found
 
 
 def _mark_draw_rows(gm: GraphModule, doubled: Callable[[], GraphModule]) -> None:
@@ -215,6 +270,7 @@ def _export(
     fake_kwargs: dict[str, Any],
     opaque: frozenset[type] = frozenset(),
     unreachable: frozenset[tuple[str, tuple[int, ...]]] = frozenset(),
+    dynamic_shapes: Any = None,
 ) -> tuple[torch.export.ExportedProgram, list[FunctionUse], frozenset[tuple[str, tuple[int, ...]]]]:
     """Non-strict export of ``fake_model(**fake_kwargs)``, with the custom Functions it applied
     and the iterations of unrolled loops asserted not to run (``unreachable`` and those this
@@ -226,7 +282,7 @@ def _export(
     with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable) as loops:
         try:
             with contextlib.redirect_stderr(printed):
-                ep = torch.export.export(fake_model, (), fake_kwargs, strict=False)
+                ep = torch.export.export(fake_model, (), fake_kwargs, strict=False, dynamic_shapes=dynamic_shapes)
             sys.stderr.write(printed.getvalue())
         except Exception as e:  # noqa: BLE001 - re-raised with location
             if loops.failed is not None and loops.failed not in unreachable:
@@ -246,7 +302,7 @@ def _export(
                     f"failed under torch.export: {type(e).__name__}: {first}. Fix: {_advice(e)}"
                 ) from e
     if retry is not None:
-        return _export(model, fake_model, fake_kwargs, opaque, retry)
+        return _export(model, fake_model, fake_kwargs, opaque, retry, dynamic_shapes)
     refuse_broken_loops(loops)
     return _lower_vmap(ep), uses, unreachable
 

@@ -250,6 +250,8 @@ class _ControlFlowWatch(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_dynamo_compiling():  # dynamo capturing a higher-order op's body (torch.cond): no scopes there
+            return func(*args, **kwargs)
         self._close_left_branches()
         if func is torch.where and len(args) + len(kwargs) == 1:
             return self._tagged(args[0], torch.where(*args, **kwargs), as_tuple=True)

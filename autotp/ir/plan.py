@@ -289,6 +289,9 @@ class ParallelPlan:
     # The op whose values mix the rows of the batch (``analysis.batch_rows``), described; ""
     # when none: ``train_step`` then refuses to split the batch over microbatches or dp ranks.
     batch_mixing: str = ""
+    # Inputs whose batch rows lie on a dim other than 0, by pytree key path (``['position_ids']``):
+    # the dim, or -1 where the trace could not tell (``analysis.trace.input_batch_dims``).
+    input_batch_dims: tuple[tuple[str, int], ...] = ()
     # Activation recomputation (``passes/recompute_layers``): the decoder layers whose forward runs
     # again in the backward instead of keeping its activations, and why (``RECOMPUTE_REASONS``).
     recompute_layers: tuple[int, ...] = ()
@@ -396,6 +399,7 @@ class ParallelPlan:
                 "moe_estimate": self.moe_estimate.to_json() if self.moe_estimate else None,
                 "unread": [u.to_json() for u in self.unread],
                 "batch_mixing": self.batch_mixing,
+                "input_batch_dims": [list(p) for p in self.input_batch_dims],
                 "recompute_layers": list(self.recompute_layers),
                 "recompute_reason": self.recompute_reason,
             },
@@ -450,6 +454,7 @@ class ParallelPlan:
             moe_estimate=ExpertParallelEstimate.from_json(d["moe_estimate"]) if d.get("moe_estimate") else None,
             unread=tuple(UnreadParam.from_json(u) for u in d.get("unread", ())),
             batch_mixing=d.get("batch_mixing", ""),
+            input_batch_dims=tuple((path, dim) for path, dim in d.get("input_batch_dims", ())),
             recompute_layers=tuple(d.get("recompute_layers", ())),
             recompute_reason=d.get("recompute_reason", ""),
         )

@@ -4,24 +4,28 @@ and its random draws (``autotp.ir.batch_draws``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
+from types import MappingProxyType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
-from autotp.analysis.batch_rows import batch_size, holds_rows
+from autotp.analysis.batch_rows import UNKNOWN_ROWS, batch_size, input_row_dims
 from autotp.ir import batch_denominators, batch_draws, meta_keys
 from autotp.ir.errors import UserInputError
 from autotp.ir.program import RankProgram
 from autotp.runtime.state.parameters import Parameters
 
 
-def microbatches(batch: dict[str, Any], dp: int, dp_rank: int, m: int, batch_is_local: bool) -> list[dict[str, Any]]:
+def microbatches(batch: dict[str, Any], dp: int, dp_rank: int, m: int, batch_is_local: bool,
+                 batch_dims: Mapping[str, int] = MappingProxyType({})) -> list[dict[str, Any]]:  # fmt: skip
     """This dp rank's ``m`` microbatches of ``batch`` (its own shard with ``batch_is_local``):
-    every tensor of the batch's rows, nested ones included, cut along dim 0 (``holds_rows``)."""
+    every tensor of the batch's rows, nested ones included, cut along the dim holding them
+    (``batch_rows.input_row_dims`` under the plan's ``batch_dims``)."""
     size = batch_size(batch)
     shards = 1 if batch_is_local else dp
     if m < 1 or size % (shards * m):
@@ -30,10 +34,20 @@ def microbatches(batch: dict[str, Any], dp: int, dp_rank: int, m: int, batch_is_
             f"{'' if batch_is_local else f'dp={dp} x '}{m} microbatches; "
             f"use a batch size that is a multiple of {shards * max(m, 1)}"
         )
+    leaves, spec = tree_flatten_with_path(batch)
+    dims = input_row_dims(batch, batch_dims)
+    if shards * m > 1:
+        unknown = [keystr(path) for (path, _), d in zip(leaves, dims) if d == UNKNOWN_ROWS]
+        if unknown:
+            raise UserInputError(
+                f"input {unknown[0]} has a dim of the batch's size ({size}) past dim 0, and the trace could not tell "
+                f"whether it holds the batch's rows, so the batch cannot be split over dp={shards} x {m} microbatches; "
+                f"put the batch on dim 0 of that input, or train with one microbatch and dp=1"
+            )
     step = size // (shards * m)
     first = 0 if batch_is_local else dp_rank * step * m
     return [
-        tree_map(lambda v, i=i: v[first + i * step : first + (i + 1) * step] if holds_rows(v, size) else v, batch)
+        tree_unflatten([v if d is None else v.narrow(d, first + i * step, step) for (_, v), d in zip(leaves, dims)], spec)
         for i in range(m)
     ]
 

@@ -300,7 +300,7 @@ class ParallelModel(nn.Module):
         batch = {k: v for k, v in dict(kwargs, input_ids=input_ids, labels=labels).items() if v is not None}
         dp = self.plan.dp
         m = self.plan.microbatches if num_microbatches is None else num_microbatches
-        micro = batch_pieces.microbatches(batch, dp, self._coords.dp_rank, m, batch_is_local)
+        micro = batch_pieces.microbatches(batch, dp, self._coords.dp_rank, m, batch_is_local, dict(self.plan.input_batch_dims))
         guards.refuse_mixed_batch(self.plan, dp * m)
         if self.plan.distributed_optimizer and dp > 1 and not self._grad_sync.holds_grads and not self._warned_plain:
             self._warned_plain = True
