@@ -40,6 +40,8 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {  # (config, model): why it fails toda
     ("tp4", "odd_ffn_width"): "tp=4 cannot shard this model",
     # every layer's weights are slices of one parameter: no module boundary to cut at
     ("pp2", "stacked_layer_weights"): "cuts between the 1 modules the forward runs one after another",
+    # nn.Embedding(max_norm=...) renormalizes the rows it reads in place: a parameter written by the forward
+    **{(c, "embedding_max_norm"): "writes its parameter embed.weight in place" for c in ("tp2", "tp4", "pp2")},
 }
 # fp32 rounding only, which depends on the platform's kernels: a mismatch is allowed, nothing else.
 # The all-reduced sums of row-parallel projections round otherwise, and Gemma's post-norms and soft

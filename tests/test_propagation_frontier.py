@@ -1,0 +1,88 @@
+"""Constructs of the eighth round of issue 27 (``tests/plain_models_frontier.py``): the layouts
+the planner gives them in one process, the pieces a split step cuts, the refusals, and the
+numerics on ranks. ``test_plain_suite`` checks the whole models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotp.analysis.trace import input_batch_dims, trace
+from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from autotp.ir.errors import UserInputError
+from autotp.ir.plan import ParallelPlan
+from autotp.runtime.execution.batch_pieces import microbatches
+from distributed import run_on_ranks
+from plain_models_frontier import ELASTIC_ACTIVE, ELASTIC_HIDDEN, build, example_inputs
+
+
+def _plan(name: str, tp: int) -> ParallelPlan:
+    return plan_tensor_parallel(trace(build(name), example_inputs(name)), tp)
+
+
+def test_tensordot_projections_are_column_and_row_parallel() -> None:
+    """JAX's ``DenseGeneral`` ported as ``tensordot`` against ``[C, H, D]`` weights splits their
+    heads, and the ``[H, D, C]`` output weight contracted over heads goes row-parallel (the op had
+    no rule: every projection was read whole, 67% of the model on a rank at tp=2)."""
+    layouts = {p.name: (p.kind, p.dim) for p in _plan("dense_general_tensordot", 4).params}
+    for name in ("w_q", "w_k", "w_v"):
+        assert layouts[f"layers.0.attention.{name}"] == ("column", 1)
+    assert layouts["layers.0.attention.w_o"] == ("row", 0)
+
+
+def test_a_weight_sliced_in_the_forward_splits_the_range_it_keeps() -> None:
+    """MatFormer's ``weight[:k]``: the kept rows are one segment of the weight's out features and
+    the rest another, each split over the ranks, so a rank's slice is its part of the kept range
+    (the slice read the weights whole: 79% of the model on a rank at tp=2)."""
+    layouts = {p.name: p for p in _plan("elastic_width_ffn", 4).params}
+    up, down = layouts["layers.0.feed_forward.up.weight"], layouts["layers.0.feed_forward.down.weight"]
+    assert (up.kind, up.dim, up.sharding.segments) == ("column", 0, (ELASTIC_ACTIVE, ELASTIC_HIDDEN - ELASTIC_ACTIVE))
+    assert (down.kind, down.dim, down.sharding.segments) == ("row", 1, (ELASTIC_ACTIVE, ELASTIC_HIDDEN - ELASTIC_ACTIVE))
+
+
+def test_a_cond_traces_and_its_branch_weights_stay_whole_with_a_note() -> None:
+    """``torch.cond`` failed to trace: dynamo, capturing the branches, met autotp's own hooks. It
+    traces now; the weight a branch reads stays whole, with the plan entry naming the ``cond``."""
+    plan = _plan("cond_refinement", 2)
+    kept = {k.name: k for k in plan.kept_whole}
+    assert kept["layers.0.feed_forward.refine.weight"].op == "cond"
+    assert {p.name for p in plan.params} >= {"layers.0.feed_forward.mlp.w1.weight", "layers.0.feed_forward.mlp.w2.weight"}
+
+
+def test_an_input_with_its_rows_on_dim_1_is_cut_there() -> None:
+    """Qwen2-VL's ``position_ids`` [3, B, S]: a symbolic trace finds its dim 1 equal to the batch,
+    and a split step cuts it there (it went whole to every microbatch, whose trace then failed)."""
+    name = "multimodal_rotary_sections"
+    inputs = example_inputs(name, batch=4)
+    dims = input_batch_dims(build(name), inputs, "cpu")
+    assert dims == {"['position_ids']": 1}
+    pieces = microbatches(inputs, dp=1, dp_rank=0, m=2, batch_is_local=False, batch_dims=dims)
+    assert [tuple(p["position_ids"].shape) for p in pieces] == [(3, 2, 16), (3, 2, 16)]
+    assert torch.equal(pieces[1]["position_ids"], inputs["position_ids"][:, 2:])
+    assert input_batch_dims(build("gated_attention_output"), example_inputs("gated_attention_output"), "cpu") == {}
+
+
+def test_an_input_whose_rows_cannot_be_found_refuses_a_split() -> None:
+    inputs = example_inputs("multimodal_rotary_sections", batch=4)
+    with pytest.raises(UserInputError, match=r"input \['position_ids'\] has a dim of the batch's size \(4\) past dim 0"):
+        microbatches(inputs, dp=1, dp_rank=0, m=2, batch_is_local=False, batch_dims={"['position_ids']": -1})
+    assert len(microbatches(inputs, dp=1, dp_rank=0, m=1, batch_is_local=False, batch_dims={"['position_ids']": -1})) == 1
+
+
+def test_a_forward_that_renormalizes_its_table_in_place_is_refused_naming_it() -> None:
+    with pytest.raises(UserInputError, match=r"writes its parameter embed\.weight in place \(aten\.embedding_renorm_"):
+        trace(build("embedding_max_norm"), example_inputs("embedding_max_norm"))
+
+
+def _check(rank: int, world: int, name: str, tp: int, pp: int) -> str:
+    from autotp.report.strict_rule import check_on_rank
+
+    return check_on_rank(build(name), example_inputs(name), tp=tp, pp=pp).reason
+
+
+def test_multimodal_positions_split_over_microbatches_equal_the_unmodified_model() -> None:
+    assert run_on_ranks(_check, 2, "multimodal_rotary_sections", 1, 2) == ["", ""]
+
+
+def test_a_sliced_weight_at_tp2_equals_the_unmodified_model() -> None:
+    assert run_on_ranks(_check, 2, "elastic_width_ffn", 2, 1) == ["", ""]
