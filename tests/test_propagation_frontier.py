@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
 
 from autotp.analysis.trace import input_batch_dims, trace
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
@@ -13,6 +16,7 @@ from autotp.ir.errors import UserInputError
 from autotp.ir.plan import ParallelPlan
 from autotp.runtime.execution.batch_pieces import microbatches
 from distributed import run_on_ranks
+from plain_models_attention import DIM, HEADS, DecoderLM, PreNormBlock
 from plain_models_frontier import ELASTIC_ACTIVE, ELASTIC_HIDDEN, build, example_inputs
 
 
@@ -86,3 +90,74 @@ def test_multimodal_positions_split_over_microbatches_equal_the_unmodified_model
 
 def test_a_sliced_weight_at_tp2_equals_the_unmodified_model() -> None:
     assert run_on_ranks(_check, 2, "elastic_width_ffn", 2, 1) == ["", ""]
+
+
+def _attention_op(name: str) -> torch._ops.OpOverload:
+    """A custom op computing causal attention over [B, H, S, D] (a fused kernel's registration:
+    a fake kernel and an autograd formula of its own)."""
+
+    @torch.library.custom_op(f"autotp_test::{name}", mutates_args=())
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    @attention.register_fake
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(q)
+
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)  # type: ignore[attr-defined]
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return torch.autograd.grad(out, (q, k, v), grad)
+
+    attention.register_autograd(backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+    return getattr(torch.ops.autotp_test, name).default
+
+
+OPAQUE_ATTENTION = _attention_op("opaque_attention")
+SHARDED_ATTENTION = _attention_op("sharded_attention")
+
+
+@register_sharding(SHARDED_ATTENTION)
+def _heads_apart(q: object, k: object, v: object) -> list:
+    """What a kernel library registers for DTensor: the heads (dim 1) split alike, or all whole."""
+    return [([Shard(1)], [Shard(1)] * 3), ([Replicate()], [Replicate()] * 3)]
+
+
+class _OpAttention(nn.Module):
+    def __init__(self, op: torch._ops.OpOverload) -> None:
+        super().__init__()
+        self.op = op
+        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, HEADS, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return self.proj(self.op(q, k, v).transpose(1, 2).reshape(b, s, DIM))
+
+
+def _op_model(op: torch._ops.OpOverload) -> nn.Module:
+    torch.manual_seed(0)
+    return DecoderLM(lambda: PreNormBlock(_OpAttention(op))).eval()
+
+
+def test_a_custom_op_with_a_dtensor_sharding_keeps_the_heads_split() -> None:
+    """An opaque custom op has q, k and v gathered before it; one whose library registered a
+    DTensor sharding (``register_sharding``) gets its rule from it: Megatron's layout through it."""
+    inputs = example_inputs("gated_attention_output")
+    opaque = plan_tensor_parallel(trace(_op_model(OPAQUE_ATTENTION), inputs), 2)
+    assert opaque.gathered
+    sharded = plan_tensor_parallel(trace(_op_model(SHARDED_ATTENTION), inputs), 2)
+    layouts = {p.name: (p.kind, p.dim) for p in sharded.params}
+    assert layouts["layers.0.attention.qkv.weight"] == ("column", 0) and layouts["layers.0.attention.proj.weight"] == ("row", 1)
+    assert sharded.gathered == ()
+
+
+def _check_op_model(rank: int, world: int) -> str:
+    from autotp.report.strict_rule import check_on_rank
+
+    return check_on_rank(_op_model(SHARDED_ATTENTION), example_inputs("gated_attention_output"), tp=world).reason
+
+
+def test_a_custom_op_sharded_by_its_dtensor_rule_equals_the_unmodified_model() -> None:
+    assert run_on_ranks(_check_op_model, 2) == ["", ""]
