@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
@@ -16,7 +17,7 @@ from autotp.ir.errors import UserInputError
 from autotp.ir.plan import ParallelPlan
 from autotp.runtime.execution.batch_pieces import microbatches
 from distributed import run_on_ranks
-from plain_models_attention import DIM, HEADS, DecoderLM, PreNormBlock
+from plain_models_attention import DIM, HEADS, DecoderLM, NanoGPTAttention, PreNormBlock
 from plain_models_frontier import ELASTIC_ACTIVE, ELASTIC_HIDDEN, build, example_inputs
 
 
@@ -42,6 +43,27 @@ def test_a_weight_sliced_in_the_forward_splits_the_range_it_keeps() -> None:
     up, down = layouts["layers.0.feed_forward.up.weight"], layouts["layers.0.feed_forward.down.weight"]
     assert (up.kind, up.dim, up.sharding.segments) == ("column", 0, (ELASTIC_ACTIVE, ELASTIC_HIDDEN - ELASTIC_ACTIVE))
     assert (down.kind, down.dim, down.sharding.segments) == ("row", 1, (ELASTIC_ACTIVE, ELASTIC_HIDDEN - ELASTIC_ACTIVE))
+
+
+class _MiddleRows(nn.Module):
+    """The FFN's middle rows ``[64:192)`` and, beside them, the whole FFN (two granularities)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 4 * DIM, bias=False), nn.Linear(4 * DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        middle = F.linear(F.gelu(F.linear(x, self.up.weight[64:192])), self.down.weight[:, 64:192])
+        return middle + self.down(F.gelu(self.up(x)))
+
+
+def test_slices_of_a_weight_past_its_start_and_the_whole_weight_share_one_split() -> None:
+    model = DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), _MiddleRows())).eval()
+    plan = plan_tensor_parallel(trace(model, example_inputs("gated_attention_output")), 4)
+    layouts = {p.name: p for p in plan.params}
+    up, down = layouts["layers.0.feed_forward.up.weight"], layouts["layers.0.feed_forward.down.weight"]
+    assert (up.kind, up.dim, up.sharding.segments) == ("column", 0, (64, 128, 64))
+    assert (down.kind, down.dim, down.sharding.segments) == ("row", 1, (64, 128, 64))
 
 
 def test_a_cond_traces_and_its_branch_weights_stay_whole_with_a_note() -> None:
