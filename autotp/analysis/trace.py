@@ -39,7 +39,7 @@ from autotp.analysis.loss_denominators import normalize_loss_denominators
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
 from autotp.analysis.trace_decompose import decompose_parameter_ops, draw_by_size
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
-from autotp.analysis.trace_guards import refuse_lazy_parameters, refuse_parameter_writes, strip_opaque_outputs
+from autotp.analysis.trace_guards import GradientHookWatch, refuse_backward_hooks, refuse_lazy_parameters, refuse_parameter_writes, register_dataclasses, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
 from autotp.ir import meta_keys
 from autotp.ir.batch_draws import REPLAYED, from_default_generator
@@ -156,6 +156,8 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     Raises ``UserInputError`` naming the submodule and source line that could not trace.
     """
     refuse_lazy_parameters(model)
+    refuse_backward_hooks(model)
+    register_dataclasses(kwargs)
     fake_model, fake_kwargs = _fake_copy(model, kwargs, torch.device(device))
     fake_model.register_forward_hook(strip_opaque_outputs)
     ep, uses, unreachable = _export(model, fake_model, fake_kwargs)
@@ -279,7 +281,7 @@ def _export(
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
     retry = None
-    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable) as loops:
+    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable) as loops, GradientHookWatch():
         try:
             with contextlib.redirect_stderr(printed):
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False, dynamic_shapes=dynamic_shapes)
@@ -296,6 +298,8 @@ def _export(
             where = f"{model_frames[-1].filename}:{model_frames[-1].lineno} ({model_frames[-1].line})" if model_frames else "unknown line"
             module = stack[-1] if stack else f"<root> ({type(model).__name__})"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if retry is None and isinstance(e, UserInputError):  # autotp's own refusal, with its fix
+                raise UserInputError(f"{type(model).__name__}, module {module} at {where}: {e}") from e
             if retry is None:
                 raise UserInputError(
                     f"autotp could not trace {type(model).__name__}: an operation in module {module} at {where} "

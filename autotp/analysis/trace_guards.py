@@ -11,14 +11,21 @@
 * **Non-tensor outputs.** A forward that returns a cache object (or any other value that
   is neither a tensor nor a Python scalar) cannot be exported; ``strip_opaque_outputs``
   is a forward hook that replaces such values by ``None`` in the root's output.
+* **Dataclasses.** A forward returning (or taking) a plain ``@dataclass`` of tensors is
+  exported once its class is a pytree node: ``register_dataclasses`` registers it.
+* **Gradient hooks.** A hook on a tensor (``x.register_hook``, in the forward) or a module's
+  backward hook changes gradients where the traced graph does not run it, so the parallel
+  model would differ silently; ``GradientHookWatch`` and ``refuse_backward_hooks`` refuse them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.overrides import TorchFunctionMode
 
 from autotp.ir.op_facts import mutated_base
 from autotp.ir.errors import UserInputError, source_line
@@ -49,8 +56,25 @@ def sparse_gradient_node(gm: GraphModule) -> Node | None:
     return None
 
 
+def register_dataclasses(value: Any) -> None:
+    """Make every dataclass class in ``value`` (through containers and fields) a pytree node."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if type(value) not in torch.utils._pytree.SUPPORTED_NODES:
+            torch.export.register_dataclass(type(value))
+        for field in dataclasses.fields(value):
+            register_dataclasses(getattr(value, field.name))
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            register_dataclasses(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            register_dataclasses(item)
+
+
 def strip_opaque_outputs(module: torch.nn.Module, args: Any, output: Any) -> Any:
-    """Forward hook: ``output`` with every value that is not a tensor or a plain scalar set to None."""
+    """Forward hook: ``output`` with every value that is not a tensor or a plain scalar set to
+    None (a dataclass of them is registered and kept)."""
+    register_dataclasses(output)
     leaves, spec = torch.utils._pytree.tree_flatten(output)
     if all(isinstance(x, _PLAIN) for x in leaves):
         return output
@@ -95,3 +119,32 @@ def _parameter_write(gm: GraphModule, roots: dict[Node, str]) -> tuple[str, Node
             if found is not None:
                 return found
     return None
+
+
+_HOOK_FIX = (
+    "autotp runs the traced forward, which does not record gradient hooks, so the parallel model would compute "
+    "other gradients than this one. Fix: write the gradient change as a torch.autograd.Function (its backward runs as "
+    "written, and autotp shards around it), or remove the hook before autotp.parallelize"
+)
+
+
+class GradientHookWatch(TorchFunctionMode):
+    """Refuses a hook registered on a tensor in the forward (``x.register_hook(fn)``: a
+    gradient scaled or reversed there)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook) and not torch.compiler.is_dynamo_compiling():
+            raise UserInputError(f"the forward registers a gradient hook on a tensor ({func.__name__}); {_HOOK_FIX}")
+        return func(*args, **(kwargs or {}))
+
+
+def refuse_backward_hooks(model: torch.nn.Module) -> None:
+    """Refuse a model with a module backward hook (``register_full_backward_hook`` and its
+    pre-hook, on a module or global)."""
+    from torch.nn.modules import module as module_hooks
+
+    if module_hooks._global_backward_hooks or module_hooks._global_backward_pre_hooks:
+        raise UserInputError(f"a global module backward hook is registered (torch.nn.modules.module.register_module_full_backward_hook); {_HOOK_FIX}")
+    for name, module in model.named_modules():
+        if module._backward_hooks or module._backward_pre_hooks:
+            raise UserInputError(f"module {name or '<root>'} ({type(module).__name__}) has a backward hook; {_HOOK_FIX}")
