@@ -240,3 +240,21 @@ def _check_dataclass(rank: int, world: int) -> str:
 
 def test_a_dataclass_output_traces_and_equals_the_unmodified_model() -> None:
     assert run_on_ranks(_check_dataclass, 2) == ["", ""]
+
+
+class _ItemCountLM(nn.Module):
+    """nanoGPT-style code normalizing the loss by a Python count of the labelled tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = build("gated_attention_output")
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.inner(input_ids)["logits"]
+        count = max(1, int((labels != -100).sum().item()))
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / count}
+
+
+def test_a_python_number_read_from_a_tensor_is_refused_with_the_tensor_form() -> None:
+    with pytest.raises(UserInputError, match=r"at .*int\(\(labels != -100\)\.sum\(\)\.item\(\)\).*keep such a value a tensor \(a token count as mask\.sum\(\)\.clamp\(min=1\)"):
+        trace(_ItemCountLM().eval(), example_inputs("gated_attention_output"))

@@ -378,9 +378,11 @@ def _advice(error: BaseException) -> str:
         )
     if any(isinstance(e, GuardOnDataDependentSymNode) for e in _causes(error)):
         return (
-            "shapes there depend on the values of a tensor (sizes read by .tolist() or .item()), which one traced graph "
-            "cannot follow; compute with static shapes (one block-diagonal mask over packed documents rather than a loop "
-            "over them), or state what export asks with torch._check(...) as the error above suggests."
+            "shapes there depend on the values of a tensor (sizes, or Python numbers, read by .tolist(), .item(), int(t) or "
+            "float(t)), which one traced graph cannot follow; keep such a value a tensor (a token count as "
+            "mask.sum().clamp(min=1), not max(1, int(mask.sum()))), compute with static shapes (one block-diagonal mask "
+            "over packed documents rather than a loop over them), or state what export asks with torch._check(...) as "
+            "the error above suggests."
         )
     return (
         "make that module traceable (no data-dependent Python control flow or .item() on tensors), "
