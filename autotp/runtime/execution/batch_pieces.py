@@ -47,7 +47,7 @@ def microbatches(batch: dict[str, Any], dp: int, dp_rank: int, m: int, batch_is_
     step = size // (shards * m)
     first = 0 if batch_is_local else dp_rank * step * m
     return [
-        tree_unflatten([v if d is None else v.narrow(d, first + i * step, step) for (_, v), d in zip(leaves, dims)], spec)
+        tree_unflatten([v if d is None or d == UNKNOWN_ROWS else v.narrow(d, first + i * step, step) for (_, v), d in zip(leaves, dims)], spec)
         for i in range(m)
     ]
 
