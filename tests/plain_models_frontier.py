@@ -74,23 +74,34 @@ class MultimodalRotaryAttention(nn.Module):
         return self.o_proj(_merge(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
 
 
-class MultimodalRotaryLM(nn.Module):
-    def __init__(self) -> None:
+class SideInputLM(nn.Module):
+    """A pre-norm decoder LM whose attention layers also read one more input of the model's
+    (``run``); each subclass names that input in its ``forward``."""
+
+    def __init__(self, attention: Callable[[], nn.Module]) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.attns = nn.ModuleList(MultimodalRotaryAttention() for _ in range(LAYERS))
+        self.attns = nn.ModuleList(attention() for _ in range(LAYERS))
         self.mlps = nn.ModuleList(SwiGLU() for _ in range(LAYERS))
         self.norms = nn.ModuleList(RMSNorm(DIM) for _ in range(2 * LAYERS + 1))
         self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+    def run(self, input_ids: torch.Tensor, side: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
         h = self.embed(input_ids)
         for i, (attn, mlp) in enumerate(zip(self.attns, self.mlps)):
-            h = h + attn(self.norms[2 * i](h), position_ids)
+            h = h + attn(self.norms[2 * i](h), side)
             h = h + mlp(self.norms[2 * i + 1](h))
         logits = self.lm_head(self.norms[-1](h))
         return {"logits": logits, "loss": lm_loss(logits, labels)}
+
+
+class MultimodalRotaryLM(SideInputLM):
+    def __init__(self) -> None:
+        super().__init__(MultimodalRotaryAttention)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        return self.run(input_ids, position_ids, labels)
 
 
 def mrope_positions(batch: int, seq: int) -> torch.Tensor:
@@ -560,25 +571,14 @@ class PrefixLMAttention(nn.Module):
         return self.proj(_merge(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])))
 
 
-class PrefixLM(nn.Module):
+class PrefixLM(SideInputLM):
     """PaliGemma's mask: ``prefix_len`` [B] tokens of each row see each other."""
 
     def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.attns = nn.ModuleList(PrefixLMAttention() for _ in range(LAYERS))
-        self.mlps = nn.ModuleList(SwiGLU() for _ in range(LAYERS))
-        self.norms = nn.ModuleList(RMSNorm(DIM) for _ in range(2 * LAYERS + 1))
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        super().__init__(PrefixLMAttention)
 
     def forward(self, input_ids: torch.Tensor, prefix_len: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
-        h = self.embed(input_ids)
-        for i, (attn, mlp) in enumerate(zip(self.attns, self.mlps)):
-            h = h + attn(self.norms[2 * i](h), prefix_len)
-            h = h + mlp(self.norms[2 * i + 1](h))
-        logits = self.lm_head(self.norms[-1](h))
-        return {"logits": logits, "loss": lm_loss(logits, labels)}
+        return self.run(input_ids, prefix_len, labels)
 
 
 # ---- multiway FFNs: one expert per modality, chosen by a token mask ---------------------------------
