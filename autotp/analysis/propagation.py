@@ -117,7 +117,7 @@ class Walker:
                 if isinstance(d, Tiled) and d.dim == dec.dim:
                     dims[i] = self._tiled_param(lay.name, d.count, dec.var, lay.name)
                 if isinstance(d, Sliced) and d.dim == dec.dim:
-                    dims[i] = select_range(dec.var, d.start, d.end, describe(d.node))
+                    dims[i] = self._sliced_part(d, dec.var)
                 if isinstance(d, tuple) and d[0] == dec.dim:  # the outer factor: the blocks the parameter dim follows
                     outer = dec.var.find().follows
                     if outer is None or outer.find().size * d[1] != dec.var.find().size:
@@ -163,11 +163,16 @@ class Walker:
             pdim, var = pdim.dim, whole
         elif isinstance(pdim, Sliced):  # a range of the parameter dim: one segment of it, split as ``var``
             whole = DimVar(self.params[view.name].shape[pdim.dim], var.find().origins)
-            part = select_range(whole, pdim.start, pdim.end, describe(pdim.node))
-            unify(part, var, describe(node))
-            self.out.slice_fixups[pdim.node] = (whole, part, pdim.start)
+            unify(self._sliced_part(pdim, whole), var, describe(node))
             pdim, var = pdim.dim, whole
         self.decide(view.name, ParamDecision(kind, pdim, var), node)
+
+    def _sliced_part(self, sliced: Sliced, whole: DimVar) -> DimVar:
+        """The segment of a parameter dim split by ``whole`` that ``sliced`` keeps; its slice node
+        then reads the rank's part of it (whichever use decided the parameter)."""
+        part = select_range(whole, sliced.start, sliced.end, describe(sliced.node))
+        self.out.slice_fixups[sliced.node] = (whole, part, sliced.start)
+        return part
 
     def _tiled_param(self, name: str, count: int, var: DimVar, where: str) -> DimVar:
         """The one tiled dim (``layouts.tile``) of parameter ``name`` split by ``var``, merged with ``count`` outer elements."""
