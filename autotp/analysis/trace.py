@@ -214,17 +214,14 @@ def input_batch_dims(model: nn.Module, kwargs: dict[str, Any], device: torch.dev
     every dim of the batch's size symbolic, and a dim that the trace finds equal to the
     batch's dim 0 holds rows (an input with none is every row's)."""
     size = batch_size(kwargs)
-    leaves = tree_flatten_with_path(kwargs)[0]
+    leaves, spec = tree_flatten_with_path(kwargs)
     rows = input_row_dims(kwargs)
     asked = [keystr(p) for (p, v), d in zip(leaves, rows)
              if d is None and isinstance(v, torch.Tensor) and size in tuple(v.shape)[1:]]  # fmt: skip
     if size < 2 or not asked:
         return {}
     auto = torch.export.Dim.AUTO
-    dynamic = tree_unflatten(
-        [{d: auto for d, n in enumerate(v.shape) if n == size} if isinstance(v, torch.Tensor) else None for _, v in leaves],
-        tree_flatten_with_path(kwargs)[1],
-    )
+    dynamic = tree_unflatten([{d: auto for d, n in enumerate(v.shape) if n == size} if isinstance(v, torch.Tensor) else None for _, v in leaves], spec)
     fake_model, fake_kwargs = _fake_copy(model, kwargs, torch.device(device))
     try:
         ep, _, _ = _export(model, fake_model, fake_kwargs, dynamic_shapes=dynamic)
