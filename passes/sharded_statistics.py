@@ -10,6 +10,8 @@ and contractions over a dim held in replicated blocks.
   ``mean = sum(x)/n``, ``var = sum((x - mean)^2)/n`` (layer norm) or ``ms = sum(x^2)/n``
   (RMS norm), then ``x_hat * rsqrt(stat + eps) * weight (+ bias)``.
 * ``linalg_vector_norm(x, p)`` becomes ``sum(|x|^p) ** (1/p)``.
+* ``var`` / ``std`` become ``sum((x - mean)^2) / (n - correction)`` (``sqrt`` of it), the mean
+  and the sum partial; ``var_mean`` / ``std_mean`` hand on that mean too.
 * ``amax`` / ``amin`` of a value that takes no gradient: the rank's extremum, then
   ``autotp::all_reduce_max`` over the group (of the negated minimum for ``amin``).
 * A row-parallel matmul that contracts a dim ranks hold in replicated blocks (query heads
@@ -37,7 +39,7 @@ from torch.fx import GraphModule, Node
 from autotp.ir.op_facts import is_matmul
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import schema_arg, shape_of
-from autotp.analysis.statistic_rules import EXTREMA, reduced_dims
+from autotp.analysis.statistic_rules import EXTREMA, VARIANCE_MEANS, VARIANCES, reduced_dims
 from autotp.ir import meta_keys, ops
 from autotp.ir.layouts import PARTIAL, REPLICATE, Layout, resolve
 from autotp.passes.runner import PassContext
@@ -54,6 +56,8 @@ def sharded_statistics(gm: GraphModule, ctx: PassContext) -> GraphModule:
             _rescale(gm, node, ctx.plan.tp)
         elif role is NodeRole.SHARDED_NORM and node.target is aten.linalg_vector_norm.default:
             _vector_norm(gm, node, ctx.plan.tp)
+        elif role is NodeRole.SHARDED_NORM and node.target in VARIANCES | VARIANCE_MEANS:
+            _variance(gm, node, ctx.plan.tp)
         elif role is NodeRole.SHARDED_NORM:
             _norm(gm, node, ctx.plan.tp)
         elif role is NodeRole.SHARDED_EXTREMUM:
@@ -192,6 +196,43 @@ def _vector_norm(gm: GraphModule, node: Node, tp: int) -> None:
         total = _emit(gm, node, aten.sum.dim_IntList, (_summand(gm, node, powered, dims, tp, False), dims, keep), PARTIAL)
     _retarget(node, aten.pow.Tensor_Scalar, (total, 1.0 / order))
     node.meta[meta_keys.REDUCE_INPUTS] = [total]
+
+
+def _variance(gm: GraphModule, node: Node, tp: int) -> None:
+    """``var`` / ``std`` (``var_mean`` / ``std_mean``) over every sharded dim of ``x``."""
+    x = node.args[0]
+    shape = shape_of(x) or ()
+    dims = reduced_dims(node, len(shape))
+    keep = bool(schema_arg(node, "keepdim", False))
+    count = math.prod(shape[d] for d in dims)
+    if node.target in (aten.var.dim, aten.std.dim):
+        correction = 1 if schema_arg(node, "unbiased", True) else 0
+    else:
+        found = schema_arg(node, "correction")
+        correction = 1 if found is None else found
+    root = node.target in (aten.std.dim, aten.std.correction, aten.std_mean.correction)
+    lay = x.meta.get(meta_keys.LAYOUT)
+    with gm.graph.inserting_before(node):
+        mean = _partial_sum(gm, node, x, dims, tp, count)
+        centered = _emit(gm, node, aten.sub.Tensor, (x, mean), lay, [mean])
+        square = _emit(gm, node, aten.mul.Tensor, (centered, centered), lay)
+        total = _emit(gm, node, aten.sum.dim_IntList, (_summand(gm, node, square, dims, tp, False), dims, keep), PARTIAL)
+        if not root and node.target in VARIANCES:
+            _retarget(node, aten.div.Tensor, (total, count - correction))
+            node.meta[meta_keys.REDUCE_INPUTS] = [total]
+            return
+        spread = _emit(gm, node, aten.div.Tensor, (total, count - correction), REPLICATE, [total])
+        if node.target in VARIANCES:
+            _retarget(node, aten.sqrt.default, (spread,))
+            return
+        if root:
+            spread = _emit(gm, node, aten.sqrt.default, (spread,), REPLICATE)
+        squeezed = (aten.alias.default, (mean,)) if keep else (aten.squeeze.dims, (mean, dims))
+        whole_mean = _emit(gm, node, *squeezed, REPLICATE, [mean])
+    for user in list(node.users):  # getitem 0 (var or std) and 1 (mean)
+        user.replace_all_uses_with(spread if user.args[1] == 0 else whole_mean)
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(node)
 
 
 def _extremum(gm: GraphModule, node: Node, group: str) -> None:

@@ -12,13 +12,16 @@ A reduction keeps the split of every dim it does not reduce. Over a sharded dim:
   split of the dim it scales (kind ``bias``). Megatron computes a norm over a
   sharded hidden dim this way; the planner weighs it against keeping the producer
   whole (``Walker.allow_statistic``).
+* ``var`` / ``std`` (and ``var_mean`` / ``std_mean``) over a sharded dim likewise: a
+  tp-reduced mean, then a tp-reduced sum of squared deviations (``NodeRole.SHARDED_NORM``),
+  e.g. weight standardization over a row-parallel weight's input dim.
 * ``amax`` / ``amin`` (and ``max()`` / ``min()`` of everything) of a value that takes no
   gradient (a quantization scale) over a sharded dim: each rank's extremum, max-reduced
   over the group (``NodeRole.SHARDED_EXTREMUM``). With a gradient it would flow to the
   maxima of every rank that ties, so the dim stays whole.
 * ``group_norm`` over channels split in whole groups; per-channel affine ops
   (``fake_quantize_per_channel_affine``) whose scales follow the channel dim's split.
-* Anything else (``prod``, ``var``...) needs the dim whole: a conflict.
+* Anything else (``prod``, ``any``...) needs the dim whole: a conflict.
 
 A statistic over a dim that ranks hold in replicated blocks (KV heads at tp > heads)
 would count those blocks several times; the pass divides by the replica count.
@@ -48,10 +51,11 @@ MEANS = {aten.mean.dim, aten.mean.default}
 VECTOR_NORMS = {aten.linalg_vector_norm.default}
 WHOLE = {
     aten.prod.dim_int, aten.prod.default, aten.any.dim, aten.any.dims, aten.any.default, aten.all.dim,
-    aten.all.dims, aten.all.default, aten.var.correction, aten.std.correction, aten.var.dim, aten.std.dim,
-    aten.count_nonzero.dim_IntList, aten.count_nonzero.default,
+    aten.all.dims, aten.all.default, aten.count_nonzero.dim_IntList, aten.count_nonzero.default,
 }  # fmt: skip
-REDUCTIONS = SUMS | MEANS | VECTOR_NORMS | WHOLE
+VARIANCES = {aten.var.correction, aten.std.correction, aten.var.dim, aten.std.dim}
+VARIANCE_MEANS = {aten.var_mean.correction, aten.std_mean.correction}  # (var or std, mean)
+REDUCTIONS = SUMS | MEANS | VECTOR_NORMS | VARIANCES | VARIANCE_MEANS | WHOLE
 EXTREMA = {aten.amax.default: "max", aten.amin.default: "min", aten.max.default: "max", aten.min.default: "min"}
 PER_CHANNEL = {aten.fake_quantize_per_channel_affine.default, aten._fake_quantize_learnable_per_channel_affine.default}
 PER_TENSOR = {aten.fake_quantize_per_tensor_affine.tensor_qparams, aten._fake_quantize_learnable_per_tensor_affine.default}
@@ -95,9 +99,12 @@ def reduction(w: Walker, node: Node) -> Any:
     shape = shape_of(x) or ()
     drop_unit_dims(lay, node, [d for d in reduced if shape[d] == 1])
     sharded = [lay.var_at(d) for d in reduced if lay.var_at(d) is not None]
+    pair = target in VARIANCE_MEANS
     if not sharded:
-        return lay if keep else shard({kept.index(d): v for d, v in lay.dims})
-    if not (linear or target in VECTOR_NORMS) or len(sharded) != len(lay.dims):
+        out = lay if keep else shard({kept.index(d): v for d, v in lay.dims})
+        return (out, out) if pair else out
+    statistic = linear or target in VECTOR_NORMS or target in VARIANCES or pair
+    if not statistic or len(sharded) != len(lay.dims):
         raise ShardingConflict(f"{describe(node)}: reduces over a sharded dim", lay.origins(), tuple(sharded))
     if target in SUMS:
         w.out.roles[node] = NodeRole.SHARDED_REDUCTION
@@ -106,6 +113,9 @@ def reduction(w: Walker, node: Node) -> Any:
     if target in MEANS:
         w.out.roles[node] = NodeRole.SHARDED_REDUCTION
         return PARTIAL
+    if target in VARIANCES or pair:
+        w.out.roles[node] = NodeRole.SHARDED_NORM
+        return (REPLICATE, REPLICATE) if pair else REPLICATE
     order = schema_arg(node, "ord", 2)
     if not isinstance(order, (int, float)) or order <= 0 or math.isinf(order):
         raise ShardingConflict(f"{describe(node)}: a norm of order {order} over a sharded dim", lay.origins(), tuple(sharded))
@@ -165,6 +175,13 @@ def group_norm(w: Walker, node: Node) -> Any:
     return lay
 
 
+def batch_statistics(node: Node) -> bool:
+    """Whether ``node`` is a training-mode ``batch_norm``: statistics of its input over every
+    dim but the channels, which its rule leaves to the fallback (of a weight alone, the trace
+    decomposes it: ``trace_decompose``)."""
+    return node.target is aten.batch_norm.default and bool(schema_arg(node, "training", True))
+
+
 def batch_norm(w: Walker, node: Node) -> Any:
     """``batch_norm(x [N, C, *], weight, bias, running_mean, running_var, training, ...)``
     in eval mode: a per-channel affine map from the running statistics, so any split
@@ -172,7 +189,7 @@ def batch_norm(w: Walker, node: Node) -> Any:
     the batch) is left to the fallback."""
     x = node.args[0]
     lay = w.summed(x, node)
-    if schema_arg(node, "training", True):
+    if batch_statistics(node):
         return w.opaque(node)
     var = lay.var_at(1)
     for a in node.args[1:5]:
