@@ -6,8 +6,20 @@ the walk, so the weight and its parameters stay whole. ``decompose_parameter_ops
 replaces each such node by PyTorch's own decomposition of the op (its
 ``CompositeImplicitAutograd`` kernel, then ``torch._decomp``'s table for the ops that
 leads to, again only those without a rule), traced on the node's fake values: the norm
-becomes ``linalg_vector_norm``, which the statistic rules split. Ops reading an
-activation are left as they are, and so are in-place and random ops.
+becomes ``linalg_vector_norm``, which the statistic rules split. Likewise:
+
+* an op without a rule that reads a parameter and an activation (an RNN cell:
+  ``aten.gru_cell``, ``lstm_cell``), where its decomposition is a short formula (at most
+  ``MAX_DECOMPOSED_NODES`` ops; a whole ``lstm`` unrolls over the sequence and stays one op);
+* a training-mode ``batch_norm`` of a weight computed from parameters (timm's weight
+  standardization, ``F.batch_norm(w.reshape(1, out, -1), None, None, training=True)``),
+  which its rule leaves to the fallback.
+
+A composite that writes in place to its own temporaries (``gru_cell`` to the pieces of its
+``unsafe_split``) gets the out-of-place forms of those ops; one whose write another read
+would see, one reaching ``prims`` ops (no autograd), and random ops are left as they are,
+and so is an op whose inputs other than parameters are themselves computed from parameters
+(a LoKr delta ``kron(w1, a @ b)``: small factors, left whole and read through slices).
 
 ``draw_by_size`` rewrites a random draw shaped like a tensor (``randn_like(x)``) into the
 draw of x's size (``randn(x.shape)``), which reads no tensor: the same numbers, from the
@@ -29,6 +41,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autotp.analysis.op_rules import rule_for
+from autotp.analysis.statistic_rules import batch_statistics
 
 log = logging.getLogger(__name__)
 _KEPT_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node")
@@ -89,19 +102,40 @@ def _fills_in_order(like: torch.Tensor, memory_format: torch.memory_format) -> b
         return torch.empty_like(like, memory_format=memory_format).is_contiguous()
 
 
-def _of_parameters_alone(node: Node, params: set[str]) -> bool:
-    """Whether every tensor ``node`` reads is a parameter (no activation, no buffer)."""
+MAX_DECOMPOSED_NODES = 64
+
+
+def _of_parameters(gm: GraphModule) -> tuple[set[Node], set[Node]]:
+    """The parameters' nodes, and the nodes computed from parameters alone (those included)."""
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    direct = {n for n in gm.graph.nodes if n.op == "get_attr" and str(n.target) in params}
+    derived = set(direct)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.all_input_nodes and all(a in derived for a in node.all_input_nodes):
+            if not (isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags):
+                derived.add(node)
+    return direct, derived
+
+
+def _parameters_read(node: Node, parameters: set[Node]) -> int:
+    """How many of the tensors ``node`` reads are in ``parameters``; -1 when it reads nothing else."""
     inputs = node.all_input_nodes
-    return bool(inputs) and all(a.op == "get_attr" and str(a.target) in params for a in inputs)
+    read = sum(a in parameters for a in inputs)
+    return -1 if inputs and read == len(inputs) else read
 
 
 def decompose_parameter_ops(gm: GraphModule) -> None:
-    """Replace each op of parameters alone that has no rule by its decomposition (in place)."""
-    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    """Replace each op reading parameters that has no rule by its decomposition (in place)."""
+    direct, derived = _of_parameters(gm)
     table = {op: fn for op, fn in decomposition_table.items() if _decomposition(op) is not None}
     for node in list(gm.graph.nodes):
         decompose = _decomposition(node.target) if node.op == "call_function" else None
-        if decompose is None or not _of_parameters_alone(node, params):
+        read = _parameters_read(node, direct) if decompose is not None else 0
+        if read > 0 and _parameters_read(node, derived) == -1:
+            continue  # a weight computed from parameters and what they make: left whole, read through slices
+        if node.op == "call_function" and batch_statistics(node) and _parameters_read(node, derived) == -1:
+            decompose, read = node.target.decompose, -1  # a weight standardized by batch_norm (timm's StdConv)
+        if read == 0:
             continue
         leaves, spec = tree_flatten((node.args, node.kwargs))
         at = [i for i, a in enumerate(leaves) if isinstance(a, Node)]
@@ -116,9 +150,74 @@ def decompose_parameter_ops(gm: GraphModule) -> None:
         fakes = [leaves[i].meta["val"] for i in at]
         with fakes[0].fake_mode:
             body = make_fx(run, decomposition_table=table)(*fakes)
-        log.debug("decomposed %s (%s) of parameters alone", node.name, node.target)
+        if _prims(body) or not _out_of_place(body) or read > 0 and sum(n.op == "call_function" for n in body.graph.nodes) > MAX_DECOMPOSED_NODES:
+            continue
+        log.debug("decomposed %s (%s), which reads parameters", node.name, node.target)
         _inline(gm, node, body, [leaves[i] for i in at])
     gm.graph.lint()
+
+
+def _prims(body: GraphModule) -> bool:
+    """Whether a decomposition reached ``prims`` ops (PyTorch's references: no autograd)."""
+    return any(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "prims" for n in body.graph.nodes)
+
+
+def _aliases_input(node: Node) -> bool:
+    """Whether ``node``'s result may share memory with its first argument (a view, a piece of
+    a split, or an in-place op's result)."""
+    if node.target is operator.getitem:
+        return True
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and any(r.alias_info is not None for r in target._schema.returns)
+
+
+def _view_chain(node: Any) -> list[tuple[Node, int | None]]:
+    """(node, piece index) from ``node`` up through the views it was taken from."""
+    chain: list[tuple[Node, int | None]] = []
+    while isinstance(node, Node):
+        piece = node.args[1] if node.target is operator.getitem else None
+        chain.append((node, piece))
+        if node.op != "call_function" or not _aliases_input(node):
+            break
+        node = node.args[0]
+    return chain
+
+
+def _may_overlap(a: Node, b: Node) -> bool:
+    """Whether ``a`` and ``b`` may share memory: the same base, unless they are different
+    pieces of one split."""
+    chain_a, chain_b = _view_chain(a), _view_chain(b)
+    if chain_a[-1][0] is not chain_b[-1][0]:
+        return False
+    pieces_a = {n.args[0]: i for n, i in chain_a if i is not None}
+    return not any(i is not None and n.args[0] in pieces_a and pieces_a[n.args[0]] != i for n, i in chain_b)
+
+
+def _out_of_place(body: GraphModule) -> bool:
+    """Turn a decomposition's in-place ops into their out-of-place forms (in place), where each
+    writes a temporary of its own that nothing reads afterwards (a composite such as
+    ``gru_cell`` writes to the pieces of its own ``unsafe_split``); False if one does not."""
+    nodes = list(body.graph.nodes)
+    for i, node in enumerate(nodes):
+        target = node.target
+        if not (isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable):
+            continue
+        written = node.args[0]
+        if _view_chain(written)[-1][0].op != "call_function":
+            return False  # writes an input of the op
+        later = {a for n in nodes[i + 1 :] for a in n.all_input_nodes}
+        if any(_may_overlap(a, written) for a in later if all(n is not node for n, _ in _view_chain(a))):
+            return False  # the old value is read after the write
+        packet = getattr(torch.ops.aten, target._schema.name.split("::")[-1].rstrip("_"), None)
+        functional = getattr(packet, target._overloadname, None)
+        if functional is None or functional._schema.is_mutable:
+            return False
+        node.target = functional
+    for node in nodes:  # with nothing written, an unsafe split is a split
+        if node.target is torch.ops.aten.unsafe_split.Tensor:
+            node.target = torch.ops.aten.split.Tensor
+    body.recompile()
+    return True
 
 
 def _inline(gm: GraphModule, node: Node, body: GraphModule, inputs: list[Node]) -> None:
