@@ -2,7 +2,7 @@
 are masked by the condition the run will find.
 
 ``torch.export`` cannot trace a loop whose trip count, or a branch whose side, depends on
-tensor values. Two common forms are traced here (``guarded_control_flow``).
+tensor values. Three common forms are traced here (``guarded_control_flow``).
 
 **Loops over a data-dependent index list.** ``for e in mask.nonzero(): body(e)`` (HF's
 eager experts: ``for expert_idx in expert_hit``; also ``argwhere`` and one-argument
@@ -21,12 +21,18 @@ loop's line and the index, so one retry covers every layer running the same code
 does nothing, its statements only ``continue`` or ``pass`` or no ``else``:
 - ``if rows.numel() == 0: continue``;
 - ``if counts[i] == 0: continue`` over ``bincount(...).tolist()``;
-- ``if rows.numel(): body``.
+- ``if rows.numel(): body``;
+- ``if mask.any(): body`` (a tensor's truth, taken from the tensor: no host read in the graph).
 
 It is traced on the side that works, found from the source (``ast``) of the function taking
 the branch. That side (the ``if``'s body or ``else``, plus the rest of the loop's iteration
 after a ``continue``) runs in a scope whose predicate is the branch's condition evaluated at
 run time. A test combining conditions (``and``/``or``) is not taken.
+
+**Checks.** ``if cond: raise ...`` (no ``else``) and ``assert cond`` on a run-time value
+(input validation: ``if (ids >= vocab).any(): raise``) are traced on the side that goes on,
+with a run-time assertion (``torch._assert_async``) that the run takes it, whose message
+names the line and the ``raise`` (or the assert's message).
 
 **A scope's writes** to tensors made before it are masked by its predicate:
 - accumulating writes (``index_add_``, ``index_put_(accumulate=True)``, ``scatter_add_``,
@@ -52,25 +58,24 @@ as a ``scatter_add`` into ``m`` zeros.
 
 from __future__ import annotations
 
-import ast
-import functools
 import inspect
 import itertools
 import linecache
 import sys
-import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autotp.analysis.branch_sources import skipping_branches
 from autotp.ir.errors import UserInputError
 
 # Unrolling a bound this large would multiply the graph; such a loop is left to export (which refuses it).
@@ -85,6 +90,7 @@ _VALUE_KEEPING = {"view", "reshape", "flatten", "squeeze", "unsqueeze", "transpo
                   "long", "int", "to", "expand", "detach", "t"}  # fmt: skip
 _ORIGINAL_ITER = torch.Tensor.__iter__
 _ORIGINAL_BOOLS = {torch.SymBool: torch.SymBool.__bool__, torch.SymInt: torch.SymInt.__bool__}
+_ORIGINAL_TENSOR_BOOL = torch._C.TensorBase.__bool__
 
 
 @dataclass
@@ -149,90 +155,6 @@ def _written(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor | None:
     if (inplace or _inplace_flag(func, args, kwargs)) and args and isinstance(args[0], torch.Tensor):
         return args[0]
     return None
-
-
-# ---- skipping branches, from the source ---------------------------------------------------------
-
-
-def _idle(body: list[ast.stmt]) -> bool:
-    return all(isinstance(s, (ast.Pass, ast.Continue)) for s in body)
-
-
-def _continues(body: list[ast.stmt]) -> bool:
-    return any(isinstance(s, ast.Continue) for s in body)
-
-
-def _span(body: list[ast.stmt]) -> set[int]:
-    return set(range(body[0].lineno, body[-1].end_lineno + 1)) if body else set()  # type: ignore[operator]
-
-
-def _leaves(stmts: list[ast.stmt], kinds: tuple[type, ...]) -> bool:
-    """Whether ``stmts`` hold a statement of ``kinds`` (not counting nested functions)."""
-    todo: list[ast.AST] = list(stmts)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, kinds):
-            return True
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
-            todo.extend(ast.iter_child_nodes(node))
-    return False
-
-
-_EXITS = (ast.Return, ast.Break, ast.Continue, ast.Yield, ast.YieldFrom)
-
-
-def _working_side(node: ast.If, loop: ast.For | ast.While | None) -> tuple[bool, set[int]] | None:
-    """(the side of ``node`` that works, the lines it runs) when the other side does nothing."""
-    body_idle, else_idle = _idle(node.body), _idle(node.orelse)
-    body_skips, else_skips = body_idle and _continues(node.body), else_idle and _continues(node.orelse)
-    if body_idle and else_idle and body_skips == else_skips:
-        return None  # the same either way, or nothing done on either side
-    if body_idle and (not else_idle or body_skips):
-        side, work, skips = False, node.orelse, body_skips
-    elif else_idle:
-        side, work, skips = True, node.body, else_skips
-    else:
-        return None
-    if _leaves(work, _EXITS):  # the working side would leave what the other side goes on with
-        return None
-    span = _span(work)
-    if skips:  # the working side goes on with the rest of the loop's iteration, the other skips it
-        if loop is None:
-            return None
-        rest = [n for n in ast.walk(loop) if isinstance(n, ast.stmt) and n.lineno > node.end_lineno]  # type: ignore[operator]
-        if _leaves(rest, (ast.Return, ast.Break, ast.Yield, ast.YieldFrom)):
-            return None
-        span |= set(range(node.end_lineno + 1, loop.end_lineno + 1))  # type: ignore[operator]
-    return side, span
-
-
-@functools.lru_cache(maxsize=256)
-def _skipping_branches(code: CodeType) -> dict[int, tuple[bool, bool, frozenset[int]]]:
-    """Per line of an ``if`` test in ``code`` whose one side does nothing: (the side that
-    works, whether the test is negated by ``not``, the file lines that side runs)."""
-    try:
-        lines, start = inspect.getsourcelines(code)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, SyntaxError):
-        return {}
-    offset = start - 1
-    found: dict[int, tuple[bool, bool, frozenset[int]]] = {}
-
-    def visit(node: ast.AST, loop: ast.For | ast.While | None) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If):
-                test, negated = child.test, False
-                if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-                    test, negated = test.operand, True
-                working = None if isinstance(test, (ast.BoolOp, ast.UnaryOp, ast.IfExp, ast.NamedExpr)) else _working_side(child, loop)
-                if working is not None:
-                    for line in range(child.test.lineno, child.test.end_lineno + 1):  # type: ignore[operator]
-                        found[line + offset] = (working[0], negated, frozenset(s + offset for s in working[1]))
-            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)) or node is tree:
-                visit(child, child if isinstance(child, (ast.For, ast.While)) else loop)
-
-    visit(tree, None)
-    return found
 
 
 class _ControlFlowWatch(TorchFunctionMode):
@@ -366,16 +288,22 @@ class _ControlFlowWatch(TorchFunctionMode):
         target.copy_(torch.where(p, new, target))
         return target
 
-    def branch(self, value: torch.SymBool | torch.SymInt, frame: FrameType) -> bool:
-        """The side a skipping branch on ``value`` (known only at run time) is traced on."""
-        found = _skipping_branches(frame.f_code).get(frame.f_lineno)
+    def branch(self, value: torch.SymBool | torch.SymInt | torch.Tensor, frame: FrameType) -> bool:
+        """The side a skipping branch or a check on ``value`` (known only at run time: a
+        symbolic number, or a one-element tensor) is traced on."""
+        found = skipping_branches(frame.f_code).get(frame.f_lineno)
         if found is None:
             raise LookupError
-        side, negated, lines = found
-        taken = side != negated  # what bool(value) returns for the if to take ``side``
-        truth = value if isinstance(value, torch.SymBool) else value != 0
-        holds = torch.scalar_tensor(torch.sym_ite(truth, 1, 0), dtype=torch.int64) == int(taken)
-        self.stack.append(_Scope(_line_of(frame), holds, frame=frame, lines=lines))
+        taken = found.side != found.negated  # what bool(value) returns for the if to take the working side
+        if isinstance(value, torch.Tensor):
+            holds = (value.reshape(()) != 0) == taken
+        else:
+            truth = value if isinstance(value, torch.SymBool) else value != 0
+            holds = torch.scalar_tensor(torch.sym_ite(truth, 1, 0), dtype=torch.int64) == int(taken)
+        if found.check:
+            torch._assert_async(holds, f"the check at {_line_of(frame)} failed: {found.check}")
+        else:
+            self.stack.append(_Scope(_line_of(frame), holds, frame=frame, lines=found.lines))
         return taken
 
     def unrolled(self, hit: torch.Tensor, source: torch.Tensor, coordinate: int | None, where: str) -> Iterator[torch.Tensor]:
@@ -449,6 +377,17 @@ def guarded_control_flow(model: torch.nn.Module, unreachable: frozenset[tuple[st
     torch.Tensor.__iter__ = iterate  # type: ignore[method-assign]
     for cls, original in _ORIGINAL_BOOLS.items():
         cls.__bool__ = guarded(original)  # type: ignore[method-assign]
+    def tensor_branch(self: torch.Tensor) -> bool:
+        # a tensor's truth is a host read (``item``) in the graph; on a branch's line take the
+        # branch from the tensor itself, before export tries and records the read
+        if not is_fake(self):
+            return _ORIGINAL_TENSOR_BOOL(self)
+        try:
+            return watch.branch(self, sys._getframe(1))
+        except LookupError:
+            return _ORIGINAL_TENSOR_BOOL(self)
+
+    torch.Tensor.__bool__ = tensor_branch  # type: ignore[method-assign]
     hook = model.register_forward_hook(check_outputs)
     try:
         with watch:
@@ -458,6 +397,7 @@ def guarded_control_flow(model: torch.nn.Module, unreachable: frozenset[tuple[st
         torch.Tensor.__iter__ = _ORIGINAL_ITER  # type: ignore[method-assign]
         for cls, original in _ORIGINAL_BOOLS.items():
             cls.__bool__ = original  # type: ignore[method-assign]
+        del torch.Tensor.__bool__  # back to TensorBase's
 
 
 def refuse_broken_loops(watch: _ControlFlowWatch) -> None:
