@@ -128,13 +128,26 @@ _HOOK_FIX = (
 )
 
 
+_GRADIENTS_TAKEN = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
+
+
 class GradientHookWatch(TorchFunctionMode):
     """Refuses a hook registered on a tensor in the forward (``x.register_hook(fn)``: a
-    gradient scaled or reversed there)."""
+    gradient scaled or reversed there), and a gradient taken in the forward
+    (``torch.autograd.grad``: a test-time memory's inner step, a gradient penalty), which
+    export computes once, on the trace's values, and keeps as a constant."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func in (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook) and not torch.compiler.is_dynamo_compiling():
-            raise UserInputError(f"the forward registers a gradient hook on a tensor ({func.__name__}); {_HOOK_FIX}")
+        if not torch.compiler.is_dynamo_compiling():
+            if func in (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook):
+                raise UserInputError(f"the forward registers a gradient hook on a tensor ({func.__name__}); {_HOOK_FIX}")
+            if func in _GRADIENTS_TAKEN:
+                raise UserInputError(
+                    f"the forward takes a gradient ({func.__module__}.{func.__qualname__}), which torch.export "
+                    f"computes once while tracing and keeps as a constant, so no step would compute it. Fix: write "
+                    f"that gradient as ops of the forward (its closed form: for a loss mean((x @ w.T - y)**2), "
+                    f"2 * (x @ w.T - y).T @ x / n), or take it outside the model's forward"
+                )
         return func(*args, **(kwargs or {}))
 
 
