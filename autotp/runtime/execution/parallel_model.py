@@ -315,15 +315,15 @@ class ParallelModel(nn.Module):
             program, calls, dp * m, self._params, self._device, self._coords.dp_group if dp > 1 else None)
         with batch_denominators.whole_batch(denominators), batch_pieces.step_draws(program, dp * m, self._coords.dp_rank * m, m):
             if self.plan.num_chunks == 1:
-                total = torch.zeros((), device=self._device)
+                total = None  # one launch fewer a step (the host sets the pace of small ones) without zeros and a divide
                 for call in calls:
                     loss = loss_of(self._compiled_for(call, outputs_read, split).run(**call))
-                    (loss / m).backward()
-                    total += loss.detach().float()
+                    (loss / m if m > 1 else loss).backward()
+                    total = loss.detach().float() if total is None else total + loss.detach().float()
             else:
                 total = self._pipeline_step(calls, loss_of, schedule or self.plan.schedule_name, outputs_read, split)
         self._grad_sync.finish()
-        return mean_loss(self.plan, self._coords, total / m)
+        return mean_loss(self.plan, self._coords, total / m if m > 1 else total)
 
     def _pipeline_step(self, calls: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str,
                        outputs_read: tuple[str, ...], split: bool) -> torch.Tensor:  # fmt: skip

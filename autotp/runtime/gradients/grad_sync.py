@@ -108,6 +108,8 @@ class PostStepSync(GradSync):
         self._carried: dict[str, torch.Tensor] = {}
 
     def _grads(self, names: list[str]) -> dict[str, torch.Tensor | None]:
+        if not names:  # most plans: no parameter shared between stages (a walk over every parameter per call)
+            return {}
         local = dict(self.module.named_parameters())
         return {n: local[n].grad for n in names if n in local}
 
