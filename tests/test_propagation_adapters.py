@@ -150,3 +150,33 @@ def test_a_gradient_taken_in_the_forward_is_refused_naming_the_line() -> None:
     parallel model returned fake tensors."""
     with pytest.raises(UserInputError, match=r"torch\.autograd\.grad\(.*the forward takes a gradient"):
         trace(_InnerGradientMemory(), example_inputs("forgetting_attention"))
+
+
+class _WritesItsInput(nn.Module):
+    """FSMT's habit: the forward cleans its ``input_ids`` in place before reading them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.up, self.head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        input_ids.masked_fill_(input_ids == VOCAB - 1, 0)
+        logits = self.head(F.gelu(self.up(self.embed(input_ids))))
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def _check_written_input(rank: int, world: int) -> str:
+    from autotp.report.strict_rule import check_on_rank
+
+    inputs = example_inputs("forgetting_attention")
+    inputs["input_ids"][:, ::3] = VOCAB - 1
+    result = check_on_rank(_WritesItsInput(), inputs, tp=1, pp=world)
+    assert not (inputs["input_ids"] == VOCAB - 1).any()  # the step wrote the caller's tensor, as the model does
+    return result.reason
+
+
+def test_a_forward_writing_its_input_trains_in_microbatches() -> None:
+    """The microbatches were views of one tensor: the second one's write bumped the version
+    counter the first one's saved ids share, and its backward failed (found on FSMT at pp=2)."""
+    assert run_on_ranks(_check_written_input, 2) == ["", ""]

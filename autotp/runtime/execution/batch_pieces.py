@@ -4,8 +4,8 @@ and its random draws (``autotp.ir.batch_draws``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from types import MappingProxyType
 from typing import Any
 
@@ -17,6 +17,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 from autotp.analysis.batch_rows import UNKNOWN_ROWS, batch_size, input_row_dims
 from autotp.ir import batch_denominators, batch_draws, meta_keys
 from autotp.ir.errors import UserInputError
+from autotp.ir.op_facts import mutated_base
 from autotp.ir.program import RankProgram
 from autotp.runtime.state.parameters import Parameters
 
@@ -50,6 +51,27 @@ def microbatches(batch: dict[str, Any], dp: int, dp_rank: int, m: int, batch_is_
         tree_unflatten([v if d is None or d == UNKNOWN_ROWS else v.narrow(d, first + i * step, step) for (_, v), d in zip(leaves, dims)], spec)
         for i in range(m)
     ]
+
+
+@contextmanager
+def own_written_inputs(program: RankProgram, calls: list[dict[str, Any]]) -> Iterator[None]:
+    """For a step of several pieces whose forward writes an input in place (FSMT's
+    ``input_ids.masked_fill_``): each piece gets its own copy of that input, written back into
+    the caller's tensor when the step is done. The pieces are views of one tensor, which share
+    a version counter, so the next piece's write would fail the backward of every piece that
+    saved its view (autograd's "modified by an inplace operation")."""
+    written = {str(base.target) for n in program.graph.graph.nodes if (base := mutated_base(n)) is not None and base.op == "placeholder"}
+    pairs = []
+    if len(calls) > 1:
+        for call in calls:
+            for name in written & call.keys():
+                if isinstance(call[name], torch.Tensor):
+                    view, call[name] = call[name], call[name].clone()
+                    pairs.append((view, call[name]))
+    yield
+    with torch.no_grad():
+        for view, own in pairs:
+            view.copy_(own)
 
 
 def whole_batch_denominators(program: RankProgram, calls: list[dict[str, Any]], pieces: int, params: Parameters,

@@ -307,13 +307,13 @@ class ParallelModel(nn.Module):
             warn_once(log, "the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
                       "state over dp=%d); this model trains with a plain optimizer", dp)
         self._grad_sync.begin(m)
-        loss_of = loss_fn if loss_fn is not None else returned_loss
-        outputs_read = () if loss_fn is not None else LOSS_ONLY
+        loss_of, outputs_read = (loss_fn, ()) if loss_fn is not None else (returned_loss, LOSS_ONLY)
         calls = [self._as_kwargs((), mb) for mb in micro]
         split, program = dp * m > 1, self._compiled_for(calls[0], outputs_read, dp * m > 1).program
         denominators = {} if not split else batch_pieces.whole_batch_denominators(
             program, calls, dp * m, self._params, self._device, self._coords.dp_group if dp > 1 else None)
-        with batch_denominators.whole_batch(denominators), batch_pieces.step_draws(program, dp * m, self._coords.dp_rank * m, m):
+        with (batch_denominators.whole_batch(denominators), batch_pieces.step_draws(program, dp * m, self._coords.dp_rank * m, m),
+              batch_pieces.own_written_inputs(program, calls)):  # fmt: skip
             if self.plan.num_chunks == 1:
                 total = None  # one launch fewer a step (the host sets the pace of small ones) without zeros and a divide
                 for call in calls:
