@@ -81,13 +81,6 @@ class Planned:
 
 def example_kwargs(model: nn.Module, example_inputs: dict[str, Any] | None) -> dict[str, Any]:
     """``example_inputs``, or random ``input_ids`` of shape [2, 16] for a HF model; ``use_cache=False`` where accepted."""
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        raise UserInputError(
-            f"{type(model).__name__} is an encoder-decoder model (config.is_encoder_decoder); autotp does not "
-            "support encoder-decoder models yet: its planner and pipeline split assume one stack of layers. "
-            "Parallelize a decoder-only or encoder-only model instead."
-        )
     kwargs = dict(example_inputs) if example_inputs is not None else _default_inputs(model)
     if "use_cache" in inspect.signature(model.forward).parameters:
         kwargs.setdefault("use_cache", False)

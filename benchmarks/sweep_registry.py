@@ -1,6 +1,7 @@
-"""Sweep every causal-LM architecture of the installed transformers under the strict rule.
+"""Sweep every causal-LM architecture of the installed transformers under the strict rule
+(``--task seq2seq``: every encoder-decoder one).
 
-For each ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: build the model from a
+For each ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES``): build the model from a
 tiny config (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 128; fp32, eval; where those
 sizes alone leave a config inconsistent, also the sizes that follow from them, ``TINY_DERIVED``)
 and run it unmodified once (a model that fails here "does not build"), then on gloo ranks check it at
@@ -15,6 +16,7 @@ there is named as fp32 rounding (it still fails). Writes a Markdown table:
     python benchmarks/sweep_registry.py --only bert --merge   # redo some rows of the table
     python benchmarks/sweep_registry.py --modes tp2,tp4 --merge   # some degrees; the others keep their old cells
     python benchmarks/sweep_registry.py --jobs 14 --stop-after-s 540   # one process per arch, 14 at a time
+    python benchmarks/sweep_registry.py --task seq2seq   # encoder-decoder models, -> docs/registry_sweep_seq2seq.md
 
 Prints the summary: of the architectures that build, how many pass at each degree.
 """
@@ -37,9 +39,10 @@ from typing import Iterator
 import torch
 import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
 
 VOCAB, BATCH, SEQ = 128, 2, 16
+TASKS = {"causal-lm": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "seq2seq": MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES}  # task -> model_type -> class name
 TINY = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, max_position_embeddings=128, num_local_experts=4, num_experts=4,
@@ -120,11 +123,11 @@ def _tiny_kwargs(cls: type[transformers.PretrainedConfig], sub: bool = False, si
     return kwargs
 
 
-def tiny_config(arch: str, derived: bool | None = None) -> transformers.PretrainedConfig:
+def tiny_config(arch: str, derived: bool | None = None, task: str = "causal-lm") -> transformers.PretrainedConfig:
     """``arch``'s config at the TINY sizes; with ``derived``, also at the ``TINY_DERIVED`` ones
     (by default only where the TINY sizes alone do not build)."""
     if derived is None:
-        derived = _needs_derived(arch)
+        derived = _needs_derived(arch, task)
     cls = getattr(transformers, CONFIG_MAPPING_NAMES[arch])
     kwargs = _tiny_kwargs(cls, sizes={**TINY, **TINY_DERIVED} if derived else TINY)
     layers = TINY["num_hidden_layers"]
@@ -144,7 +147,7 @@ def tiny_config(arch: str, derived: bool | None = None) -> transformers.Pretrain
             for k, v in (getattr(config, "rope_parameters", None) or {}).items():
                 if isinstance(sub, transformers.PretrainedConfig) and not hasattr(sub, k):
                     setattr(sub, k, v)
-    text = _model_config(arch, config).get_text_config()
+    text = _model_config(arch, config, task).get_text_config()
     if isinstance(getattr(text, "layer_types", None), list) and not _read_only(text, "layer_types"):
         text.layer_types = _shrink(text.layer_types, text.num_hidden_layers) if derived else text.layer_types[: text.num_hidden_layers]
     return config
@@ -178,32 +181,32 @@ def _read_only(config: transformers.PretrainedConfig, name: str) -> bool:
     return isinstance(attr, property) and attr.fset is None
 
 
-def _model_config(arch: str, config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
-    """The config ``arch``'s causal-LM class takes: ``config``, or its sub-config of the class's
+def _model_config(arch: str, config: transformers.PretrainedConfig, task: str = "causal-lm") -> transformers.PretrainedConfig:
+    """The config ``arch``'s class for ``task`` takes: ``config``, or its sub-config of the class's
     ``config_class`` (the text or decoder config of a composite one)."""
-    want = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch]).config_class
+    want = getattr(transformers, TASKS[task][arch]).config_class
     subs = [getattr(config, name, None) for name in getattr(config, "sub_configs", None) or {}]
     return next((sub for sub in subs if want is not None and not isinstance(config, want) and isinstance(sub, want)), config)
 
 
-def _build(config: transformers.PretrainedConfig, arch: str) -> torch.nn.Module:
+def _build(config: transformers.PretrainedConfig, arch: str, task: str = "causal-lm") -> torch.nn.Module:
     torch.manual_seed(0)
-    model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch])
-    return model_cls(_model_config(arch, config)).float().eval()
+    model_cls = getattr(transformers, TASKS[task][arch])
+    return model_cls(_model_config(arch, config, task)).float().eval()
 
 
-def build(arch: str) -> torch.nn.Module:
-    return _build(tiny_config(arch), arch)
+def build(arch: str, task: str = "causal-lm") -> torch.nn.Module:
+    return _build(tiny_config(arch, task=task), arch, task)
 
 
 @functools.cache
-def _needs_derived(arch: str) -> bool:
+def _needs_derived(arch: str, task: str = "causal-lm") -> bool:
     """Whether the TINY sizes alone leave ``arch``'s config inconsistent: its model does not
     build or run on them (then ``tiny_config`` adds the ``TINY_DERIVED`` ones)."""
     from autotp.compiler import example_kwargs
 
     try:
-        model = _build(tiny_config(arch, derived=False), arch)
+        model = _build(tiny_config(arch, derived=False, task=task), arch, task)
         with torch.no_grad():
             model(**example_kwargs(model, _inputs()))
         return False
@@ -222,21 +225,21 @@ def _inputs() -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(1, VOCAB, (BATCH, SEQ), generator=gen), "labels": torch.randint(1, VOCAB, (BATCH, SEQ), generator=gen)}
 
 
-def _check_on_rank(rank: int, world: int, arch: str, mode: str, dtype: torch.dtype = torch.float32) -> object:
+def _check_on_rank(rank: int, world: int, arch: str, mode: str, dtype: torch.dtype = torch.float32, task: str = "causal-lm") -> object:
     from autotp.report.strict_rule import check_on_rank
 
     tp, pp = MODES[mode]
-    return check_on_rank(build(arch).to(dtype), _inputs(), tp=tp, pp=pp, timeout_s=120)
+    return check_on_rank(build(arch, task).to(dtype), _inputs(), tp=tp, pp=pp, timeout_s=120)
 
 
-def _cell(arch: str, mode: str, timeout_s: int) -> Cell:
+def _cell(arch: str, mode: str, timeout_s: int, task: str = "causal-lm") -> Cell:
     """``arch`` at ``mode`` on its ranks, a numeric mismatch checked again in float64."""
     from autotp.report.strict_rule import combine
     from autotp.runtime.processes.launcher import spawn_ranks
 
     tp, pp = MODES[mode]
-    preload = (*_PRELOAD, getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch]).__module__)
-    run = lambda dtype: combine(spawn_ranks(_check_on_rank, tp * pp, arch, mode, dtype, backend="gloo", timeout_s=timeout_s, num_threads=1, preload=preload))  # noqa: E731
+    preload = (*_PRELOAD, getattr(transformers, TASKS[task][arch]).__module__)
+    run = lambda dtype: combine(spawn_ranks(_check_on_rank, tp * pp, arch, mode, dtype, task, backend="gloo", timeout_s=timeout_s, num_threads=1, preload=preload))  # noqa: E731
     try:
         result = run(torch.float32)
         reason = result.reason
@@ -251,7 +254,7 @@ def _too_slow(signum: int, frame: object) -> None:
     raise TimeoutError("took longer than --arch-timeout seconds")
 
 
-def sweep_one(arch: str, modes: list[str], timeout_s: int = 300) -> Row:
+def sweep_one(arch: str, modes: list[str], timeout_s: int = 300, task: str = "causal-lm") -> Row:
     from autotp.compiler import example_kwargs
 
     row = Row(arch)
@@ -259,7 +262,7 @@ def sweep_one(arch: str, modes: list[str], timeout_s: int = 300) -> Row:
     signal.signal(signal.SIGALRM, _too_slow)
     signal.alarm(timeout_s)
     try:
-        model = build(arch)
+        model = build(arch, task)
         with torch.no_grad():  # the unmodified model must run on this config for the row to count
             model(**example_kwargs(model, _inputs()))
         row.builds = True
@@ -269,16 +272,16 @@ def sweep_one(arch: str, modes: list[str], timeout_s: int = 300) -> Row:
         signal.alarm(0)  # the ranks have their own deadline, and spawn_ranks kills them at it
     if row.builds:
         for mode in modes:  # each degree gets what is left of the architecture's time
-            row.cells[mode] = _cell(arch, mode, max(10, int(timeout_s - (time.perf_counter() - start))))
+            row.cells[mode] = _cell(arch, mode, max(10, int(timeout_s - (time.perf_counter() - start))), task)
     row.seconds = time.perf_counter() - start
     return row
 
 
-def summary(rows: list[Row]) -> str:
+def summary(rows: list[Row], task: str = "causal-lm") -> str:
     built = [r for r in rows if r.builds]
     run = [m for m in MODES if any(m in r.cells for r in built)]
     counts = ", ".join(f"{sum(r.passed(m) for r in built)} pass at {_label(m)} ({sum(r.passed(m) for r in built) / max(len(built), 1):.0%})" for m in run)
-    return f"{len(rows)} of the {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} architectures swept; {len(built)} build from a tiny config; of those, {counts}."
+    return f"{len(rows)} of the {len(TASKS[task])} architectures swept; {len(built)} build from a tiny config; of those, {counts}."
 
 
 def _label(mode: str) -> str:
@@ -286,16 +289,17 @@ def _label(mode: str) -> str:
     return f"tp={tp}" if pp == 1 else f"pp={pp}"
 
 
-def table(rows: list[Row]) -> str:
+def table(rows: list[Row], task: str = "causal-lm") -> str:
+    kind, flag = ("causal-LM", "") if task == "causal-lm" else ("encoder-decoder", " --task seq2seq")
     lines = [
-        "# Registry sweep: causal-LM architectures of transformers " + transformers.__version__,
+        f"# Registry sweep: {kind} architectures of transformers " + transformers.__version__,
         "",
-        "Regenerate: `python benchmarks/sweep_registry.py` (tiny configs, fp32, gloo ranks). A cell passes under the strict "
+        f"Regenerate: `python benchmarks/sweep_registry.py{flag}` (tiny configs, fp32, gloo ranks). A cell passes under the strict "
         "rule (`autotp.report.strict_rule`): loss, logits and every grad equal to the unmodified model's (rtol 1e-4, atol 1e-6), "
         "each rank holding at most 1.3/(tp*pp) of the parameters, no matmul weight kept whole without a plan entry. "
         "The share is the largest fraction of the parameters one rank holds.",
         "",
-        summary(rows),
+        summary(rows, task),
         "",
         "| arch | builds | " + " | ".join(_label(m) for m in MODES) + " | " + " | ".join(f"held {_label(m)}" for m in MODES) + " | reason |",
         "|---" * (3 + 2 * len(MODES)) + "|",
@@ -332,33 +336,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated model types (default: all)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated degrees to check (default: {','.join(MODES)})")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "registry_sweep.md")
+    parser.add_argument("--task", default="causal-lm", choices=list(TASKS), help="the registry's causal-LM or encoder-decoder architectures")
+    parser.add_argument("--out", type=Path, help="the table (default: docs/registry_sweep.md, or docs/registry_sweep_seq2seq.md for seq2seq)")
     parser.add_argument("--arch-timeout", type=int, default=300, help="seconds per architecture, all degrees (default: 300)")
     parser.add_argument("--merge", action="store_true", help="keep the other rows and degrees of the existing --out table")
     parser.add_argument("--jobs", type=int, default=1, help="architectures swept at once, each in its own process")
     parser.add_argument("--stop-after-s", type=float, default=None,
                         help="start no architecture after this many seconds (rows not swept keep their old value)")  # fmt: skip
     args = parser.parse_args()
+    mapping = TASKS[args.task]
+    args.out = args.out or Path(__file__).resolve().parents[1] / "docs" / ("registry_sweep.md" if args.task == "causal-lm" else "registry_sweep_seq2seq.md")
     # A CPU check on gloo. The ranks fork from a server that imported torch and transformers
     # (``_PRELOAD``); on a GPU machine a fork after CUDA's initialization cannot use CUDA.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    archs = [a for a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if not args.only or a in args.only.split(",")]
+    archs = [a for a in mapping if not args.only or a in args.only.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     if set(modes) - set(MODES):
         parser.error(f"--modes takes {', '.join(MODES)}")
     kept = read_table(args.out) if args.merge else {}
     rows: list[Row] = []
-    for row in _sweep(archs, modes, args.jobs, args.arch_timeout, args.stop_after_s):
+    for row in _sweep(archs, modes, args.jobs, args.arch_timeout, args.stop_after_s, args.task):
         old = kept.get(row.arch)
         if old is not None and row.builds:
             row.cells = {**old.cells, **row.cells}
         kept[row.arch] = row
-        rows = [kept[a] for a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if a in kept]
+        rows = [kept[a] for a in mapping if a in kept]
         cells = " ".join(f"{m}={'pass' if c.passed else 'FAIL'}" for m, c in row.cells.items())
         why = row.reason or "; ".join(f"{m}: {c.reason}" for m, c in row.cells.items() if not c.passed)
         print(f"{row.arch:28s} builds={row.builds} {cells} {row.seconds:.0f}s {why[:200]}", flush=True)
-        args.out.write_text(table(rows))
-    print(summary(rows))
+        args.out.write_text(table(rows, args.task))
+    print(summary(rows, args.task))
 
 
 def _crash_reason(log: Path, proc: subprocess.Popen[bytes]) -> str:
@@ -366,7 +373,7 @@ def _crash_reason(log: Path, proc: subprocess.Popen[bytes]) -> str:
     return f"sweep process exited with {proc.returncode}: {lines[-1] if lines else ''}"[:300].replace("|", "/")
 
 
-def _sweep(archs: list[str], modes: list[str], jobs: int, timeout_s: int, stop_after_s: float | None) -> Iterator[Row]:
+def _sweep(archs: list[str], modes: list[str], jobs: int, timeout_s: int, stop_after_s: float | None, task: str) -> Iterator[Row]:
     """Rows as they finish: in this process for ``jobs == 1``, else one child process per architecture."""
     start = time.perf_counter()
 
@@ -377,7 +384,7 @@ def _sweep(archs: list[str], modes: list[str], jobs: int, timeout_s: int, stop_a
         for arch in archs:
             if not may_start():
                 return
-            yield sweep_one(arch, modes, timeout_s)
+            yield sweep_one(arch, modes, timeout_s, task)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -387,7 +394,7 @@ def _sweep(archs: list[str], modes: list[str], jobs: int, timeout_s: int, stop_a
             while pending and len(running) < jobs and may_start():
                 arch = pending.pop(0)
                 cmd = [sys.executable, __file__, "--only", arch, "--modes", ",".join(modes), "--out", f"{tmp}/{arch}.md",
-                       "--arch-timeout", str(timeout_s)]  # fmt: skip
+                       "--arch-timeout", str(timeout_s), "--task", task]  # fmt: skip
                 with open(f"{tmp}/{arch}.log", "wb") as log:
                     running[arch] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), time.perf_counter())
             if not may_start():
