@@ -74,6 +74,8 @@ TINY_DERIVED = dict(
     # one global/local pair (the pattern GPT-Neo repeats); no layer reading another's KV cache (2 layers
     # have none to share); DBRX's published qkv clip (its default None reaches a clamp that needs a bound)
     attention_types=[[["global", "local"], 1]], num_kv_shared_layers=0, clip_qkv=8.0,
+    # an encoder-decoder's first decoder token inside the tiny vocabulary (Marian's default is its pad id, 58100)
+    decoder_start_token_id=0,
 )  # fmt: skip
 
 
