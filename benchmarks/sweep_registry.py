@@ -74,8 +74,6 @@ TINY_DERIVED = dict(
     # one global/local pair (the pattern GPT-Neo repeats); no layer reading another's KV cache (2 layers
     # have none to share); DBRX's published qkv clip (its default None reaches a clamp that needs a bound)
     attention_types=[[["global", "local"], 1]], num_kv_shared_layers=0, clip_qkv=8.0,
-    # an encoder-decoder's first decoder token inside the tiny vocabulary (Marian's default is its pad id, 58100)
-    decoder_start_token_id=0,
 )  # fmt: skip
 
 
@@ -149,6 +147,10 @@ def tiny_config(arch: str, derived: bool | None = None, task: str = "causal-lm")
             for k, v in (getattr(config, "rope_parameters", None) or {}).items():
                 if isinstance(sub, transformers.PretrainedConfig) and not hasattr(sub, k):
                     setattr(sub, k, v)
+    start = getattr(config, "decoder_start_token_id", None)
+    if task == "seq2seq" and not (isinstance(start, int) and 0 <= start < VOCAB):
+        # the decoder's first token inside the tiny vocabulary: T5's config has none, Marian's is its pad id, 58100
+        config.decoder_start_token_id = 0
     text = _model_config(arch, config, task).get_text_config()
     if isinstance(getattr(text, "layer_types", None), list) and not _read_only(text, "layer_types"):
         text.layer_types = _shrink(text.layer_types, text.num_hidden_layers) if derived else text.layer_types[: text.num_hidden_layers]
