@@ -31,18 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from plain_models_attention import DIM, HEAD_DIM, HEADS, LAYERS, VOCAB, DecoderLM, NanoGPTAttention, PreNormBlock, SwiGLU
+from plain_models_frontier import decoder_of, merge_heads, split_heads
 
 SEQ = 16
-
-
-def _heads(t: torch.Tensor) -> torch.Tensor:
-    """[B, S, H*D] -> [B, H, S, D]."""
-    return t.view(t.shape[0], t.shape[1], HEADS, -1).transpose(1, 2)
-
-
-def _merge(t: torch.Tensor) -> torch.Tensor:
-    """[B, H, S, D] -> [B, S, H*D]."""
-    return t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1)
 
 
 class QKVAttention(nn.Module):
@@ -57,9 +48,9 @@ class QKVAttention(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = _heads(self.q(x)), _heads(self.k(x)), _heads(self.v(x))
+        q, k, v = split_heads(self.q(x)), split_heads(self.k(x)), split_heads(self.v(x))
         scores = q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM)
-        return self.o(_merge(self.weights(scores, x, q, k) @ v))
+        return self.o(merge_heads(self.weights(scores, x, q, k) @ v))
 
 
 def _future(s: int, device: torch.device) -> torch.Tensor:
@@ -81,11 +72,11 @@ class ForgettingAttention(nn.Module):
         self.o = nn.Linear(DIM, DIM, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
         log_f = F.logsigmoid(self.forget(x).float()).transpose(1, 2)  # [B, H, S]
         c = log_f.cumsum(-1)
         bias = (c[..., :, None] - c[..., None, :]).masked_fill(_future(x.shape[1], x.device), float("-inf"))
-        return self.o(_merge(F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))))
+        return self.o(merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))))
 
 
 class StickBreakingAttention(QKVAttention):
@@ -136,14 +127,14 @@ class FirePositionAttention(nn.Module):
         self.c = nn.Parameter(torch.tensor(0.5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
         pos = torch.arange(x.shape[1], device=x.device, dtype=x.dtype)
         rel = (pos[:, None] - pos[None, :]).clamp(min=0)
         c = F.softplus(self.c)
         norm = torch.log1p(c * rel) / torch.log1p(c * pos.clamp(min=1))[:, None]
         bias = self.mlp(norm[..., None]).permute(2, 0, 1)  # [H, S, S]
         mask = bias.masked_fill(_future(x.shape[1], x.device), float("-inf"))
-        return self.o(_merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)))
+        return self.o(merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)))
 
 
 class L2DistanceAttention(QKVAttention):
@@ -164,12 +155,12 @@ class RealFormerAttention(nn.Module):
         self.o = nn.Linear(DIM, DIM)
 
     def forward(self, x: torch.Tensor, prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v = (_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
         scores = q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM)
         if prev is not None:
             scores = scores + prev
         masked = scores.masked_fill(_future(x.shape[1], x.device), float("-inf"))
-        return self.o(_merge(torch.softmax(masked, dim=-1) @ v)), scores
+        return self.o(merge_heads(torch.softmax(masked, dim=-1) @ v)), scores
 
 
 class RealFormerLM(nn.Module):
@@ -231,7 +222,7 @@ class InterpolatedPositionViT(nn.Module):
 class NanoGPTAttentionBidirectional(NanoGPTAttention):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = (_heads(p) for p in self.c_attn(x).split(DIM, dim=2))
+        q, k, v = (split_heads(p) for p in self.c_attn(x).split(DIM, dim=2))
         return self.c_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c))
 
 
@@ -325,8 +316,8 @@ class AdaptedAttention(nn.Module):
         self.q, self.k, self.v, self.o = (linear(DIM, DIM) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = _heads(self.q(x)), _heads(self.k(x)), _heads(self.v(x))
-        return self.o(_merge(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+        q, k, v = split_heads(self.q(x)), split_heads(self.k(x)), split_heads(self.v(x))
+        return self.o(merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
 
 
 class AdaptedMLP(nn.Module):
@@ -363,7 +354,7 @@ class MomentNormAttention(nn.Module):
         q = (q - mean) * torch.rsqrt(var + 1e-5) * self.q_scale
         std, mean = torch.std_mean(k, dim=-1)
         k = (k - mean[..., None]) / (std[..., None] + 1e-5) * self.k_scale
-        return self.o(_merge(F.scaled_dot_product_attention(_heads(q), _heads(k), _heads(v), is_causal=True)))
+        return self.o(merge_heads(F.scaled_dot_product_attention(split_heads(q), split_heads(k), split_heads(v), is_causal=True)))
 
 
 # ---- others ------------------------------------------------------------------------------------
@@ -462,11 +453,11 @@ class LinformerAttention(nn.Module):
         self.e, self.f = (nn.Parameter(torch.randn(SEQ, LINFORMER_K) / math.sqrt(SEQ)) for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
         n = x.shape[1]
         k = torch.einsum("bhnd,nk->bhkd", k, self.e[:n])
         v = torch.einsum("bhnd,nk->bhkd", v, self.f[:n])
-        return self.o(_merge(F.scaled_dot_product_attention(q, k, v)))
+        return self.o(merge_heads(F.scaled_dot_product_attention(q, k, v)))
 
 
 NYSTROM_LANDMARKS = 4
@@ -493,7 +484,7 @@ class NystromAttention(nn.Module):
         self.o = nn.Linear(DIM, DIM, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
         q = q / HEAD_DIM**0.25
         k = k / HEAD_DIM**0.25
         b, h, n, d = q.shape
@@ -502,7 +493,7 @@ class NystromAttention(nn.Module):
         kernel_1 = torch.softmax(q @ k_l.transpose(-1, -2), dim=-1)
         kernel_2 = torch.softmax(q_l @ k_l.transpose(-1, -2), dim=-1)
         kernel_3 = torch.softmax(q_l @ k.transpose(-1, -2), dim=-1)
-        return self.o(_merge(kernel_1 @ iterative_pinv(kernel_2) @ (kernel_3 @ v)))
+        return self.o(merge_heads(kernel_1 @ iterative_pinv(kernel_2) @ (kernel_3 @ v)))
 
 
 SHAW_CLIP = 4
@@ -558,30 +549,26 @@ class AdaptiveSoftmaxLM(DecoderLM):
         return {"logits": out.output, "loss": out.loss}
 
 
-def _decoder(attention: Callable[[], nn.Module], mlp: Callable[[], nn.Module] = SwiGLU) -> Callable[[], nn.Module]:
-    return lambda: DecoderLM(lambda: PreNormBlock(attention(), mlp()))
-
-
 MODELS: dict[str, Callable[[], nn.Module]] = {
-    "forgetting_attention": _decoder(ForgettingAttention),
-    "stick_breaking_attention": _decoder(StickBreakingAttention),
-    "contextual_positions": _decoder(ContextualPositionAttention),
-    "fire_position_mlp": _decoder(FirePositionAttention),
-    "l2_distance_attention": _decoder(L2DistanceAttention),
+    "forgetting_attention": decoder_of(ForgettingAttention),
+    "stick_breaking_attention": decoder_of(StickBreakingAttention),
+    "contextual_positions": decoder_of(ContextualPositionAttention),
+    "fire_position_mlp": decoder_of(FirePositionAttention),
+    "l2_distance_attention": decoder_of(L2DistanceAttention),
     "realformer_scores": RealFormerLM,
     "interpolated_position_vit": InterpolatedPositionViT,
     "lokr_kron_adapter": lambda: _adapted(LoKrLinear),
     "oft_block_rotation": lambda: _adapted(OFTLinear),
     "vera_shared_adapter": _vera_lm,
     "weight_standardization": lambda: _adapted(StandardizedLinear),
-    "moment_qk_norm": _decoder(MomentNormAttention),
-    "take_along_moe": _decoder(NanoGPTAttention, TakeAlongMoE),
+    "moment_qk_norm": decoder_of(MomentNormAttention),
+    "take_along_moe": decoder_of(NanoGPTAttention, TakeAlongMoE),
     "gru_gated_residual": lambda: DecoderLM(GRUGatedBlock),
     "lstm_cell_decoder": LSTMCellDecoder,
     "batch_norm_standardization": lambda: _adapted(BatchNormStandardizedLinear),
-    "linformer_sequence_projection": _decoder(LinformerAttention),
-    "nystrom_iterative_pinv": _decoder(NystromAttention),
-    "shaw_relative_keys": _decoder(ShawRelativeAttention),
+    "linformer_sequence_projection": decoder_of(LinformerAttention),
+    "nystrom_iterative_pinv": decoder_of(NystromAttention),
+    "shaw_relative_keys": decoder_of(ShawRelativeAttention),
     "mixture_of_softmaxes": MixtureOfSoftmaxesLM,
     "adaptive_softmax": AdaptiveSoftmaxLM,
 }

@@ -34,12 +34,12 @@ from plain_models_attention import DIM, HEAD_DIM, HEADS, LAYERS, VOCAB, DecoderL
 SEQ = 16
 
 
-def _heads(t: torch.Tensor) -> torch.Tensor:
+def split_heads(t: torch.Tensor) -> torch.Tensor:
     """[B, S, H*D] -> [B, H, S, D]."""
     return t.view(t.shape[0], t.shape[1], HEADS, -1).transpose(1, 2)
 
 
-def _merge(t: torch.Tensor) -> torch.Tensor:
+def merge_heads(t: torch.Tensor) -> torch.Tensor:
     """[B, H, S, D] -> [B, S, H*D]."""
     return t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1)
 
@@ -68,10 +68,10 @@ class MultimodalRotaryAttention(nn.Module):
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        q, k, v = _heads(self.q_proj(x)), _heads(self.k_proj(x)), _heads(self.v_proj(x))
+        q, k, v = split_heads(self.q_proj(x)), split_heads(self.k_proj(x)), split_heads(self.v_proj(x))
         cos, sin = self.cos_sin(position_ids)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        return self.o_proj(_merge(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+        return self.o_proj(merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
 
 
 class SideInputLM(nn.Module):
@@ -133,7 +133,7 @@ class GatedOutputAttention(nn.Module):
         q, gate = self.q_proj(x).view(b, s, HEADS, 2 * HEAD_DIM).chunk(2, dim=-1)
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, s, HEADS, HEAD_DIM)).transpose(1, 2)
-        out = _merge(F.scaled_dot_product_attention(q, k, _heads(self.v_proj(x)), is_causal=True))
+        out = merge_heads(F.scaled_dot_product_attention(q, k, split_heads(self.v_proj(x)), is_causal=True))
         return self.o_proj(out * torch.sigmoid(gate.reshape(b, s, -1)))
 
 
@@ -174,8 +174,8 @@ class JointBlock(nn.Module):
 
     def forward(self, txt: torch.Tensor, img: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         parts = [self.qkv[i](self.norms[i](t)).chunk(3, dim=-1) for i, t in enumerate((txt, img))]
-        q, k, v = (torch.cat([_heads(p[j]) for p in parts], dim=2) for j in range(3))
-        y = _merge(F.scaled_dot_product_attention(q, k, v))
+        q, k, v = (torch.cat([split_heads(p[j]) for p in parts], dim=2) for j in range(3))
+        y = merge_heads(F.scaled_dot_product_attention(q, k, v))
         y_txt, y_img = y.split([txt.shape[1], img.shape[1]], dim=1)
         txt, img = txt + self.out[0](y_txt), img + self.out[1](y_img)
         return txt + self.mlps[0](self.norms[2](txt)), img + self.mlps[1](self.norms[3](img))
@@ -299,7 +299,7 @@ class ChunkedDeltaRule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = (_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         beta = torch.sigmoid(self.beta(x)).transpose(1, 2)[..., None]  # [B, H, S, 1]
         eye = torch.eye(CHUNK, device=x.device)
@@ -314,7 +314,7 @@ class ChunkedDeltaRule(nn.Module):
             new = u - w @ state
             outs.append(qc @ state + torch.tril(qc @ kc.transpose(-1, -2)) @ new)
             state = state + kc.transpose(-1, -2) @ new
-        return self.o_proj(_merge(torch.cat(outs, dim=2)))
+        return self.o_proj(merge_heads(torch.cat(outs, dim=2)))
 
 
 # ---- ResFormer: every layer mixes in the first layer's values ----------------------------------
@@ -328,12 +328,12 @@ class ValueResidualAttention(nn.Module):
         self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5]))
 
     def forward(self, x: torch.Tensor, v_first: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v = (_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
         if v_first is None:
             v_first = v
         else:
             v = self.lambdas[0] * v + self.lambdas[1] * v_first
-        return self.proj(_merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))), v_first
+        return self.proj(merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True))), v_first
 
 
 class ValueResidualLM(nn.Module):
@@ -516,11 +516,11 @@ class SparsemaxAttention(nn.Module):
         self.qkv, self.proj = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
         s = x.shape[1]
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(HEAD_DIM)
         scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1), -1e4)
-        return self.proj(_merge(sparsemax(scores) @ v))
+        return self.proj(merge_heads(sparsemax(scores) @ v))
 
 
 # ---- DeepSeek sparse attention: a lightning indexer picks each query's keys ----------------------
@@ -542,7 +542,7 @@ class IndexerSelectedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = (_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
         iq = self.index_q(x).view(b, s, INDEX_HEADS, INDEX_DIM)
         index = torch.einsum("bshd,btd->bsht", iq, self.index_k(x)).relu()
         index = (index * self.index_w(x)[..., None]).sum(2)  # [B, S, S]
@@ -553,7 +553,7 @@ class IndexerSelectedAttention(nn.Module):
         keys = torch.gather(k[:, :, None].expand(b, HEADS, s, s, HEAD_DIM), 3, gather_at)
         values = torch.gather(v[:, :, None].expand(b, HEADS, s, s, HEAD_DIM), 3, gather_at)
         probs = (torch.einsum("bhsd,bhskd->bhsk", q, keys) / math.sqrt(HEAD_DIM)).softmax(-1)
-        return self.proj(_merge(torch.einsum("bhsk,bhskd->bhsd", probs, values)))
+        return self.proj(merge_heads(torch.einsum("bhsk,bhskd->bhsd", probs, values)))
 
 
 # ---- a prefix LM: bidirectional over each row's prefix, causal after it ----------------------------
@@ -565,10 +565,10 @@ class PrefixLMAttention(nn.Module):
         self.qkv, self.proj = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
 
     def forward(self, x: torch.Tensor, prefix_len: torch.Tensor) -> torch.Tensor:
-        q, k, v = (_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
         pos = torch.arange(x.shape[1], device=x.device)
         allowed = (pos[None, :, None] >= pos[None, None, :]) | (pos[None, None, :] < prefix_len[:, None, None])
-        return self.proj(_merge(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])))
+        return self.proj(merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])))
 
 
 class PrefixLM(SideInputLM):
@@ -631,31 +631,32 @@ class LoraExpertsFFN(nn.Module):
         return self.down(F.gelu(h))
 
 
-def _decoder(attention: Callable[[], nn.Module], mlp: Callable[[], nn.Module] = SwiGLU) -> Callable[[], nn.Module]:
+def decoder_of(attention: Callable[[], nn.Module], mlp: Callable[[], nn.Module] = SwiGLU) -> Callable[[], nn.Module]:
+    """A maker of the pre-norm ``DecoderLM`` whose blocks hold ``attention()`` and ``mlp()``."""
     return lambda: DecoderLM(lambda: PreNormBlock(attention(), mlp()))
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "multimodal_rotary_sections": MultimodalRotaryLM,
-    "gated_attention_output": _decoder(GatedOutputAttention),
-    "elastic_width_ffn": _decoder(NanoGPTAttention, ElasticFFN),
+    "gated_attention_output": decoder_of(GatedOutputAttention),
+    "elastic_width_ffn": decoder_of(NanoGPTAttention, ElasticFFN),
     "joint_text_image_attention": JointDiT,
-    "s4d_complex_kernel": _decoder(S4DMixer),
+    "s4d_complex_kernel": decoder_of(S4DMixer),
     "embedding_max_norm": MaxNormEmbeddingLM,
-    "cond_refinement": _decoder(NanoGPTAttention, ConditionalRefine),
-    "dense_general_tensordot": _decoder(DenseGeneralAttention),
-    "chunked_delta_rule": _decoder(ChunkedDeltaRule),
+    "cond_refinement": decoder_of(NanoGPTAttention, ConditionalRefine),
+    "dense_general_tensordot": decoder_of(DenseGeneralAttention),
+    "chunked_delta_rule": decoder_of(ChunkedDeltaRule),
     "value_residual": ValueResidualLM,
-    "top_p_routing": _decoder(NanoGPTAttention, TopPMoE),
+    "top_p_routing": decoder_of(NanoGPTAttention, TopPMoE),
     "fnet_fourier_mixing": FNetEncoder,
-    "heads_minor_layout": _decoder(HeadsMinorAttention),
-    "channel_shift_ffn": _decoder(NanoGPTAttention, ChannelShiftFFN),
+    "heads_minor_layout": decoder_of(HeadsMinorAttention),
+    "channel_shift_ffn": decoder_of(NanoGPTAttention, ChannelShiftFFN),
     "gemma3n_streams": Gemma3nStyleLM,
-    "sparsemax_attention": _decoder(SparsemaxAttention),
-    "indexer_selected_attention": _decoder(IndexerSelectedAttention),
+    "sparsemax_attention": decoder_of(SparsemaxAttention),
+    "indexer_selected_attention": decoder_of(IndexerSelectedAttention),
     "prefix_lm_mask": PrefixLM,
     "multiway_ffn": MultiwayLM,
-    "lora_experts_ffn": _decoder(NanoGPTAttention, LoraExpertsFFN),
+    "lora_experts_ffn": decoder_of(NanoGPTAttention, LoraExpertsFFN),
 }
 MOE = frozenset({"top_p_routing"})
 
