@@ -85,6 +85,7 @@ def _check(rank: int, world: int, name: str) -> str:
     return check_on_rank(build(name), example_inputs(name), tp=world).reason
 
 
+@pytest.mark.slow  # the plain suite's sweep checks these models at every degree; this is the same check at tp=2
 def test_standardized_weights_and_gru_residuals_at_tp2_equal_the_unmodified_model() -> None:
     for name in ("weight_standardization", "gru_gated_residual"):
         assert run_on_ranks(_check, 2, name) == ["", ""], name
