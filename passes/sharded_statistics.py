@@ -213,8 +213,9 @@ def _variance(gm: GraphModule, node: Node, tp: int) -> None:
     root = node.target in (aten.std.dim, aten.std.correction, aten.std_mean.correction)
     lay = x.meta.get(meta_keys.LAYOUT)
     with gm.graph.inserting_before(node):
-        mean = _partial_sum(gm, node, x, dims, tp, count)
-        centered = _emit(gm, node, aten.sub.Tensor, (x, mean), lay, [mean])
+        whole = _emit(gm, node, aten.alias.default, (_partial_sum(gm, node, x, dims, tp, count),), REPLICATE)
+        whole.meta[meta_keys.REDUCE_INPUTS] = [whole.args[0]]  # the mean, all-reduced once for both its readers
+        centered = _emit(gm, node, aten.sub.Tensor, (x, whole), lay)
         square = _emit(gm, node, aten.mul.Tensor, (centered, centered), lay)
         total = _emit(gm, node, aten.sum.dim_IntList, (_summand(gm, node, square, dims, tp, False), dims, keep), PARTIAL)
         if not root and node.target in VARIANCES:
@@ -227,8 +228,7 @@ def _variance(gm: GraphModule, node: Node, tp: int) -> None:
             return
         if root:
             spread = _emit(gm, node, aten.sqrt.default, (spread,), REPLICATE)
-        squeezed = (aten.alias.default, (mean,)) if keep else (aten.squeeze.dims, (mean, dims))
-        whole_mean = _emit(gm, node, *squeezed, REPLICATE, [mean])
+        whole_mean = whole if keep else _emit(gm, node, aten.squeeze.dims, (whole, dims), REPLICATE)
     for user in list(node.users):  # getitem 0 (var or std) and 1 (mean)
         user.replace_all_uses_with(spread if user.args[1] == 0 else whole_mean)
         gm.graph.erase_node(user)

@@ -4,6 +4,7 @@ and its random draws (``autotp.ir.batch_draws``)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from types import MappingProxyType
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx import GraphModule
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from autotp.analysis.batch_rows import UNKNOWN_ROWS, batch_size, input_row_dims
@@ -53,6 +55,17 @@ def microbatches(batch: dict[str, Any], dp: int, dp_rank: int, m: int, batch_is_
     ]
 
 
+_WRITTEN_INPUTS: weakref.WeakKeyDictionary[GraphModule, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _written_inputs(graph: GraphModule) -> frozenset[str]:
+    """The inputs ``graph`` writes in place (found once per graph, not per step)."""
+    if graph not in _WRITTEN_INPUTS:
+        nodes = graph.graph.nodes
+        _WRITTEN_INPUTS[graph] = frozenset(str(b.target) for n in nodes if (b := mutated_base(n)) is not None and b.op == "placeholder")
+    return _WRITTEN_INPUTS[graph]
+
+
 @contextmanager
 def own_written_inputs(program: RankProgram, calls: list[dict[str, Any]]) -> Iterator[None]:
     """For a step of several pieces whose forward writes an input in place (FSMT's
@@ -60,9 +73,9 @@ def own_written_inputs(program: RankProgram, calls: list[dict[str, Any]]) -> Ite
     the caller's tensor when the step is done. The pieces are views of one tensor, which share
     a version counter, so the next piece's write would fail the backward of every piece that
     saved its view (autograd's "modified by an inplace operation")."""
-    written = {str(base.target) for n in program.graph.graph.nodes if (base := mutated_base(n)) is not None and base.op == "placeholder"}
     pairs = []
     if len(calls) > 1:
+        written = _written_inputs(program.graph)
         for call in calls:
             for name in written & call.keys():
                 if isinstance(call[name], torch.Tensor):
