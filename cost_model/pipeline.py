@@ -52,7 +52,7 @@ def weight_operands(gm: GraphModule) -> dict[torch.fx.Node, int]:
             constant.add(node)
             if str(node.target) in params:
                 sizes[node] = params[str(node.target)].numel()
-        elif node.op == "call_function" and node.all_input_nodes and all(a in constant for a in node.all_input_nodes):
+        elif node.op == "call_function" and all(a in constant for a in node.all_input_nodes):  # factories (zeros) too
             constant.add(node)
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor) and any(a in sizes for a in node.all_input_nodes):
