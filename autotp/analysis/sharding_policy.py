@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from torch.fx import Node
 
 from autotp.analysis.propagation_result import NodeRole, ParamDecision, ParamView
-from autotp.analysis.shapes import reads_input, schema_arg, shape_of, sources
+from autotp.analysis.shapes import schema_arg, shape_of, sources
 from autotp.ir.errors import describe
 from autotp.ir.op_facts import is_transposed_convolution
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
@@ -137,16 +137,15 @@ def _left_weight(w: Walker, node: Node, la: ParamView, a: Node, b: Any) -> None:
 
 
 def hint_reparametrized(w: Walker, weight: Node, split: tuple[int, str]) -> None:
-    """A replicated tensor computed from parameters alone (weight norm's ``v * g / ‖v‖``,
-    Mamba's ``-exp(A_log)``) that meets a split: hint its parameters of the tensor's own
-    shape, read whole by their first use, to be split as that op asks (``Propagation.hints``:
-    a matmul's weight, or a per-head vector read through the rank's slice); the planner
-    walks again with them. Only the first such op of a walk hints: later splits depend on it."""
+    """A replicated tensor computed from parameters (weight norm's ``v * g / ‖v‖``, Mamba's
+    ``-exp(A_log)``, a fast weight: a parameter plus a delta made from the activations) that
+    meets a split: hint its parameters of the tensor's own shape, read whole by their first
+    use, to be split as that op asks (``Propagation.hints``: a matmul's weight, or a per-head
+    vector read through the rank's slice); the planner walks again with them. Only the first
+    such op of a walk hints: later splits depend on it."""
     if w.out.hints:
         return
     dim, kind = split
-    if reads_input(weight, w.input_readers):  # the weight depends on an activation
-        return
     shape = shape_of(weight)
     for name in (str(n.target) for n in sources(weight)):
         dec = w.out.decisions.get(name)
