@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -115,6 +116,42 @@ def test_ops_that_weigh_rows_against_each_other_are_found(mixer: type[nn.Module]
     found = batch_mixing_node(trace(model, _inputs()), batch=2)
     if mixing_op:
         assert mixing_op in found and "mixer" in found, found
+    else:
+        assert found == ""
+
+
+class RowsMixedBy(nn.Module):
+    """``x`` [batch, tokens, dim] through ``fn``: an op that reads other rows than its own."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.proj, self.fn = nn.Linear(DIM, DIM), fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.proj(x))
+
+
+@pytest.mark.parametrize(
+    ("fn", "mixing_op"),
+    [
+        (lambda x: x + torch.roll(x, 1, dims=0), "roll"),  # each row paired with the next (shifted negatives)
+        (lambda x: x + x.flip(0), "flip"),
+        (lambda x: 0.7 * x + 0.3 * x[torch.tensor([1, 0])], "index"),  # mixup by a fixed permutation
+        (lambda x: 0.7 * x + 0.3 * x[torch.randperm(x.shape[0])], "index"),
+        (lambda x: x + torch.cdist(x.mean(1), x.mean(1)).mean(-1)[:, None, None], "cdist"),
+        (lambda x: x + (x.mean(1)[:, None] - x.mean(1)[None]).pow(2).sum(-1).mean(-1)[:, None, None], "sub"),
+        (lambda x: x + F.cosine_similarity(x.mean(1)[:, None], x.mean(1)[None], dim=-1).sum(-1)[:, None, None], "cosine_similarity"),
+        (lambda x: x.cumsum(0), "cumsum"),
+        (lambda x: x + x[torch.arange(x.shape[0]), -1][:, None], ""),  # each row's last token: its own row
+        (lambda x: x + torch.cdist(x, torch.ones(4, DIM)).softmax(-1) @ torch.ones(4, DIM), ""),  # distances to a codebook
+    ],
+)
+def test_ops_that_read_other_rows_are_found(fn: Callable[[torch.Tensor], torch.Tensor], mixing_op: str) -> None:
+    """Before, the walk lost the rows at each of these ops and stopped looking: a split batch
+    computed other numbers, silently."""
+    found = batch_mixing_node(trace(LM(RowsMixedBy(fn)), _inputs()), batch=2)
+    if mixing_op:
+        assert f"({mixing_op}." in found and "mixer" in found, found
     else:
         assert found == ""
 

@@ -11,9 +11,12 @@ graph input is the only split: the walk tracks where the batch rows go through v
 matmuls and the rest, and an op in ``_MIXING`` that selects or normalizes along a dim
 holding them mixes rows. Ordering ops (``sort``, ``argsort``, ``nonzero``, a ``cumsum``
 of slot positions) only move rows and are not counted: their results index, they do not
-weigh. Where the walk loses track of the rows (an op with no rule for a split there) it
-stops looking downstream of it, so the check may miss a case but never refuses a forward
-whose rows stay apart. A lookup with ``scale_grad_by_freq`` mixes rows in its backward: each
+weigh. So does an op where no rule keeps the rows split (``roll`` or ``flip`` over them,
+``cdist`` between rows, a ``cumsum`` down the batch): it reads other rows than its own, and
+a split batch would compute other numbers. Rows picked by position (``x[1:]``, ``x[0]``) or
+by indices the inputs give apart from the rows (a graph's edge list indexing its nodes) mix
+them; ``x[arange(rows), i]`` reads each row's own. An accumulating scatter from the rows into
+a tensor without them (messages summed into a graph's nodes) is a statistic over rows. A lookup with ``scale_grad_by_freq`` mixes rows in its backward: each
 table row's gradient is divided by its id's count over the whole batch. A loss divided by a
 statistic of the batch that ``loss_denominators`` could not make the whole batch's
 (``labels.max()``) mixes rows too, and so does a buffer the forward updates from its own
@@ -45,6 +48,8 @@ BATCH_ORIGIN = "<batch rows>"
 _SELECTING = {"topk": (2, -1), "kthvalue": (2, -1), "max": (1, None), "min": (1, None), "softmax": (1, None),
               "_softmax": (1, None), "log_softmax": (1, None), "_log_softmax": (1, None), "logsumexp": (1, None)}  # fmt: skip
 _MATMULS = frozenset({"mm", "bmm", "matmul", "linear"})
+_CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"})
+_PAIRWISE = frozenset({"cosine_similarity", "pairwise_distance"})  # broadcasting, not tagged pointwise
 _CLASS_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"})
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"})
 _TRAINING_ARG = 5
@@ -96,12 +101,27 @@ class _BatchWalker(Walker):
     def _selects_rows(self, node: Node) -> bool:
         """``x[mask]`` by a boolean mask over x's leading dims, the first holding rows
         (``logits[labels != -100]``): each selected element stays in its row, so the result's
-        dim 0 holds rows (of a size known at run time)."""
-        if node.target is not torch.ops.aten.index.Tensor or len(node.args[1]) != 1 or not isinstance(node.args[1][0], Node):
+        dim 0 holds rows (of a size known at run time). Or ``x[arange(rows), i]`` (the last
+        token of each row): row ``r`` reads row ``r``."""
+        if node.target is not torch.ops.aten.index.Tensor or not node.args[1] or not isinstance(node.args[1][0], Node):
             return False
-        mask, x = node.args[1][0], node.args[0]
-        val = mask.meta.get("val")
-        return isinstance(val, torch.Tensor) and val.dtype == torch.bool and 0 in self._rows_at(mask) and 0 in self._rows_at(x)
+        first, x = node.args[1][0], node.args[0]
+        if 0 not in self._rows_at(x):
+            return False
+        if self._counts_rows(first):
+            return True
+        val = first.meta.get("val")
+        return len(node.args[1]) == 1 and isinstance(val, torch.Tensor) and val.dtype == torch.bool and 0 in self._rows_at(first)
+
+    def _counts_rows(self, index: Node) -> bool:
+        """``index`` is ``arange(rows)`` (possibly unsqueezed or viewed to [rows, 1, ...])."""
+        while index.op == "call_function" and is_alias(index) and isinstance(index.args[0], Node):
+            index = index.args[0]
+        if index.op != "call_function" or op_name(index.target) != "arange":
+            return False
+        args = [a for a in index.args if not isinstance(a, torch.dtype)]
+        start, end, step = (0, args[0], 1) if len(args) == 1 else (*args[:2], args[2] if len(args) > 2 else 1)
+        return (start, end, step) == (0, self.batch, 1)
 
     def _rows_at(self, arg: Any) -> set[int]:
         lay = self.out.layouts.get(arg) if isinstance(arg, Node) else None
@@ -119,10 +139,12 @@ class _BatchWalker(Walker):
         if not rows or not is_float(node.args[0]):  # integer bookkeeping (the longest row's length) sizes, it does not weigh
             return False
         shape = shape_of(node.args[0]) or ()
+        if self._addresses_rows(node, rows, len(shape)) or self._runs_along_rows(node, rows, len(shape)) or self._pairs_by_broadcast(node):
+            return True
         if name in _BATCH_NORMS:
             training = node.args[_TRAINING_ARG] if len(node.args) > _TRAINING_ARG else node.kwargs.get("training", False)
             return bool(training) and bool(rows - {1})
-        if name in _MATMULS:
+        if name in _MATMULS or name == "cdist":
             return self._matmul_mixes(node)
         if name in _CLASS_LOSSES:  # a softmax over dim 1, the classes (dim 0 of one sample's logits)
             return (1 if len(shape) > 1 else 0) in rows
@@ -138,14 +160,66 @@ class _BatchWalker(Walker):
         return any(norm_dim(d, len(shape)) in rows for d in dims)
 
 
+    def _addresses_rows(self, node: Node, rows: set[int], rank: int) -> bool:
+        """A gather along a dim holding the rows by indices made without reference to the rows (a
+        graph's edge list indexing its nodes, ``h[src]``; a fixed or random permutation, mixup's
+        ``x[randperm(b)]``): a row's result is whichever row the index names. Indices made from
+        the rows' own values (an MoE's sorted tokens) only move rows; ``arange(rows)`` reads
+        each row's own."""
+        if node.target is torch.ops.aten.index.Tensor:
+            indexed = [(d, i) for d, i in enumerate(node.args[1]) if isinstance(i, Node)]
+        elif node.target in (torch.ops.aten.index_select.default, torch.ops.aten.gather.default):
+            indexed = [(norm_dim(node.args[1], rank), node.args[2])]
+        else:
+            return False
+        return any(d in rows and not self._counts_rows(index) and self._apart_from_rows(index) for d, index in indexed)
+
+    def _apart_from_rows(self, node: Node) -> bool:
+        """Whether neither ``node`` nor anything it is computed from holds the rows."""
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if self._rows_at(n):
+                return False
+            stack.extend(n.all_input_nodes)
+        return True
+
+    def _runs_along_rows(self, node: Node, rows: set[int], rank: int) -> bool:
+        """``roll``, ``flip`` or a cumulative op (``cumsum``, ``cummax``, ...) along a dim holding
+        the rows: each row's result reads its neighbours."""
+        name = op_name(node.target)
+        if name in ("roll", "flip"):
+            dims = schema_arg(node, "dims", ())
+        elif name in _CUMULATIVE:
+            dims = (schema_arg(node, "dim", 0),)
+        else:
+            return False
+        return any(norm_dim(d, rank) in rows for d in (dims if isinstance(dims, (list, tuple)) else (dims,)))
+
+    def _pairs_by_broadcast(self, node: Node) -> bool:
+        """Operands holding the rows on different dims once broadcast (``z[:, None] - z[None]``,
+        ``cosine_similarity(z[:, None], z[None])``): every row is paired with every other."""
+        if not isinstance(node.target, torch._ops.OpOverload) or not (torch.Tag.pointwise in node.target.tags or op_name(node.target) in _PAIRWISE):
+            return False
+        rank = len(shape_of(node) or ())
+        aligned = set()
+        for a in node.all_input_nodes:
+            shape = shape_of(a)
+            if shape is not None and is_float(a):
+                aligned |= {d + rank - len(shape) for d in self._rows_at(a)}
+        return len(aligned) > 1
+
     def _matmul_mixes(self, node: Node) -> bool:
-        """A matmul mixes rows where it sums over them (a row dim contracted: a Gram matrix over
-        the batch) or pairs rows of one operand with rows of the other anywhere but on the batch
-        dims they share (``image @ text.t()``, a contrastive loss's logits)."""
+        """A matmul (or ``cdist``) mixes rows where it sums over them (a row dim contracted: a
+        Gram matrix over the batch) or pairs rows of one operand with rows of the other anywhere
+        but on the batch dims they share (``image @ text.t()``, a contrastive loss's logits)."""
         a, b = node.args[0], node.args[1]
         sa, sb = shape_of(a) or (), shape_of(b) or ()
         ra, rb = self._rows_at(a), self._rows_at(b)
-        linear = op_name(node.target) == "linear"  # b is [n, k]
+        linear = op_name(node.target) in ("linear", "cdist")  # b is [n, k]
         if len(sa) - 1 in ra or (len(sb) - 1 if linear or len(sb) == 1 else len(sb) - 2) in rb:
             return True
         if len(sa) < 2 or len(sb) < 2 or not (ra and rb):  # a vector's other operand keeps its rows where they are
@@ -279,4 +353,31 @@ def _statistic_meets_rows(gm: GraphModule, rows_at: Callable[[Node], set[int]]) 
         elif node.target in _ROW_STATISTICS and is_float(node.args[0]):
             if set(reduced_dims(node, len(shape_of(node.args[0]) or ()))) & rows_at(node.args[0]):
                 source[node] = node
+        elif _scatters_rows(node, rows_at):
+            source[node] = node
     return None
+
+
+# scatters that accumulate: op -> positions of (dim, values)
+_ACCUMULATING_SCATTERS = {
+    torch.ops.aten.index_add.default: (1, 3), torch.ops.aten.scatter_add.default: (1, 3),
+    torch.ops.aten.scatter_reduce.two: (1, 3), torch.ops.aten.index_reduce.default: (1, 3),
+}  # fmt: skip
+
+
+def _scatters_rows(node: Node, rows_at: Callable[[Node], set[int]]) -> bool:
+    """An accumulating scatter of values whose rows lie on the scattered dim into a tensor that
+    holds no rows there (messages summed into a graph's nodes, ``zeros(n).index_add(0, dst, m)``):
+    each slot is a statistic over whichever rows the index sends to it. Into a tensor holding the
+    rows there (an MoE's combine into ``zeros_like(tokens)``) the slots are the rows themselves."""
+    if node.target is torch.ops.aten.index_put.default:
+        dim, values, accumulates = 0, node.args[2], schema_arg(node, "accumulate", False)
+    elif node.target in _ACCUMULATING_SCATTERS:
+        at_dim, at_values = _ACCUMULATING_SCATTERS[node.target]
+        dim, values, accumulates = node.args[at_dim], node.args[at_values], True
+    else:
+        return False
+    if not (accumulates and isinstance(values, Node) and is_float(values) and isinstance(dim, int)):
+        return False
+    rank = len(shape_of(node) or ())
+    return norm_dim(dim, rank) in rows_at(values) and norm_dim(dim, rank) not in rows_at(node)
