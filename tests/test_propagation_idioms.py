@@ -1,0 +1,58 @@
+"""Constructs of the tenth round of issue 27 (``tests/plain_models_idioms.py``): a weight plus
+a delta made from the activations (fast weights) splits with its parameter; a weight rebuilt in
+the forward from parameters and factories (per-channel fake quantization) counts as matmul work
+when the pipeline is cut; messages scattered from a graph's edges into its nodes mix the rows
+of a split batch. ``test_plain_suite`` checks the whole models."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotp.analysis.batch_rows import batch_mixing_node, batch_size
+from autotp.analysis.trace import trace
+from autotp.cost_model.pipeline import plan_pipeline
+from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from distributed import run_on_ranks
+from plain_models_idioms import build, example_inputs
+
+
+def test_a_fast_weight_splits_with_the_parameter_it_adds_to() -> None:
+    """``w1.weight + delta(x)`` read by ``F.linear``: the hint that splits a weight computed from
+    parameters now also follows one that reads the activations, so w1 (read whole before,
+    38% of the model on a rank at tp=4) splits column-wise and its delta's rows with it."""
+    name = "functional_call_fast_weights"
+    layouts = {p.name: (p.kind, p.dim) for p in plan_tensor_parallel(trace(build(name), example_inputs(name)), 4).params}
+    assert layouts["layers.0.feed_forward.ffn.w1.weight"] == ("column", 0)
+    assert layouts["layers.0.feed_forward.ffn.w2.weight"] == ("row", 1)
+
+
+def test_fake_quantized_weights_count_as_the_layers_work_in_the_pipeline_cut() -> None:
+    """The quantizer's zero points come from ``torch.zeros`` (a factory, no inputs): the weight
+    it made was not seen as computed from parameters, so the layers' matmuls cost nothing and
+    both layers went to the first stage, the lm_head alone to the second (92% of the
+    parameters on a rank at pp=2)."""
+    name = "per_channel_fake_quant"
+    cuts = plan_pipeline(trace(build(name), example_inputs(name)), 2, 1)
+    assert cuts.layer_chunks == (0, 1)
+
+
+def test_messages_scattered_into_a_graphs_nodes_mix_the_rows() -> None:
+    """The edges are the batch's rows (most inputs have their length), and each node's softmax
+    and sum run over its incoming edges (``scatter_reduce`` amax, ``index_add``) into tensors of
+    the nodes. Before, nothing marked this, and pp=2 split the edges into microbatches: the loss
+    was 0.025 off."""
+    name = "graph_message_passing"
+    inputs = example_inputs(name)
+    found = batch_mixing_node(trace(build(name), inputs), batch_size(inputs))
+    assert "layers.0" in found and "scatter_reduce" in found, found
+
+
+def _check(rank: int, world: int, name: str) -> str:
+    from autotp.report.strict_rule import check_on_rank
+
+    return check_on_rank(build(name), example_inputs(name), tp=world).reason
+
+
+@pytest.mark.slow  # the plain suite's sweep checks this model at every degree; this is the same check at tp=2
+def test_fast_weights_at_tp2_equal_the_unmodified_model() -> None:
+    assert run_on_ranks(_check, 2, "functional_call_fast_weights") == ["", ""]
