@@ -598,6 +598,101 @@ class PatchTST(nn.Module):
         return {"logits": prediction, "loss": F.mse_loss(prediction, target)}
 
 
+class TopKDistillationLM(DecoderLM):
+    """Sparse distillation: a frozen teacher head's top-k vocabulary entries per token, the
+    student's log-probabilities gathered there, a KL over those k, plus the usual loss."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(NanoGPTAttention()))
+        self.teacher = nn.Linear(DIM, VOCAB, bias=False).requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        h = self.norm(self.hidden(input_ids))
+        logits = self.output(h)
+        top, picked = self.teacher(h).topk(8, dim=-1)
+        teacher = top.softmax(-1)
+        student = logits.log_softmax(-1).gather(-1, picked)
+        distill = (teacher * (teacher.log() - student)).sum(-1).mean()
+        return {"logits": logits, "loss": lm_loss(logits, labels) + distill}
+
+
+class AccuracyMetricLM(DecoderLM):
+    """Metrics computed in the forward: top-1 accuracy (``argmax`` over the vocabulary) and the
+    predictive entropy, returned beside the loss."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(NanoGPTAttention()))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        logits = self.logits(self.hidden(input_ids))
+        logp = logits.log_softmax(-1)
+        accuracy = (logits.argmax(-1) == labels).float().mean()
+        entropy = -(logp.exp() * logp).sum(-1).mean()
+        return {"logits": logits, "loss": lm_loss(logits, labels), "accuracy": accuracy, "entropy": entropy.detach()}
+
+
+PADDED_VOCAB = VOCAB + 8
+
+
+class PaddedVocabLM(DecoderLM):
+    """A head padded to a multiple of 8 beyond the real vocabulary (nanoGPT's 50304); the logits
+    of the padding are sliced off before the loss."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(NanoGPTAttention()))
+        self.embed, self.output = nn.Embedding(PADDED_VOCAB, DIM), nn.Linear(DIM, PADDED_VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        logits = self.logits(self.hidden(input_ids))[..., :VOCAB]
+        return {"logits": logits, "loss": lm_loss(logits, labels)}
+
+
+class AlignedAttention(nn.Module):
+    """``nn.MultiheadAttention`` returning its weights averaged over the heads; the layer keeps
+    the entropy of those weights for an attention-sharpness penalty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(DIM, HEADS, batch_first=True)
+        self.penalty = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        y, weights = self.attn(x, x, x, attn_mask=future, need_weights=True, average_attn_weights=True)
+        self.penalty = -(weights * (weights + 1e-9).log()).sum(-1).mean()
+        return y
+
+
+class AttentionPenaltyLM(DecoderLM):
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(AlignedAttention()))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        logits = self.logits(self.hidden(input_ids))
+        penalty = torch.stack([layer.attention.penalty for layer in self.layers]).mean()
+        return {"logits": logits, "loss": lm_loss(logits, labels) + 0.01 * penalty}
+
+
+PROMPT = 4
+
+
+class PromptTunedLM(DecoderLM):
+    """Prompt tuning: learned input embeddings concatenated before the sequence; the loss on
+    the sequence's positions only."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(NanoGPTAttention()))
+        self.prompt = nn.Parameter(torch.randn(PROMPT, DIM) * 0.5)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        h = torch.cat([self.prompt.expand(input_ids.shape[0], -1, -1), self.embed(input_ids)], dim=1)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.logits(h)[:, PROMPT:]
+        return {"logits": logits, "loss": lm_loss(logits, labels)}
+
+
 def _block_with(attention: Callable[[], nn.Module], mlp: Callable[[], nn.Module] = SwiGLU, norm: Callable[[int], nn.Module] = nn.LayerNorm) -> Callable[[], nn.Module]:
     return lambda: DecoderLM(lambda: PreNormBlock(attention(), mlp(), norm), norm)
 
@@ -629,6 +724,11 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "triangle_pair_updates": PairDistanceModel,
     "graph_message_passing": GraphTransformer,
     "patchtst_revin": PatchTST,
+    "topk_distillation": TopKDistillationLM,
+    "accuracy_metric": AccuracyMetricLM,
+    "padded_vocab_slice": PaddedVocabLM,
+    "attention_weights_penalty": AttentionPenaltyLM,
+    "prompt_tuning": PromptTunedLM,
 }
 MOE = frozenset({"logged_router_stats", "grouped_gemm_moe", "hash_routed_moe", "bool_mask_moe", "sinkhorn_router_moe"})
 

@@ -2,12 +2,14 @@
 a delta made from the activations (fast weights) splits with its parameter; a weight rebuilt in
 the forward from parameters and factories (per-channel fake quantization) counts as matmul work
 when the pipeline is cut; messages scattered from a graph's edges into its nodes mix the rows
-of a split batch. ``test_plain_suite`` checks the whole models."""
+of a split batch; a head padded past the vocabulary, sliced before the loss, splits in its two
+parts. ``test_plain_suite`` checks the whole models."""
 
 from __future__ import annotations
 
 import pytest
 
+import plain_models_idioms
 from autotp.analysis.batch_rows import batch_mixing_node, batch_size
 from autotp.analysis.trace import trace
 from autotp.cost_model.pipeline import plan_pipeline
@@ -45,6 +47,23 @@ def test_messages_scattered_into_a_graphs_nodes_mix_the_rows() -> None:
     inputs = example_inputs(name)
     found = batch_mixing_node(trace(build(name), inputs), batch_size(inputs))
     assert "layers.0" in found and "scatter_reduce" in found, found
+
+
+@pytest.mark.parametrize(("padded", "tp", "split"), [(136, 4, True), (134, 2, True), (134, 4, False)])
+def test_a_head_padded_past_the_vocabulary_splits_in_its_real_and_padding_rows(padded: int, tp: int, split: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``logits[..., :vocab]`` cuts the head's rows into the vocabulary and the padding, and
+    the vocabulary-parallel loss marks the first part padded-if-needed. Before, resolving a
+    padded part of a segmented dim raised out of the planner (a crash at tp=2 and tp=4); now
+    tp splits each part where it divides both, and keeps the head whole, named, where not."""
+    monkeypatch.setattr(plain_models_idioms, "PADDED_VOCAB", padded)
+    name = "padded_vocab_slice"
+    plan = plan_tensor_parallel(trace(build(name), example_inputs(name)), tp)
+    layouts = {p.name: p for p in plan.params}
+    if split:
+        head = layouts["output.weight"]
+        assert (head.kind, head.dim, head.sharding.segments) == ("column", 0, (128, padded - 128))
+    else:
+        assert "output.weight" not in layouts and "output.weight" in {k.name for k in plan.kept_whole}
 
 
 def _check(rank: int, world: int, name: str) -> str:

@@ -150,7 +150,10 @@ def indivisible(prop: Propagation) -> list[Indivisible]:
                 if r.uid in seen:
                     continue
                 seen.add(r.uid)
-                why = resolve(r, prop.tp).check(prop.tp)
+                try:
+                    why = resolve(r, prop.tp).check(prop.tp)
+                except ShardingConflict as c:  # segments that cannot be laid out together
+                    why = str(c)
                 if why:
                     found.append(Indivisible(node, d, why, frozenset(r.origins)))
     if found:

@@ -368,8 +368,10 @@ def resolve(var: DimVar, tp: int, _seen: frozenset[int] = frozenset()) -> DimSha
     groups: list[int] = []
     for seg in r.segments:  # a segment cut again (a slice of a slice) flattens into its parts
         s = resolve(seg, tp, _seen | {r.uid})
-        if s.padded:
+        if s.padded and s.size % tp:
             raise ShardingConflict("a padded dim cannot be a segment", r.origins)
+        if s.padded:  # tp divides it: padded and even splits hold the same rows
+            s = DimSharding(s.size, (s.size,), (s.size,), axis=s.axis)
         sizes.extend(s.segments)
         groups.extend(s.groups)
     return DimSharding(r.size, tuple(sizes), tuple(groups), axis=r.axis)
