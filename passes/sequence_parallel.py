@@ -282,12 +282,11 @@ def _reduce_scatter_partial_grads(graph: Graph, full: Node, group: str, tp: int)
     graph.erase_node(full)
     for node in [gathered, *inside]:
         whole = [u for u in node.users if u not in inside and u not in sinks and _takes_grad(u)]
-        if whole:
-            with graph.inserting_after(node):
-                shared = graph.call_function(ops.PARTIAL_GRAD, (node, tp), name="partial_grad")
-            shared.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.COLLECTIVE})
-            for user in whole:
-                user.replace_input_with(node, shared)
+        if isinstance(node.meta.get("val"), (tuple, list)):  # its outputs leave by getitems: divide there
+            for item in whole:
+                _divide_grad(graph, item, [u for u in item.users if _takes_grad(u)], tp)
+        elif whole:
+            _divide_grad(graph, node, whole, tp)
     for f in sinks:
         f.replace_all_uses_with(f.args[0])
         graph.erase_node(f)
@@ -299,6 +298,18 @@ def _reduce_scatter_partial_grads(graph: Graph, full: Node, group: str, tp: int)
                     fs[a] = graph.call_function(ops.COPY_TO_TP, (a, group), name="copy_to_tp")
                 annotate_collective(fs[a], a, a.meta.get(meta_keys.LAYOUT), CollectiveTag.ALL_REDUCE_BACKWARD, tp, located_at=node)
             node.replace_input_with(a, fs[a])
+
+
+def _divide_grad(graph: Graph, node: Node, users: list[Node], tp: int) -> None:
+    """``users`` read ``node`` through ``partial_grad``: the whole gradient they send back is
+    divided by tp, so that the ranks' sum of their partial summands counts it once."""
+    if not users:
+        return
+    with graph.inserting_after(node):
+        shared = graph.call_function(ops.PARTIAL_GRAD, (node, tp), name="partial_grad")
+    shared.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.COLLECTIVE})
+    for user in users:
+        user.replace_input_with(node, shared)
 
 
 def _takes_grad(user: Node) -> bool:

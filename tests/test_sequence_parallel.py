@@ -108,6 +108,23 @@ def test_an_all_reduce_that_must_stay_is_kept_and_explained(capsys: pytest.Captu
     assert "this plan: 0 + " in capsys.readouterr().out  # no forward all-reduce is left: reduce-scatters instead
 
 
+def _plain_model_on_rank(rank: int, world: int, module_name: str, name: str) -> str:
+    import importlib
+
+    from autotp.report.strict_rule import check_on_rank
+    from test_plain_suite import _inputs
+
+    module = importlib.import_module(module_name)
+    return check_on_rank(module.build(name), _inputs(module, name), tp=world, sequence_parallel=True).reason
+
+
+def test_a_multi_output_op_between_the_gathered_tokens_and_the_row_parallel_projection() -> None:
+    """A VQ bottleneck's ``cdist`` broadcasts its operands (``broadcast_tensors``, two outputs)
+    between the gathered tokens and the next f: the whole gradient leaving by a getitem is
+    divided there. ``partial_grad`` was put on the tuple itself and the step crashed."""
+    assert run_on_ranks(_plain_model_on_rank, 2, "plain_models_research", "vq_bottleneck") == ["", ""]
+
+
 @pytest.mark.slow
 def test_sequence_parallel_matches_unmodified_model_tp4() -> None:
     check_on_ranks(MODELS, 4, 1)
