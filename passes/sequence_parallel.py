@@ -12,7 +12,8 @@ a ``[batch, seq, ...]`` activation):
   tokens) first trades places with that view, which is linear;
 * a node joins the region when one of its inputs is in it and the op is token-wise:
   pointwise ops, dtype casts, ``layer_norm``, reductions and softmax over dims other than
-  the sequence dim, a matmul with a replicated weight, dropout (its mask then comes from
+  the sequence dim, a matmul whose other operand is replicated and the same for every token
+  (a weight; not attention's values, whose dim there may be the heads'), dropout (its mask then comes from
   the tp-sharded RNG stream), provided its output is ``[B, S, ...]`` like its region input;
 * a replicated operand from outside the region that carries the full sequence at the
   aligned dim (position embeddings, token-type embeddings) is sliced to this rank's
@@ -52,6 +53,9 @@ _CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.clone.default, at
 _REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction,
                          aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int})  # fmt: skip
 _DROPOUTS = frozenset({aten.dropout.default, ops.TP_DROPOUT})
+_MOVES_DIMS = frozenset({aten.permute.default, aten.transpose.int, aten.t.default})
+_KEEPS_DIMS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+                         aten.squeeze.dim, aten.contiguous.default, aten.clone.default, aten.expand.default})  # fmt: skip
 # Collective tags (``meta_keys.COLLECTIVE``) of the ops this pass inserts.
 
 
@@ -153,7 +157,7 @@ def _joins(node: Node, region: dict[Node, int], group: str) -> int | None:
     if seq is None or seq < 2:
         return None
     if _is_g(node, group):
-        return seq
+        return seq if _features_last(node.args[0]) else None
     inside = [a for a in node.all_input_nodes if a in region]
     if not inside or any(region[a] != seq or _tokens(a) != seq or len(shape_of(a)) != len(shape_of(node)) for a in inside):
         return None
@@ -169,11 +173,27 @@ def _joins(node: Node, region: dict[Node, int], group: str) -> int | None:
         return seq if dims and all(d % ndim != SEQ for d in dims) else None
     if target is aten.layer_norm.default:
         return seq if len(node.args[1]) < ndim - SEQ and node.args[0] in region else None
-    if target in (aten.linear.default, aten.matmul.default, aten.mm.default):
-        return seq if node.args[0] in region and node.args[1] not in region else None
+    if target in (aten.linear.default, aten.matmul.default, aten.mm.default):  # the other operand the same for every token
+        other = node.args[1]
+        return seq if node.args[0] in region and other not in region and _broadcasts(other, ndim, seq) == -1 else None
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return seq if all(_broadcasts(a, ndim, seq) is not None for a in outside) else None
     return None
+
+
+def _features_last(partial: Node) -> bool:
+    """Whether the value a g reduces keeps its producer's last dim (the features) last through
+    the views and permutes between them: ``[B, S, ..., D]`` tokens, not an attention bias
+    ``[1, H, S, S]`` permuted out of a table lookup, whose dim 1 is the heads."""
+    node = partial
+    while node.op == "call_function" and node.target in _MOVES_DIMS | _KEEPS_DIMS and isinstance(node.args[0], Node):
+        if node.target in _MOVES_DIMS:
+            order = list(node.args[1]) if node.target is aten.permute.default else None
+            rank = len(shape_of(node) or ())
+            if order is None or order[-1] % rank != rank - 1:
+                return False
+        node = node.args[0]
+    return True
 
 
 def _replicated(node: Node) -> bool:

@@ -118,11 +118,16 @@ def _plain_model_on_rank(rank: int, world: int, module_name: str, name: str) -> 
     return check_on_rank(module.build(name), _inputs(module, name), tp=world, sequence_parallel=True).reason
 
 
-def test_a_multi_output_op_between_the_gathered_tokens_and_the_row_parallel_projection() -> None:
+@pytest.mark.parametrize(("module_name", "name"), [("plain_models_research", "vq_bottleneck"), ("plain_models_novel", "swin")])
+def test_plain_models_that_crashed_under_sequence_parallelism(module_name: str, name: str) -> None:
     """A VQ bottleneck's ``cdist`` broadcasts its operands (``broadcast_tensors``, two outputs)
-    between the gathered tokens and the next f: the whole gradient leaving by a getitem is
-    divided there. ``partial_grad`` was put on the tuple itself and the step crashed."""
-    assert run_on_ranks(_plain_model_on_rank, 2, "plain_models_research", "vq_bottleneck") == ["", ""]
+    between the gathered tokens and the next f: the whole gradient leaving by a getitem is now
+    divided there (``partial_grad`` was put on the tuple itself). Swin's relative-position bias,
+    a table lookup permuted to ``[1, heads, S, S]`` before its all-reduce, was taken for tokens
+    (its heads for the sequence) and split, and the attention's values were taken for a weight;
+    a g now opens a region only where the features stay last, and a matmul joins one only
+    where its other operand is the same for every token."""
+    assert run_on_ranks(_plain_model_on_rank, 2, module_name, name) == ["", ""]
 
 
 @pytest.mark.slow
