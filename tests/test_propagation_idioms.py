@@ -8,6 +8,7 @@ parts. ``test_plain_suite`` checks the whole models."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import plain_models_idioms
 from autotp.analysis.batch_rows import batch_mixing_node, batch_size
@@ -70,6 +71,27 @@ def _check(rank: int, world: int, name: str) -> str:
     from autotp.report.strict_rule import check_on_rank
 
     return check_on_rank(build(name), example_inputs(name), tp=world).reason
+
+
+def _hf_experts_on_rank(rank: int, world: int, implementation: str) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from autotp.report.strict_rule import check_on_rank
+
+    config = AutoConfig.for_model("mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=128, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, experts_implementation=implementation).eval()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    result = check_on_rank(model, {"input_ids": ids, "labels": ids}, tp=world)
+    return result.reason or f"{result.share:.2f}"
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_transformers_expert_implementations_split_their_experts(implementation: str) -> None:
+    """The expert kernels transformers offers besides its loop (``experts_implementation``), in
+    fp32 at tp=2: equal to the unmodified model, the experts split."""
+    assert run_on_ranks(_hf_experts_on_rank, 2, implementation) == ["0.50", "0.50"]
 
 
 @pytest.mark.slow  # the plain suite's sweep checks this model at every degree; this is the same check at tp=2
