@@ -186,3 +186,23 @@ def _strided_outputs_on_rank(rank: int, world: int) -> None:
 def test_every_pipeline_rank_gets_strided_outputs_whole() -> None:
     # The last stage broadcast a strided view's memory as if it were contiguous: row 1 garbled on rank 0.
     run_on_ranks(_strided_outputs_on_rank, 2)
+
+
+def _float64_step(rank: int, world: int, pp: int, microbatches: int) -> tuple[str, float]:
+    import autotp
+
+    torch.manual_seed(0)
+    model = _StridedHead().double()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(3))
+    pm = autotp.parallelize(model, tp=world // pp, pp=pp, example_inputs={"input_ids": ids, "labels": ids})
+    loss = pm.train_step(input_ids=ids, labels=ids, num_microbatches=microbatches)
+    expected = torch.stack([reference(input_ids=part, labels=part)["loss"] for part in ids.chunk(microbatches)]).mean()
+    return str(loss.dtype), abs(loss.item() - expected.item())
+
+
+@pytest.mark.parametrize(("pp", "microbatches"), [(2, 2), (1, 2)])
+def test_a_float64_model_returns_its_loss_in_float64(pp: int, microbatches: int) -> None:
+    """The step summed its microbatches' losses in float32 (at pp > 1 also the stages' zeros)."""
+    for dtype, error in run_on_ranks(_float64_step, 2, pp, microbatches):
+        assert dtype == "torch.float64" and error < 1e-12, (dtype, error)

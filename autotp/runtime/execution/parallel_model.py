@@ -319,7 +319,7 @@ class ParallelModel(nn.Module):
                 for call in calls:
                     loss = loss_of(self._compiled_for(call, outputs_read, split).run(**call))
                     (loss / m if m > 1 else loss).backward()
-                    total = loss.detach().float() if total is None else total + loss.detach().float()
+                    total = (0 if total is None else total) + loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
             else:
                 total = self._pipeline_step(calls, loss_of, schedule or self.plan.schedule_name, outputs_read, split)
         self._grad_sync.finish()

@@ -10,6 +10,7 @@ between neighbouring pipeline ranks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -174,6 +175,10 @@ class PipelineRunner:
         self.chunks = chunks
         self._placeholders = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
         self._in_spec = graph._in_spec
+        outputs = [n.meta.get("val") for n in graph.graph.find_nodes(op="output")[0].all_input_nodes]
+        # the step's loss is summed in float32, or wider where the model computes wider (every rank alike)
+        floats = [v.dtype for v in outputs if isinstance(v, Tensor) and v.is_floating_point()]
+        self._loss_dtype = functools.reduce(torch.promote_types, floats, torch.float32)
         self.groups = groups
         self.device = device
         self._sends: list[tuple[list[dist.Work], list[Tensor]]] = []
@@ -359,7 +364,7 @@ class PipelineRunner:
         self._connect()
         batches = self._plan(times)
         posted = -1
-        total = torch.zeros((), device=self.device)
+        total = torch.zeros((), device=self.device, dtype=self._loss_dtype)
         flights: dict[tuple[int, int], _InFlight] = {}
         for action in actions:
             step, chunk, mb = times[rank][action], action.chunk * pp + rank, action.microbatch
@@ -372,7 +377,7 @@ class PipelineRunner:
                 if self.chunks[chunk].is_last:
                     loss = loss_of(torch.utils._pytree.tree_unflatten(list(outputs), out_spec))
                     flight.loss = loss / len(calls)
-                    total += loss.detach().float()
+                    total += loss.detach().to(self._loss_dtype)
                 del outputs
                 flight.weights = WeightGradStore() if split else None
                 flights[chunk, mb] = flight
