@@ -7,14 +7,15 @@ before a column-parallel matmul) is computed whole on every rank: residual adds,
 dropout. This pass gives those values the layout *sharded on the sequence dim* (dim 1 of
 a ``[batch, seq, ...]`` activation):
 
-* a g whose output is ``[B, S, ...]`` becomes ``reduce_scatter`` on dim 1 (backward
-  all-gather); a g followed only by a ``view`` to ``[B, S, ...]`` (MoE's flattened
-  tokens) first trades places with that view, which is linear;
+* a g whose output is ``[B, S, ...]``, the features last as its producer made them,
+  becomes ``reduce_scatter`` on dim 1 (backward all-gather); a g followed only by a
+  ``view`` to ``[B, S, ...]`` (MoE's flattened tokens) first trades places with that
+  view, which is linear;
 * a node joins the region when one of its inputs is in it and the op is token-wise:
   pointwise ops, dtype casts, ``layer_norm``, reductions and softmax over dims other than
-  the sequence dim, a matmul whose other operand is replicated and the same for every token
-  (a weight; not attention's values, whose dim there may be the heads'), dropout (its mask then comes from
-  the tp-sharded RNG stream), provided its output is ``[B, S, ...]`` like its region input;
+  the sequence dim, a matmul whose other operand is replicated and the same for every
+  token (a weight, not attention's values), dropout (its mask then comes from the
+  tp-sharded RNG stream), provided its output is ``[B, S, ...]`` like its region input;
 * a replicated operand from outside the region that carries the full sequence at the
   aligned dim (position embeddings, token-type embeddings) is sliced to this rank's
   tokens (``scatter_to_tp``, backward all-gather);
@@ -187,11 +188,13 @@ def _features_last(partial: Node) -> bool:
     ``[1, H, S, S]`` permuted out of a table lookup, whose dim 1 is the heads."""
     node = partial
     while node.op == "call_function" and node.target in _MOVES_DIMS | _KEEPS_DIMS and isinstance(node.args[0], Node):
-        if node.target in _MOVES_DIMS:
-            order = list(node.args[1]) if node.target is aten.permute.default else None
-            rank = len(shape_of(node) or ())
-            if order is None or order[-1] % rank != rank - 1:
-                return False
+        rank = len(shape_of(node) or ())
+        if node.target is aten.permute.default and node.args[1][-1] % rank != rank - 1:
+            return False
+        if node.target is aten.transpose.int and rank - 1 in (node.args[1] % rank, node.args[2] % rank):
+            return False
+        if node.target is aten.t.default and rank == 2:
+            return False
         node = node.args[0]
     return True
 

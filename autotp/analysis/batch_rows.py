@@ -11,12 +11,15 @@ graph input is the only split: the walk tracks where the batch rows go through v
 matmuls and the rest, and an op in ``_MIXING`` that selects or normalizes along a dim
 holding them mixes rows. Ordering ops (``sort``, ``argsort``, ``nonzero``, a ``cumsum``
 of slot positions) only move rows and are not counted: their results index, they do not
-weigh. So does an op where no rule keeps the rows split (``roll`` or ``flip`` over them,
-``cdist`` between rows, a ``cumsum`` down the batch): it reads other rows than its own, and
-a split batch would compute other numbers. Rows picked by position (``x[1:]``, ``x[0]``) or
-by indices the inputs give apart from the rows (a graph's edge list indexing its nodes) mix
-them; ``x[arange(rows), i]`` reads each row's own. An accumulating scatter from the rows into
-a tensor without them (messages summed into a graph's nodes) is a statistic over rows. A lookup with ``scale_grad_by_freq`` mixes rows in its backward: each
+weigh. Ops that read other rows than their own mix them: ``roll``, ``flip`` and cumulative
+ops along the rows, ``cdist`` between rows, operands of a pointwise op holding the rows on
+different dims once broadcast (``z[:, None] - z[None]``), and a gather along the rows by
+indices made apart from them (a graph's edge list indexing its nodes, a fixed or random
+permutation); ``x[arange(rows), i]`` reads each row's own. An accumulating scatter from the
+rows into a tensor without them (messages summed into a graph's nodes) is a statistic over
+rows. Where the walk loses track of the rows otherwise (an op with no rule for a split there)
+it stops looking downstream of it, so the check may miss a case (a shift of the rows by
+slices and ``cat``). A lookup with ``scale_grad_by_freq`` mixes rows in its backward: each
 table row's gradient is divided by its id's count over the whole batch. A loss divided by a
 statistic of the batch that ``loss_denominators`` could not make the whole batch's
 (``labels.max()``) mixes rows too, and so does a buffer the forward updates from its own
@@ -158,7 +161,6 @@ class _BatchWalker(Walker):
         if not all(isinstance(d, int) for d in dims):  # max/min of two tensors: pointwise
             return False
         return any(norm_dim(d, len(shape)) in rows for d in dims)
-
 
     def _addresses_rows(self, node: Node, rows: set[int], rank: int) -> bool:
         """A gather along a dim holding the rows by indices made without reference to the rows (a
