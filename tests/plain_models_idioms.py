@@ -37,6 +37,26 @@ SEQ = 16
 EXPERTS, TOP_K, EXPERT_HIDDEN = 4, 2, 64
 
 
+class FusedHeads(nn.Module):
+    """A fused q/k/v projection split into heads (``heads``) and an output projection ``o``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+
+
+class RoutedExperts(nn.Module):
+    """A router over ``EXPERTS`` SwiGLU experts; subclasses route."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, EXPERTS, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(DIM, EXPERT_HIDDEN) for _ in range(EXPERTS))
+
+
 class HookedAttention(NanoGPTAttention):
     """The attention output's gradient halved by a hook (a gradient-scaling trick)."""
 
@@ -47,13 +67,11 @@ class HookedAttention(NanoGPTAttention):
         return y
 
 
-class LoggedRouterMoE(nn.Module):
+class LoggedRouterMoE(RoutedExperts):
     """Top-2 MoE whose forward keeps the tokens per expert and the aux loss as Python numbers."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.router = nn.Linear(DIM, EXPERTS, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(DIM, EXPERT_HIDDEN) for _ in range(EXPERTS))
         self.tokens_per_expert: list[int] = []
         self.last_aux = 0.0
 
@@ -149,17 +167,16 @@ class IA3FFN(SwiGLU):
 PREFIX = 4
 
 
-class PrefixTunedAttention(nn.Module):
+class PrefixTunedAttention(FusedHeads):
     """Prefix tuning: ``PREFIX`` learned keys and values per head before the sequence's."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.qkv, self.o = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
         self.prefix = nn.Parameter(torch.randn(2, HEADS, PREFIX, HEAD_DIM) * 0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = self.heads(x)
         k = torch.cat([self.prefix[0].expand(b, -1, -1, -1), k], dim=2)
         v = torch.cat([self.prefix[1].expand(b, -1, -1, -1), v], dim=2)
         visible = torch.ones(s, PREFIX + s, dtype=torch.bool, device=x.device).tril(PREFIX)
@@ -188,15 +205,11 @@ class FakeQuantFFN(SwiGLU):
         self.w1, self.w2, self.w3 = FakeQuantLinear(DIM, 2 * DIM), FakeQuantLinear(2 * DIM, DIM), FakeQuantLinear(DIM, 2 * DIM)
 
 
-class DocumentLoopAttention(nn.Module):
+class DocumentLoopAttention(FusedHeads):
     """Packed documents attended one by one: the slices come from ``cu_seqlens.tolist()``."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv, self.o = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
-
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = self.heads(x)
         bounds = cu_seqlens.tolist()
         pieces = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True) for a, b in zip(bounds[:-1], bounds[1:])]
         return self.o(merge_heads(torch.cat(pieces, dim=2)))
@@ -232,17 +245,16 @@ class DenseFormerLM(DecoderLM):
         return outputs[-1]
 
 
-class MixtureOfHeadsAttention(nn.Module):
+class MixtureOfHeadsAttention(FusedHeads):
     """MoH: a router picks each token's top-k heads; the others' outputs are zeroed and the picked
     ones weighted by the router's softmax over them."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.qkv, self.o = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
         self.head_router = nn.Linear(DIM, HEADS, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = self.heads(x)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, S, D]
         logits = self.head_router(x)  # [B, S, H]
         top, picked = logits.topk(HEADS // 2, dim=-1)
@@ -341,13 +353,8 @@ class FastWeightFFN(nn.Module):
         return torch.cat(outs)
 
 
-class BoolMaskMoE(nn.Module):
+class BoolMaskMoE(RoutedExperts):
     """Top-1 MoE by boolean masks: ``out[mask] = expert(x[mask])`` (shapes depend on the routing)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.router = nn.Linear(DIM, EXPERTS, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(DIM, EXPERT_HIDDEN) for _ in range(EXPERTS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, DIM)
@@ -359,14 +366,9 @@ class BoolMaskMoE(nn.Module):
         return out.view_as(x)
 
 
-class SinkhornRouterMoE(nn.Module):
+class SinkhornRouterMoE(RoutedExperts):
     """BASE-layer style balanced routing: the router's scores normalized over tokens and experts
     in turn (Sinkhorn iterations), then top-1 by the balanced scores, weighted by the raw softmax."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.router = nn.Linear(DIM, EXPERTS, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(DIM, EXPERT_HIDDEN) for _ in range(EXPERTS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, DIM)
@@ -408,16 +410,12 @@ class OpenELMLM(DecoderLM):
         self.layers = nn.ModuleList(PreNormBlock(OpenELMAttention(h), SwiGLU(DIM, f)) for h, f in zip(LAYER_HEADS, LAYER_FFN))
 
 
-class SelectiveAttention(nn.Module):
+class SelectiveAttention(FusedHeads):
     """Selective attention (Leviathan et al.): head 0's scores, ReLU'd and summed over earlier
     queries, are subtracted from every head's scores (a token masks what it makes redundant)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv, self.o = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = self.heads(x)
         s = x.shape[1]
         future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         scores = (q @ k.transpose(-1, -2) / HEAD_DIM**0.5).masked_fill(future, float("-inf"))
@@ -427,17 +425,16 @@ class SelectiveAttention(nn.Module):
         return self.o(merge_heads((scores - penalty[:, None]).softmax(-1) @ v))
 
 
-class MultiTokenAttention(nn.Module):
+class MultiTokenAttention(FusedHeads):
     """Multi-token attention: each head's score map convolved over (query, key) by its own
     causal kernel before the softmax (a depthwise ``conv2d`` with the heads as channels)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.qkv, self.o = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
         self.kernel = nn.Conv2d(HEADS, HEADS, (3, 3), groups=HEADS, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = self.heads(x)
         s = x.shape[1]
         future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         scores = (q @ k.transpose(-1, -2) / HEAD_DIM**0.5).masked_fill(future, 0.0)
