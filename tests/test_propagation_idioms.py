@@ -87,7 +87,7 @@ def _hf_experts_on_rank(rank: int, world: int, implementation: str) -> str:
     return result.reason or f"{result.share:.2f}"
 
 
-@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("implementation", ["grouped_mm", pytest.param("batched_mm", marks=pytest.mark.slow)])
 def test_transformers_expert_implementations_split_their_experts(implementation: str) -> None:
     """The expert kernels transformers offers besides its loop (``experts_implementation``), in
     fp32 at tp=2: equal to the unmodified model, the experts split."""
