@@ -125,6 +125,7 @@ def test_fast_subset_at_tp2() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # a configuration runs every model on one set of ranks: over 10 minutes on 2 cores
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_suite_under_the_strict_rule(config: str) -> None:
     results = run_config(config)
