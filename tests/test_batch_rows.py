@@ -144,6 +144,21 @@ class RowsMixedBy(nn.Module):
         (lambda x: x.cumsum(0), "cumsum"),
         (lambda x: x + x[torch.arange(x.shape[0]), -1][:, None], ""),  # each row's last token: its own row
         (lambda x: x + torch.cdist(x, torch.ones(4, DIM)).softmax(-1) @ torch.ones(4, DIM), ""),  # distances to a codebook
+        # pieces of the rows taken by slicing (``analysis.row_pieces``)
+        (lambda x: x + torch.cat([x[1:], x[:1]]), "cat"),  # a shift by slices and cat
+        (lambda x: x + torch.cat([x.narrow(0, 1, 1), x.narrow(0, 0, 1)]), "cat"),
+        (lambda x: torch.cat(list(x.split(1))[::-1]), "cat"),
+        (lambda x: torch.stack(list(reversed(x.unbind(0)))), "stack"),
+        (lambda x: x - x[0], "sub"),  # every row against the first
+        (lambda x: x - x[:1], "sub"),
+        (lambda x: torch.cat([a * b for a, b in [x.chunk(2)]] * 2), "mul"),  # rows paired by halves
+        (lambda x: torch.stack([x[b] * x.new_ones(DIM).cumsum(0)[b] for b in range(x.shape[0])]), "stack"),  # by the row's position
+        (lambda x: torch.roll(torch.stack([u * 2 for u in x.unbind(0)]), 1, 0), "roll"),  # rows found again after a loop
+        (lambda x: torch.stack([x[b].softmax(-1) for b in range(x.shape[0])]), ""),  # a loop over the rows
+        (lambda x: torch.cat([x[b : b + 1].softmax(-1) for b in range(x.shape[0])]), ""),
+        (lambda x: torch.cat([c.softmax(-1) for c in x.chunk(2)]), ""),
+        (lambda x: x + torch.zeros_like(x[0]), ""),  # the first row's shape only
+        (lambda x: x + x[: x.shape[0]], ""),
     ],
 )
 def test_ops_that_read_other_rows_are_found(fn: Callable[[torch.Tensor], torch.Tensor], mixing_op: str) -> None:
@@ -154,6 +169,29 @@ def test_ops_that_read_other_rows_are_found(fn: Callable[[torch.Tensor], torch.T
         assert f"({mixing_op}." in found and "mixer" in found, found
     else:
         assert found == ""
+
+
+class ChunkedLoss(nn.Module):
+    """The loss summed chunk by chunk over the tokens (Liger's idiom), or over the first row only."""
+
+    def __init__(self, first_row_only: bool) -> None:
+        super().__init__()
+        self.embed, self.head, self.first_row_only = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB), first_row_only
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.first_row_only:
+            return {"loss": F.cross_entropy(self.head(self.embed(input_ids))[0], labels[0])}
+        h, flat = self.embed(input_ids).flatten(0, 1), labels.flatten()
+        loss = h.new_zeros(())
+        for rows in (slice(0, 6), slice(6, 12), slice(12, 16)):
+            loss = loss + F.cross_entropy(self.head(h[rows]), flat[rows], reduction="sum")
+        return {"loss": loss / flat.numel()}
+
+
+@pytest.mark.parametrize(("first_row_only", "mixing_op"), [(False, ""), (True, "select")])
+def test_a_loss_over_pieces_of_the_rows_must_cover_every_row(first_row_only: bool, mixing_op: str) -> None:
+    found = batch_mixing_node(trace(ChunkedLoss(first_row_only), _inputs()), batch=2)
+    assert (f"({mixing_op}." in found) if mixing_op else found == "", found
 
 
 def test_train_step_refuses_to_split_a_batch_whose_rows_mix() -> None:

@@ -17,9 +17,10 @@ different dims once broadcast (``z[:, None] - z[None]``), and a gather along the
 indices made apart from them (a graph's edge list indexing its nodes, a fixed or random
 permutation); ``x[arange(rows), i]`` reads each row's own. An accumulating scatter from the
 rows into a tensor without them (messages summed into a graph's nodes) is a statistic over
-rows. Where the walk loses track of the rows otherwise (an op with no rule for a split there)
-it stops looking downstream of it, so the check may miss a case (a shift of the rows by
-slices and ``cat``). A lookup with ``scale_grad_by_freq`` mixes rows in its backward: each
+rows. Pieces of the rows taken by slicing (``x[0]``, ``x.chunk(2)``, a shift by slices and
+``cat``) are followed by ``row_pieces``: they mix rows unless put back in order. Where the walk
+loses track of the rows otherwise (an op with no rule for a split there) it stops looking
+downstream of it, so the check may miss a case. A lookup with ``scale_grad_by_freq`` mixes rows in its backward: each
 table row's gradient is divided by its id's count over the whole batch. A loss divided by a
 statistic of the batch that ``loss_denominators`` could not make the whole batch's
 (``labels.max()``) mixes rows too, and so does a buffer the forward updates from its own
@@ -39,6 +40,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from autotp.analysis.dtensor_rules import dtensor_rule
 from autotp.analysis.propagation import Walker
+from autotp.analysis.row_pieces import Piece, RowPieces
 from autotp.analysis.shapes import is_float, norm_dim, schema_arg, shape_of
 from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
 from autotp.analysis.loss_denominators import unnormalized_division
@@ -77,12 +79,25 @@ class _BatchWalker(Walker):
         if row_dims is None:
             row_dims = [0 if (shape_of(n) or (None,))[0] == batch else None for n in inputs]
         self.input_rows = {n: d for n, d in zip(inputs, row_dims) if d is not None and d != UNKNOWN_ROWS}
+        self.pieces = RowPieces(self._rows_at)
 
     def visit(self, node: Node) -> Any:
         if node.op == "placeholder":
             dim = self.input_rows.get(node)
             return REPLICATE if dim is None else shard({dim: self.rows})
-        if node.op != "call_function" or node.target is operator.getitem:
+        if node.op == "output" and self.mixing is None:
+            self.mixing = self.pieces.reaching_output(node)
+        if node.op != "call_function":
+            return super().visit(node)
+        piece = self.pieces.place(node)
+        lay = self._rows_of(node, piece) if piece is not None else self._layout(node)
+        rows = {d for l in (lay if isinstance(lay, tuple) else (lay,)) if isinstance(l, Layout) for d, v in l.dims if BATCH_ORIGIN in v.find().origins}
+        if self.pieces.follow(node, rows) and self.mixing is None:
+            self.mixing = node
+        return lay
+
+    def _layout(self, node: Node) -> Any:
+        if node.target is operator.getitem:
             return super().visit(node)
         if self.mixing is None and self._mixes(node):
             self.mixing = node
@@ -92,6 +107,17 @@ class _BatchWalker(Walker):
             return shard({0: DimVar(self.batch, frozenset({BATCH_ORIGIN}))})
         derived = dtensor_rule(self, node)  # DTensor's strategies know batch-split inputs best
         return derived if derived is not None else super().visit(node)
+
+    def _rows_of(self, node: Node, piece: Piece) -> Layout:
+        """A piece put back holds all of its source's rows; one taken holds its own (tracked
+        as rows where there are two or more on a kept dim)."""
+        source = self.out.layouts.get(piece.source)
+        var = source.var_at(piece.dim) if isinstance(source, Layout) else None
+        if var is None:
+            return REPLICATE
+        if node.target in (torch.ops.aten.cat.default, torch.ops.aten.stack.default):
+            return shard({piece.dim: var})
+        return shard({piece.dim: DimVar(piece.rows, frozenset({BATCH_ORIGIN}))}) if piece.keeps_dim and (piece.rows or 0) > 1 else REPLICATE
 
     def _attention(self, node: Node) -> Layout:
         """Attention keeps its leading dims (batch, heads) apart: the output has the query's
@@ -111,12 +137,12 @@ class _BatchWalker(Walker):
         first, x = node.args[1][0], node.args[0]
         if 0 not in self._rows_at(x):
             return False
-        if self._counts_rows(first):
+        if self._counts_rows(first, (shape_of(x) or (0,))[0]):
             return True
         val = first.meta.get("val")
         return len(node.args[1]) == 1 and isinstance(val, torch.Tensor) and val.dtype == torch.bool and 0 in self._rows_at(first)
 
-    def _counts_rows(self, index: Node) -> bool:
+    def _counts_rows(self, index: Node, rows: int) -> bool:
         """``index`` is ``arange(rows)`` (possibly unsqueezed or viewed to [rows, 1, ...])."""
         while index.op == "call_function" and is_alias(index) and isinstance(index.args[0], Node):
             index = index.args[0]
@@ -124,7 +150,7 @@ class _BatchWalker(Walker):
             return False
         args = [a for a in index.args if not isinstance(a, torch.dtype)]
         start, end, step = (0, args[0], 1) if len(args) == 1 else (*args[:2], args[2] if len(args) > 2 else 1)
-        return (start, end, step) == (0, self.batch, 1)
+        return (start, end, step) == (0, rows, 1)
 
     def _rows_at(self, arg: Any) -> set[int]:
         lay = self.out.layouts.get(arg) if isinstance(arg, Node) else None
@@ -174,7 +200,8 @@ class _BatchWalker(Walker):
             indexed = [(norm_dim(node.args[1], rank), node.args[2])]
         else:
             return False
-        return any(d in rows and not self._counts_rows(index) and self._apart_from_rows(index) for d, index in indexed)
+        shape = shape_of(node.args[0]) or ()
+        return any(d in rows and not self._counts_rows(index, shape[d]) and self._apart_from_rows(index) for d, index in indexed)
 
     def _apart_from_rows(self, node: Node) -> bool:
         """Whether neither ``node`` nor anything it is computed from holds the rows."""
