@@ -13,7 +13,9 @@ document over ``cu_seqlens.tolist()`` (the packed-sequence reference of varlen k
 DenseFormer's depth-weighted averages of every earlier layer's output; a mixture of attention
 heads (each token's top-k heads by a router, MoH); Dynamic Tanh in place of the norms; a
 bidirectional mixer scanning the sequence flipped; an ``nn.LSTM`` layer between attention blocks;
-SDPA inside ``sdpa_kernel``; Matryoshka heads (the loss summed over prefixes of the hidden dim).
+SDPA inside ``sdpa_kernel``; Matryoshka heads (the loss summed over prefixes of the hidden dim);
+heads laid out by composites without a rule of their own (``movedim``, ``swapaxes``,
+``tensor_split``, ``narrow``).
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)``.
@@ -55,6 +57,22 @@ class RoutedExperts(nn.Module):
         super().__init__()
         self.router = nn.Linear(DIM, EXPERTS, bias=False)
         self.experts = nn.ModuleList(SwiGLU(DIM, EXPERT_HIDDEN) for _ in range(EXPERTS))
+
+
+class MovedAxesAttention(FusedHeads):
+    """Heads laid out by composites without a rule of their own: q/k/v split by
+    ``tensor_split``, heads moved by ``movedim``, merged by ``swapaxes``; the FFN's hidden units
+    cut by ``narrow`` (einops- and NumPy-style code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 4 * DIM, bias=False), nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (HEADS, -1)).movedim(2, 1) for t in self.qkv(x).tensor_split(3, dim=-1))
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).swapaxes(1, 2).flatten(2))
+        h = self.up(x)
+        return x + self.down(F.silu(h.narrow(-1, 0, 2 * DIM)) * h.narrow(-1, 2 * DIM, 2 * DIM))
 
 
 class HookedAttention(NanoGPTAttention):
@@ -726,6 +744,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "padded_vocab_slice": PaddedVocabLM,
     "attention_weights_penalty": AttentionPenaltyLM,
     "prompt_tuning": PromptTunedLM,
+    "moved_axes_attention": decoder_of(MovedAxesAttention),
 }
 MOE = frozenset({"logged_router_stats", "grouped_gemm_moe", "hash_routed_moe", "bool_mask_moe", "sinkhorn_router_moe"})
 

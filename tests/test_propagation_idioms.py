@@ -67,6 +67,22 @@ def test_a_head_padded_past_the_vocabulary_splits_in_its_real_and_padding_rows(p
         assert "output.weight" not in layouts and "output.weight" in {k.name for k in plan.kept_whole}
 
 
+def test_composites_that_only_move_data_take_the_rules_of_their_views() -> None:
+    """``movedim``, ``swapaxes``, ``tensor_split`` and ``narrow`` have no rule and no DTensor
+    strategy (they are CompositeImplicitAutograd): the walk kept the fused QKV whole at them.
+    The trace now replaces each by its decomposition, which is only views, so the heads split."""
+    name = "moved_axes_attention"
+    model = build(name)
+    gm = trace(model, example_inputs(name))
+    left = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"} & {"aten.movedim.int", "aten.swapaxes.default", "aten.tensor_split.sections", "aten.narrow.default"}
+    assert not left
+    plan = plan_tensor_parallel(gm, 4)
+    layouts = {p.name: (p.kind, p.dim) for p in plan.params}
+    linears = {f"{path}.weight" for path, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linears <= set(layouts), linears - set(layouts)
+    assert layouts["layers.0.attention.qkv.weight"] == ("column", 0) and layouts["layers.0.attention.o.weight"] == ("row", 1)
+
+
 def _check(rank: int, world: int, name: str) -> str:
     from autotp.report.strict_rule import check_on_rank
 

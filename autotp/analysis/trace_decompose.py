@@ -21,6 +21,12 @@ would see, one reaching ``prims`` ops (no autograd), and random ops are left as 
 and so is an op whose inputs other than parameters are themselves computed from parameters
 (a LoKr delta ``kron(w1, a @ b)``: small factors, left whole and read through slices).
 
+``decompose_data_movement`` replaces an op with neither a rule nor a DTensor strategy whose
+``CompositeImplicitAutograd`` kernel only moves data (``movedim``, ``swapaxes``, ``narrow``,
+``tensor_split``, the ``*stack`` family) by that kernel's views and copies: what eager runs for
+it, through ops the rules know. Composites that compute (``cdist``, ``cosine_similarity``) stay
+one op, for the rules that know them by name.
+
 ``draw_by_size`` rewrites a random draw shaped like a tensor (``randn_like(x)``) into the
 draw of x's size (``randn(x.shape)``), which reads no tensor: the same numbers, from the
 same generator calls, and a draw the walk can keep whole while x is split
@@ -40,6 +46,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autotp.analysis.dtensor_rules import has_strategy
 from autotp.analysis.op_rules import rule_for
 from autotp.analysis.statistic_rules import batch_statistics
 
@@ -137,24 +144,52 @@ def decompose_parameter_ops(gm: GraphModule) -> None:
             decompose, read = node.target.decompose, -1  # a weight standardized by batch_norm (timm's StdConv)
         if read == 0:
             continue
-        leaves, spec = tree_flatten((node.args, node.kwargs))
-        at = [i for i, a in enumerate(leaves) if isinstance(a, Node)]
-
-        def run(*tensors: torch.Tensor) -> Any:
-            values = list(leaves)
-            for i, t in zip(at, tensors):
-                values[i] = t
-            args, kwargs = tree_unflatten(values, spec)
-            return decompose(*args, **kwargs)
-
-        fakes = [leaves[i].meta["val"] for i in at]
-        with fakes[0].fake_mode:
-            body = make_fx(run, decomposition_table=table)(*fakes)
-        if _prims(body) or not _out_of_place(body) or read > 0 and sum(n.op == "call_function" for n in body.graph.nodes) > MAX_DECOMPOSED_NODES:
+        body = _traced(node, decompose, table)
+        if body is None or _prims(body) or not _out_of_place(body) or read > 0 and sum(n.op == "call_function" for n in body.graph.nodes) > MAX_DECOMPOSED_NODES:
             continue
         log.debug("decomposed %s (%s), which reads parameters", node.name, node.target)
-        _inline(gm, node, body, [leaves[i] for i in at])
+        _inline(gm, node, body, [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, Node)])
     gm.graph.lint()
+
+
+_MOVES_DATA = frozenset({aten.cat.default, aten.stack.default, aten.clone.default, aten.repeat.default, aten.contiguous.default})
+
+
+def decompose_data_movement(gm: GraphModule) -> None:
+    """Replace each op without a rule or a DTensor strategy whose decomposition only moves data
+    (``movedim``, ``swapaxes``, ``narrow``, ``tensor_split``, ``hstack``: views, ``cat``, ``stack``,
+    copies) by that decomposition (in place): the same values, through ops the rules know."""
+    for node in list(gm.graph.nodes):
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or rule_for(target) is not None or has_strategy(target):
+            continue
+        if target._schema.is_mutable or not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"):
+            continue
+        body = _traced(node, target.decompose, {})
+        if body is not None and all(_aliases_input(n) or n.target in _MOVES_DATA for n in body.graph.nodes if n.op == "call_function"):
+            log.debug("decomposed %s (%s) into the views and copies it makes", node.name, target)
+            _inline(gm, node, body, node.all_input_nodes)
+    gm.graph.lint()
+
+
+def _traced(node: Node, decompose: Callable[..., Any], table: dict[Any, Callable[..., Any]]) -> GraphModule | None:
+    """``decompose`` run on ``node``'s arguments, traced on their fake values (None where a
+    tensor argument has none)."""
+    leaves, spec = tree_flatten((node.args, node.kwargs))
+    at = [i for i, a in enumerate(leaves) if isinstance(a, Node)]
+
+    def run(*tensors: torch.Tensor) -> Any:
+        values = list(leaves)
+        for i, t in zip(at, tensors):
+            values[i] = t
+        args, kwargs = tree_unflatten(values, spec)
+        return decompose(*args, **kwargs)
+
+    fakes = [leaves[i].meta.get("val") for i in at]
+    if not fakes or not all(isinstance(f, torch.Tensor) for f in fakes):
+        return None
+    with fakes[0].fake_mode:
+        return make_fx(run, decomposition_table=table)(*fakes)
 
 
 def _prims(body: GraphModule) -> bool:
