@@ -159,6 +159,17 @@ class RowsMixedBy(nn.Module):
         (lambda x: torch.cat([c.softmax(-1) for c in x.chunk(2)]), ""),
         (lambda x: x + torch.zeros_like(x[0]), ""),  # the first row's shape only
         (lambda x: x + x[: x.shape[0]], ""),
+        # writes by a permutation, windows, padding and convolutions along the rows
+        (lambda x: torch.zeros_like(x).index_put((torch.tensor([1, 0]),), x), "index_put"),
+        (lambda x: torch.zeros_like(x).index_copy(0, torch.tensor([1, 0]), x), "index_copy"),
+        (lambda x: torch.zeros_like(x).scatter(0, torch.tensor([1, 0])[:, None, None].expand_as(x), x), "scatter"),
+        (lambda x: torch.take(x, torch.arange(x.numel()).flip(0)).view_as(x), "take"),
+        (lambda x: x.unfold(0, 2, 1).mean(-1).repeat(2, 1, 1), "unfold"),
+        (lambda x: F.pad(x, (0, 0, 0, 0, 1, 0))[:-1], "pad"),
+        (lambda x: x + F.conv1d(x.mean(1).t()[None], torch.ones(DIM, 1, 2), padding=1, groups=DIM)[0, :, :2].t()[:, None], "conv1d"),
+        (lambda x: F.pad(x, (0, 0, 1, 0))[:, :-1], ""),  # a shift along the sequence
+        (lambda x: x + x.movedim(0, 1).cumsum(0).movedim(1, 0), ""),
+        (lambda x: x + x.movedim(0, 1).cumsum(1).movedim(1, 0), "cumsum"),
     ],
 )
 def test_ops_that_read_other_rows_are_found(fn: Callable[[torch.Tensor], torch.Tensor], mixing_op: str) -> None:

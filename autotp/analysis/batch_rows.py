@@ -53,6 +53,11 @@ BATCH_ORIGIN = "<batch rows>"
 _SELECTING = {"topk": (2, -1), "kthvalue": (2, -1), "max": (1, None), "min": (1, None), "softmax": (1, None),
               "_softmax": (1, None), "log_softmax": (1, None), "_log_softmax": (1, None), "logsumexp": (1, None)}  # fmt: skip
 _MATMULS = frozenset({"mm", "bmm", "matmul", "linear"})
+_INDEXED_BY_LIST = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
+_INDEXED_ALONG_DIM = (torch.ops.aten.index_select.default, torch.ops.aten.gather.default, torch.ops.aten.index_copy.default,
+                      torch.ops.aten.index_copy_.default, torch.ops.aten.scatter.src, torch.ops.aten.scatter_.src)  # fmt: skip
+_CONVOLUTIONS = frozenset({"convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+_SHAPE_OF_SECOND = frozenset({"expand_as", "view_as", "reshape_as"})  # the second argument gives only a shape
 _CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"})
 _PAIRWISE = frozenset({"cosine_similarity", "pairwise_distance"})  # broadcasting, not tagged pointwise
 _CLASS_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"})
@@ -189,15 +194,18 @@ class _BatchWalker(Walker):
         return any(norm_dim(d, len(shape)) in rows for d in dims)
 
     def _addresses_rows(self, node: Node, rows: set[int], rank: int) -> bool:
-        """A gather along a dim holding the rows by indices made without reference to the rows (a
-        graph's edge list indexing its nodes, ``h[src]``; a fixed or random permutation, mixup's
-        ``x[randperm(b)]``): a row's result is whichever row the index names. Indices made from
+        """A gather (or a write: ``y[perm] = x``, ``index_copy``, ``scatter``) along a dim holding
+        the rows by indices made without reference to the rows (a graph's edge list indexing its
+        nodes, ``h[src]``; a fixed or random permutation, mixup's ``x[randperm(b)]``): a row's
+        result is whichever row the index names. Indices made from
         the rows' own values (an MoE's sorted tokens) only move rows; ``arange(rows)`` reads
         each row's own."""
-        if node.target is torch.ops.aten.index.Tensor:
+        if node.target in _INDEXED_BY_LIST:
             indexed = [(d, i) for d, i in enumerate(node.args[1]) if isinstance(i, Node)]
-        elif node.target in (torch.ops.aten.index_select.default, torch.ops.aten.gather.default):
+        elif node.target in _INDEXED_ALONG_DIM:
             indexed = [(norm_dim(node.args[1], rank), node.args[2])]
+        elif node.target is torch.ops.aten.take.default:  # the flattened tensor: every dim at once
+            indexed = [(d, node.args[1]) for d in rows]
         else:
             return False
         shape = shape_of(node.args[0]) or ()
@@ -213,17 +221,27 @@ class _BatchWalker(Walker):
             seen.add(n)
             if self._rows_at(n):
                 return False
-            stack.extend(n.all_input_nodes)
+            stack.extend(n.args[:1] if n.op == "call_function" and op_name(n.target) in _SHAPE_OF_SECOND else n.all_input_nodes)
         return True
 
     def _runs_along_rows(self, node: Node, rows: set[int], rank: int) -> bool:
-        """``roll``, ``flip`` or a cumulative op (``cumsum``, ``cummax``, ...) along a dim holding
-        the rows: each row's result reads its neighbours."""
+        """``roll``, ``flip``, a cumulative op (``cumsum``, ``cummax``, ...), windows (``unfold``
+        of more than one row) or a convolution's kernel of more than one element along a dim
+        holding the rows, or padding that adds rows: each row's result reads its neighbours (or
+        the rows of a piece of the batch count other padding)."""
         name = op_name(node.target)
         if name in ("roll", "flip"):
             dims = schema_arg(node, "dims", ())
         elif name in _CUMULATIVE:
             dims = (schema_arg(node, "dim", 0),)
+        elif name == "unfold" and schema_arg(node, "size", 1) > 1:
+            dims = (schema_arg(node, "dimension", 0),)
+        elif name in ("constant_pad_nd", "pad"):
+            pads = list(schema_arg(node, "pad", ()))
+            dims = tuple(rank - 1 - i // 2 for i, p in enumerate(pads) if p != 0)
+        elif name in _CONVOLUTIONS:
+            kernel = shape_of(node.args[1]) or ()
+            dims = tuple(2 + i for i, k in enumerate(kernel[2:]) if k != 1)
         else:
             return False
         return any(norm_dim(d, rank) in rows for d in (dims if isinstance(dims, (list, tuple)) else (dims,)))
