@@ -183,25 +183,25 @@ def test_ops_that_read_other_rows_are_found(fn: Callable[[torch.Tensor], torch.T
 
 
 class ChunkedLoss(nn.Module):
-    """The loss summed chunk by chunk over the tokens (Liger's idiom), or over the first row only."""
+    """The loss summed chunk by chunk over the tokens (Liger's idiom), the chunks' losses
+    stacked first, or the loss of the first row only."""
 
-    def __init__(self, first_row_only: bool) -> None:
+    def __init__(self, form: str) -> None:
         super().__init__()
-        self.embed, self.head, self.first_row_only = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB), first_row_only
+        self.embed, self.head, self.form = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB), form
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.first_row_only:
+        if self.form == "first_row":
             return {"loss": F.cross_entropy(self.head(self.embed(input_ids))[0], labels[0])}
         h, flat = self.embed(input_ids).flatten(0, 1), labels.flatten()
-        loss = h.new_zeros(())
-        for rows in (slice(0, 6), slice(6, 12), slice(12, 16)):
-            loss = loss + F.cross_entropy(self.head(h[rows]), flat[rows], reduction="sum")
+        chunks = [F.cross_entropy(self.head(h[rows]), flat[rows], reduction="sum") for rows in (slice(0, 6), slice(6, 12), slice(12, 16))]
+        loss = torch.stack(chunks).sum() if self.form == "stacked" else sum(chunks, h.new_zeros(()))
         return {"loss": loss / flat.numel()}
 
 
-@pytest.mark.parametrize(("first_row_only", "mixing_op"), [(False, ""), (True, "select")])
-def test_a_loss_over_pieces_of_the_rows_must_cover_every_row(first_row_only: bool, mixing_op: str) -> None:
-    found = batch_mixing_node(trace(ChunkedLoss(first_row_only), _inputs()), batch=2)
+@pytest.mark.parametrize(("form", "mixing_op"), [("summed", ""), ("stacked", ""), ("first_row", "select")])
+def test_a_loss_over_pieces_of_the_rows_must_cover_every_row(form: str, mixing_op: str) -> None:
+    found = batch_mixing_node(trace(ChunkedLoss(form), _inputs()), batch=2)
     assert (f"({mixing_op}." in found) if mixing_op else found == "", found
 
 

@@ -30,7 +30,6 @@ _TAKES_PIECES = frozenset({"slice", "narrow", "select", "split", "split_with_siz
 _READS_SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
                                "new_zeros", "new_ones", "new_empty", "new_full", "sym_size"})  # fmt: skip
 _TUPLES = frozenset({"split", "split_with_sizes", "unbind", "chunk"})
-_SUMS = (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.add_.Tensor, torch.ops.aten.sub_.Tensor)
 _REASSEMBLES = (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
 
 
@@ -69,7 +68,7 @@ class RowPieces:
         self.of: dict[Node, frozenset[Piece]] = {}  # the pieces a node is computed from
         self.taken_by: dict[Piece, Node] = {}
         self.placed: set[Node] = set()  # nodes that take pieces or put them back
-        self.sums: dict[Node, frozenset[tuple[object, ...]]] = {}  # statistics of pieces: the spans they cover
+        self.sums: dict[Node, frozenset[Piece]] = {}  # statistics: the pieces whose rows they reduced
         self._keys: dict[Node, int] = {}  # what each node computes, up to which piece it reads
 
     def place(self, node: Node) -> Piece | None:
@@ -91,27 +90,25 @@ class RowPieces:
         return restored
 
     def follow(self, node: Node, rows: set[int]) -> bool:
-        """Whether ``node``, holding the rows at ``rows``, mixes the rows of the pieces it reads."""
+        """Whether ``node``, holding the rows at ``rows``, mixes the rows of the pieces it reads:
+        a piece's values meet other rows, or a statistic of other rows (``x - x[0]``,
+        ``x[1] * x[0].sum()``). Statistics meeting statistics only collect them (a loss chunk by
+        chunk, a weight's gradient summed over chunks, per-row losses stacked)."""
         if node in self.placed:
             return False
         if op_name(node.target) in _READS_SHAPE_ONLY or isinstance(node.meta.get("val"), (torch.SymInt, int, float, bool)):
             return False
         deps = frozenset().union(*(self.of.get(a, frozenset()) for a in node.all_input_nodes))
-        sums = [self.sums[a] for a in node.all_input_nodes if a in self.sums]
+        sums = frozenset().union(*(self.sums.get(a, frozenset()) for a in node.all_input_nodes))
         if not deps and not sums:
             return False
-        spans = {p.span for p in deps} | {s for held in sums for s in held}
         meets_rows = any(self.rows_at(a) and not self.of.get(a) for a in node.all_input_nodes if is_float(a))
-        if self._reduces(node, deps, rows) and not meets_rows:
-            # a sum of pieces' statistics (a loss or a weight's gradient chunk by chunk) is their rows' statistic
-            adds = node.target in _SUMS or len(sums) + bool(deps) < 2
-            self.sums[node] = frozenset(spans)
-            return not adds and len(spans) > 1
-        if deps:
+        spans = {p.span for p in deps | sums}
+        if deps and not self._reduces(node, deps, rows):
             self.of[node] = deps
         else:
-            self.sums[node] = frozenset(spans)
-        return len(spans) > 1 or meets_rows
+            self.sums[node] = deps | sums
+        return meets_rows or bool(deps) and len(spans) > 1
 
     def _reduces(self, node: Node, deps: frozenset[Piece], rows: set[int]) -> bool:
         """Whether ``node``'s value holds none of its pieces' rows: a scalar, or the rows of
@@ -128,9 +125,9 @@ class RowPieces:
         for a in output.all_input_nodes:
             for piece in self.of.get(a, ()):
                 return self.taken_by[piece]
-            by_unit: dict[object, list[tuple[object, ...]]] = {}
-            for span in self.sums.get(a, ()):
-                by_unit.setdefault(span[0], []).append(span)
+            by_unit: dict[object, set[tuple[object, ...]]] = {}
+            for piece in self.sums.get(a, ()):
+                by_unit.setdefault(piece.span[0], set()).add(piece.span)
             for unit, spans in by_unit.items():
                 covered = sorted((s[1], s[2]) for s in spans if s[3] == 1 and s[1] is not None)
                 ends = [0] + [stop for _, stop in covered]
@@ -169,7 +166,7 @@ class RowPieces:
         dim = norm_dim(schema_arg(node, "dim", 0), len(shape_of(parts[0]) or ()) + stacking)
         chosen: list[Piece] = []
         for part in parts:
-            held = self.of.get(part, frozenset()) if isinstance(part, Node) else frozenset()
+            held = self.of.get(part) or self.sums.get(part, frozenset()) if isinstance(part, Node) else frozenset()
             fits = [p for p in held if p.dim == dim and p.keeps_dim != stacking and p.step == 1 and p.rows is not None]
             if len({p.span for p in held}) != 1 or not fits:
                 return None
