@@ -170,6 +170,15 @@ class RowsMixedBy(nn.Module):
         (lambda x: F.pad(x, (0, 0, 1, 0))[:, :-1], ""),  # a shift along the sequence
         (lambda x: x + x.movedim(0, 1).cumsum(0).movedim(1, 0), ""),
         (lambda x: x + x.movedim(0, 1).cumsum(1).movedim(1, 0), "cumsum"),
+        # order statistics and norms over the rows
+        (lambda x: x - x.median(0, keepdim=True).values, "median"),
+        (lambda x: x - torch.quantile(x, 0.5, dim=0, keepdim=True), "quantile"),
+        (lambda x: x - x.round().mode(0, keepdim=True).values, "mode"),
+        (lambda x: x.sort(0).values, "sort"),
+        (lambda x: x - torch.var_mean(x, 0, keepdim=True)[1], "sub"),  # var_mean.dim, the overload with ``unbiased``
+        (lambda x: F.layer_norm(x.transpose(0, 2), (2,)).transpose(0, 2), "layer_norm"),
+        (lambda x: F.group_norm(x.transpose(0, 1), 1).transpose(0, 1), "group_norm"),
+        (lambda x: F.instance_norm(x.transpose(0, 1)).transpose(0, 1), ""),  # over each row's features
     ],
 )
 def test_ops_that_read_other_rows_are_found(fn: Callable[[torch.Tensor], torch.Tensor], mixing_op: str) -> None:

@@ -51,7 +51,10 @@ from autotp.ir.op_facts import is_alias, op_name, writes_by_base
 BATCH_ORIGIN = "<batch rows>"
 # op name -> position of its dim argument and the default when it is absent
 _SELECTING = {"topk": (2, -1), "kthvalue": (2, -1), "max": (1, None), "min": (1, None), "softmax": (1, None),
-              "_softmax": (1, None), "log_softmax": (1, None), "_log_softmax": (1, None), "logsumexp": (1, None)}  # fmt: skip
+              "_softmax": (1, None), "log_softmax": (1, None), "_log_softmax": (1, None), "logsumexp": (1, None),
+              "median": (1, None), "nanmedian": (1, None), "mode": (1, -1), "quantile": (2, None), "nanquantile": (2, None),
+              "msort": (None, 0)}  # fmt: skip
+_OVER_EVERYTHING = frozenset({"max", "min", "median", "nanmedian", "quantile", "nanquantile"})  # with no dim: over every element
 _MATMULS = frozenset({"mm", "bmm", "matmul", "linear"})
 _INDEXED_BY_LIST = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
 _INDEXED_ALONG_DIM = (torch.ops.aten.index_select.default, torch.ops.aten.gather.default, torch.ops.aten.index_copy.default,
@@ -182,12 +185,16 @@ class _BatchWalker(Walker):
             return self._matmul_mixes(node)
         if name in _CLASS_LOSSES:  # a softmax over dim 1, the classes (dim 0 of one sample's logits)
             return (1 if len(shape) > 1 else 0) in rows
+        if name in _NORMALIZING:
+            return bool(_normalized_dims(node, name, len(shape)) & rows)
+        if name == "sort" and any(u.target is operator.getitem and u.args[1] == 0 and u.users for u in node.users):  # its values, not only its order
+            return norm_dim(schema_arg(node, "dim", -1), len(shape)) in rows
         if name not in _SELECTING:
             return False
         pos, default = _SELECTING[name]
-        dim = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", default)
-        if dim is None:  # max()/min() over everything, or a name _SELECTING lists without a dim here
-            return name in ("max", "min") and len(node.args) == 1
+        dim = node.args[pos] if pos is not None and len(node.args) > pos else node.kwargs.get("dim", default)
+        if dim is None:  # over everything (max(), median()), or a name _SELECTING lists without a dim here
+            return name in _OVER_EVERYTHING and len(node.args) <= (2 if name.endswith("quantile") else 1)
         dims = dim if isinstance(dim, (list, tuple)) else [dim]
         if not all(isinstance(d, int) for d in dims):  # max/min of two tensors: pointwise
             return False
@@ -275,6 +282,17 @@ class _BatchWalker(Walker):
         shared_a = {d + lead - (len(sa) - 2) for d in ra if d < len(sa) - 2}
         shared_b = {d + lead - (len(sb) - 2) for d in rb if d < len(sb) - 2}
         return len(shared_a) != len(ra) or len(shared_b) != len(rb) or shared_a != shared_b
+
+
+_NORMALIZING = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm", "native_group_norm"})
+
+
+def _normalized_dims(node: Node, name: str, rank: int) -> set[int]:
+    """The dims a norm takes its statistics over: the trailing ``normalized_shape`` of a layer
+    or RMS norm; every dim past the batch of a group norm."""
+    if name.endswith("group_norm"):
+        return set(range(1, rank))
+    return set(range(rank - len(schema_arg(node, "normalized_shape", ())), rank))
 
 
 def batch_size(call: dict[str, Any]) -> int:

@@ -37,7 +37,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 from autotp.analysis.batch_rows import UNKNOWN_ROWS, batch_rows_at, batch_size, input_row_dims
 from autotp.analysis.loss_denominators import normalize_loss_denominators
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
-from autotp.analysis.trace_decompose import decompose_data_movement, decompose_parameter_ops, draw_by_size
+from autotp.analysis.trace_decompose import decompose_simple_composites, decompose_parameter_ops, draw_by_size
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
 from autotp.analysis.trace_guards import GradientHookWatch, refuse_backward_hooks, refuse_lazy_parameters, refuse_parameter_writes, register_dataclasses, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
@@ -171,7 +171,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     inline_regions(gm)
     _clean(gm)
     decompose_parameter_ops(gm)
-    decompose_data_movement(gm)
+    decompose_simple_composites(gm)
     draw_by_size(gm)
     if split_batch:
         doubled = functools.cache(lambda: _doubled(model, kwargs, device, batch_dims))  # traced once, if either needs it

@@ -21,10 +21,10 @@ would see, one reaching ``prims`` ops (no autograd), and random ops are left as 
 and so is an op whose inputs other than parameters are themselves computed from parameters
 (a LoKr delta ``kron(w1, a @ b)``: small factors, left whole and read through slices).
 
-``decompose_data_movement`` replaces an op with neither a rule nor a DTensor strategy whose
+``decompose_simple_composites`` replaces an op with neither a rule nor a DTensor strategy whose
 ``CompositeImplicitAutograd`` kernel only moves data (``movedim``, ``swapaxes``, ``narrow``,
-``tensor_split``, the ``*stack`` family) by that kernel's views and copies: what eager runs for
-it, through ops the rules know. Composites that compute (``cdist``, ``cosine_similarity``) stay
+``tensor_split``, the ``*stack`` family) or is one op with a rule under another overload
+(``var_mean.dim``) by that kernel's ops: what eager runs for it, through ops the rules know. Composites that compute (``cdist``, ``cosine_similarity``) stay
 one op, for the rules that know them by name.
 
 ``draw_by_size`` rewrites a random draw shaped like a tensor (``randn_like(x)``) into the
@@ -155,10 +155,11 @@ def decompose_parameter_ops(gm: GraphModule) -> None:
 _MOVES_DATA = frozenset({aten.cat.default, aten.stack.default, aten.clone.default, aten.repeat.default, aten.contiguous.default})
 
 
-def decompose_data_movement(gm: GraphModule) -> None:
+def decompose_simple_composites(gm: GraphModule) -> None:
     """Replace each op without a rule or a DTensor strategy whose decomposition only moves data
     (``movedim``, ``swapaxes``, ``narrow``, ``tensor_split``, ``hstack``: views, ``cat``, ``stack``,
-    copies) by that decomposition (in place): the same values, through ops the rules know."""
+    copies) or computes with one op that has a rule (``var_mean.dim`` is ``var_mean.correction``)
+    by that decomposition (in place): the same values, through ops the rules know."""
     for node in list(gm.graph.nodes):
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or rule_for(target) is not None or has_strategy(target):
@@ -166,8 +167,11 @@ def decompose_data_movement(gm: GraphModule) -> None:
         if target._schema.is_mutable or not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"):
             continue
         body = _traced(node, target.decompose, {})
-        if body is not None and all(_aliases_input(n) or n.target in _MOVES_DATA for n in body.graph.nodes if n.op == "call_function"):
-            log.debug("decomposed %s (%s) into the views and copies it makes", node.name, target)
+        if body is None:
+            continue
+        computing = [n for n in body.graph.nodes if n.op == "call_function" and not _aliases_input(n) and n.target not in _MOVES_DATA]
+        if not computing or len(computing) == 1 and rule_for(computing[0].target) is not None:
+            log.debug("decomposed %s (%s) into ops with rules", node.name, target)
             _inline(gm, node, body, node.all_input_nodes)
     gm.graph.lint()
 
