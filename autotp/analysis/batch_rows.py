@@ -20,8 +20,9 @@ rows into a tensor without them (messages summed into a graph's nodes) is a stat
 rows. Pieces of the rows taken by slicing (``x[0]``, ``x.chunk(2)``, a shift by slices and
 ``cat``) are followed by ``row_pieces``: they mix rows unless put back in order. Where the walk
 loses track of the rows otherwise (an op with no rule for a split there) it stops looking
-downstream of it, so the check may miss a case. A lookup with ``scale_grad_by_freq`` mixes rows in its backward: each
-table row's gradient is divided by its id's count over the whole batch. A loss divided by a
+downstream of it, so the check may miss a case. A lookup with ``scale_grad_by_freq`` mixes
+rows in its backward: each table row's gradient is divided by its id's count over the whole
+batch. A loss divided by a
 statistic of the batch that ``loss_denominators`` could not make the whole batch's
 (``labels.max()``) mixes rows too, and so does a buffer the forward updates from its own
 earlier value (``carried_buffer_write``): each piece would read what the piece before it wrote.
