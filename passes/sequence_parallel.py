@@ -43,7 +43,7 @@ from autotp.ir.errors import UserInputError
 from autotp.analysis.shapes import shape_of
 from autotp.ir import meta_keys, ops
 from autotp.ir.layouts import REPLICATE, DimVar, Layout, shard
-from autotp.ir.op_facts import CollectiveTag, is_reshape
+from autotp.ir.op_facts import CollectiveTag, is_pointwise, is_reshape
 from autotp.passes.insert_collectives import annotate_collective
 from autotp.passes.runner import PassContext
 
@@ -144,7 +144,7 @@ def _swap_with_view(graph: Graph, g: Node) -> None:
 
 
 def _bias_like(node: Node, source: Node) -> bool:
-    if not (isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags):
+    if not is_pointwise(node.target):
         return False
     others = [a for a in node.all_input_nodes if a is not source]
     return all(len(shape_of(a) or ()) <= 1 for a in others)
@@ -177,7 +177,7 @@ def _joins(node: Node, region: dict[Node, int], group: str) -> int | None:
     if target in (aten.linear.default, aten.matmul.default, aten.mm.default):  # the other operand the same for every token
         other = node.args[1]
         return seq if node.args[0] in region and other not in region and _broadcasts(other, ndim, seq) == -1 else None
-    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+    if is_pointwise(target):
         return seq if all(_broadcasts(a, ndim, seq) is not None for a in outside) else None
     return None
 

@@ -15,7 +15,7 @@ heads (each token's top-k heads by a router, MoH); Dynamic Tanh in place of the 
 bidirectional mixer scanning the sequence flipped; an ``nn.LSTM`` layer between attention blocks;
 SDPA inside ``sdpa_kernel``; Matryoshka heads (the loss summed over prefixes of the hidden dim);
 heads laid out by composites without a rule of their own (``movedim``, ``swapaxes``,
-``tensor_split``, ``narrow``).
+``tensor_split``, ``narrow``); ``hardswish`` and ``PReLU``, which PyTorch does not tag pointwise.
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)``.
@@ -73,6 +73,18 @@ class MovedAxesAttention(FusedHeads):
         x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).swapaxes(1, 2).flatten(2))
         h = self.up(x)
         return x + self.down(F.silu(h.narrow(-1, 0, 2 * DIM)) * h.narrow(-1, 2 * DIM, 2 * DIM))
+
+
+class HardSwishFFN(nn.Module):
+    """MobileViT-style activations PyTorch leaves untagged pointwise: ``hardswish`` and a
+    learned ``PReLU`` on the FFN's hidden units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.prelu = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM), nn.PReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.prelu(F.hardswish(self.up(x))))
 
 
 class HookedAttention(NanoGPTAttention):
@@ -745,6 +757,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "attention_weights_penalty": AttentionPenaltyLM,
     "prompt_tuning": PromptTunedLM,
     "moved_axes_attention": decoder_of(MovedAxesAttention),
+    "hardswish_prelu_ffn": decoder_of(NanoGPTAttention, HardSwishFFN),
 }
 MOE = frozenset({"logged_router_stats", "grouped_gemm_moe", "hash_routed_moe", "bool_mask_moe", "sinkhorn_router_moe"})
 

@@ -15,6 +15,7 @@ from autotp.analysis.batch_rows import batch_mixing_node, batch_size
 from autotp.analysis.trace import trace
 from autotp.cost_model.pipeline import plan_pipeline
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from autotp.ir.op_facts import is_pointwise
 from distributed import run_on_ranks
 from plain_models_idioms import build, example_inputs
 
@@ -81,6 +82,20 @@ def test_composites_that_only_move_data_take_the_rules_of_their_views() -> None:
     linears = {f"{path}.weight" for path, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert linears <= set(layouts), linears - set(layouts)
     assert layouts["layers.0.attention.qkv.weight"] == ("column", 0) and layouts["layers.0.attention.o.weight"] == ("row", 1)
+
+
+def test_ops_decomposed_into_pointwise_ops_are_pointwise() -> None:
+    """``hardswish`` and ``_prelu_kernel`` carry no ``torch.Tag.pointwise``; their decompositions
+    are pointwise ops alone, so they split like one (before, the FFN's hidden units were
+    all-gathered in front of them). Reductions and softmaxes are not."""
+    aten = torch.ops.aten
+    assert is_pointwise(aten.hardswish.default) and is_pointwise(aten._prelu_kernel.default)
+    assert not any(is_pointwise(op) for op in (aten.sum.default, aten._softmax.default, aten.glu.default, aten.mse_loss.default))
+    name = "hardswish_prelu_ffn"
+    plan = plan_tensor_parallel(trace(build(name), example_inputs(name)), 4)
+    layouts = {p.name: (p.kind, p.dim) for p in plan.params}
+    assert not plan.gathered
+    assert layouts["layers.0.feed_forward.up.weight"] == ("column", 0) and layouts["layers.0.feed_forward.down.weight"] == ("row", 1)
 
 
 def _check(rank: int, world: int, name: str) -> str:

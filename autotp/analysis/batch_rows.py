@@ -47,7 +47,7 @@ from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
 from autotp.analysis.loss_denominators import unnormalized_division
 from autotp.ir.errors import describe
 from autotp.ir.layouts import REPLICATE, DimVar, Layout, shard
-from autotp.ir.op_facts import is_alias, op_name, writes_by_base
+from autotp.ir.op_facts import is_alias, is_pointwise, op_name, writes_by_base
 
 BATCH_ORIGIN = "<batch rows>"
 # op name -> position of its dim argument and the default when it is absent
@@ -257,7 +257,7 @@ class _BatchWalker(Walker):
     def _pairs_by_broadcast(self, node: Node) -> bool:
         """Operands holding the rows on different dims once broadcast (``z[:, None] - z[None]``,
         ``cosine_similarity(z[:, None], z[None])``): every row is paired with every other."""
-        if not isinstance(node.target, torch._ops.OpOverload) or not (torch.Tag.pointwise in node.target.tags or op_name(node.target) in _PAIRWISE):
+        if not (is_pointwise(node.target) or isinstance(node.target, torch._ops.OpOverload) and op_name(node.target) in _PAIRWISE):
             return False
         rank = len(shape_of(node) or ())
         aligned = set()

@@ -39,6 +39,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autotp.ir import custom_functions as calls
 from autotp.ir import ops
+from autotp.ir.op_facts import is_pointwise
 
 _CHECK_NUMEL = 1 << 22  # elements of the inputs a Function's backward is checked on
 _RTOL, _ATOL = 1e-4, 1e-6
@@ -249,6 +250,6 @@ def _is_elementwise(node: Node) -> bool:
         if n.op != "call_function":
             continue
         tags = getattr(n.target, "tags", ())
-        if torch.Tag.nondeterministic_seeded in tags or (torch.Tag.pointwise not in tags and n.target not in _ELEMENTWISE_UNTAGGED):
+        if torch.Tag.nondeterministic_seeded in tags or (not is_pointwise(n.target) and n.target not in _ELEMENTWISE_UNTAGGED):
             return False
     return True

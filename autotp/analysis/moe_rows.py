@@ -14,10 +14,9 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-import torch
 from torch.fx import Node
 
-from autotp.ir.op_facts import is_grouped_matmul, op_name
+from autotp.ir.op_facts import is_grouped_matmul, is_pointwise, op_name
 from autotp.analysis.shapes import norm_dim, reads_input, shape_of
 from autotp.ir.errors import describe
 
@@ -55,7 +54,7 @@ class RowCheck:
             return ""
         if is_grouped_matmul(node.target) or op_name(node.target) in _COPIES:
             return ""
-        if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
+        if is_pointwise(node.target):
             return ""
         ok = self._keeps_rows(node, op_name(node.target))
         return "" if ok else f"{describe(node)} mixes rows of the expert computation (it is not row-wise)"

@@ -22,7 +22,7 @@ from autotp.analysis import shape_rules as shapes
 from autotp.analysis import sharding_policy as params
 from autotp.analysis import statistic_rules as statistics
 from autotp.analysis import value_rules as values
-from autotp.ir.op_facts import CONVOLUTIONS, is_grouped_matmul, op_name
+from autotp.ir.op_facts import CONVOLUTIONS, is_grouped_matmul, is_pointwise, op_name
 from autotp.analysis.propagation_result import ParamView
 from autotp.ir import ops
 
@@ -196,7 +196,7 @@ def rule_for(target: Any) -> Rule | None:
         return shapes.planewise
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
         return values.random_draw
-    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+    if is_pointwise(target):
         return values.pointwise
     if is_grouped_matmul(target):
         return params.grouped_matmul

@@ -148,7 +148,7 @@ def decompose_parameter_ops(gm: GraphModule) -> None:
         if body is None or _prims(body) or not _out_of_place(body) or read > 0 and sum(n.op == "call_function" for n in body.graph.nodes) > MAX_DECOMPOSED_NODES:
             continue
         log.debug("decomposed %s (%s), which reads parameters", node.name, node.target)
-        _inline(gm, node, body, [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, Node)])
+        _inline(gm, node, body, _tensor_args(node))
     gm.graph.lint()
 
 
@@ -172,8 +172,13 @@ def decompose_simple_composites(gm: GraphModule) -> None:
         computing = [n for n in body.graph.nodes if n.op == "call_function" and not _aliases_input(n) and n.target not in _MOVES_DATA]
         if not computing or len(computing) == 1 and rule_for(computing[0].target) is not None:
             log.debug("decomposed %s (%s) into ops with rules", node.name, target)
-            _inline(gm, node, body, node.all_input_nodes)
+            _inline(gm, node, body, _tensor_args(node))
     gm.graph.lint()
+
+
+def _tensor_args(node: Node) -> list[Node]:
+    """The nodes among ``node``'s arguments in order, repeats kept (``hstack([h, h])``)."""
+    return [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, Node)]
 
 
 def _traced(node: Node, decompose: Callable[..., Any], table: dict[Any, Callable[..., Any]]) -> GraphModule | None:

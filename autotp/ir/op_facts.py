@@ -30,6 +30,7 @@ costs, forward and backward.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 from enum import Enum, StrEnum
@@ -73,6 +74,45 @@ class OpKind(Enum):
     def is_matmul(self) -> bool:
         """Dense or grouped."""
         return self in (OpKind.MATMUL, OpKind.GROUPED_MATMUL)
+
+
+_ELEMENTWISE_HELPERS = frozenset({aten.scalar_tensor.default, aten.full.default, aten._to_copy.default, aten.clone.default})
+
+
+def is_pointwise(target: Any) -> bool:
+    """Whether an op computes each output element from the same element of its (broadcast)
+    inputs: tagged ``torch.Tag.pointwise``, or not tagged but decomposed by ``torch._decomp``
+    into such ops alone (``hardswish``, ``_prelu_kernel``), which PyTorch leaves untagged."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return torch.Tag.pointwise in target.tags or _pointwise_by_decomposition(target)
+
+
+@functools.cache
+def _pointwise_by_decomposition(target: torch._ops.OpOverload) -> bool:
+    from torch._decomp import decomposition_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    decompose = decomposition_table.get(target)
+    if decompose is None or torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
+        return False
+    args: list[Any] = []
+    for arg in target._schema.arguments:
+        if arg.kwarg_only or arg.has_default_value():
+            break
+        kind = str(arg.type)
+        if kind == "Tensor":
+            args.append(torch.ones(4))
+        elif kind in ("Scalar", "float"):
+            args.append(1.0)
+        else:
+            return False
+    try:
+        body = make_fx(decompose)(*args)
+    except Exception:  # noqa: BLE001 - a decomposition that cannot run on these arguments: not known pointwise
+        return False
+    return all(torch.Tag.pointwise in n.target.tags or n.target in _ELEMENTWISE_HELPERS
+               for n in body.graph.nodes if n.op == "call_function")  # fmt: skip
 
 
 def op_name(target: Any) -> str:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autotp.ir.op_facts import is_alias, is_matmul
+from autotp.ir.op_facts import is_alias, is_matmul, is_pointwise
 from autotp.api import parallelize
 from autotp.compiler import example_kwargs
 from autotp.runtime.execution.model_loss import returned_logits, returned_loss
@@ -197,7 +197,7 @@ def matmul_weights(gm: GraphModule) -> set[str]:
                 found.add(str(a.target))
             elif is_alias(a) or (a.op == "call_function" and a.target in _CASTS):
                 stack.append(a.args[0])
-            elif torch.Tag.pointwise in getattr(a.target, "tags", ()) and len(a.all_input_nodes) == 1:
+            elif is_pointwise(a.target) and len(a.all_input_nodes) == 1:
                 stack.append(a.all_input_nodes[0])  # w * scale, a fake-quantization Function of w
     return found
 
