@@ -7,6 +7,9 @@ that every overload of ``aten.mm`` and custom ops registered by libraries that m
 loaded (``transformers::grouped_mm_fallback``) are recognized: a target is a *grouped
 matmul* if its name contains ``grouped_mm`` (``aten._grouped_mm`` too).
 
+**Pointwise** (``is_pointwise``): tagged ``torch.Tag.pointwise``, or untagged with a
+``torch._decomp`` decomposition made of such ops alone (``hardswish``, ``_prelu_kernel``).
+
 **Aliasing**, from the schema's alias annotations (``Tensor(a) self -> Tensor(a)``):
 
 * ``is_view``: the output is a view of the first input and no data moves: every op whose
