@@ -41,7 +41,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from autotp.analysis.dtensor_rules import dtensor_rule
 from autotp.analysis.propagation import Walker
-from autotp.analysis.row_pieces import Piece, RowPieces
+from autotp.analysis.row_pieces import REASSEMBLES, Piece, RowPieces
 from autotp.analysis.shapes import is_float, norm_dim, schema_arg, shape_of
 from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
 from autotp.analysis.loss_denominators import unnormalized_division
@@ -124,7 +124,7 @@ class _BatchWalker(Walker):
         var = source.var_at(piece.dim) if isinstance(source, Layout) else None
         if var is None:
             return REPLICATE
-        if node.target in (torch.ops.aten.cat.default, torch.ops.aten.stack.default):
+        if node.target in REASSEMBLES:
             return shard({piece.dim: var})
         return shard({piece.dim: DimVar(piece.rows, frozenset({BATCH_ORIGIN}))}) if piece.keeps_dim and (piece.rows or 0) > 1 else REPLICATE
 

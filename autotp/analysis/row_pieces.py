@@ -30,7 +30,7 @@ _TAKES_PIECES = frozenset({"slice", "narrow", "select", "split", "split_with_siz
 _READS_SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
                                "new_zeros", "new_ones", "new_empty", "new_full", "sym_size"})  # fmt: skip
 _TUPLES = frozenset({"split", "split_with_sizes", "unbind", "chunk"})
-_REASSEMBLES = (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
+REASSEMBLES = (torch.ops.aten.cat.default, torch.ops.aten.stack.default)  # ops that put pieces back
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class RowPieces:
     def _put_back(self, node: Node) -> Piece | None:
         """A piece of the tensor whose rows ``node`` puts back: the same computation of every
         piece of the rows, in order, concatenated (or stacked) along their dim."""
-        if node.target not in _REASSEMBLES or not node.args[0]:
+        if node.target not in REASSEMBLES or not node.args[0]:
             return None
         parts, stacking = node.args[0], node.target is torch.ops.aten.stack.default
         dim = norm_dim(schema_arg(node, "dim", 0), len(shape_of(parts[0]) or ()) + stacking)

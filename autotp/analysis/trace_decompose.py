@@ -24,8 +24,9 @@ and so is an op whose inputs other than parameters are themselves computed from 
 ``decompose_simple_composites`` replaces an op with neither a rule nor a DTensor strategy whose
 ``CompositeImplicitAutograd`` kernel only moves data (``movedim``, ``swapaxes``, ``narrow``,
 ``tensor_split``, the ``*stack`` family) or is one op with a rule under another overload
-(``var_mean.dim``) by that kernel's ops: what eager runs for it, through ops the rules know. Composites that compute (``cdist``, ``cosine_similarity``) stay
-one op, for the rules that know them by name.
+(``var_mean.dim``) by that kernel's ops: what eager runs for it, through ops the rules know.
+Composites that compute (``cdist``, ``cosine_similarity``) stay one op, for the rules that know
+them by name.
 
 ``draw_by_size`` rewrites a random draw shaped like a tensor (``randn_like(x)``) into the
 draw of x's size (``randn(x.shape)``), which reads no tensor: the same numbers, from the
