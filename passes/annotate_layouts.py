@@ -26,6 +26,8 @@ def annotate_layouts(gm: GraphModule, ctx: PassContext) -> GraphModule:
             node.meta[meta_keys.SLICE_FIXUP] = prop.slice_fixups[node]
         if node in prop.index_slices:
             node.meta[meta_keys.INDEX_AS_SLICE] = prop.index_slices[node]
+        if node in prop.identity_indices:
+            node.meta[meta_keys.IDENTITY_INDICES] = prop.identity_indices[node]
         if node in prop.repeat_fixups:
             node.meta[meta_keys.REPEAT_FIXUP] = prop.repeat_fixups[node]
         if node in prop.local_slices:

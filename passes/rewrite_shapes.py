@@ -70,6 +70,8 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
         elif meta_keys.INDEX_AS_SLICE in node.meta:
             start, end = local_slice_bounds(node, tp)
             node.target, node.args, node.kwargs = aten.slice.Tensor, (node.args[0], node.meta[meta_keys.INDEX_AS_SLICE], start, end), {}
+        elif meta_keys.IDENTITY_INDICES in node.meta:
+            _local_aranges(gm, node, tp)
         elif meta_keys.SLICE_FIXUP in node.meta:
             start, end = local_slice_bounds(node, tp)
             node.args = (node.args[0], node.args[1], start, end, *node.args[4:])
@@ -89,6 +91,21 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 node.target = aten.split_with_sizes.default
                 node.args = (node.args[0], sizes, d)
     return gm
+
+
+def _local_aranges(gm: GraphModule, node: Node, tp: int) -> None:
+    """An index that enumerates a split dim in place (``index_rules._selected_dims``): the
+    rank's ``arange`` of its local size, in the index's shape."""
+    indices = list(node.args[1])
+    for d, var in node.meta[meta_keys.IDENTITY_INDICES]:
+        old = indices[d].meta["val"]
+        n = local_size(var, tp)
+        shape = [n if s != 1 else 1 for s in old.shape]
+        with gm.graph.inserting_before(node):
+            arange = gm.graph.call_function(aten.arange.default, (n,), {"dtype": old.dtype, "device": old.device})
+            indices[d] = gm.graph.call_function(aten.view.default, (arange, shape))
+        arange.meta["val"], indices[d].meta["val"] = torch.arange(n, dtype=old.dtype, device="meta"), torch.empty(shape, dtype=old.dtype, device="meta")
+    node.args = (node.args[0], indices, *node.args[2:])
 
 
 def _local_strides(node: Node, src: Layout, tp: int) -> None:

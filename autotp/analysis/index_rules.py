@@ -18,6 +18,14 @@ An integer index of a 2-D parameter's rows made from the inputs and constants al
 buckets, token types) is an embedding lookup: the table may become vocab-parallel
 (``sharding_policy.row_lookup``).
 
+Advanced indexing is elementwise over the indices' broadcast shape: an index tensor split
+along one of its dims splits the result's matching dim, the indexed tensor whole along the
+dims indexed (Informer's top queries per head, ``q[b, h, top]`` with ``top`` split on the
+heads). An index that enumerates a dim in order (``arange(n)`` laid along one broadcast dim,
+``x[arange(B)[:, None, None], arange(H)[None, :, None], top]``) reads that dim in place: a
+split there carries into the result, the index becomes the rank's local ``arange``
+(``meta_keys.IDENTITY_INDICES``).
+
 Writes are linear in the written tensor and the values jointly: both partial give a
 partial result; any other partial operand is all-reduced first.
 """
@@ -42,6 +50,8 @@ if TYPE_CHECKING:
 
 aten = torch.ops.aten
 _COPIES = (aten.lift_fresh_copy.default, aten.clone.default, aten._to_copy.default, aten.detach.default, aten.alias.default)
+_SHAPE_ONLY = (*_COPIES, aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default)
+_ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 
 
 def _index_positions(src: tuple[int, ...], indexed: list[int], out_ndim: int) -> dict[int, int]:
@@ -170,20 +180,78 @@ def index(w: Walker, node: Node) -> Any:
     if gathered is not None:
         return gathered
     lay = w.concrete(x, node)
-    _indices_replicated(w, node, indices)
-    if lay.replicated or lay.partial:
-        return lay
     indexed = [d for d, i in enumerate(indices) if i is not None]
-    if not indexed:
+    if lay.partial or not indexed:
+        _indices_replicated(w, node, indices)
         return lay
-    if len(indexed) == 1 and lay.var_at(indexed[0]) is not None:
+    if len(indexed) == 1 and lay.var_at(indexed[0]) is not None and w.concrete(indices[indexed[0]], node).replicated:
         sliced = _as_slice(w, node, lay, indexed[0], indices[indexed[0]])
         if sliced is not None:
             return sliced
-    if any(lay.var_at(d) is not None for d in indexed):
-        raise ShardingConflict(f"{describe(node)}: indexes a sharded dim", lay.origins(), tuple(lay.var_at(d) for d in indexed if lay.var_at(d)))
     where = _index_positions(shape_of(x) or (), indexed, len(shape_of(node) or ()))
-    return shard({where[d]: v for d, v in lay.dims})
+    dims = {where[d]: v for d, v in lay.dims if d not in indexed}
+    dims.update(_selected_dims(w, node, x, lay, indices))
+    return shard(dims)
+
+
+def _selected_dims(w: Walker, node: Node, x: Node, lay: Layout, indices: list[Any], in_place: bool = False) -> dict[int, DimVar]:
+    """The splits of the index dims of ``x[indices]`` (the indices' broadcast shape, placed
+    as advanced indexing places it): an index tensor's own splits, and the split of a dim of
+    ``x`` that an enumerating index reads in place. A split dim of ``x`` any other index
+    reads raises a conflict; so does, for a write (``in_place``), an index tensor split where
+    ``x`` is not: each rank would write its own positions of a whole tensor."""
+    indexed = [d for d, i in enumerate(indices) if i is not None]
+    broadcast = max(len(shape_of(indices[d]) or ()) for d in indexed)
+    first = indexed[0] if indexed == list(range(indexed[0], indexed[-1] + 1)) else 0
+    enumerating = {d: _enumerated_position(indices[d], (shape_of(x) or ())[d], broadcast) for d in indexed}
+    dims: dict[int, DimVar] = {}
+    placed: set[int] = set()
+    for d in indexed:
+        var, p = lay.var_at(d), enumerating[d]
+        if var is None:
+            continue
+        if p is None:
+            raise ShardingConflict(f"{describe(node)}: indexes a sharded dim", lay.origins(), (var,))
+        dims[first + p] = unify(dims[first + p], var, describe(node)) if first + p in dims else var
+        placed.add(first + p)
+        w.out.identity_indices.setdefault(node, []).append((d, var))
+    for d in indexed:
+        ilay = w.summed(indices[d], node)
+        off = broadcast - len(shape_of(indices[d]) or ())
+        for q, var in ilay.dims:
+            at = first + off + q
+            dims[at] = unify(dims[at], var, describe(node)) if at in dims else var
+    unplaced = tuple(v for at, v in dims.items() if at not in placed)
+    if in_place and unplaced:
+        raise ShardingConflict(f"{describe(node)}: writes at a sharded index tensor's positions", frozenset().union(*(v.find().origins for v in unplaced)), unplaced)
+    align(w, node, {at - first: v for at, v in dims.items()}, [(indices[d], _broadcast_map(indices[d], broadcast)) for d in indexed if enumerating[d] is None or lay.var_at(d) is None])
+    return dims
+
+
+def _broadcast_map(idx: Any, broadcast: int) -> dict[int, int]:
+    """An index tensor's own dim for each dim of the indices' broadcast shape it spans."""
+    ndim = len(shape_of(idx) or ()) if isinstance(idx, Node) else 0
+    return {broadcast - ndim + q: q for q in range(ndim)}
+
+
+def _enumerated_position(idx: Any, size: int, broadcast: int) -> int | None:
+    """The dim of the indices' broadcast shape along which ``idx`` is ``arange(size)`` (every
+    other dim of it of size 1), or None."""
+    if not isinstance(idx, Node):
+        return None
+    shape = shape_of(idx) or ()
+    spans = [q for q, n in enumerate(shape) if n != 1]
+    if len(spans) != 1 or shape[spans[0]] != size:
+        return None
+    n = idx
+    while n.op == "call_function" and n.target in _SHAPE_ONLY and isinstance(n.args[0], Node):
+        n = n.args[0]
+    if n.op != "call_function" or n.target not in _ARANGES:
+        return None
+    bounds = [a for a in n.args if not isinstance(a, Node)]
+    if bounds not in ([size], [0, size], [0, size, 1]):
+        return None
+    return broadcast - len(shape) + spans[0]
 
 
 def index_select(w: Walker, node: Node) -> Any:
@@ -274,23 +342,23 @@ def index_put(w: Walker, node: Node) -> Any:
     """``x[indices] = values`` (``+=`` with ``accumulate``): values are laid out like
     ``x[indices]`` (``index``), aligned from the right."""
     x, indices, values = node.args[0], list(node.args[1]), node.args[2]
-    _indices_replicated(w, node, indices)
-    if _linear_write(w, node, [x, values]):
+    if all(w.concrete(i, node).replicated for i in indices if isinstance(i, Node)) and _linear_write(w, node, [x, values]):
         return PARTIAL
+    w.reduce_first(node, [x, values])
     lx, lv = (REPLICATE if l.partial else l for l in (w.concrete(x, node), w.concrete(values, node)))
-    if lx.replicated and lv.replicated:
-        return REPLICATE
     src = shape_of(x) or ()
     indexed = [d for d, i in enumerate(indices) if i is not None]
-    if any(lx.var_at(d) is not None for d in indexed):
-        raise ShardingConflict(f"{describe(node)}: writes rows of a sharded dim", lx.origins())
+    selected = _selected_dims(w, node, x, lx, indices, in_place=True) if indexed else {}
     selected_ndim = len(src) - len(indexed) + max((len(shape_of(i) or ()) for i in indices if isinstance(i, Node)), default=0)
     where = _index_positions(src, indexed, selected_ndim) if indexed else {d: d for d in range(len(src))}
     off = selected_ndim - len(shape_of(values) or ())
     x_map = {d: d for d in range(len(src))}
     v_map = {d: where[d] - off for d in where if where[d] - off >= 0}
     dims = _sharded_dims([lx, lv], [x_map, v_map], describe(node))
-    align(w, node, dims, [(x, x_map), (values, v_map)])
+    align(w, node, dims, [(x, x_map)])
+    value_dims = {where[d] - off: v for d, v in dims.items() if d in where and where[d] >= off}
+    value_dims.update({at - off: v for at, v in selected.items() if at >= off})
+    align(w, node, value_dims, [(values, {d: d for d in value_dims})])
     return shard(dims)
 
 

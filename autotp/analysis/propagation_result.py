@@ -111,6 +111,8 @@ class Propagation:
     repeat_fixups: dict[Node, tuple[DimVar, DimVar]] = field(default_factory=dict)
     # index / index_select node -> the sharded dim its constant index slices (a slice in the rank graph)
     index_slices: dict[Node, int] = field(default_factory=dict)
+    # index / index_put node -> [(indexed dim, var)]: its ``arange`` index enumerates that split dim in place
+    identity_indices: dict[Node, list[tuple[int, DimVar]]] = field(default_factory=dict)
     # names of the nodes that reduce over a sharded dim with a tp-reduced statistic
     statistics: set[str] = field(default_factory=set)
     # parameter -> (kind, dim): the first matmul weight of the walk computed from it alone (a

@@ -23,13 +23,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.fx import Node
 
 from autotp.analysis.propagation_result import NodeRole, ParamDecision, ParamView
-from autotp.analysis.shapes import schema_arg, shape_of, sources
+from autotp.analysis.shapes import schema_arg, shape_of
 from autotp.ir.errors import describe
-from autotp.ir.op_facts import is_transposed_convolution
+from autotp.ir.op_facts import is_pointwise, is_transposed_convolution
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
+
+aten = torch.ops.aten
+_SAME_DIMS = (aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default, aten._to_copy.default, aten.to.dtype, aten.lift_fresh_copy.default)
 
 if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker
@@ -138,19 +142,97 @@ def _left_weight(w: Walker, node: Node, la: ParamView, a: Node, b: Any) -> None:
 
 def hint_reparametrized(w: Walker, weight: Node, split: tuple[int, str]) -> None:
     """A replicated tensor computed from parameters (weight norm's ``v * g / ‖v‖``, Mamba's
-    ``-exp(A_log)``, a fast weight: a parameter plus a delta made from the activations) that
-    meets a split: hint its parameters of the tensor's own shape, read whole by their first
-    use, to be split as that op asks (``Propagation.hints``: a matmul's weight, or a per-head
-    vector read through the rank's slice); the planner walks again with them. Only the first
-    such op of a walk hints: later splits depend on it."""
+    ``-exp(A_log)``, a fast weight: a parameter plus a delta made from the activations, a KAN
+    layer's ``(spline_weight * scaler[..., None]).view(out, -1)``) that meets a split: hint
+    the parameters behind that dim (``params_behind``), read whole by their first use, to be
+    split as that op asks (``Propagation.hints``: a matmul's weight, or a per-head vector read
+    through the rank's slice); the planner walks again with them. Only the first such op of a
+    walk hints: later splits depend on it."""
     if w.out.hints:
         return
     dim, kind = split
-    shape = shape_of(weight)
-    for name in (str(n.target) for n in sources(weight)):
+    for name, param_dim in params_behind(weight, dim, w.params).items():
         dec = w.out.decisions.get(name)
-        if name in w.params and tuple(w.params[name].shape) == shape and dec is not None and dec.dim is None:
-            w.out.hints.setdefault(name, (kind, dim))
+        if dec is not None and dec.dim is None:
+            w.out.hints.setdefault(name, (kind, param_dim))
+
+
+def params_behind(node: Node, dim: int, params: dict[str, Any]) -> dict[str, int]:
+    """The parameters whose dim becomes ``dim`` of ``node`` through casts, views that keep it
+    the outermost factor of its dim, transposes, broadcasts and pointwise ops: parameter ->
+    its dim. A path through any other op ends there."""
+    found: dict[str, int] = {}
+    stack, seen = [(node, dim)], set()
+    while stack:
+        n, d = stack.pop()
+        if (n, d) in seen:
+            continue
+        seen.add((n, d))
+        if n.op == "get_attr" and str(n.target) in params:
+            if params[str(n.target)].dim() > d:
+                found.setdefault(str(n.target), d)
+            continue
+        if n.op == "call_function":
+            stack.extend(_dim_sources(n, d))
+    return found
+
+
+def _dim_sources(n: Node, d: int) -> list[tuple[Node, int]]:
+    """The inputs of ``n`` and their dims that make dim ``d`` of its output (``params_behind``)."""
+    out = shape_of(n)
+    args = n.args
+    if out is None or not args or not isinstance(args[0], Node):
+        return []
+    src = shape_of(args[0]) or ()
+    target = n.target
+    if target in _SAME_DIMS:
+        return [(args[0], d)]
+    if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        back = _outer_factor(src, out, d)
+        return [] if back is None else [(args[0], back)]
+    if target is aten.unsqueeze.default:
+        at = args[1] % len(out)
+        return [] if d == at else [(args[0], d - (d > at))]
+    if target is aten.expand.default:
+        back = d - (len(out) - len(src))
+        return [(args[0], back)] if back >= 0 and src[back] == out[d] else []
+    if target is aten.t.default:
+        return [(args[0], 1 - d)] if len(out) == 2 else [(args[0], d)]
+    if target is aten.transpose.int:
+        a, b = (x % len(out) for x in args[1:3])
+        return [(args[0], b if d == a else a if d == b else d)]
+    if target is aten.permute.default:
+        return [(args[0], list(args[1])[d] % len(out))]
+    if is_pointwise(target):
+        found = []
+        for a in n.all_input_nodes:
+            shp = shape_of(a) or ()
+            back = d - (len(out) - len(shp))
+            if back >= 0 and shp[back] == out[d]:
+                found.append((a, back))
+        return found
+    return []
+
+
+def _outer_factor(src: tuple[int, ...], dst: tuple[int, ...], d: int) -> int | None:
+    """The dim of ``src`` that a view to ``dst`` keeps as the outermost factor of its dim
+    ``d`` (dims merged or cut apart), or None when ``d`` is not the outermost of its group."""
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        gi, gj, a, b = i, j, src[i], dst[j]
+        while a != b:
+            if a < b:
+                i += 1
+                a *= src[i]
+            else:
+                j += 1
+                b *= dst[j]
+        if gj <= d <= j:
+            outer_src = next((k for k in range(gi, i + 1) if src[k] != 1), None)
+            outer_dst = next((k for k in range(gj, j + 1) if dst[k] != 1), None)
+            return outer_src if d == outer_dst else None
+        i, j = i + 1, j + 1
+    return None
 
 
 def _batch_split(la: Layout, lb: ParamView, a_shape: tuple[int, ...], b_shape: tuple[int, ...], own: tuple[int, int]) -> tuple[int, DimVar] | None:

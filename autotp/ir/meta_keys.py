@@ -36,6 +36,10 @@ INDEX_AS_SLICE = "autotp_index_as_slice"
 """On an ``index``/``index_select`` of a sharded dim by a constant run of positions: that
 dim; the rank graph takes the slice of ``SLICE_FIXUP``'s local bounds instead."""
 
+IDENTITY_INDICES = "autotp_identity_indices"
+"""On an ``index``/``index_put`` whose ``arange`` index enumerates a sharded dim in place:
+``[(indexed dim, DimVar)]``; the rank graph indexes by the ``arange`` of its local size."""
+
 REPEAT_FIXUP = "autotp_repeat_fixup"
 """On a ``repeat_interleave`` along a sharded dim: ``(output DimVar, input DimVar)``; its
 local repeat count is local(output) / local(input)."""
