@@ -431,6 +431,261 @@ class MaxViT(nn.Module):
         return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
 
 
+# ---- xLSTM: sLSTM with per-head recurrence -----------------------------------------------------------
+
+
+class SLSTMMixer(nn.Module):
+    """sLSTM: input and forget gates exponential with a stabilizer state, a block-diagonal
+    recurrent weight per head (``einsum("bhd,hdg->bhg", h, R)``), a loop over time; the heads'
+    outputs through a group norm per head and an up/down projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(DIM, 4 * DIM)
+        self.r = nn.Parameter(torch.randn(HEADS, HEAD_DIM, 4 * HEAD_DIM) / math.sqrt(HEAD_DIM))
+        self.norm = nn.GroupNorm(HEADS, DIM)
+        self.out = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        wx = self.w(x).view(B, S, HEADS, 4 * HEAD_DIM)
+        h = c = n = m = x.new_zeros(B, HEADS, HEAD_DIM)
+        outs = []
+        for t in range(S):
+            raw = wx[:, t] + torch.einsum("bhd,hdg->bhg", h, self.r)
+            i_raw, f_raw, z_raw, o_raw = raw.chunk(4, dim=-1)
+            log_f = F.logsigmoid(f_raw)
+            m_new = torch.maximum(log_f + m, i_raw)
+            i, f = torch.exp(i_raw - m_new), torch.exp(log_f + m - m_new)
+            c = f * c + i * torch.tanh(z_raw)
+            n = f * n + i
+            h = torch.sigmoid(o_raw) * c / n
+            m = m_new
+            outs.append(h)
+        y = torch.stack(outs, dim=1).reshape(B * S, DIM)
+        return self.out(self.norm(y).view(B, S, DIM))
+
+
+# ---- ConvNeXt V2: global response normalization ------------------------------------------------------
+
+
+CONVNEXT_WIDTH = 2 * DIM  # at DIM the depthwise kernels (49 per channel) would be a tenth of a block, not its ~1%
+
+
+class GRNBlock(nn.Module):
+    """ConvNeXt V2 block: depthwise 7x7, channels-last LayerNorm, pointwise MLP with global
+    response normalization (the spatial L2 norm of each channel over its mean across channels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        c = CONVNEXT_WIDTH
+        self.dwconv = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.pwconv1, self.pwconv2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        self.gamma, self.beta = nn.Parameter(torch.full((4 * c,), 0.1)), nn.Parameter(torch.full((4 * c,), 0.05))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.pwconv1(self.norm(self.dwconv(x).permute(0, 2, 3, 1))))
+        gx = torch.norm(h, p=2, dim=(1, 2), keepdim=True)
+        nx = gx / (gx.mean(dim=-1, keepdim=True) + 1e-6)
+        h = self.gamma * (h * nx) + self.beta + h
+        return x + self.pwconv2(h).permute(0, 3, 1, 2)
+
+
+class ConvNeXtV2(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, CONVNEXT_WIDTH, PATCH, stride=PATCH)
+        self.blocks = nn.Sequential(*(GRNBlock() for _ in range(LAYERS)))
+        self.norm, self.head = nn.LayerNorm(CONVNEXT_WIDTH), nn.Linear(CONVNEXT_WIDTH, CLASSES)
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        logits = self.head(self.norm(self.blocks(self.stem(pixels)).mean((2, 3))))
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+# ---- ELECTRA: generator samples, discriminator detects -----------------------------------------------
+
+MASK_ID = VOCAB - 1
+
+
+class Electra(nn.Module):
+    """A small generator fills masked positions by Gumbel-max sampling over its vocabulary
+    logits; the discriminator (sharing the token embedding) tells replaced tokens from
+    originals. Loss: the generator's masked LM loss plus 50 times the detection loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.generator = nn.ModuleList(PreNormBlock(NanoGPTAttention()) for _ in range(1))
+        self.gen_head = nn.Linear(DIM, VOCAB)
+        self.discriminator = nn.ModuleList(PreNormBlock(NanoGPTAttention()) for _ in range(LAYERS))
+        self.disc_head = nn.Linear(DIM, 1)
+
+    def forward(self, input_ids: torch.Tensor, masked: torch.Tensor) -> dict[str, Any]:
+        h = self.embed(input_ids.masked_fill(masked, MASK_ID))
+        for layer in self.generator:
+            h = layer(h)
+        gen_logits = self.gen_head(h)
+        gen_loss = F.cross_entropy(gen_logits[masked], input_ids[masked])
+        gumbel = -torch.log(-torch.log(torch.rand_like(gen_logits).clamp(1e-9, 1)))
+        sampled = (gen_logits.detach() + gumbel).argmax(-1)
+        corrupted = torch.where(masked, sampled, input_ids)
+        d = self.embed(corrupted)
+        for layer in self.discriminator:
+            d = layer(d)
+        replaced = (corrupted != input_ids).float()
+        disc_loss = F.binary_cross_entropy_with_logits(self.disc_head(d).squeeze(-1), replaced)
+        return {"loss": gen_loss + 50 * disc_loss}
+
+
+# ---- SPLADE: sparse lexical representations over the vocabulary ---------------------------------------
+
+
+class Splade(nn.Module):
+    """A masked-LM encoder whose vocabulary logits become ``log(1 + relu(.))`` max-pooled over
+    the tokens: a [B, V] representation per text; a query and a document scored by their dot
+    product, trained with a binary relevance loss and a FLOPS regularizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(PreNormBlock(NanoGPTAttention()) for _ in range(LAYERS))
+        self.norm, self.mlm = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)
+
+    def represent(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return torch.log1p(F.relu(self.mlm(self.norm(h)))).amax(dim=1)
+
+    def forward(self, query_ids: torch.Tensor, doc_ids: torch.Tensor, relevant: torch.Tensor) -> dict[str, Any]:
+        q, d = self.represent(query_ids), self.represent(doc_ids)
+        score = (q * d).sum(-1)
+        flops = (q.abs().mean(0) ** 2).sum() + (d.abs().mean(0) ** 2).sum()
+        return {"loss": F.binary_cross_entropy_with_logits(score, relevant) + 1e-3 * flops}
+
+
+# ---- FLASH: gated attention unit --------------------------------------------------------------------------
+
+GAU_QK, GAU_EXPAND = 32, 2 * DIM
+
+
+class GatedAttentionUnit(nn.Module):
+    """One-head attention with a small shared query/key base (per-dim scales and offsets give q
+    and k), squared-ReLU scores, and the value path expanded and gated: ``u * (A @ v)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.uv = nn.Linear(DIM, 2 * GAU_EXPAND)
+        self.base = nn.Linear(DIM, GAU_QK)
+        self.gamma, self.beta = nn.Parameter(torch.randn(2, GAU_QK) * 0.1 + 1), nn.Parameter(torch.zeros(2, GAU_QK))
+        self.out = nn.Linear(GAU_EXPAND, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        L = x.shape[1]
+        u, v = F.silu(self.uv(x)).chunk(2, dim=-1)
+        qk = F.silu(self.base(x)).unsqueeze(2) * self.gamma + self.beta  # [B, L, 2, QK]
+        q, k = qk.unbind(2)
+        a = F.relu(q @ k.transpose(-1, -2) / L) ** 2
+        a = a.masked_fill(torch.ones(L, L, dtype=torch.bool, device=x.device).triu(1), 0.0)
+        return self.out(u * (a @ v))
+
+
+class GAUBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.gau1, self.gau2 = GatedAttentionUnit(), GatedAttentionUnit()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.gau1(self.norm1(x))
+        return x + self.gau2(self.norm2(x))
+
+
+class GAULM(DecoderLM):
+    def __init__(self) -> None:
+        super().__init__(lambda: GAUBlock())
+
+
+# ---- CaiT: class attention -------------------------------------------------------------------------------
+
+
+class ClassAttention(nn.Module):
+    """Only the class token queries; keys and values over every token; its output replaces the
+    class token, the patch tokens pass unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv, self.proj = nn.Linear(DIM, DIM), nn.Linear(DIM, 2 * DIM), nn.Linear(DIM, DIM)
+        self.norm = nn.LayerNorm(DIM)
+        self.mlp = nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+        self.gamma1, self.gamma2 = nn.Parameter(torch.full((DIM,), 0.1)), nn.Parameter(torch.full((DIM,), 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        h = self.norm(x)
+        q = self.q(h[:, 0]).reshape(B, 1, HEADS, HEAD_DIM).permute(0, 2, 1, 3)
+        k, v = self.kv(h).reshape(B, N, 2, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
+        attn = (q * HEAD_DIM**-0.5 @ k.transpose(-2, -1)).softmax(-1)
+        cls = x[:, :1] + self.gamma1 * self.proj((attn @ v).transpose(1, 2).reshape(B, 1, C))
+        cls = cls + self.gamma2 * self.mlp(cls)
+        return torch.cat([cls, x[:, 1:]], dim=1)
+
+
+class CaiT(nn.Module):
+    """Self-attention layers over the patches, then class-attention layers with the class token
+    appended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.patch = nn.Conv2d(3, DIM, PATCH, stride=PATCH)
+        self.pos = nn.Parameter(torch.randn(1, SIDE * SIDE, DIM) * 0.02)
+        self.cls = nn.Parameter(torch.randn(1, 1, DIM) * 0.02)
+        self.blocks = nn.ModuleList(PreNormBlock(BidirectionalAttention(), NanoGPTMLPLike()) for _ in range(LAYERS))
+        self.class_blocks = nn.ModuleList(ClassAttention() for _ in range(2))
+        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, CLASSES)
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        x = self.patch(pixels).flatten(2).transpose(1, 2) + self.pos
+        for blk in self.blocks:
+            x = blk(x)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
+        for blk in self.class_blocks:
+            x = blk(x)
+        logits = self.head(self.norm(x)[:, 0])
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+class BidirectionalAttention(FusedHeads):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(merge_heads(F.scaled_dot_product_attention(*self.heads(x))))
+
+
+class NanoGPTMLPLike(nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+
+# ---- sigmoid attention ---------------------------------------------------------------------------------------
+
+
+class SigmoidAttention(FusedHeads):
+    """Attention weights ``sigmoid(q k^T / sqrt(d) - log(L))`` instead of a softmax (no row
+    normalization), causal by a mask of zeros."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(x)
+        L = q.shape[2]
+        w = torch.sigmoid(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) - math.log(L))
+        w = w * torch.ones(L, L, device=x.device).tril()
+        return self.o(merge_heads(w @ v))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "informer_probsparse": decoder_of(ProbSparseAttention),
     "reformer_lsh": decoder_of(LSHAttention),
@@ -442,6 +697,13 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "kan_ffn": decoder_of(NanoGPTAttention, KANFFN),
     "decision_transformer": DecisionTransformer,
     "maxvit": MaxViT,
+    "xlstm_slstm": decoder_of(SLSTMMixer),
+    "convnext_v2_grn": ConvNeXtV2,
+    "electra_replaced_tokens": Electra,
+    "splade_sparse_vocab": Splade,
+    "flash_gated_attention_unit": GAULM,
+    "cait_class_attention": CaiT,
+    "sigmoid_attention": decoder_of(SigmoidAttention),
 }
 
 
@@ -459,7 +721,13 @@ def example_inputs(name: str, batch: int = 2, seq: int = SEQ) -> dict[str, torch
             "actions": torch.randint(0, ACTIONS, (batch, STEPS), generator=gen),
             "timesteps": torch.arange(STEPS).expand(batch, -1) + torch.randint(0, MAX_EP_LEN - STEPS, (batch, 1), generator=gen),
         }
-    if name == "maxvit":
+    if name == "electra_replaced_tokens":
+        ids = torch.randint(0, VOCAB - 1, (batch, seq), generator=gen)
+        return {"input_ids": ids, "masked": torch.rand(batch, seq, generator=gen) < 0.3}
+    if name == "splade_sparse_vocab":
+        return {"query_ids": torch.randint(0, VOCAB, (batch, 6), generator=gen), "doc_ids": torch.randint(0, VOCAB, (batch, seq), generator=gen),
+                "relevant": torch.tensor([1.0, 0.0] * (batch // 2))}
+    if name in ("maxvit", "convnext_v2_grn", "cait_class_attention"):
         return {"pixels": torch.randn(batch, 3, IMAGE, IMAGE, generator=gen), "labels": torch.randint(0, CLASSES, (batch,), generator=gen)}
     ids, labels = (torch.randint(0, VOCAB, (batch, seq), generator=gen) for _ in range(2))
     return {"input_ids": ids, "labels": labels}

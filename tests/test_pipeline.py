@@ -206,3 +206,29 @@ def test_a_float64_model_returns_its_loss_in_float64(pp: int, microbatches: int)
     """The step summed its microbatches' losses in float32 (at pp > 1 also the stages' zeros)."""
     for dtype, error in run_on_ranks(_float64_step, 2, pp, microbatches):
         assert dtype == "torch.float64" and error < 1e-12, (dtype, error)
+
+
+def _one_row_microbatches(rank: int, world: int, schedule: str) -> list[str]:
+    import plain_models_classics
+
+    from autotp import parallelize
+
+    name = "cait_class_attention"
+    model = plain_models_classics.build(name)
+    inputs = plain_models_classics.example_inputs(name)
+    reference = copy.deepcopy(model)
+    reference(**inputs)["loss"].backward()
+    pm = parallelize(model, pp=world, example_inputs=inputs)
+    pm.train_step(**inputs, num_microbatches=2, schedule=schedule)
+    grads = pm.unshard_grads()
+    return [n for n, p in reference.named_parameters() if not torch.allclose(grads[n], p.grad, rtol=1e-4, atol=1e-6)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_parameter_whose_grad_is_the_received_gradient_accumulates_every_microbatch(schedule: str) -> None:
+    """CaiT's class token lives on the first stage and reaches the second through the boundary,
+    ``cls.expand(1, -1, -1)`` for a one-row microbatch: its gradient is a view of the gradient
+    the first stage receives, which autograd keeps as ``cls.grad``. With one receive buffer
+    reused per microbatch, the second microbatch's receive overwrote it: the class token's
+    gradient was twice the second row's."""
+    assert run_on_ranks(_one_row_microbatches, 2, schedule) == [[], []]

@@ -77,7 +77,12 @@ class ChunkGraph:
         return (self.run if self.run is not None else self.graph)(*args)
 
     def buffers(self, grads: bool, slot: int, device: torch.device) -> list[Tensor]:
-        """Receive buffers of ``slot``: the inputs, or the gradients of the outputs that need one."""
+        """Receive buffers of ``slot``: the inputs, or the gradients of the outputs that need one.
+        Gradients for an uncaptured chunk are fresh tensors: autograd may keep one as a
+        parameter's ``.grad`` (a parameter the chunk sends on, or expands from a dim of size
+        1), and the next microbatch's receive into a reused buffer would overwrite it."""
+        if grads and self.captured is None:
+            return [torch.empty(b.shape, dtype=b.dtype, device=device) for b in self.send if b.needs_grad]
         key = (grads, slot)
         if key not in self._buffers:
             values = [b for b in self.send if b.needs_grad] if grads else self.recv
