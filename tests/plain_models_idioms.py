@@ -2,7 +2,8 @@
 (issue 27, tenth round).
 
 Side effects in the forward: a gradient hook registered on an activation (``register_hook``,
-scaling the gradient that flows through it); routing statistics kept on the module for logging
+scaling the gradient that flows through it; normalizing the whole gradient; clipping the
+gradient of a tensor used before and after the registration); routing statistics kept on the module for logging
 (``.item()`` and ``.tolist()``). Mixture-of-experts: torchtitan's grouped GEMM (tokens sorted
 by expert, ``F.grouped_mm`` with the offsets of a ``histc``); hash routing (the expert is the
 token id modulo the experts, no router). Adapters: (IA)^3's learned vectors on keys, values and
@@ -95,6 +96,36 @@ class HookedAttention(NanoGPTAttention):
         if y.requires_grad:
             y.register_hook(lambda grad: grad * 0.5)
         return y
+
+
+class NormalizedGradientFFN(SwiGLU):
+    """The FFN's hidden units' gradient normalized to unit norm by a hook (a gradient-normalization
+    trick): the hook reads the whole gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.w1(x)) * self.w3(x)
+        if h.requires_grad:
+            h.register_hook(lambda grad: grad / (grad.norm() + 1e-6))
+        return self.w2(h)
+
+
+GRAD_CLIP = 1e-3
+
+
+class ClippedReusedFFN(nn.Module):
+    """A hook clipping the gradient of the FFN's hidden units, registered between their two uses:
+    it clips the sum of both uses' gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        gate = torch.sigmoid(h)
+        if h.requires_grad:
+            h.register_hook(lambda grad: grad.clamp(-GRAD_CLIP, GRAD_CLIP))
+        return self.down(gate * h)
 
 
 class LoggedRouterMoE(RoutedExperts):
@@ -726,6 +757,8 @@ def _block_with(attention: Callable[[], nn.Module], mlp: Callable[[], nn.Module]
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "gradient_hook": decoder_of(HookedAttention),
+    "gradient_norm_hook": decoder_of(NanoGPTAttention, NormalizedGradientFFN),
+    "hook_on_reused_tensor": decoder_of(NanoGPTAttention, ClippedReusedFFN),
     "logged_router_stats": decoder_of(NanoGPTAttention, LoggedRouterMoE),
     "grouped_gemm_moe": decoder_of(NanoGPTAttention, GroupedGemmMoE),
     "hash_routed_moe": HashRoutedLM,

@@ -42,8 +42,6 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {  # (config, model): why it fails toda
     ("pp2", "stacked_layer_weights"): "cuts between the 1 modules the forward runs one after another",
     # nn.Embedding(max_norm=...) renormalizes the rows it reads in place: a parameter written by the forward
     **{(c, "embedding_max_norm"): "writes its parameter embed.weight in place" for c in ("tp2", "tp4", "pp2")},
-    # a gradient hook on an activation: the traced forward does not record it; refused naming the fix
-    **{(c, "gradient_hook"): "registers a gradient hook on a tensor" for c in ("tp2", "tp4", "pp2")},
     # PyTorch's meta kernel of grouped_mm takes bf16 only (its CPU kernel fp32 too); the bf16 model splits
     **{(c, "grouped_gemm_moe"): "Expected inputs of BF16 type" for c in ("tp2", "tp4", "pp2", "sp_tp2")},
     # slices at bounds read by .tolist(): one traced graph cannot follow shapes made by the data

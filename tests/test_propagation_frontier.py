@@ -4,7 +4,9 @@ numerics on ranks. ``test_plain_suite`` checks the whole models."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from torch.distributed.tensor.experimental import register_sharding
 
 from autotp.analysis.trace import input_batch_dims, trace
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from autotp.ir import ops
 from autotp.ir.errors import UserInputError
 from autotp.ir.plan import ParallelPlan
 from autotp.runtime.execution.batch_pieces import microbatches
@@ -189,26 +192,93 @@ def test_a_custom_op_sharded_by_its_dtensor_rule_equals_the_unmodified_model() -
 
 
 class _HookedMLP(nn.Module):
-    """A gradient halved by a hook registered in the forward."""
+    """A gradient changed by a hook registered in the forward on the FFN's hidden units, which
+    the FFN reads once before the registration and once after."""
 
-    def __init__(self) -> None:
+    def __init__(self, hook: Callable[[torch.Tensor], torch.Tensor | None], remove: bool = False, in_region: bool = False) -> None:
         super().__init__()
+        self.hook, self.remove, self.in_region = hook, remove, in_region
         self.up, self.down = nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(2 * DIM, DIM, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
-        if h.requires_grad:
-            h.register_hook(lambda g: g * 0.5)
-        return self.down(F.gelu(h))
+        gate = torch.sigmoid(h)
+        with torch.autocast("cpu", enabled=False) if self.in_region else contextlib.nullcontext():
+            handle = h.register_hook(self.hook)
+        if self.remove:
+            handle.remove()
+        return self.down(F.gelu(h) * gate)
 
 
-def test_gradient_hooks_are_refused_naming_where_they_are() -> None:
-    """A tensor hook in the forward and a module's backward hook change gradients where the traced
-    graph does not run them: both made the parallel model's gradients silently wrong (23% of the
-    embedding's gradient apart at tp=2 and pp=2)."""
+def _hooked(hook: Callable[[torch.Tensor], torch.Tensor | None], remove: bool = False, in_region: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), _HookedMLP(hook, remove, in_region))).eval()
+
+
+def _hook_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.target in (ops.FUNCTION, ops.ELEMENTWISE_FUNCTION) and "register_hook" in n.args[2]]
+
+
+def test_a_gradient_hook_is_one_node_after_its_tensor_that_all_uses_read() -> None:
+    """The hook gets the gradient of every use of its tensor, those before its registration too:
+    its node comes right after the tensor, which nothing else reads. An elementwise hook runs on
+    shards, one reading the whole gradient on replicated inputs; a removed hook is gone. So for a
+    hook registered inside an autocast region, which export keeps as a subgraph."""
     inputs = example_inputs("gated_attention_output")
-    with pytest.raises(UserInputError, match=r"module layers\.0\.feed_forward \(_HookedMLP\) at .*register_hook\(lambda g: g \* 0\.5\).*gradient hook on a tensor.*torch\.autograd\.Function"):
-        trace(DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), _HookedMLP())).eval(), inputs)
+    for in_region in (False, True):
+        hooks = _hook_nodes(trace(_hooked(lambda g: g * 0.5, in_region=in_region), inputs))
+        assert [n.target for n in hooks] == [ops.ELEMENTWISE_FUNCTION] * 2
+        for hook in hooks:
+            (tensor,) = hook.args[0]
+            assert tensor.target is torch.ops.aten.linear.default and list(tensor.users) == [hook] and tensor.next is hook
+            assert {u.target for u in hook.users} == {torch.ops.aten.sigmoid.default, torch.ops.aten.gelu.default}
+    assert [n.target for n in _hook_nodes(trace(_hooked(lambda g: g / g.norm()), inputs))] == [ops.FUNCTION] * 2
+    assert _hook_nodes(trace(_hooked(lambda g: g * 0.5, remove=True), inputs)) == []
+
+
+def _check_hooked(rank: int, world: int) -> list[str]:
+    from autotp.report.strict_rule import check_on_rank
+
+    inputs = example_inputs("gated_attention_output")
+    seen: list[tuple[int, ...]] = []
+    hooks = [lambda g: g.clamp(-1e-3, 1e-3), lambda g: g / (g.norm() + 1e-6), lambda g: seen.append(tuple(g.shape))]
+    reasons = [check_on_rank(_hooked(hook), inputs, tp=world).reason for hook in hooks]
+    return [*reasons, str(sorted(set(seen)))]
+
+
+def test_gradient_hooks_at_tp2_equal_the_unmodified_model() -> None:
+    """A clip of the gradient (on shards), a normalization by its norm (the whole gradient) and a
+    hook that only records: the gradients are the unmodified model's with its hooks; the recording
+    hook sees this rank's piece of the gradient (the FFN's hidden units split in two) and the
+    reference's whole gradient."""
+    hidden = 2 * DIM
+    pieces = f"[(2, 16, {hidden // 2}), (2, 16, {hidden})]"
+    assert run_on_ranks(_check_hooked, 2) == [["", "", "", pieces]] * 2
+
+
+class _LeafHookMLP(nn.Module):
+    def __init__(self, post_accumulate: bool) -> None:
+        super().__init__()
+        self.post_accumulate = post_accumulate
+        self.up, self.down = nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.post_accumulate:
+            self.up.weight.register_post_accumulate_grad_hook(lambda p: None)
+        else:
+            self.up.weight.register_hook(lambda g: g * 0.5)
+        return self.down(F.gelu(self.up(x)))
+
+
+def test_hooks_the_graph_cannot_hold_are_refused_naming_where_they_are() -> None:
+    """A hook on a parameter, a post-accumulate-grad hook and a module's backward hook change
+    gradients where the traced graph does not run them: the parallel model's gradients would
+    differ silently."""
+    inputs = example_inputs("gated_attention_output")
+    for post_accumulate, found in ((False, r"parameter or an input \(a leaf tensor, register_hook\)"), (True, r"register_post_accumulate_grad_hook")):
+        model = DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), _LeafHookMLP(post_accumulate))).eval()
+        with pytest.raises(UserInputError, match=rf"module layers\.0\.feed_forward \(_LeafHookMLP\) at .*{found}.*torch\.autograd\.Function"):
+            trace(model, inputs)
     model = build("gated_attention_output")
     model.layers[1].feed_forward.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 0.5,))
     with pytest.raises(UserInputError, match=r"module layers\.1\.feed_forward \(SwiGLU\) has a backward hook"):

@@ -22,7 +22,8 @@ rows. Pieces of the rows taken by slicing (``x[0]``, ``x.chunk(2)``, a shift by 
 loses track of the rows otherwise (an op with no rule for a split there) it stops looking
 downstream of it, so the check may miss a case. A lookup with ``scale_grad_by_freq`` mixes
 rows in its backward: each table row's gradient is divided by its id's count over the whole
-batch. A loss divided by a
+batch; so does a tensor hook (``custom_functions``) whose gradient change mixes them
+(``grad / grad.norm()``), found by the same walk of the hook traced alone. A loss divided by a
 statistic of the batch that ``loss_denominators`` could not make the whole batch's
 (``labels.max()``) mixes rows too, and so does a buffer the forward updates from its own
 earlier value (``carried_buffer_write``): each piece would read what the piece before it wrote.
@@ -39,6 +40,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
+from autotp.analysis.custom_functions import hook_gradient_graph, tensor_hook
 from autotp.analysis.dtensor_rules import dtensor_rule
 from autotp.analysis.propagation import Walker
 from autotp.analysis.row_pieces import REASSEMBLES, Piece, RowPieces
@@ -173,6 +175,8 @@ class _BatchWalker(Walker):
             return False
         if name in _FREQUENCY_SCALED and schema_arg(node, "scale_grad_by_freq", False):
             return bool(self._rows_at(node.args[1]))  # each row's gradient divided by its id's count in the batch
+        if tensor_hook(node) is not None:
+            return self._hook_mixes(node)
         rows = self._rows_at(node.args[0])
         if not rows or not is_float(node.args[0]):  # integer bookkeeping (the longest row's length) sizes, it does not weigh
             return False
@@ -200,6 +204,15 @@ class _BatchWalker(Walker):
         if not all(isinstance(d, int) for d in dims):  # max/min of two tensors: pointwise
             return False
         return any(norm_dim(d, len(shape)) in rows for d in dims)
+
+    def _hook_mixes(self, node: Node) -> bool:
+        """A tensor hook whose gradient change mixes the rows its tensor holds (a norm over the whole
+        gradient): each piece of a split batch would change its own rows' gradient alone."""
+        rows = self._rows_at(node.args[0][0])
+        if not rows:
+            return False
+        changed = hook_gradient_graph(node)
+        return changed is None or len(rows) > 1 or bool(batch_mixing_node(changed, self.batch, [min(rows)]))
 
     def _addresses_rows(self, node: Node, rows: set[int], rank: int) -> bool:
         """A gather (or a write: ``y[perm] = x``, ``index_copy``, ``scatter``) along a dim holding

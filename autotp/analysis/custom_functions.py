@@ -18,6 +18,16 @@ backward would silently get other gradients. So ``trace`` runs in two steps:
    forward and backward the output's shape or a scalar, pointwise ops only) into
    ``ops.ELEMENTWISE_FUNCTION``, which runs on shards like any pointwise op; the others
    run on replicated inputs.
+
+A hook registered on a tensor in the forward (``t.register_hook(fn)``) is the same thing: an
+identity whose backward is ``fn``. ``register_tensor_hook`` puts it into the graph as an
+``ops.FUNCTION`` call of ``HookedIdentity`` where it is registered, and ``route_through_hooks``
+moves it to right after ``t`` with every other use of ``t`` reading it, so that ``fn`` gets the
+gradient of all of them, as autograd gives it (uses before the registration too). The elementwise
+ones (``grad * 0.5``, a clamp, a hook that only stores its gradient) then run on shards and get
+this rank's piece of the gradient; one that reads the whole gradient (``grad / grad.norm()``)
+runs on replicated inputs and gets all of it. ``mark_elementwise`` and ``batch_rows`` call
+``fn`` on fake tensors to tell, and to tell whether it mixes the batch's rows.
 """
 
 from __future__ import annotations
@@ -25,9 +35,10 @@ from __future__ import annotations
 import functools
 import operator
 import traceback
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +47,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.function import Function, _is_setup_context_defined
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.hooks import RemovableHandle
 
 from autotp.ir import custom_functions as calls
 from autotp.ir import ops
@@ -123,6 +135,96 @@ def _caller_line() -> str:
     ours = str(Path(__file__).resolve().parents[1])  # the autotp package
     frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename and not f.filename.startswith(ours)]
     return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "unknown line"
+
+
+@dataclass(eq=False)
+class TensorHook:
+    """A hook registered on a tensor in the forward, and where."""
+
+    fn: Callable[[torch.Tensor], torch.Tensor | None]
+    where: str  # the module and source line of the registration
+    # the registration's handle, emptied when the forward removes the hook (RemovableHandle refers to it weakly, as a dict cannot be)
+    handles: OrderedDict[int, Any] = field(default_factory=OrderedDict)
+
+
+class HookedIdentity(Function):
+    """The identity whose backward is a tensor hook: ``fn(grad)``, or ``grad`` where it returns None."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, hook: TensorHook) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.hook = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        changed = ctx.hook.fn(grad)
+        return (grad if changed is None else changed), None
+
+
+def register_tensor_hook(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor | None], stack: list[str]) -> RemovableHandle:
+    """What ``t.register_hook(fn)`` does while tracing: an ``ops.FUNCTION`` call of ``HookedIdentity``
+    on ``t`` that nothing reads until ``route_through_hooks``."""
+    hook = TensorHook(fn, f"module {stack[-1] if stack else '<root>'} at {_caller_line()}")
+    handle = RemovableHandle(hook.handles)
+    hook.handles[handle.id] = fn
+    key, tensors = calls.register_call(HookedIdentity, (t, hook), {})
+    ops.FUNCTION(tensors, key, f"register_hook in {hook.where}")
+    return handle
+
+
+def route_through_hooks(gm: GraphModule) -> None:
+    """Move each tensor hook's node to right after its tensor, every other use of the tensor reading
+    it instead; drop the hooks the forward removed. Taken last to first, hooks on one tensor end up
+    chained so that the first registered gets the gradient first, as in autograd."""
+    for node in reversed(list(gm.graph.nodes)):
+        hook = tensor_hook(node)
+        if hook is None:
+            continue
+        getters = list(node.users)
+        if not hook.handles:
+            for getter in getters:
+                gm.graph.erase_node(getter)
+            gm.graph.erase_node(node)
+            continue
+        if not getters:
+            with gm.graph.inserting_after(node):
+                getters = [gm.graph.call_function(operator.getitem, (node, 0))]
+            getters[0].meta = {**node.meta, "val": node.meta["val"][0]}
+        (source,), (getter,) = node.args[0], getters
+        source.replace_all_uses_with(getter, delete_user_cb=lambda user: user is not node)
+        source.append(node)
+        node.append(getter)
+    gm.graph.lint()
+
+
+def hook_gradient_graph(node: Node) -> GraphModule | None:
+    """The gradient change of the tensor hook at ``node``, traced on a fake gradient of its
+    tensor's shape (one input, the gradient; one output, the one that replaces it); None where
+    ``node`` is no hook's, or the hook cannot be traced alone."""
+    hook = tensor_hook(node)
+    val = node.args[0][0].meta.get("val") if hook is not None else None
+    if not isinstance(val, torch.Tensor):
+        return None
+
+    def changed(grad: torch.Tensor) -> torch.Tensor:
+        out = hook.fn(grad)
+        return grad if out is None else out
+
+    try:
+        with FakeTensorMode():
+            return make_fx(changed)(torch.empty(val.shape, dtype=val.dtype))
+    except Exception:  # noqa: BLE001 - a hook that cannot be traced alone is not proven to keep rows apart
+        return None
+
+
+def tensor_hook(node: Node) -> TensorHook | None:
+    """The tensor hook whose call ``node`` is, if it is one."""
+    if node.target is not ops.FUNCTION or calls.call(node.args[1]).cls is not HookedIdentity:
+        return None
+    return next(c for c in calls.call(node.args[1]).constants if isinstance(c, TensorHook))
 
 
 def opaque_functions(uses: list[FunctionUse]) -> dict[type[Function], str]:

@@ -36,7 +36,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from autotp.analysis.batch_rows import UNKNOWN_ROWS, batch_rows_at, batch_size, input_row_dims
 from autotp.analysis.loss_denominators import normalize_loss_denominators
-from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions
+from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions, route_through_hooks
 from autotp.analysis.trace_decompose import decompose_simple_composites, decompose_parameter_ops, draw_by_size
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
 from autotp.analysis.trace_guards import GradientHookWatch, refuse_backward_hooks, refuse_lazy_parameters, refuse_parameter_writes, register_dataclasses, strip_opaque_outputs
@@ -169,6 +169,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     mark_checkpointed(gm)
     reconnect_unchanged_region_outputs(gm)
     inline_regions(gm)
+    route_through_hooks(gm)  # a hook registered inside a region is in the graph now
     _clean(gm)
     decompose_parameter_ops(gm)
     decompose_simple_composites(gm)
@@ -279,7 +280,7 @@ def _export(
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
     retry = None
-    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable) as loops, GradientHookWatch():
+    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable) as loops, GradientHookWatch(stack):
         try:
             with contextlib.redirect_stderr(printed):
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False, dynamic_shapes=dynamic_shapes)

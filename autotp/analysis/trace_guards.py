@@ -13,9 +13,11 @@
   is a forward hook that replaces such values by ``None`` in the root's output.
 * **Dataclasses.** A forward returning (or taking) a plain ``@dataclass`` of tensors is
   exported once its class is a pytree node: ``register_dataclasses`` registers it.
-* **Gradient hooks.** A hook on a tensor (``x.register_hook``, in the forward) or a module's
-  backward hook changes gradients where the traced graph does not run it, so the parallel
-  model would differ silently; ``GradientHookWatch`` and ``refuse_backward_hooks`` refuse them.
+* **Gradient hooks.** A hook registered on an activation in the forward (``x.register_hook``)
+  becomes a node of the graph (``custom_functions.register_tensor_hook``). A hook on a
+  parameter or an input (a leaf), a post-accumulate-grad hook and a module's backward hook
+  change gradients where the traced graph does not run them, so the parallel model would
+  differ silently; ``GradientHookWatch`` and ``refuse_backward_hooks`` refuse them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.overrides import TorchFunctionMode
 
+from autotp.analysis.custom_functions import register_tensor_hook
 from autotp.ir.op_facts import mutated_base
 from autotp.ir.errors import UserInputError, source_line
 
@@ -122,9 +125,10 @@ def _parameter_write(gm: GraphModule, roots: dict[Node, str]) -> tuple[str, Node
 
 
 _HOOK_FIX = (
-    "autotp runs the traced forward, which does not record gradient hooks, so the parallel model would compute "
-    "other gradients than this one. Fix: write the gradient change as a torch.autograd.Function (its backward runs as "
-    "written, and autotp shards around it), or remove the hook before autotp.parallelize"
+    "autotp runs the traced forward, which records only hooks registered on tensors computed in the forward, so the "
+    "parallel model would compute other gradients than this one. Fix: register the hook on a tensor the forward "
+    "computes (an activation), write the gradient change as a torch.autograd.Function (its backward runs as written, "
+    "and autotp shards around it), or remove the hook before autotp.parallelize"
 )
 
 
@@ -132,14 +136,24 @@ _GRADIENTS_TAKEN = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.b
 
 
 class GradientHookWatch(TorchFunctionMode):
-    """Refuses a hook registered on a tensor in the forward (``x.register_hook(fn)``: a
-    gradient scaled or reversed there), and a gradient taken in the forward
+    """Puts a hook registered on an activation in the forward (``x.register_hook(fn)``: a
+    gradient scaled or reversed there) into the graph; refuses one on a leaf (a parameter,
+    an input) and a post-accumulate-grad hook, and a gradient taken in the forward
     (``torch.autograd.grad``: a test-time memory's inner step, a gradient penalty), which
-    export computes once, on the trace's values, and keeps as a constant."""
+    export computes once, on the trace's values, and keeps as a constant. ``stack``: the
+    executing-submodule stack that ``trace`` keeps."""
+
+    def __init__(self, stack: list[str]) -> None:
+        super().__init__()
+        self.stack = stack
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if not torch.compiler.is_dynamo_compiling():
-            if func in (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook):
+            if func is torch.Tensor.register_hook and args[0].requires_grad and not args[0].is_leaf:
+                return register_tensor_hook(args[0], *args[1:], **(kwargs or {}), stack=self.stack)
+            if func is torch.Tensor.register_hook and args[0].requires_grad:
+                raise UserInputError(f"the forward registers a gradient hook on a parameter or an input (a leaf tensor, register_hook); {_HOOK_FIX}")
+            if func is torch.Tensor.register_post_accumulate_grad_hook:
                 raise UserInputError(f"the forward registers a gradient hook on a tensor ({func.__name__}); {_HOOK_FIX}")
             if func in _GRADIENTS_TAKEN:
                 raise UserInputError(
