@@ -49,6 +49,7 @@ class TinyLM(nn.Module):
             "by_max": lambda: per_token.sum() / labels.max(),
             "targets_written_in_place": lambda: F.cross_entropy(flat, self.shifted(labels).reshape(-1)),
             "mean_of_row_means": lambda: torch.stack([F.cross_entropy(row, t) for row, t in zip(logits, labels)]).mean(),
+            "squared_batch_mean": lambda: F.cross_entropy(flat, target) + 1e-2 * (logits.mean(0) ** 2).sum(),
         }
         return {"logits": logits, "loss": losses[self.loss]()}
 
@@ -185,3 +186,26 @@ def test_an_hf_model_with_a_padded_batch_at_dp2_pp2_computes_the_whole_batch() -
     """HF's Llama, ``attention_mask`` and ``-100`` on the padding, dp=2 x pp=2 x 2 microbatches:
     at the code before the rescaling the loss was 4.8885 against 4.8909 and every gradient off."""
     assert all(r["ok"] for r in run_on_ranks(_hf_padded_dp_pp, 4))
+
+
+def test_a_loss_nonlinear_in_a_batch_statistic_is_computed_per_piece_and_said(caplog: pytest.LogCaptureFixture) -> None:
+    """A penalty on the square of the mean over the rows (SPLADE's FLOPS regularizer; a
+    router's load-balancing loss is a product of two such means): the mean of the pieces'
+    penalties is not the whole batch's. The plan names the op, ``train_step`` says once that
+    each piece computes it over its own rows, as Megatron computes router losses per
+    microbatch, and that is what it computes."""
+    model = TinyLM("squared_batch_mean")
+    reference = copy.deepcopy(model)
+    batch = {k: v.clamp(min=0) for k, v in _batch().items()}
+    pm = autotp.parallelize(model, tp=1, example_inputs={k: v[:2] for k, v in batch.items()})
+    assert "pow" in pm.plan.batch_statistics and "mean" in pm.plan.batch_statistics, pm.plan.batch_statistics
+    with caplog.at_level("WARNING"):
+        loss = pm.train_step(**batch, num_microbatches=2)
+    assert sum("computes that term over its own rows" in r.getMessage() for r in caplog.records) == 1
+    pieces = [reference(**{k: v[i : i + 2] for k, v in batch.items()})["loss"] for i in (0, 2)]
+    (sum(pieces) / 2).backward()
+    torch.testing.assert_close(loss, (sum(pieces) / 2).detach(), rtol=RTOL, atol=ATOL)
+    grads = pm.unshard_grads()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=ATOL)
+    assert not autotp.parallelize(TinyLM("mean"), tp=1, example_inputs=batch).plan.batch_statistics

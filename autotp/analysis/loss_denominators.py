@@ -25,6 +25,11 @@ for the graphs of split steps (``trace(..., split_batch=True)``): elsewhere the 
 as the model wrote it. A division by another statistic of the batch (``labels.max()``)
 cannot be split: ``unnormalized_division`` names it, and ``batch_rows`` refuses to split
 such a forward.
+
+A loss that is not linear in a trained statistic of the rows (a router's load-balancing loss,
+a product of per-expert means; a squared mean activation as a sparsity penalty) is computed
+by each piece over its own rows, as Megatron and HF's Trainer compute it per microbatch:
+``per_piece_statistic`` names it, for the plan (``ParallelPlan.batch_statistics``).
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, GraphModule, Node
 from torch.utils._pytree import tree_map, tree_structure
 
-from autotp.analysis.shapes import schema_arg
+from autotp.analysis.shapes import is_float, schema_arg, shape_of
+from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
 from autotp.ir import meta_keys
 from autotp.ir.batch_denominators import BATCH_DENOMINATOR, MEAN, SUM, DenominatorProgram
 from autotp.ir.errors import describe
@@ -109,6 +115,58 @@ def unnormalized_division(gm: GraphModule, rows_at: RowsAt) -> str:
         if isinstance(weight, Node) and reads.of(weight)[1] and _reduction(node) == _MEAN_REDUCTION and rows_at(node.args[1]):
             return f"{describe(node)} (its mean over the class weights, which are trained)"
     return ""
+
+
+_COUNTS = frozenset({aten.histc.default, aten.bincount.default})
+_LINEAR = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.neg.default,
+                     aten.mul.Scalar, aten.div.Scalar, aten.expand.default, aten.cat.default, aten.stack.default})  # fmt: skip
+
+
+def per_piece_statistic(gm: GraphModule, rows_at: RowsAt) -> str:
+    """The first op through which a reduction over the batch rows of values computed from
+    parameters reaches the graph's outputs other than linearly (a product of two such
+    statistics, a power, an ``exp``), described with that reduction; "" if there is none. The
+    mean of the pieces' values is then not the whole batch's."""
+    reads, source = _Reads(gm), {}  # a node computed from a trained statistic of the rows -> that statistic
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        tainted = [a for a in node.all_input_nodes if a in source]
+        if not tainted:
+            if _trained_statistic(node, reads, rows_at):
+                source[node] = node
+            continue
+        if not is_float(node):  # bookkeeping: expert counts read as split sizes
+            continue
+        if not _linear_in(node, tainted):
+            return f"{describe(node)}, a function of {describe(source[tainted[0]])}"
+        source[node] = source[tainted[0]]
+    return ""
+
+
+def _trained_statistic(node: Node, reads: _Reads, rows_at: RowsAt) -> bool:
+    """A float reduction over dims holding the batch rows (a class loss over its targets' rows,
+    a count of values over the rows: an MoE's tokens per expert) of values computed from
+    parameters."""
+    if node.target in _COUNTS:
+        return bool(rows_at(node.args[0])) and reads.of(node.args[0])[1]
+    if node.target in _CLASS_LOSSES:
+        return _reduction(node) != 0 and bool(rows_at(node.args[1])) and reads.of(node.args[0])[1]
+    x = node.args[0] if node.args else None
+    if node.target not in REDUCTIONS or not isinstance(x, Node) or not is_float(x) or not reads.of(x)[1]:
+        return False
+    return bool(set(reduced_dims(node, len(shape_of(x) or ()))) & rows_at(x))
+
+
+def _linear_in(node: Node, tainted: list[Node]) -> bool:
+    """Whether ``node`` is linear in its operands computed from statistics (``tainted``)."""
+    if node.target in _LINEAR or node.target in _CASTS or node.target in _REDUCTIONS or is_alias(node):
+        return True
+    if node.target is aten.mul.Tensor:
+        return len(tainted) == 1
+    if node.target is aten.div.Tensor:
+        return tainted == [node.args[0]]
+    return False
 
 
 def _reduces_rows(d: Node, rows_at: RowsAt) -> bool:

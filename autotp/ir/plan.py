@@ -289,6 +289,10 @@ class ParallelPlan:
     # The op whose values mix the rows of the batch (``analysis.batch_rows``), described; ""
     # when none: ``train_step`` then refuses to split the batch over microbatches or dp ranks.
     batch_mixing: str = ""
+    # The op through which the loss takes a trained statistic of the batch's rows other than
+    # linearly (``loss_denominators.per_piece_statistic``), described; "": none. A split step
+    # computes it per piece (a router's load-balancing loss per microbatch, as Megatron does).
+    batch_statistics: str = ""
     # Inputs whose batch rows lie on a dim other than 0, by pytree key path (``['position_ids']``):
     # the dim, or -1 where the trace could not tell (``analysis.trace.input_batch_dims``).
     input_batch_dims: tuple[tuple[str, int], ...] = ()
@@ -399,6 +403,7 @@ class ParallelPlan:
                 "moe_estimate": self.moe_estimate.to_json() if self.moe_estimate else None,
                 "unread": [u.to_json() for u in self.unread],
                 "batch_mixing": self.batch_mixing,
+                "batch_statistics": self.batch_statistics,
                 "input_batch_dims": [list(p) for p in self.input_batch_dims],
                 "recompute_layers": list(self.recompute_layers),
                 "recompute_reason": self.recompute_reason,
@@ -454,6 +459,7 @@ class ParallelPlan:
             moe_estimate=ExpertParallelEstimate.from_json(d["moe_estimate"]) if d.get("moe_estimate") else None,
             unread=tuple(UnreadParam.from_json(u) for u in d.get("unread", ())),
             batch_mixing=d.get("batch_mixing", ""),
+            batch_statistics=d.get("batch_statistics", ""),
             input_batch_dims=tuple((path, dim) for path, dim in d.get("input_batch_dims", ())),
             recompute_layers=tuple(d.get("recompute_layers", ())),
             recompute_reason=d.get("recompute_reason", ""),

@@ -30,6 +30,7 @@ from torch.fx import GraphModule
 from autotp.ir.op_facts import is_alias, is_matmul, is_pointwise
 from autotp.api import parallelize
 from autotp.compiler import example_kwargs
+from autotp.runtime.execution.batch_pieces import microbatches
 from autotp.runtime.execution.model_loss import returned_logits, returned_loss
 
 RTOL, ATOL = 1e-4, 1e-6
@@ -115,7 +116,12 @@ def check_on_rank(
         torch.manual_seed(RNG_SEED)
         ref_out = reference(**example_kwargs(reference, inputs))
         ref_loss, ref_logits = _loss_logits(ref_out, loss_fn)
-        ref_loss.backward()
+        # a forward that mixes its batch's rows trains the batch whole, as train_step's refusal asks
+        whole = pp == 1 or pm.plan.batch_mixing or microbatches == 1
+        if whole or not pm.plan.batch_statistics:
+            ref_loss.backward()
+        else:  # a loss term over statistics of the rows: train_step computes it per microbatch, so does the reference
+            ref_loss = _per_piece_step(reference, inputs, microbatches, loss_fn, dict(pm.plan.input_batch_dims))
         torch.manual_seed(RNG_SEED)
         if pp == 1:
             out = pm(**inputs)
@@ -128,8 +134,6 @@ def check_on_rank(
                 for name, b in pm.named_buffers():  # the step starts from the state the one reference forward saw
                     b.copy_(entry[name])
             torch.manual_seed(RNG_SEED)
-            # a forward that mixes its batch's rows trains the batch whole, as train_step's refusal asks
-            whole = pm.plan.batch_mixing or microbatches == 1
             split = {"num_microbatches": 1, "schedule": "gpipe"} if whole else {"num_microbatches": microbatches}
             loss = pm.train_step(**inputs, loss_fn=loss_fn, **split)
         mismatch = _first_mismatch(
@@ -142,6 +146,18 @@ def check_on_rank(
     except Exception as e:  # noqa: BLE001 - the verdict names it
         lines = str(e).strip().splitlines()
         return StrictResult(error=f"{type(e).__name__}: {lines[0] if lines else ''}"[:400], limit=limit)
+
+
+def _per_piece_step(reference: nn.Module, inputs: dict[str, Any], pieces: int, loss_fn: LossFn | None,
+                    batch_dims: dict[str, int]) -> torch.Tensor:  # fmt: skip
+    """The mean of the reference's losses over ``pieces`` microbatches of ``inputs``, each
+    piece's gradient accumulated with weight 1/pieces (``train_step``'s split step)."""
+    losses = []
+    for piece in microbatches(inputs, 1, 0, pieces, True, batch_dims):
+        loss, _ = _loss_logits(reference(**example_kwargs(reference, piece)), loss_fn)
+        (loss / pieces).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
 
 
 def _loss_logits(out: Any, loss_fn: LossFn | None) -> tuple[torch.Tensor, torch.Tensor | None]:

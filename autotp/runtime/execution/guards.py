@@ -37,6 +37,7 @@ from torch.fx import GraphModule
 
 from autotp.ir import meta_keys
 from autotp.ir.errors import UserInputError, describe
+from autotp.ir.rank_log import warn_once
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -294,7 +295,13 @@ def _explain_collective_error(error: RuntimeError) -> RuntimeError:
 
 
 def refuse_mixed_batch(plan: Any, pieces: int) -> None:
-    """Refuse to split the batch into ``pieces`` (dp ranks x microbatches) when the forward mixes its rows."""
+    """Refuse to split the batch into ``pieces`` (dp ranks x microbatches) when the forward mixes
+    its rows; say once when a loss term will be computed per piece (``plan.batch_statistics``)."""
+    if pieces > 1 and plan.batch_statistics and not plan.batch_mixing:
+        warn_once(log, f"the loss takes a statistic of the batch's rows other than linearly at {plan.batch_statistics}: "
+                       f"each of the {pieces} pieces of the batch (dp ranks x microbatches) computes that term over its own "
+                       "rows, and the step averages them, as Megatron and HF's Trainer compute a router's load-balancing "
+                       "loss per microbatch; train with dp=1 and num_microbatches=1 for the whole batch's")  # fmt: skip
     if pieces > 1 and plan.batch_mixing:
         raise UserInputError(
             f"the forward mixes the rows of its batch at {plan.batch_mixing}: each row's value depends on "
