@@ -686,6 +686,61 @@ class SigmoidAttention(FusedHeads):
         return self.o(merge_heads(w @ v))
 
 
+
+# ---- Switch MoE whose load-balancing loss is carried through the layers ---------------------------------
+
+EXPERTS = 4
+
+
+class SwitchFFN(nn.Module):
+    """Top-1 routing over SwiGLU experts in a loop, returning the output and Switch's
+    load-balancing loss ``E * sum_e f_e * P_e`` (the fraction of tokens sent to expert e times
+    its mean router probability)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, EXPERTS, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(DIM, DIM) for _ in range(EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.reshape(-1, DIM)
+        probs = self.router(flat).softmax(-1)
+        gate, choice = probs.max(-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            hit = (choice == e).unsqueeze(-1)
+            out = out + torch.where(hit, gate.unsqueeze(-1) * expert(flat), 0.0)
+        fraction = F.one_hot(choice, EXPERTS).float().mean(0)
+        return out.view_as(x), EXPERTS * (fraction * probs.mean(0)).sum()
+
+
+class SwitchBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attention, self.moe = NanoGPTAttention(), SwitchFFN()
+
+    def forward(self, x: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attention(self.norm1(x))
+        y, balance = self.moe(self.norm2(x))
+        return x + y, aux + balance
+
+
+class SwitchLM(DecoderLM):
+    """The blocks pass ``(hidden, aux)`` on; the loss is the LM loss plus 0.01 of the summed
+    balancing losses (crossing the pipeline stages as a scalar)."""
+
+    def __init__(self) -> None:
+        super().__init__(SwitchBlock)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        h, aux = self.embed(input_ids), torch.zeros(())
+        for layer in self.layers:
+            h, aux = layer(h, aux)
+        logits = self.logits(h)
+        return {"logits": logits, "loss": F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)) + 0.01 * aux}
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "informer_probsparse": decoder_of(ProbSparseAttention),
     "reformer_lsh": decoder_of(LSHAttention),
@@ -704,7 +759,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "flash_gated_attention_unit": GAULM,
     "cait_class_attention": CaiT,
     "sigmoid_attention": decoder_of(SigmoidAttention),
+    "switch_aux_through_layers": SwitchLM,
 }
+MOE = frozenset({"switch_aux_through_layers"})
 
 
 def build(name: str) -> nn.Module:

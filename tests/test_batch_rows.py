@@ -179,6 +179,10 @@ class RowsMixedBy(nn.Module):
         (lambda x: F.layer_norm(x.transpose(0, 2), (2,)).transpose(0, 2), "layer_norm"),
         (lambda x: F.group_norm(x.transpose(0, 1), 1).transpose(0, 1), "group_norm"),
         (lambda x: F.instance_norm(x.transpose(0, 1)).transpose(0, 1), ""),  # over each row's features
+        # rows of a 1-D tensor through unsqueeze(-1), and of one_hot (twelfth round)
+        (lambda x: x - x.amax(-1).flatten().unsqueeze(-1).mean(0).view(1, 1, 1), "sub"),
+        (lambda x: x * F.one_hot(x.argmax(-1), DIM).float().mean((0, 1)), "mul"),
+        (lambda x: x * F.one_hot(x.argmax(-1), DIM).float(), ""),  # each row's own
     ],
 )
 def test_ops_that_read_other_rows_are_found(fn: Callable[[torch.Tensor], torch.Tensor], mixing_op: str) -> None:

@@ -180,6 +180,8 @@ class _BatchWalker(Walker):
         rows = self._rows_at(node.args[0])
         if not rows or not is_float(node.args[0]):  # integer bookkeeping (the longest row's length) sizes, it does not weigh
             return False
+        if name == "cumsum" and _only_counts(node):  # slot positions counted in floats
+            return False
         shape = shape_of(node.args[0]) or ()
         if self._addresses_rows(node, rows, len(shape)) or self._runs_along_rows(node, rows, len(shape)) or self._pairs_by_broadcast(node):
             return True
@@ -369,6 +371,22 @@ def batch_mixing_node(gm: GraphModule, batch: int, row_dims: list[int | None] | 
         node, name = carried
         return f"{describe(node)}, which updates buffer {name} from its value before the forward (each piece of a split batch would read what the piece before it wrote)"
     return ""
+
+
+def _only_counts(node: Node) -> bool:
+    """Whether every value computed from ``node``'s float result is made an integer or a boolean
+    before anything reads it as a float (GShard's slot positions, ``(onehot.cumsum(0) - 1) *
+    onehot``, taken ``.long()``): positions, which move rows but do not weigh them, as an
+    integer ``cumsum`` of slot positions does."""
+    stack, seen = [node], {node}
+    while stack:
+        for user in stack.pop().users:
+            if user.op != "call_function":
+                return False  # the float reaches the graph's output
+            if user not in seen and (is_float(user) or isinstance(user.meta.get("val"), (tuple, list))):
+                seen.add(user)
+                stack.append(user)
+    return True
 
 
 # in-place ops whose result does not read what they overwrite

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker
 
 _DIM_ARGS = frozenset({"dim", "dims"})
+_INSERTS_DIM = frozenset({torch.ops.aten.unsqueeze.default})  # ``dim`` counts the output's dims
 
 
 @functools.cache
@@ -152,7 +153,7 @@ def _dims_normalized(target: torch._ops.OpOverload, args: tuple) -> tuple:
     """``args`` with negative ``dim``/``dims`` made non-negative (some strategies, e.g.
     ``scan_strategy`` of torch 2.13, compare dims without normalizing them)."""
     first = args[0] if args and isinstance(args[0], Node) else None
-    ndim = len(shape_of(first) or ()) if first is not None else 0
+    ndim = len(shape_of(first) or ()) + (target in _INSERTS_DIM) if first is not None else 0
     out = list(args)
     for i, arg in enumerate(target._schema.arguments[: len(args)]):
         if arg.name in _DIM_ARGS and ndim:

@@ -118,6 +118,7 @@ RULES: dict[Any, Rule] = {
     aten.unfold.default: shapes.unfold,
     aten.as_strided.default: shapes.as_strided,
     aten.unsqueeze.default: shapes.unsqueeze,
+    aten.one_hot.default: shapes.appends_whole_dim,
     aten.squeeze.dim: shapes.squeeze,
     aten.squeeze.dims: shapes.squeeze,
     aten.squeeze.default: shapes.squeeze,

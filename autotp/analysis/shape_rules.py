@@ -173,6 +173,11 @@ def unsqueeze(w: Walker, node: Node) -> Any:
     return _permute_like(w, node, perm)  # type: ignore[arg-type]
 
 
+def appends_whole_dim(w: Walker, node: Node) -> Any:
+    """``one_hot(indices, n)``: the indices' layout, the classes a whole last dim."""
+    return w.summed(node.args[0], node)
+
+
 def squeeze(w: Walker, node: Node) -> Any:
     src = shape_of(node.args[0]) or ()
     if len(node.args) > 1:
