@@ -15,11 +15,11 @@ model reading each row's last token; ``F.embedding(scale_grad_by_freq=True)``;
 audio LM with a head per codebook; a ``torch.stft`` front end; ``ConvTranspose1d`` upsamplers;
 a weight formed by a low-rank update in the forward; a product-key memory read by
 ``EmbeddingBag``; selective activation checkpointing; a hypernetwork's per-sample weights;
-ALiBi as SDPA's float mask; wav2vec2's grouped, weight-normed positional convolution. Two are not
-in ``MODELS``, as torch.export cannot trace them: a CTC speech model (``F.ctc_loss``'s output is
-shaped by the data; ``tests/test_propagation_ports.py`` computes it on the parallel model's
-outputs) and packed documents attended in a loop over ``lengths.tolist()`` (shapes from values;
-the refusal names the fix).
+ALiBi as SDPA's float mask; wav2vec2's grouped, weight-normed positional convolution; packed
+documents attended in a loop over ``split(lengths.tolist())`` (shapes from values, each
+document's assumed nonempty and asserted at run time). One is not in ``MODELS``, as
+torch.export cannot trace it: a CTC speech model (``F.ctc_loss``'s output is shaped by the
+data; ``tests/test_propagation_ports.py`` computes it on the parallel model's outputs).
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)``.
@@ -1093,6 +1093,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "residual_vq": ResidualVQAutoencoder,
     "ellipsis_einsum_attention": lambda: DecoderLM(lambda: PreNormBlock(EllipsisEinsumAttention())),
     "heads_into_batch_conv": lambda: DecoderLM(lambda: PreNormBlock(HeadsIntoBatchConv())),
+    "varlen_document_loop": PackedLoopLM,
 }
 MOE = frozenset({"noisy_topk_moe", "bias_balanced_moe"})
 
@@ -1128,4 +1129,7 @@ def example_inputs(name: str, batch: int = 2, seq: int = SEQ) -> dict[str, torch
         return {"waveform": torch.randn(batch, SAMPLES, generator=gen), "labels": torch.randint(0, AUDIO_CLASSES, (batch,), generator=gen)}
     if name == "conv_transpose_decoder":
         return {"signal": torch.randn(batch, 1, LATENT_FRAMES * UPSAMPLE * UPSAMPLE, generator=gen)}
+    if name == "varlen_document_loop":
+        ids, labels = (torch.randint(0, VOCAB, (batch, seq), generator=gen) for _ in range(2))
+        return {"input_ids": ids, "lengths": torch.tensor([5, 8, seq - 13]), "labels": labels}
     return {"input_ids": torch.randint(0, VOCAB, (batch, seq), generator=gen), "labels": torch.randint(0, VOCAB, (batch, seq), generator=gen)}

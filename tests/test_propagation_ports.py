@@ -115,14 +115,20 @@ def test_a_bag_table_is_column_parallel_over_its_features() -> None:
     assert layouts["layers.0.feed_forward.out.weight"][0] == "row"
 
 
-def test_shapes_read_from_tensor_values_are_refused_naming_static_shapes() -> None:
-    """Packed documents attended in a loop over ``lengths.tolist()``: each document's length is a
-    value, and SDPA guards on it; the refusal names the module and what to write instead."""
-    from plain_models_ports import PackedLoopLM
+def test_documents_split_at_lengths_read_from_values_trace_and_an_empty_one_is_refused() -> None:
+    """Packed documents attended in a loop over ``split(lengths.tolist())``: SDPA asks whether each
+    document is empty, answered no (its size-oblivious answer) and asserted at run time. Other
+    lengths give the model's numbers; an empty document fails naming the line."""
+    from autotp.api import parallelize
 
-    inputs = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "lengths": torch.tensor([5, 8, 3]), "labels": torch.zeros(2, 16, dtype=torch.long)}
-    with pytest.raises(UserInputError, match=r"module layers\.0\.attention \(DocumentLoopAttention\).*shapes there depend on the values of a tensor.*block-diagonal mask"):
-        trace(PackedLoopLM().eval(), inputs)
+    pm = parallelize(build("varlen_document_loop"), tp=1, example_inputs=example_inputs("varlen_document_loop"))
+    model = build("varlen_document_loop")
+    for lengths in ([1, 14, 1], [16]):
+        inputs = {**example_inputs("varlen_document_loop"), "lengths": torch.tensor(lengths)}
+        torch.testing.assert_close(pm(**inputs)["logits"], model(**inputs)["logits"], rtol=0, atol=0)
+    empty = {**example_inputs("varlen_document_loop"), "lengths": torch.tensor([5, 0, 11])}
+    with pytest.raises(RuntimeError, match=r"plain_models_ports\.py:\d+ .*scaled_dot_product_attention was traced assuming dim 2 of its input, a size known only at run time, is nonzero"):
+        pm(**empty)
 
 
 def _verbalizer_in_float64(rank: int, world: int) -> str:

@@ -522,3 +522,71 @@ def test_an_accumulator_written_in_place_after_f_equals_the_model() -> None:
 
     result = combine(run_on_ranks(_written_copy_on_rank, 4, timeout_s=300))
     assert result.equal, result.reason
+
+
+# ---- size-oblivious questions on sizes known only at run time (autotp/analysis/trace_sizes.py) ---
+
+
+def _documents_on_rank(rank: int, world: int) -> tuple[StrictResult, str]:
+    import plain_models_idioms as idioms
+    from autotp.api import parallelize
+
+    name = "document_loop_attention"
+    result = check_on_rank(idioms.build(name), idioms.example_inputs(name), tp=world)
+    pm = parallelize(idioms.build(name), tp=world, example_inputs=idioms.example_inputs(name))
+    try:
+        pm(**{**idioms.example_inputs(name), "cu_seqlens": torch.tensor([0, 5, 5, 16])})
+    except RuntimeError as e:
+        return result, str(e)
+    return result, ""
+
+
+def test_a_run_time_size_an_op_asks_about_is_assumed_nonzero_and_asserted() -> None:
+    """``F.scaled_dot_product_attention`` on ``q[:, :, a:b]`` (bounds from ``cu_seqlens.tolist()``)
+    asks whether the slice is empty: the trace answers no, once per slice, and the graph asserts it
+    with the line; at tp=2 the model's numbers, and an empty document fails naming that line."""
+    import plain_models_idioms as idioms
+
+    gm = trace(idioms.build("document_loop_attention"), idioms.example_inputs("document_loop_attention"))
+    attention = [n for n in gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default]
+    assert len(attention) == 6  # 3 documents x 2 layers: the calls that asked leave no node behind
+    assumed = {n.args[1] for n in gm.graph.nodes if n.target == torch.ops.aten._assert_scalar.default and "nonzero" in n.args[1]}
+    assert assumed and all("plain_models_idioms.py:" in m and "F.scaled_dot_product_attention(q[:, :, a:b]" in m for m in assumed)
+    from distributed import run_on_ranks
+
+    results = run_on_ranks(_documents_on_rank, 2, timeout_s=300)
+    assert combine([r for r, _ in results]).passed, combine([r for r, _ in results]).reason
+    for _, error in results:
+        assert "plain_models_idioms.py:" in error and "is nonzero" in error and "this run's is 0" in error, error
+
+
+@torch.library.custom_op("autotp_test::rows_unless", mutates_args=())
+def _rows_unless(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.clone() if x.shape[0] != n else x[0].clone()
+
+
+@_rows_unless.register_fake
+def _(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty(x.shape) if x.shape[0] != n else x.new_empty(x.shape[1:])
+
+
+class _RowsUnless(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+        a, b = bounds.tolist()
+        return _rows_unless(x[a:b], self.n).sum()
+
+
+def test_a_kernel_asking_whether_a_run_time_size_is_one_traces_it_as_not_one() -> None:
+    """A kernel that asks whether a slice at run-time bounds has 1 row: the trace takes the
+    size-oblivious side (not 1) and asserts it; asked about another number, it still fails."""
+    from autotp.ir.errors import UserInputError
+
+    inputs = {"x": torch.randn(8, 4), "bounds": torch.tensor([2, 6])}
+    gm = trace(_RowsUnless(1), inputs)
+    assert any("is not 1" in str(n.args[1]) for n in gm.graph.nodes if n.target == torch.ops.aten._assert_scalar.default)
+    with pytest.raises(UserInputError, match="GuardOnDataDependentSymNode"):
+        trace(_RowsUnless(4), inputs)

@@ -20,6 +20,9 @@ keep ``cumsum(x, -1)`` split along -1).
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -83,7 +86,8 @@ def dtensor_rule(w: Walker, node: Node) -> Any:
     if any(len(l.dims) > 1 for l in lays.values()):
         return None
     try:
-        outputs = _propagate(target, node, lays, w.tp)
+        with _meta_failures_unlogged():
+            outputs = _propagate(target, node, lays, w.tp)
     except Exception:  # noqa: BLE001 - a strategy that cannot place these inputs: opaque
         return None
     if outputs is None:
@@ -105,6 +109,23 @@ def dtensor_rule(w: Walker, node: Node) -> Any:
         result.append(shard({placement: var}))
     val = node.meta.get("val")
     return tuple(result) if isinstance(val, (tuple, list)) else result[0]
+
+
+def _drop_record(record: logging.LogRecord) -> bool:
+    return False
+
+
+@contextmanager
+def _meta_failures_unlogged() -> Iterator[None]:
+    """FakeTensor logs each meta kernel that fails, with its traceback, as an error; here a
+    failure only leaves the op opaque (shapes holding ``UNBACKED_SIZE`` where the trace had a
+    size known only at run time do not broadcast)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addFilter(_drop_record)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_drop_record)
 
 
 def _propagate(target: torch._ops.OpOverload, node: Node, lays: dict[Node, Layout], tp: int) -> list[tuple[tuple[int, ...], Any]] | None:

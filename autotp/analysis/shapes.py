@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import sympy
 import torch
 from torch.fx import Node
 
@@ -17,11 +18,37 @@ multiple of it, for a product of real dims."""
 
 
 def size_int(size: int | torch.SymInt) -> int:
-    """A traced size as an int; data-dependent (unbacked) sizes become ``UNBACKED_SIZE``."""
+    """A traced size as an int. A data-dependent (unbacked) size is the constant the trace
+    asserted it equal to, if any, else ``UNBACKED_SIZE``."""
     if isinstance(size, int):
         return size
     hint = size.node.hint  # None for an unbacked size (torch's optimization_hint is newer than torch 2.11)
-    return UNBACKED_SIZE if hint is None else int(hint)
+    if hint is not None:
+        return int(hint)
+    asserted = _asserted_constant(size)
+    return UNBACKED_SIZE if asserted is None else asserted
+
+
+def _asserted_constant(size: torch.SymInt) -> int | None:
+    """The constant that ``size`` equals by the trace's run-time assertions of equality: pieces
+    at run-time bounds put back together (``cat(x.split(lengths.tolist()))`` asserts
+    ``Eq(u0 + u1 + u2, 16)`` where the sizes must add up). An equality is solved for a symbol
+    of ``size`` with coefficient 1 (sizes are sums) and substituted where that leaves fewer
+    symbols."""
+    equalities = [ra.expr.lhs - ra.expr.rhs for asserted in size.node.shape_env.deferred_runtime_asserts.values()
+                  for ra in asserted if isinstance(ra.expr, sympy.Eq)]  # fmt: skip
+    expr, changed = size.node.expr, True
+    while changed and not expr.is_Integer:
+        changed = False
+        for eq in equalities:
+            for s in sorted(eq.free_symbols & expr.free_symbols, key=str):
+                if eq.coeff(s) != 1 or s in (eq - s).free_symbols:
+                    continue
+                solved = sympy.expand(expr.xreplace({s: s - eq}))
+                if len(solved.free_symbols) < len(expr.free_symbols):
+                    expr, changed = solved, True
+                    break
+    return int(expr) if expr.is_Integer else None
 
 
 def sources(node: Node) -> list[Node]:

@@ -41,6 +41,7 @@ from autotp.analysis.trace_decompose import decompose_simple_composites, decompo
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
 from autotp.analysis.trace_guards import GradientHookWatch, refuse_backward_hooks, refuse_lazy_parameters, refuse_parameter_writes, register_dataclasses, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
+from autotp.analysis.trace_sizes import TRACER_ROOTS, assumed_sizes, name_assumptions
 from autotp.ir import meta_keys
 from autotp.ir.batch_draws import REPLAYED, from_default_generator
 from autotp.ir.errors import UserInputError
@@ -48,13 +49,6 @@ from autotp.ir.errors import UserInputError
 log = logging.getLogger(__name__)
 
 _DROPPED_TARGETS = {torch.ops.aten._assert_tensor_metadata.default}
-# Frames inside these folders are the tracer's, not the model's (passes/ and cost_model/
-# may be linked into the package from elsewhere, hence the real paths).
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TRACER_ROOTS = tuple(
-    os.path.realpath(folder) + os.sep
-    for folder in (_PACKAGE, os.path.join(_PACKAGE, "passes"), os.path.join(_PACKAGE, "cost_model"), os.path.dirname(torch.__file__))
-)
 
 
 def _fake_copy(model: nn.Module, kwargs: dict[str, Any], device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
@@ -280,11 +274,12 @@ def _export(
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
     retry = None
-    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable) as loops, GradientHookWatch(stack):
+    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable) as loops, GradientHookWatch(stack), assumed_sizes() as assumed:
         try:
             with contextlib.redirect_stderr(printed):
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False, dynamic_shapes=dynamic_shapes)
             sys.stderr.write(printed.getvalue())
+            name_assumptions(ep.graph, assumed)
         except Exception as e:  # noqa: BLE001 - re-raised with location
             if loops.failed is not None and loops.failed not in unreachable:
                 log.info("the iteration for index %s of the loop at %s indexes out of range; traced again with it asserted not to run", loops.failed[1], loops.failed[0])
@@ -293,7 +288,7 @@ def _export(
             for record in held:
                 log.debug("%s logged: %s", _FAKE_TENSOR_LOG, record.getMessage())
             frames = traceback.extract_tb(e.__traceback__)
-            model_frames = [f for f in frames if not os.path.realpath(f.filename).startswith(_TRACER_ROOTS)]
+            model_frames = [f for f in frames if not os.path.realpath(f.filename).startswith(TRACER_ROOTS)]
             where = f"{model_frames[-1].filename}:{model_frames[-1].lineno} ({model_frames[-1].line})" if model_frames else "unknown line"
             module = stack[-1] if stack else f"<root> ({type(model).__name__})"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

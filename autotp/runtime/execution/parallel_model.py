@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.fx import GraphModule
 
+from autotp.analysis.shapes import size_int
 from autotp.analysis.trace import structure_copy
 from autotp.compiler import LOSS_ONLY, lower_signature, with_param_waits
 from autotp.ir import batch_denominators, meta_keys, schedules
@@ -138,8 +139,7 @@ class ParallelModel(nn.Module):
 
     @property
     def shard_map(self) -> Parameters:
-        """Where each local tensor sits in its global tensor (``ShardSpec`` by name), which
-        checkpoints, exports and the optimizer read."""
+        """Where each local tensor sits in its global tensor (``ShardSpec`` by name), read by checkpoints, exports, the optimizer."""
         return self._params
 
     @property
@@ -256,7 +256,7 @@ class ParallelModel(nn.Module):
         specs = [a.meta["val"] for a in torch.utils._pytree.tree_leaves(out_node.args[0])]
         last = pipe.pp_ranks[self.plan.pp_rank_of_chunk(self.plan.num_chunks - 1)]
         if leaves is None:
-            leaves = [torch.empty(v.shape, dtype=v.dtype, device=self._device) for v in specs]
+            leaves = [torch.empty([size_int(n) for n in v.shape], dtype=v.dtype, device=self._device) for v in specs]
         else:  # a collective sends a tensor's memory as if it were contiguous (a strided view's rows would be garbled)
             leaves = [t.contiguous() for t in leaves]
         for t in leaves:
