@@ -32,7 +32,6 @@ from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
 from autotp.passes.split_cudagraph_regions import _parameter_alias_chain, region_split
 from autotp.passes.runner import PassContext
 from autotp.ir.plan import ParallelPlan
-from autotp.ir.errors import UserInputError
 from distributed import run_on_ranks
 from goldens import check_golden
 from small_models import build, vocab_size

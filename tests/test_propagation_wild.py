@@ -15,7 +15,7 @@ from autotp.compiler import choose_plan
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir.errors import UserInputError
 from plain_models_attention import LAYERS
-from plain_models_wild import DIM, HEAD_DIM, HEADS, Albert, StridedWindowAttention, UnfoldWindowAttention, example_inputs, heads, merge
+from plain_models_wild import DIM, Albert, StridedWindowAttention, UnfoldWindowAttention, example_inputs, heads, merge
 
 
 class HeadPairs(nn.Module):
