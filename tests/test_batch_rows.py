@@ -183,6 +183,8 @@ class RowsMixedBy(nn.Module):
         (lambda x: x - x.amax(-1).flatten().unsqueeze(-1).mean(0).view(1, 1, 1), "sub"),
         (lambda x: x * F.one_hot(x.argmax(-1), DIM).float().mean((0, 1)), "mul"),
         (lambda x: x * F.one_hot(x.argmax(-1), DIM).float(), ""),  # each row's own
+        (lambda x: x @ (x.flatten(0, 1).t() @ x.flatten(0, 1)) / 16, "matmul"),  # a Gram matrix over the rows meets them
+        (lambda x: x + (x.flatten(0, 1).t() @ x.flatten(0, 1)).sum(), "add"),
     ],
 )
 def test_ops_that_read_other_rows_are_found(fn: Callable[[torch.Tensor], torch.Tensor], mixing_op: str) -> None:

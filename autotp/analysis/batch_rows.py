@@ -290,7 +290,10 @@ class _BatchWalker(Walker):
         sa, sb = shape_of(a) or (), shape_of(b) or ()
         ra, rb = self._rows_at(a), self._rows_at(b)
         linear = op_name(node.target) in ("linear", "cdist")  # b is [n, k]
-        if len(sa) - 1 in ra or (len(sb) - 1 if linear or len(sb) == 1 else len(sb) - 2) in rb:
+        contracted = (len(sa) - 1 in ra, (len(sb) - 1 if linear or len(sb) == 1 else len(sb) - 2) in rb)
+        if all(contracted) and op_name(node.target) != "cdist":
+            return False  # each row with itself, summed: a statistic over the rows (``_contracts_rows``)
+        if any(contracted):
             return True
         if len(sa) < 2 or len(sb) < 2 or not (ra and rb):  # a vector's other operand keeps its rows where they are
             return False
@@ -447,12 +450,24 @@ def _statistic_meets_rows(gm: GraphModule, rows_at: Callable[[Node], set[int]]) 
             if stats and rows and rows_at(node):
                 return node, source[stats[0]]
             source[node] = source[tainted[0]]
+        elif _contracts_rows(node, rows_at):
+            source[node] = node
         elif node.target in _ROW_STATISTICS and is_float(node.args[0]):
             if set(reduced_dims(node, len(shape_of(node.args[0]) or ()))) & rows_at(node.args[0]):
                 source[node] = node
         elif _scatters_rows(node, rows_at):
             source[node] = node
     return None
+
+
+def _contracts_rows(node: Node, rows_at: Callable[[Node], set[int]]) -> bool:
+    """A matmul whose contracted dim holds the rows in both operands (Liger's weight gradient
+    ``d_logits.t() @ x``, a Gram matrix ``x.t() @ x``): a sum over the rows."""
+    if op_name(node.target) not in ("mm", "matmul", "bmm") or len(node.args) < 2:
+        return False
+    a, b = node.args[0], node.args[1]
+    sa, sb = shape_of(a) or (), shape_of(b) or ()
+    return len(sa) >= 2 and len(sb) >= 2 and len(sa) - 1 in rows_at(a) and len(sb) - 2 in rows_at(b)
 
 
 # scatters that accumulate: op -> positions of (dim, values)

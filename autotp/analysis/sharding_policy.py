@@ -27,7 +27,7 @@ import torch
 from torch.fx import Node
 
 from autotp.analysis.propagation_result import NodeRole, ParamDecision, ParamView
-from autotp.analysis.shapes import schema_arg, shape_of
+from autotp.analysis.shapes import schema_arg, shape_of, sources
 from autotp.ir.errors import describe
 from autotp.ir.op_facts import is_pointwise, is_transposed_convolution
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
@@ -144,14 +144,19 @@ def hint_reparametrized(w: Walker, weight: Node, split: tuple[int, str]) -> None
     """A replicated tensor computed from parameters (weight norm's ``v * g / ‖v‖``, Mamba's
     ``-exp(A_log)``, a fast weight: a parameter plus a delta made from the activations, a KAN
     layer's ``(spline_weight * scaler[..., None]).view(out, -1)``) that meets a split: hint
-    the parameters behind that dim (``params_behind``), read whole by their first use, to be
-    split as that op asks (``Propagation.hints``: a matmul's weight, or a per-head vector read
-    through the rank's slice); the planner walks again with them. Only the first such op of a
-    walk hints: later splits depend on it."""
+    the parameters behind that dim (``params_behind``) and those of the tensor's own shape, read
+    whole by their first use, to be split as that op asks (``Propagation.hints``: a matmul's
+    weight, or a per-head vector read through the rank's slice); the planner walks again with
+    them. Only the first such op of a walk hints: later splits depend on it."""
     if w.out.hints:
         return
     dim, kind = split
-    for name, param_dim in params_behind(weight, dim, w.params).items():
+    behind = params_behind(weight, dim, w.params)
+    shape = shape_of(weight)
+    for name in (str(n.target) for n in sources(weight)):  # of the weight's shape, through any op (a fake quantizer)
+        if name in w.params and tuple(w.params[name].shape) == shape:
+            behind.setdefault(name, dim)
+    for name, param_dim in behind.items():
         dec = w.out.decisions.get(name)
         if dec is not None and dec.dim is None:
             w.out.hints.setdefault(name, (kind, param_dim))

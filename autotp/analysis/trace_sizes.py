@@ -99,6 +99,8 @@ class _SizeAssumptions(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_dynamo_compiling():  # inside a higher-order op's branch (torch.cond), which dynamo traces
+            return func(*args, **kwargs)
         tracing = get_proxy_mode()
         graph = tracing.tracer.graph if tracing is not None else None
         while True:
