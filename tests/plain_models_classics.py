@@ -31,17 +31,9 @@ from torch import nn
 
 from plain_models_attention import DIM, HEADS, HEAD_DIM, LAYERS, VOCAB, DecoderLM, NanoGPTAttention, PreNormBlock, SwiGLU
 from plain_models_frontier import decoder_of, merge_heads, split_heads
+from plain_models_idioms import FusedHeads
 
 SEQ = 16
-
-
-class FusedHeads(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv, self.o = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
-
-    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
 
 
 # ---- Informer: ProbSparse self-attention ------------------------------------------------------
@@ -741,6 +733,23 @@ class SwitchLM(DecoderLM):
         return {"logits": logits, "loss": F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)) + 0.01 * aux}
 
 
+
+# ---- a loss over the tokens a mask selects -------------------------------------------------------------
+
+
+class MaskedSelectLossLM(DecoderLM):
+    """The token losses of the positions a ``loss_mask`` keeps, taken by ``masked_select`` (a
+    size known only at run time) and averaged: rows that keep different counts weigh by tokens."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: PreNormBlock(NanoGPTAttention()))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, Any]:
+        logits = self.logits(self.hidden(input_ids))
+        per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        return {"logits": logits, "loss": per_token.masked_select(loss_mask.flatten()).mean()}
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "informer_probsparse": decoder_of(ProbSparseAttention),
     "reformer_lsh": decoder_of(LSHAttention),
@@ -760,6 +769,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "cait_class_attention": CaiT,
     "sigmoid_attention": decoder_of(SigmoidAttention),
     "switch_aux_through_layers": SwitchLM,
+    "masked_select_loss": MaskedSelectLossLM,
 }
 MOE = frozenset({"switch_aux_through_layers"})
 
@@ -787,4 +797,6 @@ def example_inputs(name: str, batch: int = 2, seq: int = SEQ) -> dict[str, torch
     if name in ("maxvit", "convnext_v2_grn", "cait_class_attention"):
         return {"pixels": torch.randn(batch, 3, IMAGE, IMAGE, generator=gen), "labels": torch.randint(0, CLASSES, (batch,), generator=gen)}
     ids, labels = (torch.randint(0, VOCAB, (batch, seq), generator=gen) for _ in range(2))
+    if name == "masked_select_loss":  # the first row keeps 5 positions, the others all of theirs
+        return {"input_ids": ids, "labels": labels, "loss_mask": torch.arange(seq).expand(batch, -1) < torch.tensor([5] + [seq] * (batch - 1))[:, None]}
     return {"input_ids": ids, "labels": labels}

@@ -50,6 +50,8 @@ class TinyLM(nn.Module):
             "targets_written_in_place": lambda: F.cross_entropy(flat, self.shifted(labels).reshape(-1)),
             "mean_of_row_means": lambda: torch.stack([F.cross_entropy(row, t) for row, t in zip(logits, labels)]).mean(),
             "squared_batch_mean": lambda: F.cross_entropy(flat, target) + 1e-2 * (logits.mean(0) ** 2).sum(),
+            "masked_select_mean": lambda: per_token.masked_select(labels != IGNORE).mean(),
+            "bool_index_mean": lambda: per_token[labels != IGNORE].mean(),
         }
         return {"logits": logits, "loss": losses[self.loss]()}
 
@@ -79,7 +81,8 @@ def _assert_whole_batch(pm: autotp.ParallelModel, reference: nn.Module, loss: to
         torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
-LOSSES = ["mean", "class_weighted", "masked_sum", "ratio_of_means", "mean_plus_z_loss", "targets_written_in_place", "mean_of_row_means"]
+LOSSES = ["mean", "class_weighted", "masked_sum", "ratio_of_means", "mean_plus_z_loss", "targets_written_in_place", "mean_of_row_means",
+          "masked_select_mean", "bool_index_mean"]
 
 
 @pytest.mark.parametrize("microbatches", [2, 4], ids=["rows2", "rows1"])

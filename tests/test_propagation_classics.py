@@ -17,7 +17,8 @@ from autotp.analysis.trace import trace
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from distributed import run_on_ranks
 from plain_models_attention import DecoderLM, PreNormBlock
-from plain_models_classics import FusedHeads, build, example_inputs
+from plain_models_classics import build, example_inputs
+from plain_models_idioms import FusedHeads
 from plain_models_frontier import merge_heads
 
 

@@ -143,6 +143,8 @@ class _BatchWalker(Walker):
         (``logits[labels != -100]``): each selected element stays in its row, so the result's
         dim 0 holds rows (of a size known at run time). Or ``x[arange(rows), i]`` (the last
         token of each row): row ``r`` reads row ``r``."""
+        if node.target is torch.ops.aten.masked_select.default:  # elements in row-major order: grouped by row
+            return 0 in self._rows_at(node.args[0]) or 0 in self._rows_at(node.args[1])
         if node.target is not torch.ops.aten.index.Tensor or not node.args[1] or not isinstance(node.args[1][0], Node):
             return False
         first, x = node.args[1][0], node.args[0]

@@ -58,6 +58,7 @@ _WEIGHT, _REDUCTION, _IGNORE = 2, 3, 4  # argument positions of the class losses
 _CLASS_LOSSES = frozenset({aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default, aten.nll_loss2d.default})
 _REDUCTIONS = {aten.sum.default: SUM, aten.sum.dim_IntList: SUM, aten.count_nonzero.default: SUM,
                aten.count_nonzero.dim_IntList: SUM, aten.mean.default: MEAN, aten.mean.dim: MEAN}  # fmt: skip
+_MEANS = frozenset({aten.mean.default, aten.mean.dim})
 _CASTS = frozenset({aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.alias.default})
 _SCALED = frozenset({aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar})
 _SHIFTED = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.clamp.default,
@@ -71,6 +72,7 @@ def normalize_loss_denominators(gm: GraphModule, rows_at: RowsAt) -> None:
     """Rewrite ``gm`` for a split step (module docstring); ``rows_at(node)``: the dims of
     ``node`` that hold the batch's rows (``batch_rows.batch_rows_at``)."""
     graph = gm.graph
+    _selection_means_as_sums(gm, rows_at)
     programs: list[DenominatorProgram] = []
     for node, found in _divisions(gm, rows_at):
         if found is None:
@@ -89,6 +91,41 @@ def normalize_loss_denominators(gm: GraphModule, rows_at: RowsAt) -> None:
     if programs:
         gm.meta[meta_keys.BATCH_DENOMINATORS] = tuple(programs)
     graph.lint()
+
+
+def _selection_means_as_sums(gm: GraphModule, rows_at: RowsAt) -> None:
+    """``mean`` of the elements a boolean mask of the inputs selects over the rows
+    (``loss.masked_select(mask).mean()``, ``loss[mask].mean()``) as their sum over the mask's
+    count: a division that ``_divisions`` makes the whole batch's."""
+    reads = _Reads(gm)
+    for node in list(gm.graph.nodes):
+        if node.target not in _MEANS or not isinstance(node.args[0], Node) or (node.meta["val"].dim() != 0):
+            continue
+        selected = node.args[0]
+        mask = _selecting_mask(selected)
+        if mask is None or not rows_at(selected) or not rows_at(mask) or reads.of(mask) != (True, False):
+            continue
+        with gm.graph.inserting_before(node):
+            total = _add(gm.graph, aten.sum.default, (selected,), like=node)
+            count = _add(gm.graph, aten.sum.default, (mask,), like=node)
+            count = _add(gm.graph, aten._to_copy.default, (count,), {"dtype": node.meta["val"].dtype}, like=node)
+            mean = _add(gm.graph, aten.div.Tensor, (total, count), like=node)
+        node.replace_all_uses_with(mean)
+        gm.graph.erase_node(node)
+
+
+def _selecting_mask(selected: Node) -> Node | None:
+    """The boolean mask ``selected`` is taken by (``masked_select``, or ``x[mask]``), of ``x``'s
+    shape (each True one element)."""
+    if selected.target is aten.masked_select.default:
+        mask = selected.args[1]
+    elif selected.target is aten.index.Tensor and len(selected.args[1]) == 1:
+        mask = selected.args[1][0]
+    else:
+        return None
+    val = mask.meta.get("val") if isinstance(mask, Node) else None
+    whole = isinstance(val, torch.Tensor) and val.shape == selected.args[0].meta["val"].shape  # one element per True
+    return mask if whole and val.dtype == torch.bool else None
 
 
 def _rescaled(graph: Graph, value: Node, d: Node, key: str, like: Node) -> Node:
