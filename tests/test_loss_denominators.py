@@ -52,6 +52,9 @@ class TinyLM(nn.Module):
             "squared_batch_mean": lambda: F.cross_entropy(flat, target) + 1e-2 * (logits.mean(0) ** 2).sum(),
             "masked_select_mean": lambda: per_token.masked_select(labels != IGNORE).mean(),
             "bool_index_mean": lambda: per_token[labels != IGNORE].mean(),
+            "summed": lambda: F.cross_entropy(flat, target, reduction="sum"),
+            "summed_over_constant": lambda: F.cross_entropy(flat, target, reduction="sum") / 64.0,
+            "summed_over_numel": lambda: F.cross_entropy(flat, target, reduction="sum") / labels.numel(),  # a mean of the piece
         }
         return {"logits": logits, "loss": losses[self.loss]()}
 
@@ -82,7 +85,7 @@ def _assert_whole_batch(pm: autotp.ParallelModel, reference: nn.Module, loss: to
 
 
 LOSSES = ["mean", "class_weighted", "masked_sum", "ratio_of_means", "mean_plus_z_loss", "targets_written_in_place", "mean_of_row_means",
-          "masked_select_mean", "bool_index_mean"]
+          "masked_select_mean", "bool_index_mean", "summed", "summed_over_constant", "summed_over_numel"]
 
 
 @pytest.mark.parametrize("microbatches", [2, 4], ids=["rows2", "rows1"])
@@ -212,3 +215,23 @@ def test_a_loss_nonlinear_in_a_batch_statistic_is_computed_per_piece_and_said(ca
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=ATOL)
     assert not autotp.parallelize(TinyLM("mean"), tp=1, example_inputs=batch).plan.batch_statistics
+
+
+def test_a_loss_over_a_count_the_caller_passes_sums_the_pieces() -> None:
+    """HF's ``num_items_in_batch`` (what its Trainer passes under gradient accumulation): the
+    loss is the summed token loss over that count, so the whole batch's loss is the sum of the
+    pieces' losses. ``train_step`` averages its pieces: before, it returned and trained half the
+    loss at two microbatches."""
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    batch = {"input_ids": torch.randint(0, vocab_size(model), (4, 16), generator=torch.Generator().manual_seed(2))}
+    batch["labels"] = batch["input_ids"].clone()
+    count = torch.tensor(float(4 * 15))
+    pm = autotp.parallelize(model, tp=1, example_inputs={**{k: v[:2] for k, v in batch.items()}, "num_items_in_batch": count})
+    loss = pm.train_step(**batch, num_items_in_batch=count, num_microbatches=2)
+    expected = reference(**batch, num_items_in_batch=count).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=RTOL, atol=ATOL)
+    grads = pm.unshard_grads()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"grad of {name}: {m}")

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, GraphModule, Node
-from torch.utils._pytree import tree_map, tree_structure
+from torch.utils._pytree import tree_flatten, tree_map, tree_structure
 
 from autotp.analysis.shapes import is_float, schema_arg, shape_of
 from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
@@ -68,12 +68,16 @@ _FULLS = frozenset({aten.full.default, aten.new_full.default, aten.full_like.def
 RowsAt = Callable[[Node], set[int]]
 
 
-def normalize_loss_denominators(gm: GraphModule, rows_at: RowsAt) -> None:
+def normalize_loss_denominators(gm: GraphModule, rows_at: RowsAt, doubled: Callable[[], GraphModule]) -> None:
     """Rewrite ``gm`` for a split step (module docstring); ``rows_at(node)``: the dims of
-    ``node`` that hold the batch's rows (``batch_rows.batch_rows_at``)."""
+    ``node`` that hold the batch's rows (``batch_rows.batch_rows_at``); ``doubled()``: ``gm``
+    traced with the batch doubled."""
     graph = gm.graph
     _selection_means_as_sums(gm, rows_at)
     programs: list[DenominatorProgram] = []
+    summed = _sums_scaled_by_pieces(gm, rows_at, doubled)
+    if summed is not None:
+        programs.append(summed)
     for node, found in _divisions(gm, rows_at):
         if found is None:
             programs.append(_class_loss_rescaled(gm, node))
@@ -91,6 +95,51 @@ def normalize_loss_denominators(gm: GraphModule, rows_at: RowsAt) -> None:
     if programs:
         gm.meta[meta_keys.BATCH_DENOMINATORS] = tuple(programs)
     graph.lint()
+
+
+def _sums_scaled_by_pieces(gm: GraphModule, rows_at: RowsAt, doubled: Callable[[], GraphModule]) -> DenominatorProgram | None:
+    """Each scalar output that sums over the rows (``cross_entropy(reduction="sum")``, or a sum
+    over a count the caller passes in: HF's ``num_items_in_batch``) times the number of pieces,
+    ``batch_denominator`` of a 1 summed over them: the step averages the pieces, and the whole
+    batch's sum is their sum. A scaling by a number the trace baked in counts only where the
+    batch doubled keeps it (``x.sum() / 64``, not ``x.sum() / labels.numel()``, a mean)."""
+    reads, output = _Reads(gm), next(iter(gm.graph.find_nodes(op="output")))
+    sums = [leaf for leaf in dict.fromkeys(a for a in tree_flatten(output.args)[0] if isinstance(a, Node))
+            if isinstance(leaf.meta.get("val"), torch.Tensor) and leaf.meta["val"].dim() == 0 and leaf.meta["val"].is_floating_point()
+            and _numerator_kind(leaf, reads, rows_at) == SUM and _fixed_scalings(leaf, doubled)]  # fmt: skip
+    if not sums:
+        return None
+    with gm.graph.inserting_before(output):
+        one = _add(gm.graph, aten.ones.default, ([],), {"dtype": sums[0].meta["val"].dtype}, like=sums[0])
+        pieces = _add(gm.graph, BATCH_DENOMINATOR, (one, one.name), like=sums[0])
+        for leaf in sums:
+            output.replace_input_with(leaf, _add(gm.graph, aten.mul.Tensor, (leaf, pieces), like=leaf))
+    return _program(gm, one.name, one, SUM, one, False)
+
+
+def _fixed_scalings(n: Node, doubled: Callable[[], GraphModule]) -> bool:
+    """Whether every number the sum ``n`` is scaled by (through ``_numerator_kind``'s ops) is the
+    same in the trace of the batch doubled, node by node of the same name."""
+    scaled = [m for m in _sum_chain(n) if m.target in _SCALED and any(isinstance(a, (int, float)) for a in m.args[:2])]
+    if not scaled:
+        return True
+    twice = {m.name: m for m in doubled().graph.nodes}
+
+    def numbers(m: Node) -> list[Any]:
+        return [a for a in m.args[:2] if not isinstance(a, Node)]
+
+    return all(m.name in twice and numbers(twice[m.name]) == numbers(m) for m in scaled)
+
+
+def _sum_chain(n: Node) -> list[Node]:
+    """The nodes from ``n`` down to its reductions through casts, scalings and adds."""
+    chain, stack = [], [n]
+    while stack:
+        m = stack.pop()
+        chain.append(m)
+        if m.target in _CASTS | _SCALED or m.target in (aten.neg.default, aten.add.Tensor, aten.sub.Tensor):
+            stack.extend(a for a in m.args[:2] if isinstance(a, Node))
+    return chain
 
 
 def _selection_means_as_sums(gm: GraphModule, rows_at: RowsAt) -> None:

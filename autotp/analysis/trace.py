@@ -170,7 +170,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     draw_by_size(gm)
     if split_batch:
         doubled = functools.cache(lambda: _doubled(model, kwargs, device, batch_dims))  # traced once, if either needs it
-        normalize_loss_denominators(gm, _rows_by_name(gm, kwargs, doubled, batch_dims))
+        normalize_loss_denominators(gm, _rows_by_name(gm, kwargs, doubled, batch_dims), doubled)
         _mark_draw_rows(gm, doubled)
     mark_elementwise(gm)
     gm.recompile()  # once, after the rewrites above
