@@ -39,11 +39,13 @@ def test_a_weight_viewed_from_a_product_of_parameters_splits_them() -> None:
     """``(spline_weight * spline_scaler[..., None]).view(out, -1)`` read by ``F.linear``: the
     product read both parameters whole (90% of the model on a rank at tp=4). The hint now
     follows the weight's out features back through the view and the broadcast product to
-    dim 0 of both (column), and its contracted dim to their dim 1 (row)."""
+    dim 0 of both (column; the scaler, broadcast into the weight, as a bias), and its
+    contracted dim to their dim 1 (row)."""
     layouts, kept = _layouts(build("kan_ffn"), example_inputs("kan_ffn"), 4)
-    for part, split in (("up", ("column", 0)), ("down", ("row", 1))):
-        for param in ("spline_weight", "spline_scaler", "base_weight"):
-            assert layouts[f"layers.0.feed_forward.{part}.{param}"] == split, (part, param)
+    for part, kind, dim in (("up", "column", 0), ("down", "row", 1)):
+        for param in ("spline_weight", "base_weight"):
+            assert layouts[f"layers.0.feed_forward.{part}.{param}"] == (kind, dim), (part, param)
+        assert layouts[f"layers.0.feed_forward.{part}.spline_scaler"] == ("bias", dim)  # broadcast into the weight: a scale
     assert not {k for k in kept if "feed_forward" in k}
 
 

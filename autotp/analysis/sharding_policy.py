@@ -21,6 +21,7 @@ follows from an already sharded activation.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -156,10 +157,11 @@ def hint_reparametrized(w: Walker, weight: Node, split: tuple[int, str]) -> None
     for name in (str(n.target) for n in sources(weight)):  # of the weight's shape, through any op (a fake quantizer)
         if name in w.params and tuple(w.params[name].shape) == shape:
             behind.setdefault(name, dim)
+    numel = math.prod(shape or ())
     for name, param_dim in behind.items():
         dec = w.out.decisions.get(name)
-        if dec is not None and dec.dim is None:
-            w.out.hints.setdefault(name, (kind, param_dim))
+        if dec is not None and dec.dim is None:  # a parameter broadcast into the weight scales it, as a bias would
+            w.out.hints.setdefault(name, (kind if w.params[name].numel() == numel else "bias", param_dim))
 
 
 def params_behind(node: Node, dim: int, params: dict[str, Any]) -> dict[str, int]:
