@@ -55,6 +55,7 @@ class TinyLM(nn.Module):
             "summed": lambda: F.cross_entropy(flat, target, reduction="sum"),
             "summed_over_constant": lambda: F.cross_entropy(flat, target, reduction="sum") / 64.0,
             "summed_over_numel": lambda: F.cross_entropy(flat, target, reduction="sum") / labels.numel(),  # a mean of the piece
+            "summed_over_numel_tensor": lambda: F.cross_entropy(flat, target, reduction="sum") / torch.tensor(float(labels.numel())),
         }
         return {"logits": logits, "loss": losses[self.loss]()}
 
@@ -85,7 +86,8 @@ def _assert_whole_batch(pm: autotp.ParallelModel, reference: nn.Module, loss: to
 
 
 LOSSES = ["mean", "class_weighted", "masked_sum", "ratio_of_means", "mean_plus_z_loss", "targets_written_in_place", "mean_of_row_means",
-          "masked_select_mean", "bool_index_mean", "summed", "summed_over_constant", "summed_over_numel"]
+          "masked_select_mean", "bool_index_mean", "summed", "summed_over_constant", "summed_over_numel",
+          "summed_over_numel_tensor"]
 
 
 @pytest.mark.parametrize("microbatches", [2, 4], ids=["rows2", "rows1"])

@@ -44,7 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, GraphModule, Node
 from torch.utils._pytree import tree_flatten, tree_map, tree_structure
 
-from autotp.analysis.shapes import is_float, schema_arg, shape_of
+from autotp.analysis.shapes import is_float, schema_arg, shape_of, sources
 from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
 from autotp.ir import meta_keys
 from autotp.ir.batch_denominators import BATCH_DENOMINATOR, MEAN, SUM, DenominatorProgram
@@ -104,9 +104,10 @@ def _sums_scaled_by_pieces(gm: GraphModule, rows_at: RowsAt, doubled: Callable[[
     batch's sum is their sum. A scaling by a number the trace baked in counts only where the
     batch doubled keeps it (``x.sum() / 64``, not ``x.sum() / labels.numel()``, a mean)."""
     reads, output = _Reads(gm), next(iter(gm.graph.find_nodes(op="output")))
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     sums = [leaf for leaf in dict.fromkeys(a for a in tree_flatten(output.args)[0] if isinstance(a, Node))
             if isinstance(leaf.meta.get("val"), torch.Tensor) and leaf.meta["val"].dim() == 0 and leaf.meta["val"].is_floating_point()
-            and _numerator_kind(leaf, reads, rows_at) == SUM and _fixed_scalings(leaf, doubled)]  # fmt: skip
+            and _numerator_kind(leaf, reads, rows_at) == SUM and _fixed_scalings(leaf, doubled, reads, params)]  # fmt: skip
     if not sums:
         return None
     with gm.graph.inserting_before(output):
@@ -117,10 +118,18 @@ def _sums_scaled_by_pieces(gm: GraphModule, rows_at: RowsAt, doubled: Callable[[
     return _program(gm, one.name, one, SUM, one, False)
 
 
-def _fixed_scalings(n: Node, doubled: Callable[[], GraphModule]) -> bool:
+def _fixed_scalings(n: Node, doubled: Callable[[], GraphModule], reads: _Reads, params: set[str]) -> bool:
     """Whether every number the sum ``n`` is scaled by (through ``_numerator_kind``'s ops) is the
-    same in the trace of the batch doubled, node by node of the same name."""
-    scaled = [m for m in _sum_chain(n) if m.target in _SCALED and any(isinstance(a, (int, float)) for a in m.args[:2])]
+    same in the trace of the batch doubled, node by node of the same name, and every tensor it
+    is scaled by comes from the caller's inputs or the parameters (``num_items_in_batch``, a
+    temperature), not from a constant the trace made (``torch.tensor(labels.numel())``)."""
+    chain = _sum_chain(n)
+    made = [a for a in chain if not reads.of(a)[0]]  # the scalings' tensors: they read no batch input
+    if any(a.op == "call_function" and not a.all_input_nodes for a in made) or any(
+        s.op == "get_attr" and str(s.target) not in params for a in made for s in sources(a)
+    ):
+        return False
+    scaled = [m for m in chain if m.target in _SCALED and any(isinstance(a, (int, float)) for a in m.args[:2])]
     if not scaled:
         return True
     twice = {m.name: m for m in doubled().graph.nodes}
