@@ -32,8 +32,7 @@ from torch.fx import GraphModule
 from transformers import PretrainedConfig
 
 from autotp import presets
-from autotp.analysis.batch_rows import batch_mixing_node, batch_rows_at, batch_size, input_row_dims
-from autotp.analysis.loss_denominators import per_piece_statistic
+from autotp.analysis.batch_rows import batch_size, batch_verdicts, input_row_dims
 from autotp.analysis.layers import num_layers, repeated_modules
 from autotp.analysis.pipeline_units import units
 from autotp.analysis.trace import input_batch_dims, trace
@@ -240,9 +239,7 @@ def plan_model(
         chosen = plan_unread_params(traced, chosen)
     batch_dims = tuple(input_batch_dims(model, kwargs, device).items())
     rows = input_row_dims(kwargs, dict(batch_dims))
-    mixing, statistics = batch_mixing_node(traced, batch_size(kwargs), rows), ""
-    if not mixing and batch_size(kwargs) > 1:
-        statistics = per_piece_statistic(traced, batch_rows_at(traced, batch_size(kwargs), rows))
+    mixing, statistics = batch_verdicts(traced, batch_size(kwargs), rows)
     chosen = replace(chosen, input_batch_dims=batch_dims, batch_mixing=mixing, batch_statistics=statistics)
     chosen = with_recompute(traced, chosen, recompute, planned_here=not isinstance(plan, ParallelPlan))
     planned_at = time.perf_counter()

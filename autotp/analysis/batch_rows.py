@@ -46,7 +46,7 @@ from autotp.analysis.propagation import Walker
 from autotp.analysis.row_pieces import REASSEMBLES, Piece, RowPieces
 from autotp.analysis.shapes import is_float, norm_dim, schema_arg, shape_of
 from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
-from autotp.analysis.loss_denominators import unnormalized_division
+from autotp.analysis.loss_denominators import per_piece_statistic, unnormalized_division
 from autotp.ir.errors import describe
 from autotp.ir.layouts import REPLICATE, DimVar, Layout, shard
 from autotp.ir.op_facts import is_alias, is_pointwise, op_name, writes_by_base
@@ -358,31 +358,35 @@ def batch_mixing_node(gm: GraphModule, batch: int, row_dims: list[int | None] | 
     """The op of ``gm`` that makes a row's value depend on other rows of its batch of
     ``batch`` rows (on the inputs' ``row_dims``; None: dim 0 of those of ``batch`` rows),
     described; "" when none is found."""
+    return batch_verdicts(gm, batch, row_dims)[0]
+
+
+def batch_verdicts(gm: GraphModule, batch: int, row_dims: list[int | None] | None = None) -> tuple[str, str]:
+    """``batch_mixing_node``, and where none, the loss term computed per piece (``per_piece_statistic``)."""
     if batch < 2:
-        return ""
+        return "", ""
     walker = _BatchWalker(gm, batch, row_dims)
     walker.run()
-    division = unnormalized_division(gm, walker._rows_at)
-    if division:
+    mixing = _mixing_node(gm, walker)
+    return mixing, "" if mixing else per_piece_statistic(gm, walker._rows_at)
+
+
+def _mixing_node(gm: GraphModule, walker: _BatchWalker) -> str:
+    if division := unnormalized_division(gm, walker._rows_at):
         return f"{division}, which divides by a statistic of the whole batch"
     if walker.mixing is not None:
         return describe(walker.mixing)
-    meeting = _statistic_meets_rows(gm, walker._rows_at)
-    if meeting is not None:
-        node, statistic = meeting
-        return f"{describe(node)}, where a statistic over the batch's rows ({describe(statistic)}) meets each row's values"
-    carried = carried_buffer_write(gm)
-    if carried is not None:
-        node, name = carried
-        return f"{describe(node)}, which updates buffer {name} from its value before the forward (each piece of a split batch would read what the piece before it wrote)"
+    if (meeting := _statistic_meets_rows(gm, walker._rows_at)) is not None:
+        return f"{describe(meeting[0])}, where a statistic over the batch's rows ({describe(meeting[1])}) meets each row's values"
+    if (carried := carried_buffer_write(gm)) is not None:
+        return f"{describe(carried[0])}, which updates buffer {carried[1]} from its value before the forward (each piece of a split batch would read what the piece before it wrote)"
     return ""
 
 
 def _only_counts(node: Node) -> bool:
     """Whether every value computed from ``node``'s float result is made an integer or a boolean
-    before anything reads it as a float (GShard's slot positions, ``(onehot.cumsum(0) - 1) *
-    onehot``, taken ``.long()``): positions, which move rows but do not weigh them, as an
-    integer ``cumsum`` of slot positions does."""
+    before anything reads it as a float (GShard's slot positions ``(onehot.cumsum(0) - 1) *
+    onehot`` taken ``.long()``): positions, which move rows but do not weigh them."""
     stack, seen = [node], {node}
     while stack:
         for user in stack.pop().users:
@@ -467,8 +471,7 @@ def _contracts_rows(node: Node, rows_at: Callable[[Node], set[int]]) -> bool:
     ``d_logits.t() @ x``, a Gram matrix ``x.t() @ x``): a sum over the rows."""
     if op_name(node.target) not in ("mm", "matmul", "bmm") or len(node.args) < 2:
         return False
-    a, b = node.args[0], node.args[1]
-    sa, sb = shape_of(a) or (), shape_of(b) or ()
+    (a, sa), (b, sb) = ((x, shape_of(x) or ()) for x in node.args[:2])
     return len(sa) >= 2 and len(sb) >= 2 and len(sa) - 1 in rows_at(a) and len(sb) - 2 in rows_at(b)
 
 
