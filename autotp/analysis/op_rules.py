@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import Node
 
+from autotp.analysis import attention_rules as attention
 from autotp.analysis import contraction_rules as contractions
 from autotp.analysis import index_rules as indexing
 from autotp.analysis import reshape_rules as reshapes
@@ -156,7 +157,8 @@ RULES: dict[Any, Rule] = {
     aten.scatter_add.default: indexing.scatter,
     aten.scatter_add_.default: indexing.scatter,
     # values
-    aten.scaled_dot_product_attention.default: values.sdpa,
+    aten.scaled_dot_product_attention.default: attention.sdpa,
+    attention.FLEX_ATTENTION: attention.flex_attention,
     aten.layer_norm.default: statistics.norm,
     aten.native_layer_norm.default: statistics.norm,
     aten.rms_norm.default: statistics.norm,

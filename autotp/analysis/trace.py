@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo._trace_wrapped_higher_order_op import mod_index
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode, UnsupportedOperatorException
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -313,7 +314,25 @@ def _lower_vmap(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgra
     if not any(n.op == "call_function" and getattr(n.target, "__name__", "") == "_add_batch_dim" for n in ep.graph.nodes):
         return ep
     log.info("lowering torch.vmap in the traced forward to batched aten ops")
-    return ep.run_decompositions({})
+    ep = ep.run_decompositions({})
+    _restore_score_indexing(ep.graph_module)
+    return ep
+
+
+def _restore_score_indexing(gm: GraphModule) -> None:
+    """Inside FlexAttention's score and mask functions, a tensor indexed by the head or position
+    indices (``bias[h, q_idx - kv_idx]``) is FlexAttention's ``mod_index``, whose backward sums
+    the gradient of a captured parameter over the positions vmap batches; lowering vmap made it a
+    plain ``aten.index``, whose backward vmap cannot batch. Each such index is ``mod_index`` again."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.higher_order.flex_attention:
+            continue
+        for fn in (node.args[3], node.args[4][-1]):
+            sub = getattr(gm, fn.target)
+            for inner in sub.graph.nodes:
+                if inner.op == "call_function" and inner.target is torch.ops.aten.index.Tensor:
+                    inner.target = mod_index
+            sub.recompile()
 
 
 def _missing_fake_kernel(error: BaseException) -> str | None:

@@ -1,6 +1,6 @@
 """Layout rules of ops that compute values: elementwise ops with broadcasting, ops that
-need a dim whole (softmax, topk...), attention, dropout (reductions and norms are
-``statistic_rules``).
+need a dim whole (softmax, topk...), dropout (reductions and norms are ``statistic_rules``,
+attention ``attention_rules``).
 
 ``pointwise`` is also where a bias or norm weight follows the sharding of the operand
 it meets (kind ``bias``), and where a replicated operand of full size that meets a
@@ -21,7 +21,7 @@ from autotp.analysis.shapes import norm_dim, shape_of
 from autotp.analysis.sharding_policy import hint_reparametrized, matmul
 from autotp.ir.errors import describe
 from autotp.ir.op_facts import draws_random
-from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, local_size, make_whole, shard, unify
+from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
 
 if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker
@@ -153,81 +153,6 @@ def needs_whole_dim(w: Walker, node: Node) -> Any:
             raise ShardingConflict(f"{describe(node)}: unsupported sharded reduction", lay.origins())
         return tuple(REPLICATE for _ in vals) if isinstance(val, (tuple, list)) else REPLICATE
     return outs if isinstance(val, (tuple, list)) else outs[0]
-
-
-def sdpa(w: Walker, node: Node) -> Layout:
-    q, k, v = node.args[0], node.args[1], node.args[2]
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    lays = [w.concrete(t, node) for t in (q, k, v)]
-    w.reduce_first(node, [q, k, v])
-    lays = [REPLICATE if l.partial else l for l in lays]
-    if all(l.replicated for l in lays):
-        if isinstance(mask, Node):
-            _sdpa_mask(w, node, mask, None)
-        return REPLICATE
-    heads = [l.var_at(1) for l in lays]
-    # one KV head every rank holds whole (multi-query attention) broadcasts over the rank's query heads
-    one_head = [(shape_of(t) or (0, 0))[1] == 1 and all(d == 1 for d, _ in l.dims) for t, l in zip((q, k, v), lays)]
-    for i, t in ((1, k), (2, v)):
-        if _whole_heads_of(w, q, t, lays[0], lays[i]):  # k/v of all the query heads held whole: the rank's heads of it
-            for _, var in lays[i].dims:
-                make_whole(var)
-            w.out.local_slices.setdefault(node, []).append((t, 1, heads[0]))
-            lays[i], heads[i] = shard({1: heads[0]}), heads[0]
-    if any(len(l.dims) != 1 or l.var_at(1) is None for l, whole in zip(lays, [False, *one_head[1:]]) if not whole):
-        blame = lays[0].origins() | lays[1].origins() | lays[2].origins()
-        wrong = tuple(v for l in lays for d, v in l.dims if d != 1)  # a reshape may put these on the heads instead
-        raise ShardingConflict(f"{describe(node)}: attention needs q, k and v sharded on heads", blame, wrong)
-    if not (one_head[1] or one_head[2]):  # a broadcast head is a whole block, not the other's split
-        unify(heads[1], heads[2], describe(node))
-        if heads[0].find().size == heads[1].find().size:
-            unify(heads[0], heads[1], describe(node))
-    if isinstance(mask, Node):
-        _sdpa_mask(w, node, mask, heads[0])
-    return shard({1: heads[0]})
-
-
-def _whole_heads_of(w: Walker, q: Node, t: Any, q_lay: Layout, t_lay: Layout) -> bool:
-    """Whether ``t`` (k or v) holds every one of q's heads, not split on them, while q is split
-    on them (one KV head of a fused projection expanded to all heads): each head attends on
-    its own, so ``t`` is held whole (a split of its other dims, e.g. its segment of the fused
-    projection, becomes one block every rank holds) and the rank reads the heads it holds."""
-    q_heads = q_lay.var_at(1)
-    if q_heads is None or len(q_lay.dims) != 1 or q_heads.find().padded or t_lay.var_at(1) is not None:
-        return False
-    for _, v in t_lay.dims:
-        if v.find().padded or v.find().made_by is not None:  # a reshape may put that split on the heads instead
-            return False
-        if w.plan is not None and local_size(v, w.tp) != v.find().size:  # a plan that splits it does not hold t whole
-            return False
-    qs, ts = shape_of(q) or (), shape_of(t) or ()
-    return len(ts) == len(qs) and ts[1] == qs[1] > 1
-
-
-def _sdpa_mask(w: Walker, node: Node, mask: Node, heads: DimVar | None) -> None:
-    """The mask broadcasts against the [batch, heads, L, S] scores: a per-head mask follows
-    the heads (sharded with them, or each rank reads its slice of a replicated one); with
-    replicated heads it must be replicated."""
-    lm = w.concrete(mask, node)
-    w.reduce_first(node, [mask])
-    if lm.partial:
-        lm = REPLICATE
-    mshape = shape_of(mask) or ()
-    hd = len(mshape) - 3  # the mask's dim that meets the heads, aligned from the right
-    per_head = hd >= 0 and mshape[hd] != 1
-    others = [d for d, _ in lm.dims if d != hd]
-    if heads is None or others or (lm.var_at(hd) is not None and not per_head):
-        if lm.dims:
-            blame = lm.origins() | (heads.find().origins if heads is not None else set())
-            raise ShardingConflict(f"{describe(node)}: the attention mask is sharded where the heads are not", blame)
-        if heads is None or not per_head:
-            return
-    if lm.var_at(hd) is not None:
-        unify(lm.var_at(hd), heads, describe(node))
-    elif per_head:
-        if heads.find().padded:
-            raise ShardingConflict(f"{describe(node)}: a per-head attention mask meets padded heads", heads.find().origins)
-        w.out.local_slices.setdefault(node, []).append((mask, hd, heads))
 
 
 def random_draw(w: Walker, node: Node) -> Layout:

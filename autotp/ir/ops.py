@@ -194,19 +194,34 @@ def _resized(x: Tensor, dim: int, size: Any) -> Tensor:
     return x.new_empty(shape)
 
 
+def memory_order(x: Tensor) -> list[int]:
+    """x's dims from the outermost in memory to the innermost (equal strides: in dim order)."""
+    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+
+
+def empty_in_memory_order(x: Tensor, dim: int, size: Any) -> Tensor:
+    """An empty tensor of x's shape with ``size`` at ``dim``, dense, its dims in x's memory order.
+    The gathers and all-reduces of the tp group return their operand's layout, so a ``view`` that
+    export recorded on the unmodified model's tensor stays valid on the rank's (an attention
+    kernel's output follows the query's layout)."""
+    shape = list(x.shape)
+    shape[dim] = size
+    return torch.empty_permuted(shape, memory_order(x), dtype=x.dtype, device=x.device)
+
+
 @torch.library.register_fake(REDUCE_FROM_TP, lib=_LIB)
 def _reduce_from_tp_fake(x: Tensor, group: str) -> Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return empty_in_memory_order(x, 0, x.shape[0]) if x.dim() else torch.empty_like(x)
 
 
 @torch.library.register_fake(ALL_REDUCE_MAX, lib=_LIB)
 def _all_reduce_max_fake(x: Tensor, group: str) -> Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return empty_in_memory_order(x, 0, x.shape[0]) if x.dim() else torch.empty_like(x)
 
 
 @torch.library.register_fake(GATHER_FROM_TP, lib=_LIB)
 def _gather_from_tp_fake(x: Tensor, dim: int, size: Any, group: str) -> Tensor:
-    return _resized(x, dim, size)
+    return empty_in_memory_order(x, dim, size)
 
 
 @torch.library.register_fake(SCATTER_TO_TP, lib=_LIB)

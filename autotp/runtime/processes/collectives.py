@@ -66,25 +66,49 @@ def _all_reduce_(x: Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp.R
     return x
 
 
-def _gathered(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+def _parts(x: Tensor, group: dist.ProcessGroup) -> list[Tensor]:
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return parts
+
+
+def _gathered(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    return torch.cat(_parts(x, group), dim=dim)
+
+
+def _reduced(x: Tensor, group: str, op: dist.ReduceOp.RedOpType) -> Tensor:
+    """x summed (or maxed) over the group, in x's memory order (``ops.empty_in_memory_order``);
+    a tensor of its own, not a view."""
+    out = ops.empty_in_memory_order(x, 0, x.shape[0]) if x.dim() else torch.empty_like(x)
+    out.copy_(x)
+    _all_reduce_(out.permute(ops.memory_order(x)), get_group(group), op)
+    return out
 
 
 def _reduce_from_tp(x: Tensor, group: str) -> Tensor:
-    return _all_reduce_(x.clone(memory_format=torch.contiguous_format), get_group(group))
+    return _reduced(x, group, dist.ReduceOp.SUM)
 
 
 def _all_reduce_max(x: Tensor, group: str) -> Tensor:
-    return _all_reduce_(x.clone(memory_format=torch.contiguous_format), get_group(group), dist.ReduceOp.MAX)
+    return _reduced(x, group, dist.ReduceOp.MAX)
 
 
 def _gather_from_tp(x: Tensor, dim: int, size: int, group: str) -> Tensor:
+    """x's parts along ``dim``, the first ``size`` of them kept, in x's memory order: a tensor of
+    its own, never a view (autograd forbids writing in place into a custom op's view output, a
+    MoE's ``out[mask] = ...``)."""
     pg = get_group(group)
-    full = x.clone() if pg is None else _gathered(x, dim, pg)
-    # never a view: autograd forbids writing in place into a custom op's view output (a MoE's ``out[mask] = ...``)
-    return full if full.shape[dim] == size else full.narrow(dim, 0, size).clone()
+    order = ops.memory_order(x)
+    at = order.index(dim % x.dim())
+    out = ops.empty_in_memory_order(x, dim, size)
+    dense = out.permute(order)  # contiguous: the parts are laid in it as in one tensor of x's order
+    if pg is None:
+        dense.copy_(x.permute(order).narrow(at, 0, size))
+    elif x.shape[dim] * dist.get_world_size(pg) == size:
+        torch.cat(_parts(x.permute(order), pg), dim=at, out=dense)
+    else:
+        dense.copy_(torch.cat(_parts(x.permute(order), pg), dim=at).narrow(at, 0, size))
+    return out
 
 
 def _scatter_to_tp(x: Tensor, dim: int, local: int, group: str) -> Tensor:
