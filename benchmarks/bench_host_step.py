@@ -69,12 +69,16 @@ def _graphed(module: nn.Module, sample: tuple[Tensor, ...]) -> None:
         flat = torch.utils._pytree.arg_tree_leaves(*args)
         return torch.utils._pytree.tree_unflatten(Graphed.apply(*flat, *params), spec)
 
-    training = module.training
-    original = module.forward
-    module.forward = lambda *args, **kwargs: functionalized(*args, **kwargs) if module.training == training else original(*args, **kwargs)  # type: ignore[method-assign]
+    training, original = module.training, module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return functionalized(*args, **kwargs) if module.training == training else original(*args, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
 
 
-def _emulated_make_graphed_callables(modules: tuple[nn.Module, ...], samples: tuple[tuple[Tensor, ...], ...], **kwargs: Any) -> tuple[nn.Module, ...]:
+def _emulated_make_graphed_callables(modules: tuple[nn.Module, ...], samples: tuple[tuple[Tensor, ...], ...],
+                                     **kwargs: Any) -> tuple[nn.Module, ...]:  # fmt: skip
     with torch.enable_grad():
         for module, sample in zip(modules, samples):
             _graphed(module, sample)
