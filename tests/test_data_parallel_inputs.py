@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from distributed import run_on_ranks
@@ -111,3 +112,28 @@ def test_tensors_nested_in_the_inputs_are_split_and_keyed_by_shape() -> None:
 def test_nested_inputs_reach_every_pipeline_stage() -> None:
     for out in run_on_ranks(_nested_train, 2, 2):
         assert abs(out["loss"] - out["expected"]) < 1e-5 and out["grad_errors"] == [], out
+
+
+def test_flat_inputs_are_keyed_as_the_pytree_names_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without nesting, ``flat_call`` skips the pytree walk (once per step); the names, order and
+    values are those of the walk."""
+    from autotp.runtime.execution import guards
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    call = {"labels": ids, "input_ids": ids.clone(), "use_cache": False, "scale": 0.5, "mode": "causal", "n": 3}
+    fast = guards.flat_call(call)
+    monkeypatch.setattr(guards, "_FLAT_LEAVES", frozenset())
+    walked = guards.flat_call(call)
+    assert list(fast) == list(walked) == ["input_ids", "labels", "mode", "n", "scale", "use_cache"]
+    assert all(fast[k] is walked[k] for k in fast)
+    assert list(guards.flat_call({"batch": {"labels": ids}, "n": 3})) == ["batch.labels", "n"]
+
+
+def test_a_step_of_one_piece_takes_the_batch_whole() -> None:
+    from autotp.runtime.execution.batch_pieces import microbatches
+
+    batch = {"input_ids": torch.zeros(4, 8, dtype=torch.long), "labels": torch.ones(4, 8, dtype=torch.long)}
+    assert microbatches(batch, 1, 0, 1, False)[0] is batch
+    assert microbatches(batch, 2, 1, 1, True)[0] is batch
+    halves = microbatches(batch, 2, 1, 1, False)
+    assert len(halves) == 1 and torch.equal(halves[0]["labels"], batch["labels"][2:])

@@ -29,8 +29,10 @@ def microbatches(batch: dict[str, Any], dp: int, dp_rank: int, m: int, batch_is_
     """This dp rank's ``m`` microbatches of ``batch`` (its own shard with ``batch_is_local``):
     every tensor of the batch's rows, nested ones included, cut along the dim holding them
     (``batch_rows.input_row_dims`` under the plan's ``batch_dims``)."""
-    size = batch_size(batch)
     shards = 1 if batch_is_local else dp
+    if shards * m == 1:  # the whole batch is the one piece
+        return [batch]
+    size = batch_size(batch)
     if m < 1 or size % (shards * m):
         raise UserInputError(
             f"the {'local' if batch_is_local else 'global'} batch of {size} does not split into "

@@ -114,9 +114,14 @@ _SAME_GLOBAL = ("train_step takes one global batch that every rank passes alike 
 _SAME_SIZE = "with batch_is_local=True every dp rank passes a shard of the same size (and its tp and pp ranks the same one)"
 
 
+_FLAT_LEAVES = frozenset({torch.Tensor, bool, int, float, str})
+
+
 def flat_call(call: dict[str, Any]) -> dict[str, Any]:
     """Each leaf of ``call`` (keyword arguments, tensors nested in dicts, lists and tuples
     included) under its path, ``batch.input_ids``, sorted."""
+    if all(type(k) is str and type(v) in _FLAT_LEAVES for k, v in call.items()):  # nothing nested: a leaf's path is its key
+        return dict(sorted(call.items()))
     leaves, _ = torch.utils._pytree.tree_flatten_with_path(call)
     named = {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): v for path, v in leaves}
     return dict(sorted(named.items()))

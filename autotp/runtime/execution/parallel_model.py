@@ -309,28 +309,30 @@ class ParallelModel(nn.Module):
         self._grad_sync.begin(m)
         loss_of, outputs_read = (loss_fn, ()) if loss_fn is not None else (returned_loss, LOSS_ONLY)
         calls = [self._as_kwargs((), mb) for mb in micro]
-        split, program = dp * m > 1, self._compiled_for(calls[0], outputs_read, dp * m > 1).program
+        split = dp * m > 1
+        compiled = self._compiled_for(calls[0], outputs_read, split)  # the pieces are cut alike: one signature
+        program = compiled.program
         denominators = {} if not split else batch_pieces.whole_batch_denominators(
             program, calls, dp * m, self._params, self._device, self._coords.dp_group if dp > 1 else None)
         with (batch_denominators.whole_batch(denominators), batch_pieces.step_draws(program, dp * m, self._coords.dp_rank * m, m),
               batch_pieces.own_written_inputs(program, calls)):  # fmt: skip
             if self.plan.num_chunks == 1:
-                total = None  # one launch fewer a step (the host sets the pace of small ones) without zeros and a divide
+                total = None  # fewer launches a step (the host sets the pace of small ones): one copy, no zeros, add or divide for one piece
                 for call in calls:
-                    loss = loss_of(self._compiled_for(call, outputs_read, split).run(**call))
+                    loss = loss_of(compiled.run(**call))
                     (loss / m if m > 1 else loss).backward()
-                    total = (0 if total is None else total) + loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
+                    part = loss.detach().to(torch.promote_types(loss.dtype, torch.float32), copy=True)  # its own: a static output is overwritten
+                    total = part if total is None else total + part
             else:
-                total = self._pipeline_step(calls, loss_of, schedule or self.plan.schedule_name, outputs_read, split)
+                total = self._pipeline_step(compiled, calls, loss_of, schedule or self.plan.schedule_name)
         self._grad_sync.finish()
         return mean_loss(self.plan, self._coords, total / m if m > 1 else total)
 
-    def _pipeline_step(self, calls: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str,
-                       outputs_read: tuple[str, ...], split: bool) -> torch.Tensor:  # fmt: skip
+    def _pipeline_step(self, compiled: CompiledSignature, calls: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor],
+                       name: str) -> torch.Tensor:  # fmt: skip
         pp, vpp = self.plan.pp, self.plan.vpp
         if name == "zbh1" and self._grad_sync.holds_grads:
             raise UserInputError(ZBH1_REFUSED)
-        compiled = self._compiled_for(calls[0], outputs_read, split)
         runner = self._runner(compiled)
         runner.measure_busy = self.measure_busy
         total = runner.run_step(lambda rank: schedules.schedule(name, pp, vpp, len(calls), rank), calls, loss_of,
