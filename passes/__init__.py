@@ -9,7 +9,7 @@ from autotp.passes.expert_parallel import expert_parallel
 from autotp.passes.drop_unread_outputs import drop_unread_outputs
 from autotp.passes.gather_activations import gather_activations
 from autotp.passes.fused_linear_cross_entropy import fused_linear_cross_entropy
-from autotp.passes.flex_global_heads import flex_global_heads
+from autotp.passes.flex_attention_rank import flex_attention_rank
 from autotp.passes.fp8_linear import fp8_linear
 from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.insert_param_waits import insert_param_waits
@@ -38,7 +38,7 @@ PASSES: list[Pass] = [
     vocab_parallel_cross_entropy,
     tp_dropout,
     slice_replicated,
-    flex_global_heads,
+    flex_attention_rank,
     sharded_statistics,
     gather_activations,
     insert_collectives,

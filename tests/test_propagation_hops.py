@@ -15,19 +15,19 @@ from autotp.analysis.trace import trace
 from autotp.compiler import rank_graph
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir import meta_keys, ops
+from autotp.passes.flex_attention_rank import flex_attention_call
 from autotp.report.strict_rule import check_on_rank
 from autotp.runtime.processes import collectives
 from distributed import run_on_ranks
 from plain_models_hops import build, example_inputs
 
-FLEX = torch.ops.higher_order.flex_attention
 
 
 def _flex_nodes(name: str, tp: int) -> tuple[list[torch.fx.Node], object]:
     traced = trace(build(name), example_inputs(name))
     plan = plan_tensor_parallel(traced, tp)
     gm = rank_graph(traced, plan)
-    return [n for n in gm.graph.nodes if n.target is FLEX], plan
+    return [n for n in gm.graph.nodes if n.target is flex_attention_call], plan
 
 
 @pytest.mark.parametrize("name", ["flex_alibi", "flex_relative_bias", "flex_per_head_window", "flex_gqa"])
@@ -55,7 +55,7 @@ def _score_function_heads(rank: int, world: int) -> list[int]:
     plan = plan_tensor_parallel(traced, world)
     program = lower(traced, plan, tp_rank=rank, device="cpu", backend="gloo")
     gm = program.graph
-    node = next(n for n in gm.graph.nodes if n.target is FLEX)
+    node = next(n for n in gm.graph.nodes if n.target is flex_attention_call)
     score = getattr(gm, node.args[3].target)
     zero = torch.zeros(())
     return [int(score(zero, zero, torch.tensor(h), zero, torch.ones((), dtype=torch.long), torch.arange(8.0)).item()) for h in range(4)]

@@ -35,7 +35,7 @@ def flex_attention(w: Walker, node: Node) -> tuple[Layout, ...]:
     """``flex_attention(q, k, v, score_mod, block_mask, scale, kernel_options, score_mod_buffers,
     mask_mod_buffers)``: q, k and v split on their heads as for SDPA; the block mask's
     ``[batch, heads, ...]`` tensors follow the heads where they have one per head; the tensors the
-    score and mask functions read stay whole, and ``passes/flex_global_heads`` gives those
+    score and mask functions read stay whole, and ``passes/flex_attention_rank`` gives those
     functions the global index of the rank's heads. The outputs (values, log-sum-exp, maxima) are
     split on their heads."""
     heads = _heads(w, node, *node.args[:3])

@@ -1,4 +1,4 @@
-"""Give FlexAttention's score and mask functions the global index of the rank's heads.
+"""Make FlexAttention's nodes the rank's: global head indices, and a call dynamo traces again.
 
 A rank's ``flex_attention`` runs over the heads it holds, numbered from 0, and calls the model's
 ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)`` with that local
@@ -6,6 +6,11 @@ A rank's ``flex_attention`` runs over the heads it holds, numbered from 0, and c
 is held whole (``autotp.analysis.attention_rules.flex_attention``), so each function the node
 calls is replaced by a copy that first maps the local head to the global one through the rank's
 ranges of the heads (``DimSharding.ranges``). Functions that never read ``h`` stay as they are.
+
+Export's node calls the higher-order op with the tensors the functions capture as arguments of
+their own, a form dynamo does not trace again (it lifts captured tensors itself, from closures):
+``compile=True`` raised. Every node calls ``flex_attention_call``, which runs the node as it is
+in eager mode and, under dynamo, hands the op closures over those tensors.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch import Tensor
 from torch.fx import GraphModule, Node
 
 from autotp.analysis.attention_rules import FLEX_ATTENTION
@@ -24,13 +30,30 @@ aten = torch.ops.aten
 SCORE_HEAD, MASK_HEAD = 2, 1  # where h comes among the placeholders of score_mod and of mask_mod
 
 
-def flex_global_heads(gm: GraphModule, ctx: PassContext) -> GraphModule:
+def flex_attention_call(query: Tensor, key: Tensor, value: Tensor, score_mod: GraphModule, block_mask: tuple, scale: float,
+                        kernel_options: dict, score_buffers: tuple, mask_buffers: tuple) -> tuple[Tensor, ...]:  # fmt: skip
+    """The op as export traced it; under dynamo, with the captured tensors in closures."""
+    if not torch.compiler.is_dynamo_compiling():
+        return FLEX_ATTENTION(query, key, value, score_mod, block_mask, scale, kernel_options, score_buffers, mask_buffers)
+    mask_mod = block_mask[-1]
+
+    def score(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score_mod(s, b, h, q_idx, kv_idx, *score_buffers)
+
+    def mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return mask_mod(b, h, q_idx, kv_idx, *mask_buffers)
+
+    return FLEX_ATTENTION(query, key, value, score, (*block_mask[:-1], mask), scale, kernel_options)
+
+
+def flex_attention_rank(gm: GraphModule, ctx: PassContext) -> GraphModule:
     made: dict[tuple[str, tuple[tuple[int, int], ...]], Node] = {}
     for node in list(gm.graph.nodes):
-        lay = node.meta.get(meta_keys.LAYOUT)
-        if node.target is not FLEX_ATTENTION or not isinstance(lay, tuple) or not isinstance(lay[0], Layout):
+        if node.target is not FLEX_ATTENTION:
             continue
-        var = lay[0].var_at(1)
+        node.target = flex_attention_call
+        lay = node.meta.get(meta_keys.LAYOUT)
+        var = lay[0].var_at(1) if isinstance(lay, tuple) and isinstance(lay[0], Layout) else None
         if var is None:
             continue
         ranges = tuple(resolve(var, ctx.plan.tp).ranges(ctx.tp_rank, ctx.plan.tp))
