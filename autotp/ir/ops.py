@@ -200,23 +200,20 @@ def memory_order(x: Tensor) -> list[int]:
 
 
 def empty_in_memory_order(x: Tensor, dim: int, size: Any) -> Tensor:
-    """An empty tensor of x's shape with ``size`` at ``dim``, dense, its dims in x's memory order.
-    The gathers and all-reduces of the tp group return their operand's layout, so a ``view`` that
-    export recorded on the unmodified model's tensor stays valid on the rank's (an attention
-    kernel's output follows the query's layout)."""
-    shape = list(x.shape)
-    shape[dim] = size
+    """An empty tensor of x's shape with ``size`` at ``dim``, dense, its dims in x's memory order: the
+    tp group's gathers and all-reduces return their operand's layout, so a ``view`` export recorded
+    on the unmodified model's tensor stays valid on the rank's."""
+    shape = [size if d == dim % x.dim() else s for d, s in enumerate(x.shape)]
     return torch.empty_permuted(shape, memory_order(x), dtype=x.dtype, device=x.device)
 
 
-@torch.library.register_fake(REDUCE_FROM_TP, lib=_LIB)
-def _reduce_from_tp_fake(x: Tensor, group: str) -> Tensor:
+def reduced_like(x: Tensor) -> Tensor:
+    """The empty result of an all-reduce of x, dense in x's memory order."""
     return empty_in_memory_order(x, 0, x.shape[0]) if x.dim() else torch.empty_like(x)
 
 
-@torch.library.register_fake(ALL_REDUCE_MAX, lib=_LIB)
-def _all_reduce_max_fake(x: Tensor, group: str) -> Tensor:
-    return empty_in_memory_order(x, 0, x.shape[0]) if x.dim() else torch.empty_like(x)
+torch.library.register_fake(REDUCE_FROM_TP, lambda x, group: reduced_like(x), lib=_LIB)
+torch.library.register_fake(ALL_REDUCE_MAX, lambda x, group: reduced_like(x), lib=_LIB)
 
 
 @torch.library.register_fake(GATHER_FROM_TP, lib=_LIB)

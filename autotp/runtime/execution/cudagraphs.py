@@ -49,7 +49,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
-from torch.fx.node import map_arg
 
 from autotp.ir import meta_keys
 from autotp.ir.errors import UserInputError
@@ -73,15 +72,10 @@ def regions_of(split: GraphModule) -> list[tuple[str, GraphModule]]:
 
 def _for_slot(split: GraphModule) -> GraphModule:
     """A copy of ``split`` with region modules of its own (capture replaces their forward),
-    sharing parameters and buffers, that returns copies of its outputs (``_owned``)."""
+    sharing parameters and buffers."""
     copy = whole_copy(split, CAPTURED)
     for name, region in regions_of(split):
         setattr(copy, name, whole_copy(region, name))
-    graph = copy.graph
-    out = graph.output_node()
-    with graph.inserting_before(out):
-        out.args = map_arg(out.args, lambda a: graph.call_function(_owned, (a,)))
-    copy.recompile()
     return copy
 
 
@@ -116,9 +110,9 @@ def _make_graphed(impl: str) -> Callable[..., Any]:
     return torch.cuda.make_graphed_callables
 
 
-def _owned(value: Any) -> Any:
-    """An output leaf, a tensor copied out of the static buffers it may live in."""
-    return value.clone() if isinstance(value, Tensor) else value
+def _own(value: Any) -> Any:
+    """``value`` with every tensor copied out of the static buffers it may live in."""
+    return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, value)
 
 
 class CapturedGraph:
@@ -154,7 +148,7 @@ class CapturedGraph:
     def __call__(self, *args: Any, slot: int = 0, **kwargs: Any) -> Any:
         if slot < len(self._slots):
             _own_grads(self._params, self._ranges)
-            return self._slots[slot](*args, **kwargs)
+            return _own(self._slots[slot](*args, **kwargs))
         if slot > len(self._slots):
             raise UserInputError(f"slot {slot} used before slot {len(self._slots)}: slots are taken lowest free first")
         return self._capture(args, kwargs)
@@ -199,7 +193,7 @@ class CapturedGraph:
             trained = {id(p): p for module in modules for p in module.parameters() if p.requires_grad}
             self._params = tuple({**{id(p): p for p in self._params}, **trained}.values())
         self._slots.append(split)
-        return split(*args, **kwargs)
+        return _own(split(*args, **kwargs))
 
 
 _LIVE: weakref.WeakSet[CapturedGraph] = weakref.WeakSet()

@@ -310,8 +310,7 @@ class ParallelModel(nn.Module):
         loss_of, outputs_read = (loss_fn, ()) if loss_fn is not None else (returned_loss, LOSS_ONLY)
         calls = [self._as_kwargs((), mb) for mb in micro]
         split = dp * m > 1
-        compiled = self._compiled_for(calls[0], outputs_read, split)  # the pieces are cut alike: one signature
-        program = compiled.program
+        program = (compiled := self._compiled_for(calls[0], outputs_read, split)).program  # the pieces are cut alike: one signature
         denominators = {} if not split else batch_pieces.whole_batch_denominators(
             program, calls, dp * m, self._params, self._device, self._coords.dp_group if dp > 1 else None)
         with (batch_denominators.whole_batch(denominators), batch_pieces.step_draws(program, dp * m, self._coords.dp_rank * m, m),
@@ -328,8 +327,7 @@ class ParallelModel(nn.Module):
         self._grad_sync.finish()
         return mean_loss(self.plan, self._coords, total / m if m > 1 else total)
 
-    def _pipeline_step(self, compiled: CompiledSignature, calls: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor],
-                       name: str) -> torch.Tensor:  # fmt: skip
+    def _pipeline_step(self, compiled: CompiledSignature, calls: list[dict[str, Any]], loss_of: Callable[[Any], torch.Tensor], name: str) -> torch.Tensor:
         pp, vpp = self.plan.pp, self.plan.vpp
         if name == "zbh1" and self._grad_sync.holds_grads:
             raise UserInputError(ZBH1_REFUSED)

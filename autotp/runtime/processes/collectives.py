@@ -79,7 +79,7 @@ def _gathered(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
 def _reduced(x: Tensor, group: str, op: dist.ReduceOp.RedOpType) -> Tensor:
     """x summed (or maxed) over the group, in x's memory order (``ops.empty_in_memory_order``);
     a tensor of its own, not a view."""
-    out = ops.empty_in_memory_order(x, 0, x.shape[0]) if x.dim() else torch.empty_like(x)
+    out = ops.reduced_like(x)
     out.copy_(x)
     _all_reduce_(out.permute(ops.memory_order(x)), get_group(group), op)
     return out
