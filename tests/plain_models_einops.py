@@ -24,7 +24,8 @@ from einops import einsum, pack, rearrange, reduce, repeat, unpack
 from einops.layers.torch import EinMix, Rearrange
 from torch import nn
 
-from plain_models_attention import DIM, HEAD_DIM, HEADS, KV_HEADS, LAYERS, VOCAB, DecoderLM, PreNormBlock, SwiGLU
+from plain_models_attention import DIM, HEAD_DIM, HEADS, KV_HEADS, LAYERS, VOCAB, PreNormBlock
+from plain_models_frontier import decoder_of
 
 SEQ = 16
 IMAGE, PATCH, CHANNELS, CLASSES = 16, 4, 3, 10
@@ -156,10 +157,6 @@ class EinopsViT(nn.Module):
         cls_out, patch_out = unpack(x, shapes, "b * d")
         pooled = reduce(patch_out, "b n d -> b d", "mean") + rearrange(cls_out, "b 1 d -> b d")
         return self.mlp_head(self.norm(pooled))
-
-
-def decoder_of(attention: Callable[[], nn.Module], mlp: Callable[[], nn.Module] = SwiGLU) -> Callable[[], nn.Module]:
-    return lambda: DecoderLM(lambda: PreNormBlock(attention(), mlp()))
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
