@@ -31,7 +31,7 @@ SCORE_HEAD, MASK_HEAD = 2, 1  # where h comes among the placeholders of score_mo
 
 
 def flex_attention_call(query: Tensor, key: Tensor, value: Tensor, score_mod: GraphModule, block_mask: tuple, scale: float,
-                        kernel_options: dict, score_buffers: tuple, mask_buffers: tuple) -> tuple[Tensor, ...]:  # fmt: skip
+                        kernel_options: dict, score_buffers: tuple = (), mask_buffers: tuple = ()) -> tuple[Tensor, ...]:  # fmt: skip
     """The op as export traced it; under dynamo, with the captured tensors in closures."""
     if not torch.compiler.is_dynamo_compiling():
         return FLEX_ATTENTION(query, key, value, score_mod, block_mask, scale, kernel_options, score_buffers, mask_buffers)

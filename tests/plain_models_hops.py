@@ -185,6 +185,25 @@ class FlexPerHeadWindowAttention(FusedHeads):
         return self.o(merge_heads(flex_attention(q, k, v, block_mask=mask)))
 
 
+SINKS = 4
+
+
+class SinkMergeAttention(FusedHeads):
+    """Sliding-window attention merged with attention to the first tokens by their log-sum-exps."""
+    def forward(self, x):
+        q, k, v = self.heads(x)
+        S = x.shape[1]
+        def window(b, hh, qi, ki): return (qi >= ki) & (qi - ki < 4)
+        def sinks(b, hh, qi, ki): return (ki < SINKS) & (qi - ki >= 4)
+        wm = create_block_mask(window, None, None, S, S, device=x.device)
+        sm = create_block_mask(sinks, None, None, S, S, device=x.device)
+        o1, l1 = flex_attention(q, k, v, block_mask=wm, return_lse=True)
+        o2, l2 = flex_attention(q, k, v, block_mask=sm, return_lse=True)
+        l = torch.logaddexp(l1, l2)
+        w1, w2 = (l1 - l).exp().unsqueeze(-1), (l2 - l).exp().nan_to_num(0.0).unsqueeze(-1)
+        return self.o(merge_heads(o1 * w1 + o2 * w2))
+
+
 # ---- loops as higher-order ops -----------------------------------------------------------------
 
 
@@ -290,6 +309,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "flex_document_mask": DocumentMaskedLM,
     "flex_gqa": decoder_of(FlexGQAAttention),
     "flex_per_head_window": decoder_of(FlexPerHeadWindowAttention),
+    "flex_lse_merge": decoder_of(SinkMergeAttention),
     "scan_recurrence": decoder_of(ScanRecurrence),
     "min_gru_associative_scan": decoder_of(MinGRU),
     "save_on_cpu_attention": decoder_of(OffloadedBlockAttention),

@@ -42,7 +42,7 @@ def flex_attention(w: Walker, node: Node) -> tuple[Layout, ...]:
     for t in node.args[4]:
         if isinstance(t, Node) and isinstance(t.meta.get("val"), torch.Tensor):
             _per_head_operand(w, node, t, 1, heads)
-    for t in (*node.args[7], *node.args[8]):
+    for t in (t for captured in node.args[7:9] for t in captured):
         lay = w.concrete(t, node)
         w.reduce_first(node, [t])
         if lay.dims and not lay.partial:
