@@ -1,4 +1,6 @@
-"""Host time of autotp's ``train_step`` under ``cuda_graphs=True``, measured on the CPU.
+"""A profile, not a benchmark: host time of autotp's ``train_step`` under ``cuda_graphs=True``,
+measured on the CPU, split by phase. The comparison against ``torch.compile(mode="reduce-overhead")``
+on the unmodified model, in the same run, is ``bench_single_gpu.py --shapes moe`` on a GPU.
 
 A launch-bound step (``bench_single_gpu.py --shapes moe``) leaves the GPU idle until the host
 reaches its first graph replay; the host's work after a replay overlaps the GPU's. Here
@@ -10,7 +12,7 @@ to autograd), while a replay only records the time. The model is the MoE shape's
 median over ``--steps`` steps, in microseconds: call to forward replay, forward to backward
 replay, backward replay to return::
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_host_step.py
+    OMP_NUM_THREADS=1 python benchmarks/profile_host_step.py
 """
 
 from __future__ import annotations
