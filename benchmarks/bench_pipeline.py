@@ -248,6 +248,8 @@ def _worker(rank: int, world: int, models: list[str], schedules: list[str], mode
                     theirs = _run(lambda: _torch_pipeline(name, baseline, compiled, rank))
                     rows.append({"model": name, "schedule": sched, "mode": mode, "torch_schedule": baseline[0],
                                  "autotp": ours, "torch": theirs})  # fmt: skip
+                    if rank == 0:  # a run stopped by its timeout returns nothing: keep what it measured
+                        print(f"rank 0 row: {json.dumps(rows[-1])}", flush=True)
     if profile_dir:
         _profile(models[0], profile_dir, rank)
     return rows
