@@ -11,7 +11,8 @@ local patch interaction), VOLO's outlook attention (``unfold``/``fold`` around a
 table indexed by a buffer behind a linear and a ``BatchNorm1d``. Spectral mixers: GFNet's
 global filter (``rfft2`` times ``view_as_complex`` of a parameter), AFNO's block-diagonal MLP
 in the Fourier domain, FNO's spectral convolution with complex parameters written into a zero
-spectrum. Models of other fields are in ``plain_models_generative.py``.
+spectrum, and complex-valued layers (``nn.Linear(dtype=torch.cfloat)``, modReLU by
+``torch.polar``) over a spectrum that crosses the layers. Models of other fields are in ``plain_models_generative.py``.
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)``.
@@ -353,6 +354,47 @@ class FNO1d(nn.Module):
         return {"logits": pred, "loss": F.mse_loss(pred, u)}
 
 
+class ModReLU(nn.Module):
+    """complexPyTorch's modReLU: ``relu(|z| + b)`` at the phase of ``z``, by ``torch.polar``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.full((FNO_WIDTH,), -0.1))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.polar(F.relu(z.abs() + self.b), z.angle())
+
+
+class ComplexLayer(nn.Module):
+    """A residual MLP of ``nn.Linear(..., dtype=torch.cfloat)`` layers, ``tanh`` on the real and
+    imaginary parts apart (a split activation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(FNO_WIDTH, 2 * FNO_WIDTH, dtype=torch.cfloat), nn.Linear(2 * FNO_WIDTH, FNO_WIDTH, dtype=torch.cfloat)
+        self.act = ModReLU()
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(z)
+        return self.act(z + self.fc2(torch.complex(torch.tanh(h.real), torch.tanh(h.imag))))
+
+
+class ComplexSpectralNet(nn.Module):
+    """Complex-valued layers over a signal's spectrum (the complex activations cross the layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lift, self.proj = nn.Linear(1, FNO_WIDTH), nn.Linear(FNO_WIDTH, 1)
+        self.layers = nn.ModuleList(ComplexLayer() for _ in range(LAYERS))
+
+    def forward(self, a: torch.Tensor, u: torch.Tensor) -> dict[str, Any]:
+        z = torch.fft.rfft(self.lift(a.unsqueeze(-1)), dim=1)
+        for layer in self.layers:
+            z = layer(z)
+        pred = self.proj(torch.fft.irfft(z, n=a.shape[1], dim=1)).squeeze(-1)
+        return {"logits": pred, "loss": F.mse_loss(pred, u)}
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "fairseq_packed_in_proj": decoder_of(FairseqMultiheadAttention),
     "fairseq_lightweight_conv": decoder_of(LightweightConv),
@@ -364,6 +406,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "gfnet_global_filter": decoder_of(GlobalFilter, SwiGLU),
     "afno_spectral_mlp": decoder_of(AFNO1D, SwiGLU),
     "fno_complex_weights": FNO1d,
+    "complex_valued_layers": ComplexSpectralNet,
 }
 VISION = {"xcit_cross_covariance", "volo_outlook_attention", "convit_gated_positional", "levit_attention_bias"}
 
@@ -377,7 +420,7 @@ def example_inputs(name: str, batch: int = 2, seq: int = SEQ) -> dict[str, torch
     gen = torch.Generator().manual_seed(1)
     if name in VISION:
         return {"pixel_values": torch.randn(batch, 3, IMAGE, IMAGE, generator=gen), "labels": torch.randint(0, CLASSES, (batch,), generator=gen)}
-    if name == "fno_complex_weights":
+    if name in ("fno_complex_weights", "complex_valued_layers"):
         a = torch.randn(batch, seq, generator=gen)
         return {"a": a, "u": torch.cumsum(a, dim=1) / seq}
     ids, labels = (torch.randint(0, VOCAB, (batch, seq), generator=gen) for _ in range(2))

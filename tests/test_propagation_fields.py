@@ -1,6 +1,6 @@
 """Constructs of the fourteenth round of issue 27 (``tests/plain_models_fields.py``,
 ``tests/plain_models_beyond.py``): a value written in place into a tensor of zeros (FNO's
-spectrum) needs a gradient from the write on; einsums and convolutions are work for the
+spectrum) needs a gradient from the write on, and a complex value between stages carries one; einsums and convolutions are work for the
 pipeline's cuts as matmuls are; a loss that adds a mean and a sum over the rows has its summed
 term, and only it, scaled by the number of pieces. ``test_plain_suite`` checks the whole models
 at every degree."""
@@ -19,7 +19,11 @@ from autotp.analysis.propagation import propagate
 from autotp.analysis.trace import trace
 from autotp.cost_model.pipeline import plan_pipeline, unit_costs
 from autotp.analysis.pipeline_units import units
+from autotp.analysis.shapes import is_float
+from autotp.ir import meta_keys
 from autotp.ir.batch_denominators import BATCH_DENOMINATOR
+from autotp.ir.program import Boundary
+from autotp.passes.extract_chunks import _boundary
 from plain_models_fields import build, example_inputs
 
 RTOL, ATOL = 1e-4, 1e-6
@@ -113,3 +117,16 @@ def test_only_the_summed_term_is_scaled() -> None:
     scaled = [u.args[0] for c in counts for u in c.users if u.target is torch.ops.aten.mul.Tensor and u.args[1] is c]
     assert len(scaled) == 1 and scaled[0].args[0].target is torch.ops.aten.mse_loss.default  # 5e-4 * mse_loss(...)
     assert all(u.op != "output" for u in scaled[0].users)  # the mean term and the sum stay as they are
+
+
+def test_a_complex_value_between_stages_carries_its_gradient() -> None:
+    """Complex-valued layers pass a spectrum from one stage to the next: the boundary said a
+    complex value takes no gradient, and at pp=2 the runtime refused the step (`chunk 0 sends a
+    value that requires grad but was traced without`)."""
+    gm = trace(build("complex_valued_layers"), example_inputs("complex_valued_layers"))
+    needs = propagate(gm, 1).needs_grad
+    spectra = [n for n in gm.graph.nodes if n.op == "call_function" and is_float(n) and n.meta["val"].dtype.is_complex and needs[n]]
+    assert spectra
+    for node in spectra:
+        node.meta[meta_keys.NEEDS_GRAD] = True
+        assert _boundary(node, 1) == Boundary(tuple(node.meta["val"].shape), torch.complex64, True)
