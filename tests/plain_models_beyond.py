@@ -9,7 +9,8 @@ iterations); capsules by dynamic routing (a 5-D broadcast ``matmul``, routing lo
 a loop, ``squash``, the margin loss); MADE (linears whose weights a mask buffer multiplies, three hidden layers);
 RealNVP (affine couplings on ``chunk``ed halves, the log-determinant in the loss); a neural ODE
 integrated by fixed-step RK4 inside the block; a mixture density network whose loss is
-``torch.distributions.MixtureSameFamily(...).log_prob``.
+``torch.distributions.MixtureSameFamily(...).log_prob``; a VAE by ``Normal.rsample`` and
+``kl_divergence``, DreamerV3's straight-through one-hot latents.
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)``.
@@ -279,6 +280,42 @@ class MixtureDensityNetwork(nn.Module):
         return {"logits": mu, "loss": -mixture.log_prob(y).mean()}
 
 
+LATENT, CATEGORIES, CLASSES_PER = 16, 4, 8
+
+
+class DistributionsVAE(nn.Module):
+    """A VAE written with ``torch.distributions``: ``Normal(mu, std).rsample()``, the KL by
+    ``kl_divergence`` against the prior, the likelihood by ``Independent(Normal).log_prob``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(FEATURES, DIM), nn.ReLU(), nn.Linear(DIM, DIM), nn.ReLU())
+        self.to_stats = nn.Linear(DIM, 2 * LATENT)
+        self.dec = nn.Sequential(nn.Linear(LATENT, DIM), nn.ReLU(), nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, FEATURES))
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        mu, log_std = self.to_stats(self.enc(x)).chunk(2, dim=-1)
+        q = D.Normal(mu, log_std.exp())
+        recon = self.dec(q.rsample())
+        kl = D.kl_divergence(q, D.Normal(torch.zeros_like(mu), torch.ones_like(mu))).sum(-1).mean()
+        return {"logits": recon, "loss": kl - D.Independent(D.Normal(recon, 1.0), 1).log_prob(x).mean()}
+
+
+class StraightThroughLatents(nn.Module):
+    """DreamerV3's discrete latents: ``OneHotCategoricalStraightThrough(logits).rsample()`` (a
+    multinomial draw plus ``probs - probs.detach()``), an entropy bonus."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(FEATURES, DIM), nn.SiLU(), nn.Linear(DIM, DIM), nn.SiLU(), nn.Linear(DIM, CATEGORIES * CLASSES_PER))
+        self.dec = nn.Sequential(nn.Linear(CATEGORIES * CLASSES_PER, DIM), nn.SiLU(), nn.Linear(DIM, DIM), nn.SiLU(), nn.Linear(DIM, FEATURES))
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        dist = D.Independent(D.OneHotCategoricalStraightThrough(logits=self.enc(x).view(-1, CATEGORIES, CLASSES_PER)), 1)
+        recon = self.dec(dist.rsample().flatten(1))
+        return {"logits": recon, "loss": F.mse_loss(recon, x) - 1e-3 * dist.entropy().mean()}
+
+
 # ---- a neural ODE ------------------------------------------------------------------------------
 
 
@@ -321,6 +358,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "made_masked_linear": MADE,
     "realnvp_coupling": RealNVP,
     "mixture_density_network": MixtureDensityNetwork,
+    "vae_distributions": DistributionsVAE,
+    "dreamer_straight_through": StraightThroughLatents,
     "neural_ode_rk4": lambda: DecoderLM(lambda: PreNormBlock(ODEAttention(), ODEFeedForward())),
 }
 
@@ -340,7 +379,7 @@ def example_inputs(name: str, batch: int = 2, seq: int = SEQ) -> dict[str, torch
         return {"features": torch.randn(batch, FEATURES, generator=gen), "labels": torch.randint(0, CLASSES, (batch,), generator=gen)}
     if name == "made_masked_linear":
         return {"x": (torch.rand(batch, FEATURES, generator=gen) < 0.5).float()}
-    if name == "realnvp_coupling":
+    if name in ("realnvp_coupling", "vae_distributions", "dreamer_straight_through"):
         return {"x": torch.randn(batch, FEATURES, generator=gen)}
     if name == "mixture_density_network":
         return {"x": torch.randn(batch, FEATURES, generator=gen), "y": torch.randn(batch, FEATURES // 4, generator=gen)}
