@@ -78,12 +78,14 @@ class MixedLoss(nn.Module):
         h = torch.tanh(self.enc(x))
         recon = self.dec(h)
         ce = F.cross_entropy(h, labels)
+        kept = (x > 0.5).float()  # the rows keep different numbers of elements
         losses = {
             "mean_plus_summed": lambda: ce + 5e-4 * F.mse_loss(recon, x, reduction="sum"),
             "summed_minus_mean": lambda: F.l1_loss(recon, x, reduction="sum") * 0.1 - ce,
             "summed_elementwise_loss": lambda: F.binary_cross_entropy_with_logits(recon, (x > 0).float(), reduction="sum"),
             "mean_plus_summed_over_numel": lambda: ce + F.mse_loss(recon, x, reduction="sum") / x.numel(),  # a mean of the piece
             "mean_elementwise_loss": lambda: ce + F.smooth_l1_loss(recon, x),
+            "summed_over_a_count": lambda: F.mse_loss(recon * kept, x * kept, reduction="sum") / kept.sum(),
         }
         return {"logits": h, "loss": losses[self.loss]()}
 
@@ -94,10 +96,14 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("microbatches", [2, 4])
-@pytest.mark.parametrize("loss", ["mean_plus_summed", "summed_minus_mean", "summed_elementwise_loss", "mean_plus_summed_over_numel", "mean_elementwise_loss"])
+@pytest.mark.parametrize(
+    "loss", ["mean_plus_summed", "summed_minus_mean", "summed_elementwise_loss", "mean_plus_summed_over_numel", "mean_elementwise_loss", "summed_over_a_count"]
+)
 def test_a_summed_term_of_the_loss_sums_the_pieces(loss: str, microbatches: int) -> None:
     """Before, only a loss that was a sum as a whole was scaled, and ``mse_loss(reduction="sum")``
-    was not seen as a sum: CapsNet's loss was 0.016 off at pp=2."""
+    was not seen as a sum: CapsNet's loss was 0.016 off at pp=2. A summed loss over a count of
+    the data (``summed_over_a_count``) divides by the whole batch's count, as a summed
+    ``cross_entropy`` did."""
     model = MixedLoss(loss)
     reference = copy.deepcopy(model)
     batch = _batch()
