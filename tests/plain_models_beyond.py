@@ -10,7 +10,8 @@ a loop, ``squash``, the margin loss); MADE (linears whose weights a mask buffer 
 RealNVP (affine couplings on ``chunk``ed halves, the log-determinant in the loss); a neural ODE
 integrated by fixed-step RK4 inside the block; a mixture density network whose loss is
 ``torch.distributions.MixtureSameFamily(...).log_prob``; a VAE by ``Normal.rsample`` and
-``kl_divergence``, DreamerV3's straight-through one-hot latents.
+``kl_divergence``, DreamerV3's straight-through one-hot latents; DLRM (``EmbeddingBag`` by flat
+indices and offsets, with dense and with sparse gradients, pairwise interactions by ``bmm``).
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)``.
@@ -316,6 +317,32 @@ class StraightThroughLatents(nn.Module):
         return {"logits": recon, "loss": F.mse_loss(recon, x) - 1e-3 * dist.entropy().mean()}
 
 
+TABLES, ROWS, EMB, DENSE = 4, 64, 16, 13
+
+
+class DLRM(nn.Module):
+    """facebookresearch/dlrm: a bottom MLP over dense features, one ``EmbeddingBag`` per sparse
+    feature read by flat indices and per-table ``offsets``, pairwise dot interactions by ``bmm``
+    kept below the diagonal by index buffers (``Z[:, li, lj]``), a top MLP, a click loss."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.bot = nn.Sequential(nn.Linear(DENSE, DIM), nn.ReLU(), nn.Linear(DIM, EMB), nn.ReLU())
+        self.emb_l = nn.ModuleList(nn.EmbeddingBag(ROWS, EMB, mode="sum", sparse=sparse) for _ in range(TABLES))
+        n = TABLES + 1
+        self.register_buffer("li", torch.tensor([i for i in range(n) for j in range(i)]), persistent=False)
+        self.register_buffer("lj", torch.tensor([j for i in range(n) for j in range(i)]), persistent=False)
+        self.top = nn.Sequential(nn.Linear(EMB + n * (n - 1) // 2, DIM), nn.ReLU(), nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, 1))
+
+    def forward(self, dense_x: torch.Tensor, ls_i: torch.Tensor, ls_o: torch.Tensor, click: torch.Tensor) -> dict[str, Any]:
+        x = self.bot(dense_x)
+        ly = [emb(ls_i[k], ls_o[k]) for k, emb in enumerate(self.emb_l)]
+        T = torch.cat([x, *ly], dim=1).view(x.shape[0], -1, EMB)
+        Z = torch.bmm(T, torch.transpose(T, 1, 2))
+        p = self.top(torch.cat([x, Z[:, self.li, self.lj]], dim=1)).squeeze(-1)
+        return {"logits": p, "loss": F.binary_cross_entropy_with_logits(p, click)}
+
+
 # ---- a neural ODE ------------------------------------------------------------------------------
 
 
@@ -360,6 +387,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "mixture_density_network": MixtureDensityNetwork,
     "vae_distributions": DistributionsVAE,
     "dreamer_straight_through": StraightThroughLatents,
+    "dlrm_offsets": lambda: DLRM(False),
+    "dlrm_sparse_grads": lambda: DLRM(True),
     "neural_ode_rk4": lambda: DecoderLM(lambda: PreNormBlock(ODEAttention(), ODEFeedForward())),
 }
 
@@ -383,5 +412,9 @@ def example_inputs(name: str, batch: int = 2, seq: int = SEQ) -> dict[str, torch
         return {"x": torch.randn(batch, FEATURES, generator=gen)}
     if name == "mixture_density_network":
         return {"x": torch.randn(batch, FEATURES, generator=gen), "y": torch.randn(batch, FEATURES // 4, generator=gen)}
+    if name.startswith("dlrm"):
+        bag = 3
+        return {"dense_x": torch.randn(batch, DENSE, generator=gen), "ls_i": torch.randint(0, ROWS, (TABLES, batch * bag), generator=gen),
+                "ls_o": torch.arange(0, batch * bag, bag).expand(TABLES, -1).contiguous(), "click": (torch.rand(batch, generator=gen) < 0.5).float()}  # fmt: skip
     ids, labels = (torch.randint(0, VOCAB, (batch, seq), generator=gen) for _ in range(2))
     return {"input_ids": ids, "labels": labels}

@@ -3,7 +3,8 @@
 spectrum) needs a gradient from the write on, and a complex value between stages carries one; einsums and convolutions are work for the
 pipeline's cuts as matmuls are; a loss that adds a mean and a sum over the rows has its summed
 term, and only it, scaled by the number of pieces. ``test_plain_suite`` checks the whole models
-at every degree."""
+at every degree. A bag's ``offsets`` into the indices of every row mix the rows (a piece's slice
+does not rebase them), and a sparse gradient comes back from ``unshard_grads`` dense."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
+import plain_models_beyond as beyond
+from autotp.analysis.batch_rows import batch_mixing_node
 from autotp.analysis.propagation import propagate
 from autotp.analysis.trace import trace
 from autotp.cost_model.pipeline import plan_pipeline, unit_costs
@@ -24,6 +27,8 @@ from autotp.ir import meta_keys
 from autotp.ir.batch_denominators import BATCH_DENOMINATOR
 from autotp.ir.program import Boundary
 from autotp.passes.extract_chunks import _boundary
+from autotp.report.strict_rule import check_on_rank
+from distributed import run_on_ranks
 from plain_models_fields import build, example_inputs
 
 RTOL, ATOL = 1e-4, 1e-6
@@ -136,3 +141,36 @@ def test_a_complex_value_between_stages_carries_its_gradient() -> None:
     for node in spectra:
         node.meta[meta_keys.NEEDS_GRAD] = True
         assert _boundary(node, 1) == Boundary(tuple(node.meta["val"].shape), torch.complex64, True)
+
+
+class Bags(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag, self.head = nn.EmbeddingBag(16, 8, mode="sum"), nn.Linear(8, 1)
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.bag(ids, offsets)).mean()
+
+
+def test_a_bags_offsets_into_the_indices_of_every_row_mix_the_rows() -> None:
+    """DLRM's inputs: flat indices and each bag's offset into them, a count of the bags before
+    it. A microbatch's slice of the offsets does not start at 0 (PyTorch raised `offsets[0] has
+    to be 0` on a rank at pp=2); the walk now names the bag, and ``train_step`` refuses a split
+    naming it. A bag per row of 2-D indices keeps the rows apart."""
+    pm = autotp.parallelize(beyond.build("dlrm_offsets"), tp=1, example_inputs=beyond.example_inputs("dlrm_offsets"))
+    assert "embedding_bag" in pm.plan.batch_mixing and "emb_l.0" in pm.plan.batch_mixing  # the offsets' rows: dim 1 of [tables, batch]
+    ids = torch.randint(0, 16, (4, 3))
+    assert batch_mixing_node(trace(Bags(), {"ids": ids}), 4) == ""
+    assert "embedding_bag" in batch_mixing_node(trace(Bags(), {"ids": ids.flatten(), "offsets": torch.arange(0, 12, 3)}), 4)
+
+
+def _sparse_grads(rank: int, world: int) -> tuple[str, str]:
+    result = check_on_rank(beyond.build("dlrm_sparse_grads"), beyond.example_inputs("dlrm_sparse_grads"), tp=world, pp=1)
+    return result.error, result.mismatch
+
+
+def test_sparse_gradients_of_split_bags_are_gathered() -> None:
+    """``EmbeddingBag(sparse=True)``: each rank's gradient of its columns of the table is a
+    sparse tensor, which ``unshard_grads`` could not gather (`unsupported memory format option
+    Contiguous`); it gathers them dense, equal to the unmodified model's sparse gradient."""
+    assert run_on_ranks(_sparse_grads, 2) == [("", "")] * 2
