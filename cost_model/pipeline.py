@@ -2,9 +2,9 @@
 
 A unit (``autotp.analysis.pipeline_units``) is a decoder layer, or a block outside the
 layers: the embedding, a cross-attention before a latent stack, the lm_head. It has two
-costs (``unit_costs``): its matmul work, proportional to the weight elements its matmuls
-read (2·tokens·weights FLOPs; tokens is the same for every unit, so it drops out; the
-embedding lookup costs nothing), and the parameter elements it reads; a node of no unit
+costs (``unit_costs``): its matmul work, proportional to the weight elements its
+contractions read (``contracts_weight``: matmuls, einsums, convolutions; 2·tokens·weights
+FLOPs, tokens the same for every unit, so it drops out; the embedding lookup costs nothing), and the parameter elements it reads; a node of no unit
 counts for the unit in progress, where it runs. A chunk's load is the larger of its shares
 of the two totals, ``max(work_c / work, params_c / params)``: the slowest stage sets the
 step time and the fullest its memory. ``balanced_cuts`` finds the contiguous partition of
@@ -27,7 +27,7 @@ from torch.fx import GraphModule
 
 from autotp.analysis.layers import HEAD, last_layer_position, layer_of, num_layers, outside_layers
 from autotp.analysis.pipeline_units import Unit, units
-from autotp.ir.op_facts import is_matmul
+from autotp.ir.op_facts import CONVOLUTIONS, is_matmul, op_name
 from autotp.ir.errors import UserInputError
 
 
@@ -60,6 +60,15 @@ def weight_operands(gm: GraphModule) -> dict[torch.fx.Node, int]:
     return sizes
 
 
+_CONTRACTIONS = frozenset({"einsum", "tensordot", "bilinear"})
+
+
+def contracts_weight(node: torch.fx.Node) -> bool:
+    """A matmul, an einsum or a convolution: the ops whose work grows with the weight they read
+    (an FNO's complex ``einsum`` over its spectral weights, a ``Conv1d(k=1)``)."""
+    return is_matmul(node) or node.target in CONVOLUTIONS or op_name(node.target) in _CONTRACTIONS
+
+
 def _weight_elems(node: torch.fx.Node, weights: dict[torch.fx.Node, int]) -> int:
     return sum(weights.get(a, 0) for a in node.all_input_nodes)
 
@@ -70,7 +79,7 @@ def layer_costs(gm: GraphModule) -> tuple[list[float], float]:
     head = 0.0
     weights = weight_operands(gm)
     for node in gm.graph.nodes:
-        if not is_matmul(node):
+        if not contracts_weight(node):
             continue
         layer = layer_of(node)
         if layer is None:
@@ -92,7 +101,7 @@ def unit_costs(gm: GraphModule, of: dict[torch.fx.Node, Unit]) -> dict[Unit, tup
         current = of.get(node, current)
         if current is None or node.op != "call_function":
             continue
-        if is_matmul(node):
+        if contracts_weight(node):
             work[current] += _weight_elems(node, weights)
         for a in node.all_input_nodes:
             if a.op == "get_attr" and str(a.target) in params:

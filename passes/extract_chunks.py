@@ -29,7 +29,8 @@ from autotp.passes.subgraphs import standalone
 
 def _boundary(node: Node, tp: int) -> Boundary:
     val = node.meta["val"]
-    return Boundary(local_shape(node, tp), val.dtype, bool(node.meta.get(meta_keys.NEEDS_GRAD)) and val.dtype.is_floating_point)
+    carries_grad = val.dtype.is_floating_point or val.dtype.is_complex  # a spectrum between a model's layers
+    return Boundary(local_shape(node, tp), val.dtype, bool(node.meta.get(meta_keys.NEEDS_GRAD)) and carries_grad)
 
 
 def whole_copy(gm: GraphModule, class_name: str) -> GraphModule:

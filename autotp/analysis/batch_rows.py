@@ -20,13 +20,14 @@ rows into a tensor without them (messages summed into a graph's nodes) is a stat
 rows. Pieces of the rows taken by slicing (``x[0]``, ``x.chunk(2)``, a shift by slices and
 ``cat``) are followed by ``row_pieces``: they mix rows unless put back in order. Where the walk
 loses track of the rows otherwise (an op with no rule for a split there) it stops looking
-downstream of it, so the check may miss a case. A lookup with ``scale_grad_by_freq`` mixes
-rows in its backward: each table row's gradient is divided by its id's count over the whole
-batch; so does a tensor hook (``custom_functions``) whose gradient change mixes them
-(``grad / grad.norm()``), found by the same walk of the hook traced alone. A loss divided by a
+downstream of it, so the check may miss a case. A lookup with ``scale_grad_by_freq`` mixes rows in
+its backward: each table row's gradient is divided by its id's count over the whole batch, and so
+do a bag's ``offsets`` into indices of every row (DLRM's ``EmbeddingBag`` inputs, which a piece's
+slice does not rebase); so does a tensor hook (``custom_functions``) whose gradient change mixes
+them (``grad / grad.norm()``), found by the same walk of the hook traced alone. A loss divided by a
 statistic of the batch that ``loss_denominators`` could not make the whole batch's
-(``labels.max()``) mixes rows too, and so does a buffer the forward updates from its own
-earlier value (``carried_buffer_write``): each piece would read what the piece before it wrote.
+(``labels.max()``) mixes rows too, and so does a buffer the forward updates from its own earlier
+value (``carried_buffer_write``): each piece would read what the piece before it wrote.
 """
 
 from __future__ import annotations
@@ -175,8 +176,8 @@ class _BatchWalker(Walker):
         name = op_name(node.target)
         if not node.args:
             return False
-        if name in _FREQUENCY_SCALED and schema_arg(node, "scale_grad_by_freq", False):
-            return bool(self._rows_at(node.args[1]))  # each row's gradient divided by its id's count in the batch
+        if name in _FREQUENCY_SCALED:  # an id's gradient over its count in the batch; a bag's offset counts the bags before it
+            return bool(self._rows_at(node.args[1])) and schema_arg(node, "scale_grad_by_freq", False) or bool(self._rows_at(schema_arg(node, "offsets")))
         if tensor_hook(node) is not None:
             return self._hook_mixes(node)
         rows = self._rows_at(node.args[0])
@@ -332,9 +333,8 @@ of its dims holds the batch's rows: a split step is refused."""
 def input_row_dims(call: dict[str, Any], batch_dims: Mapping[str, int] = MappingProxyType({})) -> list[int | None]:
     """Per leaf of ``call``, in pytree order (that of the traced graph's inputs): the dim that
     holds the batch's rows. ``batch_dims`` (``ParallelPlan.input_batch_dims``) names inputs whose
-    rows lie elsewhere than dim 0 (Qwen2-VL's ``position_ids`` [3, B, S]: dim 1); any other
-    tensor holds them on dim 0 where it has the batch's size (``batch_size``), or is every
-    row's (None)."""
+    rows lie elsewhere than dim 0 (Qwen2-VL's ``position_ids`` [3, B, S]: dim 1); any other tensor
+    holds them on dim 0 where it has the batch's size (``batch_size``), or is every row's (None)."""
     size = batch_size(call)
     dims: list[int | None] = []
     for path, value in tree_flatten_with_path(call)[0]:

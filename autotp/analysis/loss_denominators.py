@@ -44,8 +44,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, GraphModule, Node
 from torch.utils._pytree import tree_flatten, tree_map, tree_structure
 
-from autotp.analysis.shapes import is_float, schema_arg, shape_of, sources
+from autotp.analysis.shapes import is_float, schema_arg, shape_of
 from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
+from autotp.analysis.summed_terms import CASTS, SCALINGS, fixed_scalings, has_reduction, reduction_kind, summed_terms
 from autotp.ir import meta_keys
 from autotp.ir.batch_denominators import BATCH_DENOMINATOR, MEAN, SUM, DenominatorProgram
 from autotp.ir.errors import describe
@@ -53,14 +54,12 @@ from autotp.ir.op_facts import is_alias, writes_by_base
 
 aten = torch.ops.aten
 
-_MEAN_REDUCTION, _SUM_REDUCTION = 1, 2
+_MEAN_REDUCTION = 1
 _WEIGHT, _REDUCTION, _IGNORE = 2, 3, 4  # argument positions of the class losses below
 _CLASS_LOSSES = frozenset({aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default, aten.nll_loss2d.default})
 _REDUCTIONS = {aten.sum.default: SUM, aten.sum.dim_IntList: SUM, aten.count_nonzero.default: SUM,
                aten.count_nonzero.dim_IntList: SUM, aten.mean.default: MEAN, aten.mean.dim: MEAN}  # fmt: skip
 _MEANS = frozenset({aten.mean.default, aten.mean.dim})
-_CASTS = frozenset({aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.alias.default})
-_SCALED = frozenset({aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar})
 _SHIFTED = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.clamp.default,
                       aten.clamp_min.default, aten.clamp_max.default})  # fmt: skip
 _ZEROS = frozenset({aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default})
@@ -98,57 +97,30 @@ def normalize_loss_denominators(gm: GraphModule, rows_at: RowsAt, doubled: Calla
 
 
 def _sums_scaled_by_pieces(gm: GraphModule, rows_at: RowsAt, doubled: Callable[[], GraphModule]) -> DenominatorProgram | None:
-    """Each scalar output that sums over the rows (``cross_entropy(reduction="sum")``, or a sum
-    over a count the caller passes in: HF's ``num_items_in_batch``) times the number of pieces,
-    ``batch_denominator`` of a 1 summed over them: the step averages the pieces, and the whole
-    batch's sum is their sum. A scaling by a number the trace baked in counts only where the
-    batch doubled keeps it (``x.sum() / 64``, not ``x.sum() / labels.numel()``, a mean)."""
+    """Each term of a scalar output that sums over the rows (``cross_entropy(reduction="sum")``,
+    a sum over a count the caller passes in: HF's ``num_items_in_batch``; the whole output, or a
+    term of a sum, ``summed_terms``) times the number of pieces, ``batch_denominator`` of a 1
+    summed over them: the step averages the pieces, and the whole batch's sum is their sum."""
     reads, output = _Reads(gm), next(iter(gm.graph.find_nodes(op="output")))
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-    sums = [leaf for leaf in dict.fromkeys(a for a in tree_flatten(output.args)[0] if isinstance(a, Node))
-            if isinstance(leaf.meta.get("val"), torch.Tensor) and leaf.meta["val"].dim() == 0 and leaf.meta["val"].is_floating_point()
-            and _numerator_kind(leaf, reads, rows_at) == SUM and _fixed_scalings(leaf, doubled, reads, params)]  # fmt: skip
+
+    def is_sum(n: Node, path: tuple[Node, ...]) -> bool:
+        val = n.meta.get("val")
+        return (isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point()
+                and _numerator_kind(n, reads, rows_at) == SUM and fixed_scalings(n, path, doubled, reads, params))  # fmt: skip
+
+    roots = [a for a in dict.fromkeys(tree_flatten(output.args)[0]) if isinstance(a, Node)]
+    sums = summed_terms(roots, output, is_sum, reads)
     if not sums:
         return None
-    with gm.graph.inserting_before(output):
-        one = _add(gm.graph, aten.ones.default, ([],), {"dtype": sums[0].meta["val"].dtype}, like=sums[0])
-        pieces = _add(gm.graph, BATCH_DENOMINATOR, (one, one.name), like=sums[0])
-        for leaf in sums:
-            output.replace_input_with(leaf, _add(gm.graph, aten.mul.Tensor, (leaf, pieces), like=leaf))
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    with gm.graph.inserting_before(min((user for _, user in sums), key=position.__getitem__)):
+        one = _add(gm.graph, aten.ones.default, ([],), {"dtype": sums[0][0].meta["val"].dtype}, like=sums[0][0])
+        pieces = _add(gm.graph, BATCH_DENOMINATOR, (one, one.name), like=sums[0][0])
+    for term, user in sums:
+        with gm.graph.inserting_before(user):
+            user.replace_input_with(term, _add(gm.graph, aten.mul.Tensor, (term, pieces), like=term))
     return _program(gm, one.name, one, SUM, one, False)
-
-
-def _fixed_scalings(n: Node, doubled: Callable[[], GraphModule], reads: _Reads, params: set[str]) -> bool:
-    """Whether every number the sum ``n`` is scaled by (through ``_numerator_kind``'s ops) is the
-    same in the trace of the batch doubled, node by node of the same name, and every tensor it
-    is scaled by comes from the caller's inputs or the parameters (``num_items_in_batch``, a
-    temperature), not from a constant the trace made (``torch.tensor(labels.numel())``)."""
-    chain = _sum_chain(n)
-    made = [a for a in chain if not reads.of(a)[0]]  # the scalings' tensors: they read no batch input
-    if any(a.op == "call_function" and not a.all_input_nodes for a in made) or any(
-        s.op == "get_attr" and str(s.target) not in params for a in made for s in sources(a)
-    ):
-        return False
-    scaled = [m for m in chain if m.target in _SCALED and any(isinstance(a, (int, float)) for a in m.args[:2])]
-    if not scaled:
-        return True
-    twice = {m.name: m for m in doubled().graph.nodes}
-
-    def numbers(m: Node) -> list[Any]:
-        return [a for a in m.args[:2] if not isinstance(a, Node)]
-
-    return all(m.name in twice and numbers(twice[m.name]) == numbers(m) for m in scaled)
-
-
-def _sum_chain(n: Node) -> list[Node]:
-    """The nodes from ``n`` down to its reductions through casts, scalings and adds."""
-    chain, stack = [], [n]
-    while stack:
-        m = stack.pop()
-        chain.append(m)
-        if m.target in _CASTS | _SCALED or m.target in (aten.neg.default, aten.add.Tensor, aten.sub.Tensor):
-            stack.extend(a for a in m.args[:2] if isinstance(a, Node))
-    return chain
 
 
 def _selection_means_as_sums(gm: GraphModule, rows_at: RowsAt) -> None:
@@ -255,7 +227,7 @@ def _trained_statistic(node: Node, reads: _Reads, rows_at: RowsAt) -> bool:
 
 def _linear_in(node: Node, tainted: list[Node]) -> bool:
     """Whether ``node`` is linear in its operands computed from statistics (``tainted``)."""
-    if node.target in _LINEAR or node.target in _CASTS or node.target in _REDUCTIONS or is_alias(node):
+    if node.target in _LINEAR or node.target in CASTS or node.target in _REDUCTIONS or is_alias(node):
         return True
     if node.target is aten.mul.Tensor:
         return len(tainted) == 1
@@ -404,7 +376,7 @@ def _core(d: Node) -> tuple[Node | None, str]:
     arithmetic, and which of the two; (None, "") if there is none."""
     node = d
     while node.target not in _REDUCTIONS:
-        if node.target not in _CASTS | _SCALED | _SHIFTED:
+        if node.target not in CASTS | SCALINGS | _SHIFTED:
             return None, ""
         tensors = list(node.all_input_nodes)
         if len(tensors) != 1 or tensors[0] is not node.args[0]:
@@ -417,13 +389,13 @@ def _core(d: Node) -> tuple[Node | None, str]:
 def _numerator_kind(n: Node, reads: _Reads, rows_at: RowsAt) -> str | None:
     """``SUM`` if ``n`` is a sum over the rows (through scalings by constants, sums and casts),
     ``MEAN`` if a mean; None otherwise."""
-    if n.target in _REDUCTIONS or n.target in _CLASS_LOSSES:
+    if n.target in _REDUCTIONS or has_reduction(n):
         if not isinstance(n.args[0], Node) or not rows_at(n.args[0]):
             return None
-        return _REDUCTIONS[n.target] if n.target in _REDUCTIONS else {_SUM_REDUCTION: SUM, _MEAN_REDUCTION: MEAN}.get(_reduction(n))
-    if n.target in _CASTS or n.target is aten.neg.default:
+        return _REDUCTIONS[n.target] if n.target in _REDUCTIONS else reduction_kind(n)
+    if n.target in CASTS or n.target is aten.neg.default:
         return _numerator_kind(n.args[0], reads, rows_at) if isinstance(n.args[0], Node) else None
-    if n.target in _SCALED:
+    if n.target in SCALINGS:
         a, b = n.args[0], n.args[1]
         if isinstance(a, Node) and reads.is_constant(b):
             return _numerator_kind(a, reads, rows_at)

@@ -47,6 +47,7 @@ from autotp.analysis.propagation_result import ParamDecision, ParamView, Propaga
 from autotp.analysis.shapes import is_float, replicated_like
 from autotp.ir.errors import UserInputError, describe
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, fixed_var, follow, select_range, shard, tile, unify
+from autotp.ir.op_facts import is_alias, mutated_base
 from autotp.ir.plan import ParallelPlan
 
 
@@ -205,6 +206,8 @@ class Walker:
                 lay = replicated_like(node)
             self.out.layouts[node] = lay
             self.out.needs_grad[node] = self.grad_of(node)
+            if self.out.needs_grad[node] and mutated_base(node) is not None:
+                self._written_with_grad(mutated_base(node))
         if self.plan is None:
             for name in self.params:
                 self.out.decisions.setdefault(name, ParamDecision("replicate"))
@@ -219,6 +222,16 @@ class Walker:
                 if isinstance(l, Layout):
                     found |= {v.find().made_by for _, v in l.dims if v.find().made_by is not None}
         return frozenset(found)
+
+    def _written_with_grad(self, base: Node) -> None:
+        """An in-place write of a value that needs a gradient into ``base`` (FNO's
+        ``out_ft[..., :modes] = einsum(...)`` into ``zeros``): autograd rebases ``base`` and
+        every view of it onto the write, so those read later need a gradient too."""
+        aliases = [base]
+        while aliases:
+            n = aliases.pop()
+            self.out.needs_grad[n] = True
+            aliases.extend(u for u in n.users if u in self.out.needs_grad and is_alias(u) and u.args[0] is n and not self.out.needs_grad[u])
 
     def grad_of(self, node: Node) -> bool:
         if node.op == "get_attr":

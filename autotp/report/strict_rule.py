@@ -192,7 +192,7 @@ def _first_mismatch(
             continue
         if got is None:
             return f"grad of {name}: missing"
-        why = differs(got, p.grad)
+        why = differs(got, p.grad.to_dense() if p.grad.is_sparse else p.grad)  # unshard_grads gives sparse grads dense
         if why:
             return f"grad of {name}: {why}"
     return ""

@@ -280,11 +280,12 @@ class Parameters:
         return {k: out[k] for k in self._source.state_dict(keep_vars=True)}
 
     def unshard_grads(self, param_chunks: ParamChunks) -> dict[str, torch.Tensor | None]:
-        """Full gradients under every original parameter name (None where no grad)."""
+        """Full gradients under every original parameter name (None where no grad), dense (an
+        ``nn.Embedding(sparse=True)``'s too: the ranks of other stages receive it so)."""
         out: dict[str, torch.Tensor | None] = {}
         for name in self.aliases:
             grad = get_nested(self._module, name).grad if name in self.local_names else None
-            full = self.gather(name, grad, param_chunks)
+            full = self.gather(name, grad.to_dense() if grad is not None and grad.is_sparse else grad, param_chunks)
             for alias in self.aliases[name]:
                 out[alias] = full
         return out
