@@ -101,3 +101,24 @@ def test_gathers_and_all_reduces_keep_their_operands_memory_order() -> None:
     unmodified model's (transposed) tensor failed on the rank's."""
     strides = run_on_ranks(_gathered_layouts, 2)
     assert strides[0] == [(120, 5, 30, 1), (60, 5, 15, 1)]
+
+
+def _expanded_value_attention(rank: int, world: int) -> list[tuple[int, ...]]:
+    collectives.register_group("expanded_test", dist.new_group(list(range(world))))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 16, 4, 16, generator=gen).transpose(1, 2)  # [B, H, S, D] read from [B, S, H, D]
+    v = torch.randn(2, 1, 16, 16, generator=gen).expand(2, 4, 16, 16)  # one KV head repeated by expand
+    reduced = ops.REDUCE_FROM_TP(v, "expanded_test")
+    out = torch.nn.functional.scaled_dot_product_attention(q, v, reduced, is_causal=True)
+    out.transpose(1, 2).view(2, 16, -1)  # the view export recorded after SDPA: valid only in SDPA's fast layout
+    with FakeTensorMode():
+        fake = ops.REDUCE_FROM_TP(torch.empty(2, 1, 16, 16).expand(2, 4, 16, 16), "expanded_test")
+    return [reduced.stride(), fake.stride(), out.stride()]
+
+
+def test_an_all_reduced_expanded_value_keeps_sdpa_on_its_fast_layout() -> None:
+    """A KV head repeated by ``expand`` (stride 0 over the heads) was all-reduced into a tensor
+    with the heads innermost; SDPA's CPU kernel then fell back to the math path, whose
+    output's transpose no longer allowed the ``view`` the trace recorded (torchtune's Gemma at tp=2)."""
+    strides = run_on_ranks(_expanded_value_attention, 2)
+    assert strides[0] == [(1024, 256, 16, 1), (1024, 256, 16, 1), (1024, 16, 64, 1)]

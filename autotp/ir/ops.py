@@ -103,6 +103,7 @@ from torch.library import Library
 
 from autotp.ir import moe_ops
 from autotp.ir.errors import UserInputError
+from autotp.ir.memory_order import empty_in_memory_order, reduced_like
 from autotp.ir.vocab_logits import check_ids, local_logits, loss_dtype, target_in_range
 
 NAMESPACE = "autotp"
@@ -192,24 +193,6 @@ def _resized(x: Tensor, dim: int, size: Any) -> Tensor:
     shape = list(x.shape)
     shape[dim] = size
     return x.new_empty(shape)
-
-
-def memory_order(x: Tensor) -> list[int]:
-    """x's dims from the outermost in memory to the innermost (equal strides: in dim order)."""
-    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
-
-
-def empty_in_memory_order(x: Tensor, dim: int, size: Any) -> Tensor:
-    """An empty tensor of x's shape with ``size`` at ``dim``, dense, its dims in x's memory order: the
-    tp group's gathers and all-reduces return their operand's layout, so a ``view`` export recorded
-    on the unmodified model's tensor stays valid on the rank's."""
-    shape = [size if d == dim % x.dim() else s for d, s in enumerate(x.shape)]
-    return torch.empty_permuted(shape, memory_order(x), dtype=x.dtype, device=x.device)
-
-
-def reduced_like(x: Tensor) -> Tensor:
-    """The empty result of an all-reduce of x, dense in x's memory order."""
-    return empty_in_memory_order(x, 0, x.shape[0]) if x.dim() else torch.empty_like(x)
 
 
 torch.library.register_fake(REDUCE_FROM_TP, lambda x, group: reduced_like(x), lib=_LIB)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.library import Library
 
-from autotp.ir import fp8, ops
+from autotp.ir import fp8, memory_order, ops
 from autotp.ir.errors import UserInputError
 from autotp.ir.vocab_logits import local_logits, target_in_range
 from autotp.runtime.execution import overlap
@@ -77,11 +77,11 @@ def _gathered(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
 
 
 def _reduced(x: Tensor, group: str, op: dist.ReduceOp.RedOpType) -> Tensor:
-    """x summed (or maxed) over the group, in x's memory order (``ops.empty_in_memory_order``);
+    """x summed (or maxed) over the group, in x's memory order (``memory_order.empty_in_memory_order``);
     a tensor of its own, not a view."""
-    out = ops.reduced_like(x)
+    out = memory_order.reduced_like(x)
     out.copy_(x)
-    _all_reduce_(out.permute(ops.memory_order(x)), get_group(group), op)
+    _all_reduce_(out.permute(memory_order.memory_order(x)), get_group(group), op)
     return out
 
 
@@ -98,9 +98,9 @@ def _gather_from_tp(x: Tensor, dim: int, size: int, group: str) -> Tensor:
     its own, never a view (autograd forbids writing in place into a custom op's view output, a
     MoE's ``out[mask] = ...``)."""
     pg = get_group(group)
-    order = ops.memory_order(x)
+    order = memory_order.memory_order(x)
     at = order.index(dim % x.dim())
-    out = ops.empty_in_memory_order(x, dim, size)
+    out = memory_order.empty_in_memory_order(x, dim, size)
     dense = out.permute(order)  # contiguous: the parts are laid in it as in one tensor of x's order
     if pg is None:
         dense.copy_(x.permute(order).narrow(at, 0, size))
