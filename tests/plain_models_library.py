@@ -4,7 +4,8 @@ architectures write attention and block structure (issue 27): GQA through SDPA's
 attention+MLP input projection (GPT-J/PaLM), activation checkpointing (torchtitan,
 nanotron, Megatron), Megatron's ``@torch.jit.script`` fusions with ``skip_bias_add`` linears,
 weight-norm parametrizations, a torchvision ViT on ``nn.MultiheadAttention``, T5 relative
-position buckets, and a submodule wrapped by ``torch.compile``.
+position buckets, a submodule wrapped by ``torch.compile``, and torchtune's multi-query attention
+(the one KV head expanded to every query head) with Gemma's norms.
 
 The suite protocol (``tests/test_plain_suite.py``): ``NAMES``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)`` and ``loss_fn(name)``.
@@ -348,6 +349,53 @@ class T5DecoderLM(nn.Module):
 # ---- 9. a submodule wrapped by torch.compile before parallelize ----------------------------
 
 
+# ---- torchtune's multi-query attention: the one KV head repeated by expand, Gemma's norms -------
+
+
+class GemmaNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is an offset from 1."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (1 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class ExpandedMQA(nn.Module):
+    """One key/value head, expanded to every query head (``unsqueeze(2).expand(...).flatten(1, 2)``,
+    a stride-0 view) and SDPA; the output back through ``transpose(1, 2).contiguous().view``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(DIM, HEADS * HEAD_DIM, bias=False)
+        self.k = nn.Linear(DIM, HEAD_DIM, bias=False)
+        self.v = nn.Linear(DIM, HEAD_DIM, bias=False)
+        self.o = nn.Linear(HEADS * HEAD_DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
+        k, v = (p(x).view(b, s, 1, HEAD_DIM).transpose(1, 2) for p in (self.k, self.v))
+        k, v = (t.unsqueeze(2).expand(b, 1, HEADS, s, HEAD_DIM).flatten(1, 2) for t in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).contiguous().view(b, s, -1))
+
+
+class GemmaLM(LM):
+    """The embedding scaled by sqrt(dim), (1 + w) norms, the head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: Residual(ExpandedMQA(), norm=GemmaNorm), None)
+        self.norm = GemmaNorm()
+        self.head.weight = self.embed.weight
+        nn.init.normal_(self.embed.weight, std=0.02)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        h = self.embed(input_ids) * DIM**0.5
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.head(self.norm(h))
+        return {"logits": logits, "loss": lm_loss(logits, labels)} if labels is not None else {"logits": logits}
+
+
 def compiled_mlp_block() -> nn.Module:
     return Residual(EnableGQAAttention(), torch.compile(SwiGLU()))
 
@@ -363,6 +411,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "torchvision_vit_mha": TorchvisionViT,
     "t5_relative_buckets": T5DecoderLM,
     "compiled_submodule": lambda: LM(compiled_mlp_block),
+    "torchtune_expanded_mqa": GemmaLM,
 }
 NAMES = tuple(MODELS)
 
