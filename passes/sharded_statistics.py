@@ -17,7 +17,8 @@ and contractions over a dim held in replicated blocks.
 * A row-parallel matmul that contracts a dim ranks hold in replicated blocks (query heads
   of a KV group shared by two ranks) would add each block ``replicas`` times: its
   sharded operand is scaled by 1/replicas (backward, each replica then computes its share
-  of the grad of the blocks, which the replica group sums).
+  of the grad of the blocks, which the replica group sums); with a bias too, which
+  ``insert_collectives`` adds after the all-reduce.
 
 The new nodes carry layouts: the statistics are partial and their consumers list them in
 ``REDUCE_INPUTS``, so ``insert_collectives`` all-reduces each statistic once forward
@@ -62,8 +63,8 @@ def sharded_statistics(gm: GraphModule, ctx: PassContext) -> GraphModule:
             _norm(gm, node, ctx.plan.tp)
         elif role is NodeRole.SHARDED_EXTREMUM:
             _extremum(gm, node, ctx.group)
-        elif node.meta.get(meta_keys.LAYOUT) == PARTIAL and is_matmul(node):
-            _contraction(gm, node, ctx.plan.tp)
+        elif is_matmul(node) and (node.meta.get(meta_keys.LAYOUT) == PARTIAL or role is NodeRole.ROW_WITH_BIAS):
+            _contraction(gm, node, ctx.plan.tp)  # with a bias, insert_collectives adds it after the all-reduce
     return gm
 
 

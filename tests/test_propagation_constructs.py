@@ -38,6 +38,7 @@ from plain_models_attention import (
     TitanAttention,
     precompute_freqs_cis,
 )
+from distributed import run_on_ranks
 from plain_models_library import ParallelBlock, WeightNormMLP
 from plain_models_mixers import HeadExperts, LinearAttention, LoopMoE, StackedExperts, ViTAttention
 
@@ -479,3 +480,38 @@ class EmptySlice(nn.Module):
 def test_an_empty_slice_of_a_split_dim_does_not_crash() -> None:
     gm, plan = _plan(EmptySlice(), 2)
     assert _kinds(plan)["up.weight"][0] == "column" and _kinds(plan)["down.weight"][0] == "row"
+
+
+class TwoHeadBiasedAttention(nn.Module):
+    """timm's fused-qkv attention at a small width (Hiera's first stage: 2 heads), both
+    projections with a bias: at tp=4 each head is held by two ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, 2, DIM // 2).permute(2, 0, 3, 1, 4).unbind(0)
+        y = self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, DIM))
+        return {"loss": (y * torch.linspace(-1, 1, DIM)).square().mean()}
+
+
+def _two_heads_at_tp4(rank: int, world: int) -> tuple[bool, str, tuple[int, ...]]:
+    from autotp import parallelize
+    from autotp.report.strict_rule import check_on_rank
+
+    torch.manual_seed(0)
+    x = {"x": torch.randn(2, 8, DIM)}
+    result = check_on_rank(TwoHeadBiasedAttention(), x, tp=world)
+    pm = parallelize(TwoHeadBiasedAttention(), tp=world, example_inputs=x)
+    return result.equal, result.reason, tuple(dict(pm.named_parameters())["proj.weight"].shape)
+
+
+def test_a_biased_projection_over_heads_held_by_two_ranks_adds_each_head_once() -> None:
+    """The output projection contracts heads each held by two of the four ranks; without a bias
+    its input is scaled by 1/2 before the all-reduce, and with one (``ROW_WITH_BIAS``, the bias
+    added after the all-reduce) it was not: every head counted twice (Hiera at tp=4)."""
+    for equal, reason, local in run_on_ranks(_two_heads_at_tp4, 4):
+        assert equal, reason
+        assert local == (DIM, DIM // 2)  # a head's columns: the heads are replicated, not whole
