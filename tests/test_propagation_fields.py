@@ -30,8 +30,7 @@ from autotp.passes.extract_chunks import _boundary
 from autotp.report.strict_rule import check_on_rank
 from distributed import run_on_ranks
 from plain_models_fields import build, example_inputs
-
-RTOL, ATOL = 1e-4, 1e-6
+from test_loss_denominators import _assert_whole_batch
 
 
 class ZeroSpectrum(nn.Module):
@@ -113,13 +112,7 @@ def test_a_summed_term_of_the_loss_sums_the_pieces(loss: str, microbatches: int)
     reference = copy.deepcopy(model)
     batch = _batch()
     pm = autotp.parallelize(model, tp=1, example_inputs={k: v[:2] for k, v in batch.items()})
-    value = pm.train_step(**batch, num_microbatches=microbatches)
-    expected = reference(**batch)["loss"]
-    expected.backward()
-    torch.testing.assert_close(value, expected.detach(), rtol=RTOL, atol=ATOL)
-    grads = pm.unshard_grads()
-    for name, p in reference.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"grad of {name}: {m}")
+    _assert_whole_batch(pm, reference, pm.train_step(**batch, num_microbatches=microbatches), batch)
 
 
 def test_only_the_summed_term_is_scaled() -> None:
