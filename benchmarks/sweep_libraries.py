@@ -267,7 +267,7 @@ MODELS: dict[str, Model] = {
     "diffusers_sd3": _diffusers("SD3Transformer2DModel", "sd3", sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
                                 num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=64, pooled_projection_dim=32,
                                 out_channels=4, pos_embed_max_size=16),  # fmt: skip
-    "diffusers_flux": _diffusers("FluxTransformer2DModel", "flux", patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+    "diffusers_flux": _diffusers("FluxTransformer2DModel", "flux", patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
                                  attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32,
                                  axes_dims_rope=(4, 6, 6)),  # fmt: skip
 }
