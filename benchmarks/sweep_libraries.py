@@ -296,11 +296,12 @@ MODELS: dict[str, Model] = {
     "diffusers_skyreels_v2": _diffusers("SkyReelsV2Transformer3DModel", VIDEO_TEXT, **HEADS, in_channels=4, out_channels=4, text_dim=32,
                                         freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=32),  # fmt: skip
     "diffusers_hunyuan_video": _diffusers("HunyuanVideoTransformer3DModel", VIDEO_TEXT | dict(encoder_attention_mask="mask",
-                                          pooled_projections="pooled"), **HEADS, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1,
+                                          pooled_projections="pooled"), **HEADS, in_channels=4, out_channels=4, num_layers=2, num_single_layers=4,
                                           num_refiner_layers=1, text_embed_dim=32, pooled_projection_dim=32, rope_axes_dim=(4, 6, 6),
                                           guidance_embeds=False),  # fmt: skip
-    "diffusers_mochi": _diffusers("MochiTransformer3DModel", VIDEO_TEXT | dict(encoder_attention_mask="mask"), **HEADS, num_layers=2,
-                                  pooled_projection_dim=32, in_channels=4, text_embed_dim=32, time_embed_dim=32, max_sequence_length=6),  # fmt: skip
+    "diffusers_mochi": _diffusers("MochiTransformer3DModel", VIDEO_TEXT | dict(encoder_attention_mask="mask"), num_attention_heads=4,
+                                  attention_head_dim=24, num_layers=2, pooled_projection_dim=48, in_channels=4, text_embed_dim=32,
+                                  time_embed_dim=32, max_sequence_length=6),  # 8/3 of its widths divide by 8: SwiGLU's halves at tp=4; fmt: skip
     "diffusers_cosmos": _diffusers("CosmosTransformer3DModel", VIDEO_TEXT, **HEADS, in_channels=4, out_channels=4, num_layers=2, mlp_ratio=2.0,
                                    text_embed_dim=32, adaln_lora_dim=16, max_size=(4, 16, 16), concat_padding_mask=False),  # fmt: skip
     "diffusers_qwenimage": _diffusers("QwenImageTransformer2DModel", dict(hidden_states="tokens", encoder_hidden_states="text",
@@ -310,16 +311,16 @@ MODELS: dict[str, Model] = {
                                     in_channels=4, hidden_size=64, num_layers=2, num_refiner_layers=1, num_attention_heads=4, num_kv_heads=2,
                                     multiple_of=16, axes_dim_rope=(4, 6, 6), axes_lens=(32, 32, 32), cap_feat_dim=32),  # fmt: skip
     "diffusers_auraflow": _diffusers("AuraFlowTransformer2DModel", IMAGE_TEXT, sample_size=8, in_channels=4, num_mmdit_layers=1,
-                                     num_single_dit_layers=1, **HEADS, joint_attention_dim=32, caption_projection_dim=64, out_channels=4,
+                                     num_single_dit_layers=3, **HEADS, joint_attention_dim=32, caption_projection_dim=64, out_channels=4,
                                      pos_embed_max_size=16),  # fmt: skip
     "diffusers_hidream": _diffusers("HiDreamImageTransformer2DModel", dict(hidden_states="image", timesteps="step", encoder_hidden_states_t5="text",
                                     encoder_hidden_states_llama3="text_layers", pooled_embeds="pooled"), patch_size=2, in_channels=4,
                                     num_layers=1, num_single_layers=1, **HEADS, caption_channels=[32, 32], text_emb_dim=32, axes_dims_rope=(8, 4, 4),
                                     max_resolution=(8, 8), llama_layers=[0, 1]),  # fmt: skip
     "diffusers_flux2": _diffusers("Flux2Transformer2DModel", FLUX | dict(img_ids="ids4", txt_ids="txt_ids4"), patch_size=1, in_channels=16,
-                                  num_layers=1, num_single_layers=1, **HEADS, joint_attention_dim=32, timestep_guidance_channels=32,
+                                  num_layers=1, num_single_layers=3, **HEADS, joint_attention_dim=32, timestep_guidance_channels=32,
                                   axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False),  # fmt: skip
-    "diffusers_chroma": _diffusers("ChromaTransformer2DModel", FLUX, patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, **HEADS,
+    "diffusers_chroma": _diffusers("ChromaTransformer2DModel", FLUX, patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, **HEADS,
                                    joint_attention_dim=32, axes_dims_rope=(4, 6, 6), approximator_num_channels=16, approximator_hidden_dim=64,
                                    approximator_layers=1),  # fmt: skip
 }
