@@ -124,17 +124,17 @@ def sample_loss(out: Any) -> torch.Tensor:
     return _first(out).square().mean()
 
 
-def _diffusion_inputs(kind: str) -> Callable[[], dict[str, Any]]:
+def _diffusion_inputs(inputs: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+    """``inputs`` maps each forward argument to a tensor of the pool below by name, or to a value passed as is."""
+
     def make() -> dict[str, Any]:
         gen = torch.Generator().manual_seed(1)
-        if kind == "dit":
-            return {"hidden_states": torch.randn(2, 4, 8, 8, generator=gen), "timestep": torch.tensor([3, 700]),
-                    "class_labels": torch.tensor([1, 2]), "return_dict": False}  # fmt: skip
-        text = {"encoder_hidden_states": torch.randn(2, 6, 32, generator=gen), "pooled_projections": torch.randn(2, 32, generator=gen)}
-        if kind == "sd3":
-            return {"hidden_states": torch.randn(2, 4, 8, 8, generator=gen), **text, "timestep": torch.tensor([3, 700]), "return_dict": False}
-        return {"hidden_states": torch.randn(2, 16, 16, generator=gen), **text, "timestep": torch.tensor([0.3, 0.7]),
-                "img_ids": torch.randn(16, 3, generator=gen), "txt_ids": torch.zeros(6, 3), "return_dict": False}  # fmt: skip
+        pool = {name: torch.randn(*shape, generator=gen) for name, shape in dict(
+            image=(2, 4, 8, 8), video=(2, 4, 2, 8, 8), frames=(2, 2, 4, 8, 8), tokens=(2, 16, 16), text=(2, 6, 32), text2=(2, 6, 32),
+            text_layers=(2, 2, 6, 32), pooled=(2, 32), ids3=(16, 3), ids4=(16, 4)).items()}  # fmt: skip
+        pool |= {"step": torch.tensor([3.0, 700.0]), "flow": torch.tensor([0.3, 0.7]), "txt_ids3": torch.zeros(6, 3), "txt_ids4": torch.zeros(6, 4),
+                 "mask": torch.tensor([[1] * 6, [1] * 4 + [0] * 2])}  # fmt: skip
+        return {k: pool[v] if isinstance(v, str) else v for k, v in inputs.items()} | {"return_dict": False}
 
     return make
 
@@ -179,13 +179,17 @@ def _x_transformers(**attn: Any) -> Model:
     return build, _tokens("x"), lm_loss
 
 
-def _diffusers(cls: str, kind: str, **kwargs: Any) -> Model:
-    return _call(f"diffusers.{cls}", **kwargs), _diffusion_inputs(kind), sample_loss
+def _diffusers(cls: str, inputs: dict[str, Any], **kwargs: Any) -> Model:
+    return _call(f"diffusers.{cls}", **kwargs), _diffusion_inputs(inputs), sample_loss
 
 
 VIT = dict(img_size=IMAGE, patch_size=8, embed_dim=64, depth=2, num_heads=4)
 VP = dict(image_size=IMAGE, patch_size=8, num_classes=8, dim=64, depth=2, heads=4, mlp_dim=128, dim_head=16)
 TT = dict(num_kv_heads=2)
+HEADS = dict(num_attention_heads=4, attention_head_dim=16)
+IMAGE_TEXT = dict(hidden_states="image", encoder_hidden_states="text", timestep="step")
+VIDEO_TEXT = dict(hidden_states="video", encoder_hidden_states="text", timestep="step")
+FLUX = dict(hidden_states="tokens", encoder_hidden_states="text", timestep="flow", img_ids="ids3", txt_ids="txt_ids3")
 MODELS: dict[str, Model] = {
     **{f"timm_{n}": _timm(n, **VIT) for n in (
         "vit_base_patch16_224", "deit_base_distilled_patch16_224", "deit3_base_patch16_224", "beit_base_patch16_224",
@@ -262,14 +266,63 @@ MODELS: dict[str, Model] = {
     "x_transformers_gqa_gated": _x_transformers(attn_kv_heads=2, gate_residual=True, attn_gate_values=True),
     "x_transformers_residual_attn_rmsnorm": _x_transformers(residual_attn=True, ff_swish=True, use_rmsnorm=True),
     "x_transformers_dynamic_pos_head_scale": _x_transformers(dynamic_pos_bias=True, attn_head_scale=True, ff_post_act_ln=True),
-    "diffusers_dit": _diffusers("DiTTransformer2DModel", "dit", num_attention_heads=4, attention_head_dim=16, in_channels=4, num_layers=2,
-                                sample_size=8, patch_size=2, num_embeds_ada_norm=10),  # fmt: skip
-    "diffusers_sd3": _diffusers("SD3Transformer2DModel", "sd3", sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
-                                num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=64, pooled_projection_dim=32,
-                                out_channels=4, pos_embed_max_size=16),  # fmt: skip
-    "diffusers_flux": _diffusers("FluxTransformer2DModel", "flux", patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
-                                 attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32,
-                                 axes_dims_rope=(4, 6, 6)),  # fmt: skip
+    "diffusers_dit": _diffusers("DiTTransformer2DModel", dict(hidden_states="image", timestep="step", class_labels=torch.tensor([1, 2])),
+                                num_attention_heads=4, attention_head_dim=16, in_channels=4, num_layers=2, sample_size=8, patch_size=2,
+                                num_embeds_ada_norm=10),  # fmt: skip
+    "diffusers_sd3": _diffusers("SD3Transformer2DModel", IMAGE_TEXT | dict(pooled_projections="pooled"), sample_size=8, patch_size=2,
+                                in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+                                caption_projection_dim=64, pooled_projection_dim=32, out_channels=4, pos_embed_max_size=16),  # fmt: skip
+    "diffusers_flux": _diffusers("FluxTransformer2DModel", FLUX | dict(pooled_projections="pooled"), patch_size=1, in_channels=16,
+                                 num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+                                 pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),  # fmt: skip
+    "diffusers_pixart": _diffusers("PixArtTransformer2DModel", IMAGE_TEXT | dict(added_cond_kwargs={"resolution": None, "aspect_ratio": None}),
+                                   **HEADS, in_channels=4, out_channels=4, num_layers=2, cross_attention_dim=64, sample_size=8, patch_size=2,
+                                   caption_channels=32),  # fmt: skip
+    "diffusers_sana": _diffusers("SanaTransformer2DModel", IMAGE_TEXT, **HEADS, in_channels=4, out_channels=4, num_layers=2,
+                                 num_cross_attention_heads=4, cross_attention_head_dim=16, cross_attention_dim=64, caption_channels=32,
+                                 sample_size=8, patch_size=2),  # fmt: skip
+    "diffusers_hunyuan_dit": _diffusers("HunyuanDiT2DModel", IMAGE_TEXT | dict(text_embedding_mask="mask", encoder_hidden_states_t5="text2",
+                                        text_embedding_mask_t5="mask"), **HEADS, in_channels=4, patch_size=2, sample_size=8, hidden_size=64,
+                                        num_layers=4, cross_attention_dim=32, cross_attention_dim_t5=32, pooled_projection_dim=32, text_len=6,
+                                        text_len_t5=6, use_style_cond_and_image_meta_size=False),  # fmt: skip
+    "diffusers_cogvideox": _diffusers("CogVideoXTransformer3DModel", dict(hidden_states="frames", encoder_hidden_states="text", timestep="step"),
+                                      **HEADS, in_channels=4, out_channels=4, time_embed_dim=32, text_embed_dim=32, num_layers=2, sample_width=8,
+                                      sample_height=8, sample_frames=5, max_text_seq_length=6),  # fmt: skip
+    "diffusers_ltx_video": _diffusers("LTXVideoTransformer3DModel", dict(hidden_states="tokens", encoder_hidden_states="text", timestep="step",
+                                      encoder_attention_mask="mask", num_frames=1, height=4, width=4), **HEADS, in_channels=16, out_channels=16,
+                                      cross_attention_dim=64, num_layers=2, caption_channels=32),  # fmt: skip
+    "diffusers_wan": _diffusers("WanTransformer3DModel", VIDEO_TEXT, **HEADS, in_channels=4, out_channels=4, text_dim=32, freq_dim=32,
+                                ffn_dim=128, num_layers=2, rope_max_seq_len=32),  # fmt: skip
+    "diffusers_skyreels_v2": _diffusers("SkyReelsV2Transformer3DModel", VIDEO_TEXT, **HEADS, in_channels=4, out_channels=4, text_dim=32,
+                                        freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=32),  # fmt: skip
+    "diffusers_hunyuan_video": _diffusers("HunyuanVideoTransformer3DModel", VIDEO_TEXT | dict(encoder_attention_mask="mask",
+                                          pooled_projections="pooled"), **HEADS, in_channels=4, out_channels=4, num_layers=2, num_single_layers=4,
+                                          num_refiner_layers=1, text_embed_dim=32, pooled_projection_dim=32, rope_axes_dim=(4, 6, 6),
+                                          guidance_embeds=False),  # fmt: skip
+    "diffusers_mochi": _diffusers("MochiTransformer3DModel", VIDEO_TEXT | dict(encoder_attention_mask="mask"), num_attention_heads=4,
+                                  attention_head_dim=24, num_layers=2, pooled_projection_dim=48, in_channels=4, text_embed_dim=32,
+                                  time_embed_dim=32, max_sequence_length=6),  # 8/3 of its widths divide by 8: SwiGLU's halves at tp=4; fmt: skip
+    "diffusers_cosmos": _diffusers("CosmosTransformer3DModel", VIDEO_TEXT, **HEADS, in_channels=4, out_channels=4, num_layers=2, mlp_ratio=2.0,
+                                   text_embed_dim=32, adaln_lora_dim=16, max_size=(4, 16, 16), concat_padding_mask=False),  # fmt: skip
+    "diffusers_qwenimage": _diffusers("QwenImageTransformer2DModel", dict(hidden_states="tokens", encoder_hidden_states="text",
+                                      encoder_hidden_states_mask="mask", timestep="flow", img_shapes=[(1, 4, 4)] * 2), in_channels=16,
+                                      out_channels=4, num_layers=2, **HEADS, joint_attention_dim=32, axes_dims_rope=(4, 6, 6)),  # fmt: skip
+    "diffusers_lumina2": _diffusers("Lumina2Transformer2DModel", IMAGE_TEXT | dict(timestep="flow", encoder_attention_mask="mask"), sample_size=8,
+                                    in_channels=4, hidden_size=64, num_layers=2, num_refiner_layers=1, num_attention_heads=4, num_kv_heads=2,
+                                    multiple_of=16, axes_dim_rope=(4, 6, 6), axes_lens=(32, 32, 32), cap_feat_dim=32),  # fmt: skip
+    "diffusers_auraflow": _diffusers("AuraFlowTransformer2DModel", IMAGE_TEXT, sample_size=8, in_channels=4, num_mmdit_layers=1,
+                                     num_single_dit_layers=3, **HEADS, joint_attention_dim=32, caption_projection_dim=64, out_channels=4,
+                                     pos_embed_max_size=16),  # fmt: skip
+    "diffusers_hidream": _diffusers("HiDreamImageTransformer2DModel", dict(hidden_states="image", timesteps="step", encoder_hidden_states_t5="text",
+                                    encoder_hidden_states_llama3="text_layers", pooled_embeds="pooled"), patch_size=2, in_channels=4,
+                                    num_layers=1, num_single_layers=1, **HEADS, caption_channels=[32, 32], text_emb_dim=32, axes_dims_rope=(8, 4, 4),
+                                    max_resolution=(8, 8), llama_layers=[0, 1]),  # fmt: skip
+    "diffusers_flux2": _diffusers("Flux2Transformer2DModel", FLUX | dict(img_ids="ids4", txt_ids="txt_ids4"), patch_size=1, in_channels=16,
+                                  num_layers=1, num_single_layers=3, **HEADS, joint_attention_dim=32, timestep_guidance_channels=32,
+                                  axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False),  # fmt: skip
+    "diffusers_chroma": _diffusers("ChromaTransformer2DModel", FLUX, patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, **HEADS,
+                                   joint_attention_dim=32, axes_dims_rope=(4, 6, 6), approximator_num_channels=16, approximator_hidden_dim=64,
+                                   approximator_layers=1),  # fmt: skip
 }
 
 
