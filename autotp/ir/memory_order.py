@@ -35,9 +35,7 @@ def memory_order(x: Tensor) -> list[int]:
 
 
 def empty_in_memory_order(x: Tensor, dim: int, size: Any) -> Tensor:
-    """An empty tensor of x's shape with ``size`` at ``dim``, dense, its dims in x's memory order: the
-    tp group's gathers and all-reduces return their operand's layout, so a ``view`` export recorded
-    on the unmodified model's tensor stays valid on the rank's."""
+    """An empty tensor of x's shape with ``size`` at ``dim``, dense, its dims in x's memory order."""
     shape = [size if d == dim % x.dim() else s for d, s in enumerate(x.shape)]
     return torch.empty_permuted(shape, memory_order(x), dtype=x.dtype, device=x.device)
 
