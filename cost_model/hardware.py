@@ -40,15 +40,13 @@ Sources. **H200 SXM** (DESIGN.md §5, measured on 4×H200 NVLink NV18, torch 2.1
 at 1 MB, 212 at 8 MB, 306 at 64 MB, 338 at 256 MB, 353 at 1 GB, small calls floor at
 21–29 µs. alpha = 25 µs with bus bandwidth 353 GB/s reproduces that curve within 6%
 (``H200_ALLREDUCE_CURVE``; ``fit_link`` on it gives 24 µs, 346 GB/s, within 4%).
-The host and kernel-efficiency constants (``H200_MEASURED``: per-node host costs, the fixed
-cost of a call, ``compute_time_scale``, attention and elementwise-backward rates, achieved
-HBM bandwidth) are ``autotp calibrate``'s fit of 4×H200, torch 2.11.0+cu130, 2026-11-21,
-whose raw measurements are ``benchmarks/results/cost_model_h200x4.json``
-(``python benchmarks/bench_cost_model.py --measured`` refits them; ``compute_time_scale`` was
-fitted before the ``causal_attention`` pass, whose flash kernel the recorded layer runs did not use). **H100 SXM**: its
-single-GPU constants (``H100_MEASURED``) are ``python benchmarks/measure_constants.py``'s measurement of one H100
-(that script's docstring says what each stands for; GEMM and attention as GPU time, without the host's issue, which
-the queue adds), its NVLink and tp-collective host constants H200's.
+Its single-GPU constants (``H200_MEASURED``: the GEMM curve, attention, achieved HBM, the
+elementwise backward, host costs, the layer time scale) are ``python benchmarks/measure_constants.py``'s
+measurement of one H200 (that script's docstring says what each stands for; GEMM and attention as GPU
+time, without the host's issue, which the queue adds); the tp collective's host cost, which one GPU cannot
+measure, is ``autotp calibrate``'s fit of 4×H200 (``benchmarks/results/cost_model_h200x4.json``).
+**H100 SXM**: its single-GPU constants (``H100_MEASURED``) are the same script's measurement of one H100,
+its NVLink and tp-collective host constants H200's.
 Everything else is a datasheet figure or a stated assumption, marked in each profile's
 ``source``. ``autotp calibrate`` on the machine measures all of them and caches the profile
 (``calibrated_profile_path``), where ``get_profile`` and ``parallelize(plan="auto")`` find it.
@@ -171,37 +169,49 @@ H200_ALLREDUCE_CURVE: tuple[tuple[int, float], ...] = (
 )
 
 _EAGER_OVERHEAD = {"op_overhead_s": 6e-6, "backward_op_overhead_s": 8e-6, "collective_host_s": 30e-6}
-# autotp calibrate on 4×H200 (benchmarks/results/cost_model_h200x4.json); HBM is the achieved share.
+# autotp calibrate on 4×H200 (benchmarks/results/cost_model_h200x4.json): the tp collective's host cost,
+# which one GPU cannot measure; and benchmarks/bench_fp8.py's GEMM part, 1x H200, torch 2.11, 2026-11-24
+# (benchmarks/results/fp8_h200x1.json): [8192, 4096] x [4096, 14336] at 807 TFLOP/s in bf16, 1493 in FP8
+# tensorwise (the default recipe).
+H200_MULTI_GPU = {"collective_host_s": 349e-6, "fp8_matmul_speedup": 1.85}
+# python benchmarks/measure_constants.py --json on 1x H200 (nvidia-h200 lease, 16 host cores), torch 2.11.0+cu130,
+# 2026-11-29 (benchmarks/results/cost_model_constants_h200x1.json; --fit prints these; tests/test_planner.py refits
+# the file). As the H100's below: GEMM and attention as GPU time, host costs from the 1024-token probe of width 1024.
 H200_MEASURED = {
-    "op_overhead_s": 21.2e-6,
-    "backward_op_overhead_s": 38.3e-6,
-    "collective_host_s": 349e-6,
-    "call_host_s": 2.22e-3,
-    "compute_time_scale": 1.116,
-    "attention_flops_per_s": 291e12,
-    "attention_backward_factor": 2.62,
-    "elementwise_backward_factor": 1.97,
-    # benchmarks/bench_fp8.py's GEMM part, 1x H200, torch 2.11, 2026-11-24 (benchmarks/results/fp8_h200x1.json):
-    # [8192, 4096] x [4096, 14336] at 807 TFLOP/s in bf16, 1493 in FP8 tensorwise (the default recipe).
-    "fp8_matmul_speedup": 1.85,
+    "matmul_flops_per_s": 691.4e12,
+    "matmul_latency_s": 2.855e-6,
+    "matmul_curve": (
+        (2.147e9, 5.77e-06), (4.295e9, 9.914e-06), (8.59e9, 1.495e-05), (1.718e10, 2.772e-05), (3.436e10, 5.029e-05),
+        (6.872e10, 9.847e-05), (1.203e11, 1.71e-04), (1.374e11, 2.015e-04), (2.495e11, 3.62e-04), (2.749e11, 4.084e-04),
+        (4.99e11, 7.296e-04), (5.498e11, 8.143e-04), (9.979e11, 1.465e-03), (1.996e12, 2.944e-03), (4.295e12, 6.411e-03),
+    ),
+    "attention_flops_per_s": 529.7e12,
+    "attention_latency_s": 13.36e-6,
+    "attention_backward_factor": 3.068,
+    "memory_bytes_per_s": 4.157e12,
+    "elementwise_backward_factor": 2.105,
+    "optimizer_bytes_per_s": 3.037e12,
+    "op_overhead_s": 13.88e-6,
+    "backward_op_overhead_s": 14.78e-6,
+    "call_host_s": 4.597e-3,
+    "compute_time_scale": 0.989,
 }
-ACHIEVED_HBM_SHARE = 4.147e12 / 4.8e12
 _NDR_RAIL = Link(latency_s=30e-6, bus_bytes_per_s=45e9, hop_latency_s=5e-6)
 
 H200 = HardwareProfile(
     name="H200",
-    matmul_flops_per_s=805e12,
-    memory_bytes_per_s=4.8e12 * ACHIEVED_HBM_SHARE,
     allreduce_bus_bytes_per_s=353e9,
     collective_latency_s=25e-6,
     peak_flops_per_s=989.4e12,
     memory_capacity_bytes=141e9,
     inter_node=_NDR_RAIL,
+    **H200_MULTI_GPU,
     **H200_MEASURED,
-    source="GEMM rate and NVLink all-reduce measured (DESIGN.md §5); host costs, kernel efficiency, attention "
-    "and achieved HBM from autotp calibrate on 4x H200 (benchmarks/results/cost_model_h200x4.json); capacity "
-    "and peak from NVIDIA's H200 SXM datasheet; the inter-node link (8x ConnectX-7 400 Gb/s NDR per node, "
-    "45 GB/s per GPU) assumed",
+    source="GEMM curve, attention, HBM, elementwise backward, host costs and the layer time scale measured on "
+    "1x H200 (benchmarks/measure_constants.py, benchmarks/results/cost_model_constants_h200x1.json); NVLink all-reduce "
+    "measured on 4x H200 (DESIGN.md §5), the tp collective's host cost by autotp calibrate on 4x H200 "
+    "(benchmarks/results/cost_model_h200x4.json); capacity and peak from NVIDIA's H200 SXM datasheet; the inter-node "
+    "link (8x ConnectX-7 400 Gb/s NDR per node, 45 GB/s per GPU) assumed",
 )
 
 # python benchmarks/measure_constants.py --json on 1x H100 80GB HBM3 SXM (nvidia-h100-x1 lease, 16 host cores, driver
@@ -236,8 +246,7 @@ H100 = HardwareProfile(
     peak_flops_per_s=989.4e12,
     memory_capacity_bytes=80e9,
     inter_node=_NDR_RAIL,
-    collective_host_s=H200_MEASURED["collective_host_s"],
-    fp8_matmul_speedup=H200_MEASURED["fp8_matmul_speedup"],
+    **H200_MULTI_GPU,
     **H100_MEASURED,
     source="GEMM curve, attention, HBM, elementwise backward, host costs and the layer time scale measured on 1x H100 "
     "(benchmarks/measure_constants.py, benchmarks/results/cost_model_constants_h100x1.json); NVLink all-reduce, the "

@@ -151,9 +151,10 @@ def test_overlapped_collectives_charge_only_what_the_gemm_leaves_exposed(llama8b
     assert sum(c.overlapped for c in fused.collectives) == 8  # 2 all-gather-matmuls, 2 matmul-reduce-scatters, each both ways
     assert not any(c.overlapped for c in plain.collectives)
     before, after = segment_time(plain, 2, H200, 2), segment_time(fused, 2, H200, 2)
-    # the same GEMMs, run as t chunks per weight (no faster; at 4096 tokens no slower either)
+    # the same GEMMs, run as t chunks per weight: at 4096 tokens within 5% of them either way (the measured
+    # GEMM curve runs mid-sized GEMMs a little faster per FLOP than the largest)
     assert list(fused.pieces[fused.kinds == 1]) == [6, 2, 4, 2]  # q/k/v, o, gate/up, down
-    assert before.compute_s - 1e-12 <= after.compute_s < 1.05 * before.compute_s
+    assert 0.95 * before.compute_s < after.compute_s < 1.05 * before.compute_s
     assert after.comm_s < 0.2 * before.comm_s  # GEMMs of 4096-token Llama-3-8B layers hide almost all of it
     assert after.total_s < before.total_s
 
