@@ -1,7 +1,7 @@
 """One GPU: autotp's per-GPU passes against the strongest single-GPU setups a user has, in one process.
 
 For each shape it builds the model (bf16, seeded: every setup trains the same weights) and
-times ``STEPS`` forward + backward steps (``labels=``, no optimizer) after ``WARMUP``:
+times ``--steps`` (``STEPS``) forward + backward steps (``labels=``, no optimizer) after ``WARMUP``:
 
 * ``hf-compile``: ``torch.compile(model)``;
 * ``hf-compile-causal``: the same with HF's ``create_causal_mask`` returning None, so SDPA runs
@@ -188,7 +188,7 @@ def profile_step(step: Step, rows: int = 25) -> tuple[str, dict]:
     return table, {"kernels": len(kernels), "kernel_ms": busy, "span_ms": span}
 
 
-def measure(shape: Shape, setup: str, device: str, profiled: bool = False) -> dict:
+def measure(shape: Shape, setup: str, device: str, profiled: bool = False, steps: int = STEPS) -> dict:
     """One setup on a fresh model: setup time, median step, peak memory, loss (and a kernel profile)."""
     model = build(shape, device)
     gen = torch.Generator(device).manual_seed(1)
@@ -213,7 +213,7 @@ def measure(shape: Shape, setup: str, device: str, profiled: bool = False) -> di
         _sync(device)
         setup_s = time.perf_counter() - start
         times = []
-        for i in range(WARMUP + STEPS):
+        for i in range(WARMUP + steps):
             _sync(device)
             begin = time.perf_counter()
             loss = step()
@@ -280,6 +280,7 @@ def main() -> None:
     parser.add_argument("--sdpa", action="store_true", help="time the SDPA kernels at the 8B attention shape first")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, eager only (tests the script)")
     parser.add_argument("--profile", nargs="*", default=[], help="setups to profile one step of (CUDA kernels by time)")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"timed steps per setup, after {WARMUP} warm-up (default: {STEPS})")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -296,7 +297,7 @@ def main() -> None:
         rows = []
         for setup in args.setups or (SMOKE_SETUPS if args.smoke else DEFAULT_SETUPS[name]):
             try:
-                rows.append(measure(shapes[name], setup, device, setup in args.profile))
+                rows.append(measure(shapes[name], setup, device, setup in args.profile, args.steps))
                 print(f"{name} {setup}: {rows[-1]['step_ms']:.2f} ms, {rows[-1]['peak_gib']:.1f} GiB, loss "
                       f"{rows[-1]['loss']:.4f}, setup {rows[-1]['setup_s']:.1f} s", flush=True)  # fmt: skip
             except Exception as e:  # a setup that fails is reported, the others still run
@@ -308,7 +309,7 @@ def main() -> None:
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
-    print(f"{results['device']}, torch {results['torch']}, {results['date']}, bf16, fwd+bwd, median of {STEPS} steps")
+    print(f"{results['device']}, torch {results['torch']}, {results['date']}, bf16, fwd+bwd, median of {args.steps} steps")
     for name in names:
         print(report(name, shapes[name], results["shapes"][name]))
 
