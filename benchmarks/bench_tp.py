@@ -72,6 +72,7 @@ from bench_single_gpu import causal_mask_dropped
 WARMUP, STEPS = 3, 10
 PROFILED_STEPS = 3
 _COMM_NAMES = ("nccl", "memcpy ptop", "memcpy dtod", "barrier", "symm", "multimem")
+_GEMM_NAMES = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")
 PEAK_FLOPS = 989e12  # H100/H200 dense bf16
 
 
@@ -140,8 +141,9 @@ def _uncovered(spans: list[tuple[float, float]], cover: list[tuple[float, float]
     return total
 
 
-def _profile_comm(step: Callable[[], torch.Tensor]) -> tuple[float, float]:
-    """(communication ms, exposed communication ms) per step, from a profiler trace (module docstring)."""
+def _profile_comm(step: Callable[[], torch.Tensor]) -> dict[str, object]:
+    """Per step, from a profiler trace (module docstring): communication ms, exposed communication ms,
+    the GEMM kernels' ms and the other computing kernels' ms, and the longest kernels by name."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -150,14 +152,27 @@ def _profile_comm(step: Callable[[], torch.Tensor]) -> tuple[float, float]:
             step()
         torch.cuda.synchronize()
     comm, compute = [], []
+    gemm_us = other_us = 0.0
+    by_name: dict[str, float] = {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start:
-            name = e.name.lower()
-            (comm if any(k in name for k in _COMM_NAMES) else compute).append((e.time_range.start, e.time_range.end))
+            name, span = e.name.lower(), (e.time_range.start, e.time_range.end)
+            by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + e.time_range.elapsed_us()
+            if any(k in name for k in _COMM_NAMES):
+                comm.append(span)
+                continue
+            compute.append(span)
+            if any(k in name for k in _GEMM_NAMES):
+                gemm_us += e.time_range.elapsed_us()
+            else:
+                other_us += e.time_range.elapsed_us()
     comm_spans = _intervals_union(comm)
     total_us = sum(end - start for start, end in comm_spans)
     exposed_us = _uncovered(comm_spans, _intervals_union(compute))
-    return total_us / PROFILED_STEPS / 1e3, exposed_us / PROFILED_STEPS / 1e3
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return {"comm_ms": total_us / PROFILED_STEPS / 1e3, "exposed_comm_ms": exposed_us / PROFILED_STEPS / 1e3,
+            "gemm_ms": gemm_us / PROFILED_STEPS / 1e3, "other_compute_ms": other_us / PROFILED_STEPS / 1e3,
+            "top_kernels_ms": [(name, us / PROFILED_STEPS / 1e3) for name, us in top]}  # fmt: skip
 
 
 def _batch(shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,17 +268,22 @@ def _loss_parallel_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch
     return loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
 
 
-def _row(setup: str, tp: int, measured: tuple[float, ...]) -> dict:
-    step_s, loss, mem, *comm = measured
+def _row(setup: str, tp: int, measured: tuple) -> dict:
+    step_s, loss, mem, *profiled = measured
     row = {"setup": setup, "tp": tp, "step_ms": step_s * 1e3, "loss": loss, "mem_gib": mem}
-    if comm:
-        row["comm_ms"], row["exposed_comm_ms"] = comm
+    if profiled:
+        row.update(profiled[0])
+        kernels = ", ".join(f"{name} {ms:.1f}" for name, ms in row["top_kernels_ms"])
+        if dist.get_rank() == 0:
+            print(f"{setup}: GEMM {row['gemm_ms']:.1f} ms, other compute {row['other_compute_ms']:.1f} ms, "
+                  f"communication {row['comm_ms']:.1f} ms ({row['exposed_comm_ms']:.1f} exposed) per step; longest: {kernels}",
+                  flush=True)  # fmt: skip
     return row
 
 
-def _measure(step: Callable[[], torch.Tensor], profiled: bool) -> tuple[float, ...]:
+def _measure(step: Callable[[], torch.Tensor], profiled: bool) -> tuple:
     measured = _time(step, None)
-    return (*measured, *_profile_comm(step)) if profiled else measured
+    return (*measured, _profile_comm(step)) if profiled else measured
 
 
 def _autotp(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, tp: int, world: int, profiled: bool = False,
