@@ -155,7 +155,8 @@ def _profile_comm(step: Callable[[], torch.Tensor]) -> dict[str, object]:
     gemm_us = other_us = 0.0
     by_name: dict[str, float] = {}
     for e in prof.events():
-        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start:
+        # a range of the GPU timeline named by ``record_function`` (``nccl:all_reduce``, the fused ops) is no kernel
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start and not e.is_user_annotation:
             name, span = e.name.lower(), (e.time_range.start, e.time_range.end)
             by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + e.time_range.elapsed_us()
             if any(k in name for k in _COMM_NAMES):
