@@ -44,7 +44,7 @@ STUBS = ("torchvision", "lightning", "lightning_utilities", "jsonargparse", "psu
          "sentencepiece", "tiktoken", "blobfile", "kagglehub")  # fmt: skip
 # packages whose __init__ imports far more than their models (a CLI, trainers): their submodules load without it
 BARE = ("litgpt", "torchtune")
-LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "diffusers")
+LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "diffusers", "peft")
 VOCAB, SEQ, IMAGE = 256, 16, 32
 
 
@@ -181,6 +181,27 @@ def _x_transformers(**attn: Any) -> Model:
 
 def _diffusers(cls: str, inputs: dict[str, Any], **kwargs: Any) -> Model:
     return _call(f"diffusers.{cls}", **kwargs), _diffusion_inputs(inputs), sample_loss
+
+
+def _peft(kind: str, **kwargs: Any) -> Model:
+    """A tiny HF Llama wrapped by PEFT's ``get_peft_model`` with ``<kind>Config(**kwargs)`` (adapters on every linear
+    of the layers unless ``kwargs`` names them)."""
+
+    def build() -> torch.nn.Module:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        peft = importlib.import_module("peft")
+        base = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False))  # fmt: skip
+        targets = {} if "num_virtual_tokens" in kwargs else {"target_modules": kwargs.pop("target_modules", "all-linear")}
+        config = getattr(peft, f"{kind}Config")(task_type="CAUSAL_LM", **targets, **kwargs)
+        model = peft.get_peft_model(base, config)
+        for name, p in model.named_parameters():  # a freshly made adapter is an identity (B = 0): make it count
+            if p.requires_grad and not p.abs().sum():
+                torch.nn.init.normal_(p, std=0.02)
+        return model
+
+    return build, _tokens("input_ids"), lm_loss
 
 
 VIT = dict(img_size=IMAGE, patch_size=8, embed_dim=64, depth=2, num_heads=4)
@@ -323,6 +344,18 @@ MODELS: dict[str, Model] = {
     "diffusers_chroma": _diffusers("ChromaTransformer2DModel", FLUX, patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, **HEADS,
                                    joint_attention_dim=32, axes_dims_rope=(4, 6, 6), approximator_num_channels=16, approximator_hidden_dim=64,
                                    approximator_layers=1),  # fmt: skip
+    "peft_lora": _peft("Lora", r=8, lora_alpha=16, lora_dropout=0.0),
+    "peft_rslora": _peft("Lora", r=8, lora_alpha=16, use_rslora=True),
+    "peft_dora": _peft("Lora", r=8, use_dora=True),
+    "peft_loha": _peft("LoHa", r=8),
+    "peft_lokr": _peft("LoKr", r=8),
+    "peft_ia3": _peft("IA3", target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    "peft_vera": _peft("Vera", r=8, target_modules=["q_proj", "v_proj"]),
+    "peft_oft": _peft("OFT", r=0, oft_block_size=16, target_modules=["q_proj", "v_proj", "up_proj"]),
+    "peft_boft": _peft("BOFT", boft_block_size=8, target_modules=["q_proj", "v_proj"]),
+    "peft_fourierft": _peft("FourierFT", n_frequency=64, target_modules=["q_proj", "v_proj"]),
+    "peft_prompt_tuning": _peft("PromptTuning", num_virtual_tokens=4),
+    "peft_ptuning": _peft("PromptEncoder", num_virtual_tokens=4, encoder_hidden_size=32),
 }
 
 
