@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch.fx import GraphModule
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autotp.analysis.layers import HEAD, last_layer_position, layer_of, num_layers, outside_layers
 from autotp.analysis.pipeline_units import Unit, layer_paths, placed_chunk, units
@@ -154,10 +155,20 @@ def _parts(of: dict[torch.fx.Node, Unit], path: str) -> list[str]:
     return [u for u in dict.fromkeys(of.values()) if isinstance(u, str) and u.startswith(path + ".")]
 
 
+def _sized_by_data(gm: GraphModule, path: str) -> bool:
+    """Whether a value computed inside the module ``path`` has a size only the run knows (the
+    tokens routed to an expert): a cut inside it would send a tensor that no receiver can size."""
+    return any(
+        free_unbacked_symbols(n.meta.get("val")) for n in gm.graph.nodes
+        if any(p == path or p.startswith(path + ".") for p, _ in (n.meta.get("nn_module_stack") or {}).values())
+    )  # fmt: skip
+
+
 def balanceable_units(gm: GraphModule, chunks: int) -> tuple[dict[torch.fx.Node, Unit], frozenset[str]]:
     """(``units(gm, split)``, ``split``): every unit whose load alone exceeds a chunk's share
     (``1 / chunks``: no cut between units could balance it) split into its children, again
-    while a part exceeds it, where it has two parts or more (a module of one part: that part's)."""
+    while a part exceeds it, where it has two parts or more (a module of one part: that part's)
+    and no value of a size only the run knows (``_sized_by_data``: an MoE layer stays whole)."""
     paths = layer_paths(gm)
     split: frozenset[str] = frozenset()
     whole: set[str] = set()  # too large, but of fewer than two parts
@@ -170,6 +181,9 @@ def balanceable_units(gm: GraphModule, chunks: int) -> tuple[dict[torch.fx.Node,
         if not heavy:
             return of, split
         for path in heavy:
+            if _sized_by_data(gm, path):
+                whole.add(path)
+                continue
             trial = split | {path}
             parts = _parts(units(gm, trial), path)
             while len(parts) == 1:  # a module of one part (a block list of one block): split that part too

@@ -1,7 +1,8 @@
 """Pipeline units split where one is too large to balance: a hierarchical model's last stage is
 cut between its own blocks, inside its one block, or between a numbered pair inside it
 (``cost_model.pipeline.balanceable_units``, ``analysis.pipeline_units``); the units of a model
-whose layers are small enough stay its layers (fp32, gloo, the strict rule at pp=2)."""
+whose layers are small enough stay its layers, and so do modules holding values sized by the
+data (fp32, gloo, the strict rule at pp=2)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from autotp.ir.plan import ParallelPlan
 from autotp.report.strict_rule import StrictResult, check_on_rank, combine
 from distributed import run_on_ranks
 from plain_models_attention import DecoderLM, NanoGPTAttention, PreNormBlock
+import plain_models_novel
 from plain_models_hierarchy import build, example_inputs
 
 
@@ -76,6 +78,14 @@ def test_layers_small_enough_stay_the_units() -> None:
     of, split = balanceable_units(gm, 2)
     assert not split and of == units(gm)
     assert plan_pipeline(gm, 2, 1).module_chunks == ()
+
+
+def test_a_module_of_values_sized_by_the_data_stays_whole() -> None:
+    """DeepSeek-V3's MoE layers each hold more than a quarter of the model, but a cut between
+    its experts would send tokens routed at run time, of a size no receiver knows."""
+    gm = trace(plain_models_novel.build("deepseek_v3_routing"), plain_models_novel.example_inputs("deepseek_v3_routing"))
+    of, split = balanceable_units(gm, 4)
+    assert not split and of == units(gm)
 
 
 class _HugeHead(nn.Module):
