@@ -12,8 +12,10 @@ a unit sequence into ``pp·vpp`` chunks that minimizes the largest load (dynamic
 programming, O(U²·C), vectorized over U²). ``plan_pipeline`` cuts the graph's units in the
 order they run, so a cut lies on a layer boundary (where only the hidden state [b, s, h]
 crosses, the fewest bytes any cut of a decoder stack moves) or between the blocks around
-the stack. The planner (``ModelCosts.layer_chunks``) cuts its extrapolated layers by their
-work alone (``layer_costs``: the matmuls outside the layers on the last chunk).
+the stack; a unit that alone exceeds a chunk's share is split into its child modules first
+(``balanceable_units``: a hierarchical model's last stage is cut between its blocks). The
+planner (``ModelCosts.layer_chunks``) cuts its extrapolated layers by their work alone
+(``layer_costs``: the matmuls outside the layers on the last chunk).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch.fx import GraphModule
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autotp.analysis.layers import HEAD, last_layer_position, layer_of, num_layers, outside_layers
-from autotp.analysis.pipeline_units import Unit, units
+from autotp.analysis.pipeline_units import Unit, layer_paths, placed_chunk, units
 from autotp.ir.op_facts import CONVOLUTIONS, is_matmul, op_name
 from autotp.ir.errors import UserInputError
 
@@ -109,6 +112,13 @@ def unit_costs(gm: GraphModule, of: dict[torch.fx.Node, Unit]) -> dict[Unit, tup
     return {unit: (work[unit], float(sum(held[unit].values()))) for unit in work}
 
 
+def _shares(costs: Sequence[float] | Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
+    """(costs as a [units, resources] array, the totals to divide them by: 1 for a zero total)."""
+    per_unit = np.asarray(costs, dtype=float).reshape(len(costs), -1)
+    totals = per_unit.sum(axis=0)
+    return per_unit, np.where(totals > 0, totals, 1.0)
+
+
 def balanced_cuts(costs: Sequence[float] | Sequence[Sequence[float]], chunks: int) -> tuple[int, ...]:
     """The chunk of every unit of ``costs`` (one cost, or one per resource, each unit):
     contiguous, every chunk non-empty, the largest load minimal; a chunk's load is its
@@ -118,11 +128,10 @@ def balanced_cuts(costs: Sequence[float] | Sequence[Sequence[float]], chunks: in
         raise UserInputError(
             f"cannot cut {n} layers into {chunks} pipeline chunks (pp*vpp); use pp*vpp <= {n}"
         )
-    per_unit = np.asarray(costs, dtype=float).reshape(n, -1)
-    totals = per_unit.sum(axis=0)
+    per_unit, totals = _shares(costs)
     prefix = np.concatenate([np.zeros((1, per_unit.shape[1])), np.cumsum(per_unit, axis=0)])
     # span[i, j]: load of units i..j-1 (shares of the differences, so equal sums tie exactly)
-    span = ((prefix[None, :, :] - prefix[:, None, :]) / np.where(totals > 0, totals, 1.0)).max(axis=-1)
+    span = ((prefix[None, :, :] - prefix[:, None, :]) / totals).max(axis=-1)
     later = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)  # i < j
     best = np.full((chunks + 1, n + 1), np.inf)
     cut = np.zeros((chunks + 1, n + 1), dtype=int)
@@ -141,25 +150,82 @@ def balanced_cuts(costs: Sequence[float] | Sequence[Sequence[float]], chunks: in
     return tuple(assignment)
 
 
+def _parts(of: dict[torch.fx.Node, Unit], path: str) -> list[str]:
+    """The units inside the module ``path``, in the order they first run."""
+    return [u for u in dict.fromkeys(of.values()) if isinstance(u, str) and u.startswith(path + ".")]
+
+
+def _sized_by_data(gm: GraphModule, path: str) -> bool:
+    """Whether a value computed inside the module ``path`` has a size only the run knows (the
+    tokens routed to an expert): a cut inside it would send a tensor that no receiver can size."""
+    return any(
+        free_unbacked_symbols(n.meta.get("val")) for n in gm.graph.nodes
+        if any(p == path or p.startswith(path + ".") for p, _ in (n.meta.get("nn_module_stack") or {}).values())
+    )  # fmt: skip
+
+
+def balanceable_units(gm: GraphModule, chunks: int) -> tuple[dict[torch.fx.Node, Unit], frozenset[str]]:
+    """(``units(gm, split)``, ``split``): every unit whose load alone exceeds a chunk's share
+    (``1 / chunks``: no cut between units could balance it) split into its children, again
+    while a part exceeds it, where it has two parts or more (a module of one part: that part's)
+    and no value of a size only the run knows (``_sized_by_data``: an MoE layer stays whole)."""
+    paths = layer_paths(gm)
+    split: frozenset[str] = frozenset()
+    whole: set[str] = set()  # too large, but of fewer than two parts
+    of = units(gm)
+    while True:
+        costs = unit_costs(gm, of)
+        per_unit, totals = _shares(list(costs.values()))
+        loads = (per_unit / totals).max(axis=-1)
+        heavy = [path for u, load in zip(costs, loads) if load > 1 / chunks and (path := paths[u] if isinstance(u, int) else u) not in whole]
+        if not heavy:
+            return of, split
+        for path in heavy:
+            if _sized_by_data(gm, path):
+                whole.add(path)
+                continue
+            trial = split | {path}
+            parts = _parts(units(gm, trial), path)
+            while len(parts) == 1:  # a module of one part (a block list of one block): split that part too
+                trial |= {parts[0]}
+                parts = _parts(units(gm, trial), path)
+            if len(parts) >= 2:
+                split = trial
+            else:
+                whole.add(path)
+        of = units(gm, split)
+
+
 def plan_pipeline(gm: GraphModule, pp: int, vpp: int) -> StageCuts:
-    """The stage cuts of ``gm`` for ``pp*vpp`` chunks: its units balanced, the first on the
-    first chunk, the last on the last."""
+    """The stage cuts of ``gm`` for ``pp*vpp`` chunks: its units balanced (those too large to
+    balance split, ``balanceable_units``), the first on the first chunk, the last on the last."""
     chunks = pp * vpp
     if chunks == 1:
         return StageCuts((), 0, 0, ())
-    of = units(gm)
-    if len(set(of.values())) < chunks:
-        raise UserInputError(f"{chunks} pipeline chunks need as many modules to cut between (numbered decoder layers, model.layers.N ..., or blocks the forward runs one after another); the model has {len(set(of.values()))}")
+    count = len(set(units(gm).values()))
+    if count < chunks:
+        raise UserInputError(f"{chunks} pipeline chunks need as many modules to cut between (numbered decoder layers, model.layers.N ..., or blocks the forward runs one after another); the model has {count}")
+    of, split = balanceable_units(gm, chunks)
     costs = unit_costs(gm, of)
-    chunk_of = dict(zip(costs, balanced_cuts(list(costs.values()), chunks)))
+    chunk_of: dict[Unit, int] = dict(zip(costs, balanced_cuts(list(costs.values()), chunks)))
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     first_at: dict[Unit, int] = {}
     for node, unit in of.items():
         first_at.setdefault(unit, position[node])
+    for path in split:  # a split module runs where its first part does
+        first = _parts(of, path)[0]
+        chunk_of[path], first_at[path] = chunk_of[first], first_at[first]
+    paths = layer_paths(gm)
+    layer_chunks = tuple(chunk_of[i] if i in chunk_of else chunk_of[paths[i]] for i in range(num_layers(gm)))
+    layers = {paths[i]: chunk for i, chunk in enumerate(layer_chunks)}
     last_layer_at, head = last_layer_position(nodes), chunks - 1
-    moved = tuple(
-        (unit, chunk) for unit, chunk in chunk_of.items()
-        if isinstance(unit, str) and chunk != (head if outside_layers(first_at[unit], last_layer_at) == HEAD else 0)
-    )  # fmt: skip
-    return StageCuts(tuple(chunk_of[i] for i in range(num_layers(gm))), 0, head, moved)
+    moved: dict[str, int] = {}
+    for path in sorted((u for u in chunk_of if isinstance(u, str) and u not in layers), key=lambda p: p.count(".")):
+        placed = placed_chunk(path.rpartition(".")[0], moved, layers) if "." in path else None
+        if placed is None:
+            placed = head if outside_layers(first_at[path], last_layer_at) == HEAD else 0
+        if chunk_of[path] != placed:
+            moved[path] = chunk_of[path]
+    in_order = sorted(moved, key=lambda p: (first_at[p], p.count(".")))
+    return StageCuts(layer_chunks, 0, head, tuple((path, moved[path]) for path in in_order))

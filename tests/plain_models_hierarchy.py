@@ -1,0 +1,148 @@
+"""Small hierarchical vision models: a list of stages at growing widths, each a downsampling
+module and a list of blocks of its own, the shape of timm's Swin, PVT, ConvNeXt and DaViT
+(issue 27, pipelines). The last of the two stages holds most of the weights (twice the width),
+so a pipeline cut only between stages leaves it three quarters of the model; the cut falls
+inside it (``cost_model.pipeline.balanceable_units``): between its blocks (``swin_stages``),
+inside its one block (``convnext_stages``), or between the two blocks of a numbered pair
+inside its block list (``dual_block_stages``, three levels of numbered lists).
+
+The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
+fixed weights), ``example_inputs(name)``; the outputs hold ``loss``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plain_models_novel import CLASSES, IMAGE, PATCH, PatchMerging, SwinBlock
+
+WIDTH = 32
+GRID = IMAGE // PATCH
+
+
+class Stage(nn.Module):
+    """A downsampling module (none in the first stage), then a numbered list of blocks."""
+
+    def __init__(self, downsample: nn.Module | None, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.downsample = downsample or nn.Identity()
+        self.blocks = nn.Sequential(*blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.downsample(x))
+
+
+class TokenClassifier(nn.Module):
+    """Patch embedding to ``WIDTH`` tokens, the stages, a norm, mean pooling, a 10-class head."""
+
+    def __init__(self, stages: list[Stage]) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, WIDTH, kernel_size=PATCH, stride=PATCH)
+        self.layers = nn.ModuleList(stages)
+        self.norm, self.head = nn.LayerNorm(2 * WIDTH), nn.Linear(2 * WIDTH, CLASSES)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        x = self.patch_embed(pixel_values).flatten(2).transpose(1, 2)
+        for stage in self.layers:
+            x = stage(x)
+        logits = self.head(self.norm(x).mean(dim=1))
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+def swin_stages() -> nn.Module:
+    """Swin's depths (2, 2): two window blocks, patch merging, two blocks at twice the width."""
+    return TokenClassifier([
+        Stage(None, [SwinBlock(WIDTH, 4, GRID, 0), SwinBlock(WIDTH, 4, GRID, 2)]),
+        Stage(PatchMerging(WIDTH, GRID), [SwinBlock(2 * WIDTH, 8, GRID // 2, 0), SwinBlock(2 * WIDTH, 8, GRID // 2, 0)]),
+    ])  # fmt: skip
+
+
+class ChannelBlock(nn.Module):
+    """DaViT's channel attention: each head's channels attend to each other over the tokens."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 4, 1)  # [b, h, d, n]
+        attn = ((q * n**-0.5) @ k.transpose(-2, -1)).softmax(dim=-1)
+        x = x + self.proj((attn @ v).permute(0, 3, 1, 2).reshape(b, n, c))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+def dual_block_stages() -> nn.Module:
+    """DaViT's depths (1, 1): each stage's one block a numbered pair, window then channel attention."""
+    return TokenClassifier([
+        Stage(None, [nn.Sequential(SwinBlock(WIDTH, 4, GRID, 0), ChannelBlock(WIDTH, 4))]),
+        Stage(PatchMerging(WIDTH, GRID), [nn.Sequential(SwinBlock(2 * WIDTH, 8, GRID // 2, 0), ChannelBlock(2 * WIDTH, 8))]),
+    ])  # fmt: skip
+
+
+class ConvNeXtBlock(nn.Module):
+    """Depthwise 7x7, a LayerNorm over the channels last, a pointwise MLP, a layer scale."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, kernel_size=7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc2(F.gelu(self.fc1(self.norm(self.dwconv(x).permute(0, 2, 3, 1)))))
+        return x + (self.gamma * y).permute(0, 3, 1, 2)
+
+
+class Downsample(nn.Module):
+    """A channels-first LayerNorm and a 2x2 convolution of stride 2 to twice the channels."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.conv = nn.Conv2d(dim, 2 * dim, kernel_size=2, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2))
+
+
+class ConvNeXt(nn.Module):
+    """ConvNeXt's depths (1, 1): a patch stem, one block per stage, pooling, a norm, the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, WIDTH, kernel_size=PATCH, stride=PATCH)
+        self.stages = nn.Sequential(Stage(None, [ConvNeXtBlock(WIDTH)]), Stage(Downsample(WIDTH), [ConvNeXtBlock(2 * WIDTH)]))
+        self.norm, self.head = nn.LayerNorm(2 * WIDTH), nn.Linear(2 * WIDTH, CLASSES)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        logits = self.head(self.norm(self.stages(self.stem(pixel_values)).mean(dim=(2, 3))))
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "swin_stages": swin_stages,
+    "dual_block_stages": dual_block_stages,
+    "convnext_stages": ConvNeXt,
+}
+
+
+def build(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name]().eval()
+
+
+def example_inputs(name: str, batch: int = 2) -> dict[str, torch.Tensor]:
+    """Keyword inputs of model ``name``, the same on every call."""
+    gen = torch.Generator().manual_seed(1)
+    return {"pixel_values": torch.randn(batch, 3, IMAGE, IMAGE, generator=gen),
+            "labels": torch.randint(0, CLASSES, (batch,), generator=gen)}  # fmt: skip
