@@ -192,8 +192,8 @@ class _Search:
                     by_place.setdefault((_module_path(node), op_name(node.target)), []).append(node.name)
             groups: dict[tuple[str, str, int], list[str]] = {}
             for (path, op), names in by_place.items():
-                for i, name in enumerate(names):
-                    groups.setdefault((_generic(path), op, i), []).append(name)
+                for i, other in enumerate(names):
+                    groups.setdefault((_generic(path), op, i), []).append(other)
             self.repeats = {name: group for group in groups.values() for name in group}
         return self.repeats.get(name, [name])
 
