@@ -12,8 +12,10 @@ module decides what to keep, walking again until the proposal is sound:
 * Any other proposal that leads to an op that needs the sharded dim whole (a softmax over
   the MoE router's experts, an unbind of the heads...) is dropped: those parameters stay
   whole (``KEPT_WHOLE_CONFLICT``, naming the node and op); or the split value is gathered
-  whole on its way to that op (a ``Gathered`` entry naming the value, the node, the op and
-  the cost), whichever ``layout_choice.footprint`` finds better (``_Search._settle``).
+  whole on its way to that op or where those parameters compute it (a ``Gathered`` entry
+  naming the value, the node, the op and the cost), whichever ``layout_choice.footprint``
+  finds better (``_Search._settle``); a value gathered in one layer is gathered at the same
+  place of every layer, so the choice is weighed for all of them at once.
 * A sharded dim that tp does not split (a 10-class head at tp=4) keeps the parameters that
   made it whole (``KEPT_WHOLE_INDIVISIBLE``). If that leaves a rank more than
   ``MAX_SHARE_FACTOR``/tp of the parameters, the model cannot be sharded at this tp: a
@@ -152,7 +154,11 @@ class _Search:
         whole (the gathers returned), whichever ``footprint`` finds better once the rest is
         settled by keeping whole."""
         conflicts = _first_kind(prop.conflicts)
-        options = [o for o in _gather_options(prop, conflicts) if not set(o) <= gathers] if weigh else []
+        # a value gathered in one layer is gathered at the same place of every layer: the
+        # repeats of the conflict that later walks meet are settled alike, and weighed together
+        found = _gather_options(prop, conflicts) if weigh else []
+        options = [{other: c for name, c in o.items() for other in self.same_place(name)} for o in found]
+        options = [o for o in options if not set(o) <= gathers]
         if options and self.kept_bytes(conflicts) < TIE * footprint(prop, self.gm).held_bytes:
             options = []  # keeping them whole ties in bytes, and costs no collective
         if options:
@@ -175,6 +181,10 @@ class _Search:
     def repeated(self, retries: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
         """The same reshape choices at the same places of the other layers: the first
         conflict's repeats are settled together (``_first_kind``), and so are its retries."""
+        return {(other, factor) for name, factor in retries for other in self.same_place(name)}
+
+    def same_place(self, name: str) -> list[str]:
+        """Node ``name`` and the nodes at its place in the other layers."""
         if self.repeats is None:
             by_place: dict[tuple[str, str], list[str]] = {}
             for node in self.gm.graph.nodes:
@@ -182,10 +192,10 @@ class _Search:
                     by_place.setdefault((_module_path(node), op_name(node.target)), []).append(node.name)
             groups: dict[tuple[str, str, int], list[str]] = {}
             for (path, op), names in by_place.items():
-                for i, name in enumerate(names):
-                    groups.setdefault((_generic(path), op, i), []).append(name)
+                for i, other in enumerate(names):
+                    groups.setdefault((_generic(path), op, i), []).append(other)
             self.repeats = {name: group for group in groups.values() for name in group}
-        return {(other, factor) for name, factor in retries for other in self.repeats.get(name, [name])}
+        return self.repeats.get(name, [name])
 
     def kept_bytes(self, conflicts: list[ShardingConflict]) -> float:
         """What a rank would hold more of by keeping the parameters behind ``conflicts`` whole."""
@@ -309,7 +319,10 @@ def _gather_options(prop: Propagation, conflicts: list[ShardingConflict]) -> lis
     conflict it settles. At each conflict, every split input starts a chain up through the
     ops it came from, as long as one input carries the split (a split of a matmul's output,
     through pointwise ops and views); option ``k`` gathers the ``k``-th value of every chain
-    (its last where shorter): option 0 gathers the conflicting op's inputs."""
+    (its last where shorter): option 0 gathers the conflicting op's inputs. One more option
+    gathers the split where it starts, the values the conflicts' parameters compute (an
+    adaLN modulation's column-parallel output, small beside the activations it scales),
+    which a chain does not reach when the split has spread to both inputs of an op on its way."""
     chains: list[tuple[ShardingConflict, list[Node]]] = []
     for c in conflicts:
         for a in c.node.all_input_nodes if c.node is not None else ():
@@ -321,13 +334,21 @@ def _gather_options(prop: Propagation, conflicts: list[ShardingConflict]) -> lis
                 chain.append(up[0])
             if chain:
                 chains.append((c, chain))
-    if len({id(c) for c, _ in chains}) < len(conflicts):
-        return []
     options: dict[frozenset[str], dict[str, ShardingConflict]] = {}
-    for k in range(max(len(ch) for _, ch in chains)):
-        option = {ch[min(k, len(ch) - 1)].name: c for c, ch in chains}
-        options.setdefault(frozenset(option), option)
+    if len({id(c) for c, _ in chains}) == len(conflicts):
+        for k in range(max(len(ch) for _, ch in chains)):
+            option = {ch[min(k, len(ch) - 1)].name: c for c, ch in chains}
+            options.setdefault(frozenset(option), option)
+    sources = {v.name: c for c in conflicts for v in _computed_from(prop, c.origins)}
+    if sources:
+        options.setdefault(frozenset(sources), sources)
     return list(options.values())
+
+
+def _computed_from(prop: Propagation, params: frozenset[str]) -> list[Node]:
+    """The split values ops compute straight from ``params`` (a column-parallel matmul's output)."""
+    views = [n for n, lay in prop.layouts.items() if isinstance(lay, ParamView) and lay.name in params]
+    return [u for v in views for u in v.users if _carrier(prop, u)]
 
 
 def _plan(prop: Propagation, tp: int, kept: tuple[KeptWhole, ...], gathered: tuple[Gathered, ...]) -> ParallelPlan:

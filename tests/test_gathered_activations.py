@@ -11,10 +11,14 @@ gloo, the strict rule of ``autotp.report.strict_rule``:
   the wide weight whole;
 * a depthwise convolution over split channels before a grouped one whose groups no tp
   splits: the depthwise output is gathered, and the grouped convolution keeps its global
-  ``groups`` (``passes/rewrite_shapes`` reads a gathered input as whole)."""
+  ``groups`` (``passes/rewrite_shapes`` reads a gathered input as whole);
+* a dual-stream diffusion transformer (``plain_models_shares``): each block's adaLN-Zero
+  modulation linear is column-split and its output gathered where it is computed, in every
+  layer alike."""
 
 from __future__ import annotations
 
+import plain_models_shares as shares
 import pytest
 import torch
 import torch.nn.functional as F
@@ -132,6 +136,23 @@ def test_a_grouped_convolution_reads_the_gathered_channels(tp: int) -> None:
     kinds = {p.name: p.kind for p in plan.params}
     assert kinds["layers.0.proj.weight"] == "column" and kinds["layers.0.depthwise.weight"] == "depthwise", kinds
     assert plan.gathered and {g.op for g in plan.gathered} == {"conv1d"}, plan.gathered
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_layers_modulation_is_split_and_gathered_where_it_is_computed(tp: int) -> None:
+    """adaLN-Zero's modulation linear gives the shift, scale and gate that a split would carry
+    into the residual stream and its norms; its small output is gathered as computed, at the
+    same place of every layer. Weighed one layer at a time, against keeping that layer's
+    weight whole, each gather tied within ``TIE`` and lost on its collective."""
+    model = shares.build("dual_stream_dit")
+    gm = trace(model, shares.example_inputs("dual_stream_dit"))
+    plan = plan_tensor_parallel(gm, tp)
+    kinds = {p.name: p.kind for p in plan.params}
+    blocks = [n for n, _ in model.named_parameters() if n.endswith("mod.linear.weight") and "blocks" in n]
+    assert blocks and all(kinds.get(n) == "column" for n in blocks), kinds
+    nodes = {n.name: n for n in gm.graph.nodes}
+    sources = sorted(list(nodes[g.tensor].meta["nn_module_stack"].values())[-1][0] for g in plan.gathered)
+    assert sources == sorted(n.removesuffix(".weight") for n in blocks), sources
 
 
 def test_the_gathers_round_trip_through_the_plan_json() -> None:

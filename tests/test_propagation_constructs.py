@@ -347,16 +347,17 @@ def test_a_statistic_that_would_unshard_the_heads_gathers_the_latent_or_keeps_it
     """Latent attention: a q norm over the low-rank ``wq_a`` output. A tp-reduced statistic
     would make ``wq_b`` row-parallel and the attention replicated; the planner splits
     ``wq_a`` and gathers its latent before the norm (fewer bytes than ``wq_a`` whole), and
-    keeps the smaller ``wkv_a`` whole."""
+    splits the smaller ``wkv_a`` too, its output gathered where it is computed (its rotary
+    part meets the heads' concatenation)."""
     gm, plan = _plan(LatentAttention(), 2)
     kinds = _kinds(plan)
-    assert {n: kinds[n][0] for n in ("wq_a.weight", "wq_b.weight", "wkv_b.weight", "wo.weight")} == {
-        "wq_a.weight": "column", "wq_b.weight": "column", "wkv_b.weight": "column", "wo.weight": "row",
+    assert {n: kinds[n][0] for n in ("wq_a.weight", "wq_b.weight", "wkv_a.weight", "wkv_b.weight", "wo.weight")} == {
+        "wq_a.weight": "column", "wq_b.weight": "column", "wkv_a.weight": "column", "wkv_b.weight": "column", "wo.weight": "row",
     }  # fmt: skip
-    (gathered,) = plan.gathered
-    assert gathered.op == "mean" and gathered.bytes > 0
-    kept = _kept(plan)
-    assert "wq_a.weight" not in kept and kept["wkv_a.weight"][0] == KEPT_WHOLE_CONFLICT
+    assert sorted(g.op for g in plan.gathered) == ["cat", "mean"] and all(g.bytes > 0 for g in plan.gathered), plan.gathered
+    wkv_a = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "wkv_a.weight")
+    assert {g.tensor for g in plan.gathered if g.op == "cat"} == {u.name for u in wkv_a.users}, plan.gathered
+    assert not {"wq_a.weight", "wkv_a.weight"} & set(_kept(plan))
 
 
 def test_heads_regrouped_in_pairs_stay_split_on_pair_boundaries() -> None:
