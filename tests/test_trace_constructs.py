@@ -130,27 +130,7 @@ def _split(x: torch.Tensor) -> torch.Tensor:
 _round_ste = structure.RoundSTE.apply  # bound before the trace: the trace sees the call through forward
 
 
-class _ScaledBy(torch.autograd.Function):
-    """Its forward's derivative for the input that needs one, and None for a constant it is given
-    (PEFT's LoHa passes its scale as a tensor made in the forward)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(scale)
-        return x * scale
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (scale,) = ctx.saved_tensors
-        return grad * scale, None
-
-
-def _scaled_by_a_constant(x: torch.Tensor) -> torch.Tensor:
-    return _ScaledBy.apply(x, torch.tensor(0.5))
-
-
-@pytest.mark.parametrize(("act", "node"), [(_Tanh.apply, None), (_split, ops.FUNCTION), (_round_ste, ops.ELEMENTWISE_FUNCTION),
-                                           (_scaled_by_a_constant, None)])
+@pytest.mark.parametrize(("act", "node"), [(_Tanh.apply, None), (_split, ops.FUNCTION), (_round_ste, ops.ELEMENTWISE_FUNCTION)])
 def test_functions_traced_through_or_kept(act: Any, node: Any) -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 8))

@@ -273,14 +273,10 @@ def _backward_differs(use: FunctionUse) -> str | None:
             return a
         if not a.is_floating_point():
             return torch.zeros(a.shape, dtype=a.dtype)
-        return torch.randn(a.shape, generator=gen, dtype=torch.float64).requires_grad_(a.requires_grad)
+        return torch.randn(a.shape, generator=gen, dtype=torch.float64).requires_grad_(True)
 
-    # only the inputs that needed a gradient in the traced call: a Function may return None for a
-    # constant (PEFT's LoHa for its scale, a tensor it makes in the forward)
     args = [real(a) for a in use.args]
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    if not leaves:
-        return None
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
     try:
         with torch.enable_grad():
             own = _grads(lambda: use.cls.apply(*args), leaves)
