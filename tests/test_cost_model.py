@@ -99,6 +99,8 @@ def test_h200_alpha_beta_reproduces_the_measured_all_reduce_curve() -> None:
             measured = 1.5 * nbytes / bus
             assert ring_all_reduce_s(nbytes, 4, profile_link) == pytest.approx(measured, rel=0.06)
     assert 21e-6 <= H200.collective_latency_s <= 29e-6
+    assert 600e12 < H200.matmul_flops_per_s < H200.peak_flops_per_s  # the measured curve's rate, below the datasheet's
+
 
 
 def test_profiles_separate_intra_and_inter_node_links_and_cite_sources() -> None:
