@@ -345,8 +345,9 @@ def lower(
         plan = replace(plan, tp_overlap_impl="ring")
     ctx = PassContext(plan=plan, tp_rank=tp_rank, ep_rank=ep_rank, device=torch.device(device), dump_dir=dump_dir,
                       backend=backend, outputs_read=outputs_read, param_buckets=param_buckets)  # fmt: skip
-    gm = _run(_owned_copy(traced), ctx, compile_steps())
-    gm.meta[meta_keys.BATCH_DENOMINATORS] = traced.meta.get(meta_keys.BATCH_DENOMINATORS, ())
+    owned = _owned_copy(traced)
+    owned.meta[meta_keys.BATCH_DENOMINATORS] = traced.meta.get(meta_keys.BATCH_DENOMINATORS, ())  # passes/batch_draws rewrites their draws
+    gm = _run(owned, ctx, compile_steps())
     causal = tuple(n.name for n in gm.graph.nodes if n.meta.get(meta_keys.CAUSAL_MASK) == CAUSAL)
     return RankProgram.of(gm, replace(ctx.plan, causal_attention_nodes=causal), dict(ctx.timings))
 

@@ -21,15 +21,18 @@ rows the trace could not place) stay as they are, with a warning.
 
 from __future__ import annotations
 
+import copy
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
 
 from autotp.ir import meta_keys
+from autotp.ir.batch_denominators import DenominatorProgram
 from autotp.ir.batch_draws import BATCH_DRAW, BY_FORMULA, BY_SIZE, FILL, FILLS, SIZE, DrawProgram, from_default_generator, register
-from autotp.ir.errors import describe
+from autotp.ir.errors import UserInputError, describe
 from autotp.ir.layouts import REPLICATE
 from autotp.ir.rank_log import warn_once
 from autotp.passes.runner import PassContext
@@ -48,15 +51,34 @@ def batch_draws(gm: GraphModule, ctx: PassContext) -> GraphModule:
     if left is not None:
         warn_once(log, "the forward draws random numbers (%s) that autotp cannot draw for the whole batch at once: each "
                   "pipeline stage and each piece of a split step draws them itself, other numbers than one process's run", describe(left))
-    programs = []
+    programs = {}
     for node in draws:
-        rows = node.meta.get(meta_keys.BATCH_DRAW_ROWS, ())
+        rows, name = node.meta.get(meta_keys.BATCH_DRAW_ROWS, ()), node.name
         if node.target in BY_FORMULA:
             node = _by_formula(gm, node)
-        programs.append(_through_op(gm, node, rows[0] if rows else None))
-    gm.meta[meta_keys.BATCH_DRAWS] = programs
+        programs[name] = _through_op(gm, node, rows[0] if rows else None)
+    gm.meta[meta_keys.BATCH_DRAWS] = list(programs.values())
+    denominators = gm.meta.get(meta_keys.BATCH_DENOMINATORS, ())
+    gm.meta[meta_keys.BATCH_DENOMINATORS] = tuple(replace(d, core=_core_drawing_pieces(d, programs)) for d in denominators)
     gm.recompile()
     return gm
+
+
+def _core_drawing_pieces(denominator: DenominatorProgram, programs: dict[str, DrawProgram]) -> GraphModule:
+    """A copy of the denominator's core (``autotp.ir.batch_denominators``) whose draws are the
+    forward's (``programs``, by the name of the draw they replaced): the core of a piece then
+    reads the numbers that piece's forward reads (a random mask's count)."""
+    core = GraphModule(denominator.core, copy.deepcopy(denominator.core.graph))
+    for node in list(core.graph.nodes):
+        if node.op != "call_function" or not from_default_generator(node):
+            continue
+        program = programs.get(node.name)
+        if program is None:
+            raise UserInputError(f"the loss divides by a statistic of the batch that reads the random draw {describe(node)}, which autotp "
+                                 "cannot draw as the unmodified forward does in a split step; train with dp=1 and num_microbatches=1")  # fmt: skip
+        _through_op(core, _by_formula(core, node) if node.target in BY_FORMULA else node, program.rows, program)
+    core.recompile()
+    return core
 
 
 def replayable(node: Node) -> bool:
@@ -115,8 +137,8 @@ def _emit(gm: GraphModule, like: Node, target: Any, args: tuple, val: torch.Tens
     return new
 
 
-def _through_op(gm: GraphModule, node: Node, rows: int | None) -> DrawProgram:
-    """``node`` draws through ``batch_draw``; its program."""
+def _through_op(gm: GraphModule, node: Node, rows: int | None, program: DrawProgram | None = None) -> DrawProgram:
+    """``node`` draws through ``batch_draw``, of ``program`` (None: a new one); its program."""
     val = node.meta["val"]
     kwargs = {k: v for k, v in node.kwargs.items() if k not in ("generator", "memory_format")}
     if node.target in BY_SIZE:
@@ -124,7 +146,7 @@ def _through_op(gm: GraphModule, node: Node, rows: int | None) -> DrawProgram:
         args = tuple(SIZE if i == at else a for i, a in enumerate(node.args))
     else:
         args = (FILL, *node.args[1:])
-    program = register(node.name, node.target, args, kwargs, val, rows)
+    program = program or register(node.name, node.target, args, kwargs, val, rows)
     call = (program.key, list(val.shape), val.dtype, val.device)
     if node.target in FILLS and node.target.overloadpacket.__name__.endswith("_"):  # in place: its tensor takes the drawn values
         with gm.graph.inserting_before(node):

@@ -68,6 +68,38 @@ class RouterGrad(torch.autograd.Function):
         return probs * (grad - (grad * probs).sum(-1, keepdim=True)), None
 
 
+class HadamardProduct(torch.autograd.Function):
+    """A LoHa adapter's weight delta ``(w1a @ w1b) * (w2a @ w2b) * scale`` with its hand-written
+    backward (PEFT's way): the exact derivative, but None for ``scale``, a tensor the forward
+    makes (``torch.tensor(0.5)``), which no gradient reaches."""
+
+    @staticmethod
+    def forward(ctx: Any, w1a: torch.Tensor, w1b: torch.Tensor, w2a: torch.Tensor, w2b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(w1a, w1b, w2a, w2b, scale)
+        return (w1a @ w1b) * (w2a @ w2b) * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        w1a, w1b, w2a, w2b, scale = ctx.saved_tensors
+        grad = grad * scale
+        first, second = grad * (w2a @ w2b), grad * (w1a @ w1b)
+        return first @ w1b.T, w1a.T @ first, second @ w2b.T, w2a.T @ second, None
+
+
+class HadamardAdapterLinear(nn.Module):
+    """A linear layer with a LoHa adapter of rank 4 added to its weight."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.w1a, self.w2a = (nn.Parameter(torch.randn(d_out, rank) * 0.1) for _ in range(2))
+        self.w1b, self.w2b = (nn.Parameter(torch.randn(rank, d_in) * 0.1) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        delta = HadamardProduct.apply(self.w1a, self.w1b, self.w2a, self.w2b, torch.tensor(0.5))
+        return F.linear(x, self.base.weight + delta, self.base.bias)
+
+
 # ---- building blocks ----------------------------------------------------------------------
 
 
@@ -123,6 +155,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.act(self.up(x)))
+
+
+class HadamardAdapterMLP(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = HadamardAdapterLinear(DIM, 2 * DIM), HadamardAdapterLinear(2 * DIM, DIM)
 
 
 class Block(nn.Module):
@@ -404,6 +442,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "clipped_ste": lambda: DecoderLM(lambda i: Block(ffn=MLP(lambda t: ClippedSTE.apply(F.silu(t), 0.5)))),
     "quantized_weights": lambda: DecoderLM(lambda i: Block(ffn=QuantMLP())),
     "router_backward": lambda: DecoderLM(lambda i: Block(ffn=RoutedMLP())),
+    "hadamard_adapter": lambda: DecoderLM(lambda i: Block(ffn=HadamardAdapterMLP())),
     "fp32_qk_norm": lambda: DecoderLM(lambda i: Block(Fp32NormAttention())),
     "fp32_final_norm": lambda: Fp32FinalNormLM(lambda i: Block(Attention(Rope()))),
     "no_grad_scale": lambda: DecoderLM(lambda i: Block(AmaxScaledAttention())),

@@ -18,6 +18,7 @@ import autotp
 from autotp.compiler import lower_signature
 from autotp.ir import meta_keys
 from autotp.ir.batch_draws import BATCH_DRAW
+from autotp.ir.errors import UserInputError
 
 VOCAB, DIM, SEQ = 32, 16, 6
 
@@ -59,6 +60,29 @@ class NoisyLM(nn.Module):
         return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
 
 
+class RandomlyMaskedLM(nn.Module):
+    """A loss over the tokens two random masks keep, divided by their count: one drawn per token
+    (``rand < 0.5``), one an MAE's (``ones(b, n)`` with its first half zeroed, shuffled by
+    ``argsort`` of ``rand``). A piece's count reads its own draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.layer, self.head = nn.Embedding(VOCAB, DIM), NoisyLayer(units=False), nn.Linear(DIM, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.layer(self.embed(input_ids)))
+        per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+        kept = (torch.rand(labels.shape, device=labels.device) < 0.5).float()
+        shuffled = torch.ones(labels.shape, device=labels.device)
+        shuffled[:, : labels.shape[1] // 2] = 0
+        kept = kept * torch.gather(shuffled, 1, torch.rand(labels.shape, device=labels.device).argsort(dim=1))
+        return {"logits": logits, "loss": (per_token * kept).sum() / kept.sum().clamp(min=1)}
+
+
+MODELS = {"noisy": NoisyLM, "randomly_masked": RandomlyMaskedLM}
+
+
 def _batch(rows: int = 8) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     return {k: torch.randint(0, VOCAB, (rows, SEQ), generator=gen) for k in ("input_ids", "labels")}
@@ -73,8 +97,8 @@ def _reference(model: nn.Module, batch: dict[str, torch.Tensor], seed: int) -> t
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, after
 
 
-def _step(rank: int, world: int, tp: int, pp: int, microbatches: int, options: dict[str, Any]) -> dict[str, Any]:
-    model, batch = NoisyLM().eval(), _batch()
+def _step(rank: int, world: int, tp: int, pp: int, microbatches: int, options: dict[str, Any], model_name: str = "noisy") -> dict[str, Any]:
+    model, batch = MODELS[model_name]().eval(), _batch()
     reference = copy.deepcopy(model)
     kwargs = dict(options)
     pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs={k: v[:2] for k, v in batch.items()}, **kwargs)
@@ -105,6 +129,14 @@ def test_a_split_step_draws_the_whole_batch_s_numbers(world: int, tp: int, pp: i
     assert all(r["grads"] for r in results)
 
 
+@pytest.mark.parametrize(("world", "tp", "pp", "microbatches"), [(1, 1, 1, 4), (2, 1, 2, 2), (2, 1, 1, 2)])
+def test_a_piece_divides_by_the_whole_batch_s_count_of_its_random_mask(world: int, tp: int, pp: int, microbatches: int) -> None:
+    """The count a loss divides by reads random masks: each piece's count is taken from the draws
+    its forward takes, and the loss is the whole batch's (not the pieces' counts summed twice)."""
+    results = run_on_ranks(_step, world, tp, pp, microbatches, {}, "randomly_masked")
+    assert all(r["grads"] for r in results)
+
+
 @pytest.mark.parametrize("options", [{"compile": "aot_eager"}, {"recompute": "full"}], ids=["compiled", "recomputed"])
 def test_compiled_or_recomputed_pieces_draw_the_same_numbers(options: dict[str, Any]) -> None:
     """Compiled graphs call the op as eager ones do; a recomputed layer takes the piece its
@@ -124,20 +156,32 @@ def test_the_draws_become_ops_only_where_the_graph_runs_in_pieces() -> None:
 class Sampled(nn.Module):
     """``multinomial`` of the forward's own probabilities: no formula draws it apart from them."""
 
-    def __init__(self) -> None:
+    def __init__(self, sampled_targets: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed, self.head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB)
+        self.sampled_targets = sampled_targets
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = self.head(self.embed(input_ids))
         picked = torch.multinomial(logits.detach().softmax(-1).flatten(0, 1), 1).view_as(labels)
-        return {"loss": F.cross_entropy(logits.flatten(0, 1), torch.where(picked > VOCAB // 2, labels, picked).flatten())}
+        if self.sampled_targets:  # the loss's mean counts the targets, which the draw picks
+            labels = torch.where(picked > VOCAB // 2, labels, picked)
+        else:
+            logits = logits + 0.1 * picked[..., None].to(logits.dtype)
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
 
 
 def test_a_draw_it_cannot_replay_is_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    model, batch = Sampled().eval(), _batch(rows=4)
+    model, batch = Sampled(sampled_targets=False).eval(), _batch(rows=4)
     pm = autotp.parallelize(model, tp=1, example_inputs=batch)
     with caplog.at_level("WARNING"):
         pm.train_step(**batch, num_microbatches=2)
     assert "multinomial" in caplog.text and "cannot draw for the whole batch" in caplog.text
+
+
+def test_a_count_the_loss_divides_by_that_reads_such_a_draw_is_refused() -> None:
+    model, batch = Sampled(sampled_targets=True).eval(), _batch(rows=4)
+    pm = autotp.parallelize(model, tp=1, example_inputs=batch)
+    with pytest.raises(UserInputError, match="multinomial.*num_microbatches=1"):
+        pm.train_step(**batch, num_microbatches=2)

@@ -145,6 +145,24 @@ def test_custom_autograd_function_runs_its_own_backward_sharded() -> None:
         assert {f"blocks.{i}.{w}.weight" for i in range(2) for w in ("up", "down")} <= sharded
 
 
+def test_a_function_giving_no_gradient_to_a_tensor_it_made_is_traced_through() -> None:
+    """LoHa's weight delta in a Function whose backward returns None for ``torch.tensor(scale)``,
+    made in the forward: that None is never read, so its forward's ops are traced and split; the
+    column layer's left factors follow its rows, through the product of two parameters (the
+    multi-rank check is the plain suite's "hadamard_adapter")."""
+    import autotp
+    import plain_models_structure as models
+    from autotp.ir import ops
+
+    name = "hadamard_adapter"
+    compiled = autotp.compile_rank(models.build(name), tp=4, example_inputs=models.example_inputs(name))
+    assert not [n for n in compiled.graph.graph.nodes if n.target in (ops.FUNCTION, ops.ELEMENTWISE_FUNCTION)]
+    dims = {p.name: p.dim for p in compiled.plan.params}
+    for i in range(2):
+        up = f"layers.{i}.ffn.up"
+        assert dims[f"{up}.base.weight"] == dims[f"{up}.w1a"] == dims[f"{up}.w2a"] == 0
+
+
 def _seq2seq(name: str) -> torch.nn.Module:
     from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 

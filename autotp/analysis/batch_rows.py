@@ -82,10 +82,12 @@ class _BatchWalker(Walker):
     """The engine with each input's rows (``input_row_dims``; None: dim 0 where it has the
     batch's size) split over a batch var and every parameter whole."""
 
-    def __init__(self, gm: GraphModule, batch: int, row_dims: list[int | None] | None) -> None:
+    def __init__(self, gm: GraphModule, batch: int, row_dims: list[int | None] | None,
+                 made_rows: Mapping[str, tuple[int, ...]] = MappingProxyType({})) -> None:  # fmt: skip
         super().__init__(gm, 2, None, lambda name, kind, shape: False)  # any degree > 1 lets DTensor place a split
         self.batch = batch
         self.rows = DimVar(batch, frozenset({BATCH_ORIGIN}))
+        self.made_rows = made_rows
         self.mixing: Node | None = None
         inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if row_dims is None:
@@ -101,6 +103,9 @@ class _BatchWalker(Walker):
             self.mixing = self.pieces.reaching_output(node)
         if node.op != "call_function":
             return super().visit(node)
+        made = self.made_rows.get(node.name) if not node.all_input_nodes else None
+        if made is not None and len(made) == 1:
+            return shard({made[0]: self.rows})
         piece = self.pieces.place(node)
         lay = self._rows_of(node, piece) if piece is not None else self._layout(node)
         rows = {d for l in (lay if isinstance(lay, tuple) else (lay,)) if isinstance(l, Layout) for d, v in l.dims if BATCH_ORIGIN in v.find().origins}
@@ -346,10 +351,12 @@ def input_row_dims(call: dict[str, Any], batch_dims: Mapping[str, int] = Mapping
     return dims
 
 
-def batch_rows_at(gm: GraphModule, batch: int, row_dims: list[int | None]) -> Callable[[Node], set[int]]:
+def batch_rows_at(gm: GraphModule, batch: int, row_dims: list[int | None],
+                  made_rows: Mapping[str, tuple[int, ...]] = MappingProxyType({})) -> Callable[[Node], set[int]]:  # fmt: skip
     """Where each node of ``gm`` holds the rows of its batch of ``batch`` rows (its dims), the
-    graph's inputs holding them at ``row_dims`` (``input_row_dims``)."""
-    walker = _BatchWalker(gm, batch, row_dims)
+    graph's inputs holding them at ``row_dims`` (``input_row_dims``) and the tensors made from
+    none (``torch.ones(b, n)``) at ``made_rows[name]``."""
+    walker = _BatchWalker(gm, batch, row_dims, made_rows)
     walker.run()
     return walker._rows_at
 

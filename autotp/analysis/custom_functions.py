@@ -8,7 +8,9 @@ backward would silently get other gradients. So ``trace`` runs in two steps:
    in ``torch`` itself, and those that torch generates for ``torch.library`` custom ops,
    stay as they are), by wrapping the ``forward`` of every Function class. ``opaque_functions`` runs each recorded call on random inputs of the
    traced shapes, once through the Function and once through its forward's ops, and keeps
-   the Functions whose gradients differ (or that are too large to check): a hand-written
+   the Functions whose gradients differ (or that are too large to check); an input the
+   forward made from none of the graph's inputs (LoHa's ``torch.tensor(scale)``) gets no
+   gradient either way, so what the backward returns for it is not compared. A hand-written
    backward that is the forward's derivative (Bloom's GELU) is traced through, so the
    layout rules see its ops.
 2. If any is kept, the model is traced again with ``custom_functions(stack, opaque)``: each
@@ -46,7 +48,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.function import Function, _is_setup_context_defined
 from torch.fx import GraphModule, Node
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.utils.hooks import RemovableHandle
 
 from autotp.ir import custom_functions as calls
@@ -73,6 +75,7 @@ class FunctionUse:
     args: tuple[Any, ...]  # as traced (fake tensors)
     module: str  # the innermost executing submodule
     line: str  # the calling source line
+    made_here: tuple[bool, ...] = ()  # per arg: a tensor the forward made from none of the graph's inputs (no gradient reaches it)
 
     @property
     def function(self) -> str:
@@ -97,6 +100,25 @@ def custom_functions(stack: list[str], opaque: frozenset[type[Function]] = froze
     finally:
         for cls, original in originals.items():
             setattr(cls, "forward", original)
+
+
+def _made_here(arg: Any) -> bool:
+    """Whether ``arg`` is a tensor the traced forward computed from none of the graph's inputs
+    (parameters, buffers and the caller's tensors are all inputs of export's graph), such as
+    ``torch.tensor(scale)``: whatever a Function's backward returns for it is never read."""
+    mode = get_proxy_mode()
+    slot = get_proxy_slot(arg, mode.tracer, None) if mode is not None and isinstance(arg, torch.Tensor) else None
+    if slot is None:
+        return False
+    seen, stack = set(), [slot.proxy.node]
+    while stack:
+        node = stack.pop()
+        if node.op == "placeholder":
+            return False
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return True
 
 
 def _function_classes() -> list[type[Function]]:
@@ -125,7 +147,7 @@ def _recording_forward(cls: type[Function], original: Any, uses: list[FunctionUs
             return calls.call(key).output(ops.FUNCTION(tensors, key, calls.call(key).name))
         # grad mode is not checked: a graph traced under no_grad may later run for training
         if any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in torch.utils._pytree.tree_leaves((inputs, kwargs))):
-            uses.append(FunctionUse(cls, inputs, stack[-1] if stack else "<root>", _caller_line()))
+            uses.append(FunctionUse(cls, inputs, stack[-1] if stack else "<root>", _caller_line(), tuple(map(_made_here, inputs))))
         return fn(*args, **kwargs)
 
     return forward
@@ -268,15 +290,15 @@ def _backward_differs(use: FunctionUse) -> str | None:
         return "its inputs are too large to check its backward against its forward's derivative"
     gen = torch.Generator().manual_seed(0)
 
-    def real(a: Any) -> Any:
+    def real(a: Any, made_here: bool) -> Any:
         if not isinstance(a, torch.Tensor):
             return a
         if not a.is_floating_point():
             return torch.zeros(a.shape, dtype=a.dtype)
-        return torch.randn(a.shape, generator=gen, dtype=torch.float64).requires_grad_(True)
+        return torch.randn(a.shape, generator=gen, dtype=torch.float64).requires_grad_(not made_here)
 
-    args = [real(a) for a in use.args]
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    args = [real(a, made) for a, made in zip(use.args, use.made_here or [False] * len(use.args))]
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     try:
         with torch.enable_grad():
             own = _grads(lambda: use.cls.apply(*args), leaves)

@@ -101,7 +101,7 @@ def _sums_scaled_by_pieces(gm: GraphModule, rows_at: RowsAt, doubled: Callable[[
     a sum over a count the caller passes in: HF's ``num_items_in_batch``; the whole output, or a
     term of a sum, ``summed_terms``) times the number of pieces, ``batch_denominator`` of a 1
     summed over them: the step averages the pieces, and the whole batch's sum is their sum."""
-    reads, output = _Reads(gm), next(iter(gm.graph.find_nodes(op="output")))
+    reads, output = _Reads(gm, rows_at), next(iter(gm.graph.find_nodes(op="output")))
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
 
     def is_sum(n: Node, path: tuple[Node, ...]) -> bool:
@@ -127,7 +127,7 @@ def _selection_means_as_sums(gm: GraphModule, rows_at: RowsAt) -> None:
     """``mean`` of the elements a boolean mask of the inputs selects over the rows
     (``loss.masked_select(mask).mean()``, ``loss[mask].mean()``) as their sum over the mask's
     count: a division that ``_divisions`` makes the whole batch's."""
-    reads = _Reads(gm)
+    reads = _Reads(gm, rows_at)
     for node in list(gm.graph.nodes):
         if node.target not in _MEANS or not isinstance(node.args[0], Node) or (node.meta["val"].dim() != 0):
             continue
@@ -172,7 +172,7 @@ def _rescaled(graph: Graph, value: Node, d: Node, key: str, like: Node) -> Node:
 def unnormalized_division(gm: GraphModule, rows_at: RowsAt) -> str:
     """The first division by a statistic of the batch rows that a split step cannot make the
     whole batch's (described; "" if there is none)."""
-    reads = _Reads(gm)
+    reads = _Reads(gm, rows_at)
     for node in gm.graph.nodes:
         division = node.op == "call_function" and node.target is aten.div.Tensor and isinstance(node.args[1], Node)
         if division and reads.is_batch_statistic(node.args[1]) and _normalizable(node, reads, rows_at) is None:
@@ -194,7 +194,7 @@ def per_piece_statistic(gm: GraphModule, rows_at: RowsAt) -> str:
     parameters reaches the graph's outputs other than linearly (a product of two such
     statistics, a power, an ``exp``), described with that reduction; "" if there is none. The
     mean of the pieces' values is then not the whole batch's."""
-    reads, source = _Reads(gm), {}  # a node computed from a trained statistic of the rows -> that statistic
+    reads, source = _Reads(gm, rows_at), {}  # a node computed from a trained statistic of the rows -> that statistic
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -265,7 +265,7 @@ def _divisions(gm: GraphModule, rows_at: RowsAt) -> list[tuple[Node, tuple[Node,
     """The nodes to rewrite: each mean class loss (None), and each division by a statistic of
     the batch with (its denominator, the denominator's core, the core's kind, whether the
     numerator sums over the rows)."""
-    reads, found = _Reads(gm), []
+    reads, found = _Reads(gm, rows_at), []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -290,11 +290,12 @@ def _normalizable(div: Node, reads: _Reads, rows_at: RowsAt) -> tuple[Node, Node
 
 
 class _Reads:
-    """Per node of a graph, whether its value reads the batch's inputs (those with a dim) and
-    whether it reads a parameter, the in-place writes into it included (``targets[:, :-1] =
+    """Per node of a graph, whether its value reads the batch's inputs (those with a dim, and a
+    tensor made from none that holds the batch's rows, ``rows_at``: a mask ``torch.ones(b, n)``)
+    and whether it reads a parameter, the in-place writes into it included (``targets[:, :-1] =
     labels[:, 1:]``)."""
 
-    def __init__(self, gm: GraphModule) -> None:
+    def __init__(self, gm: GraphModule, rows_at: RowsAt) -> None:
         params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
         writes = writes_by_base(gm.graph.nodes)
         self._memo: dict[Node, tuple[bool, bool]] = {}
@@ -303,7 +304,8 @@ class _Reads:
             changed = False
             for n in gm.graph.nodes:  # in topological order
                 inputs = [self._memo.get(a, (False, False)) for a in [*n.all_input_nodes, *writes.get(n, ())]]
-                batch_input = n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0
+                batch_input = (n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0
+                               or n.op == "call_function" and not n.all_input_nodes and bool(rows_at(n)))  # fmt: skip
                 reads = (batch_input or any(i for i, _ in inputs),
                          (n.op == "get_attr" and str(n.target) in params) or any(p for _, p in inputs))  # fmt: skip
                 changed |= self._memo.get(n) != reads

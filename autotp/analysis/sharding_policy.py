@@ -184,6 +184,9 @@ def params_behind(node: Node, dim: int, params: dict[str, Any]) -> dict[str, int
     return found
 
 
+_MATMULS = frozenset({aten.mm.default, aten.bmm.default, aten.matmul.default})
+
+
 def _dim_sources(n: Node, d: int) -> list[tuple[Node, int]]:
     """The inputs of ``n`` and their dims that make dim ``d`` of its output (``params_behind``)."""
     out = shape_of(n)
@@ -218,6 +221,11 @@ def _dim_sources(n: Node, d: int) -> list[tuple[Node, int]]:
             if back >= 0 and shp[back] == out[d]:
                 found.append((a, back))
         return found
+    if target in _MATMULS and len(args) > 1 and isinstance(args[1], Node) and len(src) >= 2 and len(shape_of(args[1]) or ()) >= 2:
+        if d == len(out) - 2:  # the left operand's rows
+            return [(args[0], len(src) - 2)]
+        if d == len(out) - 1:  # the right operand's columns
+            return [(args[1], len(shape_of(args[1])) - 1)]
     return []
 
 

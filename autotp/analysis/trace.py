@@ -171,8 +171,9 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     draw_by_size(gm)
     if split_batch:
         doubled = functools.cache(lambda: _doubled(model, kwargs, device, batch_dims))  # traced once, if either needs it
-        normalize_loss_denominators(gm, _rows_by_name(gm, kwargs, doubled, batch_dims), doubled)
-        _mark_draw_rows(gm, doubled)
+        made_rows = _rows_of_made_tensors(gm, batch_size(kwargs), doubled)
+        normalize_loss_denominators(gm, _rows_by_name(gm, kwargs, doubled, batch_dims, made_rows), doubled)
+        _mark_draw_rows(gm, made_rows)
     mark_elementwise(gm)
     gm.recompile()  # once, after the rewrites above
     refuse_parameter_writes(type(model).__name__, gm)
@@ -180,14 +181,16 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
 
 
 def _rows_by_name(gm: GraphModule, kwargs: dict[str, Any], doubled: Callable[[], GraphModule],
-                  batch_dims: Mapping[str, int]) -> Callable[[Node], set[int]]:  # fmt: skip
-    """Where each node of ``gm`` holds the batch's rows (``batch_rows.batch_rows_at``). A batch of
-    one row cannot tell a sum over the rows from a sum over one row, so the rows are then found
-    in a trace of the batch doubled, node by node of the same name."""
+                  batch_dims: Mapping[str, int], made_rows: Mapping[str, tuple[int, ...] | None]) -> Callable[[Node], set[int]]:  # fmt: skip
+    """Where each node of ``gm`` holds the batch's rows (``batch_rows.batch_rows_at``), a tensor made
+    in the forward holding them where ``made_rows`` says. A batch of one row cannot tell a sum
+    over the rows from a sum over one row, so the rows are then found in a trace of the batch
+    doubled, node by node of the same name."""
+    made = {name: dims for name, dims in made_rows.items() if dims}
     if batch_size(kwargs) >= 2:
-        return batch_rows_at(gm, batch_size(kwargs), input_row_dims(kwargs, batch_dims))
+        return batch_rows_at(gm, batch_size(kwargs), input_row_dims(kwargs, batch_dims), made)
     twice = doubled()
-    rows = batch_rows_at(twice, 2, input_row_dims(_twice(kwargs, batch_dims), batch_dims))
+    rows = batch_rows_at(twice, 2, input_row_dims(_twice(kwargs, batch_dims), batch_dims), made)
     nodes = {n.name: n for n in twice.graph.nodes}
     return lambda node: rows(nodes[node.name]) if node.name in nodes else set()
 
@@ -239,25 +242,41 @@ def input_batch_dims(model: nn.Module, kwargs: dict[str, Any], device: torch.dev
     return found
 
 
-def _mark_draw_rows(gm: GraphModule, doubled: Callable[[], GraphModule]) -> None:
-    """Mark each random draw with the dims of it that hold the batch's rows
-    (``meta_keys.BATCH_DRAW_ROWS``): those whose size doubles in a trace of the batch doubled
-    (a draw's size comes from the inputs' shapes, not their rows, so the walk cannot tell)."""
-    draws = [n for n in gm.graph.nodes if n.op == "call_function" and from_default_generator(n)]
-    for node in draws:  # a draw the pass does not replay has no rows to find
-        node.meta[meta_keys.BATCH_DRAW_ROWS] = None
-    replayed = [n for n in draws if n.target in REPLAYED]
-    if not replayed:
-        return
+def _rows_of_made_tensors(gm: GraphModule, batch: int, doubled: Callable[[], GraphModule]) -> dict[str, tuple[int, ...] | None]:
+    """The dims holding the batch's rows of each tensor the forward makes from no other tensor
+    (``torch.ones(b, n)``) and of each random draw: those whose size doubles in a trace of the batch
+    doubled, node by node of the same name (None where a dim grows otherwise or the node is
+    not there). A made tensor's size comes from the inputs' shapes, not their values, so the
+    walk of the rows cannot tell. Only the replayed draws and the tensors with a dim of the
+    batch's size are looked at: without them the batch is not traced again."""
+    def asked(n: Node) -> bool:
+        if n.op != "call_function" or not isinstance(n.meta.get("val"), torch.Tensor):
+            return False
+        made = not n.all_input_nodes and (batch < 2 or batch in tuple(n.meta["val"].shape))
+        return made or (n.target in REPLAYED and from_default_generator(n))
+
+    looked_at = [n for n in gm.graph.nodes if asked(n)]
+    if not looked_at:
+        return {}
     twice = {n.name: n.meta.get("val") for n in doubled().graph.nodes}
-    for node in replayed:
-        val, other = node.meta.get("val"), twice.get(node.name)
-        if not isinstance(val, torch.Tensor) or not isinstance(other, torch.Tensor) or other.dim() != val.dim():
-            node.meta[meta_keys.BATCH_DRAW_ROWS] = None
+    found: dict[str, tuple[int, ...] | None] = {}
+    for node in looked_at:
+        val, other = node.meta["val"], twice.get(node.name)
+        if not isinstance(other, torch.Tensor) or other.dim() != val.dim():
+            found[node.name] = None
             continue
         grown = [d for d in range(val.dim()) if other.shape[d] != val.shape[d]]
-        doubles = all(other.shape[d] == 2 * val.shape[d] for d in grown)
-        node.meta[meta_keys.BATCH_DRAW_ROWS] = tuple(grown) if doubles else None
+        found[node.name] = tuple(grown) if all(other.shape[d] == 2 * val.shape[d] for d in grown) else None
+    return found
+
+
+def _mark_draw_rows(gm: GraphModule, made_rows: Mapping[str, tuple[int, ...] | None]) -> None:
+    """Mark each random draw with the dims of it that hold the batch's rows
+    (``meta_keys.BATCH_DRAW_ROWS``, ``_rows_of_made_tensors``); None for a draw the pass does not
+    replay."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and from_default_generator(node):
+            node.meta[meta_keys.BATCH_DRAW_ROWS] = made_rows.get(node.name) if node.target in REPLAYED else None
 
 
 def _export(

@@ -150,6 +150,18 @@ def step_draws(programs: Sequence[DrawProgram], pieces: int, mine: Sequence[int]
             _taken.pop(program.key, None)
 
 
+@contextmanager
+def handed_out_again() -> Iterator[None]:
+    """The pieces handed out inside are handed out again after it (a loss's denominator
+    computed from a piece's draws before that piece's forward)."""
+    taken = dict(_taken)
+    try:
+        yield
+    finally:
+        _taken.clear()
+        _taken.update(taken)
+
+
 def _pieces_taken() -> dict[str, int]:
     return dict(_taken)
 

@@ -93,7 +93,8 @@ def whole_batch_denominators(program: RankProgram, calls: list[dict[str, Any]], 
                              device: torch.device, dp_group: Any) -> dict[str, torch.Tensor]:  # fmt: skip
     """The whole batch's value of each ``batch_denominator`` of ``program`` (a split step's) for a
     step of ``pieces`` pieces, of which ``calls`` are this rank's; the other pieces are the
-    other ranks' of ``dp_group`` (None: no other)."""
+    other ranks' of ``dp_group`` (None: no other). Inside ``step_draws``: a core reads its
+    piece's draws, which the forwards then take again."""
     programs = program.graph.meta.get(meta_keys.BATCH_DENOMINATORS, ())
     if not programs:
         return {}
@@ -112,7 +113,7 @@ def whole_batch_denominators(program: RankProgram, calls: list[dict[str, Any]], 
                 dist.all_reduce(t, group=dp_group)
             return t
 
-        with torch.no_grad():
+        with torch.no_grad(), batch_draws.handed_out_again():
             return batch_denominators.whole_batch_values(programs, calls, pieces, over_dp)
     finally:
         Parameters.release(cores)

@@ -311,19 +311,19 @@ class ParallelModel(nn.Module):
         calls = [self._as_kwargs((), mb) for mb in micro]
         split = dp * m > 1
         program = (compiled := self._compiled_for(calls[0], outputs_read, split)).program  # the pieces are cut alike: one signature
-        denominators = {} if not split else batch_pieces.whole_batch_denominators(
-            program, calls, dp * m, self._params, self._device, self._coords.dp_group if dp > 1 else None)
-        with (batch_denominators.whole_batch(denominators), batch_pieces.step_draws(program, dp * m, self._coords.dp_rank * m, m),
-              batch_pieces.own_written_inputs(program, calls)):  # fmt: skip
-            if self.plan.num_chunks == 1:
-                total = None  # fewer launches a step (the host sets the pace of small ones): one copy, no zeros, add or divide for one piece
-                for call in calls:
-                    loss = loss_of(compiled.run(**call))
-                    (loss / m if m > 1 else loss).backward()
-                    part = loss.detach().to(torch.promote_types(loss.dtype, torch.float32), copy=True)  # its own: a static output is overwritten
-                    total = part if total is None else total + part
-            else:
-                total = self._pipeline_step(compiled, calls, loss_of, schedule or self.plan.schedule_name)
+        with batch_pieces.step_draws(program, dp * m, self._coords.dp_rank * m, m), batch_pieces.own_written_inputs(program, calls):
+            denominators = {} if not split else batch_pieces.whole_batch_denominators(
+                program, calls, dp * m, self._params, self._device, self._coords.dp_group if dp > 1 else None)
+            with batch_denominators.whole_batch(denominators):
+                if self.plan.num_chunks == 1:
+                    total = None  # fewer launches a step (the host sets the pace of small ones): one copy, no zeros, add or divide for one piece
+                    for call in calls:
+                        loss = loss_of(compiled.run(**call))
+                        (loss / m if m > 1 else loss).backward()
+                        part = loss.detach().to(torch.promote_types(loss.dtype, torch.float32), copy=True)  # its own: a static output is overwritten
+                        total = part if total is None else total + part
+                else:
+                    total = self._pipeline_step(compiled, calls, loss_of, schedule or self.plan.schedule_name)
         self._grad_sync.finish()
         return mean_loss(self.plan, self._coords, total / m if m > 1 else total)
 
