@@ -1,7 +1,8 @@
 """Tensor parallelism on GPUs: autotp against one GPU and PyTorch DTensor TP, one run.
 
 Models (``--shape``): ``small`` is DESIGN.md §5's HF Llama with 4 layers of Llama-3-8B
-shape (h=4096, 32 heads, 8 KV heads, ffn 14336), vocab 32000, b=4, s=2048; ``8b`` is the
+shape (h=4096, 32 heads, 8 KV heads, ffn 14336), vocab 32000, b=4, s=2048 (``small-b1``: the same
+tokens as b=1, s=8192, where the overlap's fused ops copy nothing to reorder); ``8b`` is the
 full Llama-3-8B (32 layers, vocab 128256), b=2, s=4096. bf16, forward + backward. In one
 launch of N ranks (NCCL) it measures, after warm-up, the median step time of:
 
@@ -85,7 +86,7 @@ class Shape:
     hidden: int = 4096
 
 
-SHAPES = {"small": Shape(4, 32000, 4, 2048), "8b": Shape(32, 128256, 2, 4096)}
+SHAPES = {"small": Shape(4, 32000, 4, 2048), "small-b1": Shape(4, 32000, 1, 8192), "8b": Shape(32, 128256, 2, 4096)}
 
 
 def _model(shape: Shape) -> torch.nn.Module:

@@ -39,7 +39,9 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
   (``all_gather_matmul``, ``matmul_reduce_scatter`` and their duals backward) costs only
   what its GEMM leaves exposed, ``communication.overlapped_s`` with M the node's forward
   GEMM time (backward, the dual's GEMM is the grad-input GEMM, as long as the forward one;
-  the weight-grad GEMM runs after it, unhidden).
+  the weight-grad GEMM runs after it, unhidden). On GPUs the fused ops also synchronize per
+  call, copy their operands and products into the split dim's order and back (where rows
+  precede it) and concatenate several weights' operands along K (``overlap_overheads``).
 * Host time: ``op_overhead_s`` to issue each graph node forward and
   ``backward_op_overhead_s`` for each node that needs a gradient (an autograd node)
   backward; a node with a tp collective costs ``collective_host_s`` instead, in the
@@ -82,6 +84,7 @@ from autotp.cost_model.fp8 import cast_bytes, has_fp8_gemms, plan_fp8, sites_pla
 from autotp.cost_model.gradient_sums import gradient_sum_bytes
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory, simulate
+from autotp.cost_model.overlap_overheads import overhead_seconds, overlap_overheads
 from autotp.cost_model.pipeline import balanced_cuts, layer_costs
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.passes.split_stages import repeatable
@@ -148,6 +151,7 @@ class Segment:
     fp8: np.ndarray | None = None  # FP8 GEMM nodes; their casts' bytes [nodes, (fwd, bwd), (const, per_sample)]:
     casts: np.ndarray | None = None
     grad_sums: np.ndarray | None = None  # [nodes, 2]: bytes of the backward's gradient sums (``gradient_sums``)
+    overlap: np.ndarray | None = None  # [nodes, 6, (const, per_sample)]: ``overlap_overheads.overlap_overheads``
 
     @property
     def ops(self) -> int:
@@ -407,8 +411,9 @@ class ModelCosts:
             fp8 = np.array([has_fp8_gemms(n) for n in calls], dtype=bool)
             casts = affine_costs(calls, tensors, dependent, self.batch, cast_bytes) if fp8.any() else None
             sums = affine_costs(calls, tensors, dependent, self.batch, lambda n, t: gradient_sum_bytes(n, t, grad))[:, 0]
+            overlap = affine_costs(calls, tensors, dependent, self.batch, overlap_overheads) if (pieces > 1).any() else None
             return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), memory.get(key, SegmentMemory.empty()),
-                           pieces, fp8, casts, sums)  # fmt: skip
+                           pieces, fp8, casts, sums, overlap)  # fmt: skip
 
         layers = tuple(segment(i) for i in range(self.traced_layers))
         return RankCosts(plan, segment(EMBEDDING), layers, segment(HEAD), segment(PREAMBLE))
@@ -458,6 +463,9 @@ def node_times(seg: Segment, batch: int, hw: HardwareProfile) -> tuple[np.ndarra
         forward, backward = forward + cast_s[:, 0], backward + cast_s[:, 1]
     if seg.grad_sums is not None:
         backward = backward + (seg.grad_sums[:, 0] + seg.grad_sums[:, 1] * batch) / hw.memory_bytes_per_s * hw.compute_time_scale
+    if seg.overlap is not None:  # the fused overlapped GEMMs' barriers and copies (``overlap_overheads``)
+        extra_s = overhead_seconds(seg.overlap, batch, hw) * hw.compute_time_scale
+        forward, backward = forward + extra_s[:, 0], backward + extra_s[:, 1]
     return forward, backward
 
 

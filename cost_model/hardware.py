@@ -114,6 +114,8 @@ class HardwareProfile:
     call_host_s: float = 0.0
     compute_time_scale: float = 1.0
     fp8_matmul_speedup: float = 2.0
+    overlap_call_s: float = 0.0
+    permuted_copy_slowdown: float = 0.0
     p2p: Link | None = None
     inter_node: Link = Link(latency_s=30e-6, bus_bytes_per_s=45e9, hop_latency_s=5e-6)
     source: str = ""
@@ -173,7 +175,14 @@ _EAGER_OVERHEAD = {"op_overhead_s": 6e-6, "backward_op_overhead_s": 8e-6, "colle
 # which one GPU cannot measure; and benchmarks/bench_fp8.py's GEMM part, 1x H200, torch 2.11, 2026-11-24
 # (benchmarks/results/fp8_h200x1.json): [8192, 4096] x [4096, 14336] at 807 TFLOP/s in bf16, 1493 in FP8
 # tensorwise (the default recipe).
-H200_MULTI_GPU = {"collective_host_s": 349e-6, "fp8_matmul_speedup": 1.85}
+# The fused overlapped GEMMs' overheads (cost_model.overlap_overheads), both fitted to one pair of runs on
+# 2x H200, torch 2.11, 2026-11-30 (python3 benchmarks/bench_tp.py --suite strong --shape small|small-b1 --tp 2,
+# benchmarks/results/tp_strong_small{,_b1}_h200x2_r3.json): 4 Llama-3-8B layers at tp=2, b4 s2048 and b1 s8192,
+# each with and without the overlap. At b1 nothing is permuted and the overlap cost 0.9 ms a layer more than
+# the GEMM and transfer terms say (symmetric-memory barriers 3.6 ms a step over 32 calls); at b4 the permuted
+# copies (elementwise_kernel<128, 4>, 11.3 ms a step against 1.6 without) take the rest.
+_SYMM_MEM_OVERLAP = {"overlap_call_s": 1.1e-4, "permuted_copy_slowdown": 2.25}
+H200_MULTI_GPU = {"collective_host_s": 349e-6, "fp8_matmul_speedup": 1.85, **_SYMM_MEM_OVERLAP}
 # python benchmarks/measure_constants.py --json on 1x H200 (nvidia-h200 lease, 16 host cores), torch 2.11.0+cu130,
 # 2026-11-29 (benchmarks/results/cost_model_constants_h200x1.json; --fit prints these; tests/test_planner.py refits
 # the file). As the H100's below: GEMM and attention as GPU time, host costs from the 1024-token probe of width 1024.
@@ -265,8 +274,10 @@ A100 = HardwareProfile(
     attention_flops_per_s=150e12,
     inter_node=Link(latency_s=30e-6, bus_bytes_per_s=22e9, hop_latency_s=5e-6),
     **_EAGER_OVERHEAD,
+    **_SYMM_MEM_OVERLAP,
     source="A100 SXM 80GB datasheet (312 TFLOP/s bf16, 2.039 TB/s, NVLink 3 600 GB/s); assumed: GEMM at "
-    "80% of peak, all-reduce bus bandwidth 230 GB/s, inter-node 8x 200 Gb/s HDR (22 GB/s per GPU)",
+    "80% of peak, all-reduce bus bandwidth 230 GB/s, inter-node 8x 200 Gb/s HDR (22 GB/s per GPU), the fused "
+    "overlap's overheads H200's",
 )
 
 PCIE = HardwareProfile(
@@ -280,9 +291,10 @@ PCIE = HardwareProfile(
     attention_flops_per_s=300e12,
     inter_node=Link(latency_s=40e-6, bus_bytes_per_s=5.5e9, hop_latency_s=8e-6),
     **_EAGER_OVERHEAD,
+    **_SYMM_MEM_OVERLAP,
     source="8x H100 PCIe 80GB per host without NVLink bridges: datasheet 756 TFLOP/s bf16, 2.0 TB/s; "
     "assumed: GEMM at 80% of peak, all-reduce through the PCIe Gen5 switches at 22 GB/s bus bandwidth, "
-    "2x 200 Gb/s NICs per node (5.5 GB/s per GPU)",
+    "2x 200 Gb/s NICs per node (5.5 GB/s per GPU), the fused overlap's overheads H200's",
 )
 
 CPU = HardwareProfile(

@@ -17,7 +17,8 @@ from autotp.analysis.layers import layer_of
 from autotp.compiler import trace_for_planning
 from autotp.cost_model.communication import overlapped_s
 from autotp.cost_model.compute import ModelCosts, segment_time
-from autotp.cost_model.hardware import H200
+from autotp.cost_model.hardware import H200, PCIE
+from autotp.cost_model.overlap_overheads import overhead_seconds
 from autotp.cost_model.graph_costs import build_report
 from autotp.cost_model.planner import Cluster, Training, plan
 from autotp.passes.find_cudagraph_candidates import OVERLAP
@@ -156,18 +157,28 @@ def test_overlapped_collectives_charge_only_what_the_gemm_leaves_exposed(llama8b
     # GEMMs a little faster than the largest) no faster, and at 4096 tokens no slower either
     flat = replace(H200, matmul_curve=())
     chunked, whole = segment_time(fused, 2, flat, 2).compute_s, segment_time(plain, 2, flat, 2).compute_s
-    assert whole - 1e-12 <= chunked < 1.05 * whole
+    extra = overhead_seconds(fused.overlap, 2, flat)
+    assert whole - 1e-12 <= chunked - extra[fused.grad].sum() - extra[:, 0][~fused.grad].sum() < 1.05 * whole
     assert after.comm_s < 0.2 * before.comm_s  # GEMMs of 4096-token Llama-3-8B layers hide almost all of it
-    assert after.total_s < before.total_s
+    # but the fused ops' barriers and their copies into the sequence's order cost more on H200, as measured
+    assert after.total_s > before.total_s
+    # one sample per microbatch: nothing to reorder, the barriers and the K-concatenation are left
+    one, two = (overhead_seconds(fused.overlap, b, H200) for b in (1, 2))
+    barriers = (fused.pieces > 1).sum() * H200.overlap_call_s
+    assert barriers < one.sum() < barriers + 1e-3 < two.sum()
 
 
-def test_the_planner_overlaps_where_the_gemms_are_large_enough(llama8b: ModelCosts) -> None:
-    cluster, on = Cluster(2, 2, H200), Training(2, sequence_parallel=True)
-    assert plan(llama8b, cluster, on, tp=2, top=1)[0].plan.tp_overlap == ("all_gather", "reduce_scatter")
-    assert plan(llama8b, cluster, replace(on, sequence_parallel=False), tp=2, top=1)[0].plan.tp_overlap == ()
+def test_the_planner_overlaps_where_it_hides_more_than_it_costs(llama8b: ModelCosts) -> None:
+    on = Training(2, sequence_parallel=True)
+    pcie = Cluster(2, 2, replace(H200, allreduce_bus_bytes_per_s=PCIE.allreduce_bus_bytes_per_s))  # H200s without NVLink
+    # over PCIe the transfers are long enough to pay for the fused ops' barriers and copies
+    assert plan(llama8b, pcie, on, tp=2, top=1)[0].plan.tp_overlap == ("all_gather", "reduce_scatter")
+    assert plan(llama8b, pcie, replace(on, sequence_parallel=False), tp=2, top=1)[0].plan.tp_overlap == ()
+    # over NVLink they are not (2x H200: the overlap was slower at b=1 and b=4, docs/results.md)
+    assert plan(llama8b, Cluster(2, 2, H200), on, tp=2, top=1)[0].plan.tp_overlap == ()
     tiny = trace_for_planning(presets.model_config("llama-tiny"), 16)
     # microsecond GEMMs hide less than the ring's extra launches cost
-    assert plan(tiny, cluster, on, tp=2, top=1)[0].plan.tp_overlap == ()
+    assert plan(tiny, pcie, on, tp=2, top=1)[0].plan.tp_overlap == ()
 
 
 def test_cuda_graphs_decline_the_overlapped_ops_and_capture_the_rest() -> None:
