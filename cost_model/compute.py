@@ -18,7 +18,7 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
 **Time of a segment at microbatch size b** (``segment_time``):
 
 * GPU time of a node, forward: matmuls ``max(HardwareProfile.matmul_time_s(F), bytes/mem_bw)``
-  (a node running its FLOPs as p equal GEMMs, ``gemm_pieces``: p·matmul_time_s(F/p));
+  (a node running its FLOPs as p equal GEMMs, ``overlap_overheads.gemm_pieces``: p·matmul_time_s(F/p));
   fused attention ``max(attention_latency_s + F/attention_rate, bytes/mem_bw)``; everything else
   ``max(F/matmul_rate, bytes/mem_bw)`` (the roofline of ``flops.compute_time_s``);
   all of it times ``compute_time_scale``, which calibration measures on a whole layer.
@@ -84,7 +84,7 @@ from autotp.cost_model.fp8 import cast_bytes, has_fp8_gemms, plan_fp8, sites_pla
 from autotp.cost_model.gradient_sums import gradient_sum_bytes
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory, simulate
-from autotp.cost_model.overlap_overheads import overhead_seconds, overlap_overheads
+from autotp.cost_model.overlap_overheads import gemm_pieces, overhead_seconds, overlap_overheads
 from autotp.cost_model.pipeline import balanced_cuts, layer_costs
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.passes.split_stages import repeatable
@@ -247,14 +247,6 @@ def saved_inputs(node: Node, grad: set[Node]) -> list[Node]:
     if name in _SAVE_FIRST_INPUT:
         return inputs[:1]
     return inputs
-
-
-def gemm_pieces(node: Node) -> int:
-    """How many equal GEMMs a node's FLOPs run as: an overlapped collective multiplies one
-    chunk of 1/t of the rows per weight and step; every other node one."""
-    if node.target is ops.ALL_GATHER_MATMUL or node.target is ops.MATMUL_REDUCE_SCATTER:
-        return node.args[3] * len(node.args[1])
-    return 1
 
 
 def _kind(node: Node) -> int:

@@ -1,6 +1,7 @@
-"""What the overlapped sequence-parallel GEMMs (``all_gather_matmul`` and
-``matmul_reduce_scatter``, ``autotp.runtime.execution.overlap``) cost on GPUs beyond their GEMMs
-and transfers, in ``torch.ops.symm_mem``'s fused ops:
+"""How the overlapped sequence-parallel GEMMs (``all_gather_matmul`` and
+``matmul_reduce_scatter``, ``autotp.runtime.execution.overlap``) run: as t chunks per weight
+(``gemm_pieces``), and, on GPUs, with what ``torch.ops.symm_mem``'s fused ops cost beyond their
+GEMMs and transfers (``overlap_overheads``):
 
 * Each call synchronizes the group through symmetric-memory barriers and splits its copies
   among chunks: ``HardwareProfile.overlap_call_s`` of GPU time per call, forward and backward.
@@ -32,6 +33,14 @@ from autotp.cost_model.hardware import HardwareProfile
 from autotp.ir import ops
 
 _READ_AND_WRITE = 2
+
+
+def gemm_pieces(node: Node) -> int:
+    """How many equal GEMMs a node's FLOPs run as: an overlapped collective multiplies one
+    chunk of 1/t of the rows per weight and step; every other node one."""
+    if node.target is ops.ALL_GATHER_MATMUL or node.target is ops.MATMUL_REDUCE_SCATTER:
+        return node.args[3] * len(node.args[1])
+    return 1
 
 
 def overlap_overheads(node: Node, tensors: Tensors) -> tuple[float, float, float, float, float, float]:

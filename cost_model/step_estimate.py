@@ -56,7 +56,7 @@ compiled for it (``ModelCosts.rank``):
 * with it, overlap (``Training.tp_overlap`` None tries both): the all-gathers before and the
   reduce-scatters after GEMMs run as ``all_gather_matmul`` / ``matmul_reduce_scatter``
   (``passes/tp_overlap``), charged only what the GEMM leaves exposed
-  (``communication.overlapped_s``) plus the GEMM split into t chunks (``compute.gemm_pieces``).
+  (``communication.overlapped_s``) plus the GEMM split into t chunks (``overlap_overheads.gemm_pieces``).
 
 For each optimizer, the fastest variant that fits in ``HardwareProfile.usable_memory_bytes``
 wins (memory is computed in order of step time, until one fits, and in ``search`` skipped where the

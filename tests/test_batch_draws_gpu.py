@@ -12,19 +12,22 @@ from typing import Any
 import pytest
 import torch
 
-from test_batch_draws import NoisyLM, _batch, _reference
+from test_batch_draws import NoisyLM, RandomlyMaskedLM, _batch, _reference
 
 pytestmark = pytest.mark.gpu
 RTOL, ATOL = 1e-4, 1e-5  # fp32 on the GPU, reductions in another order than the reference's
 
 
 @pytest.mark.parametrize("options", [{}, {"compile": True}], ids=["eager", "compile"])
-def test_microbatches_on_one_gpu_draw_the_whole_batch_s_numbers(options: dict[str, Any]) -> None:
+@pytest.mark.parametrize("name", ["noisy", "randomly_masked"])
+def test_microbatches_on_one_gpu_draw_the_whole_batch_s_numbers(options: dict[str, Any], name: str) -> None:
+    """``randomly_masked`` divides its loss by the count of random masks: each piece's count
+    reads the draws its forward takes."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     import autotp
 
-    model = NoisyLM(units=False).cuda().eval()
+    model = (NoisyLM(units=False) if name == "noisy" else RandomlyMaskedLM()).cuda().eval()
     reference = copy.deepcopy(model)
     batch = {k: v.cuda() for k, v in _batch().items()}
     pm = autotp.parallelize(model, tp=1, example_inputs={k: v[:2] for k, v in batch.items()}, **options)
