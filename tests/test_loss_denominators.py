@@ -150,6 +150,22 @@ def test_only_a_split_step_traces_the_denominators() -> None:
         assert BATCH_DENOMINATOR(count, "any").item() == 2.5 and BATCH_DENOMINATOR(count, "other").item() == 7.0
 
 
+def test_a_split_step_traces_the_batch_doubled_only_for_a_count_it_may_divide_by(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF's masks start from ``arange(batch)``, a tensor made of no other with the batch's size,
+    but no scalar without parameters is computed from it: the rows of such a tensor matter only
+    to a loss's denominator, so the piece is traced once."""
+    import autotp.analysis.trace as tracing
+
+    doubled = []
+    real = tracing._doubled
+    monkeypatch.setattr(tracing, "_doubled", lambda *a: doubled.append(1) or real(*a))
+    model = build("llama")
+    ids = torch.randint(0, vocab_size(model), (2, 16), generator=torch.Generator().manual_seed(0))
+    gm = trace(model, {"input_ids": ids, "labels": ids}, split_batch=True)
+    assert any(n.target is torch.ops.aten.arange.default and n.meta["val"].shape == (2,) for n in gm.graph.nodes)
+    assert doubled == []
+
+
 def test_a_denominator_that_does_not_split_is_refused() -> None:
     model = TinyLM("by_max")
     reference = copy.deepcopy(model)

@@ -247,12 +247,15 @@ def _rows_of_made_tensors(gm: GraphModule, batch: int, doubled: Callable[[], Gra
     (``torch.ones(b, n)``) and of each random draw: those whose size doubles in a trace of the batch
     doubled, node by node of the same name (None where a dim grows otherwise or the node is
     not there). A made tensor's size comes from the inputs' shapes, not their values, so the
-    walk of the rows cannot tell. Only the replayed draws and the tensors with a dim of the
-    batch's size are looked at: without them the batch is not traced again."""
+    walk of the rows cannot tell. Only the replayed draws and the made tensors that have a dim
+    of the batch's size and reach a scalar computed without parameters (a count a loss may
+    divide by, ``mask.sum()``) are looked at: without them the batch is not traced again."""
+    counted = _behind_parameter_free_scalars(gm)
+
     def asked(n: Node) -> bool:
         if n.op != "call_function" or not isinstance(n.meta.get("val"), torch.Tensor):
             return False
-        made = not n.all_input_nodes and (batch < 2 or batch in tuple(n.meta["val"].shape))
+        made = not n.all_input_nodes and n in counted and (batch < 2 or batch in tuple(n.meta["val"].shape))
         return made or (n.target in REPLAYED and from_default_generator(n))
 
     looked_at = [n for n in gm.graph.nodes if asked(n)]
@@ -268,6 +271,22 @@ def _rows_of_made_tensors(gm: GraphModule, batch: int, doubled: Callable[[], Gra
         grown = [d for d in range(val.dim()) if other.shape[d] != val.shape[d]]
         found[node.name] = tuple(grown) if all(other.shape[d] == 2 * val.shape[d] for d in grown) else None
     return found
+
+
+def _behind_parameter_free_scalars(gm: GraphModule) -> set[Node]:
+    """The nodes from which ``gm`` computes a scalar tensor that reads no parameter."""
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    reads_param: dict[Node, bool] = {}
+    for n in gm.graph.nodes:
+        reads_param[n] = (n.op == "get_attr" and str(n.target) in params) or any(reads_param[a] for a in n.all_input_nodes)
+    stack = [n for n in gm.graph.nodes if not reads_param[n] and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 0]
+    behind: set[Node] = set()
+    while stack:
+        n = stack.pop()
+        if n not in behind:
+            behind.add(n)
+            stack.extend(n.all_input_nodes)
+    return behind
 
 
 def _mark_draw_rows(gm: GraphModule, made_rows: Mapping[str, tuple[int, ...] | None]) -> None:
