@@ -21,6 +21,7 @@ import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -117,7 +118,7 @@ def measured(name: str, planned_plan) -> dict[str, object]:
         with record_function("loss"):
             return original(*args, **kwargs)
 
-    def step() -> None:
+    def step(pm: Any, optimizer: torch.optim.Optimizer) -> None:
         pm.train_step(input_ids=ids, labels=ids)
         with record_function("optimizer"):
             optimizer.step()
@@ -127,14 +128,14 @@ def measured(name: str, planned_plan) -> dict[str, object]:
     for i in range(8):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        step()
+        step(pm, optimizer)
         torch.cuda.synchronize()
         if i >= 3:
             walls.append(time.perf_counter() - start)
     fused_loss._LinearCrossEntropy.forward = staticmethod(loss_forward)
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step()
+            step(pm, optimizer)
             torch.cuda.synchronize()
     finally:
         fused_loss._LinearCrossEntropy.forward = staticmethod(original)
