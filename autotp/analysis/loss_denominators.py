@@ -325,6 +325,20 @@ class _Reads:
         return not isinstance(arg, Node) or not self.of(arg)[0]
 
 
+def behind_parameter_free_scalars(gm: GraphModule) -> set[Node]:
+    """The nodes from which ``gm`` computes a scalar tensor that reads no parameter (a count a
+    loss may divide by, ``mask.sum()``)."""
+    reads = _Reads(gm, lambda node: set())
+    stack = [n for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 0 and not reads.of(n)[1]]
+    behind: set[Node] = set()
+    while stack:
+        n = stack.pop()
+        if n not in behind:
+            behind.add(n)
+            stack.extend(n.all_input_nodes)
+    return behind
+
+
 def _reduction(node: Node) -> int:
     return node.args[_REDUCTION] if len(node.args) > _REDUCTION else node.kwargs.get("reduction", _MEAN_REDUCTION)
 

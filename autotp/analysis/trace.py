@@ -36,7 +36,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from autotp.analysis.batch_rows import UNKNOWN_ROWS, batch_rows_at, batch_size, input_row_dims
-from autotp.analysis.loss_denominators import normalize_loss_denominators
+from autotp.analysis.loss_denominators import behind_parameter_free_scalars, normalize_loss_denominators
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions, route_through_hooks
 from autotp.analysis.trace_decompose import decompose_simple_composites, decompose_parameter_ops, draw_by_size
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
@@ -250,7 +250,7 @@ def _rows_of_made_tensors(gm: GraphModule, batch: int, doubled: Callable[[], Gra
     walk of the rows cannot tell. Only the replayed draws and the made tensors that have a dim
     of the batch's size and reach a scalar computed without parameters (a count a loss may
     divide by, ``mask.sum()``) are looked at: without them the batch is not traced again."""
-    counted = _behind_parameter_free_scalars(gm)
+    counted = behind_parameter_free_scalars(gm)
 
     def asked(n: Node) -> bool:
         if n.op != "call_function" or not isinstance(n.meta.get("val"), torch.Tensor):
@@ -271,22 +271,6 @@ def _rows_of_made_tensors(gm: GraphModule, batch: int, doubled: Callable[[], Gra
         grown = [d for d in range(val.dim()) if other.shape[d] != val.shape[d]]
         found[node.name] = tuple(grown) if all(other.shape[d] == 2 * val.shape[d] for d in grown) else None
     return found
-
-
-def _behind_parameter_free_scalars(gm: GraphModule) -> set[Node]:
-    """The nodes from which ``gm`` computes a scalar tensor that reads no parameter."""
-    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-    reads_param: dict[Node, bool] = {}
-    for n in gm.graph.nodes:
-        reads_param[n] = (n.op == "get_attr" and str(n.target) in params) or any(reads_param[a] for a in n.all_input_nodes)
-    stack = [n for n in gm.graph.nodes if not reads_param[n] and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 0]
-    behind: set[Node] = set()
-    while stack:
-        n = stack.pop()
-        if n not in behind:
-            behind.add(n)
-            stack.extend(n.all_input_nodes)
-    return behind
 
 
 def _mark_draw_rows(gm: GraphModule, made_rows: Mapping[str, tuple[int, ...] | None]) -> None:
