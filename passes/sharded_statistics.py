@@ -6,7 +6,7 @@ and contractions over a dim held in replicated blocks.
   is scaled by local count / whole count, and a block that k ranks hold counts 1/k (a
   fused dim whose segments are held by different numbers of ranks is scaled segment by
   segment: ``_summand``).
-* ``layer_norm`` / ``rms_norm`` become their formula around partial statistics (in fp32):
+* ``layer_norm`` / ``rms_norm`` become their formula around partial statistics (in fp32, fp64 for fp64):
   ``mean = sum(x)/n``, ``var = sum((x - mean)^2)/n`` (layer norm) or ``ms = sum(x^2)/n``
   (RMS norm), then ``x_hat * rsqrt(stat + eps) * weight (+ bias)``.
 * ``linalg_vector_norm(x, p)`` becomes ``sum(|x|^p) ** (1/p)``.
@@ -14,9 +14,9 @@ and contractions over a dim held in replicated blocks.
   and the sum partial; ``var_mean`` / ``std_mean`` hand on that mean too.
 * ``amax`` / ``amin`` of a value that takes no gradient: the rank's extremum, then
   ``autotp::all_reduce_max`` over the group (of the negated minimum for ``amin``).
-* A row-parallel matmul that contracts a dim ranks hold in replicated blocks (query heads
-  of a KV group shared by two ranks) would add each block ``replicas`` times: its
-  sharded operand is scaled by 1/replicas (backward, each replica then computes its share
+* A row-parallel matmul, convolution or einsum that contracts a dim ranks hold in replicated
+  blocks (query heads of a KV group shared by two ranks, 2 channels at tp=4) would add each
+  block ``replicas`` times: its sharded operand is scaled by 1/replicas (backward, each replica then computes its share
   of the grad of the blocks, which the replica group sums); with a bias too, which
   ``insert_collectives`` adds after the all-reduce.
 
@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from autotp.ir.op_facts import is_matmul
+from autotp.ir.op_facts import CONVOLUTIONS, is_matmul
+from autotp.analysis.contraction_rules import einsum_terms
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import schema_arg, shape_of
 from autotp.analysis.statistic_rules import EXTREMA, VARIANCE_MEANS, VARIANCES, reduced_dims
@@ -63,17 +64,36 @@ def sharded_statistics(gm: GraphModule, ctx: PassContext) -> GraphModule:
             _norm(gm, node, ctx.plan.tp)
         elif role is NodeRole.SHARDED_EXTREMUM:
             _extremum(gm, node, ctx.group)
-        elif is_matmul(node) and (node.meta.get(meta_keys.LAYOUT) == PARTIAL or role is NodeRole.ROW_WITH_BIAS):
+        elif node.meta.get(meta_keys.LAYOUT) == PARTIAL or role is NodeRole.ROW_WITH_BIAS:
             _contraction(gm, node, ctx.plan.tp)  # with a bias, insert_collectives adds it after the all-reduce
     return gm
 
 
+def _contracted(node: Node) -> tuple[Any, list[int]]:
+    """(an operand, its dims a contraction of ``node`` sums over); (None, []) for other ops. Scaling
+    that one operand scales the product: every operand holding a contracted dim holds it split alike."""
+    if is_matmul(node):
+        x = node.args[1] if node.target is aten.addmm.default else node.args[0]
+        return x, [x.meta["val"].dim() - 1] if isinstance(x, Node) else []
+    if node.target in CONVOLUTIONS:  # input channels, transposed or not
+        return node.args[0], [1]
+    if node.target is aten.einsum.default and (parsed := einsum_terms(node)) is not None:
+        terms, out = parsed
+        for x, term in zip(node.args[1], terms):
+            lay = x.meta.get(meta_keys.LAYOUT) if isinstance(x, Node) else None
+            dims = [d for d, c in enumerate(term) if c not in out and isinstance(lay, Layout) and lay.var_at(d) is not None]
+            if dims:
+                return x, dims
+    return None, []
+
+
 def _contraction(gm: GraphModule, node: Node, tp: int) -> None:
-    x = node.args[1] if node.target is aten.addmm.default else node.args[0]
+    """A partial sum over a dim ranks hold in replicated blocks counts each block once."""
+    x, dims = _contracted(node)
     if not isinstance(x, Node) or not isinstance(x.meta.get(meta_keys.LAYOUT), Layout):
         return
     with gm.graph.inserting_before(node):
-        scaled = _summand(gm, node, x, [x.meta["val"].dim() - 1], tp, mean=False)
+        scaled = _summand(gm, node, x, dims, tp, mean=False)
     node.replace_input_with(x, scaled)
 
 
@@ -160,8 +180,9 @@ def _norm(gm: GraphModule, node: Node, tp: int) -> None:
     if eps is None:
         eps = torch.finfo(dtype).eps
     reduce = list(node.meta.get(meta_keys.REDUCE_INPUTS, []))  # a partial weight or bias
+    wide = torch.promote_types(dtype, torch.float32)  # the statistics in float32, or float64 for a float64 model
     with gm.graph.inserting_before(node):
-        xf = x if dtype == torch.float32 else _emit(gm, node, aten._to_copy.default, (x,), lay, dtype=torch.float32)
+        xf = x if dtype == wide else _emit(gm, node, aten._to_copy.default, (x,), lay, dtype=wide)
         if layer:
             mean = _partial_sum(gm, node, xf, dims, tp, count)
             xf = _emit(gm, node, aten.sub.Tensor, (xf, mean), lay, [mean])
@@ -169,7 +190,7 @@ def _norm(gm: GraphModule, node: Node, tp: int) -> None:
         stat = _partial_sum(gm, node, square, dims, tp, count)
         shifted = _emit(gm, node, aten.add.Tensor, (stat, eps), REPLICATE, [stat])
         out = _emit(gm, node, aten.mul.Tensor, (xf, _emit(gm, node, aten.rsqrt.default, (shifted,), REPLICATE)), lay)
-        if dtype != torch.float32:
+        if dtype != wide:
             out = _emit(gm, node, aten._to_copy.default, (out,), lay, dtype=dtype)
         if isinstance(weight, Node) and isinstance(bias, Node):
             out = _emit(gm, node, aten.mul.Tensor, (out, weight), lay, reduce)

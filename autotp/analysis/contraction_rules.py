@@ -45,21 +45,32 @@ def einsum(w: Walker, node: Node) -> Any:
     otherwise it is replicated. A replicated operand made from weights alone whose letter
     another operand splits is read through the rank's slice (Mamba's ``A = -exp(A_log)``
     meeting the channel-split ``dt``), as ``values.pointwise`` does for a broadcast operand."""
+    parsed = einsum_terms(node)
+    if parsed is None:
+        return w.opaque(node)
+    terms, out = parsed
+    return _contraction(w, node, terms, out, list(node.args[1]))
+
+
+def einsum_terms(node: Node) -> tuple[list[str], str] | None:
+    """An ``aten.einsum`` node's operand terms and output, one letter per dim: each ``...``
+    written as letters of its own, an implicit output made explicit; None where the equation
+    does not fit the operands."""
     equation, operands = node.args[0].replace(" ", ""), list(node.args[1])
     lhs, out = equation.split("->") if "->" in equation else (equation, None)
     terms = lhs.split(",")
     if len(operands) != len(terms):
-        return w.opaque(node)
+        return None
     lead = ""
     if "..." in equation:
         expanded = _without_ellipsis(terms, out, operands)
         if expanded is None:
-            return w.opaque(node)
+            return None
         terms, out, lead = expanded
     if out is None:
         letters = "".join(terms)
         out = lead + "".join(sorted(c for c in set(letters) - set(lead) if letters.count(c) == 1))
-    return _contraction(w, node, terms, out, operands)
+    return terms, out
 
 
 def _without_ellipsis(terms: list[str], out: str | None, operands: list[Any]) -> tuple[list[str], str | None, str] | None:
