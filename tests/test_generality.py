@@ -163,6 +163,48 @@ def test_a_function_giving_no_gradient_to_a_tensor_it_made_is_traced_through() -
         assert dims[f"{up}.base.weight"] == dims[f"{up}.w1a"] == dims[f"{up}.w2a"] == 0
 
 
+class _RecomputingCheckpoint(torch.autograd.Function):
+    """guided-diffusion's (and latent diffusion's) activation checkpoint: the forward runs ``fn`` under
+    no_grad, the backward runs it again and differentiates it against the inputs and ``params``."""
+
+    @staticmethod
+    def forward(ctx, fn, n, *args):  # type: ignore[no-untyped-def]
+        ctx.fn, ctx.inputs, ctx.params = fn, list(args[:n]), list(args[n:])
+        with torch.no_grad():
+            return fn(*ctx.inputs)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        inputs = [x.detach().requires_grad_(True) for x in ctx.inputs]
+        with torch.enable_grad():
+            out = ctx.fn(*inputs)
+        grads = torch.autograd.grad(out, inputs + ctx.params, grad, allow_unused=True)
+        return (None, None, *grads)
+
+
+class _CheckpointedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + _RecomputingCheckpoint.apply(self._forward, 1, x, *self.parameters())
+
+
+def test_a_kept_function_handed_a_modules_bound_method_is_refused_naming_it() -> None:
+    """A Function kept whole runs its ``fn`` at every step; a bound method reads the module's
+    parameters itself, which in the traced copy are fake: refused at ``parallelize``, naming the
+    Function, the module and the way out, instead of failing at the first forward."""
+    import autotp
+    from autotp.ir.errors import UserInputError
+
+    with pytest.raises(UserInputError, match=r"_RecomputingCheckpoint in module <root>.*bound method _CheckpointedBlock\._forward.*torch\.utils\.checkpoint"):
+        autotp.compile_rank(_CheckpointedBlock(), tp=2, example_inputs={"x": torch.randn(2, 4, 16)})
+
+
 def _seq2seq(name: str) -> torch.nn.Module:
     from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 

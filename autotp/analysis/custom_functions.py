@@ -53,6 +53,7 @@ from torch.utils.hooks import RemovableHandle
 
 from autotp.ir import custom_functions as calls
 from autotp.ir import ops
+from autotp.ir.errors import UserInputError
 from autotp.ir.op_facts import is_pointwise
 
 _CHECK_NUMEL = 1 << 22  # elements of the inputs a Function's backward is checked on
@@ -251,16 +252,56 @@ def tensor_hook(node: Node) -> TensorHook | None:
 
 def opaque_functions(uses: list[FunctionUse]) -> dict[type[Function], str]:
     """The Functions to keep whole, each with why (the first of its calls whose backward is not its
-    forward's derivative, or cannot be checked)."""
+    forward's derivative, or cannot be checked). A kept Function must not be handed a module or a
+    module's bound method (``_module_state``): it would run on the traced copy's parameters."""
     checked: dict[tuple, str | None] = {}
     kept: dict[type[Function], str] = {}
     for use in uses:
-        key = (use.cls, tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a) for a in use.args))
+        key = (use.cls, _key_args(use))
         if key not in checked:
             checked[key] = _backward_differs(use)
         if checked[key] is not None and use.cls not in kept:
             kept[use.cls] = f"{use.function} in module {use.module} at {use.line}: {checked[key]}"
+    for use in uses:
+        holder = next((m for a in use.args if (m := _module_state(a)) is not None), None)
+        if use.cls in kept and holder is not None:
+            raise UserInputError(
+                f"the custom autograd Function {use.function} in module {use.module} at {use.line} is applied to "
+                f"{holder}, which reads that module's parameters itself; autotp keeps this Function whole (its "
+                f"backward is its own: {checked[(use.cls, _key_args(use))]}) and would run it on the traced copy's "
+                "parameters, not the ones it trains. Pass the tensors the Function reads as its arguments and read "
+                "them there, or, for activation checkpointing, call torch.utils.checkpoint.checkpoint(fn, *inputs, "
+                "use_reentrant=False), which autotp carries."
+            )
     return kept
+
+
+def _key_args(use: FunctionUse) -> tuple:
+    """A call's arguments as the check sees them: tensors by shape and dtype, the rest by repr."""
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a) for a in use.args)
+
+
+def _module_state(arg: Any) -> str | None:
+    """What in a Function's non-tensor argument holds a module (so its parameters): the module
+    itself, a bound method of it, or a closure over one; None for anything else."""
+    if isinstance(arg, torch.nn.Module):
+        return f"a {type(arg).__name__} module"
+    if isinstance(getattr(arg, "__self__", None), torch.nn.Module):
+        return f"the bound method {type(arg.__self__).__name__}.{getattr(arg, '__name__', '?')}"
+    if isinstance(arg, functools.partial):
+        return next((m for a in (arg.func, *arg.args, *arg.keywords.values()) if (m := _module_state(a)) is not None), None)
+    cells = getattr(arg, "__closure__", None) or ()
+    if any(isinstance(c.cell_contents, torch.nn.Module) for c in cells if _filled(c)):
+        return f"the function {getattr(arg, '__qualname__', arg)!r}, a closure over a module"
+    return None
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 class _Ctx:
