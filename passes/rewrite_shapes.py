@@ -75,6 +75,10 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
         elif meta_keys.SLICE_FIXUP in node.meta:
             start, end = local_slice_bounds(node, tp)
             node.args = (node.args[0], node.args[1], start, end, *node.args[4:])
+        elif meta_keys.PADDING_SLICE in node.meta:
+            _zero_the_dropped_end(gm, node, ctx.tp_rank, tp)
+        elif node.target is aten.cat.default and isinstance(lay, Layout) and lay.dims:
+            _drop_empty_parts(node)
         elif node.target in _SPLIT_OPS and isinstance(lay, tuple):
             src = read_layout(node.args[0])
             ndim = node.args[0].meta["val"].dim()
@@ -91,6 +95,48 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 node.target = aten.split_with_sizes.default
                 node.args = (node.args[0], sizes, d)
     return gm
+
+
+def _drop_empty_parts(node: Node) -> None:
+    """A split ``cat`` leaves out its inputs empty along the cat dim (an empty cache made by
+    ``torch.empty(b, 0, dim)``): ``shape_rules.cat`` gave them no layout, so their other dims
+    keep the model's sizes, which the rank's parts no longer have."""
+    parts, d = list(node.args[0]), node.args[1] if len(node.args) > 1 else 0
+    d = d + node.meta["val"].dim() if d < 0 else d
+    dtype = node.meta["val"].dtype  # an empty input of a wider dtype still promotes the result: it stays
+
+    def empty(t: object) -> bool:
+        val = t.meta["val"] if isinstance(t, Node) else None
+        return val is not None and val.dtype == dtype and (tuple(val.shape) == (0,) or val.shape[d] == 0)
+
+    kept = [t for t in parts if not empty(t)]
+    if kept and len(kept) < len(parts):
+        node.args = (kept, *node.args[1:])
+
+
+def _zero_the_dropped_end(gm: GraphModule, node: Node, rank: int, tp: int) -> None:
+    """``x[..., :end]`` kept as a padded dim of ``x``'s even blocks: each rank keeps its whole
+    block, and the one holding ``end`` multiplies the elements past it by zero (the padding a
+    padded vocabulary has; a vocab-parallel loss masks those columns)."""
+    x, d = node.args[0], node.args[1]
+    val = x.meta["val"]
+    d = d + val.dim() if d < 0 else d
+    block = val.shape[d] // tp
+    kept = min(max(node.meta["val"].shape[d] - rank * block, 0), block)  # the slice's global end, less the blocks before
+    node.args = (x, d, 0, block)
+    if kept == block:
+        return
+    graph = gm.graph
+    with graph.inserting_before(node.next):
+        arange = graph.call_function(aten.arange.default, (block,), {"device": val.device})
+        keep = graph.call_function(aten.lt.Scalar, (arange, kept))
+        shaped = graph.call_function(aten.view.default, (keep, [block] + [1] * (val.dim() - 1 - d)))
+        zeroed = graph.call_function(aten.mul.Tensor, (node, shaped))
+    node.replace_all_uses_with(zeroed, delete_user_cb=lambda u: u is not zeroed)
+    arange.meta["val"] = torch.arange(block, device="meta")
+    keep.meta["val"] = torch.empty(block, dtype=torch.bool, device="meta")
+    shaped.meta["val"] = torch.empty([block] + [1] * (val.dim() - 1 - d), dtype=torch.bool, device="meta")
+    zeroed.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.PADDING_SLICE})
 
 
 def _local_aranges(gm: GraphModule, node: Node, tp: int) -> None:

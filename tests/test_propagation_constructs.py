@@ -516,3 +516,121 @@ def test_a_biased_projection_over_heads_held_by_two_ranks_adds_each_head_once() 
     for equal, reason, local in run_on_ranks(_two_heads_at_tp4, 4):
         assert equal, reason
         assert local == (DIM, DIM // 2)  # a head's columns: the heads are replicated, not whole
+
+
+class NarrowChannels(nn.Module):
+    """CLIP's ResNet stem at a small width: a 3x3 convolution to 2 channels, then a dense one
+    from those 2 channels (row-parallel, with and without a bias), then a channel einsum (with an
+    ellipsis, as einops writes them) over the next 2: at tp=4 each of the 2 channels is held by two ranks."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 2, 3, padding=1)
+        self.mix = nn.Conv2d(2, 2, 3, padding=1, bias=bias)
+        self.up = nn.Conv2d(2, 2, 1)
+        self.out = nn.Parameter(torch.randn(2, 8) / 2)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = self.up(F.relu(self.mix(F.relu(self.stem(x)))))
+        z = torch.einsum("bc...,cd->bd...", F.relu(y), self.out)
+        return {"loss": (z * torch.linspace(-1, 1, 8)[:, None, None]).square().mean()}
+
+
+def _narrow_channels_at_tp4(rank: int, world: int, bias: bool) -> tuple[bool, str]:
+    from autotp.report.strict_rule import check_on_rank
+
+    torch.manual_seed(0)
+    result = check_on_rank(NarrowChannels(bias), {"x": torch.randn(2, 3, 6, 6)}, tp=world)
+    return result.equal, result.reason
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_convolutions_and_einsums_over_channels_held_by_two_ranks_add_each_channel_once(bias: bool) -> None:
+    """A dense convolution or an einsum that contracts channels each held by two of the four
+    ranks scales its input by 1/2 before the all-reduce, as a matmul does; without it every
+    channel counted twice (CLIP's ResNet stem at tp=4: a loss 0.5% off)."""
+    for equal, reason in run_on_ranks(_narrow_channels_at_tp4, 4, bias):
+        assert equal, reason
+
+
+class PaddedVocabHead(nn.Module):
+    """nanochat's head: a vocabulary of 250 padded to 256 rows for speed, the logits sliced back
+    to 250 and soft-capped before the loss. 250 is no multiple of 4, nor are the 6 dropped rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(256, DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+        self.lm_head = nn.Linear(DIM, 256, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.wte(idx)
+        logits = self.lm_head(x + self.mlp(x))[..., :250].float()
+        logits = 15 * torch.tanh(logits / 15)
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), targets.flatten())}
+
+
+def _padded_vocab_inputs() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 250, (2, 8), generator=torch.Generator().manual_seed(1))
+    return {"idx": ids, "targets": ids.roll(-1, 1)}
+
+
+def _padded_vocab_at(rank: int, world: int) -> tuple[bool, str, float]:
+    from autotp.report.strict_rule import check_on_rank
+
+    torch.manual_seed(0)
+    result = check_on_rank(PaddedVocabHead(), _padded_vocab_inputs(), tp=world)
+    return result.equal, result.reason, result.share
+
+
+def test_logits_sliced_back_from_a_padded_vocabulary_stay_vocab_parallel() -> None:
+    """At tp=4 the lm_head's 256 rows split in blocks of 64 and ``[..., :250]`` cuts inside the last:
+    the slice is a padded dim of those blocks (the last rank zeroes its 6 dropped columns, the loss
+    masks them), where a cut into segments of 250 and 6 would keep the head whole."""
+    gm, plan = _plan(PaddedVocabHead(), 4, **_padded_vocab_inputs())
+    assert _kinds(plan)["lm_head.weight"][0] == "column" and "lm_head.weight" not in _kept(plan)
+    last = _rank_graph(gm, plan, rank=3)
+    assert any(n.target is aten.lt.Scalar and n.args[1] == 250 - 3 * 64 for n in last.graph.nodes)
+    assert not any(n.target is aten.lt.Scalar for n in _rank_graph(gm, plan, rank=0).graph.nodes)
+    for equal, reason, share in run_on_ranks(_padded_vocab_at, 4):
+        assert equal, reason
+        assert share <= 1.3 / 4
+
+
+def test_a_padded_dim_of_given_blocks_holds_them_past_its_end() -> None:
+    kept = DimSharding(250, (250,), (250,), padded=True, block=64)
+    assert [kept.ranges(r, 4) for r in range(4)] == [[(0, 64)], [(64, 128)], [(128, 192)], [(192, 256)]]
+    assert kept.local_size(4) == 64 and DimSharding.from_json(kept.to_json()) == kept
+    assert "block" not in DimSharding(250, (250,), (250,), padded=True).to_json()  # plans without it read as before
+
+
+
+class EmptyMemoryCat(nn.Module):
+    """block-recurrent-transformer's first segment: the memories so far are ``torch.empty(b, 0, dim)``,
+    and the new ones, split over the ranks on their features, are concatenated onto them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = F.gelu(self.up(x))
+        memories = torch.cat((torch.empty(x.shape[0], 0, 2 * DIM, dtype=x.dtype), h), dim=-2)
+        return {"loss": (self.down(memories) * torch.linspace(-1, 1, DIM)).square().mean()}
+
+
+def _empty_memory_cat_at(rank: int, world: int) -> tuple[bool, str]:
+    from autotp.report.strict_rule import check_on_rank
+
+    torch.manual_seed(0)
+    result = check_on_rank(EmptyMemoryCat(), {"x": torch.randn(2, 8, DIM)}, tp=world)
+    return result.equal, result.reason
+
+
+def test_a_split_cat_onto_an_empty_factory_tensor_leaves_it_out() -> None:
+    """The empty input has no layout (it adds nothing), so the rank graph drops it: kept, its
+    features would have the model's size beside the rank's part (a crash in cat)."""
+    gm, plan = _plan(EmptyMemoryCat(), 2)
+    assert _kinds(plan)["up.weight"][0] == "column"
+    for equal, reason in run_on_ranks(_empty_memory_cat_at, 2):
+        assert equal, reason

@@ -103,6 +103,9 @@ class Propagation:
     # slice node -> (sliced var, selected segment, its global start): its bounds become local
     # offsets, found by position (two segments of one size may have been unified into one var).
     slice_fixups: dict[Node, tuple[DimVar, DimVar, int]] = field(default_factory=dict)
+    # slice node -> the var it keeps the first elements of, as a padded dim of that var's even
+    # blocks (``shape_rules._drops_padding``): the var must resolve to tp contiguous blocks.
+    padding_slices: dict[Node, DimVar] = field(default_factory=dict)
     # node -> [(replicated input, dim, var)]: the node reads that input's local slice along
     # dim as var shards it (a per-head vector or a buffer meeting sharded heads).
     local_slices: dict[Node, list[tuple[Node, int, DimVar]]] = field(default_factory=dict)
@@ -165,6 +168,10 @@ def indivisible(prop: Propagation) -> list[Indivisible]:
             why = misaligned_repeats(resolve(merged, prop.tp), resolve(outer, prop.tp), prop.tp)
             if why:
                 found.append(Indivisible(node, d, why, frozenset(outer.find().origins)))
+    for node, whole in prop.padding_slices.items():
+        sharding = resolve(whole, prop.tp)
+        if len(sharding.segments) != 1 or sharding.padded or sharding.groups[0] % prop.tp:
+            found.append(Indivisible(node, node.args[1], "the slice keeps the even blocks of a dim that other ops split otherwise", frozenset(whole.find().origins)))
     return found
 
 

@@ -3,7 +3,8 @@ transposes, permutes, squeezes, slices, selects, splits, pads and concatenation
 (reshapes are ``reshape_rules``, indexing ``index_rules``).
 
 A slice within a sharded dim selects a segment of it (``select_range``), recorded in
-``slice_fixups``; a strided slice (``[..., ::2]``, interleaved gate/up columns) keeps
+``slice_fixups``; one that drops the padding at the end of an even split is a padded dim of
+those blocks (``padding_slices``); a strided slice (``[..., ::2]``, interleaved gate/up columns) keeps
 whole blocks of ``step`` elements on each rank. An expand of a size-1 dim that a
 replicated block fills (one KV head held by every rank) may take any split.
 """
@@ -251,10 +252,28 @@ def slice_(w: Walker, node: Node) -> Any:
         return shard({x: v for x, v in lay.dims if x != d})
     if step != 1:
         return shard({**dict(lay.dims), d: _strided(node, var, start, end, step)})
+    if start == 0 and _drops_padding(var, end, w.tp):
+        kept = DimVar(end, var.find().origins, padded=True, block=var.find().size // w.tp)
+        w.out.padding_slices[node] = var
+        return shard({**dict(lay.dims), d: kept})
     part = select_range(var, start, end, describe(node))
     if part is not var.find():
         w.out.slice_fixups[node] = (var, part, start)
     return shard({**dict(lay.dims), d: part})
+
+
+def _drops_padding(var: DimVar, end: int, tp: int) -> bool:
+    """Whether ``x[..., :end]`` of a split dim drops padding that no cut into segments can split
+    (nanochat's logits over a vocabulary padded to 64, ``logits[..., :vocab]``): the dim splits in
+    ``tp`` even blocks, the last of which holds the dropped end, and ``end`` or the rest is not a
+    multiple of ``tp``. The slice is then a padded dim of those blocks (``DimSharding.block``): each
+    rank keeps its block, the padding zeroed (``rewrite_shapes``), as a padded vocabulary's."""
+    r = var.find()
+    if r.padded or r.segments is not None or r.follows is not None or r.size % tp:
+        return False
+    if r.fixed is not None and (len(r.fixed.segments) != 1 or r.fixed.padded or r.fixed.groups[0] % tp):
+        return False  # a plan's split (the rank graph's walk) of other than tp even blocks
+    return r.size - r.size // tp < end < r.size and bool(end % tp or (r.size - end) % tp)
 
 
 def sym_size(w: Walker, node: Node) -> Any:

@@ -57,11 +57,12 @@ _ids = itertools.count()
 class DimVar:
     """A sharded tensor dimension whose exact split is still being constrained."""
 
-    def __init__(self, size: int, origins: frozenset[str], *, padded: bool = False, axis: Axis = Axis.TP) -> None:
+    def __init__(self, size: int, origins: frozenset[str], *, padded: bool = False, block: int = 0, axis: Axis = Axis.TP) -> None:
         self.uid = next(_ids)
         self.size = size
         self.origins = origins
         self.padded = padded
+        self.block = block  # a padded dim's elements per rank (0: ceil(size / tp)), ``DimSharding.block``
         self.axis = axis
         self.groups: int | None = None
         # (reshape node name, output factor) when a reshape chose which factor carries the
@@ -91,7 +92,7 @@ def unify(a: DimVar, b: DimVar, where: str) -> DimVar:
     if ra is rb:
         return ra
     origins = ra.origins | rb.origins
-    if ra.size != rb.size or ra.padded != rb.padded:
+    if ra.size != rb.size or ra.padded != rb.padded or ra.block != rb.block:
         raise ShardingConflict(f"{where}: sharded dims of size {ra.size} and {rb.size} meet", origins)
     if ra.axis != rb.axis:
         raise ShardingConflict(f"{where}: a dim split over {ra.axis} meets one split over {rb.axis}", origins)
@@ -188,6 +189,8 @@ def set_groups(var: DimVar, groups: int, where: str) -> None:
     if r.segments is not None:
         block = r.size // groups
         for seg in r.segments:
+            if seg.find() is r:
+                raise ShardingConflict(f"{where}: a dim is a segment of itself", r.origins)
             size = seg.find().size
             if r.size % groups or size % block:
                 raise ShardingConflict(f"{where}: blocks of {block} do not fit segments of {size}", r.origins)
@@ -215,6 +218,8 @@ def set_segments(var: DimVar, sizes: list[int], where: str) -> tuple[DimVar, ...
     r = var.find()
     if sum(sizes) != r.size:
         raise ShardingConflict(f"{where}: segments {sizes} do not cover size {r.size}", r.origins)
+    if len(sizes) == 1:  # one segment is the dim itself (a tile of one outer element); a var of its own segment would cycle
+        return (r,)
     if r.segments is None and r.follows is not None and r.follows.find() is not r:
         inner = r.size // r.follows.find().size
         if any(size % inner for size in sizes):
@@ -300,6 +305,10 @@ class DimSharding:
     groups: tuple[int, ...]
     padded: bool = False
     axis: Axis = Axis.TP
+    block: int = 0  # padded: elements per rank (0: ceil(size / tp)); a slice that drops the padding of an even split keeps its blocks
+
+    def _per(self, tp: int) -> int:
+        return self.block or math.ceil(self.size / tp)
 
     def check(self, tp: int) -> str | None:
         """Why this dim cannot be split over ``tp`` ranks, or None."""
@@ -318,7 +327,7 @@ class DimSharding:
 
     def local_size(self, tp: int) -> int:
         if self.padded:
-            return math.ceil(self.size / tp)
+            return self._per(tp)
         return sum(seg // g * max(g // tp, 1) for seg, g in zip(self.segments, self.groups))
 
     def ranges(self, rank: int, tp: int) -> list[tuple[int, int]]:
@@ -327,7 +336,7 @@ class DimSharding:
         For a padded dim ``stop`` may pass ``size``: the rest of the slice is padding.
         """
         if self.padded:
-            per = math.ceil(self.size / tp)
+            per = self._per(tp)
             return [(rank * per, (rank + 1) * per)]
         out: list[tuple[int, int]] = []
         offset = 0
@@ -343,12 +352,14 @@ class DimSharding:
         return out
 
     def to_json(self) -> dict:
-        return {"size": self.size, "segments": list(self.segments), "groups": list(self.groups), "padded": self.padded,
-                "axis": self.axis.value}  # fmt: skip
+        out = {"size": self.size, "segments": list(self.segments), "groups": list(self.groups), "padded": self.padded,
+               "axis": self.axis.value}  # fmt: skip
+        return out | ({"block": self.block} if self.block else {})
 
     @staticmethod
     def from_json(d: dict) -> DimSharding:
-        return DimSharding(d["size"], tuple(d["segments"]), tuple(d["groups"]), d.get("padded", False), Axis(d.get("axis", Axis.TP)))
+        return DimSharding(d["size"], tuple(d["segments"]), tuple(d["groups"]), d.get("padded", False), Axis(d.get("axis", Axis.TP)),
+                           d.get("block", 0))  # fmt: skip
 
 
 def resolve(var: DimVar, tp: int, _seen: frozenset[int] = frozenset()) -> DimSharding:
@@ -361,14 +372,14 @@ def resolve(var: DimVar, tp: int, _seen: frozenset[int] = frozenset()) -> DimSha
         inner = r.size // outer.size
         return DimSharding(r.size, tuple(s * inner for s in outer.segments), outer.groups, outer.padded)
     if r.padded:
-        return DimSharding(r.size, (r.size,), (r.size,), padded=True, axis=r.axis)
+        return DimSharding(r.size, (r.size,), (r.size,), padded=True, axis=r.axis, block=r.block)
     if r.segments is None:
         return DimSharding(r.size, (r.size,), (r.groups or r.size or 1,), axis=r.axis)  # an empty dim: one empty block
     sizes: list[int] = []
     groups: list[int] = []
     for seg in r.segments:  # a segment cut again (a slice of a slice) flattens into its parts
         s = resolve(seg, tp, _seen | {r.uid})
-        if s.padded and s.size % tp:
+        if s.padded and (s.size % tp or s.local_size(tp) * tp != s.size):
             raise ShardingConflict("a padded dim cannot be a segment", r.origins)
         if s.padded:  # tp divides it: padded and even splits hold the same rows
             s = DimSharding(s.size, (s.size,), (s.size,), axis=s.axis)
@@ -428,7 +439,7 @@ def local_size(var: DimVar, tp: int) -> int:
 
 def fixed_var(sharding: DimSharding, origin: str) -> DimVar:
     """A variable already resolved to ``sharding`` (for parameters read from a plan)."""
-    var = DimVar(sharding.size, frozenset({origin}), padded=sharding.padded, axis=sharding.axis)
+    var = DimVar(sharding.size, frozenset({origin}), padded=sharding.padded, block=sharding.block, axis=sharding.axis)
     var.fixed = sharding
     if len(sharding.segments) > 1:
         set_segments(var, list(sharding.segments), origin)

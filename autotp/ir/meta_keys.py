@@ -28,6 +28,11 @@ SLICE_FIXUP = "autotp_slice_fixup"
 """On a ``slice`` of a sharded dim: ``(sliced DimVar, selected segment DimVar)``; its
 bounds become the segment's local offset and size."""
 
+PADDING_SLICE = "autotp_padding_slice"
+"""On a ``slice`` that keeps the first elements of an evenly split dim as a padded dim of its
+blocks (``shape_rules._drops_padding``): the sliced DimVar; each rank keeps its block, the
+elements past the slice's end zeroed."""
+
 EXPAND_FIXUPS = "autotp_expand_fixups"
 """On an ``expand`` whose broadcast dim is later merged into a sharded dim (``repeat_kv``):
 ``[(dim, merged DimVar, outer DimVar)]``; that dim's local size is local(merged)/local(outer)."""
