@@ -9,6 +9,9 @@ from autotp.runtime.processes.launcher import spawn_ranks
 
 T = TypeVar("T")
 
+# Imported once by a fork server the ranks fork from: a spawned rank spends ~4 s of a CI core importing them.
+PRELOAD = ("autotp.api", "autotp.report.strict_rule", "transformers")
+
 
 def run_on_ranks(fn: Callable[..., T], world_size: int, *args: Any, timeout_s: float = 300) -> list[T]:
     """Run module-level `fn(rank, world_size, *args)` on `world_size` gloo ranks; results by rank.
@@ -16,4 +19,4 @@ def run_on_ranks(fn: Callable[..., T], world_size: int, *args: Any, timeout_s: f
     Raises `autotp.runtime.processes.launcher.RankError` with the rank's traceback if a rank raises, and
     `TimeoutError` after killing every rank if they do not finish in `timeout_s`.
     """
-    return spawn_ranks(fn, world_size, *args, backend="gloo", timeout_s=timeout_s, num_threads=1)
+    return spawn_ranks(fn, world_size, *args, backend="gloo", timeout_s=timeout_s, num_threads=1, preload=PRELOAD)

@@ -165,7 +165,10 @@ def _rank_main(
     results: Any,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
+    environ: dict[str, str],
 ) -> None:
+    os.environ.clear()  # the caller's, as a spawned rank has it (a fork server's children get the server's)
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -221,7 +224,7 @@ def spawn_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, backend, timeout_s, num_threads, results, fn, args),
+            args=(rank, world_size, port, backend, timeout_s, num_threads, results, fn, args, dict(os.environ)),
             name=f"autotp-rank{rank}",
         )
         for rank in range(world_size)
