@@ -50,7 +50,8 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "segment_anything", "clip", "dinov2", "dit", "nanogpt",
              "lingua", "guided_diffusion", "ijepa", "palm_pytorch", "MEGABYTE_pytorch", "simple_hierarchical_transformer",
              "recurrent_memory_transformer_pytorch", "block_recurrent_transformer_pytorch", "soft_moe_pytorch", "st_moe_pytorch",
-             "mixture_of_experts")  # fmt: skip
+             "mixture_of_experts", "gateloop_transformer", "mega_pytorch", "perceiver_pytorch", "h_transformer_1d", "local_attention",
+             "conformer", "nystrom_attention", "colt5_attention")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 
 
@@ -642,6 +643,22 @@ MODELS: dict[str, Model] = {
                                    offload_unused_experts_to_cpu=False),  # fmt: skip
     "st_moe_pytorch": _layers_lm("st_moe_pytorch.MoE", dim=64, num_experts=4, gating_top_n=2, is_distributed=False),
     "mixture_of_experts": _layers_lm("mixture_of_experts.MoE", dim=64, num_experts=4, hidden_dim=128),
+    "gateloop_transformer": (_call("gateloop_transformer.Transformer", dim=64, num_tokens=VOCAB, depth=2, dim_head=16, heads=4,
+                                   checkpoint_gate_looped_attn=False), _tokens("x"), lm_loss),  # fmt: skip
+    "mega_pytorch": (_call("mega_pytorch.Mega", dim=64, num_tokens=VOCAB, depth=2), _tokens("x"), lm_loss),
+    "perceiver_pytorch": (_call("perceiver_pytorch.PerceiverLM", dim=64, num_tokens=VOCAB, max_seq_len=SEQ, depth=2, num_latents=8,
+                                latent_dim=64, cross_heads=1, latent_heads=4, cross_dim_head=16, latent_dim_head=16),
+                          _tokens("x"), lm_loss),  # fmt: skip
+    "h_transformer_1d": (_call("h_transformer_1d.HTransformer1D", num_tokens=VOCAB, dim=64, depth=2, max_seq_len=SEQ, causal=True, heads=4,
+                               dim_head=16, block_size=4), _tokens("x"), lm_loss),  # fmt: skip
+    "local_attention": (_call("local_attention.LocalTransformer", num_tokens=VOCAB, max_seq_len=SEQ, dim=64, depth=2, local_attn_window_size=4,
+                              dim_head=16, heads=4), _tokens("x"), lm_loss),  # fmt: skip
+    "conformer": _layers_lm("conformer.ConformerBlock", dim=64, dim_head=16, heads=4, conv_kernel_size=7),
+    "nystrom_attention": _layers_lm("nystrom_attention.NystromAttention", dim=64, dim_head=16, heads=4, num_landmarks=4,
+                                    residual_conv_kernel=3),  # fmt: skip
+    "colt5_attention": _layers_lm("colt5_attention.ConditionalRoutedTransformerBlock", dim=64, num_heavy_attn_tokens_q=8,
+                                  num_heavy_attn_tokens_kv=8, num_heavy_ff_tokens=8, light_dim_head=16, light_heads=4, light_window_size=4,
+                                  heavy_dim_head=16, heavy_heads=4),  # fmt: skip
 }
 
 
