@@ -121,8 +121,8 @@ def _tokens(key: str) -> Callable[[], dict[str, Any]]:
     return lambda: {key: torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))}
 
 
-def _images(key: str, frames: int = 0) -> Callable[[], dict[str, Any]]:
-    shape = (2, 3, frames, IMAGE, IMAGE) if frames else (2, 3, IMAGE, IMAGE)
+def _images(key: str, frames: int = 0, size: int = IMAGE) -> Callable[[], dict[str, Any]]:
+    shape = (2, 3, frames, size, size) if frames else (2, 3, size, size)
     return lambda: {key: torch.randn(*shape, generator=torch.Generator().manual_seed(1))}
 
 
@@ -170,8 +170,9 @@ def _call(path: str, **kwargs: Any) -> Callable[[], torch.nn.Module]:
     return lambda: getattr(importlib.import_module(module), name)(**kwargs)
 
 
-def _timm(name: str, **kwargs: Any) -> Model:
-    return (lambda: importlib.import_module("timm").create_model(name, pretrained=False, num_classes=8, **kwargs)), _images("x"), class_loss
+def _timm(name: str, size: int = IMAGE, **kwargs: Any) -> Model:
+    """timm's ``name`` on ``size``-pixel images (hybrid convolution-attention models downsample 32-fold: 64)."""
+    return (lambda: importlib.import_module("timm").create_model(name, pretrained=False, num_classes=8, **kwargs)), _images("x", size=size), class_loss
 
 
 def _litgpt(name: str, **kwargs: Any) -> Model:
@@ -477,6 +478,8 @@ MODELS: dict[str, Model] = {
                                     depth=[[1, 1, 0]], num_heads=[4, 4], mlp_ratio=[2, 2, 1]),  # fmt: skip
     "timm_convnext_atto": _timm("convnext_atto", depths=(1, 1, 1, 1), dims=(32, 64, 64, 64)),
     **{f"timm_{n}": _timm(n) for n in ("resnet18", "efficientnet_b0", "mobilenetv3_small_100", "regnetx_002")},
+    **{f"timm_{n}": _timm(n, size=64) for n in ("mobilevit_xxs", "efficientvit_b0", "fastvit_t8", "edgenext_xx_small", "repvit_m0_9")},
+    **{f"timm_{n}": _timm(n, size=64, img_size=64) for n in ("levit_128s", "coat_lite_tiny", "efficientformerv2_s0")},
     "timm_sequencer2d_s": _timm("sequencer2d_s", layers=(1, 1, 1, 1), embed_dims=(32, 64, 64, 64), hidden_sizes=(16, 32, 32, 32)),
     "litgpt_llama3": _litgpt("Llama-3.2-1B", n_query_groups=2, intermediate_size=128),
     "litgpt_gemma2": _litgpt("Gemma-2-2b", n_query_groups=2, intermediate_size=128, head_size=16),
