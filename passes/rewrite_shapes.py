@@ -16,7 +16,7 @@ from torch.fx import GraphModule, Node
 from autotp.analysis.local_shapes import local_sizes, local_slice_bounds, local_tensors
 from autotp.ir import meta_keys
 from autotp.ir.op_facts import CONVOLUTIONS
-from autotp.analysis.shapes import contiguous_strides, schema_arg, shape_of, strided_walk
+from autotp.analysis.shapes import adds_nothing_to_cat, contiguous_strides, schema_arg, shape_of, strided_walk
 from autotp.analysis.value_rules import UNIFORM_FACTORIES
 from autotp.ir.layouts import Layout, local_size
 from autotp.passes.runner import PassContext
@@ -104,19 +104,14 @@ def _drop_empty_parts(node: Node) -> None:
     parts, d = list(node.args[0]), node.args[1] if len(node.args) > 1 else 0
     d = d + node.meta["val"].dim() if d < 0 else d
     dtype = node.meta["val"].dtype  # an empty input of a wider dtype still promotes the result: it stays
-
-    def empty(t: object) -> bool:
-        val = t.meta["val"] if isinstance(t, Node) else None
-        return val is not None and val.dtype == dtype and (tuple(val.shape) == (0,) or val.shape[d] == 0)
-
-    kept = [t for t in parts if not empty(t)]
+    kept = [t for t in parts if not (adds_nothing_to_cat(t, d) and t.meta["val"].dtype == dtype)]
     if kept and len(kept) < len(parts):
         node.args = (kept, *node.args[1:])
 
 
 def _zero_the_dropped_end(gm: GraphModule, node: Node, rank: int, tp: int) -> None:
     """``x[..., :end]`` kept as a padded dim of ``x``'s even blocks: each rank keeps its whole
-    block, and the one holding ``end`` multiplies the elements past it by zero (the padding a
+    block, and the one holding ``end`` sets the elements past it to zero (the padding a
     padded vocabulary has; a vocab-parallel loss masks those columns)."""
     x, d = node.args[0], node.args[1]
     val = x.meta["val"]
@@ -131,7 +126,7 @@ def _zero_the_dropped_end(gm: GraphModule, node: Node, rank: int, tp: int) -> No
         arange = graph.call_function(aten.arange.default, (block,), {"device": val.device})
         keep = graph.call_function(aten.lt.Scalar, (arange, kept))
         shaped = graph.call_function(aten.view.default, (keep, [block] + [1] * (val.dim() - 1 - d)))
-        zeroed = graph.call_function(aten.mul.Tensor, (node, shaped))
+        zeroed = graph.call_function(aten.where.ScalarOther, (shaped, node, 0.0))
     node.replace_all_uses_with(zeroed, delete_user_cb=lambda u: u is not zeroed)
     arange.meta["val"] = torch.arange(block, device="meta")
     keep.meta["val"] = torch.empty(block, dtype=torch.bool, device="meta")

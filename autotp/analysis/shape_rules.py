@@ -19,7 +19,7 @@ import torch
 from torch.fx import Node
 
 from autotp.analysis.propagation_result import ParamView, Sliced
-from autotp.analysis.shapes import norm_dim, schema_arg, shape_of, strided_walk
+from autotp.analysis.shapes import adds_nothing_to_cat, norm_dim, schema_arg, shape_of, strided_walk
 from autotp.ir.errors import describe
 from autotp.ir.op_facts import is_matmul, op_name
 from autotp.ir.layouts import (
@@ -392,9 +392,7 @@ def cat(w: Walker, node: Node) -> Any:
     nd = len(shape_of(node) or ())
     d = norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
     stacking = node.target is aten.stack.default
-    # an input empty along the cat dim (an empty cache, a part of width 0) adds nothing, and
-    # cat skips a 1-D empty input of any rank (a cache's first ``torch.tensor([])``)
-    tensors = [t for t in node.args[0] if stacking or ((shape_of(t) or (1,) * nd)[d:d + 1] != (0,) and shape_of(t) != (0,))]
+    tensors = [t for t in node.args[0] if stacking or not adds_nothing_to_cat(t, d)]
     lays = [w.concrete(t, node) for t in tensors]
     if all(l.replicated for l in lays):
         return REPLICATE

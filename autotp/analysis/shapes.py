@@ -94,6 +94,14 @@ def shape_of(node: Any) -> tuple[int, ...] | None:
     return None
 
 
+def adds_nothing_to_cat(part: Any, d: int) -> bool:
+    """Whether a ``cat`` input adds nothing along dim ``d``: empty along it (an empty cache, a
+    part of width 0), or a 1-D empty tensor, which ``cat`` skips whatever the others' rank (a
+    cache's first ``torch.tensor([])``)."""
+    shape = shape_of(part)
+    return shape is not None and (shape == (0,) or shape[d : d + 1] == (0,))
+
+
 def is_float(node: Node) -> bool:
     """A floating-point or complex tensor (one that can carry a gradient)."""
     val = node.meta.get("val")
