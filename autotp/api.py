@@ -257,7 +257,7 @@ def parallelize(
                                   cudagraph_impl=impl, gather_outputs=gather_outputs,
                                   sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, ep=ep, etp=etp,
                                   moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor, fp8=fp8,
-                                  recompute=recompute)  # fmt: skip
+                                  recompute=recompute, compiled=compile_backend == "inductor")  # fmt: skip
     coords = make_groups(planned.plan, timeout_s)
     rng.seed_tp_rng(seed + 1009 * (coords.dp_rank + planned.plan.dp * coords.pp_rank), coords.tp_rank)
     backend = dist.get_backend() if dist.is_initialized() else "nccl"

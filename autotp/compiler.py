@@ -125,10 +125,11 @@ def trace_for_planning(config: PretrainedConfig, seq: int, *, dtype: torch.dtype
 
 def choose_plan(
     traced: GraphModule, tp: int, pp: int, dp: int, vpp: int, plan: ParallelPlan | str | None, *,
-    sequence_parallel: bool | None = None, tp_overlap: bool | None = None, fp8: str = "",
+    sequence_parallel: bool | None = None, tp_overlap: bool | None = None, fp8: str = "", compiled: bool = False,
 ) -> ParallelPlan:  # fmt: skip
     """The caller's plan (checked against the degrees), the cost model's (``"auto"``, with
-    ``sequence_parallel`` and ``tp_overlap`` fixed where not None) or tp/pp's default."""
+    ``sequence_parallel`` and ``tp_overlap`` fixed where not None, ``compiled`` as in ``plan_model``) or tp/pp's
+    default."""
     if isinstance(plan, ParallelPlan):
         if (plan.tp, plan.pp, plan.dp, plan.vpp) != (tp, pp, dp, vpp):
             raise UserInputError(
@@ -142,7 +143,7 @@ def choose_plan(
         fixed = tp > 1 or pp > 1
         return auto_plan(model_costs(traced), tp * pp * dp, tp=tp if fixed else None, pp=pp if fixed else None,
                          vpp=vpp if vpp > 1 else None, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap,
-                         fp8=fp8)  # fmt: skip
+                         fp8=fp8, compiled=compiled)  # fmt: skip
     layers = num_layers(traced)
     blocks = 0 if layers or repeated_modules(traced.graph) else len(set(units(traced).values()))  # cut between blocks without a layer list
     if pp * vpp > 1 and pp * vpp > max(layers, blocks):
@@ -184,6 +185,7 @@ def plan_model(
     moe_capacity_factor: float | None = None,
     fp8: str | bool | None = None,
     recompute: RecomputeArg = None,
+    compiled: bool = False,
 ) -> Planned:
     """Trace ``model`` on ``device`` and choose its plan. ``cudagraph_impl`` (the capture
     implementation) turns CUDA graphs on, keeping an implementation the plan names.
@@ -193,7 +195,8 @@ def plan_model(
     sequence-parallel collective and needs sequence parallelism. ``fp8``: an FP8 recipe
     (``autotp.ir.fp8.RECIPES``; True: the default one) for the GEMMs ``plan_fp8`` admits,
     False for none, None keeps the plan's. ``recompute``: the decoder layers whose activations
-    the backward recomputes (``cost_model.recompute.with_recompute``)."""
+    the backward recomputes (``cost_model.recompute.with_recompute``). ``compiled``: the rank graphs
+    will run under ``torch.compile``, which the cost model's choices price (``cost_model.fused_kernels``)."""
     for name, value in (("sequence_parallel", sequence_parallel), ("tp_overlap", tp_overlap)):
         if value is not None and not isinstance(value, bool) and value != "auto":
             raise UserInputError(f"{name} must be True, False or 'auto', got {value!r}")
@@ -210,7 +213,8 @@ def plan_model(
     traced = trace(model, kwargs, device)
     traced_at = time.perf_counter()
     recipe = fp8_recipe(fp8)
-    chosen = choose_plan(traced, tp, pp, dp, vpp, plan, sequence_parallel=fixed_sp, tp_overlap=fixed_overlap, fp8=recipe)
+    chosen = choose_plan(traced, tp, pp, dp, vpp, plan, sequence_parallel=fixed_sp, tp_overlap=fixed_overlap, fp8=recipe,
+                         compiled=compiled)  # fmt: skip
     if cudagraph_impl is not None:
         chosen = replace(chosen, cudagraphs=True, cudagraph_impl=chosen.cudagraph_impl or cudagraph_impl)
     hardware = device_hardware(torch.device(device))
@@ -223,7 +227,7 @@ def plan_model(
         keep_sp = chosen.sequence_parallel if sequence_parallel is None else fixed_sp
         keep_overlap = bool(chosen.tp_overlap) if tp_overlap is None else fixed_overlap
         chosen = auto_sequence_parallel(model_costs(traced), chosen, sequence_parallel=keep_sp, tp_overlap=keep_overlap,
-                                        fp8=recipe or chosen.fp8)  # fmt: skip
+                                        fp8=recipe or chosen.fp8, compiled=compiled)  # fmt: skip
     else:
         chosen = _with_fixed_sequence_parallel(chosen, fixed_sp, fixed_overlap)
     if isinstance(plan, ParallelPlan):

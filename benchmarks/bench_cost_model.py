@@ -12,6 +12,7 @@ planner ranks first is within 5% of the fastest measured one:
     python benchmarks/bench_cost_model.py --cpu                    # smoke run: gloo, tiny models
     python benchmarks/bench_cost_model.py --measured out.json      # re-predict saved measurements
     python benchmarks/bench_cost_model.py --validate [--top 4]     # held-out check, on a 2-GPU machine
+    python benchmarks/bench_cost_model.py --validate --compile     # the same, ranks under torch.compile
     python benchmarks/bench_cost_model.py --repredict h100 saved.json  # re-predict a saved --validate run (CPU)
 
 ``--validate`` keeps fitting and validation apart: it plans models and batches that no
@@ -237,7 +238,7 @@ def report(rows: list[dict]) -> str:
 
 
 def _validate_worker(rank: int, world: int, dims: tuple[int, ...], global_batch: int, plans: list,
-                     snapshots: Path | None = None) -> list[dict]:  # fmt: skip
+                     snapshots: Path | None = None, compile: bool = False) -> list[dict]:  # fmt: skip
     from transformers.utils import logging
 
     import autotp
@@ -252,7 +253,7 @@ def _validate_worker(rank: int, world: int, dims: tuple[int, ...], global_batch:
         model = build_model(dims, device, dtype)
         micro = ids[: plan.microbatch_size]
         pm = autotp.parallelize(model, tp=plan.tp, pp=plan.pp, dp=plan.dp, vpp=plan.vpp, plan=plan,
-                                example_inputs={"input_ids": micro, "labels": micro})
+                                example_inputs={"input_ids": micro, "labels": micro}, compile=compile)
         del model
         optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-5, foreach=True)  # foreach: the GPU default, also on CPU
         times, train_peak = [], 0.0
@@ -292,29 +293,31 @@ def _sync(on_gpu: bool) -> None:
 
 
 def validate(cpu: bool, top: int, json_path: Path | None, gpus: int, snapshots: Path | None = None,
-             names: list[str] | None = None) -> None:  # fmt: skip
-    """Plan each held-out workload (those of ``names``, default all) uncalibrated, run its top plans, then
-    calibrate and re-predict. ``json_path`` gets the measurements after each workload."""
+             names: list[str] | None = None, compile: bool = False) -> None:  # fmt: skip
+    """Plan each held-out workload (those of ``names``, default all) uncalibrated, run its top plans (``compile``:
+    under ``torch.compile``, planned as such), then calibrate and re-predict. ``json_path`` gets the measurements
+    after each workload."""
     from autotp.cost_model.candidates import Config
     from autotp.cost_model.hardware import get_profile
     from autotp.cost_model.planner import plan as rank_plans
 
     workloads = CPU_VALIDATION if cpu else VALIDATION
     workloads = {k: v for k, v in workloads.items() if names is None or k in names}
-    setup = f"torch {torch.__version__}, {datetime.date.today().isoformat()}"
+    setup = f"torch {torch.__version__}, {datetime.date.today().isoformat()}" + ", compile=True" * compile
     dtype, precision = (torch.float32, "fp32") if cpu else (torch.bfloat16, "bf16-pure")
     builtin = get_profile("cpu" if cpu else _builtin_name(), calibrated=False)
     rows: list[dict] = []
     for name, (dims, global_batch) in workloads.items():
         costs = trace_for_planning(model_config(dims), dims[6], dtype=dtype)
-        training = Training(global_batch, precision, gather_outputs=True)
+        training = Training(global_batch, precision, gather_outputs=True, compiled=compile)
         planned = rank_plans(costs, Cluster(gpus, gpus, builtin), training, top=top)
-        measured = spawn_ranks(_validate_worker, gpus, dims, global_batch, [p.plan for p in planned], snapshots,
+        measured = spawn_ranks(_validate_worker, gpus, dims, global_batch, [p.plan for p in planned], snapshots, compile,
                                backend="gloo" if cpu else "nccl", timeout_s=1200)
         for i, p in enumerate(planned):
             m = max(measured, key=lambda r: r[i]["measured_s"])[i]
             config = Config(p.plan.tp, p.plan.pp, p.plan.dp, p.plan.vpp, p.microbatch_size, p.microbatches)
-            rows.append({"model": name, "rank": i + 1, "config": asdict(config), "sequence_parallel": p.plan.sequence_parallel,
+            rows.append({"model": name, "rank": i + 1, "config": asdict(config), "compiled": compile,
+                         "sequence_parallel": p.plan.sequence_parallel,
                          "tp_overlap": list(p.plan.tp_overlap), "predicted_s": p.step_s,
                          "predicted_gib": p.mem_bytes_per_gpu / 2**30, "measured_s": m["measured_s"],
                          "peak_gib": max(r[i]["peak_gib"] for r in measured),
@@ -330,7 +333,7 @@ def validate(cpu: bool, top: int, json_path: Path | None, gpus: int, snapshots: 
     for name, (dims, global_batch) in workloads.items():
         costs = trace_for_planning(model_config(dims), dims[6], dtype=dtype)
         for row in (r for r in rows if r["model"] == name):
-            training = Training(global_batch, precision, gather_outputs=True)
+            training = Training(global_batch, precision, gather_outputs=True, compiled=compile)
             row["calibrated_s"] = estimate(costs, Cluster(gpus, gpus, calibrated), training, Config(**row["config"]),
                                            sequence_parallel=row["sequence_parallel"],
                                            tp_overlap=tuple(row["tp_overlap"])).step_s if calibration else float("nan")  # fmt: skip
@@ -357,8 +360,8 @@ def repredict(profile_name: str, path: Path) -> None:
         for row in (r for r in saved["rows"] if r["model"] == name):
             config = Config(**row["config"])
             sp, overlap = row.get("sequence_parallel", False), tuple(row.get("tp_overlap", ()))
-            now = estimate(costs, Cluster(gpus, gpus, builtin), Training(global_batch, "bf16-pure", gather_outputs=True),
-                           config, sequence_parallel=sp, tp_overlap=overlap).step_s  # fmt: skip
+            training = Training(global_batch, "bf16-pure", gather_outputs=True, compiled=row.get("compiled", False))
+            now = estimate(costs, Cluster(gpus, gpus, builtin), training, config, sequence_parallel=sp, tp_overlap=overlap).step_s
             errors.append((row["predicted_s"] / row["measured_s"] - 1, now / row["measured_s"] - 1))
             lines.append(f"{name:20s} {_config_name(config, sp, overlap):22s} {row['predicted_s'] * 1e3:>9.1f} {now * 1e3:>8.1f} "
                          f"{row['measured_s'] * 1e3:>11.1f} {errors[-1][0]:>+9.1%} {errors[-1][1]:>+8.1%}")
@@ -417,6 +420,7 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=2, help="ranks of the held-out validation (default: 2)")
     parser.add_argument("--memory-snapshots", type=Path, help="--validate on GPUs: dump a CUDA memory snapshot per plan and rank here")
     parser.add_argument("--workloads", nargs="+", choices=list(VALIDATION), help="--validate: these held-out workloads only")
+    parser.add_argument("--compile", action="store_true", help="--validate: plan and run the ranks with compile=True")
     parser.add_argument("--repredict", nargs=2, metavar=("PROFILE", "JSON"), help="re-predict a saved --validate run")
     args = parser.parse_args()
     if args.repredict:
@@ -424,7 +428,8 @@ def main() -> None:
         return
     if args.validate:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        validate(args.cpu or not torch.cuda.is_available(), args.top, args.json, args.gpus, args.memory_snapshots, args.workloads)
+        validate(args.cpu or not torch.cuda.is_available(), args.top, args.json, args.gpus, args.memory_snapshots, args.workloads,
+                 args.compile)  # fmt: skip
         return
     if args.measured:
         saved = json.loads(args.measured.read_text())
@@ -438,7 +443,7 @@ def main() -> None:
         _, calibration = calibrate(calibrated_on)
         calibrated_at = time.perf_counter()
         print(f"calibration {calibrated_at - start:.0f} s", flush=True)
-        setup = f"torch {torch.__version__}, {datetime.date.today().isoformat()}"
+        setup = f"torch {torch.__version__}, {datetime.date.today().isoformat()}" + ", compile=True" * compile
 
         def save(rows: list[dict]) -> None:
             if args.json:

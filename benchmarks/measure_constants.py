@@ -29,6 +29,9 @@ eager timing of a small kernel counts it in the kernel (a 1024³ GEMM read 73 TF
   4 microbatches, timed with and without the final device sync (host-bound: the two agree); what a
   further microbatch adds beyond its nodes is printed as ``train_step_call_host_s``, a check of
   ``call_host_s``.
+* **Host costs under ``compile=True``** (``compiled_host``): ``HOST_MODEL``'s ``train_step`` with 4 microbatches
+  of one sequence at 2 and 6 layers; ``compiled_launch_host_s`` is the host time per further kernel, the kernels
+  counted as ``cost_model.fused_kernels`` counts them, ``compiled_call_host_s`` what is left per microbatch.
 * **Layer time scale** (``compute_time_scale``, ``cost_model.calibrate.fit_compute_time_scale``): a
   GPU-bound Llama of widths no validation workload has (``SCALE``: h=4096, ffn 11008, 4 x 2048 tokens)
   at 2 and 4 layers, one ``train_step`` each (``autotp.cli.measure.layer_runs``; the JSON of 2026-11-25 timed
@@ -104,9 +107,10 @@ def _timed(fn, device: torch.device, repeats: int = 7) -> tuple[float, float]:
     return statistics.median(hosts), statistics.median(walls)
 
 
-def _train_step_runs(config: object, batch: int, seq: int, device: torch.device, microbatches: tuple[int, ...]) -> list[dict]:
-    """``train_step`` of ``config`` on ``batch`` x ``seq`` tokens with each count of microbatches: host and wall seconds,
-    and the rank graph's call nodes and autograd nodes."""
+def _train_step_runs(config: object, batch: int, seq: int, device: torch.device, microbatches: tuple[int, ...],
+                     compile: bool = False) -> list[dict]:  # fmt: skip
+    """``train_step`` of ``config`` on ``batch`` x ``seq`` tokens with each count of microbatches (``compile``: the rank
+    graph under ``torch.compile``): host and wall seconds, and the rank graph's call nodes and autograd nodes."""
     from autotp import parallelize, presets
     from autotp.cost_model.compute import needs_grad
 
@@ -116,7 +120,7 @@ def _train_step_runs(config: object, batch: int, seq: int, device: torch.device,
     rows = []
     for m in microbatches:
         micro = ids[: batch // m]
-        pm = parallelize(model, tp=1, example_inputs={"input_ids": micro, "labels": micro})
+        pm = parallelize(model, tp=1, example_inputs={"input_ids": micro, "labels": micro}, compile=compile)
         gm = pm.graph_for(input_ids=micro, labels=micro)
         calls = [n for n in gm.graph.nodes if n.op == "call_function"]
         grads = needs_grad(gm)
@@ -151,6 +155,12 @@ def _host(device: torch.device) -> dict[str, list]:
     return {"tiny": tiny, "tiny_train_step": steps, "medium_train_step": medium, "medium": sized}
 
 
+def _compiled_host(device: torch.device) -> list[dict]:
+    """``HOST_MODEL``'s ``train_step`` under ``compile=True``, 4 microbatches of one sequence, at 2 and 6 layers."""
+    m = HOST_MODEL
+    return [row for layers in (2, 6) for row in _train_step_runs(llama_config(m, layers), m["batch"], m["seq"], device, (4,), True)]
+
+
 def _layers(device: torch.device) -> list[dict]:
     from autotp.cli.measure import layer_runs
 
@@ -167,13 +177,19 @@ def _optimizer(device: torch.device) -> dict[str, float]:
     return {"params": count * rows * cols, "tensors": count, "host_s": host_s, "wall_s": wall_s}
 
 
-def _worker(rank: int, world: int, path: str) -> dict:
+PARTS = {"gemm": _gemms, "attention": _attention, "memory": _memory, "optimizer": _optimizer, "host": _host,
+         "compiled_host": _compiled_host, "layers": _layers}
+
+
+def _worker(rank: int, world: int, path: str, parts: tuple[str, ...]) -> dict:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     out: dict = {"device_name": torch.cuda.get_device_name(device), "setup": f"torch {torch.__version__}, "
                  f"{datetime.date.today().isoformat()}", "command": "python benchmarks/measure_constants.py --json"}  # fmt: skip
-    for name, part in (("gemm", _gemms), ("attention", _attention), ("memory", _memory), ("optimizer", _optimizer),
-                       ("host", _host), ("layers", _layers)):  # fmt: skip
+    if Path(path).exists():  # a run of other parts on this machine: keep them
+        out = {**json.loads(Path(path).read_text()), **out}
+    for name in parts:
+        part = PARTS[name]
         start = time.perf_counter()
         out[name] = part(device)
         print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
@@ -212,7 +228,32 @@ def fit(measured: dict) -> dict[str, object]:
     base = profile_for_gpu(measured["device_name"])
     profile = dataclasses.replace(base, **{k: v for k, v in constants.items() if k in HardwareProfile.__dataclass_fields__})
     constants["compute_time_scale"] = _scale(profile, measured["layers"])
+    if "compiled_host" in measured:
+        constants.update(_compiled_host_fit(measured["compiled_host"]))
     return constants
+
+
+def _compiled_host_fit(rows: list[dict]) -> dict[str, float]:
+    """``compiled_launch_host_s``: host seconds per further kernel between the 2- and 6-layer runs, the kernels
+    counted as the cost model counts them (``fused_kernels``); ``compiled_call_host_s``: what they leave of a
+    microbatch of the 2-layer run."""
+    kernels = {r["layers"]: r["microbatches"] * _compiled_kernels(r["layers"]) for r in rows}
+    small, large = min(rows, key=lambda r: r["layers"]), max(rows, key=lambda r: r["layers"])
+    launch = (large["host_s"] - small["host_s"]) / (kernels[large["layers"]] - kernels[small["layers"]])
+    call = (small["host_s"] - kernels[small["layers"]] * launch) / small["microbatches"]
+    return {"compiled_launch_host_s": launch, "compiled_call_host_s": call}
+
+
+def _compiled_kernels(layers: int) -> float:
+    """Kernels one microbatch of ``HOST_MODEL`` at ``layers`` launches forward and backward under ``compile=True``."""
+    from autotp.compiler import trace_for_planning
+    from autotp.cost_model.compute import compiled_launches
+
+    m = HOST_MODEL
+    costs = trace_for_planning(llama_config(m, layers), m["seq"], dtype=torch.bfloat16)
+    rank = costs.rank(1, compiled=True)
+    layer_list = [rank.layers[costs.traced_index(i)] for i in range(costs.num_layers)]
+    return sum(float(sum(a.sum() for a in compiled_launches(seg)[0])) for seg in (rank.preamble, rank.embedding, *layer_list, rank.head))
 
 
 def _per_microbatch(rows: list[dict]) -> float:
@@ -243,6 +284,9 @@ def report(measured: dict) -> str:
         builtin = getattr(base, key, float("nan"))
         lines.append(f"{key:30s} {value:>14.4g} {builtin:>14.4g}")
     lines.append("GEMM curve (TFLOP/s per bin): " + ", ".join(f"{f / 1e9:.0f} GF {f / s / 1e12:.0f}" for f, s in constants["matmul_curve"]))
+    for r in measured.get("compiled_host", []):
+        lines.append(f"compiled train_step {r['layers']} layers m{r['microbatches']}: host {r['host_s'] * 1e3:.2f} ms, "
+                     f"wall {r['wall_s'] * 1e3:.2f} ms, {_compiled_kernels(r['layers']):.0f} kernels per microbatch")
     for probe in ("tiny_train_step", "medium_train_step"):
         for r in measured["host"][probe]:
             lines.append(f"{probe} {r['layers']} layers m{r['microbatches']}: host {r['host_s'] * 1e3:.2f} ms, wall {r['wall_s'] * 1e3:.2f} ms, "
@@ -256,11 +300,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="measure on this machine's first GPU and write the measurements here")
     parser.add_argument("--fit", type=Path, help="fit and print the constants of an earlier --json")
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS),
+                        help="measure these parts only, keeping the others of an existing --json (default: all)")
     args = parser.parse_args()
     if args.json:
         from autotp.runtime.processes.launcher import spawn_ranks
 
-        spawn_ranks(_worker, 1, str(args.json), backend="nccl", timeout_s=900)
+        spawn_ranks(_worker, 1, str(args.json), tuple(args.parts), backend="nccl", timeout_s=900)
         print(report(json.loads(args.json.read_text())))
     elif args.fit:
         print(report(json.loads(args.fit.read_text())))

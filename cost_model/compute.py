@@ -81,7 +81,8 @@ from autotp.cost_model.affine import Affine, affine_costs
 from autotp.cost_model.communication import group_collective_s, overlapped_s
 from autotp.cost_model.flops import global_tensors, node_cost
 from autotp.cost_model.fp8 import cast_bytes, has_fp8_gemms, plan_fp8, sites_plan
-from autotp.cost_model.gradient_sums import gradient_sum_bytes
+from autotp.cost_model.fused_kernels import fused_regions, fusible, region_bytes
+from autotp.cost_model.gradient_sums import GRADIENT_SUM_BYTES, gradient_sum_bytes
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory, simulate
 from autotp.cost_model.overlap_overheads import gemm_pieces, overhead_seconds, overlap_overheads
@@ -152,6 +153,10 @@ class Segment:
     casts: np.ndarray | None = None
     grad_sums: np.ndarray | None = None  # [nodes, 2]: bytes of the backward's gradient sums (``gradient_sums``)
     overlap: np.ndarray | None = None  # [nodes, 6, (const, per_sample)]: ``overlap_overheads.overlap_overheads``
+    # a rank graph run with ``compile=True``: nodes inductor fuses, and at each region's first node its
+    # [(bytes, kernels, backward bytes), (const, per_sample)] (``fused_kernels``); None: eager
+    fusible: np.ndarray | None = None
+    fused: np.ndarray | None = None
 
     @property
     def ops(self) -> int:
@@ -342,16 +347,16 @@ class ModelCosts:
 
     def rank(
         self, tp: int, replicate: frozenset[str] = frozenset(), gather_outputs: bool = True, *,
-        sequence_parallel: bool = False, tp_overlap: tuple[str, ...] = (), fp8: str = "",
+        sequence_parallel: bool = False, tp_overlap: tuple[str, ...] = (), fp8: str = "", compiled: bool = False,
     ) -> RankCosts:  # fmt: skip
         """Rank 0's segments at ``tp`` with the linears in ``replicate`` kept whole (cached);
         ``gather_outputs``, ``sequence_parallel``, ``tp_overlap`` and ``fp8`` (a recipe, ""
-        for none) as in ``ParallelPlan``.
+        for none) as in ``ParallelPlan``; ``compiled``: run with ``compile=True`` (``fused_kernels``).
 
         Raises plan_tensor_parallel's ValueError when tp does not divide the model.
         """
         sequence_parallel = sequence_parallel and tp > 1
-        asked = (tp, replicate, gather_outputs, sequence_parallel, tp_overlap, fp8)
+        asked = (tp, replicate, gather_outputs, sequence_parallel, tp_overlap, fp8, compiled)
         if asked in self._asked:
             return self._asked[asked]
         if (tp, replicate) not in self._plans:
@@ -360,13 +365,13 @@ class ModelCosts:
                        tp_overlap=tp_overlap)  # fmt: skip
         if fp8:
             plan = plan_fp8(self._compile_fn(sites_plan(plan)), plan, fp8)
-        key = (tp, plan.params, gather_outputs, sequence_parallel, tp_overlap, plan.fp8_linears, plan.fp8_all_gather)
+        key = (tp, plan.params, gather_outputs, sequence_parallel, tp_overlap, plan.fp8_linears, plan.fp8_all_gather, compiled)
         if key not in self._ranks:
-            self._ranks[key] = self._compile(plan)
+            self._ranks[key] = self._compile(plan, compiled)
         self._asked[asked] = self._ranks[key]
         return self._ranks[key]
 
-    def _compile(self, plan: ParallelPlan) -> RankCosts:
+    def _compile(self, plan: ParallelPlan, compiled: bool) -> RankCosts:
         gm = self._compile_fn(plan)
         report = build_report(gm, plan, 0)
         dependent = batch_dependent(gm, self.batch)
@@ -383,6 +388,7 @@ class ModelCosts:
         segment_of = {r.node: (PREAMBLE if r.node in repeated else r.layer) for r in report.nodes}
         saved_by = {n: saved_inputs(n, grad) for n in gm.graph.nodes if n.op == "call_function"}
         memory = simulate(gm, tensors, dependent, grad, saved_by, segment_of, self.batch)
+        regions = fused_regions(gm.graph.nodes, segment_of) if compiled else {}
 
         def segment(key: LayerKey) -> Segment:
             members = groups.get(key, [])
@@ -404,8 +410,12 @@ class ModelCosts:
             casts = affine_costs(calls, tensors, dependent, self.batch, cast_bytes) if fp8.any() else None
             sums = affine_costs(calls, tensors, dependent, self.batch, lambda n, t: gradient_sum_bytes(n, t, grad))[:, 0]
             overlap = affine_costs(calls, tensors, dependent, self.batch, overlap_overheads) if (pieces > 1).any() else None
+            fusible_, fused = None, None
+            if compiled:
+                fusible_ = np.array([fusible(n) for n in calls], dtype=bool)
+                fused = affine_costs(calls, tensors, dependent, self.batch, region_bytes(regions, grad))
             return Segment(flops, nbytes, kinds, needs, collectives, owned.get(key, {}), memory.get(key, SegmentMemory.empty()),
-                           pieces, fp8, casts, sums, overlap)  # fmt: skip
+                           pieces, fp8, casts, sums, overlap, fusible_, fused)  # fmt: skip
 
         layers = tuple(segment(i) for i in range(self.traced_layers))
         return RankCosts(plan, segment(EMBEDDING), layers, segment(HEAD), segment(PREAMBLE))
@@ -443,18 +453,25 @@ def node_times(seg: Segment, batch: int, hw: HardwareProfile) -> tuple[np.ndarra
     speed = np.where(seg.fp8[matmul], hw.fp8_matmul_speedup, 1.0) if seg.fp8 is not None else 1.0
     forward[matmul] = np.maximum(pieces * hw.matmul_time_s(flops[matmul] / pieces / speed), memory[matmul])
     forward[attention] = np.maximum(hw.attention_time_s(flops[attention]), memory[attention])
+    fused_s = (seg.fused[:, :, 0] + seg.fused[:, :, 1] * batch) / hw.memory_bytes_per_s if seg.fused is not None else None
     loss = seg.kinds == _FUSED_LOSS  # all three GEMMs and the loss passes in its forward, one after another
     loss_speed = np.where(seg.fp8[loss], hw.fp8_matmul_speedup, 1.0) if seg.fp8 is not None else 1.0
-    forward[loss] = (1 + MATMUL_BACKWARD_FACTOR) * hw.matmul_time_s(flops[loss] / loss_speed) + memory[loss]
+    loss_memory = fused_s[loss, 0] if fused_s is not None else memory[loss]
+    forward[loss] = (1 + MATMUL_BACKWARD_FACTOR) * hw.matmul_time_s(flops[loss] / loss_speed) + loss_memory
+    if fused_s is not None:  # compile=True: the fusible nodes run as their regions' kernels (``fused_kernels``)
+        forward = np.where(seg.fusible, fused_s[:, 0], forward)
     forward *= hw.compute_time_scale
     factor = np.where(attention, hw.attention_backward_factor, np.where(matmul, MATMUL_BACKWARD_FACTOR, hw.elementwise_backward_factor))
     factor = np.where(loss, 0.0, factor)  # its backward scales the two gradients it computed
     backward = forward * factor
+    if fused_s is not None:
+        backward = np.where(seg.fusible, fused_s[:, 2] * hw.compute_time_scale * hw.elementwise_backward_factor, backward)
     if seg.casts is not None:  # FP8 casts: memory-bound kernels of their own, beside the GEMMs
         cast_s = (seg.casts[:, :, 0] + seg.casts[:, :, 1] * batch) / hw.memory_bytes_per_s * hw.compute_time_scale
         forward, backward = forward + cast_s[:, 0], backward + cast_s[:, 1]
-    if seg.grad_sums is not None:
-        backward = backward + (seg.grad_sums[:, 0] + seg.grad_sums[:, 1] * batch) / hw.memory_bytes_per_s * hw.compute_time_scale
+    if seg.grad_sums is not None:  # compiled, the sums fuse into the backward's kernels: one read per extra gradient
+        sums = (seg.grad_sums[:, 0] + seg.grad_sums[:, 1] * batch) / (GRADIENT_SUM_BYTES if seg.fused is not None else 1)
+        backward = backward + sums / hw.memory_bytes_per_s * hw.compute_time_scale
     if seg.overlap is not None:  # the fused overlapped GEMMs' barriers and copies (``overlap_overheads``)
         extra_s = overhead_seconds(seg.overlap, batch, hw) * hw.compute_time_scale
         forward, backward = forward + extra_s[:, 0], backward + extra_s[:, 1]
@@ -466,7 +483,12 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
     ``recompute``: the backward runs the forward again first, collectives included."""
     forward, backward = node_times(seg, batch, hw)
     comm = {"forward": np.zeros(seg.ops), "backward": np.zeros(seg.ops)}
-    host = {"forward": np.full(seg.ops, hw.op_overhead_s), "backward": np.full(seg.ops, hw.backward_op_overhead_s)}
+    if seg.fused is None:
+        host = {"forward": np.full(seg.ops, hw.op_overhead_s), "backward": np.full(seg.ops, hw.backward_op_overhead_s)}
+        backs = seg.grad.copy()
+    else:
+        launches, backs = compiled_launches(seg)
+        host = {"forward": launches[0] * hw.compiled_launch_host_s, "backward": launches[1] * hw.compiled_launch_host_s}
     gemm = forward.copy()
     for c in seg.collectives:
         nbytes = c.bytes.at(batch)
@@ -474,7 +496,7 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
         comm[c.direction][c.node] += overlapped_s(t, gemm[c.node], c.ranks) if c.overlapped else t
         host[c.direction][c.node] = hw.collective_host_s
         (forward if c.direction == Direction.FORWARD else backward)[c.node] += COLLECTIVE_COPY_BYTES * nbytes / hw.memory_bytes_per_s
-    backs = seg.grad | (comm["backward"] > 0)
+    backs |= comm["backward"] > 0
     gpu_forward = forward + comm["forward"]
     gpu_backward = (backward + comm["backward"])[backs][::-1]
     host_backward = host["backward"][backs][::-1]
@@ -485,6 +507,18 @@ def segment_time(seg: Segment, batch: int, hw: HardwareProfile, tp_ranks_per_nod
         comm_s=float(runs * comm["forward"].sum() + comm["backward"].sum()),
         host_s=float(runs * host["forward"].sum() + host_backward.sum()),
     )
+
+
+def compiled_launches(seg: Segment) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
+    """Kernels each node of a compiled segment launches (forward, backward), and the nodes with a backward: a
+    fusible node its region's (``fused_kernels``: at the region's first node), any other one as eager (a GEMM's
+    backward two)."""
+    moves = (seg.flops.sum(axis=1) > 0) | (seg.bytes.sum(axis=1) > 0)
+    fused_backward = seg.fused[:, 2].sum(axis=1) > 0
+    forward = np.where(seg.fusible, seg.fused[:, 1, 0], moves.astype(float))
+    backs = np.where(seg.fusible, fused_backward, seg.grad & moves)
+    backward = np.where(seg.kinds == _MATMUL, MATMUL_BACKWARD_FACTOR, 1.0) * backs
+    return (forward, backward), backs
 
 
 def queue_s(host: np.ndarray, gpu: np.ndarray) -> float:

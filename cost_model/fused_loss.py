@@ -12,8 +12,8 @@ vocabulary columns, hidden size H and 16-bit weights:
 * **Time.** The same three GEMMs (2·N·H·V_l FLOPs each), all in the op's forward, and its
   float32 loss passes after each chunk's logits GEMM, on the same stream (they add to the
   GEMMs, they do not hide behind them): ``loss_bytes_per_logit`` bytes per logit, counted
-  from ``autotp.ir.fused_loss`` (the op is opaque to inductor, so ``compile=True`` runs the
-  same kernels). Each chunk's weight-gradient GEMM adds its result to the running sum
+  from ``autotp.ir.fused_loss``; under ``compile=True`` inductor fuses each chunk's elementwise
+  work (the op traces through to its ``autograd.Function``), ``compiled_loss_bytes_per_logit``. Each chunk's weight-gradient GEMM adds its result to the running sum
   (V_l·H·2 bytes read and written per chunk), so chunks are as large as
   ``LOSS_CHUNK_BYTES`` of float32 logits allows: c = ``LOSS_CHUNK_BYTES`` // (4·V_l)
   (2048 tokens at 128k columns).
@@ -48,6 +48,13 @@ def loss_bytes_per_logit(itemsize: int) -> int:
     copy = 8 if itemsize == 4 else itemsize + 4
     back = 0 if itemsize == 4 else 4 + itemsize
     return itemsize + (copy + 4 + 16 + 4) + (copy + 16 + 8 + back) + 2 * itemsize
+
+
+def compiled_loss_bytes_per_logit(itemsize: int) -> int:
+    """What ``loss_bytes_per_logit`` counts, once inductor has fused a chunk's elementwise work: the logits
+    GEMM writes them, the log-sum-exp's reduction reads them, the gradient's kernel reads them and writes the
+    gradient in their dtype, and the two gradient GEMMs read it."""
+    return 6 * itemsize
 
 
 def loss_chunk_tokens(gm: GraphModule, tp: int, rows_sharded: set[str]) -> int:

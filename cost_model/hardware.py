@@ -28,7 +28,9 @@ A ``HardwareProfile`` is one GPU (or CPU rank) and the links between ranks:
   around a c10d call) costs the host instead, and ``call_host_s``, the fixed host cost
   of one forward + backward call of a rank's graph or pipeline chunk beyond its nodes
   (inputs and output structures, starting the autograd engine, the runtime's Python);
-  built-in profiles leave it at 0, ``autotp calibrate`` measures it;
+  built-in profiles leave it at 0, ``autotp calibrate`` measures it; under ``compile=True``
+  ``compiled_launch_host_s`` per kernel launched (``cost_model.fused_kernels`` counts them) and
+  ``compiled_call_host_s`` per call replace the per-node and per-call costs;
 * memory: ``memory_capacity_bytes`` and ``reserved_bytes`` (CUDA context, NCCL buffers,
   allocator slack: never available to tensors);
 * links (``Link``, alpha-beta): ``intra_node`` (built from the original
@@ -112,6 +114,8 @@ class HardwareProfile:
     backward_op_overhead_s: float = 0.0
     collective_host_s: float = 0.0
     call_host_s: float = 0.0
+    compiled_launch_host_s: float = 0.0
+    compiled_call_host_s: float = 0.0
     compute_time_scale: float = 1.0
     fp8_matmul_speedup: float = 2.0
     overlap_call_s: float = 0.0
@@ -203,6 +207,8 @@ H200_MEASURED = {
     "op_overhead_s": 13.88e-6,
     "backward_op_overhead_s": 14.78e-6,
     "call_host_s": 4.597e-3,
+    "compiled_launch_host_s": 18.9e-6,  # the --parts compiled_host probe of 2026-11-30, same file
+    "compiled_call_host_s": 4.448e-3,
     "compute_time_scale": 0.989,
 }
 _NDR_RAIL = Link(latency_s=30e-6, bus_bytes_per_s=45e9, hop_latency_s=5e-6)

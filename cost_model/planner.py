@@ -138,7 +138,7 @@ def to_plan(costs: ModelCosts, training: Training, est: Estimate, hw: HardwarePr
     """The ``ParallelPlan`` of an estimate, with its metrics (and its expert parallelism)."""
     cfg = est.config
     rc: RankCosts = costs.rank(cfg.tp, est.replicate, training.gather_outputs, sequence_parallel=est.sequence_parallel,
-                               tp_overlap=est.tp_overlap, fp8=training.fp8)  # fmt: skip
+                               tp_overlap=est.tp_overlap, fp8=training.fp8, compiled=training.compiled)  # fmt: skip
     chunks = cfg.pp * cfg.vpp
     schedule = f", schedule {cfg.schedule}" if cfg.schedule else ""
     sequence = ""
@@ -261,10 +261,10 @@ def search(
     for t in sorted({c.tp for c in configs}):
         tell(f"compiling the traced layers as a tp={t} rank")
         try:
-            costs.rank(t, frozenset(), training.gather_outputs)
+            costs.rank(t, frozenset(), training.gather_outputs, compiled=training.compiled)
             usable.add(t)
             if t > 1 and training.sequence_parallel is not False:
-                costs.rank(t, frozenset(), training.gather_outputs, sequence_parallel=True)
+                costs.rank(t, frozenset(), training.gather_outputs, sequence_parallel=True, compiled=training.compiled)
                 splits.add(t)
         except ValueError as e:
             if t in usable and not needs_split:
@@ -324,7 +324,7 @@ def detect_hardware(device: torch.device) -> HardwareProfile:
 
 def auto_plan(
     costs: ModelCosts, world: int, *, tp: int | None = None, pp: int | None = None, vpp: int | None = None,
-    sequence_parallel: bool | None = None, tp_overlap: bool | None = None, fp8: str = "",
+    sequence_parallel: bool | None = None, tp_overlap: bool | None = None, fp8: str = "", compiled: bool = False,
 ) -> ParallelPlan:  # fmt: skip
     """The planner's best plan for ``costs.gm`` (traced at the example inputs) on ``world`` local ranks.
 
@@ -332,15 +332,15 @@ def auto_plan(
     ``LOCAL_WORLD_SIZE`` ranks share a node; precision follows the parameters (fp32, or
     16-bit weights with a 16-bit AdamW). ``sequence_parallel`` and ``tp_overlap``: True or
     False fix them, None lets the planner weigh both. ``fp8``: the candidates' decoder GEMMs
-    run that FP8 recipe (priced as ``autotp.cost_model.fp8`` says).
+    run that FP8 recipe (priced as ``autotp.cost_model.fp8`` says). ``compiled``: the ranks run ``compile=True``.
     """
     hw, per_node, training = _local_setup(costs, world, costs.batch)
-    training = replace(training, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, fp8=fp8)
+    training = replace(training, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, fp8=fp8, compiled=compiled)
     return plan(costs, Cluster(world, per_node, hw), training, tp=tp, pp=pp, vpp=vpp, top=1)[0].plan
 
 
 def auto_sequence_parallel(costs: ModelCosts, chosen: ParallelPlan, *, sequence_parallel: bool | None = None,
-                           tp_overlap: bool | None = None, fp8: str = "") -> ParallelPlan:  # fmt: skip
+                           tp_overlap: bool | None = None, fp8: str = "", compiled: bool = False) -> ParallelPlan:  # fmt: skip
     """``chosen`` with the sequence parallelism and overlap that the planner weighs best at its degrees
     (``best_estimate``); True or False fix either. A sequence that tp does not split runs without,
     unless either is True (then the sequence-parallel pass's ValueError says how to pad it)."""
@@ -351,9 +351,9 @@ def auto_sequence_parallel(costs: ModelCosts, chosen: ParallelPlan, *, sequence_
     config = Config(chosen.tp, chosen.pp, chosen.dp, chosen.vpp, max(1, costs.batch // (chosen.dp * m)), m)
     hw, per_node, training = _local_setup(costs, world, config.microbatch_size * m * chosen.dp)
     training = replace(training, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap,
-                       distributed_optimizer=chosen.distributed_optimizer, fp8=fp8)  # fmt: skip
+                       distributed_optimizer=chosen.distributed_optimizer, fp8=fp8, compiled=compiled)  # fmt: skip
     try:
-        costs.rank(chosen.tp, frozenset(), training.gather_outputs, sequence_parallel=True, fp8=fp8)
+        costs.rank(chosen.tp, frozenset(), training.gather_outputs, sequence_parallel=True, fp8=fp8, compiled=compiled)
         splits = True
     except ValueError:
         if sequence_parallel or tp_overlap:

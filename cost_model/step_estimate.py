@@ -9,7 +9,7 @@ then dp, then pp):
   it) + the receives of the hidden state b·s·h
   (forward from the previous chunk, gradient from the next; b·s·h/tp with sequence parallelism) over NVLink when a model
   replica fits in a node (tp·dp·pp <= G), else over the inter-node link + the host's
-  fixed cost of calling the chunk forward and backward (``call_host_s``) + gradient
+  fixed cost of calling the chunk forward and backward (``call_host_s``; compiled: ``compiled_call_host_s``) + gradient
   accumulation (every microbatch after the first adds its gradients to ``.grad``, 3
   gradient bytes moved per parameter: (m-1)/m of that per microbatch);
 * pipeline time and bubble: ``bubble.pipeline_time_s`` (the fill and drain from the
@@ -109,6 +109,7 @@ class Training:
     # every decoder layer recomputed in the backward; None: where a candidate needs it to fit. Off unless asked: the
     # candidates it rescues win at scale through comm and host terms that no multi-GPU run has checked yet
     recompute: bool | None = False
+    compiled: bool = False  # the rank graphs run with ``compile=True`` (``compute``: inductor's fused kernels)
 
     def __post_init__(self) -> None:
         if self.tp_overlap and self.sequence_parallel is False:
@@ -236,9 +237,11 @@ def _chunks(costs: ModelCosts, cluster: Cluster, training: Training, config: Con
     hw = cluster.hardware
     per_node = min(cluster.gpus, cluster.gpus_per_node)
     rc = costs.rank(config.tp, v.replicate, training.gather_outputs, sequence_parallel=v.sequence_parallel,
-                    tp_overlap=v.tp_overlap, fp8=training.fp8)  # fmt: skip
+                    tp_overlap=v.tp_overlap, fp8=training.fp8, compiled=training.compiled)  # fmt: skip
     b, m, pp, vpp = config.microbatch_size, config.microbatches, config.pp, config.vpp
     chunks = pp * vpp
+
+    call_s = hw.compiled_call_host_s if training.compiled else hw.call_host_s
 
     def timed(seg: Segment, recompute: bool = False) -> SegmentTime:
         return _segment_time(seg, b, hw, min(config.tp, per_node), recompute)
@@ -264,7 +267,7 @@ def _chunks(costs: ModelCosts, cluster: Cluster, training: Training, config: Con
         accumulate = (m - 1) / m * 3 * grads / hw.memory_bytes_per_s
         ordered = [(rc.preamble, 1)] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.embedding]
         ordered += [(rc.layers[j], n) for j, n in sorted(counts)] + [(seg, 1) for seg, _ in ends.get(c, []) if seg is rc.head]
-        alike[key] = (sum(n * st.total_s for _, st, n in parts) + recv + accumulate + hw.call_host_s,
+        alike[key] = (sum(n * st.total_s for _, st, n in parts) + recv + accumulate + call_s,
                       sum(n * st.gpu_s for _, st, n in parts) + recv + accumulate,
                       sum(n * st.comm_s for _, st, n in parts) + recv,
                       tuple((layer_memory.get(id(seg), seg.memory), n) for seg, n in ordered),

@@ -88,7 +88,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     training = Training(args.global_batch, args.precision, choice[args.distributed_optimizer],
                         overlap_param_gather=not args.no_overlap_param_gather,
                         sequence_parallel=choice[args.sequence_parallel], tp_overlap=choice[args.tp_overlap],
-                        recompute=choice[args.recompute])  # fmt: skip
+                        recompute=choice[args.recompute], compiled=args.compile)  # fmt: skip
     found = search(costs, cluster, training, tp=args.tp, pp=args.pp, top=args.top, progress=progress)
     estimates = found.plans
     elapsed = time.perf_counter() - start
@@ -170,6 +170,8 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     command.add_argument("--no-overlap-param-gather", action="store_true",
                          help="charge the distributed optimizer's parameter all-gather as exposed, as "
                          "DistributedOptimizer(overlap_param_gather=False) runs it (default: hidden behind the next forward)")
+    command.add_argument("--compile", action="store_true",
+                         help="price the ranks as parallelize(compile=True) runs them: inductor's fused kernels (default: eager)")
     command.add_argument("--tp", type=int, help="keep this tensor-parallel degree")
     command.add_argument("--pp", type=int, help="keep this pipeline-parallel degree")
     command.add_argument("--top", type=int, default=10, help="plans to show (default: 10)")
