@@ -112,7 +112,7 @@ def _train_step_runs(config: object, batch: int, seq: int, device: torch.device,
     """``train_step`` of ``config`` on ``batch`` x ``seq`` tokens with each count of microbatches (``compile``: the rank
     graph under ``torch.compile``): host and wall seconds, and the rank graph's call nodes and autograd nodes."""
     from autotp import parallelize, presets
-    from autotp.cost_model.compute import needs_grad
+    from autotp.cost_model.saved_tensors import needs_grad
 
     torch.manual_seed(0)
     model = presets.build_from_config(config, device=device, dtype=torch.bfloat16)

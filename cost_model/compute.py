@@ -60,11 +60,8 @@ segment, forward only. The runtime repeats them in every pipeline chunk (each ch
 graph recomputes what it reads), so the planner counts them once per chunk and
 microbatch, not once per model.
 
-**Activations** kept for backward (``saved_inputs``): what eager autograd saves, per op:
-a matmul its activation operands; a mul or div each operand whose partner needs a
-gradient; attention q, k, v and its output; nonlinear elementwise ops, norms, softmax and
-the losses their input; adds, casts, views, concatenations, reductions and collectives
-nothing (the fused lm_head and loss keeps its outputs instead, ``liveness``); any other op its inputs. ``autotp.cost_model.liveness`` replays the forward and
+**Activations** kept for backward: ``saved_tensors.saved_inputs`` (eager autograd's, per op), or under
+``compile=True`` ``fused_kernels.compiled_saves``; ``autotp.cost_model.liveness`` replays the forward and
 backward with them (``Segment.memory``).
 """
 
@@ -79,21 +76,22 @@ import numpy as np
 import torch
 from autotp.cost_model.affine import Affine, affine_costs
 from autotp.cost_model.communication import group_collective_s, overlapped_s
-from autotp.cost_model.flops import global_tensors, node_cost
+from autotp.cost_model.flops import global_tensors
 from autotp.cost_model.fp8 import cast_bytes, has_fp8_gemms, plan_fp8, sites_plan
-from autotp.cost_model.fused_kernels import fused_regions, fusible, region_bytes
+from autotp.cost_model.fused_kernels import compiled_saves, fused_regions, fusible, region_bytes
 from autotp.cost_model.gradient_sums import GRADIENT_SUM_BYTES, gradient_sum_bytes
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.cost_model.liveness import SegmentMemory, simulate
 from autotp.cost_model.overlap_overheads import gemm_pieces, overhead_seconds, overlap_overheads
 from autotp.cost_model.pipeline import balanced_cuts, layer_costs
+from autotp.cost_model.saved_tensors import needs_grad, saved_inputs
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.passes.split_stages import repeatable
 from torch.fx import GraphModule, Node
 
 from autotp.cost_model.graph_costs import GraphReport, assign_layers, build_report
 from autotp.analysis.layers import EMBEDDING, HEAD, LayerKey, num_layers
-from autotp.ir.op_facts import Direction, OpKind, is_matmul, op_kind, op_name
+from autotp.ir.op_facts import Direction, OpKind, op_kind, op_name
 from autotp.ir import ops
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.errors import UserInputError
@@ -106,17 +104,6 @@ MATMUL_BACKWARD_FACTOR = 2.0
 COLLECTIVE_COPY_BYTES = 2
 _MATMUL, _ATTENTION, _OTHER, _FUSED_LOSS = 1, 2, 0, 3
 _BATCH_MAKERS = {"expand", "new_ones", "new_zeros", "new_full", "new_empty", "ones", "zeros", "full", "empty"}
-_SAVE_NOTHING = {
-    "add", "sub", "neg", "to", "_to_copy", "clone", "contiguous", "cat", "stack", "mean", "sum", "where",
-    "embedding", "vocab_parallel_embedding", "arange", "full", "zeros", "ones", "empty", "scalar_tensor",
-    "linear_cross_entropy",
-}  # fmt: skip
-_SAVE_FIRST_INPUT = {
-    "pow", "rsqrt", "sqrt", "exp", "log", "silu", "gelu", "relu", "tanh", "sigmoid", "erf", "sin", "cos",
-    "softmax", "_softmax", "log_softmax", "_log_softmax", "layer_norm", "native_layer_norm", "rms_norm",
-    "group_norm", "dropout", "native_dropout", "cross_entropy_loss", "vocab_parallel_cross_entropy",
-    "nll_loss", "nll_loss_forward",
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -221,37 +208,6 @@ def _makes_batch_dim(node: Node, batch: int) -> bool:
     return bool(outputs and outputs[0].shape) and outputs[0].shape[0] == batch and all(
         not t.shape or t.shape[0] == 1 for t in inputs
     )
-
-
-def needs_grad(gm: GraphModule) -> set[Node]:
-    """Nodes computed from a floating-point parameter (their values need gradients)."""
-    params = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.is_floating_point()}
-    out: set[Node] = set()
-    for node in gm.graph.nodes:
-        if (node.op == "get_attr" and str(node.target) in params) or (
-            node.op == "call_function" and any(a in out for a in node.all_input_nodes)
-        ):
-            out.add(node)
-    return out
-
-
-def saved_inputs(node: Node, grad: set[Node]) -> list[Node]:
-    """The tensors eager autograd keeps for ``node``'s backward (rules in the module docstring)."""
-    if node not in grad:
-        return []
-    name = op_name(node.target)
-    inputs = node.all_input_nodes
-    if name in _SAVE_NOTHING or node_cost(node).bytes == 0:
-        return []
-    if is_matmul(node):
-        return inputs
-    if name in ("mul", "div"):
-        return [x for x in inputs if any(y in grad for y in inputs if y is not x)]
-    if name == "scaled_dot_product_attention":
-        return [*inputs[:3], node]
-    if name in _SAVE_FIRST_INPUT:
-        return inputs[:1]
-    return inputs
 
 
 def _kind(node: Node) -> int:
@@ -387,8 +343,10 @@ class ModelCosts:
         owned = _params_by_segment(gm, report)
         segment_of = {r.node: (PREAMBLE if r.node in repeated else r.layer) for r in report.nodes}
         saved_by = {n: saved_inputs(n, grad) for n in gm.graph.nodes if n.op == "call_function"}
-        memory = simulate(gm, tensors, dependent, grad, saved_by, segment_of, self.batch)
         regions = fused_regions(gm.graph.nodes, segment_of) if compiled else {}
+        if compiled:
+            saved_by = compiled_saves(regions, saved_by, tensors)
+        memory = simulate(gm, tensors, dependent, grad, saved_by, segment_of, self.batch, compiled)
 
         def segment(key: LayerKey) -> Segment:
             members = groups.get(key, [])

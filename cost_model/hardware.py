@@ -207,10 +207,10 @@ H200_MEASURED = {
     "op_overhead_s": 13.88e-6,
     "backward_op_overhead_s": 14.78e-6,
     "call_host_s": 4.597e-3,
-    "compiled_launch_host_s": 18.9e-6,  # the --parts compiled_host probe of 2026-11-30, same file
-    "compiled_call_host_s": 4.448e-3,
     "compute_time_scale": 0.989,
 }
+# the same file's compiled_host part (measure_constants.py --parts compiled_host, 1x H200, 2026-11-30)
+COMPILED_HOST = {"compiled_launch_host_s": 18.9e-6, "compiled_call_host_s": 4.448e-3}
 _NDR_RAIL = Link(latency_s=30e-6, bus_bytes_per_s=45e9, hop_latency_s=5e-6)
 
 H200 = HardwareProfile(
@@ -222,7 +222,8 @@ H200 = HardwareProfile(
     inter_node=_NDR_RAIL,
     **H200_MULTI_GPU,
     **H200_MEASURED,
-    source="GEMM curve, attention, HBM, elementwise backward, host costs and the layer time scale measured on "
+    **COMPILED_HOST,
+    source="GEMM curve, attention, HBM, elementwise backward, host costs (eager and compiled) and the layer time scale measured on "
     "1x H200 (benchmarks/measure_constants.py, benchmarks/results/cost_model_constants_h200x1.json); NVLink all-reduce "
     "measured on 4x H200 (DESIGN.md §5), the tp collective's host cost by autotp calibrate on 4x H200 "
     "(benchmarks/results/cost_model_h200x4.json); capacity and peak from NVIDIA's H200 SXM datasheet; the inter-node "
@@ -263,9 +264,10 @@ H100 = HardwareProfile(
     inter_node=_NDR_RAIL,
     **H200_MULTI_GPU,
     **H100_MEASURED,
+    **COMPILED_HOST,
     source="GEMM curve, attention, HBM, elementwise backward, host costs and the layer time scale measured on 1x H100 "
     "(benchmarks/measure_constants.py, benchmarks/results/cost_model_constants_h100x1.json); NVLink all-reduce, the "
-    "tp collective's host cost and the FP8 speedup from H200 (same NVLink 4 and host software; one GPU cannot measure "
+    "tp collective's host cost, the compiled host costs and the FP8 speedup from H200 (same NVLink 4 and host software; one GPU cannot measure "
     "them); capacity and peak from NVIDIA's H100 SXM datasheet; inter-node 8x 400 Gb/s NDR (45 GB/s per GPU) assumed",
 )
 

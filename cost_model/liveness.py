@@ -11,7 +11,7 @@ input (``autotp.ir.op_facts``: views, conversions to the same dtype, in-place op
 ``reshape`` and ``contiguous`` copy a non-contiguous input: one made by transpose, permute,
 expand or slice). A storage dies
 after its last forward use unless a node saves it for backward
-(``compute.saved_inputs``); graph outputs other than the loss die when the forward
+(``saved_tensors.saved_inputs``); graph outputs other than the loss die when the forward
 returns. ``cross_entropy_loss`` keeps its log-softmax (input size) and the vocab-parallel
 loss its input.
 
@@ -28,6 +28,13 @@ backward and two forward. The fused lm_head and loss (``linear_cross_entropy``) 
 gradients of its hidden states and of its weight (which does not grow with the batch), computed
 in its forward, and holds ``_FUSED_LOSS_BUFFERS`` float32 logit chunks while it runs; its
 backward allocates the two gradients again (scaled).
+
+**Compiled** (``compile=True``): ``saved_by`` holds what AOTAutograd's partitioner keeps
+(``fused_kernels.compiled_saves``), the fused loss's chunk buffers are its logits and their
+gradient in the weight's dtype, and an embedding's backward holds a float32 copy of its table
+while it accumulates the gradient (inductor's decomposition of ``embedding_dense_backward``);
+the backward graph returns every parameter gradient of a microbatch at its end, and autograd adds
+them to ``.grad`` after it (``grads_returned_together``).
 
 **Parameter gradients** are reported apart: ``param_grads`` is what a node's backward
 allocates for parameters (``.grad`` keeps it on the first microbatch; later ones add it
@@ -63,6 +70,9 @@ _LOSS_FORWARD = {"cross_entropy_loss": 1, "vocab_parallel_cross_entropy": 2}  # 
 _LOSS_BACKWARD = {"cross_entropy_loss": 1, "vocab_parallel_cross_entropy": 4}
 _FUSED_LOSS = "linear_cross_entropy"  # keeps the gradients of its hidden states and weight
 _FUSED_LOSS_BUFFERS = 2  # float32 logit-chunk-sized buffers while it runs
+# compiled, the table's gradient is accumulated in a float32 buffer before its cast (torch._decomp's
+# embedding_dense_backward computes in the op-math dtype), a transient of the table's size
+_OPMATH_TABLE_GRAD = {"embedding"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,6 +87,9 @@ class SegmentMemory:
     param_grads: np.ndarray
     deferred: np.ndarray  # what a zero-bubble W keeps after B: each weight linear's input and output gradient
     inputs: np.ndarray = field(default_factory=lambda: np.zeros(2))  # the activations it reads from other segments (what a recomputed segment keeps)
+    # compiled: the backward graph returns a microbatch's parameter gradients together, added to ``.grad`` after it
+    # (every later microbatch's gradients are alive at once, as the first one's are)
+    grads_returned_together: bool = False
 
     @staticmethod
     def empty() -> SegmentMemory:
@@ -93,6 +106,11 @@ def _is_view(node: Node, strided: set[Node]) -> bool:
     if copies_if_strided(target):
         return not (isinstance(src, Node) and src in strided)
     return is_view(target)
+
+
+def _itemsize(node: Node) -> int:
+    val = node.meta.get("val")
+    return val.dtype.itemsize if val is not None else 4
 
 
 def _dtype(node: Node) -> object:
@@ -116,12 +134,13 @@ def _backpropagated(output: Node, grad: set[Node]) -> set[Node]:
     return reached
 
 
-def _fused_loss_chunk(n: Node, tensors: dict[Node, list[TensorInfo]], batch: int) -> np.ndarray:
+def _fused_loss_chunk(n: Node, tensors: dict[Node, list[TensorInfo]], batch: int, compiled: bool) -> np.ndarray:
     """The fused loss's buffers while it runs: float32 logits of one chunk of tokens (all of
-    them, growing with the batch, when the chunk holds every traced token)."""
+    them, growing with the batch, when the chunk holds every traced token); ``compiled``, the chunk's
+    logits and their gradient in the weight's dtype (inductor fuses the float32 work between them)."""
     hidden, weight = tensors[n.args[0]][0], tensors[n.args[1]][0]
     tokens = hidden.numel // hidden.shape[-1]
-    per_token = _FUSED_LOSS_BUFFERS * 4 * weight.shape[0]
+    per_token = _FUSED_LOSS_BUFFERS * (weight.dtype.itemsize if compiled else 4) * weight.shape[0]
     chunk = n.args[7]
     return np.array([0.0, tokens * per_token / batch]) if chunk >= tokens else np.array([float(chunk * per_token), 0.0])
 
@@ -134,11 +153,13 @@ def simulate(
     saved_by: dict[Node, list[Node]],
     segment_of: dict[Node, LayerKey],
     batch: int,
+    compiled: bool = False,
 ) -> dict[LayerKey, SegmentMemory]:
     """Live bytes of one microbatch through ``gm``, per segment (module docstring).
 
     ``saved_by[n]``: the inputs node n keeps for its backward; ``segment_of``: each call
-    node's segment; ``batch``: the traced batch size (``dependent`` nodes scale with it).
+    node's segment; ``batch``: the traced batch size (``dependent`` nodes scale with it);
+    ``compiled``: under ``compile=True`` (``saved_by`` then says what its partitioner keeps).
     """
     nodes = list(gm.graph.nodes)
     calls = [n for n in nodes if n.op == "call_function"]
@@ -199,7 +220,7 @@ def simulate(
             total = total + live[n]
         if n in grad:
             loss = _LOSS_FORWARD.get(op_name(n.target), 0) - (op_name(n.target) in _OWN_SAVE)
-            transient = loss * size(n.args[0]) + (_fused_loss_chunk(n, tensors, batch) if op_name(n.target) == _FUSED_LOSS else 0)
+            transient = loss * size(n.args[0]) + (_fused_loss_chunk(n, tensors, batch, compiled) if op_name(n.target) == _FUSED_LOSS else 0)
             rows[segment_of[n]]["forward"].append(total + transient - prefix[segment_of[n]])
         for r in {root[a] for a in n.all_input_nodes if a in root} | {root[n]}:
             if r in live and r not in kept and last_use.get(r, -1) <= position[n] and r not in outputs:
@@ -235,6 +256,8 @@ def simulate(
                     grads[x] = g
                     total = total + g
         step = step + _LOSS_BACKWARD.get(name, 0) * size(n.args[0])
+        if compiled and name in _OPMATH_TABLE_GRAD and n.args[0] in params:
+            step = step + size(n.args[0]) * 4 / _itemsize(n.args[0])
         param_grads[k] = param_grads[k] + pg
         rows[k]["backward"].append(total + step - prefix[k])
         rows[k]["own"].append(param_grads[k].copy())
@@ -262,5 +285,5 @@ def simulate(
     for k in segments:
         arr = {key: np.array(v) if v else np.zeros((1, 2)) for key, v in rows[k].items()}
         out[k] = SegmentMemory(saved[k], arr["forward"], arr["backward"], arr["own"], arr["transient"], param_grads[k],
-                               deferred[k], inputs[k])
+                               deferred[k], inputs[k], compiled)
     return out

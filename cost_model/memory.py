@@ -137,6 +137,8 @@ def chunk_peaks(parts: list[tuple[SegmentMemory, int]], batch: int) -> ChunkPeak
         # backward runs the last copy first; the first copy sees the others' gradients instead of their activations
         first = max(first, last + grads_after + bwd_first, prefix + grads_after + (n - 1) * grads + bwd_first)
         prefix += n * saved
+    if any(seg.grads_returned_together for seg, _ in parts):  # a later microbatch's gradients live as the first's
+        later = max(later, first)
     return ChunkPeaks(prefix, forward, first, later, deferred, sum(n * g for _, n, g, *_ in values))
 
 

@@ -386,7 +386,7 @@ def test_backward_sums_the_gradients_of_a_tensor_read_by_several_ops() -> None:
     as autograd runs them: counted at dispatch."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from autotp.cost_model.compute import needs_grad
+    from autotp.cost_model.saved_tensors import needs_grad
     from autotp.cost_model.gradient_sums import gradient_sum_bytes
 
     class ThreeReaders(torch.nn.Module):

@@ -11,8 +11,11 @@ from transformers import LlamaConfig
 
 from autotp.compiler import trace, trace_for_planning
 from autotp.cost_model.compute import compiled_launches, node_times, segment_time
+from autotp.cost_model.saved_tensors import needs_grad, saved_inputs
 from autotp.cost_model.flops import global_tensors, node_cost
-from autotp.cost_model.fused_kernels import fused_regions, fusible, region_bytes
+from autotp.cost_model.fused_kernels import compiled_saves, fused_regions, fusible, region_bytes
+from autotp.cost_model.memory import chunk_peaks
+from autotp.ir.op_facts import is_matmul, op_name
 from autotp.cost_model.fused_loss import compiled_loss_bytes_per_logit, loss_bytes_per_logit
 from autotp.cost_model.hardware import H200
 from autotp.cost_model.planner import Cluster, Config, Training, estimate
@@ -89,3 +92,44 @@ def test_the_planner_prices_compiled_ranks_with_the_compiled_host_costs() -> Non
     assert compiled.step_s < eager.step_s
     slow_calls = estimate(costs, Cluster(1, 1, replace(H200, compiled_call_host_s=0.01)), Training(4, "bf16-pure", compiled=True), config)
     assert slow_calls.step_s - compiled.step_s == pytest.approx(2 * 0.01)  # one call per microbatch
+
+
+class _Widen(nn.Module):
+    """A region whose output (read by a GEMM) is twice the size of its input."""
+
+    def __init__(self, h: int = 16) -> None:
+        super().__init__()
+        self.up = nn.Linear(h, h, bias=False)
+        self.down = nn.Linear(2 * h, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.up(x)
+        return self.down(torch.cat([y, y * 2.0], dim=-1)).sum()
+
+
+def test_compiled_saves_keep_the_cheapest_cut_of_a_region_and_recompute_the_rest() -> None:
+    gm = trace(_Widen(), {"x": torch.randn(2, 8, 16)}, "cpu")
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    grad = needs_grad(gm)
+    eager = {n: saved_inputs(n, grad) for n in calls}
+    down = next(n for n in calls if is_matmul(n) and any(op_name(a.target) == "cat" for a in n.all_input_nodes if a.op == "call_function"))
+    up, widened = next(n for n in calls if is_matmul(n) and n is not down), down.args[0]
+    assert widened in eager[down]
+    tensors = {n: global_tensors(n) for n in gm.graph.nodes}
+    compiled = compiled_saves(fused_regions(calls, {}), eager, tensors)
+    assert up in compiled[down] and widened not in compiled[down]  # the GEMM's input is recomputed from the half-size cut
+
+
+def test_a_compiled_backward_holds_a_microbatchs_gradients_until_it_returns() -> None:
+    costs = _tiny_costs()
+    eager, compiled = costs.rank(1), costs.rank(1, compiled=True)
+
+    def parts(rank):
+        return [(rank.preamble.memory, 1), (rank.embedding.memory, 1), *((seg.memory, 1) for seg in rank.layers), (rank.head.memory, 1)]
+
+    assert compiled.layers[0].memory.grads_returned_together and not eager.layers[0].memory.grads_returned_together
+    peaks = chunk_peaks(parts(compiled), 2)
+    assert peaks.later_backward == peaks.first_backward  # every gradient alive, as the first microbatch's
+    table = next(p for name, p in costs.gm.named_parameters() if "embed" in name)
+    extra = compiled.embedding.memory.backward.max(axis=0) - eager.embedding.memory.backward.max(axis=0)
+    assert extra[0] >= table.numel() * 4  # the float32 accumulator of the table's gradient (its decomposition)

@@ -11,7 +11,7 @@ from memory_check import Case, measure, predict
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autotp.analysis.local_shapes import global_tensors
-from autotp.cost_model.compute import needs_grad, saved_inputs
+from autotp.cost_model.saved_tensors import needs_grad, saved_inputs
 from autotp.cost_model.liveness import simulate
 from autotp.runtime.execution.live_memory import PeakLiveBytes
 

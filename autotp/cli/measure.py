@@ -20,7 +20,8 @@ from autotp.ir.op_facts import Collective
 from autotp.api import parallelize
 from autotp.compiler import trace_for_planning
 from autotp.cost_model.calibrate import HOST_MODEL, SCALE_LAYERS, SCALE_MODEL, fit_profile, llama_config, scale_config
-from autotp.cost_model.compute import Segment, needs_grad
+from autotp.cost_model.compute import Segment
+from autotp.cost_model.saved_tensors import needs_grad
 from autotp.cost_model.hardware import HardwareProfile
 from autotp.runtime.processes.launcher import spawn_ranks
 from autotp.ir.errors import UserInputError
