@@ -3,6 +3,7 @@
 from autotp.passes.annotate_layouts import annotate_layouts
 from autotp.passes.batch_draws import batch_draws
 from autotp.passes.cancel_collectives import cancel_collectives
+from autotp.passes.contiguous_norm_grads import contiguous_norm_grads
 from autotp.passes.causal_attention import causal_attention
 from autotp.passes.extract_chunks import extract_chunks
 from autotp.passes.expert_parallel import expert_parallel
@@ -50,6 +51,7 @@ PASSES: list[Pass] = [
     fp8_linear,
     tp_overlap,
     split_stages,
+    contiguous_norm_grads,
     find_cudagraph_candidates,
     mark_cudagraph_regions,
 ]

@@ -3,6 +3,7 @@ and ``train_step`` refuses to split its batch; forwards that keep rows apart are
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 from collections.abc import Callable
@@ -245,3 +246,39 @@ def test_the_given_model_is_freed_by_reference_counting() -> None:
     finally:
         gc.enable()
     assert pm.plan.batch_mixing == ""
+
+
+class ConvTokens(nn.Module):
+    """A convolution stem in eval mode whose feature map becomes tokens (``flatten(2).transpose(1, 2)``, as LeViT)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.Linear(8, 4)
+        self.scale = nn.Parameter(torch.randn(8))
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-1, 1)
+            self.bn.running_var.uniform_(0.5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.bn(self.conv(x)).flatten(2).transpose(1, 2)
+        return self.head((tokens * self.scale).mean(1))  # its backward hands the norm a channels-last gradient
+
+
+def test_a_split_step_of_single_samples_through_a_batch_norm_equals_the_whole_batch() -> None:
+    """torch's CPU batch-norm backward reads a gradient with channels-last strides as if it were contiguous when the
+    batch has one sample (torch 2.11 and 2.13; CUDA is right): a step split into microbatches of one got the stem's
+    gradients wrong. The rank graph hands the norm a contiguous gradient (``passes/contiguous_norm_grads``)."""
+    torch.manual_seed(0)
+    model = ConvTokens().eval()
+    x = torch.randn(2, 3, 8, 8)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:  # every sample's class is 3: the same loss whatever the rows
+        return F.cross_entropy(out, torch.full((out.shape[0],), 3))
+
+    reference = copy.deepcopy(model)
+    loss_fn(reference(x)).backward()
+    pm = autotp.parallelize(model, tp=1, example_inputs={"x": x})
+    pm.train_step(x=x, loss_fn=loss_fn, num_microbatches=2)
+    grads = pm.unshard_grads()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)

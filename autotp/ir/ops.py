@@ -61,6 +61,9 @@ Local ops:
   ``parts``, so that a gradient every one of ``parts`` ranks holds whole becomes their equal
   partial summands (``passes/sequence_parallel`` adds it where whole and partial gradients
   meet before one reduce-scatter).
+* ``contiguous_grad(x)`` -- identity forward; backward makes the gradient contiguous
+  (``passes/contiguous_norm_grads``: torch's CPU batch-norm backward misreads a channels-last
+  gradient of a one-sample batch).
 * ``tp_dropout(x, p, train, stream)`` -- ``aten.dropout`` drawing its mask from the tp
   RNG stream ``REPLICATED`` or ``SHARDED`` (``tp_rand(like, stream)``: uniform float32 numbers shaped like ``like``; see
   ``autotp.runtime.execution.rng``).
@@ -83,7 +86,7 @@ The vocab-parallel embedding and cross entropy mask ids outside the local range,
 id outside the whole vocabulary ``[0, vocab_size)`` would silently count as zero; both
 refuse it (``check_ids``) where the unmodified model raises ``IndexError``.
 
-The identities (*f*, ``stage_boundary``, ``partial_grad``) are ``CompositeImplicitAutograd`` ops returning a
+The identities (*f*, ``stage_boundary``, ``partial_grad``, ``contiguous_grad``) are ``CompositeImplicitAutograd`` ops returning a
 view of their input, so they cost no copy: a custom op with a kernel may not return an
 alias of its input. Tracing (``torch.compile``, ``make_fx``) decomposes them into that
 view, with *f*'s backward all-reduce. The other composites (dropout, embedding, loss)
@@ -148,6 +151,7 @@ VOCAB_PARALLEL_EMBEDDING = _define(
 )
 STAGE_BOUNDARY = _define("stage_boundary(Tensor x, int chunk) -> Tensor")
 PARTIAL_GRAD = _define("partial_grad(Tensor x, int parts) -> Tensor")
+CONTIGUOUS_GRAD = _define("contiguous_grad(Tensor x) -> Tensor")
 TP_RAND = _define("tp_rand(Tensor like, str stream) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
 TP_DROPOUT = _define("tp_dropout(Tensor x, float p, bool train, str stream) -> Tensor")
 TP_ATTENTION_DROPOUT = _define(
@@ -173,11 +177,11 @@ COLLECTIVES: frozenset[torch._ops.OpOverload] = frozenset({
     ALL_REDUCE_MAX, FP8_LINEAR,
 }) | moe_ops.DISPATCH_OPS  # fmt: skip
 ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {
-    VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, TP_RAND, TP_DROPOUT, TP_ATTENTION_DROPOUT, FUNCTION,
-    ELEMENTWISE_FUNCTION,
+    VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, CONTIGUOUS_GRAD, TP_RAND, TP_DROPOUT, TP_ATTENTION_DROPOUT,
+    FUNCTION, ELEMENTWISE_FUNCTION,
 }  # fmt: skip
-# Identities forward (views of their input): f, stage boundaries, partial_grad.
-IDENTITIES: frozenset[torch._ops.OpOverload] = frozenset({COPY_TO_TP, STAGE_BOUNDARY, PARTIAL_GRAD})
+# Identities forward (views of their input): f, stage boundaries, partial_grad, contiguous_grad.
+IDENTITIES: frozenset[torch._ops.OpOverload] = frozenset({COPY_TO_TP, STAGE_BOUNDARY, PARTIAL_GRAD, CONTIGUOUS_GRAD})
 # Collectives that only move data forward (no arithmetic but the reduction).
 COMMUNICATION_ONLY: frozenset[torch._ops.OpOverload] = frozenset({REDUCE_FROM_TP, GATHER_FROM_TP, SCATTER_TO_TP, ALL_GATHER, REDUCE_SCATTER})
 
@@ -372,6 +376,16 @@ class _PartialGrad(torch.autograd.Function):
         return grad / ctx.parts, None
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad.contiguous()
+
+
 # ---- composite ops --------------------------------------------------------------------
 
 
@@ -471,6 +485,7 @@ for _op, _fn in (
     (COPY_TO_TP, _copy_to_tp),
     (STAGE_BOUNDARY, _stage_boundary),
     (PARTIAL_GRAD, _partial_grad),
+    (CONTIGUOUS_GRAD, _ContiguousGrad.apply),
     (DEFERRED_LINEAR, _deferred_linear),
     (TP_DROPOUT, _tp_dropout),
     (TP_ATTENTION_DROPOUT, _tp_attention_dropout),
