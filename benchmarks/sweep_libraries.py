@@ -477,7 +477,8 @@ MODELS: dict[str, Model] = {
     "timm_crossvit_tiny_240": _timm("crossvit_tiny_240", img_size=[IMAGE, IMAGE], patch_size=[8, 16], embed_dim=[32, 64],
                                     depth=[[1, 1, 0]], num_heads=[4, 4], mlp_ratio=[2, 2, 1]),  # fmt: skip
     "timm_convnext_atto": _timm("convnext_atto", depths=(1, 1, 1, 1), dims=(32, 64, 64, 64)),
-    **{f"timm_{n}": _timm(n) for n in ("resnet18", "efficientnet_b0", "mobilenetv3_small_100", "regnetx_002")},
+    **{f"timm_{n}": _timm(n) for n in ("resnet18", "efficientnet_b0", "mobilenetv3_small_100", "regnetx_002", "resnext26ts",
+                                       "regnety_002")},  # fmt: skip
     **{f"timm_{n}": _timm(n, size=64) for n in ("mobilevit_xxs", "efficientvit_b0", "fastvit_t8", "edgenext_xx_small", "repvit_m0_9")},
     **{f"timm_{n}": _timm(n, size=64, img_size=64) for n in ("levit_128s", "coat_lite_tiny", "efficientformerv2_s0")},
     "timm_sequencer2d_s": _timm("sequencer2d_s", layers=(1, 1, 1, 1), embed_dims=(32, 64, 64, 64), hidden_sizes=(16, 32, 32, 32)),

@@ -12,8 +12,9 @@ a unit sequence into ``pp·vpp`` chunks that minimizes the largest load (dynamic
 programming, O(U²·C), vectorized over U²). ``plan_pipeline`` cuts the graph's units in the
 order they run, so a cut lies on a layer boundary (where only the hidden state [b, s, h]
 crosses, the fewest bytes any cut of a decoder stack moves) or between the blocks around
-the stack; a unit that alone exceeds a chunk's share is split into its child modules first
-(``balanceable_units``: a hierarchical model's last stage is cut between its blocks). The
+the stack; a unit that alone exceeds a chunk's share is split into its child modules first,
+and inside such a split its parts again where that balances the chunks clearly better
+(``balanceable_units``: a hierarchical model's last stage is cut between or inside its blocks). The
 planner (``ModelCosts.layer_chunks``) cuts its extrapolated layers by their work alone
 (``layer_costs``: the matmuls outside the layers on the last chunk).
 """
@@ -32,6 +33,11 @@ from autotp.analysis.layers import HEAD, last_layer_position, layer_of, num_laye
 from autotp.analysis.pipeline_units import Unit, layer_paths, placed_chunk, units
 from autotp.ir.op_facts import CONVOLUTIONS, is_matmul, op_name
 from autotp.ir.errors import UserInputError
+
+
+MIN_SPLIT_GAIN = 0.02
+"""What splitting a block further must take off the fullest chunk's load: a cut inside a block sends its inner
+activations (an MLP's hidden state beside the residual), more than a cut between blocks."""
 
 
 class StageCuts(NamedTuple):
@@ -168,7 +174,10 @@ def balanceable_units(gm: GraphModule, chunks: int) -> tuple[dict[torch.fx.Node,
     """(``units(gm, split)``, ``split``): every unit whose load alone exceeds a chunk's share
     (``1 / chunks``: no cut between units could balance it) split into its children, again
     while a part exceeds it, where it has two parts or more (a module of one part: that part's)
-    and no value of a size only the run knows (``_sized_by_data``: an MoE layer stays whole)."""
+    and no value of a size only the run knows (``_sized_by_data``: an MoE layer stays whole).
+    Then, inside the modules so split, the heaviest part of the fullest chunk of the best cut is
+    split too while that lowers the fullest chunk's load by ``MIN_SPLIT_GAIN`` (a stage of two large
+    blocks, each under a chunk's share, that no cut between them balances: a ResNeXt's last stage)."""
     paths = layer_paths(gm)
     split: frozenset[str] = frozenset()
     whole: set[str] = set()  # too large, but of fewer than two parts
@@ -179,21 +188,58 @@ def balanceable_units(gm: GraphModule, chunks: int) -> tuple[dict[torch.fx.Node,
         loads = (per_unit / totals).max(axis=-1)
         heavy = [path for u, load in zip(costs, loads) if load > 1 / chunks and (path := paths[u] if isinstance(u, int) else u) not in whole]
         if not heavy:
-            return of, split
+            break
         for path in heavy:
-            if _sized_by_data(gm, path):
+            trial = _split_into_parts(gm, split, path)
+            if trial is None:
                 whole.add(path)
-                continue
-            trial = split | {path}
-            parts = _parts(units(gm, trial), path)
-            while len(parts) == 1:  # a module of one part (a block list of one block): split that part too
-                trial |= {parts[0]}
-                parts = _parts(units(gm, trial), path)
-            if len(parts) >= 2:
-                split = trial
             else:
-                whole.add(path)
+                split = trial
         of = units(gm, split)
+    while split:
+        costs = unit_costs(gm, of)
+        fullest = _fullest_load(list(costs.values()), chunks)
+        inside = [u for u in fullest.units(list(costs)) if isinstance(u, str) and u not in whole and any(u.startswith(p + ".") for p in split)]
+        if not inside:
+            return of, split
+        heaviest = max(inside, key=lambda u: max(a / b for a, b in zip(costs[u], fullest.totals)))
+        trial = _split_into_parts(gm, split, heaviest)
+        if trial is not None and _fullest_load(list(unit_costs(gm, units(gm, trial)).values()), chunks).load < fullest.load - MIN_SPLIT_GAIN:
+            split, of = trial, units(gm, trial)
+        else:
+            whole.add(heaviest)
+    return of, split
+
+
+def _split_into_parts(gm: GraphModule, split: frozenset[str], path: str) -> frozenset[str] | None:
+    """``split`` with the module ``path`` split into two parts or more (None: it has fewer, or a size only the run knows)."""
+    if _sized_by_data(gm, path):
+        return None
+    trial = split | {path}
+    parts = _parts(units(gm, trial), path)
+    while len(parts) == 1:  # a module of one part (a block list of one block): split that part too
+        trial |= {parts[0]}
+        parts = _parts(units(gm, trial), path)
+    return trial if len(parts) >= 2 else None
+
+
+class _Fullest(NamedTuple):
+    load: float  # the fullest chunk's load in the best cut
+    chunk: int
+    assignment: tuple[int, ...]
+    totals: np.ndarray
+
+    def units(self, listed: list[Unit]) -> list[Unit]:
+        return [u for u, c in zip(listed, self.assignment) if c == self.chunk]
+
+
+def _fullest_load(costs: list[tuple[float, float]], chunks: int) -> _Fullest:
+    """The best cut of ``costs`` (``balanced_cuts``) and its fullest chunk."""
+    assignment = balanced_cuts(costs, chunks)
+    per_unit, totals = _shares(costs)
+    loads = [(per_unit[[i for i, c in enumerate(assignment) if c == chunk]].sum(axis=0) / totals).max() for chunk in range(chunks)]
+    chunk = int(np.argmax(loads))
+    return _Fullest(float(loads[chunk]), chunk, assignment, totals)
 
 
 def plan_pipeline(gm: GraphModule, pp: int, vpp: int) -> StageCuts:

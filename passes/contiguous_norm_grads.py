@@ -6,8 +6,8 @@ when the batch holds one sample; the CUDA kernels read it right. Such a gradient
 whose feature map is read as tokens (``flatten(2).transpose(1, 2)``) and then reduced over them
 (timm's LeViT): the unmodified model's gradients are right on the whole batch and wrong on each
 sample alone, so a step split into one-sample microbatches came out wrong. Every batch norm's
-output is read through ``contiguous_grad`` (identity forward, ``grad.contiguous()`` backward),
-which copies only a gradient that is not contiguous. On other devices the graph is left as it is.
+output is read through ``contiguous_grad`` (a copy forward, which the graph may then write in place as
+an in-place activation does; ``grad.contiguous()`` backward). On other devices the graph is left as it is.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Rewrite the shape constants that sharding changes (views, expands, ``new_*`` and factory sizes, split sizes,
-slice bounds, ``as_strided`` sizes and strides, ``repeat_interleave`` counts, the ``groups`` of a depthwise convolution and
+slice bounds, ``as_strided`` sizes and strides, ``repeat_interleave`` counts, the ``groups`` of a grouped convolution and
 of a group norm).
 
 ``torch.export`` bakes concrete sizes into ``view``/``reshape``/``expand`` arguments,
@@ -62,7 +62,7 @@ def rewrite_shapes(gm: GraphModule, ctx: PassContext) -> GraphModule:
         elif node.target is aten.as_strided.default and isinstance(src := read_layout(node.args[0]), Layout) and src.dims:
             _local_strides(node, src, tp)
         elif node.target in CONVOLUTIONS:
-            _local_groups(node, read_layout(node.args[0]), tp)
+            _local_groups(node, read_layout(node.args[0]), node.args[1].meta.get(meta_keys.LAYOUT), tp)
         elif node.target is aten.group_norm.default and isinstance(src := read_layout(node.args[0]), Layout) and src.var_at(1):
             # each rank holds whole groups of its channels (``statistic_rules.group_norm``)
             channels = node.args[0].meta["val"].shape[1]
@@ -163,14 +163,20 @@ def _local_strides(node: Node, src: Layout, tp: int) -> None:
     node.args = (node.args[0], sizes, [t if i is None else strides[i] for t, i in zip(node.args[2], walk)], *node.args[3:])
 
 
-def _local_groups(node: Node, lay: object, tp: int) -> None:
-    """A grouped convolution over split channels (``lay``: its input's) has the groups of its local channels."""
-    x = node.args[0]
+def _local_groups(node: Node, x: object, weight: object, tp: int) -> None:
+    """A grouped convolution over split channels has the groups of its local channels: those of its input,
+    or, where it reads the rank's groups of a whole input (``sharding_policy._grouped_channels``), of its
+    weight's rows (every group's rows are whole on one rank); ``x``, ``weight``: their layouts."""
     groups = schema_arg(node, "groups", 1)
-    if not isinstance(lay, Layout) or lay.var_at(1) is None or groups == 1:
+    if groups == 1:
         return
-    channels = x.meta["val"].shape[1]
-    local = groups * local_size(lay.var_at(1), tp) // channels
+    if isinstance(x, Layout) and x.var_at(1) is not None:
+        var, size = x.var_at(1), node.args[0].meta["val"].shape[1]
+    elif isinstance(weight, Layout) and weight.var_at(0) is not None:
+        var, size = weight.var_at(0), node.args[1].meta["val"].shape[0]
+    else:
+        return
+    local = groups * local_size(var, tp) // size
     position = [a.name for a in node.target._schema.arguments].index("groups")
     args = list(node.args) + [None] * (position + 1 - len(node.args))
     defaults = {a.name: a.default_value for a in node.target._schema.arguments}

@@ -4,7 +4,8 @@ module and a list of blocks of its own, the shape of timm's Swin, PVT, ConvNeXt 
 so a pipeline cut only between stages leaves it three quarters of the model; the cut falls
 inside it (``cost_model.pipeline.balanceable_units``): between its blocks (``swin_stages``),
 inside its one block (``convnext_stages``), or between the two blocks of a numbered pair
-inside its block list (``dual_block_stages``, three levels of numbered lists).
+inside its block list (``dual_block_stages``, three levels of numbered lists); in a ResNeXt whose
+last stage holds two blocks each under half the model, inside the first (``bottleneck_stages``).
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)``; the outputs hold ``loss``.
@@ -129,10 +130,44 @@ class ConvNeXt(nn.Module):
         return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
 
 
+class Bottleneck(nn.Module):
+    """ResNeXt's block: a 1x1 convolution down to ``mid`` channels, a grouped 3x3, a 1x1 up, added to the
+    input or to its 1x1 projection (computed after the main branch, as timm's ``BottleneckBlock`` does)."""
+
+    def __init__(self, cin: int, cout: int, mid: int, groups: int = 4) -> None:
+        super().__init__()
+        self.conv1, self.conv3 = nn.Conv2d(cin, mid, 1), nn.Conv2d(mid, cout, 1)
+        self.conv2 = nn.Conv2d(mid, mid, 3, padding=1, groups=groups)
+        self.shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.conv3(F.relu(self.conv2(F.relu(self.conv1(x))))) + self.shortcut(x))
+
+
+class BottleneckNet(nn.Module):
+    """A ResNeXt of two stages: the second's first block (43% of the parameters, its projection shortcut
+    among them) and second (27%) are each under half, and no cut between whole blocks keeps a stage
+    under 70% of the model; a cut inside the first block does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, WIDTH, kernel_size=PATCH, stride=PATCH)
+        self.stages = nn.Sequential(
+            Stage(None, [Bottleneck(WIDTH, WIDTH, WIDTH), Bottleneck(WIDTH, WIDTH, WIDTH)]),
+            Stage(nn.AvgPool2d(2), [Bottleneck(WIDTH, 4 * WIDTH, 48), Bottleneck(4 * WIDTH, 4 * WIDTH, WIDTH)]),
+        )  # fmt: skip
+        self.head = nn.Linear(4 * WIDTH, CLASSES)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        logits = self.head(self.stages(self.stem(pixel_values)).mean(dim=(2, 3)))
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "swin_stages": swin_stages,
     "dual_block_stages": dual_block_stages,
     "convnext_stages": ConvNeXt,
+    "bottleneck_stages": BottleneckNet,
 }
 
 

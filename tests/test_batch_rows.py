@@ -282,3 +282,25 @@ def test_a_split_step_of_single_samples_through_a_batch_norm_equals_the_whole_ba
     grads = pm.unshard_grads()
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+class NormThenInplaceActivation(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu_(self.bn(self.conv(x))).mean()
+
+
+def test_a_norm_output_written_in_place_trains() -> None:
+    torch.manual_seed(0)
+    model = NormThenInplaceActivation().eval()
+    x = torch.randn(2, 3, 4, 4)
+    reference = copy.deepcopy(model)
+    reference(x).backward()
+    pm = autotp.parallelize(model, tp=1, example_inputs={"x": x})
+    pm.train_step(x=x, loss_fn=lambda out: out, num_microbatches=2)
+    grads = pm.unshard_grads()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)

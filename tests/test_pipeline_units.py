@@ -1,5 +1,6 @@
 """Pipeline units split where one is too large to balance: a hierarchical model's last stage is
-cut between its own blocks, inside its one block, or between a numbered pair inside it
+cut between its own blocks, inside its one block, between a numbered pair inside it, or inside
+one of two blocks that no cut between them balances
 (``cost_model.pipeline.balanceable_units``, ``analysis.pipeline_units``); the units of a model
 whose layers are small enough stay its layers, and so do modules holding values sized by the
 data (fp32, gloo, the strict rule at pp=2)."""
@@ -34,16 +35,17 @@ def _chunks_of_modules(gm: torch.fx.GraphModule, plan: ParallelPlan) -> dict[str
     return found
 
 
-def test_the_last_stage_is_cut_between_its_blocks() -> None:
+def test_the_last_stage_is_cut_where_its_blocks_balance() -> None:
+    """Between the last stage's blocks the first chunk would hold 62% of the model; inside its first block, 50%."""
     gm = _traced("swin_stages")
     cuts = plan_pipeline(gm, 2, 1)
-    assert cuts.layer_chunks == (0, 0) and cuts.module_chunks == (("layers.1.blocks.1", 1),)
+    assert cuts.layer_chunks == (0, 0) and cuts.module_chunks == (("layers.1.blocks.0.fc2", 1), ("layers.1.blocks.1", 1))
     plan = ParallelPlan(pp=2, **cuts._asdict())
-    assert split_units(plan) == {"layers", "layers.1", "layers.1.blocks"}
+    assert split_units(plan) == {"layers", "layers.1", "layers.1.blocks", "layers.1.blocks.0"}
     assert ParallelPlan.from_json(plan.to_json()) == plan
     chunks = _chunks_of_modules(gm, plan)
     assert chunks["layers.0.blocks.0.fc1"] == chunks["layers.1.downsample.reduction"] == chunks["layers.1.blocks.0.fc1"] == {0}
-    assert chunks["layers.1.blocks.1.fc1"] == chunks["head"] == {1}
+    assert chunks["layers.1.blocks.0.fc2"] == chunks["layers.1.blocks.1.fc1"] == chunks["head"] == {1}
 
 
 def test_a_stage_of_one_block_is_cut_inside_it() -> None:
@@ -56,7 +58,14 @@ def test_a_stage_of_one_block_is_cut_inside_it() -> None:
 
 def test_three_levels_of_numbered_lists_split_by_the_same_rule() -> None:
     cuts = plan_pipeline(_traced("dual_block_stages"), 2, 1)
-    assert cuts.module_chunks == (("layers.1.blocks.0.1", 1),)
+    assert cuts.module_chunks == (("layers.1.blocks.0.0.fc2", 1), ("layers.1.blocks.0.1", 1))
+
+
+def test_a_block_under_a_chunks_share_is_split_where_no_cut_between_blocks_balances() -> None:
+    """The last stage's two blocks hold 45% and 28%: a cut between them leaves 70% on the first chunk, so the
+    first block is cut too, before its projection shortcut (the last of its parts to run)."""
+    cuts = plan_pipeline(_traced("bottleneck_stages"), 2, 1)
+    assert cuts.module_chunks == (("stages.1.blocks.0.shortcut", 1), ("stages.1.blocks.1", 1))
 
 
 def test_more_chunks_split_more() -> None:
@@ -113,7 +122,7 @@ def _strict_on_rank(rank: int, world: int, name: str) -> StrictResult:
 
 
 def test_split_stages_pass_the_strict_rule_at_pp2() -> None:
-    for name in ("swin_stages", "convnext_stages"):
+    for name in ("swin_stages", "convnext_stages", "bottleneck_stages"):
         result = combine(run_on_ranks(_strict_on_rank, 2, name, timeout_s=400))
         assert result.passed, f"{name}: {result.reason}"
         assert result.share <= 0.65, f"{name}: {result.share:.0%} of the parameters on a rank"

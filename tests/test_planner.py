@@ -294,6 +294,26 @@ def test_auto_plan_keeps_given_degrees_and_plans_the_rest() -> None:
     assert (pp2.plan.tp, pp2.plan.pp, pp2.plan.layer_chunks) == (1, 2, (0, 1))
 
 
+def test_a_compiled_model_is_planned_as_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``parallelize(..., compile=True)`` prices its ranks as inductor runs them (``cost_model.fused_kernels``):
+    the planner and the sequence-parallel choice are told so."""
+    from autotp import compiler
+
+    asked: list[bool] = []
+    planned = compiler.auto_plan
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs["compiled"])
+        return planned(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "auto_plan", recording)
+    model = presets.build_model("llama-tiny")
+    ids = torch.zeros((4, 32), dtype=torch.long)
+    for compiled in (False, True):
+        compiler.plan_model(model, {"input_ids": ids, "labels": ids}, "cpu", tp=1, pp=1, dp=1, vpp=1, plan="auto", compiled=compiled)
+    assert asked == [False, True]
+
+
 def _auto_worker(rank: int, world: int) -> tuple[float, float, tuple[int, int, int]]:
     torch.manual_seed(0)
     model = presets.build_model("llama-tiny", device="cpu", dtype=torch.float32)

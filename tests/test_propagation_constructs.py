@@ -634,3 +634,43 @@ def test_a_split_cat_onto_an_empty_factory_tensor_leaves_it_out() -> None:
     assert _kinds(plan)["up.weight"][0] == "column"
     for equal, reason in run_on_ranks(_empty_memory_cat_at, 2):
         assert equal, reason
+
+
+class GroupedConvolutions(nn.Module):
+    """A grouped 3x3 (``groups`` groups of 4 channels) after a column-parallel 1x1, then a dense 1x1 back; and one
+    (2 groups) straight on the whole input, then the same: the first reads split channels, the second the
+    rank's groups of a whole input. ``groups=3`` leaves the tp=2 split no whole groups."""
+
+    def __init__(self, groups: int = 4) -> None:
+        super().__init__()
+        self.down, self.up = nn.Conv2d(4, 4 * groups, 1), nn.Conv2d(4 * groups, 4, 1)
+        self.grouped = nn.Conv2d(4 * groups, 4 * groups, 3, padding=1, groups=groups, bias=False)
+        self.whole_in = nn.Conv2d(4, 8, 3, padding=1, groups=2)
+        self.out = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = self.up(F.relu(self.grouped(F.relu(self.down(x))))) + x
+        z = self.out(F.relu(self.whole_in(y)))
+        return {"loss": (z * torch.linspace(-1, 1, 4)[:, None, None]).square().mean()}
+
+
+def _grouped_at_tp2(rank: int, world: int, groups: int) -> tuple[bool, str, float, dict[str, tuple[int, ...]]]:
+    from autotp import parallelize
+    from autotp.report.strict_rule import check_on_rank
+
+    torch.manual_seed(0)
+    x = {"x": torch.randn(2, 4, 6, 6)}
+    result = check_on_rank(GroupedConvolutions(groups), x, tp=world)
+    torch.manual_seed(0)
+    pm = parallelize(GroupedConvolutions(groups), tp=world, example_inputs=x)
+    return result.equal, result.reason, result.share, {n: tuple(p.shape) for n, p in pm.named_parameters()}
+
+
+def test_grouped_convolutions_split_on_whole_groups() -> None:
+    for equal, reason, share, shapes in run_on_ranks(_grouped_at_tp2, 2, 4):
+        assert equal, reason
+        assert shapes["grouped.weight"] == (8, 4, 3, 3) and shapes["whole_in.weight"] == (4, 2, 3, 3)  # 2 of 4 groups, 1 of 2
+        assert share < 0.6
+    for equal, reason, _, shapes in run_on_ranks(_grouped_at_tp2, 2, 3):  # 3 groups: kept whole, still equal
+        assert equal, reason
+        assert shapes["grouped.weight"] == (12, 4, 3, 3)

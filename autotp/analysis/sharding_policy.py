@@ -31,7 +31,7 @@ from autotp.analysis.propagation_result import NodeRole, ParamDecision, ParamVie
 from autotp.analysis.shapes import schema_arg, shape_of, sources
 from autotp.ir.errors import describe
 from autotp.ir.op_facts import is_pointwise, is_transposed_convolution
-from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
+from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, follow, shard, unify
 
 aten = torch.ops.aten
 _SAME_DIMS = (aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default, aten._to_copy.default, aten.to.dtype, aten.lift_fresh_copy.default)
@@ -315,7 +315,10 @@ def convolution(w: Walker, node: Node) -> Any:
     Replicated input channels and ``groups=1`` make the weight column-parallel over its
     output channels (a patch embedding, a decoder's upsampler); input channels split with
     ``groups`` equal to the channels (a depthwise short convolution) keep the split, and the
-    weight, the bias and the local ``groups`` follow it (``rewrite_shapes``); split input
+    weight, the bias and the local ``groups`` follow it (``rewrite_shapes``); split into other
+    groups, the split falls on whole groups (``_grouped_channels``), and whole input channels into
+    groups of several channels are read through the rank's groups (``Propagation.local_slices``;
+    a depthwise weight, one input channel per group, is too small to be worth it); split input
     channels into a dense convolution make it row-parallel.
     """
     x, weight = node.args[0], node.args[1]
@@ -331,7 +334,15 @@ def convolution(w: Walker, node: Node) -> Any:
             raise ShardingConflict(f"{describe(node)}: convolves over a sharded dim", lx.origins(), (v,))
     channels = lx.var_at(1)
     lw = w.get(weight)
-    if channels is None:
+    if channels is None and 1 < groups < xs[1] and groups % w.tp == 0 and w_out == 0 and (
+        (isinstance(lw, ParamView) and lw.dim_map[0] == 0 and w.allowed(lw.name, "column"))
+        or (isinstance(lw, Layout) and lw.var_at(0) is not None and len(lw.dims) == 1)
+    ):
+        split = 0  # each rank convolves its groups, reading their input channels of the whole input
+        channels = DimVar(xs[1], lx.origins())
+        w.out.local_slices.setdefault(node, []).append((x, 1, channels))
+        out = _grouped_channels(w, node, lw, channels, groups, ws[0])
+    elif channels is None:
         split = w_out
         if isinstance(lw, ParamView) and groups == 1 and lw.dim_map[w_out] == w_out and w.allowed(lw.name, "column"):
             w.param_view_shard(lw, w_out, DimVar(ws[w_out], frozenset({lw.name})), "column", node)
@@ -346,6 +357,9 @@ def convolution(w: Walker, node: Node) -> Any:
         if lw.var_at(0) is None:
             raise ShardingConflict(f"{describe(node)}: a depthwise weight kept whole meets split channels", channels.find().origins, (channels,))
         out = unify(lw.var_at(0), channels, describe(node))
+    elif groups > 1 and w_out == 0 and ws[0] % groups == 0 and isinstance(lw, ParamView | Layout):
+        split = 0
+        out = _grouped_channels(w, node, lw, channels, groups, ws[0])
     elif groups == 1 and len(lx.dims) == 1 and (
         (isinstance(lw, ParamView) and lw.dim_map[w_in] == w_in and w.allowed(lw.name, "row"))
         or (isinstance(lw, Layout) and lw.var_at(w_in) is not None and len(lw.dims) == 1)
@@ -361,6 +375,27 @@ def convolution(w: Walker, node: Node) -> Any:
     if out is not None:
         dims[1] = out
     return shard(dims)
+
+
+def _grouped_channels(w: Walker, node: Node, lw: ParamView | Layout, channels: DimVar, groups: int, out_channels: int) -> DimVar:
+    """A grouped convolution over split input channels (ResNeXt's 3x3, a depthwise one with a channel
+    multiplier): the split falls on whole groups, each rank convolving its groups' input channels into
+    their output channels; input channels, output channels and the weight's rows follow one variable of
+    the groups (``follow``), so tp must divide the groups."""
+    where = describe(node)
+    if groups % w.tp:
+        raise ShardingConflict(f"{where}: {groups} groups do not stay whole on tp={w.tp} ranks", channels.find().origins, (channels,))
+    per_group = DimVar(groups, channels.find().origins)
+    follow(channels, per_group, where)
+    if isinstance(lw, ParamView):
+        rows = DimVar(out_channels, frozenset({lw.name}))
+        follow(rows, per_group, where)
+        w.param_view_shard(lw, 0, rows, "grouped", node)
+    rows = w.concrete(node.args[1], node).var_at(0)
+    if rows is None:
+        raise ShardingConflict(f"{where}: a grouped convolution's weight kept whole meets split channels", channels.find().origins, (channels,))
+    follow(rows, per_group, where)
+    return rows
 
 
 def _row_parallel_convolution(w: Walker, node: Node, lw: ParamView | Layout, w_in: int, channels: DimVar, bias: Any) -> Any:

@@ -61,7 +61,7 @@ Local ops:
   ``parts``, so that a gradient every one of ``parts`` ranks holds whole becomes their equal
   partial summands (``passes/sequence_parallel`` adds it where whole and partial gradients
   meet before one reduce-scatter).
-* ``contiguous_grad(x)`` -- identity forward; backward makes the gradient contiguous
+* ``contiguous_grad(x)`` -- a copy of ``x`` forward; backward makes the gradient contiguous
   (``passes/contiguous_norm_grads``: torch's CPU batch-norm backward misreads a channels-last
   gradient of a one-sample batch).
 * ``tp_dropout(x, p, train, stream)`` -- ``aten.dropout`` drawing its mask from the tp
@@ -86,7 +86,7 @@ The vocab-parallel embedding and cross entropy mask ids outside the local range,
 id outside the whole vocabulary ``[0, vocab_size)`` would silently count as zero; both
 refuse it (``check_ids``) where the unmodified model raises ``IndexError``.
 
-The identities (*f*, ``stage_boundary``, ``partial_grad``, ``contiguous_grad``) are ``CompositeImplicitAutograd`` ops returning a
+The identities (*f*, ``stage_boundary``, ``partial_grad``) are ``CompositeImplicitAutograd`` ops returning a
 view of their input, so they cost no copy: a custom op with a kernel may not return an
 alias of its input. Tracing (``torch.compile``, ``make_fx``) decomposes them into that
 view, with *f*'s backward all-reduce. The other composites (dropout, embedding, loss)
@@ -180,8 +180,8 @@ ALL: frozenset[torch._ops.OpOverload] = COLLECTIVES | {
     VOCAB_PARALLEL_EMBEDDING, STAGE_BOUNDARY, PARTIAL_GRAD, CONTIGUOUS_GRAD, TP_RAND, TP_DROPOUT, TP_ATTENTION_DROPOUT,
     FUNCTION, ELEMENTWISE_FUNCTION,
 }  # fmt: skip
-# Identities forward (views of their input): f, stage boundaries, partial_grad, contiguous_grad.
-IDENTITIES: frozenset[torch._ops.OpOverload] = frozenset({COPY_TO_TP, STAGE_BOUNDARY, PARTIAL_GRAD, CONTIGUOUS_GRAD})
+# Identities forward (views of their input): f, stage boundaries, partial_grad.
+IDENTITIES: frozenset[torch._ops.OpOverload] = frozenset({COPY_TO_TP, STAGE_BOUNDARY, PARTIAL_GRAD})
 # Collectives that only move data forward (no arithmetic but the reduction).
 COMMUNICATION_ONLY: frozenset[torch._ops.OpOverload] = frozenset({REDUCE_FROM_TP, GATHER_FROM_TP, SCATTER_TO_TP, ALL_GATHER, REDUCE_SCATTER})
 
@@ -379,7 +379,7 @@ class _PartialGrad(torch.autograd.Function):
 class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
-        return x.view_as(x)
+        return x.clone()  # not a view: the graph may write it in place (an in-place activation after a norm)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
