@@ -53,6 +53,10 @@ grow. Scaling dim 0 of the first kind by 2 and evaluating
   after them, and runs of small ops leave the GPU waiting for the host. The forward runs
   in graph order, the backward in reverse over the autograd nodes, each from an empty
   queue.
+* ``compile=True`` (``ModelCosts.rank(compiled=True)``, ``Training.compiled``): a fusible node's time
+  is its region's bytes (``fused_kernels``: one kernel per region of memory-bound nodes), the
+  fused loss's passes are fused, the gradient sums cost one read per extra gradient, and the host
+  issues kernels (``compiled_launch_host_s`` each) instead of nodes.
 
 **Preamble.** Nodes computed from the inputs and buffers alone (masks, positions,
 rotary tables: what ``autotp.passes.split_stages`` leaves unassigned) form their own
@@ -344,7 +348,7 @@ class ModelCosts:
         segment_of = {r.node: (PREAMBLE if r.node in repeated else r.layer) for r in report.nodes}
         saved_by = {n: saved_inputs(n, grad) for n in gm.graph.nodes if n.op == "call_function"}
         regions = fused_regions(gm.graph.nodes, segment_of) if compiled else {}
-        if compiled:
+        if compiled:  # what AOTAutograd's partitioner keeps
             saved_by = compiled_saves(regions, saved_by, tensors)
         memory = simulate(gm, tensors, dependent, grad, saved_by, segment_of, self.batch, compiled)
 

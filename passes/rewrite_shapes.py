@@ -165,7 +165,7 @@ def _local_strides(node: Node, src: Layout, tp: int) -> None:
 
 def _local_groups(node: Node, x: object, weight: object, tp: int) -> None:
     """A grouped convolution over split channels has the groups of its local channels: those of its input,
-    or, where it reads the rank's groups of a whole input (``sharding_policy._grouped_channels``), of its
+    or, where it reads the rank's groups of a whole input (``convolution_rules._grouped_channels``), of its
     weight's rows (every group's rows are whole on one rank); ``x``, ``weight``: their layouts."""
     groups = schema_arg(node, "groups", 1)
     if groups == 1:

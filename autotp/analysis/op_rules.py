@@ -20,6 +20,7 @@ from autotp.analysis import contraction_rules as contractions
 from autotp.analysis import index_rules as indexing
 from autotp.analysis import reshape_rules as reshapes
 from autotp.analysis import shape_rules as shapes
+from autotp.analysis import convolution_rules
 from autotp.analysis import sharding_policy as params
 from autotp.analysis import statistic_rules as statistics
 from autotp.analysis import value_rules as values
@@ -95,7 +96,7 @@ RULES: dict[Any, Rule] = {
     aten.einsum.default: contractions.einsum,
     aten.tensordot.default: contractions.tensordot,
     aten.bilinear.default: contractions.bilinear,
-    **{conv: params.convolution for conv in CONVOLUTIONS},
+    **{conv: convolution_rules.convolution for conv in CONVOLUTIONS},
     ops.ELEMENTWISE_FUNCTION: _elementwise_function,
     # shape ops
     aten.view.default: reshapes.reshape,
