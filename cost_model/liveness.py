@@ -108,11 +108,6 @@ def _is_view(node: Node, strided: set[Node]) -> bool:
     return is_view(target)
 
 
-def _itemsize(node: Node) -> int:
-    val = node.meta.get("val")
-    return val.dtype.itemsize if val is not None else 4
-
-
 def _dtype(node: Node) -> object:
     val = node.meta.get("val")
     return getattr(val, "dtype", None)
@@ -257,7 +252,7 @@ def simulate(
                     total = total + g
         step = step + _LOSS_BACKWARD.get(name, 0) * size(n.args[0])
         if compiled and name in _OPMATH_TABLE_GRAD and n.args[0] in params:
-            step = step + size(n.args[0]) * 4 / _itemsize(n.args[0])
+            step = step + np.array([4.0 * sum(t.numel for t in tensors[n.args[0]]), 0.0])  # the table in float32
         param_grads[k] = param_grads[k] + pg
         rows[k]["backward"].append(total + step - prefix[k])
         rows[k]["own"].append(param_grads[k].copy())
