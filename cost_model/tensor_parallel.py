@@ -16,8 +16,10 @@ module decides what to keep, walking again until the proposal is sound:
   naming the value, the node, the op and the cost), whichever ``layout_choice.footprint``
   finds better (``_Search._settle``); a value gathered in one layer is gathered at the same
   place of every layer, so the choice is weighed for all of them at once.
-* A sharded dim that tp does not split (a 10-class head at tp=4) keeps the parameters that
-  made it whole (``KEPT_WHOLE_INDIVISIBLE``). If that leaves a rank more than
+* A sharded dim that tp does not split (an FFN of 170 channels at tp=4) is split with
+  padding, blocks of ``ceil(size / tp)`` (``autotp.analysis.padded_dims``), where nothing
+  cuts it into parts; otherwise (heads that tp does not divide) it keeps the parameters
+  that made it whole (``KEPT_WHOLE_INDIVISIBLE``). If that leaves a rank more than
   ``MAX_SHARE_FACTOR``/tp of the parameters, the model cannot be sharded at this tp: a
   ``UserInputError`` names the module, the op and the degrees that split it.
 * A norm over a sharded dim is computed from a tp-reduced statistic, or its producer is
@@ -78,6 +80,8 @@ class _Search:
         self.walked: dict[tuple[frozenset[str], frozenset[str], frozenset[str], bool], tuple[Propagation, dict[str, KeptWhole]]] = {}
         # gathered value -> (node, op, why) of the conflict that chose it (``_settle``)
         self.gather_reasons: dict[str, tuple[str, str, str]] = {}
+        # parameters whose split tp does not divide, split with padding (``autotp.analysis.padded_dims``)
+        self.padded: set[str] = set()
         # node name -> the nodes at the same place of every layer (``repeated``)
         self.repeats: dict[str, list[str]] | None = None
 
@@ -109,7 +113,8 @@ class _Search:
         hints: dict[str, tuple[str, int]] = {}
         undo: tuple[dict[str, frozenset[int]], Propagation] | None = None
         for _ in range(MAX_PLANNING_ROUNDS):
-            prop = propagate(self.gm, tp, policy=policy, avoid=avoid, statistics=lambda n: n.name not in no_statistic, hints=hints, gathers=gathers)
+            prop = propagate(self.gm, tp, policy=policy, avoid=avoid, statistics=lambda n: n.name not in no_statistic, hints=hints, gathers=gathers,
+                             padded=frozenset(self.padded))
             new_hints = {name: h for name, h in prop.hints.items() if name not in hints and policy(name, "column", ())}
             if new_hints:  # weight reparametrizations: their parameters (in every layer) split from the start
                 places = {_generic(name): h for name, h in new_hints.items()}
@@ -142,6 +147,10 @@ class _Search:
             bad = indivisible(prop)
             if not bad:
                 return prop, banned
+            pads = {name for b in bad for name in b.paddable} - self.padded - self.replicate
+            if pads:  # split with padding from their first use (``padded_dims``); what cannot take it conflicts
+                self.padded |= pads
+                continue
             for b in bad:
                 self._ban(banned, b.origins, KEPT_WHOLE_INDIVISIBLE, f"dim {b.dim} of {describe(b.node)}: {b.why}", b.node)
         raise AssertionError(f"layout planning did not converge in {MAX_PLANNING_ROUNDS} walks")

@@ -16,6 +16,7 @@ from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.insert_param_waits import insert_param_waits
 from autotp.passes.find_cudagraph_candidates import find_cudagraph_candidates
 from autotp.passes.mark_cudagraph_regions import mark_cudagraph_regions
+from autotp.passes.mask_padding import mask_padding
 from autotp.passes.recompute_layers import recompute_layers
 from autotp.passes.rewrite_shapes import rewrite_shapes
 from autotp.passes.slice_replicated import slice_replicated
@@ -35,6 +36,7 @@ PASSES: list[Pass] = [
     annotate_layouts,
     batch_draws,
     rewrite_shapes,
+    mask_padding,
     vocab_parallel_embedding,
     vocab_parallel_cross_entropy,
     tp_dropout,

@@ -26,6 +26,8 @@ def annotate_layouts(gm: GraphModule, ctx: PassContext) -> GraphModule:
             node.meta[meta_keys.SLICE_FIXUP] = prop.slice_fixups[node]
         if node in prop.padding_slices:
             node.meta[meta_keys.PADDING_SLICE] = prop.padding_slices[node]
+        if node in prop.padding_masks:
+            node.meta[meta_keys.PADDING_MASKS] = prop.padding_masks[node]
         if node in prop.index_slices:
             node.meta[meta_keys.INDEX_AS_SLICE] = prop.index_slices[node]
         if node in prop.identity_indices:

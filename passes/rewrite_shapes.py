@@ -19,6 +19,7 @@ from autotp.ir.op_facts import CONVOLUTIONS
 from autotp.analysis.shapes import adds_nothing_to_cat, contiguous_strides, schema_arg, shape_of, strided_walk
 from autotp.analysis.value_rules import UNIFORM_FACTORIES
 from autotp.ir.layouts import Layout, local_size
+from autotp.passes.mask_padding import zero_past
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten
@@ -121,16 +122,9 @@ def _zero_the_dropped_end(gm: GraphModule, node: Node, rank: int, tp: int) -> No
     node.args = (x, d, 0, block)
     if kept == block:
         return
-    graph = gm.graph
-    with graph.inserting_before(node.next):
-        arange = graph.call_function(aten.arange.default, (block,), {"device": val.device})
-        keep = graph.call_function(aten.lt.Scalar, (arange, kept))
-        shaped = graph.call_function(aten.view.default, (keep, [block] + [1] * (val.dim() - 1 - d)))
-        zeroed = graph.call_function(aten.where.ScalarOther, (shaped, node, 0.0))
+    with gm.graph.inserting_before(node.next):
+        zeroed = zero_past(gm.graph, node, d, block, kept)
     node.replace_all_uses_with(zeroed, delete_user_cb=lambda u: u is not zeroed)
-    arange.meta["val"] = torch.arange(block, device="meta")
-    keep.meta["val"] = torch.empty(block, dtype=torch.bool, device="meta")
-    shaped.meta["val"] = torch.empty([block] + [1] * (val.dim() - 1 - d), dtype=torch.bool, device="meta")
     zeroed.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.PADDING_SLICE})
 
 

@@ -36,8 +36,6 @@ FAST = ("shared_rope", "ste_activation", "fp32_qk_norm", "vit_loss_fn", "torch_n
 KNOWN_GAPS: dict[tuple[str, str], str] = {  # (config, model): why it fails today; the sweep fails if it passes or fails otherwise
     # one layer module run LAYERS + 1 times: every stage would hold it whole, so pp saves nothing; refused naming it
     ("pp2", "albert_shared_layer"): "module 'shared' runs 3 times with the same parameters",
-    # the FFN's 170 channels split two or five ways, not four: refused naming those degrees
-    ("tp4", "odd_ffn_width"): "tp=4 cannot shard this model",
     # every layer's weights are slices of one parameter: no module boundary to cut at
     ("pp2", "stacked_layer_weights"): "cuts between the 1 modules the forward runs one after another",
     # nn.Embedding(max_norm=...) renormalizes the rows it reads in place: a parameter written by the forward

@@ -18,7 +18,7 @@ from autotp.analysis.trace import trace
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir import meta_keys
 from autotp.ir.layouts import DimSharding
-from autotp.ir.plan import KEPT_WHOLE_CONFLICT, KEPT_WHOLE_INDIVISIBLE, KEPT_WHOLE_READ_WHOLE, ParallelPlan
+from autotp.ir.plan import KEPT_WHOLE_CONFLICT, KEPT_WHOLE_READ_WHOLE, ParallelPlan
 from autotp.compiler import lower
 from plain_models_attention import (
     DIM,
@@ -249,13 +249,15 @@ class TenClasses(nn.Module):
         return self.classes(x + self.down(F.gelu(self.up(x))))
 
 
-def test_an_output_dim_tp_does_not_split_is_kept_whole_with_an_entry() -> None:
+def test_an_output_dim_tp_does_not_split_is_split_with_padding() -> None:
+    """10 classes at tp=4: blocks of 3, the last rank's one class and two of padding, gathered
+    whole for the output (it was kept whole before padded splits)."""
     gm, plan = _plan(TenClasses(), 4)
     kinds = _kinds(plan)
     assert kinds["up.weight"][0] == "column" and kinds["down.weight"][0] == "row"
-    reason, node, op, nbytes = _kept(plan)["classes.weight"]
-    assert (reason, op, nbytes) == (KEPT_WHOLE_INDIVISIBLE, "linear", 10 * DIM * 4)
-    assert "tp=4" in next(k.detail for k in plan.kept_whole if k.name == "classes.weight")
+    kind, sharding = kinds["classes.weight"]
+    assert kind == "column" and sharding.padded and sharding.local_size(4) == 3
+    assert "classes.weight" not in _kept(plan)
 
 
 class FewHeads(nn.Module):

@@ -59,9 +59,15 @@ def test_a_split_step_cuts_only_the_tensors_of_the_batch_rows() -> None:
     assert torch.equal(pieces[1]["labels"], inputs["labels"][2:])
 
 
-def test_an_ffn_width_tp_does_not_divide_is_refused_naming_the_degrees_that_work() -> None:
-    with pytest.raises(UserInputError, match=r"tp=4 cannot shard this model: .*feed_forward\.w1.*170 blocks .* The smallest tp that splits it is 2"):
-        plan_tensor_parallel(trace(build("odd_ffn_width"), example_inputs("odd_ffn_width")), 4)
+def test_an_ffn_width_tp_does_not_divide_is_split_with_padding() -> None:
+    """170 channels at tp=4: blocks of 43, the last rank's 41 wide plus 2 of padding (refused
+    naming tp=2 before padded splits); the attention's heads split evenly as before."""
+    plan = plan_tensor_parallel(trace(build("odd_ffn_width"), example_inputs("odd_ffn_width")), 4)
+    layouts = {p.name: p for p in plan.params}
+    for name in ("w1.weight", "w2.weight", "w3.weight"):
+        sharding = layouts[f"layers.0.feed_forward.{name}"].sharding
+        assert sharding.padded and sharding.local_size(4) == 43
+    assert not layouts["layers.0.attention.c_attn.weight"].sharding.padded and not [k for k in plan.kept_whole if k.name.endswith("proj.weight")]
 
 
 def test_an_op_whose_output_shape_depends_on_the_data_is_named_with_the_fix() -> None:

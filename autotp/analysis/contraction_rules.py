@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.fx import Node
 
+from autotp.analysis.padded_dims import record_mask
 from autotp.analysis.propagation_result import ParamView
 from autotp.analysis.shapes import reads_input, schema_arg, shape_of
 from autotp.analysis.sharding_policy import output_bias
@@ -164,6 +165,9 @@ def _contraction(w: Walker, node: Node, terms: list[str], out: str, operands: li
     contracted = [c for c in letters if c not in out]
     if contracted and len(contracted) != len(letters):
         raise ShardingConflict(f"{describe(node)}: contraction and output both sharded", letters[contracted[0]].find().origins)
+    for c in contracted:  # padding summed in: zeroed in one operand, an activation where there is one
+        holders = sorted(((t, term.index(c)) for t, term in zip(operands, terms) if c in term), key=lambda h: h[0].op == "get_attr")
+        record_mask(w.out, node, *holders[0], letters[c])
     if contracted:
         return PARTIAL
     return shard({out.index(c): var for c, var in letters.items()})

@@ -15,6 +15,7 @@ from autotp.analysis.propagation_result import NodeRole, ParamView
 from autotp.analysis.shapes import schema_arg, shape_of
 from autotp.analysis.sharding_policy import output_bias
 from autotp.ir.errors import describe
+from autotp.analysis.padded_dims import record_mask
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, follow, shard, unify
 from autotp.ir.op_facts import is_transposed_convolution
 
@@ -121,6 +122,7 @@ def _row_parallel_convolution(w: Walker, node: Node, lw: ParamView | Layout, w_i
         w.param_view_shard(lw, w_in, channels, "row", node)
     else:
         unify(lw.var_at(w_in), channels, describe(node))  # type: ignore[arg-type]
+    record_mask(w.out, node, node.args[0], 1, channels)
     if not isinstance(bias, Node):
         return PARTIAL
     w.concrete(bias, node)

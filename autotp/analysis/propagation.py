@@ -42,6 +42,7 @@ from torch.fx import GraphModule, Node
 
 from autotp.analysis.dtensor_rules import dtensor_rule
 from autotp.analysis.op_rules import rule_for
+from autotp.analysis.padded_dims import check_padding, pad, padded_inputs
 from autotp.analysis.partials import PartialSums
 from autotp.analysis.propagation_result import ParamDecision, ParamView, Propagation, ShardPolicy, Sliced, StatisticPolicy, Tiled
 from autotp.analysis.shapes import is_float, replicated_like
@@ -61,7 +62,8 @@ class Walker:
     decides parameters at their read, before their first use (``Propagation.hints``: the
     parameters of a weight reparametrization, split as the matmul reading the weight asks);
     ``gathers`` names nodes whose split value every reader gets whole (all-gathered:
-    ``Propagation.gathered``; with a plan, its ``gathered`` entries).
+    ``Propagation.gathered``; with a plan, its ``gathered`` entries); ``padded`` names parameters
+    whose split is padded where they decide it (``padded_dims``).
     """
 
     def __init__(
@@ -74,8 +76,10 @@ class Walker:
         statistics: StatisticPolicy | None = None,
         hints: dict[str, tuple[str, int]] | None = None,
         gathers: frozenset[str] = frozenset(),
+        padded: frozenset[str] = frozenset(),
     ) -> None:
         self.gm = gm
+        self.padded = padded
         self.gathers = frozenset(g.tensor for g in plan.gathered) if plan is not None else gathers
         self.hints = hints or {}
         self.tp = tp
@@ -166,6 +170,8 @@ class Walker:
             whole = DimVar(self.params[view.name].shape[pdim.dim], var.find().origins)
             unify(self._sliced_part(pdim, whole), var, describe(node))
             pdim, var = pdim.dim, whole
+        elif view.name in self.padded:
+            pad(var)
         self.decide(view.name, ParamDecision(kind, pdim, var), node)
 
     def _sliced_part(self, sliced: Sliced, whole: DimVar) -> DimVar:
@@ -274,11 +280,16 @@ class Walker:
             if isinstance(src, (tuple, list)):
                 return src[node.args[1]]
             return self.opaque(node)
+        before = padded_inputs(self.out, node, self.gathers)
         rule = rule_for(node.target)
         if rule is not None:
-            return rule(self, node)
-        derived = dtensor_rule(self, node)
-        return derived if derived is not None else self.opaque(node)
+            out = rule(self, node)
+        else:
+            derived = dtensor_rule(self, node)
+            out = derived if derived is not None else self.opaque(node)
+        if before:
+            check_padding(self.out, node, before, out)
+        return out
 
     def opaque(self, node: Node) -> Any:
         """Unknown op: fine on replicated inputs; partial inputs are reduced first."""
@@ -301,6 +312,7 @@ def propagate(
     statistics: StatisticPolicy | None = None,
     hints: dict[str, tuple[str, int]] | None = None,
     gathers: frozenset[str] = frozenset(),
+    padded: frozenset[str] = frozenset(),
 ) -> Propagation:
     """Walk ``gm`` once; see the module docstring for the two modes."""
-    return Walker(gm, tp, plan, policy, avoid, statistics, hints, gathers).run()
+    return Walker(gm, tp, plan, policy, avoid, statistics, hints, gathers, padded).run()

@@ -14,6 +14,7 @@ from typing import Any
 from torch.fx import GraphModule, Node
 
 from autotp.ir.errors import UserInputError, describe
+from autotp.ir.axes import Axis
 from autotp.ir.layouts import REPLICATE, DimSharding, DimVar, Layout, ShardingConflict, resolve
 
 
@@ -106,6 +107,9 @@ class Propagation:
     # slice node -> the var it keeps the first elements of, as a padded dim of that var's even
     # blocks (``shape_rules._drops_padding``): the var must resolve to tp contiguous blocks.
     padding_slices: dict[Node, DimVar] = field(default_factory=dict)
+    # node -> [(input, dim, var)]: the node sums over a padded dim of that input (a contraction,
+    # a sum), so the ranks holding padding zero it there first (``passes/mask_padding``)
+    padding_masks: dict[Node, list[tuple[Node, int, DimVar]]] = field(default_factory=dict)
     # node -> [(replicated input, dim, var)]: the node reads that input's local slice along
     # dim as var shards it (a per-head vector or a buffer meeting sharded heads).
     local_slices: dict[Node, list[tuple[Node, int, DimVar]]] = field(default_factory=dict)
@@ -140,6 +144,16 @@ class Indivisible:
     dim: int
     why: str
     origins: frozenset[str]
+    # the parameters whose own split this dim is, where nothing cuts it into parts: they can
+    # split it in blocks of ceil(size / tp), the last padded (``padded_dims``)
+    paddable: frozenset[str] = frozenset()
+
+
+def _own_split(prop: Propagation, r: DimVar, sharding: DimSharding | None) -> frozenset[str]:
+    """The parameters whose decided split is ``r`` itself, if ``r`` is one run of single elements."""
+    if sharding is None or sharding.groups != (sharding.size,) or r.axis is not Axis.TP:
+        return frozenset()
+    return frozenset(n for n, dec in prop.decisions.items() if dec.var is not None and dec.var.find() is r)
 
 
 def indivisible(prop: Propagation) -> list[Indivisible]:
@@ -156,11 +170,12 @@ def indivisible(prop: Propagation) -> list[Indivisible]:
                     continue
                 seen.add(r.uid)
                 try:
-                    why = resolve(r, prop.tp).check(prop.tp)
+                    sharding = resolve(r, prop.tp)
+                    why = sharding.check(prop.tp)
                 except ShardingConflict as c:  # segments that cannot be laid out together
-                    why = str(c)
+                    sharding, why = None, str(c)
                 if why:
-                    found.append(Indivisible(node, d, why, frozenset(r.origins)))
+                    found.append(Indivisible(node, d, why, frozenset(r.origins), _own_split(prop, r, sharding)))
     if found:
         return found
     for node, fixups in prop.expand_fixups.items():

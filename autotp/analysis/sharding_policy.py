@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import Node
 
+from autotp.analysis.padded_dims import record_mask
 from autotp.analysis.propagation_result import NodeRole, ParamDecision, ParamView
 from autotp.analysis.shapes import shape_of, sources
 from autotp.ir.errors import describe
@@ -110,6 +111,7 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
         dims[out_nd - 1] = bn
     if ak is not None:
         unify(ak, bk, describe(node))
+        record_mask(w.out, node, a, a_nd - 1, ak)
         if dims:
             raise ShardingConflict(f"{describe(node)}: contraction and output both sharded", la.origins())
         out: Layout = PARTIAL

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.fx import Node
 
+from autotp.analysis.padded_dims import record_mask
 from autotp.analysis.propagation_result import NodeRole, ParamView
 from autotp.analysis.shape_rules import drop_unit_dims
 from autotp.analysis.shapes import norm_dim, schema_arg, shape_of
@@ -75,7 +76,7 @@ def _statistic(w: Walker, node: Node, vars_: list[DimVar]) -> None:
     """A tp-reduced statistic over ``vars_`` at ``node``, if the walk allows it there."""
     for v in vars_:
         if v.find().padded:
-            raise ShardingConflict(f"{describe(node)}: a statistic over a padded (vocabulary) dim", v.find().origins, (v,))
+            raise ShardingConflict(f"{describe(node)}: a statistic over a dim split with padding", v.find().origins, (v,))
     if not w.allow_statistic(node):
         origins = frozenset().union(*(v.find().origins for v in vars_))
         raise ShardingConflict(f"{describe(node)}: reduces over a sharded dim", origins, tuple(vars_), statistic=node.name)
@@ -108,6 +109,9 @@ def reduction(w: Walker, node: Node) -> Any:
         raise ShardingConflict(f"{describe(node)}: reduces over a sharded dim", lay.origins(), tuple(sharded))
     if target in SUMS:
         w.out.roles[node] = NodeRole.SHARDED_REDUCTION
+        for d in reduced:
+            if lay.var_at(d) is not None:
+                record_mask(w.out, node, x, d, lay.var_at(d))
         return PARTIAL
     _statistic(w, node, sharded)  # type: ignore[arg-type]
     if target in MEANS:

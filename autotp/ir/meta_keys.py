@@ -33,6 +33,10 @@ PADDING_SLICE = "autotp_padding_slice"
 blocks (``shape_rules._drops_padding``): the sliced DimVar; each rank keeps its block, the
 elements past the slice's end zeroed."""
 
+PADDING_MASKS = "autotp_padding_masks"
+"""On a node that sums over a dim split with padding (``Propagation.padding_masks``): the
+(operand, dim, DimVar) whose padding the ranks holding some zero first (``passes/mask_padding``)."""
+
 EXPAND_FIXUPS = "autotp_expand_fixups"
 """On an ``expand`` whose broadcast dim is later merged into a sharded dim (``repeat_kv``):
 ``[(dim, merged DimVar, outer DimVar)]``; that dim's local size is local(merged)/local(outer)."""

@@ -1,0 +1,166 @@
+"""Dims tp does not divide, split with padding (``autotp.analysis.padded_dims``).
+
+Each model below has a width that tp=4 does not divide. Before padding, its weights stayed
+whole or tp=4 was refused. Checked at tp=4 (and tp=2 where the width is even): loss and every
+gradient equal to the unmodified model, each rank holding its ceil(size / tp) block, several
+optimizer steps keeping the padding rows zero, and the refusal of what padding cannot do.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed import run_on_ranks
+
+
+class SigmoidFfn(nn.Module):
+    """An FFN of 14 hidden units whose activation is not zero at zero (sigmoid): the padding of
+    the hidden dim is 1.5 until the row-parallel projection masks it and its sum masks it. At
+    tp=4 the blocks are 4 wide; with 6 units they are 2 wide and the last rank holds padding only."""
+
+    def __init__(self, hidden: int = 14) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, hidden), nn.Linear(hidden, 8)
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, hidden))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = torch.sigmoid(self.up(x)) * self.gate + 1.0
+        y = self.down(h) + x
+        return {"loss": (y * torch.linspace(-1, 1, 8)).square().mean() + h.sum(-1).mean() * 1e-2}
+
+
+class SqueezeExcite(nn.Module):
+    """A RegNet-style squeeze-and-excitation of 38 channels (1x1 convolutions), then an
+    einsum projection of 10 features back: both widths split with padding at tp=4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reduce, self.expand = nn.Conv2d(16, 38, 1), nn.Conv2d(38, 16, 1)
+        self.proj_in = nn.Linear(16, 10)
+        self.proj_out = nn.Parameter(torch.randn(10, 4) / 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        s = self.expand(F.silu(self.reduce(x.mean((2, 3), keepdim=True))))
+        f = x * torch.sigmoid(s)
+        z = torch.einsum("bf,fo->bo", F.gelu(self.proj_in(f.mean((2, 3)))), self.proj_out)
+        return {"loss": (z - 0.3).square().mean()}
+
+
+class FactoredWidth(nn.Module):
+    """The 6 hidden units viewed as 3 pairs and summed per pair: the view cuts the padded dim
+    into parts (a rank's block of 2 would not be whole pairs of the global dim), so padding is
+    refused there; the plan gathers the value or keeps the layer whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 6), nn.Linear(3, 8)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self.down(torch.tanh(self.up(x)).unflatten(-1, (3, 2)).sum(-1)).square().mean()}
+
+
+class ClassHead(nn.Module):
+    """An MLP and a 10-class head: the logits are returned (gathered whole, the padding left
+    out) and their cross-entropy is the loss (vocab-parallel, the padded classes masked)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.classes = nn.Linear(8, 32), nn.Linear(32, 8), nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.classes(x + self.down(F.gelu(self.up(x))))
+        return {"loss": F.cross_entropy(logits, torch.arange(x.shape[0]) % 10), "logits": logits}
+
+
+MODELS = {"sigmoid_ffn": SigmoidFfn, "squeeze_excite": SqueezeExcite, "factored_width": FactoredWidth, "class_head": ClassHead}
+INPUTS = {"sigmoid_ffn": (3, 5, 8), "squeeze_excite": (2, 16, 6, 6), "factored_width": (3, 5, 8), "class_head": (6, 8)}
+
+
+def _check(rank: int, world: int, name: str) -> tuple[bool, str, float, float, dict[str, tuple[int, ...]], list[str]]:
+    from autotp import parallelize
+    from autotp.report.strict_rule import check_on_rank
+
+    torch.manual_seed(0)
+    inputs = {"x": torch.randn(*INPUTS[name])}
+    result = check_on_rank(MODELS[name](), inputs, tp=world)
+    torch.manual_seed(0)
+    pm = parallelize(MODELS[name](), tp=world, example_inputs=inputs)
+    padded = [p.name for p in pm.plan.params if p.sharding.padded]
+    return result.equal, result.reason, result.share, result.limit, {n: tuple(p.shape) for n, p in pm.named_parameters()}, padded
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_an_ffn_whose_width_tp_does_not_divide_is_split_with_padding(tp: int) -> None:
+    for equal, reason, share, limit, shapes, padded in run_on_ranks(_check, tp, "sigmoid_ffn"):
+        assert equal, reason
+        assert share <= limit
+        if tp == 4:
+            assert sorted(padded) == ["down.weight", "gate", "up.bias", "up.weight"]
+            assert shapes["up.weight"] == (4, 8) and shapes["down.weight"] == (8, 4) and shapes["gate"] == (4,)
+        else:
+            assert padded == [] and shapes["up.weight"] == (7, 8)
+
+
+def test_padded_convolution_channels_and_einsum_features_equal_the_model() -> None:
+    for equal, reason, share, limit, shapes, padded in run_on_ranks(_check, 4, "squeeze_excite"):
+        assert equal, reason
+        assert share <= limit
+        assert {"reduce.weight", "expand.weight", "proj_in.weight", "proj_out"} <= set(padded)
+        assert shapes["reduce.weight"] == (10, 16, 1, 1) and shapes["expand.weight"] == (16, 10, 1, 1)
+        assert shapes["proj_in.weight"] == (3, 16) and shapes["proj_out"] == (3, 4)
+
+
+def test_a_class_dim_tp_does_not_divide_is_split_with_padding() -> None:
+    for equal, reason, share, limit, shapes, padded in run_on_ranks(_check, 4, "class_head"):
+        assert equal, reason
+        assert share <= limit and sorted(padded) == ["classes.bias", "classes.weight"]
+        assert shapes["classes.weight"] == (3, 8)
+
+
+def test_padding_is_refused_where_an_op_cuts_the_padded_dim() -> None:
+    from autotp.analysis.propagation import propagate
+    from autotp.analysis.trace import trace
+
+    gm = trace(FactoredWidth(), {"x": torch.randn(*INPUTS["factored_width"])})
+    prop = propagate(gm, 4, padded=frozenset({"up.weight", "up.bias"}))
+    assert [str(c).split(": ")[-1] for c in prop.conflicts] == ["cuts a dim split with padding into parts"]
+    for equal, reason, _, _, shapes, padded in run_on_ranks(_check, 4, "factored_width"):
+        assert equal, reason
+
+
+def _train(rank: int, world: int, steps: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[float], list[float]]:
+    from autotp import parallelize
+
+    torch.manual_seed(0)
+    model = SigmoidFfn(hidden=6)
+    reference = copy.deepcopy(model)
+    batches = [{"x": torch.randn(3, 5, 8)} for _ in range(steps)]
+    pm = parallelize(model, tp=world, example_inputs=batches[0])
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1) for m in (pm, reference)]
+    losses: tuple[list[float], list[float]] = ([], [])
+    for batch in batches:
+        for m, opt, out in zip((pm, reference), opts, losses):
+            opt.zero_grad()
+            loss = m(**batch)["loss"]
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+    local = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    return pm.unshard_state_dict(), local | {"ref." + n: p.detach() for n, p in reference.named_parameters()}, *losses
+
+
+def test_optimizer_steps_keep_the_padding_rows_zero() -> None:
+    """AdamW with weight decay over 4 steps: the padding rows get no gradient, so they stay
+    zero, and the model trains as the unmodified one does."""
+    results = run_on_ranks(_train, 4, 4)
+    for rank, (full, local, losses, ref_losses) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for name in ("up.weight", "up.bias", "down.weight", "gate"):
+            torch.testing.assert_close(full[name], local["ref." + name], rtol=1e-5, atol=1e-6)
+        if rank == 3:  # its block [6, 8) is all padding
+            assert not local["up.weight"].any() and not local["down.weight"].any() and not local["gate"].any()
