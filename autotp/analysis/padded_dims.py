@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.fx import Node
+from torch.utils._pytree import tree_leaves
 
 from autotp.analysis.propagation_result import NodeRole, Propagation
 from autotp.ir.axes import Axis
@@ -75,10 +77,11 @@ def check_padding(prop: Propagation, node: Node, padded: dict[int, DimVar], out:
     """Refuse what ``node``'s rule did with the padded dims of its inputs unless it kept them
     as they are or summed over them with the padding masked (module docstring)."""
     kept = _roots(out)
+    reads_values = any(isinstance(v, torch.Tensor) for v in tree_leaves(node.meta.get("val")))  # not a size alone
     masked = {v.find().uid for _, _, v in prop.padding_masks.get(node, ())}
     for r in padded.values():
         root = r.find()
         if not _unconstrained(root):
             raise ShardingConflict(f"{describe(node)}: cuts a dim split with padding into parts", root.origins, (root,))
-        if root.uid not in kept and root.uid not in masked and prop.roles.get(node) not in CONSUMING_ROLES:
+        if reads_values and root.uid not in kept and root.uid not in masked and prop.roles.get(node) not in CONSUMING_ROLES:
             raise ShardingConflict(f"{describe(node)}: combines the elements of a dim split with padding", root.origins, (root,))
