@@ -40,6 +40,12 @@ MIN_SPLIT_GAIN = 0.02
 activations (an MLP's hidden state beside the residual), more than a cut between blocks."""
 
 
+CROWDED_SHARE = 1.3
+"""A chunk holding more than this over ``chunks`` of the parameters defeats the memory pipelining
+saves: then a layer of that chunk is split into its parts too (a CNN's stages, whose last ones
+hold most parameters in few blocks), which cuts between whole layers never do otherwise."""
+
+
 class StageCuts(NamedTuple):
     """The plan's pipeline fields (``ParallelPlan.layer_chunks`` and friends)."""
 
@@ -177,7 +183,9 @@ def balanceable_units(gm: GraphModule, chunks: int) -> tuple[dict[torch.fx.Node,
     and no value of a size only the run knows (``_sized_by_data``: an MoE layer stays whole).
     Then, inside the modules so split, the heaviest part of the fullest chunk of the best cut is
     split too while that lowers the fullest chunk's load by ``MIN_SPLIT_GAIN`` (a stage of two large
-    blocks, each under a chunk's share, that no cut between them balances: a ResNeXt's last stage)."""
+    blocks, each under a chunk's share, that no cut between them balances: a ResNeXt's last stage),
+    and so are its layers while it holds more than ``CROWDED_SHARE`` of its share of the parameters
+    (ConvNeXt's last two stages, a third of the parameters each)."""
     paths = layer_paths(gm)
     split: frozenset[str] = frozenset()
     whole: set[str] = set()  # too large, but of fewer than two parts
@@ -196,19 +204,20 @@ def balanceable_units(gm: GraphModule, chunks: int) -> tuple[dict[torch.fx.Node,
             else:
                 split = trial
         of = units(gm, split)
-    while split:
+    while True:
         costs = unit_costs(gm, of)
         fullest = _fullest_load(list(costs.values()), chunks)
-        inside = [u for u in fullest.units(list(costs)) if isinstance(u, str) and u not in whole and any(u.startswith(p + ".") for p in split)]
+        crowded = fullest.params_share > CROWDED_SHARE / chunks
+        inside = {u: u for u in fullest.units(list(costs)) if isinstance(u, str) and u not in whole and any(u.startswith(p + ".") for p in split)}
+        inside |= {u: paths[u] for u in fullest.units(list(costs)) if crowded and isinstance(u, int) and paths[u] not in whole}
         if not inside:
             return of, split
-        heaviest = max(inside, key=lambda u: max(a / b for a, b in zip(costs[u], fullest.totals)))
+        heaviest = inside[max(inside, key=lambda u: max(a / b for a, b in zip(costs[u], fullest.totals)))]
         trial = _split_into_parts(gm, split, heaviest)
         if trial is not None and _fullest_load(list(unit_costs(gm, units(gm, trial)).values()), chunks).load < fullest.load - MIN_SPLIT_GAIN:
             split, of = trial, units(gm, trial)
         else:
             whole.add(heaviest)
-    return of, split
 
 
 def _split_into_parts(gm: GraphModule, split: frozenset[str], path: str) -> frozenset[str] | None:
@@ -228,6 +237,7 @@ class _Fullest(NamedTuple):
     chunk: int
     assignment: tuple[int, ...]
     totals: np.ndarray
+    params_share: float  # of the fullest chunk
 
     def units(self, listed: list[Unit]) -> list[Unit]:
         return [u for u, c in zip(listed, self.assignment) if c == self.chunk]
@@ -239,7 +249,8 @@ def _fullest_load(costs: list[tuple[float, float]], chunks: int) -> _Fullest:
     per_unit, totals = _shares(costs)
     loads = [(per_unit[[i for i, c in enumerate(assignment) if c == chunk]].sum(axis=0) / totals).max() for chunk in range(chunks)]
     chunk = int(np.argmax(loads))
-    return _Fullest(float(loads[chunk]), chunk, assignment, totals)
+    params = per_unit[[i for i, c in enumerate(assignment) if c == chunk]].sum(axis=0)[-1] / totals[-1]
+    return _Fullest(float(loads[chunk]), chunk, assignment, totals, float(params))
 
 
 def plan_pipeline(gm: GraphModule, pp: int, vpp: int) -> StageCuts:

@@ -5,7 +5,8 @@ so a pipeline cut only between stages leaves it three quarters of the model; the
 inside it (``cost_model.pipeline.balanceable_units``): between its blocks (``swin_stages``),
 inside its one block (``convnext_stages``), or between the two blocks of a numbered pair
 inside its block list (``dual_block_stages``, three levels of numbered lists); in a ResNeXt whose
-last stage holds two blocks each under half the model, inside the first (``bottleneck_stages``).
+last stage holds two blocks each under half the model, inside the first (``bottleneck_stages``); in a
+ConvNeXt of four stages whose last three hold a third of the model each, inside one of them (``pyramid_stages``).
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)``; the outputs hold ``loss``.
@@ -105,12 +106,12 @@ class ConvNeXtBlock(nn.Module):
 
 
 class Downsample(nn.Module):
-    """A channels-first LayerNorm and a 2x2 convolution of stride 2 to twice the channels."""
+    """A channels-first LayerNorm and a 2x2 convolution of stride 2 to twice the channels (or ``out``)."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, out: int | None = None) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.conv = nn.Conv2d(dim, 2 * dim, kernel_size=2, stride=2)
+        self.conv = nn.Conv2d(dim, out or 2 * dim, kernel_size=2, stride=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2))
@@ -123,6 +124,26 @@ class ConvNeXt(nn.Module):
         super().__init__()
         self.stem = nn.Conv2d(3, WIDTH, kernel_size=PATCH, stride=PATCH)
         self.stages = nn.Sequential(Stage(None, [ConvNeXtBlock(WIDTH)]), Stage(Downsample(WIDTH), [ConvNeXtBlock(2 * WIDTH)]))
+        self.norm, self.head = nn.LayerNorm(2 * WIDTH), nn.Linear(2 * WIDTH, CLASSES)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        logits = self.head(self.norm(self.stages(self.stem(pixel_values)).mean(dim=(2, 3))))
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+class PyramidConvNeXt(nn.Module):
+    """ConvNeXt-atto's widths (W, 2W, 2W, 2W), one block per stage: the last three stages hold 27%,
+    33% and 33% of the parameters, each under half, and the best cut between whole stages leaves
+    the second chunk 65% of them; a cut inside a stage balances it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, WIDTH, kernel_size=2, stride=2)
+        widths = (WIDTH, 2 * WIDTH, 2 * WIDTH, 2 * WIDTH)
+        self.stages = nn.Sequential(
+            Stage(None, [ConvNeXtBlock(WIDTH)]),
+            *(Stage(Downsample(cin, cout), [ConvNeXtBlock(cout)]) for cin, cout in zip(widths, widths[1:])),
+        )  # fmt: skip
         self.norm, self.head = nn.LayerNorm(2 * WIDTH), nn.Linear(2 * WIDTH, CLASSES)
 
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
@@ -168,6 +189,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "dual_block_stages": dual_block_stages,
     "convnext_stages": ConvNeXt,
     "bottleneck_stages": BottleneckNet,
+    "pyramid_stages": PyramidConvNeXt,
 }
 
 

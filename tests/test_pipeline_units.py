@@ -1,6 +1,6 @@
 """Pipeline units split where one is too large to balance: a hierarchical model's last stage is
 cut between its own blocks, inside its one block, between a numbered pair inside it, or inside
-one of two blocks that no cut between them balances
+one of two blocks that no cut between them balances, or inside a layer of a chunk crowded with parameters
 (``cost_model.pipeline.balanceable_units``, ``analysis.pipeline_units``); the units of a model
 whose layers are small enough stay its layers, and so do modules holding values sized by the
 data (fp32, gloo, the strict rule at pp=2)."""
@@ -68,6 +68,14 @@ def test_a_block_under_a_chunks_share_is_split_where_no_cut_between_blocks_balan
     assert cuts.module_chunks == (("stages.1.blocks.0.shortcut", 1), ("stages.1.blocks.1", 1))
 
 
+def test_a_chunk_crowded_with_parameters_has_a_layer_split() -> None:
+    """ConvNeXt-atto's shape: no stage is over half the model, but the best cut between whole stages
+    leaves the second chunk 66% of the parameters (over 1.3 of its half); a cut between the third
+    stage's downsampling and its block leaves it 56%."""
+    cuts = plan_pipeline(_traced("pyramid_stages"), 2, 1)
+    assert cuts.layer_chunks == (0, 0, 0, 1) and cuts.module_chunks == (("stages.2.blocks", 1),)
+
+
 def test_more_chunks_split_more() -> None:
     gm = _traced("swin_stages")
     cuts = plan_pipeline(gm, 2, 2)  # a block is more than a quarter: split into its attention and linears
@@ -122,7 +130,7 @@ def _strict_on_rank(rank: int, world: int, name: str) -> StrictResult:
 
 
 def test_split_stages_pass_the_strict_rule_at_pp2() -> None:
-    for name in ("swin_stages", "convnext_stages", "bottleneck_stages"):
+    for name in ("swin_stages", "convnext_stages", "bottleneck_stages", "pyramid_stages"):
         result = combine(run_on_ranks(_strict_on_rank, 2, name, timeout_s=400))
         assert result.passed, f"{name}: {result.reason}"
         assert result.share <= 0.65, f"{name}: {result.share:.0%} of the parameters on a rank"
