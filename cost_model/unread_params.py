@@ -30,7 +30,7 @@ from torch.fx import GraphModule
 from autotp.analysis.pipeline_units import chunk_bases
 from autotp.ir.axes import Axis
 from autotp.ir.errors import UserInputError
-from autotp.ir.layouts import DimSharding
+from autotp.ir.dim_sharding import DimSharding
 from autotp.ir.plan import UNREAD_KIND, ParallelPlan, ParamLayout, UnreadParam
 
 DETAIL = "no node of the forward traced at the example inputs reads it"

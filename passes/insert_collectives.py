@@ -31,7 +31,8 @@ from autotp.ir import meta_keys, ops
 from autotp.ir.axes import replica_group_key
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import shape_of
-from autotp.ir.layouts import PARTIAL, REPLICATE, DimSharding, Layout, fixed_var, resolve
+from autotp.ir.layouts import PARTIAL, REPLICATE, Layout, fixed_var, resolve
+from autotp.ir.dim_sharding import DimSharding
 from autotp.ir.op_facts import CONVOLUTIONS, CollectiveTag, mutated_base
 from autotp.passes.runner import PassContext
 
@@ -208,7 +209,7 @@ def gather_whole(graph: Any, arg: Node, lay: Layout, key: str, tp: int, before: 
     value = arg
     for d, var in lay.dims:
         sharding = resolve(var, tp)
-        contiguous = sharding.padded or (len(sharding.segments) == 1 and sharding.replicas(tp) == 1)
+        contiguous = len(sharding.segments) == 1 and sharding.replicas(tp) == 1  # padded: the gather drops the end
         size = shape[d] if contiguous else sharding.local_size(tp) * tp
         with graph.inserting_before(before):
             value = graph.call_function(ops.GATHER_FROM_TP, (value, d, size, key), name="gather_from_tp")
@@ -225,11 +226,11 @@ def _in_global_order(graph: Any, gathered: Node, d: int, sharding: DimSharding, 
     local, pieces, seen = sharding.local_size(tp), [], set()
     for rank in range(tp):
         offset = rank * local
-        for start, stop in sharding.ranges(rank, tp):
-            if (start, stop) not in seen:
-                seen.add((start, stop))
-                pieces.append((start, stop, offset))
-            offset += stop - start
+        for start, have, length in sharding.pieces(rank, tp):
+            if have and (start, start + have) not in seen:
+                seen.add((start, start + have))
+                pieces.append((start, start + have, offset))
+            offset += length
     pieces.sort()
     assert [p[0] for p in pieces] == [0] + [p[1] for p in pieces[:-1]] and pieces[-1][1] == sharding.size
     val = gathered.meta["val"]

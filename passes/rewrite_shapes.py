@@ -19,7 +19,7 @@ from autotp.ir.op_facts import CONVOLUTIONS
 from autotp.analysis.shapes import adds_nothing_to_cat, contiguous_strides, schema_arg, shape_of, strided_walk
 from autotp.analysis.value_rules import UNIFORM_FACTORIES
 from autotp.ir.layouts import Layout, local_size
-from autotp.passes.mask_padding import zero_past
+from autotp.passes.mask_padding import zero_spans
 from autotp.passes.runner import PassContext
 
 aten = torch.ops.aten
@@ -123,7 +123,7 @@ def _zero_the_dropped_end(gm: GraphModule, node: Node, rank: int, tp: int) -> No
     if kept == block:
         return
     with gm.graph.inserting_before(node.next):
-        zeroed = zero_past(gm.graph, node, d, block, kept)
+        zeroed = zero_spans(gm.graph, node, d, block, [(kept, block)])
     node.replace_all_uses_with(zeroed, delete_user_cb=lambda u: u is not zeroed)
     zeroed.meta.update({k: v for k, v in node.meta.items() if k != meta_keys.PADDING_SLICE})
 

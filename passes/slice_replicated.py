@@ -26,24 +26,25 @@ def slice_replicated(gm: GraphModule, ctx: PassContext) -> GraphModule:
     graph, tp = gm.graph, ctx.plan.tp
     for node in list(graph.nodes):
         for source, dim, var in node.meta.get(meta_keys.LOCAL_SLICES, []):
-            sharding = resolve(var, tp)
-            ranges = sharding.ranges(ctx.tp_rank, tp)
+            ndim = source.meta["val"].dim()
+            parts, made = [], []
             with graph.inserting_before(node):
-                parts = [graph.call_function(aten.slice.Tensor, (source, dim, start, stop)) for start, stop in ranges]
+                for start, have, length in resolve(var, tp).pieces(ctx.tp_rank, tp):
+                    part = graph.call_function(aten.slice.Tensor, (source, dim, start, start + have))
+                    made.append(part)
+                    if length > have:  # padding
+                        part = graph.call_function(aten.constant_pad_nd.default, (part, [0, 0] * (ndim - 1 - dim % ndim) + [0, length - have], 0.0))
+                        made.append(part)
+                    parts.append(part)
                 local = parts[0] if len(parts) == 1 else graph.call_function(aten.cat.default, (parts, dim))
-                short = sum(stop - start for start, stop in ranges) - sum(min(stop, sharding.size) - min(start, sharding.size) for start, stop in ranges)
-                if short:
-                    ndim = source.meta["val"].dim()
-                    widths = [0, 0] * (ndim - 1 - dim % ndim) + [0, short]
-                    local = graph.call_function(aten.constant_pad_nd.default, (local, widths, 0.0))
-                    parts.append(local)
-            for new in {*parts, local}:
+            for new in {*made, local}:
                 _annotate(new, source, shard({dim: var}))
             reduce = node.meta.get(meta_keys.REDUCE_INPUTS, [])
             if source in reduce:  # a partial operand: sum it before slicing, not after
                 node.meta[meta_keys.REDUCE_INPUTS] = [r for r in reduce if r is not source]
-                for part in parts:
-                    part.meta[meta_keys.REDUCE_INPUTS] = [source]
+                for part in made:
+                    if part.args[0] is source:
+                        part.meta[meta_keys.REDUCE_INPUTS] = [source]
             node.replace_input_with(source, local)
     return gm
 

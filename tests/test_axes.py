@@ -6,7 +6,8 @@ import pytest
 
 from autotp.ir.axes import Axis, group_key, replica_group_key
 from autotp.ir.errors import UserInputError
-from autotp.ir.layouts import DimSharding, DimVar, ShardingConflict, fixed_var, resolve, set_segments, shard, unify
+from autotp.ir.layouts import DimVar, ShardingConflict, fixed_var, resolve, set_segments, shard, unify
+from autotp.ir.dim_sharding import DimSharding
 from autotp.ir.plan import ParallelPlan, ParamLayout
 from autotp.ir.rank_groups import groups_of
 

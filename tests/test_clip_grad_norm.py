@@ -56,7 +56,7 @@ def test_clip_counts_each_parameter_once(name: str, tp: int, pp: int) -> None:
 
 def test_segments_replicated_on_some_ranks_count_once() -> None:
     """A fused q|k|v weight at tp=2 with one KV head: q is split, k and v are held by both ranks."""
-    from autotp.ir.layouts import DimSharding
+    from autotp.ir.dim_sharding import DimSharding
     from autotp.ir.plan import ParallelPlan, ParamLayout
     from autotp.runtime.gradients.grad_norm import NormCounting
 

@@ -34,6 +34,23 @@ class SigmoidFfn(nn.Module):
         return {"loss": (y * torch.linspace(-1, 1, 8)).square().mean() + h.sum(-1).mean() * 1e-2}
 
 
+class FusedGateUp(nn.Module):
+    """SwiGLU with gate and up fused in one projection of 2 x 14 outputs, cut by ``chunk`` (or by
+    slices): each half is split with padding at its own end, the fused weight's shard holding a
+    block of each."""
+
+    def __init__(self, sliced: bool = False) -> None:
+        super().__init__()
+        self.sliced = sliced
+        self.gate_up, self.down = nn.Linear(8, 28), nn.Linear(14, 8)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.gate_up(x)
+        gate, up = (h[..., :14], h[..., 14:]) if self.sliced else h.chunk(2, -1)
+        y = self.down(F.silu(gate) * (up + 1.0)) + x
+        return {"loss": (y * torch.linspace(-1, 1, 8)).square().mean()}
+
+
 class SqueezeExcite(nn.Module):
     """A RegNet-style squeeze-and-excitation of 38 channels (1x1 convolutions), then an
     einsum projection of 10 features back: both widths split with padding at tp=4."""
@@ -80,8 +97,9 @@ class ClassHead(nn.Module):
         return {"loss": F.cross_entropy(logits[keep], labels[keep]), "logits": logits}
 
 
-MODELS = {"sigmoid_ffn": SigmoidFfn, "squeeze_excite": SqueezeExcite, "factored_width": FactoredWidth, "class_head": ClassHead}
-INPUTS = {"sigmoid_ffn": (3, 5, 8), "squeeze_excite": (2, 16, 6, 6), "factored_width": (3, 5, 8), "class_head": (12, 8)}
+MODELS = {"sigmoid_ffn": SigmoidFfn, "squeeze_excite": SqueezeExcite, "factored_width": FactoredWidth, "class_head": ClassHead,
+          "fused_gate_up": FusedGateUp, "sliced_gate_up": lambda: FusedGateUp(sliced=True)}
+INPUTS = {"sigmoid_ffn": (3, 5, 8), "squeeze_excite": (2, 16, 6, 6), "factored_width": (3, 5, 8), "class_head": (12, 8), "fused_gate_up": (3, 5, 8), "sliced_gate_up": (3, 5, 8)}
 
 
 def _check(rank: int, world: int, name: str) -> tuple[bool, str, float, float, dict[str, tuple[int, ...]], list[str]]:
@@ -107,6 +125,14 @@ def test_an_ffn_whose_width_tp_does_not_divide_is_split_with_padding(tp: int) ->
             assert shapes["up.weight"] == (4, 8) and shapes["down.weight"] == (8, 4) and shapes["gate"] == (4,)
         else:
             assert padded == [] and shapes["up.weight"] == (7, 8)
+
+
+@pytest.mark.parametrize("name", ["fused_gate_up", "sliced_gate_up"])
+def test_segments_of_a_fused_projection_are_each_split_with_padding(name: str) -> None:
+    for equal, reason, share, limit, shapes, padded in run_on_ranks(_check, 4, name):
+        assert equal, reason
+        assert share <= limit and sorted(padded) == ["down.weight", "gate_up.bias", "gate_up.weight"]
+        assert shapes["gate_up.weight"] == (8, 8) and shapes["down.weight"] == (8, 4)
 
 
 def test_padded_convolution_channels_and_einsum_features_equal_the_model() -> None:

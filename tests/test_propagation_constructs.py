@@ -17,7 +17,7 @@ from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.trace import trace
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir import meta_keys
-from autotp.ir.layouts import DimSharding
+from autotp.ir.dim_sharding import DimSharding
 from autotp.ir.plan import KEPT_WHOLE_CONFLICT, KEPT_WHOLE_READ_WHOLE, ParallelPlan
 from autotp.compiler import lower
 from plain_models_attention import (

@@ -51,21 +51,19 @@ def test_messages_scattered_into_a_graphs_nodes_mix_the_rows() -> None:
     assert "layers.0" in found and "scatter_reduce" in found, found
 
 
-@pytest.mark.parametrize(("padded", "tp", "split"), [(136, 4, True), (134, 2, True), (134, 4, False)])
-def test_a_head_padded_past_the_vocabulary_splits_in_its_real_and_padding_rows(padded: int, tp: int, split: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("padded", "tp"), [(136, 4), (134, 2), (134, 4)])
+def test_a_head_padded_past_the_vocabulary_splits_in_its_real_and_padding_rows(padded: int, tp: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``logits[..., :vocab]`` cuts the head's rows into the vocabulary and the padding, and
     the vocabulary-parallel loss marks the first part padded-if-needed. Before, resolving a
-    padded part of a segmented dim raised out of the planner (a crash at tp=2 and tp=4); now
-    tp splits each part where it divides both, and keeps the head whole, named, where not."""
+    padded part of a segmented dim raised out of the planner (a crash at tp=2 and tp=4); then
+    tp split each part where it divided both and kept the head whole where not (6 rows at tp=4);
+    now each part is split with padding at its own end where tp does not divide it."""
     monkeypatch.setattr(plain_models_idioms, "PADDED_VOCAB", padded)
     name = "padded_vocab_slice"
     plan = plan_tensor_parallel(trace(build(name), example_inputs(name)), tp)
-    layouts = {p.name: p for p in plan.params}
-    if split:
-        head = layouts["output.weight"]
-        assert (head.kind, head.dim, head.sharding.segments) == ("column", 0, (128, padded - 128))
-    else:
-        assert "output.weight" not in layouts and "output.weight" in {k.name for k in plan.kept_whole}
+    head = {p.name: p for p in plan.params}["output.weight"]
+    assert (head.kind, head.dim, head.sharding.segments) == ("column", 0, (128, padded - 128))
+    assert head.sharding.padded == bool((padded - 128) % tp)
 
 
 def test_composites_that_only_move_data_take_the_rules_of_their_views() -> None:

@@ -12,7 +12,7 @@ from torch import nn
 
 from autotp.analysis.trace import trace
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
-from autotp.ir.layouts import DimSharding
+from autotp.ir.dim_sharding import DimSharding
 from autotp.ir.plan import ParallelPlan
 from plain_models_attention import DIM
 from plain_models_linear_mixers import GROUPS, KEY_DIM, KEY_HEADS, MODELS, STATE, VALUE_DIM, VALUE_HEADS, GatedDeltaNet, Mamba2Mixer

@@ -409,7 +409,7 @@ def test_repeated_heads_must_repeat_the_ranks_own_heads() -> None:
     graphs otherwise computed with the wrong value heads), and the planner keeps those
     parameters whole."""
     from autotp.analysis.propagation_result import misaligned_repeats
-    from autotp.ir.layouts import DimSharding
+    from autotp.ir.dim_sharding import DimSharding
 
     gqa = DimSharding(8, (8,), (8,)), DimSharding(4, (4,), (4,))
     assert misaligned_repeats(*gqa, 4) is None and misaligned_repeats(*gqa, 8) is None

@@ -42,11 +42,19 @@ def pad(var: DimVar) -> None:
     """Split ``var`` with padding, if nothing constrains its blocks yet."""
     r = var.find()
     if r.segments is None and r.groups in (None, r.size) and r.fixed is None and r.follows is None and r.axis is Axis.TP:
-        r.padded = True
+        r.padded = r.padded_parts = True
 
 
 def _unconstrained(r: DimVar) -> bool:
-    return r.segments is None and r.follows is None and r.groups in (None, r.size)
+    """Single elements, or segments that are each that (a fused gate/up pair cut by ``chunk``)."""
+    if r.follows is not None or r.groups not in (None, r.size):
+        return False
+    return r.segments is None or all(s.find().padded and s.find() is not r and _unconstrained(s.find()) for s in r.segments)
+
+
+def _parts(r: DimVar) -> set[int]:
+    """``r`` and its segments, at any depth."""
+    return {r.uid}.union(*(_parts(s.find()) for s in r.segments or () if s.find() is not r))
 
 
 def _roots(value: Any) -> dict[int, DimVar]:
@@ -76,12 +84,12 @@ def record_mask(prop: Propagation, node: Node, operand: Any, dim: int, var: DimV
 def check_padding(prop: Propagation, node: Node, padded: dict[int, DimVar], out: Any) -> None:
     """Refuse what ``node``'s rule did with the padded dims of its inputs unless it kept them
     as they are or summed over them with the padding masked (module docstring)."""
-    kept = _roots(out)
+    kept = set(_roots(out))
     reads_values = any(isinstance(v, torch.Tensor) for v in tree_leaves(node.meta.get("val")))  # not a size alone
     masked = {v.find().uid for _, _, v in prop.padding_masks.get(node, ())}
     for r in padded.values():
         root = r.find()
         if not _unconstrained(root):
             raise ShardingConflict(f"{describe(node)}: cuts a dim split with padding into parts", root.origins, (root,))
-        if reads_values and root.uid not in kept and root.uid not in masked and prop.roles.get(node) not in CONSUMING_ROLES:
+        if reads_values and not _parts(root) & (kept | masked) and prop.roles.get(node) not in CONSUMING_ROLES:
             raise ShardingConflict(f"{describe(node)}: combines the elements of a dim split with padding", root.origins, (root,))

@@ -15,7 +15,8 @@ from torch.fx import GraphModule, Node
 
 from autotp.ir.errors import UserInputError, describe
 from autotp.ir.axes import Axis
-from autotp.ir.layouts import REPLICATE, DimSharding, DimVar, Layout, ShardingConflict, resolve
+from autotp.ir.layouts import REPLICATE, DimVar, Layout, ShardingConflict, resolve
+from autotp.ir.dim_sharding import DimSharding
 
 
 class NodeRole(str, Enum):
@@ -150,8 +151,9 @@ class Indivisible:
 
 
 def _own_split(prop: Propagation, r: DimVar, sharding: DimSharding | None) -> frozenset[str]:
-    """The parameters whose decided split is ``r`` itself, if ``r`` is one run of single elements."""
-    if sharding is None or sharding.groups != (sharding.size,) or r.axis is not Axis.TP:
+    """The parameters whose decided split is ``r`` itself, if ``r`` is single elements (in segments
+    or not: a fused gate/up pair cut by ``chunk``)."""
+    if sharding is None or sharding.groups != sharding.segments or r.axis is not Axis.TP:
         return frozenset()
     return frozenset(n for n, dec in prop.decisions.items() if dec.var is not None and dec.var.find() is r)
 

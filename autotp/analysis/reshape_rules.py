@@ -43,7 +43,8 @@ from torch.fx import Node
 from autotp.analysis.propagation_result import ParamView, Tiled
 from autotp.analysis.shapes import norm_dim, reshape_chunks, shape_of
 from autotp.ir.errors import describe
-from autotp.ir.layouts import DimSharding, DimVar, Layout, ShardingConflict, follow, resolve, set_groups, set_segments, shard, tile, unify
+from autotp.ir.layouts import DimVar, Layout, ShardingConflict, follow, resolve, set_groups, set_segments, shard, tile, unify
+from autotp.ir.dim_sharding import DimSharding
 
 if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker

@@ -24,11 +24,11 @@ two dims split over different axes never unify.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from autotp.ir.axes import Axis
+from autotp.ir.dim_sharding import DimSharding
 
 
 class ShardingConflict(Exception):
@@ -63,6 +63,9 @@ class DimVar:
         self.origins = origins
         self.padded = padded
         self.block = block  # a padded dim's elements per rank (0: ceil(size / tp)), ``DimSharding.block``
+        # padded where tp does not divide it (``autotp.analysis.padded_dims``): cut into segments,
+        # each is padded at its own end (a vocabulary's padding stays one run at the end)
+        self.padded_parts = False
         self.axis = axis
         self.groups: int | None = None
         # (reshape node name, output factor) when a reshape chose which factor carries the
@@ -92,7 +95,7 @@ def unify(a: DimVar, b: DimVar, where: str) -> DimVar:
     if ra is rb:
         return ra
     origins = ra.origins | rb.origins
-    if ra.size != rb.size or ra.padded != rb.padded or ra.block != rb.block:
+    if ra.size != rb.size or ra.padded != rb.padded or ra.block != rb.block or ra.padded_parts != rb.padded_parts:
         raise ShardingConflict(f"{where}: sharded dims of size {ra.size} and {rb.size} meet", origins)
     if ra.axis != rb.axis:
         raise ShardingConflict(f"{where}: a dim split over {ra.axis} meets one split over {rb.axis}", origins)
@@ -231,7 +234,10 @@ def set_segments(var: DimVar, sizes: list[int], where: str) -> tuple[DimVar, ...
             follow(seg, part, where)
         return r.segments
     if r.segments is None:
-        r.segments = tuple(DimVar(s, r.origins, axis=r.axis) for s in sizes)
+        padded = r.padded_parts  # each segment padded at its own end (``DimSharding.pieces``)
+        r.segments = tuple(DimVar(s, r.origins, axis=r.axis, padded=padded) for s in sizes)
+        for seg in r.segments:
+            seg.padded_parts = padded
         for seg in r.segments:
             seg.made_by = r.made_by  # a conflict on a part may be the reshape's choice too
         for seg, groups in zip(r.segments, _segment_groups(r.size, r.groups, sizes, where, r.origins)):
@@ -245,7 +251,7 @@ def set_segments(var: DimVar, sizes: list[int], where: str) -> tuple[DimVar, ...
             else:
                 raise ShardingConflict(f"{where}: segments {sizes} cut across the plan's {list(fixed.segments)}", r.origins)
             for seg, size, groups in zip(r.segments, sizes, per):
-                seg.fixed = DimSharding(size, (size,), (groups or size or 1,), axis=r.axis)
+                seg.fixed = DimSharding(size, (size,), (groups or size or 1,), padded=padded, axis=r.axis)
         return r.segments
     have = [s.find().size for s in r.segments]
     if have == sizes:
@@ -295,73 +301,6 @@ def _segment_groups(size: int, groups: int | None, sizes: list[int], where: str,
     return [s // block for s in sizes]
 
 
-@dataclass(frozen=True)
-class DimSharding:
-    """How one dimension of a parameter is split over the ranks of ``axis`` (see module doc;
-    the methods' ``tp`` is that axis's degree)."""
-
-    size: int
-    segments: tuple[int, ...]
-    groups: tuple[int, ...]
-    padded: bool = False
-    axis: Axis = Axis.TP
-    block: int = 0  # padded: elements per rank (0: ceil(size / tp)); a slice that drops the padding of an even split keeps its blocks
-
-    def _per(self, tp: int) -> int:
-        return self.block or math.ceil(self.size / tp)
-
-    def check(self, tp: int) -> str | None:
-        """Why this dim cannot be split over ``tp`` ranks, or None."""
-        if self.padded:
-            return None
-        for seg, g in zip(self.segments, self.groups):
-            if seg % g:
-                return f"{seg} elements do not form {g} equal blocks"
-            if g % tp and tp % g:
-                return f"{g} blocks of size {seg // g} cannot be spread over tp={tp} ranks"
-        return None
-
-    def replicas(self, tp: int) -> int:
-        """How many ranks hold the same slice (1 when every rank's slice is distinct)."""
-        return 1 if self.padded else max(max(tp // g, 1) for g in self.groups)
-
-    def local_size(self, tp: int) -> int:
-        if self.padded:
-            return self._per(tp)
-        return sum(seg // g * max(g // tp, 1) for seg, g in zip(self.segments, self.groups))
-
-    def ranges(self, rank: int, tp: int) -> list[tuple[int, int]]:
-        """Global ``[start, stop)`` ranges that ``rank`` holds, in local order.
-
-        For a padded dim ``stop`` may pass ``size``: the rest of the slice is padding.
-        """
-        if self.padded:
-            per = self._per(tp)
-            return [(rank * per, (rank + 1) * per)]
-        out: list[tuple[int, int]] = []
-        offset = 0
-        for seg, g in zip(self.segments, self.groups):
-            block = seg // g
-            if g % tp == 0:
-                start = rank * (g // tp) * block
-                out.append((offset + start, offset + start + g // tp * block))
-            else:
-                b = rank * g // tp
-                out.append((offset + b * block, offset + (b + 1) * block))
-            offset += seg
-        return out
-
-    def to_json(self) -> dict:
-        out = {"size": self.size, "segments": list(self.segments), "groups": list(self.groups), "padded": self.padded,
-               "axis": self.axis.value}  # fmt: skip
-        return out | ({"block": self.block} if self.block else {})
-
-    @staticmethod
-    def from_json(d: dict) -> DimSharding:
-        return DimSharding(d["size"], tuple(d["segments"]), tuple(d["groups"]), d.get("padded", False), Axis(d.get("axis", Axis.TP)),
-                           d.get("block", 0))  # fmt: skip
-
-
 def resolve(var: DimVar, tp: int, _seen: frozenset[int] = frozenset()) -> DimSharding:
     """The final split of ``var`` for ``tp`` ranks (blocks default to single elements)."""
     r = var.find()
@@ -371,6 +310,9 @@ def resolve(var: DimVar, tp: int, _seen: frozenset[int] = frozenset()) -> DimSha
         outer = resolve(r.follows, tp, _seen | {r.uid})
         inner = r.size // outer.size
         return DimSharding(r.size, tuple(s * inner for s in outer.segments), outer.groups, outer.padded)
+    if r.padded_parts and r.segments is not None:  # segments each padded at their own end (``set_segments``)
+        sizes = tuple(seg.find().size for seg in r.segments)
+        return DimSharding(r.size, sizes, sizes, padded=True, axis=r.axis)
     if r.padded:
         return DimSharding(r.size, (r.size,), (r.size,), padded=True, axis=r.axis, block=r.block)
     if r.segments is None:
@@ -396,7 +338,7 @@ def select_range(var: DimVar, start: int, end: int, where: str) -> DimVar:
         return r
     if not 0 <= start < end <= r.size:
         raise ShardingConflict(f"{where}: the range [{start}, {end}) of a dim of {r.size} is empty or outside it", r.origins)
-    if r.padded:
+    if r.padded and not r.padded_parts:
         raise ShardingConflict(f"{where}: slices a padded (vocabulary) dim", r.origins)
     if r.segments is None:
         set_segments(r, [n for n in (start, end - start, r.size - end) if n > 0], where)
@@ -440,6 +382,7 @@ def local_size(var: DimVar, tp: int) -> int:
 def fixed_var(sharding: DimSharding, origin: str) -> DimVar:
     """A variable already resolved to ``sharding`` (for parameters read from a plan)."""
     var = DimVar(sharding.size, frozenset({origin}), padded=sharding.padded, block=sharding.block, axis=sharding.axis)
+    var.padded_parts = sharding.padded and not sharding.block
     var.fixed = sharding
     if len(sharding.segments) > 1:
         set_segments(var, list(sharding.segments), origin)

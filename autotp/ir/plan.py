@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from autotp.ir.axes import Axis
 from autotp.ir.errors import UserInputError
 from autotp.ir.fp8_delayed import DEFAULT_LENGTH
-from autotp.ir.layouts import DimSharding
+from autotp.ir.dim_sharding import DimSharding
 from autotp.ir.op_facts import Collective
 from autotp.ir.rank_groups import rank_groups
 from autotp.ir.moe_plan import ExpertParallelEstimate, MoeLayerPlan

@@ -36,7 +36,9 @@ from autotp.compiler import example_kwargs
 from autotp.analysis.trace import trace
 from autotp.ir import meta_keys
 from autotp.ir.layouts import Layout, resolve
+from autotp.ir.plan import ParamLayout
 from autotp.runtime.processes import collectives
+from autotp.runtime.state.sharding import unshard_tensor
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -152,20 +154,9 @@ def _whole(local: torch.Tensor, layout: Any, tp: int, group: dist.ProcessGroup |
     if len(layout.dims) != 1:
         return None
     dim, var = layout.dims[0]
-    sharding = resolve(var, tp)
     parts = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(parts, local.contiguous(), group=group)
-    shape = list(local.shape)
-    shape[dim] = sharding.size
-    full = local.new_zeros(shape)
-    for rank, part in enumerate(parts):
-        offset = 0
-        for start, stop in sharding.ranges(rank, tp):
-            have = max(min(stop, sharding.size) - start, 0)
-            if have:
-                full.narrow(dim, start, have).copy_(part.narrow(dim, offset, have))
-            offset += stop - start
-    return full
+    return unshard_tensor(parts, ParamLayout("", "value", dim, resolve(var, tp)), tp)
 
 
 def _parallel_values(pm: Any, kwargs: dict[str, Any]) -> dict[str, tuple[torch.Tensor, Node, int | None]]:

@@ -86,11 +86,10 @@ def shard_spec(name: str, global_shape: tuple[int, ...], layout: ParamLayout | N
                          f"{list(global_shape)}; re-plan for this model")
     pieces = []
     offset = 0
-    for start, stop in layout.sharding.ranges(tp_rank, tp):
-        have = max(min(stop, size) - start, 0)
+    for start, have, length in layout.sharding.pieces(tp_rank, tp):
         if have:
             pieces.append(Piece(start, offset, have))
-        offset += stop - start
+        offset += length
     return ShardSpec(name, global_shape, layout.dim, offset, tuple(pieces))
 
 

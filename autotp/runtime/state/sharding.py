@@ -10,15 +10,13 @@ from autotp.ir.plan import ParamLayout
 
 def shard_tensor(full: Tensor, layout: ParamLayout, rank: int, tp: int) -> Tensor:
     """This rank's slice of ``full`` (zero rows where a padded dim runs past the end)."""
-    size = layout.sharding.size
     pieces = []
-    for start, stop in layout.sharding.ranges(rank, tp):
-        have = max(min(stop, size) - start, 0)
+    for start, have, length in layout.sharding.pieces(rank, tp):
         if have:
             pieces.append(full.narrow(layout.dim, start, have))
-        if stop - start > have:
+        if length > have:
             pad_shape = list(full.shape)
-            pad_shape[layout.dim] = stop - start - have
+            pad_shape[layout.dim] = length - have
             pieces.append(full.new_zeros(pad_shape))
     return torch.cat(pieces, dim=layout.dim) if len(pieces) > 1 else pieces[0].clone()
 
@@ -31,9 +29,8 @@ def unshard_tensor(shards: list[Tensor], layout: ParamLayout, tp: int) -> Tensor
     full = shards[0].new_empty(shape)
     for rank, local in enumerate(shards):
         offset = 0
-        for start, stop in layout.sharding.ranges(rank, tp):
-            have = max(min(stop, size) - start, 0)
+        for start, have, length in layout.sharding.pieces(rank, tp):
             if have:
                 full.narrow(layout.dim, start, have).copy_(local.narrow(layout.dim, offset, have))
-            offset += stop - start
+            offset += length
     return full
