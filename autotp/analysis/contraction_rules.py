@@ -165,9 +165,10 @@ def _contraction(w: Walker, node: Node, terms: list[str], out: str, operands: li
     contracted = [c for c in letters if c not in out]
     if contracted and len(contracted) != len(letters):
         raise ShardingConflict(f"{describe(node)}: contraction and output both sharded", letters[contracted[0]].find().origins)
-    for c in contracted:  # padding summed in: zeroed in one operand, an activation where there is one
-        holders = sorted(((t, term.index(c)) for t, term in zip(operands, terms) if c in term), key=lambda h: h[0].op == "get_attr")
-        record_mask(w.out, node, *holders[0], letters[c])
+    sliced = {t for t, _, _ in w.out.local_slices.get(node, ())}
+    for c in contracted:  # padding summed in: zeroed in one operand split there, an activation where there is one
+        holders = [(t, term.index(c)) for t, term in zip(operands, terms) if c in term and t not in sliced]
+        record_mask(w.out, node, *min(holders, key=lambda h: h[0].op == "get_attr"), letters[c])
     if contracted:
         return PARTIAL
     return shard({out.index(c): var for c, var in letters.items()})
