@@ -238,7 +238,6 @@ def set_segments(var: DimVar, sizes: list[int], where: str) -> tuple[DimVar, ...
         r.segments = tuple(DimVar(s, r.origins, axis=r.axis, padded=padded) for s in sizes)
         for seg in r.segments:
             seg.padded_parts = padded
-        for seg in r.segments:
             seg.made_by = r.made_by  # a conflict on a part may be the reshape's choice too
         for seg, groups in zip(r.segments, _segment_groups(r.size, r.groups, sizes, where, r.origins)):
             seg.groups = groups
