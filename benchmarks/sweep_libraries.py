@@ -43,7 +43,7 @@ import torch.nn.functional as F
 MODES = {"tp2": (2, 1), "tp4": (4, 1), "pp2": (1, 2)}
 STUBS = ("torchvision", "lightning", "lightning_utilities", "jsonargparse", "psutil", "yaml", "tokenizers", "torchao",
          "torchtune.modules.low_precision", "torchtune.data", "torchtune.training", "datasets", "torchdata", "omegaconf",
-         "sentencepiece", "tiktoken", "blobfile", "kagglehub", "cached_path", "bettermap", "numba", "ftfy", "xformers")  # fmt: skip
+         "sentencepiece", "tiktoken", "blobfile", "kagglehub", "cached_path", "bettermap", "numba", "ftfy", "xformers", "librosa")  # fmt: skip
 # packages whose __init__ imports far more than their models (a CLI, trainers): their submodules load without it
 BARE = ("litgpt", "torchtune")
 LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "diffusers", "peft", "nanochat", "olmo_core", "whisper",
@@ -51,7 +51,7 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "lingua", "guided_diffusion", "ijepa", "palm_pytorch", "MEGABYTE_pytorch", "simple_hierarchical_transformer",
              "recurrent_memory_transformer_pytorch", "block_recurrent_transformer_pytorch", "soft_moe_pytorch", "st_moe_pytorch",
              "mixture_of_experts", "gateloop_transformer", "mega_pytorch", "perceiver_pytorch", "h_transformer_1d", "local_attention",
-             "conformer", "nystrom_attention", "colt5_attention")  # fmt: skip
+             "conformer", "nystrom_attention", "colt5_attention", "bs_roformer", "mixture_of_attention", "tab_transformer", "ft_transformer")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 
 
@@ -409,6 +409,27 @@ def _ijepa_inputs() -> dict[str, Any]:
             "target": order[:, 10:].sort(1).values}  # fmt: skip
 
 
+def _tabular(numeric: str) -> Callable[[], dict[str, Any]]:
+    """Two rows of a table: five categorical columns (ids below each column's 5 categories) and four numeric ones."""
+
+    def inputs() -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(1)
+        return {"x_categ": torch.randint(0, 5, (2, 5), generator=gen), numeric: torch.randn(2, 4, generator=gen)}
+
+    return inputs
+
+
+def _audio() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    return {"raw_audio": torch.randn(2, 512, generator=gen), "target": torch.randn(2, 512, generator=gen)}
+
+
+# BS-RoFormer on a 64-point STFT: 33 frequencies in four bands, two-resolution STFT loss
+_BAND_SPLIT = dict(dim=64, depth=1, time_transformer_depth=1, freq_transformer_depth=1, freqs_per_bands=(8, 8, 8, 9), dim_freqs_in=33,
+                   stft_n_fft=64, stft_hop_length=16, stft_win_length=64, dim_head=16, heads=4, flash_attn=False, mask_estimator_depth=1,
+                   multi_stft_resolutions_window_sizes=(64, 32), multi_stft_hop_size=16)  # fmt: skip
+
+
 class _LayersLM(torch.nn.Module):
     """A token mixer or expert layer of a library (``path`` called with ``kwargs``) in a small language model: an
     embedding, two residual layers, a norm and a head; returns the logits and the sum of the layers' auxiliary
@@ -660,6 +681,15 @@ MODELS: dict[str, Model] = {
     "conformer": _layers_lm("conformer.ConformerBlock", dim=64, dim_head=16, heads=4, conv_kernel_size=7),
     "nystrom_attention": _layers_lm("nystrom_attention.NystromAttention", dim=64, dim_head=16, heads=4, num_landmarks=4,
                                     residual_conv_kernel=3),  # fmt: skip
+    "bs_roformer": (_call("bs_roformer.BSRoformer", **_BAND_SPLIT), _audio, _first),
+    "bs_roformer_pope": (_call("bs_roformer.BSRoformer", **_BAND_SPLIT, use_pope=True), _audio, _first),
+    "mixture_of_attention": (_call("mixture_of_attention.transformer.Transformer", dim=64, num_tokens=VOCAB, depth=2, seq_len=SEQ,
+                                   local_attn_window_size=4, num_routed_queries=2, num_routed_key_values=4, num_experts=2, dim_head=16,
+                                   heads=4, use_triton=False), _tokens("x"), lm_loss),  # fmt: skip
+    "tab_transformer": (_call("tab_transformer_pytorch.TabTransformer", categories=(5,) * 5, num_continuous=4, dim=32, depth=2, heads=4,
+                              dim_out=3, mlp_act=torch.nn.ReLU()), _tabular("x_cont"), sample_loss),  # fmt: skip
+    "ft_transformer": (_call("tab_transformer_pytorch.FTTransformer", categories=(5,) * 5, num_continuous=4, dim=32, depth=2, heads=4,
+                             dim_out=3), _tabular("x_numer"), sample_loss),  # fmt: skip
     "colt5_attention": _layers_lm("colt5_attention.ConditionalRoutedTransformerBlock", dim=64, num_heavy_attn_tokens_q=8,
                                   num_heavy_attn_tokens_kv=8, num_heavy_ff_tokens=8, light_dim_head=16, light_heads=4, light_window_size=4,
                                   heavy_dim_head=16, heavy_heads=4),  # fmt: skip

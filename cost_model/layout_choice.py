@@ -37,7 +37,7 @@ from autotp.analysis.shapes import size_int
 from autotp.cost_model.communication import all_gather_s, all_reduce_s
 from autotp.cost_model.flops import NodeCost, compute_time_s, node_cost
 from autotp.cost_model.hardware import H200
-from autotp.ir.layouts import PARTIAL, Layout
+from autotp.ir.layouts import PARTIAL, Layout, ShardingConflict
 
 PARAM_STATE_COPIES = 4
 TIE = 0.02
@@ -93,7 +93,10 @@ def footprint(prop: Propagation, gm: GraphModule) -> Footprint:
     params = dict(gm.named_parameters())
     held = 0.0
     for name, p in params.items():
-        found = param_sharding(prop, name)
+        try:
+            found = param_sharding(prop, name)
+        except ShardingConflict:  # a walk that ended in conflicts may leave splits no layout holds; counted whole
+            found = None
         local = p.numel() if found is None else p.numel() // p.shape[found[1]] * found[2].local_size(tp)
         held += PARAM_STATE_COPIES * local * p.dtype.itemsize
     step = 0.0

@@ -158,19 +158,24 @@ def _local_strides(node: Node, src: Layout, tp: int) -> None:
 
 
 def _local_groups(node: Node, x: object, weight: object, tp: int) -> None:
-    """A grouped convolution over split channels has the groups of its local channels: those of its input,
-    or, where it reads the rank's groups of a whole input (``convolution_rules._grouped_channels``), of its
-    weight's rows (every group's rows are whole on one rank); ``x``, ``weight``: their layouts."""
+    """A grouped convolution's local groups: its local input channels over its weight's local input
+    channels per group. The input channels are the input's, or, where it reads the rank's groups of a
+    whole input (``convolution_rules._grouped_channels``), those of the weight's rows (every group's
+    rows whole on one rank); a whole input into a block of every group's rows keeps the groups.
+    ``x``, ``weight``: their layouts."""
     groups = schema_arg(node, "groups", 1)
     if groups == 1:
         return
+    per_group = node.args[1].meta["val"].shape[1]
+    local_per_group = local_size(weight.var_at(1), tp) if isinstance(weight, Layout) and weight.var_at(1) is not None else per_group
+    rows = weight.var_at(0) if isinstance(weight, Layout) else None
     if isinstance(x, Layout) and x.var_at(1) is not None:
-        var, size = x.var_at(1), node.args[0].meta["val"].shape[1]
-    elif isinstance(weight, Layout) and weight.var_at(0) is not None:
-        var, size = weight.var_at(0), node.args[1].meta["val"].shape[0]
+        local_in = local_size(x.var_at(1), tp)
+    elif rows is not None and not rows.find().segments:
+        local_in = groups * local_size(rows, tp) // node.args[1].meta["val"].shape[0] * per_group
     else:
         return
-    local = groups * local_size(var, tp) // size
+    local = local_in // local_per_group
     position = [a.name for a in node.target._schema.arguments].index("groups")
     args = list(node.args) + [None] * (position + 1 - len(node.args))
     defaults = {a.name: a.default_value for a in node.target._schema.arguments}

@@ -175,6 +175,56 @@ def checkpointed(use_reentrant: bool) -> Callable[[nn.Module, torch.Tensor], tor
     return call
 
 
+class RecomputingCheckpoint(torch.autograd.Function):
+    """An activation checkpoint written by hand, as diffusion repositories write theirs: the forward
+    runs ``fn`` without autograd, the backward runs it again and differentiates it against the
+    inputs and the ``params`` it is handed (the module's, read by ``fn`` itself)."""
+
+    @staticmethod
+    def forward(ctx, fn, n_inputs, *tensors):  # type: ignore[no-untyped-def]
+        ctx.fn, ctx.inputs, ctx.params = fn, tensors[:n_inputs], tensors[n_inputs:]
+        with torch.no_grad():
+            return fn(*ctx.inputs)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        inputs = [x.detach().requires_grad_(True) for x in ctx.inputs]
+        with torch.enable_grad():
+            out = ctx.fn(*inputs)
+        grads = torch.autograd.grad(out, [*inputs, *ctx.params], grad, allow_unused=True)
+        return (None, None, *grads)
+
+
+def checkpointed_by_hand(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return RecomputingCheckpoint.apply(layer.forward, 1, h, *layer.parameters())
+
+
+class GroupedConvExperts(nn.Module):
+    """Attention experts folded into the groups of 1x1 convolutions (mixture-of-attention's way of
+    running its experts at once): ``EXPERTS`` copies of the sequence, each projected by its own
+    group of q/kv/out channels, averaged. tp=4 does not divide the 2 groups: each rank holds a
+    block of every group's heads."""
+
+    EXPERTS = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        e = self.EXPERTS
+        self.to_q = nn.Conv1d(DIM * e, DIM * e, 1, bias=False, groups=e)
+        self.to_kv = nn.Conv1d(DIM * e, 2 * DIM * e, 1, bias=False, groups=e)
+        self.to_out = nn.Conv1d(DIM * e, DIM * e, 1, bias=False, groups=e)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        e = self.EXPERTS
+        folded = x.transpose(1, 2).repeat(1, e, 1)  # [b, e * dim, s]
+        q = self.to_q(folded).view(b, e * HEADS, HEAD_DIM, s).transpose(-1, -2)
+        k, v = self.to_kv(folded).view(b, e, 2, HEADS, HEAD_DIM, s).transpose(-1, -2).unbind(2)
+        y = F.scaled_dot_product_attention(q, k.flatten(1, 2), v.flatten(1, 2), is_causal=True)  # [b, e * heads, s, head_dim]
+        out = self.to_out(y.transpose(-1, -2).reshape(b, e * DIM, s))
+        return out.view(b, e, DIM, s).mean(1).transpose(1, 2)
+
+
 # ---- 5. Megatron: jit-scripted fusions, skip_bias_add linears ------------------------------
 
 
@@ -406,6 +456,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "parallel_fused_block": lambda: LM(ParallelBlock),
     "checkpoint_nonreentrant": lambda: LM(llama_block, checkpointed(use_reentrant=False)),
     "checkpoint_reentrant": lambda: LM(llama_block, checkpointed(use_reentrant=True)),
+    "checkpoint_by_hand": lambda: LM(llama_block, checkpointed_by_hand),
+    "grouped_conv_experts": lambda: LM(lambda: Residual(GroupedConvExperts())),
     "megatron_jit_skip_bias": lambda: LM(MegatronBlock),
     "weight_norm_mlp": lambda: LM(lambda: Residual(EnableGQAAttention(), WeightNormMLP())),
     "torchvision_vit_mha": TorchvisionViT,

@@ -97,9 +97,39 @@ class ClassHead(nn.Module):
         return {"loss": F.cross_entropy(logits[keep], labels[keep]), "logits": logits}
 
 
-MODELS = {"sigmoid_ffn": SigmoidFfn, "squeeze_excite": SqueezeExcite, "factored_width": FactoredWidth, "class_head": ClassHead,
+class _Res2Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        width = -(-dim // 3)
+        self.convs = nn.ModuleList(nn.Conv2d(width, width, 3, padding=1, groups=width) for _ in range(2))
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = x.chunk(3, dim=1)
+        first = self.convs[0](parts[0])
+        h = torch.cat([first, self.convs[1](first + parts[1]), parts[2]], 1).permute(0, 2, 3, 1)
+        return x + (self.gamma * self.fc2(F.gelu(self.fc1(h)))).permute(0, 3, 1, 2)
+
+
+class Res2Scales(nn.Module):
+    """EdgeNeXt's (Res2Net's) scales in two blocks: 88 channels cut by ``chunk(3)`` into 30, 30 and
+    28, the first two through depthwise 3x3s in a chain, then an MLP and a per-channel layer scale
+    over all 88. At tp=4 the chunks are not multiples of 4; planning crashed on a walk that padded
+    a chunk (a padded dim as a segment), where the conflict is now settled."""
+
+    def __init__(self, dim: int = 88) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, dim, 1)
+        self.blocks = nn.Sequential(_Res2Block(dim), _Res2Block(dim))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self.blocks(self.stem(x)).square().mean()}
+
+
+MODELS = {"res2_scales": Res2Scales, "sigmoid_ffn": SigmoidFfn, "squeeze_excite": SqueezeExcite, "factored_width": FactoredWidth, "class_head": ClassHead,
           "fused_gate_up": FusedGateUp, "sliced_gate_up": lambda: FusedGateUp(sliced=True)}
-INPUTS = {"sigmoid_ffn": (3, 5, 8), "squeeze_excite": (2, 16, 6, 6), "factored_width": (3, 5, 8), "class_head": (12, 8), "fused_gate_up": (3, 5, 8), "sliced_gate_up": (3, 5, 8)}
+INPUTS = {"res2_scales": (2, 3, 4, 4), "sigmoid_ffn": (3, 5, 8), "squeeze_excite": (2, 16, 6, 6), "factored_width": (3, 5, 8), "class_head": (12, 8), "fused_gate_up": (3, 5, 8), "sliced_gate_up": (3, 5, 8)}
 
 
 def _check(rank: int, world: int, name: str) -> tuple[bool, str, float, float, dict[str, tuple[int, ...]], list[str]]:
@@ -149,6 +179,12 @@ def test_a_class_dim_tp_does_not_divide_is_split_with_padding() -> None:
         assert equal, reason
         assert share <= limit and sorted(padded) == ["classes.bias", "classes.weight"]
         assert shapes["classes.weight"] == (3, 8)
+
+
+def test_chunks_tp_does_not_divide_of_a_dim_it_divides_are_settled() -> None:
+    for equal, reason, share, limit, _, _ in run_on_ranks(_check, 4, "res2_scales"):
+        assert equal, reason
+        assert share <= limit
 
 
 def test_padding_is_refused_where_an_op_cuts_the_padded_dim() -> None:

@@ -668,11 +668,26 @@ def _grouped_at_tp2(rank: int, world: int, groups: int) -> tuple[bool, str, floa
     return result.equal, result.reason, result.share, {n: tuple(p.shape) for n, p in pm.named_parameters()}
 
 
-def test_grouped_convolutions_split_on_whole_groups() -> None:
+def test_grouped_convolutions_split_on_whole_groups_or_within_them() -> None:
+    """4 groups at tp=2: each rank convolves 2 whole groups. 3 groups, which tp=2 does not
+    divide: each rank holds half of every group's input channels (row-parallel within the
+    groups, a partial sum), its input from a 1x1 split in 3 segments alike; kept whole before."""
     for equal, reason, share, shapes in run_on_ranks(_grouped_at_tp2, 2, 4):
         assert equal, reason
         assert shapes["grouped.weight"] == (8, 4, 3, 3) and shapes["whole_in.weight"] == (4, 2, 3, 3)  # 2 of 4 groups, 1 of 2
         assert share < 0.6
-    for equal, reason, _, shapes in run_on_ranks(_grouped_at_tp2, 2, 3):  # 3 groups: kept whole, still equal
+    for equal, reason, share, shapes in run_on_ranks(_grouped_at_tp2, 2, 3):
         assert equal, reason
-        assert shapes["grouped.weight"] == (12, 4, 3, 3)
+        assert shapes["grouped.weight"] == (12, 2, 3, 3) and shapes["down.weight"] == (6, 4, 1, 1)  # 2 of 4 channels of each group
+        assert share < 0.6
+
+
+def test_experts_in_the_groups_of_convolutions_split_within_each_group() -> None:
+    """Attention experts folded into 2 groups of 1x1 convolutions (``grouped_conv_experts``) at
+    tp=4: q/kv column-parallel within each group (every rank a block of each expert's heads),
+    the output projection row-parallel within them; held whole before (63% on a rank)."""
+    from test_plain_suite import run_config
+
+    result = run_config("tp4", ["grouped_conv_experts"])["grouped_conv_experts"]
+    assert result.passed, result.reason
+    assert result.share < 0.3

@@ -16,12 +16,15 @@ from torch.utils.checkpoint import CheckpointFunction
 import plain_models_library as library
 import plain_models_structure as structure
 from general_models import _Tanh  # a hand-written backward that is the forward's derivative
-from autotp.analysis import custom_functions
+from autotp.analysis import function_checks
 from autotp.analysis.layers import num_layers
 from autotp.analysis.trace import trace
 from autotp.analysis.trace_regions import REGIONS, checkpointed_layers
 from autotp.ir import ops
 from autotp.report.strict_rule import StrictResult, check_on_rank, combine, matmul_weights
+
+
+_SET_GRAD_ENABLED = torch._C._set_grad_enabled
 
 
 def _targets(name: str) -> list[Any]:
@@ -143,7 +146,7 @@ def test_functions_traced_through_or_kept(act: Any, node: Any) -> None:
 
 
 def test_function_too_large_to_check_is_kept_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(custom_functions, "_CHECK_NUMEL", 1)
+    monkeypatch.setattr(function_checks, "_CHECK_NUMEL", 1)
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 8))
     targets = [n.target for n in trace(_FunctionLM(_Tanh.apply), {"input_ids": ids, "labels": ids}).graph.nodes]
@@ -160,20 +163,22 @@ def test_grad_and_autocast_regions_are_inlined(name: str) -> None:
     assert result.passed, result.reason
 
 
-@pytest.mark.parametrize("use_reentrant", [True, False])
-def test_activation_checkpointing_is_traced_as_the_call_and_carried(use_reentrant: bool) -> None:
+@pytest.mark.parametrize("name", ["checkpoint_reentrant", "checkpoint_nonreentrant", "checkpoint_by_hand"])
+def test_activation_checkpointing_is_traced_as_the_call_and_carried(name: str) -> None:
     """Reentrant checkpointing runs its block under no_grad and recomputes it in backward:
-    traced as it is, no parameter of the block would get a gradient. Either variant is
-    traced as the call, its nodes marked, and the plan recomputes the layers holding them."""
+    traced as it is, no parameter of the block would get a gradient. torch's two variants and a
+    Function written by hand (handed the block's bound method and its parameters) are traced as
+    the call, their nodes marked, and the plan recomputes the layers holding them."""
     import torch.utils.checkpoint as checkpoint_module
 
-    name = "checkpoint_reentrant" if use_reentrant else "checkpoint_nonreentrant"
     model, inputs = library.build(name), library.example_inputs(name)
     generator = checkpoint_module._checkpoint_without_reentrant_generator
     gm = trace(model, inputs)
     targets = [n.target for n in gm.graph.nodes]
     assert torch.ops.aten.detach.default not in targets
+    assert not {ops.FUNCTION, ops.ELEMENTWISE_FUNCTION} & set(targets)
     assert "apply" not in CheckpointFunction.__dict__  # Function.apply again after the trace
+    assert torch._C._set_grad_enabled is _SET_GRAD_ENABLED
     assert checkpoint_module._checkpoint_without_reentrant_generator is generator
     assert checkpointed_layers(gm) == tuple(range(num_layers(gm)))
     result = check_on_rank(model, inputs, tp=1)
@@ -469,6 +474,49 @@ def test_a_branch_whose_body_works_is_masked_by_its_condition() -> None:
     torch.manual_seed(0)
     none = torch.tensor([[2, 3, 5, 6], [7, 5, 6, 7]])  # no rows: the body's write masked
     assert check_on_rank(_BranchLM("body"), {"input_ids": none, "labels": none}, tp=1).passed
+
+
+class _SpecialTokensLM(nn.Module):
+    """Tabular models' special tokens: where any id is negative, those tokens' embeddings are
+    replaced by a rebinding, ``h = torch.where(special, table(ids), h)``, inside the branch;
+    ``view`` rebinds ``h`` to a view of a tensor made before the branch instead, which cannot
+    be written in place and is refused."""
+
+    def __init__(self, rebind: str = "where") -> None:
+        super().__init__()
+        self.rebind, self.embed, self.special, self.head = rebind, nn.Embedding(8, 16), nn.Embedding(2, 16), nn.Linear(16, 8)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        special = input_ids < 0
+        h = self.embed(input_ids.clamp_min(0))
+        both = torch.stack([h, 2 * h])
+        if special.any():
+            if self.rebind == "view":
+                h = both[1]
+            else:
+                h = torch.where(special[..., None], self.special((input_ids + 1).abs().clamp_max(1)), h)
+        logits = self.head(h)
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+@pytest.mark.parametrize("ids", [[[0, -1, 5, 6], [7, -2, 6, 7]], [[0, 1, 5, 6], [7, 5, 6, 7]]])
+def test_a_name_rebound_in_a_branch_reads_what_the_run_takes(ids: list[list[int]]) -> None:
+    """Traced once on the working side, the rebound ``h`` is written in place with
+    ``where(any special, new, before)``: equal to the model with and without special tokens
+    in the batch, in values and gradients (the special table gets none without them)."""
+    ids_t = torch.tensor(ids)
+    labels = ids_t.clamp_min(0)
+    torch.manual_seed(0)
+    result = check_on_rank(_SpecialTokensLM(), {"input_ids": ids_t, "labels": labels}, tp=1)
+    assert result.passed, result.reason
+
+
+def test_a_name_rebound_in_a_branch_to_a_view_is_still_refused() -> None:
+    from autotp.ir.errors import UserInputError
+
+    ids = torch.tensor([[0, -1, 5, 6]])
+    with pytest.raises(UserInputError, match="is read after it"):
+        trace(_SpecialTokensLM("view"), {"input_ids": ids, "labels": ids.clamp_min(0)})
 
 
 @pytest.mark.parametrize("form", ["both sides", "and"])

@@ -16,7 +16,7 @@ from autotp.analysis.shapes import schema_arg, shape_of
 from autotp.analysis.sharding_policy import output_bias
 from autotp.ir.errors import describe
 from autotp.analysis.padded_dims import record_mask
-from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, follow, shard, unify
+from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, follow, shard, tile, unify
 from autotp.ir.op_facts import is_transposed_convolution
 
 if TYPE_CHECKING:
@@ -60,11 +60,15 @@ def convolution(w: Walker, node: Node) -> Any:
         out = _grouped_channels(w, node, lw, channels, groups, ws[0])
     elif channels is None:
         split = w_out
-        if isinstance(lw, ParamView) and groups == 1 and lw.dim_map[w_out] == w_out and w.allowed(lw.name, "column"):
-            w.param_view_shard(lw, w_out, DimVar(ws[w_out], frozenset({lw.name})), "column", node)
+        if isinstance(lw, ParamView) and lw.dim_map[w_out] == w_out and w.allowed(lw.name, "column"):
+            rows = DimVar(ws[w_out], frozenset({lw.name}))
+            if groups > 1 and w_out == 0 and ws[0] % (groups * w.tp) == 0:  # each rank convolves a block of every group's rows
+                rows = tile(DimVar(ws[0] // groups, frozenset({lw.name})), groups, describe(node))
+            if groups == 1 or rows.segments is not None:
+                w.param_view_shard(lw, w_out, rows, "column", node)
         out = w.concrete(weight, node).var_at(w_out)
-        if out is not None and groups != 1:
-            raise ShardingConflict(f"{describe(node)}: a grouped convolution with split output channels", w.get(weight).origins(), (out,))
+        if out is not None and groups != 1 and not _group_cuts(ws[w_out], groups) <= segment_cuts(out):
+            raise ShardingConflict(f"{describe(node)}: a grouped convolution with output channels split across groups", w.get(weight).origins(), (out,))
     elif groups == xs[1] and ws[0] == xs[1] and (w_out == 0 or ws[1] == 1):
         split = 0
         if isinstance(lw, ParamView):
@@ -73,6 +77,8 @@ def convolution(w: Walker, node: Node) -> Any:
         if lw.var_at(0) is None:
             raise ShardingConflict(f"{describe(node)}: a depthwise weight kept whole meets split channels", channels.find().origins, (channels,))
         out = unify(lw.var_at(0), channels, describe(node))
+    elif groups > 1 and w_out == 0 and ws[0] % groups == 0 and groups % w.tp and xs[1] % (groups * w.tp) == 0 and isinstance(lw, ParamView | Layout):
+        return _within_groups(w, node, lw, channels, groups, bias)
     elif groups > 1 and w_out == 0 and ws[0] % groups == 0 and isinstance(lw, ParamView | Layout):
         split = 0
         out = _grouped_channels(w, node, lw, channels, groups, ws[0])
@@ -114,15 +120,43 @@ def _grouped_channels(w: Walker, node: Node, lw: ParamView | Layout, channels: D
     return rows
 
 
-def _row_parallel_convolution(w: Walker, node: Node, lw: ParamView | Layout, w_in: int, channels: DimVar, bias: Any) -> Any:
-    """A dense convolution (``groups=1``) over split input channels: the weight's input
-    channels follow them and each rank's output is a partial sum (Conformer's pointwise
-    convolution after a channel-split depthwise one); a bias is added after the all-reduce."""
+def _within_groups(w: Walker, node: Node, lw: ParamView | Layout, channels: DimVar, groups: int, bias: Any) -> Any:
+    """A grouped convolution over split input channels whose groups tp does not divide (experts
+    folded into the groups of a 1x1 convolution, fewer than the ranks): each group's channels
+    are split alike, every rank holding a block of each, and the weight's input channels per
+    group follow that block: row-parallel within the groups, a partial sum of every output."""
+    size = channels.find().size
+    per_group = DimVar(size // groups, channels.find().origins)
+    unify(channels, tile(per_group, groups, describe(node)), describe(node))
+    return _row_parallel_convolution(w, node, lw, 1, per_group, bias, channels)
+
+
+def _group_cuts(size: int, groups: int) -> set[int]:
+    return {k * size // groups for k in range(1, groups)}
+
+
+def segment_cuts(var: DimVar) -> set[int]:
+    """The inner boundaries of ``var``'s segments, at every depth of segments cut again."""
+    r, out, start = var.find(), set(), 0
+    for seg in r.segments or ():
+        out |= {start + c for c in segment_cuts(seg)}
+        start += seg.find().size
+        out.add(start)
+    out.discard(r.size)
+    return out
+
+
+def _row_parallel_convolution(w: Walker, node: Node, lw: ParamView | Layout, w_in: int, channels: DimVar, bias: Any,
+                              input_channels: DimVar | None = None) -> Any:  # fmt: skip
+    """A convolution over split input channels whose weight's input channels (per group)
+    follow ``channels`` (the input's, ``input_channels``, where they differ), each rank's
+    output a partial sum (Conformer's pointwise convolution after a channel-split depthwise
+    one); a bias is added after the all-reduce."""
     if isinstance(lw, ParamView):
         w.param_view_shard(lw, w_in, channels, "row", node)
     else:
         unify(lw.var_at(w_in), channels, describe(node))  # type: ignore[arg-type]
-    record_mask(w.out, node, node.args[0], 1, channels)
+    record_mask(w.out, node, node.args[0], 1, input_channels or channels)
     if not isinstance(bias, Node):
         return PARTIAL
     w.concrete(bias, node)

@@ -6,14 +6,19 @@ backward would silently get other gradients. So ``trace`` runs in two steps:
 
 1. ``custom_functions`` records every Function applied to a floating-point tensor (those
    in ``torch`` itself, and those that torch generates for ``torch.library`` custom ops,
-   stay as they are), by wrapping the ``forward`` of every Function class. ``opaque_functions`` runs each recorded call on random inputs of the
-   traced shapes, once through the Function and once through its forward's ops, and keeps
-   the Functions whose gradients differ (or that are too large to check); an input the
+   stay as they are), by wrapping the ``forward`` of every Function class. ``function_verdicts`` runs each recorded call on random inputs of the
+   traced shapes, once through the Function and once through its forward's ops
+   (``function_checks``), and keeps the Functions whose gradients differ (or that are too large to check); an input the
    forward made from none of the graph's inputs (LoHa's ``torch.tensor(scale)``) gets no
    gradient either way, so what the backward returns for it is not compared. A hand-written
    backward that is the forward's derivative (Bloom's GELU) is traced through, so the
-   layout rules see its ops.
-2. If any is kept, the model is traced again with ``custom_functions(stack, opaque)``: each
+   layout rules see its ops. A Function whose forward runs its body under ``no_grad`` and whose
+   backward runs it again to differentiate it (an activation checkpoint written by hand, as
+   guided-diffusion's and latent diffusion's) has the derivative of its forward taken with grad
+   left on inside: such a Function is traced through that way (``FunctionVerdicts.recomputed``),
+   its nodes marked checkpointed as ``torch.utils.checkpoint``'s are. A Function handed a module
+   (a bound method, a closure over one) is checked on the user's module's own values.
+2. If any is kept or recomputed, the model is traced again with ``custom_functions(stack, verdicts)``: each
    call of a kept Function becomes one ``ops.FUNCTION`` node whose autograd is the
    Function's own (``autotp.ir.custom_functions``). ``mark_elementwise`` then turns the
    calls that are elementwise in forward and backward (one output, every tensor of the
@@ -51,9 +56,10 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.utils.hooks import RemovableHandle
 
+from autotp.analysis.function_checks import FunctionVerdicts, grad_left_on, module_state_names
+from autotp.analysis.trace_regions import checkpointed
 from autotp.ir import custom_functions as calls
 from autotp.ir import ops
-from autotp.ir.errors import UserInputError
 from autotp.ir.op_facts import is_pointwise
 
 _CHECK_NUMEL = 1 << 22  # elements of the inputs a Function's backward is checked on
@@ -77,6 +83,7 @@ class FunctionUse:
     module: str  # the innermost executing submodule
     line: str  # the calling source line
     made_here: tuple[bool, ...] = ()  # per arg: a tensor the forward made from none of the graph's inputs (no gradient reaches it)
+    state_names: tuple[str | None, ...] = ()  # per arg: the parameter or buffer it is of a module another arg holds
 
     @property
     def function(self) -> str:
@@ -84,9 +91,10 @@ class FunctionUse:
 
 
 @contextmanager
-def custom_functions(stack: list[str], opaque: frozenset[type[Function]] = frozenset()) -> Iterator[list[FunctionUse]]:
-    """Record the custom Functions applied to floating-point tensors while the body runs, and
-    put each call of a Function in ``opaque`` into the graph as one ``ops.FUNCTION`` node.
+def custom_functions(stack: list[str], verdicts: FunctionVerdicts = FunctionVerdicts()) -> Iterator[list[FunctionUse]]:
+    """Record the custom Functions applied to floating-point tensors while the body runs, put
+    each call of a Function ``verdicts`` keeps into the graph as one ``ops.FUNCTION`` node, and
+    trace the forward of each it recomputes with grad left on, marked checkpointed.
 
     Each Function's ``forward`` is wrapped, not ``Function.apply``: autograd calls the
     class's ``forward`` however ``apply`` was reached (``act = MyFunction.apply`` bound at
@@ -95,7 +103,7 @@ def custom_functions(stack: list[str], opaque: frozenset[type[Function]] = froze
     uses: list[FunctionUse] = []
     originals = {cls: cls.__dict__["forward"] for cls in _function_classes()}
     for cls, original in originals.items():
-        setattr(cls, "forward", staticmethod(_recording_forward(cls, original, uses, stack, cls in opaque)))
+        setattr(cls, "forward", staticmethod(_recording_forward(cls, original, uses, stack, verdicts)))
     try:
         yield uses
     finally:
@@ -134,7 +142,7 @@ def _function_classes() -> list[type[Function]]:
     return [c for c in seen if "forward" in c.__dict__ and not c.__module__.startswith(("torch.", "autotp."))]
 
 
-def _recording_forward(cls: type[Function], original: Any, uses: list[FunctionUse], stack: list[str], keep: bool) -> Any:
+def _recording_forward(cls: type[Function], original: Any, uses: list[FunctionUse], stack: list[str], verdicts: FunctionVerdicts) -> Any:
     fn = original.__func__ if isinstance(original, staticmethod) else original
     takes_ctx = not _is_setup_context_defined(cls.setup_context)
 
@@ -143,12 +151,16 @@ def _recording_forward(cls: type[Function], original: Any, uses: list[FunctionUs
         if calls.inside_kernel():
             return fn(*args, **kwargs)
         inputs = args[1:] if takes_ctx else args
-        if keep:
+        if cls in verdicts.kept:
             key, tensors = calls.register_call(cls, inputs, kwargs)
             return calls.call(key).output(ops.FUNCTION(tensors, key, calls.call(key).name))
+        if cls in verdicts.recomputed:
+            with grad_left_on(), checkpointed():
+                return fn(*args, **kwargs)
         # grad mode is not checked: a graph traced under no_grad may later run for training
         if any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in torch.utils._pytree.tree_leaves((inputs, kwargs))):
-            uses.append(FunctionUse(cls, inputs, stack[-1] if stack else "<root>", _caller_line(), tuple(map(_made_here, inputs))))
+            where = stack[-1] if stack else "<root>"
+            uses.append(FunctionUse(cls, inputs, where, _caller_line(), tuple(map(_made_here, inputs)), module_state_names(inputs)))
         return fn(*args, **kwargs)
 
     return forward
@@ -248,119 +260,6 @@ def tensor_hook(node: Node) -> TensorHook | None:
     if node.target is not ops.FUNCTION or calls.call(node.args[1]).cls is not HookedIdentity:
         return None
     return next(c for c in calls.call(node.args[1]).constants if isinstance(c, TensorHook))
-
-
-def opaque_functions(uses: list[FunctionUse]) -> dict[type[Function], str]:
-    """The Functions to keep whole, each with why (the first of its calls whose backward is not its
-    forward's derivative, or cannot be checked). A kept Function must not be handed a module or a
-    module's bound method (``_module_state``): it would run on the traced copy's parameters."""
-    checked: dict[tuple, str | None] = {}
-    kept: dict[type[Function], str] = {}
-    for use in uses:
-        key = (use.cls, _key_args(use))
-        if key not in checked:
-            checked[key] = _backward_differs(use)
-        if checked[key] is not None and use.cls not in kept:
-            kept[use.cls] = f"{use.function} in module {use.module} at {use.line}: {checked[key]}"
-    for use in uses:
-        holder = next((m for a in use.args if (m := _module_state(a)) is not None), None)
-        if use.cls in kept and holder is not None:
-            raise UserInputError(
-                f"the custom autograd Function {use.function} in module {use.module} at {use.line} is applied to "
-                f"{holder}, which reads that module's parameters itself; autotp keeps this Function whole (its "
-                f"backward is its own: {checked[(use.cls, _key_args(use))]}) and would run it on the traced copy's "
-                "parameters, not the ones it trains. Pass the tensors the Function reads as its arguments and read "
-                "them there, or, for activation checkpointing, call torch.utils.checkpoint.checkpoint(fn, *inputs, "
-                "use_reentrant=False), which autotp carries."
-            )
-    return kept
-
-
-def _key_args(use: FunctionUse) -> tuple:
-    """A call's arguments as the check sees them: tensors by shape and dtype, the rest by repr."""
-    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a) for a in use.args)
-
-
-def _module_state(arg: Any) -> str | None:
-    """What in a Function's non-tensor argument holds a module (so its parameters): the module
-    itself, a bound method of it, or a closure over one; None for anything else."""
-    if isinstance(arg, torch.nn.Module):
-        return f"a {type(arg).__name__} module"
-    if isinstance(getattr(arg, "__self__", None), torch.nn.Module):
-        return f"the bound method {type(arg.__self__).__name__}.{getattr(arg, '__name__', '?')}"
-    if isinstance(arg, functools.partial):
-        return next((m for a in (arg.func, *arg.args, *arg.keywords.values()) if (m := _module_state(a)) is not None), None)
-    cells = getattr(arg, "__closure__", None) or ()
-    if any(isinstance(c.cell_contents, torch.nn.Module) for c in cells if _filled(c)):
-        return f"the function {getattr(arg, '__qualname__', arg)!r}, a closure over a module"
-    return None
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
-
-
-class _Ctx:
-    """What a Function's ``forward`` may call on ``ctx`` when run outside autograd."""
-
-    def __init__(self) -> None:
-        self.saved_tensors: tuple[torch.Tensor, ...] = ()
-        self.needs_input_grad: tuple[bool, ...] = ()
-
-    def save_for_backward(self, *tensors: torch.Tensor) -> None:
-        self.saved_tensors = tensors
-
-    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
-        pass
-
-    def mark_dirty(self, *tensors: torch.Tensor) -> None:
-        pass
-
-    def set_materialize_grads(self, value: bool) -> None:
-        pass
-
-
-def _backward_differs(use: FunctionUse) -> str | None:
-    """Why the Function's own backward cannot be replaced by its forward's derivative (None: it can)."""
-    fakes = [a for a in use.args if isinstance(a, torch.Tensor)]
-    if sum(a.numel() for a in fakes) > _CHECK_NUMEL:
-        return "its inputs are too large to check its backward against its forward's derivative"
-    gen = torch.Generator().manual_seed(0)
-
-    def real(a: Any, made_here: bool) -> Any:
-        if not isinstance(a, torch.Tensor):
-            return a
-        if not a.is_floating_point():
-            return torch.zeros(a.shape, dtype=a.dtype)
-        return torch.randn(a.shape, generator=gen, dtype=torch.float64).requires_grad_(not made_here)
-
-    args = [real(a, made) for a, made in zip(use.args, use.made_here or [False] * len(use.args))]
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    try:
-        with torch.enable_grad():
-            own = _grads(lambda: use.cls.apply(*args), leaves)
-            if getattr(use.cls, "setup_context", Function.setup_context) is not Function.setup_context:
-                derived = _grads(lambda: use.cls.forward(*args), leaves)
-            else:
-                derived = _grads(lambda: use.cls.forward(_Ctx(), *args), leaves)
-    except Exception as e:  # noqa: BLE001 - reported as the reason
-        return f"its backward could not be checked ({type(e).__name__}: {e})"
-    for i, (a, b) in enumerate(zip(own, derived)):
-        if not torch.allclose(a, b, rtol=_RTOL, atol=_ATOL):
-            return f"its backward differs from its forward's derivative for input {i}"
-    return None
-
-
-def _grads(run: Any, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    outs = [o for o in torch.utils._pytree.tree_leaves(run()) if isinstance(o, torch.Tensor) and o.requires_grad]
-    seed = torch.Generator().manual_seed(1)
-    weights = [torch.randn(o.shape, generator=seed, dtype=o.dtype) for o in outs]
-    grads = torch.autograd.grad(outs, leaves, weights, allow_unused=True)
-    return [torch.zeros_like(l) if g is None else g for g, l in zip(grads, leaves)]
 
 
 def mark_elementwise(gm: GraphModule) -> None:

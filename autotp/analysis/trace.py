@@ -37,7 +37,8 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from autotp.analysis.batch_rows import UNKNOWN_ROWS, batch_rows_at, batch_size, input_row_dims
 from autotp.analysis.loss_denominators import behind_parameter_free_scalars, normalize_loss_denominators
-from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, opaque_functions, route_through_hooks
+from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, route_through_hooks
+from autotp.analysis.function_checks import FunctionVerdicts, function_verdicts
 from autotp.analysis.trace_decompose import decompose_simple_composites, decompose_parameter_ops, draw_by_size
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
 from autotp.analysis.trace_guards import GradientHookWatch, refuse_backward_hooks, refuse_lazy_parameters, refuse_parameter_writes, register_dataclasses, strip_opaque_outputs
@@ -66,6 +67,13 @@ def _fake_copy(model: nn.Module, kwargs: dict[str, Any], device: torch.device) -
             lambda x: torch.empty(x.shape, dtype=x.dtype, device=device) if isinstance(x, torch.Tensor) else x, kwargs
         )
     return copy.deepcopy(model, memo), fake_kwargs
+
+
+def _real_modules(model: nn.Module, fake_model: nn.Module) -> Callable[[nn.Module], nn.Module | None]:
+    """The module of ``model`` that a module of its fake copy (``_fake_copy``) copies. Found by the
+    copy's ``__dict__``, which the proxies export makes of a module read through several paths share."""
+    pairs = {id(f.__dict__): m for (_, f), (_, m) in zip(fake_model.named_modules(remove_duplicate=False), model.named_modules(remove_duplicate=False))}
+    return lambda module: pairs.get(id(module.__dict__))
 
 
 def structure_copy(model: nn.Module) -> nn.Module:
@@ -156,10 +164,14 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     fake_model, fake_kwargs = _fake_copy(model, kwargs, torch.device(device))
     fake_model.register_forward_hook(strip_opaque_outputs)
     ep, uses, unreachable = _export(model, fake_model, fake_kwargs)
-    kept = opaque_functions(uses)
-    if kept:  # again, with each call of those Functions one node that runs the Function itself
-        log.info("custom autograd Functions kept whole (their backward is their own): %s", "; ".join(kept.values()))
-        ep, _, _ = _export(model, fake_model, fake_kwargs, frozenset(kept), unreachable)
+    verdicts = function_verdicts(uses, _real_modules(model, fake_model))
+    if verdicts.kept:
+        log.info("custom autograd Functions kept whole (their backward is their own): %s", "; ".join(verdicts.kept.values()))
+    if verdicts.recomputed:
+        log.info("custom autograd Functions that recompute their forward in backward (activation checkpoints), traced "
+                 "as their forward with grad on: %s", ", ".join(sorted(c.__qualname__ for c in verdicts.recomputed)))  # fmt: skip
+    if verdicts.kept or verdicts.recomputed:  # again, each call of those Functions one node or its forward with grad on
+        ep, _, _ = _export(model, fake_model, fake_kwargs, verdicts, unreachable)
     gm = ep.module()
     mark_checkpointed(gm)
     reconnect_unchanged_region_outputs(gm)
@@ -286,7 +298,7 @@ def _export(
     model: nn.Module,
     fake_model: nn.Module,
     fake_kwargs: dict[str, Any],
-    opaque: frozenset[type] = frozenset(),
+    verdicts: FunctionVerdicts = FunctionVerdicts(),
     unreachable: frozenset[tuple[str, tuple[int, ...]]] = frozenset(),
     dynamic_shapes: Any = None,
 ) -> tuple[torch.export.ExportedProgram, list[FunctionUse], frozenset[tuple[str, tuple[int, ...]]]]:
@@ -297,7 +309,7 @@ def _export(
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
     retry = None
-    with _module_stack(fake_model) as stack, custom_functions(stack, opaque) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable) as loops, GradientHookWatch(stack), assumed_sizes() as assumed:
+    with _module_stack(fake_model) as stack, custom_functions(stack, verdicts) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable) as loops, GradientHookWatch(stack), assumed_sizes() as assumed:
         try:
             with contextlib.redirect_stderr(printed):
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False, dynamic_shapes=dynamic_shapes)
@@ -323,7 +335,7 @@ def _export(
                     f"failed under torch.export: {type(e).__name__}: {first}. Fix: {_advice(e)}"
                 ) from e
     if retry is not None:
-        return _export(model, fake_model, fake_kwargs, opaque, retry, dynamic_shapes)
+        return _export(model, fake_model, fake_kwargs, verdicts, retry, dynamic_shapes)
     refuse_broken_loops(loops)
     return _lower_vmap(ep), uses, unreachable
 

@@ -42,8 +42,13 @@ names the line and the ``raise`` (or the assert's message).
 
 Where the predicate is false, each write is then an exact no-op.
 
+A branch's local name rebound in its working side to a tensor of the shape, dtype and device
+it held before (``if special.any(): h = torch.where(special[..., None], embed, h)``) is carried
+out: the new tensor is written in place with ``where(p, new, before)`` as the branch ends.
+
 What the masking cannot keep exact is refused, with an error naming the line:
-- a tensor made in a scope and read after it (only in-place writes may carry results out);
+- any other tensor made in a scope and read after it (only in-place writes and rebound names
+  may carry results out);
 - a ``break`` out of an unrolled loop;
 - an unrolled loop none of whose iterations writes anything (its results would leave as
   Python values, e.g. ``[int(e) for e in hit]``).
@@ -104,6 +109,7 @@ class _Scope:
     index: tuple[int, ...] = ()  # an iteration's index
     frame: FrameType | None = None  # a branch's frame ...
     lines: frozenset[int] = frozenset()  # ... and the lines of its working side
+    bound_before: dict[str, torch.Tensor] = field(default_factory=dict)  # the frame's tensor locals as the branch was taken
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (or the tensor it views) was made in this scope."""
@@ -248,17 +254,46 @@ class _ControlFlowWatch(TorchFunctionMode):
 
     def _end(self, scope: _Scope) -> None:
         self.stack.remove(scope)
-        for t in scope.made.keys():
-            self.ended[t] = scope.where
+        carried, views = self._carry_rebound(scope)
+        for t in [*scope.made.keys(), *views]:
+            if id(t) not in carried:
+                self.ended[t] = scope.where
         scope.frame = None
+
+    def _carry_rebound(self, scope: _Scope) -> tuple[set[int], list[torch.Tensor]]:
+        """A branch's locals rebound to a tensor made in it, of the shape, dtype and device the
+        name held before (``h = torch.where(special, embed, h)``): each is written in place with
+        ``where(p, new, before)``, so the name reads what the run gives; their ids. Also the
+        locals rebound to a view of a tensor made before the branch (``h = both[1]``), which
+        cannot be written so. A name that held a tensor of a scope already ended (an earlier
+        iteration's) is left as it was: reading that value is an escape of its own."""
+        carried: set[int] = set()
+        views: list[torch.Tensor] = []
+        if scope.frame is None:
+            return carried, views
+        for name, new in scope.frame.f_locals.items():
+            before = scope.bound_before.get(name)
+            if not isinstance(new, torch.Tensor) or before is None or new is before or self._ended_where(before) is not None:
+                continue
+            if new not in scope.made:
+                if new._base is not None and not scope.holds(new):
+                    views.append(new)
+            elif new._base is None and (new.shape, new.dtype, new.device) == (before.shape, before.dtype, before.device):
+                new.copy_(torch.where(scope.predicate.to(new.device), new, before))
+                carried.add(id(new))
+        return carried, views
 
     def _close_left_branches(self) -> None:
         for scope in [s for s in self.stack if s.left()]:
             self._end(scope)
 
+    def _ended_where(self, t: torch.Tensor) -> str | None:
+        """The line of the ended scope ``t`` (or the tensor it views) was made in, if any."""
+        return self.ended.get(t) or (self.ended.get(t._base) if t._base is not None else None)
+
     def _refuse_escapes(self, func: Callable | str, inputs: list[torch.Tensor]) -> None:
         for t in inputs:
-            where = self.ended.get(t if t._base is None else t._base)
+            where = self._ended_where(t)
             if where is not None:
                 raise UserInputError(
                     f"autotp traces the code at {where}, whose trip count or branch depends on tensor values, once for "
@@ -303,7 +338,8 @@ class _ControlFlowWatch(TorchFunctionMode):
         if found.check:
             torch._assert_async(holds, f"the check at {_line_of(frame)} failed: {found.check}")
         else:
-            self.stack.append(_Scope(_line_of(frame), holds, frame=frame, lines=found.lines))
+            bound = {n: v for n, v in frame.f_locals.items() if isinstance(v, torch.Tensor)}
+            self.stack.append(_Scope(_line_of(frame), holds, frame=frame, lines=found.lines, bound_before=bound))
         return taken
 
     def unrolled(self, hit: torch.Tensor, source: torch.Tensor, coordinate: int | None, where: str) -> Iterator[torch.Tensor]:

@@ -62,7 +62,7 @@ _MAYBE_IDENTITY = {
 
 
 @contextmanager
-def _checkpointed() -> Iterator[None]:
+def checkpointed() -> Iterator[None]:
     """The nodes traced inside carry ``CHECKPOINTED`` in their ``custom`` meta."""
     with fx_traceback.preserve_node_meta(), fx_traceback.annotate({meta_keys.CHECKPOINTED: True}):
         yield
@@ -76,7 +76,7 @@ def reentrant_checkpoint_as_call() -> Iterator[None]:
 
     def call(fn: Any, preserve_rng_state: bool, *args: Any) -> Any:
         used.append(getattr(fn, "__qualname__", type(fn).__name__))
-        with _checkpointed():
+        with checkpointed():
             return fn(*args)
 
     def without_reentrant(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -84,7 +84,7 @@ def reentrant_checkpoint_as_call() -> Iterator[None]:
         inner = generator(fn, *args, **kwargs)
 
         def marked() -> Iterator[None]:  # checkpoint runs fn between the generator's two steps
-            with _checkpointed():
+            with checkpointed():
                 yield from inner
 
         return marked()
