@@ -77,23 +77,26 @@ class ChannelSoftmax(nn.Module):
 
 
 class GroupedConvMixer(nn.Module):
-    """A causal depthwise convolution over a projection's channels, then a grouped one of 3
-    groups (which no tp of 2 or 4 splits), then an MLP: the depthwise output is gathered for
-    the grouped convolution, which keeps its global ``groups`` (ZAYA's query/key convolutions)."""
+    """A causal depthwise convolution over a projection's channels, then a grouped one, then an
+    MLP (ZAYA's query/key convolutions). With 3 groups of 16 channels, which tp=2 and tp=4 do not
+    divide, the grouped convolution is split within its groups; with 6 groups of 2 channels at
+    tp=4, neither the groups nor a group's channels split four ways: the depthwise output is
+    gathered for the grouped convolution, which keeps its global ``groups``."""
 
-    def __init__(self) -> None:
+    def __init__(self, channels: int = 48, groups: int = 3) -> None:
         super().__init__()
-        self.proj = nn.Linear(DIM, 48)
-        self.depthwise = nn.Conv1d(48, 48, kernel_size=2, groups=48)
-        self.grouped = nn.Conv1d(48, 48, kernel_size=1, groups=3)
-        self.up, self.down = nn.Linear(48, 8 * DIM), nn.Linear(8 * DIM, DIM)
+        self.proj = nn.Linear(DIM, channels)
+        self.depthwise = nn.Conv1d(channels, channels, kernel_size=2, groups=channels)
+        self.grouped = nn.Conv1d(channels, channels, kernel_size=1, groups=groups)
+        self.up, self.down = nn.Linear(channels, 8 * DIM), nn.Linear(8 * DIM, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.pad(self.proj(x).transpose(1, 2), (1, 0))
         return self.down(F.gelu(self.up(self.grouped(self.depthwise(h)).transpose(1, 2))))
 
 
-BLOCKS = {"latent_attention": LatentAttention, "channel_softmax": ChannelSoftmax, "grouped_conv": GroupedConvMixer}
+BLOCKS = {"latent_attention": LatentAttention, "channel_softmax": ChannelSoftmax, "grouped_conv": GroupedConvMixer,
+          "narrow_groups_conv": lambda: GroupedConvMixer(12, 6)}
 
 
 def _build(name: str) -> nn.Module:
@@ -131,11 +134,16 @@ def test_the_wide_projection_is_split_and_gathered_at_the_softmax(tp: int) -> No
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_a_grouped_convolution_reads_the_gathered_channels(tp: int) -> None:
+def test_a_grouped_convolution_splits_within_its_groups_or_reads_the_gathered_channels(tp: int) -> None:
     plan = _plan("grouped_conv", tp)
     kinds = {p.name: p.kind for p in plan.params}
     assert kinds["layers.0.proj.weight"] == "column" and kinds["layers.0.depthwise.weight"] == "depthwise", kinds
-    assert plan.gathered and {g.op for g in plan.gathered} == {"conv1d"}, plan.gathered
+    assert kinds["layers.0.grouped.weight"] == "row" and not plan.gathered, plan
+    if tp == 4:
+        plan = _plan("narrow_groups_conv", tp)
+        kinds = {p.name: p.kind for p in plan.params}
+        assert kinds["layers.0.proj.weight"] == "column" and kinds["layers.0.depthwise.weight"] == "depthwise", kinds
+        assert plan.gathered and {g.op for g in plan.gathered} == {"conv1d"}, plan.gathered
 
 
 @pytest.mark.parametrize("tp", [2, 4])
