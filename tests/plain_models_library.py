@@ -202,8 +202,9 @@ def checkpointed_by_hand(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
 class GroupedConvExperts(nn.Module):
     """Attention experts folded into the groups of 1x1 convolutions (mixture-of-attention's way of
     running its experts at once): ``EXPERTS`` copies of the sequence, each projected by its own
-    group of q/kv/out channels, averaged. tp=4 does not divide the 2 groups: each rank holds a
-    block of every group's heads."""
+    group of q/kv/out channels, averaged; the attention is one SDPA over [batch, experts, heads,
+    tokens, head_dim]. tp=4 does not divide the 2 groups: each rank holds a block of every
+    group's heads, SDPA split on its dim 2."""
 
     EXPERTS = 2
 
@@ -218,9 +219,9 @@ class GroupedConvExperts(nn.Module):
         b, s, _ = x.shape
         e = self.EXPERTS
         folded = x.transpose(1, 2).repeat(1, e, 1)  # [b, e * dim, s]
-        q = self.to_q(folded).view(b, e * HEADS, HEAD_DIM, s).transpose(-1, -2)
+        q = self.to_q(folded).view(b, e, HEADS, HEAD_DIM, s).transpose(-1, -2)
         k, v = self.to_kv(folded).view(b, e, 2, HEADS, HEAD_DIM, s).transpose(-1, -2).unbind(2)
-        y = F.scaled_dot_product_attention(q, k.flatten(1, 2), v.flatten(1, 2), is_causal=True)  # [b, e * heads, s, head_dim]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, e, heads, s, head_dim]: heads are dim 2
         out = self.to_out(y.transpose(-1, -2).reshape(b, e * DIM, s))
         return out.view(b, e, DIM, s).mean(1).transpose(1, 2)
 

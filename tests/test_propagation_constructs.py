@@ -685,9 +685,17 @@ def test_grouped_convolutions_split_on_whole_groups_or_within_them() -> None:
 def test_experts_in_the_groups_of_convolutions_split_within_each_group() -> None:
     """Attention experts folded into 2 groups of 1x1 convolutions (``grouped_conv_experts``) at
     tp=4: q/kv column-parallel within each group (every rank a block of each expert's heads),
-    the output projection row-parallel within them; held whole before (63% on a rank)."""
+    an SDPA over [batch, experts, heads, tokens, head_dim] split on the heads, the heads merged
+    back between the whole experts, the output projection row-parallel within the groups; held
+    whole before (63% on a rank)."""
+    import autotp
+    import plain_models_library as library
     from test_plain_suite import run_config
 
     result = run_config("tp4", ["grouped_conv_experts"])["grouped_conv_experts"]
     assert result.passed, result.reason
     assert result.share < 0.3
+    plan = autotp.compile_rank(library.build("grouped_conv_experts"), tp=4, example_inputs=library.example_inputs("grouped_conv_experts")).plan
+    kinds = {p.name: p.kind for p in plan.params}
+    assert kinds["layers.0.attention.to_q.weight"] == "column" and kinds["layers.0.attention.to_out.weight"] == "row", kinds
+    assert not plan.gathered, plan.gathered  # SDPA split on its heads (dim 2), the heads merged back with the experts

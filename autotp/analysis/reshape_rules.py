@@ -89,6 +89,12 @@ def reshape(w: Walker, node: Node) -> Any:
             dims[cb[at]] = out
         elif len(cb) == 1 and d == ca[-1] and d != ca[0]:
             dims[cb[0]] = tile(var, math.prod(src[c] for c in ca[:-1]), describe(node))
+        elif len(cb) == 1 and d != ca[0] and not _tiled(var):
+            # [outer..., split, inner...] -> one dim: the split with its inner elements, tiled by the outer ones
+            at = ca.index(d)
+            with_inner = DimVar(math.prod(src[c] for c in ca[at:]), var.find().origins)
+            follow(with_inner, var, describe(node))
+            dims[cb[0]] = tile(with_inner, math.prod(src[c] for c in ca[:at]), describe(node))
         elif (d != ca[0] or _tiled(var)) and len(cb) > 1 and (refined := _refine_then_merge(w, node, src, dst, ca, cb, d, var)) is not None:
             dims[refined[0]] = refined[1]
         elif d != ca[0]:
