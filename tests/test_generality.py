@@ -12,6 +12,7 @@ import torch
 
 from distributed import run_on_ranks
 from general_models import VOCAB, build_general
+from plain_models_library import RecomputingCheckpoint
 
 RTOL, ATOL = 1e-4, 1e-6
 SHARDED = ["exact_function", "custom_function", "per_head_scale", "per_head_bias", "einsum", "expert_loop", "buffer", "cache", "no_grad_scorer"]
@@ -163,24 +164,14 @@ def test_a_function_giving_no_gradient_to_a_tensor_it_made_is_traced_through() -
         assert dims[f"{up}.base.weight"] == dims[f"{up}.w1a"] == dims[f"{up}.w2a"] == 0
 
 
-class _DampedCheckpoint(torch.autograd.Function):
-    """An activation checkpoint (the forward runs ``fn`` under no_grad, the backward runs it again
-    and differentiates it against the inputs and ``params``) whose backward also halves the
-    gradients: neither its forward's derivative nor a recomputation of it, so kept whole."""
-
-    @staticmethod
-    def forward(ctx, fn, n, *args):  # type: ignore[no-untyped-def]
-        ctx.fn, ctx.inputs, ctx.params = fn, list(args[:n]), list(args[n:])
-        with torch.no_grad():
-            return fn(*ctx.inputs)
+class _DampedCheckpoint(RecomputingCheckpoint):
+    """An activation checkpoint (the forward, inherited, runs ``fn`` under no_grad; the backward
+    runs it again and differentiates it against the inputs and ``params``) whose backward also
+    halves the gradients: neither its forward's derivative nor a recomputation of it, so kept whole."""
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def]
-        inputs = [x.detach().requires_grad_(True) for x in ctx.inputs]
-        with torch.enable_grad():
-            out = ctx.fn(*inputs)
-        grads = torch.autograd.grad(out, inputs + ctx.params, grad * 0.5, allow_unused=True)
-        return (None, None, *grads)
+        return RecomputingCheckpoint.backward(ctx, grad * 0.5)
 
 
 class _CheckpointedBlock(torch.nn.Module):

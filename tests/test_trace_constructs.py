@@ -133,7 +133,17 @@ def _split(x: torch.Tensor) -> torch.Tensor:
 _round_ste = structure.RoundSTE.apply  # bound before the trace: the trace sees the call through forward
 
 
-@pytest.mark.parametrize(("act", "node"), [(_Tanh.apply, None), (_split, ops.FUNCTION), (_round_ste, ops.ELEMENTWISE_FUNCTION)])
+class _DampedTanh(_Tanh):
+    """``_Tanh``'s forward, inherited, with a backward of its own (half the derivative): checked as
+    itself, not as its base, whose backward is the forward's derivative."""
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        return _Tanh.backward(ctx, grad * 0.5)
+
+
+@pytest.mark.parametrize(("act", "node"), [(_Tanh.apply, None), (_split, ops.FUNCTION), (_round_ste, ops.ELEMENTWISE_FUNCTION),
+                                           (_DampedTanh.apply, ops.ELEMENTWISE_FUNCTION)])  # fmt: skip
 def test_functions_traced_through_or_kept(act: Any, node: Any) -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 8))
@@ -480,7 +490,7 @@ class _SpecialTokensLM(nn.Module):
     """Tabular models' special tokens: where any id is negative, those tokens' embeddings are
     replaced by a rebinding, ``h = torch.where(special, table(ids), h)``, inside the branch;
     ``view`` rebinds ``h`` to a view of a tensor made before the branch instead, which cannot
-    be written in place and is refused."""
+    be written in place, and ``listed`` also appends the new ``h`` to a list: both refused."""
 
     def __init__(self, rebind: str = "where") -> None:
         super().__init__()
@@ -489,13 +499,16 @@ class _SpecialTokensLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         special = input_ids < 0
         h = self.embed(input_ids.clamp_min(0))
-        both = torch.stack([h, 2 * h])
+        both, kept = torch.stack([h, 2 * h]), [h]
         if special.any():
             if self.rebind == "view":
                 h = both[1]
+            elif self.rebind == "listed":
+                h = h * 2
+                kept.append(h)
             else:
                 h = torch.where(special[..., None], self.special((input_ids + 1).abs().clamp_max(1)), h)
-        logits = self.head(h)
+        logits = self.head(torch.stack(kept).mean(0) if self.rebind == "listed" else h)
         return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
 
 
@@ -511,12 +524,15 @@ def test_a_name_rebound_in_a_branch_reads_what_the_run_takes(ids: list[list[int]
     assert result.passed, result.reason
 
 
-def test_a_name_rebound_in_a_branch_to_a_view_is_still_refused() -> None:
+@pytest.mark.parametrize("rebind", ["view", "listed"])
+def test_a_name_rebound_in_a_branch_to_a_view_or_also_listed_is_still_refused(rebind: str) -> None:
+    """A view of a tensor made before the branch cannot be written in place; a tensor the branch
+    also appends to a list would stay in the list where the run skips the branch."""
     from autotp.ir.errors import UserInputError
 
     ids = torch.tensor([[0, -1, 5, 6]])
     with pytest.raises(UserInputError, match="is read after it"):
-        trace(_SpecialTokensLM("view"), {"input_ids": ids, "labels": ids.clamp_min(0)})
+        trace(_SpecialTokensLM(rebind), {"input_ids": ids, "labels": ids.clamp_min(0)})
 
 
 @pytest.mark.parametrize("form", ["both sides", "and"])

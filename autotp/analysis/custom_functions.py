@@ -40,6 +40,7 @@ runs on replicated inputs and gets all of it. ``mark_elementwise`` and ``batch_r
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 import traceback
 from collections import OrderedDict
@@ -101,14 +102,20 @@ def custom_functions(stack: list[str], verdicts: FunctionVerdicts = FunctionVerd
     import time too). ``stack`` is the executing-submodule stack that ``trace`` keeps.
     """
     uses: list[FunctionUse] = []
-    originals = {cls: cls.__dict__["forward"] for cls in _function_classes()}
+    # a subclass that inherits its forward gets a wrapper of its own: its backward may be its own
+    classes = _function_classes()
+    originals = {cls: inspect.getattr_static(cls, "forward") for cls in classes}
+    own = {cls for cls in classes if "forward" in cls.__dict__}
     for cls, original in originals.items():
         setattr(cls, "forward", staticmethod(_recording_forward(cls, original, uses, stack, verdicts)))
     try:
         yield uses
     finally:
         for cls, original in originals.items():
-            setattr(cls, "forward", original)
+            if cls in own:
+                setattr(cls, "forward", original)
+            else:
+                delattr(cls, "forward")
 
 
 def _made_here(arg: Any) -> bool:
@@ -131,7 +138,8 @@ def _made_here(arg: Any) -> bool:
 
 
 def _function_classes() -> list[type[Function]]:
-    """Every subclass of ``Function`` defined outside torch and autotp that has its own ``forward``."""
+    """Every subclass of ``Function`` defined outside torch and autotp whose ``forward`` is
+    defined outside torch (its own or a base class's)."""
     seen: set[type[Function]] = set()
     todo = list(Function.__subclasses__())
     while todo:
@@ -139,7 +147,8 @@ def _function_classes() -> list[type[Function]]:
         if cls not in seen:
             seen.add(cls)
             todo.extend(cls.__subclasses__())
-    return [c for c in seen if "forward" in c.__dict__ and not c.__module__.startswith(("torch.", "autotp."))]
+    outside = [c for c in seen if not c.__module__.startswith(("torch.", "autotp."))]
+    return [c for c in outside if any("forward" in b.__dict__ and not b.__module__.startswith("torch.") for b in c.__mro__)]
 
 
 def _recording_forward(cls: type[Function], original: Any, uses: list[FunctionUse], stack: list[str], verdicts: FunctionVerdicts) -> Any:

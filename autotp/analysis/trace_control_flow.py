@@ -43,8 +43,9 @@ names the line and the ``raise`` (or the assert's message).
 Where the predicate is false, each write is then an exact no-op.
 
 A branch's local name rebound in its working side to a tensor of the shape, dtype and device
-it held before (``if special.any(): h = torch.where(special[..., None], embed, h)``) is carried
-out: the new tensor is written in place with ``where(p, new, before)`` as the branch ends.
+it held before (``if special.any(): h = torch.where(special[..., None], embed, h)``), held by
+local names only (not also put in a list the scope grows), is carried out: the new tensor is
+written in place with ``where(p, new, before)`` as the branch ends.
 
 What the masking cannot keep exact is refused, with an error naming the line:
 - any other tensor made in a scope and read after it (only in-place writes and rebound names
@@ -63,6 +64,7 @@ as a ``scatter_add`` into ``m`` zeros.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import itertools
 import linecache
@@ -132,6 +134,12 @@ class _Loop:
     iterations: int = 0
     writes: int = 0
     broken: bool = False
+
+
+def _named_only(t: torch.Tensor, names: dict[str, Any]) -> bool:
+    """Whether no list, dict or set holds ``t`` but the frame's names (one the scope put it in
+    would hold it only where the run takes the scope)."""
+    return not any(isinstance(r, (list, dict, set)) and r is not names for r in gc.get_referrers(t))
 
 
 def _line_of(frame: FrameType) -> str:
@@ -271,14 +279,15 @@ class _ControlFlowWatch(TorchFunctionMode):
         views: list[torch.Tensor] = []
         if scope.frame is None:
             return carried, views
-        for name, new in scope.frame.f_locals.items():
+        names = scope.frame.f_locals
+        for name, new in names.items():
             before = scope.bound_before.get(name)
             if not isinstance(new, torch.Tensor) or before is None or new is before or self._ended_where(before) is not None:
                 continue
             if new not in scope.made:
                 if new._base is not None and not scope.holds(new):
                     views.append(new)
-            elif new._base is None and (new.shape, new.dtype, new.device) == (before.shape, before.dtype, before.device):
+            elif new._base is None and (new.shape, new.dtype, new.device) == (before.shape, before.dtype, before.device) and _named_only(new, names):
                 new.copy_(torch.where(scope.predicate.to(new.device), new, before))
                 carried.add(id(new))
         return carried, views
