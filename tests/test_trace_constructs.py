@@ -142,8 +142,27 @@ class _DampedTanh(_Tanh):
         return _Tanh.backward(ctx, grad * 0.5)
 
 
+class _SometimesRecomputed(torch.autograd.Function):
+    """Triples its input, under no_grad when asked (its backward then recomputes nothing, but
+    matches only the derivative taken with grad left on): one call a recomputation, the other a
+    derivative, so no one way of tracing fits both and it is kept whole."""
+
+    @staticmethod
+    def forward(ctx, x, without_grad):  # type: ignore[no-untyped-def]
+        with torch.set_grad_enabled(not without_grad and torch.is_grad_enabled()):
+            return x * 3
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        return grad * 3, None
+
+
+def _both_kinds(x: torch.Tensor) -> torch.Tensor:
+    return _SometimesRecomputed.apply(_SometimesRecomputed.apply(x, True), False)
+
+
 @pytest.mark.parametrize(("act", "node"), [(_Tanh.apply, None), (_split, ops.FUNCTION), (_round_ste, ops.ELEMENTWISE_FUNCTION),
-                                           (_DampedTanh.apply, ops.ELEMENTWISE_FUNCTION)])  # fmt: skip
+                                           (_DampedTanh.apply, ops.ELEMENTWISE_FUNCTION), (_both_kinds, ops.ELEMENTWISE_FUNCTION)])  # fmt: skip
 def test_functions_traced_through_or_kept(act: Any, node: Any) -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 8))

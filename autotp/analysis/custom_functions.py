@@ -63,8 +63,6 @@ from autotp.ir import custom_functions as calls
 from autotp.ir import ops
 from autotp.ir.op_facts import is_pointwise
 
-_CHECK_NUMEL = 1 << 22  # elements of the inputs a Function's backward is checked on
-_RTOL, _ATOL = 1e-4, 1e-6
 aten = torch.ops.aten
 # Ops that keep an elementwise computation elementwise although torch does not tag them pointwise.
 _ELEMENTWISE_UNTAGGED = {

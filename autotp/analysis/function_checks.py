@@ -54,11 +54,13 @@ class FunctionVerdicts:
 def function_verdicts(uses: list[FunctionUse], real_module: Callable[[nn.Module], nn.Module | None]) -> FunctionVerdicts:
     """The verdict of every Function recorded in ``uses``: kept whole, with why (the first of its
     calls whose backward is neither its forward's derivative nor a recomputation of it, or cannot
-    be checked), or recomputed (every call a recomputation). ``real_module`` gives the user's
-    module of a traced copy's module. A kept Function must not be handed a module (``held_module``)."""
+    be checked; or calls of both kinds), or recomputed (every call a recomputation).
+    ``real_module`` gives the user's module of a traced copy's module. A kept Function must not
+    be handed a module (``held_module``)."""
     checked: dict[tuple, str | bool] = {}
     kept: dict[type[Function], str] = {}
     recomputed: set[type[Function]] = set()
+    derivative: set[type[Function]] = set()
     for use in uses:
         key = (use.cls, _key_args(use))
         if key not in checked:
@@ -68,6 +70,11 @@ def function_verdicts(uses: list[FunctionUse], real_module: Callable[[nn.Module]
             kept[use.cls] = f"{use.function} in module {use.module} at {use.line}: {verdict}"
         elif verdict is True:
             recomputed.add(use.cls)
+        elif verdict is False:
+            derivative.add(use.cls)
+    for cls in recomputed & derivative - kept.keys():  # one way of tracing it all its calls cannot share
+        use = next(u for u in uses if u.cls is cls)
+        kept[cls] = f"{use.function}: some calls recompute their forward in backward, others differentiate it as written"
     for use in uses:
         holder = next((h for a in use.args if (h := held_module(a)) is not None), None)
         if use.cls in kept and holder is not None:
