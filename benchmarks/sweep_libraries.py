@@ -16,8 +16,19 @@ module, and every name in it, then imports as an empty placeholder::
 
     pip install --no-deps --target /tmp/libsite timm litgpt torchtune vit-pytorch x-transformers \\
         diffusers einx loguru frozendict torch-einops-utils pillow
-    python benchmarks/sweep_libraries.py --site /tmp/libsite --modes tp2,tp4
+    pip install --no-deps --target /tmp/libsite2 PaLM-pytorch MEGABYTE-pytorch Mega-pytorch \
+        simple-hierarchical-transformer recurrent-memory-transformer-pytorch \
+        block-recurrent-transformer-pytorch soft-moe-pytorch st-moe-pytorch mixture-of-experts \
+        gateloop-transformer perceiver-pytorch h-transformer-1d local-attention conformer \
+        nystrom-attention colt5-attention bs-roformer PoPE-pytorch mixture-of-attention \
+        tab-transformer-pytorch x-mlps-pytorch discrete-continuous-embed-readout hyper-connections \
+        rotary-embedding-torch taylor-series-linear-attention beartype
+    python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
+
+Model code that is not on PyPI (nanochat, nanoGPT, lingua, OLMo-core, Whisper, CLIP, SAM, DINOv2,
+I-JEPA, DiT, guided-diffusion) is read from the repositories' sources in another folder on
+``--site`` (docs/propagation.md, eighteenth round).
 
 A model whose library does not import is reported as such. Prints one line per model and
 degree, then the passes per library.
