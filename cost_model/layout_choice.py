@@ -95,7 +95,7 @@ def footprint(prop: Propagation, gm: GraphModule) -> Footprint:
     for name, p in params.items():
         try:
             found = param_sharding(prop, name)
-        except ShardingConflict:  # a walk that ended in conflicts may leave splits no layout holds; counted whole
+        except ShardingConflict:  # a split a conflicted walk left that cannot be laid out (a padded dim as a segment): counted whole
             found = None
         local = p.numel() if found is None else p.numel() // p.shape[found[1]] * found[2].local_size(tp)
         held += PARAM_STATE_COPIES * local * p.dtype.itemsize

@@ -67,7 +67,7 @@ def convolution(w: Walker, node: Node) -> Any:
             if groups == 1 or rows.segments is not None:
                 w.param_view_shard(lw, w_out, rows, "column", node)
         out = w.concrete(weight, node).var_at(w_out)
-        if out is not None and groups != 1 and not _group_cuts(ws[w_out], groups) <= segment_cuts(out):
+        if out is not None and groups != 1 and not _group_cuts(ws[w_out], groups) <= _segment_cuts(out):
             raise ShardingConflict(f"{describe(node)}: a grouped convolution with output channels split across groups", w.get(weight).origins(), (out,))
     elif groups == xs[1] and ws[0] == xs[1] and (w_out == 0 or ws[1] == 1):
         split = 0
@@ -135,11 +135,11 @@ def _group_cuts(size: int, groups: int) -> set[int]:
     return {k * size // groups for k in range(1, groups)}
 
 
-def segment_cuts(var: DimVar) -> set[int]:
+def _segment_cuts(var: DimVar) -> set[int]:
     """The inner boundaries of ``var``'s segments, at every depth of segments cut again."""
     r, out, start = var.find(), set(), 0
     for seg in r.segments or ():
-        out |= {start + c for c in segment_cuts(seg)}
+        out |= {start + c for c in _segment_cuts(seg)}
         start += seg.find().size
         out.add(start)
     out.discard(r.size)
