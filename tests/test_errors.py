@@ -349,6 +349,16 @@ def test_traceback_logs_do_not_pile_up(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert list(tmp_path.glob("*.log")) == []  # all in one folder, not scattered over the temp folder
 
 
+def test_a_log_another_rank_deletes_meanwhile_is_left_out(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from autotp.runtime.processes import launcher
+
+    monkeypatch.setattr(launcher.tempfile, "gettempdir", lambda: str(tmp_path))
+    real_glob = Path.glob
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: [*real_glob(self, pattern), self / "deleted-by-rank1.log"])
+    written = launcher._write_log(0, "traceback 0")
+    assert written.read_text() == "traceback 0"
+
+
 _RETRACE_1D = """
 import torch, autotp
 from autotp.ir.errors import UserInputError

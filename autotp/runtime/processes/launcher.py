@@ -68,10 +68,20 @@ def _write_log(rank: int, text: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-pid{os.getpid()}-rank{rank}.log"
     path.write_text(text)
-    logs = sorted(folder.glob("*.log"), key=lambda p: p.stat().st_mtime)
-    for old in logs[:-KEPT_LOGS]:
+    for old in _logs_oldest_first(folder)[:-KEPT_LOGS]:
         old.unlink(missing_ok=True)
     return path
+
+
+def _logs_oldest_first(folder: Path) -> list[Path]:
+    """The logs in ``folder``, oldest first; a log that another rank deletes meanwhile is left out."""
+    dated: list[tuple[float, Path]] = []
+    for log in folder.glob("*.log"):
+        try:
+            dated.append((log.stat().st_mtime, log))
+        except FileNotFoundError:
+            continue
+    return [log for _, log in sorted(dated, key=lambda d: d[0])]
 
 
 def _install_excepthook() -> None:
