@@ -88,19 +88,19 @@ def reshape(w: Walker, node: Node) -> Any:
             at, out = _split(w, node, var, [dst[c] for c in cb])
             dims[cb[at]] = out
         elif len(cb) == 1 and d == ca[-1] and d != ca[0]:
-            dims[cb[0]] = tile(var, math.prod(src[c] for c in ca[:-1]), describe(node))
+            dims[cb[0]] = _carrying_choice(tile(var, math.prod(src[c] for c in ca[:-1]), describe(node)), var)
         elif len(cb) == 1 and d != ca[0] and not _tiled(var):
             # [outer..., split, inner...] -> one dim: the split with its inner elements, tiled by the outer ones
             at = ca.index(d)
             with_inner = DimVar(math.prod(src[c] for c in ca[at:]), var.find().origins)
             follow(with_inner, var, describe(node))
-            dims[cb[0]] = tile(with_inner, math.prod(src[c] for c in ca[:at]), describe(node))
+            dims[cb[0]] = _carrying_choice(tile(with_inner, math.prod(src[c] for c in ca[:at]), describe(node)), var)
         elif (d != ca[0] or _tiled(var)) and len(cb) > 1 and (refined := _refine_then_merge(w, node, src, dst, ca, cb, d, var)) is not None:
             dims[refined[0]] = refined[1]
         elif d != ca[0]:
             raise ShardingConflict(f"{describe(node)}: the sharded dim is not the outer one of a merge", lay.origins(), (var,))
         elif len(cb) == 1:
-            merged = DimVar(dst[cb[0]], var.find().origins)
+            merged = _carrying_choice(DimVar(dst[cb[0]], var.find().origins), var)
             dims[cb[0]] = merged
             if not _note_broadcast_merge(w, node.args[0], ca[1:], merged, var):
                 follow(merged, var, describe(node))
@@ -110,6 +110,14 @@ def reshape(w: Walker, node: Node) -> Any:
             dims[cb[0]] = _regroup(node, var, dst[cb[0]])
     dims.update(_unit_dims_kept(node, lay, src, dst, dims))
     return shard(dims)
+
+
+def _carrying_choice(merged: DimVar, var: DimVar) -> DimVar:
+    """A dim merged from split ``var`` carries the reshape choice that put the split on ``var``
+    (``DimVar.made_by``): a conflict on the merged dim may be answered there."""
+    if merged.find().made_by is None:
+        merged.find().made_by = var.find().made_by
+    return merged
 
 
 def _unit_dims_kept(node: Node, lay: Layout, src: tuple[int, ...], dst: tuple[int, ...], taken: dict[int, DimVar]) -> dict[int, DimVar]:
