@@ -28,6 +28,10 @@ and so is an op whose inputs other than parameters are themselves computed from 
 Composites that compute (``cdist``, ``cosine_similarity``) stay one op, for the rules that know
 them by name.
 
+``shape_by_size`` rewrites ``x.view_as(other)`` and ``reshape_as`` into the view to other's static
+shape: a read of other's shape alone, which the walk then does not tie to other's split. (``expand_as``
+stays: a broadcast dim taking other's split is what lets a whole operand meet a split one.)
+
 ``draw_by_size`` rewrites a random draw shaped like a tensor (``randn_like(x)``) into the
 draw of x's size (``randn(x.shape)``), which reads no tensor: the same numbers, from the
 same generator calls, and a draw the walk can keep whole while x is split
@@ -97,6 +101,30 @@ def draw_by_size(gm: GraphModule) -> None:
             drawn = gm.graph.call_function(target, (*node.args[1 : 1 + before], list(like.shape)), kwargs)
         drawn.meta.update(node.meta)
         node.replace_all_uses_with(drawn)
+        gm.graph.erase_node(node)
+
+
+# an op that reads its second argument for its shape alone -> the same op given that shape
+_SHAPED_LIKE: dict[Any, Any] = {
+    aten.view_as.default: aten.view.default,
+    aten.reshape_as.default: aten.reshape.default,
+}
+
+
+def shape_by_size(gm: GraphModule) -> None:
+    """Replace ``x.view_as(other)`` and ``reshape_as`` of an ``other`` of static shape by the
+    reshape to that shape (in place): ``other`` is read for its shape alone, so its
+    split then constrains nothing (x-transformers' GRU gating reshapes its split output like a
+    whole input)."""
+    for node in list(gm.graph.nodes):
+        target = _SHAPED_LIKE.get(node.target) if node.op == "call_function" else None
+        like = node.args[1].meta.get("val") if target is not None and isinstance(node.args[1], Node) else None
+        if not isinstance(like, torch.Tensor) or not all(isinstance(d, int) for d in like.shape):
+            continue
+        with gm.graph.inserting_before(node):
+            shaped = gm.graph.call_function(target, (node.args[0], list(like.shape)))
+        shaped.meta.update(node.meta)
+        node.replace_all_uses_with(shaped)
         gm.graph.erase_node(node)
 
 
