@@ -39,9 +39,9 @@ from autotp.analysis.batch_rows import UNKNOWN_ROWS, batch_rows_at, batch_size, 
 from autotp.analysis.loss_denominators import behind_parameter_free_scalars, normalize_loss_denominators
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, route_through_hooks
 from autotp.analysis.function_checks import FunctionVerdicts, function_verdicts
-from autotp.analysis.trace_decompose import decompose_simple_composites, decompose_parameter_ops, draw_by_size
+from autotp.analysis.trace_decompose import decompose_simple_composites, decompose_parameter_ops, draw_by_size, shape_by_size
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
-from autotp.analysis.trace_guards import GradientHookWatch, refuse_backward_hooks, refuse_lazy_parameters, refuse_parameter_writes, register_dataclasses, strip_opaque_outputs
+from autotp.analysis.trace_guards import GradientHookWatch, model_collectives_refused, refuse_backward_hooks, refuse_lazy_parameters, refuse_parameter_writes, register_dataclasses, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
 from autotp.analysis.trace_sizes import TRACER_ROOTS, assumed_sizes, name_assumptions
 from autotp.ir import meta_keys
@@ -181,6 +181,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     decompose_parameter_ops(gm)
     decompose_simple_composites(gm)
     draw_by_size(gm)
+    shape_by_size(gm)
     if split_batch:
         doubled = functools.cache(lambda: _doubled(model, kwargs, device, batch_dims))  # traced once, if either needs it
         made_rows = _rows_of_made_tensors(gm, batch_size(kwargs), doubled)
@@ -309,7 +310,7 @@ def _export(
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
     retry = None
-    with _module_stack(fake_model) as stack, custom_functions(stack, verdicts) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable) as loops, GradientHookWatch(stack), assumed_sizes() as assumed:
+    with _module_stack(fake_model) as stack, custom_functions(stack, verdicts) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable) as loops, GradientHookWatch(stack), assumed_sizes() as assumed, model_collectives_refused():
         try:
             with contextlib.redirect_stderr(printed):
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False, dynamic_shapes=dynamic_shapes)

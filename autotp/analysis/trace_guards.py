@@ -18,11 +18,17 @@
   parameter or an input (a leaf), a post-accumulate-grad hook and a module's backward hook
   change gradients where the traced graph does not run them, so the parallel model would
   differ silently; ``GradientHookWatch`` and ``refuse_backward_hooks`` refuse them.
+* **The model's own collectives.** A forward that calls ``torch.distributed`` itself (CoCa's and
+  CLIP's gather of the batch's embeddings for a contrastive loss, ``SyncBatchNorm`` training)
+  would run it on fake tensors, over whichever group it finds; ``model_collectives_refused``
+  refuses the call, naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -34,6 +40,37 @@ from autotp.ir.op_facts import mutated_base
 from autotp.ir.errors import UserInputError, source_line
 
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",
+                "broadcast", "broadcast_object_list", "all_to_all", "all_to_all_single", "gather", "scatter", "reduce", "barrier",
+                "send", "recv", "isend", "irecv", "batch_isend_irecv")  # fmt: skip
+
+
+@contextmanager
+def model_collectives_refused() -> Iterator[None]:
+    """While tracing: a ``torch.distributed`` collective the model calls raises ``UserInputError``."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    def refusal(name: str) -> Any:
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise UserInputError(
+                f"the forward calls torch.distributed.{name}, a collective of its own (a gather of the batch for a "
+                "contrastive loss, SyncBatchNorm's statistics); autotp traces the forward into rank graphs that run "
+                "the collectives it places, and cannot carry the model's own. Fix: build the model with its "
+                "distributed option off (or before the process group exists: CoCa and CLIP decide when built), and "
+                "do the cross-rank step outside the forward."
+            )
+
+        return refuse
+
+    saved = [(module, name, getattr(module, name)) for module in (dist, distributed_c10d) for name in _COLLECTIVES if hasattr(module, name)]
+    for module, name, _ in saved:
+        setattr(module, name, refusal(name))
+    try:
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
 
 
 def refuse_lazy_parameters(model: torch.nn.Module) -> None:
