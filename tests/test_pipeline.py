@@ -4,6 +4,7 @@ the unmodified model on the same global batch."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -186,6 +187,34 @@ def _strided_outputs_on_rank(rank: int, world: int) -> None:
 def test_every_pipeline_rank_gets_strided_outputs_whole() -> None:
     # The last stage broadcast a strided view's memory as if it were contiguous: row 1 garbled on rank 0.
     run_on_ranks(_strided_outputs_on_rank, 2)
+
+
+class _FairseqOutputs(_StridedHead):
+    """Outputs as fairseq-style decoders return them (torchscale's): the logits and a dict of extras holding None."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:  # type: ignore[override]
+        out = super().forward(input_ids, labels)
+        return out["logits"], {"loss": out["loss"], "attn": None, "states": [None, out["logits"].mean()]}
+
+
+def _outputs_holding_none_on_rank(rank: int, world: int) -> None:
+    import autotp
+
+    torch.manual_seed(0)
+    model = _FairseqOutputs()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(3))
+    pm = autotp.parallelize(model, pp=2, example_inputs={"input_ids": ids, "labels": ids})
+    with torch.no_grad():
+        logits, extras = pm(input_ids=ids, labels=ids)
+        want_logits, want = reference(ids, ids)
+    assert extras["attn"] is None and extras["states"][0] is None
+    torch.testing.assert_close((logits, extras["loss"], extras["states"][1]), (want_logits, want["loss"], want["states"][1]), rtol=RTOL, atol=ATOL)
+
+
+def test_every_pipeline_rank_gets_the_outputs_the_model_returns_as_none() -> None:
+    # The last stage's outputs were broadcast leaf by leaf as tensors: a None among them raised on every rank.
+    run_on_ranks(_outputs_holding_none_on_rank, 2)
 
 
 def _float64_step(rank: int, world: int, pp: int, microbatches: int) -> tuple[str, float]:

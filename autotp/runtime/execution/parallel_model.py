@@ -25,7 +25,7 @@ from autotp.ir.program import RankProgram
 from autotp.ir.rank_log import warn_once
 from autotp.runtime.state import checkpoint_dcp, expert_parallel, export_hf
 from autotp.runtime.processes import collectives
-from autotp.runtime.execution import batch_pieces, guards
+from autotp.runtime.execution import batch_pieces, guards, model_loss
 from autotp.runtime.gradients import grad_norm
 from autotp.runtime.gradients.grad_sync import GradSync, default_sync, mean_loss, shared_param_groups
 from autotp.runtime.gradients.grad_buffers import ParamUse
@@ -33,7 +33,6 @@ from autotp.runtime.processes.groups import Coords
 from autotp.runtime.state.parameters import Parameters, graph_trained_params
 from autotp.runtime.execution.pipeline import ChunkGraph, PipelineRunner
 from autotp.runtime.execution.signatures import CompiledSignature
-from autotp.runtime.execution.model_loss import returned_loss
 from autotp.ir.errors import UserInputError
 from autotp.runtime.state.shard_map import ShardedLocal
 
@@ -253,13 +252,14 @@ class ParallelModel(nn.Module):
         pipe = self._coords.pipeline
         assert pipe is not None
         out_node = next(n for n in compiled.graph.graph.nodes if n.op == "output")
-        specs = [a.meta["val"] for a in torch.utils._pytree.tree_leaves(out_node.args[0])]
+        outs = torch.utils._pytree.tree_leaves(out_node.args[0])  # nodes, and constants the graph returns (None)
         last = pipe.pp_ranks[self.plan.pp_rank_of_chunk(self.plan.num_chunks - 1)]
         if leaves is None:
-            leaves = [torch.empty([size_int(n) for n in v.shape], dtype=v.dtype, device=self._device) for v in specs]
+            vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in outs]
+            leaves = [torch.empty([size_int(n) for n in v.shape], dtype=v.dtype, device=self._device) if isinstance(v, torch.Tensor) else v for v in vals]
         else:  # a collective sends a tensor's memory as if it were contiguous (a strided view's rows would be garbled)
-            leaves = [t.contiguous() for t in leaves]
-        for t in leaves:
+            leaves = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in leaves]
+        for t in (t for t in leaves if isinstance(t, torch.Tensor)):
             dist.broadcast(t, src=last, group=pipe.pp_group)
         return torch.utils._pytree.tree_unflatten(leaves, compiled.graph._out_spec)
 
@@ -307,7 +307,7 @@ class ParallelModel(nn.Module):
             warn_once(log, "the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
                       "state over dp=%d); this model trains with a plain optimizer", dp)
         self._grad_sync.begin(m)
-        loss_of, outputs_read = (loss_fn, ()) if loss_fn is not None else (returned_loss, LOSS_ONLY)
+        loss_of, outputs_read = (loss_fn, ()) if loss_fn is not None else (model_loss.returned_loss, LOSS_ONLY)
         calls = [self._as_kwargs((), mb) for mb in micro]
         split = dp * m > 1
         program = (compiled := self._compiled_for(calls[0], outputs_read, split)).program  # the pieces are cut alike: one signature
