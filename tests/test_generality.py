@@ -198,6 +198,64 @@ def test_a_kept_function_handed_a_modules_bound_method_is_refused_naming_it() ->
         autotp.compile_rank(_CheckpointedBlock(), tp=2, example_inputs={"x": torch.randn(2, 4, 16)})
 
 
+class _CountingDamped(torch.autograd.Function):
+    """Runs a module on ``x`` under no_grad, counting its calls in a dict it is handed (as Reformer's
+    reversible Function sets flags in its keyword arguments); its backward only halves the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, block, options):  # type: ignore[no-untyped-def]
+        options["calls"] += 1
+        with torch.no_grad():
+            return block(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        return grad * 0.5, None, None
+
+
+class _CountedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + _CountingDamped.apply(x, self.mlp, {"calls": 0})
+
+
+def test_a_kept_function_that_changes_its_arguments_is_refused_naming_why() -> None:
+    """The refusal looked its reason up by the call's arguments, which the check had changed
+    (the dict's count): a KeyError instead of the error naming the Function."""
+    import autotp
+    from autotp.ir.errors import UserInputError
+
+    with pytest.raises(UserInputError, match=r"_CountingDamped in module <root>.*a Sequential module.*differs"):
+        autotp.compile_rank(_CountedBlock(), tp=2, example_inputs={"x": torch.randn(2, 4, 16)})
+
+
+class _GatheredContrastive(torch.nn.Module):
+    """A contrastive loss over every rank's batch, gathered in the forward (CoCa's, open_clip's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.proj(x)
+        everyone = [torch.empty_like(z) for _ in range(2)]
+        torch.distributed.all_gather(everyone, z)
+        return (z @ torch.cat(everyone).T).logsumexp(-1).mean()
+
+
+def test_a_forward_calling_a_collective_is_refused_naming_it() -> None:
+    """The trace ran the model's own ``all_gather`` on fake tensors over whichever group it found
+    (on gloo ranks: "allgather_coalesced: invalid size of output tensor")."""
+    import autotp
+    from autotp.ir.errors import UserInputError
+
+    with pytest.raises(UserInputError, match=r"test_generality.py:\d+ \(torch.distributed.all_gather\(everyone, z\)\).*calls torch\.distributed\.all_gather.*Fix"):
+        autotp.compile_rank(_GatheredContrastive(), tp=2, example_inputs={"x": torch.randn(4, 16)}, device="cpu")
+
+
 def _seq2seq(name: str) -> torch.nn.Module:
     from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 

@@ -32,7 +32,8 @@ CONFIGS = {  # name: (tp, pp, sequence_parallel, MoE models only)
     "pp2": (1, 2, False, False),
     "sp_tp2": (2, 1, True, True),
 }
-FAST = ("shared_rope", "ste_activation", "fp32_qk_norm", "vit_loss_fn", "torch_nn_transformer", "as_strided_windows", "checkpoint_by_hand")
+FAST = ("shared_rope", "ste_activation", "fp32_qk_norm", "vit_loss_fn", "torch_nn_transformer", "as_strided_windows", "checkpoint_by_hand",
+        "reversible_blocks")
 KNOWN_GAPS: dict[tuple[str, str], str] = {  # (config, model): why it fails today; the sweep fails if it passes or fails otherwise
     # one layer module run LAYERS + 1 times: every stage would hold it whole, so pp saves nothing; refused naming it
     ("pp2", "albert_shared_layer"): "module 'shared' runs 3 times with the same parameters",

@@ -61,8 +61,8 @@ def function_verdicts(uses: list[FunctionUse], real_module: Callable[[nn.Module]
     kept: dict[type[Function], str] = {}
     recomputed: set[type[Function]] = set()
     derivative: set[type[Function]] = set()
-    for use in uses:
-        key = (use.cls, _key_args(use))
+    keys = [(use.cls, _key_args(use)) for use in uses]  # before any check runs: a Function may change its arguments (a flag in a dict)
+    for use, key in zip(uses, keys):
         if key not in checked:
             checked[key] = _verdict(use, real_module)
         verdict = checked[key]
@@ -75,13 +75,13 @@ def function_verdicts(uses: list[FunctionUse], real_module: Callable[[nn.Module]
     for cls in recomputed & derivative - kept.keys():  # one way of tracing it all its calls cannot share
         use = next(u for u in uses if u.cls is cls)
         kept[cls] = f"{use.function}: some calls recompute their forward in backward, others differentiate it as written"
-    for use in uses:
+    for use, key in zip(uses, keys):
         holder = next((h for a in use.args if (h := held_module(a)) is not None), None)
         if use.cls in kept and holder is not None:
             raise UserInputError(
                 f"the custom autograd Function {use.function} in module {use.module} at {use.line} is applied to "
                 f"{holder[1]}, which reads that module's parameters itself; autotp keeps this Function whole (its "
-                f"backward is its own: {checked[(use.cls, _key_args(use))]}) and would run it on the traced copy's "
+                f"backward is its own: {checked[key]}) and would run it on the traced copy's "
                 "parameters, not the ones it trains. Pass the tensors the Function reads as its arguments and read "
                 "them there, or, for activation checkpointing, call torch.utils.checkpoint.checkpoint(fn, *inputs, "
                 "use_reentrant=False), which autotp carries."
@@ -186,14 +186,17 @@ def _compare(use: FunctionUse, real_module: Callable[[nn.Module], nn.Module | No
         return states
     by_name = {n: t for _, state in states for n, t in state.items()}
 
+    def drawn(a: torch.Tensor) -> torch.Tensor:
+        if not a.is_floating_point():
+            return torch.zeros(a.shape, dtype=a.dtype)
+        return torch.randn(a.shape, generator=gen, dtype=dtype or a.dtype)
+
     def real(a: Any, made_here: bool, name: str | None) -> Any:
         if name is not None:
             return by_name[name]
-        if not isinstance(a, torch.Tensor):
-            return a
-        if not a.is_floating_point():
-            return torch.zeros(a.shape, dtype=a.dtype)
-        return torch.randn(a.shape, generator=gen, dtype=dtype or a.dtype).requires_grad_(not made_here)
+        if not isinstance(a, torch.Tensor):  # tensors inside a container (a dict of keyword arguments) are not differentiated
+            return torch.utils._pytree.tree_map_only(torch.Tensor, drawn, a)
+        return drawn(a).requires_grad_(a.is_floating_point() and not made_here)
 
     n = len(use.args)
     args = [real(*x) for x in zip(use.args, use.made_here or [False] * n, use.state_names or [None] * n)]
@@ -247,8 +250,18 @@ def _differs(own: list[torch.Tensor], derived: list[torch.Tensor]) -> str | None
 
 
 def _grads(run: Callable[[], Any], leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    outs = [o for o in torch.utils._pytree.tree_leaves(run()) if isinstance(o, torch.Tensor) and o.requires_grad]
+    """The gradients of ``run``'s outputs (weighted by fixed draws) at ``leaves``, ``run`` drawing
+    the same random numbers on every call (LSH attention's rotations). A backward that accumulates
+    gradients into ``.grad`` itself (a reversible network's, by ``torch.autograd.backward`` on the
+    blocks it recomputes) counts them as its own."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        outs = [o for o in torch.utils._pytree.tree_leaves(run()) if isinstance(o, torch.Tensor) and o.requires_grad]
     seed = torch.Generator().manual_seed(1)
     weights = [torch.randn(o.shape, generator=seed, dtype=o.dtype) for o in outs]
     grads = torch.autograd.grad(outs, leaves, weights, allow_unused=True)
-    return [torch.zeros_like(l) if g is None else g for g, l in zip(grads, leaves)]
+    total = [torch.zeros_like(l) if g is None else g for g, l in zip(grads, leaves)]
+    for i, leaf in enumerate(leaves):
+        if leaf.grad is not None:
+            total[i], leaf.grad = total[i] + leaf.grad, None
+    return total
