@@ -21,7 +21,11 @@ module, and every name in it, then imports as an empty placeholder::
         block-recurrent-transformer-pytorch soft-moe-pytorch st-moe-pytorch mixture-of-experts \
         gateloop-transformer perceiver-pytorch h-transformer-1d local-attention conformer \
         nystrom-attention colt5-attention bs-roformer PoPE-pytorch mixture-of-attention \
-        tab-transformer-pytorch x-mlps-pytorch discrete-continuous-embed-readout hyper-connections \
+        tab-transformer-pytorch x-mlps-pytorch discrete-continuous-embed-readout hyper-connections torchscale xlstm \
+        mambapy performer-pytorch linformer g-mlp-pytorch enformer-pytorch denoising-diffusion-pytorch reformer-pytorch \
+        linear-attention-transformer axial-positional-embedding product-key-memory sinkhorn-transformer routing-transformer \
+        memory-efficient-attention-pytorch iTransformer hourglass-transformer-pytorch CoCa-pytorch mmdit rin-pytorch \
+        vector-quantize-pytorch compressive-transformer-pytorch mogrifier native-sparse-attention-pytorch \
         rotary-embedding-torch taylor-series-linear-attention beartype
     python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
@@ -54,7 +58,8 @@ import torch.nn.functional as F
 MODES = {"tp2": (2, 1), "tp4": (4, 1), "pp2": (1, 2)}
 STUBS = ("torchvision", "lightning", "lightning_utilities", "jsonargparse", "psutil", "yaml", "tokenizers", "torchao",
          "torchtune.modules.low_precision", "torchtune.data", "torchtune.training", "datasets", "torchdata", "omegaconf",
-         "sentencepiece", "tiktoken", "blobfile", "kagglehub", "cached_path", "bettermap", "numba", "ftfy", "xformers", "librosa")  # fmt: skip
+         "sentencepiece", "tiktoken", "blobfile", "kagglehub", "cached_path", "bettermap", "numba", "ftfy", "xformers", "librosa",
+         "fairscale", "mamba_ssm", "polars", "ema_pytorch", "pytorch_fid", "pyfaidx", "kipoiseq", "tensordict")  # fmt: skip
 # packages whose __init__ imports far more than their models (a CLI, trainers): their submodules load without it
 BARE = ("litgpt", "torchtune")
 LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "diffusers", "peft", "nanochat", "olmo_core", "whisper",
@@ -62,8 +67,15 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "lingua", "guided_diffusion", "ijepa", "palm_pytorch", "MEGABYTE_pytorch", "simple_hierarchical_transformer",
              "recurrent_memory_transformer_pytorch", "block_recurrent_transformer_pytorch", "soft_moe_pytorch", "st_moe_pytorch",
              "mixture_of_experts", "gateloop_transformer", "mega_pytorch", "perceiver_pytorch", "h_transformer_1d", "local_attention",
-             "conformer", "nystrom_attention", "colt5_attention", "bs_roformer", "mixture_of_attention", "tab_transformer", "ft_transformer")  # fmt: skip
+             "conformer", "nystrom_attention", "colt5_attention", "bs_roformer", "mixture_of_attention", "tab_transformer", "ft_transformer",
+             "torchscale", "xlstm", "mambapy", "performer_pytorch", "linformer", "g_mlp_pytorch", "enformer_pytorch", "reformer_pytorch",
+             "linear_attention_transformer", "denoising_diffusion_pytorch", "sinkhorn_transformer", "memory_efficient_attention_pytorch",
+             "iTransformer", "hourglass_transformer_pytorch", "coca_pytorch", "mmdit", "vector_quantize_pytorch",
+             "compressive_transformer_pytorch", "native_sparse_attention_pytorch", "rin_pytorch")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
+# run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
+# replay in backward only while training (in eval mode its own backward fails)
+TRAINING = frozenset({"reformer_pytorch"})
 
 
 class _Placeholder(types.ModuleType):
@@ -475,6 +487,85 @@ def _own_loss(path: str, key: str = "x", **kwargs: Any) -> Model:
     return _call(path, **kwargs), (lambda: _tokens(key)() | {"return_loss": True}), _first
 
 
+def _torchscale(kind: str, config: str, **kwargs: Any) -> Model:
+    """Microsoft's torchscale decoders (``kind``: ``retnet.RetNetDecoder`` or ``decoder.Decoder``), tokens in, logits out."""
+
+    def build() -> torch.nn.Module:
+        cfg = _call(f"torchscale.architecture.config.{config}", vocab_size=VOCAB, decoder_embed_dim=64, decoder_ffn_embed_dim=128,
+                    decoder_layers=2, **kwargs)()  # fmt: skip
+        return _call(f"torchscale.architecture.{kind}", args=cfg, embed_tokens=torch.nn.Embedding(VOCAB, 64))()
+
+    return build, _tokens("prev_output_tokens"), lm_loss
+
+
+def _xlstm() -> torch.nn.Module:
+    """NX-AI's xLSTM language model of two mLSTM blocks (its PyTorch cell: a parallel form with gates and a causal convolution)."""
+    from xlstm import xLSTMLMModel, xLSTMLMModelConfig
+    from xlstm.blocks.mlstm.block import mLSTMBlockConfig
+    from xlstm.blocks.mlstm.layer import mLSTMLayerConfig
+
+    layer = mLSTMLayerConfig(num_heads=4, conv1d_kernel_size=4, qkv_proj_blocksize=4)
+    model = xLSTMLMModel(xLSTMLMModelConfig(vocab_size=VOCAB, embedding_dim=64, num_blocks=2, context_length=SEQ,
+                                            mlstm_block=mLSTMBlockConfig(mlstm=layer)))  # fmt: skip
+    model.reset_parameters()
+    return model
+
+
+def _mambapy() -> torch.nn.Module:
+    """alxndrTL's pure-PyTorch Mamba (mambapy): a selective scan by its parallel scan (``pscan``)."""
+    from mambapy.lm import LM, MambaConfig
+
+    return LM(MambaConfig(d_model=64, n_layers=2, pscan=True), vocab_size=VOCAB)
+
+
+def _enformer() -> torch.nn.Module:
+    """lucidrains' Enformer: a convolution tower with attention pooling, a transformer with relative positions, a head."""
+    from enformer_pytorch import Enformer
+
+    return Enformer.from_hparams(dim=96, depth=2, heads=4, output_heads=dict(human=8), target_length=4, num_downsamples=3,
+                                 dim_divisible_by=8)  # fmt: skip
+
+
+def _dna() -> dict[str, Any]:
+    """One-hot bases: Enformer turns integer bases into one-hot only where ``type(x) == torch.Tensor``, which a traced
+    forward's fake tensors are not (the trace would run its convolution on integers)."""
+    bases = torch.randint(0, 4, (2, 64), generator=torch.Generator().manual_seed(1))
+    return {"x": F.one_hot(bases, 4).float()}
+
+
+def _noised_images() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    return {"x": torch.randn(2, 3, 16, 16, generator=gen), "time": torch.tensor([3, 7])}
+
+
+def _human(out: Any) -> torch.Tensor:
+    return out["human"].square().mean()
+
+
+def _series() -> dict[str, Any]:
+    return {"x": torch.randn(2, SEQ, 8, generator=torch.Generator().manual_seed(1))}
+
+
+def _squares(out: Any) -> torch.Tensor:
+    """The mean square of every tensor the model returns (a dict of forecasts, a tuple of modalities)."""
+    return sum(t.square().mean() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def _captioned_images() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    return {"text": torch.randint(0, VOCAB, (2, SEQ), generator=gen), "image_tokens": torch.randn(2, 9, 32, generator=gen), "return_loss": True}
+
+
+def _two_modalities() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    return {"modality_tokens": (torch.randn(2, 8, 64, generator=gen), torch.randn(2, 6, 32, generator=gen)),
+            "time_cond": torch.randn(2, 16, generator=gen)}  # fmt: skip
+
+
+def _noised_images_at(key: str) -> Callable[[], dict[str, Any]]:
+    return lambda: {"x": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1)), key: torch.tensor([0.3, 0.7])}
+
+
 VIT = dict(img_size=IMAGE, patch_size=8, embed_dim=64, depth=2, num_heads=4)
 VP = dict(image_size=IMAGE, patch_size=8, num_classes=8, dim=64, depth=2, heads=4, mlp_dim=128, dim_head=16)
 TT = dict(num_kv_heads=2)
@@ -701,6 +792,42 @@ MODELS: dict[str, Model] = {
                               dim_out=3, mlp_act=torch.nn.ReLU()), _tabular("x_cont"), sample_loss),  # fmt: skip
     "ft_transformer": (_call("tab_transformer_pytorch.FTTransformer", categories=(5,) * 5, num_continuous=4, dim=32, depth=2, heads=4,
                              dim_out=3), _tabular("x_numer"), sample_loss),  # fmt: skip
+    "mambapy": (_mambapy, _tokens("tokens"), lm_loss),
+    "performer_pytorch": (_call("performer_pytorch.PerformerLM", num_tokens=VOCAB, max_seq_len=SEQ, dim=64, depth=2, heads=4, dim_head=16,
+                                causal=True, nb_features=16), _tokens("x"), lm_loss),  # fmt: skip
+    "linformer": (_call("linformer.LinformerLM", num_tokens=VOCAB, dim=64, seq_len=SEQ, depth=2, heads=4, k=8), _tokens("x"), lm_loss),
+    "g_mlp_pytorch": (_call("g_mlp_pytorch.gMLP", num_tokens=VOCAB, dim=64, depth=2, seq_len=SEQ, causal=True), _tokens("x"), lm_loss),
+    "enformer_pytorch": (_enformer, _dna, _human),
+    "reformer_pytorch": (_call("reformer_pytorch.ReformerLM", num_tokens=VOCAB, dim=64, depth=2, max_seq_len=SEQ, heads=4, bucket_size=4,
+                               causal=True), _tokens("x"), lm_loss),  # fmt: skip
+    "linear_attention_transformer": (_call("linear_attention_transformer.LinearAttentionTransformerLM", num_tokens=VOCAB, dim=64, heads=4,
+                                           depth=2, max_seq_len=SEQ, causal=True), _tokens("x"), lm_loss),  # fmt: skip
+    "denoising_diffusion_pytorch": (_call("denoising_diffusion_pytorch.Unet", dim=16, dim_mults=(1, 2), channels=3, attn_dim_head=8,
+                                          attn_heads=2), _noised_images, sample_loss),  # fmt: skip
+    "sinkhorn_transformer": (_call("sinkhorn_transformer.SinkhornTransformerLM", num_tokens=VOCAB, dim=64, heads=4, depth=2, max_seq_len=SEQ,
+                                   bucket_size=4, causal=True), _tokens("x"), lm_loss),  # fmt: skip
+    "memory_efficient_attention_pytorch": _layers_lm("memory_efficient_attention_pytorch.Attention", dim=64, dim_head=16, heads=4, causal=True,
+                                                     memory_efficient=True, q_bucket_size=4, k_bucket_size=4),  # fmt: skip
+    "iTransformer": (_call("iTransformer.iTransformer", num_variates=8, lookback_len=SEQ, dim=64, depth=2, heads=4, dim_head=16,
+                           pred_length=(4,)), _series, _squares),  # fmt: skip
+    "hourglass_transformer_pytorch": (_call("hourglass_transformer_pytorch.HourglassTransformerLM", num_tokens=VOCAB, dim=64, max_seq_len=SEQ,
+                                            depth=(2, 2, 2), shorten_factor=2, heads=4, dim_head=16), _tokens("x"), lm_loss),  # fmt: skip
+    "coca_pytorch": (_call("coca_pytorch.CoCa", dim=64, num_tokens=VOCAB, unimodal_depth=1, multimodal_depth=1, dim_head=16, heads=4,
+                           img_encoder=None, image_dim=32), _captioned_images, _first),  # fmt: skip
+    "mmdit": (_call("mmdit.mmdit_generalized_pytorch.MMDiT", depth=2, dim_modalities=(64, 32), dim_cond=16, qk_rmsnorm=True), _two_modalities,
+              _squares),  # fmt: skip
+    "vector_quantize_pytorch": _layers_lm("vector_quantize_pytorch.VectorQuantize", dim=64, codebook_size=32, decay=0.8, commitment_weight=1.0),
+    "compressive_transformer_pytorch": (_call("compressive_transformer_pytorch.CompressiveTransformer", num_tokens=VOCAB, dim=64, depth=2,
+                                              seq_len=SEQ, mem_len=SEQ, cmem_len=4, cmem_ratio=4, heads=4), _tokens("x"), lm_loss),  # fmt: skip
+    "native_sparse_attention_pytorch": _layers_lm("native_sparse_attention_pytorch.SparseAttention", dim=64, dim_head=16, heads=4,
+                                                  sliding_window_size=4, compress_block_size=4, compress_block_sliding_stride=4,
+                                                  selection_block_size=4, num_selected_blocks=2),  # fmt: skip
+    "rin_pytorch": (_call("rin_pytorch.RIN", dim=64, image_size=16, patch_size=4, depth=2, num_latents=8, dim_latent=64, latent_self_attn_depth=1),
+                    _noised_images_at("time"), sample_loss),  # fmt: skip
+    "torchscale_retnet": _torchscale("retnet.RetNetDecoder", "RetNetConfig", decoder_retention_heads=4, decoder_value_embed_dim=128),
+    "torchscale_decoder_xpos": _torchscale("decoder.Decoder", "DecoderConfig", decoder_attention_heads=4, xpos_rel_pos=True,
+                                           rel_pos_buckets=32, max_rel_pos=64),  # fmt: skip
+    "xlstm": (_xlstm, _tokens("idx"), lm_loss),
     "colt5_attention": _layers_lm("colt5_attention.ConditionalRoutedTransformerBlock", dim=64, num_heavy_attn_tokens_q=8,
                                   num_heavy_attn_tokens_kv=8, num_heavy_ff_tokens=8, light_dim_head=16, light_heads=4, light_window_size=4,
                                   heavy_dim_head=16, heavy_heads=4),  # fmt: skip
@@ -714,7 +841,7 @@ def _check_on_rank(rank: int, world: int, name: str, mode: str, dtype: torch.dty
     build, inputs, loss = MODELS[name]
     torch.manual_seed(0)
     random.seed(0)  # every rank builds the same model: some libraries draw from Python's generator (hyper-connections' stream)
-    model = build().eval().to(dtype)
+    model = build().train(name in TRAINING).to(dtype)
     example = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs().items()}
     tp, pp = MODES[mode]
     return check_on_rank(model, example, tp=tp, pp=pp, loss_fn=loss)

@@ -699,3 +699,52 @@ def test_experts_in_the_groups_of_convolutions_split_within_each_group() -> None
     kinds = {p.name: p.kind for p in plan.params}
     assert kinds["layers.0.attention.to_q.weight"] == "column" and kinds["layers.0.attention.to_out.weight"] == "row", kinds
     assert not plan.gathered, plan.gathered  # SDPA split on its heads (dim 2), the heads merged back with the experts
+
+
+def test_experts_merged_into_the_batch_put_the_kv_split_on_the_heads() -> None:
+    """mixture-of-attention's layout (``experts_in_the_batch``): ``to_kv``'s grouped output chunked
+    into keys and values across its 2 groups, each viewed [batch, experts, heads, head_dim, tokens],
+    the experts then merged into SDPA's batch. tp=4 does not divide the experts factor the view
+    first splits; merged into the batch, that split still carries the view's choice, so the
+    attention's conflict moves it to the heads (before, every rank held the keys whole: to_kv
+    kept whole, 48% of the model on a rank)."""
+    import autotp
+    import plain_models_choices as choices
+    from test_plain_suite import run_config
+
+    result = run_config("tp4", ["experts_in_the_batch"])["experts_in_the_batch"]
+    assert result.passed, result.reason
+    assert result.share < 0.3
+    plan = autotp.compile_rank(choices.build("experts_in_the_batch"), tp=4, example_inputs={"input_ids": torch.zeros(2, 16, dtype=torch.long),
+                               "labels": torch.zeros(2, 16, dtype=torch.long)}).plan  # fmt: skip
+    for name in ("to_q", "to_kv"):
+        param = next(p for p in plan.params if p.name == f"layers.0.branch.{name}.weight")
+        assert param.kind == "column" and param.sharding.local_size(4) * 4 == param.sharding.size, param
+    assert not plan.gathered and not [k.name for k in plan.kept_whole if "norm" not in k.name and k.name.endswith(".weight")]
+
+
+class _ShapedLike(nn.Module):
+    """An MLP over the flattened tokens whose hidden activation takes its shape from a whole
+    tensor by ``reshape_as`` (x-transformers' GRU gating reshapes the cell's output like the
+    branch's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.gelu(self.up(x.flatten(0, 1)))
+        return self.down(hidden.reshape_as(x.repeat(1, 1, 4)))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_tensor_read_for_its_shape_alone_does_not_constrain_the_split(tp: int) -> None:
+    """``reshape_as(other)`` becomes the reshape to other's shape at trace time: other's split (here
+    whole) no longer has to be the reshaped tensor's, so the pair stays column/row-parallel with
+    nothing gathered (the split hidden activation met the whole ``other`` before)."""
+    gm, plan = _plan(_ShapedLike(), tp)
+    assert not any(n.target in (aten.reshape_as.default, aten.view_as.default) for n in gm.graph.nodes)
+    kinds = _kinds(plan)
+    assert kinds["up.weight"][0] == "column" and kinds["down.weight"][0] == "row", kinds
+    assert not plan.gathered and [k.name for k in plan.kept_whole] == ["down.bias"]
+
