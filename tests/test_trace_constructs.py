@@ -673,3 +673,46 @@ def test_a_kernel_asking_whether_a_run_time_size_is_one_traces_it_as_not_one() -
     assert any("is not 1" in str(n.args[1]) for n in gm.graph.nodes if n.target == torch.ops.aten._assert_scalar.default)
     with pytest.raises(UserInputError, match="GuardOnDataDependentSymNode"):
         trace(_RowsUnless(4), inputs)
+
+
+class _OnceInitializedCodebook(nn.Module):
+    """A codebook that initializes itself from the first batch it sees (vector-quantize-pytorch's
+    k-means init): ``if self.initted: return`` tests a buffer before the initialization."""
+
+    def __init__(self, initted: bool) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(8, 16), nn.Linear(16, 8)
+        self.codebook = nn.Parameter(torch.randn(4, 16))
+        self.register_buffer("initted", torch.tensor(initted))
+
+    def _init_codebook(self, h: torch.Tensor) -> None:
+        if self.initted:
+            return
+        with torch.no_grad():
+            self.codebook.copy_(h[:4])
+        self.initted.fill_(True)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids).flatten(0, 1)
+        self._init_codebook(h)
+        q = self.codebook[torch.cdist(h, self.codebook).argmin(-1)]
+        logits = self.head(h + (q - h).detach())
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels.flatten())}
+
+
+def test_a_branch_on_a_buffer_takes_the_side_its_value_says_and_asserts_it() -> None:
+    """The trace could not decide ``if self.initted:`` (a tensor's truth); the buffer's value at
+    trace time decides it now, and the graph asserts it at every call. A model whose buffer sends
+    it down the initialization is refused there (it writes a parameter)."""
+    from autotp import parallelize
+    from autotp.ir.errors import UserInputError
+
+    ids = torch.tensor([[0, 1, 5, 6], [7, 5, 6, 7]])
+    torch.manual_seed(0)
+    assert check_on_rank(_OnceInitializedCodebook(True), {"input_ids": ids, "labels": ids}, tp=1).passed
+    pm = parallelize(_OnceInitializedCodebook(True), tp=1, example_inputs={"input_ids": ids, "labels": ids})
+    pm.get_buffer("initted").fill_(False)
+    with pytest.raises(RuntimeError, match=r"test_trace_constructs.py:\d+ \(if self.initted:\) was traced with buffer initted = True"):
+        pm(input_ids=ids, labels=ids)
+    with pytest.raises(UserInputError, match="codebook"):
+        parallelize(_OnceInitializedCodebook(False), tp=1, example_inputs={"input_ids": ids, "labels": ids})

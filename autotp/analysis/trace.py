@@ -76,11 +76,21 @@ def _real_modules(model: nn.Module, fake_model: nn.Module) -> Callable[[nn.Modul
     return lambda module: pairs.get(id(module.__dict__))
 
 
+def _real_buffers(model: nn.Module) -> Callable[[str], torch.Tensor | None]:
+    """The user's model's buffer of a name (its fake copy's buffers carry no values)."""
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    return buffers.get
+
+
 def structure_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with parameters and buffers on ``meta``, kept for retracing."""
+    """A copy of ``model`` with parameters and buffers on ``meta``, kept for retracing; but
+    one-element buffers, whose values a retrace's branches may test (a flag), copied."""
     memo: dict[int, Any] = {}
+    buffers = {id(b) for b in model.buffers()}
     for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in memo:
+        if id(t) in buffers and t.numel() == 1:
+            memo[id(t)] = t.detach().clone()
+        elif id(t) not in memo:
             meta = torch.empty_like(t, device="meta")
             memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
     return copy.deepcopy(model, memo)
@@ -310,7 +320,7 @@ def _export(
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
     retry = None
-    with _module_stack(fake_model) as stack, custom_functions(stack, verdicts) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable) as loops, GradientHookWatch(stack), assumed_sizes() as assumed, model_collectives_refused():
+    with _module_stack(fake_model) as stack, custom_functions(stack, verdicts) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable, _real_buffers(model)) as loops, GradientHookWatch(stack), assumed_sizes() as assumed, model_collectives_refused():
         try:
             with contextlib.redirect_stderr(printed):
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False, dynamic_shapes=dynamic_shapes)

@@ -56,6 +56,11 @@ What the masking cannot keep exact is refused, with an error naming the line:
 
 Python state a scope changes (a counter in a plain ``int``) is not seen.
 
+**Branches on a buffer.** ``if self.initted: return`` (a codebook's k-means initialization
+done once) tests a one-element buffer of the model, not the data: the trace takes the side the
+user's model's buffer holds (it knows the values the fake copy's tensors stand for), and the graph
+asserts at run time that the buffer still holds that value, naming the line.
+
 **Value bounds.** ``bincount(x, minlength=m)`` has ``max(m, max(x) + 1)`` entries, a size
 known only at run time. Where ``x`` holds indices into a dim of size at most ``m``
 (``topk``/``sort``/``argmax`` indices, through views), it has exactly ``m``, and it is traced
@@ -388,12 +393,14 @@ def _unrollable(watch: _ControlFlowWatch, t: torch.Tensor) -> tuple[torch.Tensor
 
 
 @contextmanager
-def guarded_control_flow(model: torch.nn.Module, unreachable: frozenset[tuple[str, tuple[int, ...]]] = frozenset()) -> Iterator[_ControlFlowWatch]:
+def guarded_control_flow(model: torch.nn.Module, unreachable: frozenset[tuple[str, tuple[int, ...]]] = frozenset(),
+                         real_buffer: Callable[[str], torch.Tensor | None] = lambda name: None) -> Iterator[_ControlFlowWatch]:  # fmt: skip
     """While tracing ``model``: loops over ``nonzero``/``argwhere``/one-argument ``where``
     results are unrolled (but for the ``unreachable`` iterations) and skipping branches taken
     on their working side, as the module docstring says; an output made in a scope is
-    refused. After the trace, ``refuse_broken_loops``; a failed trace with ``failed`` set is
-    taken again with that iteration unreachable."""
+    refused; a branch on a buffer goes the way its value (``real_buffer(name)``) says. After
+    the trace, ``refuse_broken_loops``; a failed trace with ``failed`` set is taken again with
+    that iteration unreachable."""
     watch = _ControlFlowWatch(unreachable)
 
     def check_outputs(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -430,7 +437,15 @@ def guarded_control_flow(model: torch.nn.Module, unreachable: frozenset[tuple[st
         try:
             return watch.branch(self, sys._getframe(1))
         except LookupError:
+            pass
+        name = next((n for n, b in model.named_buffers() if b is self), None) if self.numel() == 1 else None
+        value = real_buffer(name) if name is not None else None
+        if value is None or value.is_meta:
             return _ORIGINAL_TENSOR_BOOL(self)
+        held = value.item()
+        torch._assert_async((self == held).all(), f"the branch at {_line_of(sys._getframe(1))} was traced with buffer {name} = {held}, "
+                            "which it no longer holds; parallelize the model again")  # fmt: skip
+        return bool(held)
 
     torch.Tensor.__bool__ = tensor_branch  # type: ignore[method-assign]
     hook = model.register_forward_hook(check_outputs)
