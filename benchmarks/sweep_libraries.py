@@ -533,9 +533,9 @@ def _dna() -> dict[str, Any]:
     return {"x": F.one_hot(bases, 4).float()}
 
 
-def _noised_images() -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(1)
-    return {"x": torch.randn(2, 3, 16, 16, generator=gen), "time": torch.tensor([3, 7])}
+def _noised_images(times: list[float] | list[int]) -> Callable[[], dict[str, Any]]:
+    """Two 16-pixel images and their diffusion times (integer steps or fractions, as the model takes them)."""
+    return lambda: {"x": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1)), "time": torch.tensor(times)}
 
 
 def _human(out: Any) -> torch.Tensor:
@@ -561,9 +561,6 @@ def _two_modalities() -> dict[str, Any]:
     return {"modality_tokens": (torch.randn(2, 8, 64, generator=gen), torch.randn(2, 6, 32, generator=gen)),
             "time_cond": torch.randn(2, 16, generator=gen)}  # fmt: skip
 
-
-def _noised_images_at(key: str) -> Callable[[], dict[str, Any]]:
-    return lambda: {"x": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1)), key: torch.tensor([0.3, 0.7])}
 
 
 VIT = dict(img_size=IMAGE, patch_size=8, embed_dim=64, depth=2, num_heads=4)
@@ -803,7 +800,7 @@ MODELS: dict[str, Model] = {
     "linear_attention_transformer": (_call("linear_attention_transformer.LinearAttentionTransformerLM", num_tokens=VOCAB, dim=64, heads=4,
                                            depth=2, max_seq_len=SEQ, causal=True), _tokens("x"), lm_loss),  # fmt: skip
     "denoising_diffusion_pytorch": (_call("denoising_diffusion_pytorch.Unet", dim=16, dim_mults=(1, 2), channels=3, attn_dim_head=8,
-                                          attn_heads=2), _noised_images, sample_loss),  # fmt: skip
+                                          attn_heads=2), _noised_images([3, 7]), sample_loss),  # fmt: skip
     "sinkhorn_transformer": (_call("sinkhorn_transformer.SinkhornTransformerLM", num_tokens=VOCAB, dim=64, heads=4, depth=2, max_seq_len=SEQ,
                                    bucket_size=4, causal=True), _tokens("x"), lm_loss),  # fmt: skip
     "memory_efficient_attention_pytorch": _layers_lm("memory_efficient_attention_pytorch.Attention", dim=64, dim_head=16, heads=4, causal=True,
@@ -823,7 +820,7 @@ MODELS: dict[str, Model] = {
                                                   sliding_window_size=4, compress_block_size=4, compress_block_sliding_stride=4,
                                                   selection_block_size=4, num_selected_blocks=2),  # fmt: skip
     "rin_pytorch": (_call("rin_pytorch.RIN", dim=64, image_size=16, patch_size=4, depth=2, num_latents=8, dim_latent=64, latent_self_attn_depth=1),
-                    _noised_images_at("time"), sample_loss),  # fmt: skip
+                    _noised_images([0.3, 0.7]), sample_loss),  # fmt: skip
     "torchscale_retnet": _torchscale("retnet.RetNetDecoder", "RetNetConfig", decoder_retention_heads=4, decoder_value_embed_dim=128),
     "torchscale_decoder_xpos": _torchscale("decoder.Decoder", "DecoderConfig", decoder_attention_heads=4, xpos_rel_pos=True,
                                            rel_pos_buckets=32, max_rel_pos=64),  # fmt: skip
