@@ -11,3 +11,11 @@ def pytest_configure(config: object) -> None:
     import tempfile
 
     os.environ["AUTOTP_CACHE_DIR"] = tempfile.mkdtemp(prefix="autotp-cache-")
+
+
+def pytest_unconfigure(config: object) -> None:
+    """The session's cache folder goes with the session."""
+    import os
+    import shutil
+
+    shutil.rmtree(os.environ.pop("AUTOTP_CACHE_DIR", ""), ignore_errors=True)

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from autotp.analysis.carried_buffers import carried_buffer_write
 from autotp.analysis.custom_functions import hook_gradient_graph, tensor_hook
@@ -366,17 +366,29 @@ def batch_mixing_node(gm: GraphModule, batch: int, row_dims: list[int | None] | 
     """The op of ``gm`` that makes a row's value depend on other rows of its batch of
     ``batch`` rows (on the inputs' ``row_dims``; None: dim 0 of those of ``batch`` rows),
     described; "" when none is found."""
-    return batch_verdicts(gm, batch, row_dims)[0]
+    return batch_mixing_verdict(gm, batch, row_dims)[0] if batch >= 2 else ""
 
 
-def batch_verdicts(gm: GraphModule, batch: int, row_dims: list[int | None] | None = None) -> tuple[str, str]:
-    """``batch_mixing_node``, and where none, the loss term computed per piece (``per_piece_statistic``)."""
+def batch_verdicts(gm: GraphModule, batch: int, row_dims: list[int | None] | None = None) -> tuple[str, str, tuple[int | None, ...]]:
+    """``batch_mixing_node``; where none, the loss term computed per piece (``per_piece_statistic``);
+    and per leaf of the outputs, the dim holding the rows (``output_row_dims``)."""
     if batch < 2:
-        return "", ""
+        return "", "", ()
+    mixing, rows_at = batch_mixing_verdict(gm, batch, row_dims)
+    return mixing, "" if mixing else per_piece_statistic(gm, rows_at), output_row_dims(gm, rows_at)
+
+
+def output_row_dims(gm: GraphModule, rows_at: Callable[[Node], set[int]]) -> tuple[int | None, ...]:
+    """Per leaf of ``gm``'s outputs (pytree order), the first dim holding the batch's rows; None where none does."""
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    return tuple(min(rows_at(leaf), default=None) if isinstance(leaf, Node) else None for leaf in tree_flatten(output.args[0])[0])
+
+
+def batch_mixing_verdict(gm: GraphModule, batch: int, row_dims: list[int | None] | None) -> tuple[str, Callable[[Node], set[int]]]:
+    """``batch_mixing_node`` of ``gm`` with its inputs' rows at ``row_dims``, and where each node holds them."""
     walker = _BatchWalker(gm, batch, row_dims)
     walker.run()
-    mixing = _mixing_node(gm, walker)
-    return mixing, "" if mixing else per_piece_statistic(gm, walker._rows_at)
+    return _mixing_node(gm, walker), walker._rows_at
 
 
 def _mixing_node(gm: GraphModule, walker: _BatchWalker) -> str:

@@ -96,11 +96,11 @@ def normalize_loss_denominators(gm: GraphModule, rows_at: RowsAt, doubled: Calla
     graph.lint()
 
 
-def _sums_scaled_by_pieces(gm: GraphModule, rows_at: RowsAt, doubled: Callable[[], GraphModule]) -> DenominatorProgram | None:
-    """Each term of a scalar output that sums over the rows (``cross_entropy(reduction="sum")``,
-    a sum over a count the caller passes in: HF's ``num_items_in_batch``; the whole output, or a
-    term of a sum, ``summed_terms``) times the number of pieces, ``batch_denominator`` of a 1
-    summed over them: the step averages the pieces, and the whole batch's sum is their sum."""
+def summed_loss_terms(gm: GraphModule, rows_at: RowsAt, doubled: Callable[[], GraphModule]) -> list[tuple[Node, Node]]:
+    """(term, the node it enters) for each term of a scalar output that sums over the rows
+    (``cross_entropy(reduction="sum")``, a sum over a count the caller passes in: HF's
+    ``num_items_in_batch``; the whole output, or a term of a sum, ``summed_terms``), scaled by
+    nothing that changes with the batch's size: the whole batch's value is the pieces' sum."""
     reads, output = _Reads(gm, rows_at), next(iter(gm.graph.find_nodes(op="output")))
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
 
@@ -110,7 +110,21 @@ def _sums_scaled_by_pieces(gm: GraphModule, rows_at: RowsAt, doubled: Callable[[
                 and _numerator_kind(n, reads, rows_at) == SUM and fixed_scalings(n, path, doubled, reads, params))  # fmt: skip
 
     roots = [a for a in dict.fromkeys(tree_flatten(output.args)[0]) if isinstance(a, Node)]
-    sums = summed_terms(roots, output, is_sum, reads)
+    return summed_terms(roots, output, is_sum, reads)
+
+
+def piece_denominators(gm: GraphModule, rows_at: RowsAt) -> list[Node]:
+    """The divisions by a statistic of the batch's rows (``mask.sum()``) that ``normalize_loss_denominators``
+    makes the whole batch's, means of the elements a mask selects rewritten in ``gm`` as such divisions first;
+    mean class losses are left out (``analysis.loss_fn_rows`` says why)."""
+    _selection_means_as_sums(gm, rows_at)
+    return [node for node, found in _divisions(gm, rows_at) if found is not None]
+
+
+def _sums_scaled_by_pieces(gm: GraphModule, rows_at: RowsAt, doubled: Callable[[], GraphModule]) -> DenominatorProgram | None:
+    """Each term of ``summed_loss_terms`` times the number of pieces, ``batch_denominator`` of a 1
+    summed over them: the step averages the pieces, and the whole batch's sum is their sum."""
+    sums = summed_loss_terms(gm, rows_at, doubled)
     if not sums:
         return None
     position = {n: i for i, n in enumerate(gm.graph.nodes)}

@@ -296,6 +296,10 @@ class ParallelPlan:
     # Inputs whose batch rows lie on a dim other than 0, by pytree key path (``['position_ids']``):
     # the dim, or -1 where the trace could not tell (``analysis.trace.input_batch_dims``).
     input_batch_dims: tuple[tuple[str, int], ...] = ()
+    # Per leaf of the forward's outputs (pytree order), the dim holding the batch's rows, None where
+    # it holds none (``analysis.batch_rows.batch_verdicts``); () when the traced batch had one row.
+    # ``train_step`` reads a ``loss_fn``'s inputs by it (``analysis.loss_fn_rows``).
+    output_batch_dims: tuple[int | None, ...] = ()
     # Activation recomputation (``passes/recompute_layers``): the decoder layers whose forward runs
     # again in the backward instead of keeping its activations, and why (``RECOMPUTE_REASONS``).
     recompute_layers: tuple[int, ...] = ()
@@ -405,6 +409,7 @@ class ParallelPlan:
                 "batch_mixing": self.batch_mixing,
                 "batch_statistics": self.batch_statistics,
                 "input_batch_dims": [list(p) for p in self.input_batch_dims],
+                "output_batch_dims": list(self.output_batch_dims),
                 "recompute_layers": list(self.recompute_layers),
                 "recompute_reason": self.recompute_reason,
             },
@@ -461,6 +466,7 @@ class ParallelPlan:
             batch_mixing=d.get("batch_mixing", ""),
             batch_statistics=d.get("batch_statistics", ""),
             input_batch_dims=tuple((path, dim) for path, dim in d.get("input_batch_dims", ())),
+            output_batch_dims=tuple(d.get("output_batch_dims", ())),
             recompute_layers=tuple(d.get("recompute_layers", ())),
             recompute_reason=d.get("recompute_reason", ""),
         )

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from autotp.analysis.loss_fn_rows import loss_fn_refusal
 from autotp.ir.op_facts import is_alias, is_matmul, is_pointwise
 from autotp.api import parallelize
 from autotp.compiler import example_kwargs
@@ -116,8 +117,9 @@ def check_on_rank(
         torch.manual_seed(RNG_SEED)
         ref_out = reference(**example_kwargs(reference, inputs))
         ref_loss, ref_logits = _loss_logits(ref_out, loss_fn)
-        # a forward that mixes its batch's rows trains the batch whole, as train_step's refusal asks
-        whole = pp == 1 or pm.plan.batch_mixing or microbatches == 1
+        # a forward or loss_fn that mixes its batch's rows trains the batch whole, as train_step's refusal asks
+        whole = (pp == 1 or pm.plan.batch_mixing or microbatches == 1
+                 or bool(loss_fn and loss_fn_refusal(loss_fn, ref_out, pm.plan.output_batch_dims)))  # fmt: skip
         if whole or not pm.plan.batch_statistics:
             ref_loss.backward()
         else:  # a loss term over statistics of the rows: train_step computes it per microbatch, so does the reference

@@ -7,6 +7,10 @@ dict or ``ModelOutput``, or as an element of a tuple (minGPT's ``(logits, loss)`
 0-dim floating tensor among them (a loss is a scalar; logits are not), with a warning (an
 auxiliary loss returned alone would look the same). Anything else is
 ambiguous and raises, naming what to pass. On a pipeline this runs on the last stage's outputs.
+
+A ``loss_fn`` of a split step (dp ranks x microbatches) is checked once, on the first piece's
+outputs, by ``analysis.loss_fn_rows``: one the pieces cannot average (it mixes the batch's rows,
+sums over them, or divides by a count of them) is refused before any backward.
 """
 
 from __future__ import annotations
@@ -18,9 +22,47 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from autotp.analysis.loss_fn_rows import loss_fn_refusal
+from autotp.compiler import LOSS_ONLY
 from autotp.ir.errors import UserInputError
 
 LossFn = Callable[[Any], Tensor]
+
+
+_CHECKED: set[Any] = set()  # (loss_fn's code, the outputs' row dims) found fit to average over pieces
+
+
+def step_loss(loss_fn: LossFn | None, row_dims: tuple[int | None, ...], dp: int, microbatches: int) -> tuple[LossFn, tuple[str, ...]]:
+    """What a step of ``dp`` ranks x ``microbatches`` trains on, and the outputs it reads (the loss
+    alone without a ``loss_fn``): ``returned_loss``, or ``loss_fn`` (checked once where the batch is
+    split: ``checked_loss_fn``)."""
+    if loss_fn is None:
+        return returned_loss, LOSS_ONLY
+    return (checked_loss_fn(loss_fn, row_dims, dp * microbatches, dp) if dp * microbatches > 1 else loss_fn), ()
+
+
+def checked_loss_fn(loss_fn: LossFn, row_dims: tuple[int | None, ...], pieces: int, dp: int) -> LossFn:
+    """``loss_fn``, refusing on its first call the one that ``pieces`` pieces of the batch cannot average
+    (module docstring); ``row_dims``: ``ParallelPlan.output_batch_dims``. A check that passes is kept
+    by the function's code (lambdas made anew on every call share theirs)."""
+    key = (getattr(loss_fn, "__code__", loss_fn), row_dims)
+
+    def loss_of(outputs: Any) -> Tensor:
+        if key not in _CHECKED:
+            reason = loss_fn_refusal(loss_fn, outputs, row_dims)
+            if reason:
+                code = getattr(loss_fn, "__code__", None)
+                where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+                raise UserInputError(
+                    f"loss_fn{where} {reason}: train_step computes it on each of the {pieces} pieces of the batch (dp={dp} ranks x "
+                    f"{pieces // dp} microbatches) and averages them, which is not the whole batch's loss. Train with dp=1 and "
+                    "num_microbatches=1 (schedule='gpipe' when pp > 1), return a mean over the rows, or compute the loss in "
+                    "the model's forward (autotp then makes its sums and denominators the whole batch's)"
+                )
+            _CHECKED.add(key)
+        return loss_fn(outputs)
+
+    return loss_of
 
 
 def returned_loss(outputs: Any) -> Tensor:

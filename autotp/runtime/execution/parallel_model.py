@@ -17,7 +17,7 @@ from torch.fx import GraphModule
 
 from autotp.analysis.shapes import size_int
 from autotp.analysis.trace import structure_copy
-from autotp.compiler import LOSS_ONLY, lower_signature, with_param_waits
+from autotp.compiler import lower_signature, with_param_waits
 from autotp.ir import batch_denominators, meta_keys, schedules
 from autotp.ir.axes import Axis
 from autotp.ir.plan import ParallelPlan
@@ -307,7 +307,7 @@ class ParallelModel(nn.Module):
             warn_once(log, "the plan assumed autotp.DistributedOptimizer (its memory estimate shards the optimizer "
                       "state over dp=%d); this model trains with a plain optimizer", dp)
         self._grad_sync.begin(m)
-        loss_of, outputs_read = (loss_fn, ()) if loss_fn is not None else (model_loss.returned_loss, LOSS_ONLY)
+        loss_of, outputs_read = model_loss.step_loss(loss_fn, self.plan.output_batch_dims, dp, m)
         calls = [self._as_kwargs((), mb) for mb in micro]
         split = dp * m > 1
         program = (compiled := self._compiled_for(calls[0], outputs_read, split)).program  # the pieces are cut alike: one signature
