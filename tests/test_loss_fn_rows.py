@@ -26,6 +26,21 @@ class TwoTowers(nn.Module):
         return F.normalize(self.image(image), dim=-1), F.normalize(self.text(text), dim=-1), self.scale.exp()
 
 
+class PooledTowers(nn.Module):
+    """Image features pooled by a learned query attending to each image's patches (CoCa's attention pooler),
+    returned features first (``[D, B]``), so that only the walk can find their rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches, self.text = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.query = nn.Parameter(torch.randn(1, 1, DIM))
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        patches = self.patches(image.view(image.shape[0], 2, DIM // 2).repeat(1, 1, 2)).unsqueeze(1)
+        pooled = F.scaled_dot_product_attention(self.query.expand(image.shape[0], 1, 1, DIM), patches, patches)
+        return pooled.flatten(1).t(), self.text(text), torch.tensor(2.0)
+
+
 class SequenceFirst(nn.Module):
     """Outputs whose rows lie on dim 1 (``[S, B, D]``, as labml's transformers)."""
 
@@ -67,6 +82,14 @@ def test_a_loss_fn_the_pieces_cannot_average_is_refused_naming_why(loss_fn, why:
     reference = TwoTowers()
     reference.load_state_dict(pm.unshard_state_dict())
     assert torch.allclose(whole, loss_fn(reference(**_inputs())), rtol=1e-5, atol=1e-6)
+
+
+def test_rows_a_broadcast_query_gathers_from_each_row_are_found() -> None:
+    """Before, attention kept rows only where the query held them too: the pooled features seemed every row's."""
+    pm = autotp.parallelize(PooledTowers(), tp=1, example_inputs=_inputs())
+    assert pm.plan.output_batch_dims == (1, 0, None)
+    with pytest.raises(UserInputError, match=r"loss_fn \(.*\) mixes the rows of its batch"):
+        pm.train_step(**_inputs(), loss_fn=lambda out: contrastive((out[0].t(), *out[1:])), num_microbatches=2)
 
 
 def test_a_mean_over_the_rows_trains_split_as_the_whole_batch() -> None:

@@ -19,7 +19,7 @@ from general_models import _Tanh  # a hand-written backward that is the forward'
 from autotp.analysis import function_checks
 from autotp.analysis.layers import num_layers
 from autotp.analysis.trace import trace
-from autotp.analysis.trace_regions import REGIONS, checkpointed_layers
+from autotp.analysis.trace_regions import NON_REENTRANT_GENERATOR, REGIONS, checkpointed_layers
 from autotp.ir import ops
 from autotp.report.strict_rule import StrictResult, check_on_rank, combine, matmul_weights
 
@@ -201,14 +201,14 @@ def test_activation_checkpointing_is_traced_as_the_call_and_carried(name: str) -
     import torch.utils.checkpoint as checkpoint_module
 
     model, inputs = library.build(name), library.example_inputs(name)
-    generator = checkpoint_module._checkpoint_without_reentrant_generator
+    generator = getattr(checkpoint_module, NON_REENTRANT_GENERATOR)
     gm = trace(model, inputs)
     targets = [n.target for n in gm.graph.nodes]
     assert torch.ops.aten.detach.default not in targets
     assert not {ops.FUNCTION, ops.ELEMENTWISE_FUNCTION} & set(targets)
     assert "apply" not in CheckpointFunction.__dict__  # Function.apply again after the trace
     assert torch._C._set_grad_enabled is _SET_GRAD_ENABLED
-    assert checkpoint_module._checkpoint_without_reentrant_generator is generator
+    assert getattr(checkpoint_module, NON_REENTRANT_GENERATOR) is generator
     assert checkpointed_layers(gm) == tuple(range(num_layers(gm)))
     result = check_on_rank(model, inputs, tp=1)
     assert result.passed, result.reason

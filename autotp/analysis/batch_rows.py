@@ -138,11 +138,12 @@ class _BatchWalker(Walker):
         return shard({piece.dim: DimVar(piece.rows, frozenset({BATCH_ORIGIN}))}) if piece.keeps_dim and (piece.rows or 0) > 1 else REPLICATE
 
     def _attention(self, node: Node) -> Layout:
-        """Attention keeps its leading dims (batch, heads) apart: the output has the query's
-        rows where the key and value have them too."""
+        """Attention keeps its leading dims (batch, heads) apart: the output holds rows on a leading
+        dim where any of query, key and value does (a learned query broadcast over the batch
+        attending to each row's keys: an attention pooler)."""
         q, k, v = node.args[:3]
         lead = len(shape_of(q) or ()) - 2
-        rows = {d for d in self._rows_at(q) if d < lead} & self._rows_at(k) & self._rows_at(v)
+        rows = {d for d in self._rows_at(q) | self._rows_at(k) | self._rows_at(v) if d < lead}
         return shard({d: self.rows for d in rows})
 
     def _selects_rows(self, node: Node) -> bool:
@@ -375,13 +376,21 @@ def batch_verdicts(gm: GraphModule, batch: int, row_dims: list[int | None] | Non
     if batch < 2:
         return "", "", ()
     mixing, rows_at = batch_mixing_verdict(gm, batch, row_dims)
-    return mixing, "" if mixing else per_piece_statistic(gm, rows_at), output_row_dims(gm, rows_at)
+    return mixing, "" if mixing else per_piece_statistic(gm, rows_at), output_row_dims(gm, batch, rows_at)
 
 
-def output_row_dims(gm: GraphModule, rows_at: Callable[[Node], set[int]]) -> tuple[int | None, ...]:
-    """Per leaf of ``gm``'s outputs (pytree order), the first dim holding the batch's rows; None where none does."""
+def output_row_dims(gm: GraphModule, batch: int, rows_at: Callable[[Node], set[int]]) -> tuple[int | None, ...]:
+    """Per leaf of ``gm``'s outputs (pytree order), the first dim holding the batch's rows; where the
+    walk lost them (an op it has no rule for), dim 0 if that has the batch's size; else None."""
     output = next(iter(gm.graph.find_nodes(op="output")))
-    return tuple(min(rows_at(leaf), default=None) if isinstance(leaf, Node) else None for leaf in tree_flatten(output.args[0])[0])
+
+    def dim(leaf: Any) -> int | None:
+        if not isinstance(leaf, Node):
+            return None
+        shape = shape_of(leaf) or ()
+        return min(rows_at(leaf), default=0 if shape and shape[0] == batch else None)
+
+    return tuple(dim(leaf) for leaf in tree_flatten(output.args[0])[0])
 
 
 def batch_mixing_verdict(gm: GraphModule, batch: int, row_dims: list[int | None] | None) -> tuple[str, Callable[[Node], set[int]]]:

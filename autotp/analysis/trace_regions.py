@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
 AUTOCAST = torch.ops.higher_order.wrap_with_autocast
 REGIONS = {SET_GRAD, AUTOCAST}
+# The generator that torch's non-reentrant ``checkpoint`` steps around its call (torch 2.14 calls
+# ``_impl``, which takes the call's ``args`` and ``kwargs`` as two arguments; older releases the other).
+NON_REENTRANT_GENERATOR = next(name for name in ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
+                               if hasattr(checkpoint_module, name))  # fmt: skip
 # Ops that return their operand itself when they change nothing.
 _MAYBE_IDENTITY = {
     torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
@@ -90,13 +94,13 @@ def reentrant_checkpoint_as_call() -> Iterator[None]:
         return marked()
 
     own = CheckpointFunction.__dict__.get("apply")  # None: it inherits Function.apply
-    generator = checkpoint_module._checkpoint_without_reentrant_generator
+    generator = getattr(checkpoint_module, NON_REENTRANT_GENERATOR)
     CheckpointFunction.apply = staticmethod(call)  # type: ignore[method-assign,assignment]
-    checkpoint_module._checkpoint_without_reentrant_generator = without_reentrant
+    setattr(checkpoint_module, NON_REENTRANT_GENERATOR, without_reentrant)
     try:
         yield
     finally:
-        checkpoint_module._checkpoint_without_reentrant_generator = generator
+        setattr(checkpoint_module, NON_REENTRANT_GENERATOR, generator)
         if own is None:
             del CheckpointFunction.apply
         else:
