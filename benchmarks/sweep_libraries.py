@@ -27,6 +27,8 @@ module, and every name in it, then imports as an empty placeholder::
         memory-efficient-attention-pytorch iTransformer hourglass-transformer-pytorch CoCa-pytorch mmdit rin-pytorch \
         vector-quantize-pytorch compressive-transformer-pytorch mogrifier native-sparse-attention-pytorch \
         rotary-embedding-torch taylor-series-linear-attention beartype
+    pip install --no-deps --target /tmp/libsite3 torchtitan==0.2.0 fair-esm hiera-transformer open_clip_torch \
+        "transformer-lens<3" typeguard better-abc fancy-einsum jaxtyping labml-nn
     python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
 
@@ -49,6 +51,7 @@ import os
 import random
 import sys
 import types
+import typing_extensions
 from collections.abc import Callable
 from typing import Any
 
@@ -59,9 +62,10 @@ MODES = {"tp2": (2, 1), "tp4": (4, 1), "pp2": (1, 2)}
 STUBS = ("torchvision", "lightning", "lightning_utilities", "jsonargparse", "psutil", "yaml", "tokenizers", "torchao",
          "torchtune.modules.low_precision", "torchtune.data", "torchtune.training", "datasets", "torchdata", "omegaconf",
          "sentencepiece", "tiktoken", "blobfile", "kagglehub", "cached_path", "bettermap", "numba", "ftfy", "xformers", "librosa",
-         "fairscale", "mamba_ssm", "polars", "ema_pytorch", "pytorch_fid", "pyfaidx", "kipoiseq", "tensordict")  # fmt: skip
+         "fairscale", "mamba_ssm", "polars", "ema_pytorch", "pytorch_fid", "pyfaidx", "kipoiseq", "tensordict", "tyro", "wandb", "pandas",
+         "torch.utils.tensorboard", "torchtitan.models.moe.kernels", "labml", "labml_helpers")  # fmt: skip
 # packages whose __init__ imports far more than their models (a CLI, trainers): their submodules load without it
-BARE = ("litgpt", "torchtune")
+BARE = ("litgpt", "torchtune", "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3")
 LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "diffusers", "peft", "nanochat", "olmo_core", "whisper",
              "segment_anything", "clip", "dinov2", "dit", "nanogpt",
              "lingua", "guided_diffusion", "ijepa", "palm_pytorch", "MEGABYTE_pytorch", "simple_hierarchical_transformer",
@@ -71,7 +75,8 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "torchscale", "xlstm", "mambapy", "performer_pytorch", "linformer", "g_mlp_pytorch", "enformer_pytorch", "reformer_pytorch",
              "linear_attention_transformer", "denoising_diffusion_pytorch", "sinkhorn_transformer", "memory_efficient_attention_pytorch",
              "iTransformer", "hourglass_transformer_pytorch", "coca_pytorch", "mmdit", "vector_quantize_pytorch",
-             "compressive_transformer_pytorch", "native_sparse_attention_pytorch", "rin_pytorch")  # fmt: skip
+             "compressive_transformer_pytorch", "native_sparse_attention_pytorch", "rin_pytorch", "torchtitan", "esm", "hiera",
+             "transformer_lens", "open_clip", "labml_nn")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
@@ -91,11 +96,13 @@ class _Placeholder(types.ModuleType):
         return _PlaceholderClass(name, (), _PLACEHOLDER_METHODS)
 
 
-class _PlaceholderClass(type):
-    """A stubbed module's name: a class whose attributes are such classes too (``S3Client.recoverable_errors``)."""
+class _PlaceholderClass(type(typing_extensions.Protocol)):  # type: ignore[misc]
+    """A stubbed module's name: a class whose attributes are such classes too (``S3Client.recoverable_errors``). Its
+    metaclass is a protocol's, so that a class may derive from it and from an ABC or a protocol
+    (``class Loader(StatefulDataLoader, Stateful)``)."""
 
     def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__"):
+        if name.startswith("_"):
             raise AttributeError(name)
         return _PlaceholderClass(name, (), _PLACEHOLDER_METHODS)
 
@@ -478,6 +485,41 @@ def _lm_and_aux(out: Any) -> torch.Tensor:
     return lm_loss(out[0]) + out[1]
 
 
+class _LabmlLM(torch.nn.Module):
+    """labml_nn's annotated transformers: two of its pre-norm layers (sequence first, ``[S, B, D]``) with the attention
+    module ``attn`` (a path under ``labml_nn.transformers``), or its Switch transformer's layers with 4 experts, between its
+    learned-position embedding and its generator; returns the logits and the Switch layers' load-balancing loss."""
+
+    def __init__(self, attn: str, causal: bool = True, gated: bool = False, switch: bool = False, **attn_kwargs: Any) -> None:
+        super().__init__()
+        t = "labml_nn.transformers"
+        models, ff = importlib.import_module(f"{t}.models"), importlib.import_module(f"{t}.feed_forward")
+        mixer = _call(f"{t}.{attn}", **attn_kwargs)()
+        mlp = ff.FeedForward(64, 128, 0.0, torch.nn.SiLU() if gated else torch.nn.ReLU(), is_gated=gated, bias1=not gated, bias2=not gated)
+        if switch:
+            moe = importlib.import_module(f"{t}.switch")
+            experts = moe.SwitchFeedForward(capacity_factor=1.0, drop_tokens=False, is_scale_prob=True, n_experts=4, expert=mlp, d_model=64)
+            self.layers = moe.SwitchTransformer(moe.SwitchTransformerLayer(d_model=64, attn=mixer, feed_forward=experts, dropout_prob=0.0), 2)
+        else:
+            self.layers = models.Encoder(models.TransformerLayer(d_model=64, self_attn=mixer, feed_forward=mlp, dropout_prob=0.0), 2)
+        self.embed, self.generator = models.EmbeddingsWithLearnedPositionalEncoding(64, VOCAB, 64), models.Generator(VOCAB, 64)
+        self.causal, self.switch = causal, switch
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = ids.t()
+        mask = importlib.import_module("labml_nn.transformers.utils").subsequent_mask(x.shape[0]) if self.causal else None
+        out = self.layers(self.embed(x), mask)
+        if not self.switch:
+            return self.generator(out).transpose(0, 1), torch.zeros(())
+        x, counts, route_prob, _, _ = out
+        balance = 4 * (counts / counts.sum(-1, keepdim=True) * route_prob / route_prob.sum(-1, keepdim=True)).sum()
+        return self.generator(x).transpose(0, 1), 0.01 * balance
+
+
+def _labml(attn: str, **kwargs: Any) -> Model:
+    return (lambda: _LabmlLM(attn, **kwargs)), _tokens("ids"), _lm_and_aux
+
+
 def _layers_lm(path: str, **kwargs: Any) -> Model:
     return (lambda: _LayersLM(path, **kwargs)), _tokens("ids"), _lm_and_aux
 
@@ -561,6 +603,72 @@ def _two_modalities() -> dict[str, Any]:
     return {"modality_tokens": (torch.randn(2, 8, 64, generator=gen), torch.randn(2, 6, 32, generator=gen)),
             "time_cond": torch.randn(2, 16, generator=gen)}  # fmt: skip
 
+
+
+def _torchtitan(family: str, model: str, args: str, **kwargs: Any) -> Model:
+    """torchtitan's own model code (0.2, the last release with SDPA attention) from its ``ModelArgs``."""
+
+    def build() -> torch.nn.Module:
+        package = f"torchtitan.models.{family}.model"
+        model_args = _call(f"{package}.args.{args}", vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, max_seq_len=SEQ, **kwargs)()
+        built = _call(f"{package}.model.{model}", model_args=model_args)()
+        built.init_weights()
+        return built
+
+    return build, _tokens("tokens"), lm_loss
+
+
+def _esm2() -> Model:
+    """FAIR's ESM-2 protein language model; its tokens are the 20 amino acids of its alphabet (indices 4 to 23)."""
+    tokens = lambda: {"tokens": torch.randint(4, 24, (2, SEQ), generator=torch.Generator().manual_seed(1))}  # noqa: E731
+    return _call("esm.ESM2", num_layers=2, embed_dim=64, attention_heads=4), tokens, lambda out: lm_loss(out["logits"])
+
+
+def contrastive_loss(out: Any) -> torch.Tensor:
+    """CLIP's symmetric loss over the batch (open_clip returns the normalized features and the logit scale), plus a
+    captioner's cross-entropy where the model returns one."""
+    image, text, scale = (out["image_features"], out["text_features"], out["logit_scale"]) if isinstance(out, dict) else out[:3]
+    logits = scale * image @ text.t()
+    target = torch.arange(logits.shape[0])
+    loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) / 2
+    if isinstance(out, dict) and "labels" in out:
+        loss = loss + F.cross_entropy(out["logits"].flatten(0, 1), out["labels"].flatten())
+    return loss
+
+
+def _open_clip(vision: dict[str, Any], text: dict[str, Any], captioner: bool = False) -> Model:
+    """mlfoundations' open_clip: CLIP, or CoCa with a multimodal captioning decoder, towers of 2 layers, width 64."""
+
+    def build() -> torch.nn.Module:
+        cfg = importlib.import_module("open_clip.model")
+        towers = dict(vision_cfg=cfg.CLIPVisionCfg(layers=2, width=64, head_width=16, patch_size=8, image_size=IMAGE, **vision),
+                      text_cfg=cfg.CLIPTextCfg(context_length=SEQ, vocab_size=VOCAB, width=64, heads=4, layers=2, **text))  # fmt: skip
+        if not captioner:
+            return cfg.CLIP(embed_dim=64, **towers)
+        coca = importlib.import_module("open_clip.coca_model")
+        decoder = coca.MultimodalCfg(context_length=SEQ, vocab_size=VOCAB, width=64, heads=4, layers=2, attn_pooler_heads=4)
+        model = coca.CoCa(embed_dim=64, multimodal_cfg=decoder, **towers)
+        # its constructor leaves the output projection uninitialized (torch.empty) and its init_parameters is stale: as open_clip's text tower
+        torch.nn.init.normal_(model.text_decoder.text_projection, std=64**-0.5)
+        return model
+
+    def inputs() -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(1)
+        return {"image": torch.randn(2, 3, IMAGE, IMAGE, generator=gen), "text": torch.randint(0, VOCAB, (2, SEQ), generator=gen)}
+
+    return build, inputs, contrastive_loss
+
+
+def _hooked_transformer(**kwargs: Any) -> Model:
+    """TransformerLens' HookedTransformer (2.x): weights stored per head ``[n_heads, d_model, d_head]``, applied by einsum,
+    a hook point around every activation."""
+
+    def build() -> torch.nn.Module:
+        tl = importlib.import_module("transformer_lens")
+        return tl.HookedTransformer(tl.HookedTransformerConfig(n_layers=2, d_model=64, d_head=16, n_heads=4, d_mlp=128, d_vocab=VOCAB,
+                                                               n_ctx=64, **kwargs))  # fmt: skip
+
+    return build, _tokens("input"), lm_loss
 
 
 VIT = dict(img_size=IMAGE, patch_size=8, embed_dim=64, depth=2, num_heads=4)
@@ -828,6 +936,30 @@ MODELS: dict[str, Model] = {
     "colt5_attention": _layers_lm("colt5_attention.ConditionalRoutedTransformerBlock", dim=64, num_heavy_attn_tokens_q=8,
                                   num_heavy_attn_tokens_kv=8, num_heavy_ff_tokens=8, light_dim_head=16, light_heads=4, light_window_size=4,
                                   heavy_dim_head=16, heavy_heads=4),  # fmt: skip
+    "torchtitan_llama3": _torchtitan("llama3", "Transformer", "TransformerModelArgs", n_kv_heads=2, multiple_of=32),
+    "torchtitan_qwen3": _torchtitan("qwen3", "Qwen3Model", "Qwen3ModelArgs", n_kv_heads=2, head_dim=16, qk_norm=True, hidden_dim=128,
+                                    enable_weight_tying=True),  # fmt: skip
+    "torchtitan_deepseek_v3_mla": _torchtitan("deepseek_v3", "DeepSeekV3Model", "DeepSeekV3ModelArgs", inter_dim=128, n_dense_layers=2,
+                                              kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16),  # fmt: skip
+    "esm": _esm2(),
+    "hiera": (_call("hiera.Hiera", num_classes=8, input_size=(64, 64), embed_dim=32, num_heads=1, stages=(1, 1, 2, 1), q_pool=2),
+              _images("x", size=64), class_loss),  # fmt: skip
+    "transformer_lens_gelu_ln": _hooked_transformer(act_fn="gelu", normalization_type="LN"),
+    "transformer_lens_rotary_gqa_rms": _hooked_transformer(act_fn="silu", normalization_type="RMS", gated_mlp=True,
+                                                           positional_embedding_type="rotary", n_key_value_heads=2),  # fmt: skip
+    "open_clip_clip": _open_clip({}, {}),
+    "open_clip_custom_blocks": _open_clip(dict(qk_norm=True, scale_heads=True, scale_attn_inner=True, scale_fc=True),
+                                          dict(qk_norm=True, scale_heads=True, scale_attn_inner=True, scale_fc=True)),  # fmt: skip
+    "open_clip_coca": _open_clip(dict(attentional_pool=True, attn_pooler_queries=5, attn_pooler_heads=4, output_tokens=True),
+                                 dict(embed_cls=True, output_tokens=True), captioner=True),  # fmt: skip
+    "labml_nn_mha": _labml("mha.MultiHeadAttention", heads=4, d_model=64, dropout_prob=0.0),
+    "labml_nn_rope_gated": _labml("rope.RotaryPEMultiHeadAttention", heads=4, d_model=64, dropout_prob=0.0, rope_percentage=0.5, gated=True),
+    "labml_nn_alibi": _labml("alibi.AlibiMultiHeadAttention", heads=4, d_model=64, dropout_prob=0.0),
+    "labml_nn_relative_xl": _labml("xl.relative_mha.RelativeMultiHeadAttention", heads=4, d_model=64, dropout_prob=0.0),
+    "labml_nn_primer_ez": _labml("primer_ez.MultiDConvHeadAttention", heads=4, d_model=64, dropout_prob=0.0),
+    "labml_nn_fnet": _labml("fnet.FNetMix", causal=False),
+    "labml_nn_aft_local": _labml("aft.AFTLocal", d_model=64, seq_len=SEQ, local_window_size=4),
+    "labml_nn_switch": _labml("mha.MultiHeadAttention", heads=4, d_model=64, dropout_prob=0.0, switch=True),
 }
 
 
