@@ -39,6 +39,7 @@ from autotp.analysis.batch_rows import UNKNOWN_ROWS, batch_rows_at, batch_size, 
 from autotp.analysis.loss_denominators import behind_parameter_free_scalars, normalize_loss_denominators
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, route_through_hooks
 from autotp.analysis.function_checks import FunctionVerdicts, function_verdicts
+from autotp.analysis.host_draws import host_calls, host_draw_refusal, host_random_states, unseeded_draw
 from autotp.analysis.trace_decompose import decompose_simple_composites, decompose_parameter_ops, draw_by_size, shape_by_size
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
 from autotp.analysis.trace_guards import GradientHookWatch, model_collectives_refused, refuse_backward_hooks, refuse_lazy_parameters, refuse_parameter_writes, register_dataclasses, strip_opaque_outputs
@@ -312,14 +313,16 @@ def _export(
     verdicts: FunctionVerdicts = FunctionVerdicts(),
     unreachable: frozenset[tuple[str, tuple[int, ...]]] = frozenset(),
     dynamic_shapes: Any = None,
+    check_host_draws: bool = True,
 ) -> tuple[torch.export.ExportedProgram, list[FunctionUse], frozenset[tuple[str, tuple[int, ...]]]]:
     """Non-strict export of ``fake_model(**fake_kwargs)``, with the custom Functions it applied
     and the iterations of unrolled loops asserted not to run (``unreachable`` and those this
-    trace found, ``trace_control_flow``)."""
+    trace found, ``trace_control_flow``); a forward drawing from a host generator is refused (``host_draws``)."""
     # torch.export prints the partial graph of a failed trace to stderr; it goes to the
     # debug log instead, and what a successful trace printed is passed on.
     printed = io.StringIO()
     retry = None
+    host_states = host_random_states()
     with _module_stack(fake_model) as stack, custom_functions(stack, verdicts) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable, _real_buffers(model)) as loops, GradientHookWatch(stack), assumed_sizes() as assumed, model_collectives_refused():
         try:
             with contextlib.redirect_stderr(printed):
@@ -346,8 +349,13 @@ def _export(
                     f"failed under torch.export: {type(e).__name__}: {first}. Fix: {_advice(e)}"
                 ) from e
     if retry is not None:
-        return _export(model, fake_model, fake_kwargs, verdicts, retry, dynamic_shapes)
+        return _export(model, fake_model, fake_kwargs, verdicts, retry, dynamic_shapes, check_host_draws)
     refuse_broken_loops(loops)
+    if check_host_draws and host_random_states() != host_states:
+        with host_calls() as calls, contextlib.suppress(UserInputError):  # once more, to find the line that drew
+            _export(model, fake_model, fake_kwargs, verdicts, unreachable, dynamic_shapes, check_host_draws=False)
+        if not calls or (draw := unseeded_draw(calls)) is not None:
+            raise host_draw_refusal(type(model).__name__, draw if calls else None)
     return _lower_vmap(ep), uses, unreachable
 
 
