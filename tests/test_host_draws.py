@@ -47,6 +47,25 @@ class MaskedTimeSteps(nn.Module):
         return self.proj(x.index_fill(1, steps, 0.0)).square().mean()
 
 
+def _type_checked(forward):  # noqa: ANN001, ANN202 - a decorator as beartype writes one: code generated at run time
+    namespace = {"random": random, "forward": forward}
+    source = "def checked(self, x):\n    random.getrandbits(8)  # sample an element to check\n    return forward(self, x)\n"
+    exec(compile(source, "<@type_checked(forward)>", "exec"), namespace)
+    return namespace["checked"]
+
+
+class TypeChecked(nn.Module):
+    """A forward wrapped by generated code that draws from Python's generator to pick what it checks (beartype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+
+    @_type_checked
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).square().mean()
+
+
 def _x() -> dict[str, torch.Tensor]:
     return {"x": torch.randn(2, 6, DIM, generator=torch.Generator().manual_seed(1))}
 
@@ -61,6 +80,7 @@ def test_a_forward_drawing_from_a_host_generator_is_refused_naming_the_line(mode
     trace(model.eval() if isinstance(model, LayerDrop) else MaskedTimeSteps(seeded=True), _x())
 
 
-def test_a_forward_seeding_its_host_generator_first_is_traced_and_equal() -> None:
-    result = check_on_rank(MaskedTimeSteps(seeded=True).train(), _x(), tp=1)
+@pytest.mark.parametrize("model", [MaskedTimeSteps(seeded=True), TypeChecked()], ids=["seeded_first", "generated_code"])
+def test_a_draw_that_repeats_or_that_generated_code_makes_is_traced_and_equal(model: nn.Module) -> None:
+    result = check_on_rank(model.train(), _x(), tp=1)
     assert result.passed, result.reason

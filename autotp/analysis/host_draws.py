@@ -9,8 +9,10 @@ it. torch's own random ops are traced as ops and drawn anew at every call.
 ``host_random_states`` is compared around a trace; where a generator moved, the trace runs again
 under ``host_calls``, a profiler that records each call into either generator with the model's
 line that made it. A generator whose first call seeds it (BigBird seeds NumPy with its layer's
-number before drawing) draws the same at every call, which the graph may keep; any other draw is
-refused (``host_draw_refusal``), naming the line.
+number before drawing) draws the same at every call, which the graph may keep; so do calls from
+code generated at run time, which has no source file (beartype's type checks sample the containers
+they check, deciding nothing the graph computes). Any other draw is refused
+(``host_draw_refusal``), naming the line.
 """
 
 from __future__ import annotations
@@ -101,9 +103,12 @@ def host_calls() -> Iterator[list[HostCall]]:
 
 
 def unseeded_draw(calls: list[HostCall]) -> HostCall | None:
-    """The first call into a generator whose first call does not seed it; None where each generator is seeded first."""
+    """The first call from a source file into a generator whose first such call does not seed it; None where each
+    generator is seeded first (or only generated code drew)."""
     first: dict[str, str] = {}
     for call in calls:
+        if call.where.startswith("<"):  # a wrapper generated at run time (beartype's), no model code
+            continue
         first.setdefault(call.generator, call.method)
         if first[call.generator] not in _SEEDS:
             return call

@@ -356,6 +356,8 @@ def _export(
             _export(model, fake_model, fake_kwargs, verdicts, unreachable, dynamic_shapes, check_host_draws=False)
         if not calls or (draw := unseeded_draw(calls)) is not None:
             raise host_draw_refusal(type(model).__name__, draw if calls else None)
+        log.info("the forward calls Python's or NumPy's global random generator, seeded first or from generated code only (%s): "
+                 "traced as it is", calls[0].where)  # fmt: skip
     return _lower_vmap(ep), uses, unreachable
 
 
