@@ -53,3 +53,50 @@ def test_nccl_pipeline_matches_unmodified_model(schedule: str, vpp: int, compile
         print(schedule, vpp, compile, r)
         assert r["backend"] == "nccl"
         assert r["loss"] < REL_TOL and r["grad"] < REL_TOL, r
+
+
+def _logit_mean_square(out: torch.Tensor) -> torch.Tensor:
+    return out.logits.float().square().mean()
+
+
+def _last_token_similarity(out: torch.Tensor) -> torch.Tensor:
+    """Each sequence's last logits against every other sequence's: a loss over the batch's rows together."""
+    last = out.logits[:, -1].float()
+    return (last @ last.t()).logsumexp(-1).mean()
+
+
+
+def _loss_fn_on_gpu(rank: int, world: int, mixing: bool) -> dict:
+    import autotp
+
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build("llama", layers=4).cuda()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, vocab_size(model), (8, 64), generator=torch.Generator().manual_seed(3)).cuda()
+    pm = autotp.parallelize(model, pp=2, example_inputs={"input_ids": ids[:2]})
+    if mixing:
+        try:
+            pm.train_step(input_ids=ids, loss_fn=_last_token_similarity, num_microbatches=4)
+            return {"refusal": ""}
+        except Exception as e:  # noqa: BLE001 - the refusal, on the last stage or as its peer's failure
+            return {"refusal": f"{type(e).__name__}: {e}", "untouched": all(p.grad is None for p in pm.parameters())}
+    loss = pm.train_step(input_ids=ids, loss_fn=_logit_mean_square, num_microbatches=4)
+    expected = torch.stack([_logit_mean_square(reference(input_ids=i)) for i in ids.chunk(4)]).mean()
+    expected.backward()
+    grads = pm.unshard_grads()
+    return {"loss": _rel_err(loss, expected), "grad": max(_rel_err(grads[n], p.grad) for n, p in reference.named_parameters())}
+
+
+@pytest.mark.gpu
+def test_nccl_pipeline_refuses_a_loss_fn_mixing_rows_on_every_rank_and_trains_a_mean() -> None:
+    """``analysis.loss_fn_rows`` on CUDA outputs: the last stage refuses before any backward, its peer hears why;
+    a mean over the rows trains as the unmodified model's microbatches do."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
+    for r in spawn_ranks(_loss_fn_on_gpu, 2, True, backend="nccl", timeout_s=600):
+        print(r)
+        assert "loss_fn" in r["refusal"] and "mixes the rows of its batch" in r["refusal"] and r["untouched"], r
+    for r in spawn_ranks(_loss_fn_on_gpu, 2, False, backend="nccl", timeout_s=600):
+        print(r)
+        assert r["loss"] < REL_TOL and r["grad"] < REL_TOL, r
