@@ -88,7 +88,7 @@ def host_calls() -> Iterator[list[HostCall]]:
 
     numpy_generator = _numpy_generator()
     modules = [sys.modules["numpy.random"], sys.modules["numpy.random.mtrand"]] if numpy_generator is not None else []
-    saved = [(m, name, value) for m in modules for name, value in vars(m).items()  # its methods, and seed(), a function of its own
+    saved = [(m, name, value) for m in modules for name, value in vars(m).items()  # its methods, and seed() and set_state(), functions of their own
              if (getattr(value, "__self__", None) is numpy_generator or name in _SEEDS) and name not in _READS]  # fmt: skip
     previous = sys.getprofile()
     for module, name, value in saved:
@@ -116,6 +116,7 @@ def unseeded_draw(calls: list[HostCall]) -> HostCall | None:
 
 
 def host_draw_refusal(model_name: str, call: HostCall | None) -> UserInputError:
+    """The refusal of a forward whose ``call`` (None: not found again) drew from a host generator."""
     where = f"{call.generator} ({call.method}) at {call.where}" if call else "Python's or NumPy's global random generator"
     return UserInputError(
         f"{model_name}: the forward draws from {where} while it is traced. The traced graph would keep this one draw, so "

@@ -63,7 +63,7 @@ def loss_fn_refusal(loss_fn: Callable[[Any], torch.Tensor], outputs: Any, row_di
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fakes = [mode.from_tensor(leaves[i].detach()) for i in at]
             grown = [f.repeat_interleave(times, dim=row_dims[i]) for f, i in zip(fakes, at)]
-        return make_fx(call, tracing_mode="fake", record_stack_traces=True)(*grown)
+        return make_fx(call, tracing_mode="fake")(*grown)
 
     try:
         gm = traced(2)
