@@ -3,6 +3,8 @@ one that is a mean over the rows trains as the whole batch does."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,3 +120,25 @@ def test_rows_on_a_later_dim_of_the_outputs_are_found() -> None:
     with pytest.raises(UserInputError, match=r"loss_fn \(.*\) mixes the rows of its batch"):
         pm.train_step(x=x, loss_fn=lambda out: out.softmax(1).square().mean(), num_microbatches=2)
     pm.train_step(x=x, loss_fn=lambda out: out.softmax(0).square().mean(), num_microbatches=2)
+
+
+class Reduced:
+    """A loss object whose reduction is its own setting: two of one class may differ."""
+
+    def __init__(self, reduction: str) -> None:
+        self.reduction = reduction
+
+    def __call__(self, out: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        distance = (out[0] - out[1]).square().sum(-1)
+        return distance.mean() if self.reduction == "mean" else distance.sum()
+
+
+def test_loss_objects_are_checked_one_by_one_and_not_kept() -> None:
+    pm = autotp.parallelize(TwoTowers(), tp=1, example_inputs=_inputs())
+    mean = Reduced("mean")
+    pm.train_step(**_inputs(), loss_fn=mean, num_microbatches=2)
+    with pytest.raises(UserInputError, match="sums over the rows of its batch"):
+        pm.train_step(**_inputs(), loss_fn=Reduced("sum"), num_microbatches=2)
+    held = weakref.ref(mean)
+    del mean
+    assert held() is None

@@ -15,7 +15,9 @@ sums over them, or divides by a count of them) is refused before any backward.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +31,10 @@ from autotp.ir.errors import UserInputError
 LossFn = Callable[[Any], Tensor]
 
 
-_CHECKED: set[Any] = set()  # (loss_fn's code, the outputs' row dims) found fit to average over pieces
+# The loss functions found fit to average over pieces, with the outputs' row dims they were checked on: by
+# their code (lambdas made anew on every call share it), callable objects by the object, held weakly.
+_CHECKED: set[tuple[Any, tuple[int | None, ...]]] = set()
+_CHECKED_OBJECTS: weakref.WeakKeyDictionary[Any, set[tuple[int | None, ...]]] = weakref.WeakKeyDictionary()
 
 
 def step_loss(loss_fn: LossFn | None, row_dims: tuple[int | None, ...], dp: int, microbatches: int) -> tuple[LossFn, tuple[str, ...]]:
@@ -44,14 +49,16 @@ def step_loss(loss_fn: LossFn | None, row_dims: tuple[int | None, ...], dp: int,
 def checked_loss_fn(loss_fn: LossFn, row_dims: tuple[int | None, ...], pieces: int, dp: int) -> LossFn:
     """``loss_fn``, refusing on its first call the one that ``pieces`` pieces of the batch cannot average
     (module docstring); ``row_dims``: ``ParallelPlan.output_batch_dims``. A check that passes is kept
-    by the function's code (lambdas made anew on every call share theirs)."""
-    key = (getattr(loss_fn, "__code__", loss_fn), row_dims)
+    (``_CHECKED``)."""
+    code = getattr(loss_fn, "__code__", None)
+
+    def checked() -> bool:
+        return (code, row_dims) in _CHECKED if code is not None else row_dims in _CHECKED_OBJECTS.get(loss_fn, ())
 
     def loss_of(outputs: Any) -> Tensor:
-        if key not in _CHECKED:
+        if not checked():
             reason = loss_fn_refusal(loss_fn, outputs, row_dims)
             if reason:
-                code = getattr(loss_fn, "__code__", None)
                 where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
                 raise UserInputError(
                     f"loss_fn{where} {reason}: train_step computes it on each of the {pieces} pieces of the batch (dp={dp} ranks x "
@@ -59,7 +66,11 @@ def checked_loss_fn(loss_fn: LossFn, row_dims: tuple[int | None, ...], pieces: i
                     "num_microbatches=1 (schedule='gpipe' when pp > 1), return a mean over the rows, or compute the loss in "
                     "the model's forward (autotp then makes its sums and denominators the whole batch's)"
                 )
-            _CHECKED.add(key)
+            if code is not None:
+                _CHECKED.add((code, row_dims))
+            else:
+                with contextlib.suppress(TypeError):  # an object no weak reference can hold is checked at every step
+                    _CHECKED_OBJECTS.setdefault(loss_fn, set()).add(row_dims)
         return loss_fn(outputs)
 
     return loss_of
