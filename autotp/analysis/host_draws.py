@@ -17,7 +17,6 @@ they check, deciding nothing the graph computes). Any other draw is refused
 
 from __future__ import annotations
 
-import linecache
 import os
 import pickle
 import random
@@ -28,10 +27,9 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from autotp.analysis.trace_sizes import TRACER_ROOTS
+from autotp.analysis.trace_sizes import model_line
 from autotp.ir.errors import UserInputError
 
-_HOST_LIBRARIES = (os.path.dirname(os.path.realpath(random.__file__)) + os.sep,)  # random.py's own frames (randrange, shuffle)
 _READS = frozenset({"getstate", "get_state", "__reduce__"})  # calls that leave the generator as it is
 _SEEDS = frozenset({"seed", "setstate", "set_state"})  # calls after which it draws the same at every call
 
@@ -40,6 +38,12 @@ def _numpy_generator() -> Any:
     """NumPy's global ``RandomState`` where NumPy is loaded (a model that never imports it draws nothing from it)."""
     numpy = sys.modules.get("numpy")
     return numpy.random.mtrand._rand if numpy is not None else None
+
+
+def _host_libraries() -> tuple[str, ...]:
+    """random.py (``randrange``, ``shuffle``) and NumPy's folder, whose frames are not the model's."""
+    numpy = sys.modules.get("numpy")
+    return (os.path.realpath(random.__file__),) + ((os.path.dirname(os.path.realpath(numpy.__file__)) + os.sep,) if numpy is not None else ())
 
 
 def host_random_states() -> tuple[Any, bytes]:
@@ -58,15 +62,6 @@ class HostCall:
     where: str  # the model's line: file:line (source)
 
 
-def _model_line(frame: FrameType | None) -> str:
-    skipped = TRACER_ROOTS + _HOST_LIBRARIES
-    while frame is not None and (os.path.realpath(frame.f_code.co_filename).startswith(skipped) or "/numpy/" in frame.f_code.co_filename):
-        frame = frame.f_back
-    if frame is None:
-        return "an unknown line"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()})"
-
-
 @contextmanager
 def host_calls() -> Iterator[list[HostCall]]:
     """Record each call into the global generators made while inside, for the retrace only: Python's
@@ -77,11 +72,11 @@ def host_calls() -> Iterator[list[HostCall]]:
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         if event == "c_call" and id(getattr(arg, "__self__", None)) == python and (method := getattr(arg, "__name__", "?")) not in _READS:
-            calls.append(HostCall(PYTHON, method, _model_line(frame)))
+            calls.append(HostCall(PYTHON, method, model_line(frame, _host_libraries())))
 
     def recorded(name: str, draw: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append(HostCall(NUMPY, name, _model_line(sys._getframe(1))))
+            calls.append(HostCall(NUMPY, name, model_line(sys._getframe(1), _host_libraries())))
             return draw(*args, **kwargs)
 
         return call

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import sympy
@@ -66,10 +67,12 @@ class Assumption:
         )
 
 
-def _model_line() -> str:
-    """The innermost frame of the model's own code: ``file:line (source)``."""
-    frame = sys._getframe(1)
-    while frame is not None and os.path.realpath(frame.f_code.co_filename).startswith(TRACER_ROOTS):
+def model_line(frame: FrameType | None = None, also_skipped: tuple[str, ...] = ()) -> str:
+    """The innermost frame of the model's own code, from ``frame`` (the caller's) outward: ``file:line (source)``;
+    frames in the folders ``also_skipped`` (a library the model calls) are passed over as the tracer's are."""
+    frame = frame if frame is not None else sys._getframe(1)
+    skipped = TRACER_ROOTS + also_skipped
+    while frame is not None and os.path.realpath(frame.f_code.co_filename).startswith(skipped):
         frame = frame.f_back
     if frame is None:
         return "unknown line"
@@ -127,7 +130,7 @@ class _SizeAssumptions(TorchFunctionMode):
                     stated = asserts.get(symbol, [])
                     if len(stated) == count:  # known already, asked again: not a question this answers
                         return False
-                    assumption = Assumption(_model_line(), getattr(func, "__name__", str(func)), dim, value)
+                    assumption = Assumption(model_line(), getattr(func, "__name__", str(func)), dim, value)
                     # a size's lower bound raised to 1 is asserted on its own, before the check
                     for key in (str(stated[-1].expr), f"{symbol} >= 1") if value == 0 else (str(stated[-1].expr),):
                         self.assumed[key] = assumption
