@@ -67,11 +67,13 @@ def _inputs() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("loss_fn, why", [
-    (contrastive, "mixes the rows of its batch at node 'mm'"),
+    (contrastive, "mixes the rows of its batch at node 'matmul'"),
     (lambda out: (out[0] * out[1]).sum(), "sums over the rows of its batch"),
     (lambda out: (out[0] * out[1]).sum() / 16, "sums over the rows of its batch"),
     (lambda out: ((out[0] - out[1]).square().sum(-1) * (out[0][:, 0] > 0)).sum() / (out[0][:, 0] > 0).sum(),
      "divides by a statistic of its batch's rows"),
+    (lambda out: F.cross_entropy(out[0], (out[1][:, 0] > 0).long(), ignore_index=0),
+     "divides by a statistic of its batch's rows at node 'cross_entropy_loss'"),
 ])  # fmt: skip
 def test_a_loss_fn_the_pieces_cannot_average_is_refused_naming_why(loss_fn, why: str) -> None:
     torch.manual_seed(0)
@@ -102,7 +104,9 @@ def test_a_mean_over_the_rows_trains_split_as_the_whole_batch() -> None:
     pm = autotp.parallelize(model, tp=1, example_inputs=_inputs())
 
     def mean_loss(out: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return (out[0] - out[1]).square().sum(-1).mean() * out[2] + (out[0] * out[1]).sum() / out[0].shape[0]
+        made_targets = torch.zeros(out[0].shape[0], dtype=torch.long)  # the same count in every piece
+        return ((out[0] - out[1]).square().sum(-1).mean() * out[2] + (out[0] * out[1]).sum() / out[0].shape[0]
+                + F.cross_entropy(out[0], made_targets))  # fmt: skip
 
     loss = pm.train_step(**_inputs(), loss_fn=mean_loss, num_microbatches=2)
     expected = mean_loss(reference(**_inputs()))

@@ -114,11 +114,11 @@ def summed_loss_terms(gm: GraphModule, rows_at: RowsAt, doubled: Callable[[], Gr
 
 
 def piece_denominators(gm: GraphModule, rows_at: RowsAt) -> list[Node]:
-    """The divisions by a statistic of the batch's rows (``mask.sum()``) that ``normalize_loss_denominators``
-    makes the whole batch's, means of the elements a mask selects rewritten in ``gm`` as such divisions first;
-    mean class losses are left out (``analysis.loss_fn_rows`` says why)."""
+    """The divisions by a statistic of the batch's rows (``mask.sum()``, a mean class loss's count of targets
+    that are not ignored) that ``normalize_loss_denominators`` makes the whole batch's, means of the elements
+    a mask selects rewritten in ``gm`` as such divisions first."""
     _selection_means_as_sums(gm, rows_at)
-    return [node for node, found in _divisions(gm, rows_at) if found is not None]
+    return [node for node, _ in _divisions(gm, rows_at)]
 
 
 def _sums_scaled_by_pieces(gm: GraphModule, rows_at: RowsAt, doubled: Callable[[], GraphModule]) -> DenominatorProgram | None:

@@ -12,13 +12,11 @@ averaged where it
 * mixes the rows (CLIP's contrastive loss: each image against every text of the batch);
 * sums over the rows (``reduction="sum"``, or a sum over a fixed count): the pieces' mean
   is the whole batch's loss over the number of pieces;
-* divides by a statistic of the rows (``(loss * mask).sum() / mask.sum()``): each piece
-  divides by its own count.
-
-A mean class loss (``cross_entropy`` with its default ``ignore_index``) is taken as a mean:
-a piece divides by its own count of targets that are not ignored, which is the whole
-batch's share wherever the targets ignore none, as the forward's own loss would be
-rescaled (``loss_denominators``) and a ``loss_fn``'s cannot.
+* divides by a statistic of the rows (``(loss * mask).sum() / mask.sum()``, and a mean class
+  loss over targets from the outputs, which counts the targets that are not ``ignore_index``):
+  each piece divides by its own count, which the forward's own loss would have rescaled
+  (``loss_denominators``) and a ``loss_fn``'s cannot. Targets the function makes itself
+  (``torch.zeros(n)``) hold no rows and count alike in every piece.
 """
 
 from __future__ import annotations
@@ -63,7 +61,7 @@ def loss_fn_refusal(loss_fn: Callable[[Any], torch.Tensor], outputs: Any, row_di
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fakes = [mode.from_tensor(leaves[i].detach()) for i in at]
             grown = [f.repeat_interleave(times, dim=row_dims[i]) for f, i in zip(fakes, at)]
-        return make_fx(call, tracing_mode="fake")(*grown)
+        return make_fx(call, tracing_mode="fake", pre_dispatch=True)(*grown)  # ops as export keeps them (cross_entropy_loss)
 
     try:
         gm = traced(2)
