@@ -244,7 +244,8 @@ def plan_model(
     batch_dims = tuple(input_batch_dims(model, kwargs, device).items())
     rows = input_row_dims(kwargs, dict(batch_dims))
     mixing, statistics, output_rows = batch_verdicts(traced, batch_size(kwargs), rows)
-    chosen = replace(chosen, input_batch_dims=batch_dims, batch_mixing=mixing, batch_statistics=statistics, output_batch_dims=output_rows)
+    chosen = replace(chosen, input_batch_dims=batch_dims, batch_mixing=mixing, batch_statistics=statistics, output_batch_dims=output_rows,
+                     requires_grad_set=tuple(sorted(traced.meta.get(meta_keys.REQUIRES_GRAD_SET, {}).items())))  # fmt: skip
     chosen = with_recompute(traced, chosen, recompute, planned_here=not isinstance(plan, ParallelPlan))
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)

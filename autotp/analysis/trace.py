@@ -174,6 +174,9 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     register_dataclasses(kwargs)
     fake_model, fake_kwargs = _fake_copy(model, kwargs, torch.device(device))
     fake_model.register_forward_hook(strip_opaque_outputs)
+    flags = {name: p.requires_grad for name, p in fake_model.named_parameters()}
+    left: dict[str, bool] = {}  # the flags the forward left, read in it: export swaps other tensors in for the parameters while it runs
+    fake_model.register_forward_hook(lambda module, args, out: left.update((n, p.requires_grad) for n, p in module.named_parameters()))
     ep, uses, unreachable = _export(model, fake_model, fake_kwargs)
     verdicts = function_verdicts(uses, _real_modules(model, fake_model))
     if verdicts.kept:
@@ -184,6 +187,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     if verdicts.kept or verdicts.recomputed:  # again, each call of those Functions one node or its forward with grad on
         ep, _, _ = _export(model, fake_model, fake_kwargs, verdicts, unreachable)
     gm = ep.module()
+    gm.meta[meta_keys.REQUIRES_GRAD_SET] = _requires_grad_set(type(model).__name__, flags, left)
     mark_checkpointed(gm)
     reconnect_unchanged_region_outputs(gm)
     inline_regions(gm)
@@ -202,6 +206,17 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     gm.recompile()  # once, after the rewrites above
     refuse_parameter_writes(type(model).__name__, gm)
     return gm
+
+
+def _requires_grad_set(model_name: str, before: dict[str, bool], after: dict[str, bool]) -> dict[str, bool]:
+    """The parameters whose ``requires_grad`` the forward changed, with the value it left."""
+    changed = {name: flag for name, flag in after.items() if before.get(name, flag) != flag}
+    if changed:
+        frozen = [n for n, flag in changed.items() if not flag]
+        log.info("the forward of %s sets requires_grad of %d parameters (%d to False, e.g. %s): each rank's parameters take the "
+                 "values it leaves, as the model's would after its first forward", model_name, len(changed), len(frozen),
+                 next(iter(frozen or changed)))  # fmt: skip
+    return changed
 
 
 def _rows_by_name(gm: GraphModule, kwargs: dict[str, Any], doubled: Callable[[], GraphModule],

@@ -94,6 +94,11 @@ BATCH_DENOMINATORS = "autotp_batch_denominators"
 """On a traced graph module's ``meta``: the ``batch_denominators.DenominatorProgram`` of each
 ``batch_denominator`` the trace inserted (``analysis.loss_denominators``)."""
 
+REQUIRES_GRAD_SET = "autotp_requires_grad_set"
+"""On a traced graph module's ``meta``: the parameters whose ``requires_grad`` the forward set to
+another value (a forward that freezes a part of the model, ``p.requires_grad_(False)``), by name:
+the value it left (``ParallelPlan.requires_grad_set``)."""
+
 BATCH_DRAW_ROWS = "autotp_batch_draw_rows"
 """On a random draw of a traced piece of a split step: the dims of the draw that hold the batch's
 rows (found in a trace of the batch doubled; None: not found). ``passes/batch_draws`` reads it."""

@@ -300,6 +300,10 @@ class ParallelPlan:
     # it holds none (``analysis.batch_rows.batch_verdicts``); () when the traced batch had one row.
     # ``train_step`` reads a ``loss_fn``'s inputs by it (``analysis.loss_fn_rows``).
     output_batch_dims: tuple[int | None, ...] = ()
+    # The parameters whose ``requires_grad`` the traced forward set, and the value it left
+    # (``meta_keys.REQUIRES_GRAD_SET``): each rank's parameter takes it, as the model's would
+    # after its first forward, so that a part the forward freezes gets no gradient.
+    requires_grad_set: tuple[tuple[str, bool], ...] = ()
     # Activation recomputation (``passes/recompute_layers``): the decoder layers whose forward runs
     # again in the backward instead of keeping its activations, and why (``RECOMPUTE_REASONS``).
     recompute_layers: tuple[int, ...] = ()
@@ -410,6 +414,7 @@ class ParallelPlan:
                 "batch_statistics": self.batch_statistics,
                 "input_batch_dims": [list(p) for p in self.input_batch_dims],
                 "output_batch_dims": list(self.output_batch_dims),
+                "requires_grad_set": [list(p) for p in self.requires_grad_set],
                 "recompute_layers": list(self.recompute_layers),
                 "recompute_reason": self.recompute_reason,
             },
@@ -467,6 +472,7 @@ class ParallelPlan:
             batch_statistics=d.get("batch_statistics", ""),
             input_batch_dims=tuple((path, dim) for path, dim in d.get("input_batch_dims", ())),
             output_batch_dims=tuple(d.get("output_batch_dims", ())),
+            requires_grad_set=tuple((name, flag) for name, flag in d.get("requires_grad_set", ())),
             recompute_layers=tuple(d.get("recompute_layers", ())),
             recompute_reason=d.get("recompute_reason", ""),
         )
