@@ -16,7 +16,7 @@ from autotp.ir.fp8 import RECIPES
 from autotp.ir.plan import ParallelPlan
 from autotp.ir.program import ChunkProgram, RankProgram
 from autotp.runtime.execution import buffer_history, cudagraphs
-from autotp.runtime.state.parameters import ParamChunks, graph_param_chunks
+from autotp.runtime.state.parameters import ParamChunks, program_param_chunks
 from autotp.runtime.execution.pipeline import ChunkGraph
 
 
@@ -56,7 +56,7 @@ class CompiledSignature:
                                      "not supported; plan with another fp8 recipe or pp=1")  # fmt: skip
             if plan.cudagraphs:
                 raise UserInputError(fp8_delayed.CUDA_GRAPHS_REFUSAL)
-        return CompiledSignature(program, graph, chunks, graph_param_chunks(program.graph), run)
+        return CompiledSignature(program, graph, chunks, program_param_chunks(program.chunks), run)
 
     def running(self) -> list[ChunkProgram]:
         """The chunk programs this rank runs."""

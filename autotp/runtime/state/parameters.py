@@ -3,22 +3,25 @@
 A ``ParallelModel`` registers the shard of every parameter its pipeline chunks read
 under the parameter's original (canonical) name; the other names of a tied parameter
 are aliases of it. ``param_chunks`` (every parameter name the compiled graph reads ->
-the pipeline chunks that read it) comes from the compiled graph.
+the pipeline chunks whose graphs read it) comes from the compiled chunk graphs.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.fx import GraphModule, Node
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx import GraphModule
 
 from autotp.ir import fp8_delayed, meta_keys
 from autotp.ir.axes import Axis
 from autotp.ir.plan import ParallelPlan, ParamLayout
+from autotp.ir.program import ChunkProgram
 from autotp.runtime.processes import collectives
 from autotp.runtime.state.expert_parallel import ExpertShards
 from autotp.runtime.processes.groups import Coords
@@ -61,13 +64,17 @@ def _set_graph_attr(gm: GraphModule, dotted: str, value: torch.Tensor) -> None:
         mod._buffers[leaf] = value
 
 
-def graph_param_chunks(gm: GraphModule) -> ParamChunks:
-    """Every parameter name that ``gm`` reads -> the pipeline chunks of its readers."""
+def program_param_chunks(chunks: Mapping[int, ChunkProgram]) -> ParamChunks:
+    """Every parameter name that the graphs of ``chunks`` read -> the chunks whose graphs read it
+    (a chunk repeats the parameter reads of the cheap values it needs, and of the writes into them:
+    a rotary table cached into a buffer by the first layer, read by every layer)."""
     out: ParamChunks = {}
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and str(node.target) in params:
-            out.setdefault(str(node.target), set()).update(_reader_chunks(node))
+    for c, chunk in chunks.items():
+        for gm in chunk.graphs():
+            params = dict(gm.named_parameters(remove_duplicate=False))
+            for node in gm.graph.nodes:
+                if node.op == "get_attr" and str(node.target) in params:
+                    out.setdefault(str(node.target), set()).add(c)
     return out
 
 
@@ -79,27 +86,6 @@ def graph_trained_params(gm: GraphModule) -> set[str]:
         for n in gm.graph.nodes
         if n.op == "get_attr" and str(n.target) in params and any(u.meta.get(meta_keys.NEEDS_GRAD) for u in n.users)
     }
-
-
-def _reader_chunks(node: Node) -> set[int]:
-    """The chunks that run a reader of ``node``, looking through the nodes that every chunk
-    repeats (chunk None: a parameter read through them, e.g. a frozen bias cast with ``to``,
-    belongs to the chunks that use the result); 0 in a graph without chunks."""
-    chunks: set[int] = set()
-    seen: set[Node] = set()
-    stack = list(node.users)
-    while stack:
-        user = stack.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        if meta_keys.CHUNK not in user.meta:
-            chunks.add(0)
-        elif user.meta[meta_keys.CHUNK] is not None:
-            chunks.add(user.meta[meta_keys.CHUNK])
-        else:
-            stack.extend(user.users)
-    return chunks
 
 
 class Parameters:
@@ -122,6 +108,7 @@ class Parameters:
         self.unfilled: set[str] = set()  # allocated for a model on meta; to be loaded or initialized
         self.experts = ExpertShards(plan, coords.experts)
         self._unread_chunk = {u.name: u.chunk for u in plan.unread}
+        self._requires_grad_set = dict(plan.requires_grad_set)
 
     def bind(self, model: nn.Module, param_chunks: ParamChunks, mine: set[int]) -> None:
         """Register the shard of every parameter that the chunks in ``mine`` read, and every buffer."""
@@ -140,7 +127,8 @@ class Parameters:
                 continue
             spec = self.specs[name] = self.experts.spec(name, tuple(p.shape)) or shard_spec(name, tuple(p.shape), layout, *self._place(layout))
             local = self._local(name, p.detach(), spec, layout)
-            set_nested(self._module, name, nn.Parameter(local, requires_grad=p.requires_grad), buffer=False)
+            requires_grad = next((flag for alias in self.aliases[name] if (flag := self._requires_grad_set.get(alias)) is not None), p.requires_grad)
+            set_nested(self._module, name, nn.Parameter(local, requires_grad=requires_grad), buffer=False)
             self.local_names.append(name)
         first_name: dict[int, str] = {}
         for name, b in model.named_buffers(remove_duplicate=False):
@@ -210,6 +198,9 @@ class Parameters:
                 source = self.canonical(str(node.target))
                 if source in self.local_names or source in self.buffer_names:
                     _set_graph_attr(gm, str(node.target), get_nested(self._module, source))
+                elif isinstance(get_nested(gm, str(node.target)), FakeTensor):  # the trace's copy: this rank does not hold it
+                    raise AssertionError(f"rank graph {type(gm).__name__} reads {node.target!r} (node '{node.name}'), which this rank "
+                                         "does not hold; please report this autotp bug with the model")  # fmt: skip
 
     def _adopt_history(self, gm: GraphModule, name: str) -> None:
         held = self._module._buffers.get(name)
