@@ -313,14 +313,16 @@ class _BatchWalker(Walker):
         return len(shared_a) != len(ra) or len(shared_b) != len(rb) or shared_a != shared_b
 
 
-_NORMALIZING = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm", "native_group_norm"})
+_NORMALIZING = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm", "native_group_norm", "instance_norm"})
 
 
 def _normalized_dims(node: Node, name: str, rank: int) -> set[int]:
     """The dims a norm takes its statistics over: the trailing ``normalized_shape`` of a layer
-    or RMS norm; every dim past the batch of a group norm."""
+    or RMS norm; every dim past the batch of a group norm; every dim past the channels of an instance norm."""
     if name.endswith("group_norm"):
         return set(range(1, rank))
+    if name == "instance_norm":
+        return set(range(2, rank))
     return set(range(rank - len(schema_arg(node, "normalized_shape", ())), rank))
 
 

@@ -165,6 +165,7 @@ RULES: dict[Any, Rule] = {
     aten.rms_norm.default: statistics.norm,
     aten.group_norm.default: statistics.group_norm,
     aten.batch_norm.default: statistics.batch_norm,
+    aten.instance_norm.default: statistics.instance_norm,
     aten.dropout.default: values.dropout,
     aten.where.self: values.pointwise,
     # elementwise, though not tagged so (composite ops, a 0-d fill value)

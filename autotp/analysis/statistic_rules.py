@@ -19,7 +19,8 @@ A reduction keeps the split of every dim it does not reduce. Over a sharded dim:
   gradient (a quantization scale) over a sharded dim: each rank's extremum, max-reduced
   over the group (``NodeRole.SHARDED_EXTREMUM``). With a gradient it would flow to the
   maxima of every rank that ties, so the dim stays whole.
-* ``group_norm`` over channels split in whole groups; per-channel affine ops
+* ``group_norm`` over channels split in whole groups; ``instance_norm`` over any split but a
+  spatial one; per-channel affine ops
   (``fake_quantize_per_channel_affine``) whose scales follow the channel dim's split.
 * Anything else (``prod``, ``any``...) needs the dim whole: a conflict.
 
@@ -176,6 +177,27 @@ def group_norm(w: Walker, node: Node) -> Any:
         raise ShardingConflict(f"{describe(node)}: {groups} groups do not stay whole on tp={w.tp} ranks", lay.origins(), (var,))
     for a in weights:
         follow_split(w, node, a, {0: var})
+    return lay
+
+
+def instance_norm(w: Walker, node: Node) -> Any:
+    """``instance_norm(x [N, C, *], weight, bias, running_mean, running_var, ...)``: each statistic is
+    over the spatial dims of one channel of one sample, so a split of N or C stays and the
+    per-channel vectors take C's split; a spatial dim may not be split."""
+    x = node.args[0]
+    lay = w.summed(x, node)
+    spatial = [v for d, v in lay.dims if d >= 2]
+    if spatial:
+        raise ShardingConflict(f"{describe(node)}: normalizes over a sharded dim", lay.origins(), tuple(spatial))
+    var = lay.var_at(1)
+    for a in node.args[1:5]:
+        if not isinstance(a, Node):
+            continue
+        if var is None:
+            w.concrete(a, node)
+            w.reduce_first(node, [a])
+        else:
+            follow_split(w, node, a, {0: var})
     return lay
 
 
