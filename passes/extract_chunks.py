@@ -6,7 +6,7 @@ input-derived values it reads (``autotp_chunk`` None: masks, positions, paramete
 which every chunk that needs them repeats, with the in-place writes into such a value (a
 ``labels.new_zeros(...)`` filled through a view: no node reads the writes, so each chunk
 that needs the value repeats them). Its inputs are the model inputs it reads, then chunk
-c's boundary values (``recv_<name>``); its outputs are the values that feed chunk c+1's
+c's boundary values (``recv_<name>``; one the chunk writes in place is copied first); its outputs are the values that feed chunk c+1's
 boundaries, and on the last chunk the model's outputs. Each becomes submodule
 ``chunk_<c>`` of the rank graph, its ``ChunkSpec`` in the submodule's meta (this rank's
 shapes of what it receives and sends).
@@ -17,6 +17,7 @@ keyword arguments. The rank graph itself stays as it is, for reports.
 
 from __future__ import annotations
 
+import torch
 from torch.fx import Graph, GraphModule, Node
 
 from autotp.analysis.local_shapes import local_shape
@@ -25,6 +26,8 @@ from autotp.ir.op_facts import writes_by_base
 from autotp.ir.program import CHUNK_PREFIX, CHUNK_SPEC, Boundary, ChunkSpec
 from autotp.passes.runner import PassContext
 from autotp.passes.subgraphs import standalone
+
+aten = torch.ops.aten
 
 
 def _boundary(node: Node, tp: int) -> Boundary:
@@ -68,6 +71,8 @@ def _chunk(gm: GraphModule, c: int, num_chunks: int, tp: int, repeated_writes: d
     body = [n for n in nodes if n in needed and n.op not in ("placeholder", "output")]
     output = next(n for n in nodes if n.op == "output").args[0] if is_last else tuple(sends)
     sub = standalone(gm, body, inputs, output, f"{CHUNK_PREFIX}{c}")
+    written = writes_by_base(body)
+    _copy_written(sub, {f"recv_{b.args[0].name}" for b in boundaries if b in written})
     sub.meta[CHUNK_SPEC] = ChunkSpec(
         chunk=c,
         input_names=tuple(p.name for p in placeholders),
@@ -76,6 +81,22 @@ def _chunk(gm: GraphModule, c: int, num_chunks: int, tp: int, repeated_writes: d
         is_last=is_last,
     )
     return sub
+
+
+def _copy_written(sub: GraphModule, names: set[str]) -> None:
+    """Make the chunk write into copies of the received values ``names``: a value the model wrote in
+    place (``x += y`` on a layer's output) arrives as a leaf of the chunk's autograd graph, which
+    autograd does not let an in-place op write."""
+    if not names:
+        return
+    received = [n for n in sub.graph.nodes if n.op == "placeholder" and n.name in names]
+    last = [n for n in sub.graph.nodes if n.op == "placeholder"][-1]
+    for node in reversed(received):
+        with sub.graph.inserting_after(last):
+            copy = sub.graph.call_function(aten.clone.default, (node,))
+        copy.meta = dict(node.meta)
+        node.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)
+    sub.recompile()
 
 
 def extract_chunks(gm: GraphModule, ctx: PassContext) -> GraphModule:

@@ -439,8 +439,9 @@ def test_local_shapes_of_a_one_head_kv_segment() -> None:
 
 
 class InPlaceActivation(nn.Module):
-    """``F.mish(inplace=True)`` (``aten.mish_``, no autotp rule, not tagged pointwise) and
-    ``cumprod`` over the features (which DTensor would gather)."""
+    """``F.mish(inplace=True)`` (``aten.mish_``, not tagged pointwise: ``mish``'s rule), a median
+    over the sequence (``median.dim``, no autotp rule) and ``cumprod`` over the features (which
+    DTensor would gather)."""
 
     def __init__(self, cumulative: bool) -> None:
         super().__init__()
@@ -449,6 +450,7 @@ class InPlaceActivation(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.mish(self.up(x), inplace=True)
+        h = h - h.median(1, keepdim=True).values
         return self.down(h.cumprod(-1) if self.cumulative else h)
 
 
@@ -457,8 +459,11 @@ def test_ops_without_a_rule_take_dtensors_strategy_when_it_keeps_the_split() -> 
 
     gm, plan = _plan(InPlaceActivation(cumulative=False), 2)
     (mish,) = [n for n in gm.graph.nodes if n.target is aten.mish_.default]
-    assert rule_for(mish.target) is None
-    assert propagate(gm, 2, plan=plan).layout(mish).describe(2) == "Shard(2:128/256)"
+    (median,) = [n for n in gm.graph.nodes if n.target is aten.median.dim]
+    assert rule_for(mish.target) is not None and rule_for(median.target) is None
+    walked = propagate(gm, 2, plan=plan)
+    assert walked.layout(mish).describe(2) == "Shard(2:128/256)"
+    assert walked.layout(next(iter(median.users))).describe(2) == "Shard(2:128/256)"  # the median's values
     assert _kinds(plan)["up.weight"][0] == "column" and _kinds(plan)["down.weight"][0] == "row"
     gm, plan = _plan(InPlaceActivation(cumulative=True), 2)  # DTensor would move cumprod's input: opaque
     (cumprod,) = [n for n in gm.graph.nodes if n.target is aten.cumprod.default]

@@ -24,9 +24,11 @@ from autotp.analysis import convolution_rules
 from autotp.analysis import sharding_policy as params
 from autotp.analysis import statistic_rules as statistics
 from autotp.analysis import value_rules as values
-from autotp.ir.op_facts import CONVOLUTIONS, is_grouped_matmul, is_pointwise, op_name
+from autotp.ir.op_facts import CONVOLUTIONS, functional_variant, is_grouped_matmul, is_pointwise, op_name
 from autotp.analysis.propagation_result import ParamView
 from autotp.ir import ops
+from autotp.ir.errors import describe
+from autotp.ir.layouts import Layout, ShardingConflict
 
 if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker
@@ -205,4 +207,23 @@ def rule_for(target: Any) -> Rule | None:
         return values.pointwise
     if is_grouped_matmul(target):
         return params.grouped_matmul
-    return None
+    functional = functional_variant(target)
+    rule = rule_for(functional) if functional is not None else None
+    return _written_in_place(rule) if rule is not None else None
+
+
+def _written_in_place(rule: Rule) -> Rule:
+    """The rule of an in-place op from its out-of-place one's: the values it writes must have the
+    layout of the tensor they are written into (a split value written into a whole tensor would
+    update only each rank's part of it)."""
+
+    def apply(w: Walker, node: Node) -> Any:
+        out = rule(w, node)
+        into = w.get(node.args[0])
+        split = {(d, v.find()) for d, v in out.dims} if isinstance(out, Layout) else set()
+        held = {(d, v.find()) for d, v in into.dims} if isinstance(into, Layout) else set()
+        if split != held:
+            raise ShardingConflict(f"{describe(node)}: writes a value split otherwise into its input", out.origins(), tuple(v for _, v in out.dims))
+        return out
+
+    return apply

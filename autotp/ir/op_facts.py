@@ -222,6 +222,20 @@ def is_reshape(target: Any) -> bool:
     return target in _RESHAPES
 
 
+def functional_variant(target: Any) -> torch._ops.OpOverload | None:
+    """The out-of-place op of an in-place one (``masked_fill_.Scalar`` -> ``masked_fill.Scalar``):
+    the same values, written into its first argument. PyTorch tags some in-place variants
+    ``pointwise`` and leaves others untagged (``masked_fill_``, ``gelu_``)."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return None
+    name = target._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None) if target.namespace == "aten" else None
+    overload = getattr(packet, target._overloadname, None) if packet is not None else None
+    return overload if isinstance(overload, torch._ops.OpOverload) and not overload._schema.is_mutable else None
+
+
 def mutated_base(node: Node) -> Node | None:
     """The tensor an in-place op writes, traced back through views to the node that made it."""
     schema = getattr(node.target, "_schema", None)
@@ -249,10 +263,22 @@ def view_root(node: Node) -> Node:
 
 
 def is_alias(node: Node) -> bool:
-    """Whether ``node``'s result may be (a view of) its first argument: a view or an in-place op."""
+    """Whether ``node``'s result may be (a view of) its first argument: a view or an in-place op,
+    unless the trace shows it made a copy (``reshape`` of a permuted tensor, ``contiguous``)."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
         return False
-    return _returned_alias(node.target) is not None
+    return _returned_alias(node.target) is not None and not _copied(node.args[0], node)
+
+
+def _copied(source: Node, result: Node) -> bool:
+    """Whether the traced values of ``source`` and ``result`` are tensors in different storages."""
+    a, b = source.meta.get("val"), result.meta.get("val")
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    try:
+        return a.untyped_storage()._cdata != b.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):  # a tensor without storage (sparse, nested)
+        return False
 
 
 # ---- collectives ----------------------------------------------------------------------
