@@ -29,6 +29,9 @@ module, and every name in it, then imports as an empty placeholder::
         rotary-embedding-torch taylor-series-linear-attention beartype
     pip install --no-deps --target /tmp/libsite3 torchtitan==0.2.0 fair-esm hiera-transformer open_clip_torch \
         "transformer-lens<3" typeguard better-abc fancy-einsum jaxtyping labml-nn
+    pip install --no-deps --target /tmp/libsite4 monai flamingo-pytorch einops-exts PEER-pytorch FLASH-pytorch minGRU-pytorch \
+        charformer-pytorch agent-attention-pytorch gated-state-spaces-pytorch TimeSformer-pytorch invariant-point-attention \
+        halonet-pytorch
     python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
 
@@ -76,7 +79,9 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "linear_attention_transformer", "denoising_diffusion_pytorch", "sinkhorn_transformer", "memory_efficient_attention_pytorch",
              "iTransformer", "hourglass_transformer_pytorch", "coca_pytorch", "mmdit", "vector_quantize_pytorch",
              "compressive_transformer_pytorch", "native_sparse_attention_pytorch", "rin_pytorch", "torchtitan", "esm", "hiera",
-             "transformer_lens", "open_clip", "labml_nn")  # fmt: skip
+             "transformer_lens", "open_clip", "labml_nn", "monai", "flamingo_pytorch", "PEER_pytorch", "flash_pytorch", "minGRU_pytorch",
+             "charformer_pytorch", "agent_attention_pytorch", "gated_state_spaces_pytorch", "timesformer_pytorch",
+             "invariant_point_attention", "halonet_pytorch")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
@@ -137,7 +142,10 @@ def setup(site: str, stubs: tuple[str, ...]) -> None:
     if not any(isinstance(f, _Stubs) for f in sys.meta_path):
         sys.meta_path.insert(0, _Stubs(stubs))
     for name in BARE:
-        spec = importlib.util.find_spec(name) if name not in sys.modules else None
+        try:
+            spec = importlib.util.find_spec(name) if name not in sys.modules else None
+        except ModuleNotFoundError:  # a dotted name whose parent package this site lacks
+            spec = None
         if spec is not None and spec.submodule_search_locations:
             package = types.ModuleType(name)
             package.__path__ = list(spec.submodule_search_locations)
@@ -151,8 +159,8 @@ def _tokens(key: str) -> Callable[[], dict[str, Any]]:
     return lambda: {key: torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))}
 
 
-def _images(key: str, frames: int = 0, size: int = IMAGE) -> Callable[[], dict[str, Any]]:
-    shape = (2, 3, frames, size, size) if frames else (2, 3, size, size)
+def _images(key: str, frames: int = 0, size: int = IMAGE, channels: int = 3) -> Callable[[], dict[str, Any]]:
+    shape = (2, channels, frames, size, size) if frames else (2, channels, size, size)
     return lambda: {key: torch.randn(*shape, generator=torch.Generator().manual_seed(1))}
 
 
@@ -605,6 +613,36 @@ def _two_modalities() -> dict[str, Any]:
 
 
 
+def _vectors() -> dict[str, Any]:
+    return {"x": torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(1))}
+
+
+def _video() -> dict[str, Any]:
+    """Two clips of two 16-pixel frames, frames first (``[B, T, C, H, W]``)."""
+    return {"video": torch.randn(2, 2, 3, 16, 16, generator=torch.Generator().manual_seed(1))}
+
+
+def _residue_frames() -> dict[str, Any]:
+    """AlphaFold's structure-module inputs: per-residue features, pair features, and each residue's frame (a rotation
+    matrix, orthonormalized from random ones by QR, and a translation)."""
+    gen = torch.Generator().manual_seed(1)
+    rotations = torch.linalg.qr(torch.randn(2, SEQ, 3, 3, generator=gen)).Q
+    return {"x": torch.randn(2, SEQ, 64, generator=gen), "pairwise_repr": torch.randn(2, SEQ, SEQ, 16, generator=gen),
+            "rotations": rotations, "translations": torch.randn(2, SEQ, 3, generator=gen)}  # fmt: skip
+
+
+def _strided_squares(out: Any) -> torch.Tensor:
+    """The mean square of every third channel of the first output (a normed output's whole mean square is its gain's)."""
+    return _first(out)[..., ::3].square().mean()
+
+
+def _media_captions() -> dict[str, Any]:
+    """Tokens with media tokens (id 3) at positions 0 and 8, and two media of 5 embeddings each per sample."""
+    gen = torch.Generator().manual_seed(1)
+    text = torch.randint(4, VOCAB, (2, SEQ), generator=gen).index_fill_(1, torch.tensor([0, 8]), 3)
+    return {"text": text, "images": torch.randn(2, 2, 5, 64, generator=gen)}
+
+
 def _torchtitan(family: str, model: str, args: str, **kwargs: Any) -> Model:
     """torchtitan's own model code (0.2, the last release with SDPA attention) from its ``ModelArgs``."""
 
@@ -750,6 +788,39 @@ MODELS: dict[str, Model] = {
                                     num_classes=8, positional_embedding="learnable"),  # fmt: skip
     "vit_pytorch_regionvit": _vit_pytorch("regionvit.RegionViT", key="x", dim=(32, 64, 64, 64), depth=(1, 1, 1, 1), window_size=2,
                                           num_classes=8, tokenize_local_3_conv=False, use_peg=False),  # fmt: skip
+    "vit_pytorch_levit": _vit_pytorch("levit.LeViT", image_size=IMAGE, num_classes=8, dim=(32, 64, 64), depth=1, heads=(2, 4, 4),
+                                      mlp_mult=2, stages=3, dim_key=16, dim_value=16),  # fmt: skip
+    "vit_pytorch_pit": _vit_pytorch("pit.PiT", image_size=IMAGE, patch_size=8, num_classes=8, dim=32, depth=(1, 1), heads=4, mlp_dim=64, dim_head=8),
+    "vit_pytorch_vivit": _vit_pytorch("vivit.ViViT", key="video", input_frames=4, image_size=IMAGE, image_patch_size=8, frames=4,
+                                      frame_patch_size=2, num_classes=8, dim=64, spatial_depth=1, temporal_depth=1, heads=4, mlp_dim=128,
+                                      dim_head=16, use_flash_attn=False),  # fmt: skip
+    "vit_pytorch_nest": _vit_pytorch("nest.NesT", image_size=IMAGE, patch_size=4, num_classes=8, dim=32, heads=4, num_hierarchies=2,
+                                     block_repeats=(1, 1), dim_head=8),  # fmt: skip
+    "vit_pytorch_t2t": _vit_pytorch("t2t.T2TViT", image_size=IMAGE, num_classes=8, dim=64, depth=2, heads=4, mlp_dim=128, dim_head=16,
+                                    t2t_layers=((7, 4), (3, 2))),  # fmt: skip
+    "vit_pytorch_cvt": _vit_pytorch("cvt.CvT", key="x", num_classes=8, s1_emb_dim=16, s2_emb_dim=32, s2_heads=2, s2_depth=1, s3_emb_dim=64,
+                                    s3_heads=4, s3_depth=1),  # fmt: skip
+    "vit_pytorch_rvt": _vit_pytorch("rvt.RvT", **VP),
+    "vit_pytorch_scalable_vit": _vit_pytorch("scalable_vit.ScalableViT", num_classes=8, dim=16, depth=(1, 1, 1, 1), heads=(1, 2, 4, 4),
+                                             reduction_factor=(4, 2, 1, 1), window_size=(2, 2, None, None), iwsa_dim_key=8,
+                                             iwsa_dim_value=8, ssa_dim_key=8, ssa_dim_value=8),  # fmt: skip
+    "vit_pytorch_look_vit": _vit_pytorch("look_vit.LookViT", dim=64, image_size=IMAGE, num_classes=8, depth=2, patch_size=8, heads=4,
+                                         dim_head=16, highres_patch_size=4, cross_attn_heads=4, cross_attn_dim_head=16,
+                                         patch_conv_kernel_size=3, dropout=0.0),  # fmt: skip
+    "vit_pytorch_normalized_vit": _vit_pytorch("normalized_vit.nViT", key="images", **VP),
+    "vit_pytorch_parallel_vit": _vit_pytorch("parallel_vit.ViT", **VP),
+    "vit_pytorch_register_tokens": _vit_pytorch("simple_vit_with_register_tokens.SimpleViT", **VP),
+    "vit_pytorch_qk_norm": _vit_pytorch("simple_vit_with_qk_norm.SimpleViT", **VP),
+    "vit_pytorch_patch_merger": _vit_pytorch("vit_with_patch_merger.ViT", **VP, patch_merge_layer=1, patch_merge_num_tokens=4),
+    "vit_pytorch_fft": _vit_pytorch("simple_vit_with_fft.SimpleViT", **VP, freq_patch_size=8),
+    # its feed-forwards take an expansion factor where the other ViTs take a width
+    "vit_pytorch_jumbo": _vit_pytorch("jumbo_vit.JumboViT", **(VP | dict(mlp_dim=2)), num_jumbo_cls=1, jumbo_cls_k=2, jumbo_ff_mult=1 / 64),
+    "vit_pytorch_vit_5": _vit_pytorch("vit_5.ViT", **VP),
+    "vit_pytorch_hyper_connections": _vit_pytorch("simple_vit_with_hyper_connections.SimpleViT", **VP, num_residual_streams=2),
+    "vit_pytorch_value_residual": _vit_pytorch("simple_vit_with_value_residual.SimpleViT", **VP),
+    "vit_pytorch_looped": _vit_pytorch("looped_vit.LoopedViT", key="x", num_classes=8, dim=64, image_size=IMAGE, patch_size=8,
+                                       pre_loop_depth=1, num_looped_blocks=2, post_loop_depth=1, loop_depth=1, heads=4, dim_head=16,
+                                       mlp_dim=128),  # fmt: skip
     "x_transformers_plain": _x_transformers(),
     "x_transformers_rotary_glu_qk_norm": _x_transformers(rotary_pos_emb=True, ff_glu=True, attn_qk_norm=True),
     "x_transformers_alibi_memory_kv": _x_transformers(alibi_pos_bias=True, attn_num_mem_kv=2),
@@ -960,6 +1031,36 @@ MODELS: dict[str, Model] = {
     "labml_nn_fnet": _labml("fnet.FNetMix", causal=False),
     "labml_nn_aft_local": _labml("aft.AFTLocal", d_model=64, seq_len=SEQ, local_window_size=4),
     "labml_nn_switch": _labml("mha.MultiHeadAttention", heads=4, d_model=64, dropout_prob=0.0, switch=True),
+    "monai_vit": (_call("monai.networks.nets.ViT", in_channels=3, img_size=(16, 16), patch_size=(4, 4), hidden_size=64, mlp_dim=128,
+                        num_layers=2, num_heads=4, classification=True, num_classes=8, spatial_dims=2), _images("x", size=16), class_loss),  # fmt: skip
+    "monai_unetr": (_call("monai.networks.nets.UNETR", in_channels=1, out_channels=2, img_size=(16, 16), feature_size=8, hidden_size=64,
+                          mlp_dim=128, num_heads=4, spatial_dims=2), _images("x_in", size=16, channels=1), sample_loss),  # fmt: skip
+    "monai_swin_unetr": (_call("monai.networks.nets.SwinUNETR", in_channels=1, out_channels=2, feature_size=12, spatial_dims=2,
+                               depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8)), _images("x_in", size=64, channels=1), sample_loss),  # fmt: skip
+    # a forward that freezes the language model's parameters (``requires_grad_(False)``) whenever media are passed
+    "flamingo_pytorch": (_call("flamingo_pytorch.FlamingoPaLM", dim=64, num_tokens=VOCAB, depth=2, dim_head=16, heads=4, cross_attn_every=1,
+                               perceiver_num_latents=4, perceiver_depth=1, img_encoder=torch.nn.Identity()), _media_captions, lm_loss),  # fmt: skip
+    "PEER_pytorch": _layers_lm("PEER_pytorch.PEER", dim=64, heads=4, num_experts=64, num_experts_per_head=4, dim_key=16, pre_rmsnorm=True),
+    "flash_pytorch": (_call("flash_pytorch.FLASHTransformer", dim=64, num_tokens=VOCAB, depth=2, group_size=8, query_key_dim=32, causal=True),
+                      _tokens("x"), lm_loss),  # fmt: skip
+    "minGRU_pytorch": (_call("minGRU_pytorch.minLM.minLM", num_tokens=VOCAB, dim=64, depth=2, enable_conv=True), _tokens("x"), lm_loss),
+    "minGRU_pytorch_lstm": (_call("minGRU_pytorch.minLM.minLM", num_tokens=VOCAB, dim=64, depth=2, use_lstm=True), _tokens("x"), lm_loss),
+    "charformer_pytorch": (_call("charformer_pytorch.GBST", num_tokens=VOCAB, dim=64, max_block_size=4, downsample_factor=4), _tokens("x"),
+                           _squares),  # fmt: skip
+    "agent_attention_pytorch": (_call("agent_attention_pytorch.AgentTransformer", dim=64, num_agent_tokens=4, depth=2, heads=4, dim_head=16),
+                                _vectors, _strided_squares),  # fmt: skip
+    "gated_state_spaces_pytorch_gss": (_call("gated_state_spaces_pytorch.GatedStateSpacesLM", num_tokens=VOCAB, dim=64, depth=2,
+                                             dss_kernel_N=32, dss_kernel_H=64), _tokens("x"), lm_loss),  # fmt: skip
+    "gated_state_spaces_pytorch_dsconv": (_call("gated_state_spaces_pytorch.GatedDsConvLM", num_tokens=VOCAB, dim=64, depth=2, max_seq_len=SEQ),
+                                          _tokens("x"), lm_loss),  # fmt: skip
+    "gated_state_spaces_pytorch_mhesa": (_call("gated_state_spaces_pytorch.GatedExponentialSmoothingLM", num_tokens=VOCAB, dim=64, depth=2,
+                                               heads=4), _tokens("x"), lm_loss),  # fmt: skip
+    "invariant_point_attention": (_call("invariant_point_attention.IPABlock", dim=64, heads=4, scalar_key_dim=16, scalar_value_dim=16,
+                                        point_key_dim=4, point_value_dim=4, pairwise_repr_dim=16), _residue_frames, _strided_squares),  # fmt: skip
+    "halonet_pytorch": (_call("halonet_pytorch.HaloAttention", dim=16, block_size=4, halo_size=1, dim_head=8, heads=4),
+                        _images("x", size=16, channels=16), sample_loss),  # fmt: skip
+    "timesformer_pytorch": (_call("timesformer_pytorch.TimeSformer", dim=64, num_frames=2, num_classes=8, image_size=16, patch_size=4, depth=2,
+                                  heads=4, dim_head=16), _video, class_loss),  # fmt: skip
 }
 
 
