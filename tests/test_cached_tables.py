@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from block_lm import BlockLm
 from distributed import run_on_ranks
 
 VOCAB, DIM, SEQ = 32, 16, 8
@@ -49,25 +50,13 @@ class Layer(nn.Module):
         freqs = self.rotary(x.shape[1])
         q, k, v = (t.unflatten(-1, (2, DIM // 2)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
         heads = freqs.unflatten(-1, (2, DIM // 2))[:, 0]
-        attn = F.scaled_dot_product_attention(rotate(q, heads), rotate(k, heads), v, is_causal=True)
-        x = x + self.out(attn.transpose(1, 2).flatten(2))
-        return x + self.down(F.gelu(self.up(x)))
+        attn = self.out(F.scaled_dot_product_attention(rotate(q, heads), rotate(k, heads), v, is_causal=True).transpose(1, 2).flatten(2))
+        return attn + self.down(F.gelu(self.up(x + attn)))
 
 
-class CachedRotaryLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        rotary = CachedRotary()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Layer(rotary) for _ in range(2))
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        h = self.embed(input_ids)
-        for layer in self.layers:
-            h = layer(h)
-        logits = self.head(h)
-        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+def cached_rotary_lm() -> BlockLm:
+    rotary = CachedRotary()  # one module, shared by every layer
+    return BlockLm(lambda: Layer(rotary), VOCAB, DIM)
 
 
 def _strict(rank: int, world: int, tp: int, pp: int) -> str:
@@ -76,7 +65,7 @@ def _strict(rank: int, world: int, tp: int, pp: int) -> str:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     inputs = {"input_ids": torch.randint(0, VOCAB, (2, SEQ), generator=gen), "labels": torch.randint(0, VOCAB, (2, SEQ), generator=gen)}
-    return check_on_rank(CachedRotaryLM(), inputs, tp=tp, pp=pp).reason
+    return check_on_rank(cached_rotary_lm(), inputs, tp=tp, pp=pp).reason
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)])

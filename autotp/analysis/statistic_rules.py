@@ -189,8 +189,13 @@ def instance_norm(w: Walker, node: Node) -> Any:
     spatial = [v for d, v in lay.dims if d >= 2]
     if spatial:
         raise ShardingConflict(f"{describe(node)}: normalizes over a sharded dim", lay.origins(), tuple(spatial))
-    var = lay.var_at(1)
-    for a in node.args[1:5]:
+    _per_channel(w, node, node.args[1:5], lay.var_at(1))
+    return lay
+
+
+def _per_channel(w: Walker, node: Node, vectors: Any, var: DimVar | None) -> None:
+    """The per-channel vectors of a norm (weight, bias, running statistics) take the channels' split ``var``, or are read whole."""
+    for a in vectors:
         if not isinstance(a, Node):
             continue
         if var is None:
@@ -198,7 +203,6 @@ def instance_norm(w: Walker, node: Node) -> Any:
             w.reduce_first(node, [a])
         else:
             follow_split(w, node, a, {0: var})
-    return lay
 
 
 def batch_statistics(node: Node) -> bool:
@@ -217,15 +221,7 @@ def batch_norm(w: Walker, node: Node) -> Any:
     lay = w.summed(x, node)
     if batch_statistics(node):
         return w.opaque(node)
-    var = lay.var_at(1)
-    for a in node.args[1:5]:
-        if not isinstance(a, Node):
-            continue
-        if var is None:
-            w.concrete(a, node)
-            w.reduce_first(node, [a])
-        else:
-            follow_split(w, node, a, {0: var})
+    _per_channel(w, node, node.args[1:5], lay.var_at(1))
     return lay
 
 
