@@ -753,3 +753,30 @@ def test_a_tensor_read_for_its_shape_alone_does_not_constrain_the_split(tp: int)
     assert kinds["up.weight"][0] == "column" and kinds["down.weight"][0] == "row", kinds
     assert not plan.gathered and [k.name for k in plan.kept_whole] == ["down.bias"]
 
+
+
+class ScalarGatedResidual(nn.Module):
+    """graph-transformer-pytorch's gated residual: one gate per token, ``Linear(3 * DIM, 1)`` of the
+    input, the update and their difference, broadcast over the features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+        self.gate = nn.Linear(3 * DIM, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(F.gelu(self.up(x)))
+        g = self.gate(torch.cat((x, h, x - h), -1)).sigmoid()
+        return h * g + x * (1 - g)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_split_of_a_size_one_dim_is_not_broadcast(tp: int) -> None:
+    """The gate's one output was split (padded) and its split carried onto the features it is broadcast
+    over: the rank graph broke its invariants ("dim 2 has size 32 but its sharded var has 1")."""
+    from block_lm import BlockLm
+
+    gm, plan = _plan(BlockLm(ScalarGatedResidual, 64, DIM), tp, input_ids=torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8)))
+    assert _kinds(plan)["layers.0.up.weight"][0] == "column" and _kinds(plan)["layers.0.down.weight"][0] == "row"
+    assert _kept(plan)["layers.0.gate.weight"][0] == KEPT_WHOLE_CONFLICT
+    _rank_graph(gm, plan)

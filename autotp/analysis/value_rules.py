@@ -76,11 +76,13 @@ def pointwise(w: Walker, node: Node, tensor_args: list[Any] | None = None) -> La
     for lay in sharded:
         for d, v in lay.dims:
             # align from the right
-            arg_ndim = None
+            arg_shape = None
             for a, l in zip(args, lays):
                 if l is lay:
-                    arg_ndim = len(shape_of(a) or ())
-            od = d + nd - (arg_ndim or nd)
+                    arg_shape = shape_of(a) or ()
+            od = d + nd - (len(arg_shape) if arg_shape is not None else nd)
+            if arg_shape is not None and arg_shape[d] == 1 and out_shape[od] != 1:  # a split of a size-1 dim, broadcast over a larger one
+                raise ShardingConflict(f"{describe(node)}: broadcasts a split dim of size 1", v.find().origins, (v,))
             dims[od] = unify(dims[od], v, describe(node)) if od in dims else v
     _split_elsewhere(node, args, lays, dims, nd)
     for a, lay in zip(args, lays):
