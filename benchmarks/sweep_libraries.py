@@ -31,7 +31,9 @@ module, and every name in it, then imports as an empty placeholder::
         "transformer-lens<3" typeguard better-abc fancy-einsum jaxtyping labml-nn
     pip install --no-deps --target /tmp/libsite4 monai flamingo-pytorch einops-exts PEER-pytorch FLASH-pytorch minGRU-pytorch \
         charformer-pytorch agent-attention-pytorch gated-state-spaces-pytorch TimeSformer-pytorch invariant-point-attention \
-        halonet-pytorch
+        halonet-pytorch egnn-pytorch En-transformer graph-transformer-pytorch isab-pytorch lambda-networks memory-transformer-xl \
+        perceiver-ar-pytorch ponder-transformer rela-transformer segformer-pytorch slot-attention triangle-multiplicative-module \
+        bottleneck-transformer-pytorch
     python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
 
@@ -81,7 +83,9 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "compressive_transformer_pytorch", "native_sparse_attention_pytorch", "rin_pytorch", "torchtitan", "esm", "hiera",
              "transformer_lens", "open_clip", "labml_nn", "monai", "flamingo_pytorch", "PEER_pytorch", "flash_pytorch", "minGRU_pytorch",
              "charformer_pytorch", "agent_attention_pytorch", "gated_state_spaces_pytorch", "timesformer_pytorch",
-             "invariant_point_attention", "halonet_pytorch")  # fmt: skip
+             "invariant_point_attention", "halonet_pytorch", "egnn_pytorch", "en_transformer", "graph_transformer_pytorch", "isab_pytorch",
+             "lambda_networks", "memory_transformer_xl", "perceiver_ar_pytorch", "ponder_transformer", "rela_transformer", "segformer_pytorch",
+             "slot_attention", "triangle_multiplicative_module", "bottleneck_transformer_pytorch")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
@@ -631,6 +635,24 @@ def _residue_frames() -> dict[str, Any]:
             "rotations": rotations, "translations": torch.randn(2, SEQ, 3, generator=gen)}  # fmt: skip
 
 
+def _graph() -> dict[str, Any]:
+    """A dense graph per sample: node features, edge features, every node present."""
+    gen = torch.Generator().manual_seed(1)
+    return {"nodes": torch.randn(2, SEQ, 64, generator=gen), "edges": torch.randn(2, SEQ, SEQ, 16, generator=gen),
+            "mask": torch.ones(2, SEQ, dtype=torch.bool)}  # fmt: skip
+
+
+def _points(tokens: bool) -> Callable[[], dict[str, Any]]:
+    """Point clouds of SEQ points in 3-D with a token or 32 features per point."""
+
+    def make() -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(1)
+        feats = torch.randint(0, VOCAB, (2, SEQ), generator=gen) if tokens else torch.randn(2, SEQ, 32, generator=gen)
+        return {"feats": feats, "coors": torch.randn(2, SEQ, 3, generator=gen)}
+
+    return make
+
+
 def _strided_squares(out: Any) -> torch.Tensor:
     """The mean square of every third channel of the first output (a normed output's whole mean square is its gain's)."""
     return _first(out)[..., ::3].square().mean()
@@ -1059,6 +1081,31 @@ MODELS: dict[str, Model] = {
                                         point_key_dim=4, point_value_dim=4, pairwise_repr_dim=16), _residue_frames, _strided_squares),  # fmt: skip
     "halonet_pytorch": (_call("halonet_pytorch.HaloAttention", dim=16, block_size=4, halo_size=1, dim_head=8, heads=4),
                         _images("x", size=16, channels=16), sample_loss),  # fmt: skip
+    "egnn_pytorch": (_call("egnn_pytorch.EGNN_Network", num_tokens=VOCAB, dim=32, depth=2, num_positions=SEQ), _points(tokens=True), _squares),
+    "en_transformer": (_call("en_transformer.EnTransformer", dim=32, depth=2, dim_head=32, heads=2, coors_hidden_dim=16), _points(tokens=False),
+                       _squares),  # fmt: skip
+    "graph_transformer_pytorch": (_call("graph_transformer_pytorch.GraphTransformer", dim=64, depth=2, dim_head=16, heads=4, edge_dim=16,
+                                        with_feedforwards=True, rel_pos_emb=True), _graph, _squares),  # fmt: skip
+    "isab_pytorch": (_call("isab_pytorch.ISAB", dim=64, heads=4, num_latents=8), _vectors, _squares),
+    "lambda_networks": (_call("lambda_networks.LambdaLayer", dim=16, dim_k=16, r=3, heads=4, dim_out=16), _images("x", size=8, channels=16),
+                        sample_loss),  # fmt: skip
+    "memory_transformer_xl": (_call("memory_transformer_xl.MemoryTransformerXL", num_tokens=VOCAB, dim=64, seq_len=SEQ, depth=2, heads=4,
+                                    mem_len=8, lmem_len=4), _tokens("x"), lm_loss),  # fmt: skip
+    "perceiver_ar_pytorch": (_call("perceiver_ar_pytorch.PerceiverAR", num_tokens=VOCAB, dim=64, depth=2, max_seq_len=SEQ, cross_attn_seq_len=8,
+                                   dim_head=32, heads=2), _tokens("x"), lm_loss),  # fmt: skip
+    "ponder_transformer": (_call("ponder_transformer.PonderTransformer", num_tokens=VOCAB, dim=64, max_seq_len=SEQ, dim_head=16, heads=4),
+                           _tokens("x"), lm_loss),  # fmt: skip
+    "rela_transformer": (_call("rela_transformer.ReLATransformer", num_tokens=VOCAB, dim=64, depth=2, max_seq_len=SEQ, heads=4, dim_head=16),
+                         _tokens("x"), lm_loss),  # fmt: skip
+    "segformer_pytorch": (_call("segformer_pytorch.Segformer", dims=(16, 32, 64, 64), heads=(1, 2, 4, 4), ff_expansion=(2, 2, 2, 2),
+                                reduction_ratio=(4, 2, 1, 1), num_layers=1, decoder_dim=32, num_classes=4), _images("x"), sample_loss),  # fmt: skip
+    "slot_attention": (_call("slot_attention.MultiHeadSlotAttention", num_slots=4, dim=64, heads=4, dim_head=16, iters=3),
+                       lambda: {"inputs": _vectors()["x"]}, _squares),  # fmt: skip
+    "triangle_multiplicative_module": (_call("triangle_multiplicative_module.TriangleMultiplicativeModule", dim=32, hidden_dim=32, mix="ingoing"),
+                                       lambda: {"x": torch.randn(2, SEQ, SEQ, 32, generator=torch.Generator().manual_seed(1))}, _squares),  # fmt: skip
+    "bottleneck_transformer_pytorch": (_call("bottleneck_transformer_pytorch.BottleStack", dim=16, fmap_size=8, dim_out=64, proj_factor=4,
+                                             num_layers=2, heads=4, dim_head=8, downsample=True, rel_pos_emb=True),
+                                       _images("x", size=8, channels=16), sample_loss),  # fmt: skip
     "timesformer_pytorch": (_call("timesformer_pytorch.TimeSformer", dim=64, num_frames=2, num_classes=8, image_size=16, patch_size=4, depth=2,
                                   heads=4, dim_head=16), _video, class_loss),  # fmt: skip
 }

@@ -193,6 +193,8 @@ def _first_mismatch(
                 return f"grad of {name}: the unmodified model has none"
             continue
         if got is None:
+            if p.grad.numel() == 0:  # an empty parameter (no memory slots configured): nothing to update either way
+                continue
             return f"grad of {name}: missing"
         why = differs(got, p.grad.to_dense() if p.grad.is_sparse else p.grad)  # unshard_grads gives sparse grads dense
         if why:
