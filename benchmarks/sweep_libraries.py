@@ -33,7 +33,9 @@ module, and every name in it, then imports as an empty placeholder::
         charformer-pytorch agent-attention-pytorch gated-state-spaces-pytorch TimeSformer-pytorch invariant-point-attention \
         halonet-pytorch egnn-pytorch En-transformer graph-transformer-pytorch isab-pytorch lambda-networks memory-transformer-xl \
         perceiver-ar-pytorch ponder-transformer rela-transformer segformer-pytorch slot-attention triangle-multiplicative-module \
-        bottleneck-transformer-pytorch
+        bottleneck-transformer-pytorch VN-transformer axial-attention bidirectional-cross-attention compositional-attention-pytorch \
+        hamburger-pytorch kronecker-attention-pytorch memory-compressed-attention omninet-pytorch point-transformer-pytorch \
+        tranception-pytorch uformer-pytorch
     python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
 
@@ -85,7 +87,9 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "charformer_pytorch", "agent_attention_pytorch", "gated_state_spaces_pytorch", "timesformer_pytorch",
              "invariant_point_attention", "halonet_pytorch", "egnn_pytorch", "en_transformer", "graph_transformer_pytorch", "isab_pytorch",
              "lambda_networks", "memory_transformer_xl", "perceiver_ar_pytorch", "ponder_transformer", "rela_transformer", "segformer_pytorch",
-             "slot_attention", "triangle_multiplicative_module", "bottleneck_transformer_pytorch")  # fmt: skip
+             "slot_attention", "triangle_multiplicative_module", "bottleneck_transformer_pytorch", "VN_transformer", "axial_attention",
+             "bidirectional_cross_attention", "compositional_attention_pytorch", "hamburger_pytorch", "kronecker_attention_pytorch",
+             "memory_compressed_attention", "omninet_pytorch", "point_transformer_pytorch", "tranception_pytorch", "uformer_pytorch")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
@@ -1106,6 +1110,31 @@ MODELS: dict[str, Model] = {
     "bottleneck_transformer_pytorch": (_call("bottleneck_transformer_pytorch.BottleStack", dim=16, fmap_size=8, dim_out=64, proj_factor=4,
                                              num_layers=2, heads=4, dim_head=8, downsample=True, rel_pos_emb=True),
                                        _images("x", size=8, channels=16), sample_loss),  # fmt: skip
+    "VN_transformer": (_call("VN_transformer.VNTransformer", dim=64, depth=2, dim_head=16, heads=4, dim_feat=0),
+                       lambda: {"coors": torch.randn(2, SEQ, 3, generator=torch.Generator().manual_seed(1))}, _squares),  # fmt: skip
+    "axial_attention": (_call("axial_attention.AxialImageTransformer", dim=16, depth=2, heads=4, dim_heads=4, reversible=False),
+                        _images("x", size=8, channels=16), sample_loss),  # fmt: skip
+    "bidirectional_cross_attention": (_call("bidirectional_cross_attention.BidirectionalCrossAttentionTransformer", dim=64, depth=2,
+                                            context_dim=32, heads=4, dim_head=16),
+                                      lambda: _vectors() | {"context": torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(2))},
+                                      _squares),  # fmt: skip
+    "compositional_attention_pytorch": _layers_lm("compositional_attention_pytorch.CompositionalAttention", dim=64, dim_head=16, num_searches=4,
+                                                  num_retrievals=2, causal=True),  # fmt: skip
+    "hamburger_pytorch": (_call("hamburger_pytorch.Hamburger", dim=16, n=64, inner_dim=16, ratio=4, K=3), _images("x", size=8, channels=16),
+                          sample_loss),  # fmt: skip
+    "kronecker_attention_pytorch": (_call("kronecker_attention_pytorch.KroneckerSelfAttention", dim=16, heads=4, dim_heads=8),
+                                    _images("x", size=8, channels=16), sample_loss),  # fmt: skip
+    "memory_compressed_attention": _layers_lm("memory_compressed_attention.MemoryCompressedAttention", dim=64, heads=4, compression_factor=2),
+    "omninet_pytorch": (_call("omninet_pytorch.Omninet", dim=64, depth=2, dim_head=16, heads=4, pool_layer_tokens_every=2), _vectors,
+                        _strided_squares),  # fmt: skip
+    "point_transformer_pytorch": (_call("point_transformer_pytorch.MultiheadPointTransformerLayer", dim=64, heads=4, dim_head=16,
+                                        pos_mlp_hidden_dim=32, attn_mlp_hidden_mult=2),
+                                  lambda: _vectors() | {"pos": torch.randn(2, SEQ, 3, generator=torch.Generator().manual_seed(2))},
+                                  _squares),  # fmt: skip
+    "tranception_pytorch": (_call("tranception_pytorch.Tranception", dim=64, depth=2, num_tokens=VOCAB, heads=4, dim_head=16), _tokens("x"),
+                            lm_loss),  # fmt: skip
+    "uformer_pytorch": (_call("uformer_pytorch.Uformer", dim=16, stages=2, num_blocks=1, dim_head=8, window_size=4, heads=2),
+                        _images("x", size=16), sample_loss),  # fmt: skip
     "timesformer_pytorch": (_call("timesformer_pytorch.TimeSformer", dim=64, num_frames=2, num_classes=8, image_size=16, patch_size=4, depth=2,
                                   heads=4, dim_head=16), _video, class_loss),  # fmt: skip
 }
