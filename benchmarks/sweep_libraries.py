@@ -35,7 +35,7 @@ module, and every name in it, then imports as an empty placeholder::
         perceiver-ar-pytorch ponder-transformer rela-transformer segformer-pytorch slot-attention triangle-multiplicative-module \
         bottleneck-transformer-pytorch VN-transformer axial-attention bidirectional-cross-attention compositional-attention-pytorch \
         hamburger-pytorch kronecker-attention-pytorch memory-compressed-attention omninet-pytorch point-transformer-pytorch \
-        tranception-pytorch uformer-pytorch
+        tranception-pytorch uformer-pytorch mlp-mixer-pytorch res-mlp-pytorch MaMMUT-pytorch ring-attention-pytorch
     python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
 
@@ -89,7 +89,8 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "lambda_networks", "memory_transformer_xl", "perceiver_ar_pytorch", "ponder_transformer", "rela_transformer", "segformer_pytorch",
              "slot_attention", "triangle_multiplicative_module", "bottleneck_transformer_pytorch", "VN_transformer", "axial_attention",
              "bidirectional_cross_attention", "compositional_attention_pytorch", "hamburger_pytorch", "kronecker_attention_pytorch",
-             "memory_compressed_attention", "omninet_pytorch", "point_transformer_pytorch", "tranception_pytorch", "uformer_pytorch")  # fmt: skip
+             "memory_compressed_attention", "omninet_pytorch", "point_transformer_pytorch", "tranception_pytorch", "uformer_pytorch",
+             "mlp_mixer_pytorch", "res_mlp_pytorch", "mammut_pytorch", "ring_attention_pytorch")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
@@ -1135,6 +1136,14 @@ MODELS: dict[str, Model] = {
                             lm_loss),  # fmt: skip
     "uformer_pytorch": (_call("uformer_pytorch.Uformer", dim=16, stages=2, num_blocks=1, dim_head=8, window_size=4, heads=2),
                         _images("x", size=16), sample_loss),  # fmt: skip
+    "mlp_mixer_pytorch": (_call("mlp_mixer_pytorch.MLPMixer", image_size=IMAGE, channels=3, patch_size=8, dim=64, depth=2, num_classes=8),
+                          _images("input"), class_loss),  # fmt: skip
+    "res_mlp_pytorch": (_call("res_mlp_pytorch.ResMLP", image_size=IMAGE, patch_size=8, dim=64, depth=2, num_classes=8), _images("input"),
+                        class_loss),  # fmt: skip
+    "mammut_pytorch": (_call("mammut_pytorch.MaMMUT", dim=64, num_tokens=VOCAB, depth=2, dim_latents=32, image_dim=32, num_img_queries=4,
+                             dim_head=16, heads=4), _captioned_images, _first),  # fmt: skip
+    "ring_attention_pytorch": (_call("ring_attention_pytorch.RingTransformer", num_tokens=VOCAB, dim=64, depth=2, causal=True, dim_head=16,
+                                     heads=4, num_grouped_query_heads=2, bucket_size=4), _tokens("x"), lm_loss),  # fmt: skip
     "timesformer_pytorch": (_call("timesformer_pytorch.TimeSformer", dim=64, num_frames=2, num_classes=8, image_size=16, patch_size=4, depth=2,
                                   heads=4, dim_head=16), _video, class_loss),  # fmt: skip
 }
