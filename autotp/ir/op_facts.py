@@ -41,6 +41,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.fx import Node
 
 from autotp.ir import ops
@@ -276,7 +277,7 @@ def _copied(source: Node, result: Node) -> bool:
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return False
     try:
-        return a.untyped_storage()._cdata != b.untyped_storage()._cdata
+        return StorageWeakRef(a.untyped_storage()) != StorageWeakRef(b.untyped_storage())
     except (NotImplementedError, RuntimeError):  # a tensor without storage (sparse, nested)
         return False
 
