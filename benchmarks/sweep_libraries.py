@@ -41,7 +41,10 @@ module, and every name in it, then imports as an empty placeholder::
 
 Model code that is not on PyPI (nanochat, nanoGPT, lingua, OLMo-core, Whisper, CLIP, SAM, DINOv2,
 I-JEPA, DiT, guided-diffusion) is read from the repositories' sources in another folder on
-``--site`` (docs/propagation.md, eighteenth round).
+``--site`` (docs/propagation.md, eighteenth round). Time-Series-Library (github.com/thuml/Time-Series-Library,
+models named ``tslib_*``) is its ``models``, ``layers`` and ``utils`` packages in a folder of their own on ``--site``
+(they import each other by those top-level names); its Reformer and Crossformer import reformer-pytorch and
+local-attention from the second install line above.
 
 A model whose library does not import is reported as such. Prints one line per model and
 degree, then the passes per library.
@@ -54,6 +57,7 @@ import enum
 import importlib
 import importlib.abc
 import importlib.machinery
+import inspect
 import os
 import random
 import sys
@@ -70,7 +74,7 @@ STUBS = ("torchvision", "lightning", "lightning_utilities", "jsonargparse", "psu
          "torchtune.modules.low_precision", "torchtune.data", "torchtune.training", "datasets", "torchdata", "omegaconf",
          "sentencepiece", "tiktoken", "blobfile", "kagglehub", "cached_path", "bettermap", "numba", "ftfy", "xformers", "librosa",
          "fairscale", "mamba_ssm", "polars", "ema_pytorch", "pytorch_fid", "pyfaidx", "kipoiseq", "tensordict", "tyro", "wandb", "pandas",
-         "torch.utils.tensorboard", "torchtitan.models.moe.kernels", "labml", "labml_helpers")  # fmt: skip
+         "torch.utils.tensorboard", "torchtitan.models.moe.kernels", "labml", "labml_helpers", "matplotlib")  # fmt: skip
 # packages whose __init__ imports far more than their models (a CLI, trainers): their submodules load without it
 BARE = ("litgpt", "torchtune", "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3")
 LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "diffusers", "peft", "nanochat", "olmo_core", "whisper",
@@ -90,7 +94,7 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "slot_attention", "triangle_multiplicative_module", "bottleneck_transformer_pytorch", "VN_transformer", "axial_attention",
              "bidirectional_cross_attention", "compositional_attention_pytorch", "hamburger_pytorch", "kronecker_attention_pytorch",
              "memory_compressed_attention", "omninet_pytorch", "point_transformer_pytorch", "tranception_pytorch", "uformer_pytorch",
-             "mlp_mixer_pytorch", "res_mlp_pytorch", "mammut_pytorch", "ring_attention_pytorch")  # fmt: skip
+             "mlp_mixer_pytorch", "res_mlp_pytorch", "mammut_pytorch", "ring_attention_pytorch", "tslib")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
@@ -647,6 +651,36 @@ def _graph() -> dict[str, Any]:
             "mask": torch.ones(2, SEQ, dtype=torch.bool)}  # fmt: skip
 
 
+# Time-Series-Library's run.py arguments, small: 8 series, 16 steps in, 8 forecast from an 8-step decoder start token
+_TSLIB = dict(task_name="long_term_forecast", features="M", seq_len=SEQ, label_len=8, pred_len=8, enc_in=8, dec_in=8, c_out=8, d_model=32,
+              n_heads=4, e_layers=2, d_layers=1, d_ff=64, moving_avg=5, factor=3, distil=True, dropout=0.0, embed="timeF", freq="h",
+              activation="gelu", output_attention=False, top_k=2, num_kernels=2, channel_independence=1, decomp_method="moving_avg",
+              use_norm=1, down_sampling_layers=1, down_sampling_window=2, down_sampling_method="avg", seg_len=4, patch_len=4, stride=2,
+              expand=2, d_conv=4, d_state=4, node_dim=8, gcn_depth=2, gcn_dropout=0.0, propalpha=0.3, conv_channel=8, skip_channel=8,
+              individual=False, alpha=0.1, top_p=0.5, pos=1, p_hidden_dims=[16, 16], p_hidden_layers=2, num_class=3)  # fmt: skip
+
+
+def _tslib(name: str, **overrides: Any) -> Model:
+    """Time-Series-Library's (thuml) ``models.<name>.Model(configs)``, forecasting: the encoder's series and time
+    features (``timeF``: each in [-0.5, 0.5]), the decoder's start tokens and their time features, by the first four
+    names of its ``forward``; trained on the forecast's mean square."""
+    config = _TSLIB | overrides
+
+    def build() -> torch.nn.Module:
+        return importlib.import_module(f"models.{name}").Model(types.SimpleNamespace(**config))
+
+    def inputs() -> dict[str, Any]:
+        forward = importlib.import_module(f"models.{name}").Model.forward
+        names = list(inspect.signature(forward).parameters)[1:5]
+        gen = torch.Generator().manual_seed(1)
+        steps = config["label_len"] + config["pred_len"]
+        series = (torch.randn(2, config["seq_len"], config["enc_in"], generator=gen), torch.rand(2, config["seq_len"], 4, generator=gen) - 0.5,
+                  torch.randn(2, steps, config["dec_in"], generator=gen), torch.rand(2, steps, 4, generator=gen) - 0.5)  # fmt: skip
+        return dict(zip(names, series))
+
+    return build, inputs, _squares
+
+
 def _points(tokens: bool) -> Callable[[], dict[str, Any]]:
     """Point clouds of SEQ points in 3-D with a token or 32 features per point."""
 
@@ -1146,6 +1180,35 @@ MODELS: dict[str, Model] = {
                                      heads=4, num_grouped_query_heads=2, bucket_size=4), _tokens("x"), lm_loss),  # fmt: skip
     "timesformer_pytorch": (_call("timesformer_pytorch.TimeSformer", dim=64, num_frames=2, num_classes=8, image_size=16, patch_size=4, depth=2,
                                   heads=4, dim_head=16), _video, class_loss),  # fmt: skip
+    "tslib_autoformer": _tslib("Autoformer"),
+    "tslib_crossformer": _tslib("Crossformer"),
+    "tslib_dlinear": _tslib("DLinear"),
+    "tslib_fedformer": _tslib("FEDformer"),
+    "tslib_film": _tslib("FiLM"),
+    "tslib_frets": _tslib("FreTS"),
+    "tslib_informer": _tslib("Informer"),
+    "tslib_lightts": _tslib("LightTS"),
+    "tslib_msgnet": _tslib("MSGNet"),
+    "tslib_mambasimple": _tslib("MambaSimple"),
+    "tslib_nonstationary_transformer": _tslib("Nonstationary_Transformer"),
+    "tslib_pattn": _tslib("PAttn"),
+    "tslib_patchtst": _tslib("PatchTST"),
+    "tslib_pyraformer": _tslib("Pyraformer"),
+    "tslib_reformer": _tslib("Reformer"),
+    "tslib_scinet": _tslib("SCINet"),
+    "tslib_segrnn": _tslib("SegRNN"),
+    "tslib_tsmixer": _tslib("TSMixer"),
+    "tslib_tide": _tslib("TiDE"),
+    "tslib_timefilter": _tslib("TimeFilter"),
+    "tslib_timemixer": _tslib("TimeMixer"),
+    "tslib_timexer": _tslib("TimeXer"),
+    "tslib_timesnet": _tslib("TimesNet"),
+    "tslib_transformer": _tslib("Transformer"),
+    "tslib_itransformer": _tslib("iTransformer"),
+    "tslib_etsformer": _tslib("ETSformer", d_layers=2),  # its decoder has a layer per encoder layer
+    "tslib_micn": _tslib("MICN", label_len=SEQ),  # its decoder input is the whole input window and the forecast
+    "tslib_multipatchformer": _tslib("MultiPatchFormer", seq_len=96),  # its widest patch is 32 steps
+    "tslib_temporalfusiontransformer": _tslib("TemporalFusionTransformer", data="ETTh1", enc_in=7, dec_in=7, c_out=7),  # its covariates by dataset
 }
 
 
