@@ -41,6 +41,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import replace
 
+import torch
 from torch.fx import GraphModule, Node
 
 from autotp.ir.op_facts import op_name
@@ -318,9 +319,11 @@ def _split(prop: Propagation, node: Node) -> bool:
 
 
 def _carrier(prop: Propagation, node: Node) -> bool:
-    """A value that can be gathered whole: one split tensor an op computed, not yet gathered."""
+    """A value that can be gathered whole: one split tensor an op computed (not a tuple of them, as
+    ``lstm`` returns: its items are), not yet gathered."""
     lay = prop.layouts.get(node)
-    return node.op == "call_function" and isinstance(lay, Layout) and bool(lay.dims) and node not in prop.gathered
+    return (node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor) and isinstance(lay, Layout) and bool(lay.dims)
+            and node not in prop.gathered)  # fmt: skip
 
 
 def _gather_options(prop: Propagation, conflicts: list[ShardingConflict]) -> list[dict[str, ShardingConflict]]:

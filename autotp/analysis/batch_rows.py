@@ -50,7 +50,7 @@ from autotp.analysis.shapes import is_float, norm_dim, schema_arg, shape_of
 from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
 from autotp.analysis.loss_denominators import per_piece_statistic, unnormalized_division
 from autotp.ir.errors import describe
-from autotp.ir.layouts import REPLICATE, DimVar, Layout, shard
+from autotp.ir.layouts import REPLICATE, DimVar, Layout, ShardingConflict, shard
 from autotp.ir.op_facts import is_alias, is_pointwise, op_name
 
 BATCH_ORIGIN = "<batch rows>"
@@ -108,7 +108,12 @@ class _BatchWalker(Walker):
         if made is not None and len(made) == 1:
             return shard({made[0]: self.rows})
         piece = self.pieces.place(node)
-        lay = self._rows_of(node, piece) if piece is not None else self._layout(node)
+        try:
+            lay = self._rows_of(node, piece) if piece is not None else self._layout(node)
+        except ShardingConflict:
+            if self.mixing is None and self._pairs_unaligned(node):
+                self.mixing = node
+            raise
         rows = {d for l in (lay if isinstance(lay, tuple) else (lay,)) if isinstance(l, Layout) for d, v in l.dims if BATCH_ORIGIN in v.find().origins}
         if self.pieces.follow(node, rows) and self.mixing is None:
             self.mixing = node
@@ -291,6 +296,12 @@ class _BatchWalker(Walker):
             if shape is not None and is_float(a):
                 aligned |= {d + rank - len(shape) for d in self._rows_at(a)}
         return len(aligned) > 1
+
+    def _pairs_unaligned(self, node: Node) -> bool:
+        """Float operands of a pointwise op whose rows the walk cannot line up (TimeMixer's series flattened
+        batch-major, ``reshape(B * N, T, 1)``, added to their time features tiled, ``repeat(N, 1, 1)``): a row
+        meets another sample's."""
+        return is_pointwise(node.target) and sum(1 for a in node.all_input_nodes if is_float(a) and self._rows_at(a)) > 1
 
     def _matmul_mixes(self, node: Node) -> bool:
         """A matmul (or ``cdist``) mixes rows where it sums over them (a row dim contracted: a

@@ -31,6 +31,7 @@ from autotp.analysis.propagation_result import NodeRole, ParamDecision, ParamVie
 from autotp.analysis.shapes import shape_of, sources
 from autotp.ir.errors import describe
 from autotp.ir.op_facts import is_pointwise
+from autotp.ir.axes import Axis
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, shard, unify
 
 aten = torch.ops.aten
@@ -74,6 +75,10 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
             w.param_view_shard(lb, batch_split[0], batch_split[1], kind_col, node)
         elif ak is not None:
             w.param_view_shard(lb, b_k, ak, kind_row, node)
+        elif any(v.find().axis == Axis.TP for _, v in la.dims):
+            # an activation split on a dim the matmul keeps (Informer's heads viewed into its time steps) meets the
+            # whole weight: its out features split too would leave each rank one block of a two-way split output
+            w.decide(lb.name, ParamDecision("replicate"), node)
         elif w.allowed(lb.name, "column"):
             var = DimVar(b_shape[b_n], frozenset({lb.name}))
             w.param_view_shard(lb, b_n, var, kind_col, node)
@@ -108,6 +113,8 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
         batch = [(a, la, a_nd, {a_nd - 1}), (b, lb, b_nd, {b_k, b_n})]
         _slice_replicated_batch(w, node, dims, out_nd, batch)
     if bn is not None:
+        if any(v.find().axis == bn.find().axis for v in dims.values()):
+            raise ShardingConflict(f"{describe(node)}: the output would be split on its out features and on another dim", lb.origins())
         dims[out_nd - 1] = bn
     if ak is not None:
         unify(ak, bk, describe(node))

@@ -40,7 +40,7 @@ from autotp.analysis.loss_denominators import behind_parameter_free_scalars, nor
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, route_through_hooks
 from autotp.analysis.function_checks import FunctionVerdicts, function_verdicts
 from autotp.analysis.host_draws import host_calls, host_draw_refusal, host_random_states, unseeded_draw
-from autotp.analysis.trace_decompose import decompose_simple_composites, decompose_parameter_ops, draw_by_size, shape_by_size
+from autotp.analysis.trace_decompose import decompose_simple_composites, decompose_parameter_ops, draw_by_size, shape_by_size, squeeze_traced_dims
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
 from autotp.analysis.trace_guards import GradientHookWatch, model_collectives_refused, refuse_backward_hooks, refuse_lazy_parameters, refuse_parameter_writes, register_dataclasses, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
@@ -197,6 +197,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     decompose_simple_composites(gm)
     draw_by_size(gm)
     shape_by_size(gm)
+    squeeze_traced_dims(gm)
     if split_batch:
         doubled = functools.cache(lambda: _doubled(model, kwargs, device, batch_dims))  # traced once, if either needs it
         made_rows = _rows_of_made_tensors(gm, batch_size(kwargs), doubled)

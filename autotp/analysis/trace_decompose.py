@@ -32,6 +32,9 @@ them by name.
 shape: a read of other's shape alone, which the walk then does not tie to other's split. (``expand_as``
 stays: a broadcast dim taking other's split is what lets a whole operand meet a split one.)
 
+``squeeze_traced_dims`` makes each ``squeeze`` name the dims the trace squeezed, so that a rank
+whose piece of another dim is of size 1 keeps it.
+
 ``draw_by_size`` rewrites a random draw shaped like a tensor (``randn_like(x)``) into the
 draw of x's size (``randn(x.shape)``), which reads no tensor: the same numbers, from the
 same generator calls, and a draw the walk can keep whole while x is split
@@ -126,6 +129,24 @@ def shape_by_size(gm: GraphModule) -> None:
         shaped.meta.update(node.meta)
         node.replace_all_uses_with(shaped)
         gm.graph.erase_node(node)
+
+
+_SQUEEZES = frozenset({aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims})
+
+
+def squeeze_traced_dims(gm: GraphModule) -> None:
+    """Make every ``squeeze`` name the dims it squeezed in the trace (``squeeze.dims``): a rank's piece
+    of a split dim, or a microbatch's rows, may be of size 1 where the traced tensor's dim was not
+    (Informer's ``matmul(...).squeeze()`` over 4 heads at tp=4), and a squeeze of all size-1 dims, or of
+    a dim named but not of size 1, would drop it on that rank alone."""
+    for node in gm.graph.nodes:
+        src = node.args[0].meta.get("val") if node.op == "call_function" and node.target in _SQUEEZES else None
+        if not isinstance(src, torch.Tensor):
+            continue
+        named = node.args[1] if len(node.args) > 1 else range(src.dim())
+        named = named if isinstance(named, (list, tuple, range)) else [named]
+        dims = sorted({d % max(src.dim(), 1) for d in named if src.dim() and src.shape[d] == 1})
+        node.target, node.args = aten.squeeze.dims, (node.args[0], dims)
 
 
 def _fills_in_order(like: torch.Tensor, memory_format: torch.memory_format) -> bool:
