@@ -301,7 +301,11 @@ class _BatchWalker(Walker):
         """Float operands of a pointwise op whose rows the walk cannot line up (TimeMixer's series flattened
         batch-major, ``reshape(B * N, T, 1)``, added to their time features tiled, ``repeat(N, 1, 1)``): a row
         meets another sample's."""
-        return is_pointwise(node.target) and sum(1 for a in node.all_input_nodes if is_float(a) and self._rows_at(a)) > 1
+        if not is_pointwise(node.target):
+            return False
+        holding = [a for a in node.all_input_nodes if is_float(a) and self._rows_at(a)]
+        # rows of a size known only at run time (a boolean mask's selection) are lined up at run time
+        return len(holding) > 1 and all(isinstance(a.meta["val"].shape[d], int) for a in holding for d in self._rows_at(a))
 
     def _matmul_mixes(self, node: Node) -> bool:
         """A matmul (or ``cdist``) mixes rows where it sums over them (a row dim contracted: a

@@ -141,11 +141,13 @@ def squeeze_traced_dims(gm: GraphModule) -> None:
     a dim named but not of size 1, would drop it on that rank alone."""
     for node in gm.graph.nodes:
         src = node.args[0].meta.get("val") if node.op == "call_function" and node.target in _SQUEEZES else None
-        if not isinstance(src, torch.Tensor):
-            continue
+        if not isinstance(src, torch.Tensor) or not all(isinstance(size, int) for size in src.shape):
+            continue  # a size known only at run time is squeezed as the op finds it there
         named = node.args[1] if len(node.args) > 1 else range(src.dim())
         named = named if isinstance(named, (list, tuple, range)) else [named]
         dims = sorted({d % max(src.dim(), 1) for d in named if src.dim() and src.shape[d] == 1})
+        if node.target is not aten.squeeze.default and len(dims) == len(named):  # names only size-1 dims: as it is
+            continue
         node.target, node.args = aten.squeeze.dims, (node.args[0], dims)
 
 
