@@ -119,6 +119,9 @@ class _BatchWalker(Walker):
             self.mixing = node
         return lay
 
+    def check_splits(self, node: Node, lay: Any) -> None:
+        """Rows on two dims are rows paired with rows (a contrastive loss's similarities), which the walk follows."""
+
     def _layout(self, node: Node) -> Any:
         if node.target is operator.getitem:
             return super().visit(node)

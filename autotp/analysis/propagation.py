@@ -202,7 +202,7 @@ class Walker:
             self.current = node
             try:
                 lay = self.visit(node)
-                _one_split_per_axis(node, lay)
+                self.check_splits(node, lay)
             except ShardingConflict as c:
                 c.node = node
                 if not c.retries:  # a reshape's choice of factor behind an input may be to blame
@@ -219,6 +219,19 @@ class Walker:
             for name in self.params:
                 self.out.decisions.setdefault(name, ParamDecision("replicate"))
         return self.out
+
+    def check_splits(self, node: Node, lay: Any) -> None:
+        """A rank holds one piece of a tensor per mesh axis: split on two dims over one axis it would hold
+        one block of a grid whose other blocks no rank holds."""
+        for l in lay if isinstance(lay, tuple) else (lay,):
+            if not isinstance(l, Layout):
+                continue
+            by_axis: dict[Any, list[int]] = {}
+            for d, v in l.dims:
+                by_axis.setdefault(v.find().axis, []).append(d)
+            for axis, dims in by_axis.items():
+                if len(dims) > 1:
+                    raise ShardingConflict(f"{describe(node)}: its output would be split on dims {dims} over the {axis} axis", l.origins())
 
     def input_choices(self, node: Node) -> frozenset[tuple[str, int]]:
         """The reshape choices (``DimVar.made_by``) behind the sharded inputs of ``node``."""
@@ -318,16 +331,3 @@ def propagate(
     """Walk ``gm`` once; see the module docstring for the two modes."""
     return Walker(gm, tp, plan, policy, avoid, statistics, hints, gathers, padded).run()
 
-
-def _one_split_per_axis(node: Node, lay: Any) -> None:
-    """A rank holds one piece of a tensor per mesh axis: split on two dims over one axis it would hold
-    one block of a grid whose other blocks no rank holds."""
-    for l in lay if isinstance(lay, tuple) else (lay,):
-        if not isinstance(l, Layout):
-            continue
-        by_axis: dict[Any, list[int]] = {}
-        for d, v in l.dims:
-            by_axis.setdefault(v.find().axis, []).append(d)
-        for axis, dims in by_axis.items():
-            if len(dims) > 1:
-                raise ShardingConflict(f"{describe(node)}: its output would be split on dims {dims} over the {axis} axis", l.origins())
