@@ -4,7 +4,8 @@ strict rule against the unmodified model:
 * heads viewed into the time steps (Informer's ``context.contiguous().view(B, L, -1)`` of a
   ``[B, H, L, D]`` context): the head split lands on the time steps, so the output projection
   after it must not split its out features too (a rank would hold one block of a two-way split
-  output; the loss was half the model's), and no tensor is split on two dims over one axis;
+  output; the loss was half the model's): the planner gathers the context or keeps the heads
+  whole, and no tensor is split on two dims over one axis;
 * ``.squeeze()`` of scores over 4 heads at tp=4 (one head a rank): each ``squeeze`` drops only
   the dims the trace squeezed;
 * series flattened batch-major (``reshape(B * N, T, 1)``) added to their time features tiled
@@ -85,17 +86,11 @@ def _strict(rank: int, world: int, name: str, tp: int, pp: int) -> tuple[str, st
     return r.error, r.mismatch, r.reason
 
 
-@pytest.mark.parametrize(("name", "tp", "pp"), [("heads_by_time", 2, 1), ("squeezed_scores", 4, 1), ("tiled_time_features", 1, 2)])
+@pytest.mark.parametrize(("name", "tp", "pp"), [("heads_by_time", 2, 1), ("heads_by_time", 4, 1), ("squeezed_scores", 4, 1),
+                                                ("tiled_time_features", 1, 2)])  # fmt: skip
 def test_forecasting_constructs_pass_the_strict_rule(name: str, tp: int, pp: int) -> None:
     results = run_on_ranks(_strict, tp * pp, name, tp, pp)
     assert [r[2] for r in results] == [""] * (tp * pp)
-
-
-def test_heads_viewed_into_time_steps_at_tp4_compute_the_model() -> None:
-    """At tp=4 the output projection read whole is over the share of this small model; the numbers match."""
-    results = run_on_ranks(_strict, 4, "heads_by_time", 4, 1)
-    assert [r[:2] for r in results] == [("", "")] * 4
-    assert all("o.weight" in r[2] for r in results)
 
 
 def test_rows_met_in_another_order_mix_the_batch() -> None:

@@ -75,11 +75,12 @@ def matmul(w: Walker, node: Node, a: Node, b: Any, b_t: bool, bias: Any, b_batch
             w.param_view_shard(lb, batch_split[0], batch_split[1], kind_col, node)
         elif ak is not None:
             w.param_view_shard(lb, b_k, ak, kind_row, node)
-        elif any(v.find().axis == Axis.TP for _, v in la.dims):
-            # an activation split on a dim the matmul keeps (Informer's heads viewed into its time steps) meets the
-            # whole weight: its out features split too would leave each rank one block of a two-way split output
-            w.decide(lb.name, ParamDecision("replicate"), node)
         elif w.allowed(lb.name, "column"):
+            if any(v.find().axis == Axis.TP for _, v in la.dims):
+                # an activation split on a dim the matmul keeps (Informer's heads viewed into its time steps) meets the
+                # whole weight: its out features split too would leave each rank one block of a two-way split output.
+                # The planner weighs gathering the activation here against keeping the split's origins whole.
+                raise ShardingConflict(f"{describe(node)}: its input is split on a dim the matmul keeps", la.origins())
             var = DimVar(b_shape[b_n], frozenset({lb.name}))
             w.param_view_shard(lb, b_n, var, kind_col, node)
         else:
