@@ -46,6 +46,7 @@ from autotp.analysis.custom_functions import hook_gradient_graph, tensor_hook
 from autotp.analysis.dtensor_rules import dtensor_rule
 from autotp.analysis.propagation import Walker
 from autotp.analysis.row_pieces import REASSEMBLES, Piece, RowPieces
+from autotp.analysis.shape_rules import FOURIER, fourier_dims
 from autotp.analysis.shapes import is_float, norm_dim, schema_arg, shape_of
 from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
 from autotp.analysis.loss_denominators import per_piece_statistic, unnormalized_division
@@ -267,7 +268,7 @@ class _BatchWalker(Walker):
 
     def _runs_along_rows(self, node: Node, rows: set[int], rank: int) -> bool:
         """``roll``, ``flip``, a cumulative op (``cumsum``, ``cummax``, ...), windows (``unfold``
-        of more than one row) or a convolution's kernel of more than one element along a dim
+        of more than one row), a Fourier transform or a convolution's kernel of more than one element along a dim
         holding the rows, or padding that adds rows: each row's result reads its neighbours (or
         the rows of a piece of the batch count other padding)."""
         name = op_name(node.target)
@@ -283,6 +284,8 @@ class _BatchWalker(Walker):
         elif name in _CONVOLUTIONS:
             kernel = shape_of(node.args[1]) or ()
             dims = tuple(2 + i for i, k in enumerate(kernel[2:]) if k != 1)
+        elif name in FOURIER:
+            dims = tuple(fourier_dims(node))
         else:
             return False
         return any(norm_dim(d, rank) in rows for d in (dims if isinstance(dims, (list, tuple)) else (dims,)))

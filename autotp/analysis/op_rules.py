@@ -201,6 +201,8 @@ def rule_for(target: Any) -> Rule | None:
         return rule
     if op_name(target) in shapes.PLANEWISE:
         return shapes.planewise
+    if op_name(target) in shapes.FOURIER:
+        return shapes.fourier
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
         return values.random_draw
     if is_pointwise(target):

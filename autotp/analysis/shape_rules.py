@@ -98,6 +98,29 @@ def dims_whole(w: Walker, node: Node) -> Any:
     return _whole_along(w, node, acting, "acts along a sharded dim")
 
 
+_FOURIER_1D = frozenset({"fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_hfft", "fft_ihfft"})
+_FOURIER_2D = frozenset({"fft_fft2", "fft_ifft2", "fft_rfft2", "fft_irfft2", "fft_hfft2", "fft_ihfft2"})
+_FOURIER_ND = frozenset({"fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn", "fft_hfftn", "fft_ihfftn", "fft_fftshift", "fft_ifftshift"})
+FOURIER = _FOURIER_1D | _FOURIER_2D | _FOURIER_ND | {"_fft_r2c", "_fft_c2r", "_fft_c2c"}
+
+
+def fourier_dims(node: Node) -> list[int]:
+    """The dims a Fourier transform (or its shift) of ``node.args[0]`` acts along: its ``dim``, else the last
+    one (1-D), the last two (2-D), the last ``len(s)`` or every dim (n-D)."""
+    name, nd = op_name(node.target), len(shape_of(node.args[0]) or ())
+    dims = schema_arg(node, "dim")
+    if dims is None:
+        size = schema_arg(node, "s")
+        dims = [-1] if name in _FOURIER_1D else [-2, -1] if name in _FOURIER_2D else list(range(-len(size), 0)) if size else list(range(nd))
+    return [norm_dim(d, nd) for d in ([dims] if isinstance(dims, int) else dims)]
+
+
+def fourier(w: Walker, node: Node) -> Any:
+    """A Fourier transform (FNet, Autoformer's auto-correlation, FEDformer's frequency blocks): along its
+    dims it mixes every element, elsewhere each slice is transformed alone, so every other dim keeps its split."""
+    return _whole_along(w, node, fourier_dims(node), "transforms along a sharded dim")
+
+
 def _whole_along(w: Walker, node: Node, dims: list[int], why: str) -> Any:
     """The layout of ``node``'s input, which must be whole along ``dims`` (the op acts along
     them and elementwise elsewhere, so every other dim keeps its split)."""

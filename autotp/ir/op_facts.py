@@ -89,7 +89,12 @@ def is_pointwise(target: Any) -> bool:
     into such ops alone (``hardswish``, ``_prelu_kernel``), which PyTorch leaves untagged."""
     if not isinstance(target, torch._ops.OpOverload):
         return False
-    return torch.Tag.pointwise in target.tags or _pointwise_by_decomposition(target)
+    return torch.Tag.pointwise in target.tags or target in _POINTWISE_UNTAGGED or _pointwise_by_decomposition(target)
+
+
+# each complex element made from the same elements of its two real inputs (FEDformer's ``torch.complex(w_re, w_im)``
+# weights); PyTorch tags neither and decomposes neither
+_POINTWISE_UNTAGGED = frozenset({torch.ops.aten.complex.default, torch.ops.aten.polar.default})
 
 
 @functools.cache
