@@ -23,33 +23,33 @@ from distributed import run_on_ranks
 BATCH, SEQ, DIM, HEADS, SERIES = 2, 16, 32, 4, 8
 
 
-class HeadsByTime(nn.Module):
+class _Heads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k and v as ``[B, H, L, D]``."""
+        return tuple(p(x).view(x.shape[0], x.shape[1], HEADS, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+
+
+class HeadsByTime(_Heads):
     """Attention whose ``[B, H, L, D]`` context is viewed as ``[B, L, H * D]`` without moving the heads back."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, length, _ = x.shape
-        q, k, v = (p(x).view(b, length, HEADS, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = self.heads(x)
         context = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
-        return self.o(context.contiguous().view(b, length, -1))
+        return self.o(context.contiguous().view(x.shape[0], x.shape[1], -1))
 
 
-class SqueezedScores(nn.Module):
+class SqueezedScores(_Heads):
     """Each query's score against its own key, ``(q.unsqueeze(-2) @ k.unsqueeze(-1)).squeeze()``."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, length, _ = x.shape
-        q, k, v = (p(x).view(b, length, HEADS, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = self.heads(x)
         scores = (q.unsqueeze(-2) @ k.unsqueeze(-1)).squeeze()  # [B, H, L]
         weighted = torch.softmax(scores, -1).unsqueeze(-1) * v
-        return self.o(weighted.transpose(1, 2).reshape(b, length, DIM))
+        return self.o(weighted.transpose(1, 2).reshape(x.shape))
 
 
 class TiledTimeFeatures(nn.Module):
