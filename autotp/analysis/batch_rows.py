@@ -46,9 +46,9 @@ from autotp.analysis.custom_functions import hook_gradient_graph, tensor_hook
 from autotp.analysis.dtensor_rules import dtensor_rule
 from autotp.analysis.propagation import Walker
 from autotp.analysis.row_pieces import REASSEMBLES, Piece, RowPieces
+from autotp.analysis.row_statistics import statistic_meets_rows
 from autotp.analysis.shape_rules import FOURIER, fourier_dims
 from autotp.analysis.shapes import is_float, norm_dim, schema_arg, shape_of
-from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
 from autotp.analysis.loss_denominators import per_piece_statistic, unnormalized_division
 from autotp.ir.errors import describe
 from autotp.ir.layouts import REPLICATE, DimVar, Layout, ShardingConflict, shard
@@ -73,11 +73,6 @@ _CLASS_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"})
 _TRAINING_ARG = 5
 _FREQUENCY_SCALED = frozenset({"embedding", "embedding_bag", "_embedding_bag"})
-_ROW_STATISTICS = REDUCTIONS | {
-    torch.ops.aten.amax.default, torch.ops.aten.amin.default, torch.ops.aten.aminmax.default, torch.ops.aten.max.default,
-    torch.ops.aten.min.default, torch.ops.aten.logsumexp.default, torch.ops.aten.var_mean.correction,
-    torch.ops.aten.std_mean.correction, torch.ops.aten.norm.ScalarOpt_dim,
-}  # fmt: skip
 
 
 class _BatchWalker(Walker):
@@ -428,7 +423,7 @@ def _mixing_node(gm: GraphModule, walker: _BatchWalker) -> str:
         return f"{division}, which divides by a statistic of the whole batch"
     if walker.mixing is not None:
         return describe(walker.mixing)
-    if (meeting := _statistic_meets_rows(gm, walker._rows_at)) is not None:
+    if (meeting := statistic_meets_rows(gm, walker._rows_at)) is not None:
         return f"{describe(meeting[0])}, where a statistic over the batch's rows ({describe(meeting[1])}) meets each row's values"
     if (carried := carried_buffer_write(gm)) is not None:
         return f"{describe(carried[0])}, which updates buffer {carried[1]} from its value before the forward (each piece of a split batch would read what the piece before it wrote)"
@@ -448,63 +443,3 @@ def _only_counts(node: Node) -> bool:
                 seen.add(user)
                 stack.append(user)
     return True
-
-
-def _statistic_meets_rows(gm: GraphModule, rows_at: Callable[[Node], set[int]]) -> tuple[Node, Node] | None:
-    """The first op that combines a float statistic over the batch rows with float values
-    that still hold rows, so that each row's result depends on the other rows of its piece,
-    and the reduction the statistic comes from. A statistic that only meets other statistics
-    (a mean loss, an auxiliary loss of per-expert means) keeps the rows apart."""
-    source: dict[Node, Node] = {}  # a node computed from a statistic over rows -> that reduction
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        tainted = [a for a in node.all_input_nodes if a in source]
-        if tainted:
-            stats = [a for a in tainted if is_float(a)]
-            rows = [a for a in node.all_input_nodes if a not in source and is_float(a) and rows_at(a)]
-            if stats and rows and rows_at(node):
-                return node, source[stats[0]]
-            source[node] = source[tainted[0]]
-        elif _contracts_rows(node, rows_at):
-            source[node] = node
-        elif node.target in _ROW_STATISTICS and is_float(node.args[0]):
-            if set(reduced_dims(node, len(shape_of(node.args[0]) or ()))) & rows_at(node.args[0]):
-                source[node] = node
-        elif _scatters_rows(node, rows_at):
-            source[node] = node
-    return None
-
-
-def _contracts_rows(node: Node, rows_at: Callable[[Node], set[int]]) -> bool:
-    """A matmul whose contracted dim holds the rows in both operands (Liger's weight gradient
-    ``d_logits.t() @ x``, a Gram matrix ``x.t() @ x``): a sum over the rows."""
-    if op_name(node.target) not in ("mm", "matmul", "bmm") or len(node.args) < 2:
-        return False
-    (a, sa), (b, sb) = ((x, shape_of(x) or ()) for x in node.args[:2])
-    return len(sa) >= 2 and len(sb) >= 2 and len(sa) - 1 in rows_at(a) and len(sb) - 2 in rows_at(b)
-
-
-# scatters that accumulate: op -> positions of (dim, values)
-_ACCUMULATING_SCATTERS = {
-    torch.ops.aten.index_add.default: (1, 3), torch.ops.aten.scatter_add.default: (1, 3),
-    torch.ops.aten.scatter_reduce.two: (1, 3), torch.ops.aten.index_reduce.default: (1, 3),
-}  # fmt: skip
-
-
-def _scatters_rows(node: Node, rows_at: Callable[[Node], set[int]]) -> bool:
-    """An accumulating scatter of values whose rows lie on the scattered dim into a tensor that
-    holds no rows there (messages summed into a graph's nodes, ``zeros(n).index_add(0, dst, m)``):
-    each slot is a statistic over whichever rows the index sends to it. Into a tensor holding the
-    rows there (an MoE's combine into ``zeros_like(tokens)``) the slots are the rows themselves."""
-    if node.target is torch.ops.aten.index_put.default:
-        dim, values, accumulates = 0, node.args[2], schema_arg(node, "accumulate", False)
-    elif node.target in _ACCUMULATING_SCATTERS:
-        at_dim, at_values = _ACCUMULATING_SCATTERS[node.target]
-        dim, values, accumulates = node.args[at_dim], node.args[at_values], True
-    else:
-        return False
-    if not (accumulates and isinstance(values, Node) and is_float(values) and isinstance(dim, int)):
-        return False
-    rank = len(shape_of(node) or ())
-    return norm_dim(dim, rank) in rows_at(values) and norm_dim(dim, rank) not in rows_at(node)
