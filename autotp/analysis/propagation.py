@@ -330,4 +330,3 @@ def propagate(
 ) -> Propagation:
     """Walk ``gm`` once; see the module docstring for the two modes."""
     return Walker(gm, tp, plan, policy, avoid, statistics, hints, gathers, padded).run()
-
