@@ -32,7 +32,7 @@ from torch.fx import GraphModule
 from transformers import PretrainedConfig
 
 from autotp import presets
-from autotp.analysis.batch_rows import batch_size, batch_verdicts, input_row_dims
+from autotp.analysis.batch_rows import batch_size, batch_verdicts, input_row_dims, rows_past_dim0
 from autotp.analysis.layers import num_layers, repeated_modules
 from autotp.analysis.pipeline_units import units
 from autotp.analysis.trace import input_batch_dims, trace
@@ -241,11 +241,15 @@ def plan_model(
     chosen = with_fp8(traced, chosen, fp8)
     if not chosen.unread:
         chosen = plan_unread_params(traced, chosen)
-    batch_dims = tuple(input_batch_dims(model, kwargs, device).items())
-    rows = input_row_dims(kwargs, dict(batch_dims))
-    mixing, statistics, output_rows = batch_verdicts(traced, batch_size(kwargs), rows)
-    chosen = replace(chosen, input_batch_dims=batch_dims, batch_mixing=mixing, batch_statistics=statistics, output_batch_dims=output_rows,
-                     requires_grad_set=tuple(sorted(traced.meta.get(meta_keys.REQUIRES_GRAD_SET, {}).items())))  # fmt: skip
+    batch_dims = input_batch_dims(model, kwargs, device)
+    mixing, statistics, output_rows = batch_verdicts(traced, batch_size(kwargs, batch_dims), input_row_dims(kwargs, batch_dims))
+    past = rows_past_dim0(traced, kwargs) if mixing and not batch_dims else None
+    if past is not None:
+        batch_dims, (mixing, statistics, output_rows) = past
+        log.info("the forward mixes dim 0 of its inputs and never dim 1: the batch is on dim 1 of %s", ", ".join(batch_dims))
+    chosen = replace(chosen, input_batch_dims=tuple(batch_dims.items()), batch_mixing=mixing, batch_statistics=statistics, output_batch_dims=output_rows,
+                     requires_grad_set=tuple(sorted(traced.meta.get(meta_keys.REQUIRES_GRAD_SET, {}).items())),
+                     branch_buffers=tuple(sorted(traced.meta.get(meta_keys.BRANCH_BUFFERS, ()))))  # fmt: skip
     chosen = with_recompute(traced, chosen, recompute, planned_here=not isinstance(plan, ParallelPlan))
     planned_at = time.perf_counter()
     _warn_replicated(traced, chosen)

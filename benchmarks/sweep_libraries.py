@@ -36,12 +36,16 @@ module, and every name in it, then imports as an empty placeholder::
         bottleneck-transformer-pytorch VN-transformer axial-attention bidirectional-cross-attention compositional-attention-pytorch \
         hamburger-pytorch kronecker-attention-pytorch memory-compressed-attention omninet-pytorch point-transformer-pytorch \
         tranception-pytorch uformer-pytorch mlp-mixer-pytorch res-mlp-pytorch MaMMUT-pytorch ring-attention-pytorch
+    pip install --no-deps --target /tmp/libsite17 ibm-fms moshi sam2 infini-transformer-pytorch transfusion-pytorch \
+        x-transformers rotary-embedding-torch einops einx beartype hyper-connections assoc-scan axial-positional-embedding \
+        torchdiffeq jaxtyping wadler-lindig loguru torch-einops-utils iopath portalocker pillow frozendict
     python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
 
 Model code that is not on PyPI (nanochat, nanoGPT, lingua, OLMo-core, Whisper, CLIP, SAM, DINOv2,
-I-JEPA, DiT, guided-diffusion) is read from the repositories' sources in another folder on
-``--site`` (docs/propagation.md, eighteenth round). Time-Series-Library (github.com/thuml/Time-Series-Library,
+I-JEPA, DiT, guided-diffusion; DINOv3's ``dinov3`` package and MiniMind's ``model/model_minimind.py`` as
+``minimind_model.py``) is read from the repositories' sources in another folder on
+``--site`` (docs/propagation.md, eighteenth and twenty-fifth rounds). Time-Series-Library (github.com/thuml/Time-Series-Library,
 models named ``tslib_*``) is its ``models``, ``layers`` and ``utils`` packages in a folder of their own on ``--site``
 (they import each other by those top-level names); its Reformer and Crossformer import reformer-pytorch and
 local-attention from the second install line above.
@@ -76,7 +80,7 @@ STUBS = ("torchvision", "lightning", "lightning_utilities", "jsonargparse", "psu
          "fairscale", "mamba_ssm", "polars", "ema_pytorch", "pytorch_fid", "pyfaidx", "kipoiseq", "tensordict", "tyro", "wandb", "pandas",
          "torch.utils.tensorboard", "torchtitan.models.moe.kernels", "labml", "labml_helpers", "matplotlib")  # fmt: skip
 # packages whose __init__ imports far more than their models (a CLI, trainers): their submodules load without it
-BARE = ("litgpt", "torchtune", "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3")
+BARE = ("litgpt", "torchtune", "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3", "sam2")
 LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "diffusers", "peft", "nanochat", "olmo_core", "whisper",
              "segment_anything", "clip", "dinov2", "dit", "nanogpt",
              "lingua", "guided_diffusion", "ijepa", "palm_pytorch", "MEGABYTE_pytorch", "simple_hierarchical_transformer",
@@ -94,7 +98,8 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "slot_attention", "triangle_multiplicative_module", "bottleneck_transformer_pytorch", "VN_transformer", "axial_attention",
              "bidirectional_cross_attention", "compositional_attention_pytorch", "hamburger_pytorch", "kronecker_attention_pytorch",
              "memory_compressed_attention", "omninet_pytorch", "point_transformer_pytorch", "tranception_pytorch", "uformer_pytorch",
-             "mlp_mixer_pytorch", "res_mlp_pytorch", "mammut_pytorch", "ring_attention_pytorch", "tslib")  # fmt: skip
+             "mlp_mixer_pytorch", "res_mlp_pytorch", "mammut_pytorch", "ring_attention_pytorch", "tslib", "fms", "moshi", "sam2",
+             "infini_transformer_pytorch", "transfusion_pytorch", "dinov3", "minimind")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
@@ -681,6 +686,85 @@ def _tslib(name: str, **overrides: Any) -> Model:
     return build, inputs, _squares
 
 
+def _fms(module: str, cls: str, config: str, **kwargs: Any) -> Model:
+    """IBM's foundation-model-stack: ``fms.models.<module>.<cls>(<config>(...))`` of 2 layers over VOCAB tokens, after
+    its ``post_init`` (the RoPE tables). Its ``reset_parameters`` leaves some parameters as ``torch.empty`` made them,
+    so every parameter is drawn here at its scale (0.02), norms' gains around one."""
+
+    def build() -> torch.nn.Module:
+        package = importlib.import_module(f"fms.models.{module}")
+        settings = getattr(package, config)(src_vocab_size=VOCAB, nlayers=2, **kwargs)
+        model = getattr(package, cls)(settings)
+        if hasattr(model, "post_init"):
+            model.post_init()
+        gen = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                gain = name.endswith(("ln.weight", "norm.weight"))
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.1 if gain else 0.02) + gain)
+        return model
+
+    return build, _tokens("x"), lm_loss
+
+
+def _moshi_codes() -> dict[str, Any]:
+    """Moshi's streams: a text token stream and two audio codebooks of 32 entries, 16 steps."""
+    return {"codes": torch.randint(0, 32, (2, 3, SEQ), generator=torch.Generator().manual_seed(1))}
+
+
+def _moshi_loss(out: Any) -> torch.Tensor:
+    """Both streams' cross-entropy where Moshi's masks say a step is predicted (its logits are NaN where not)."""
+    audio = out.logits.masked_fill(~out.mask[..., None], 0.0)
+    return lm_loss(audio.flatten(0, 1)) + lm_loss(out.text_logits.masked_fill(~out.text_mask[..., None], 0.0)[:, 0])
+
+
+def _sam2_memory() -> torch.nn.Module:
+    """SAM 2's memory attention: self-attention over the current frame's 4x4 features and cross-attention to two
+    frames of memory, both with axial RoPE (complex numbers), sequence first."""
+    modules = importlib.import_module("sam2.modeling.memory_attention")
+    rope = importlib.import_module("sam2.modeling.sam.transformer").RoPEAttention
+    layer = modules.MemoryAttentionLayer(
+        activation="relu", d_model=64, dim_feedforward=128, dropout=0.0, pos_enc_at_attn=False, pos_enc_at_cross_attn_keys=True,
+        pos_enc_at_cross_attn_queries=False, self_attention=rope(embedding_dim=64, num_heads=4, feat_sizes=(4, 4)),
+        cross_attention=rope(embedding_dim=64, num_heads=4, feat_sizes=(4, 4), rope_k_repeat=True, kv_in_dim=32))  # fmt: skip
+    return modules.MemoryAttention(d_model=64, pos_enc_at_input=True, layer=layer, num_layers=2)
+
+
+def _sam2_memory_inputs() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    return {"curr": torch.randn(SEQ, 2, 64, generator=gen), "memory": torch.randn(2 * SEQ, 2, 32, generator=gen),
+            "curr_pos": torch.randn(SEQ, 2, 64, generator=gen), "memory_pos": torch.randn(2 * SEQ, 2, 32, generator=gen)}  # fmt: skip
+
+
+def _dinov3() -> torch.nn.Module:
+    """DINOv3's ViT (axial RoPE, storage tokens, masked k bias, SwiGLU, layer scale) of 2 layers, its own init."""
+    vit = importlib.import_module("dinov3.models.vision_transformer").DinoVisionTransformer(
+        img_size=IMAGE, patch_size=8, embed_dim=64, depth=2, num_heads=4, ffn_layer="swiglu", n_storage_tokens=2, mask_k_bias=True,
+        layerscale_init=1e-5, pos_embed_rope_dtype="fp32")  # fmt: skip
+    vit.init_weights()
+    return _reinit_zeros(vit)
+
+
+def _dinov3_inputs() -> dict[str, Any]:
+    return _dinov2_inputs() | {"is_training": True}
+
+
+def _dino_tokens(out: Any) -> torch.Tensor:
+    """The student's class and patch tokens (every third channel: they leave a norm)."""
+    return _strided_squares(out["x_norm_clstoken"]) + _strided_squares(out["x_norm_patchtokens"])
+
+
+def _minimind(**kwargs: Any) -> Model:
+    """MiniMind (jingyaogong/minimind): a Qwen-style decoder of its own, dense or with a loop over its experts."""
+
+    def build() -> torch.nn.Module:
+        mm = importlib.import_module("minimind_model")
+        return mm.MiniMindForCausalLM(mm.MiniMindConfig(hidden_size=64, num_hidden_layers=2, vocab_size=VOCAB, num_attention_heads=4,
+                                                        num_key_value_heads=2, intermediate_size=128, **kwargs))  # fmt: skip
+
+    return build, _tokens("input_ids"), lambda out: lm_loss(out.logits)
+
+
 def _points(tokens: bool) -> Callable[[], dict[str, Any]]:
     """Point clouds of SEQ points in 3-D with a token or 32 features per point."""
 
@@ -1209,6 +1293,32 @@ MODELS: dict[str, Model] = {
     "tslib_micn": _tslib("MICN", label_len=SEQ),  # its decoder input is the whole input window and the forecast
     "tslib_multipatchformer": _tslib("MultiPatchFormer", seq_len=96),  # its widest patch is 32 steps
     "tslib_temporalfusiontransformer": _tslib("TemporalFusionTransformer", data="ETTh1", enc_in=7, dec_in=7, c_out=7),  # its covariates by dataset
+    "fms_llama": _fms("llama", "LLaMA", "LLaMAConfig", emb_dim=64, nheads=4, kvheads=2, multiple_of=32),
+    "fms_granite": _fms("granite", "Granite", "GraniteConfig", emb_dim=64, nheads=4, head_dim=16, kvheads=2, multiple_of=32, embedding_multiplier=12.0,
+                        logits_scaling=10.0, residual_multiplier=0.28, attention_multiplier=0.0078125),  # fmt: skip
+    "fms_granite_swa": _fms("granite_swa", "GraniteSWA", "GraniteSWAConfig", emb_dim=64, nheads=4, head_dim=16, kvheads=2, multiple_of=32,
+                            is_swa_layer=[True, False], window_length=8, pad_id=0),  # fmt: skip
+    "fms_qwen3": _fms("qwen3", "Qwen3", "Qwen3Config", emb_dim=64, nheads=4, kvheads=2, head_dim=16, multiple_of=32, hidden_grow_factor=2),
+    "fms_bamba": _fms("bamba", "Bamba", "BambaConfig", emb_dim=64, nheads=4, kvheads=2, head_dim=16, attn_layer_indices=[1], state_size=16,
+                      mamba_n_heads=8, n_groups=2, chunk_size=8, multiple_of=32),  # fmt: skip
+    "fms_gpt_bigcode": _fms("gpt_bigcode", "GPTBigCode", "GPTBigCodeConfig", emb_dim=64, nheads=4, max_expected_seq_len=64),
+    "fms_roberta": _fms("roberta", "RoBERTa", "RoBERTaConfig", emb_dim=64, nheads=4, max_pos=64, p_dropout=0.0),
+    "fms_mpnet": _fms("mpnet", "Mpnet", "MpnetConfig", emb_dim=64, nheads=4, intermediate_size=128, hidden_dropout_prob=0.0, p_dropout=0.0,
+                      max_expected_seq_len=64),  # fmt: skip
+    "moshi_lm": (_call("moshi.models.lm.LMModel", delays=[0, 1, 1], n_q=2, dep_q=2, card=32, text_card=64, dim=64, num_heads=4, num_layers=2,
+                       hidden_scale=2, depformer_dim=32, depformer_num_layers=1, depformer_num_heads=2, depformer_dim_feedforward=64,
+                       positional_embedding="rope", norm="rms_norm_f32", gating="silu"), _moshi_codes, _moshi_loss),  # fmt: skip
+    "sam2_hiera": (_call("sam2.modeling.backbones.hieradet.Hiera", embed_dim=32, num_heads=1, q_pool=1, stages=(1, 2), global_att_blocks=(2,),
+                         window_spec=(4, 4), window_pos_embed_bkg_spatial_size=(4, 4), return_interm_layers=False), _images("x"), _squares),  # fmt: skip
+    "sam2_memory_attention": (_sam2_memory, _sam2_memory_inputs, _strided_squares),
+    "dinov3_masked": (_dinov3, _dinov3_inputs, _dino_tokens),
+    "minimind": _minimind(),
+    "minimind_moe": _minimind(use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    "infini_transformer_pytorch": (_call("infini_transformer_pytorch.InfiniTransformer", num_tokens=VOCAB, dim=64, depth=2, dim_head=16, heads=4),
+                                   _tokens("x"), lm_loss),  # fmt: skip
+    "transfusion_pytorch": (_call("transfusion_pytorch.Transfusion", num_text_tokens=VOCAB, dim_latent=16,
+                                  transformer=dict(dim=64, depth=2, dim_head=16, heads=4)), lambda: _tokens("modalities")() | {"return_loss": False},
+                            lm_loss),  # fmt: skip
 }
 
 

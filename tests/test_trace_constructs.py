@@ -712,7 +712,60 @@ def test_a_branch_on_a_buffer_takes_the_side_its_value_says_and_asserts_it() -> 
     assert check_on_rank(_OnceInitializedCodebook(True), {"input_ids": ids, "labels": ids}, tp=1).passed
     pm = parallelize(_OnceInitializedCodebook(True), tp=1, example_inputs={"input_ids": ids, "labels": ids})
     pm.get_buffer("initted").fill_(False)
-    with pytest.raises(RuntimeError, match=r"test_trace_constructs.py:\d+ \(if self.initted:\) was traced with buffer initted = True"):
+    with pytest.raises(RuntimeError, match=r"test_trace_constructs.py:\d+ \(if self.initted:\) was traced with its test on buffers initted = True"):
         pm(input_ids=ids, labels=ids)
     with pytest.raises(UserInputError, match="codebook"):
         parallelize(_OnceInitializedCodebook(False), tp=1, example_inputs={"input_ids": ids, "labels": ids})
+
+
+class _RecomputedTables(nn.Module):
+    """RoPE tables a forward recomputes when it finds them zeroed (MiniMind's guard against a meta-device
+    init: ``if self.freqs_cos[0, 0] == 0:``): a branch on a value computed from a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Embedding(16, 32), nn.ModuleList(nn.Linear(32, 32) for _ in range(2)), nn.Linear(32, 16)
+        self.register_buffer("cos", self._tables(), persistent=False)
+
+    @staticmethod
+    def _tables() -> torch.Tensor:
+        return torch.cos(torch.arange(64.0)[:, None] / 10 ** torch.linspace(0, 2, 32))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        if self.cos[0, 0] == 0:
+            self.cos = self._tables()
+        for layer in self.mix:
+            h = h + layer(h * self.cos[: h.shape[1]]).relu()
+        logits = self.head(h)
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def _recomputed_tables_on_rank(rank: int, world: int, tp: int, pp: int) -> tuple[bool, str, tuple[str, ...]]:
+    from autotp import parallelize
+
+    ids = torch.tensor([[0, 1, 5, 6], [7, 5, 6, 7]])
+    torch.manual_seed(0)
+    result = check_on_rank(_RecomputedTables(), {"input_ids": ids, "labels": ids}, tp=tp, pp=pp)
+    torch.manual_seed(0)
+    pm = parallelize(_RecomputedTables(), tp=tp, pp=pp, example_inputs={"input_ids": ids, "labels": ids})
+    return result.passed, result.reason, pm.plan.branch_buffers
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_a_branch_on_a_value_computed_from_buffers_takes_their_side(tp: int, pp: int) -> None:
+    """The tested element is computed from the buffer; the trace takes the side its value gives,
+    and a pipeline's microbatch trace (from the copy the model keeps) does too."""
+    from distributed import run_on_ranks
+
+    assert run_on_ranks(_recomputed_tables_on_rank, tp * pp, tp, pp, timeout_s=300) == [(True, "", ("cos",))] * (tp * pp)
+
+
+def test_a_branch_on_a_value_computed_from_buffers_is_asserted_at_run_time() -> None:
+    from autotp import parallelize
+
+    ids = torch.tensor([[0, 1, 5, 6], [7, 5, 6, 7]])
+    pm = parallelize(_RecomputedTables(), tp=1, example_inputs={"input_ids": ids, "labels": ids})
+    pm.get_buffer("cos").zero_()
+    with pytest.raises(RuntimeError, match=r"\(if self.cos\[0, 0\] == 0:\) was traced with its test on buffers cos = False"):
+        pm(input_ids=ids, labels=ids)

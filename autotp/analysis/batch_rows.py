@@ -144,11 +144,29 @@ class _BatchWalker(Walker):
     def _attention(self, node: Node) -> Layout:
         """Attention keeps its leading dims (batch, heads) apart: the output holds rows on a leading
         dim where any of query, key and value does (a learned query broadcast over the batch
-        attending to each row's keys: an attention pooler)."""
+        attending to each row's keys: an attention pooler), on its query positions where the
+        query's positions are rows (a sequence-first batch transposed, a query per row attending to
+        keys every row shares), and on its features where the value's features are."""
         q, k, v = node.args[:3]
         lead = len(shape_of(q) or ()) - 2
-        rows = {d for d in self._rows_at(q) | self._rows_at(k) | self._rows_at(v) if d < lead}
+        mask = schema_arg(node, "attn_mask")
+        offset = lead + 2 - len(shape_of(mask) or ()) if isinstance(mask, Node) else 0  # the mask broadcasts from the right
+        mask_rows = {d + offset for d in self._rows_at(mask)} if isinstance(mask, Node) else set()
+        rows = {d for d in self._rows_at(q) | self._rows_at(k) | self._rows_at(v) | mask_rows if d < lead}
+        rows |= {lead} & (self._rows_at(q) | mask_rows) | {lead + 1} & self._rows_at(v)
         return shard({d: self.rows for d in rows})
+
+    def _attention_mixes(self, node: Node) -> bool:
+        """Each query weighs every key position and sums every feature of query and key: rows on
+        the keys' or values' positions, on the query's or key's features, or on the mask's key
+        positions meet each other there."""
+        q, k, v = node.args[:3]
+        lead = len(shape_of(q) or ()) - 2
+        mask = schema_arg(node, "attn_mask")
+        mask_rows = self._rows_at(mask) if isinstance(mask, Node) else set()
+        mask_keys = len(shape_of(mask) or ()) - 1 if isinstance(mask, Node) else -1
+        return bool({lead, lead + 1} & self._rows_at(k) or {lead + 1} & self._rows_at(q) or {lead} & self._rows_at(v)
+                    or mask_keys in mask_rows)  # fmt: skip
 
     def _selects_rows(self, node: Node) -> bool:
         """``x[mask]`` by a boolean mask over x's leading dims, the first holding rows
@@ -187,6 +205,8 @@ class _BatchWalker(Walker):
         name = op_name(node.target)
         if not node.args:
             return False
+        if name == "scaled_dot_product_attention":
+            return self._attention_mixes(node)
         if name in _FREQUENCY_SCALED:  # an id's gradient over its count in the batch; a bag's offset counts the bags before it
             return bool(self._rows_at(node.args[1])) and schema_arg(node, "scale_grad_by_freq", False) or bool(self._rows_at(schema_arg(node, "offsets")))
         if tensor_hook(node) is not None:
@@ -342,11 +362,16 @@ def _normalized_dims(node: Node, name: str, rank: int) -> set[int]:
     return set(range(rank - len(schema_arg(node, "normalized_shape", ())), rank))
 
 
-def batch_size(call: dict[str, Any]) -> int:
-    """The rows a split step cuts: the dim 0 that most tensors of ``call`` with a dim share (nested
+def batch_size(call: dict[str, Any], batch_dims: Mapping[str, int] = MappingProxyType({})) -> int:
+    """The rows a split step cuts: the size of the dim ``batch_dims`` (``ParallelPlan.input_batch_dims``)
+    names for an input, else the dim 0 that most tensors of ``call`` with a dim share (nested
     ones included; of equals, the first). A tensor of another length (gpt-fast's ``input_pos``)
     is every row's."""
-    sizes = [v.shape[0] for v in torch.utils._pytree.tree_leaves(call) if isinstance(v, torch.Tensor) and v.dim() > 0]
+    leaves = tree_flatten_with_path(call)[0]
+    named = [v.shape[batch_dims[keystr(p)]] for p, v in leaves if batch_dims.get(keystr(p), UNKNOWN_ROWS) != UNKNOWN_ROWS]
+    if named:
+        return named[0]
+    sizes = [v.shape[0] for _, v in leaves if isinstance(v, torch.Tensor) and v.dim() > 0]
     return max(sizes, key=sizes.count) if sizes else 0
 
 
@@ -360,7 +385,7 @@ def input_row_dims(call: dict[str, Any], batch_dims: Mapping[str, int] = Mapping
     holds the batch's rows. ``batch_dims`` (``ParallelPlan.input_batch_dims``) names inputs whose
     rows lie elsewhere than dim 0 (Qwen2-VL's ``position_ids`` [3, B, S]: dim 1); any other tensor
     holds them on dim 0 where it has the batch's size (``batch_size``), or is every row's (None)."""
-    size = batch_size(call)
+    size = batch_size(call, batch_dims)
     dims: list[int | None] = []
     for path, value in tree_flatten_with_path(call)[0]:
         given = batch_dims.get(keystr(path))
@@ -395,6 +420,22 @@ def batch_verdicts(gm: GraphModule, batch: int, row_dims: list[int | None] | Non
         return "", "", ()
     mixing, rows_at = batch_mixing_verdict(gm, batch, row_dims)
     return mixing, "" if mixing else per_piece_statistic(gm, rows_at), output_row_dims(gm, batch, rows_at)
+
+
+def rows_past_dim0(gm: GraphModule, call: dict[str, Any]) -> tuple[dict[str, int], tuple[str, str, tuple[int | None, ...]]] | None:
+    """Where the forward mixes the rows of dim 0, a sequence-first batch (``nn.Transformer``'s
+    default [S, B, D]): the rows on dim 1 of each input of two or more dims whose dim 1 has the
+    size most of them share there (an input of that size on dim 0 alone, a batch-first mask,
+    keeps them on dim 0), with ``batch_verdicts`` under them, if the walk finds those rows never
+    mix; else None."""
+    leaves = tree_flatten_with_path(call)[0]
+    sizes = [v.shape[1] for _, v in leaves if isinstance(v, torch.Tensor) and v.dim() > 1]
+    size = max(sizes, key=sizes.count) if sizes else 0
+    if size < 2:
+        return None
+    dims = {keystr(p): 1 for p, v in leaves if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] == size}
+    verdicts = batch_verdicts(gm, size, input_row_dims(call, dims))
+    return None if verdicts[0] else (dims, verdicts)
 
 
 def output_row_dims(gm: GraphModule, batch: int, rows_at: Callable[[Node], set[int]]) -> tuple[int | None, ...]:

@@ -83,13 +83,16 @@ def _real_buffers(model: nn.Module) -> Callable[[str], torch.Tensor | None]:
     return buffers.get
 
 
-def structure_copy(model: nn.Module) -> nn.Module:
+def structure_copy(model: nn.Module, branch_buffers: tuple[str, ...] = ()) -> nn.Module:
     """A copy of ``model`` with parameters and buffers on ``meta``, kept for retracing; but
-    one-element buffers, whose values a retrace's branches may test (a flag), copied."""
+    one-element buffers (a flag) and ``branch_buffers`` (``ParallelPlan.branch_buffers``), whose
+    values a retrace's branches test, copied."""
     memo: dict[int, Any] = {}
-    buffers = {id(b) for b in model.buffers()}
+    named = dict(model.named_buffers(remove_duplicate=False))
+    buffers = {id(b) for b in named.values()}
+    kept = {id(named[n]) for n in branch_buffers if n in named}
     for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) in buffers and t.numel() == 1:
+        if id(t) in buffers and (t.numel() == 1 or id(t) in kept):
             memo[id(t)] = t.detach().clone()
         elif id(t) not in memo:
             meta = torch.empty_like(t, device="meta")
@@ -188,6 +191,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
         ep, _, _ = _export(model, fake_model, fake_kwargs, verdicts, unreachable)
     gm = ep.module()
     gm.meta[meta_keys.REQUIRES_GRAD_SET] = _requires_grad_set(type(model).__name__, flags, left)
+    gm.meta[meta_keys.BRANCH_BUFFERS] = ep.graph_module.meta[meta_keys.BRANCH_BUFFERS]
     mark_checkpointed(gm)
     reconnect_unchanged_region_outputs(gm)
     inline_regions(gm)
@@ -200,7 +204,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     squeeze_traced_dims(gm)
     if split_batch:
         doubled = functools.cache(lambda: _doubled(model, kwargs, device, batch_dims))  # traced once, if either needs it
-        made_rows = _rows_of_made_tensors(gm, batch_size(kwargs), doubled)
+        made_rows = _rows_of_made_tensors(gm, batch_size(kwargs, batch_dims), doubled)
         normalize_loss_denominators(gm, _rows_by_name(gm, kwargs, doubled, batch_dims, made_rows), doubled)
         _mark_draw_rows(gm, made_rows)
     mark_elementwise(gm)
@@ -227,8 +231,8 @@ def _rows_by_name(gm: GraphModule, kwargs: dict[str, Any], doubled: Callable[[],
     over the rows from a sum over one row, so the rows are then found in a trace of the batch
     doubled, node by node of the same name."""
     made = {name: dims for name, dims in made_rows.items() if dims}
-    if batch_size(kwargs) >= 2:
-        return batch_rows_at(gm, batch_size(kwargs), input_row_dims(kwargs, batch_dims), made)
+    if batch_size(kwargs, batch_dims) >= 2:
+        return batch_rows_at(gm, batch_size(kwargs, batch_dims), input_row_dims(kwargs, batch_dims), made)
     twice = doubled()
     rows = batch_rows_at(twice, 2, input_row_dims(_twice(kwargs, batch_dims), batch_dims), made)
     nodes = {n.name: n for n in twice.graph.nodes}
@@ -345,6 +349,7 @@ def _export(
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False, dynamic_shapes=dynamic_shapes)
             sys.stderr.write(printed.getvalue())
             name_assumptions(ep.graph, assumed)
+            ep.graph_module.meta[meta_keys.BRANCH_BUFFERS] = frozenset(loops.buffers_read)
         except Exception as e:  # noqa: BLE001 - re-raised with location
             if loops.failed is not None and loops.failed not in unreachable:
                 log.info("the iteration for index %s of the loop at %s indexes out of range; traced again with it asserted not to run", loops.failed[1], loops.failed[0])

@@ -56,10 +56,11 @@ What the masking cannot keep exact is refused, with an error naming the line:
 
 Python state a scope changes (a counter in a plain ``int``) is not seen.
 
-**Branches on a buffer.** ``if self.initted: return`` (a codebook's k-means initialization
-done once) tests a one-element buffer of the model, not the data: the trace takes the side the
-user's model's buffer holds (it knows the values the fake copy's tensors stand for), and the graph
-asserts at run time that the buffer still holds that value, naming the line.
+**Branches on buffers.** ``if self.initted: return`` (a codebook's k-means initialization
+done once) or ``if self.freqs_cos[0, 0] == 0:`` (RoPE tables lost to a meta-device init) tests
+the model's buffers, not the data: the trace takes the side the user's model's buffers give
+(``buffer_branches``), and the graph asserts at run time that the test still comes out so,
+naming the line.
 
 **Value bounds.** ``bincount(x, minlength=m)`` has ``max(m, max(x) + 1)`` entries, a size
 known only at run time. Where ``x`` holds indices into a dim of size at most ``m``
@@ -88,6 +89,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autotp.analysis.branch_sources import skipping_branches
+from autotp.analysis.buffer_branches import value_from_buffers
 from autotp.ir.errors import UserInputError
 
 # Unrolling a bound this large would multiply the graph; such a loop is left to export (which refuses it).
@@ -188,6 +190,7 @@ class _ControlFlowWatch(TorchFunctionMode):
         self.stack: list[_Scope] = []
         self.ended = WeakIdKeyDictionary()  # tensor made in an ended scope -> the scope's line
         self.loops: list[_Loop] = []
+        self.buffers_read: set[str] = set()  # buffers whose values took a branch (``buffer_branches``)
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -434,18 +437,17 @@ def guarded_control_flow(model: torch.nn.Module, unreachable: frozenset[tuple[st
         # branch from the tensor itself, before export tries and records the read
         if not is_fake(self):
             return _ORIGINAL_TENSOR_BOOL(self)
+        found = value_from_buffers(self, model, real_buffer) if self.numel() == 1 else None
+        if found is not None:
+            held, names = found[0].item(), ", ".join(sorted(found[1]))
+            watch.buffers_read |= found[1]
+            torch._assert_async((self == held).all(), f"the branch at {_line_of(sys._getframe(1))} was traced with its test on buffers "
+                                f"{names} = {held}, which they no longer give; parallelize the model again")  # fmt: skip
+            return bool(held)
         try:
             return watch.branch(self, sys._getframe(1))
         except LookupError:
-            pass
-        name = next((n for n, b in model.named_buffers() if b is self), None) if self.numel() == 1 else None
-        value = real_buffer(name) if name is not None else None
-        if value is None or value.is_meta:
             return _ORIGINAL_TENSOR_BOOL(self)
-        held = value.item()
-        torch._assert_async((self == held).all(), f"the branch at {_line_of(sys._getframe(1))} was traced with buffer {name} = {held}, "
-                            "which it no longer holds; parallelize the model again")  # fmt: skip
-        return bool(held)
 
     torch.Tensor.__bool__ = tensor_branch  # type: ignore[method-assign]
     hook = model.register_forward_hook(check_outputs)

@@ -99,6 +99,10 @@ REQUIRES_GRAD_SET = "autotp_requires_grad_set"
 another value (a forward that freezes a part of the model, ``p.requires_grad_(False)``), by name:
 the value it left (``ParallelPlan.requires_grad_set``)."""
 
+BRANCH_BUFFERS = "autotp_branch_buffers"
+"""On a traced graph module's ``meta``: the names of the buffers whose values took a branch of the
+forward (``analysis.buffer_branches``; ``ParallelPlan.branch_buffers``)."""
+
 BATCH_DRAW_ROWS = "autotp_batch_draw_rows"
 """On a random draw of a traced piece of a split step: the dims of the draw that hold the batch's
 rows (found in a trace of the batch doubled; None: not found). ``passes/batch_draws`` reads it."""

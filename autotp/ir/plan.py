@@ -304,6 +304,9 @@ class ParallelPlan:
     # (``meta_keys.REQUIRES_GRAD_SET``): each rank's parameter takes it, as the model's would
     # after its first forward, so that a part the forward freezes gets no gradient.
     requires_grad_set: tuple[tuple[str, bool], ...] = ()
+    # The buffers whose values took a branch of the traced forward (``analysis.buffer_branches``):
+    # a retrace (another input signature) reads them from the copy the model keeps.
+    branch_buffers: tuple[str, ...] = ()
     # Activation recomputation (``passes/recompute_layers``): the decoder layers whose forward runs
     # again in the backward instead of keeping its activations, and why (``RECOMPUTE_REASONS``).
     recompute_layers: tuple[int, ...] = ()
@@ -415,6 +418,7 @@ class ParallelPlan:
                 "input_batch_dims": [list(p) for p in self.input_batch_dims],
                 "output_batch_dims": list(self.output_batch_dims),
                 "requires_grad_set": [list(p) for p in self.requires_grad_set],
+                "branch_buffers": list(self.branch_buffers),
                 "recompute_layers": list(self.recompute_layers),
                 "recompute_reason": self.recompute_reason,
             },
@@ -473,6 +477,7 @@ class ParallelPlan:
             input_batch_dims=tuple((path, dim) for path, dim in d.get("input_batch_dims", ())),
             output_batch_dims=tuple(d.get("output_batch_dims", ())),
             requires_grad_set=tuple((name, flag) for name, flag in d.get("requires_grad_set", ())),
+            branch_buffers=tuple(d.get("branch_buffers", ())),
             recompute_layers=tuple(d.get("recompute_layers", ())),
             recompute_reason=d.get("recompute_reason", ""),
         )

@@ -32,7 +32,7 @@ def microbatches(batch: dict[str, Any], dp: int, dp_rank: int, m: int, batch_is_
     shards = 1 if batch_is_local else dp
     if shards * m == 1:  # the whole batch is the one piece
         return [batch]
-    size = batch_size(batch)
+    size = batch_size(batch, batch_dims)
     if m < 1 or size % (shards * m):
         raise UserInputError(
             f"the {'local' if batch_is_local else 'global'} batch of {size} does not split into "

@@ -43,8 +43,8 @@ REPLICA_CHECK_EVERY = 100
 class _StructureOnly:
     """Holds the meta copy used for retracing without registering it as a submodule."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = structure_copy(model)
+    def __init__(self, model: nn.Module, branch_buffers: tuple[str, ...]) -> None:
+        self.model = structure_copy(model, branch_buffers)
 
 
 ZBH1_REFUSED = ("schedule 'zbh1' adds the linear weight gradients outside autograd, where the DistributedOptimizer's "
@@ -70,7 +70,7 @@ class ParallelModel(nn.Module):
         self._compile_backend = compile_backend
         self._coords = coords
         self._device = device
-        self._source = _StructureOnly(model)
+        self._source = _StructureOnly(model, first.plan.branch_buffers)
         self._forward_params = list(inspect.signature(model.forward).parameters)
         self._inject = {"use_cache": False} if "use_cache" in self._forward_params else {}
         self._graphs: dict[tuple, CompiledSignature] = {}

@@ -1,0 +1,63 @@
+"""Branches on values computed from the model's buffers alone (``if self.freqs_cos[0, 0] == 0:``,
+``if self.initted:``), taken the way the user's model's buffers say.
+
+The trace runs on a fake copy, whose buffers carry no values, so such a test is a branch on a value
+known only at run time. It tests the model's state, not the data: the partial graph export has
+recorded so far gives the ops that computed the tested tensor, and where all of them are pure and
+read only buffers (and constants), they are evaluated on copies of the user's model's buffers.
+``trace_control_flow`` takes that side and asserts at run time that the test still comes out so."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.fx import Node
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+
+def value_from_buffers(tensor: torch.Tensor, model: torch.nn.Module,
+                       real_buffer: Callable[[str], torch.Tensor | None]) -> tuple[torch.Tensor, frozenset[str]] | None:  # fmt: skip
+    """``tensor``'s value computed from the real buffers it was made of, with their names; None
+    where it reads anything else (an input, a parameter), an op that writes, or a buffer whose
+    values are not at hand."""
+    mode = get_proxy_mode()
+    if mode is None:
+        return None
+
+    def node_of(t: torch.Tensor) -> Node | None:
+        slot = get_proxy_slot(t, mode.tracer, None)
+        return getattr(getattr(slot, "proxy", None), "node", None)
+
+    target = node_of(tensor)
+    if target is None:
+        return None
+    names: dict[Node, str] = {}
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        node = node_of(buffer)
+        if node is not None:
+            names.setdefault(node, name)
+    values: dict[Node, torch.Tensor] = {}
+    read: set[str] = set()
+
+    def value(node: Node) -> torch.Tensor:
+        if node in values:
+            return values[node]
+        if node in names:
+            real = real_buffer(names[node])
+            if real is None or real.is_meta:
+                raise LookupError(names[node])
+            read.add(names[node])
+            values[node] = real.detach().clone()
+        elif node.op == "call_function" and not getattr(getattr(node.target, "_schema", None), "is_mutable", True):
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
+            values[node] = node.target(*args, **kwargs)
+        else:
+            raise LookupError(node.name)
+        return values[node]
+
+    try:
+        with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.fx.experimental.proxy_tensor.disable_proxy_modes_tracing():
+            return value(target), frozenset(read)
+    except (LookupError, RuntimeError, TypeError):
+        return None
