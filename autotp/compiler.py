@@ -243,7 +243,7 @@ def plan_model(
         chosen = plan_unread_params(traced, chosen)
     batch_dims = input_batch_dims(model, kwargs, device)
     mixing, statistics, output_rows = batch_verdicts(traced, batch_size(kwargs, batch_dims), input_row_dims(kwargs, batch_dims))
-    past = rows_past_dim0(traced, kwargs) if mixing and not batch_dims else None
+    past = rows_past_dim0(traced, kwargs) if mixing else None
     if past is not None:
         batch_dims, (mixing, statistics, output_rows) = past
         log.info("the forward mixes dim 0 of its inputs and never dim 1: the batch is on dim 1 of %s", ", ".join(batch_dims))

@@ -62,6 +62,7 @@ _SELECTING = {"topk": (2, -1), "kthvalue": (2, -1), "max": (1, None), "min": (1,
               "msort": (None, 0)}  # fmt: skip
 _OVER_EVERYTHING = frozenset({"max", "min", "median", "nanmedian", "quantile", "nanquantile"})  # with no dim: over every element
 _MATMULS = frozenset({"mm", "bmm", "matmul", "linear"})
+_ADDED_MATMULS = frozenset({"addmm", "baddbmm", "addbmm"})
 _INDEXED_BY_LIST = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
 _INDEXED_ALONG_DIM = (torch.ops.aten.index_select.default, torch.ops.aten.gather.default, torch.ops.aten.index_copy.default,
                       torch.ops.aten.index_copy_.default, torch.ops.aten.scatter.src, torch.ops.aten.scatter_.src)  # fmt: skip
@@ -207,6 +208,9 @@ class _BatchWalker(Walker):
             return False
         if name == "scaled_dot_product_attention":
             return self._attention_mixes(node)
+        if name in _ADDED_MATMULS:  # input + m1 @ m2; addbmm sums its products over their dim 0 too
+            m1, m2 = node.args[1], node.args[2]
+            return self._matmul_mixes(node, m1, m2) or name == "addbmm" and bool(0 in self._rows_at(m1) | self._rows_at(m2))
         if name in _FREQUENCY_SCALED:  # an id's gradient over its count in the batch; a bag's offset counts the bags before it
             return bool(self._rows_at(node.args[1])) and schema_arg(node, "scale_grad_by_freq", False) or bool(self._rows_at(schema_arg(node, "offsets")))
         if tensor_hook(node) is not None:
@@ -223,7 +227,7 @@ class _BatchWalker(Walker):
             training = node.args[_TRAINING_ARG] if len(node.args) > _TRAINING_ARG else node.kwargs.get("training", False)
             return bool(training) and bool(rows - {1})
         if name in _MATMULS or name == "cdist":
-            return self._matmul_mixes(node)
+            return self._matmul_mixes(node, node.args[0], node.args[1])
         if name in _CLASS_LOSSES:  # a softmax over dim 1, the classes (dim 0 of one sample's logits)
             return (1 if len(shape) > 1 else 0) in rows
         if name in _NORMALIZING:
@@ -328,11 +332,10 @@ class _BatchWalker(Walker):
         # rows of a size known only at run time (a boolean mask's selection) are lined up at run time
         return len(holding) > 1 and all(isinstance(a.meta["val"].shape[d], int) for a in holding for d in self._rows_at(a))
 
-    def _matmul_mixes(self, node: Node) -> bool:
-        """A matmul (or ``cdist``) mixes rows where it sums over them (a row dim contracted: a
-        Gram matrix over the batch) or pairs rows of one operand with rows of the other anywhere
-        but on the batch dims they share (``image @ text.t()``, a contrastive loss's logits)."""
-        a, b = node.args[0], node.args[1]
+    def _matmul_mixes(self, node: Node, a: Any, b: Any) -> bool:
+        """A matmul (or ``cdist``) of ``a`` and ``b`` mixes rows where it sums over them (a row dim
+        contracted: a Gram matrix over the batch) or pairs rows of one operand with rows of the other
+        anywhere but on the batch dims they share (``image @ text.t()``, a contrastive loss's logits)."""
         sa, sb = shape_of(a) or (), shape_of(b) or ()
         ra, rb = self._rows_at(a), self._rows_at(b)
         linear = op_name(node.target) in ("linear", "cdist")  # b is [n, k]
