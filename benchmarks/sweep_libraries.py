@@ -39,6 +39,8 @@ module, and every name in it, then imports as an empty placeholder::
     pip install --no-deps --target /tmp/libsite17 ibm-fms moshi sam2 infini-transformer-pytorch transfusion-pytorch \
         x-transformers rotary-embedding-torch einops einx beartype hyper-connections assoc-scan axial-positional-embedding \
         torchdiffeq jaxtyping wadler-lindig loguru torch-einops-utils iopath portalocker pillow frozendict
+    pip install --no-deps --target /tmp/libsite18 esm attrs  # EvolutionaryScale's ESM C: a site without FAIR's esm
+    pip install --no-deps --target /tmp/libsite19 torch-geometric xxhash
     python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
 
@@ -78,7 +80,8 @@ STUBS = ("torchvision", "lightning", "lightning_utilities", "jsonargparse", "psu
          "torchtune.modules.low_precision", "torchtune.data", "torchtune.training", "datasets", "torchdata", "omegaconf",
          "sentencepiece", "tiktoken", "blobfile", "kagglehub", "cached_path", "bettermap", "numba", "ftfy", "xformers", "librosa",
          "fairscale", "mamba_ssm", "polars", "ema_pytorch", "pytorch_fid", "pyfaidx", "kipoiseq", "tensordict", "tyro", "wandb", "pandas",
-         "torch.utils.tensorboard", "torchtitan.models.moe.kernels", "labml", "labml_helpers", "matplotlib")  # fmt: skip
+         "torch.utils.tensorboard", "torchtitan.models.moe.kernels", "labml", "labml_helpers", "matplotlib", "zstd", "cloudpathlib",
+         "tenacity", "biotite", "brotli", "msgpack", "msgpack_numpy", "Bio", "httpx")  # fmt: skip
 # packages whose __init__ imports far more than their models (a CLI, trainers): their submodules load without it
 BARE = ("litgpt", "torchtune", "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3", "sam2")
 LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "diffusers", "peft", "nanochat", "olmo_core", "whisper",
@@ -99,7 +102,7 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "bidirectional_cross_attention", "compositional_attention_pytorch", "hamburger_pytorch", "kronecker_attention_pytorch",
              "memory_compressed_attention", "omninet_pytorch", "point_transformer_pytorch", "tranception_pytorch", "uformer_pytorch",
              "mlp_mixer_pytorch", "res_mlp_pytorch", "mammut_pytorch", "ring_attention_pytorch", "tslib", "fms", "moshi", "sam2",
-             "infini_transformer_pytorch", "transfusion_pytorch", "dinov3", "minimind")  # fmt: skip
+             "infini_transformer_pytorch", "transfusion_pytorch", "dinov3", "minimind", "esmc", "torch_geometric")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
@@ -765,6 +768,51 @@ def _minimind(**kwargs: Any) -> Model:
     return build, _tokens("input_ids"), lambda out: lm_loss(out.logits)
 
 
+def _esmc() -> Model:
+    """EvolutionaryScale's ESM C (``esm`` 3.x, installed apart from FAIR's ``esm``, whose name it shares): its
+    transformer stack without flash attention (LayerNorm'd fused QKV, q/k LayerNorms over all heads, SwiGLU),
+    protein tokens (4 to 23) with its own padding mask."""
+
+    def build() -> torch.nn.Module:
+        esmc = importlib.import_module("esm.models.esmc")
+        return esmc.ESMC(d_model=64, n_heads=4, n_layers=2, tokenizer=types.SimpleNamespace(pad_token_id=1), use_flash_attn=False)
+
+    tokens = lambda: {"sequence_tokens": torch.randint(4, 24, (2, SEQ), generator=torch.Generator().manual_seed(1))}  # noqa: E731
+    return build, tokens, lambda out: lm_loss(out.sequence_logits)
+
+
+class _PygGraph(torch.nn.Module):
+    """PyTorch Geometric's graph layers by message passing over an edge list (scatter softmax over each
+    node's incoming edges, sums into the nodes): two ``conv`` layers of 4 heads and a node classifier; with
+    ``gps``, each a GPS layer (a GIN message pass beside multi-head attention over each graph's nodes)."""
+
+    def __init__(self, conv: str) -> None:
+        super().__init__()
+        nn = importlib.import_module("torch_geometric.nn")
+        if conv == "GPSConv":
+            mlp = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))  # noqa: E731
+            self.embed = torch.nn.Linear(32, 64)
+            self.layers = torch.nn.ModuleList(nn.GPSConv(64, nn.GINConv(mlp()), heads=4, dropout=0.0) for _ in range(2))
+        else:
+            self.embed = torch.nn.Identity()
+            self.layers = torch.nn.ModuleList(getattr(nn, conv)(i, 16, heads=4) for i in (32, 64))
+        self.head = torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h, edge_index, batch=batch).relu() if isinstance(self.embed, torch.nn.Linear) else layer(h, edge_index).relu()
+        return self.head(h)
+
+
+def _graph_batch() -> dict[str, Any]:
+    """Two graphs of 8 nodes (32 features each) with 20 random edges inside each, as PyG batches them: one
+    node list, the edge list offset per graph, and each node's graph."""
+    gen = torch.Generator().manual_seed(1)
+    edges = torch.cat([torch.randint(0, 8, (2, 20), generator=gen) + 8 * g for g in range(2)], dim=1)
+    return {"x": torch.randn(16, 32, generator=gen), "edge_index": edges, "batch": torch.arange(2).repeat_interleave(8)}
+
+
 def _points(tokens: bool) -> Callable[[], dict[str, Any]]:
     """Point clouds of SEQ points in 3-D with a token or 32 features per point."""
 
@@ -1314,6 +1362,10 @@ MODELS: dict[str, Model] = {
     "dinov3_masked": (_dinov3, _dinov3_inputs, _dino_tokens),
     "minimind": _minimind(),
     "minimind_moe": _minimind(use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    "esmc": _esmc(),
+    "torch_geometric_transformer_conv": (lambda: _PygGraph("TransformerConv"), _graph_batch, _squares),
+    "torch_geometric_gat": (lambda: _PygGraph("GATv2Conv"), _graph_batch, _squares),
+    "torch_geometric_gps": (lambda: _PygGraph("GPSConv"), _graph_batch, _squares),
     "infini_transformer_pytorch": (_call("infini_transformer_pytorch.InfiniTransformer", num_tokens=VOCAB, dim=64, depth=2, dim_head=16, heads=4),
                                    _tokens("x"), lm_loss),  # fmt: skip
     "transfusion_pytorch": (_call("transfusion_pytorch.Transfusion", num_text_tokens=VOCAB, dim_latent=16,

@@ -769,3 +769,36 @@ def test_a_branch_on_a_value_computed_from_buffers_is_asserted_at_run_time() -> 
     pm.get_buffer("cos").zero_()
     with pytest.raises(RuntimeError, match=r"\(if self.cos\[0, 0\] == 0:\) was traced with its test on buffers cos = False"):
         pm(input_ids=ids, labels=ids)
+
+
+def _attrs_output_on_rank(rank: int, world: int) -> tuple[bool, str, str]:
+    import attr
+
+    @attr.define
+    class ModelOutput:  # ESM 3's outputs are attrs classes, not dataclasses
+        logits: torch.Tensor
+        hidden: torch.Tensor | None = None
+
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.mix, self.head = nn.Embedding(16, 32), nn.Linear(32, 64), nn.Linear(64, 16)
+
+        def forward(self, input_ids: torch.Tensor) -> ModelOutput:
+            h = self.mix(self.embed(input_ids)).relu()
+            return ModelOutput(logits=self.head(h), hidden=h)
+
+    from autotp import parallelize
+
+    ids = torch.tensor([[0, 1, 5, 6], [7, 5, 6, 7]])
+    torch.manual_seed(0)
+    result = check_on_rank(Tagger(), {"input_ids": ids}, tp=2, loss_fn=lambda out: out.logits.square().mean())
+    torch.manual_seed(0)
+    out = parallelize(Tagger(), tp=2, example_inputs={"input_ids": ids})(input_ids=ids)
+    return result.passed, result.reason, type(out).__name__
+
+
+def test_a_forward_returning_an_attrs_class_is_traced_and_returns_it() -> None:
+    from distributed import run_on_ranks
+
+    assert run_on_ranks(_attrs_output_on_rank, 2, timeout_s=300) == [(True, "", "ModelOutput")] * 2

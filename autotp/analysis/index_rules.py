@@ -40,10 +40,11 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Node
 
 from autotp.analysis.propagation_result import ParamView
-from autotp.analysis.shapes import norm_dim, shape_of, sources
+from autotp.analysis.shapes import norm_dim, schema_arg, shape_of, sources
 from autotp.analysis.sharding_policy import row_lookup
 from autotp.ir.errors import describe
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, Layout, ShardingConflict, select_range, shard, unify
+from autotp.ir.op_facts import op_name
 
 if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker
@@ -299,13 +300,25 @@ def gather(w: Walker, node: Node) -> Any:
 def scatter(w: Walker, node: Node) -> Any:
     """``x.scatter(dim, index, src)`` (and ``scatter_add``, a scalar ``value``): the result
     is x's; index and src are read at the same position along every other dim."""
+    return _scatter(w, node, linear=True)
+
+
+def scatter_reduce(w: Walker, node: Node) -> Any:
+    """``x.scatter_reduce(dim, index, src, reduce)``: scatter's layout (a softmax over each graph
+    node's edges takes its max and sum so); partial sums stay partial only under ``sum``."""
+    return _scatter(w, node, linear=schema_arg(node, "reduce") == "sum")
+
+
+def _scatter(w: Walker, node: Node, linear: bool) -> Any:
     x, dim, idx = node.args[0], node.args[1], node.args[2]
     src = node.args[3] if len(node.args) > 3 and isinstance(node.args[3], Node) else None
     nd = len(shape_of(node) or ())
     d = norm_dim(dim, nd)
     operands = [t for t in (x, idx, src) if isinstance(t, Node)]
+    if not linear:
+        w.reduce_first(node, [t for t in (x, src) if isinstance(t, Node)])
     lays = [w.concrete(t, node) for t in operands]
-    if _linear_write(w, node, [x, src]):
+    if linear and _linear_write(w, node, [x, src]):
         return PARTIAL
     lays = [REPLICATE if l.partial else l for l in lays]
     if all(l.replicated for l in lays):
@@ -319,12 +332,15 @@ def scatter(w: Walker, node: Node) -> Any:
 
 
 def index_add(w: Walker, node: Node) -> Any:
-    """``x.index_add(dim, index, source)``: rows of source added into rows of x."""
+    """``x.index_add(dim, index, source)``: rows of source added into rows of x (``index_reduce``:
+    reduced into them; partial sums stay partial only when added)."""
     x, dim, idx, source = node.args[0], node.args[1], node.args[2], node.args[3]
     nd = len(shape_of(node) or ())
     d = norm_dim(dim, nd)
     _indices_replicated(w, node, [idx])
-    if _linear_write(w, node, [x, source]):
+    if op_name(node.target) == "index_reduce":
+        w.reduce_first(node, [x, source])
+    elif _linear_write(w, node, [x, source]):
         return PARTIAL
     lays = [w.concrete(t, node) for t in (x, source)]
     lays = [REPLICATE if l.partial else l for l in lays]

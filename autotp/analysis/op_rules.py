@@ -159,6 +159,10 @@ RULES: dict[Any, Rule] = {
     aten.scatter_.value: indexing.scatter,
     aten.scatter_add.default: indexing.scatter,
     aten.scatter_add_.default: indexing.scatter,
+    aten.scatter_reduce.two: indexing.scatter_reduce,
+    aten.scatter_reduce_.two: indexing.scatter_reduce,
+    aten.index_reduce.default: indexing.index_add,
+    aten.index_reduce_.default: indexing.index_add,
     # values
     aten.scaled_dot_product_attention.default: attention.sdpa,
     attention.FLEX_ATTENTION: attention.flex_attention,

@@ -11,8 +11,8 @@
 * **Non-tensor outputs.** A forward that returns a cache object (or any other value that
   is neither a tensor nor a Python scalar) cannot be exported; ``strip_opaque_outputs``
   is a forward hook that replaces such values by ``None`` in the root's output.
-* **Dataclasses.** A forward returning (or taking) a plain ``@dataclass`` of tensors is
-  exported once its class is a pytree node: ``register_dataclasses`` registers it.
+* **Dataclasses.** A forward returning (or taking) a plain ``@dataclass`` (or an attrs class) of
+  tensors is exported once its class is a pytree node: ``register_dataclasses`` registers it.
 * **Gradient hooks.** A hook registered on an activation in the forward (``x.register_hook``)
   becomes a node of the graph (``custom_functions.register_tensor_hook``). A hook on a
   parameter or an input (a leaf), a post-accumulate-grad hook and a module's backward hook
@@ -97,18 +97,37 @@ def sparse_gradient_node(gm: GraphModule) -> Node | None:
 
 
 def register_dataclasses(value: Any) -> None:
-    """Make every dataclass class in ``value`` (through containers and fields) a pytree node."""
+    """Make every dataclass class in ``value`` (through containers and fields) a pytree node, and
+    every attrs class (``@attr.define``, ``@attr.s``: ESM 3's outputs) by its ``__attrs_attrs__``."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         if type(value) not in torch.utils._pytree.SUPPORTED_NODES:
             torch.export.register_dataclass(type(value))
         for field in dataclasses.fields(value):
             register_dataclasses(getattr(value, field.name))
+    elif hasattr(type(value), "__attrs_attrs__") and not isinstance(value, type):
+        names = [a.name for a in type(value).__attrs_attrs__ if a.init]
+        if type(value) not in torch.utils._pytree.SUPPORTED_NODES:
+            _register_attrs_class(type(value), names)
+        for name in names:
+            register_dataclasses(getattr(value, name))
     elif isinstance(value, (list, tuple)):
         for item in value:
             register_dataclasses(item)
     elif isinstance(value, dict):
         for item in value.values():
             register_dataclasses(item)
+
+
+def _register_attrs_class(cls: type, names: list[str]) -> None:
+    """``cls`` a pytree node whose children are its ``names`` fields, rebuilt by its constructor."""
+    key = torch.utils._pytree.GetAttrKey
+    torch.utils._pytree.register_pytree_node(
+        cls,
+        lambda v: ([getattr(v, n) for n in names], names),
+        lambda values, context: cls(**dict(zip(context, values))),
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+        flatten_with_keys_fn=lambda v: ([(key(n), getattr(v, n)) for n in names], names),
+    )
 
 
 def strip_opaque_outputs(module: torch.nn.Module, args: Any, output: Any) -> Any:
