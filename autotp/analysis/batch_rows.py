@@ -430,15 +430,19 @@ def rows_past_dim0(gm: GraphModule, call: dict[str, Any]) -> tuple[dict[str, int
     default [S, B, D]): the rows on dim 1 of each input of two or more dims whose dim 1 has the
     size most of them share there (an input of that size on dim 0 alone, a batch-first mask,
     keeps them on dim 0), with ``batch_verdicts`` under them, if the walk finds those rows never
-    mix; else None."""
+    mix and follows them into every output with a dim (a walk that lost them, at an op without a
+    rule for rows, proves nothing; nor does a loss computed inside the forward); else None."""
     leaves = tree_flatten_with_path(call)[0]
     sizes = [v.shape[1] for _, v in leaves if isinstance(v, torch.Tensor) and v.dim() > 1]
     size = max(sizes, key=sizes.count) if sizes else 0
     if size < 2:
         return None
     dims = {keystr(p): 1 for p, v in leaves if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] == size}
-    verdicts = batch_verdicts(gm, size, input_row_dims(call, dims))
-    return None if verdicts[0] else (dims, verdicts)
+    mixing, rows_at = batch_mixing_verdict(gm, size, input_row_dims(call, dims))
+    outputs = [x for x in tree_flatten(next(iter(gm.graph.find_nodes(op="output"))).args[0])[0] if isinstance(x, Node) and shape_of(x)]
+    if mixing or not outputs or not all(rows_at(x) for x in outputs):
+        return None
+    return dims, (mixing, per_piece_statistic(gm, rows_at), output_row_dims(gm, size, rows_at))
 
 
 def output_row_dims(gm: GraphModule, batch: int, rows_at: Callable[[Node], set[int]]) -> tuple[int | None, ...]:
