@@ -19,8 +19,8 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 def value_from_buffers(tensor: torch.Tensor, model: torch.nn.Module,
                        real_buffer: Callable[[str], torch.Tensor | None]) -> tuple[torch.Tensor, frozenset[str]] | None:  # fmt: skip
     """``tensor``'s value computed from the real buffers it was made of, with their names; None
-    where it reads anything else (an input, a parameter), an op that writes, or a buffer whose
-    values are not at hand."""
+    where it reads no buffer, or anything else (an input, a parameter), an op that writes or draws
+    random numbers, or a buffer whose values are not at hand."""
     mode = get_proxy_mode()
     if mode is None:
         return None
@@ -49,7 +49,7 @@ def value_from_buffers(tensor: torch.Tensor, model: torch.nn.Module,
                 raise LookupError(names[node])
             read.add(names[node])
             values[node] = real.detach().clone()
-        elif node.op == "call_function" and not getattr(getattr(node.target, "_schema", None), "is_mutable", True):
+        elif node.op == "call_function" and _pure(node.target):
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
             values[node] = node.target(*args, **kwargs)
         else:
@@ -58,6 +58,13 @@ def value_from_buffers(tensor: torch.Tensor, model: torch.nn.Module,
 
     try:
         with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.fx.experimental.proxy_tensor.disable_proxy_modes_tracing():
-            return value(target), frozenset(read)
+            found = value(target)
     except (LookupError, RuntimeError, TypeError):
         return None
+    return (found, frozenset(read)) if read else None
+
+
+def _pure(op: object) -> bool:
+    """An op that writes nothing and draws nothing: its value is its inputs'."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and not schema.is_mutable and torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ())
