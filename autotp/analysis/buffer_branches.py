@@ -18,9 +18,10 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
 def value_from_buffers(tensor: torch.Tensor, model: torch.nn.Module,
                        real_buffer: Callable[[str], torch.Tensor | None]) -> tuple[torch.Tensor, frozenset[str]] | None:  # fmt: skip
-    """``tensor``'s value computed from the real buffers it was made of, with their names; None
-    where it reads no buffer, or anything else (an input, a parameter), an op that writes or draws
-    random numbers, or a buffer whose values are not at hand."""
+    """``tensor``'s value computed from the real buffers (and constants: a causal mask made in the
+    forward, compared with another) it was made of, with the buffers' names; None where it reads
+    anything else (an input, a parameter), an op that writes or draws random numbers, or a buffer
+    whose values are not at hand."""
     mode = get_proxy_mode()
     if mode is None:
         return None
@@ -58,10 +59,9 @@ def value_from_buffers(tensor: torch.Tensor, model: torch.nn.Module,
 
     try:
         with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.fx.experimental.proxy_tensor.disable_proxy_modes_tracing():
-            found = value(target)
+            return value(target), frozenset(read)
     except (LookupError, RuntimeError, TypeError):
         return None
-    return (found, frozenset(read)) if read else None
 
 
 def _pure(op: object) -> bool:

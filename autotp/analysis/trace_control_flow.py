@@ -439,9 +439,9 @@ def guarded_control_flow(model: torch.nn.Module, unreachable: frozenset[tuple[st
             return _ORIGINAL_TENSOR_BOOL(self)
         found = value_from_buffers(self, model, real_buffer) if self.numel() == 1 else None
         if found is not None:
-            held, names = found[0].item(), ", ".join(sorted(found[1]))
+            held, names = found[0].item(), f"buffers {', '.join(sorted(found[1]))}" if found[1] else "constants"
             watch.buffers_read |= found[1]
-            torch._assert_async((self == held).all(), f"the branch at {_line_of(sys._getframe(1))} was traced with its test on buffers "
+            torch._assert_async((self == held).all(), f"the branch at {_line_of(sys._getframe(1))} was traced with its test on "
                                 f"{names} = {held}, which they no longer give; parallelize the model again")  # fmt: skip
             return bool(held)
         try:
