@@ -38,30 +38,33 @@ def value_from_buffers(tensor: torch.Tensor, model: torch.nn.Module,
         node = node_of(buffer)
         if node is not None:
             names.setdefault(node, name)
-    values: dict[Node, torch.Tensor] = {}
-    read: set[str] = set()
-
-    def value(node: Node) -> torch.Tensor:
-        if node in values:
-            return values[node]
+    # the ops behind the tested tensor, found breadth first so that a parameter or an input
+    # nearby ends the search before the graph's whole history is read
+    needed: set[Node] = set()
+    seen, frontier = {target}, [target]
+    while frontier:
+        node = frontier.pop(0)
         if node in names:
-            real = real_buffer(names[node])
-            if real is None or real.is_meta:
-                raise LookupError(names[node])
-            read.add(names[node])
-            values[node] = real.detach().clone()
-        elif node.op == "call_function" and _pure(node.target):
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
-            values[node] = node.target(*args, **kwargs)
-        else:
-            raise LookupError(node.name)
-        return values[node]
-
+            continue
+        if node.op != "call_function" or not _pure(node.target):
+            return None
+        needed.add(node)
+        for arg in node.all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                frontier.append(arg)
+    buffers = {node: real_buffer(name) for node, name in names.items() if node in seen}
+    if any(real is None or real.is_meta for real in buffers.values()):
+        return None
     try:
         with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.fx.experimental.proxy_tensor.disable_proxy_modes_tracing():
-            return value(target), frozenset(read)
-    except (LookupError, RuntimeError, TypeError):
+            values: dict[Node, torch.Tensor] = {node: real.detach().clone() for node, real in buffers.items()}
+            for node in [n for n in target.graph.nodes if n in needed]:  # in the order they were recorded
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
+                values[node] = node.target(*args, **kwargs)
+    except (RuntimeError, TypeError):
         return None
+    return values[target], frozenset(names[node] for node in buffers)
 
 
 def _pure(op: object) -> bool:
