@@ -53,7 +53,7 @@ from autotp.ir.layouts import Layout, resolve
 from autotp.ir.plan import FP8_DIMS, FP8_DTYPE, FP8_OUTSIDE_LAYERS, FP8_PARTIAL_INPUT, FP8_TOKEN_SPLIT, Fp8Linear, ParallelPlan
 from autotp.passes.fp8_linear import FP8_OPS, GemmSite, gemm_sites, split_bits
 
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def check_recipe(recipe: str, backend: str = "torch") -> None:

@@ -276,6 +276,33 @@ def test_a_failure_of_one_model_does_not_fail_the_next() -> None:
     assert noticed0 is not None and "rank 1 failed: RuntimeError: the second model failed" in noticed0, noticed0
 
 
+def _user_error_after_the_store_left(rank: int, world: int) -> tuple[bool, str]:
+    import torch.distributed as dist
+
+    from autotp.runtime.execution.guards import FailureWatch
+
+    watch = FailureWatch()
+    if rank == 0:  # hosts the store and is done: its process ends and the store with it
+        return True, ""
+    store, gone, deadline = dist.distributed_c10d._get_default_store(), False, time.monotonic() + 60
+    while not gone and time.monotonic() < deadline:
+        try:
+            store.check(["probe"])
+            time.sleep(0.1)
+        except RuntimeError:
+            gone = True
+    with pytest.raises(UserInputError) as info, watch.call():
+        raise UserInputError("refused on every rank")
+    return gone, str(info.value)
+
+
+def test_a_user_error_after_the_store_host_finished_stays_the_error() -> None:
+    """Every rank refused the same input and the rank hosting the store finished first (CI:
+    zero-bubble with compile): the others' error is theirs, not the store's closed connection."""
+    (_, _), (gone, message) = run_on_ranks(_user_error_after_the_store_left, 2, timeout_s=120)
+    assert gone and message == "refused on every rank", (gone, message)
+
+
 def _raise_user_error(rank: int, world: int) -> None:
     raise UserInputError(f"bad input on rank {rank}")
 

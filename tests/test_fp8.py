@@ -43,11 +43,12 @@ RECIPES = {
 
 
 def _dequantized(t: torch.Tensor, block: tuple[int | None, int | None], dtype: torch.dtype, pow2: bool) -> torch.Tensor:
-    """``t`` (2-d) rounded to FP8 block by block, as float32 again."""
+    """``t`` (2-d) rounded to FP8 block by block (scaled in float32), as float32 again (float64 for a float64 ``t``)."""
     rows, cols = t.shape
     br, bc = block[0] or rows, block[1] or cols
     fmax = torch.finfo(dtype).max
-    out = torch.empty(rows, cols)
+    wide = torch.promote_types(t.dtype, torch.float32)
+    out = torch.empty(rows, cols, dtype=wide)
     for i in range(0, rows, br):
         for j in range(0, cols, bc):
             part = t[i : i + br, j : j + bc].float()
@@ -55,7 +56,7 @@ def _dequantized(t: torch.Tensor, block: tuple[int | None, int | None], dtype: t
             if pow2:
                 scale = torch.tensor(2.0 ** math.floor(math.log2(scale.item())))
             q = (part * scale).clamp(-fmax, fmax).to(dtype)
-            out[i : i + br, j : j + bc] = q.float() * scale.reciprocal()
+            out[i : i + br, j : j + bc] = q.to(wide) * scale.reciprocal().to(wide)
     return out
 
 

@@ -20,8 +20,9 @@ from small_models import build
 from test_distributed_optimizer import HYPER, _reference_step
 
 
-def _deferred_all_gather(events: list[tuple[str, int]]) -> object:
-    """An all-gather that communicates at once but writes its output only in ``wait``."""
+def _deferred_all_gather(events: list[tuple[str, int]], brought: dict[int, torch.Tensor]) -> object:
+    """An all-gather that communicates at once but writes its output only in ``wait``;
+    ``brought`` keeps what each output's latest all-gather carried."""
     import torch.distributed as dist
 
     class Work:
@@ -35,6 +36,7 @@ def _deferred_all_gather(events: list[tuple[str, int]]) -> object:
     def all_gather(out: torch.Tensor, inp: torch.Tensor, group: object = None, async_op: bool = False) -> Work:
         got = torch.empty_like(out)
         dist.all_gather_into_tensor(got, inp, group=group)
+        brought[out.data_ptr()] = got
         work = Work(out, got)
         if not async_op:
             work.wait()
@@ -51,7 +53,8 @@ def _train(rank: int, world: int, waits_in_graph: bool) -> dict:
     from autotp.runtime.execution import parallel_model
 
     events: list[tuple[str, int]] = []
-    grad_buffers._all_gather = _deferred_all_gather(events)
+    brought: dict[int, torch.Tensor] = {}
+    grad_buffers._all_gather = _deferred_all_gather(events, brought)
     if not waits_in_graph:
         parallel_model.ParallelModel._install_param_waits = lambda *a, **k: None  # type: ignore[method-assign]
     graph_wait = program.ParamWaits.forward
@@ -80,8 +83,9 @@ def _train(rank: int, world: int, waits_in_graph: bool) -> dict:
         if waits_in_graph and i >= 2:  # the forwards of steps 1 and 2 are not preceded by a reader
             read = pm.unshard_state_dict if i == 2 else (lambda: dict(pm.state_dict()))
             state = read()
-            out["readers"][i] = not buffers.gathering and all(
-                torch.allclose(state[n], p.detach(), rtol=1e-5, atol=1e-6) for n, p in reference.named_parameters())
+            finished = not buffers.gathering
+            landed = all(torch.equal(b.params, brought[b.params.data_ptr()]) for b in buffers.buckets)
+            out["readers"][i] = finished and landed and all(torch.equal(state[n], p.detach()) for n, p in pm.named_parameters())
     call = {"input_ids": batches[0][0][:1], "labels": batches[0][1][:1], "use_cache": False}
     gm = pm.graph_for(**call)
     # zero-bubble schedules run a copy of the graph with deferred weight gradients: it keeps the waits
@@ -109,8 +113,8 @@ def test_forward_waits_for_each_bucket_and_matches_adamw() -> None:
             landed = [b for kind, b in waits if kind == "landed"]
             assert landed == r["order"] and graph[: len(landed)] == landed, waits
         assert r["graph"]["waits"] == r["buckets"] and r["graph"]["last_wait"] > r["graph"]["first_compute"]
-        assert r["readers"] == {2: True, 3: True}
-        assert r["split"] == {"waits": r["buckets"], "same": True}  # unshard_state_dict and state_dict finished the gathers
+        assert r["readers"] == {2: True, 3: True}  # unshard_state_dict and state_dict finished the gathers
+        assert r["split"] == {"waits": r["buckets"], "same": True}
 
 
 def test_without_the_graph_waits_the_forward_reads_stale_parameters() -> None:

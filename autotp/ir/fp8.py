@@ -142,12 +142,13 @@ def to_scale(amax_: Tensor, dtype: torch.dtype, pow2: bool) -> Tensor:
     return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
 
 
-def _by_block(t: Tensor, per_block: Tensor, block: Block) -> Tensor:
-    """Float32 ``t`` times ``per_block`` [row blocks, col blocks], each value over its block."""
+def _by_block(t: Tensor, per_block: Tensor, block: Block, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``t`` times ``per_block`` [row blocks, col blocks] in ``dtype``, each value over its block."""
+    t, per_block = t.to(dtype), per_block.to(dtype)
     if block in (WHOLE, ROW):
-        return t.float() * per_block
+        return t * per_block
     br, bc, nr, nc = _grid(t, block)
-    return (t.float().reshape(nr, br, nc, bc) * per_block[:, None, :, None]).reshape(t.shape)
+    return (t.reshape(nr, br, nc, bc) * per_block[:, None, :, None]).reshape(t.shape)
 
 
 def cast(t: Tensor, amax_: Tensor, dtype: torch.dtype, block: Block, pow2: bool, cols_multiple: int = 1) -> tuple[Tensor, Tensor]:
@@ -174,14 +175,19 @@ def _scaled_mm_blockwise_cuda(a: Tensor, sa: Tensor, bt: Tensor, sb: Tensor, b_b
     return F.scaled_mm(a, bt.t(), sa.t().contiguous().t(), F.ScalingType.BlockWise1x128, sb, recipe_b, output_dtype=out_dtype)
 
 
-def _dequantized(q: Tensor, inv: Tensor, block: Block) -> Tensor:
-    return _by_block(q, inv, block)
+def _dequantized(q: Tensor, inv: Tensor, block: Block, dtype: torch.dtype = torch.float32) -> Tensor:
+    return _by_block(q, inv, block, dtype)
 
 
 def scaled_gemm(
     a: Tensor, sa: Tensor, a_block: Block, bt: Tensor, sb: Tensor, b_block: Block, out_dtype: torch.dtype, fast_accum: bool
 ) -> Tensor:
     """``A · Btᵀ`` of FP8 operands in canonical form with their inverse scales."""
+    if out_dtype == torch.float64:
+        # a float64 model (numerics checks): FP8 values times their float32 scales are exact in
+        # float64 and the sums round at 1e-16, so the order of a sum (K split over ranks, a
+        # kernel's blocking) does not move a later cast across an FP8 rounding boundary
+        return _dequantized(a, sa, a_block, out_dtype) @ _dequantized(bt, sb, b_block, out_dtype).t()
     if a_block == TILE:
         if a.device.type == "cuda":
             return _scaled_mm_blockwise_cuda(a, sa, bt, sb, b_block, out_dtype)

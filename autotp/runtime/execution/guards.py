@@ -197,7 +197,11 @@ class FailureWatch:
             self.depth -= 1
 
     def _failed(self, error: Exception) -> Exception:
-        cause = self.peer_cause or self._peer_cause()
+        try:
+            cause = self.peer_cause or self._peer_cause()
+        except RuntimeError as store_error:  # the store's host finished first: this rank's error is the news
+            log.debug("could not read the other ranks' failures: %s", store_error)
+            cause = None
         if cause is not None and not isinstance(error, UserInputError):
             return PeerFailure(f"{cause} (rank {self._rank} saw: {type(error).__name__}: {_first_line(error)})")
         self._own_failures.add(self._call)
