@@ -102,7 +102,8 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "bidirectional_cross_attention", "compositional_attention_pytorch", "hamburger_pytorch", "kronecker_attention_pytorch",
              "memory_compressed_attention", "omninet_pytorch", "point_transformer_pytorch", "tranception_pytorch", "uformer_pytorch",
              "mlp_mixer_pytorch", "res_mlp_pytorch", "mammut_pytorch", "ring_attention_pytorch", "tslib", "fms", "moshi", "sam2",
-             "infini_transformer_pytorch", "transfusion_pytorch", "dinov3", "minimind", "esmc", "torch_geometric")  # fmt: skip
+             "infini_transformer_pytorch", "transfusion_pytorch", "dinov3", "minimind", "esmc", "torch_geometric",
+             "gptfast")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
@@ -768,6 +769,29 @@ def _minimind(**kwargs: Any) -> Model:
     return build, _tokens("input_ids"), lambda out: lm_loss(out.logits)
 
 
+def _gpt_fast(module: str, **kwargs: Any) -> Model:
+    """pytorch-labs/gpt-fast's Llama (``model.py`` as ``gptfast_model.py``) or Mixtral (``mixtral-moe/model.py`` as
+    ``gptfast_moe.py``: each token's experts' weights gathered by index, then einsums): fused QKV split by sizes,
+    GQA by ``repeat_interleave``, RoPE tables and the causal mask sized by ``setup_caches`` and read at the positions
+    passed in; its KV caches (inference only) are dropped. Its MoE layer flattens the tokens and returns them flat, which
+    adds to the residual only for a batch of one."""
+
+    def build() -> torch.nn.Module:
+        gf = importlib.import_module(module)
+        model = gf.Transformer(gf.ModelArgs(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=4, n_local_heads=2, dim=64,
+                                            intermediate_size=128, **kwargs))  # fmt: skip
+        model.setup_caches(2, SEQ)
+        for block in model.layers:
+            block.attention.kv_cache = None
+        for p in model.parameters():  # its parameters are made with torch.empty (a checkpoint fills them)
+            torch.nn.init.normal_(p, std=0.05)
+        return model
+
+    batch = 1 if "num_experts" in kwargs else 2
+    inputs = lambda: {"idx": _tokens("idx")()["idx"][:batch], "input_pos": torch.arange(SEQ)}  # noqa: E731
+    return build, inputs, lm_loss
+
+
 def _esmc() -> Model:
     """EvolutionaryScale's ESM C (``esm`` 3.x, installed apart from FAIR's ``esm``, whose name it shares): its
     transformer stack without flash attention (LayerNorm'd fused QKV, q/k LayerNorms over all heads, SwiGLU),
@@ -1363,6 +1387,8 @@ MODELS: dict[str, Model] = {
     "minimind": _minimind(),
     "minimind_moe": _minimind(use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
     "esmc": _esmc(),
+    "gptfast_model": _gpt_fast("gptfast_model"),
+    "gptfast_moe": _gpt_fast("gptfast_moe", num_experts=4, num_activated_experts=2),
     "torch_geometric_transformer_conv": (lambda: _PygGraph("TransformerConv"), _graph_batch, _squares),
     "torch_geometric_gat": (lambda: _PygGraph("GATv2Conv"), _graph_batch, _squares),
     "torch_geometric_gps": (lambda: _PygGraph("GPSConv"), _graph_batch, _squares),

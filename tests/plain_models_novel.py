@@ -202,6 +202,30 @@ class SortedTokenMoE(nn.Module):
         return out.view(b, s, d)
 
 
+class GatheredWeightsMoE(nn.Module):
+    """gpt-fast's Mixtral: each token's chosen experts' weights gathered by index
+    (``w1[selected]``: [tokens, top-k, hidden, dim]) and contracted by einsums, the outputs
+    weighted by the renormalized scores. Top-2 of 4: tp=2 divides the gathered top-k dim,
+    which is no dim of the weights."""
+
+    EXPERTS, TOP_K = 4, 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, self.EXPERTS, bias=False)
+        self.w1 = nn.Parameter(torch.randn(self.EXPERTS, 2 * DIM, DIM) * DIM**-0.5)
+        self.w2 = nn.Parameter(torch.randn(self.EXPERTS, DIM, 2 * DIM) * (2 * DIM) ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(self.EXPERTS, 2 * DIM, DIM) * DIM**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        scores, selected = torch.topk(F.softmax(self.router(tokens), dim=-1), self.TOP_K, dim=-1)
+        scores = scores / scores.sum(dim=-1, keepdim=True)
+        h = F.silu(torch.einsum("ti,taoi->tao", tokens, self.w1[selected])) * torch.einsum("ti,taoi->tao", tokens, self.w3[selected])
+        out = torch.einsum("tao,taio->tai", h, self.w2[selected])
+        return torch.einsum("tai,ta->ti", out, scores).view_as(x)
+
+
 # ---- DeepSeek-V3 routing: sigmoid + bias for selection, group-limited top-k, shared expert ---
 
 
@@ -775,8 +799,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "conformer": lambda: DecoderLM(ConformerBlock),
     "retnet": lambda: DecoderLM(lambda: PreNormBlock(Retention(), SwiGLU())),
     "multi_token_prediction": MultiTokenLM,
+    "moe_gathered_expert_weights": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), GatheredWeightsMoE())),
 }
-MOE = frozenset({"moe_sorted_loop", "deepseek_v3_routing", "moe_expert_choice"})
+MOE = frozenset({"moe_sorted_loop", "deepseek_v3_routing", "moe_expert_choice", "moe_gathered_expert_weights"})
 
 
 def build(name: str) -> nn.Module:

@@ -16,7 +16,7 @@ from autotp.cost_model.tensor_parallel import plan_tensor_parallel
 from autotp.ir.errors import UserInputError
 from autotp.ir.plan import KEPT_WHOLE_CONFLICT
 from plain_models_attention import NanoGPTAttention, PreNormBlock
-from plain_models_novel import ConformerConv, EncoderDecoder, MambaBlock, SortedTokenMoE, example_inputs
+from plain_models_novel import ConformerConv, EncoderDecoder, GatheredWeightsMoE, MambaBlock, SortedTokenMoE, example_inputs
 
 DIM = 64
 
@@ -73,6 +73,19 @@ def test_grouped_mm_experts_over_sorted_tokens_split_their_hidden_dim() -> None:
         kinds = {p.name: (p.kind, p.dim) for p in plan_tensor_parallel(gm, tp).params}
         assert kinds["feed_forward.experts.w1"] == kinds["feed_forward.experts.w3"] == ("expert_column", 1)
         assert kinds["feed_forward.experts.w2"] == ("expert_row", 2)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_expert_weights_gathered_per_token_split_their_hidden_dim(tp: int) -> None:
+    """gpt-fast's Mixtral: ``einsum("ti,taoi->tao", x, w1[selected])``. The gathered view's
+    top-k dim (2, which tp=2 divides) is a letter only that operand has, but no dim of the
+    weight: the split takes the experts' hidden dim, which is one."""
+    gm = trace(PreNormBlock(NanoGPTAttention(), GatheredWeightsMoE()).eval(), {"x": torch.randn(2, 16, DIM)})
+    plan = plan_tensor_parallel(gm, tp)
+    kinds = {p.name: (p.kind, p.dim) for p in plan.params}
+    assert kinds["feed_forward.w1"] == kinds["feed_forward.w3"] == ("column", 1)
+    assert kinds["feed_forward.w2"] == ("row", 2)
+    assert not [k.name for k in plan.kept_whole if k.name.startswith("feed_forward.w")]
 
 
 def test_an_fp32_grouped_mm_is_refused_naming_the_module_and_the_meta_kernel() -> None:

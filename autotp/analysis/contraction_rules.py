@@ -25,13 +25,15 @@ if TYPE_CHECKING:
     from autotp.analysis.propagation import Walker
 
 
-def _own_letter(w: Walker, node: Node, term: str, terms: list[str], out: str, shape: tuple[int, ...]) -> tuple[int | None, bool]:
+def _own_letter(w: Walker, node: Node, view: ParamView, term: str, terms: list[str], out: str, shape: tuple[int, ...]) -> tuple[int | None, bool]:
     """The dim of a parameter's ``term`` that a column split takes: a letter no other operand
-    has and the output keeps. Of several (the heads and head dim of ``ibh,hnd->ibnd``) the
-    outermost that tp divides, as a reshape into factors picks, and whether that was a choice:
-    a walk may then avoid it (``Walker.avoid``) after it met a conflict."""
+    has, the output keeps and the parameter has (not a dim its view made by indexing or
+    broadcasting: the tokens and chosen experts of gpt-fast's ``w1[expert_indices]``). Of
+    several (the heads and head dim of ``ibh,hnd->ibnd``) the outermost that tp divides, as a
+    reshape into factors picks, and whether that was a choice: a walk may then avoid it
+    (``Walker.avoid``) after it met a conflict."""
     avoid = w.avoid.get(node.name, frozenset())
-    own = [i for i, c in enumerate(term) if c in out and sum(c in other for other in terms) == 1]
+    own = [i for i, c in enumerate(term) if c in out and sum(c in other for other in terms) == 1 and view.dim_map[i] is not None]
     left = [i for i in own if i not in avoid]
     return next((i for i in left if shape[i] % w.tp == 0), left[0] if left else None), len(own) > 1
 
@@ -138,7 +140,7 @@ def _contraction(w: Walker, node: Node, terms: list[str], out: str, operands: li
     if not letters:  # no operand split: a parameter's own output letter goes column-parallel, as in ``matmul``
         for t, term, lay in zip(operands, terms, lays):
             if isinstance(lay, ParamView) and w.allowed(lay.name, "column"):
-                own, choice = _own_letter(w, node, term, terms, out, shape_of(t) or ())
+                own, choice = _own_letter(w, node, lay, term, terms, out, shape_of(t) or ())
                 if own is not None:
                     letters[term[own]] = DimVar((shape_of(t) or ())[own], frozenset({lay.name}))
                     letters[term[own]].made_by = (node.name, own) if choice else None
