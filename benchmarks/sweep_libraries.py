@@ -103,11 +103,11 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "memory_compressed_attention", "omninet_pytorch", "point_transformer_pytorch", "tranception_pytorch", "uformer_pytorch",
              "mlp_mixer_pytorch", "res_mlp_pytorch", "mammut_pytorch", "ring_attention_pytorch", "tslib", "fms", "moshi", "sam2",
              "infini_transformer_pytorch", "transfusion_pytorch", "dinov3", "minimind", "esmc", "torch_geometric",
-             "gptfast")  # fmt: skip
+             "gptfast", "torchmultimodal")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
-TRAINING = frozenset({"reformer_pytorch"})
+TRAINING = frozenset({"reformer_pytorch", "torchmultimodal_mae"})  # MAE masks patches only while training
 
 
 class _Placeholder(types.ModuleType):
@@ -792,6 +792,23 @@ def _gpt_fast(module: str, **kwargs: Any) -> Model:
     return build, inputs, lm_loss
 
 
+def _torchmultimodal_coca() -> torch.nn.Module:
+    """torchmultimodal's CoCa for pretraining: a ViT with attention poolers, a causal text decoder and a
+    cross-attending multimodal decoder; its contrastive and captioning losses."""
+    coca = importlib.import_module("torchmultimodal.models.coca.coca_model")
+    return coca.coca_for_pretraining(vision_patch_size=8, vision_dim_feedforward=128, vision_n_layer=2, vision_n_head=4, vocab_size=VOCAB,
+                                     num_text_positions=SEQ, text_hidden_dim=64, text_n_layer=2, text_n_head=4, text_dim_feedforward=128,
+                                     text_output_dim=64, fusion_n_layer=2, fusion_n_head=4, fusion_dim_feedforward=128,
+                                     pooler_input_embed_dim=64, pooler_output_embed_dim=64, pooler_n_head=4, image_size=IMAGE,
+                                     pooler_n_queries=8, cascaded_pooler=False, multimodal_output_projection_dim=VOCAB)  # fmt: skip
+
+
+def _mae_loss(out: Any) -> torch.Tensor:
+    """MAE's loss: the pixels' squared error over the masked patches."""
+    per_patch = ((out.decoder_pred - out.label_patches) ** 2).mean(dim=-1)
+    return (per_patch * out.mask).sum() / out.mask.sum()
+
+
 def _esmc() -> Model:
     """EvolutionaryScale's ESM C (``esm`` 3.x, installed apart from FAIR's ``esm``, whose name it shares): its
     transformer stack without flash attention (LayerNorm'd fused QKV, q/k LayerNorms over all heads, SwiGLU),
@@ -1387,6 +1404,11 @@ MODELS: dict[str, Model] = {
     "minimind": _minimind(),
     "minimind_moe": _minimind(use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
     "esmc": _esmc(),
+    "torchmultimodal_coca": (_torchmultimodal_coca, lambda: _images("images")() | {"texts": _tokens("texts")()["texts"]},
+                             lambda out: out["contrastive"] + out["captioning"]),
+    "torchmultimodal_mae": (_call("torchmultimodal.models.masked_auto_encoder.model.image_mae", image_size=IMAGE, patch_size=8, encoder_layers=2,
+                                  encoder_hidden_dim=64, encoder_heads=4, encoder_dim_feedforward=128, decoder_layers=2, decoder_hidden_dim=32,
+                                  decoder_heads=4, decoder_dim_feedforward=64), _images("x"), _mae_loss),  # fmt: skip
     "gptfast_model": _gpt_fast("gptfast_model"),
     "gptfast_moe": _gpt_fast("gptfast_moe", num_experts=4, num_activated_experts=2),
     "torch_geometric_transformer_conv": (lambda: _PygGraph("TransformerConv"), _graph_batch, _squares),

@@ -9,7 +9,9 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import autotp
 from distributed import run_on_ranks
 from general_models import VOCAB, build_general
 from plain_models_library import RecomputingCheckpoint
@@ -254,6 +256,59 @@ def test_a_forward_calling_a_collective_is_refused_naming_it() -> None:
 
     with pytest.raises(UserInputError, match=r"test_generality.py:\d+ \(torch.distributed.all_gather\(everyone, z\)\).*calls torch\.distributed\.all_gather.*Fix"):
         autotp.compile_rank(_GatheredContrastive(), tp=2, example_inputs={"x": torch.randn(4, 16)}, device="cpu")
+
+
+class _ContrastiveWhenDistributed(torch.nn.Module):
+    """torchmultimodal's contrastive loss: the batch's embeddings gathered over the ranks only when a
+    process group exists; the temperature read through ``.data`` (``clamp``: written through it)."""
+
+    def __init__(self, clamp: bool = False) -> None:
+        super().__init__()
+        self.clamp = clamp
+        self.image, self.text = torch.nn.Linear(16, 32), torch.nn.Linear(16, 32)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.clamp:
+            self.logit_scale.data.clamp_(0, 4.6)
+        a, b = F.normalize(self.image(x), dim=-1), F.normalize(self.text(y), dim=-1)
+        labels = torch.arange(a.shape[0])
+        if torch.distributed.is_initialized():
+            everyone = [torch.empty_like(b) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(everyone, b)
+            b, labels = torch.cat(everyone), labels + a.shape[0] * torch.distributed.get_rank()
+        return F.cross_entropy(a @ b.T * self.logit_scale.data.exp(), labels)
+
+
+def _contrastive_on_rank(rank: int, world: int) -> tuple[bool, str, float]:
+    from autotp.report.strict_rule import check_on_rank
+
+    torch.manual_seed(0)
+    inputs = {"x": torch.randn(4, 16), "y": torch.randn(4, 16)}
+    result = check_on_rank(_ContrastiveWhenDistributed(), inputs, tp=2, loss_fn=lambda out: out)
+    pm = autotp.parallelize(_ContrastiveWhenDistributed(), tp=2, example_inputs=inputs)
+    before = pm(**inputs).item()
+    with torch.no_grad():
+        pm.get_parameter("logit_scale").add_(1.0)
+    return result.passed, result.reason, pm(**inputs).item() - before
+
+
+def test_a_forward_asking_for_a_process_group_is_traced_as_one_process() -> None:
+    """autotp parallelizes the model as one process runs it: ``is_initialized()`` is False in the
+    trace (the gather was refused before), and ``.data`` reads follow their parameter (they were
+    constants frozen at the trace, which the rank graph then lacked)."""
+    for passed, reason, moved in run_on_ranks(_contrastive_on_rank, 2):
+        assert passed, reason
+        assert abs(moved) > 1e-3  # the temperature read through .data is the parameter's value now
+
+
+def test_a_parameter_written_through_data_is_refused_naming_it() -> None:
+    """CLIP's clamp of its temperature in the forward wrote a lifted constant, which the graph never reads."""
+    from autotp.ir.errors import UserInputError
+
+    with pytest.raises(UserInputError, match=r"writes its parameter logit_scale in place \(aten\.clamp_\.default"):
+        autotp.compile_rank(_ContrastiveWhenDistributed(clamp=True), tp=1, example_inputs={"x": torch.randn(4, 16), "y": torch.randn(4, 16)},
+                            device="cpu")  # fmt: skip
 
 
 def _seq2seq(name: str) -> torch.nn.Module:

@@ -4,6 +4,11 @@
   rescales its weights under ``no_grad`` the first time it runs in eval mode, behind a
   Python flag that the trace cannot see) would write it again on every call and every
   pipeline microbatch of the traced graph; ``refuse_parameter_writes`` refuses it.
+* **``.data``.** ``p.data`` of a parameter or buffer is a tensor autograd does not see, which
+  export lifts as a constant apart from ``p``: a read would freeze the value it had when traced, a
+  write (CLIP's ``logit_scale.data.clamp_(...)``) would change nothing the graph reads.
+  ``DataAsDetach`` traces it as ``p.detach()``, the same storage without the autograd edge, so a
+  read follows ``p`` and a write is a parameter write (refused above).
 * **Lazy modules not yet run.** ``nn.LazyLinear`` and the other lazy modules have no shapes
   until their first forward; ``refuse_lazy_parameters`` names the module.
 * **Sparse gradients.** An embedding made with ``sparse=True`` gives its weight a sparse
@@ -18,10 +23,13 @@
   parameter or an input (a leaf), a post-accumulate-grad hook and a module's backward hook
   change gradients where the traced graph does not run them, so the parallel model would
   differ silently; ``GradientHookWatch`` and ``refuse_backward_hooks`` refuse them.
-* **The model's own collectives.** A forward that calls ``torch.distributed`` itself (CoCa's and
-  CLIP's gather of the batch's embeddings for a contrastive loss, ``SyncBatchNorm`` training)
-  would run it on fake tensors, over whichever group it finds; ``model_collectives_refused``
-  refuses the call, naming it.
+* **The model's own collectives.** autotp parallelizes the model as one process runs it:
+  inside the traced forward ``torch.distributed.is_initialized()`` is False
+  (``one_process_view``), so a forward written for data parallelism takes its one-process
+  path (torchmultimodal's contrastive loss gathers the batch's embeddings over the ranks only
+  when a process group exists). A forward that calls a collective anyway (``SyncBatchNorm``
+  training, CLIP built with its distributed option) would run it on fake tensors, over
+  whichever group it finds; ``model_collectives_refused`` refuses the call, naming it.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from autotp.analysis.custom_functions import register_tensor_hook
 from autotp.ir.op_facts import mutated_base
 from autotp.ir.errors import UserInputError, source_line
 
+_DATA = torch.Tensor.data.__get__
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",
                 "broadcast", "broadcast_object_list", "all_to_all", "all_to_all_single", "gather", "scatter", "reduce", "barrier",
@@ -46,8 +55,23 @@ _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gathe
 
 
 @contextmanager
+def one_process_view() -> Iterator[None]:
+    """``torch.distributed.is_initialized()`` is False: code asking whether it runs in a process
+    group takes the path one process takes (the trace, and the strict rule's reference run)."""
+    import torch.distributed as dist
+
+    initialized = dist.is_initialized
+    dist.is_initialized = lambda: False
+    try:
+        yield
+    finally:
+        dist.is_initialized = initialized
+
+
+@contextmanager
 def model_collectives_refused() -> Iterator[None]:
-    """While tracing: a ``torch.distributed`` collective the model calls raises ``UserInputError``."""
+    """While tracing: the model sees one process (``one_process_view``), and a ``torch.distributed``
+    collective it calls anyway raises ``UserInputError``."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -67,10 +91,21 @@ def model_collectives_refused() -> Iterator[None]:
     for module, name, _ in saved:
         setattr(module, name, refusal(name))
     try:
-        yield
+        with one_process_view():
+            yield
     finally:
         for module, name, original in saved:
             setattr(module, name, original)
+
+
+class DataAsDetach(TorchFunctionMode):
+    """While tracing: ``t.data`` is ``t.detach()`` (export swaps the module's parameters and
+    buffers for tensors of its own, so every tensor's is: an activation's means the same)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func == _DATA:
+            return args[0].detach()
+        return func(*args, **(kwargs or {}))
 
 
 def refuse_lazy_parameters(model: torch.nn.Module) -> None:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from autotp.analysis.loss_fn_rows import loss_fn_refusal
+from autotp.analysis.trace_guards import one_process_view
 from autotp.ir.op_facts import is_alias, is_matmul, is_pointwise
 from autotp.api import parallelize
 from autotp.compiler import example_kwargs
@@ -115,15 +116,16 @@ def check_on_rank(
         reference = copy.deepcopy(model)
         pm = parallelize(model, tp=tp, pp=pp, example_inputs=inputs, sequence_parallel=sequence_parallel, **parallelize_kwargs)
         torch.manual_seed(RNG_SEED)
-        ref_out = reference(**example_kwargs(reference, inputs))
-        ref_loss, ref_logits = _loss_logits(ref_out, loss_fn)
-        # a forward or loss_fn that mixes its batch's rows trains the batch whole, as train_step's refusal asks
-        whole = (pp == 1 or pm.plan.batch_mixing or microbatches == 1
-                 or bool(loss_fn and loss_fn_refusal(loss_fn, ref_out, pm.plan.output_batch_dims)))  # fmt: skip
-        if whole or not pm.plan.batch_statistics:
-            ref_loss.backward()
-        else:  # a loss term over statistics of the rows: train_step computes it per microbatch, so does the reference
-            ref_loss = _per_piece_step(reference, inputs, microbatches, loss_fn, dict(pm.plan.input_batch_dims))
+        with one_process_view():  # the unmodified model as one process runs it, as autotp traced it
+            ref_out = reference(**example_kwargs(reference, inputs))
+            ref_loss, ref_logits = _loss_logits(ref_out, loss_fn)
+            # a forward or loss_fn that mixes its batch's rows trains the batch whole, as train_step's refusal asks
+            whole = (pp == 1 or pm.plan.batch_mixing or microbatches == 1
+                     or bool(loss_fn and loss_fn_refusal(loss_fn, ref_out, pm.plan.output_batch_dims)))  # fmt: skip
+            if whole or not pm.plan.batch_statistics:
+                ref_loss.backward()
+            else:  # a loss term over statistics of the rows: train_step computes it per microbatch, so does the reference
+                ref_loss = _per_piece_step(reference, inputs, microbatches, loss_fn, dict(pm.plan.input_batch_dims))
         torch.manual_seed(RNG_SEED)
         if pp == 1:
             out = pm(**inputs)
