@@ -41,12 +41,13 @@ module, and every name in it, then imports as an empty placeholder::
         torchdiffeq jaxtyping wadler-lindig loguru torch-einops-utils iopath portalocker pillow frozendict
     pip install --no-deps --target /tmp/libsite18 esm attrs  # EvolutionaryScale's ESM C: a site without FAIR's esm
     pip install --no-deps --target /tmp/libsite19 torch-geometric xxhash
+    pip install --no-deps --target /tmp/libsite20 torchmultimodal-nightly iopath portalocker
     python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
 
 Model code that is not on PyPI (nanochat, nanoGPT, lingua, OLMo-core, Whisper, CLIP, SAM, DINOv2,
-I-JEPA, DiT, guided-diffusion; DINOv3's ``dinov3`` package and MiniMind's ``model/model_minimind.py`` as
-``minimind_model.py``) is read from the repositories' sources in another folder on
+I-JEPA, DiT, guided-diffusion; DINOv3's ``dinov3`` package, MiniMind's ``model/model_minimind.py`` as
+``minimind_model.py``, gpt-fast's ``model.py`` and ``mixtral-moe/model.py`` as ``gptfast_model.py`` and ``gptfast_moe.py``) is read from the repositories' sources in another folder on
 ``--site`` (docs/propagation.md, eighteenth and twenty-fifth rounds). Time-Series-Library (github.com/thuml/Time-Series-Library,
 models named ``tslib_*``) is its ``models``, ``layers`` and ``utils`` packages in a folder of their own on ``--site``
 (they import each other by those top-level names); its Reformer and Crossformer import reformer-pytorch and
@@ -1409,6 +1410,15 @@ MODELS: dict[str, Model] = {
     "torchmultimodal_mae": (_call("torchmultimodal.models.masked_auto_encoder.model.image_mae", image_size=IMAGE, patch_size=8, encoder_layers=2,
                                   encoder_hidden_dim=64, encoder_heads=4, encoder_dim_feedforward=128, decoder_layers=2, decoder_hidden_dim=32,
                                   decoder_heads=4, decoder_dim_feedforward=64), _images("x"), _mae_loss),  # fmt: skip
+    "torchmultimodal_flava": (_call("torchmultimodal.models.flava.model.flava_model_for_classification", num_classes=10, classifier_in_dim=64,
+                                    classifier_hidden_sizes=64, classifier_dropout=0.0, pretrained=False, image_hidden_size=64,
+                                    image_num_attention_heads=4, image_num_hidden_layers=2, image_intermediate_size=128, image_size=IMAGE,
+                                    patch_size=8, text_hidden_size=64, text_num_attention_heads=4, text_num_hidden_layers=2,
+                                    text_intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=SEQ, multimodal_hidden_size=64,
+                                    multimodal_num_attention_heads=4, multimodal_num_hidden_layers=2, multimodal_intermediate_size=128,
+                                    text_and_image_proj_size=32),
+                              lambda: _images("image")() | {"text": _tokens("text")()["text"], "labels": torch.tensor([3, 7])},
+                              lambda out: out.loss),  # fmt: skip
     "gptfast_model": _gpt_fast("gptfast_model"),
     "gptfast_moe": _gpt_fast("gptfast_moe", num_experts=4, num_activated_experts=2),
     "torch_geometric_transformer_conv": (lambda: _PygGraph("TransformerConv"), _graph_batch, _squares),
