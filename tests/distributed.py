@@ -9,8 +9,10 @@ from autotp.runtime.processes.launcher import spawn_ranks
 
 T = TypeVar("T")
 
-# Imported once by a fork server the ranks fork from: a spawned rank spends ~4 s of a CI core importing them.
-PRELOAD = ("autotp.api", "autotp.report.strict_rule", "transformers")
+# Imported once by a fork server the ranks fork from: a spawned rank spends ~4 s of a CI core importing them,
+# and ~1.2 s more importing the test models and the transformers architectures they build (test_equivalence.py
+# with test_fused_loss.py: 139 s without the model modules here, 103 s with them).
+PRELOAD = ("autotp.api", "autotp.report.strict_rule", "transformers", "small_models", "general_models", "plain_models_attention")
 
 
 def run_on_ranks(fn: Callable[..., T], world_size: int, *args: Any, timeout_s: float = 300) -> list[T]:
