@@ -98,6 +98,7 @@ CASES = [
     (2, 2, ["llama"]),
 ]
 SLOW_CASES = [(4, 1, ["mixtral", "bert"]), (2, 2, ["gpt2", "mixtral", "bert"])]
+FAST_IDS = ("tp2pp1", "tp2pp2")  # tp=4 of the default cases runs with -m slow
 
 
 def _check_load(tmp_path: Path, tp: int, pp: int, names: list[str]) -> None:
@@ -111,7 +112,8 @@ def _check_load(tmp_path: Path, tp: int, pp: int, names: list[str]) -> None:
             assert all(r[name]["local_fraction"] < 0.9 for r in results)
 
 
-@pytest.mark.parametrize(("tp", "pp", "names"), CASES, ids=[f"tp{t}pp{p}" for t, p, _ in CASES])
+@pytest.mark.parametrize(("tp", "pp", "names"), [pytest.param(*c, marks=() if f"tp{c[0]}pp{c[1]}" in FAST_IDS else pytest.mark.slow)
+                                                   for c in CASES], ids=[f"tp{t}pp{p}" for t, p, _ in CASES])  # fmt: skip
 def test_meta_model_loads_its_slices_and_matches_from_pretrained(tmp_path: Path, tp: int, pp: int, names: list[str]) -> None:
     _check_load(tmp_path, tp, pp, names)
 

@@ -68,7 +68,7 @@ CASES = [(m, tp) for m in ("gpt2", "llama", "mixtral", "bert") for tp in (2, 4)]
 ]
 
 
-SLOW_CASES = {("gpt2", 4), ("mixtral", 4), ("bert", 4)}  # tp=4 runs by default for llama (and tp=8 for llama_kv4)
+SLOW_CASES = {("gpt2", 4), ("mixtral", 4), ("bert", 4), ("llama_kv4", 8)}  # tp=4 runs by default for llama
 
 
 @pytest.mark.parametrize(("name", "tp"), [pytest.param(*c, marks=pytest.mark.slow if c in SLOW_CASES else ()) for c in CASES],
