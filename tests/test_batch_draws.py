@@ -121,7 +121,7 @@ def _step(rank: int, world: int, tp: int, pp: int, microbatches: int, options: d
     return {"grads": len([g for g in grads.values() if g is not None])}
 
 
-@pytest.mark.parametrize(("world", "tp", "pp", "microbatches"), [(1, 1, 1, 4), (2, 1, 2, 2), (2, 2, 1, 2), (2, 1, 1, 2)])
+@pytest.mark.parametrize(("world", "tp", "pp", "microbatches"), [(1, 1, 1, 4), (2, 1, 2, 2), (2, 2, 1, 2), pytest.param(2, 1, 1, 2, marks=pytest.mark.slow)])
 def test_a_split_step_draws_the_whole_batch_s_numbers(world: int, tp: int, pp: int, microbatches: int) -> None:
     """One process with 4 microbatches, pp=2, tp=2 and dp=2 (each with 2 microbatches): the loss,
     every gradient and the generator afterwards equal the unmodified model's on the whole batch."""

@@ -43,5 +43,5 @@ def test_exception_in_rank_surfaces_with_traceback() -> None:
 def test_hanging_rank_times_out_quickly() -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[1\]"):
-        run_on_ranks(_sleep_on_rank_1, 2, timeout_s=20)
-    assert time.monotonic() - start < 40
+        run_on_ranks(_sleep_on_rank_1, 2, timeout_s=12)
+    assert time.monotonic() - start < 30

@@ -68,8 +68,14 @@ CASES = [
 ]  # fmt: skip
 
 
-def test_fp8_tp2_equals_one_process_fp8() -> None:
-    results = run_on_ranks(_on_rank, TP, CASES, timeout_s=900)
+# every recipe, with and without sequence parallelism, and GPT-2 by default; the other half with -m slow
+DEFAULT_CASES = [("llama", "tensorwise", False), ("gpt2", "tensorwise", True), ("llama", "rowwise", True), ("llama256", "blockwise", True)]
+
+
+@pytest.mark.parametrize("cases", [pytest.param(DEFAULT_CASES, id="default"),
+                                   pytest.param([c for c in CASES if c not in DEFAULT_CASES], id="more", marks=pytest.mark.slow)])  # fmt: skip
+def test_fp8_tp2_equals_one_process_fp8(cases: list[tuple]) -> None:
+    results = run_on_ranks(_on_rank, TP, cases, timeout_s=900)
     assert results[0] == results[1], f"ranks disagree on the losses: {results}"
 
 
