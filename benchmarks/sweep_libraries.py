@@ -82,9 +82,10 @@ STUBS = ("torchvision", "lightning", "lightning_utilities", "jsonargparse", "psu
          "sentencepiece", "tiktoken", "blobfile", "kagglehub", "cached_path", "bettermap", "numba", "ftfy", "xformers", "librosa",
          "fairscale", "mamba_ssm", "polars", "ema_pytorch", "pytorch_fid", "pyfaidx", "kipoiseq", "tensordict", "tyro", "wandb", "pandas",
          "torch.utils.tensorboard", "torchtitan.models.moe.kernels", "labml", "labml_helpers", "matplotlib", "zstd", "cloudpathlib",
-         "tenacity", "biotite", "brotli", "msgpack", "msgpack_numpy", "Bio", "httpx")  # fmt: skip
+         "tenacity", "biotite", "brotli", "msgpack", "msgpack_numpy", "Bio", "httpx", "torchaudio")  # fmt: skip
 # packages whose __init__ imports far more than their models (a CLI, trainers): their submodules load without it
-BARE = ("litgpt", "torchtune", "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3", "sam2")
+BARE = ("litgpt", "torchtune", "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3", "sam2", "palm_rlhf_pytorch",
+        "pi_zero_pytorch", "e2_tts_pytorch")
 LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "diffusers", "peft", "nanochat", "olmo_core", "whisper",
              "segment_anything", "clip", "dinov2", "dit", "nanogpt",
              "lingua", "guided_diffusion", "ijepa", "palm_pytorch", "MEGABYTE_pytorch", "simple_hierarchical_transformer",
@@ -104,7 +105,8 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "memory_compressed_attention", "omninet_pytorch", "point_transformer_pytorch", "tranception_pytorch", "uformer_pytorch",
              "mlp_mixer_pytorch", "res_mlp_pytorch", "mammut_pytorch", "ring_attention_pytorch", "tslib", "fms", "moshi", "sam2",
              "infini_transformer_pytorch", "transfusion_pytorch", "dinov3", "minimind", "esmc", "torch_geometric",
-             "gptfast", "torchmultimodal")  # fmt: skip
+             "gptfast", "torchmultimodal", "palm_rlhf_pytorch", "coconut_pytorch", "pi_zero_pytorch",
+             "e2_tts_pytorch")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
@@ -1429,6 +1431,20 @@ MODELS: dict[str, Model] = {
     "transfusion_pytorch": (_call("transfusion_pytorch.Transfusion", num_text_tokens=VOCAB, dim_latent=16,
                                   transformer=dict(dim=64, depth=2, dim_head=16, heads=4)), lambda: _tokens("modalities")() | {"return_loss": False},
                             lm_loss),  # fmt: skip
+    "palm_rlhf_pytorch": _own_loss("palm_rlhf_pytorch.palm.PaLM", num_tokens=VOCAB, dim=64, depth=2, dim_head=16, heads=4),
+    "coconut_pytorch": (_call("coconut_pytorch.Coconut", num_reasoning_steps=2, transformer=dict(num_tokens=VOCAB, dim=64, depth=2,
+                                                                                                  dim_head=16, heads=4)),
+                        lambda: {"prompt": _tokens("p")()["p"], "answer": _tokens("a")()["a"][:, :6]}, _first),  # fmt: skip
+    "pi_zero_pytorch": (_call("pi_zero_pytorch.pi_zero.PiZero", dim=64, dim_action_input=6, dim_joint_state=12, num_tokens=VOCAB, depth=2,
+                              dim_head=16, heads=4),
+                        lambda: {"images": torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(1)), "token_ids": _tokens("t")()["t"],
+                                 "joint_state": torch.randn(2, 12, generator=torch.Generator().manual_seed(2)),
+                                 "actions": torch.randn(2, 8, 6, generator=torch.Generator().manual_seed(3))}, _first),  # fmt: skip
+    "e2_tts_pytorch": (_call("e2_tts_pytorch.e2_tts.E2TTS", transformer=dict(dim=64, depth=2, heads=4, dim_head=16), num_channels=20,
+                                         use_vocos=False),
+                       lambda: {"inp": torch.randn(2, SEQ, 20, generator=torch.Generator().manual_seed(1)),
+                                "text": torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))},
+                       lambda out: out.loss),  # fmt: skip
 }
 
 

@@ -51,8 +51,9 @@ def unread_names(gm: GraphModule) -> list[str]:
 
 
 def split_dim(shape: tuple[int, ...], tp: int) -> int:
-    """The dim whose split over ``tp`` ranks leaves the smallest local tensor (-1: a scalar)."""
-    if not shape:
+    """The dim whose split over ``tp`` ranks leaves the smallest local tensor (-1: a scalar or an
+    empty tensor, which has nothing to split)."""
+    if not shape or 0 in shape:
         return -1
     return min(range(len(shape)), key=lambda d: (math.ceil(shape[d] / tp) * math.prod(shape) // max(shape[d], 1), d))
 

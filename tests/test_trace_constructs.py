@@ -771,6 +771,52 @@ def test_a_branch_on_a_value_computed_from_buffers_is_asserted_at_run_time() -> 
         pm(input_ids=ids, labels=ids)
 
 
+class _HostReadLengths(nn.Module):
+    """A mask sized by host reads of values the forward makes from its input's shape and a buffer
+    (E2-TTS's ``max_seq_len = seq_len.max().item()`` of ``torch.full((batch,), seq_len)``, a margin
+    read by ``int(self.margin)``): export would make the ``arange`` size a run-time value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Embedding(16, 32), nn.ModuleList(nn.Linear(32, 32) for _ in range(2)), nn.Linear(32, 16)
+        self.register_buffer("margin", torch.tensor(1))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        lens = torch.full((input_ids.shape[0],), input_ids.shape[1])
+        keep = torch.arange(lens.max().item()) < (lens - int(self.margin))[:, None]
+        h = self.embed(input_ids) * keep[..., None]
+        for layer in self.mix:
+            h = h + layer(h).relu()
+        logits = self.head(h)
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def _host_read_lengths_on_rank(rank: int, world: int) -> tuple[bool, str, tuple[str, ...]]:
+    from autotp import parallelize
+
+    ids = torch.tensor([[0, 1, 5, 6], [7, 5, 6, 7]])
+    torch.manual_seed(0)
+    result = check_on_rank(_HostReadLengths(), {"input_ids": ids, "labels": ids}, tp=world)
+    pm = parallelize(_HostReadLengths(), tp=world, example_inputs={"input_ids": ids, "labels": ids})
+    return result.passed, result.reason, pm.plan.branch_buffers
+
+
+def test_a_host_read_of_a_value_made_from_constants_and_buffers_is_that_value() -> None:
+    from distributed import run_on_ranks
+
+    assert run_on_ranks(_host_read_lengths_on_rank, 2, timeout_s=300) == [(True, "", ("margin",))] * 2
+
+
+def test_a_host_read_of_a_buffer_is_asserted_at_run_time() -> None:
+    from autotp import parallelize
+
+    ids = torch.tensor([[0, 1, 5, 6], [7, 5, 6, 7]])
+    pm = parallelize(_HostReadLengths(), tp=1, example_inputs={"input_ids": ids, "labels": ids})
+    pm.get_buffer("margin").fill_(2)
+    with pytest.raises(RuntimeError, match=r"the value read at .*test_trace_constructs.py:\d+ \(keep = .*\) was traced as buffers margin = 1"):
+        pm(input_ids=ids, labels=ids)
+
+
 def _attrs_output_on_rank(rank: int, world: int) -> tuple[bool, str, str]:
     import attr
 

@@ -32,6 +32,7 @@ def test_split_dim_leaves_the_smallest_local_tensor() -> None:
     assert split_dim((1, 17, 64), 2) == 2  # a class token [1, n, d]: split d
     assert split_dim((67,), 2) == 0  # padded
     assert split_dim((), 4) == -1
+    assert split_dim((0, 64), 2) == -1  # an empty parameter (no memory tokens configured) has nothing to split
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (4, 2)])

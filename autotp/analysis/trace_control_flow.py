@@ -89,7 +89,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autotp.analysis.branch_sources import skipping_branches
-from autotp.analysis.buffer_branches import value_from_buffers
+from autotp.analysis.buffer_branches import constant_host_reads, value_from_buffers
 from autotp.ir.errors import UserInputError
 
 # Unrolling a bound this large would multiply the graph; such a loop is left to export (which refuses it).
@@ -452,7 +452,7 @@ def guarded_control_flow(model: torch.nn.Module, unreachable: frozenset[tuple[st
     torch.Tensor.__bool__ = tensor_branch  # type: ignore[method-assign]
     hook = model.register_forward_hook(check_outputs)
     try:
-        with watch:
+        with watch, constant_host_reads(model, real_buffer, watch.buffers_read, _line_of):
             yield watch
     finally:
         hook.remove()
