@@ -42,6 +42,12 @@ module, and every name in it, then imports as an empty placeholder::
     pip install --no-deps --target /tmp/libsite18 esm attrs  # EvolutionaryScale's ESM C: a site without FAIR's esm
     pip install --no-deps --target /tmp/libsite19 torch-geometric xxhash
     pip install --no-deps --target /tmp/libsite20 torchmultimodal-nightly iopath portalocker
+    pip install --no-deps --target /tmp/libsite22 pi-zero-pytorch e2-tts-pytorch coconut-pytorch PaLM-rlhf-pytorch \
+        x-transformers einops einx beartype rotary-embedding-torch hyper-connections jaxtyping wadler-lindig ema-pytorch \
+        torchdiffeq assoc-scan accelerated-scan axial-positional-embedding frozendict loguru torch-einops-utils x-mlps-pytorch \
+        accelerate memmap-replay-buffer adam-atan2-pytorch hl-gauss-pytorch evolutionary-policy-optimization vocos encodec \
+        mean-conc-beta g2p-en x-ppo nltk x-evolution inflect jaraco.functools more-itertools typeguard jaraco.text \
+        jaraco.context autocommand
     python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
 
@@ -1440,7 +1446,7 @@ MODELS: dict[str, Model] = {
                         lambda: {"images": torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(1)), "token_ids": _tokens("t")()["t"],
                                  "joint_state": torch.randn(2, 12, generator=torch.Generator().manual_seed(2)),
                                  "actions": torch.randn(2, 8, 6, generator=torch.Generator().manual_seed(3))}, _first),  # fmt: skip
-    "e2_tts_pytorch": (_call("e2_tts_pytorch.e2_tts.E2TTS", transformer=dict(dim=64, depth=2, heads=4, dim_head=16), num_channels=20,
+    "e2_tts_pytorch": (_call("e2_tts_pytorch.e2_tts.E2TTS", transformer=dict(dim=64, depth=2, heads=4, dim_head=16, max_seq_len=64), num_channels=20,
                                          use_vocos=False),
                        lambda: {"inp": torch.randn(2, SEQ, 20, generator=torch.Generator().manual_seed(1)),
                                 "text": torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))},

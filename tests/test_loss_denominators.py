@@ -52,6 +52,10 @@ class TinyLM(nn.Module):
             "squared_batch_mean": lambda: F.cross_entropy(flat, target) + 1e-2 * (logits.mean(0) ** 2).sum(),
             "masked_select_mean": lambda: per_token.masked_select(labels != IGNORE).mean(),
             "bool_index_mean": lambda: per_token[labels != IGNORE].mean(),
+            # each kept position selects a row of VOCAB losses (E2-TTS's loss[mask].mean() of a [b, n, d] loss)
+            "bool_index_rows_mean": lambda: F.binary_cross_entropy_with_logits(
+                logits, F.one_hot(target.clamp(min=0), VOCAB).view_as(logits).float(), reduction="none")[labels != IGNORE].mean(),
+            "nonzero_index_mean": lambda: per_token[(labels != IGNORE).nonzero(as_tuple=True)].mean(),
             "summed": lambda: F.cross_entropy(flat, target, reduction="sum"),
             "summed_over_constant": lambda: F.cross_entropy(flat, target, reduction="sum") / 64.0,
             "summed_over_numel": lambda: F.cross_entropy(flat, target, reduction="sum") / labels.numel(),  # a mean of the piece
@@ -86,7 +90,7 @@ def _assert_whole_batch(pm: autotp.ParallelModel, reference: nn.Module, loss: to
 
 
 LOSSES = ["mean", "class_weighted", "masked_sum", "ratio_of_means", "mean_plus_z_loss", "targets_written_in_place", "mean_of_row_means",
-          "masked_select_mean", "bool_index_mean", "summed", "summed_over_constant", "summed_over_numel",
+          "masked_select_mean", "bool_index_mean", "bool_index_rows_mean", "summed", "summed_over_constant", "summed_over_numel",
           "summed_over_numel_tensor"]
 
 
@@ -172,6 +176,19 @@ def test_a_denominator_that_does_not_split_is_refused() -> None:
     batch = _batch()
     pm = autotp.parallelize(model, tp=1, example_inputs=batch)
     assert "div" in pm.plan.batch_mixing and "statistic of the whole batch" in pm.plan.batch_mixing
+    with pytest.raises(UserInputError, match="mixes the rows of its batch"):
+        pm.train_step(**batch, num_microbatches=2)
+    _assert_whole_batch(pm, reference, pm.train_step(**batch, num_microbatches=1), batch)
+
+
+def test_a_mean_over_a_selection_it_cannot_count_is_refused() -> None:
+    """``loss[mask.nonzero(as_tuple=True)].mean()``: each piece would divide by its own count (a
+    wrong loss, silently, before); a split step is refused naming the mean, a whole one trains."""
+    model = TinyLM("nonzero_index_mean")
+    reference = copy.deepcopy(model)
+    batch = _batch()
+    pm = autotp.parallelize(model, tp=1, example_inputs=batch)
+    assert "mean" in pm.plan.batch_mixing and "each piece dividing by its own count" in pm.plan.batch_mixing
     with pytest.raises(UserInputError, match="mixes the rows of its batch"):
         pm.train_step(**batch, num_microbatches=2)
     _assert_whole_batch(pm, reference, pm.train_step(**batch, num_microbatches=1), batch)
