@@ -34,7 +34,6 @@ by each piece over its own rows, as Megatron and HF's Trainer compute it per mic
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -45,7 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, GraphModule, Node
 from torch.utils._pytree import tree_flatten, tree_map, tree_structure
 
-from autotp.analysis.shapes import is_float, schema_arg, shape_of
+from autotp.analysis.shapes import is_float, schema_arg, selecting_mask, shape_of, sized_by_data
 from autotp.analysis.statistic_rules import REDUCTIONS, reduced_dims
 from autotp.analysis.summed_terms import CASTS, SCALINGS, fixed_scalings, has_reduction, reduction_kind, summed_terms
 from autotp.ir import meta_keys
@@ -155,47 +154,18 @@ def _selection_means_as_sums(gm: GraphModule, rows_at: RowsAt) -> None:
             total = _add(gm.graph, aten.sum.default, (selected,), like=node)
             count = _add(gm.graph, aten.sum.default, (mask,), like=node)
             count = _add(gm.graph, aten._to_copy.default, (count,), {"dtype": node.meta["val"].dtype}, like=node)
-            if per_true != 1:
-                count = _add(gm.graph, aten.mul.Tensor, (count, per_true), like=node)
+            count = _add(gm.graph, aten.mul.Tensor, (count, per_true), like=node) if per_true != 1 else count
             mean = _add(gm.graph, aten.div.Tensor, (total, count), like=node)
         node.replace_all_uses_with(mean)
         gm.graph.erase_node(node)
 
 
 def _normalizable_selection(selected: Node, reads: _Reads, rows_at: RowsAt) -> tuple[Node, int] | None:
-    """``_selecting_mask`` of ``selected`` where the mask is made from the batch (no parameter)
-    and both hold its rows: a mean over it becomes a sum over the mask's count."""
-    found = _selecting_mask(selected)
+    """``selecting_mask`` of ``selected``, a mask made from the batch (no parameter), both holding its rows."""
+    found = selecting_mask(selected)
     if found is None or not rows_at(selected) or not rows_at(found[0]) or reads.of(found[0]) != (True, False):
         return None
     return found
-
-
-def _selecting_mask(selected: Node) -> tuple[Node, int] | None:
-    """The boolean mask ``selected`` is taken by and how many elements each True selects:
-    ``masked_select(x, mask)`` with ``mask`` of ``x``'s shape (one), or ``x[mask]`` with ``mask``
-    of ``x``'s leading dims (``loss[mask]`` of a [b, n, d] loss and a [b, n] mask: d)."""
-    if selected.target is aten.masked_select.default:
-        mask = selected.args[1]
-    elif selected.target is aten.index.Tensor and len(selected.args[1]) == 1:
-        mask = selected.args[1][0]
-    else:
-        return None
-    val = mask.meta.get("val") if isinstance(mask, Node) else None
-    shape = selected.args[0].meta["val"].shape
-    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
-        return None
-    leading = len(shape) if selected.target is aten.masked_select.default else val.dim()
-    if tuple(val.shape) != tuple(shape[:leading]):
-        return None
-    per_true = math.prod(shape[leading:])
-    return (mask, per_true) if isinstance(per_true, int) else None
-
-
-def _sized_by_data(node: Node) -> bool:
-    """A tensor whose size is known only at run time (a selection by a mask or by ``nonzero``)."""
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape)
 
 
 def _rescaled(graph: Graph, value: Node, d: Node, key: str, like: Node) -> Node:
@@ -218,11 +188,9 @@ def unnormalized_division(gm: GraphModule, rows_at: RowsAt) -> str:
         if division and reads.is_batch_statistic(node.args[1]) and _normalizable(node, reads, rows_at) is None:
             if _reduces_rows(node.args[1], rows_at):
                 return describe(node)
-        if node.target in _MEANS and isinstance(node.args[0], Node) and _sized_by_data(node.args[0]):
-            selected = node.args[0]
-            # the row walk may not follow the rows into the selection: any value made from the batch counts
-            from_batch = any(rows_at(source) or reads.of(source)[0] for source in selected.all_input_nodes)
-            if from_batch and _normalizable_selection(selected, reads, rows_at) is None:
+        selected = node.args[0] if node.target in _MEANS else None  # the row walk may not follow rows into a selection
+        if isinstance(selected, Node) and sized_by_data(selected) and any(reads.of(a)[0] for a in selected.all_input_nodes):
+            if _normalizable_selection(selected, reads, rows_at) is None:
                 return f"{describe(node)} (a mean over the elements a selection of the batch keeps, each piece dividing by its own count)"
         weight = _arg(node, _WEIGHT, "weight", None) if node.target in _CLASS_LOSSES else None
         if isinstance(weight, Node) and reads.of(weight)[1] and _reduction(node) == _MEAN_REDUCTION and rows_at(node.args[1]):

@@ -3,9 +3,11 @@ it is computed from, dim arithmetic, and how a reshape pairs input dims with out
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import sympy
+
 import torch
 from torch.fx import Node
 
@@ -196,3 +198,30 @@ def strided_walk(node: Node) -> list[int | None] | None:
         else:
             return None
     return walk if all(r < max(n, 1) for r, n in zip(reach, shape)) else None
+
+
+def selecting_mask(selected: Node) -> tuple[Node, int] | None:
+    """The boolean mask ``selected`` is taken by and how many elements each True selects:
+    ``masked_select(x, mask)`` with ``mask`` of ``x``'s shape (one), or ``x[mask]`` with ``mask``
+    of ``x``'s leading dims (``loss[mask]`` of a [b, n, d] loss and a [b, n] mask: d)."""
+    if selected.target is torch.ops.aten.masked_select.default:
+        mask = selected.args[1]
+    elif selected.target is torch.ops.aten.index.Tensor and len(selected.args[1]) == 1:
+        mask = selected.args[1][0]
+    else:
+        return None
+    val = mask.meta.get("val") if isinstance(mask, Node) else None
+    shape = selected.args[0].meta["val"].shape
+    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
+        return None
+    leading = len(shape) if selected.target is torch.ops.aten.masked_select.default else val.dim()
+    if tuple(val.shape) != tuple(shape[:leading]):
+        return None
+    per_true = math.prod(shape[leading:])
+    return (mask, per_true) if isinstance(per_true, int) else None
+
+
+def sized_by_data(node: Node) -> bool:
+    """A tensor whose size is known only at run time (a selection by a mask or by ``nonzero``)."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape)
