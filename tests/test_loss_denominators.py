@@ -170,25 +170,16 @@ def test_a_split_step_traces_the_batch_doubled_only_for_a_count_it_may_divide_by
     assert doubled == []
 
 
-def test_a_denominator_that_does_not_split_is_refused() -> None:
-    model = TinyLM("by_max")
+@pytest.mark.parametrize(("loss", "named"), [("by_max", "div"), ("nonzero_index_mean", "each piece dividing by its own count")])
+def test_a_denominator_that_does_not_split_is_refused(loss: str, named: str) -> None:
+    """``per_token.sum() / labels.max()``, and ``loss[mask.nonzero(as_tuple=True)].mean()``, whose
+    pieces would each divide by their own count (a wrong loss, silently, before): a split step is
+    refused naming the op, a whole one trains."""
+    model = TinyLM(loss)
     reference = copy.deepcopy(model)
     batch = _batch()
     pm = autotp.parallelize(model, tp=1, example_inputs=batch)
-    assert "div" in pm.plan.batch_mixing and "statistic of the whole batch" in pm.plan.batch_mixing
-    with pytest.raises(UserInputError, match="mixes the rows of its batch"):
-        pm.train_step(**batch, num_microbatches=2)
-    _assert_whole_batch(pm, reference, pm.train_step(**batch, num_microbatches=1), batch)
-
-
-def test_a_mean_over_a_selection_it_cannot_count_is_refused() -> None:
-    """``loss[mask.nonzero(as_tuple=True)].mean()``: each piece would divide by its own count (a
-    wrong loss, silently, before); a split step is refused naming the mean, a whole one trains."""
-    model = TinyLM("nonzero_index_mean")
-    reference = copy.deepcopy(model)
-    batch = _batch()
-    pm = autotp.parallelize(model, tp=1, example_inputs=batch)
-    assert "mean" in pm.plan.batch_mixing and "each piece dividing by its own count" in pm.plan.batch_mixing
+    assert named in pm.plan.batch_mixing and "statistic of the whole batch" in pm.plan.batch_mixing
     with pytest.raises(UserInputError, match="mixes the rows of its batch"):
         pm.train_step(**batch, num_microbatches=2)
     _assert_whole_batch(pm, reference, pm.train_step(**batch, num_microbatches=1), batch)
