@@ -23,6 +23,7 @@ from autotp.ir.program import RankProgram
 from autotp.ir.plan_files import load_plan
 from autotp.runtime.execution import cudagraphs, rng
 from autotp.runtime.processes.groups import make_groups
+from autotp.runtime.state.same_model import refuse_different_models
 from autotp.runtime.execution.parallel_model import ParallelModel
 
 
@@ -259,6 +260,7 @@ def parallelize(
                                   moe_dispatch=moe_dispatch, moe_capacity_factor=moe_capacity_factor, fp8=fp8,
                                   recompute=recompute, compiled=compile_backend == "inductor")  # fmt: skip
     coords = make_groups(planned.plan, timeout_s)
+    refuse_different_models(model, planned.traced, planned.plan, compare_values=checkpoint is None)
     rng.seed_tp_rng(seed + 1009 * (coords.dp_rank + planned.plan.dp * coords.pp_rank), coords.tp_rank)
     backend = dist.get_backend() if dist.is_initialized() else "nccl"
     lowered = compiler.lower(planned.traced, planned.plan, tp_rank=coords.tp_rank, device=device, backend=backend,

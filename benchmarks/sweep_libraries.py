@@ -48,6 +48,10 @@ module, and every name in it, then imports as an empty placeholder::
         accelerate memmap-replay-buffer adam-atan2-pytorch hl-gauss-pytorch evolutionary-policy-optimization vocos encodec \
         mean-conc-beta g2p-en x-ppo nltk x-evolution inflect jaraco.functools more-itertools typeguard jaraco.text \
         jaraco.context autocommand
+    pip install --no-deps --target /tmp/libsite23 sockeye kornia kornia_rs timesfm titans-pytorch tensordict speechbrain \
+        hyperpyyaml ruamel.yaml tabpfn narwhals scikit-learn joblib threadpoolctl einops einx beartype rotary-embedding-torch \
+        hyper-connections x-transformers axial-positional-embedding assoc-scan jaxtyping wadler-lindig loguru frozendict \
+        torch-einops-utils x-mlps-pytorch
     python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
 
@@ -91,7 +95,7 @@ STUBS = ("torchvision", "lightning", "lightning_utilities", "jsonargparse", "psu
          "tenacity", "biotite", "brotli", "msgpack", "msgpack_numpy", "Bio", "httpx", "torchaudio")  # fmt: skip
 # packages whose __init__ imports far more than their models (a CLI, trainers): their submodules load without it
 BARE = ("litgpt", "torchtune", "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3", "sam2", "palm_rlhf_pytorch",
-        "pi_zero_pytorch", "e2_tts_pytorch")
+        "pi_zero_pytorch", "e2_tts_pytorch", "speechbrain", "tabpfn")
 LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "diffusers", "peft", "nanochat", "olmo_core", "whisper",
              "segment_anything", "clip", "dinov2", "dit", "nanogpt",
              "lingua", "guided_diffusion", "ijepa", "palm_pytorch", "MEGABYTE_pytorch", "simple_hierarchical_transformer",
@@ -112,7 +116,7 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "mlp_mixer_pytorch", "res_mlp_pytorch", "mammut_pytorch", "ring_attention_pytorch", "tslib", "fms", "moshi", "sam2",
              "infini_transformer_pytorch", "transfusion_pytorch", "dinov3", "minimind", "esmc", "torch_geometric",
              "gptfast", "torchmultimodal", "palm_rlhf_pytorch", "coconut_pytorch", "pi_zero_pytorch",
-             "e2_tts_pytorch")  # fmt: skip
+             "e2_tts_pytorch", "sockeye", "kornia", "timesfm", "titans", "speechbrain", "tabpfn")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
@@ -956,6 +960,125 @@ VIT = dict(img_size=IMAGE, patch_size=8, embed_dim=64, depth=2, num_heads=4)
 VP = dict(image_size=IMAGE, patch_size=8, num_classes=8, dim=64, depth=2, heads=4, mlp_dim=128, dim_head=16)
 TT = dict(num_kv_heads=2)
 HEADS = dict(num_attention_heads=4, attention_head_dim=16)
+
+
+def _weighted(out: Any) -> torch.Tensor:
+    """A loss reading every feature with its own weight (a normalized output's plain square mean is constant)."""
+    t = _first(out).float()
+    return (t * torch.linspace(-1, 1, t.shape[-1])).mean() + t.square().mean()
+
+
+def _sockeye(decoder: str) -> Model:
+    """AWS Sockeye's NMT transformer (its own attention and positional embeddings), ``decoder``: transformer or
+    ssru_transformer (Simpler Simple Recurrent Units), initialized as its trainer does."""
+
+    def build() -> torch.nn.Module:
+        sockeye = {n: importlib.import_module(f"sockeye.{n}") for n in ("model", "transformer", "encoder", "data_io")}
+
+        def layers(kind: str) -> Any:
+            return sockeye["transformer"].TransformerConfig(
+                model_size=64, attention_heads=4, feed_forward_num_hidden=256, act_type="relu", num_layers=2, dropout_attention=0.0,
+                dropout_act=0.0, dropout_prepost=0.0, positional_embedding_type="fixed", preprocess_sequence="n", postprocess_sequence="r",
+                max_seq_len_source=SEQ, max_seq_len_target=SEQ, depth_key_value=64, decoder_type=kind)  # fmt: skip
+
+        embed = sockeye["encoder"].EmbeddingConfig(vocab_size=VOCAB, num_embed=64, dropout=0.0)
+        data = sockeye["data_io"].DataConfig(data_statistics=None, max_seq_len_source=SEQ, max_seq_len_target=SEQ, num_source_factors=1,
+                                             num_target_factors=1)  # fmt: skip
+        config = sockeye["model"].ModelConfig(config_data=data, vocab_source_size=VOCAB, vocab_target_size=VOCAB, config_embed_source=embed,
+                                              config_embed_target=embed, config_encoder=layers("transformer"), config_decoder=layers(decoder))  # fmt: skip
+        model = sockeye["model"].SockeyeModel(config)
+        model.apply(sockeye["model"].initialize_parameters)
+        return model
+
+    def inputs() -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(1)
+        source, target = (torch.randint(1, VOCAB, (2, SEQ, 1), generator=gen) for _ in range(2))
+        lengths = torch.tensor([[SEQ, 0], [SEQ - 3, 0]])
+        return {"source": source, "source_length": lengths, "target": target, "target_length": lengths}
+
+    return build, inputs, lambda out: lm_loss(out["logits"])
+
+
+def _kornia(path: str, config: str, inputs: Callable[[], dict[str, Any]], loss: Callable[[Any], torch.Tensor], **sizes: Any) -> Model:
+    """kornia's own implementations of new architectures (``kornia.models``), from a small config."""
+
+    def build() -> torch.nn.Module:
+        made = {k: v() if callable(v) else v for k, v in sizes.items()}
+        return _call(f"kornia.models.{path}", config=_call(f"kornia.models.{config}", **made)())()
+
+    return build, inputs, loss
+
+
+def _siglip_vision() -> Any:
+    return _call("kornia.models.siglip2.config.SigLip2VisionConfig", image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, intermediate_size=128)()  # fmt: skip
+
+
+def _paligemma_loss(logits: torch.Tensor) -> torch.Tensor:
+    return lm_loss(logits[:, -SEQ:])
+
+
+def _timesfm() -> torch.nn.Module:
+    """Google's TimesFM 2.5 (its PyTorch module) with a small definition in place of the 200M one."""
+    configs, base = importlib.import_module("timesfm.configs"), importlib.import_module("timesfm.timesfm_2p5.timesfm_2p5_base")
+    block = configs.ResidualBlockConfig
+    definition = base.TimesFM_2p5_200M_Definition(
+        input_patch_len=8, output_patch_len=16, output_quantile_len=32,
+        tokenizer=block(input_dims=16, hidden_dims=64, output_dims=64, use_bias=True, activation="swish"),
+        stacked_transformers=configs.StackedTransformersConfig(num_layers=2, transformer=configs.TransformerConfig(
+            model_dims=64, hidden_dims=64, num_heads=4, attention_norm="rms", feedforward_norm="rms", qk_norm="rms", use_bias=False,
+            use_rotary_position_embeddings=True, ff_activation="swish", fuse_qkv=True)),
+        output_projection_point=block(input_dims=64, hidden_dims=64, output_dims=64, use_bias=False, activation="swish"),
+        output_projection_quantiles=block(input_dims=64, hidden_dims=64, output_dims=320, use_bias=False, activation="swish"))  # fmt: skip
+    module = importlib.import_module("timesfm.timesfm_2p5.timesfm_2p5_torch").TimesFM_2p5_200M_torch_module
+    return type("SmallTimesFM", (module,), {"config": definition})()
+
+
+def _timesfm_inputs() -> dict[str, Any]:
+    masks = torch.zeros(2, 8, 8, dtype=torch.bool)
+    masks[1, :2] = True  # the second series starts two patches late
+    return {"inputs": torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(1)), "masks": masks}
+
+
+def _timesfm_loss(out: Any) -> torch.Tensor:
+    (_, _, point, quantiles), _ = out
+    return point.square().mean() + quantiles.abs().mean()
+
+
+def _titans(**kwargs: Any) -> Model:
+    build = _call("titans_pytorch.MemoryAsContextTransformer", num_tokens=VOCAB, dim=64, depth=2, segment_len=8, num_persist_mem_tokens=2,
+                  num_longterm_mem_tokens=2, dim_head=16, heads=4, **kwargs)  # fmt: skip
+
+    def tokens() -> dict[str, Any]:
+        return {"x": torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(1)), "return_loss": True}
+
+    return build, tokens, _first
+
+
+def _speechbrain(**kwargs: Any) -> Model:
+    """SpeechBrain's TransformerASR (encoder and decoder, its own attention kinds), features in; no output head."""
+    build = _call("speechbrain.lobes.models.transformer.TransformerASR.TransformerASR", tgt_vocab=64, input_size=20, d_model=64, nhead=4,
+                  num_encoder_layers=2, num_decoder_layers=2, d_ffn=128, dropout=0.0, causal=False, **kwargs)  # fmt: skip
+
+    def inputs() -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(1)
+        return {"src": torch.randn(2, SEQ, 20, generator=gen), "tgt": torch.randint(1, 64, (2, 12), generator=gen)}
+
+    return build, inputs, lambda out: out[0].square().mean() + _weighted(out[1])
+
+
+def _tabpfn() -> torch.nn.Module:
+    arch = importlib.import_module("tabpfn.architectures.tabpfn_v3")
+    return arch.get_architecture(arch.TabPFNV3Config(
+        max_num_classes=4, embed_dim=32, dist_embed_num_blocks=1, dist_embed_num_heads=2, dist_embed_num_inducing_points=8, feat_agg_num_blocks=1,
+        feat_agg_num_heads=2, nlayers=2, icl_num_heads=2, decoder_head_dim=16, decoder_num_heads=2))  # fmt: skip
+
+
+def _tabpfn_inputs() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    return {"x": torch.randn(12, 2, 6, generator=gen), "y": torch.randint(0, 4, (8, 2), generator=gen).float()}  # rows first, 8 labelled
+
+
 IMAGE_TEXT = dict(hidden_states="image", encoder_hidden_states="text", timestep="step")
 VIDEO_TEXT = dict(hidden_states="video", encoder_hidden_states="text", timestep="step")
 FLUX = dict(hidden_states="tokens", encoder_hidden_states="text", timestep="flow", img_ids="ids3", txt_ids="txt_ids3")
@@ -1451,6 +1574,34 @@ MODELS: dict[str, Model] = {
                        lambda: {"inp": torch.randn(2, SEQ, 20, generator=torch.Generator().manual_seed(1)),
                                 "text": torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))},
                        lambda out: out.loss),  # fmt: skip
+    "sockeye_transformer": _sockeye("transformer"),
+    "sockeye_ssru": _sockeye("ssru_transformer"),
+    "kornia_qwen25_vision": _kornia("qwen25.vision.Qwen25VisionTransformer", "qwen25.config.Qwen25VisionConfig", _images("images", size=56),
+                                    sample_loss, depth=2, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=32,
+                                    fullatt_block_indexes=(1,), window_size=56),
+    "kornia_moonvit": _kornia("kimi_vl.moonvit.MoonViT", "kimi_vl.config.MoonViTConfig", _images("pixel_values", size=56), _weighted,
+                              image_size=56, patch_size=14, init_pos_emb_height=8, init_pos_emb_width=8, hidden_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, intermediate_size=128),
+    "kornia_siglip2": _kornia("siglip2.model.SigLip2Model", "siglip2.config.SigLip2Config",
+                              lambda: _images("pixel_values")() | {"input_ids": _tokens("t")()["t"], "return_loss": True}, lambda out: out.loss,
+                              vision_config=_siglip_vision, text_config=_call("kornia.models.siglip2.config.SigLip2TextConfig", vocab_size=VOCAB,
+                              hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, max_position_embeddings=SEQ)),
+    "kornia_paligemma": _kornia("paligemma.modeling_paligemma.PaliGemma", "paligemma.configuration_paligemma.PaliGemmaConfig",
+                                lambda: _tokens("input_ids")() | _images("pixel_values")(), _paligemma_loss, vision_config=_siglip_vision,
+                                vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=1, head_dim=16, image_token_index=VOCAB - 1),
+    "kornia_tiny_vit": (_call("kornia.models.tiny_vit.TinyViT", img_size=64, embed_dims=[16, 32, 64, 128], depths=[1, 1, 2, 1],
+                              num_heads=[1, 2, 4, 4], window_sizes=[2, 2, 2, 1], num_classes=8), _images("x", size=64), class_loss),
+    "timesfm_2p5": (_timesfm, _timesfm_inputs, _timesfm_loss),
+    "titans_mac": _titans(num_residual_streams=1, neural_memory_layers=()),
+    "titans_mac_hyper_connections": _titans(num_residual_streams=4, neural_memory_layers=()),
+    "titans_mac_neural_memory": _titans(num_residual_streams=1, neural_memory_layers=(2,), neural_memory_segment_len=4),
+    "speechbrain_transformer": _speechbrain(),
+    "speechbrain_conformer": _speechbrain(normalize_before=True, encoder_module="conformer", attention_type="RelPosMHAXL", kernel_size=7),
+    "speechbrain_branchformer": _speechbrain(normalize_before=True, encoder_module="branchformer", attention_type="RelPosMHAXL", kernel_size=7,
+                                             csgu_linear_units=128),
+    "speechbrain_rope": _speechbrain(attention_type="RoPEMHA"),
+    "tabpfn_v3": (_tabpfn, _tabpfn_inputs, _weighted),
 }
 
 

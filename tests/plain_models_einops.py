@@ -5,8 +5,9 @@ vit-pytorch, rotary-embedding-torch, mlp-mixer) write them (issue 27, thirteenth
 with named axes for the scores, ``repeat`` making grouped-query key heads (``(h g)``), the
 interleaved rotary embedding (``'... (d r) -> ... d r'``), ViT's patch embedding as a
 ``Rearrange`` layer, its class token by ``repeat`` and joined by ``pack``/``unpack``, mean pooling
-by ``reduce``, memory tokens packed in front of the sequence, and ``EinMix`` layers (an einsum
-whose weight has named axes) for the feed-forward and for mixing tokens.
+by ``reduce``, memory tokens packed in front of the sequence, ``EinMix`` layers (an einsum
+whose weight has named axes) for the feed-forward and for mixing tokens, and the loss over
+logits rearranged to ``b c n``.
 
 The suite protocol (``tests/test_plain_suite.py``): ``MODELS``, ``build(name)`` (eval mode,
 fixed weights), ``example_inputs(name)``, ``loss_fn(name)``.
@@ -159,6 +160,25 @@ class EinopsViT(nn.Module):
         return self.mlp_head(self.norm(pooled))
 
 
+class ClassFirstLossLM(nn.Module):
+    """lucidrains' language-model loss: the embedding tied to the head, the logits rearranged to
+    ``b c n`` so that ``F.cross_entropy`` takes the class dim second, padding (id 0) ignored, and
+    a per-token loss (``reduction="none"``) weighted by position before its mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = decoder_of(EinopsAttention)()
+        self.decoder.output.weight = self.decoder.embed.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        logits = self.decoder.logits(self.decoder.hidden(input_ids))
+        classes_second = rearrange(logits, "b n c -> b c n")
+        loss = F.cross_entropy(classes_second, labels, ignore_index=0)
+        per_token = F.cross_entropy(classes_second, labels, reduction="none")
+        weights = torch.linspace(0.5, 1.5, labels.shape[1])
+        return {"logits": logits, "loss": loss + (per_token * weights).mean()}
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "einops_attention": decoder_of(EinopsAttention),
     "einops_gqa_rotary": decoder_of(EinopsGQAAttention),
@@ -166,6 +186,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "einmix_token_mixer": decoder_of(EinMixTokenMixer),
     "einops_memory_tokens": decoder_of(MemoryTokensAttention),
     "einops_vit": EinopsViT,
+    "einops_class_first_loss": ClassFirstLossLM,
 }
 
 

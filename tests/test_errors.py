@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import random
 import subprocess
 import sys
 import time
@@ -197,6 +198,50 @@ def test_mistakes_across_ranks_raise_naming_the_cause() -> None:
         assert "different input shapes (arg0" not in raised["lengths"] and "different input shapes" in raised["lengths"]
         assert "argument 'input_ids' is float32" in raised["float_ids"]
         assert "argument 'input_ids' is int64 with 1 dims" in raised["flat_ids"]
+
+
+class _DrawnStream(nn.Module):
+    """Reads one of four streams, drawn with Python's ``random`` when built (hyper-connections' habit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stream = random.randrange(4)
+        self.up = nn.Linear(8, 32)
+        self.down = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x[:, self.stream]))).square().mean()
+
+
+def _different_models(rank: int, world: int) -> dict[str, str]:
+    """Each rank builds its model as a user who forgot a seed would; returns what parallelize raised."""
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    raised = {}
+    for name in ("unseeded", "drawn_structure", "seeded"):
+        torch.manual_seed(rank if name == "unseeded" else 0)
+        random.seed(rank if name == "drawn_structure" else 0)
+        if name == "drawn_structure":
+            model, inputs = _DrawnStream(), {"x": torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(0))}
+        else:
+            model, inputs = build_model("llama-tiny", device="cpu", dtype=torch.float32), {"input_ids": ids, "labels": ids}
+        try:
+            autotp.parallelize(model, tp=world, example_inputs=inputs)
+            raised[name] = ""
+        except UserInputError as e:
+            raised[name] = str(e)
+    return raised
+
+
+def test_ranks_that_built_different_models_are_refused_naming_what_differs() -> None:
+    """Every rank shards its own copy: values drawn unseeded, or a structure drawn with Python's
+    random, would train a model no rank built; parallelize refuses on every rank."""
+    for raised in run_on_ranks(_different_models, 2, timeout_s=300):
+        assert "ranks 0 and 1 built different models" in raised["unseeded"], raised
+        assert "hold different values, e.g. parameter model.embed_tokens.weight" in raised["unseeded"]
+        assert "torch.manual_seed(0)" in raised["unseeded"]
+        assert "ranks 0 and 1 traced different graphs" in raised["drawn_structure"], raised
+        assert "random.seed(0)" in raised["drawn_structure"]
+        assert raised["seeded"] == ""
 
 
 def _last_stage_raises(rank: int, world: int) -> dict[str, Any]:

@@ -127,10 +127,14 @@ def test_a_gathered_value_can_be_written_in_place(group_of: Any, size: int) -> N
 
 
 @pytest.mark.parametrize("reduction", [0, 1, 2])
-def test_vocab_parallel_cross_entropy_on_one_rank_is_cross_entropy(group_of: Any, reduction: int) -> None:
+@pytest.mark.parametrize("positions", [(), (3,), (2, 3)])
+def test_vocab_parallel_cross_entropy_on_one_rank_is_cross_entropy(group_of: Any, reduction: int, positions: tuple[int, ...]) -> None:
+    """Logits [N, C] or [N, C, d1, ...] (the class dim second, as ``F.cross_entropy`` takes them)."""
     group_of(1)
-    logits = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
-    target = torch.tensor([1, 6, -100, 0, 3, 6])
+    logits = torch.randn(6, 8, *positions, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 7, (6, *positions), generator=torch.Generator().manual_seed(0)).flatten()
+    target[[2, 4]] = -100
+    target = target.view(6, *positions)
     loss = ops.VOCAB_PARALLEL_CROSS_ENTROPY(logits, target, 0, 7, -100, reduction, KEY)  # column 7 is padding
     expected = F.cross_entropy(logits[:, :7], target, reduction=("none", "mean", "sum")[reduction])
     torch.testing.assert_close(loss, expected)

@@ -16,7 +16,7 @@ from autotp.analysis.propagation import propagate
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.trace import trace
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
-from autotp.ir import meta_keys
+from autotp.ir import meta_keys, ops
 from autotp.ir.dim_sharding import DimSharding
 from autotp.ir.plan import KEPT_WHOLE_CONFLICT, KEPT_WHOLE_READ_WHOLE, ParallelPlan
 from autotp.compiler import lower
@@ -39,6 +39,7 @@ from plain_models_attention import (
     precompute_freqs_cis,
 )
 from distributed import run_on_ranks
+from plain_models_einops import build as build_einops, example_inputs as einops_inputs
 from plain_models_library import ParallelBlock, WeightNormMLP
 from plain_models_mixers import HeadExperts, LinearAttention, LoopMoE, StackedExperts, ViTAttention
 
@@ -602,6 +603,29 @@ def test_logits_sliced_back_from_a_padded_vocabulary_stay_vocab_parallel() -> No
     for equal, reason, share in run_on_ranks(_padded_vocab_at, 4):
         assert equal, reason
         assert share <= 1.3 / 4
+
+
+def _class_first_loss_at(rank: int, world: int) -> tuple[bool, str, float]:
+    from autotp.report.strict_rule import check_on_rank
+
+    result = check_on_rank(build_einops("einops_class_first_loss"), einops_inputs("einops_class_first_loss"), tp=world)
+    return result.equal, result.reason, result.share
+
+
+def test_cross_entropy_over_logits_with_the_class_dim_second_is_vocab_parallel() -> None:
+    """``F.cross_entropy(rearrange(logits, "b n c -> b c n"), labels)`` (lucidrains' habit), with
+    ``ignore_index`` and with ``reduction="none"``: the loss reads the rank's columns of the tied
+    head, as the [N, C] loss does; the logits were gathered whole before (the tied embedding kept
+    whole where a gather cost more: PaLM-rlhf at tp=2, 85% of the model on a rank)."""
+    inputs = einops_inputs("einops_class_first_loss")
+    gm, plan = _plan(build_einops("einops_class_first_loss"), 4, **inputs)
+    assert not plan.gathered and all(why == KEPT_WHOLE_READ_WHOLE for why, *_ in _kept(plan).values()), (plan.gathered, _kept(plan))
+    assert _kinds(plan)["decoder.output.weight"][0] == "vocab"  # the tied embedding, planned under one of its names
+    rank = _rank_graph(gm, plan, rank=1)
+    assert sum(n.target is ops.VOCAB_PARALLEL_CROSS_ENTROPY for n in rank.graph.nodes) == 2
+    for equal, reason, share in run_on_ranks(_class_first_loss_at, 2):
+        assert equal, reason
+        assert share <= 1.3 / 2
 
 
 def test_a_padded_dim_of_given_blocks_holds_them_past_its_end() -> None:

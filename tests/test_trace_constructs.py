@@ -817,6 +817,63 @@ def test_a_host_read_of_a_buffer_is_asserted_at_run_time() -> None:
         pm(input_ids=ids, labels=ids)
 
 
+_ROTARY_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}  # speechbrain's habit: rotary tables memoized by length
+
+
+def _rotary_table(length: int, device: torch.device) -> torch.Tensor:
+    if (length, device) not in _ROTARY_TABLES:
+        positions = torch.arange(length, device=device, dtype=torch.float32)
+        _ROTARY_TABLES[(length, device)] = torch.outer(positions, torch.linspace(0.1, 1.0, 8, device=device))
+    return _ROTARY_TABLES[(length, device)]
+
+
+class _MemoizedRotaryLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.qk, self.v, self.o, self.head = (nn.Embedding(32, 32), nn.Linear(32, 64), nn.Linear(32, 32),
+                                                           nn.Linear(32, 32), nn.Linear(32, 32))  # fmt: skip
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, s = input_ids.shape
+        x = self.embed(input_ids)
+        q, k = self.qk(x).view(b, s, 2, 4, 8).unbind(2)
+        angles = _rotary_table(s, x.device)[:, None]
+        q, k = q * angles.cos() + q.roll(1, -1) * angles.sin(), k * angles.cos() + k.roll(1, -1) * angles.sin()
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), self.v(x).view(b, s, 4, 8).transpose(1, 2), is_causal=True)
+        logits = self.head(x + self.o(y.transpose(1, 2).reshape(b, s, 32)))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _memoized_tables_on_rank(rank: int, world: int) -> list[str]:
+    import copy
+
+    from autotp import parallelize
+
+    torch.manual_seed(0)
+    model = _MemoizedRotaryLM()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
+    pm = parallelize(model, tp=world, example_inputs={"input_ids": ids, "labels": ids})
+    fake = [key for key, t in _ROTARY_TABLES.items() if isinstance(t, torch._subclasses.FakeTensor)]
+    mismatches = [f"fake tables left by the trace: {fake}"] if fake else []
+    for length in (16, 12):  # the second length is traced again, and computes its own table
+        batch = {"input_ids": ids[:, :length], "labels": ids[:, :length]}
+        if not torch.allclose(pm(**batch), reference(**batch), rtol=1e-5, atol=1e-6):
+            mismatches.append(f"loss at length {length}")
+    return mismatches
+
+
+def test_a_module_level_cache_the_trace_fills_is_left_as_it_was() -> None:
+    """A memo of rotary tables at module level, keyed by length (speechbrain's RoPE): tracing filled
+    it with fake tensors, so the unmodified model raised afterwards and the trace of a second
+    length read the first trace's fake table as a constant ("reads ... which this rank does not
+    hold"). Tracing now undoes its writes to the model's modules' global state."""
+    from distributed import run_on_ranks
+
+    for mismatches in run_on_ranks(_memoized_tables_on_rank, 2):
+        assert not mismatches, mismatches
+
+
 def _attrs_output_on_rank(rank: int, world: int) -> tuple[bool, str, str]:
     import attr
 

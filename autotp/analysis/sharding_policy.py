@@ -393,8 +393,9 @@ def cross_entropy(w: Walker, node: Node) -> Layout:
     nd = len(shape_of(logits) or ())
     weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
     smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
-    if nd != 2 or lay.var_at(1) is None or len(lay.dims) != 1 or weight is not None or smoothing:
-        raise ShardingConflict(f"{describe(node)}: only plain 2-D cross-entropy is vocab-parallel", lay.origins())
+    if nd < 2 or lay.var_at(1) is None or len(lay.dims) != 1 or weight is not None or smoothing:
+        raise ShardingConflict(f"{describe(node)}: only a cross-entropy without class weights or label smoothing, over "
+                               "logits [N, C, ...] split on C alone, is vocab-parallel", lay.origins())
     vocab = lay.var_at(1).find()
     if vocab.groups is None and vocab.segments is None and vocab.fixed is None:
         vocab.padded = True  # the loss masks padded classes, so V % tp may be nonzero

@@ -42,6 +42,7 @@ from autotp.analysis.function_checks import FunctionVerdicts, function_verdicts
 from autotp.analysis.host_draws import host_calls, host_draw_refusal, host_random_states, unseeded_draw
 from autotp.analysis.trace_decompose import decompose_simple_composites, decompose_parameter_ops, draw_by_size, shape_by_size, squeeze_traced_dims
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
+from autotp.analysis.trace_globals import global_state_restored
 from autotp.analysis.trace_guards import DataAsDetach, GradientHookWatch, model_collectives_refused, refuse_backward_hooks, refuse_lazy_parameters, refuse_parameter_writes, register_dataclasses, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
 from autotp.analysis.trace_sizes import TRACER_ROOTS, assumed_sizes, name_assumptions
@@ -180,7 +181,8 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     flags = {name: p.requires_grad for name, p in fake_model.named_parameters()}
     left: dict[str, bool] = {}  # the flags the forward left, read in it: export swaps other tensors in for the parameters while it runs
     fake_model.register_forward_hook(lambda module, args, out: left.update((n, p.requires_grad) for n, p in module.named_parameters()))
-    ep, uses, unreachable = _export(model, fake_model, fake_kwargs)
+    with global_state_restored(model):
+        ep, uses, unreachable = _export(model, fake_model, fake_kwargs)
     verdicts = function_verdicts(uses, _real_modules(model, fake_model))
     if verdicts.kept:
         log.info("custom autograd Functions kept whole (their backward is their own): %s", "; ".join(verdicts.kept.values()))
@@ -188,7 +190,8 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
         log.info("custom autograd Functions that recompute their forward in backward (activation checkpoints), traced "
                  "as their forward with grad on: %s", ", ".join(sorted(c.__qualname__ for c in verdicts.recomputed)))  # fmt: skip
     if verdicts.kept or verdicts.recomputed:  # again, each call of those Functions one node or its forward with grad on
-        ep, _, _ = _export(model, fake_model, fake_kwargs, verdicts, unreachable)
+        with global_state_restored(model):
+            ep, _, _ = _export(model, fake_model, fake_kwargs, verdicts, unreachable)
     gm = ep.module()
     gm.meta[meta_keys.REQUIRES_GRAD_SET] = _requires_grad_set(type(model).__name__, flags, left)
     gm.meta[meta_keys.BRANCH_BUFFERS] = ep.graph_module.meta[meta_keys.BRANCH_BUFFERS]

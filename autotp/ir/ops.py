@@ -470,13 +470,18 @@ def _vocab_parallel_embedding(
 def _vocab_parallel_cross_entropy(
     logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, ignore_index: int, reduction: int, group: str
 ) -> Tensor:
-    """``reduction`` uses aten's codes: 0 none, 1 mean, 2 sum."""
+    """``reduction`` uses aten's codes: 0 none, 1 mean, 2 sum. Logits [N, C, d1, ...] (a class per
+    position, as ``F.cross_entropy`` takes them) are the rows of [N * d1 * ..., C]."""
+    positions = target.shape
+    if logits.dim() > 2:
+        logits = logits.movedim(1, -1).reshape(-1, logits.shape[1])
+        target = target.reshape(-1)
     valid = target != ignore_index
     check_ids(target, vocab_size, "labels (other than ignore_index)", skip=~valid)
     nll, _, _ = VOCAB_PARALLEL_NLL(logits, target, vocab_start, vocab_size, group)
     loss = nll.masked_fill(~valid, 0.0)
     if reduction == 0:
-        return loss.to(logits.dtype)
+        return loss.reshape(positions).to(logits.dtype)
     total = loss.sum()
     return (total / valid.sum() if reduction == 1 else total).to(logits.dtype)
 
