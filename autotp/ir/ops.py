@@ -32,7 +32,7 @@ named ``*_tp`` all-reduces over whichever group its key names.
   ``impl`` is ``symm_mem`` (CUDA + NCCL: ``torch.ops.symm_mem`` fused ops; elsewhere the
   ring) or ``ring`` (P2P ring, one chunk per rank, on any backend).
 * ``vocab_parallel_cross_entropy(logits, target, vocab_start, vocab_size, ignore_index,
-  reduction, group)`` -- ``aten.cross_entropy_loss`` on logits sharded on the class dim:
+  reduction, group)`` -- ``aten.cross_entropy_loss`` on logits sharded on the class dim (dim 1):
   only per-token max, sum-exp and target logit cross ranks (``vocab_parallel_nll``).
 * ``linear_cross_entropy(hidden, weight, target, vocab_start, vocab_size, ignore_index,
   reduction, chunk, group_size, group, fp8_recipe="")`` -- the same loss on ``linear(hidden, weight)`` (the
@@ -470,12 +470,9 @@ def _vocab_parallel_embedding(
 def _vocab_parallel_cross_entropy(
     logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, ignore_index: int, reduction: int, group: str
 ) -> Tensor:
-    """``reduction`` uses aten's codes: 0 none, 1 mean, 2 sum. Logits [N, C, d1, ...] (a class per
-    position, as ``F.cross_entropy`` takes them) are the rows of [N * d1 * ..., C]."""
+    """``reduction`` uses aten's codes: 0 none, 1 mean, 2 sum; logits [N, C, d1, ...] are the rows of [N * d1 * ..., C]."""
     positions = target.shape
-    if logits.dim() > 2:
-        logits = logits.movedim(1, -1).reshape(-1, logits.shape[1])
-        target = target.reshape(-1)
+    logits, target = (logits.movedim(1, -1).reshape(-1, logits.shape[1]), target.reshape(-1)) if logits.dim() > 2 else (logits, target)
     valid = target != ignore_index
     check_ids(target, vocab_size, "labels (other than ignore_index)", skip=~valid)
     nll, _, _ = VOCAB_PARALLEL_NLL(logits, target, vocab_start, vocab_size, group)
