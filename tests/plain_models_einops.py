@@ -169,6 +169,7 @@ class ClassFirstLossLM(nn.Module):
         super().__init__()
         self.decoder = decoder_of(EinopsAttention)()
         self.decoder.output.weight = self.decoder.embed.weight
+        nn.init.normal_(self.decoder.embed.weight, std=0.02)  # PaLM's init of the tied table
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
         logits = self.decoder.logits(self.decoder.hidden(input_ids))
