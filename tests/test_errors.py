@@ -249,6 +249,7 @@ def _last_stage_raises(rank: int, world: int) -> dict[str, Any]:
 
     store = dist.distributed_c10d._get_default_store()
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    torch.manual_seed(0)  # every rank builds the same model (parallelize refuses ranks that built different ones)
     model = build_model("llama-tiny", device=device, dtype=torch.float32)
     ids = torch.zeros((4, 8), dtype=torch.long, device=device)
     pm = autotp.parallelize(model, tp=1, pp=2, example_inputs={"input_ids": ids}, timeout_s=300)
