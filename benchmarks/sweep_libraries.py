@@ -52,6 +52,9 @@ module, and every name in it, then imports as an empty placeholder::
         hyperpyyaml ruamel.yaml tabpfn narwhals scikit-learn joblib threadpoolctl einops einx beartype rotary-embedding-torch \
         hyper-connections x-transformers axial-positional-embedding assoc-scan jaxtyping wadler-lindig loguru frozendict \
         torch-einops-utils x-mlps-pytorch
+    pip install --no-deps --target /tmp/libsite25 kan-gpt pykan unit-scaling docstring_parser bitnet ai2-olmo omegaconf \
+        antlr4-python3-runtime==4.9.3  # and zeta's SimpleRMSNorm as zeta/nn/modules/simple_rmsnorm.py (zeta-torch is not on
+        # the index: F.normalize(x, dim=-1) * dim**0.5, as zeta defines it) with an empty zeta/nn/__init__.py naming OutputHead
     python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
 
@@ -92,7 +95,8 @@ STUBS = ("torchvision", "lightning", "lightning_utilities", "jsonargparse", "psu
          "sentencepiece", "tiktoken", "blobfile", "kagglehub", "cached_path", "bettermap", "numba", "ftfy", "xformers", "librosa",
          "fairscale", "mamba_ssm", "polars", "ema_pytorch", "pytorch_fid", "pyfaidx", "kipoiseq", "tensordict", "tyro", "wandb", "pandas",
          "torch.utils.tensorboard", "torchtitan.models.moe.kernels", "labml", "labml_helpers", "matplotlib", "zstd", "cloudpathlib",
-         "tenacity", "biotite", "brotli", "msgpack", "msgpack_numpy", "Bio", "httpx", "torchaudio")  # fmt: skip
+         "tenacity", "biotite", "brotli", "msgpack", "msgpack_numpy", "Bio", "httpx", "torchaudio", "sklearn", "boto3", "botocore",
+         "google", "importlib_resources", "rich", "requests")  # fmt: skip
 # packages whose __init__ imports far more than their models (a CLI, trainers): their submodules load without it
 BARE = ("litgpt", "torchtune", "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3", "sam2", "palm_rlhf_pytorch",
         "pi_zero_pytorch", "e2_tts_pytorch", "speechbrain", "tabpfn")
@@ -116,7 +120,8 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "mlp_mixer_pytorch", "res_mlp_pytorch", "mammut_pytorch", "ring_attention_pytorch", "tslib", "fms", "moshi", "sam2",
              "infini_transformer_pytorch", "transfusion_pytorch", "dinov3", "minimind", "esmc", "torch_geometric",
              "gptfast", "torchmultimodal", "palm_rlhf_pytorch", "coconut_pytorch", "pi_zero_pytorch",
-             "e2_tts_pytorch", "sockeye", "kornia", "timesfm", "titans", "speechbrain", "tabpfn")  # fmt: skip
+             "e2_tts_pytorch", "sockeye", "kornia", "timesfm", "titans", "speechbrain", "tabpfn", "kan_gpt", "unit_scaling",
+             "bitnet", "ai2_olmo")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
@@ -145,6 +150,9 @@ class _PlaceholderClass(type(typing_extensions.Protocol)):  # type: ignore[misc]
         if name.startswith("_"):
             raise AttributeError(name)
         return _PlaceholderClass(name, (), _PLACEHOLDER_METHODS)
+
+    def __add__(cls, other: Any) -> Any:  # ``SchemeClient.recoverable_errors + (...)``: what is added
+        return other
 
 
 # an instance called returns what it was given: a stubbed decorator (``@numba.jit(nopython=True)``) leaves its function
@@ -1079,6 +1087,57 @@ def _tabpfn_inputs() -> dict[str, Any]:
     return {"x": torch.randn(12, 2, 6, generator=gen), "y": torch.randint(0, 4, (8, 2), generator=gen).float()}  # rows first, 8 labelled
 
 
+def _kan_gpt(implementation: str) -> Model:
+    """KAN-GPT (AdityaNG/kan-gpt): minGPT whose MLPs and head are Kolmogorov-Arnold layers, B-spline bases of each input
+    feature read by a ``[out, in * bases]`` weight (``EFFICIENT_KAN``) or pykan's per-edge splines (``ORIGINAL_KAN``);
+    its forward returns (logits, the loss of the targets)."""
+
+    def build() -> torch.nn.Module:
+        gpt = importlib.import_module("kan_gpt.model").GPT
+        config = gpt.get_default_config()
+        config.merge_from_dict(dict(model_type=None, n_layer=2, n_head=4, n_embd=64, vocab_size=VOCAB, block_size=SEQ, embd_pdrop=0.0,
+                                    resid_pdrop=0.0, attn_pdrop=0.0, kan_implementation=implementation))  # fmt: skip
+        model = gpt(config)
+        # the splines' coefficients come from a least-squares fit of noise whose last bits differ between processes (autotp
+        # refuses ranks that built different models): drawn again, at the fit's scale
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("spline_weight", ".coef")):
+                    p.copy_(torch.randn_like(p) * float(f"{p.std().item():.1g}"))
+        return model
+
+    def inputs() -> dict[str, Any]:
+        ids = _tokens("idx")()["idx"]
+        return {"idx": ids, "targets": ids.roll(-1, dims=1)}
+
+    return build, inputs, lambda out: out[1]
+
+
+def _olmo(**kwargs: Any) -> Model:
+    """AI2's OLMo (the ``ai2-olmo`` package, OLMo 1 and 2's training code): fused q/k/v and SwiGLU projections split by
+    sizes and ``chunk``, its own RoPE and norms; options for q/k norms over all heads, norms after the blocks, ALiBi, QKV
+    clipping, multi-query attention and blocks grouped in lists of lists."""
+
+    def build() -> torch.nn.Module:
+        config = importlib.import_module("olmo.config")
+        sizes = dict(d_model=64, n_heads=4, n_layers=2, mlp_ratio=4, vocab_size=VOCAB, embedding_size=VOCAB, max_sequence_length=SEQ,
+                     init_device="cpu", flash_attention=False, attention_dropout=0.0, residual_dropout=0.0, embedding_dropout=0.0)
+        return importlib.import_module("olmo.model").OLMo(config.ModelConfig(**(sizes | kwargs)))
+
+    return build, _tokens("input_ids"), lambda out: lm_loss(out.logits)
+
+
+class _UnitScaledLoss(torch.nn.Module):
+    """A training step as unit_scaling's docs write it: the decoder's own ``loss``, a unit-scaled cross-entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = _call("unit_scaling.TransformerDecoder", hidden_size=64, vocab_size=VOCAB, layers=2, heads=4)()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.loss(input_ids)
+
+
 IMAGE_TEXT = dict(hidden_states="image", encoder_hidden_states="text", timestep="step")
 VIDEO_TEXT = dict(hidden_states="video", encoder_hidden_states="text", timestep="step")
 FLUX = dict(hidden_states="tokens", encoder_hidden_states="text", timestep="flow", img_ids="ids3", txt_ids="txt_ids3")
@@ -1602,6 +1661,16 @@ MODELS: dict[str, Model] = {
                                              csgu_linear_units=128),
     "speechbrain_rope": _speechbrain(attention_type="RoPEMHA"),
     "tabpfn_v3": (_tabpfn, _tabpfn_inputs, _weighted),
+    "kan_gpt": _kan_gpt("EFFICIENT_KAN"),
+    "kan_gpt_original": _kan_gpt("ORIGINAL_KAN"),
+    "unit_scaling_decoder": (_call("unit_scaling.TransformerDecoder", hidden_size=64, vocab_size=VOCAB, layers=2, heads=4), _tokens("input"),
+                             lm_loss),
+    "unit_scaling_loss": (_UnitScaledLoss, _tokens("input_ids"), lambda out: out),
+    "ai2_olmo": _olmo(rope=True, block_type="sequential", weight_tying=False),
+    "ai2_olmo_2": _olmo(rope=True, block_type="sequential", n_kv_heads=2, attention_layer_norm=True, norm_after=True, layer_norm_type="rms",
+                    layer_norm_with_affine=True, weight_tying=False),
+    "ai2_olmo_alibi_grouped": _olmo(alibi=True, clip_qkv=8.0, multi_query_attention=True, block_group_size=2, include_bias=True, weight_tying=True),
+    "bitnet": (_call("bitnet.BitNetTransformer", dim=64, depth=2, num_tokens=VOCAB, heads=4, ff_mult=4), _tokens("x"), lm_loss),
 }
 
 

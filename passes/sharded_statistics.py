@@ -12,7 +12,8 @@ and contractions over a dim held in replicated blocks.
 * ``linalg_vector_norm(x, p)`` becomes ``sum(|x|^p) ** (1/p)``.
 * ``var`` / ``std`` become ``sum((x - mean)^2) / (n - correction)`` (``sqrt`` of it), the mean
   and the sum partial; ``var_mean`` / ``std_mean`` hand on that mean too.
-* ``amax`` / ``amin`` of a value that takes no gradient: the rank's extremum, then
+* ``amax`` / ``amin`` (the values of ``max(dim)`` / ``min(dim)``) of a value whose gradient
+  reaches no loss: the rank's extremum, then
   ``autotp::all_reduce_max`` over the group (of the negated minimum for ``amin``).
 * A row-parallel matmul, convolution or einsum that contracts a dim ranks hold in replicated
   blocks (query heads of a KV group shared by two ranks, 2 channels at tp=4) would add each
@@ -41,7 +42,7 @@ from autotp.ir.op_facts import CONVOLUTIONS, is_matmul
 from autotp.analysis.contraction_rules import einsum_terms
 from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.shapes import schema_arg, shape_of
-from autotp.analysis.statistic_rules import EXTREMA, VARIANCE_MEANS, VARIANCES, reduced_dims
+from autotp.analysis.statistic_rules import EXTREMA, VARIANCE_MEANS, VARIANCES, WITH_INDICES, reduced_dims
 from autotp.ir import meta_keys, ops
 from autotp.ir.layouts import PARTIAL, REPLICATE, Layout, resolve
 from autotp.passes.runner import PassContext
@@ -258,11 +259,18 @@ def _variance(gm: GraphModule, node: Node, tp: int) -> None:
 
 
 def _extremum(gm: GraphModule, node: Node, group: str) -> None:
-    """The rank's ``amax`` / ``amin``, max-reduced over ``group`` for every user."""
-    users = list(node.users)
+    """The rank's ``amax`` / ``amin``, max-reduced over ``group`` for every user (of ``max(dim)`` /
+    ``min(dim)``: of its values, the only output read)."""
     node.meta.pop(meta_keys.ROLE, None)
+    kind = EXTREMA[node.target]
+    for value in [u for u in node.users if u.target is operator.getitem] if node.target in WITH_INDICES else [node]:
+        _max_reduced(gm, value, kind, group)
+
+
+def _max_reduced(gm: GraphModule, node: Node, kind: str, group: str) -> None:
+    users = list(node.users)
     with gm.graph.inserting_after(node):
-        if EXTREMA[node.target] == "max":
+        if kind == "max":
             whole = _emit(gm, node, ops.ALL_REDUCE_MAX, (node, group), REPLICATE)
         else:
             negated = _emit(gm, node, aten.neg.default, (node,), REPLICATE)

@@ -407,6 +407,49 @@ class FakeQuantLinear(nn.Linear):
         return F.linear(x, w, self.bias)
 
 
+class TernarySTELinear(nn.Linear):
+    """BitNet b1.58's linear as its ports write it: activations scaled per token by their absolute
+    maximum (``max(dim).values`` of a value that takes a gradient), weights ternary by their mean
+    magnitude over the whole matrix, both through straight-through estimators (the quantized value
+    minus the input, detached, added to the input). BitNet also normalizes x first; over a split dim
+    that sum rounds otherwise, and rounding to the int8 grid turns an ulp into a quantum."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 127.0 / x.abs().max(dim=-1, keepdim=True).values.clamp(min=1e-5)
+        x = x + ((x * scale).round().clamp(-128, 127) / scale - x).detach()
+        w = self.weight
+        w = w + ((w - w.mean()).sign() * w.abs().mean() - w).detach()
+        return F.linear(x, w, self.bias)
+
+
+class _ScaledGrad(torch.autograd.Function):
+    """Unit scaling's scale op (Graphcore's unit_scaling): one factor forward, another backward,
+    the backward's saved as a tensor the forward makes."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fwd_scale: float, bwd_scale: float) -> torch.Tensor:
+        ctx.save_for_backward(torch.tensor(bwd_scale, dtype=x.dtype))
+        return fwd_scale * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (bwd_scale,) = ctx.saved_tensors
+        return bwd_scale * grad, None, None
+
+
+class UnitScaledLinear(nn.Linear):
+    """A unit-scaled linear: input, weight and bias gradients scaled by their fans, the output by
+    its fan-in, each through ``_ScaledGrad``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fan_out, fan_in = self.weight.shape
+        batch = x.numel() // fan_in
+        x = _ScaledGrad.apply(x, 1.0, fan_out**-0.5)
+        w = _ScaledGrad.apply(self.weight, 1.0, batch**-0.5)
+        b = _ScaledGrad.apply(self.bias, 1.0, batch**-0.5)
+        return _ScaledGrad.apply(F.linear(x, w, b), fan_in**-0.5, 1.0)
+
+
 class QuantizedMLP(nn.Module):
     def __init__(self, linear: type[nn.Linear], act: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
@@ -683,6 +726,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "diffusion_training_step": DiffusionTraining,
     "gumbel_router_moe": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), GumbelRoutedMoE())),
     "sample_weighted_loss": SampleWeightedLM,
+    "ternary_ste_mlp": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), QuantizedMLP(TernarySTELinear, F.gelu))),
+    "unit_scaled_mlp": lambda: DecoderLM(lambda: PreNormBlock(NanoGPTAttention(), QuantizedMLP(UnitScaledLinear, F.gelu))),
 }
 MOE = frozenset({"moe_scatter_reduce", "gumbel_router_moe"})
 

@@ -82,6 +82,13 @@ def test_a_lazy_module_that_has_not_run_is_named() -> None:
         autotp.compile_rank(_Lazy(), tp=2, example_inputs={"input_ids": torch.zeros(2, 4, dtype=torch.long)}, device="meta")
 
 
+def test_example_inputs_the_forward_does_not_take_are_named() -> None:
+    """An ``nn.Sequential`` takes ``input``: inputs under another name were an export failure that
+    blamed an operation in module <root> at a line of ``inspect``."""
+    with pytest.raises(UserInputError, match=r"inputs \(input_ids\) do not fit Sequential.forward\(input\).*parameter names"):
+        autotp.compile_rank(nn.Sequential(nn.Linear(4, 4)), tp=2, example_inputs={"input_ids": torch.randn(2, 4)}, device="meta")
+
+
 def test_sparse_embedding_gradients_are_refused_when_split() -> None:
     with pytest.raises(UserInputError, match=r"module embed \(Embedding\).*sparse gradient.*make the embedding with sparse=False"):
         autotp.compile_rank(_Lazy(sparse=True), tp=1, pp=2, example_inputs={"input_ids": torch.zeros(2, 4, dtype=torch.long)}, device="meta")

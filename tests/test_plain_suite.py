@@ -39,6 +39,8 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {  # (config, model): why it fails toda
     ("pp2", "albert_shared_layer"): "module 'shared' runs 3 times with the same parameters",
     # every layer's weights are slices of one parameter: no module boundary to cut at
     ("pp2", "stacked_layer_weights"): "cuts between the 1 modules the forward runs one after another",
+    # unit scaling's gradient scales come from x.numel(), the batch's size: a piece's would not be the whole batch's
+    ("pp2", "unit_scaled_mlp"): "computes a number from its batch's size",
     # nn.Embedding(max_norm=...) renormalizes the rows it reads in place: a parameter written by the forward
     **{(c, "embedding_max_norm"): "writes its parameter embed.weight in place" for c in ("tp2", "tp4", "pp2")},
     # PyTorch's meta kernel of grouped_mm takes bf16 only (its CPU kernel fp32 too); the bf16 model splits

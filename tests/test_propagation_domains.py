@@ -14,6 +14,7 @@ from autotp.analysis.propagation_result import NodeRole
 from autotp.analysis.trace import trace
 from autotp.compiler import choose_plan
 from autotp.cost_model.tensor_parallel import plan_tensor_parallel
+from autotp.ir import ops
 from autotp.ir.errors import UserInputError
 from distributed import run_on_ranks
 from plain_models_attention import DIM, VOCAB
@@ -49,6 +50,20 @@ class _MaxPooledByGrad(nn.Module):
         return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
 
 
+class _ArgmaxFeature(nn.Module):
+    """``max(dim)`` whose indices are read: a rank's index is local, so the dim stays whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.up, self.head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, 4 * DIM), nn.Linear(2, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        peak, where = self.up(self.embed(input_ids)).detach().max(dim=-1, keepdim=True)
+        logits = self.head(torch.cat([peak, where.float()], -1))
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
 def _inputs() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     return {k: torch.randint(0, VOCAB, (2, 8), generator=gen) for k in ("input_ids", "labels")}
@@ -73,14 +88,73 @@ def test_an_extremum_that_takes_a_gradient_is_not_reduced_by_rank() -> None:
     assert NodeRole.SHARDED_EXTREMUM not in prop.roles.values() and "needs a sharded dim whole" in str(prop.conflicts[0])
 
 
+def test_straight_through_scales_over_a_sharded_dim_are_max_reduced() -> None:
+    """BitNet's quantizers: a per-token scale from ``max(dim).values`` of an activation that takes a
+    gradient, detached only after the quantization (the gradient of the maximum reaches no loss),
+    and a ternary weight scaled by its mean magnitude. Each rank's maximum, max-reduced; before,
+    the row-parallel projection's input was gathered at the ``max``."""
+    gm = trace(build("ternary_ste_mlp"), example_inputs("ternary_ste_mlp"))
+    plan = plan_tensor_parallel(gm, 2)
+    layouts = {p.name: p.kind for p in plan.params}
+    assert (layouts["layers.0.feed_forward.up.weight"], layouts["layers.0.feed_forward.down.weight"]) == ("column", "row")
+    assert plan.gathered == (), plan.gathered
+    prop = propagate(gm, 2, plan=plan)
+    extrema = [n.target for n, role in prop.roles.items() if role is NodeRole.SHARDED_EXTREMUM]
+    assert extrema == [torch.ops.aten.max.dim] * 2, extrema
+
+
+def test_a_maximum_whose_indices_are_read_needs_its_dim_whole() -> None:
+    gm = trace(_ArgmaxFeature().eval(), _inputs())
+    prop = propagate(gm, 2)
+    assert NodeRole.SHARDED_EXTREMUM not in prop.roles.values() and "needs a sharded dim whole" in str(prop.conflicts[0])
+
+
+def test_a_function_scaling_forward_and_backward_apart_is_elementwise_on_shards() -> None:
+    """Unit scaling's Function saves ``torch.tensor(bwd_scale)``, a scalar its forward makes: it was
+    an opaque node that no sharded input may enter, so every linear was kept whole."""
+    gm = trace(build("unit_scaled_mlp"), example_inputs("unit_scaled_mlp"))
+    plan = plan_tensor_parallel(gm, 4)
+    layouts = {p.name: p.kind for p in plan.params}
+    assert (layouts["layers.0.feed_forward.up.weight"], layouts["layers.0.feed_forward.down.weight"]) == ("column", "row")
+    assert {n.target for n in gm.graph.nodes if "_ScaledGrad" in str(n.args[2:3])} == {ops.ELEMENTWISE_FUNCTION}
+
+
+class _SizeScaled(nn.Module):
+    """An activation scaled by ``numel() ** -0.5`` of a tensor that includes the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        logits = self.head(h * h.numel() ** -0.5)
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+@pytest.mark.parametrize("name", ["size_scaled", "unit_scaled_mlp"])
+def test_a_number_computed_from_the_batch_size_refuses_a_split_step(name: str) -> None:
+    """Each piece of a split step traced its own ``numel()`` into the graph (unit scaling at pp=2:
+    the embedding's gradient sqrt(2) off, silently); whole, the step is the model's."""
+    model, inputs = (_SizeScaled().eval(), _inputs()) if name == "size_scaled" else (build(name), example_inputs(name))
+    trace(model, inputs)
+    piece = {k: v[:1] for k, v in inputs.items()}
+    where = "custom Function .*_ScaledGrad" if name == "unit_scaled_mlp" else r"module <root> \(_SizeScaled\)"
+    with pytest.raises(UserInputError, match=rf"computes a number from its batch's size at .*{where}.* for a piece of 1 rows"):
+        trace(model, piece, split_batch=True)
+
+
 def _strict(rank: int, world: int, name: str) -> str:
     from autotp.report.strict_rule import check_on_rank
 
-    model = {"quantized_mlp": _QuantizedMLP, "max_pooled": _MaxPooledByGrad}[name]().eval()
-    return check_on_rank(model, _inputs(), tp=world).reason
+    own = {"quantized_mlp": _QuantizedMLP, "max_pooled": _MaxPooledByGrad, "argmax_feature": _ArgmaxFeature}
+    if name in own:
+        return check_on_rank(own[name]().eval(), _inputs(), tp=world).reason
+    return check_on_rank(build(name), example_inputs(name), tp=world).reason
 
 
-@pytest.mark.parametrize("name", ["quantized_mlp", "max_pooled"])
+@pytest.mark.parametrize("name", ["quantized_mlp", "max_pooled", "argmax_feature", "ternary_ste_mlp", "unit_scaled_mlp"])
 def test_extrema_at_tp2_equal_the_unmodified_model(name: str) -> None:
     assert run_on_ranks(_strict, 2, name) == ["", ""]
 

@@ -320,6 +320,8 @@ def _is_elementwise(node: Node) -> bool:
             return False
         if n.op != "call_function":
             continue
+        if n.target is aten.lift_fresh_copy.default and tuple(val.shape) == ():  # a scalar the call makes (``torch.tensor(scale)``)
+            continue
         tags = getattr(n.target, "tags", ())
         if torch.Tag.nondeterministic_seeded in tags or (not is_pointwise(n.target) and n.target not in _ELEMENTWISE_UNTAGGED):
             return False

@@ -94,6 +94,7 @@ class Walker:
         self.current: Node | None = None
         self.input_readers: dict[Node, bool] = {}  # ``shapes.reads_input``'s answers for this graph
         self._tiles: dict[tuple[str, int], DimVar] = {}
+        self._reaching: set[Node] | None = None  # nodes with a path to the outputs through no detach
         if plan is not None:
             for pl in plan.params:
                 self.fixed_vars[pl.name] = shard({pl.dim: fixed_var(pl.sharding, pl.name)})
@@ -252,6 +253,16 @@ class Walker:
             n = aliases.pop()
             self.out.needs_grad[n] = True
             aliases.extend(u for u in n.users if u in self.out.needs_grad and is_alias(u) and u.args[0] is n and not self.out.needs_grad[u])
+
+    def grad_reaches_loss(self, node: Node) -> bool:
+        """Whether ``node`` takes a gradient that reaches an output: it needs one and some path from
+        it to the outputs passes no ``detach`` (a straight-through estimator detaches what it adds)."""
+        if self._reaching is None:
+            self._reaching = set()
+            for n in reversed(self.gm.graph.nodes):
+                if n.op == "output" or any(u in self._reaching and u.target is not torch.ops.aten.detach.default for u in n.users):
+                    self._reaching.add(n)
+        return self.grad_of(node) and node in self._reaching
 
     def grad_of(self, node: Node) -> bool:
         if node.op == "get_attr":

@@ -15,10 +15,11 @@ A reduction keeps the split of every dim it does not reduce. Over a sharded dim:
 * ``var`` / ``std`` (and ``var_mean`` / ``std_mean``) over a sharded dim likewise: a
   tp-reduced mean, then a tp-reduced sum of squared deviations (``NodeRole.SHARDED_NORM``),
   e.g. weight standardization over a row-parallel weight's input dim.
-* ``amax`` / ``amin`` (and ``max()`` / ``min()`` of everything) of a value that takes no
-  gradient (a quantization scale) over a sharded dim: each rank's extremum, max-reduced
-  over the group (``NodeRole.SHARDED_EXTREMUM``). With a gradient it would flow to the
-  maxima of every rank that ties, so the dim stays whole.
+* ``amax`` / ``amin`` (``max()`` / ``min()`` of everything, and ``max(dim)`` / ``min(dim)``
+  whose indices nothing reads) of a value whose gradient reaches no loss (a quantization
+  scale, under ``detach`` before or after it) over a sharded dim: each rank's extremum,
+  max-reduced over the group (``NodeRole.SHARDED_EXTREMUM``). With a gradient it would flow
+  to the maxima of every rank that ties, so the dim stays whole.
 * ``group_norm`` over channels split in whole groups; ``instance_norm`` over any split but a
   spatial one; per-channel affine ops
   (``fake_quantize_per_channel_affine``) whose scales follow the channel dim's split.
@@ -31,6 +32,7 @@ would count those blocks several times; the pass divides by the replica count.
 from __future__ import annotations
 
 import math
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,7 +60,9 @@ WHOLE = {
 VARIANCES = {aten.var.correction, aten.std.correction, aten.var.dim, aten.std.dim}
 VARIANCE_MEANS = {aten.var_mean.correction, aten.std_mean.correction}  # (var or std, mean)
 REDUCTIONS = SUMS | MEANS | VECTOR_NORMS | VARIANCES | VARIANCE_MEANS | WHOLE
-EXTREMA = {aten.amax.default: "max", aten.amin.default: "min", aten.max.default: "max", aten.min.default: "min"}
+EXTREMA = {aten.amax.default: "max", aten.amin.default: "min", aten.max.default: "max", aten.min.default: "min", aten.max.dim: "max",
+           aten.min.dim: "min"}  # fmt: skip
+WITH_INDICES = {aten.max.dim, aten.min.dim}  # (values, indices)
 PER_CHANNEL = {aten.fake_quantize_per_channel_affine.default, aten._fake_quantize_learnable_per_channel_affine.default}
 PER_TENSOR = {aten.fake_quantize_per_tensor_affine.tensor_qparams, aten._fake_quantize_learnable_per_tensor_affine.default}
 NORMS = {aten.layer_norm.default, aten.rms_norm.default}
@@ -248,8 +252,25 @@ def follow_split(w: Walker, node: Node, weight: Node, dims: dict[int, DimVar]) -
 
 
 def extremum(w: Walker, node: Node) -> Any:
-    """``amax`` / ``amin`` / ``max()`` / ``min()``: the split of every dim it keeps; over a
-    sharded dim, a tp-reduced statistic where the value takes no gradient."""
+    """``amax`` / ``amin`` / ``max()`` / ``min()``, ``max(dim)`` / ``min(dim)`` whose indices are not
+    read: the split of every dim it keeps; over a sharded dim, a tp-reduced statistic where the
+    value's gradient reaches no loss."""
+    if node.target in WITH_INDICES:
+        if indices_read(node):  # a rank's index would be local, and its maximum not the whole one
+            from autotp.analysis.value_rules import needs_whole_dim
+
+            return needs_whole_dim(w, node)
+        values = extremum_values(w, node)
+        return values, values
+    return extremum_values(w, node)
+
+
+def indices_read(node: Node) -> bool:
+    """Whether anything reads the indices output of ``max(dim)`` / ``min(dim)``."""
+    return any(u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in node.users)
+
+
+def extremum_values(w: Walker, node: Node) -> Any:
     x = node.args[0]
     lay = w.summed(x, node)
     nd = len(shape_of(x) or ())
@@ -260,7 +281,7 @@ def extremum(w: Walker, node: Node) -> Any:
     if not sharded:
         kept = [d for d in range(nd) if d not in reduced]
         return lay if schema_arg(node, "keepdim", False) else shard({kept.index(d): v for d, v in lay.dims})
-    if w.grad_of(node) or len(sharded) != len(lay.dims):
+    if w.grad_reaches_loss(node) or len(sharded) != len(lay.dims):
         raise ShardingConflict(f"{describe(node)}: needs a sharded dim whole", lay.origins(), tuple(sharded))
     _statistic(w, node, sharded)  # type: ignore[arg-type]
     w.out.roles[node] = NodeRole.SHARDED_EXTREMUM

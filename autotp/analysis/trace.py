@@ -35,6 +35,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
+from autotp.analysis.batch_size_constants import refuse_batch_size_constants
 from autotp.analysis.batch_rows import UNKNOWN_ROWS, batch_rows_at, batch_size, input_row_dims
 from autotp.analysis.loss_denominators import behind_parameter_free_scalars, normalize_loss_denominators
 from autotp.analysis.custom_functions import FunctionUse, custom_functions, mark_elementwise, route_through_hooks
@@ -43,7 +44,7 @@ from autotp.analysis.host_draws import host_calls, host_draw_refusal, host_rando
 from autotp.analysis.trace_decompose import decompose_simple_composites, decompose_parameter_ops, draw_by_size, shape_by_size, squeeze_traced_dims
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
 from autotp.analysis.trace_globals import global_state_restored
-from autotp.analysis.trace_guards import DataAsDetach, GradientHookWatch, model_collectives_refused, refuse_backward_hooks, refuse_lazy_parameters, refuse_parameter_writes, register_dataclasses, strip_opaque_outputs
+from autotp.analysis.trace_guards import DataAsDetach, GradientHookWatch, model_collectives_refused, refuse_backward_hooks, refuse_lazy_parameters, refuse_parameter_writes, refuse_unbound_inputs, register_dataclasses, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
 from autotp.analysis.trace_sizes import TRACER_ROOTS, assumed_sizes, name_assumptions
 from autotp.ir import meta_keys
@@ -175,6 +176,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
     """
     refuse_lazy_parameters(model)
     refuse_backward_hooks(model)
+    refuse_unbound_inputs(model, kwargs)
     register_dataclasses(kwargs)
     fake_model, fake_kwargs = _fake_copy(model, kwargs, torch.device(device))
     fake_model.register_forward_hook(strip_opaque_outputs)
@@ -210,6 +212,7 @@ def trace(model: nn.Module, kwargs: dict[str, Any], device: torch.device | str =
         made_rows = _rows_of_made_tensors(gm, batch_size(kwargs, batch_dims), doubled)
         normalize_loss_denominators(gm, _rows_by_name(gm, kwargs, doubled, batch_dims, made_rows), doubled)
         _mark_draw_rows(gm, made_rows)
+        refuse_batch_size_constants(gm, doubled, batch_size(kwargs, batch_dims))
     mark_elementwise(gm)
     gm.recompile()  # once, after the rewrites above
     refuse_parameter_writes(type(model).__name__, gm)

@@ -35,6 +35,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -117,6 +118,21 @@ def refuse_lazy_parameters(model: torch.nn.Module) -> None:
                     f"{name} of module {module_name or '<root>'} ({type(module).__name__}) has no shape yet: a lazy module "
                     "sizes its parameters in its first forward; run the model once on example inputs before autotp.parallelize"
                 )
+
+
+def refuse_unbound_inputs(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse example inputs that the model's forward does not take under their names (a forward
+    hook or pre-hook may take other ones: only an unhooked forward is checked)."""
+    if model._forward_pre_hooks or model._forward_hooks:
+        return
+    signature = inspect.signature(model.forward)
+    try:
+        signature.bind(**kwargs)
+    except TypeError as e:
+        raise UserInputError(
+            f"the example inputs ({', '.join(kwargs) or 'none'}) do not fit {type(model).__name__}.forward{signature}: {e}; "
+            "pass them under the forward's parameter names"
+        ) from None
 
 
 _SPARSE_ARG = {torch.ops.aten.embedding.default: 4, torch.ops.aten._embedding_bag.default: 5}
