@@ -161,6 +161,40 @@ class ParallelBlock(nn.Module):
         return x + attn + self.ff_out(F.silu(gate) * up)
 
 
+class EinsumMultiQueryBlock(nn.Module):
+    """``ParallelBlock`` as PaLM writes its attention: q, one key and one value head, and the
+    SwiGLU's gate and up from one ``Linear``; rotary by ``rotate_half`` (``chunk(2)`` and ``cat``),
+    the scores and the values contracted by einsum with no heads letter on k and v
+    (``"bhid,bjd->bhij"``, ``"bhij,bjd->bhid"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes = (HEADS * HEAD_DIM, HEAD_DIM, HEAD_DIM, 2 * FFN)
+        self.norm = nn.LayerNorm(DIM)
+        self.fused = nn.Linear(DIM, sum(self.sizes), bias=False)
+        self.attn_out = nn.Linear(DIM, DIM, bias=False)
+        self.ff_out = nn.Linear(FFN, DIM, bias=False)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+
+    @staticmethod
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v, ff = self.fused(self.norm(x)).split(self.sizes, dim=-1)
+        q = q.view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
+        freqs = torch.einsum("i,j->ij", torch.arange(s, dtype=x.dtype), self.inv_freq)
+        pos = torch.cat((freqs, freqs), dim=-1)
+        q, k = (t * pos.cos() + self.rotate_half(t) * pos.sin() for t in (q, k))
+        sim = torch.einsum("bhid,bjd->bhij", q, k) * HEAD_DIM**-0.5
+        sim = sim.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), -torch.finfo(sim.dtype).max)
+        out = torch.einsum("bhij,bjd->bhid", sim.softmax(dim=-1), v)
+        up, gate = ff.chunk(2, dim=-1)
+        return x + self.attn_out(out.transpose(1, 2).reshape(b, s, DIM)) + self.ff_out(F.silu(gate) * up)
+
+
 # ---- 4. activation checkpointing around each block -----------------------------------------
 
 
@@ -455,6 +489,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "sdpa_enable_gqa": lambda: LM(llama_block),
     "alibi_baddbmm": lambda: LM(lambda: Residual(AlibiAttention(), norm=lambda: nn.LayerNorm(DIM))),
     "parallel_fused_block": lambda: LM(ParallelBlock),
+    "parallel_einsum_mqa_block": lambda: LM(EinsumMultiQueryBlock),
     "checkpoint_nonreentrant": lambda: LM(llama_block, checkpointed(use_reentrant=False)),
     "checkpoint_reentrant": lambda: LM(llama_block, checkpointed(use_reentrant=True)),
     "checkpoint_by_hand": lambda: LM(llama_block, checkpointed_by_hand),
