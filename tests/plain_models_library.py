@@ -195,6 +195,24 @@ class EinsumMultiQueryBlock(nn.Module):
         return x + self.attn_out(out.transpose(1, 2).reshape(b, s, DIM)) + self.ff_out(F.silu(gate) * up)
 
 
+class UnitFactorBlock(nn.Module):
+    """A projection viewed as one fraction of one stream (``[b, s, 1, 1, d]``, size-1 factors as
+    hyper-connections' ``num_fracs=1`` make them), viewed back and added to itself, then split into
+    heads for a per-head gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.out = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        y = self.proj(x)
+        y = y + y.view(b, s, 1, DIM).view(b, s, 1, 1, DIM).view(b, s, DIM)
+        heads = y.view(b, s, HEADS, HEAD_DIM)
+        heads = heads * torch.sigmoid(heads.mean(dim=-1, keepdim=True))
+        return x + self.out(heads.reshape(b, s, DIM))
+
+
 # ---- 4. activation checkpointing around each block -----------------------------------------
 
 
@@ -490,6 +508,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "alibi_baddbmm": lambda: LM(lambda: Residual(AlibiAttention(), norm=lambda: nn.LayerNorm(DIM))),
     "parallel_fused_block": lambda: LM(ParallelBlock),
     "parallel_einsum_mqa_block": lambda: LM(EinsumMultiQueryBlock),
+    "unit_factor_views": lambda: LM(lambda: Residual(UnitFactorBlock())),
     "checkpoint_nonreentrant": lambda: LM(llama_block, checkpointed(use_reentrant=False)),
     "checkpoint_reentrant": lambda: LM(llama_block, checkpointed(use_reentrant=True)),
     "checkpoint_by_hand": lambda: LM(llama_block, checkpointed_by_hand),

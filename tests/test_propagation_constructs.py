@@ -145,10 +145,10 @@ def test_one_kv_head_expanded_to_all_heads_is_held_whole_and_read_by_the_ranks_h
         assert heads == [(rank * local, (rank + 1) * local)] * 2  # of the expanded key, of the value
 
 
-def _einsum_mqa_at(rank: int, world: int) -> tuple[bool, str, float]:
+def _library_model_at(rank: int, world: int, name: str) -> tuple[bool, str, float]:
     from autotp.report.strict_rule import check_on_rank
 
-    result = check_on_rank(build_library("parallel_einsum_mqa_block"), library_inputs("parallel_einsum_mqa_block"), tp=world)
+    result = check_on_rank(build_library(name), library_inputs(name), tp=world)
     return result.equal, result.reason, result.share
 
 
@@ -164,7 +164,22 @@ def test_one_value_head_contracted_by_einsum_is_held_whole_and_the_query_heads_s
         kind, sharding = _kinds(plan)[f"layers.{layer}.fused.weight"]
         assert kind == "column" and sharding.local_size(tp) == DIM // tp + 2 * HEAD_DIM + 4 * DIM // tp, sharding  # k and v whole
         assert _kinds(plan)[f"layers.{layer}.attn_out.weight"][0] == "row"
-    for equal, reason, share in run_on_ranks(_einsum_mqa_at, tp):
+    for equal, reason, share in run_on_ranks(_library_model_at, tp, "parallel_einsum_mqa_block"):
+        assert equal, reason
+        assert share <= 1.3 / tp
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_views_through_size_one_factors_and_back_keep_one_split(tp: int) -> None:
+    """``y + y.view(b, s, 1, d).view(b, s, 1, 1, d).view(b, s, d)``: each view splits the dim into a
+    size-1 factor and itself, whose split is the dim's own; the add joined the ends of two such
+    links into a loop, and the heads view after it recursed forever (``RecursionError`` in the
+    planner; hyper-connections with one fraction make these views: coconut at tp=4)."""
+    name = "unit_factor_views"
+    _, plan = _plan(build_library(name), tp, **library_inputs(name))
+    assert not plan.gathered and all(why == KEPT_WHOLE_READ_WHOLE for why, *_ in _kept(plan).values()), (plan.gathered, _kept(plan))
+    assert _kinds(plan)["layers.0.attention.proj.weight"][0] == "column" and _kinds(plan)["layers.0.attention.out.weight"][0] == "row"
+    for equal, reason, share in run_on_ranks(_library_model_at, tp, name):
         assert equal, reason
         assert share <= 1.3 / tp
 

@@ -129,6 +129,9 @@ def follow(var: DimVar, outer: DimVar, where: str) -> None:
         return
     if r.size % o.size:
         raise ShardingConflict(f"{where}: a dim of {r.size} cannot follow one of {o.size}", r.origins | o.origins)
+    if r.size == o.size:  # one inner element: the same split (two such dims following each other would loop)
+        unify(r, o, where)
+        return
     if r.follows is not None and r.follows.find() is not r:
         _follow_both(r.follows.find(), o, where)
         return
