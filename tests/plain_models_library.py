@@ -195,6 +195,23 @@ class EinsumMultiQueryBlock(nn.Module):
         return x + self.attn_out(out.transpose(1, 2).reshape(b, s, DIM)) + self.ff_out(F.silu(gate) * up)
 
 
+class AdditivePoolingBlock(nn.Module):
+    """Additive (Bahdanau) attention pooling: each position's score is ``tanh(W x) @ v`` with a vector
+    ``v`` (a matrix-vector ``matmul``), plus ``u @ tanh(W' x)^T`` with the vector on the left; the
+    positions' softmax weighs a pooled summary added back to every position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.key = nn.Linear(DIM, FFN), nn.Linear(DIM, FFN)
+        self.v, self.u = nn.Parameter(torch.linspace(-0.5, 0.5, FFN)), nn.Parameter(torch.linspace(0.3, -0.3, FFN))
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.tanh(self.proj(x)) @ self.v + self.u @ torch.tanh(self.key(x)).transpose(1, 2)
+        pooled = (scores.softmax(dim=-1)[..., None] * x).sum(dim=1, keepdim=True)
+        return x + self.out(pooled)
+
+
 class UnitFactorBlock(nn.Module):
     """A projection viewed as one fraction of one stream (``[b, s, 1, 1, d]``, size-1 factors as
     hyper-connections' ``num_fracs=1`` make them), viewed back and added to itself, then split into
@@ -508,6 +525,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "alibi_baddbmm": lambda: LM(lambda: Residual(AlibiAttention(), norm=lambda: nn.LayerNorm(DIM))),
     "parallel_fused_block": lambda: LM(ParallelBlock),
     "parallel_einsum_mqa_block": lambda: LM(EinsumMultiQueryBlock),
+    "additive_pooling_matvec": lambda: LM(lambda: Residual(AdditivePoolingBlock())),
     "unit_factor_views": lambda: LM(lambda: Residual(UnitFactorBlock())),
     "checkpoint_nonreentrant": lambda: LM(llama_block, checkpointed(use_reentrant=False)),
     "checkpoint_reentrant": lambda: LM(llama_block, checkpointed(use_reentrant=True)),

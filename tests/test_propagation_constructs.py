@@ -170,6 +170,23 @@ def test_one_value_head_contracted_by_einsum_is_held_whole_and_the_query_heads_s
 
 
 @pytest.mark.parametrize("tp", [2, 4])
+def test_a_matrix_vector_matmul_makes_the_vector_row_parallel(tp: int) -> None:
+    """``tanh(W x) @ v`` and ``u @ tanh(W' x)^T`` with 1-D ``v`` and ``u`` (additive attention scores;
+    hyper-connections' ``normed @ dynamic_beta_fn``) contract the projections' split features: the
+    vectors split with them and the scores are partial sums. A matmul of a 1-D operand took no split
+    input before: the projections were gathered whole or kept whole (coconut and E2-TTS at tp=4)."""
+    name = "additive_pooling_matvec"
+    _, plan = _plan(build_library(name), tp, **library_inputs(name))
+    kinds = _kinds(plan)
+    for layer in range(2):
+        at = f"layers.{layer}.attention"
+        assert [kinds[f"{at}.{p}"][0] for p in ("proj.weight", "key.weight", "v", "u")] == ["column", "column", "row", "row"]
+    for equal, reason, share in run_on_ranks(_library_model_at, tp, name):
+        assert equal, reason
+        assert share <= 1.3 / tp
+
+
+@pytest.mark.parametrize("tp", [2, 4])
 def test_views_through_size_one_factors_and_back_keep_one_split(tp: int) -> None:
     """``y + y.view(b, s, 1, d).view(b, s, 1, 1, d).view(b, s, d)``: each view splits the dim into a
     size-1 factor and itself, whose split is the dim's own; the add joined the ends of two such

@@ -126,6 +126,25 @@ def tensordot(w: Walker, node: Node) -> Any:
     return _contraction(w, node, ["".join(term_a), "".join(term_b)], "".join(out), [a, b])
 
 
+def is_vector_matmul(node: Node) -> bool:
+    """``aten.matmul`` of a 1-D operand (a matrix-vector product): ``vector_matmul``'s."""
+    return any(isinstance(t, Node) and len(shape_of(t) or ()) == 1 for t in node.args[:2])
+
+
+def vector_matmul(w: Walker, node: Node) -> Any:
+    """``aten.matmul`` with a 1-D operand: the einsum it computes, ``...k,k->...`` for a vector on
+    the right (hyper-connections' ``normed @ dynamic_beta_fn``), ``k,...kn->...n`` on the left."""
+    a, b = node.args[:2]
+    rank_a, rank_b = len(shape_of(a) or ()), len(shape_of(b) or ())
+    if not rank_a or not rank_b:
+        return w.opaque(node)
+    lead = "abcdefghij"[: max(rank_a, rank_b) - 1]
+    if rank_b == 1:
+        return _contraction(w, node, [lead[: rank_a - 1] + "k", "k"], lead[: rank_a - 1], [a, b])
+    batch = lead[: rank_b - 2]
+    return _contraction(w, node, ["k", batch + "kn"], batch + "n", [a, b])
+
+
 def _contraction(w: Walker, node: Node, terms: list[str], out: str, operands: list[Any]) -> Any:
     """The layout of an einsum of ``operands`` over index ``terms`` into ``out`` (``einsum``)."""
     lays = [w.get(t) for t in operands]
