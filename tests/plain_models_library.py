@@ -161,6 +161,75 @@ class ParallelBlock(nn.Module):
         return x + attn + self.ff_out(F.silu(gate) * up)
 
 
+class EinsumMultiQueryBlock(nn.Module):
+    """``ParallelBlock`` as PaLM writes its attention: q, one key and one value head, and the
+    SwiGLU's gate and up from one ``Linear``; rotary by ``rotate_half`` (``chunk(2)`` and ``cat``),
+    the scores and the values contracted by einsum with no heads letter on k and v
+    (``"bhid,bjd->bhij"``, ``"bhij,bjd->bhid"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes = (HEADS * HEAD_DIM, HEAD_DIM, HEAD_DIM, 2 * FFN)
+        self.norm = nn.LayerNorm(DIM)
+        self.fused = nn.Linear(DIM, sum(self.sizes), bias=False)
+        self.attn_out = nn.Linear(DIM, DIM, bias=False)
+        self.ff_out = nn.Linear(FFN, DIM, bias=False)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+
+    @staticmethod
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v, ff = self.fused(self.norm(x)).split(self.sizes, dim=-1)
+        q = q.view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
+        freqs = torch.einsum("i,j->ij", torch.arange(s, dtype=x.dtype), self.inv_freq)
+        pos = torch.cat((freqs, freqs), dim=-1)
+        q, k = (t * pos.cos() + self.rotate_half(t) * pos.sin() for t in (q, k))
+        sim = torch.einsum("bhid,bjd->bhij", q, k) * HEAD_DIM**-0.5
+        sim = sim.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), -torch.finfo(sim.dtype).max)
+        out = torch.einsum("bhij,bjd->bhid", sim.softmax(dim=-1), v)
+        up, gate = ff.chunk(2, dim=-1)
+        return x + self.attn_out(out.transpose(1, 2).reshape(b, s, DIM)) + self.ff_out(F.silu(gate) * up)
+
+
+class AdditivePoolingBlock(nn.Module):
+    """Additive (Bahdanau) attention pooling: each position's score is ``tanh(W x) @ v`` with a vector
+    ``v`` (a matrix-vector ``matmul``), plus ``u @ tanh(W' x)^T`` with the vector on the left; the
+    positions' softmax weighs a pooled summary added back to every position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.key = nn.Linear(DIM, FFN), nn.Linear(DIM, FFN)
+        self.v, self.u = nn.Parameter(torch.linspace(-0.5, 0.5, FFN)), nn.Parameter(torch.linspace(0.3, -0.3, FFN))
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.tanh(self.proj(x)) @ self.v + self.u @ torch.tanh(self.key(x)).transpose(1, 2)
+        pooled = (scores.softmax(dim=-1)[..., None] * x).sum(dim=1, keepdim=True)
+        return x + self.out(pooled)
+
+
+class UnitFactorBlock(nn.Module):
+    """A projection viewed as one fraction of one stream (``[b, s, 1, 1, d]``, size-1 factors as
+    hyper-connections' ``num_fracs=1`` make them), viewed back and added to itself, then split into
+    heads for a per-head gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.out = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        y = self.proj(x)
+        y = y + y.view(b, s, 1, DIM).view(b, s, 1, 1, DIM).view(b, s, DIM)
+        heads = y.view(b, s, HEADS, HEAD_DIM)
+        heads = heads * torch.sigmoid(heads.mean(dim=-1, keepdim=True))
+        return x + self.out(heads.reshape(b, s, DIM))
+
+
 # ---- 4. activation checkpointing around each block -----------------------------------------
 
 
@@ -455,6 +524,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "sdpa_enable_gqa": lambda: LM(llama_block),
     "alibi_baddbmm": lambda: LM(lambda: Residual(AlibiAttention(), norm=lambda: nn.LayerNorm(DIM))),
     "parallel_fused_block": lambda: LM(ParallelBlock),
+    "parallel_einsum_mqa_block": lambda: LM(EinsumMultiQueryBlock),
+    "additive_pooling_matvec": lambda: LM(lambda: Residual(AdditivePoolingBlock())),
+    "unit_factor_views": lambda: LM(lambda: Residual(UnitFactorBlock())),
     "checkpoint_nonreentrant": lambda: LM(llama_block, checkpointed(use_reentrant=False)),
     "checkpoint_reentrant": lambda: LM(llama_block, checkpointed(use_reentrant=True)),
     "checkpoint_by_hand": lambda: LM(llama_block, checkpointed_by_hand),

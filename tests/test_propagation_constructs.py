@@ -40,7 +40,7 @@ from plain_models_attention import (
 )
 from distributed import run_on_ranks
 from plain_models_einops import build as build_einops, example_inputs as einops_inputs
-from plain_models_library import ParallelBlock, WeightNormMLP
+from plain_models_library import ParallelBlock, WeightNormMLP, build as build_library, example_inputs as library_inputs
 from plain_models_mixers import HeadExperts, LinearAttention, LoopMoE, StackedExperts, ViTAttention
 
 aten = torch.ops.aten
@@ -143,6 +143,62 @@ def test_one_kv_head_expanded_to_all_heads_is_held_whole_and_read_by_the_ranks_h
     for rank in range(tp):
         heads = [n.args[2:4] for n in _rank_graph(gm, plan, rank).graph.nodes if n.target is aten.slice.Tensor and n.args[1] == 1]
         assert heads == [(rank * local, (rank + 1) * local)] * 2  # of the expanded key, of the value
+
+
+def _library_model_at(rank: int, world: int, name: str) -> tuple[bool, str, float]:
+    from autotp.report.strict_rule import check_on_rank
+
+    result = check_on_rank(build_library(name), library_inputs(name), tp=world)
+    return result.equal, result.reason, result.share
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_one_value_head_contracted_by_einsum_is_held_whole_and_the_query_heads_stay_split(tp: int) -> None:
+    """PaLM's attention: one key and one value head with no heads letter, ``"bhij,bjd->bhid"``.
+    The query heads split ``attn`` on ``h`` and the fused projection's value segment split ``v``
+    on ``d``, both kept by the output: the value head is held whole as the key head is (the
+    projection was kept whole before: PaLM-rlhf, 85% of the model on a rank at tp=2)."""
+    gm, plan = _plan(build_library("parallel_einsum_mqa_block"), tp, **library_inputs("parallel_einsum_mqa_block"))
+    assert not plan.gathered and all(why == KEPT_WHOLE_READ_WHOLE for why, *_ in _kept(plan).values()), (plan.gathered, _kept(plan))
+    for layer in range(2):
+        kind, sharding = _kinds(plan)[f"layers.{layer}.fused.weight"]
+        assert kind == "column" and sharding.local_size(tp) == DIM // tp + 2 * HEAD_DIM + 4 * DIM // tp, sharding  # k and v whole
+        assert _kinds(plan)[f"layers.{layer}.attn_out.weight"][0] == "row"
+    for equal, reason, share in run_on_ranks(_library_model_at, tp, "parallel_einsum_mqa_block"):
+        assert equal, reason
+        assert share <= 1.3 / tp
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_matrix_vector_matmul_makes_the_vector_row_parallel(tp: int) -> None:
+    """``tanh(W x) @ v`` and ``u @ tanh(W' x)^T`` with 1-D ``v`` and ``u`` (additive attention scores;
+    hyper-connections' ``normed @ dynamic_beta_fn``) contract the projections' split features: the
+    vectors split with them and the scores are partial sums. A matmul of a 1-D operand took no split
+    input before: the projections were gathered whole or kept whole (coconut and E2-TTS at tp=4)."""
+    name = "additive_pooling_matvec"
+    _, plan = _plan(build_library(name), tp, **library_inputs(name))
+    kinds = _kinds(plan)
+    for layer in range(2):
+        at = f"layers.{layer}.attention"
+        assert [kinds[f"{at}.{p}"][0] for p in ("proj.weight", "key.weight", "v", "u")] == ["column", "column", "row", "row"]
+    for equal, reason, share in run_on_ranks(_library_model_at, tp, name):
+        assert equal, reason
+        assert share <= 1.3 / tp
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_views_through_size_one_factors_and_back_keep_one_split(tp: int) -> None:
+    """``y + y.view(b, s, 1, d).view(b, s, 1, 1, d).view(b, s, d)``: each view splits the dim into a
+    size-1 factor and itself, whose split is the dim's own; the add joined the ends of two such
+    links into a loop, and the heads view after it recursed forever (``RecursionError`` in the
+    planner; hyper-connections with one fraction make these views: coconut at tp=4)."""
+    name = "unit_factor_views"
+    _, plan = _plan(build_library(name), tp, **library_inputs(name))
+    assert not plan.gathered and all(why == KEPT_WHOLE_READ_WHOLE for why, *_ in _kept(plan).values()), (plan.gathered, _kept(plan))
+    assert _kinds(plan)["layers.0.attention.proj.weight"][0] == "column" and _kinds(plan)["layers.0.attention.out.weight"][0] == "row"
+    for equal, reason, share in run_on_ranks(_library_model_at, tp, name):
+        assert equal, reason
+        assert share <= 1.3 / tp
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -126,6 +126,25 @@ def tensordot(w: Walker, node: Node) -> Any:
     return _contraction(w, node, ["".join(term_a), "".join(term_b)], "".join(out), [a, b])
 
 
+def is_vector_matmul(node: Node) -> bool:
+    """``aten.matmul`` of a 1-D operand (a matrix-vector product): ``vector_matmul``'s."""
+    return any(isinstance(t, Node) and len(shape_of(t) or ()) == 1 for t in node.args[:2])
+
+
+def vector_matmul(w: Walker, node: Node) -> Any:
+    """``aten.matmul`` with a 1-D operand: the einsum it computes, ``...k,k->...`` for a vector on
+    the right (hyper-connections' ``normed @ dynamic_beta_fn``), ``k,...kn->...n`` on the left."""
+    a, b = node.args[:2]
+    rank_a, rank_b = len(shape_of(a) or ()), len(shape_of(b) or ())
+    if not rank_a or not rank_b:
+        return w.opaque(node)
+    lead = "abcdefghij"[: max(rank_a, rank_b) - 1]
+    if rank_b == 1:
+        return _contraction(w, node, [lead[: rank_a - 1] + "k", "k"], lead[: rank_a - 1], [a, b])
+    batch = lead[: rank_b - 2]
+    return _contraction(w, node, ["k", batch + "kn"], batch + "n", [a, b])
+
+
 def _contraction(w: Walker, node: Node, terms: list[str], out: str, operands: list[Any]) -> Any:
     """The layout of an einsum of ``operands`` over index ``terms`` into ``out`` (``einsum``)."""
     lays = [w.get(t) for t in operands]
@@ -137,7 +156,7 @@ def _contraction(w: Walker, node: Node, terms: list[str], out: str, operands: li
         if isinstance(lay, Layout):
             for d, var in lay.dims:
                 letters[term[d]] = unify(letters[term[d]], var, describe(node)) if term[d] in letters else var
-    _hold_broadcast_operands_whole(w, terms, out, lays, letters)
+    _hold_broadcast_operands_whole(w, terms, out, operands, lays, letters)
     if not letters:  # no operand split: a parameter's own output letter goes column-parallel, as in ``matmul``
         for t, term, lay in zip(operands, terms, lays):
             if isinstance(lay, ParamView) and w.allowed(lay.name, "column"):
@@ -177,26 +196,38 @@ def _contraction(w: Walker, node: Node, terms: list[str], out: str, operands: li
     return shard({out.index(c): var for c, var in letters.items()})
 
 
-def _hold_broadcast_operands_whole(w: Walker, terms: list[str], out: str, lays: list[Any], letters: dict[str, DimVar]) -> None:
+def _hold_broadcast_operands_whole(w: Walker, terms: list[str], out: str, operands: list[Any], lays: list[Any], letters: dict[str, DimVar]) -> None:
     """An activation that lacks a letter another operand is split on and the output keeps is the
     same for each value of that letter (the one key head of multi-query attention, shared by every
     query head: ``einsum("bhid,bjd->bhij", q, k)``). Where it is split on letters of its own only,
     all contracted, it is held whole (its segment of a fused projection one block every rank holds), as
-    ``attention_rules`` holds a shared KV head for SDPA, and those letters leave the contraction."""
+    ``attention_rules`` holds a shared KV head for SDPA, and those letters leave the contraction.
+    Where its own letters reach the output too, the output would be split on two dims over one axis
+    (the one value head: ``einsum("bhij,bjd->bhid", attn, v)``, split on ``h`` and ``d``): of the
+    operands that meet this way, the one activation whose splits no reshape chose is held whole."""
     split_in = {c: [i for i, (term, lay) in enumerate(zip(terms, lays)) if isinstance(lay, Layout) and c in term
                     and lay.var_at(term.index(c)) is not None] for c in letters}  # fmt: skip
+    held: list[tuple[set[str], list[DimVar]]] = []
+    reaching: list[tuple[set[str], list[DimVar], bool]] = []  # (own letters, their vars, whether it may be held)
     for i, (term, lay) in enumerate(zip(terms, lays)):
         if not isinstance(lay, Layout) or isinstance(lay, ParamView) or lay.partial or not lay.dims:
             continue
         own = {term[d] for d, _ in lay.dims}
-        if own & set(out):  # its split reaches the output: the other operand's may be the one to gather
-            continue
-        broadcast = any(c in out and c not in term and split_in[c] for c in letters)
-        alone = all(split_in.get(c) == [i] for c in own)
         vars_ = [v.find() for _, v in lay.dims]
+        broadcast = [c for c in letters if c in out and c not in term and split_in[c]]
+        if not broadcast or not all(split_in.get(c) == [i] for c in own):
+            continue
         fixed = any(v.padded or v.made_by is not None or (w.plan is not None and local_size(v, w.tp) != v.size) for v in vars_)
-        if broadcast and alone and not fixed:
-            for v in vars_:
-                make_whole(v)
-            for c in own:
-                del letters[c]
+        if not own & set(out):
+            if not fixed:
+                held.append((own, vars_))
+        elif any(letters[c].find().axis == v.axis for c in broadcast for v in vars_):
+            reaching.append((own, vars_, not fixed and reads_input(operands[i], w.input_readers)))
+    holdable = [(own, vars_) for own, vars_, may in reaching if may]
+    if len(reaching) > 1 and len(holdable) == 1:
+        held += holdable
+    for own, vars_ in held:
+        for v in vars_:
+            make_whole(v)
+        for c in own:
+            del letters[c]

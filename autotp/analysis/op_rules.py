@@ -50,6 +50,8 @@ def _addmm(w: Walker, n: Node) -> Any:
 
 
 def _mm(w: Walker, n: Node) -> Any:
+    if n.target is aten.matmul.default and contractions.is_vector_matmul(n):
+        return contractions.vector_matmul(w, n)
     return params.matmul(w, n, n.args[0], n.args[1], b_t=False, bias=None)
 
 

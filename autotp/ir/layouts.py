@@ -129,6 +129,9 @@ def follow(var: DimVar, outer: DimVar, where: str) -> None:
         return
     if r.size % o.size:
         raise ShardingConflict(f"{where}: a dim of {r.size} cannot follow one of {o.size}", r.origins | o.origins)
+    if r.size == o.size and _follows(o, r):  # each follows the other: one split (else ``follow`` would loop)
+        unify(r, o, where)
+        return
     if r.follows is not None and r.follows.find() is not r:
         _follow_both(r.follows.find(), o, where)
         return
@@ -146,6 +149,17 @@ def follow(var: DimVar, outer: DimVar, where: str) -> None:
         if groups is not None:
             _outer_groups(o, groups, r.size, where)
     r.follows = o
+
+
+def _follows(var: DimVar, outer: DimVar) -> bool:
+    """Whether ``var`` follows ``outer``, directly or through dims it follows."""
+    seen, v = set(), var.find()
+    while v.follows is not None and v.uid not in seen:
+        seen.add(v.uid)
+        v = v.follows.find()
+        if v is outer:
+            return True
+    return False
 
 
 def _follow_both(a: DimVar, b: DimVar, where: str) -> None:
