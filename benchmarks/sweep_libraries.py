@@ -129,7 +129,7 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
-TRAINING = frozenset({"reformer_pytorch", "torchmultimodal_mae", "x_clip", "retro_pytorch"})  # MAE masks patches only while training;
+TRAINING = frozenset({"reformer_pytorch", "torchmultimodal_mae", "x_clip", "x_clip_built_before_process_group", "retro_pytorch"})  # MAE masks patches only while training;
 # x-clip and RETRO return their losses only while training
 
 
@@ -1106,8 +1106,10 @@ def _musicgen_inputs() -> dict[str, Any]:
 
 
 def _codebooks_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of ``[B, K, S, card]`` logits against each position's own target."""
-    return F.cross_entropy(logits.flatten(0, 2), (torch.arange(logits[..., 0].numel()) * 7 + 3) % logits.shape[-1])
+    """Cross-entropy of ``[B, K, S, card]`` logits against each codebook step's target, whatever the rows."""
+    b, k, s, card = logits.shape
+    target = ((torch.arange(k * s) * 7 + 3) % card).view(k, s).expand(b, k, s)
+    return F.cross_entropy(logits.flatten(0, 2), target.flatten())
 
 
 def _chronos(module: str, name: str, config: str, **chronos: Any) -> Callable[[], torch.nn.Module]:
@@ -1155,6 +1157,22 @@ def _stable_audio_inputs() -> dict[str, Any]:
 
 def _text_image_loss() -> dict[str, Any]:
     return {"text": _tokens("t")()["t"], "image": _images("i")()["i"], "return_loss": True}
+
+
+def _built_before_process_group(build: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+    """``build`` as before ``init_process_group``: x-clip's CLIP chooses when built to gather its batch over the ranks."""
+
+    def before() -> torch.nn.Module:
+        from autotp.analysis.trace_guards import one_process_view
+
+        with one_process_view():
+            return build()
+
+    return before
+
+
+X_CLIP = dict(dim_text=64, dim_image=64, dim_latent=32, num_text_tokens=VOCAB, text_enc_depth=2, text_seq_len=SEQ, text_heads=4, text_dim_head=16,
+              visual_enc_depth=2, visual_image_size=IMAGE, visual_patch_size=8, visual_heads=4, visual_dim_head=16, visual_patch_dropout=0.0)
 
 
 def _dalle() -> torch.nn.Module:
@@ -1700,9 +1718,8 @@ MODELS: dict[str, Model] = {
                              attn_dropout_p=0.0, dropout_p=0.0), _moirai2_inputs, _moirai2_loss),
     "stable_audio_dit": (_call("stable_audio_tools.models.dit.DiffusionTransformer", io_channels=8, embed_dim=128, depth=2, num_heads=2,
                                cond_token_dim=32, global_cond_dim=32), _stable_audio_inputs, sample_loss),
-    "x_clip": (_call("x_clip.CLIP", dim_text=64, dim_image=64, dim_latent=32, num_text_tokens=VOCAB, text_enc_depth=2, text_seq_len=SEQ,
-                     text_heads=4, text_dim_head=16, visual_enc_depth=2, visual_image_size=IMAGE, visual_patch_size=8, visual_heads=4,
-                     visual_dim_head=16, visual_patch_dropout=0.0), _text_image_loss, _first),
+    "x_clip": (_call("x_clip.CLIP", **X_CLIP), _text_image_loss, _first),
+    "x_clip_built_before_process_group": (_built_before_process_group(_call("x_clip.CLIP", **X_CLIP)), _text_image_loss, _first),
     "retro_pytorch": (_call("retro_pytorch.RETRO", num_tokens=VOCAB, max_seq_len=64, enc_dim=64, enc_depth=2, dec_depth=2, dec_cross_attn_layers=(2,),
                             heads=2, dec_dim=64, dim_head=32, chunk_size=8), _retro_inputs, _first),
     "dalle_pytorch": (_dalle, _text_image_loss, _first),

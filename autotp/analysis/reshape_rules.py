@@ -169,6 +169,8 @@ def _split(w: Walker, node: Node, var: DimVar, sizes: list[int]) -> tuple[int, D
     where = describe(node)
     out = DimVar(sizes[at], var.find().origins)
     set_groups(out, 1 if whole else sizes[at], where)
+    if whole:
+        out.fixed = DimSharding(sizes[at], (sizes[at],), (1,), axis=var.find().axis)
     out.made_by = (node.name, at)
     outer = math.prod(sizes[:at])
     for part in set_segments(var, [var.find().size // outer] * outer, where) if outer > 1 else (var,):
