@@ -55,6 +55,10 @@ module, and every name in it, then imports as an empty placeholder::
     pip install --no-deps --target /tmp/libsite25 kan-gpt pykan unit-scaling docstring_parser bitnet ai2-olmo omegaconf \
         antlr4-python3-runtime==4.9.3  # and zeta's SimpleRMSNorm as zeta/nn/modules/simple_rmsnorm.py (zeta-torch is not on
         # the index: F.normalize(x, dim=-1) * dim**0.5, as zeta defines it) with an empty zeta/nn/__init__.py naming OutputHead
+    pip install --no-deps --target /tmp/libsite24 audiocraft chronos-forecasting uni2ts stable-audio-tools x-clip retro-pytorch \
+        dalle-pytorch toolformer-pytorch einops einx beartype rotary-embedding-torch x-transformers vector-quantize-pytorch \
+        local-attention jaxtyping wadler-lindig loguru frozendict torch-einops-utils hyper-connections axial-positional-embedding \
+        assoc-scan x-mlps-pytorch accelerate joblib pillow  # with HF_HUB_OFFLINE=1
     python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
 
@@ -96,7 +100,12 @@ STUBS = ("torchvision", "lightning", "lightning_utilities", "jsonargparse", "psu
          "fairscale", "mamba_ssm", "polars", "ema_pytorch", "pytorch_fid", "pyfaidx", "kipoiseq", "tensordict", "tyro", "wandb", "pandas",
          "torch.utils.tensorboard", "torchtitan.models.moe.kernels", "labml", "labml_helpers", "matplotlib", "zstd", "cloudpathlib",
          "tenacity", "biotite", "brotli", "msgpack", "msgpack_numpy", "Bio", "httpx", "torchaudio", "sklearn", "boto3", "botocore",
-         "google", "importlib_resources", "rich", "requests")  # fmt: skip
+         "google", "importlib_resources", "rich", "requests",
+         "soundfile", "av", "julius",
+         "torchmetrics", "num2words", "spacy", "flashy", "hydra", "demucs", "audiotools", "argbind", "pytorch_custom_utils", "faiss",
+         "autofaiss", "torchode", "gradio", "k_diffusion", "laion_clap", "alias_free_torch", "auraloss", "prefigure", "webdataset", "pywt",
+         "fairseq", "taming", "hydra_zen", "gluonts", "pyarrow", "orjson", "dotenv", "marshmallow", "lion_pytorch", "pytorch_warmup", "jax",
+         "cv2", "pkg_resources", "dora")  # fmt: skip
 # packages whose __init__ imports far more than their models (a CLI, trainers): their submodules load without it
 BARE = ("litgpt", "torchtune", "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3", "sam2", "palm_rlhf_pytorch",
         "pi_zero_pytorch", "e2_tts_pytorch", "speechbrain", "tabpfn")
@@ -120,12 +129,14 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "mlp_mixer_pytorch", "res_mlp_pytorch", "mammut_pytorch", "ring_attention_pytorch", "tslib", "fms", "moshi", "sam2",
              "infini_transformer_pytorch", "transfusion_pytorch", "dinov3", "minimind", "esmc", "torch_geometric",
              "gptfast", "torchmultimodal", "palm_rlhf_pytorch", "coconut_pytorch", "pi_zero_pytorch",
-             "e2_tts_pytorch", "sockeye", "kornia", "timesfm", "titans", "speechbrain", "tabpfn", "kan_gpt", "unit_scaling",
-             "bitnet", "ai2_olmo")  # fmt: skip
+             "e2_tts_pytorch", "sockeye", "kornia", "timesfm", "titans", "speechbrain", "tabpfn", "audiocraft", "chronos", "uni2ts",
+             "stable_audio", "x_clip", "retro_pytorch", "dalle_pytorch", "toolformer", "kan_gpt",
+             "unit_scaling", "bitnet", "ai2_olmo")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
-TRAINING = frozenset({"reformer_pytorch", "torchmultimodal_mae"})  # MAE masks patches only while training
+TRAINING = frozenset({"reformer_pytorch", "torchmultimodal_mae", "x_clip", "x_clip_built_before_process_group", "retro_pytorch"})  # MAE masks patches only while training;
+# x-clip and RETRO return their losses only while training
 
 
 class _Placeholder(types.ModuleType):
@@ -1136,6 +1147,101 @@ class _UnitScaledLoss(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.decoder.loss(input_ids)
+def _musicgen() -> torch.nn.Module:
+    """audiocraft's MusicGen language model: 4 codebooks in the delay pattern, cross-attention to given condition tensors."""
+    conditioners = importlib.import_module("audiocraft.modules.conditioners")
+    patterns = importlib.import_module("audiocraft.modules.codebooks_patterns")
+    fuser = conditioners.ConditionFuser({"cross": ["description"], "prepend": [], "sum": [], "input_interpolate": []})
+    return importlib.import_module("audiocraft.models.lm").LMModel(
+        patterns.DelayedPatternProvider(n_q=4), conditioners.ConditioningProvider({}), fuser, n_q=4, card=VOCAB, dim=64, num_heads=4,
+        num_layers=2, hidden_scale=2, cross_attention=True, causal=True, norm_first=True)  # fmt: skip
+
+
+def _musicgen_inputs() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    return {"sequence": torch.randint(0, VOCAB, (2, 4, SEQ), generator=gen), "conditions": [],
+            "condition_tensors": {"description": (torch.randn(2, 6, 64, generator=gen), torch.ones(2, 6, dtype=torch.long))}}  # fmt: skip
+
+
+def _codebooks_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``[B, K, S, card]`` logits against each codebook step's target, whatever the rows."""
+    b, k, s, card = logits.shape
+    target = ((torch.arange(k * s) * 7 + 3) % card).view(k, s).expand(b, k, s)
+    return F.cross_entropy(logits.flatten(0, 2), target.flatten())
+
+
+def _chronos(module: str, name: str, config: str, **chronos: Any) -> Callable[[], torch.nn.Module]:
+    """Amazon's Chronos-Bolt (a T5 over patches) or Chronos-2 (group attention across the batch) from a small config."""
+
+    def build() -> torch.nn.Module:
+        *path, cls = config.rsplit(".", 1)
+        cfg = getattr(importlib.import_module(path[0]), cls)(
+            d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+            initializer_factor=0.05,  # the released models' (T5's 1.0 gives logits whose fp32 rounding fails the rule at tp=2)
+            chronos_config=dict(context_length=32, input_patch_size=4, input_patch_stride=4, quantiles=[0.1, 0.5, 0.9], use_reg_token=True,
+                                **chronos))  # fmt: skip
+        return getattr(importlib.import_module(module), name)(cfg)
+
+    return build
+
+
+def _series(target: str, **extra: Any) -> Callable[[], dict[str, Any]]:
+    """32 points of a random walk as the context, its next 8 as ``target``."""
+
+    def make() -> dict[str, Any]:
+        walk = torch.randn(2, 40, generator=torch.Generator().manual_seed(1)).cumsum(-1)
+        return {"context": walk[:, :32], target: walk[:, 32:]} | extra
+
+    return make
+
+
+def _moirai2_inputs() -> dict[str, Any]:
+    gen, n = torch.Generator().manual_seed(1), 12
+    return {"target": torch.randn(2, n, 4, generator=gen), "observed_mask": torch.ones(2, n, 4, dtype=torch.bool),
+            "sample_id": torch.ones(2, n, dtype=torch.long), "time_id": torch.arange(n).expand(2, n),
+            "variate_id": torch.zeros(2, n, dtype=torch.long), "prediction_mask": torch.arange(n).expand(2, n) >= 9}  # fmt: skip
+
+
+def _moirai2_loss(out: Any) -> torch.Tensor:
+    preds, target = out
+    return (preds - target.repeat(1, 1, preds.shape[-1] // target.shape[-1])).square().mean()
+
+
+def _stable_audio_inputs() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    return {"x": torch.randn(2, 8, SEQ, generator=gen), "t": torch.tensor([0.3, 0.7]), "cross_attn_cond": torch.randn(2, 6, 32, generator=gen),
+            "global_embed": torch.randn(2, 32, generator=gen)}  # fmt: skip
+
+
+def _text_image_loss() -> dict[str, Any]:
+    return {"text": _tokens("t")()["t"], "image": _images("i")()["i"], "return_loss": True}
+
+
+def _built_before_process_group(build: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+    """``build`` as before ``init_process_group``: x-clip's CLIP chooses when built to gather its batch over the ranks."""
+
+    def before() -> torch.nn.Module:
+        from autotp.analysis.trace_guards import one_process_view
+
+        with one_process_view():
+            return build()
+
+    return before
+
+
+X_CLIP = dict(dim_text=64, dim_image=64, dim_latent=32, num_text_tokens=VOCAB, text_enc_depth=2, text_seq_len=SEQ, text_heads=4, text_dim_head=16,
+              visual_enc_depth=2, visual_image_size=IMAGE, visual_patch_size=8, visual_heads=4, visual_dim_head=16, visual_patch_dropout=0.0)
+
+
+def _dalle() -> torch.nn.Module:
+    vae = _call("dalle_pytorch.DiscreteVAE", image_size=IMAGE, num_layers=2, num_tokens=64, codebook_dim=32, hidden_dim=16)()
+    return _call("dalle_pytorch.DALLE", dim=64, vae=vae, num_text_tokens=VOCAB, text_seq_len=SEQ, depth=2, heads=4, dim_head=16)()
+
+
+def _retro_inputs() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)  # 2 chunks of 8 tokens, 2 neighbours of 16 each
+    return {"seq": torch.randint(1, VOCAB, (2, 17), generator=gen), "retrieved": torch.randint(1, VOCAB, (2, 2, 2, 16), generator=gen),
+            "return_loss": True}  # fmt: skip
 
 
 IMAGE_TEXT = dict(hidden_states="image", encoder_hidden_states="text", timestep="step")
@@ -1671,6 +1777,21 @@ MODELS: dict[str, Model] = {
                     layer_norm_with_affine=True, weight_tying=False),
     "ai2_olmo_alibi_grouped": _olmo(alibi=True, clip_qkv=8.0, multi_query_attention=True, block_group_size=2, include_bias=True, weight_tying=True),
     "bitnet": (_call("bitnet.BitNetTransformer", dim=64, depth=2, num_tokens=VOCAB, heads=4, ff_mult=4), _tokens("x"), lm_loss),
+    "audiocraft_musicgen": (_musicgen, _musicgen_inputs, _codebooks_loss),
+    "chronos_bolt": (_chronos("chronos.chronos_bolt", "ChronosBoltModelForForecasting", "transformers.T5Config", prediction_length=8),
+                     _series("target"), lambda out: out.loss),
+    "chronos_2": (_chronos("chronos.chronos2.model", "Chronos2Model", "chronos.chronos2.config.Chronos2CoreConfig", output_patch_size=4,
+                           max_output_patches=2), _series("future_target", num_output_patches=2), lambda out: out.loss),
+    "uni2ts_moirai2": (_call("uni2ts.model.moirai2.module.Moirai2Module", d_model=64, d_ff=128, num_layers=2, patch_size=4, max_seq_len=32,
+                             attn_dropout_p=0.0, dropout_p=0.0), _moirai2_inputs, _moirai2_loss),
+    "stable_audio_dit": (_call("stable_audio_tools.models.dit.DiffusionTransformer", io_channels=8, embed_dim=128, depth=2, num_heads=2,
+                               cond_token_dim=32, global_cond_dim=32), _stable_audio_inputs, sample_loss),
+    "x_clip": (_call("x_clip.CLIP", **X_CLIP), _text_image_loss, _first),
+    "x_clip_built_before_process_group": (_built_before_process_group(_call("x_clip.CLIP", **X_CLIP)), _text_image_loss, _first),
+    "retro_pytorch": (_call("retro_pytorch.RETRO", num_tokens=VOCAB, max_seq_len=64, enc_dim=64, enc_depth=2, dec_depth=2, dec_cross_attn_layers=(2,),
+                            heads=2, dec_dim=64, dim_head=32, chunk_size=8), _retro_inputs, _first),
+    "dalle_pytorch": (_dalle, _text_image_loss, _first),
+    "toolformer_palm": (_call("toolformer_pytorch.palm.PaLM", dim=64, num_tokens=VOCAB, depth=2, heads=4, dim_head=16), _tokens("x"), lm_loss),
 }
 
 

@@ -258,6 +258,32 @@ def test_a_forward_calling_a_collective_is_refused_naming_it() -> None:
         autotp.compile_rank(_GatheredContrastive(), tp=2, example_inputs={"x": torch.randn(4, 16)}, device="cpu")
 
 
+class _GatherChosenWhenBuilt(torch.nn.Module):
+    """x-clip's CLIP: whether to gather the batch over the ranks is decided when built (``requires_all_gather``,
+    true once a process group exists), and the gather asserts one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 8)
+        self.requires_all_gather = True  # built after init_process_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.proj(x)
+        if self.requires_all_gather:
+            assert torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        return (z @ z.T).logsumexp(-1).mean()
+
+
+def test_a_forward_that_chose_when_built_to_gather_is_refused_saying_so() -> None:
+    """The trace's one-process view fails the model's assertion of a process group; the refusal said
+    only "AssertionError" with advice about data-dependent code."""
+    import autotp
+    from autotp.ir.errors import UserInputError
+
+    with pytest.raises(UserInputError, match=r"test_generality.py:\d+ \(assert torch.distributed.is_initialized.*False while autotp traces.*before init_process_group"):
+        autotp.compile_rank(_GatherChosenWhenBuilt(), tp=2, example_inputs={"x": torch.randn(4, 16)}, device="cpu")
+
+
 class _ContrastiveWhenDistributed(torch.nn.Module):
     """torchmultimodal's contrastive loss: the batch's embeddings gathered over the ranks only when a
     process group exists; the temperature read through ``.data`` (``clamp``: written through it)."""

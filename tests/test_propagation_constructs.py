@@ -5,6 +5,8 @@ numerics of whole models built from them on gloo ranks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -860,3 +862,32 @@ def test_a_split_of_a_size_one_dim_is_not_broadcast(tp: int) -> None:
     assert _kinds(plan)["layers.0.up.weight"][0] == "column" and _kinds(plan)["layers.0.down.weight"][0] == "row"
     assert _kept(plan)["layers.0.gate.weight"][0] == KEPT_WHOLE_CONFLICT
     _rank_graph(gm, plan)
+
+
+class QuantileHead(nn.Module):
+    """Chronos-2's forecast head: a projection's ``(q p)`` features read as ``[q, p]`` quantiles
+    of a patch, then the patches' points merged (``b n (q p) -> b q (n p)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        return self.proj(x).reshape(b, n, 3, 4).permute(0, 2, 1, 3).reshape(b, 3, n * 4)
+
+
+def test_a_projection_the_plan_holds_whole_stays_whole_through_a_reshape_into_factors() -> None:
+    """A plan may hold a column projection's features whole (one block every rank holds: Chronos-2's
+    residual projection, whose sum with a row-parallel output is whole). Its ``(q p)`` features then
+    reshape into factors none of size 1; the walk of the plan put the split on ``p`` anyway (2 of its
+    4 points on a rank) while the weight stayed whole, and the rank's reshape read ``[b, n, 3, 2]`` out
+    of 12 features per row (Chronos-2 at tp=2: "shape '[2, 2, 3, 2]' is invalid for input of size 48")."""
+    gm, plan = _plan(QuantileHead(), 2)
+    whole = DimSharding(12, (12,), (1,))
+    plan = dataclasses.replace(plan, params=tuple(dataclasses.replace(p, sharding=whole) if p.name.startswith("proj.") else p for p in plan.params))
+    assert {p.name for p in plan.params} == {"proj.weight", "proj.bias"}
+    propagate(gm, 2, plan=plan)
+    rank = _rank_graph(gm, plan)
+    reshapes = [n for n in rank.graph.nodes if n.target is aten.reshape.default or n.target is aten.view.default]
+    assert [tuple(n.args[1]) for n in reshapes] == [(2, 8, 3, 4), (2, 3, 32)]  # every rank's whole features

@@ -160,12 +160,17 @@ def _split(w: Walker, node: Node, var: DimVar, sizes: list[int]) -> tuple[int, D
         raise ShardingConflict(f"{describe(node)}: no factor of the reshape can stay sharded", var.find().origins)
     fits = [i for i in allowed if sizes[i] % w.tp == 0 or w.tp % sizes[i] == 0]
     at = next((i for i in fits if sizes[i] > 1), fits[0] if fits else allowed[0])
+    whole = False
     if w.plan is not None:  # the plan's split says which factor was chosen
         fixed = resolve(var, w.tp)
         at = next((i for i in allowed if _matches(fixed, sizes, i)), at)
+        # held whole with no size-1 factor to carry it: whichever factor carries it is whole too
+        whole = all(g == 1 for g in fixed.groups) and sizes[at] != 1
     where = describe(node)
     out = DimVar(sizes[at], var.find().origins)
-    set_groups(out, sizes[at], where)
+    set_groups(out, 1 if whole else sizes[at], where)
+    if whole:
+        out.fixed = DimSharding(sizes[at], (sizes[at],), (1,), axis=var.find().axis)
     out.made_by = (node.name, at)
     outer = math.prod(sizes[:at])
     for part in set_segments(var, [var.find().size // outer] * outer, where) if outer > 1 else (var,):

@@ -44,7 +44,7 @@ from autotp.analysis.host_draws import host_calls, host_draw_refusal, host_rando
 from autotp.analysis.trace_decompose import decompose_simple_composites, decompose_parameter_ops, draw_by_size, shape_by_size, squeeze_traced_dims
 from autotp.analysis.trace_control_flow import guarded_control_flow, refuse_broken_loops
 from autotp.analysis.trace_globals import global_state_restored
-from autotp.analysis.trace_guards import DataAsDetach, GradientHookWatch, model_collectives_refused, refuse_backward_hooks, refuse_lazy_parameters, refuse_parameter_writes, refuse_unbound_inputs, register_dataclasses, strip_opaque_outputs
+from autotp.analysis.trace_guards import DataAsDetach, GradientHookWatch, model_collectives_refused, process_group_hint, refuse_backward_hooks, refuse_lazy_parameters, refuse_parameter_writes, refuse_unbound_inputs, register_dataclasses, strip_opaque_outputs
 from autotp.analysis.trace_regions import inline_regions, mark_checkpointed, reconnect_unchanged_region_outputs, reentrant_checkpoint_as_call
 from autotp.analysis.trace_sizes import TRACER_ROOTS, assumed_sizes, name_assumptions
 from autotp.ir import meta_keys
@@ -349,7 +349,7 @@ def _export(
     printed = io.StringIO()
     retry = None
     host_states = host_random_states()
-    with _module_stack(fake_model) as stack, custom_functions(stack, verdicts) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable, _real_buffers(model)) as loops, GradientHookWatch(stack), assumed_sizes() as assumed, model_collectives_refused(), DataAsDetach():
+    with _module_stack(fake_model) as stack, custom_functions(stack, verdicts) as uses, _held_log(_FAKE_TENSOR_LOG) as held, reentrant_checkpoint_as_call(), _distribution_checks_off(), guarded_control_flow(fake_model, unreachable, _real_buffers(model)) as loops, GradientHookWatch(stack), assumed_sizes() as assumed, model_collectives_refused() as asked, DataAsDetach():
         try:
             with contextlib.redirect_stderr(printed):
                 ep = torch.export.export(fake_model, (), fake_kwargs, strict=False, dynamic_shapes=dynamic_shapes)
@@ -373,7 +373,7 @@ def _export(
             if retry is None:
                 raise UserInputError(
                     f"autotp could not trace {type(model).__name__}: an operation in module {module} at {where} "
-                    f"failed under torch.export: {type(e).__name__}: {first}. Fix: {_advice(e)}"
+                    f"failed under torch.export: {type(e).__name__}: {first}. Fix: {_advice(e)}{process_group_hint(asked, where)}"
                 ) from e
     if retry is not None:
         return _export(model, fake_model, fake_kwargs, verdicts, retry, dynamic_shapes, check_host_draws)

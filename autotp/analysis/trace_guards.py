@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -56,13 +57,21 @@ _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gathe
 
 
 @contextmanager
-def one_process_view() -> Iterator[None]:
+def one_process_view(asked: list[str] | None = None) -> Iterator[None]:
     """``torch.distributed.is_initialized()`` is False: code asking whether it runs in a process
-    group takes the path one process takes (the trace, and the strict rule's reference run)."""
+    group takes the path one process takes (the trace, and the strict rule's reference run).
+    ``asked`` collects the ``file:line`` of each call."""
     import torch.distributed as dist
 
     initialized = dist.is_initialized
-    dist.is_initialized = lambda: False
+
+    def not_initialized() -> bool:
+        if asked is not None:
+            caller = sys._getframe(1)
+            asked.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
+        return False
+
+    dist.is_initialized = not_initialized
     try:
         yield
     finally:
@@ -70,9 +79,10 @@ def one_process_view() -> Iterator[None]:
 
 
 @contextmanager
-def model_collectives_refused() -> Iterator[None]:
+def model_collectives_refused() -> Iterator[list[str]]:
     """While tracing: the model sees one process (``one_process_view``), and a ``torch.distributed``
-    collective it calls anyway raises ``UserInputError``."""
+    collective it calls anyway raises ``UserInputError``. Yields where the forward asked whether a
+    process group exists (``process_group_hint``)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -91,12 +101,24 @@ def model_collectives_refused() -> Iterator[None]:
     saved = [(module, name, getattr(module, name)) for module in (dist, distributed_c10d) for name in _COLLECTIVES if hasattr(module, name)]
     for module, name, _ in saved:
         setattr(module, name, refusal(name))
+    asked: list[str] = []
     try:
-        with one_process_view():
-            yield
+        with one_process_view(asked):
+            yield asked
     finally:
         for module, name, original in saved:
             setattr(module, name, original)
+
+
+def process_group_hint(asked: list[str], where: str) -> str:
+    """For a trace that failed at ``where`` on a line that asked ``torch.distributed.is_initialized()``
+    (False while tracing): a model that chose when it was built, after the process group existed, to
+    gather over the ranks (x-clip's CLIP asserts a group in its gather) fails there."""
+    if not any(where.startswith(f"{line} ") for line in asked):
+        return ""
+    return (" That line asks torch.distributed.is_initialized(), which is False while autotp traces: it parallelizes "
+            "the model as one process runs it. A model that chose when built to gather over the process group fails "
+            "there; build it before init_process_group (or with its distributed option off).")
 
 
 class DataAsDetach(TorchFunctionMode):
