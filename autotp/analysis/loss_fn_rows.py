@@ -16,7 +16,9 @@ averaged where it
   loss over targets from the outputs, which counts the targets that are not ``ignore_index``):
   each piece divides by its own count, which the forward's own loss would have rescaled
   (``loss_denominators``) and a ``loss_fn``'s cannot. Targets the function makes itself
-  (``torch.zeros(n)``) hold no rows and count alike in every piece.
+  (``torch.zeros(n)``) hold no rows and count alike in every piece;
+* numbers positions across the rows (targets ``arange(logits[..., 0].numel())``): each piece counts
+  from 0 again.
 """
 
 from __future__ import annotations
@@ -76,4 +78,22 @@ def loss_fn_refusal(loss_fn: Callable[[Any], torch.Tensor], outputs: Any, row_di
         return f"sums over the rows of its batch at {describe(sums[0][0])} (the mean over the pieces is the whole batch's sum over their number)"
     if divisions := piece_denominators(gm, rows_at):
         return f"divides by a statistic of its batch's rows at {describe(divisions[0])} (each piece would divide by its own)"
+    if counted := positions_over_rows(gm, traced(4)):
+        return f"numbers the positions of its batch's rows at {describe(counted)} (each piece would count from its own first row)"
     return ""
+
+
+_POSITIONS = {torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step, torch.ops.aten.linspace.default,
+              torch.ops.aten.logspace.default}  # fmt: skip
+
+
+def positions_over_rows(gm: GraphModule, grown: GraphModule) -> Any:
+    """A tensor ``gm`` makes from no other whose values count positions (``arange``) along a dim that
+    grows with the rows in ``grown`` (the same function traced on more rows): targets numbered across
+    the flattened batch. None where there is none."""
+    sizes = {n.name: n.meta.get("val") for n in grown.graph.nodes}
+    for node in gm.graph.nodes:
+        val, other = node.meta.get("val"), sizes.get(node.name)
+        if node.target in _POSITIONS and isinstance(val, torch.Tensor) and isinstance(other, torch.Tensor) and val.shape != other.shape:
+            return node
+    return None
