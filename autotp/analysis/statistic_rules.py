@@ -42,6 +42,7 @@ from autotp.analysis.padded_dims import record_mask
 from autotp.analysis.propagation_result import NodeRole, ParamView
 from autotp.analysis.shape_rules import drop_unit_dims
 from autotp.analysis.shapes import norm_dim, schema_arg, shape_of
+from autotp.analysis.value_rules import needs_whole_dim
 from autotp.ir.errors import describe
 from autotp.ir.layouts import PARTIAL, REPLICATE, DimVar, ShardingConflict, shard, unify
 
@@ -257,8 +258,6 @@ def extremum(w: Walker, node: Node) -> Any:
     value's gradient reaches no loss."""
     if node.target in WITH_INDICES:
         if indices_read(node):  # a rank's index would be local, and its maximum not the whole one
-            from autotp.analysis.value_rules import needs_whole_dim
-
             return needs_whole_dim(w, node)
         values = extremum_values(w, node)
         return values, values
