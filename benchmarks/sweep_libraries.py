@@ -59,6 +59,14 @@ module, and every name in it, then imports as an empty placeholder::
         dalle-pytorch toolformer-pytorch einops einx beartype rotary-embedding-torch x-transformers vector-quantize-pytorch \
         local-attention jaxtyping wadler-lindig loguru frozendict torch-einops-utils hyper-connections axial-positional-embedding \
         assoc-scan x-mlps-pytorch accelerate joblib pillow  # with HF_HUB_OFFLINE=1
+    pip install --no-deps --target /tmp/libsite27 k-diffusion meshgpt-pytorch muse-maskgit-pytorch soundstorm-pytorch \
+        einops einx beartype x-transformers rotary-embedding-torch classifier-free-guidance-pytorch gateloop-transformer \
+        local-attention taylor-series-linear-attention vector-quantize-pytorch jaxtyping wadler-lindig hyper-connections \
+        audiolm-pytorch spear-tts-pytorch memory-efficient-attention-pytorch loguru frozendict torch-einops-utils \
+        axial-positional-embedding assoc-scan x-mlps-pytorch environs marshmallow python-dotenv accelerate dctorch jsonmerge \
+        torchsde trampoline torchdiffeq torch-geometric xxhash x-clip open_clip_torch encodec joblib pillow
+        # and k-diffusion's package from github.com/crowsonkb/k-diffusion (4601bf0: PyPI's 0.1.1 has no image_transformer_v2) over
+        # it; sweep with --stub=-k_diffusion,-marshmallow,-dotenv,+skimage,+cleanfid,+clip
     python benchmarks/sweep_libraries.py --site /tmp/libsite:/tmp/libsite2 --modes tp2,tp4
     python benchmarks/sweep_libraries.py --site /tmp/libsite --only timm_ --modes pp2
 
@@ -131,7 +139,7 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "gptfast", "torchmultimodal", "palm_rlhf_pytorch", "coconut_pytorch", "pi_zero_pytorch",
              "e2_tts_pytorch", "sockeye", "kornia", "timesfm", "titans", "speechbrain", "tabpfn", "audiocraft", "chronos", "uni2ts",
              "stable_audio", "x_clip", "retro_pytorch", "dalle_pytorch", "toolformer", "kan_gpt",
-             "unit_scaling", "bitnet", "ai2_olmo")  # fmt: skip
+             "unit_scaling", "bitnet", "ai2_olmo", "k_diffusion", "muse", "meshgpt", "soundstorm")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
@@ -1244,6 +1252,57 @@ def _retro_inputs() -> dict[str, Any]:
             "return_loss": True}  # fmt: skip
 
 
+class _KDiffusionLoss(torch.nn.Module):
+    """k-diffusion's HDiT (image_transformer_v2, global attention at every level: NATTEN's neighbourhood attention is a
+    CUDA extension) in its Karras preconditioner, returning the per-image losses as its trainer does (``model.loss``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        hdit = importlib.import_module("k_diffusion.models.image_transformer_v2")
+        levels = [hdit.LevelSpec(depth=1, width=32, d_ff=64, self_attn=hdit.GlobalAttentionSpec(d_head=16), dropout=0.0),
+                  hdit.LevelSpec(depth=2, width=64, d_ff=128, self_attn=hdit.GlobalAttentionSpec(d_head=16), dropout=0.0)]  # fmt: skip
+        inner = hdit.ImageTransformerDenoiserModelV2(levels=levels, mapping=hdit.MappingSpec(depth=1, width=64, d_ff=128, dropout=0.0),
+                                                     in_channels=3, out_channels=3, patch_size=(2, 2), num_classes=4)  # fmt: skip
+        self.denoiser = importlib.import_module("k_diffusion.layers").Denoiser(_reinit_zeros(inner), sigma_data=0.5)
+
+    def forward(self, reals: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor, class_cond: torch.Tensor) -> torch.Tensor:
+        return self.denoiser.loss(reals, noise, sigma, class_cond=class_cond)
+
+
+def _k_diffusion_inputs() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    return {"reals": torch.randn(2, 3, 16, 16, generator=gen), "noise": torch.randn(2, 3, 16, 16, generator=gen),
+            "sigma": torch.tensor([0.4, 2.0]), "class_cond": torch.tensor([1, 3])}  # fmt: skip
+
+
+def _muse_maskgit() -> torch.nn.Module:
+    """MUSE's MaskGitTransformer; its T5 text encoder's config is put in the library's own cache of configs (the model
+    reads only ``d_model`` at build time, and is given the encoded texts)."""
+    importlib.import_module("muse_maskgit_pytorch.t5").T5_CONFIGS["t5-tiny"] = {"config": importlib.import_module("transformers").T5Config(d_model=32)}
+    return importlib.import_module("muse_maskgit_pytorch").MaskGitTransformer(num_tokens=VOCAB, seq_len=SEQ, dim=64, depth=2, dim_head=16, heads=4,
+                                                                               t5_name="t5-tiny")  # fmt: skip
+
+
+def _muse_inputs() -> dict[str, Any]:
+    """As MaskGit trains: a random subset of the image tokens replaced by the mask id, the loss on those alone."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+    masked = torch.rand(2, SEQ, generator=gen) < 0.5
+    return {"x": ids.masked_fill(masked, VOCAB), "labels": ids.masked_fill(~masked, -1), "ignore_index": -1,
+            "text_embeds": torch.randn(2, 6, 32, generator=gen)}  # fmt: skip
+
+
+def _meshgpt() -> torch.nn.Module:
+    """MeshGPT's MeshTransformer on the codes of a small (frozen, as it trains) MeshAutoencoder."""
+    meshgpt = importlib.import_module("meshgpt_pytorch")
+    autoencoder = meshgpt.MeshAutoencoder(num_discrete_coors=32, encoder_dims_through_depth=(32, 32), decoder_dims_through_depth=(32, 32),
+                                          dim_codebook=32, codebook_size=64, num_quantizers=2, attn_encoder_depth=0, attn_decoder_depth=0,
+                                          dim_coor_embed=16, dim_area_embed=8, dim_normal_embed=16, dim_angle_embed=8)  # fmt: skip
+    return meshgpt.MeshTransformer(autoencoder, dim=64, max_seq_len=48, flash_attn=False, attn_depth=2, attn_dim_head=16, attn_heads=4,
+                                   fine_attn_depth=1, fine_attn_dim_head=16, fine_attn_heads=4, coarse_pre_gateloop_depth=0,
+                                   fine_pre_gateloop_depth=0)  # fmt: skip
+
+
 IMAGE_TEXT = dict(hidden_states="image", encoder_hidden_states="text", timestep="step")
 VIDEO_TEXT = dict(hidden_states="video", encoder_hidden_states="text", timestep="step")
 FLUX = dict(hidden_states="tokens", encoder_hidden_states="text", timestep="flow", img_ids="ids3", txt_ids="txt_ids3")
@@ -1792,6 +1851,16 @@ MODELS: dict[str, Model] = {
                             heads=2, dec_dim=64, dim_head=32, chunk_size=8), _retro_inputs, _first),
     "dalle_pytorch": (_dalle, _text_image_loss, _first),
     "toolformer_palm": (_call("toolformer_pytorch.palm.PaLM", dim=64, num_tokens=VOCAB, depth=2, heads=4, dim_head=16), _tokens("x"), lm_loss),
+    "k_diffusion_hdit": (_KDiffusionLoss, _k_diffusion_inputs, torch.mean),
+    "muse_maskgit": (_muse_maskgit, _muse_inputs, lambda out: out),
+    "soundstorm_conformer": (_call("soundstorm_pytorch.ConformerWrapper", codebook_size=32, num_quantizers=2,
+                                   conformer=dict(dim=64, depth=2, dim_head=16, heads=4, conv_kernel_size=7, attn_flash=False,
+                                                  num_residual_streams=1)),
+                             lambda: {"x": torch.randint(0, 32, (2, 2 * SEQ), generator=torch.Generator().manual_seed(1))},
+                             lm_loss),  # fmt: skip
+    "meshgpt_transformer": (_meshgpt, lambda: {"codes": torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1)),
+                                               "vertices": None, "faces": None},  # the codes given: the autoencoder does not run
+                            lambda out: out),  # fmt: skip
 }
 
 
@@ -1831,16 +1900,27 @@ def verdict(name: str, mode: str, site: str, stubs: tuple[str, ...], timeout_s: 
     return f"fails: {reason}"
 
 
+def stub_names(spec: str) -> tuple[str, ...]:
+    """The placeholders ``--stub`` names: its names, or the default with ``+name`` added and ``-name`` taken away (a
+    site that holds a default placeholder's library for real, or needs one that another site's library is)."""
+    names = [n for n in spec.split(",") if n]
+    if not any(n[0] in "+-" for n in names):
+        return tuple(names)
+    taken = {n[1:] for n in names if n[0] == "-"}
+    return tuple(n for n in STUBS if n not in taken) + tuple(n[1:] for n in names if n[0] == "+")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--site", default="", help="folders the libraries were installed into (pip install --target), "
                         f"separated by {os.pathsep!r}")
-    parser.add_argument("--stub", default=",".join(STUBS), help="modules imported as placeholders (default: %(default)s)")
+    parser.add_argument("--stub", default=",".join(STUBS), help="modules imported as placeholders (default: %(default)s); "
+                        "names written +name or -name add to or take from the default instead")
     parser.add_argument("--only", default="", help="comma-separated prefixes of model names (default: all)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated degrees (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per model and degree")
     args = parser.parse_args()
-    stubs = tuple(s for s in args.stub.split(",") if s)
+    stubs = stub_names(args.stub)
     setup(args.site, stubs)
     prefixes = [p for p in args.only.split(",") if p]
     names = [n for n in MODELS if not prefixes or any(n.startswith(p) for p in prefixes)]

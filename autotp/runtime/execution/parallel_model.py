@@ -32,7 +32,7 @@ from autotp.runtime.gradients.grad_buffers import ParamUse
 from autotp.runtime.processes.groups import Coords
 from autotp.runtime.state.parameters import Parameters, graph_trained_params
 from autotp.runtime.execution.pipeline import ChunkGraph, PipelineRunner
-from autotp.runtime.execution.signatures import CompiledSignature
+from autotp.runtime.execution.signatures import CompiledSignature, none_arguments
 from autotp.ir.errors import UserInputError
 from autotp.runtime.state.shard_map import ShardedLocal
 
@@ -71,7 +71,7 @@ class ParallelModel(nn.Module):
         self._coords = coords
         self._device = device
         self._source = _StructureOnly(model, first.plan.branch_buffers)
-        self._forward_params = list(inspect.signature(model.forward).parameters)
+        self._forward_params, self._none_kept = list(inspect.signature(model.forward).parameters), none_arguments(model.forward)
         self._inject = {"use_cache": False} if "use_cache" in self._forward_params else {}
         self._graphs: dict[tuple, CompiledSignature] = {}
         self.pass_timings: dict[str, float] = {}
@@ -228,7 +228,7 @@ class ParallelModel(nn.Module):
         call.update(kwargs)
         for k, v in self._inject.items():
             call.setdefault(k, v)
-        return {k: v for k, v in call.items() if v is not None}
+        return {k: v for k, v in call.items() if v is not None or k in self._none_kept}
 
     # ---- running -------------------------------------------------------------------
 
@@ -297,7 +297,7 @@ class ParallelModel(nn.Module):
         if self.check_replicas_every and self._steps % self.check_replicas_every == 0:
             self.check_replicas()
         self._steps += 1
-        batch = {k: v for k, v in dict(kwargs, input_ids=input_ids, labels=labels).items() if v is not None}
+        batch = {k: v for k, v in dict(kwargs, input_ids=input_ids, labels=labels).items() if v is not None or k in self._none_kept}
         dp = self.plan.dp
         m = self.plan.microbatches if num_microbatches is None else num_microbatches
         micro = batch_pieces.microbatches(batch, dp, self._coords.dp_rank, m, batch_is_local, dict(self.plan.input_batch_dims))

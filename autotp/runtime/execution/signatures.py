@@ -3,6 +3,7 @@ this rank's chunks, and how each runs (eagerly, ``torch.compile``'d or captured 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,3 +80,10 @@ class CompiledSignature:
                 chunk.waits.callback = None
         for capture in self.captures().values():
             capture.release()
+
+
+def none_arguments(forward: Callable[..., Any]) -> frozenset[str]:
+    """The parameters of ``forward`` for which a None passed is an argument, not an absent input: those whose default is
+    not None (MeshGPT's ``*, vertices, faces`` beside ``codes=None``, called with ``vertices=None``). A call keeps them."""
+    params = inspect.signature(forward).parameters.items()
+    return frozenset(k for k, p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.default is not None)
