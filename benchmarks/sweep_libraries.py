@@ -59,6 +59,10 @@ module, and every name in it, then imports as an empty placeholder::
         dalle-pytorch toolformer-pytorch einops einx beartype rotary-embedding-torch x-transformers vector-quantize-pytorch \
         local-attention jaxtyping wadler-lindig loguru frozendict torch-einops-utils hyper-connections axial-positional-embedding \
         assoc-scan x-mlps-pytorch accelerate joblib pillow  # with HF_HUB_OFFLINE=1
+    pip install --no-deps --target /tmp/libsite26 OpenNMT-py neuralforecast gluonts rtdl-revisiting-models tabm rtdl-num-embeddings \
+        toolz pytorch-lightning lightning-utilities torchmetrics pandas pytz tzdata configargparse
+    # neuralforecast's models are Lightning modules and read pandas at import: run this site with
+    # --stub=-lightning_utilities,-torchmetrics,-pandas,-pyarrow,-gluonts,-yaml,-lightning (pytorch-forecasting: not swept, see docs)
     pip install --no-deps --target /tmp/libsite27 k-diffusion meshgpt-pytorch muse-maskgit-pytorch soundstorm-pytorch \
         einops einx beartype x-transformers rotary-embedding-torch classifier-free-guidance-pytorch gateloop-transformer \
         local-attention taylor-series-linear-attention vector-quantize-pytorch jaxtyping wadler-lindig hyper-connections \
@@ -113,7 +117,8 @@ STUBS = ("torchvision", "lightning", "lightning_utilities", "jsonargparse", "psu
          "torchmetrics", "num2words", "spacy", "flashy", "hydra", "demucs", "audiotools", "argbind", "pytorch_custom_utils", "faiss",
          "autofaiss", "torchode", "gradio", "k_diffusion", "laion_clap", "alias_free_torch", "auraloss", "prefigure", "webdataset", "pywt",
          "fairseq", "taming", "hydra_zen", "gluonts", "pyarrow", "orjson", "dotenv", "marshmallow", "lion_pytorch", "pytorch_warmup", "jax",
-         "cv2", "pkg_resources", "dora")  # fmt: skip
+         "cv2", "pkg_resources", "dora", "pyonmttok", "ahocorasick", "rapidfuzz", "fasttext", "utilsforecast", "coreforecast", "ray",
+         "optuna")  # fmt: skip
 # packages whose __init__ imports far more than their models (a CLI, trainers): their submodules load without it
 BARE = ("litgpt", "torchtune", "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3", "sam2", "palm_rlhf_pytorch",
         "pi_zero_pytorch", "e2_tts_pytorch", "speechbrain", "tabpfn")
@@ -139,7 +144,7 @@ LIBRARIES = ("timm", "litgpt", "torchtune", "vit_pytorch", "x_transformers", "di
              "gptfast", "torchmultimodal", "palm_rlhf_pytorch", "coconut_pytorch", "pi_zero_pytorch",
              "e2_tts_pytorch", "sockeye", "kornia", "timesfm", "titans", "speechbrain", "tabpfn", "audiocraft", "chronos", "uni2ts",
              "stable_audio", "x_clip", "retro_pytorch", "dalle_pytorch", "toolformer", "kan_gpt",
-             "unit_scaling", "bitnet", "ai2_olmo", "k_diffusion", "muse", "meshgpt", "soundstorm")  # fmt: skip
+             "unit_scaling", "bitnet", "ai2_olmo", "k_diffusion", "muse", "meshgpt", "soundstorm", "onmt", "neuralforecast", "gluonts", "rtdl", "tabm")  # fmt: skip
 VOCAB, SEQ, IMAGE = 256, 16, 32
 # run in training mode (no dropout in their configs): reformer's reversible layers record the random state they
 # replay in backward only while training (in eval mode its own backward fails)
@@ -654,7 +659,7 @@ def _human(out: Any) -> torch.Tensor:
     return out["human"].square().mean()
 
 
-def _series() -> dict[str, Any]:
+def _variates() -> dict[str, Any]:
     return {"x": torch.randn(2, SEQ, 8, generator=torch.Generator().manual_seed(1))}
 
 
@@ -1306,6 +1311,133 @@ def _meshgpt() -> torch.nn.Module:
 IMAGE_TEXT = dict(hidden_states="image", encoder_hidden_states="text", timestep="step")
 VIDEO_TEXT = dict(hidden_states="video", encoder_hidden_states="text", timestep="step")
 FLUX = dict(hidden_states="tokens", encoder_hidden_states="text", timestep="flow", img_ids="ids3", txt_ids="txt_ids3")
+class _Method(torch.nn.Module):
+    """A library's module trained through one of its methods (gluonts' ``loss``), or through its output head applied
+    after ``forward`` (OpenNMT's generator, applied by its loss): ``method`` is the method's name, or ``head`` the
+    attribute of the head."""
+
+    def __init__(self, build: Callable[[], torch.nn.Module], method: str = "forward", head: str = "") -> None:
+        super().__init__()
+        self.model, self.method, self.head = build(), method, head
+
+    def forward(self, **inputs: Any) -> Any:
+        out = getattr(self.model, self.method)(**inputs)
+        return getattr(self.model, self.head)(_first(out)) if self.head else out
+
+
+def _onmt(**options: Any) -> Model:
+    """OpenNMT-py's model from its own option parser's defaults and ``options`` (a 64-wide, 2-layer transformer by
+    default), initialized as its trainer does (uniform in +-param_init); the generator applied to the decoder output as
+    its loss does; token ids with one feature, as its batches carry them."""
+
+    def build() -> torch.nn.Module:
+        opts, parse = importlib.import_module("onmt.opts"), importlib.import_module("onmt.utils.parse")
+        parser = parse.ArgumentParser()
+        opts.train_opts(parser)
+        opt = parser.parse_known_args(["-data", "none", "-src_vocab", "none"])[0]
+        defaults = dict(encoder_type="transformer", decoder_type="transformer", layers=2, hidden_size=64, word_vec_size=64, heads=4,
+                        transformer_ff=128, position_encoding=True, dropout=[0.0], attention_dropout=[0.0])  # fmt: skip
+        for key, value in (defaults | options).items():
+            setattr(opt, key, value)
+        parse.ArgumentParser.update_model_opts(opt)
+        parse.ArgumentParser.validate_model_opts(opt)
+        vocabs = {"src": _Vocab(), "tgt": _Vocab(), "data_task": opt.model_task}
+        model = importlib.import_module("onmt.model_builder").build_base_model(opt, vocabs)
+        for p in model.parameters():
+            torch.nn.init.uniform_(p, -opt.param_init, opt.param_init)
+        return model
+
+    def inputs() -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(1)
+        src = torch.randint(4, VOCAB, (2, SEQ, 1), generator=gen)
+        return {"src": src, "tgt": torch.randint(4, VOCAB, (2, SEQ + 1, 1), generator=gen), "src_len": torch.tensor([SEQ, SEQ - 3])}
+
+    return (lambda: _Method(build, head="generator")), inputs, lm_loss
+
+
+class _Vocab:
+    """What OpenNMT's model builder reads of a vocabulary: its length, and the id of its padding token."""
+
+    def __len__(self) -> int:
+        return VOCAB
+
+    def __getitem__(self, token: str) -> int:
+        return 1
+
+
+def _neuralforecast(name: str, multivariate: bool = False, exog: bool = False, **kwargs: Any) -> Model:
+    """Nixtla's neuralforecast ``name`` (its Lightning model itself) on a window as its training step cuts one: 32
+    points of context, a horizon of 8 (4 series for a multivariate model; for ``exog``, 2 future-known, 1 past and
+    1 static feature), with its default loss, MAE, against the horizon."""
+    series = 4 if multivariate else 1
+    extra = dict(futr_exog_list=["f0", "f1"], hist_exog_list=["h0"], stat_exog_list=["s0"]) if exog else {}
+
+    def build() -> torch.nn.Module:
+        model = getattr(importlib.import_module("neuralforecast.models"), name)(h=8, input_size=32, **extra, **kwargs,
+                                                                                 **({"n_series": series} if multivariate else {}))
+        return model
+
+    def inputs() -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(1)
+        batch = {"insample_y": torch.randn(2, 32, series, generator=gen), "insample_mask": torch.ones(2, 32, series),
+                 "futr_exog": torch.randn(2, 40, 2, generator=gen) if exog else None,
+                 "hist_exog": torch.randn(2, 32, 1, generator=gen) if exog else None,
+                 "stat_exog": torch.randn(2, 1, generator=gen) if exog else None}  # fmt: skip
+        return {"windows_batch": batch}
+
+    return build, inputs, _horizon_mae
+
+
+def _horizon_mae(out: Any) -> torch.Tensor:
+    """MAE against a target each row shares (a ramp over the horizon and the series), whatever the rows."""
+    forecast = _first(out)
+    return (forecast - torch.linspace(-1, 1, forecast[0].numel()).reshape(forecast.shape[1:])).abs().mean()
+
+
+def _gluonts(module: str, features: dict[str, tuple[int, ...]] | None = None, context: int = 32, variates: tuple[int, ...] = (),
+             **kwargs: Any) -> Model:
+    """gluonts' torch model ``module`` (``<package>.module.<class>``), trained through its own ``loss`` (a StudentT's
+    negative log-likelihood, or quantile loss) on 32 points of past (``context`` of them the context; a lagged
+    model reads lags from the rest) and a horizon of 8, of one series or of ``variates``; the mean of the per-item
+    losses, as its Lightning module weighs them. ``features``: the shapes of the further inputs it takes (static
+    categorical ones, named ``*_cat``, all zeros)."""
+    path = f"gluonts.torch.model.{module}"
+
+    def inputs() -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(1)
+        walk = torch.randn(2, 40, *variates, generator=gen).cumsum(1)
+        extra = {k: torch.zeros(s, dtype=torch.long) if k.endswith("_cat") else torch.randn(s, generator=gen) for k, s in (features or {}).items()}
+        return {"past_target": walk[:, :32], "past_observed_values": torch.ones(2, 32, *variates), "future_target": walk[:, 32:],
+                "future_observed_values": torch.ones(2, 8, *variates)} | extra  # fmt: skip
+
+    return (lambda: _Method(_call(path, prediction_length=8, context_length=context, **kwargs), method="loss")), inputs, _mean
+
+
+def _mean(out: Any) -> torch.Tensor:
+    return _first(out).mean()
+
+
+def _rtdl_inputs() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    return {"x_cont": torch.randn(2, 4, generator=gen), "x_cat": torch.randint(0, 5, (2, 3), generator=gen)}
+
+
+def _tabm_inputs() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    return {"x_num": torch.randn(2, 4, generator=gen), "x_cat": torch.randint(0, 5, (2, 3), generator=gen)}
+
+
+def _tabm_loss(out: Any) -> torch.Tensor:
+    """TabM's loss: each of its k submodels' prediction against the label, the mean over the batch and the k."""
+    logits = _first(out)
+    return F.cross_entropy(logits.flatten(0, 1), torch.full((logits.shape[0] * logits.shape[1],), 2))
+
+
+def _tabm(**kwargs: Any) -> Callable[[], torch.nn.Module]:
+    return lambda: importlib.import_module("tabm").TabM.make(n_num_features=4, cat_cardinalities=[5, 5, 5], d_out=3, k=4, n_blocks=2,
+                                                               d_block=64, dropout=0.0, **kwargs)  # fmt: skip
+
+
 MODELS: dict[str, Model] = {
     **{f"timm_{n}": _timm(n, **VIT) for n in (
         "vit_base_patch16_224", "deit_base_distilled_patch16_224", "deit3_base_patch16_224", "beit_base_patch16_224",
@@ -1575,7 +1707,7 @@ MODELS: dict[str, Model] = {
     "memory_efficient_attention_pytorch": _layers_lm("memory_efficient_attention_pytorch.Attention", dim=64, dim_head=16, heads=4, causal=True,
                                                      memory_efficient=True, q_bucket_size=4, k_bucket_size=4),  # fmt: skip
     "iTransformer": (_call("iTransformer.iTransformer", num_variates=8, lookback_len=SEQ, dim=64, depth=2, heads=4, dim_head=16,
-                           pred_length=(4,)), _series, _squares),  # fmt: skip
+                           pred_length=(4,)), _variates, _squares),  # fmt: skip
     "hourglass_transformer_pytorch": (_call("hourglass_transformer_pytorch.HourglassTransformerLM", num_tokens=VOCAB, dim=64, max_seq_len=SEQ,
                                             depth=(2, 2, 2), shorten_factor=2, heads=4, dim_head=16), _tokens("x"), lm_loss),  # fmt: skip
     "coca_pytorch": (_call("coca_pytorch.CoCa", dim=64, num_tokens=VOCAB, unimodal_depth=1, multimodal_depth=1, dim_head=16, heads=4,
@@ -1861,6 +1993,44 @@ MODELS: dict[str, Model] = {
     "meshgpt_transformer": (_meshgpt, lambda: {"codes": torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1)),
                                                "vertices": None, "faces": None},  # the codes given: the autoencoder does not run
                             lambda out: out),  # fmt: skip
+    "onmt_transformer": _onmt(),
+    "onmt_transformer_relpos_shared": _onmt(position_encoding=False, max_relative_positions=8, share_decoder_embeddings=True),
+    "onmt_lm_rotary_gqa": _onmt(model_task="lm", decoder_type="transformer_lm", position_encoding=False, max_relative_positions=-1,
+                                layer_norm="rms", pos_ffn_activation_fn="gated-gelu", num_kv=2, add_qkvbias=True),
+    "neuralforecast_patchtst": _neuralforecast("PatchTST", hidden_size=64, n_heads=4, encoder_layers=2, linear_hidden_size=128, patch_len=8,
+                                               stride=8, dropout=0.0, fc_dropout=0.0, head_dropout=0.0, attn_dropout=0.0),
+    "neuralforecast_tft": _neuralforecast("TFT", exog=True, hidden_size=64, n_head=4, dropout=0.0, attn_dropout=0.0),
+    "neuralforecast_informer": _neuralforecast("Informer", hidden_size=64, n_head=4, conv_hidden_size=64, encoder_layers=2, decoder_layers=1,
+                                               dropout=0.0),
+    "neuralforecast_autoformer": _neuralforecast("Autoformer", hidden_size=64, n_head=4, conv_hidden_size=64, encoder_layers=2,
+                                                 decoder_layers=1, dropout=0.0),
+    "neuralforecast_fedformer": _neuralforecast("FEDformer", hidden_size=64, n_head=8, conv_hidden_size=64, encoder_layers=2, decoder_layers=1,
+                                                dropout=0.0, modes=4),
+    "neuralforecast_vanilla_transformer": _neuralforecast("VanillaTransformer", hidden_size=64, n_head=4, conv_hidden_size=64, encoder_layers=2,
+                                                          decoder_layers=1, dropout=0.0),
+    "neuralforecast_itransformer": _neuralforecast("iTransformer", multivariate=True, hidden_size=64, n_heads=4, e_layers=2, d_ff=128,
+                                                   dropout=0.0),
+    "neuralforecast_timexer": _neuralforecast("TimeXer", multivariate=True, hidden_size=64, n_heads=4, e_layers=2, d_ff=128, dropout=0.0,
+                                              patch_len=8),
+    "gluonts_patch_tst": _gluonts("patch_tst.module.PatchTSTModel", patch_len=8, stride=8, padding_patch="end", d_model=64, nhead=4,
+                                  dim_feedforward=128, num_feat_dynamic_real=0, dropout=0.0, activation="relu", norm_first=False,
+                                  num_encoder_layers=2, scaling="mean"),
+    "gluonts_lag_tst": _gluonts("lag_tst.module.LagTSTModel", context=24, freq="h", lags_seq=[1, 2, 3, 4, 8], d_model=64, nhead=4,
+                                dim_feedforward=128, dropout=0.0, activation="gelu", norm_first=True, num_encoder_layers=2, scaling="std"),
+    "gluonts_i_transformer": _gluonts("i_transformer.module.ITransformerModel", variates=(4,), d_model=64, nhead=4, dim_feedforward=128,
+                                      dropout=0.0, activation="relu", norm_first=False, num_encoder_layers=2, scaling="mean"),
+    "gluonts_tft": _gluonts("tft.module.TemporalFusionTransformerModel", features=dict(feat_static_real=(2, 1), feat_static_cat=(2, 1),
+                            feat_dynamic_real=(2, 40, 1)), num_heads=4, d_hidden=64, d_var=16, dropout_rate=0.0),
+    "rtdl_ft_transformer": (_call("rtdl_revisiting_models.FTTransformer", n_cont_features=4, cat_cardinalities=[5, 5, 5], d_out=8, n_blocks=2,
+                                  d_block=64, attention_n_heads=4, attention_dropout=0.0, ffn_d_hidden=None, ffn_d_hidden_multiplier=4 / 3,
+                                  ffn_dropout=0.0, residual_dropout=0.0), _rtdl_inputs, class_loss),
+    "rtdl_ft_transformer_linformer": (_call("rtdl_revisiting_models.FTTransformer", n_cont_features=4, cat_cardinalities=[5, 5, 5], d_out=8,
+                                            n_blocks=2, d_block=64, attention_n_heads=4, attention_dropout=0.0, ffn_d_hidden=None,
+                                            ffn_d_hidden_multiplier=4 / 3, ffn_dropout=0.0, residual_dropout=0.0, ffn_activation="ReLU",
+                                            linformer_kv_compression_ratio=0.5, linformer_kv_compression_sharing="headwise"),
+                                      _rtdl_inputs, class_loss),
+    "tabm": (_tabm(), _tabm_inputs, _tabm_loss),
+    "tabm_packed": (_tabm(arch_type="tabm-packed"), _tabm_inputs, _tabm_loss),
 }
 
 
