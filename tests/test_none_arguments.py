@@ -4,6 +4,7 @@ absent input: autotp keeps it in the call (it dropped every None, and the trace 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,14 +21,15 @@ class CodesLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM)) for _ in range(2))
         self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, *, raw: torch.Tensor | None, codes: torch.Tensor | None = None) -> torch.Tensor:
         if codes is None:
             codes = raw.long() % VOCAB
         h = self.embed(codes)
-        h = h + self.down(F.gelu(self.up(h)))
+        for layer in self.layers:
+            h = h + layer(h)
         logits = self.head(h)
         return F.cross_entropy(logits.flatten(0, 1), codes.roll(-1, 1).flatten())
 
@@ -43,13 +45,14 @@ def test_a_none_for_a_required_keyword_reaches_the_forward() -> None:
     torch.testing.assert_close(pm(**_inputs()), model(**_inputs()), rtol=0, atol=0)
 
 
-def _strict(rank: int, world: int) -> str:
+def _strict(rank: int, world: int, tp: int) -> str:
     from autotp.report.strict_rule import check_on_rank
 
     torch.manual_seed(0)
-    return check_on_rank(CodesLM(), _inputs(), tp=world, pp=1, loss_fn=lambda out: out).reason
+    return check_on_rank(CodesLM(), _inputs(), tp=tp, pp=world // tp, loss_fn=lambda out: out).reason
 
 
-def test_a_none_for_a_required_keyword_passes_the_strict_rule_at_tp2() -> None:
-    assert run_on_ranks(_strict, 2) == [""] * 2
+@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "pp2"])
+def test_a_none_for_a_required_keyword_passes_the_strict_rule(tp: int) -> None:
+    assert run_on_ranks(_strict, 2, tp) == [""] * 2
 
